@@ -1,0 +1,32 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+TESSERA := $(VENV)/bin/tessera
+# torch first and pinned: here it is a local CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
+TORCH  := torch==2.13.0
+MODEL  := smollm2-135m
+PYTEST_ARGS ?=
+
+.PHONY: install model demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+model: install
+	$(TESSERA) model fetch $(MODEL)
+
+demo: model
+	$(TESSERA) demo
+
+test: model
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
