@@ -1,0 +1,411 @@
+"""`PeerStore`: the one sqlite database a peer keeps in its data dir (``DATA_DIR/tessera.db``).
+
+Writes return at once: each method validates its arguments (so a bad value raises here,
+in the caller, as a typed error) and queues the write for the store's background writer
+thread (store/writer.py), which commits batches every ``flush_interval`` seconds. Reads
+use a second connection of their own and first `flush()`, so a read always sees the
+writes made before it (read-your-writes) — a read therefore may wait for one small
+commit; from trio, call reads through ``trio.to_thread.run_sync``.
+
+The schema is in store/schema.py; the trace, which shares this database and writer, is in
+store/trace.py. Times are unix seconds; spans are half-open ``(start, end)``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from . import schema
+from .errors import BadRecord, NotJSON, ReadOnlyStore, ReportTooLarge, StoreClosed
+from .writer import DEFAULT_FLUSH_INTERVAL_S, FLUSH_TIMEOUT_S, BatchWriter, call_op
+
+CLAIM_ACTIONS = ("claim", "release", "move")
+# A report's raw signed bytes: a few hashes, ids and a signature. 64 KiB is ample and keeps
+# a hostile reporter from filling our disk through one row.
+MAX_REPORT_BYTES = 64 * 1024
+# Ban back-off: the n-th ban lasts BAN_BASE_S * 2**(n-1), at most BAN_CAP_S. A peer that has
+# stayed clean for BAN_FORGIVE_S after its last ban ended starts again at the first step.
+BAN_BASE_S = 60.0
+BAN_CAP_S = 24 * 3600.0
+BAN_FORGIVE_S = 7 * 24 * 3600.0
+HOUR_S = 3600
+
+_MISSING = object()  # get_setting's default when None is itself a stored value
+
+
+@dataclass(frozen=True)
+class Ban:
+    """One ban as stored: who, until when (unix s), why, and how many bans so far."""
+
+    peer: str
+    until: float
+    reason: str
+    count: int
+
+
+def _now(at: float | None) -> float:
+    return time.time() if at is None else float(at)
+
+
+def _int(name: str, value: Any, *, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise BadRecord(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _text(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise BadRecord(f"{name} must be a non-empty str, got {value!r}")
+    return value
+
+
+def _span(value: Any) -> tuple[int, int]:
+    if not (isinstance(value, (tuple, list)) and len(value) == 2):
+        raise BadRecord(f"span must be a (start, end) pair, got {value!r}")
+    start, end = _int("span start", value[0]), _int("span end", value[1])
+    if end <= start:
+        raise BadRecord(f"span must be half-open with start < end, got {value!r}")
+    return start, end
+
+
+def session_hex(value: Any) -> str:
+    """A session id as lowercase hex: from bytes, or from a hex str (validated)."""
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).hex()
+    if isinstance(value, str) and value and not value.lower().strip("0123456789abcdef"):
+        return value.lower()
+    raise BadRecord(f"session must be bytes or a hex str, got {value!r}")
+
+
+def _hash_text(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).hex()
+    if isinstance(value, str):
+        return value
+    raise BadRecord(f"{name} must be bytes, a hex str or None, got {value!r}")
+
+
+def hour_bucket(at: float) -> int:
+    """Unix seconds of the start of the (UTC) hour holding `at`."""
+    return int(at // HOUR_S) * HOUR_S
+
+
+class PeerStore:
+    """One peer's database: identity, settings, claims, sessions, ledger, bans, reports, trace.
+
+    `path` is created if missing (and migrated forward if old) unless ``readonly=True``,
+    which opens an existing database for reading only (the TUI, ``tessera ledger``).
+    """
+
+    def __init__(self, path: Path | str, *, flush_interval: float = DEFAULT_FLUSH_INTERVAL_S,
+                 readonly: bool = False) -> None:  # fmt: skip
+        self.path = Path(path)
+        self.readonly = readonly
+        self._writer: BatchWriter | None = None
+        self._ban_lock = threading.Lock()
+        if readonly:
+            self._reader = schema.connect(self.path, readonly=True)
+            try:
+                schema.check_version(self._reader)
+            except BaseException:
+                self._reader.conn.close()
+                raise
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = schema.connect(self.path)
+            try:
+                schema.migrate(db)
+            except BaseException:
+                db.conn.close()
+                raise
+            self._writer = BatchWriter(db, flush_interval=flush_interval)
+            self._reader = schema.connect(self.path)
+        self._read_lock = threading.Lock()
+        self._closed = False
+
+    # --- plumbing ---------------------------------------------------------------------
+
+    @property
+    def writer(self) -> BatchWriter:
+        """The background writer (raises `ReadOnlyStore` for a read-only store)."""
+        if self._writer is None:
+            raise ReadOnlyStore(f"{str(self.path)!r} was opened read-only")
+        return self._writer
+
+    def _submit(self, fn: Any, label: str) -> None:
+        if self._closed:
+            raise StoreClosed(f"{str(self.path)!r} is closed")
+        self.writer.submit(call_op(fn, label))
+
+    def _query(self, sql: str, params: tuple | dict = ()) -> list[dict]:
+        """Run a read on the reader connection after flushing queued writes."""
+        if self._closed:
+            raise StoreClosed(f"{str(self.path)!r} is closed")
+        if self._writer is not None:
+            self._writer.flush()
+        with self._read_lock:
+            return list(self._reader.query(sql, params))
+
+    def flush(self, timeout: float = FLUSH_TIMEOUT_S) -> None:
+        """Block until every write queued so far is committed."""
+        if self._writer is not None and not self._closed:
+            self._writer.flush(timeout)
+
+    def close(self) -> None:
+        """Write what is queued and close both connections. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._writer is not None:
+                self._writer.close()
+        finally:
+            with self._read_lock:
+                self._reader.conn.close()
+
+    def __enter__(self) -> PeerStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def schema_version(self) -> int:
+        return int(self._query("SELECT max(version) AS v FROM schema_version")[0]["v"])
+
+    # --- identity and settings ---------------------------------------------------------
+
+    def record_identity(self, peer_id: str, *, at: float | None = None) -> None:
+        """Remember this peer's public id (the first time it is seen)."""
+        row = (_text("peer_id", peer_id), _now(at))
+        self._submit(
+            lambda db: db.execute("INSERT OR IGNORE INTO identity (peer_id, created) VALUES (?, ?)", row),
+            "identity",
+        )
+
+    def identity(self) -> str | None:
+        """The most recently created public peer id, or None."""
+        rows = self._query("SELECT peer_id FROM identity ORDER BY created DESC, rowid DESC LIMIT 1")
+        return rows[0]["peer_id"] if rows else None
+
+    def set_setting(self, key: str, value: Any, *, at: float | None = None) -> None:
+        """Store `value` (anything JSON can hold, None included) under `key`."""
+        try:
+            text = json.dumps(value, sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError) as error:
+            raise NotJSON(f"setting {key!r}: value {value!r} is not JSON ({error})") from None
+        row = {"key": _text("key", key), "value": text, "updated": _now(at)}
+        self._submit(lambda db: db["settings"].upsert(row, pk="key"), "setting")
+
+    def get_setting(self, key: str, default: Any = None) -> Any:
+        """The value stored under `key`, or `default` if there is none."""
+        value = self._setting(key)
+        return default if value is _MISSING else value
+
+    def _setting(self, key: str) -> Any:
+        rows = self._query("SELECT value FROM settings WHERE key = ?", (key,))
+        return json.loads(rows[0]["value"]) if rows else _MISSING
+
+    def settings(self) -> dict[str, Any]:
+        """Every setting, key -> value."""
+        return {r["key"]: json.loads(r["value"]) for r in self._query("SELECT key, value FROM settings ORDER BY key")}
+
+    def delete_setting(self, key: str) -> None:
+        self._submit(lambda db: db.execute("DELETE FROM settings WHERE key = ?", (key,)), "setting")
+
+    # --- claims --------------------------------------------------------------------------
+
+    def record_claim(self, model_id: str, span: tuple[int, int], *, action: str = "claim",
+                     shard: tuple[int, int] = (0, 1), reason: str = "",
+                     moved_from: tuple[int, int] | None = None, at: float | None = None) -> None:  # fmt: skip
+        """Record a claim, release or move of `span` (for a move: the new span, and `moved_from`)."""
+        if action not in CLAIM_ACTIONS:
+            raise BadRecord(f"action must be one of {CLAIM_ACTIONS!r}, got {action!r}")
+        start, end = _span(span)
+        index, count = _int("shard index", shard[0]), _int("shard count", shard[1], minimum=1)
+        if index >= count:
+            raise BadRecord(f"shard must be (index, count) with index < count, got {shard!r}")
+        old = _span(moved_from) if moved_from is not None else (None, None)
+        row = {
+            "time": _now(at), "model_id": _text("model_id", model_id), "span_start": start,
+            "span_end": end, "shard_index": index, "shard_count": count, "action": action,
+            "reason": str(reason), "moved_from_start": old[0], "moved_from_end": old[1],
+        }  # fmt: skip
+        self._submit(lambda db: db["claims"].insert(row), "claim")
+
+    def claims(self, *, limit: int | None = None) -> list[dict]:
+        """The claims history, oldest first (the last `limit` entries if given)."""
+        sql = "SELECT * FROM claims ORDER BY time, id"
+        if limit is not None:
+            sql = f"SELECT * FROM (SELECT * FROM claims ORDER BY time DESC, id DESC LIMIT {int(limit)}) ORDER BY time, id"
+        return self._query(sql)
+
+    def current_claims(self) -> list[dict]:
+        """What the history says is claimed now: claims and moves minus releases."""
+        held: dict[tuple, dict] = {}
+        for row in self.claims():
+            key = (row["model_id"], row["span_start"], row["span_end"], row["shard_index"], row["shard_count"])
+            if row["action"] == "release":
+                held.pop(key, None)
+                continue
+            if row["action"] == "move" and row["moved_from_start"] is not None:
+                old = (row["model_id"], row["moved_from_start"], row["moved_from_end"], row["shard_index"], row["shard_count"])
+                held.pop(old, None)
+            held[key] = row
+        return list(held.values())
+
+    # --- sessions ----------------------------------------------------------------------
+
+    def session_opened(self, session: bytes | str, requester: str, span: tuple[int, int], *,
+                       model_id: str | None = None, at: float | None = None) -> None:  # fmt: skip
+        """Record that this peer opened `session` for `requester` over `span`."""
+        start, end = _span(span)
+        row = {
+            "session": session_hex(session), "requester": _text("requester", requester),
+            "model_id": model_id, "span_start": start, "span_end": end, "opened": _now(at),
+        }  # fmt: skip
+        self._submit(lambda db: db["sessions"].upsert(row, pk="session"), "session_opened")
+
+    def session_closed(self, session: bytes | str, *, steps: int, tokens: int,
+                       reason: str = "done", at: float | None = None) -> None:  # fmt: skip
+        """Record that `session` closed after `steps` forward steps over `tokens` tokens."""
+        row = {
+            "session": session_hex(session), "closed": _now(at), "steps": _int("steps", steps),
+            "tokens": _int("tokens", tokens), "close_reason": str(reason),
+        }  # fmt: skip
+        # upsert: a close whose open was never recorded (crash, older db) still lands.
+        self._submit(lambda db: db["sessions"].upsert(row, pk="session"), "session_closed")
+
+    def sessions(self, *, open_only: bool = False, limit: int | None = None) -> list[dict]:
+        """Sessions, newest opened first."""
+        where = "WHERE closed IS NULL" if open_only else ""
+        tail = f"LIMIT {int(limit)}" if limit is not None else ""
+        return self._query(f"SELECT * FROM sessions {where} ORDER BY opened DESC, rowid DESC {tail}")
+
+    # --- ledger --------------------------------------------------------------------------
+
+    def add_ledger(self, requester: str, layer_tokens: int, *, steps: int = 1, bytes: int = 0,
+                   at: float | None = None) -> None:  # fmt: skip
+        """Add one contribution (layer_tokens = tokens x layers computed) to this hour's row."""
+        key = (_text("requester", requester), hour_bucket(_now(at)))
+        values = (_int("layer_tokens", layer_tokens), _int("steps", steps), _int("bytes", bytes))
+        if self._closed:
+            raise StoreClosed(f"{str(self.path)!r} is closed")
+        self.writer.submit(("ledger", key, values))
+
+    def ledger(self, *, requester: str | None = None) -> list[dict]:
+        """The raw hourly rows, oldest first."""
+        if requester is None:
+            return self._query("SELECT * FROM ledger ORDER BY hour, requester")
+        return self._query("SELECT * FROM ledger WHERE requester = ? ORDER BY hour", (requester,))
+
+    def ledger_summary(self, now: float | None = None, *, day_start: float | None = None) -> dict:
+        """What this peer contributed: ``{today, total, by_requester}``.
+
+        ``today`` sums the hours that began at or after `day_start` (default: local midnight
+        of `now`); ``total`` sums everything; ``by_requester`` maps each requester to its
+        sums plus ``last_hour``, largest contribution first. Each sum is
+        ``{"layer_tokens", "steps", "bytes"}``.
+        """
+        if day_start is None:
+            day_start = datetime.fromtimestamp(_now(now)).replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
+        sums = "coalesce(sum(layer_tokens), 0) AS layer_tokens, coalesce(sum(steps), 0) AS steps, coalesce(sum(bytes), 0) AS bytes"
+        total = self._query(f"SELECT {sums} FROM ledger")[0]
+        today = self._query(f"SELECT {sums} FROM ledger WHERE hour >= ?", (math.floor(day_start),))[0]
+        rows = self._query(
+            f"SELECT requester, {sums}, max(hour) AS last_hour FROM ledger"
+            " GROUP BY requester ORDER BY layer_tokens DESC, requester"
+        )
+        by_requester = {r.pop("requester"): r for r in rows}
+        return {"today": today, "total": total, "by_requester": by_requester}
+
+    # --- bans ----------------------------------------------------------------------------
+
+    def add_ban(self, peer: str, reason: str, *, now: float | None = None, base: float = BAN_BASE_S,
+                cap: float = BAN_CAP_S, forgive: float = BAN_FORGIVE_S) -> Ban:  # fmt: skip
+        """Ban `peer` with exponential back-off and return the ban (its `until` to enforce)."""
+        _text("peer", peer)
+        at = _now(now)
+        with self._ban_lock:  # read-count-then-write must not interleave within this process
+            rows = self._query("SELECT * FROM bans WHERE peer = ?", (peer,))
+            previous = rows[0] if rows else None
+            if previous is None or previous["until"] + forgive < at:
+                count, first = 1, at
+            else:
+                count, first = previous["count"] + 1, previous["first"]
+            until = at + min(cap, base * 2.0 ** min(count - 1, 60))
+            row = {"peer": peer, "until": until, "reason": str(reason), "count": count, "first": first, "last": at}
+            self._submit(lambda db: db["bans"].upsert(row, pk="peer"), "ban")
+        return Ban(peer=peer, until=until, reason=str(reason), count=count)
+
+    def lift_ban(self, peer: str, *, now: float | None = None) -> None:
+        """End `peer`'s ban now (its count stays, so a relapse still backs off)."""
+        at = _now(now)
+        self._submit(lambda db: db.execute("UPDATE bans SET until = min(until, ?) WHERE peer = ?", (at, peer)), "ban")
+
+    def active_bans(self, now: float | None = None) -> list[Ban]:
+        """Bans still in force at `now`, soonest to end first."""
+        rows = self._query("SELECT * FROM bans WHERE until > ? ORDER BY until, peer", (_now(now),))
+        return [Ban(peer=r["peer"], until=r["until"], reason=r["reason"], count=r["count"]) for r in rows]
+
+    # --- misbehaviour reports -----------------------------------------------------------
+
+    def add_report(self, reporter: str, accused: str, *, span: tuple[int, int] | None, step: int | None,
+                   inputs_hash: bytes | str | None, outputs_hash: bytes | str | None,
+                   signature: bytes | None, raw: bytes = b"", session: bytes | str | None = None,
+                   model_id: str | None = None, verified: bool | None = None,
+                   received: float | None = None) -> None:  # fmt: skip
+        """Keep a misbehaviour report, with its raw signed bytes (at most MAX_REPORT_BYTES)."""
+        if not isinstance(raw, (bytes, bytearray)):
+            raise BadRecord(f"raw must be bytes, got {type(raw).__name__!r}")
+        if len(raw) > MAX_REPORT_BYTES:
+            raise ReportTooLarge(f"report raw bytes are {len(raw)!r} long, limit {MAX_REPORT_BYTES!r}")
+        if signature is not None and not isinstance(signature, (bytes, bytearray)):
+            raise BadRecord(f"signature must be bytes or None, got {signature!r}")
+        start, end = _span(span) if span is not None else (None, None)
+        row = {
+            "received": _now(received), "reporter": _text("reporter", reporter),
+            "accused": _text("accused", accused), "model_id": model_id,
+            "session": session_hex(session) if session is not None else None,
+            "span_start": start, "span_end": end,
+            "step": _int("step", step) if step is not None else None,
+            "inputs_hash": _hash_text("inputs_hash", inputs_hash),
+            "outputs_hash": _hash_text("outputs_hash", outputs_hash),
+            "signature": bytes(signature) if signature is not None else None,
+            "verified": None if verified is None else int(bool(verified)), "raw": bytes(raw),
+        }  # fmt: skip
+        self._submit(lambda db: db["reports"].insert(row), "report")
+
+    def reports(self, *, accused: str | None = None, limit: int | None = None) -> list[dict]:
+        """Reports, newest first (``verified`` back as None/False/True)."""
+        where = "WHERE accused = ?" if accused is not None else ""
+        tail = f"LIMIT {int(limit)}" if limit is not None else ""
+        params = (accused,) if accused is not None else ()
+        rows = self._query(f"SELECT * FROM reports {where} ORDER BY received DESC, id DESC {tail}", params)
+        for row in rows:
+            row["verified"] = None if row["verified"] is None else bool(row["verified"])
+        return rows
+
+    # --- the trace (written by store.trace.TraceWriter) ---------------------------------
+
+    def events(self, *, after_id: int = 0, kinds: tuple[str, ...] | None = None,
+               limit: int | None = None) -> list[dict]:  # fmt: skip
+        """Trace rows with id > `after_id`, oldest first (``detail`` decoded). For a live tail."""
+        where, params = "WHERE id > ?", [after_id]
+        if kinds:
+            where += " AND kind IN ({})".format(", ".join("?" * len(kinds)))
+            params += list(kinds)
+        tail = f"LIMIT {int(limit)}" if limit is not None else ""
+        rows = self._query(f"SELECT * FROM trace {where} ORDER BY id {tail}", tuple(params))
+        for row in rows:
+            row["detail"] = json.loads(row["detail"]) if row["detail"] else {}
+        return rows

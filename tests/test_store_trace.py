@@ -1,0 +1,213 @@
+"""TraceWriter: events land from many threads, batches follow the interval, emit never waits
+for a locked database, and a kill -9 loses at most the last second."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from store import schema
+from store.db import PeerStore
+from store.errors import BadTraceField, NotJSON, StoreClosed, UnknownEventKind
+from store.trace import EVENT_KINDS, MemoryTracer, NullTracer, Tracer, TraceWriter
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _count(path: Path) -> int:
+    """Rows in the trace as another process would see them (its own connection)."""
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute("SELECT count(*) FROM trace").fetchone()[0]
+    finally:
+        conn.close()
+
+
+def test_every_field_round_trips(tmp_path):
+    path = tmp_path / "t.db"
+    with TraceWriter(path, peer="12D3KooWA") as tracer:
+        tracer.emit("forward", session=b"\xbe\xef", step=3, span=(0, 15), bytes=2304, duration=0.012,
+                    detail={"batch": 1})  # fmt: skip
+        tracer.emit("connect", remote="12D3KooWB", detail={"kind": "punched"}, mono_ns=42, wall=1234.5)
+        tracer.emit("join", peer="12D3KooWSim")  # a simulation writes several peers into one db
+    with PeerStore(path, readonly=True) as store:
+        forward, connect, join = store.events()
+    assert (forward["peer"], forward["kind"], forward["session"], forward["step"]) == ("12D3KooWA", "forward", "beef", 3)
+    assert (forward["span_start"], forward["span_end"], forward["bytes"]) == (0, 15, 2304)
+    assert forward["duration"] == pytest.approx(0.012) and forward["detail"] == {"batch": 1}
+    assert abs(forward["wall"] - time.time()) < 60 and forward["mono_ns"] > 0
+    assert (connect["mono_ns"], connect["wall"], connect["remote"]) == (42, 1234.5, "12D3KooWB")
+    assert connect["detail"] == {"kind": "punched"} and connect["session"] is None
+    assert join["peer"] == "12D3KooWSim"
+
+
+@pytest.mark.parametrize("tracer_cls", [NullTracer, MemoryTracer])
+def test_bad_events_are_refused_by_every_tracer(tmp_path, tracer_cls):
+    for tracer in (tracer_cls(), TraceWriter(tmp_path / f"{tracer_cls.__name__}.db", peer="p")):
+        assert isinstance(tracer, Tracer)
+        with pytest.raises(UnknownEventKind):
+            tracer.emit("forwrad")
+        with pytest.raises(BadTraceField, match="unknown field"):
+            tracer.emit("forward", stpe=1)
+        with pytest.raises(BadTraceField, match="step"):
+            tracer.emit("forward", step=-1)
+        with pytest.raises(BadTraceField, match="session"):
+            tracer.emit("forward", session="not-hex")
+        with pytest.raises(BadTraceField, match="duration"):
+            tracer.emit("forward", duration=float("nan"))
+        with pytest.raises(BadTraceField, match="kind"):
+            tracer.emit("connect", remote="q", detail={"kind": "teleported"})
+        with pytest.raises(NotJSON):
+            tracer.emit("error", detail={"exc": object()})
+        tracer.close()
+
+
+def test_memory_tracer_keeps_events():
+    tracer = MemoryTracer(peer="p")
+    for kind in EVENT_KINDS:
+        tracer.emit(kind, **({"detail": {"kind": "direct"}} if kind == "connect" else {}))
+    assert [e["kind"] for e in tracer.events] == list(EVENT_KINDS)
+    assert tracer.of_kind("connect")[0]["detail"] == {"kind": "direct"}
+
+
+def test_events_from_many_threads_all_land(tmp_path):
+    path = tmp_path / "t.db"
+    threads, per_thread = 8, 500
+    tracer = TraceWriter(path, peer="p", flush_interval=0.02)
+
+    def work(k: int) -> None:
+        for i in range(per_thread):
+            tracer.emit("forward", peer=f"thread{k}", step=i)
+
+    workers = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    tracer.close()
+    tracer.close()  # idempotent
+    with pytest.raises(StoreClosed):
+        tracer.emit("forward")
+    conn = sqlite3.connect(path)
+    rows = conn.execute("SELECT peer, step, id FROM trace ORDER BY id").fetchall()
+    assert len(rows) == threads * per_thread
+    assert {(p, s) for p, s, _ in rows} == {(f"thread{k}", i) for k in range(threads) for i in range(per_thread)}
+    for k in range(threads):  # each thread's events keep their order
+        steps = [s for p, s, _ in rows if p == f"thread{k}"]
+        assert steps == sorted(steps)
+
+
+def test_writer_waits_for_the_interval_then_writes_without_being_asked(tmp_path):
+    slow = tmp_path / "slow.db"
+    with TraceWriter(slow, peer="p", flush_interval=30.0) as tracer:
+        tracer.emit("join")
+        time.sleep(0.3)
+        assert _count(slow) == 0  # not written per event: it waits for the interval
+        tracer.flush()
+        assert _count(slow) == 1
+    fast = tmp_path / "fast.db"
+    with TraceWriter(fast, peer="p", flush_interval=0.05) as tracer:
+        tracer.emit("join")
+        deadline = time.monotonic() + 10
+        while _count(fast) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _count(fast) == 1  # written by the periodic flush, no flush() call
+
+
+def test_events_are_batched_one_transaction_per_interval(tmp_path):
+    interval = 0.1
+    with TraceWriter(tmp_path / "t.db", peer="p", flush_interval=interval) as tracer:
+        writer = tracer.store.writer
+        start = time.monotonic()
+        for i in range(1500):
+            tracer.emit("forward", step=i)
+            if i % 50 == 0:
+                time.sleep(0.02)
+        elapsed = time.monotonic() - start
+        tracer.flush()
+        batches = writer.batches
+    assert elapsed > 2 * interval
+    assert 2 <= batches <= elapsed / interval + 2, (batches, elapsed)
+    assert writer.written == 1500 and writer.failed == 0
+
+
+def test_emit_does_not_wait_for_a_locked_database(tmp_path, monkeypatch):
+    monkeypatch.setattr(schema, "BUSY_TIMEOUT_S", 0.1)  # the writer gives up quickly and retries
+    path = tmp_path / "t.db"
+    store = PeerStore(path, flush_interval=0.02)
+    tracer = TraceWriter(store, peer="p")
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")  # another connection holds the write lock
+    blocker.execute("INSERT INTO settings (key, value, updated) VALUES ('x', '1', 0)")
+    emitted = threading.Event()
+
+    def emit_all() -> None:
+        for i in range(1000):
+            tracer.emit("forward", step=i)
+        store.add_ledger("r", 10)
+        emitted.set()
+
+    threading.Thread(target=emit_all, daemon=True).start()
+    assert emitted.wait(20), "emit blocked while another connection held the write lock"
+    time.sleep(0.5)  # several failed write attempts (busy timeout 0.1 s) happen meanwhile
+    assert store.writer.pending() == 1001  # nothing lost, nothing written yet
+    blocker.execute("COMMIT")
+    blocker.close()
+    tracer.flush()
+    assert _count(path) == 1000
+    assert store.ledger()[0]["layer_tokens"] == 10
+    assert store.writer.failed == 0 and store.writer.dropped == 0
+    store.close()
+
+
+CHILD = r"""
+import sys, time
+from store.trace import TraceWriter
+tracer = TraceWriter(sys.argv[1], peer="victim", flush_interval=0.25)
+i = 0
+while True:
+    tracer.emit("forward", step=i, duration=0.0005, detail={"pad": "x" * 64})
+    if i == 0:
+        print("ready", flush=True)
+    i += 1
+    time.sleep(0.0005)
+"""
+
+
+def test_kill_9_loses_at_most_the_last_second(tmp_path):
+    path = tmp_path / "victim.db"
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(path)], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(2.0)
+        killed_at = time.time()
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == -signal.SIGKILL
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    count, last_step, last_wall = conn.execute("SELECT count(*), max(step), max(wall) FROM trace").fetchone()
+    assert count > 100, "the child barely wrote anything"
+    assert count == last_step + 1  # nothing missing in the middle: only the tail can be lost
+    assert killed_at - last_wall < 1.0, f"lost {killed_at - last_wall:.2f} s of events"
+    detail = conn.execute("SELECT detail FROM trace ORDER BY id DESC LIMIT 1").fetchone()[0]
+    assert json.loads(detail) == {"pad": "x" * 64}
+    conn.close()
+    with PeerStore(path) as store:  # and the peer can reopen it and carry on
+        store.set_setting("after", "crash")
+        assert store.get_setting("after") == "crash"
