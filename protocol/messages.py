@@ -1,0 +1,291 @@
+"""The messages of the session protocol: opening a session, stepping it, closing it.
+
+Each message is a frozen dataclass registered with a short type tag; `encode` and
+`decode` (from `protocol.codec`, re-exported here) turn any of them into bytes and
+back, checking every field against its annotation and the limits declared with
+`wire(...)`. To add a message, write a dataclass with `@message("tag")`; to add a
+field, add it (with a default, if old senders may omit it). The tests derive their
+strategies and fuzz corpora from the registry, so both are covered automatically.
+
+Vocabulary. A *session* is one requester's generation through one chain of peers.
+A *link* is one directed hop of that chain — requester -> first peer, peer i ->
+peer i+1, last peer -> requester, and optional *tap* links peer -> requester — each
+with its own id (unique within the session) and its own key. A *step* is one
+forward pass of the chain (a prefill chunk, a decoded token, or a block of drafted
+tokens). Positions are token indices in the session's sequence; layer ranges are
+half-open, [start, end). The gossip/advertisement messages live in
+`protocol.records` and are re-exported here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol.codec import MAX_MESSAGE_SIZE, PROTOCOL_VERSION, decode, encode, message
+from protocol.errors import InconsistentFields
+from protocol.records import (
+    MAX_ADDR_LEN,
+    MAX_ADDRS,
+    MAX_LAYERS,
+    MAX_PEER_ID_SIZE,
+    GossipPush,
+    Heartbeat,
+    JoinChallenge,
+    JoinProof,
+    Neighbour,
+    PeerRecord,
+    SignedRecord,
+)
+from protocol.schema import INT64_MAX, wire
+
+__all__ = [
+    "MAX_MESSAGE_SIZE",
+    "PROTOCOL_VERSION",
+    "Cancel",
+    "ErrorMsg",
+    "Forward",
+    "GossipPush",
+    "Heartbeat",
+    "JoinChallenge",
+    "JoinProof",
+    "LinkHello",
+    "Neighbour",
+    "PeerRecord",
+    "Relink",
+    "Result",
+    "Rollback",
+    "SealedKey",
+    "SessionAccept",
+    "SessionClose",
+    "SessionOpen",
+    "SignedRecord",
+    "decode",
+    "encode",
+    "message",
+    "wire",
+]
+
+SESSION_ID_SIZE = 16
+"""Session ids are 16 random bytes chosen by the requester."""
+
+PUBLIC_KEY_SIZE = 32
+SEALED_KEY_BOX_SIZE = 24 + 32 + 16
+"""A sealed link key: 24-byte nonce + 32-byte key + 16-byte Poly1305 tag."""
+
+MAX_LINK_ID = 2**32 - 1
+MAX_POSITION = 2**24
+"""Largest token position or context length (16M tokens; far above any model's)."""
+
+MAX_STEP_TOKENS = 2**20
+MAX_PAYLOAD = MAX_MESSAGE_SIZE - 4096
+"""Largest encrypted activation payload: a full frame less room for the header."""
+
+MAX_TEXT = 1024
+
+
+@message("sealed")
+@dataclass(frozen=True)
+class SealedKey:
+    """A link key sealed to one peer (see `protocol.links.seal_link_key`).
+
+    Attributes:
+        link_id: the link this key is for; the seal is bound to it.
+        box: nonce + XChaCha20-Poly1305 ciphertext of the 32-byte key.
+    """
+
+    link_id: int = wire(max=MAX_LINK_ID)
+    box: bytes = wire(size=SEALED_KEY_BOX_SIZE)
+
+
+@message("open")
+@dataclass(frozen=True)
+class SessionOpen:
+    """Requester -> each peer of a chain: serve layers [start, end) for this session.
+
+    Attributes:
+        session_id: the session, 16 random bytes.
+        start: first layer this peer computes.
+        end: one past the last layer this peer computes.
+        max_length: most tokens the session may reach (the KV cache to reserve).
+        requester: the requester's libp2p peer id (bytes), where results and errors go.
+        ephemeral_public: the requester's X25519 public key for this session only;
+            every SealedKey here was sealed with its private half.
+        in_key: the key of the link into this peer (from the previous hop).
+        out_key: the key of the link out of this peer (to the next hop, or to the
+            requester if this is the last peer).
+        next_peer: peer id of the next hop; None if this peer sends its results
+            straight to the requester.
+        next_addrs: multiaddrs where the next hop may be dialled (may be empty).
+        tap_key: optional key of a tap link from this peer to the requester (a copy
+            of this peer's output, e.g. for verifying a span).
+    """
+
+    session_id: bytes = wire(size=SESSION_ID_SIZE)
+    start: int = wire(max=MAX_LAYERS)
+    end: int = wire(max=MAX_LAYERS)
+    max_length: int = wire(min=1, max=MAX_POSITION)
+    requester: bytes = wire(max_len=MAX_PEER_ID_SIZE)
+    ephemeral_public: bytes = wire(size=PUBLIC_KEY_SIZE)
+    in_key: SealedKey
+    out_key: SealedKey
+    next_peer: bytes | None = wire(max_len=MAX_PEER_ID_SIZE)
+    next_addrs: tuple[str, ...] = wire(max_items=MAX_ADDRS, max_len=MAX_ADDR_LEN)
+    tap_key: SealedKey | None = None
+
+    def __post_init__(self) -> None:
+        if self.start >= self.end:
+            raise InconsistentFields(f"SessionOpen: layer range [{self.start!r}, {self.end!r}) is empty")
+
+
+@message("accept")
+@dataclass(frozen=True)
+class SessionAccept:
+    """Peer -> requester: the session is open.
+
+    Attributes:
+        session_id: the session.
+        max_length: tokens the peer reserved, at most the requested max_length.
+    """
+
+    session_id: bytes = wire(size=SESSION_ID_SIZE)
+    max_length: int = wire(min=1, max=MAX_POSITION)
+
+
+@message("close")
+@dataclass(frozen=True)
+class SessionClose:
+    """Either side: the session is over; drop its KV cache and keys.
+
+    Attributes:
+        session_id: the session.
+        reason: a short human-readable reason ("done", "timeout", ...).
+    """
+
+    session_id: bytes = wire(size=SESSION_ID_SIZE)
+    reason: str = wire(max_len=256)
+
+
+@message("hello")
+@dataclass(frozen=True)
+class LinkHello:
+    """The first frame on a peer -> peer (or peer -> requester) link stream.
+
+    Attributes:
+        session_id: the session the link belongs to.
+        link_id: which link of it this stream carries.
+    """
+
+    session_id: bytes = wire(size=SESSION_ID_SIZE)
+    link_id: int = wire(max=MAX_LINK_ID)
+
+
+@message("fwd")
+@dataclass(frozen=True)
+class Forward:
+    """One step's hidden states, on their way into the next span of layers.
+
+    Every field except `payload` and `counter` travels in clear and is bound into the
+    AEAD associated data (see `protocol.activations`), so none can be altered.
+
+    Attributes:
+        session_id: the session.
+        step: the step number (increases by one per forward pass of the chain).
+        link_id: the link this frame travels on.
+        counter: the link's frame counter (strictly increasing; replay defence).
+        start_pos: position of the first token of this step.
+        n_tokens: how many tokens (rows of hidden states) this step carries.
+        stop_layer: the receiving peer computes layers up to (not including) this
+            one, at most its span's end; lets a requester split a span.
+        payload: XChaCha20-Poly1305 ciphertext of an encoded tensor
+            (`protocol.tensors.encode_tensor`).
+    """
+
+    session_id: bytes = wire(size=SESSION_ID_SIZE)
+    step: int = wire(max=INT64_MAX)
+    link_id: int = wire(max=MAX_LINK_ID)
+    counter: int = wire(max=INT64_MAX)
+    start_pos: int = wire(max=MAX_POSITION)
+    n_tokens: int = wire(min=1, max=MAX_STEP_TOKENS)
+    stop_layer: int = wire(max=MAX_LAYERS)
+    payload: bytes = wire(max_len=MAX_PAYLOAD)
+
+
+@message("res")
+@dataclass(frozen=True)
+class Result:
+    """The last hop's output (or a tap's copy), sent to the requester.
+
+    Same header as Forward, without stop_layer; see Forward for the fields.
+    """
+
+    session_id: bytes = wire(size=SESSION_ID_SIZE)
+    step: int = wire(max=INT64_MAX)
+    link_id: int = wire(max=MAX_LINK_ID)
+    counter: int = wire(max=INT64_MAX)
+    start_pos: int = wire(max=MAX_POSITION)
+    n_tokens: int = wire(min=1, max=MAX_STEP_TOKENS)
+    payload: bytes = wire(max_len=MAX_PAYLOAD)
+
+
+@message("rollback")
+@dataclass(frozen=True)
+class Rollback:
+    """Requester -> peer: move the session's KV position pointer back.
+
+    Attributes:
+        session_id: the session.
+        position: the new length of the cached sequence; later entries are void.
+    """
+
+    session_id: bytes = wire(size=SESSION_ID_SIZE)
+    position: int = wire(max=MAX_POSITION)
+
+
+@message("relink")
+@dataclass(frozen=True)
+class Relink:
+    """Requester -> peer: its neighbour in the chain changed (failover).
+
+    Attributes:
+        session_id: the session.
+        next_peer: new next hop; None means the requester itself.
+        next_addrs: where the next hop may be dialled.
+        out_key: key of the new outgoing link, if it changed.
+        in_key: key of the new incoming link, if it changed.
+    """
+
+    session_id: bytes = wire(size=SESSION_ID_SIZE)
+    next_peer: bytes | None = wire(max_len=MAX_PEER_ID_SIZE)
+    next_addrs: tuple[str, ...] = wire(max_items=MAX_ADDRS, max_len=MAX_ADDR_LEN)
+    out_key: SealedKey | None = None
+    in_key: SealedKey | None = None
+
+
+@message("cancel")
+@dataclass(frozen=True)
+class Cancel:
+    """Requester -> peer: drop step `step` if it has not run yet.
+
+    Attributes:
+        session_id: the session.
+        step: the step to drop.
+    """
+
+    session_id: bytes = wire(size=SESSION_ID_SIZE)
+    step: int = wire(max=INT64_MAX)
+
+
+@message("err")
+@dataclass(frozen=True)
+class ErrorMsg:
+    """Either side: something went wrong.
+
+    Attributes:
+        code: a short machine-readable code (e.g. "overloaded", "bad-frame").
+        message: a human-readable explanation.
+        session_id: the session concerned, if any.
+    """
+
+    code: str = wire(max_len=64)
+    message: str = wire(max_len=MAX_TEXT)
+    session_id: bytes | None = wire(default=None, size=SESSION_ID_SIZE)
