@@ -1,0 +1,158 @@
+"""The protocol's cryptography in one place: identities, signed records, link keys,
+link ciphers, and the swarm key.
+
+Keys and peer ids are in `protocol.keys`, link keys and ciphers in `protocol.links`;
+both are re-exported here. This module adds the two checks that are about trust in
+the swarm rather than about one session:
+
+- Signed advertisements. `sign_record` encodes a PeerRecord and signs
+  "tessera/peer-record/v1\\0" + the encoding with the peer's identity key.
+  `verify_record` checks, in order: the signature (over the exact bytes received,
+  before parsing them), that the bytes are a valid PeerRecord, that its peer id is
+  the one the signing key implies, and that it is current at `now` (which the
+  caller passes in: this package reads no clock).
+- The swarm key. A private swarm shares a 32-byte secret. A joining peer answers a
+  member's random nonce with BLAKE2b keyed by the secret over (nonce, its own peer
+  id, the member's peer id), so a proof can be neither replayed to another member
+  nor relayed for another peer. Comparison is constant-time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+import nacl.exceptions
+import nacl.signing
+
+from protocol.codec import decode, encode
+from protocol.errors import (
+    BadKey,
+    BadSignature,
+    BadSwarmKeyProof,
+    ExpiredRecord,
+    ForgedPeerId,
+    RecordFromFuture,
+)
+from protocol.keys import (
+    KEY_SIZE,
+    PEER_ID_PREFIX,
+    EphemeralKey,
+    Identity,
+    peer_id_from_public_key,
+    public_key_from_peer_id,
+    x25519_public_from_ed25519,
+)
+from protocol.links import MAX_COUNTER, Direction, LinkCipher, open_link_key, seal_link_key
+from protocol.records import MAX_RECORD_SIZE, PeerRecord, SignedRecord
+
+__all__ = [
+    "KEY_SIZE",
+    "MAX_CLOCK_SKEW",
+    "MAX_COUNTER",
+    "PEER_ID_PREFIX",
+    "Direction",
+    "EphemeralKey",
+    "Identity",
+    "LinkCipher",
+    "open_link_key",
+    "peer_id_from_public_key",
+    "public_key_from_peer_id",
+    "seal_link_key",
+    "sign_record",
+    "swarm_key_proof",
+    "verify_record",
+    "verify_swarm_key_proof",
+    "x25519_public_from_ed25519",
+]
+
+RECORD_CONTEXT = b"tessera/peer-record/v1\x00"
+"""Signed before the record bytes, so that a record signature means nothing elsewhere."""
+
+MAX_CLOCK_SKEW = 300.0
+"""Seconds a record's issued_at may lie ahead of our clock: volunteers' clocks
+drift, and NTP-less laptops waking from sleep are minutes off."""
+
+_SWARM_CONTEXT = b"tessera-swarm-v1"
+
+
+def sign_record(identity: Identity, record: PeerRecord) -> SignedRecord:
+    """Encode and sign our own record.
+
+    Raises:
+        ForgedPeerId: `record.peer_id` is not `identity.peer_id`.
+        MalformedMessage: a field of `record` is invalid (from `encode`).
+    """
+    if record.peer_id != identity.peer_id:
+        raise ForgedPeerId(
+            f"record peer_id {record.peer_id.hex()!r} is not the signer's {identity.peer_id.hex()!r}"
+        )
+    data = encode(record)
+    return SignedRecord(record=data, public_key=identity.public_key, signature=identity.sign(RECORD_CONTEXT + data))
+
+
+def verify_record(signed: SignedRecord, *, now: float, max_skew: float = MAX_CLOCK_SKEW) -> PeerRecord:
+    """Check a signed record and return the PeerRecord inside it.
+
+    Args:
+        signed: as received (decoded, so its fields have their declared sizes).
+        now: the current time, seconds since the epoch.
+        max_skew: how far in the future `issued_at` may be.
+
+    Raises:
+        BadSignature: the signature does not verify under `signed.public_key`
+            (or the key is not a valid Ed25519 key).
+        MalformedMessage (any subclass): the signed bytes are not a valid PeerRecord.
+        ForgedPeerId: the record's peer id is not derived from `signed.public_key`.
+        ExpiredRecord: `now` is at or past `expires_at`.
+        RecordFromFuture: `issued_at` is more than `max_skew` after `now`.
+    """
+    try:
+        nacl.signing.VerifyKey(signed.public_key).verify(RECORD_CONTEXT + signed.record, signed.signature)
+    except (nacl.exceptions.CryptoError, ValueError, TypeError):
+        raise BadSignature(
+            f"record signature {signed.signature[:8].hex()!r}... does not verify under key {signed.public_key.hex()!r}"
+        ) from None
+    record: PeerRecord = decode(signed.record, max_size=MAX_RECORD_SIZE, expect=PeerRecord)
+    if record.peer_id != PEER_ID_PREFIX + signed.public_key:
+        raise ForgedPeerId(
+            f"record peer_id {record.peer_id.hex()!r} is not the signing key's "
+            f"{(PEER_ID_PREFIX + signed.public_key).hex()!r}"
+        )
+    if now >= record.expires_at:
+        raise ExpiredRecord(f"record of {record.peer_id.hex()!r} expired at {record.expires_at!r}; now is {now!r}")
+    if record.issued_at > now + max_skew:
+        raise RecordFromFuture(
+            f"record of {record.peer_id.hex()!r} issued_at {record.issued_at!r} is more than "
+            f"{max_skew!r} s after now ({now!r})"
+        )
+    return record
+
+
+def swarm_key_proof(swarm_key: bytes, *, nonce: bytes, prover: bytes, verifier: bytes) -> bytes:
+    """Prove knowledge of the swarm key: keyed BLAKE2b-256 over (nonce, prover, verifier).
+
+    `prover` and `verifier` are the two peers' libp2p peer ids.
+
+    Raises:
+        BadKey: `swarm_key` is not 32 bytes.
+    """
+    if len(swarm_key) != KEY_SIZE:
+        raise BadKey(f"swarm key is {len(swarm_key)} bytes, expected {KEY_SIZE}")
+    h = hashlib.blake2b(key=bytes(swarm_key), person=_SWARM_CONTEXT, digest_size=32)
+    for part in (nonce, prover, verifier):
+        h.update(len(part).to_bytes(4, "little"))
+        h.update(part)
+    return h.digest()
+
+
+def verify_swarm_key_proof(swarm_key: bytes, proof: bytes, *, nonce: bytes, prover: bytes, verifier: bytes) -> None:
+    """Check a swarm key proof in constant time.
+
+    Raises:
+        BadKey: `swarm_key` is not 32 bytes.
+        BadSwarmKeyProof: the proof is wrong (wrong key, nonce, prover or verifier).
+    """
+    expected = swarm_key_proof(swarm_key, nonce=nonce, prover=prover, verifier=verifier)
+    if not hmac.compare_digest(expected, bytes(proof)):
+        raise BadSwarmKeyProof(f"swarm key proof {bytes(proof)[:8].hex()!r}... from {prover.hex()!r} is wrong")

@@ -1,0 +1,226 @@
+"""The tensor codec: dtype name + shape + raw little-endian bytes, and nothing else.
+
+An encoded tensor is one CBOR array (any CBOR library can read it):
+
+    [dtype: text, shape: [uint, ...], pad: bytes (0-7 zero bytes), data: bytes]
+
+`data` holds the elements in C (row-major) order, little-endian. `pad` makes `data`
+start at a multiple of 8 bytes from the start of the encoding, so that a decoder can
+view the elements in place: the buffer that holds the encoding (e.g. the plaintext
+that AEAD decryption returns) is itself 8-aligned, and torch gets aligned data
+without a copy.
+
+Decoding validates everything before it touches the data: the dtype against an
+allow-list, the rank, each dimension and the total byte size against
+`TensorLimits`, and that the data is exactly prod(shape) * itemsize bytes. Only then
+does it build a tensor, and that tensor is a view of the input buffer
+(`torch.frombuffer`), not a copy, unless it has to copy (see `decode_tensor`).
+
+Activations that hold NaN or infinity are valid encodings; the stage that computes
+with them calls `check_finite` and reports the typed error.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from protocol.cbor import ARRAY, BYTES, TEXT, UINT, encode_head, read_head
+from protocol.errors import (
+    BadTensor,
+    InvalidBoolean,
+    InvalidCbor,
+    NonFiniteTensor,
+    TensorSizeMismatch,
+    TensorTooLarge,
+    UnsupportedDtype,
+    show,
+)
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+"""Every dtype the codec knows, by wire name. Anything else cannot be encoded."""
+
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_ALIGN = 8
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+# torch.frombuffer warns (once per process) when the buffer is read-only, as `bytes`
+# always is. Here that is expected and documented (see decode_tensor), so the warning
+# is silenced for calls made from this module only; user code still gets it.
+warnings.filterwarnings(
+    "ignore", message="The given buffer is not writable", category=UserWarning, module=r"protocol\.tensors\Z"
+)
+
+
+@dataclass(frozen=True)
+class TensorLimits:
+    """What a decoder accepts. Checked before anything is allocated.
+
+    Attributes:
+        dtypes: the allowed dtype names (a subset of DTYPES).
+        max_rank: most dimensions.
+        max_dim: largest single dimension.
+        max_bytes: largest data size, prod(shape) * itemsize.
+    """
+
+    dtypes: frozenset[str] = frozenset(DTYPES)
+    max_rank: int = 8
+    max_dim: int = 2**24
+    max_bytes: int = 64 * 1024 * 1024
+
+
+DEFAULT_LIMITS = TensorLimits()
+
+
+def encode_tensor(t: torch.Tensor) -> bytes:
+    """Encode a tensor (copied to CPU and made contiguous first if it is not).
+
+    Raises:
+        UnsupportedDtype: the dtype is not in DTYPES.
+    """
+    name = _NAMES.get(t.dtype)
+    if name is None:
+        raise UnsupportedDtype(f"tensor dtype {t.dtype!r} cannot be encoded, expected one of {sorted(DTYPES)}")
+    t = t.detach().to("cpu").contiguous()
+    if not _LITTLE_ENDIAN:
+        t = _swap_bytes(t)
+    data = t.reshape(-1).view(torch.uint8).numpy()  # a view: no copy until the join
+    head = [encode_head(ARRAY, 4), encode_head(TEXT, len(name)), name.encode("ascii"), encode_head(ARRAY, t.dim())]
+    head += [encode_head(UINT, d) for d in t.shape]
+    data_head = encode_head(BYTES, data.nbytes)
+    pad = -(sum(map(len, head)) + 1 + len(data_head)) % _ALIGN
+    head += [encode_head(BYTES, pad), bytes(pad), data_head]
+    return b"".join([*head, data])
+
+
+def decode_tensor(
+    data: bytes | bytearray | memoryview,
+    *,
+    limits: TensorLimits = DEFAULT_LIMITS,
+    writable: bool = False,
+) -> torch.Tensor:
+    """Decode a tensor, viewing `data` in place where possible.
+
+    Aliasing: the result shares memory with `data` when the data is aligned for its
+    dtype and the host is little-endian (the normal case). If `data` is read-only
+    (`bytes`), so is that memory: do not modify the tensor in place — torch cannot
+    enforce it, and writing into a `bytes` object breaks Python's guarantees. Pass
+    `writable=True` to get a private copy in that case, or pass a `bytearray`. A
+    tensor that has to be copied anyway (misaligned data, big-endian host, an empty
+    tensor) never aliases.
+
+    Raises:
+        BadTensor: not a [dtype, shape, pad, data] array.
+        UnsupportedDtype: the dtype is unknown or not in `limits.dtypes`.
+        TensorTooLarge: the rank, a dimension or the byte size exceeds `limits`.
+        TensorSizeMismatch: the data is not exactly prod(shape) * itemsize bytes,
+            or bytes follow it.
+        InvalidBoolean: a bool tensor holds a byte other than 0 or 1.
+    """
+    view = data if isinstance(data, memoryview) and data.format == "B" else memoryview(data).cast("B")
+    count, pos = _expect(view, 0, ARRAY, "encoding")
+    if count != 4:
+        raise BadTensor(f"tensor encoding is an array of {count!r} items, expected 4 [dtype, shape, pad, data]")
+    dtype, pos = _read_dtype(view, pos, limits)
+    shape, pos = _read_shape(view, pos, limits)
+    itemsize = dtype.itemsize
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * itemsize > limits.max_bytes:
+        raise TensorTooLarge(f"tensor shape {shape!r} of {dtype} needs {numel * itemsize!r} bytes, limit {limits.max_bytes!r}")
+    pad, pos = _expect(view, pos, BYTES, "pad")
+    if pad >= _ALIGN:
+        raise BadTensor(f"tensor pad is {pad!r} bytes, expected fewer than {_ALIGN}")
+    nbytes, pos = _expect(view, pos + pad, BYTES, "data")
+    if nbytes != numel * itemsize or pos + nbytes != len(view):
+        raise TensorSizeMismatch(
+            f"tensor data holds {len(view) - pos!r} bytes and claims {nbytes!r}; "
+            f"shape {shape!r} of {dtype} needs {numel * itemsize!r}"
+        )
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    if dtype is torch.bool and int(torch.frombuffer(view, dtype=torch.uint8, count=numel, offset=pos).max()) > 1:
+        raise InvalidBoolean(f"bool tensor of shape {shape!r} holds bytes other than 0 and 1")
+    t = torch.frombuffer(view, dtype=dtype, count=numel, offset=pos)
+    if t.data_ptr() % itemsize or (writable and view.readonly):
+        t = t.clone()
+    if not _LITTLE_ENDIAN:
+        t = _swap_bytes(t)
+    return t.view(shape)
+
+
+def check_finite(t: torch.Tensor, *, what: str = "tensor") -> None:
+    """Raise NonFiniteTensor if a floating-point tensor holds NaN or infinity.
+
+    `what` names the tensor in the message (e.g. "activations after layer 7").
+
+    Raises:
+        NonFiniteTensor: some element is NaN or +-inf.
+    """
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    finite = torch.isfinite(t)
+    if bool(finite.all()):
+        return
+    bad = (~finite).reshape(-1)
+    first = int(bad.nonzero()[0, 0])
+    raise NonFiniteTensor(
+        f"{what}: {int(bad.sum())!r} of {t.numel()!r} values are NaN or infinite; "
+        f"first at flat index {first!r} = {t.reshape(-1)[first].item()!r}"
+    )
+
+
+def _expect(view: memoryview, pos: int, major: int, what: str) -> tuple[int, int]:
+    try:
+        got, _, arg, pos = read_head(view, pos)
+    except InvalidCbor as exc:
+        raise BadTensor(f"tensor {what}: {exc}") from None
+    if got != major:
+        raise BadTensor(f"tensor {what} has CBOR major type {got!r}, expected {major!r}")
+    return arg, pos
+
+
+def _read_dtype(view: memoryview, pos: int, limits: TensorLimits) -> tuple[torch.dtype, int]:
+    length, pos = _expect(view, pos, TEXT, "dtype")
+    raw = bytes(view[pos : pos + min(length, 16)])
+    name = raw.decode("ascii", errors="replace")
+    if length > 16 or name not in DTYPES or name not in limits.dtypes:
+        raise UnsupportedDtype(f"tensor dtype {show(name)}, expected one of {sorted(limits.dtypes & DTYPES.keys())}")
+    return DTYPES[name], pos + length
+
+
+def _read_shape(view: memoryview, pos: int, limits: TensorLimits) -> tuple[tuple[int, ...], int]:
+    rank, pos = _expect(view, pos, ARRAY, "shape")
+    if rank > limits.max_rank:
+        raise TensorTooLarge(f"tensor rank {rank!r} exceeds max_rank {limits.max_rank!r}")
+    shape = []
+    for axis in range(rank):
+        d, pos = _expect(view, pos, UINT, f"shape[{axis}]")
+        if d > limits.max_dim:
+            raise TensorTooLarge(f"tensor shape[{axis}] = {d!r} exceeds max_dim {limits.max_dim!r}")
+        shape.append(d)
+    return tuple(shape), pos
+
+
+def _swap_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` with the bytes of every element reversed (for big-endian hosts)."""
+    size = t.element_size()
+    if size == 1 or t.numel() == 0:
+        return t
+    swapped = t.reshape(-1).view(torch.uint8).view(-1, size).flip(1).contiguous()
+    return swapped.view(t.dtype).view(t.shape)
