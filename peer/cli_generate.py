@@ -1,0 +1,87 @@
+"""`tessera generate`: answer a prompt, locally (`--local`) or through a swarm (`--join`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from stages import registry
+from stages.errors import StageError
+from stages.sampling import SamplingParams
+
+
+class UsageError(StageError):
+    """The command line asks for something contradictory."""
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    p.add_argument("--raw", action="store_true", help="plain continuation, no chat template")
+
+
+def add_compute_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "mps"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+
+
+def apply_threads(threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def sampling_from(args: argparse.Namespace) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    except ValueError as bad:
+        raise UsageError(str(bad)) from None
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="answer a prompt locally or through a swarm",
+        epilog='examples:\n  tessera generate "What is the capital of France?" --local\n'
+        '  tessera generate "Hi" --join /ip4/127.0.0.1/tcp/4001/p2p/12D3KooW... --json',
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("prompt")
+    p.add_argument("--local", action="store_true", help="run the whole model on this machine")
+    p.add_argument("--join", action="append", default=[], metavar="MULTIADDR", help="a peer of the swarm to use")
+    p.add_argument("--model", default="smollm2-135m", help="registered name or folder (default smollm2-135m)")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    add_sampling_options(p)
+    add_compute_options(p)
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens!r}")
+    sampling = sampling_from(args)
+    if args.local == bool(args.join):
+        raise UsageError("give exactly one of --local or --join MULTIADDR")
+    if args.join:
+        from .cli_swarm_generate import run_swarm_generate
+
+        return run_swarm_generate(args, sampling)
+    from stages.generate import LocalEngine
+
+    apply_threads(args.threads)
+    engine = LocalEngine(registry.resolve(args.model), device=args.device, dtype=args.dtype)
+    on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    result = engine.generate(
+        args.prompt, raw=args.raw, max_new_tokens=args.max_tokens, sampling=sampling, on_text=on_text
+    )
+    if args.json:
+        print(json.dumps(result.as_json()))
+    else:
+        sys.stdout.write("\n")
+    return 0

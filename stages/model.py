@@ -1,0 +1,244 @@
+"""The Llama-family decoder, as one short file: cache, rotary embedding, block.
+
+Shapes use: T = tokens in this step, S = positions attended (cache length),
+H = hidden size, A = query heads, K = key/value heads, D = head dim, I = MLP width.
+A step works on one session at a time, so there is no batch dimension: the
+residual stream is [T, H].
+
+Two fusions pay on a CPU, where a 135M model's decode is dominated by per-op
+overhead rather than arithmetic: q, k and v come from ONE matmul against a
+stacked weight, and so do the MLP's gate and up projections. The KV cache is
+preallocated per session and written in place at the positions given; its
+`length` is the position pointer, so rolling back is moving that pointer and the
+next write overwrites what lay beyond it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import ContextOverflow
+from .spec import ModelSpec
+
+
+class KVCache:
+    """Keys and values of one session for a run of consecutive layers.
+
+    keys, values: [layers, K, capacity, D], preallocated. `length` is the position
+    pointer: positions [0, length) are valid; a write at position p first moves the
+    pointer to p (a rollback), then past what it wrote.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        spec: ModelSpec,
+        capacity: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_layers, spec.num_kv_heads, capacity, spec.head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.length = 0
+
+    def reserve(self, start: int, n_tokens: int) -> None:
+        """Check that positions [start, start + n_tokens) can be written, and move the pointer there."""
+        if start < 0 or start > self.length:
+            raise ContextOverflow(
+                f"write at position {start!r} but the cache holds positions [0, {self.length})"
+            )
+        if start + n_tokens > self.capacity:
+            raise ContextOverflow(
+                f"positions up to {start + n_tokens} exceed this session's capacity of {self.capacity}"
+            )
+        self.length = start + n_tokens
+
+    def rollback(self, position: int) -> None:
+        """Forget every position >= `position` (a pointer move; nothing is erased)."""
+        if not 0 <= position <= self.length:
+            raise ContextOverflow(
+                f"cannot roll back to {position!r}: the cache holds positions [0, {self.length})"
+            )
+        self.length = position
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
+class Rotary(nn.Module):
+    """RoPE frequencies; `cos_sin(positions)` gives the tables every block of a step shares."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_frequencies(spec, device), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # float32 whatever the model dtype, as the reference implementation does
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        return angles.cos()[:, None, :], angles.sin()[:, None, :]  # [T, 1, D/2]
+
+
+def rope_frequencies(spec: ModelSpec, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Inverse frequencies [D/2], with Llama-3 or linear scaling when the config asks."""
+    d = spec.head_dim
+    inv_freq = 1.0 / (
+        spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d)
+    )
+    scaling = spec.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_context = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_context / low, old_context / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    elif kind not in ("default", None):
+        from .errors import UnsupportedModel
+
+        raise UnsupportedModel(f"rope_scaling type {kind!r} is not supported (linear, llama3)")
+    return inv_freq
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [T, heads, D] by the tables [T, 1, D/2] (the half-split layout Hugging Face uses)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+@dataclass
+class StepContext:
+    """What every block of one forward step shares."""
+
+    start: int  # position of the step's first token
+    cos: torch.Tensor  # [T, 1, D/2]
+    sin: torch.Tensor
+    mask: torch.Tensor | None  # [T, S] bool, True = may attend; None = attend to everything
+
+
+def attention_mask(start: int, n_tokens: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Causal mask [T, S] for queries at [start, start + T) over keys [0, start + T).
+
+    None when plain causal attention over the whole cache is right: a single query
+    with no window in reach, or a prefill from position 0 without a window.
+    """
+    total = start + n_tokens
+    if window is None or total <= window:
+        if n_tokens == 1 or start == 0:
+            return None
+    query = torch.arange(start, total, device=device)[:, None]
+    key = torch.arange(total, device=device)[None, :]
+    allowed = key <= query
+    if window is not None:
+        allowed &= key > query - window
+    return allowed
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with one stacked q/k/v projection."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.wqkv = nn.Linear(spec.hidden_size, spec.q_size + 2 * spec.kv_size, bias=spec.attention_bias)
+        self.wo = nn.Linear(spec.q_size, spec.hidden_size, bias=False)
+        self.scale = 1.0 / math.sqrt(spec.head_dim)
+
+    def forward(
+        self, x: torch.Tensor, ctx: StepContext, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        spec = self.spec
+        t = x.shape[0]
+        a, k, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        qkv = self.wqkv(x)  # [T, (A + 2K) D]
+        qk = apply_rope(qkv[:, : (a + k) * d].view(t, a + k, d), ctx.cos, ctx.sin)  # [T, A + K, D]
+        end = ctx.start + t
+        keys[:, ctx.start : end] = qk[:, a:].transpose(0, 1)  # cache [K, S, D]
+        values[:, ctx.start : end] = qkv[:, (a + k) * d :].view(t, k, d).transpose(0, 1)
+        if t == 1:
+            lo = 0 if spec.sliding_window is None else max(0, end - spec.sliding_window)
+            out = grouped_decode_attention(qk[:, :a], keys[:, lo:end], values[:, lo:end], self.scale)
+        else:
+            # prefill and multi-token steps: the same kernel the reference uses, so logits agree closely
+            g = a // k
+            q = qk[None, :, :a].transpose(1, 2)  # [1, A, T, D]
+            out = F.scaled_dot_product_attention(
+                q,
+                keys[None, :, :end].repeat_interleave(g, dim=1),  # [1, A, S, D]
+                values[None, :, :end].repeat_interleave(g, dim=1),
+                attn_mask=ctx.mask,
+                is_causal=ctx.mask is None,
+            )[0].transpose(0, 1).reshape(t, a * d)  # [T, A D]
+        return self.wo(out)
+
+
+def grouped_decode_attention(
+    q_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query position, grouped-query attention without repeating K/V.
+
+    q_rows [1, A, D]; keys, values [K, S, D]. The G = A / K query heads that share a
+    KV head are stacked as rows, so one bmm per KV head does the work. Returns [1, A D].
+    """
+    k, _, d = keys.shape
+    a = q_rows.shape[1]
+    q = q_rows.reshape(k, a // k, d)  # [K, G, D] (heads h = kv * G + g)
+    scores = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)  # [K, G, S]
+    return torch.bmm(scores.softmax(-1), values).reshape(1, a * d)  # [1, A D]
+
+
+class MLP(nn.Module):
+    """SwiGLU with one stacked gate/up projection."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.width = spec.intermediate_size
+        self.w_gate_up = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
+        self.w_down = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).split(self.width, dim=-1)  # [T, I] each
+        return self.w_down(F.silu(gate) * up)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class Block(nn.Module):
+    """One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.attn = Attention(spec)
+        self.mlp_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(
+        self, x: torch.Tensor, ctx: StepContext, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), ctx, keys, values)
+        return x + self.mlp(self.mlp_norm(x))

@@ -1,0 +1,192 @@
+"""A `Stage`: a span of decoder layers serving many sessions.
+
+A peer holds one stage (its claimed span); the requester holds one too, with no
+layers, for the embedding and the head; the local engine holds one with
+everything. Each session owns a KV cache for the layers it uses — a session may
+use a sub-span of the stage, which is what lets a requester route around a dead
+peer with different cut points.
+
+A Stage is not thread-safe: a server runs one `forward` at a time (in a worker
+thread) and serialises the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Hashable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import ContextOverflow, SpanError, UnknownSession
+from .model import Block, KVCache, Rotary, StepContext, attention_mask
+from .spec import ModelSpec
+from .weights import WeightFolder
+
+
+@dataclass
+class SessionState:
+    """One session's cache and the sub-span [start, end) of layers it runs."""
+
+    cache: KVCache
+    start: int
+    end: int
+
+
+class Stage:
+    """Layers [start, end) of one model, plus the embedding and/or head when asked for."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        start: int,
+        blocks: Sequence[Block],
+        *,
+        embedding: torch.Tensor | None = None,
+        norm: torch.Tensor | None = None,
+        head: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if not 0 <= start <= start + len(blocks) <= spec.num_layers:
+            raise SpanError(f"span [{start}, {start + len(blocks)}) is outside [0, {spec.num_layers})")
+        self.spec = spec
+        self.start = start
+        self.end = start + len(blocks)
+        self.blocks = nn.ModuleList(blocks)
+        self.embedding = embedding
+        self.norm = norm
+        self.head = head
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.rotary = Rotary(spec, self.device)
+        self.sessions: dict[Hashable, SessionState] = {}
+
+    # -- construction -------------------------------------------------------------
+
+    @staticmethod
+    def load(
+        folder: Path,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        embed: bool = False,
+        head: bool = False,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> "Stage":
+        """Load layers [start, end) (and the embedding / head if asked) — and nothing else.
+
+        Blocks are built on the meta device and take the read tensors by assignment,
+        so no memory is spent on initial values. Raises ModelFormatError, SpanError.
+        """
+        weights = WeightFolder(folder)
+        spec = weights.spec
+        end = spec.num_layers if end is None else end
+        if not 0 <= start <= end <= spec.num_layers:
+            raise SpanError(f"span [{start}, {end}) is outside the model's [0, {spec.num_layers})")
+        blocks = []
+        for layer in range(start, end):
+            with torch.device("meta"):
+                block = Block(spec)
+            state = {k: v.to(device) for k, v in weights.block_state(layer, dtype).items()}
+            block.load_state_dict(state, assign=True, strict=True)
+            blocks.append(block.requires_grad_(False))
+        embedding = weights.embedding(dtype).to(device) if embed else None
+        norm = head_weight = None
+        if head:
+            norm, head_weight = (t.to(device) for t in weights.head(dtype))
+            if embedding is not None and spec.tie_embeddings:
+                head_weight = embedding  # one copy of a tied matrix
+        return Stage(
+            spec, start, blocks, embedding=embedding, norm=norm, head=head_weight, device=device, dtype=dtype
+        )
+
+    # -- sessions -----------------------------------------------------------------
+
+    def open(self, session: Hashable, *, capacity: int, start: int | None = None, end: int | None = None) -> None:
+        """Allocate a session's KV cache for `capacity` positions over layers [start, end)."""
+        start = self.start if start is None else start
+        end = self.end if end is None else end
+        if not self.start <= start <= end <= self.end:
+            raise SpanError(f"session span [{start}, {end}) is outside this stage's [{self.start}, {self.end})")
+        if not 0 < capacity <= self.spec.max_position:
+            raise ContextOverflow(
+                f"session capacity {capacity!r} is outside (0, {self.spec.max_position}] (the model's context)"
+            )
+        with torch.inference_mode():
+            cache = KVCache(end - start, self.spec, capacity, dtype=self.dtype, device=self.device)
+        self.sessions[session] = SessionState(cache, start, end)
+
+    def close(self, session: Hashable) -> None:
+        self.sessions.pop(session, None)
+
+    def position(self, session: Hashable) -> int:
+        return self._session(session).cache.length
+
+    def rollback(self, session: Hashable, position: int) -> None:
+        self._session(session).cache.rollback(position)
+
+    def session_bytes(self, capacity: int, num_layers: int | None = None) -> int:
+        """KV bytes a session of `capacity` positions costs (to check limits before allocating)."""
+        layers = self.end - self.start if num_layers is None else num_layers
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.spec.kv_bytes_per_token(layers, itemsize) * capacity
+
+    def _session(self, session: Hashable) -> SessionState:
+        try:
+            return self.sessions[session]
+        except KeyError:
+            raise UnknownSession(f"no session {session!r} on this stage") from None
+
+    # -- compute ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, session: Hashable, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Run the session's layers on hidden states [T, H] at positions [start_pos, start_pos + T).
+
+        Writing at `start_pos` first rolls the cache back to it, so re-sending a step
+        after a failure, or verifying a new draft after a rejected one, needs no
+        separate rollback.
+        """
+        state = self._session(session)
+        t = hidden.shape[0]
+        if hidden.dim() != 2 or hidden.shape[1] != self.spec.hidden_size:
+            raise SpanError(f"hidden states have shape {tuple(hidden.shape)!r}, expected [T, {self.spec.hidden_size}]")
+        state.cache.reserve(start_pos, t)
+        positions = torch.arange(start_pos, start_pos + t, device=self.device)
+        cos, sin = self.rotary.cos_sin(positions)
+        mask = attention_mask(start_pos, t, self.spec.sliding_window, self.device)
+        ctx = StepContext(start_pos, cos, sin, mask)
+        x = hidden.to(device=self.device, dtype=self.dtype)
+        cache = state.cache
+        for i in range(state.start - self.start, state.end - self.start):
+            j = i - (state.start - self.start)
+            x = self.blocks[i](x, ctx, cache.keys[j], cache.values[j])
+        return x
+
+    @torch.inference_mode()
+    def embed(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Token ids [T] -> hidden states [T, H]."""
+        if self.embedding is None:
+            raise SpanError("this stage holds no embedding")
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size):
+            raise SpanError(f"token ids must lie in [0, {self.spec.vocab_size})")
+        return F.embedding(ids, self.embedding)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, H] after the last layer -> float32 logits [T, V]."""
+        if self.head is None or self.norm is None:
+            raise SpanError("this stage holds no head")
+        x = F.rms_norm(hidden.to(self.device, self.dtype), self.norm.shape, self.norm, self.spec.rms_norm_eps)
+        return F.linear(x, self.head).float()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights held (a tied head and embedding count once)."""
+        extra = {id(t): t for t in (self.embedding, self.norm, self.head) if t is not None}
+        return sum(p.nbytes for p in self.blocks.parameters()) + sum(t.nbytes for t in extra.values())
