@@ -114,7 +114,7 @@ class BatchWriter:
         self.written = 0  # items committed
         self.failed = 0  # items dropped because writing them raised a non-transient error
         self.dropped = 0  # trace rows refused because MAX_PENDING were already waiting
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())
         self._queue: deque[Item] = deque()
         self._pending_rows = 0
         self._submitted = 0  # sequence number of the last accepted item
