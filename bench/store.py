@@ -46,7 +46,8 @@ def main(n: int) -> None:
             start = time.perf_counter()
             tracer.flush()
             write_s = time.perf_counter() - start
-    print(f"emit: {real / n * 1e6:.2f} us/event (NullTracer {null / n * 1e6:.2f}); queue drained {drain:.3f} s after")
+    print(f"emit: {real / n * 1e6:.2f} us/event (NullTracer {null / n * 1e6:.2f})")
+    print(f"queue drained {drain:.3f} s after the last emit")
     print(f"writer throughput: {n / write_s:,.0f} events/s committed")
     print(f"store emit cost ratio (TraceWriter/NullTracer): {real / null:.2f}")
     print(f"store hot-loop slowdown ratio (with writer/without): {real_work / null_work:.2f}")

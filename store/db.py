@@ -15,83 +15,22 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
-import time
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from . import schema
-from .errors import BadRecord, NotJSON, ReadOnlyStore, ReportTooLarge, StoreClosed
+from .errors import BadRecord, NotJSON, ReadOnlyStore, StoreClosed
+from .reputation import Reputation
+from .values import check_int, check_span, check_text, session_hex, timestamp
 from .writer import DEFAULT_FLUSH_INTERVAL_S, FLUSH_TIMEOUT_S, BatchWriter, call_op
 
 CLAIM_ACTIONS = ("claim", "release", "move")
-# A report's raw signed bytes: a few hashes, ids and a signature. 64 KiB is ample and keeps
-# a hostile reporter from filling our disk through one row.
-MAX_REPORT_BYTES = 64 * 1024
-# Ban back-off: the n-th ban lasts BAN_BASE_S * 2**(n-1), at most BAN_CAP_S. A peer that has
-# stayed clean for BAN_FORGIVE_S after its last ban ended starts again at the first step.
-BAN_BASE_S = 60.0
-BAN_CAP_S = 24 * 3600.0
-BAN_FORGIVE_S = 7 * 24 * 3600.0
 HOUR_S = 3600
 
 _MISSING = object()  # get_setting's default when None is itself a stored value
-
-
-@dataclass(frozen=True)
-class Ban:
-    """One ban as stored: who, until when (unix s), why, and how many bans so far."""
-
-    peer: str
-    until: float
-    reason: str
-    count: int
-
-
-def _now(at: float | None) -> float:
-    return time.time() if at is None else float(at)
-
-
-def _int(name: str, value: Any, *, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise BadRecord(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-def _text(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise BadRecord(f"{name} must be a non-empty str, got {value!r}")
-    return value
-
-
-def _span(value: Any) -> tuple[int, int]:
-    if not (isinstance(value, (tuple, list)) and len(value) == 2):
-        raise BadRecord(f"span must be a (start, end) pair, got {value!r}")
-    start, end = _int("span start", value[0]), _int("span end", value[1])
-    if end <= start:
-        raise BadRecord(f"span must be half-open with start < end, got {value!r}")
-    return start, end
-
-
-def session_hex(value: Any) -> str:
-    """A session id as lowercase hex: from bytes, or from a hex str (validated)."""
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value).hex()
-    if isinstance(value, str) and value and not value.lower().strip("0123456789abcdef"):
-        return value.lower()
-    raise BadRecord(f"session must be bytes or a hex str, got {value!r}")
-
-
-def _hash_text(name: str, value: Any) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value).hex()
-    if isinstance(value, str):
-        return value
-    raise BadRecord(f"{name} must be bytes, a hex str or None, got {value!r}")
 
 
 def hour_bucket(at: float) -> int:
@@ -99,19 +38,20 @@ def hour_bucket(at: float) -> int:
     return int(at // HOUR_S) * HOUR_S
 
 
-class PeerStore:
+class PeerStore(Reputation):
     """One peer's database: identity, settings, claims, sessions, ledger, bans, reports, trace.
 
     `path` is created if missing (and migrated forward if old) unless ``readonly=True``,
     which opens an existing database for reading only (the TUI, ``tessera ledger``).
     """
 
-    def __init__(self, path: Path | str, *, flush_interval: float = DEFAULT_FLUSH_INTERVAL_S,
-                 readonly: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, path: Path | str, *, flush_interval: float = DEFAULT_FLUSH_INTERVAL_S, readonly: bool = False
+    ) -> None:
         self.path = Path(path)
         self.readonly = readonly
         self._writer: BatchWriter | None = None
-        self._ban_lock = threading.Lock()
+        self._ban_lock = threading.Lock()  # see Reputation.add_ban
         if readonly:
             self._reader = schema.connect(self.path, readonly=True)
             try:
@@ -131,6 +71,7 @@ class PeerStore:
             self._reader = schema.connect(self.path)
         self._read_lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()
 
     # --- plumbing ---------------------------------------------------------------------
 
@@ -161,8 +102,8 @@ class PeerStore:
             self._writer.flush(timeout)
 
     def close(self) -> None:
-        """Write what is queued and close both connections. Idempotent."""
-        if self._closed:
+        """Write what is queued and close both connections. Idempotent; a no-op in a forked child."""
+        if self._closed or os.getpid() != self._pid:
             return
         self._closed = True
         try:
@@ -186,7 +127,7 @@ class PeerStore:
 
     def record_identity(self, peer_id: str, *, at: float | None = None) -> None:
         """Remember this peer's public id (the first time it is seen)."""
-        row = (_text("peer_id", peer_id), _now(at))
+        row = (check_text("peer_id", peer_id), timestamp(at))
         self._submit(
             lambda db: db.execute("INSERT OR IGNORE INTO identity (peer_id, created) VALUES (?, ?)", row),
             "identity",
@@ -203,7 +144,7 @@ class PeerStore:
             text = json.dumps(value, sort_keys=True, allow_nan=False)
         except (TypeError, ValueError) as error:
             raise NotJSON(f"setting {key!r}: value {value!r} is not JSON ({error})") from None
-        row = {"key": _text("key", key), "value": text, "updated": _now(at)}
+        row = {"key": check_text("key", key), "value": text, "updated": timestamp(at)}
         self._submit(lambda db: db["settings"].upsert(row, pk="key"), "setting")
 
     def get_setting(self, key: str, default: Any = None) -> Any:
@@ -217,71 +158,110 @@ class PeerStore:
 
     def settings(self) -> dict[str, Any]:
         """Every setting, key -> value."""
-        return {r["key"]: json.loads(r["value"]) for r in self._query("SELECT key, value FROM settings ORDER BY key")}
+        return {
+            r["key"]: json.loads(r["value"])
+            for r in self._query("SELECT key, value FROM settings ORDER BY key")
+        }
 
     def delete_setting(self, key: str) -> None:
         self._submit(lambda db: db.execute("DELETE FROM settings WHERE key = ?", (key,)), "setting")
 
     # --- claims --------------------------------------------------------------------------
 
-    def record_claim(self, model_id: str, span: tuple[int, int], *, action: str = "claim",
-                     shard: tuple[int, int] = (0, 1), reason: str = "",
-                     moved_from: tuple[int, int] | None = None, at: float | None = None) -> None:  # fmt: skip
+    def record_claim(
+        self,
+        model_id: str,
+        span: tuple[int, int],
+        *,
+        action: str = "claim",
+        shard: tuple[int, int] = (0, 1),
+        reason: str = "",
+        moved_from: tuple[int, int] | None = None,
+        at: float | None = None,
+    ) -> None:
         """Record a claim, release or move of `span` (for a move: the new span, and `moved_from`)."""
         if action not in CLAIM_ACTIONS:
             raise BadRecord(f"action must be one of {CLAIM_ACTIONS!r}, got {action!r}")
-        start, end = _span(span)
-        index, count = _int("shard index", shard[0]), _int("shard count", shard[1], minimum=1)
+        start, end = check_span(span)
+        index, count = check_int("shard index", shard[0]), check_int("shard count", shard[1], minimum=1)
         if index >= count:
             raise BadRecord(f"shard must be (index, count) with index < count, got {shard!r}")
-        old = _span(moved_from) if moved_from is not None else (None, None)
+        old = check_span(moved_from) if moved_from is not None else (None, None)
         row = {
-            "time": _now(at), "model_id": _text("model_id", model_id), "span_start": start,
-            "span_end": end, "shard_index": index, "shard_count": count, "action": action,
-            "reason": str(reason), "moved_from_start": old[0], "moved_from_end": old[1],
-        }  # fmt: skip
+            "time": timestamp(at),
+            "model_id": check_text("model_id", model_id),
+            "span_start": start,
+            "span_end": end,
+            "shard_index": index,
+            "shard_count": count,
+            "action": action,
+            "reason": str(reason),
+            "moved_from_start": old[0],
+            "moved_from_end": old[1],
+        }
         self._submit(lambda db: db["claims"].insert(row), "claim")
 
     def claims(self, *, limit: int | None = None) -> list[dict]:
         """The claims history, oldest first (the last `limit` entries if given)."""
         sql = "SELECT * FROM claims ORDER BY time, id"
         if limit is not None:
-            sql = f"SELECT * FROM (SELECT * FROM claims ORDER BY time DESC, id DESC LIMIT {int(limit)}) ORDER BY time, id"
+            newest = f"SELECT * FROM claims ORDER BY time DESC, id DESC LIMIT {int(limit)}"
+            sql = f"SELECT * FROM ({newest}) ORDER BY time, id"
         return self._query(sql)
 
     def current_claims(self) -> list[dict]:
         """What the history says is claimed now: claims and moves minus releases."""
         held: dict[tuple, dict] = {}
         for row in self.claims():
-            key = (row["model_id"], row["span_start"], row["span_end"], row["shard_index"], row["shard_count"])
+            key = (
+                row["model_id"],
+                row["span_start"],
+                row["span_end"],
+                row["shard_index"],
+                row["shard_count"],
+            )
             if row["action"] == "release":
                 held.pop(key, None)
                 continue
             if row["action"] == "move" and row["moved_from_start"] is not None:
-                old = (row["model_id"], row["moved_from_start"], row["moved_from_end"], row["shard_index"], row["shard_count"])
-                held.pop(old, None)
+                held.pop((key[0], row["moved_from_start"], row["moved_from_end"], *key[3:]), None)
             held[key] = row
         return list(held.values())
 
     # --- sessions ----------------------------------------------------------------------
 
-    def session_opened(self, session: bytes | str, requester: str, span: tuple[int, int], *,
-                       model_id: str | None = None, at: float | None = None) -> None:  # fmt: skip
+    def session_opened(
+        self,
+        session: bytes | str,
+        requester: str,
+        span: tuple[int, int],
+        *,
+        model_id: str | None = None,
+        at: float | None = None,
+    ) -> None:
         """Record that this peer opened `session` for `requester` over `span`."""
-        start, end = _span(span)
+        start, end = check_span(span)
         row = {
-            "session": session_hex(session), "requester": _text("requester", requester),
-            "model_id": model_id, "span_start": start, "span_end": end, "opened": _now(at),
-        }  # fmt: skip
+            "session": session_hex(session),
+            "requester": check_text("requester", requester),
+            "model_id": model_id,
+            "span_start": start,
+            "span_end": end,
+            "opened": timestamp(at),
+        }
         self._submit(lambda db: db["sessions"].upsert(row, pk="session"), "session_opened")
 
-    def session_closed(self, session: bytes | str, *, steps: int, tokens: int,
-                       reason: str = "done", at: float | None = None) -> None:  # fmt: skip
+    def session_closed(
+        self, session: bytes | str, *, steps: int, tokens: int, reason: str = "done", at: float | None = None
+    ) -> None:
         """Record that `session` closed after `steps` forward steps over `tokens` tokens."""
         row = {
-            "session": session_hex(session), "closed": _now(at), "steps": _int("steps", steps),
-            "tokens": _int("tokens", tokens), "close_reason": str(reason),
-        }  # fmt: skip
+            "session": session_hex(session),
+            "closed": timestamp(at),
+            "steps": check_int("steps", steps),
+            "tokens": check_int("tokens", tokens),
+            "close_reason": str(reason),
+        }
         # upsert: a close whose open was never recorded (crash, older db) still lands.
         self._submit(lambda db: db["sessions"].upsert(row, pk="session"), "session_closed")
 
@@ -293,11 +273,16 @@ class PeerStore:
 
     # --- ledger --------------------------------------------------------------------------
 
-    def add_ledger(self, requester: str, layer_tokens: int, *, steps: int = 1, bytes: int = 0,
-                   at: float | None = None) -> None:  # fmt: skip
+    def add_ledger(
+        self, requester: str, layer_tokens: int, *, steps: int = 1, bytes: int = 0, at: float | None = None
+    ) -> None:
         """Add one contribution (layer_tokens = tokens x layers computed) to this hour's row."""
-        key = (_text("requester", requester), hour_bucket(_now(at)))
-        values = (_int("layer_tokens", layer_tokens), _int("steps", steps), _int("bytes", bytes))
+        key = (check_text("requester", requester), hour_bucket(timestamp(at)))
+        values = (
+            check_int("layer_tokens", layer_tokens),
+            check_int("steps", steps),
+            check_int("bytes", bytes),
+        )
         if self._closed:
             raise StoreClosed(f"{str(self.path)!r} is closed")
         self.writer.submit(("ledger", key, values))
@@ -317,8 +302,12 @@ class PeerStore:
         ``{"layer_tokens", "steps", "bytes"}``.
         """
         if day_start is None:
-            day_start = datetime.fromtimestamp(_now(now)).replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
-        sums = "coalesce(sum(layer_tokens), 0) AS layer_tokens, coalesce(sum(steps), 0) AS steps, coalesce(sum(bytes), 0) AS bytes"
+            day_start = (
+                datetime.fromtimestamp(timestamp(now))
+                .replace(hour=0, minute=0, second=0, microsecond=0)
+                .timestamp()
+            )
+        sums = ", ".join(f"coalesce(sum({c}), 0) AS {c}" for c in ("layer_tokens", "steps", "bytes"))
         total = self._query(f"SELECT {sums} FROM ledger")[0]
         today = self._query(f"SELECT {sums} FROM ledger WHERE hour >= ?", (math.floor(day_start),))[0]
         rows = self._query(
@@ -328,77 +317,11 @@ class PeerStore:
         by_requester = {r.pop("requester"): r for r in rows}
         return {"today": today, "total": total, "by_requester": by_requester}
 
-    # --- bans ----------------------------------------------------------------------------
-
-    def add_ban(self, peer: str, reason: str, *, now: float | None = None, base: float = BAN_BASE_S,
-                cap: float = BAN_CAP_S, forgive: float = BAN_FORGIVE_S) -> Ban:  # fmt: skip
-        """Ban `peer` with exponential back-off and return the ban (its `until` to enforce)."""
-        _text("peer", peer)
-        at = _now(now)
-        with self._ban_lock:  # read-count-then-write must not interleave within this process
-            rows = self._query("SELECT * FROM bans WHERE peer = ?", (peer,))
-            previous = rows[0] if rows else None
-            if previous is None or previous["until"] + forgive < at:
-                count, first = 1, at
-            else:
-                count, first = previous["count"] + 1, previous["first"]
-            until = at + min(cap, base * 2.0 ** min(count - 1, 60))
-            row = {"peer": peer, "until": until, "reason": str(reason), "count": count, "first": first, "last": at}
-            self._submit(lambda db: db["bans"].upsert(row, pk="peer"), "ban")
-        return Ban(peer=peer, until=until, reason=str(reason), count=count)
-
-    def lift_ban(self, peer: str, *, now: float | None = None) -> None:
-        """End `peer`'s ban now (its count stays, so a relapse still backs off)."""
-        at = _now(now)
-        self._submit(lambda db: db.execute("UPDATE bans SET until = min(until, ?) WHERE peer = ?", (at, peer)), "ban")
-
-    def active_bans(self, now: float | None = None) -> list[Ban]:
-        """Bans still in force at `now`, soonest to end first."""
-        rows = self._query("SELECT * FROM bans WHERE until > ? ORDER BY until, peer", (_now(now),))
-        return [Ban(peer=r["peer"], until=r["until"], reason=r["reason"], count=r["count"]) for r in rows]
-
-    # --- misbehaviour reports -----------------------------------------------------------
-
-    def add_report(self, reporter: str, accused: str, *, span: tuple[int, int] | None, step: int | None,
-                   inputs_hash: bytes | str | None, outputs_hash: bytes | str | None,
-                   signature: bytes | None, raw: bytes = b"", session: bytes | str | None = None,
-                   model_id: str | None = None, verified: bool | None = None,
-                   received: float | None = None) -> None:  # fmt: skip
-        """Keep a misbehaviour report, with its raw signed bytes (at most MAX_REPORT_BYTES)."""
-        if not isinstance(raw, (bytes, bytearray)):
-            raise BadRecord(f"raw must be bytes, got {type(raw).__name__!r}")
-        if len(raw) > MAX_REPORT_BYTES:
-            raise ReportTooLarge(f"report raw bytes are {len(raw)!r} long, limit {MAX_REPORT_BYTES!r}")
-        if signature is not None and not isinstance(signature, (bytes, bytearray)):
-            raise BadRecord(f"signature must be bytes or None, got {signature!r}")
-        start, end = _span(span) if span is not None else (None, None)
-        row = {
-            "received": _now(received), "reporter": _text("reporter", reporter),
-            "accused": _text("accused", accused), "model_id": model_id,
-            "session": session_hex(session) if session is not None else None,
-            "span_start": start, "span_end": end,
-            "step": _int("step", step) if step is not None else None,
-            "inputs_hash": _hash_text("inputs_hash", inputs_hash),
-            "outputs_hash": _hash_text("outputs_hash", outputs_hash),
-            "signature": bytes(signature) if signature is not None else None,
-            "verified": None if verified is None else int(bool(verified)), "raw": bytes(raw),
-        }  # fmt: skip
-        self._submit(lambda db: db["reports"].insert(row), "report")
-
-    def reports(self, *, accused: str | None = None, limit: int | None = None) -> list[dict]:
-        """Reports, newest first (``verified`` back as None/False/True)."""
-        where = "WHERE accused = ?" if accused is not None else ""
-        tail = f"LIMIT {int(limit)}" if limit is not None else ""
-        params = (accused,) if accused is not None else ()
-        rows = self._query(f"SELECT * FROM reports {where} ORDER BY received DESC, id DESC {tail}", params)
-        for row in rows:
-            row["verified"] = None if row["verified"] is None else bool(row["verified"])
-        return rows
-
     # --- the trace (written by store.trace.TraceWriter) ---------------------------------
 
-    def events(self, *, after_id: int = 0, kinds: tuple[str, ...] | None = None,
-               limit: int | None = None) -> list[dict]:  # fmt: skip
+    def events(
+        self, *, after_id: int = 0, kinds: tuple[str, ...] | None = None, limit: int | None = None
+    ) -> list[dict]:
         """Trace rows with id > `after_id`, oldest first (``detail`` decoded). For a live tail."""
         where, params = "WHERE id > ?", [after_id]
         if kinds:

@@ -68,12 +68,22 @@ def event_record(timeline: Timeline, e: Event) -> dict[str, Any]:
     return {
         "t": timeline.origin + e.t,  # aligned unix time (reference clock) of the event's end
         "start": timeline.origin + e.start,
-        "peer": e.peer, "kind": e.kind, "session": e.session, "step": e.step,
-        "span_start": e.span_start, "span_end": e.span_end, "bytes": e.bytes,
-        "duration": e.duration, "remote": e.remote, "detail": e.detail,
-        "wall": e.wall, "mono_ns": e.mono_ns, "clock_offset": offset,
-        "db": str(timeline.paths[e.db]), "id": e.id,
-    }  # fmt: skip
+        "peer": e.peer,
+        "kind": e.kind,
+        "session": e.session,
+        "step": e.step,
+        "span_start": e.span_start,
+        "span_end": e.span_end,
+        "bytes": e.bytes,
+        "duration": e.duration,
+        "remote": e.remote,
+        "detail": e.detail,
+        "wall": e.wall,
+        "mono_ns": e.mono_ns,
+        "clock_offset": offset,
+        "db": str(timeline.paths[e.db]),
+        "id": e.id,
+    }
 
 
 def export_jsonl(db_paths: Sequence[Path | str], out_path: Path | str) -> dict[str, Any]:
@@ -137,18 +147,35 @@ def to_perfetto(timeline: Timeline) -> dict[str, Any]:
         pid = pid_of[e.peer]
         lane = _LANES.get(e.kind) or (_ACTIVITY if e.duration else None)
         if lane is None:
-            out.append({"ph": "i", "name": e.kind, "cat": e.kind, "pid": pid, "tid": _EVENTS_TID,
-                        "ts": us(e.t), "s": "t", "args": _args(timeline, e)})  # fmt: skip
+            out.append(
+                {
+                    "ph": "i",
+                    "name": e.kind,
+                    "cat": e.kind,
+                    "pid": pid,
+                    "tid": _EVENTS_TID,
+                    "ts": us(e.t),
+                    "s": "t",
+                    "args": _args(timeline, e),
+                }
+            )
             continue
         end = us(e.t)
         dur = max(end - us(e.start), MIN_SLICE_US)
-        item = {"ph": "X", "name": e.kind, "cat": e.kind, "pid": pid, "ts": round(end - dur, 3),
-                "dur": round(dur, 3), "args": _args(timeline, e)}  # fmt: skip
+        item = {
+            "ph": "X",
+            "name": e.kind,
+            "cat": e.kind,
+            "pid": pid,
+            "ts": round(end - dur, 3),
+            "dur": round(dur, 3),
+            "args": _args(timeline, e),
+        }
         slices.setdefault((pid, lane[0]), []).append(item)
         slice_of[id(e)] = item
         out.append(item)
     bases = {name: base for name, base in (*_LANES.values(), _ACTIVITY)}
-    for (pid, name), items in slices.items():
+    for (_pid, name), items in slices.items():
         _assign_lanes(items, bases[name])
     for flow_id, (push, receive) in enumerate(timeline.pairs, start=1):
         ends = []
@@ -167,12 +194,20 @@ def to_perfetto(timeline: Timeline) -> dict[str, Any]:
             ev["ts"] = round(ev["ts"] - low, 3)
     meta: list[dict[str, Any]] = []
     for peer, pid in pid_of.items():
-        meta.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": f"peer {peer}"}})
-        meta.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
+        meta.append(
+            {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": f"peer {peer}"}}
+        )
+        meta.append(
+            {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}}
+        )
     threads = sorted({(ev["pid"], ev["tid"]) for ev in out})
     for pid, tid in threads:
-        meta.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": _thread_name(tid)}})
-        meta.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+        meta.append(
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": _thread_name(tid)}}
+        )
+        meta.append(
+            {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}}
+        )
     # otherData: flat strings and numbers only (viewers show it as trace metadata).
     other = {k: v for k, v in _summary(timeline).items() if k != "peers"}
     other["generator"] = "tessera"
@@ -279,13 +314,17 @@ def validate_perfetto(obj: Any) -> list[str]:
             by_thread.setdefault((ev.get("pid"), ev.get("tid")), []).append(ev)
     flows: dict[Any, dict[str, list]] = {}
     for thread, evs in by_thread.items():
-        spans = sorted(((ev["ts"], ev["ts"] + ev["dur"]) for ev in evs if ev["ph"] == "X"), key=lambda s: (s[0], -s[1]))
+        spans = sorted(
+            ((ev["ts"], ev["ts"] + ev["dur"]) for ev in evs if ev["ph"] == "X"), key=lambda s: (s[0], -s[1])
+        )
         stack: list[float] = []
         for start, end in spans:
             while stack and stack[-1] <= start:
                 stack.pop()
             if stack and end > stack[-1] + 1e-3:
-                problems.append(f"thread {thread!r}: slice [{start}, {end}] overlaps its parent ending {stack[-1]}")
+                problems.append(
+                    f"thread {thread!r}: slice [{start}, {end}] overlaps its parent ending {stack[-1]}"
+                )
             stack.append(end)
         depth = 0
         for ev in sorted((ev for ev in evs if ev["ph"] in {"B", "E"}), key=lambda ev: ev["ts"]):
@@ -299,10 +338,16 @@ def validate_perfetto(obj: Any) -> list[str]:
             if ev["ph"] in {"s", "t", "f"}:
                 flows.setdefault(ev["id"], {"s": [], "t": [], "f": []})[ev["ph"]].append(ev)
                 if not any(a <= ev["ts"] <= b for a, b in spans):
-                    problems.append(f"flow {ev['id']!r} ({ev['ph']}) at {ev['ts']} is inside no slice of {thread!r}")
+                    problems.append(
+                        f"flow {ev['id']!r} ({ev['ph']}) at {ev['ts']} is inside no slice of {thread!r}"
+                    )
     for flow_id, ends in flows.items():
         if len(ends["s"]) != 1 or len(ends["f"]) != 1:
-            problems.append(f"flow {flow_id!r}: {len(ends['s'])} starts and {len(ends['f'])} finishes (want 1 and 1)")
+            problems.append(
+                f"flow {flow_id!r}: {len(ends['s'])} starts and {len(ends['f'])} finishes (want 1 and 1)"
+            )
         elif ends["f"][0]["ts"] < ends["s"][0]["ts"]:
-            problems.append(f"flow {flow_id!r}: finishes at {ends['f'][0]['ts']} before it starts at {ends['s'][0]['ts']}")
+            problems.append(
+                f"flow {flow_id!r}: finishes at {ends['f'][0]['ts']} before it starts at {ends['s'][0]['ts']}"
+            )
     return problems

@@ -6,8 +6,8 @@ One row per peer (in order of first activity, labelled with its short id and rol
 per forward step (coloured by session, labelled with its step when there is room;
 overlapping steps of concurrent sessions share the row in lanes), an arrow from each push
 to its matching receive, and markers for the events that explain a surprise (failover,
-rollback, ban, error, leave, join) and for each token the requester got. Times are seconds since the start of the merged,
-clock-aligned timeline (store/timeline.py).
+rollback, ban, error, leave, join) and for each token the requester got. Times are
+seconds since the start of the merged, clock-aligned timeline (store/timeline.py).
 
 matplotlib is imported inside `plot_timeline` (Agg backend), so importing store/ stays cheap.
 """
@@ -44,7 +44,9 @@ def _short(peer: str) -> str:
 def _row_label(peer: str, events: list[Event]) -> str:
     """The peer's short id and what it did: "requester" or the layers it computed."""
     mine = [e for e in events if e.peer == peer]
-    spans = sorted({(e.span_start, e.span_end) for e in mine if e.kind == "forward" and e.span_start is not None})
+    spans = sorted(
+        {(e.span_start, e.span_end) for e in mine if e.kind == "forward" and e.span_start is not None}
+    )
     if spans:
         role = "layers " + ", ".join(f"{a}–{b}" for a, b in spans[:3])
     elif any(e.kind in ("request", "token") for e in mine):
@@ -60,19 +62,17 @@ def _lanes(intervals: list[tuple[float, float]]) -> tuple[list[int], int]:
     lanes = [0] * len(intervals)
     for i in sorted(range(len(intervals)), key=lambda i: intervals[i]):
         start, end = intervals[i]
-        for lane, last in enumerate(ends):
-            if last <= start:
-                break
-        else:
-            lane = len(ends)
+        lane = next((k for k, last in enumerate(ends) if last <= start), len(ends))
+        if lane == len(ends):
             ends.append(end)
         ends[lane] = end
         lanes[i] = lane
     return lanes, max(len(ends), 1)
 
 
-def plot_timeline(db_paths: Sequence[Path | str], out_png: Path | str, *,
-                  title: str | None = None) -> dict[str, Any]:  # fmt: skip
+def plot_timeline(
+    db_paths: Sequence[Path | str], out_png: Path | str, *, title: str | None = None
+) -> dict[str, Any]:
     """Draw the merged timeline of `db_paths` into `out_png`; return what was drawn."""
     import matplotlib
 
@@ -96,23 +96,47 @@ def plot_timeline(db_paths: Sequence[Path | str], out_png: Path | str, *,
         for e, width, lane in zip(mine, widths, lanes):
             colour = SESSION_COLOURS[sessions.setdefault(e.session, len(sessions)) % len(SESSION_COLOURS)]
             y = row[peer] - BAR_HEIGHT / 2 + lane * height
-            ax.broken_barh([(e.start, width)], (y, height), facecolors=colour, edgecolors="white", linewidth=0.4)
+            ax.broken_barh(
+                [(e.start, width)], (y, height), facecolors=colour, edgecolors="white", linewidth=0.4
+            )
             if e.step is not None and width > span / 80:
-                ax.text(e.start + width / 2, y + height / 2, str(e.step), ha="center", va="center",
-                        fontsize=7 if n_lanes == 1 else 6, color="white")  # fmt: skip
+                ax.text(
+                    e.start + width / 2,
+                    y + height / 2,
+                    str(e.step),
+                    ha="center",
+                    va="center",
+                    fontsize=7 if n_lanes == 1 else 6,
+                    color="white",
+                )
     for push, receive in timeline.pairs:
         ax.annotate(
-            "", xy=(receive.t, row[receive.peer]), xytext=(push.t, row[push.peer]),
-            arrowprops={"arrowstyle": "-|>", "color": "#555555", "lw": 0.7, "alpha": 0.7,
-                        "shrinkA": 0, "shrinkB": 0},
-        )  # fmt: skip
+            "",
+            xy=(receive.t, row[receive.peer]),
+            xytext=(push.t, row[push.peer]),
+            arrowprops={
+                "arrowstyle": "-|>",
+                "color": "#555555",
+                "lw": 0.7,
+                "alpha": 0.7,
+                "shrinkA": 0,
+                "shrinkB": 0,
+            },
+        )
     drawn_markers = set()
     for e in timeline.events:
         if e.kind in MARKERS:
             marker, colour = MARKERS[e.kind]
             y = row[e.peer] if e.kind == "token" else row[e.peer] - BAR_HEIGHT / 2 - 0.12
-            ax.scatter([e.t], [y], marker=marker, color=colour, s=36, zorder=5,
-                       label=e.kind if e.kind not in drawn_markers else None)  # fmt: skip
+            ax.scatter(
+                [e.t],
+                [y],
+                marker=marker,
+                color=colour,
+                s=36,
+                zorder=5,
+                label=e.kind if e.kind not in drawn_markers else None,
+            )
             drawn_markers.add(e.kind)
     ax.set_yticks(range(len(peers)), [_row_label(p, timeline.events) for p in peers], fontsize=9)
     ax.set_ylim(len(peers) - 0.45, -0.75)  # first peer on top
@@ -121,18 +145,31 @@ def plot_timeline(db_paths: Sequence[Path | str], out_png: Path | str, *,
     ax.grid(axis="x", color="#e0e0e0", linewidth=0.6)
     ax.set_axisbelow(True)
     ax.set_title(
-        title or f"Tessera timeline: {len(peers)} peers, {len(forwards)} forward steps, "
+        title
+        or f"Tessera timeline: {len(peers)} peers, {len(forwards)} forward steps, "
         f"{len(timeline.pairs)} pushes",
         fontsize=11,
     )
-    handles = [Patch(color=SESSION_COLOURS[i % len(SESSION_COLOURS)], label=f"session {(s or '-')[:8]}")
-               for s, i in list(sessions.items())[:6]]  # fmt: skip
+    handles = [
+        Patch(color=SESSION_COLOURS[i % len(SESSION_COLOURS)], label=f"session {(s or '-')[:8]}")
+        for s, i in list(sessions.items())[:6]
+    ]
     marker_handles, _ = ax.get_legend_handles_labels()
     if handles or marker_handles:
-        ax.legend(handles=handles + marker_handles, loc="upper left", bbox_to_anchor=(1.005, 1.0),
-                  fontsize=8, frameon=False)  # fmt: skip
+        ax.legend(
+            handles=handles + marker_handles,
+            loc="upper left",
+            bbox_to_anchor=(1.005, 1.0),
+            fontsize=8,
+            frameon=False,
+        )
     fig.tight_layout()
     fig.savefig(out_png)
     plt.close(fig)
-    return {"peers": peers, "forward_steps": len(forwards), "pushes": len(timeline.pairs),
-            "sessions": len(sessions), "non_causal": timeline.non_causal}  # fmt: skip
+    return {
+        "peers": peers,
+        "forward_steps": len(forwards),
+        "pushes": len(timeline.pairs),
+        "sessions": len(sessions),
+        "non_causal": timeline.non_causal,
+    }

@@ -191,8 +191,7 @@ def migrate(db: Database, *, now: float | None = None) -> int:
     target = current_version()
     with transaction(db):
         db.execute(
-            "CREATE TABLE IF NOT EXISTS schema_version ("
-            "version INTEGER PRIMARY KEY, applied REAL NOT NULL)"
+            "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER PRIMARY KEY, applied REAL NOT NULL)"
         )
         found = db_version(db)
         if found > target:

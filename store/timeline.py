@@ -44,8 +44,21 @@ from .errors import NotATraceDatabase
 # after its push once aligned (a loopback hop takes tens of microseconds; this is one).
 MIN_DELAY_S = 1e-6
 
-COLUMNS = ("id", "mono_ns", "wall", "peer", "kind", "session", "step", "span_start",
-           "span_end", "bytes", "duration", "remote", "detail")  # fmt: skip
+COLUMNS = (
+    "id",
+    "mono_ns",
+    "wall",
+    "peer",
+    "kind",
+    "session",
+    "step",
+    "span_start",
+    "span_end",
+    "bytes",
+    "duration",
+    "remote",
+    "detail",
+)
 
 
 @dataclass
@@ -157,8 +170,9 @@ def _shortest(n: int, edges: dict[tuple[int, int], float], source: int) -> list[
     return dist
 
 
-def estimate_offsets(n: int, pairs: Sequence[tuple[Event, Event]],
-                     labels: Sequence[tuple]) -> tuple[dict[int, float], int | None]:  # fmt: skip
+def estimate_offsets(
+    n: int, pairs: Sequence[tuple[Event, Event]], labels: Sequence[tuple]
+) -> tuple[dict[int, float], int | None]:
     """Clock offset of each of `n` databases relative to a reference (see the module docstring).
 
     `labels[i]` orders databases for the choice of reference. Returns (offsets, reference).

@@ -123,8 +123,12 @@ def make_row(kind: str, peer: str, fields: dict[str, Any]) -> tuple:
         ints.append(value)
     duration = get("duration")
     if duration is not None:
-        if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not duration >= 0 \
-                or not math.isfinite(duration):
+        if (
+            isinstance(duration, bool)
+            or not isinstance(duration, (int, float))
+            or not duration >= 0
+            or not math.isfinite(duration)
+        ):
             raise _bad(kind, "duration", duration, "a finite number of seconds >= 0")
         duration = float(duration)
     remote = get("remote")
@@ -183,8 +187,9 @@ class TraceWriter(_Closing):
     of its own interval and this one.
     """
 
-    def __init__(self, store_or_path: PeerStore | Path | str, *, peer: str,
-                 flush_interval: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, store_or_path: PeerStore | Path | str, *, peer: str, flush_interval: float | None = None
+    ) -> None:
         if not isinstance(peer, str) or not peer:
             raise BadTraceField(f"peer must be a non-empty str, got {peer!r}")
         self.peer = peer

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -55,9 +56,19 @@ DEFAULT_FLUSH_INTERVAL_S = 0.25
 FLUSH_TIMEOUT_S = 30.0
 
 TRACE_COLUMNS = (
-    "mono_ns", "wall", "peer", "kind", "session", "step", "span_start", "span_end",
-    "bytes", "duration", "remote", "detail",
-)  # fmt: skip
+    "mono_ns",
+    "wall",
+    "peer",
+    "kind",
+    "session",
+    "step",
+    "span_start",
+    "span_end",
+    "bytes",
+    "duration",
+    "remote",
+    "detail",
+)
 TRACE_INSERT = "INSERT INTO trace ({}) VALUES ({})".format(
     ", ".join(TRACE_COLUMNS), ", ".join("?" * len(TRACE_COLUMNS))
 )
@@ -104,11 +115,17 @@ def apply_items(db: Database, items: list[Item]) -> None:
 class BatchWriter:
     """Owns `db` (a write connection) and writes what is submitted, off the caller's thread."""
 
-    def __init__(self, db: Database, *, flush_interval: float = DEFAULT_FLUSH_INTERVAL_S,
-                 name: str = "tessera-store-writer") -> None:  # fmt: skip
+    def __init__(
+        self,
+        db: Database,
+        *,
+        flush_interval: float = DEFAULT_FLUSH_INTERVAL_S,
+        name: str = "tessera-store-writer",
+    ) -> None:
         if not flush_interval > 0:
             raise ValueError(f"flush_interval must be > 0, got {flush_interval!r}")
         self.db = db
+        self._pid = os.getpid()  # a forked child must never touch this connection
         self.flush_interval = float(flush_interval)
         self.batches = 0  # transactions committed
         self.written = 0  # items committed
@@ -158,16 +175,20 @@ class BatchWriter:
             target = self._submitted
             self._urgent = True
             self._cond.notify_all()
-            ok = self._cond.wait_for(
-                lambda: self._done >= target or not self._thread.is_alive(), timeout
-            )
+            ok = self._cond.wait_for(lambda: self._done >= target or not self._thread.is_alive(), timeout)
             if not ok or self._done < target:
                 raise FlushTimeout(
                     f"{target - self._done!r} queued writes did not reach the disk in {timeout!r} s"
                 )
 
     def close(self, timeout: float = FLUSH_TIMEOUT_S) -> None:
-        """Write what is queued, stop the thread and close the connection. Idempotent."""
+        """Write what is queued, stop the thread and close the connection. Idempotent.
+
+        In a forked child this does nothing: the thread did not survive the fork, and closing
+        the inherited connection could checkpoint the parent's WAL under its feet.
+        """
+        if os.getpid() != self._pid:
+            return
         with self._cond:
             if self._closing and not self._thread.is_alive():
                 return

@@ -7,10 +7,17 @@ import sqlite3
 import pytest
 
 from store import schema
-from store.db import BAN_BASE_S, MAX_REPORT_BYTES, Ban, PeerStore, hour_bucket
+from store.db import PeerStore, hour_bucket
 from store.errors import (
-    BadRecord, NotJSON, ReadOnlyStore, ReportTooLarge, SchemaMismatch, SchemaTooNew, StoreClosed,
-)  # fmt: skip
+    BadRecord,
+    NotJSON,
+    ReadOnlyStore,
+    ReportTooLarge,
+    SchemaMismatch,
+    SchemaTooNew,
+    StoreClosed,
+)
+from store.reputation import BAN_BASE_S, MAX_REPORT_BYTES, Ban
 
 
 @pytest.fixture
@@ -25,8 +32,17 @@ def test_fresh_database_is_wal_versioned_and_has_every_table(tmp_path):
     conn = sqlite3.connect(path)
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    assert {"schema_version", "identity", "settings", "claims", "sessions", "ledger", "bans",
-            "reports", "trace"} <= tables  # fmt: skip
+    assert {
+        "schema_version",
+        "identity",
+        "settings",
+        "claims",
+        "sessions",
+        "ledger",
+        "bans",
+        "reports",
+        "trace",
+    } <= tables
     assert conn.execute("SELECT max(version) FROM schema_version").fetchone()[0] == schema.current_version()
 
 
@@ -43,8 +59,12 @@ def test_identity_and_settings_round_trip(store):
     assert store.get_setting("max_memory") == 4 * 2**30
     assert store.get_setting("nothing", "default") is None  # a stored None is a value
     assert store.get_setting("absent", "default") == "default"
-    assert store.settings() == {"max_memory": 4 * 2**30, "name": "attic box", "nothing": None,
-                                "nested": {"a": [1, 2.5, "x"]}}  # fmt: skip
+    assert store.settings() == {
+        "max_memory": 4 * 2**30,
+        "name": "attic box",
+        "nothing": None,
+        "nested": {"a": [1, 2.5, "x"]},
+    }
     store.set_setting("name", "garage box")
     store.delete_setting("nested")
     assert store.get_setting("name") == "garage box" and store.get_setting("nested") is None
@@ -59,13 +79,21 @@ def test_claims_history_and_current_claims(store):
     store.record_claim("m1", (10, 20), shard=(1, 2), action="release", reason="drain", at=4.0)
     history = store.claims()
     assert [(c["action"], c["span_start"], c["span_end"]) for c in history] == [
-        ("claim", 0, 10), ("claim", 10, 20), ("move", 20, 30), ("release", 10, 20)]  # fmt: skip
+        ("claim", 0, 10),
+        ("claim", 10, 20),
+        ("move", 20, 30),
+        ("release", 10, 20),
+    ]
     assert history[1]["shard_index"] == 1 and history[1]["shard_count"] == 2
     assert history[2]["reason"] == "rebalance" and history[2]["moved_from_start"] == 0
     assert [c["action"] for c in store.claims(limit=2)] == ["move", "release"]
     assert [(c["span_start"], c["span_end"]) for c in store.current_claims()] == [(20, 30)]
-    for bad in [dict(span=(5, 5)), dict(span=(-1, 3)), dict(span=(0, 3), action="steal"),
-                dict(span=(0, 3), shard=(2, 2))]:  # fmt: skip
+    for bad in [
+        dict(span=(5, 5)),
+        dict(span=(-1, 3)),
+        dict(span=(0, 3), action="steal"),
+        dict(span=(0, 3), shard=(2, 2)),
+    ]:
         with pytest.raises(BadRecord):
             store.record_claim("m1", **bad)
 
@@ -102,8 +130,12 @@ def test_ledger_accumulates_per_requester_per_hour(store):
     assert summary["total"] == {"layer_tokens": 620, "steps": 5, "bytes": 2010}
     assert summary["today"] == {"layer_tokens": 560, "steps": 3, "bytes": 10}
     assert list(summary["by_requester"]) == ["bob", "alice"]  # biggest contribution first
-    assert summary["by_requester"]["alice"] == {"layer_tokens": 120, "steps": 4, "bytes": 2010,
-                                                "last_hour": base + 3600}  # fmt: skip
+    assert summary["by_requester"]["alice"] == {
+        "layer_tokens": 120,
+        "steps": 4,
+        "bytes": 2010,
+        "last_hour": base + 3600,
+    }
     assert hour_bucket(base + 3599.9) == base
     with pytest.raises(BadRecord):
         store.add_ledger("alice", -1)
@@ -129,11 +161,30 @@ def test_bans_back_off_exponentially_and_are_forgiven(store):
 
 
 def test_reports_round_trip(store):
-    store.add_report("12D3KooWA", "12D3KooWB", span=(3, 9), step=17, inputs_hash=b"\x01" * 32,
-                     outputs_hash="ff" * 32, signature=b"\x07" * 64, raw=b"\xa1cbor", session=b"\x5e",
-                     model_id="m1", verified=True, received=50.0)  # fmt: skip
-    store.add_report("12D3KooWC", "12D3KooWB", span=None, step=None, inputs_hash=None, outputs_hash=None,
-                     signature=None, received=60.0)  # fmt: skip
+    store.add_report(
+        "12D3KooWA",
+        "12D3KooWB",
+        span=(3, 9),
+        step=17,
+        inputs_hash=b"\x01" * 32,
+        outputs_hash="ff" * 32,
+        signature=b"\x07" * 64,
+        raw=b"\xa1cbor",
+        session=b"\x5e",
+        model_id="m1",
+        verified=True,
+        received=50.0,
+    )
+    store.add_report(
+        "12D3KooWC",
+        "12D3KooWB",
+        span=None,
+        step=None,
+        inputs_hash=None,
+        outputs_hash=None,
+        signature=None,
+        received=60.0,
+    )
     newest, oldest = store.reports(accused="12D3KooWB")
     assert newest["reporter"] == "12D3KooWC" and newest["verified"] is None
     assert oldest["verified"] is True and oldest["raw"] == b"\xa1cbor" and oldest["signature"] == b"\x07" * 64
@@ -141,8 +192,16 @@ def test_reports_round_trip(store):
     assert (oldest["span_start"], oldest["span_end"], oldest["step"], oldest["session"]) == (3, 9, 17, "5e")
     assert store.reports(accused="nobody") == []
     with pytest.raises(ReportTooLarge):
-        store.add_report("a", "b", span=None, step=None, inputs_hash=None, outputs_hash=None,
-                         signature=None, raw=b"x" * (MAX_REPORT_BYTES + 1))  # fmt: skip
+        store.add_report(
+            "a",
+            "b",
+            span=None,
+            step=None,
+            inputs_hash=None,
+            outputs_hash=None,
+            signature=None,
+            raw=b"x" * (MAX_REPORT_BYTES + 1),
+        )
 
 
 def test_reads_see_writes_made_before_them_without_explicit_flush(tmp_path):
@@ -190,7 +249,9 @@ def test_old_database_migrates_forward(tmp_path, monkeypatch):
         assert s.get_setting("kept") is True
     with PeerStore(path) as s:  # reopening does not migrate twice
         assert s.schema_version == 2
-    versions = [r[0] for r in sqlite3.connect(path).execute("SELECT version FROM schema_version ORDER BY version")]
+    versions = [
+        r[0] for r in sqlite3.connect(path).execute("SELECT version FROM schema_version ORDER BY version")
+    ]
     assert versions == [1, 2]
 
 

@@ -67,9 +67,16 @@ N_FORWARDS = 2 * STEPS * len(SESSIONS)
 
 def _pairs_in_order(records: list[dict]) -> list[tuple[int, int]]:
     """(index of push, index of receive) for every receive in `records`."""
-    push_at = {(r["peer"], r["remote"], r["session"], r["step"]): i for i, r in enumerate(records) if r["kind"] == "push"}
-    return [(push_at[(r["remote"], r["peer"], r["session"], r["step"])], i)
-            for i, r in enumerate(records) if r["kind"] == "receive"]  # fmt: skip
+    push_at = {
+        (r["peer"], r["remote"], r["session"], r["step"]): i
+        for i, r in enumerate(records)
+        if r["kind"] == "push"
+    }
+    return [
+        (push_at[(r["remote"], r["peer"], r["session"], r["step"])], i)
+        for i, r in enumerate(records)
+        if r["kind"] == "receive"
+    ]
 
 
 def test_raw_clocks_are_not_causal(swarm):
@@ -100,7 +107,15 @@ def test_jsonl_merge_is_causal_and_recovers_the_skew(swarm, tmp_path):
     assert offsets[A] - offsets[REQ] == pytest.approx(SKEW[A] - SKEW[REQ], abs=0.0075)
     assert offsets[B] - offsets[REQ] == pytest.approx(SKEW[B] - SKEW[REQ], abs=0.0075)
     assert summary["clock_offsets_s"][summary["reference"]] == 0.0
-    assert {r["kind"] for r in records} >= {"join", "connect", "push", "receive", "forward", "token", "failover"}
+    assert {r["kind"] for r in records} >= {
+        "join",
+        "connect",
+        "push",
+        "receive",
+        "forward",
+        "token",
+        "failover",
+    }
 
 
 def test_the_merge_does_not_depend_on_argument_order(swarm, tmp_path):
@@ -108,7 +123,9 @@ def test_the_merge_does_not_depend_on_argument_order(swarm, tmp_path):
     two = export_jsonl(list(reversed(swarm.values())), tmp_path / "2.jsonl")
     assert one["reference"] == two["reference"]
     assert one["clock_offsets_s"] == two["clock_offsets_s"]
-    strip = lambda p: [(r["peer"], r["kind"], r["id"], r["t"]) for r in map(json.loads, p.read_text().splitlines())]  # noqa: E731
+    strip = lambda p: [
+        (r["peer"], r["kind"], r["id"], r["t"]) for r in map(json.loads, p.read_text().splitlines())
+    ]  # noqa: E731
     assert strip(tmp_path / "1.jsonl") == strip(tmp_path / "2.jsonl")
 
 
@@ -118,7 +135,9 @@ def test_perfetto_export_validates_with_tracks_slices_and_flows(swarm, tmp_path)
     obj = json.loads(out.read_text())
     assert validate_perfetto(obj) == []
     events = obj["traceEvents"]
-    names = {ev["pid"]: ev["args"]["name"] for ev in events if ev["ph"] == "M" and ev["name"] == "process_name"}
+    names = {
+        ev["pid"]: ev["args"]["name"] for ev in events if ev["ph"] == "M" and ev["name"] == "process_name"
+    }
     assert sorted(names.values()) == sorted(f"peer {p}" for p in SKEW)
     assert {ev["pid"] for ev in events} == set(names)  # one process (track group) per peer
     pid_of = {name.removeprefix("peer "): pid for pid, name in names.items()}
@@ -126,7 +145,8 @@ def test_perfetto_export_validates_with_tracks_slices_and_flows(swarm, tmp_path)
     assert len(forwards) == N_FORWARDS
     assert summary["slices"] == N_FORWARDS + 2 * N_PAIRS + 2  # + pushes, receives, 2 request ends
     assert {(pid_of[A], s, k) for s in SESSIONS for k in range(STEPS)} <= {
-        (ev["pid"], ev["args"]["session"], ev["args"]["step"]) for ev in forwards}  # fmt: skip
+        (ev["pid"], ev["args"]["session"], ev["args"]["step"]) for ev in forwards
+    }
     # Two sessions overlap on A's compute: Perfetto needs them on two lanes.
     assert len({ev["tid"] for ev in forwards if ev["pid"] == pid_of[A]}) == 2
     starts = {ev["id"]: ev for ev in events if ev["ph"] == "s"}
@@ -143,7 +163,9 @@ def test_perfetto_export_validates_with_tracks_slices_and_flows(swarm, tmp_path)
 def _broken(obj: dict, how: str) -> dict:
     obj = copy.deepcopy(obj)
     events = obj["traceEvents"]
-    first = lambda ph, **kw: next(ev for ev in events if ev["ph"] == ph and all(ev.get(k) == v for k, v in kw.items()))  # noqa: E731
+    first = lambda ph, **kw: next(
+        ev for ev in events if ev["ph"] == ph and all(ev.get(k) == v for k, v in kw.items())
+    )  # noqa: E731
     if how == "missing flow finish":
         events.remove(first("f"))
     elif how == "negative duration":
@@ -168,9 +190,20 @@ def _broken(obj: dict, how: str) -> dict:
     return obj
 
 
-@pytest.mark.parametrize("how", ["missing flow finish", "negative duration", "seconds since epoch", "ts as string",
-                                 "unnamed process", "overlapping slices", "flow outside any slice",
-                                 "unknown phase", "no events list"])  # fmt: skip
+@pytest.mark.parametrize(
+    "how",
+    [
+        "missing flow finish",
+        "negative duration",
+        "seconds since epoch",
+        "ts as string",
+        "unnamed process",
+        "overlapping slices",
+        "flow outside any slice",
+        "unknown phase",
+        "no events list",
+    ],
+)
 def test_validate_perfetto_catches_a_broken_trace(swarm, how):
     obj = to_perfetto(load_timeline(list(swarm.values())))
     assert validate_perfetto(obj) == []
@@ -179,8 +212,18 @@ def test_validate_perfetto_catches_a_broken_trace(swarm, how):
 
 
 def _event(db: int, kind: str, wall: float, **kw) -> Event:
-    base = dict(id=0, mono_ns=0, peer=f"p{db}", session="aa", step=0, span_start=None, span_end=None,
-                bytes=None, duration=None, detail={})  # fmt: skip
+    base = dict(
+        id=0,
+        mono_ns=0,
+        peer=f"p{db}",
+        session="aa",
+        step=0,
+        span_start=None,
+        span_end=None,
+        bytes=None,
+        duration=None,
+        detail={},
+    )
     return Event(db=db, kind=kind, wall=wall, **{**base, **kw})
 
 
@@ -197,8 +240,13 @@ def test_two_way_pairs_give_the_ntp_estimate_and_lonely_peers_keep_zero():
 
 
 def test_one_way_link_assumes_the_fastest_message_was_instant():
-    pairs = [(_event(0, "push", 100.0 + i, remote="p1"), _event(1, "receive", 100.0 + i - 3 + 0.002 + i / 100, remote="p0"))
-             for i in range(3)]  # fmt: skip
+    pairs = [
+        (
+            _event(0, "push", 100.0 + i, remote="p1"),
+            _event(1, "receive", 100.0 + i - 3 + 0.002 + i / 100, remote="p0"),
+        )
+        for i in range(3)
+    ]
     offsets, _ = estimate_offsets(2, pairs, [("p0",), ("p1",)])
     assert offsets[1] == pytest.approx(-3 + 0.002 - 1e-6, abs=1e-9)
 

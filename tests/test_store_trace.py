@@ -35,13 +35,25 @@ def _count(path: Path) -> int:
 def test_every_field_round_trips(tmp_path):
     path = tmp_path / "t.db"
     with TraceWriter(path, peer="12D3KooWA") as tracer:
-        tracer.emit("forward", session=b"\xbe\xef", step=3, span=(0, 15), bytes=2304, duration=0.012,
-                    detail={"batch": 1})  # fmt: skip
+        tracer.emit(
+            "forward",
+            session=b"\xbe\xef",
+            step=3,
+            span=(0, 15),
+            bytes=2304,
+            duration=0.012,
+            detail={"batch": 1},
+        )
         tracer.emit("connect", remote="12D3KooWB", detail={"kind": "punched"}, mono_ns=42, wall=1234.5)
         tracer.emit("join", peer="12D3KooWSim")  # a simulation writes several peers into one db
     with PeerStore(path, readonly=True) as store:
         forward, connect, join = store.events()
-    assert (forward["peer"], forward["kind"], forward["session"], forward["step"]) == ("12D3KooWA", "forward", "beef", 3)
+    assert (forward["peer"], forward["kind"], forward["session"], forward["step"]) == (
+        "12D3KooWA",
+        "forward",
+        "beef",
+        3,
+    )
     assert (forward["span_start"], forward["span_end"], forward["bytes"]) == (0, 15, 2304)
     assert forward["duration"] == pytest.approx(0.012) and forward["detail"] == {"batch": 1}
     assert abs(forward["wall"] - time.time()) < 60 and forward["mono_ns"] > 0
@@ -100,7 +112,9 @@ def test_events_from_many_threads_all_land(tmp_path):
     conn = sqlite3.connect(path)
     rows = conn.execute("SELECT peer, step, id FROM trace ORDER BY id").fetchall()
     assert len(rows) == threads * per_thread
-    assert {(p, s) for p, s, _ in rows} == {(f"thread{k}", i) for k in range(threads) for i in range(per_thread)}
+    assert {(p, s) for p, s, _ in rows} == {
+        (f"thread{k}", i) for k in range(threads) for i in range(per_thread)
+    }
     for k in range(threads):  # each thread's events keep their order
         steps = [s for p, s, _ in rows if p == f"thread{k}"]
         assert steps == sorted(steps)
@@ -121,6 +135,18 @@ def test_writer_waits_for_the_interval_then_writes_without_being_asked(tmp_path)
         while _count(fast) == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert _count(fast) == 1  # written by the periodic flush, no flush() call
+
+
+def test_a_tracer_on_a_shared_store_flushes_only_and_tightens_the_interval(tmp_path):
+    with PeerStore(tmp_path / "t.db", flush_interval=1.0) as store:
+        tracer = TraceWriter(store, peer="p", flush_interval=0.1)
+        assert store.writer.flush_interval == 0.1
+        TraceWriter(store, peer="q", flush_interval=5.0)
+        assert store.writer.flush_interval == 0.1
+        tracer.emit("join")
+        tracer.close()  # flushes; the store stays open for its owner
+        assert [e["peer"] for e in store.events()] == ["p"]
+        store.set_setting("still", "open")
 
 
 def test_events_are_batched_one_transaction_per_interval(tmp_path):
@@ -186,8 +212,9 @@ while True:
 def test_kill_9_loses_at_most_the_last_second(tmp_path):
     path = tmp_path / "victim.db"
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(path)], cwd=REPO, env=env,
-                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(path)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout.readline().strip() == "ready"
         time.sleep(2.0)
