@@ -95,7 +95,7 @@ class Timeline:
     """The merged, aligned events of several databases."""
 
     paths: list[Path]
-    events: list[Event]  # sorted by (t, db, id)
+    events: list[Event]  # sorted by aligned time (ties: by database label, then id)
     offsets: dict[int, float]  # db index -> seconds its clock read ahead of the reference
     reference: int | None  # db index whose clock is taken as true (None: no events)
     origin: float  # unix time (reference clock) of t = 0
@@ -251,12 +251,14 @@ def load_timeline(db_paths: Sequence[Path | str]) -> Timeline:
     per_db = [read_events(p, i) for i, p in enumerate(paths)]
     events = [e for evs in per_db for e in evs]
     pairs = match_pairs(events)
-    offsets, reference = estimate_offsets(len(paths), pairs, [_label(e, p) for e, p in zip(per_db, paths)])
+    labels = [_label(e, p) for e, p in zip(per_db, paths)]
+    offsets, reference = estimate_offsets(len(paths), pairs, labels)
+    rank = {db: r for r, db in enumerate(sorted(range(len(paths)), key=lambda i: labels[i]))}
     if not events:
         return Timeline(paths, [], offsets, None, 0.0, pairs)
     origin = min(e.wall - offsets[e.db] - (e.duration or 0.0) for e in events)
     for e in events:
         e.t = (e.wall - origin) - offsets[e.db]
-    events.sort(key=lambda e: (e.t, e.db, e.id))
+    events.sort(key=lambda e: (e.t, rank[e.db], e.id))  # ties: not by argument order
     non_causal = sum(1 for push, receive in pairs if receive.t <= push.t)
     return Timeline(paths, events, offsets, reference, origin, pairs, non_causal)
