@@ -49,6 +49,7 @@ from protocol.messages import SEALED_KEY_BOX_SIZE, SealedKey
 from protocol.schema import INT64_MAX
 
 NONCE_SIZE = sodium.crypto_aead_xchacha20poly1305_ietf_NPUBBYTES
+TAG_SIZE = sodium.crypto_aead_xchacha20poly1305_ietf_ABYTES
 MAX_COUNTER = INT64_MAX
 """A link may send this many frames; at one per millisecond that is 292 million years."""
 
@@ -189,6 +190,8 @@ class LinkCipher:
                 f"link {self.link_id!r}: frame counter {counter!r} is not above the last accepted {self._accepted!r}"
             )
         ad = self._ad(step, counter, header)
+        if len(ciphertext) < TAG_SIZE:
+            raise DecryptionFailed(f"link {self.link_id!r}: ciphertext of {len(ciphertext)!r} bytes is shorter than a tag")
         try:
             plaintext = sodium.crypto_aead_xchacha20poly1305_ietf_decrypt(
                 bytes(ciphertext), ad, self._nonce(counter), key

@@ -58,12 +58,6 @@ _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _ALIGN = 8
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
-# torch.frombuffer warns (once per process) when the buffer is read-only, as `bytes`
-# always is. Here that is expected and documented (see decode_tensor), so the warning
-# is silenced for calls made from this module only; user code still gets it.
-warnings.filterwarnings(
-    "ignore", message="The given buffer is not writable", category=UserWarning, module=r"protocol\.tensors\Z"
-)
 
 
 @dataclass(frozen=True)
@@ -154,9 +148,9 @@ def decode_tensor(
         )
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    if dtype is torch.bool and int(torch.frombuffer(view, dtype=torch.uint8, count=numel, offset=pos).max()) > 1:
+    if dtype is torch.bool and int(_frombuffer(view, torch.uint8, numel, pos).max()) > 1:
         raise InvalidBoolean(f"bool tensor of shape {shape!r} holds bytes other than 0 and 1")
-    t = torch.frombuffer(view, dtype=dtype, count=numel, offset=pos)
+    t = _frombuffer(view, dtype, numel, pos)
     if t.data_ptr() % itemsize or (writable and view.readonly):
         t = t.clone()
     if not _LITTLE_ENDIAN:
@@ -183,6 +177,18 @@ def check_finite(t: torch.Tensor, *, what: str = "tensor") -> None:
         f"{what}: {int(bad.sum())!r} of {t.numel()!r} values are NaN or infinite; "
         f"first at flat index {first!r} = {t.reshape(-1)[first].item()!r}"
     )
+
+
+def _frombuffer(view: memoryview, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
+    if not view.readonly:
+        return torch.frombuffer(view, dtype=dtype, count=count, offset=offset)
+    # torch warns (once per process) that it cannot protect a read-only buffer. Here
+    # that is expected and documented (decode_tensor), so the warning is silenced for
+    # this call only. (catch_warnings swaps the global filter list; if threads race
+    # here, the worst case is that this one narrow filter outlives the call.)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        return torch.frombuffer(view, dtype=dtype, count=count, offset=offset)
 
 
 def _expect(view: memoryview, pos: int, major: int, what: str) -> tuple[int, int]:
