@@ -110,14 +110,20 @@ class SessionOpen:
         requester: the requester's libp2p peer id (bytes), where results and errors go.
         ephemeral_public: the requester's X25519 public key for this session only;
             every SealedKey here was sealed with its private half.
-        in_key: the key of the link into this peer (from the previous hop).
+        in_key: the key of the link into this peer (from the previous hop, or from
+            the requester if this peer is first).
         out_key: the key of the link out of this peer (to the next hop, or to the
             requester if this is the last peer).
         next_peer: peer id of the next hop; None if this peer sends its results
             straight to the requester.
         next_addrs: multiaddrs where the next hop may be dialled (may be empty).
         tap_key: optional key of a tap link from this peer to the requester (a copy
-            of this peer's output, e.g. for verifying a span).
+            of this peer's output, which the requester keeps to rebuild a
+            replacement's cache after a failure, and to verify the span).
+        prev_peer: peer id of the previous hop, the only peer allowed to open the
+            in_key link; None if the requester itself feeds this peer.
+        inject_key: optional key of a link from the requester straight to this
+            peer (used to replay inputs into a replacement, or to spot-check it).
     """
 
     session_id: bytes = wire(size=SESSION_ID_SIZE)
@@ -131,6 +137,8 @@ class SessionOpen:
     next_peer: bytes | None = wire(max_len=MAX_PEER_ID_SIZE)
     next_addrs: tuple[str, ...] = wire(max_items=MAX_ADDRS, max_len=MAX_ADDR_LEN)
     tap_key: SealedKey | None = None
+    prev_peer: bytes | None = wire(default=None, max_len=MAX_PEER_ID_SIZE)
+    inject_key: SealedKey | None = None
 
     def __post_init__(self) -> None:
         if self.start >= self.end:
@@ -194,8 +202,10 @@ class Forward:
         counter: the link's frame counter (strictly increasing; replay defence).
         start_pos: position of the first token of this step.
         n_tokens: how many tokens (rows of hidden states) this step carries.
-        stop_layer: the receiving peer computes layers up to (not including) this
-            one, at most its span's end; lets a requester split a span.
+        stop_layer: the layer where this step ends: the peer whose span ends at or
+            beyond it sends its output back to the requester (as a tap) instead of
+            pushing it on. The model's layer count for a normal step; a span's end
+            when a failover replays inputs into replacement peers only.
         payload: XChaCha20-Poly1305 ciphertext of an encoded tensor
             (`protocol.tensors.encode_tensor`).
     """
@@ -252,6 +262,7 @@ class Relink:
         next_addrs: where the next hop may be dialled.
         out_key: key of the new outgoing link, if it changed.
         in_key: key of the new incoming link, if it changed.
+        prev_peer: the peer that will feed the new incoming link (None: the requester).
     """
 
     session_id: bytes = wire(size=SESSION_ID_SIZE)
@@ -259,6 +270,7 @@ class Relink:
     next_addrs: tuple[str, ...] = wire(max_items=MAX_ADDRS, max_len=MAX_ADDR_LEN)
     out_key: SealedKey | None = None
     in_key: SealedKey | None = None
+    prev_peer: bytes | None = wire(default=None, max_len=MAX_PEER_ID_SIZE)
 
 
 @message("cancel")

@@ -59,7 +59,8 @@ class PeerRecord:
         end: one past the last layer of the claimed span.
         shard_index: which tensor shard of the span this peer holds, in [0, shard_count).
         shard_count: how many shards the span is split into (1: not sharded).
-        throughput: measured tokens per second through the span.
+        throughput: measured decode speed through ONE layer of the span, tokens/s
+            (a span of n layers runs a token in n / throughput seconds).
         free_memory: bytes of accelerator (or host) memory still free.
         load: fraction of capacity in use (0 idle, 1 full; may exceed 1 when queueing).
         max_sessions: most concurrent sessions the peer accepts.
