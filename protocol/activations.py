@@ -18,18 +18,28 @@ from typing import TypeVar
 
 import torch
 
-from protocol.codec import encode
+from protocol import cbor
+from protocol.codec import PROTOCOL_VERSION
 from protocol.errors import WrongLink
 from protocol.links import LinkCipher
 from protocol.messages import Forward, Result
+from protocol.schema import schema_of
 from protocol.tensors import DEFAULT_LIMITS, TensorLimits, decode_tensor, encode_tensor
 
 StepMessage = TypeVar("StepMessage", Forward, Result)
 
 
 def clear_header(msg: Forward | Result) -> bytes:
-    """The bytes of `msg`'s clear fields that the AEAD binds (counter and payload blanked)."""
-    return encode(dataclasses.replace(msg, counter=0, payload=b""))
+    """The bytes of `msg`'s clear fields that the AEAD binds: its encoding with
+    counter 0 and an empty payload (built from the field map, without a copy of msg).
+
+    Raises:
+        MalformedMessage: a field of `msg` is invalid.
+    """
+    node = schema_of(type(msg))
+    fields = node.dump(msg)
+    fields["counter"], fields["payload"] = 0, b""
+    return cbor.dumps([PROTOCOL_VERSION, node.tag, fields])
 
 
 def seal_activations(cipher: LinkCipher, template: StepMessage, tensor: torch.Tensor) -> StepMessage:

@@ -34,7 +34,7 @@ import torch
 from protocol import schema
 from protocol.activations import clear_header, open_activations, seal_activations
 from protocol.codec import decode, encode
-from protocol.crypto import sign_record, verify_record
+from protocol.crypto import RECORD_CONTEXT, sign_record, verify_record
 from protocol.errors import EndOfStream, InconsistentFields, WireError
 from protocol.framing import FrameDecoder, encode_frame, read_frame
 from protocol.keys import EphemeralKey, Identity
@@ -328,6 +328,11 @@ def build_targets(seed: int = 0) -> list[Target]:
     def run_record(data: bytes) -> None:
         verify_record(decode(data, expect=SignedRecord), now=now + 1)
 
+    def run_record_body(data: bytes) -> None:
+        # A correctly signed record whose contents are hostile: the checks after the signature.
+        body = SignedRecord(record=data, public_key=signer.public_key, signature=signer.sign(RECORD_CONTEXT + data))
+        verify_record(body, now=now + 1)
+
     def run_link_key(data: bytes) -> None:
         open_link_key(decode(data, expect=SealedKey), session_id=session_id, link_id=link_id,
                       recipient=recipient, sender_public=sender.public)
@@ -344,6 +349,7 @@ def build_targets(seed: int = 0) -> list[Target]:
         Target("tensor", decode_tensor, tuple(tensors)),
         Target("frame", run_frames, frames),
         Target("record", run_record, tuple(records)),
+        Target("record_body", run_record_body, tuple(decode(r).record for r in records)),
         Target("link_key", run_link_key, sealed),
         Target("activations", run_activations, tuple(forwards)),
         Target("cipher", run_cipher, ciphertexts),
