@@ -55,6 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("prompt")
     p.add_argument("--local", action="store_true", help="run the whole model on this machine")
     p.add_argument("--join", action="append", default=[], metavar="MULTIADDR", help="a peer of the swarm to use")
+    p.add_argument("--swarm-key", default=None, help="private swarm key: 64 hex chars or a file")
     p.add_argument("--model", default="smollm2-135m", help="registered name or folder (default smollm2-135m)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     add_sampling_options(p)

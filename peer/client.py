@@ -1,0 +1,234 @@
+"""The requester: `Swarm`, the Python API for asking a swarm for text.
+
+    async with Swarm.join(["/ip4/127.0.0.1/tcp/4001/p2p/12D3KooW..."]) as swarm:
+        async for piece in swarm.generate("What is the capital of France?"):
+            print(piece.text, end="", flush=True)
+
+A requester serves no layers. It holds the embedding and the head (as a
+pipeline coordinator does), the tokenizer and the sampler; it routes a chain of
+peers covering every layer (`peer/routing.py`), streams tokens as they come,
+and — through `peer/recovery.py` — carries on past peers that fail.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator, Sequence
+
+import torch
+import trio
+
+from protocol.keys import Identity
+from stages import registry
+from stages.generate import GenerationResult, plan_length, prompt_ids
+from stages.sampling import Sampler, SamplingParams
+from stages.stage import Stage
+from stages.tokenizer import TextStream, Tokenizer
+from store.trace import NullTracer, Tracer
+
+from .errors import NoRoute, PeerError
+from .gossip import Gossip, Pinger, ViewKeeper
+from .libp2p_transport import open_libp2p_transport
+from .recovery import ResilientSession
+from .route_session import RequesterContext, route_summary
+from .routing import Route, route
+from .transport import Transport
+from .view import PeerInfo, SwarmView
+
+# How long a requester waits for the swarm to cover every layer before it gives up.
+DEFAULT_ROUTE_WAIT = 30.0
+REFRESH_INTERVAL = 2.0  # gossip and ping period of a requester
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One generated token and the text it completes ("" while a character is still partial)."""
+
+    token: int
+    text: str
+
+
+class Swarm:
+    """A requester's handle on a swarm (see module docstring)."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        nursery: trio.Nursery,
+        *,
+        folder: Path,
+        identity: Identity,
+        tracer: Tracer | None = None,
+        clock=time.time,
+    ) -> None:
+        self.folder = folder
+        self.head = Stage.load(folder, start=0, end=0, embed=True, head=True)
+        self.spec = self.head.spec
+        self.tokenizer = Tokenizer.from_folder(folder)
+        self.model_id = registry.model_id(folder)
+        self.transport = transport
+        self.keeper = ViewKeeper(model_id=self.model_id, num_layers=self.spec.num_layers, clock=clock)
+        self.gossip = Gossip(transport, self.keeper)
+        self.pinger = Pinger(transport)
+        self.ctx = RequesterContext(
+            transport=transport, identity=identity, keeper=self.keeper, nursery=nursery,
+            num_layers=self.spec.num_layers, hidden_size=self.spec.hidden_size, tracer=tracer or NullTracer(),
+        )
+        self.peer_id = transport.peer_id
+        self.banned: dict[str, float] = {}  # peer id -> until (monotonic); see recovery.py
+
+    @staticmethod
+    @asynccontextmanager
+    async def join(
+        addrs: Sequence[str],
+        *,
+        model: str | Path = "smollm2-135m",
+        swarm_key: bytes | None = None,
+        seed: bytes | None = None,
+        tracer: Tracer | None = None,
+        listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+    ) -> AsyncIterator["Swarm"]:
+        """Join the swarm reachable at `addrs` as a requester (serving nothing)."""
+        folder = registry.resolve(model)
+        identity = Identity.from_seed(seed) if seed else Identity.generate()
+        async with open_libp2p_transport(identity.seed, listen=listen, swarm_key=swarm_key) as transport:
+            async with trio.open_nursery() as nursery:
+                swarm = await trio.to_thread.run_sync(
+                    lambda: Swarm(transport, nursery, folder=folder, identity=identity, tracer=tracer)
+                )
+                await swarm.connect(addrs)
+                nursery.start_soon(swarm._refresh_forever)
+                try:
+                    yield swarm
+                finally:
+                    nursery.cancel_scope.cancel()
+
+    async def connect(self, addrs: Sequence[str]) -> None:
+        """Dial bootstrap peers and pull their view. Raises PeerUnreachable if none answers."""
+        errors = []
+        for addr in addrs:
+            try:
+                peer = await self.transport.connect(addr)
+                await self.gossip.exchange(peer)
+            except PeerError as error:
+                errors.append(error)
+        if errors and len(errors) == len(addrs):
+            raise errors[0]
+
+    async def refresh(self) -> None:
+        """Pull views from connected peers and connect to the peers they name."""
+        for info in self.keeper.snapshot().peers:
+            if info.peer_id not in self.transport.connected() and info.addrs:
+                with trio.move_on_after(2.0):
+                    try:
+                        await self.transport.connect(info.addrs[0])
+                    except PeerError:
+                        continue  # unreachable now; the view will age it out
+        await self.gossip.announce()
+        await self.pinger.ping_all()
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await trio.sleep(REFRESH_INTERVAL)
+            await self.refresh()
+
+    # -- the view and routes ------------------------------------------------------------
+
+    def view(self) -> SwarmView:
+        """The swarm as this requester sees it, itself included (with its measured RTTs)."""
+        me = PeerInfo(peer_id=self.peer_id, model_id=self.model_id, start=0, end=0, throughput=0.0,
+                      state="requester", rtt_ms=dict(self.pinger.rtt_ms))
+        return self.keeper.snapshot().replace(me)
+
+    def plan(self, *, start: int = 0, end: int | None = None, exclude: Sequence[str] = ()) -> Route:
+        banned = {p for p, until in self.banned.items() if until > time.monotonic()}
+        return route(self.view(), start=start, end=end, source=self.peer_id, exclude=frozenset(banned | set(exclude)))
+
+    async def wait_for_route(self, timeout: float = DEFAULT_ROUTE_WAIT, **plan_args) -> Route:
+        """A route, waiting up to `timeout` s for the swarm to cover the layers. Raises NoRoute."""
+        with trio.move_on_after(timeout):
+            while True:
+                chosen = self.plan(**plan_args)
+                if chosen.ok:
+                    return chosen
+                with trio.move_on_after(REFRESH_INTERVAL):
+                    await self.keeper.wait_changed()
+                await self.refresh()
+        gaps = self.keeper.snapshot().gaps()
+        raise NoRoute(
+            f"no route through the swarm after {timeout:.0f} s; uncovered layers: "
+            + (", ".join(f"[{a}, {b})" for a, b in gaps) if gaps else "none (peers busy, banned or unreachable)"),
+            gaps,
+        )
+
+    # -- generation -------------------------------------------------------------------
+
+    async def _embed(self, ids: Sequence[int]) -> torch.Tensor:
+        return await trio.to_thread.run_sync(self.head.embed, list(ids))
+
+    async def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return await trio.to_thread.run_sync(self.head.logits, hidden)
+
+    async def generate_ids(
+        self,
+        ids: Sequence[int],
+        *,
+        max_new_tokens: int = 128,
+        sampling: SamplingParams = SamplingParams(),
+        route_wait: float = DEFAULT_ROUTE_WAIT,
+        info: dict | None = None,
+    ) -> AsyncIterator[int]:
+        """Token ids continuing `ids`, one at a time; `info` (if given) receives the routes used."""
+        budget = plan_length(len(ids), max_new_tokens, self.spec.max_position)
+        sampler = Sampler(sampling)
+        session = ResilientSession(self, max_length=len(ids) + budget, route_wait=route_wait)
+        await session.open()
+        try:
+            logits = await self._logits((await session.step(await self._embed(ids), 0))[-1:])
+            for produced in range(1, budget + 1):
+                token = sampler.sample(logits[-1])
+                yield token
+                if token in self.spec.eos_token_ids or produced == budget:
+                    break
+                hidden = await session.step(await self._embed([token]), len(ids) + produced - 1)
+                logits = await self._logits(hidden)
+        finally:
+            if info is not None:
+                info.update(session.summary())
+            await session.close()
+
+    async def generate(
+        self,
+        prompt: str,
+        *,
+        raw: bool = False,
+        max_tokens: int = 128,
+        sampling: SamplingParams = SamplingParams(),
+        info: dict | None = None,
+    ) -> AsyncIterator[Piece]:
+        """Stream the answer to `prompt` (chat template unless `raw`) as `Piece`s."""
+        stream = TextStream(self.tokenizer)
+        ids = prompt_ids(self.tokenizer, prompt, raw=raw)
+        gen = self.generate_ids(ids, max_new_tokens=max_tokens, sampling=sampling, info=info)
+        try:
+            async for token in gen:
+                yield Piece(token, stream.push(token))
+        finally:
+            await gen.aclose()
+
+    async def complete(
+        self, prompt: str, *, raw: bool = False, max_tokens: int = 128, sampling: SamplingParams = SamplingParams()
+    ) -> GenerationResult:
+        """The whole answer at once, with the route(s) it took."""
+        ids = prompt_ids(self.tokenizer, prompt, raw=raw)
+        info: dict = {}
+        started = time.perf_counter()
+        tokens = [t async for t in self.generate_ids(ids, max_new_tokens=max_tokens, sampling=sampling, info=info)]
+        seconds = time.perf_counter() - started
+        return GenerationResult(self.tokenizer.decode(tokens), tokens, len(ids), seconds, extra=info)
+
+
+__all__ = ["Swarm", "Piece", "route_summary"]

@@ -1,0 +1,49 @@
+"""The errors peer/ raises on purpose. Each says what failed and with which value."""
+
+from __future__ import annotations
+
+
+class PeerError(Exception):
+    """Base of every error peer/ raises on purpose."""
+
+
+class StreamClosed(PeerError):
+    """The remote end closed or reset the stream."""
+
+
+class PeerUnreachable(PeerError):
+    """A peer could not be dialled or a stream to it could not be opened."""
+
+
+class NoRoute(PeerError):
+    """No chain of serving peers covers the layers a request needs."""
+
+    def __init__(self, message: str, missing: list[tuple[int, int]] | None = None) -> None:
+        super().__init__(message)
+        self.missing = missing or []
+
+
+class SessionRefused(PeerError):
+    """A peer answered a session request with an error message (code says why)."""
+
+    def __init__(self, peer: str, code: str, message: str) -> None:
+        super().__init__(f"peer {peer} refused: {code}: {message}")
+        self.peer = peer
+        self.code = code
+
+
+class PeerFailed(PeerError):
+    """A peer of a running session stopped answering, reset its stream or sent garbage."""
+
+    def __init__(self, peer: str, reason: str) -> None:
+        super().__init__(f"peer {peer} failed: {reason}")
+        self.peer = peer
+        self.reason = reason
+
+
+class ModelMismatch(PeerError):
+    """The swarm serves a different model (config or weights) than the local files."""
+
+
+class ConfigError(PeerError):
+    """A peer or requester option is invalid."""

@@ -1,0 +1,249 @@
+"""How the swarm view spreads: signed advertisements, exchanged between neighbours.
+
+Every peer signs a `PeerRecord` about itself (span, speed, load, addresses,
+RTTs to its neighbours) with an expiry. Neighbours swap everything they know in
+one round trip (`GossipPush` each way) every `GOSSIP_INTERVAL`, and at once
+when a peer's own record changes. Records are relayed as signed, so a relay
+cannot alter them; each receiver verifies signature, peer id and expiry before a
+record enters its `ViewKeeper`, and a newer `seq` replaces an older one.
+
+Anti-entropy with whole views is simple and robust for the swarm sizes peers
+run (tens of peers); it is O(N) per exchange, which the in-memory simulation of
+a thousand peers avoids by sharing one keeper (see peer/simulation).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import trio
+from libp2p.peer.id import ID
+
+from protocol.crypto import verify_record
+from protocol.errors import WireError
+from protocol.records import MAX_GOSSIP_RECORDS, GossipPush, Heartbeat, PeerRecord, SignedRecord
+
+from .errors import PeerError
+from .transport import GOSSIP_PROTOCOL, PING_PROTOCOL, Channel, Stream, Transport
+from .view import PeerInfo, SwarmView
+
+log = logging.getLogger(__name__)
+
+# One exchange is two small messages on an existing connection: a few RTTs.
+# 5 s leaves room for a relayed link across continents without stalling the loop.
+EXCHANGE_TIMEOUT = 5.0
+# How often neighbours swap views; advertisements live RECORD_TTL (peer/node.py), several periods.
+GOSSIP_INTERVAL = 2.0
+PING_TIMEOUT = 5.0
+RTT_SMOOTHING = 0.3  # weight of a new sample in the moving average
+
+
+def peer_id_str(raw: bytes) -> str:
+    return ID(raw).to_base58()
+
+
+def info_from_record(record: PeerRecord) -> PeerInfo:
+    return PeerInfo(
+        peer_id=peer_id_str(record.peer_id),
+        model_id=record.model_id,
+        start=record.start,
+        end=record.end,
+        throughput=record.throughput,
+        name=record.name,
+        free_memory=record.free_memory,
+        load=record.load,
+        max_sessions=record.max_sessions,
+        state=record.state,
+        reachability=record.reachability,
+        addrs=tuple(record.addrs),
+        rtt_ms={peer_id_str(n.peer_id): n.rtt_ms for n in record.neighbours},
+        expires_at=record.expires_at,
+        shard_index=record.shard_index,
+        shard_count=record.shard_count,
+    )
+
+
+@dataclass
+class Known:
+    signed: SignedRecord
+    record: PeerRecord
+    info: PeerInfo
+
+
+class ViewKeeper:
+    """The verified advertisements one node holds, for one model.
+
+    `merge` is the only way in: every record is verified; records of other models
+    are dropped (peers chain only on the identical model); for each peer the
+    highest `seq` wins.
+    """
+
+    def __init__(self, *, model_id: str, num_layers: int, clock: Callable[[], float]) -> None:
+        self.model_id = model_id
+        self.num_layers = num_layers
+        self.clock = clock
+        self.known: dict[str, Known] = {}
+        self.changed = trio.Event()
+        self.rejected = 0
+
+    def merge(self, records: Iterable[SignedRecord]) -> list[str]:
+        """Verify and keep records; return the peer ids whose entry changed."""
+        now = self.clock()
+        updated = []
+        for signed in records:
+            try:
+                record = verify_record(signed, now=now)
+            except WireError as bad:
+                self.rejected += 1
+                log.debug("ignored advertisement: %s", bad)
+                continue
+            if record.model_id != self.model_id:
+                continue
+            pid = peer_id_str(record.peer_id)
+            old = self.known.get(pid)
+            if old is not None and old.record.seq >= record.seq:
+                continue
+            self.known[pid] = Known(signed, record, info_from_record(record))
+            updated.append(pid)
+        if updated:
+            self.changed.set()
+            self.changed = trio.Event()
+        return updated
+
+    def forget(self, peer_id: str) -> None:
+        self.known.pop(peer_id, None)
+
+    def records(self) -> list[SignedRecord]:
+        now = self.clock()
+        return [k.signed for k in self.known.values() if k.record.expires_at > now]
+
+    def snapshot(self) -> SwarmView:
+        """The live (unexpired) peers as an immutable view."""
+        now = self.clock()
+        return SwarmView.of(self.num_layers, (k.info for k in self.known.values() if k.record.expires_at > now))
+
+    def addrs(self, peer_id: str) -> tuple[str, ...]:
+        known = self.known.get(peer_id)
+        return known.info.addrs if known else ()
+
+    async def wait_changed(self) -> None:
+        await self.changed.wait()
+
+
+class Gossip:
+    """Swaps advertisements with neighbours; serves `GOSSIP_PROTOCOL`."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        keeper: ViewKeeper,
+        *,
+        own_record: Callable[[], SignedRecord | None] = lambda: None,
+        interval: float = GOSSIP_INTERVAL,
+    ) -> None:
+        self.transport = transport
+        self.keeper = keeper
+        self.own_record = own_record
+        self.interval = interval
+        transport.set_handler(GOSSIP_PROTOCOL, self.handle)
+
+    def _outgoing(self) -> list[SignedRecord]:
+        own = self.own_record()
+        records = [r for r in self.keeper.records() if own is None or r.public_key != own.public_key]
+        return ([own] if own else []) + records
+
+    async def handle(self, stream: Stream) -> None:
+        channel = Channel(stream)
+        try:
+            with trio.fail_after(EXCHANGE_TIMEOUT):
+                theirs = await channel.receive()
+                if not isinstance(theirs, GossipPush):
+                    raise WireError(f"expected GossipPush, got {type(theirs).__name__}")
+                self.keeper.merge(theirs.records)
+                for chunk in chunks(self._outgoing()):
+                    await channel.send(GossipPush(tuple(chunk)))
+            await channel.close()
+        except (trio.TooSlowError, PeerError, WireError) as bad:
+            log.debug("gossip from %s failed: %s", stream.remote, bad)
+            await channel.reset()  # a stalled or garbled exchange is abandoned, not half-closed
+
+    async def exchange(self, peer_id: str) -> bool:
+        """One round trip with `peer_id`; False if it failed (the peer may be gone)."""
+        try:
+            with trio.fail_after(EXCHANGE_TIMEOUT):
+                channel = Channel(await self.transport.open_stream(peer_id, GOSSIP_PROTOCOL))
+                outgoing = self._outgoing()
+                await channel.send(GossipPush(tuple(outgoing[:MAX_GOSSIP_RECORDS])))
+                while (reply := await channel.receive_or_none()) is not None:
+                    if isinstance(reply, GossipPush):
+                        self.keeper.merge(reply.records)
+            return True
+        except (trio.TooSlowError, PeerError, WireError) as bad:
+            log.debug("gossip with %s failed: %s", peer_id, bad)
+            return False
+
+    async def announce(self) -> None:
+        """Exchange with every connected peer now (after our own record changed)."""
+        async with trio.open_nursery() as nursery:
+            for peer_id in self.transport.connected():
+                nursery.start_soon(self.exchange, peer_id)
+
+    async def run(self) -> None:
+        while True:
+            await self.announce()
+            await trio.sleep(self.interval)
+
+
+def chunks(records: list[SignedRecord]) -> Iterable[list[SignedRecord]]:
+    for i in range(0, max(len(records), 1), MAX_GOSSIP_RECORDS):
+        yield records[i : i + MAX_GOSSIP_RECORDS]
+
+
+class Pinger:
+    """Measures RTTs to neighbours (moving average), and answers their probes."""
+
+    def __init__(self, transport: Transport, *, clock: Callable[[], float] = trio.current_time) -> None:
+        self.transport = transport
+        self.clock = clock
+        self.rtt_ms: dict[str, float] = {}
+        self._seq = 0
+        transport.set_handler(PING_PROTOCOL, self.handle)
+
+    async def handle(self, stream: Stream) -> None:
+        channel = Channel(stream)
+        try:
+            with trio.fail_after(PING_TIMEOUT):
+                while (probe := await channel.receive_or_none()) is not None:
+                    if not isinstance(probe, Heartbeat):
+                        raise WireError(f"expected Heartbeat, got {type(probe).__name__}")
+                    await channel.send(probe)
+        except (trio.TooSlowError, PeerError, WireError):
+            await channel.reset()
+
+    async def ping(self, peer_id: str) -> float | None:
+        """One probe; the RTT in ms (also folded into `rtt_ms`), or None if it failed."""
+        self._seq += 1
+        try:
+            with trio.fail_after(PING_TIMEOUT):
+                channel = Channel(await self.transport.open_stream(peer_id, PING_PROTOCOL))
+                sent = self.clock()
+                await channel.send(Heartbeat(self._seq, sent))
+                reply = await channel.receive()
+                rtt = (self.clock() - sent) * 1000.0
+                await channel.close()
+        except (trio.TooSlowError, PeerError, WireError):
+            return None
+        if not isinstance(reply, Heartbeat) or reply.seq != self._seq:
+            return None
+        old = self.rtt_ms.get(peer_id)
+        self.rtt_ms[peer_id] = rtt if old is None else (1 - RTT_SMOOTHING) * old + RTT_SMOOTHING * rtt
+        return rtt
+
+    async def ping_all(self) -> None:
+        async with trio.open_nursery() as nursery:
+            for peer_id in self.transport.connected():
+                nursery.start_soon(self.ping, peer_id)
+        for gone in set(self.rtt_ms) - set(self.transport.connected()):
+            del self.rtt_ms[gone]

@@ -1,0 +1,315 @@
+"""A volunteer's peer: join, measure, claim a span, load it, advertise, serve, leave.
+
+    node = PeerNode(PeerConfig(model="smollm2-135m", join=[addr]))
+    await node.run()          # until cancelled; then it leaves gracefully
+
+The lifecycle, in order: open the data dir (identity key, sqlite store, trace);
+start the libp2p host and print the multiaddr others can join; pull the swarm
+view from the join addresses; measure one layer's decode speed; pick a span
+(`peer/placement.py`, unless --layers forces one) that fits the memory offered;
+advertise it as LOADING, load only those layers, advertise SERVING; serve, gossip,
+ping, re-advertise and reconsider placement until stopped. Stopping drains:
+no new sessions, advertise LEAVING, let running sessions finish within a grace
+period, close.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import psutil
+import torch
+import trio
+
+from protocol.crypto import sign_record
+from protocol.keys import Identity
+from protocol.records import Neighbour, PeerRecord, SignedRecord
+from stages import registry
+from stages.generate import pick_device, pick_dtype
+from stages.spec import ModelSpec
+from stages.speed import measure_layer_throughput
+from stages.stage import Stage
+from store.db import PeerStore
+from store.keyfile import load_or_create_key
+from store.trace import TraceWriter
+
+from .errors import ConfigError, PeerError
+from .gossip import Gossip, Pinger, ViewKeeper
+from .libp2p_transport import open_libp2p_transport
+from .placement import choose_span
+from .server import ServerLimits, StageServer
+from .transport import Transport
+from .view import DRAINING, LEAVING, LOADING, SERVING
+
+RECORD_TTL = 15.0  # an advertisement is valid this long; re-advertised every ADVERTISE_INTERVAL
+ADVERTISE_INTERVAL = 3.0
+PING_INTERVAL = 5.0
+LEAVE_GRACE = 10.0  # seconds running sessions get to finish when the peer stops
+KV_RESERVE_FRACTION = 0.25  # of the memory offered, kept for sessions' KV caches
+DEFAULT_MEMORY_FRACTION = 0.5  # of available RAM, when --memory is not given
+
+
+@dataclass
+class PeerConfig:
+    """Everything `tessera peer` accepts (see `peer/cli_peer.py` for the flags)."""
+
+    model: str = "smollm2-135m"
+    join: list[str] = field(default_factory=list)
+    listen: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    memory_gb: float | None = None
+    layers: tuple[int, int] | None = None
+    data_dir: Path = Path.home() / ".local" / "share" / "tessera" / "peer"
+    name: str = ""
+    threads: int | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    swarm_key: bytes | None = None
+    max_sessions: int = 16
+    max_length: int = 4096
+    record_ttl: float = RECORD_TTL
+    advertise_interval: float = ADVERTISE_INTERVAL
+    leave_grace: float = LEAVE_GRACE
+
+
+def parse_layers(text: str) -> tuple[int, int]:
+    """'A:B' -> (A, B), layers A to B-1."""
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"--layers wants A:B (layers A to B-1), got {text!r}") from None
+    if not 0 <= a < b:
+        raise ConfigError(f"--layers {text!r} is empty or negative")
+    return a, b
+
+
+def capacity_in_layers(spec: ModelSpec, memory_bytes: int, itemsize: int) -> int:
+    """How many layers fit in the memory offered, keeping a share for KV caches."""
+    usable = memory_bytes * (1 - KV_RESERVE_FRACTION)
+    return max(1, min(spec.num_layers, int(usable // spec.layer_bytes(itemsize))))
+
+
+class PeerNode:
+    """One running peer (see module docstring)."""
+
+    def __init__(self, config: PeerConfig, *, out: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self.out = out or (lambda line: (print(line), sys.stdout.flush()))
+        self.folder = registry.resolve(config.model)
+        self.spec = ModelSpec.from_file(self.folder / "config.json")
+        self.model_id = registry.model_id(self.folder)
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+        self.identity = Identity.from_seed(load_or_create_key(config.data_dir / "identity.key"))
+        self.store = PeerStore(config.data_dir / "tessera.db")
+        self.state = LOADING
+        self.span: tuple[int, int] | None = None
+        self.throughput = 0.0
+        self.started = time.time()
+        self.seq = 0
+        self.transport: Transport | None = None
+        self.server: StageServer | None = None
+        self.stage: Stage | None = None
+        self.keeper = ViewKeeper(model_id=self.model_id, num_layers=self.spec.num_layers, clock=time.time)
+        self._own: SignedRecord | None = None
+        self.stopping = trio.Event()
+        self.ready = trio.Event()
+        self.tracer: TraceWriter | None = None
+
+    @property
+    def memory_bytes(self) -> int:
+        if self.config.memory_gb is not None:
+            return int(self.config.memory_gb * (1 << 30))
+        return int(psutil.virtual_memory().available * DEFAULT_MEMORY_FRACTION)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    # -- advertising ------------------------------------------------------------------
+
+    def make_record(self) -> SignedRecord | None:
+        if self.span is None or self.transport is None:
+            return None
+        now = time.time()
+        self.seq = max(self.seq + 1, int(now * 1000))  # survives restarts: newer beats older
+        used = self.stage.weight_bytes if self.stage else 0
+        server = self.server
+        record = PeerRecord(
+            peer_id=self.identity.peer_id, name=self.config.name[:64], model_id=self.model_id,
+            start=self.span[0], end=self.span[1], shard_index=0, shard_count=1,
+            throughput=self.throughput, free_memory=max(0, self.memory_bytes - used),
+            load=server.load if server else 0.0, max_sessions=self.config.max_sessions,
+            state=self.state, reachability="public", addrs=tuple(self.transport.addrs()[:16]),
+            neighbours=tuple(Neighbour(_peer_bytes(p), rtt) for p, rtt in sorted(self.pinger.rtt_ms.items())[:64]),
+            issued_at=now, expires_at=now + self.config.record_ttl, seq=self.seq,
+        )
+        self._own = sign_record(self.identity, record)
+        return self._own
+
+    async def advertise(self) -> None:
+        """Re-sign our record and push it to every neighbour now."""
+        signed = self.make_record()
+        if signed is None:
+            return
+        self.keeper.merge([signed])
+        await self.gossip.announce()
+        if self.tracer:
+            self.tracer.emit("advertise", span=self.span, detail={"state": self.state, "load": self.server.load if self.server else 0.0})
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
+        async with open_libp2p_transport(
+            self.identity.seed, listen=self.config.listen, swarm_key=self.config.swarm_key
+        ) as transport:
+            self.transport = transport
+            peer_id = transport.peer_id
+            self.store.record_identity(peer_id)
+            self.tracer = TraceWriter(self.store, peer=peer_id)
+            self.gossip = Gossip(transport, self.keeper, own_record=lambda: self._own)
+            self.pinger = Pinger(transport)
+            self.out(f"listening on {transport.addrs()[0]}")
+            self.tracer.emit("join", detail={"addrs": transport.addrs(), "model": self.model_id})
+            try:
+                async with trio.open_nursery() as nursery:
+                    await self._join()
+                    await self._claim_and_load()
+                    self.server = StageServer(
+                        transport, self.identity, self.stage, tracer=self.tracer,
+                        limits=ServerLimits(max_sessions=self.config.max_sessions, max_length=self.config.max_length,
+                                            kv_budget=int(self.memory_bytes * KV_RESERVE_FRACTION)),
+                        ledger=lambda requester, layer_tokens, nbytes: self.store.add_ledger(
+                            requester, layer_tokens, steps=1, bytes=nbytes),
+                    )
+                    self.state = SERVING
+                    await self.advertise()
+                    self.out(f"serving layers [{self.span[0]}, {self.span[1]}) of {self.spec.num_layers}")
+                    self.ready.set()
+                    task_status.started(self)
+                    nursery.start_soon(self.server.reap_idle)
+                    nursery.start_soon(self._advertise_forever)
+                    nursery.start_soon(self._gossip_forever)
+                    nursery.start_soon(self._ping_forever)
+                    await self.stopping.wait()
+                    await self._leave()
+                    nursery.cancel_scope.cancel()
+            finally:
+                self.tracer.close()
+                self.store.close()
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    async def _join(self) -> None:
+        for addr in self.config.join:
+            try:
+                peer = await self.transport.connect(addr)
+                self.tracer.emit("connect", remote=peer, detail={"kind": self.transport.connection_kind(peer) or "direct"})
+                await self.gossip.exchange(peer)
+            except PeerError as error:
+                self.out(f"warning: cannot reach {addr}: {error}")
+        await self._connect_known()
+
+    async def _connect_known(self) -> None:
+        """Connect to peers the view names that we are not connected to yet."""
+        connected = set(self.transport.connected())
+        for info in self.keeper.snapshot().peers:
+            if info.peer_id != self.transport.peer_id and info.peer_id not in connected and info.addrs:
+                with trio.move_on_after(2.0):
+                    try:
+                        await self.transport.connect(info.addrs[0])
+                        self.tracer.emit("connect", remote=info.peer_id, detail={"kind": "direct"})
+                    except PeerError:
+                        continue  # it may be gone; its record will expire
+
+    async def _claim_and_load(self) -> None:
+        self.throughput = await trio.to_thread.run_sync(
+            lambda: measure_layer_throughput(self.spec, device=self.device, dtype=self.dtype)
+        )
+        capacity = capacity_in_layers(self.spec, self.memory_bytes, self.itemsize)
+        if self.config.layers is not None:
+            start, end = self.config.layers
+            if end > self.spec.num_layers:
+                raise ConfigError(f"--layers {start}:{end} exceeds the model's {self.spec.num_layers} layers")
+        else:
+            start, end = choose_span(self.keeper.snapshot(), me=self.transport.peer_id,
+                                     capacity_layers=capacity, throughput=self.throughput)
+        self.span = (start, end)
+        self.store.record_claim(self.model_id, self.span, action="claim",
+                                reason="forced" if self.config.layers else "placement")
+        self.tracer.emit("claim", span=self.span, detail={"throughput": self.throughput, "capacity": capacity})
+        await self.advertise()  # LOADING: others see the claim before the weights are in
+        self.stage = await trio.to_thread.run_sync(
+            lambda: Stage.load(self.folder, start=start, end=end, device=self.device, dtype=self.dtype)
+        )
+
+    async def _leave(self) -> None:
+        """Graceful stop: no new sessions, tell the swarm, let running ones finish."""
+        with trio.CancelScope(shield=True):
+            self.state = LEAVING if not self.server or not self.server.sessions else DRAINING
+            if self.server:
+                self.server.accepting = False
+            await self.advertise()
+            if self.server:
+                await self.server.drain(self.config.leave_grace)
+            self.state = LEAVING
+            await self.advertise()
+            if self.span:
+                self.store.record_claim(self.model_id, self.span, action="release", reason="leaving")
+            self.tracer.emit("leave", span=self.span)
+            self.out("left the swarm")
+
+    async def _advertise_forever(self) -> None:
+        while True:
+            # jitter so that peers started together do not advertise in lockstep
+            await trio.sleep(self.config.advertise_interval * random.uniform(0.8, 1.2))
+            await self.advertise()
+
+    async def _gossip_forever(self) -> None:
+        while True:
+            await trio.sleep(self.gossip.interval)
+            await self._connect_known()
+            await self.gossip.announce()
+
+    async def _ping_forever(self) -> None:
+        while True:
+            await self.pinger.ping_all()
+            await trio.sleep(PING_INTERVAL)
+
+    # -- status (CLI, TUI) --------------------------------------------------------------
+
+    def status(self) -> dict:
+        view = self.keeper.snapshot()
+        server = self.server
+        return {
+            "peer_id": self.transport.peer_id if self.transport else None,
+            "name": self.config.name,
+            "addrs": self.transport.addrs() if self.transport else [],
+            "model_id": self.model_id,
+            "num_layers": self.spec.num_layers,
+            "span": list(self.span) if self.span else None,
+            "state": self.state,
+            "throughput": self.throughput,
+            "memory_offered": self.memory_bytes,
+            "memory_used": self.stage.weight_bytes if self.stage else 0,
+            "device": str(self.device),
+            "uptime": time.time() - self.started,
+            "sessions": len(server.sessions) if server else 0,
+            "stats": vars(server.stats) if server else {},
+            "coverage": view.coverage(),
+            "neighbours": {p: {"rtt_ms": rtt, "kind": self.transport.connection_kind(p)} for p, rtt in self.pinger.rtt_ms.items()},
+        }
+
+
+def _peer_bytes(peer_id: str) -> bytes:
+    from libp2p.peer.id import ID
+
+    return ID.from_base58(peer_id).to_bytes()

@@ -1,0 +1,320 @@
+"""One generation's chain of peers, as the requester drives it.
+
+Opening: the requester picks a fresh X25519 key for the session and a fresh
+32-byte key per link — requester -> first peer, peer i -> peer i+1, last peer ->
+requester, and a tap link peer -> requester for every peer but the last — and
+seals each to the peers at its ends (`protocol.links.seal_link_key`). All
+peers are opened at once; a link stream that reaches a peer before its own
+SessionOpen waits for it.
+
+A step: the requester sends hidden states to the first peer; each peer pushes
+its output straight to the next; the last returns to the requester. Taps carry
+each span's output back too, off the critical path, into `RouteHistory`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import trio
+from libp2p.peer.id import ID
+
+from protocol.activations import open_activations, seal_activations
+from protocol.errors import WireError
+from protocol.keys import EphemeralKey, Identity, public_key_from_peer_id
+from protocol.links import Direction, LinkCipher, seal_link_key
+from protocol.messages import ErrorMsg, Forward, Result, SealedKey, SessionAccept, SessionClose, SessionOpen
+from store.trace import NullTracer, Tracer
+
+from .errors import PeerError, PeerFailed, SessionRefused
+from .gossip import ViewKeeper
+from .history import RouteHistory
+from .routing import Hop, Route
+from .transport import SESSION_PROTOCOL, Channel, Transport
+
+# Opening a session: dial (if needed), SessionOpen, the peer dials its next hop, SessionAccept.
+OPEN_TIMEOUT = 15.0
+# A step's deadline: this many times the advertised estimate, plus a floor for
+# scheduling noise and a cold CPU cache. Generous on purpose: a false alarm costs a
+# failover, a late alarm only a delay (see peer/recovery.py).
+STEP_TIMEOUT_FACTOR = 10.0
+STEP_TIMEOUT_FLOOR = 5.0
+CLOSE_TIMEOUT = 2.0
+
+
+@dataclass
+class RequesterContext:
+    """What a route session needs from the requester that owns it."""
+
+    transport: Transport
+    identity: Identity
+    keeper: ViewKeeper
+    nursery: trio.Nursery
+    num_layers: int
+    hidden_size: int
+    tracer: Tracer = field(default_factory=NullTracer)
+
+
+def peer_bytes(peer_id: str) -> bytes:
+    return ID.from_base58(peer_id).to_bytes()
+
+
+@dataclass
+class HopState:
+    """The requester's end of one peer's session."""
+
+    hop: Hop
+    channel: Channel
+    send: LinkCipher | None = None  # requester -> this peer (first hop, or an inject link)
+    tap: LinkCipher | None = None  # this peer -> requester, copy of its output
+    result: LinkCipher | None = None  # last hop -> requester
+    failure: str | None = None
+    acked: trio.Event = field(default_factory=trio.Event)
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+    @property
+    def peer(self) -> str:
+        return self.hop.peer_id
+
+
+@dataclass
+class StepSlot:
+    done: trio.Event = field(default_factory=trio.Event)
+    value: torch.Tensor | None = None
+    error: PeerError | None = None
+
+
+class RouteSession:
+    """A session over a route of peers; `step` runs hidden states through all of them."""
+
+    def __init__(self, ctx: RequesterContext, route: Route, *, max_length: int) -> None:
+        self.ctx = ctx
+        self.route = route
+        self.max_length = max_length
+        self.session_id = os.urandom(16)
+        self.ephemeral = EphemeralKey.generate()
+        self.hops: list[HopState] = []
+        self.history = RouteHistory(max_length, ctx.hidden_size)
+        self.pending: dict[int, StepSlot] = {}
+        self.tap_arrived = trio.Event()
+        self._next_link = 0
+        self._next_step = 0
+        self.closed = False
+
+    @property
+    def hex(self) -> str:
+        return self.session_id.hex()
+
+    def new_link(self) -> tuple[int, bytes]:
+        self._next_link += 1
+        return self._next_link, os.urandom(32)
+
+    def seal(self, link: tuple[int, bytes], peer: str) -> SealedKey:
+        link_id, key = link
+        return seal_link_key(
+            key, session_id=self.session_id, link_id=link_id, sender=self.ephemeral,
+            recipient_public_ed25519=public_key_from_peer_id(peer_bytes(peer)),
+        )
+
+    def cipher(self, link: tuple[int, bytes]) -> LinkCipher:
+        return LinkCipher(link[1], session_id=self.session_id, link_id=link[0], direction=Direction.FORWARD)
+
+    # -- opening --------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Open every hop of the route at once. Raises SessionRefused or PeerFailed."""
+        hops = list(self.route.hops)
+        into = [self.new_link() for _ in hops]  # link into hop i
+        out_last = self.new_link()
+        plans = []
+        for i, hop in enumerate(hops):
+            out = into[i + 1] if i + 1 < len(hops) else out_last
+            tap = self.new_link() if i + 1 < len(hops) else None
+            msg = SessionOpen(
+                session_id=self.session_id, start=hop.start, end=hop.end, max_length=self.max_length,
+                requester=self.ctx.identity.peer_id, ephemeral_public=self.ephemeral.public,
+                in_key=self.seal(into[i], hop.peer_id), out_key=self.seal(out, hop.peer_id),
+                next_peer=peer_bytes(hops[i + 1].peer_id) if i + 1 < len(hops) else None,
+                next_addrs=self.ctx.keeper.addrs(hops[i + 1].peer_id) if i + 1 < len(hops) else (),
+                tap_key=self.seal(tap, hop.peer_id) if tap else None,
+                prev_peer=peer_bytes(hops[i - 1].peer_id) if i > 0 else None,
+            )
+            state_links = {
+                "send": self.cipher(into[0]) if i == 0 else None,
+                "tap": self.cipher(tap) if tap else None,
+                "result": self.cipher(out_last) if i + 1 == len(hops) else None,
+            }
+            plans.append((hop, msg, state_links))
+        results: list[HopState | BaseException] = [None] * len(plans)  # type: ignore[list-item]
+
+        async def open_one(i: int) -> None:
+            hop, msg, links = plans[i]
+            try:
+                results[i] = await self._open_hop(hop, msg, **links)
+            except (PeerError, WireError, trio.TooSlowError) as error:
+                results[i] = error
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(plans)):
+                nursery.start_soon(open_one, i)
+        opened = [r for r in results if isinstance(r, HopState)]
+        failed = [(plans[i][0], r) for i, r in enumerate(results) if not isinstance(r, HopState)]
+        if failed:
+            for state in opened:
+                await self._close_hop(state, "a peer of the route refused")
+            hop, error = failed[0]
+            if isinstance(error, PeerError):
+                raise error
+            raise PeerFailed(hop.peer_id, f"opening the session: {type(error).__name__}: {error}")
+        self.hops = opened
+        self.ctx.tracer.emit("session_open", session=self.session_id,
+                             detail={"route": [[h.peer_id, h.start, h.end] for h in hops]})
+
+    async def _open_hop(self, hop: Hop, msg: SessionOpen, **links: LinkCipher | None) -> HopState:
+        with trio.fail_after(OPEN_TIMEOUT):
+            stream = await self.ctx.transport.open_stream(hop.peer_id, SESSION_PROTOCOL, addrs=self.ctx.keeper.addrs(hop.peer_id))
+            channel = Channel(stream)
+            await channel.send(msg)
+            reply = await channel.receive()
+        if isinstance(reply, ErrorMsg):
+            await channel.close()
+            raise SessionRefused(hop.peer_id, reply.code, reply.message)
+        if not isinstance(reply, SessionAccept) or reply.session_id != self.session_id:
+            await channel.reset()
+            raise PeerFailed(hop.peer_id, f"answered SessionOpen with {type(reply).__name__}")
+        state = HopState(hop, channel, **links)
+        self.ctx.nursery.start_soon(self._read, state)
+        return state
+
+    # -- receiving ------------------------------------------------------------------
+
+    async def _read(self, state: HopState) -> None:
+        """Route one peer's frames: results to waiting steps, taps to the history, errors to failures."""
+        with state.scope:
+            try:
+                while True:
+                    msg = await state.channel.receive()
+                    if isinstance(msg, Result):
+                        self._on_result(state, msg)
+                    elif isinstance(msg, ErrorMsg):
+                        self._fail(state, f"{msg.code}: {msg.message}", code=msg.code)
+                    elif isinstance(msg, SessionAccept):
+                        state.acked.set()
+                        state.acked = trio.Event()
+                    else:
+                        raise WireError(f"unexpected {type(msg).__name__} from a stage peer")
+            except (PeerError, WireError) as error:
+                if not self.closed:
+                    self._fail(state, f"{type(error).__name__}: {error}")
+
+    def _on_result(self, state: HopState, msg: Result) -> None:
+        if state.tap is not None and msg.link_id == state.tap.link_id:
+            hidden = open_activations(state.tap, msg)
+            self.history.at(state.hop.end).write(msg.start_pos, hidden)
+            self.tap_arrived.set()
+            self.tap_arrived = trio.Event()
+        elif state.result is not None and msg.link_id == state.result.link_id:
+            hidden = open_activations(state.result, msg)
+            slot = self.pending.get(msg.step)
+            if slot is not None and not slot.done.is_set():
+                slot.value = hidden.clone()
+                slot.done.set()
+        else:
+            raise WireError(f"result on link {msg.link_id}, which is not one of this peer's")
+
+    def _fail(self, state: HopState, reason: str, *, code: str | None = None) -> None:
+        """Mark a hop failed and wake every waiting step with the error."""
+        state.failure = reason
+        error = PeerFailed(state.peer, reason)
+        self.ctx.tracer.emit("error", session=self.session_id, remote=state.peer, detail={"reason": reason[:300]})
+        for slot in self.pending.values():
+            if not slot.done.is_set():
+                slot.error = error
+                slot.done.set()
+
+    # -- stepping -------------------------------------------------------------------
+
+    def step_timeout(self, n_tokens: int) -> float:
+        """A deadline from the route's advertised speeds (not a fixed minute)."""
+        view = self.ctx.keeper.snapshot()
+        estimate = 0.0
+        for hop in self.route.hops:
+            info = view.get(hop.peer_id)
+            speed = info.throughput if info and info.throughput > 0 else 1.0
+            estimate += hop.num_layers * n_tokens / speed
+        estimate += len(self.route.hops) * 0.1  # per-hop network allowance
+        return STEP_TIMEOUT_FLOOR + STEP_TIMEOUT_FACTOR * estimate
+
+    async def step(self, hidden: torch.Tensor, start_pos: int, *, stop_layer: int | None = None) -> torch.Tensor:
+        """Run hidden states [T, H] at positions [start_pos, start_pos + T) through the route.
+
+        Returns the last hop's output [T, H]. Raises PeerFailed naming the peer that failed.
+        """
+        first = self.hops[0]
+        self.history.at(first.hop.start).write(start_pos, hidden)
+        self._next_step += 1
+        step = self._next_step
+        slot = self.pending[step] = StepSlot()
+        n = hidden.shape[0]
+        template = Forward(self.session_id, step, first.send.link_id, 0, start_pos, n,
+                           stop_layer if stop_layer is not None else self.ctx.num_layers, b"")
+        started = time.perf_counter()
+        try:
+            failed = next((h for h in self.hops if h.failure), None)
+            if failed is not None:
+                raise PeerFailed(failed.peer, failed.failure or "failed")
+            try:
+                await first.channel.send(seal_activations(first.send, template, hidden))
+            except PeerError as error:
+                raise PeerFailed(first.peer, f"sending step {step}: {error}") from None
+            with trio.move_on_after(self.step_timeout(n)) as waited:
+                await slot.done.wait()
+            if waited.cancelled_caught:
+                raise PeerFailed(self.suspect(start_pos + n), f"step {step} timed out")
+            if slot.error is not None:
+                raise slot.error
+            self.ctx.tracer.emit("result", session=self.session_id, step=step, duration=time.perf_counter() - started,
+                                 detail={"start_pos": start_pos, "n_tokens": n})
+            assert slot.value is not None
+            return slot.value
+        finally:
+            self.pending.pop(step, None)
+
+    def suspect(self, end_pos: int) -> str:
+        """On a timeout: the first hop whose output (tap) for the step never arrived."""
+        for state in self.hops[:-1]:
+            if self.history.known(state.hop.end) < end_pos:
+                return state.peer
+        return self.hops[-1].peer
+
+    # -- closing --------------------------------------------------------------------
+
+    async def close(self, reason: str = "done") -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with trio.CancelScope(shield=True):
+            for state in self.hops:
+                await self._close_hop(state, reason)
+        self.ephemeral.forget()
+        self.ctx.tracer.emit("session_close", session=self.session_id, detail={"reason": reason})
+
+    async def _close_hop(self, state: HopState, reason: str) -> None:
+        state.scope.cancel()
+        for cipher in (state.send, state.tap, state.result):
+            if cipher is not None:
+                cipher.forget()
+        with trio.move_on_after(CLOSE_TIMEOUT):
+            try:
+                await state.channel.send(SessionClose(self.session_id, reason[:200]))
+                await state.channel.close()
+            except PeerError:
+                pass  # the peer is gone already; its session dies with its stream
+
+
+def route_summary(route: Route) -> list[dict]:
+    return [{"peer": h.peer_id, "start": h.start, "end": h.end} for h in route.hops]
+

@@ -1,0 +1,159 @@
+"""One session as a stage server holds it: keys, neighbours, queue, and the step it runs.
+
+Frames for a session arrive on two kinds of stream — the requester's session
+stream (control, and inputs when this peer is first in the chain or is being
+replayed into) and a link stream from the previous peer. Both feed one queue,
+and one worker task per session takes frames in order: decrypt, compute (in a
+worker thread, one forward at a time per peer), encrypt, push to the next peer
+— or, at the end of the chain, return to the requester — and send the requester
+a tap: a copy of this span's output, which the requester keeps so it can rebuild
+a replacement's cache if the next peer dies.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import trio
+
+from protocol.activations import open_activations, seal_activations
+from protocol.keys import Identity
+from protocol.links import Direction, LinkCipher, open_link_key
+from protocol.messages import Forward, LinkHello, Result, SealedKey
+from protocol.tensors import check_finite
+
+from .transport import LINK_PROTOCOL, Channel
+
+if TYPE_CHECKING:
+    from .server import StageServer
+
+QUEUE_DEPTH = 64  # frames waiting per session; a requester keeps only a few steps in flight
+
+
+@dataclass
+class ServedSession:
+    """A session's state on one peer. Spans are half-open: this peer runs layers [start, end)."""
+
+    session_id: bytes
+    requester: str
+    start: int
+    end: int
+    capacity: int
+    control: Channel
+    ephemeral_public: bytes
+    inbound: dict[int, LinkCipher] = field(default_factory=dict)  # link id -> receiving cipher
+    link_sources: dict[int, str] = field(default_factory=dict)  # link id -> who may send on it
+    out: LinkCipher | None = None
+    next_peer: str | None = None  # None: results go to the requester
+    next_addrs: tuple[str, ...] = ()
+    next_channel: Channel | None = None
+    tap: LinkCipher | None = None
+    last_active: float = field(default_factory=time.monotonic)
+    steps: int = 0
+    tokens: int = 0
+    cancelled: set[int] = field(default_factory=set)
+    registered: trio.Event = field(default_factory=trio.Event)  # a new inbound link was added
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        self.queue_in, self.queue_out = trio.open_memory_channel[object](QUEUE_DEPTH)
+
+    @property
+    def short_id(self) -> str:
+        return self.session_id.hex()[:8]
+
+    # -- keys -------------------------------------------------------------------
+
+    def open_key(self, identity: Identity, sealed: SealedKey) -> bytes:
+        return open_link_key(
+            sealed, session_id=self.session_id, link_id=sealed.link_id,
+            recipient=identity, sender_public=self.ephemeral_public,
+        )
+
+    def add_inbound(self, identity: Identity, sealed: SealedKey, source: str) -> None:
+        """Accept frames on link `sealed.link_id`, only from `source` (a peer id or the requester)."""
+        key = self.open_key(identity, sealed)
+        self.inbound[sealed.link_id] = LinkCipher(
+            key, session_id=self.session_id, link_id=sealed.link_id, direction=Direction.FORWARD
+        )
+        self.link_sources[sealed.link_id] = source
+        self.registered.set()
+        self.registered = trio.Event()
+
+    def set_outbound(self, identity: Identity, sealed: SealedKey) -> None:
+        key = self.open_key(identity, sealed)
+        if self.out is not None:
+            self.out.forget()
+        self.out = LinkCipher(key, session_id=self.session_id, link_id=sealed.link_id, direction=Direction.FORWARD)
+
+    def set_tap(self, identity: Identity, sealed: SealedKey) -> None:
+        key = self.open_key(identity, sealed)
+        self.tap = LinkCipher(key, session_id=self.session_id, link_id=sealed.link_id, direction=Direction.FORWARD)
+
+    def forget_keys(self) -> None:
+        for cipher in [*self.inbound.values(), self.out, self.tap]:
+            if cipher is not None:
+                cipher.forget()
+        self.inbound.clear()
+
+    # -- neighbours ---------------------------------------------------------------
+
+    async def connect_next(self, server: "StageServer") -> None:
+        """Open the link stream to the next peer (if any) and announce which link it carries."""
+        if self.next_channel is not None:
+            await self.next_channel.close()
+            self.next_channel = None
+        if self.next_peer is None or self.out is None:
+            return
+        stream = await server.transport.open_stream(self.next_peer, LINK_PROTOCOL, addrs=self.next_addrs)
+        channel = Channel(stream)
+        await channel.send(LinkHello(self.session_id, self.out.link_id))
+        self.next_channel = channel
+
+    # -- one step -----------------------------------------------------------------
+
+    def compute(self, server: "StageServer", msg: Forward) -> tuple[list[object], float]:
+        """Decrypt, run this span, encrypt (in a worker thread). Returns (messages to send, compute seconds).
+
+        Raises WireError (bad frame), StageError (shape, context, NaN/Inf).
+        """
+        hidden = open_activations(self.inbound[msg.link_id], msg, limits=server.tensor_limits)
+        expected = (msg.n_tokens, server.stage.spec.hidden_size)
+        if tuple(hidden.shape) != expected:
+            from stages.errors import SpanError
+
+            raise SpanError(f"step {msg.step}: hidden states of shape {tuple(hidden.shape)!r}, expected {expected!r}")
+        check_finite(hidden, what="input activations")
+        started = time.perf_counter()
+        output = server.stage.forward(self.session_id, hidden, msg.start_pos)
+        elapsed = time.perf_counter() - started
+        output = server.tamper(output)
+        check_finite(output, what="output activations")
+        return self.package(msg, output), elapsed
+
+    def package(self, msg: Forward, output: torch.Tensor) -> list[object]:
+        """The frames one step sends: the output onward (or, at the chain's end, to the
+        requester), and a tap copy of it to the requester.
+
+        A step whose `stop_layer` is this span's end stops here even if a next peer
+        exists: that is a replay rebuilding this peer's cache after a failover, and the
+        peers downstream already hold those positions.
+        """
+        assert self.out is not None, "a session always has an outbound link"
+        frames: list[object] = []
+        last_hop = self.next_peer is None
+        if last_hop:
+            template = Result(self.session_id, msg.step, self.out.link_id, 0, msg.start_pos, msg.n_tokens, b"")
+            frames.append(seal_activations(self.out, template, output))
+        elif msg.stop_layer > self.end:
+            template = Forward(
+                self.session_id, msg.step, self.out.link_id, 0, msg.start_pos, msg.n_tokens, msg.stop_layer, b""
+            )
+            frames.append(seal_activations(self.out, template, output))
+        if not last_hop and self.tap is not None:
+            template = Result(self.session_id, msg.step, self.tap.link_id, 0, msg.start_pos, msg.n_tokens, b"")
+            frames.append(seal_activations(self.tap, template, output))
+        return frames
