@@ -42,6 +42,7 @@ class PeerInfo:
     addrs:        multiaddrs others can dial.
     rtt_ms:       measured round-trip times to neighbours, peer id -> milliseconds.
     expires_at:   time after which this record is stale (same clock as the view's `now`).
+    issued_at:    when the peer signed this record (its "last seen").
     shard_index, shard_count: tensor-shard position inside a shard group (0, 1 = not sharded).
     """
 
@@ -59,6 +60,7 @@ class PeerInfo:
     addrs: tuple[str, ...] = ()
     rtt_ms: Mapping[str, float] = field(default_factory=dict)
     expires_at: float = float("inf")
+    issued_at: float = 0.0
     shard_index: int = 0
     shard_count: int = 1
 

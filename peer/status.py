@@ -1,0 +1,85 @@
+"""`tessera swarm status`: every peer of a swarm and the coverage of every layer."""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import trio
+
+from protocol.keys import Identity
+from stages import registry
+from stages.spec import ModelSpec
+
+from .errors import PeerError
+from .gossip import Gossip, ViewKeeper
+from .libp2p_transport import open_libp2p_transport
+
+SETTLE = 1.5  # seconds to let a second gossip round bring in peers the first one named
+
+
+async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | None = None) -> dict:
+    """Join briefly as an observer, collect the view, and return it as plain data."""
+    folder = registry.resolve(model)
+    spec = ModelSpec.from_file(folder / "config.json")
+    keeper = ViewKeeper(model_id=registry.model_id(folder), num_layers=spec.num_layers, clock=time.time)
+    identity = Identity.generate()
+    async with open_libp2p_transport(identity.seed, swarm_key=swarm_key) as transport:
+        gossip = Gossip(transport, keeper)
+        reached = 0
+        for addr in join:
+            try:
+                await gossip.exchange(await transport.connect(addr))
+                reached += 1
+            except PeerError as error:
+                print(f"warning: {addr}: {error}")
+        if not reached:
+            raise PeerError("none of the --join addresses answered")
+        await trio.sleep(SETTLE)
+        for info in keeper.snapshot().peers:
+            if info.peer_id not in transport.connected() and info.addrs:
+                with trio.move_on_after(2.0):
+                    try:
+                        await gossip.exchange(await transport.connect(info.addrs[0]))
+                    except PeerError:
+                        pass  # listed but unreachable from here; shown as such
+        view = keeper.snapshot()
+        kinds = {p.peer_id: transport.connection_kind(p.peer_id) for p in view.peers}
+    now = time.time()
+    coverage = view.coverage()
+    return {
+        "model_id": keeper.model_id,
+        "num_layers": spec.num_layers,
+        "peers": [
+            {
+                "peer_id": p.peer_id, "name": p.name, "span": [p.start, p.end],
+                "shard": [p.shard_index, p.shard_count], "state": p.state,
+                "free_memory": p.free_memory, "throughput": round(p.throughput, 2), "load": round(p.load, 3),
+                "reachability": p.reachability, "connection": kinds.get(p.peer_id),
+                "last_seen_s": round(max(0.0, now - p.issued_at), 1), "addrs": list(p.addrs),
+                "neighbours": {k: round(v, 2) for k, v in p.rtt_ms.items()},
+            }
+            for p in view.peers
+        ],
+        "coverage": coverage,
+        "gaps": [list(g) for g in view.gaps()],
+    }
+
+
+def format_status(report: dict) -> str:
+    lines = [f"model {report['model_id'][:16]}…  {report['num_layers']} layers  {len(report['peers'])} peers", ""]
+    header = f"{'peer':<14}{'name':<12}{'span':<10}{'state':<10}{'free':>9}{'tok/s·layer':>13}{'load':>6}  {'reach':<9}{'seen':>6}"
+    lines.append(header)
+    for p in report["peers"]:
+        span = f"[{p['span'][0]},{p['span'][1]})"
+        if p["shard"][1] > 1:
+            span += f"#{p['shard'][0]}/{p['shard'][1]}"
+        lines.append(
+            f"{'…' + p['peer_id'][-12:]:<14}{p['name'][:11]:<12}{span:<10}{p['state']:<10}"
+            f"{p['free_memory'] / 2**30:>8.1f}G{p['throughput']:>13.1f}{p['load']:>6.2f}  "
+            f"{(p['connection'] or p['reachability']):<9}{p['last_seen_s']:>5.0f}s"
+        )
+    lines += ["", "coverage (peers per layer):", "  " + " ".join(str(c) for c in report["coverage"])]
+    gaps = report["gaps"]
+    lines.append("gaps: " + (", ".join(f"[{a},{b}) UNCOVERED" for a, b in gaps) if gaps else "none — every layer is served"))
+    return "\n".join(lines)

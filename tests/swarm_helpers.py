@@ -1,0 +1,27 @@
+"""Helpers for tests that run real peer processes on loopback."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+from peer.demo import LocalSwarm
+
+
+def layer_args(spans: Sequence[tuple[int, int]], extra: Sequence[str] = ()) -> list[list[str]]:
+    return [["--layers", f"{a}:{b}", *extra] for a, b in spans]
+
+
+@contextmanager
+def local_swarm(spans: Sequence[tuple[int, int]], *, extra: Sequence[str] = (), model: str = "smollm2-135m",
+                per_peer: Sequence[Sequence[str]] | None = None) -> Iterator[LocalSwarm]:
+    """Peer processes with forced spans, started together; stopped (gracefully) at the end."""
+    args = layer_args(spans, extra)
+    if per_peer is not None:
+        args = [a + list(p) for a, p in zip(args, per_peer)]
+    swarm = LocalSwarm(len(spans), model=model, extra_args=args)
+    try:
+        swarm.start(together=True)
+        yield swarm
+    finally:
+        swarm.stop(timeout=15)

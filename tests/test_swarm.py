@@ -1,0 +1,122 @@
+"""Real peers over libp2p on 127.0.0.1 answer exactly what one machine would."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+import trio
+
+from peer.client import Swarm
+from peer.errors import NoRoute, PeerError
+from stages.generate import prompt_ids
+
+from .conftest import FRANCE
+from .swarm_helpers import local_swarm
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    (FRANCE, False),
+    ("Write a haiku about the sea.", False),
+    ("The quick brown fox", True),
+]
+MAX_NEW = 24
+
+
+def reference(local_engine, tokenizer, prompt: str, raw: bool, n: int = MAX_NEW) -> list[int]:
+    return local_engine.generate_ids(prompt_ids(tokenizer, prompt, raw=raw), max_new_tokens=n)
+
+
+async def swarm_tokens(swarm: Swarm, prompt: str, raw: bool, n: int = MAX_NEW, info: dict | None = None) -> list[int]:
+    ids = prompt_ids(swarm.tokenizer, prompt, raw=raw)
+    return [t async for t in swarm.generate_ids(ids, max_new_tokens=n, info=info)]
+
+
+@pytest.fixture(scope="module")
+def three_peers(smol_dir):
+    with local_swarm([(0, 10), (10, 20), (20, 30)]) as swarm:
+        yield swarm
+
+
+async def test_three_peers_match_local_engine(three_peers, local_engine, smol_tokenizer):
+    async with Swarm.join(three_peers.addrs[:1]) as swarm:
+        await swarm.wait_for_route(30)
+        for prompt, raw in PROMPTS:
+            info: dict = {}
+            got = await swarm_tokens(swarm, prompt, raw, info=info)
+            assert got == reference(local_engine, smol_tokenizer, prompt, raw), prompt
+            assert [(h["start"], h["end"]) for h in info["route"]] == [(0, 10), (10, 20), (20, 30)]
+
+
+async def test_concurrent_sessions_are_all_exact(three_peers, local_engine, smol_tokenizer):
+    """Four generations at once through the same peers, interleaving on every peer."""
+    prompts = [(FRANCE, False), ("Name three colours.", False), ("Once upon a time", True), ("1, 2, 3,", True)]
+    got: dict[int, list[int]] = {}
+    async with Swarm.join(three_peers.addrs[:1]) as swarm:
+        await swarm.wait_for_route(30)
+
+        async def one(i: int) -> None:
+            got[i] = await swarm_tokens(swarm, *prompts[i], n=16)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(one, i)
+    for i, (prompt, raw) in enumerate(prompts):
+        assert got[i] == reference(local_engine, smol_tokenizer, prompt, raw, 16), prompt
+
+
+@pytest.mark.parametrize("spans", [
+    [(0, 15), (15, 30)],
+    [(0, 3), (3, 17), (17, 18), (18, 29), (29, 30)],  # five peers, uneven spans
+])
+async def test_other_swarm_shapes_match(spans, smol_dir, local_engine, smol_tokenizer):
+    with local_swarm(spans) as peers:
+        async with Swarm.join(peers.addrs[:1]) as swarm:
+            await swarm.wait_for_route(30)
+            info: dict = {}
+            got = await swarm_tokens(swarm, FRANCE, False, info=info)
+    assert got == reference(local_engine, smol_tokenizer, FRANCE, False)
+    assert [(h["start"], h["end"]) for h in info["route"]] == spans
+
+
+def test_each_peer_loaded_only_its_span(smol_dir):
+    """Resident memory: a 10-layer peer holds about 20 layers' bytes less than a 30-layer one."""
+    from stages.spec import ModelSpec
+
+    layer = ModelSpec.from_file(smol_dir / "config.json").layer_bytes(4)
+    with local_swarm([(0, 10), (0, 30)]) as peers:
+        small, whole = (psutil.Process(p.pid).memory_info().rss for p in peers.procs)
+    print(f"RSS: 10-layer peer {small / 2**20:.0f} MiB, 30-layer peer {whole / 2**20:.0f} MiB, "
+          f"20 layers = {20 * layer / 2**20:.0f} MiB")
+    assert whole - small > 0.7 * 20 * layer
+    assert small < whole - 0.7 * 20 * layer
+
+
+async def test_session_beyond_limits_is_refused_then_routed_elsewhere(smol_dir, local_engine, smol_tokenizer):
+    """Peers with one session slot: a second session is refused with a clear code, the
+    requester routes to the replica, and when every replica is full it reports NoRoute."""
+    from peer.errors import SessionRefused
+    from peer.route_session import RouteSession
+    from peer.routing import Hop, Route
+
+    with local_swarm([(0, 30), (0, 30)], extra=["--max-sessions", "1"]) as peers:
+        async with Swarm.join(peers.addrs[:1]) as swarm:
+            await swarm.wait_for_route(30)
+            a, b = sorted(p.peer_id for p in swarm.keeper.snapshot().peers)
+            held = RouteSession(swarm.ctx, Route((Hop(a, 0, 30),), 0.0), max_length=64)
+            await held.open()
+            with pytest.raises(SessionRefused) as refused:
+                await RouteSession(swarm.ctx, Route((Hop(a, 0, 30),), 0.0), max_length=64).open()
+            assert refused.value.code == "busy"
+            info: dict = {}
+            got = await swarm_tokens(swarm, FRANCE, False, n=8, info=info)  # lands on b
+            assert [h["peer"] for h in info["route"]] == [b]
+            assert got == reference(local_engine, smol_tokenizer, FRANCE, False, 8)
+            other = RouteSession(swarm.ctx, Route((Hop(b, 0, 30),), 0.0), max_length=64)
+            await other.open()
+            ids = prompt_ids(swarm.tokenizer, FRANCE, raw=False)
+            with pytest.raises(NoRoute):
+                async for _ in swarm.generate_ids(ids, max_new_tokens=4, route_wait=1.0):
+                    pass
+            await held.close()
+            await other.close()
