@@ -41,7 +41,7 @@ from store.trace import TraceWriter
 from .errors import ConfigError, PeerError
 from .gossip import Gossip, Pinger, ViewKeeper
 from .libp2p_transport import open_libp2p_transport
-from .placement import choose_span
+from .placement import choose_span, plan_move
 from .server import ServerLimits, StageServer
 from .transport import Transport
 from .view import DRAINING, LEAVING, LOADING, SERVING
@@ -50,6 +50,12 @@ RECORD_TTL = 15.0  # an advertisement is valid this long; re-advertised every AD
 ADVERTISE_INTERVAL = 3.0
 PING_INTERVAL = 5.0
 LEAVE_GRACE = 10.0  # seconds running sessions get to finish when the peer stops
+# How often a peer reconsiders its span. Petals checks every ~2 minutes; a small
+# swarm recovers faster with a shorter period, and plan_move's 25% threshold (see
+# placement.py) keeps a stable swarm from moving at all. Jittered, so that peers
+# judging the same view do not all move at once.
+REBALANCE_INTERVAL = 10.0
+MOVE_GRACE = 5.0  # seconds running sessions get to finish before a peer moves its span
 KV_RESERVE_FRACTION = 0.25  # of the memory offered, kept for sessions' KV caches
 DEFAULT_MEMORY_FRACTION = 0.5  # of available RAM, when --memory is not given
 
@@ -74,6 +80,7 @@ class PeerConfig:
     record_ttl: float = RECORD_TTL
     advertise_interval: float = ADVERTISE_INTERVAL
     leave_grace: float = LEAVE_GRACE
+    rebalance_interval: float = REBALANCE_INTERVAL
 
 
 def parse_layers(text: str) -> tuple[int, int]:
@@ -198,6 +205,8 @@ class PeerNode:
                     nursery.start_soon(self._advertise_forever)
                     nursery.start_soon(self._gossip_forever)
                     nursery.start_soon(self._ping_forever)
+                    if self.config.layers is None:  # a forced span never moves
+                        nursery.start_soon(self._rebalance_forever)
                     await self.stopping.wait()
                     await self._leave()
                     nursery.cancel_scope.cancel()
@@ -230,26 +239,103 @@ class PeerNode:
                     except PeerError:
                         continue  # it may be gone; its record will expire
 
+    @property
+    def capacity(self) -> int:
+        return capacity_in_layers(self.spec, self.memory_bytes, self.itemsize)
+
     async def _claim_and_load(self) -> None:
         self.throughput = await trio.to_thread.run_sync(
             lambda: measure_layer_throughput(self.spec, device=self.device, dtype=self.dtype)
         )
-        capacity = capacity_in_layers(self.spec, self.memory_bytes, self.itemsize)
         if self.config.layers is not None:
             start, end = self.config.layers
             if end > self.spec.num_layers:
                 raise ConfigError(f"--layers {start}:{end} exceeds the model's {self.spec.num_layers} layers")
         else:
             start, end = choose_span(self.keeper.snapshot(), me=self.transport.peer_id,
-                                     capacity_layers=capacity, throughput=self.throughput)
+                                     capacity_layers=self.capacity, throughput=self.throughput)
         self.span = (start, end)
         self.store.record_claim(self.model_id, self.span, action="claim",
                                 reason="forced" if self.config.layers else "placement")
-        self.tracer.emit("claim", span=self.span, detail={"throughput": self.throughput, "capacity": capacity})
+        self.tracer.emit("claim", span=self.span, detail={"throughput": self.throughput, "capacity": self.capacity})
         await self.advertise()  # LOADING: others see the claim before the weights are in
-        self.stage = await trio.to_thread.run_sync(
+        self.stage = await self._load(start, end)
+
+    async def _load(self, start: int, end: int) -> Stage:
+        return await trio.to_thread.run_sync(
             lambda: Stage.load(self.folder, start=start, end=end, device=self.device, dtype=self.dtype)
         )
+
+    async def move_to(self, span: tuple[int, int], reason: str) -> None:
+        """Serve another span: drain (no new sessions, a grace for running ones), load, serve.
+
+        Only the new span's weights are read; the old stage is dropped once the new one
+        is in, so for a moment both are in memory.
+        """
+        old = self.span
+        assert self.server is not None
+        self.server.accepting = False
+        self.state = DRAINING
+        await self.advertise()
+        await self.server.drain(MOVE_GRACE)
+        self.span = span
+        self.state = LOADING
+        self.tracer.emit("move", span=span, detail={"from": list(old) if old else None, "reason": reason})
+        self.store.record_claim(self.model_id, span, action="move", reason=reason, moved_from=old)
+        await self.advertise()
+        stage = await self._load(*span)
+        for session in list(self.server.sessions.values()):
+            self.server.drop(session, "peer moved its span")
+        self.stage = self.server.stage = stage
+        self.state = SERVING
+        self.server.accepting = True
+        await self.advertise()
+        self.out(f"serving layers [{span[0]}, {span[1]}) of {self.spec.num_layers} (moved: {reason})")
+
+    async def _rebalance_forever(self) -> None:
+        while True:
+            await trio.sleep(self.config.rebalance_interval * random.uniform(0.8, 1.2))
+            if self.state != SERVING:
+                continue
+            plan = plan_move(self.keeper.snapshot(), me=self.transport.peer_id,
+                             capacity_layers=self.capacity, throughput=self.throughput)
+            if plan is not None and plan != self.span:
+                await self.move_to(plan, "rebalance")
+
+    # -- operator controls (CLI, TUI) ---------------------------------------------------
+
+    async def set_memory_offered(self, gb: float) -> None:
+        """Offer a different amount of memory; re-claim a span that fits it (if it changes)."""
+        self.config.memory_gb = gb
+        if self.config.layers is not None or self.state != SERVING:
+            await self.advertise()
+            return
+        view = self.keeper.snapshot().without([self.transport.peer_id])
+        span = choose_span(view, me=self.transport.peer_id, capacity_layers=self.capacity, throughput=self.throughput)
+        if span != self.span:
+            await self.move_to(span, f"memory offered changed to {gb:g} GB")
+        else:
+            await self.advertise()
+
+    async def drain(self) -> None:
+        """Stop taking new sessions; running ones finish."""
+        assert self.server is not None
+        self.server.accepting = False
+        self.state = DRAINING
+        await self.advertise()
+
+    async def pause(self) -> None:
+        """Hold all compute and take no new sessions (running sessions will fail over elsewhere)."""
+        assert self.server is not None
+        self.server.pause()
+        self.state = DRAINING
+        await self.advertise()
+
+    async def resume(self) -> None:
+        assert self.server is not None
+        self.server.resume()
+        self.state = SERVING
+        await self.advertise()
 
     async def _leave(self) -> None:
         """Graceful stop: no new sessions, tell the swarm, let running ones finish."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Awaitable, Callable
 
 import torch
 import trio
@@ -111,6 +111,12 @@ class StageServer:
         self.accepting = True
         self.stats = ServerStats()
         self.tamper: Callable[[torch.Tensor], torch.Tensor] = lambda t: t  # fault injection (tests, demos)
+        # How a step's compute runs: in a worker thread, so that heartbeats and stream reads
+        # never stall. A simulation swaps in a cost model that advances trio's MockClock.
+        self.run_compute: Callable[[Callable[[], object]], Awaitable[object]] = trio.to_thread.run_sync
+        self.emptied = trio.Event()
+        self.running = trio.Event()  # cleared while the operator has paused compute
+        self.running.set()
         transport.set_handler(SESSION_PROTOCOL, self.handle_session)
         transport.set_handler(LINK_PROTOCOL, self.handle_link)
 
@@ -173,6 +179,9 @@ class StageServer:
         session.forget_keys()
         self.stage.close(session.session_id)
         self.sessions.pop(session.session_id, None)
+        if not self.sessions:
+            self.emptied.set()
+            self.emptied = trio.Event()
         self.tracer.emit("session_close", session=session.session_id, span=(session.start, session.end),
                          detail={"reason": reason, "steps": session.steps, "tokens": session.tokens})
 
@@ -332,9 +341,10 @@ class StageServer:
         if msg.link_id not in session.inbound:
             await self._error(session, BAD_FRAME, f"step {msg.step} on unknown link {msg.link_id}")
             return
+        await self.running.wait()
         try:
             async with self.compute_lock:
-                frames, seconds = await trio.to_thread.run_sync(session.compute, self, msg)
+                frames, seconds = await self.run_compute(lambda: session.compute(self, msg))
         except (WireError, StageError) as bad:
             code = BAD_FRAME if isinstance(bad, WireError) else COMPUTE_FAILED
             await self._error(session, code, f"step {msg.step}: {bad}")
@@ -391,9 +401,19 @@ class StageServer:
                 self.drop(session, "idle timeout")
                 await session.control.reset()
 
+    def pause(self) -> None:
+        """Hold every step and take no new sessions (running sessions' requesters will fail over)."""
+        self.accepting = False
+        if self.running.is_set():
+            self.running = trio.Event()
+
+    def resume(self) -> None:
+        self.accepting = True
+        self.running.set()
+
     async def drain(self, grace: float) -> None:
         """Take no new sessions; wait up to `grace` seconds for running ones to finish."""
         self.accepting = False
         with trio.move_on_after(grace):
             while self.sessions:
-                await trio.sleep(0.1)
+                await self.emptied.wait()
