@@ -178,8 +178,8 @@ class LinkCipher:
 
         Raises:
             CipherClosed: `forget()` was called.
-            ReplayedFrame: `counter` is not above the last accepted counter.
-            FieldOutOfRange: `step` or `counter` is not in [0, 2**63 - 1].
+            ReplayedFrame: `counter` is not above the last accepted counter (0 at first).
+            FieldOutOfRange: `step` is not in [0, 2**63 - 1], or `counter` is above it.
             DecryptionFailed: wrong key, session or link, or anything altered.
         """
         key = self._live_key()

@@ -124,6 +124,8 @@ class Node:
 
 @dataclass(frozen=True)
 class Int(Node):
+    """An int (never a bool) in [lo, hi]."""
+
     where: str
     lo: int
     hi: int
@@ -140,6 +142,8 @@ class Int(Node):
 
 @dataclass(frozen=True)
 class Float(Node):
+    """A float (never an int) in [lo, hi] (None: unbounded); NaN/inf only if not `finite`."""
+
     where: str
     lo: float | None
     hi: float | None
@@ -159,6 +163,8 @@ class Float(Node):
 
 @dataclass(frozen=True)
 class Bool(Node):
+    """true or false."""
+
     where: str
 
     def load(self, value: Any) -> bool:
@@ -171,6 +177,8 @@ class Bool(Node):
 
 @dataclass(frozen=True)
 class Bytes(Node):
+    """A byte string of min_len..max_len bytes (equal for a fixed size)."""
+
     where: str
     min_len: int
     max_len: int
@@ -192,6 +200,8 @@ class Bytes(Node):
 
 @dataclass(frozen=True)
 class Str(Node):
+    """A text string of min_len..max_len characters; control characters only if allowed."""
+
     where: str
     min_len: int
     max_len: int
@@ -214,6 +224,8 @@ class Str(Node):
 
 @dataclass(frozen=True)
 class Tuple(Node):
+    """An array of at most max_items items, each checked by `item`; a tuple in Python."""
+
     where: str
     item: Node
     max_items: int
@@ -244,6 +256,8 @@ class Tuple(Node):
 
 @dataclass(frozen=True)
 class Optional(Node):
+    """null, or what `inner` accepts."""
+
     where: str
     inner: Node
 

@@ -203,8 +203,9 @@ def _expect(view: memoryview, pos: int, major: int, what: str) -> tuple[int, int
 
 def _read_dtype(view: memoryview, pos: int, limits: TensorLimits) -> tuple[torch.dtype, int]:
     length, pos = _expect(view, pos, TEXT, "dtype")
-    raw = bytes(view[pos : pos + min(length, 16)])
-    name = raw.decode("ascii", errors="replace")
+    if pos + length > len(view):
+        raise BadTensor(f"tensor dtype name claims {length!r} bytes, only {len(view) - pos!r} remain")
+    name = bytes(view[pos : pos + min(length, 16)]).decode("ascii", errors="replace")
     if length > 16 or name not in DTYPES or name not in limits.dtypes:
         raise UnsupportedDtype(f"tensor dtype {show(name)}, expected one of {sorted(limits.dtypes & DTYPES.keys())}")
     return DTYPES[name], pos + length

@@ -12,6 +12,7 @@ from libp2p.peer.id import ID
 
 from protocol.codec import decode, encode
 from protocol.crypto import (
+    RECORD_CONTEXT,
     EphemeralKey,
     Identity,
     open_link_key,
@@ -102,8 +103,6 @@ def test_tampered_or_forged_records_are_rejected() -> None:
         verify_record(dataclasses.replace(signed, public_key=mallory.public_key), now=NOW)
     # Mallory signs, with her own key, a record that claims to be from me.
     forged_record = encode(record_of(me))
-    from protocol.crypto import RECORD_CONTEXT
-
     forged = SignedRecord(record=forged_record, public_key=mallory.public_key, signature=mallory.sign(RECORD_CONTEXT + forged_record))
     with pytest.raises(ForgedPeerId, match="is not the signing key's"):
         verify_record(forged, now=NOW)
