@@ -79,6 +79,7 @@ class Swarm:
         )
         self.peer_id = transport.peer_id
         self.banned: dict[str, float] = {}  # peer id -> until (monotonic); see recovery.py
+        self.active: set[ResilientSession] = set()  # generations running now
 
     @staticmethod
     @asynccontextmanager
@@ -143,9 +144,22 @@ class Swarm:
                       state="requester", rtt_ms=dict(self.pinger.rtt_ms))
         return self.keeper.snapshot().replace(me)
 
-    def plan(self, *, start: int = 0, end: int | None = None, exclude: Sequence[str] = ()) -> Route:
-        banned = {p for p, until in self.banned.items() if until > time.monotonic()}
-        return route(self.view(), start=start, end=end, source=self.peer_id, exclude=frozenset(banned | set(exclude)))
+    def is_banned(self, peer: str) -> bool:
+        return self.banned.get(peer, 0.0) > time.monotonic()
+
+    def plan(
+        self,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        source: str | None = None,
+        sink: str | None = None,
+        exclude: Sequence[str] = (),
+    ) -> Route:
+        """The cheapest chain over layers [start, end) from `source` to `sink` (default: this requester)."""
+        banned = {p for p in self.banned if self.is_banned(p)}
+        return route(self.view(), start=start, end=end, source=source or self.peer_id, sink=sink or self.peer_id,
+                     exclude=frozenset(banned | set(exclude)))
 
     async def wait_for_route(self, timeout: float = DEFAULT_ROUTE_WAIT, **plan_args) -> Route:
         """A route, waiting up to `timeout` s for the swarm to cover the layers. Raises NoRoute."""
@@ -186,6 +200,7 @@ class Swarm:
         sampler = Sampler(sampling)
         session = ResilientSession(self, max_length=len(ids) + budget, route_wait=route_wait)
         await session.open()
+        self.active.add(session)
         try:
             logits = await self._logits((await session.step(await self._embed(ids), 0))[-1:])
             for produced in range(1, budget + 1):
@@ -196,6 +211,7 @@ class Swarm:
                 hidden = await session.step(await self._embed([token]), len(ids) + produced - 1)
                 logits = await self._logits(hidden)
         finally:
+            self.active.discard(session)
             if info is not None:
                 info.update(session.summary())
             await session.close()

@@ -1,8 +1,26 @@
 """Keeping a generation alive while peers refuse, fail or vanish.
 
-`ResilientSession` wraps a `RouteSession`: opening it routes around peers that
-refuse (busy, draining) and bans ones that fail. (Mid-answer failover is added
-on top of this in the recovery work.)
+`ResilientSession` wraps a `RouteSession`. Opening routes around peers that
+refuse (busy, draining). A step that fails — a reset stream (the peer's process
+died), an error message, or a deadline derived from the route's advertised
+speeds — is repaired and sent again:
+
+1. The failed peer is banned for this requester (30 s, doubling per repeat).
+2. Only the failed span [a, b) is re-routed — over one or several replacement
+   peers, with any cut points (`route(start=a, end=b, source=upstream, sink=downstream)`).
+3. The replacements are opened and linked among themselves; the downstream
+   neighbour accepts the new incoming link; the replacements are fed, in ONE
+   prefill-shaped step, the inputs of layer a for every position so far. The
+   requester holds them: it fed layer 0 itself, and every other boundary from
+   the taps (copies of each span's output). The replay stops at layer b
+   (`stop_layer`), so peers downstream — whose caches are intact — see nothing.
+4. The upstream neighbour is relinked to push to the first replacement.
+5. The failed step is sent again from its start position; every peer writes
+   those positions afresh (a write at p is a rollback to p), so the answer is
+   the one an undisturbed run gives.
+
+Two failures, adjacent or not, repair region by region; a replacement that
+fails during repair is banned and the region re-routed.
 """
 
 from __future__ import annotations
@@ -11,23 +29,34 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+import trio
 
-from .errors import NoRoute, PeerFailed, SessionRefused
-from .route_session import RouteSession, route_summary
+from protocol.messages import Relink
+
+from .errors import NoRoute, PeerError, PeerFailed, SessionRefused
+from .route_session import HopState, RouteSession, peer_bytes, route_summary
 from .routing import Route
 
 if TYPE_CHECKING:
     from .client import Swarm
 
 MAX_OPEN_ATTEMPTS = 5
+MAX_REPAIRS_PER_STEP = 6  # a step is given up after this many repairs (each bans a peer)
 # A peer that refused (busy, draining) is skipped for this long by this requester.
 REFUSED_BACKOFF = 10.0
 # A peer that failed is banned for this long, doubling with each further failure.
 BAN_BASE = 30.0
 BAN_CAP = 3600.0
+# A live upstream peer's taps trail its pushes by one send; if they have not reached
+# the failed step's position after this long, that peer is treated as failed too.
+TAP_WAIT = 3.0
+# A relink is one message and an ack from a live neighbour (which may dial the replacement).
+RELINK_TIMEOUT = 10.0
 
 
 class ResilientSession:
+    """A generation's session that survives peers refusing, dying and hanging."""
+
     def __init__(self, swarm: "Swarm", *, max_length: int, route_wait: float) -> None:
         self.swarm = swarm
         self.max_length = max_length
@@ -42,6 +71,8 @@ class ResilientSession:
         duration = seconds if seconds is not None else min(BAN_CAP, BAN_BASE * 2 ** (strikes - 1))
         self.swarm.banned[peer] = time.monotonic() + duration
         self.swarm.ctx.tracer.emit("ban", remote=peer, detail={"reason": reason[:200], "seconds": duration})
+
+    # -- opening ----------------------------------------------------------------------
 
     async def open(self) -> None:
         last_error: Exception | None = None
@@ -63,9 +94,124 @@ class ResilientSession:
             return
         raise NoRoute(f"could not open a session after {MAX_OPEN_ATTEMPTS} routes: {last_error}")
 
+    # -- stepping ---------------------------------------------------------------------
+
     async def step(self, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """One step through the chain, repaired and re-sent as often as peers fail."""
         assert self.current is not None, "open() first"
-        return await self.current.step(hidden, start_pos)
+        repairs = 0
+        while True:
+            try:
+                return await self.current.step(hidden, start_pos)
+            except PeerFailed as failure:
+                repairs += 1
+                if repairs > MAX_REPAIRS_PER_STEP:
+                    raise
+                await self.repair(failure, start_pos)
+
+    async def repair(self, failure: PeerFailed, position: int) -> None:
+        """Replace every failed hop of the current session; `position` = positions already answered."""
+        session = self.current
+        assert session is not None
+        started = time.perf_counter()
+        self.ban(failure.peer, failure.reason)
+        replaced: list[str] = []
+        attempts = 0
+        while True:
+            failed = [i for i, h in enumerate(session.hops) if h.failure or self.swarm.is_banned(h.peer)]
+            if not failed:
+                break
+            attempts += 1
+            if attempts > MAX_REPAIRS_PER_STEP:
+                raise PeerFailed(session.hops[failed[0]].peer, "could not repair the route")
+            j = failed[-1]
+            i = j
+            while i - 1 in failed:
+                i -= 1
+            a = session.hops[i].hop.start
+            if not await self.wait_inputs(session, a, position):
+                upstream = session.hops[i - 1]
+                upstream.failure = upstream.failure or "its taps stopped arriving"
+                self.ban(upstream.peer, upstream.failure)
+                continue
+            try:
+                new = await self.replace(session, i, j, position)
+            except SessionRefused as refused:
+                self.ban(refused.peer, f"refused: {refused.code}", seconds=REFUSED_BACKOFF)
+                continue
+            except PeerFailed as failed_peer:
+                self.ban(failed_peer.peer, failed_peer.reason)
+                continue
+            replaced += [h.peer for h in new]
+        self.failovers += 1
+        session.route = Route(tuple(h.hop for h in session.hops), session.route.cost_ms)
+        self.routes.append(session.route)
+        self.swarm.ctx.tracer.emit(
+            "failover", session=session.session_id, remote=failure.peer, duration=time.perf_counter() - started,
+            detail={"reason": failure.reason[:200], "position": position, "replacements": replaced,
+                    "route": [[h.hop.peer_id, h.hop.start, h.hop.end] for h in session.hops]},
+        )
+
+    async def wait_inputs(self, session: RouteSession, layer: int, position: int) -> bool:
+        """Wait (briefly) until the inputs of `layer` are held for positions [0, position)."""
+        with trio.move_on_after(TAP_WAIT):
+            while session.history.known(layer) < position:
+                await session.tap_arrived.wait()
+        return session.history.known(layer) >= position
+
+    async def replace(self, session: RouteSession, i: int, j: int, position: int) -> list[HopState]:
+        """Re-route hops i..j (layers [a, b)), rebuild the replacements' caches, relink the neighbours."""
+        hops = session.hops
+        a, b = hops[i].hop.start, hops[j].hop.end
+        up = hops[i - 1] if i > 0 else None
+        down = hops[j + 1] if j + 1 < len(hops) else None
+        dead = [h.peer for h in hops[i : j + 1]]
+        chosen = await self.swarm.wait_for_route(
+            self.route_wait, start=a, end=b, source=up.peer if up else None, sink=down.peer if down else None,
+            exclude=dead,
+        )
+        new, into, out = await session.open_hops(
+            list(chosen.hops), prev=up.peer if up else None, next_=down.peer if down else None
+        )
+        try:
+            if down is not None:
+                # first, so that the link stream the last replacement opened is accepted at once
+                await self.relink(session, down, Relink(
+                    session.session_id, None, (), in_key=session.seal(out, down.peer), prev_peer=peer_bytes(new[-1].peer),
+                ))
+            if position > 0:
+                # one prefill-shaped step rebuilds every replacement's KV cache; it stops at b
+                await session.run(
+                    new[0], session.history.at(a).upto(position), 0, stop_layer=b,
+                    hops=list(chosen.hops), tap_from=new[-1].peer if down is not None else None,
+                )
+            if up is not None:
+                await self.relink(session, up, Relink(
+                    session.session_id, peer_bytes(new[0].peer), self.swarm.keeper.addrs(new[0].peer),
+                    out_key=session.seal(into, up.peer),
+                ))
+        except BaseException:
+            for state in new:
+                session.ctx.nursery.start_soon(session.close_hop, state, "replacement abandoned")
+            raise
+        old = hops[i : j + 1]
+        session.hops[i : j + 1] = new
+        for state in old:
+            # in the background: a dead peer's stream may take a while to give up
+            session.ctx.nursery.start_soon(session.close_hop, state, "replaced after a failure")
+        return new
+
+    async def relink(self, session: RouteSession, state: HopState, msg: Relink) -> None:
+        """Send a live neighbour its new link and wait for its ack. Raises PeerFailed."""
+        acked = state.acked
+        try:
+            await state.channel.send(msg)
+        except PeerError as error:
+            raise PeerFailed(state.peer, f"relink: {error}") from None
+        with trio.move_on_after(RELINK_TIMEOUT):
+            await acked.wait()
+        if state.failure is not None or not acked.is_set():
+            raise PeerFailed(state.peer, f"relink not acknowledged: {state.failure or 'timeout'}")
 
     async def close(self) -> None:
         if self.current is not None:

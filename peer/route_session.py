@@ -33,6 +33,7 @@ from .errors import PeerError, PeerFailed, SessionRefused
 from .gossip import ViewKeeper
 from .history import RouteHistory
 from .routing import Hop, Route
+from .server import NEXT_HOP_FAILED
 from .transport import SESSION_PROTOCOL, Channel, Transport
 
 # Opening a session: dial (if needed), SessionOpen, the peer dials its next hop, SessionAccept.
@@ -82,9 +83,22 @@ class HopState:
 
 @dataclass
 class StepSlot:
+    """A step waiting for its end: the chain's result, or the tap of `tap_from`."""
+
+    tap_from: str | None = None
     done: trio.Event = field(default_factory=trio.Event)
     value: torch.Tensor | None = None
     error: PeerError | None = None
+
+    def complete(self, value: torch.Tensor) -> None:
+        if not self.done.is_set():
+            self.value = value.clone()  # the decoded tensor views a read-only buffer
+            self.done.set()
+
+    def fail(self, error: PeerError) -> None:
+        if not self.done.is_set():
+            self.error = error
+            self.done.set()
 
 
 class RouteSession:
@@ -99,7 +113,7 @@ class RouteSession:
         self.hops: list[HopState] = []
         self.history = RouteHistory(max_length, ctx.hidden_size)
         self.pending: dict[int, StepSlot] = {}
-        self.tap_arrived = trio.Event()
+        self.tap_arrived = trio.Event()  # set (and replaced) whenever a tap lands in the history
         self._next_link = 0
         self._next_step = 0
         self.closed = False
@@ -126,29 +140,51 @@ class RouteSession:
 
     async def open(self) -> None:
         """Open every hop of the route at once. Raises SessionRefused or PeerFailed."""
-        hops = list(self.route.hops)
+        self.hops, _, _ = await self.open_hops(list(self.route.hops), prev=None, next_=None)
+        self.ctx.tracer.emit("session_open", session=self.session_id,
+                             detail={"route": [[h.peer_id, h.start, h.end] for h in self.route.hops],
+                                     "max_length": self.max_length})
+
+    async def open_hops(
+        self, hops: list[Hop], *, prev: str | None, next_: str | None
+    ) -> tuple[list[HopState], tuple[int, bytes], tuple[int, bytes]]:
+        """Open sessions on consecutive `hops`, linked among themselves.
+
+        The first hop is fed by `prev` (a peer id; None = this requester) and the last
+        sends to `next_` (a peer id; None = this requester). When `prev` is a peer, the
+        first hop also gets an inject link from the requester (to replay inputs into it).
+        Returns the hop states and the boundary links (into the first, out of the last),
+        whose keys the caller seals to `prev` / `next_` when relinking them.
+        Raises SessionRefused or PeerFailed (every hop opened here is closed again).
+        """
         into = [self.new_link() for _ in hops]  # link into hop i
         out_last = self.new_link()
         plans = []
         for i, hop in enumerate(hops):
-            out = into[i + 1] if i + 1 < len(hops) else out_last
-            tap = self.new_link() if i + 1 < len(hops) else None
+            last = i + 1 == len(hops)
+            out = out_last if last else into[i + 1]
+            next_peer = (next_ if last else hops[i + 1].peer_id)
+            prev_peer = (prev if i == 0 else hops[i - 1].peer_id)
+            # every hop but the chain's last sends the requester a tap (a copy of its output)
+            tap = self.new_link() if next_peer is not None else None
+            inject = self.new_link() if i == 0 and prev is not None else None
             msg = SessionOpen(
                 session_id=self.session_id, start=hop.start, end=hop.end, max_length=self.max_length,
                 requester=self.ctx.identity.peer_id, ephemeral_public=self.ephemeral.public,
                 in_key=self.seal(into[i], hop.peer_id), out_key=self.seal(out, hop.peer_id),
-                next_peer=peer_bytes(hops[i + 1].peer_id) if i + 1 < len(hops) else None,
-                next_addrs=self.ctx.keeper.addrs(hops[i + 1].peer_id) if i + 1 < len(hops) else (),
+                next_peer=peer_bytes(next_peer) if next_peer is not None else None,
+                next_addrs=self.ctx.keeper.addrs(next_peer) if next_peer is not None else (),
                 tap_key=self.seal(tap, hop.peer_id) if tap else None,
-                prev_peer=peer_bytes(hops[i - 1].peer_id) if i > 0 else None,
+                prev_peer=peer_bytes(prev_peer) if prev_peer is not None else None,
+                inject_key=self.seal(inject, hop.peer_id) if inject else None,
             )
-            state_links = {
-                "send": self.cipher(into[0]) if i == 0 else None,
+            links = {
+                "send": self.cipher(inject) if inject else (self.cipher(into[0]) if i == 0 else None),
                 "tap": self.cipher(tap) if tap else None,
-                "result": self.cipher(out_last) if i + 1 == len(hops) else None,
+                "result": self.cipher(out_last) if last and next_ is None else None,
             }
-            plans.append((hop, msg, state_links))
-        results: list[HopState | BaseException] = [None] * len(plans)  # type: ignore[list-item]
+            plans.append((hop, msg, links))
+        results: list[HopState | BaseException | None] = [None] * len(plans)
 
         async def open_one(i: int) -> None:
             hop, msg, links = plans[i]
@@ -164,14 +200,12 @@ class RouteSession:
         failed = [(plans[i][0], r) for i, r in enumerate(results) if not isinstance(r, HopState)]
         if failed:
             for state in opened:
-                await self._close_hop(state, "a peer of the route refused")
+                self.ctx.nursery.start_soon(self.close_hop, state, "a peer of the route refused")
             hop, error = failed[0]
             if isinstance(error, PeerError):
                 raise error
             raise PeerFailed(hop.peer_id, f"opening the session: {type(error).__name__}: {error}")
-        self.hops = opened
-        self.ctx.tracer.emit("session_open", session=self.session_id,
-                             detail={"route": [[h.peer_id, h.start, h.end] for h in hops]})
+        return opened, into[0], out_last
 
     async def _open_hop(self, hop: Hop, msg: SessionOpen, **links: LinkCipher | None) -> HopState:
         with trio.fail_after(OPEN_TIMEOUT):
@@ -216,68 +250,93 @@ class RouteSession:
             self.history.at(state.hop.end).write(msg.start_pos, hidden)
             self.tap_arrived.set()
             self.tap_arrived = trio.Event()
-        elif state.result is not None and msg.link_id == state.result.link_id:
-            hidden = open_activations(state.result, msg)
             slot = self.pending.get(msg.step)
-            if slot is not None and not slot.done.is_set():
-                slot.value = hidden.clone()
-                slot.done.set()
+            if slot is not None and slot.tap_from == state.peer:
+                slot.complete(hidden)
+        elif state.result is not None and msg.link_id == state.result.link_id:
+            slot = self.pending.get(msg.step)
+            if slot is not None:
+                slot.complete(open_activations(state.result, msg))
         else:
             raise WireError(f"result on link {msg.link_id}, which is not one of this peer's")
 
     def _fail(self, state: HopState, reason: str, *, code: str | None = None) -> None:
-        """Mark a hop failed and wake every waiting step with the error."""
-        state.failure = reason
-        error = PeerFailed(state.peer, reason)
+        """Mark a hop failed and wake every waiting step with the error.
+
+        A peer reporting that its push to the next peer failed is alive; the next peer
+        is the one to blame.
+        """
+        if code == NEXT_HOP_FAILED and state in self.hops:
+            index = self.hops.index(state)
+            if index + 1 < len(self.hops):
+                state = self.hops[index + 1]
+                reason = f"unreachable from the previous peer: {reason}"
+        if state.failure is None:
+            state.failure = reason
+        state.acked.set()  # wake a relink waiting on this peer; it checks `failure`
         self.ctx.tracer.emit("error", session=self.session_id, remote=state.peer, detail={"reason": reason[:300]})
+        error = PeerFailed(state.peer, reason)
         for slot in self.pending.values():
-            if not slot.done.is_set():
-                slot.error = error
-                slot.done.set()
+            slot.fail(error)
 
     # -- stepping -------------------------------------------------------------------
 
-    def step_timeout(self, n_tokens: int) -> float:
-        """A deadline from the route's advertised speeds (not a fixed minute)."""
+    def step_timeout(self, n_tokens: int, hops: list[Hop] | None = None) -> float:
+        """A deadline from the hops' advertised speeds (not a fixed minute)."""
         view = self.ctx.keeper.snapshot()
         estimate = 0.0
-        for hop in self.route.hops:
+        chosen = hops if hops is not None else [h.hop for h in self.hops]
+        for hop in chosen:
             info = view.get(hop.peer_id)
             speed = info.throughput if info and info.throughput > 0 else 1.0
             estimate += hop.num_layers * n_tokens / speed
-        estimate += len(self.route.hops) * 0.1  # per-hop network allowance
+        estimate += len(chosen) * 0.1  # per-hop network allowance
         return STEP_TIMEOUT_FLOOR + STEP_TIMEOUT_FACTOR * estimate
 
-    async def step(self, hidden: torch.Tensor, start_pos: int, *, stop_layer: int | None = None) -> torch.Tensor:
+    async def step(self, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
         """Run hidden states [T, H] at positions [start_pos, start_pos + T) through the route.
 
         Returns the last hop's output [T, H]. Raises PeerFailed naming the peer that failed.
         """
         first = self.hops[0]
         self.history.at(first.hop.start).write(start_pos, hidden)
+        failed = next((h for h in self.hops if h.failure), None)
+        if failed is not None:
+            raise PeerFailed(failed.peer, failed.failure or "failed")
+        return await self.run(first, hidden, start_pos, stop_layer=self.ctx.num_layers, hops=[h.hop for h in self.hops])
+
+    async def run(
+        self,
+        first: HopState,
+        hidden: torch.Tensor,
+        start_pos: int,
+        *,
+        stop_layer: int,
+        hops: list[Hop],
+        tap_from: str | None = None,
+    ) -> torch.Tensor:
+        """Send one step into `first` and wait for its end: the chain's result, or — for a
+        step that stops early (a replay) — the tap of the peer `tap_from` where it stops."""
         self._next_step += 1
         step = self._next_step
-        slot = self.pending[step] = StepSlot()
+        slot = self.pending[step] = StepSlot(tap_from=tap_from)
         n = hidden.shape[0]
-        template = Forward(self.session_id, step, first.send.link_id, 0, start_pos, n,
-                           stop_layer if stop_layer is not None else self.ctx.num_layers, b"")
+        assert first.send is not None, "the requester feeds only the first hop or an injected one"
+        template = Forward(self.session_id, step, first.send.link_id, 0, start_pos, n, stop_layer, b"")
         started = time.perf_counter()
         try:
-            failed = next((h for h in self.hops if h.failure), None)
-            if failed is not None:
-                raise PeerFailed(failed.peer, failed.failure or "failed")
             try:
                 await first.channel.send(seal_activations(first.send, template, hidden))
             except PeerError as error:
                 raise PeerFailed(first.peer, f"sending step {step}: {error}") from None
-            with trio.move_on_after(self.step_timeout(n)) as waited:
+            with trio.move_on_after(self.step_timeout(n, hops)) as waited:
                 await slot.done.wait()
             if waited.cancelled_caught:
                 raise PeerFailed(self.suspect(start_pos + n), f"step {step} timed out")
             if slot.error is not None:
                 raise slot.error
             self.ctx.tracer.emit("result", session=self.session_id, step=step, duration=time.perf_counter() - started,
-                                 detail={"start_pos": start_pos, "n_tokens": n})
+                                 detail={"start_pos": start_pos, "n_tokens": n, "stop_layer": stop_layer})
             assert slot.value is not None
             return slot.value
         finally:
@@ -298,11 +357,11 @@ class RouteSession:
         self.closed = True
         with trio.CancelScope(shield=True):
             for state in self.hops:
-                await self._close_hop(state, reason)
+                await self.close_hop(state, reason)
         self.ephemeral.forget()
         self.ctx.tracer.emit("session_close", session=self.session_id, detail={"reason": reason})
 
-    async def _close_hop(self, state: HopState, reason: str) -> None:
+    async def close_hop(self, state: HopState, reason: str) -> None:
         state.scope.cancel()
         for cipher in (state.send, state.tap, state.result):
             if cipher is not None:
