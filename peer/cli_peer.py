@@ -54,6 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", type=Path, default=None, help="identity, store and trace (default ~/.local/share/tessera/NAME)")
     p.add_argument("--name", default="", help="a display name")
     p.add_argument("--max-sessions", type=int, default=16)
+    p.add_argument("--rebalance-interval", type=float, default=None, metavar="S",
+                   help="seconds between placement checks (default 10)")
     p.add_argument("--tui", action="store_true", help="open the operator's terminal UI")
     add_compute_options(p)
     p.set_defaults(handler=run_peer)
@@ -84,6 +86,7 @@ def config_from(args: argparse.Namespace) -> PeerConfig:
         memory_gb=args.memory, layers=args.layers, data_dir=data_dir, name=args.name,
         threads=args.threads, device=args.device, dtype=args.dtype,
         swarm_key=read_swarm_key(args.swarm_key), max_sessions=args.max_sessions,
+        **({"rebalance_interval": args.rebalance_interval} if args.rebalance_interval else {}),
     )
 
 
