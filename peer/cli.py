@@ -8,6 +8,8 @@ line on stderr and a non-zero exit status — never a traceback.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -59,14 +61,35 @@ def optional_command_modules() -> list:
     return modules
 
 
+def first_domain_error(group: BaseExceptionGroup, errors: tuple[type[BaseException], ...]) -> BaseException | None:
+    """The first domain error inside a (nested) exception group from trio nurseries."""
+    for error in group.exceptions:
+        if isinstance(error, BaseExceptionGroup):
+            found = first_domain_error(error, errors)
+            if found is not None:
+                return found
+        elif isinstance(error, errors):
+            return error
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int | None] = args.handler
+    # py-libp2p logs every failed handshake at ERROR; our own messages say what matters
+    logging.getLogger("libp2p").setLevel(logging.DEBUG if os.environ.get("TESSERA_DEBUG") else logging.CRITICAL)
+    errors = domain_errors()
     try:
         return int(handler(args) or 0)
-    except domain_errors() as error:
+    except errors as error:
         print(f"error: {error}", file=sys.stderr)
+        return 1
+    except BaseExceptionGroup as group:
+        found = first_domain_error(group, errors)
+        if found is None:
+            raise
+        print(f"error: {found}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
