@@ -346,6 +346,10 @@ class PeerNode:
             await self.advertise()
             if self.server:
                 await self.server.drain(self.config.leave_grace)
+                # Past the grace: end what is left now, while the trace is still open (closing
+                # the host later would end them too, and their session_close would hit a closed tracer).
+                for session in list(self.server.sessions.values()):
+                    self.server.drop(session, "peer left")
             self.state = LEAVING
             await self.advertise()
             if self.span:

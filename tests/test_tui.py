@@ -1,0 +1,391 @@
+"""The operator's TUI, driven by Textual's pilot over a real peer in a loopback swarm.
+
+The peer under the UI is an in-process `PeerNode` behind `tui.bridge.PeerHandle`
+(its own trio thread, as `tessera peer --tui` runs it); the rest of the swarm is a
+real `tessera peer` process; requests come from a `peer.client.Swarm` in another
+thread. Textual runs on asyncio, so each UI test is a plain function that runs its
+scenario with `asyncio.run` (this suite's async tests run under trio).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from peer.client import Swarm
+from peer.demo import memory_for_layers
+from peer.errors import NoRoute, SessionRefused
+from peer.node import PeerConfig, PeerNode
+from peer.route_session import RouteSession
+from peer.routing import Hop, Route
+from stages.generate import prompt_ids
+from store.db import PeerStore
+from store.trace import EVENT_KINDS
+from tui.app import TesseraApp
+from tui.bridge import PeerHandle
+from tui.events import NOISY_KINDS, EventFilter, last_id, read_backlog
+from tui.panels import LedgerPanel, LivePanel, PeerHeader, PeerPanel, SwarmPanel
+from tui.rates import RateHistory
+from tui.render import coverage_strip, event_line, gaps_text, span_bar, state_word
+from tui.screens import ConfirmScreen, HelpScreen, MemoryDialog, parse_gb
+
+from .conftest import FRANCE
+from .swarm_helpers import local_swarm
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+STARTUP = 120.0  # a peer imports, measures a layer and loads its span (slow on a busy 2-core box)
+SETTLE = 30.0  # for the UI to show a change the peer has made (snapshots every 0.5 s)
+LEAVE_GRACE = 2.0  # the node under test gives held sessions this long when it leaves
+MAX_NEW = 12
+
+
+# -- pure parts --------------------------------------------------------------------------
+
+def test_span_bar_draws_the_claim_against_every_layer():
+    assert span_bar((0, 15), 30, 40).plain == "█" * 15 + "░" * 15  # one cell per layer when it fits
+    assert span_bar((10, 20), 30, 40).plain == "░" * 10 + "█" * 10 + "░" * 10
+    assert span_bar((0, 30), 60, 10).plain == "█" * 5 + "░" * 5  # two layers per cell when not
+    assert span_bar(None, 30, 40).plain == "░" * 30
+
+
+def test_coverage_strip_counts_peers_and_marks_gaps():
+    coverage = [1] * 10 + [2] * 5 + [0] * 3 + [1] * 2 + [12] * 10
+    text = coverage_strip(coverage, 80)
+    assert text.plain == "1" * 10 + "2" * 5 + "0" * 3 + "1" * 2 + "+" * 10
+    gap_styles = {str(span.style) for span in text.spans if text.plain[span.start:span.end].strip("0") == ""}
+    assert "bold reverse red" in gap_styles
+    assert coverage_strip([1, 1, 0, 1], 2).plain == "10"  # a cell shows its least covered layer
+    assert gaps_text([[15, 18]]).plain == "GAPS: [15, 18)"
+    assert gaps_text([]).plain == "gaps: none"
+
+
+def test_rate_history_derives_tokens_per_second_from_cumulative_counts():
+    history = RateHistory(window=4.0)
+    assert history.series(4) == [0.0] * 4 and history.current() == 0.0
+    for at, total in [(10.0, 0), (10.5, 0), (11.0, 10), (11.5, 30), (12.0, 30)]:
+        assert history.add(at, total)
+    # buckets [8, 9), [9, 10), [10, 11), [11, 12): the counter at each edge is the last sample before it
+    assert history.series(4) == [0.0, 0.0, 10.0, 20.0]
+    assert history.current(recent=1.0) == pytest.approx((30 - 10) / (12.0 - 11.0))
+    assert not history.add(12.0, 31)  # not newer: ignored
+    history.add(100.0, 40)
+    assert all(at >= 100.0 - 4.0 for at, _ in list(history.samples)[1:])  # older samples age out
+    assert history.series(2) == [0.0, 5.0]  # tokens seen late count in the bucket where they were seen
+    history.add(101.0, 0)  # a new counter (smaller): the old history is dropped
+    assert list(history.samples) == [(101.0, 0)]
+
+
+def test_event_filter_parses_kinds_words_and_all():
+    default = EventFilter.parse("")
+    assert set(default.kinds) == set(EVENT_KINDS) - set(NOISY_KINDS)
+    assert EventFilter.parse("claim  ban").kinds == ("claim", "ban")
+    everything = EventFilter.parse("all x3f2")
+    assert everything.kinds == EVENT_KINDS and everything.words == ("x3f2",)
+    assert everything.keeps("10:00:00 ban peer X3F2abcd") and not everything.keeps("10:00:00 ban peer zzz")
+
+
+def test_trace_tail_is_found_without_reading_the_whole_trace(tmp_path):
+    from store.trace import TraceWriter
+
+    with PeerStore(tmp_path / "t.db") as store:
+        tracer = TraceWriter(store, peer="me")
+        for i in range(1000):
+            tracer.emit("forward", step=i)
+            if i % 100 == 7:
+                tracer.emit("claim", span=(0, i + 1))
+        tracer.close()
+        store.flush()
+        assert last_id(store, ("forward",)) == 1010  # 1000 forwards + 10 claims, the last row a forward
+        claims = last_id(store, ("claim",))
+        assert store.events(after_id=claims - 1)[0]["kind"] == "claim"
+        assert store.events(after_id=claims, kinds=("claim",)) == []
+        rows, tail = read_backlog(store, EventFilter.parse("claim"), keep=3)
+        assert [r["span_end"] for r in rows] == [708, 808, 908] and tail == claims
+        assert last_id(store, ("ban",)) == 0
+        line = event_line(rows[-1])
+        assert "claim" in line and "[0, 908)" in line
+
+
+def test_memory_input_is_checked():
+    assert parse_gb(" 2.5 ") == 2.5 and parse_gb("3GB") == 3.0
+    for bad in ("abc", "0", "-1", "nan", "inf", ""):
+        with pytest.raises(ValueError):
+            parse_gb(bad)
+
+
+# -- against a real peer -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def other_peer(smol_dir):
+    """The rest of the swarm: a `tessera peer` process serving layers [10, 30)."""
+    with local_swarm([(10, 30)]) as swarm:
+        yield swarm
+
+
+def make_handle(tmp_path: Path, join: list[str], **config) -> PeerHandle:
+    settings = dict(layers=(0, 15), memory_gb=1.0, leave_grace=LEAVE_GRACE, rebalance_interval=3600.0)
+    settings.update(config)
+    node = PeerNode(PeerConfig(join=join, data_dir=tmp_path / "tui-peer", threads=1, name="tui-peer", **settings))
+    handle = PeerHandle(node)
+    handle.start()
+    return handle
+
+
+def plain(widget) -> str:
+    """What a panel draws, as plain text."""
+    return widget.render().plain
+
+
+def log_text(app: TesseraApp) -> str:
+    return "\n".join(strip.text for strip in app.query_one("#event-log").lines)
+
+
+async def until(pilot, predicate, what: str, timeout: float = SETTLE) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.1)
+
+
+def my_addr(handle: PeerHandle) -> str:
+    return handle.latest()["addrs"][0]
+
+
+def generate(addrs: list[str], n: int) -> tuple[list[int], list[int], dict]:
+    """A requester in its own thread and trio loop: one greedy answer through the swarm."""
+    async def go():
+        async with Swarm.join(addrs) as swarm:
+            await swarm.wait_for_route(60)
+            ids = prompt_ids(swarm.tokenizer, FRANCE, raw=False)
+            info: dict = {}
+            tokens = [t async for t in swarm.generate_ids(ids, max_new_tokens=n, info=info)]
+            return ids, tokens, info
+
+    return trio.run(go)
+
+
+@pytest.mark.slow
+def test_main_screen_shows_span_coverage_and_live_counters(other_peer, tmp_path, local_engine, smol_tokenizer):
+    """A generation through the peer under the UI: the panels show what it served, exactly."""
+    handle = make_handle(tmp_path, other_peer.addrs)
+
+    async def scenario():
+        app = TesseraApp(handle)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: handle.ready.is_set(), "the peer to serve", STARTUP)
+            await until(pilot, lambda: app.snapshot and app.snapshot["phase"] == "serving"
+                        and not app.snapshot["gaps"], "full coverage")
+            peer_text = plain(app.query_one(PeerPanel))
+            assert "[0, 15) of 30 (forced)" in peer_text
+            assert "█" * 15 + "░" * 15 in peer_text
+            swarm_text = plain(app.query_one(SwarmPanel))
+            assert "1" * 10 + "2" * 5 + "1" * 15 in swarm_text  # [0,10) me; [10,15) both; [15,30) the other
+            assert "gaps: none" in swarm_text
+            assert "SERVING" in plain(app.query_one(PeerHeader))
+
+            ids, tokens, info = await asyncio.to_thread(generate, [my_addr(handle)], MAX_NEW)
+            mine = [h for h in info["route"] if h["peer"] == handle.latest()["peer_id"]]
+            assert len(mine) == 1 and mine[0]["start"] == 0  # only this peer serves layer 0
+            steps, served = len(tokens), len(ids) + len(tokens) - 1  # prefill + one step per later token
+            await until(pilot, lambda: app.snapshot["stats"]["steps"] == steps, "the steps to show")
+            live = app.query_one(LivePanel)
+            counters = str(live.query_one("#counters").render())
+            assert f"steps {steps}" in counters and f"tokens {served}" in counters
+            assert max(app.rates) > 0 and live.peak > 0  # the sparkline saw tokens go through
+            stats = app.snapshot["stats"]
+            assert stats["bytes_in"] > 0 and stats["bytes_out"] > 0
+            assert stats["layer_tokens"] == served * (mine[0]["end"] - mine[0]["start"])
+            await until(pilot, lambda: app.ledger and app.ledger["today"]["steps"] == steps, "the ledger")
+            ledger_text = plain(app.query_one(LedgerPanel))
+            assert f"{stats['layer_tokens']:>10}{steps:>8}" in ledger_text
+            await until(pilot, lambda: "session_close" in log_text(app), "the session in the events")
+            assert "session_open" in log_text(app) and "serving layers [0, 15) of 30" in log_text(app)
+
+            ARTIFACTS.mkdir(exist_ok=True)
+            shot = app.save_screenshot("tui-main.svg", path=str(ARTIFACTS))
+            assert "This&#160;peer" in Path(shot).read_text()  # SVG text keeps spaces as &#160;
+            await pilot.press("q")  # no sessions running: no question
+            await until(pilot, lambda: handle.finished.is_set(), "the peer to leave")
+            await pilot.pause(0.5)
+        return tokens
+
+    tokens = asyncio.run(scenario())
+    assert tokens == local_engine.generate_ids(prompt_ids(smol_tokenizer, FRANCE, raw=False), max_new_tokens=MAX_NEW)
+    handle.join(10)
+
+
+def try_sessions(addrs: list[str], me: str) -> tuple[BaseException, BaseException]:
+    """Ask the swarm for an answer (the view says we drain: no route), then ask us directly."""
+    async def go():
+        async with Swarm.join(addrs) as swarm:
+            ids = prompt_ids(swarm.tokenizer, FRANCE, raw=False)
+            with pytest.raises(NoRoute) as no_route:
+                async for _ in swarm.generate_ids(ids, max_new_tokens=2, route_wait=3.0):
+                    pass
+            with pytest.raises(SessionRefused) as refused:
+                await RouteSession(swarm.ctx, Route((Hop(me, 0, 15),), 0.0), max_length=64).open()
+            return no_route.value, refused.value
+
+    return trio.run(go)
+
+
+@pytest.mark.slow
+def test_drain_key_refuses_new_sessions_and_quit_leaves(other_peer, tmp_path):
+    handle = make_handle(tmp_path, other_peer.addrs)
+
+    async def scenario():
+        app = TesseraApp(handle)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.state == "serving", "the peer to serve", STARTUP)
+            await pilot.press("d")
+            await until(pilot, lambda: app.state == "draining" and not app.snapshot["accepting"], "draining")
+            assert "DRAINING" in plain(app.query_one(PeerHeader))
+            me = app.snapshot["peer_id"]
+            no_route, refused = await asyncio.to_thread(try_sessions, [my_addr(handle)], me)
+            assert isinstance(no_route, NoRoute)  # only a draining peer serves layers 0..9
+            assert refused.code == "draining"
+            await until(pilot, lambda: app.snapshot["stats"]["refused"] >= 1, "the refusal to be counted")
+            await pilot.press("q")
+            await until(pilot, lambda: handle.finished.is_set(), "the peer to leave")
+            await until(pilot, lambda: app.return_code is not None, "the app to exit")
+        return app.return_code
+
+    assert asyncio.run(scenario()) == 0
+    assert handle.join(10) and handle.error is None
+    assert handle.printed("left the swarm")
+    with PeerStore(handle.db_path, readonly=True) as store:
+        assert [e["kind"] for e in store.events(kinds=("leave",))] == ["leave"]
+
+
+def hold_session(addrs: list[str], me: str, opened: threading.Event, release: threading.Event,
+                 out: dict) -> None:
+    """Keep one session open on our peer (in the requester's own thread) until `release`."""
+    async def go():
+        async with Swarm.join(addrs) as swarm:
+            out["requester"] = swarm.peer_id
+            session = RouteSession(swarm.ctx, Route((Hop(me, 0, 15),), 0.0), max_length=64)
+            await session.open()
+            opened.set()
+            await trio.to_thread.run_sync(release.wait)
+            with trio.move_on_after(5):
+                await session.close()  # the peer may have dropped it already by leaving
+
+    trio.run(go)
+
+
+@pytest.mark.slow
+def test_actions_that_would_drop_work_ask_first(other_peer, tmp_path):
+    """Quit and pause with a session running ask first; `n` keeps serving; leave asks, then leaves."""
+    handle = make_handle(tmp_path, other_peer.addrs)
+    opened, release, out = threading.Event(), threading.Event(), {}
+
+    async def scenario():
+        app = TesseraApp(handle)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.state == "serving", "the peer to serve", STARTUP)
+            holder = threading.Thread(target=hold_session, args=([my_addr(handle)], app.snapshot["peer_id"],
+                                                                 opened, release, out))
+            holder.start()
+            try:
+                await until(pilot, lambda: app.snapshot["active"], "the held session")
+                sessions = str(app.query_one(LivePanel).query_one("#sessions").render())
+                assert "sessions 1/16" in sessions and out["requester"][-8:] in sessions
+
+                await pilot.press("q")
+                await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the quit question")
+                assert "1 session running" in str(app.screen.question)
+                await pilot.press("n")
+                await until(pilot, lambda: not isinstance(app.screen, ConfirmScreen), "the answer")
+                await pilot.pause(1.0)
+                assert app.state == "serving" and not handle.finished.is_set() and not app.quitting
+
+                await pilot.press("p")
+                await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the pause question")
+                await pilot.press("y")
+                await until(pilot, lambda: app.state == "paused", "paused")
+                assert "PAUSED" in plain(app.query_one(PeerHeader))
+                await pilot.press("p")  # resuming drops nothing: no question
+                await until(pilot, lambda: app.state == "serving", "resumed")
+
+                await pilot.press("l")
+                await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the leave question")
+                await pilot.press("y")
+                await until(pilot, lambda: handle.finished.is_set(), "the peer to leave", LEAVE_GRACE + SETTLE)
+                await until(pilot, lambda: app.state == "left", "the header to say so")
+                assert app.return_code is None  # leaving keeps the screen open
+                assert "LEFT" in plain(app.query_one(PeerHeader))
+                await pilot.press("q")  # the peer is gone: q just closes
+                await until(pilot, lambda: app.return_code is not None, "the app to exit")
+            finally:
+                release.set()
+                await asyncio.to_thread(holder.join, 30)
+
+    asyncio.run(scenario())
+    assert handle.printed("left the swarm") and handle.error is None
+
+
+@pytest.mark.slow
+def test_memory_dialog_and_help_screen(other_peer, tmp_path):
+    """`m` checks what is typed and asks before a change that moves the span; `?` lists the keys."""
+    offered = memory_for_layers("smollm2-135m", 30)  # room for every layer: placement claims [0, 30)
+    handle = make_handle(tmp_path, other_peer.addrs, layers=None, memory_gb=offered)
+
+    async def scenario():
+        app = TesseraApp(handle)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.state == "serving", "the peer to serve", STARTUP)
+            assert app.snapshot["span"] == [0, 30]
+
+            await pilot.press("question_mark")
+            await until(pilot, lambda: isinstance(app.screen, HelpScreen), "the help")
+            shown = " ".join(str(w.render()) for w in app.screen.query(".key"))
+            for key in "dpmlq?":
+                assert f"{key}  " in shown
+            await pilot.press("escape")
+            await until(pilot, lambda: not isinstance(app.screen, HelpScreen), "the help to close")
+
+            await pilot.press("m")
+            await until(pilot, lambda: isinstance(app.screen, MemoryDialog), "the memory dialog")
+            dialog = app.screen
+            dialog.query_one("#gb").value = "lots"
+            await pilot.press("enter")
+            await until(pilot, lambda: "not a number" in str(dialog.query_one("#error").render()), "the error")
+            assert isinstance(app.screen, MemoryDialog)  # still asking
+            small = memory_for_layers("smollm2-135m", 10)
+            dialog.query_one("#gb").value = f"{small:.4f}"
+            await pilot.press("enter")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the move question")
+            assert "[0, 30) to [0, 10)" in str(app.screen.question)  # the gap nobody else serves
+            await pilot.press("n")
+            await pilot.pause(1.0)
+            assert app.snapshot["span"] == [0, 30]  # declined: nothing moved
+
+            await pilot.press("m")
+            await until(pilot, lambda: isinstance(app.screen, MemoryDialog), "the memory dialog")
+            app.screen.query_one("#gb").value = f"{small:.4f}"
+            await pilot.press("enter")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the move question")
+            await pilot.press("y")
+            await until(pilot, lambda: app.snapshot["span"] == [0, 10] and app.state == "serving", "the move")
+            assert "█" * 10 + "░" * 20 in plain(app.query_one(PeerPanel))
+            assert app.snapshot["memory_offered"] == int(float(f"{small:.4f}") * (1 << 30))
+            await pilot.press("q")
+            await until(pilot, lambda: handle.finished.is_set(), "the peer to leave")
+
+    asyncio.run(scenario())
+    assert handle.join(10) and handle.error is None
+
+
+def test_state_words_read_without_colour():
+    base = {"phase": "serving", "state": "serving", "paused": False, "span": [0, 1]}
+    assert state_word(base) == "serving"
+    assert state_word({**base, "paused": True}) == "paused"
+    assert state_word({**base, "phase": "starting", "span": None}) == "starting"
+    assert state_word({**base, "phase": "starting"}) == "loading"
+    assert state_word({**base, "phase": "stopped", "state": "leaving"}) == "left"

@@ -1,0 +1,118 @@
+"""Reading the peer's trace and ledger for the UI: blocking sqlite reads, run in worker threads.
+
+The UI opens the peer's database a second time, read-only (`StoreReader`): it never
+queues work on the peer's writer or waits for its commits, and it outlives the
+peer's own connection (which the peer closes when it stops), so the events and the
+ledger stay readable after the peer has left.
+
+The events panel tails the trace. Its filter is what the operator types:
+
+- nothing: every kind but the per-step ones (`NOISY_KINDS`: one per token per hop);
+- words naming event kinds (``claim session_open ban``): only those kinds;
+- ``all``: every kind, per-step ones included;
+- any other word: only lines containing it (case-insensitive), e.g. a peer id's tail.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from store.db import PeerStore
+from store.errors import StoreClosed
+from store.trace import EVENT_KINDS
+
+NOISY_KINDS = ("forward", "push", "receive", "advertise", "token", "result")
+QUIET_KINDS = tuple(k for k in EVENT_KINDS if k not in NOISY_KINDS)
+BACKLOG = 200  # events shown from before the UI opened (or the filter changed)
+PAGE = 500  # trace rows per read; a busy peer catches up in a few ticks
+
+
+@dataclass(frozen=True)
+class EventFilter:
+    """A parsed filter: which kinds to read from sqlite, and words every line must contain."""
+
+    kinds: tuple[str, ...]
+    words: tuple[str, ...] = ()
+
+    @staticmethod
+    def parse(text: str) -> "EventFilter":
+        tokens = text.lower().split()
+        kinds = [t for t in tokens if t in EVENT_KINDS]
+        words = tuple(t for t in tokens if t not in EVENT_KINDS and t != "all")
+        if "all" in tokens:
+            return EventFilter(EVENT_KINDS, words)
+        return EventFilter(tuple(dict.fromkeys(kinds)) or QUIET_KINDS, words)
+
+    def keeps(self, line: str) -> bool:
+        lowered = line.lower()
+        return all(w in lowered for w in self.words)
+
+
+class StoreReader:
+    """A read-only `PeerStore` on the peer's database, opened on first use (in a worker thread)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._store: PeerStore | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def store(self) -> PeerStore:
+        with self._lock:
+            if self._closed:
+                raise StoreClosed(f"the UI's reader of {str(self.path)!r} is closed")
+            if self._store is None:
+                self._store = PeerStore(self.path, readonly=True)
+            return self._store
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._store is not None:
+                self._store.close()
+                self._store = None
+
+
+def last_id(store: PeerStore, kinds: tuple[str, ...]) -> int:
+    """The id of the newest trace row of `kinds` (0 if none).
+
+    `PeerStore.events` reads forward from an id; a peer's trace keeps every run it
+    ever had, so the tail is found by searching: "is there a row after x" is
+    monotone in x, and each probe is one indexed read. About 2 log2(rows) probes.
+    """
+    def after(x: int) -> bool:
+        return bool(store.events(after_id=x, kinds=kinds, limit=1))
+
+    if not after(0):
+        return 0
+    high = 1
+    while after(high):
+        high *= 2
+    low = high // 2  # after(low) is true (or low is 0, checked above); after(high) is false
+    while high - low > 1:
+        middle = (low + high) // 2
+        if after(middle):
+            low = middle
+        else:
+            high = middle
+    return high
+
+
+def read_backlog(store: PeerStore, flt: EventFilter, keep: int = BACKLOG) -> tuple[list[dict[str, Any]], int]:
+    """The last `keep` rows of the filter's kinds, oldest first, and the id to tail from."""
+    newest = last_id(store, flt.kinds)
+    reach = keep
+    while True:
+        rows = store.events(after_id=max(0, newest - reach), kinds=flt.kinds)
+        if len(rows) >= keep or reach >= newest:
+            return rows[-keep:], max(newest, rows[-1]["id"] if rows else 0)
+        reach *= 4
+
+
+def read_new(store: PeerStore, flt: EventFilter, after_id: int) -> list[dict[str, Any]]:
+    """Rows of the filter's kinds after `after_id`, oldest first, at most PAGE of them."""
+    return store.events(after_id=after_id, kinds=flt.kinds, limit=PAGE)

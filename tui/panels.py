@@ -1,0 +1,218 @@
+"""The main screen's panels. Each one draws a snapshot (tui/snapshot.py) or the ledger.
+
+State flows one way: the app holds the reactive `snapshot` (and `rates`, `ledger`)
+and binds it into the panels (`data_bind`); a panel only draws. Panels that are one
+block of text render it in `render()`, so they redraw to whatever width the
+terminal gives them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.reactive import reactive
+from textual.widget import Widget
+from textual.widgets import Sparkline, Static
+
+from .render import (
+    coverage_strip, fmt_bytes, fmt_duration, fmt_gb, fmt_ms, fmt_rate, fmt_span, gaps_text, meter, short_id,
+    span_bar, state_word,
+)
+
+WAITING = Text("waiting for the peer…", style="dim")
+# Rows a list (sessions, neighbours) may take: at 80x24 every row is spoken for; a
+# taller terminal shows more before "… and N more".
+SHORT_LIST, LONG_LIST, TALL_SCREEN = 2, 8, 40
+
+
+def list_room(widget: Widget) -> int:
+    return LONG_LIST if widget.app.size.height >= TALL_SCREEN else SHORT_LIST
+
+def _swarm_words(snapshot: dict[str, Any]) -> str:
+    """'joined 127.0.0.1:4001, 3 peers' (this one included) or 'new swarm, 1 peer'."""
+    swarm = snapshot["swarm"]
+    size = _plural(swarm["peers"] + 1, "peer")
+    private = "private " if swarm["private"] else ""
+    if not swarm["join"]:
+        return f"new {private}swarm, {size}"
+    addr = swarm["join"][0].split("/")
+    host = f"{addr[2]}:{addr[4]}" if len(addr) > 4 else swarm["join"][0]
+    return f"joined {private}{host}, {size}"
+
+
+class PeerHeader(Widget):
+    """One line: state, name and id, swarm joined, reachability, uptime."""
+
+    snapshot: reactive[dict | None] = reactive(None)
+
+    def render(self) -> Text:
+        snap = self.snapshot
+        if snap is None:
+            return Text(" STARTING  tessera peer", style="bold")
+        text = Text(f" {state_word(snap).upper()} ", style="bold reverse")
+        text.append(f" {snap['name'] or 'peer'} {short_id(snap['peer_id'])}", style="bold")
+        text.append(f" │ {_swarm_words(snap)} │ reach: {snap['reachability']} │ up {fmt_duration(snap['uptime'])}")
+        return text
+
+
+def _block(lines: list[Text]) -> Text:
+    """Lines as one text (app.tcss cuts each at the panel's edge rather than wrapping it)."""
+    return Text("\n").join(lines)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+class PeerPanel(Widget):
+    """This peer: model, claimed span against all layers, memory, device and speed."""
+
+    snapshot: reactive[dict | None] = reactive(None)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.border_title = "This peer"
+
+    def render(self) -> Text:
+        snap = self.snapshot
+        if snap is None:
+            return WAITING
+        width = max(8, self.content_size.width)
+        span, layers = snap["span"], snap["num_layers"]
+        forced = " (forced)" if snap["forced_layers"] else ""
+        lines = [
+            Text.assemble(("model ", "bold"), f"{snap['model']} {snap['model_id'][:8]} on {snap['device']}"),
+            Text.assemble(("layers ", "bold"), f"{fmt_span(span)} of {layers}{forced}"),
+            span_bar(span, layers, width),
+            Text.assemble(("memory ", "bold"),
+                          f"{fmt_gb(snap['memory_used'])} used of {fmt_gb(snap['memory_offered'])}"),
+            meter(snap["memory_used"], snap["memory_offered"], min(width, max(layers, 8))),
+            Text.assemble(("speed ", "bold"), _speed(snap)),
+        ]
+        return _block(lines)
+
+
+def _speed(snap: dict[str, Any]) -> str:
+    per_layer = snap["throughput"]
+    if not per_layer:
+        return "measuring…"
+    span = snap["span"]
+    n = span[1] - span[0] if span else 0
+    if not n:
+        return f"{fmt_rate(per_layer)} per layer"
+    return f"{fmt_rate(per_layer / n)} span · {per_layer:.0f}/layer"
+
+
+class LivePanel(Vertical):
+    """Live: tokens/s served (a sparkline over the last minutes), counters, running sessions."""
+
+    snapshot: reactive[dict | None] = reactive(None)
+    rates: reactive[tuple[float, ...]] = reactive(())
+    rate_now: reactive[float] = reactive(0.0)
+    peak: reactive[float] = reactive(0.0)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.border_title = "Live"
+
+    def compute_peak(self) -> float:
+        return max((*self.rates, self.rate_now))  # the buckets average 5 s; "now" may top them
+
+    def compose(self) -> ComposeResult:
+        yield Sparkline([], id="rate-spark")
+        yield Static(WAITING, id="counters")
+        yield Static("", id="sessions")
+
+    def watch_rates(self, rates: tuple[float, ...]) -> None:
+        self.query_one(Sparkline).data = list(rates) or [0.0]
+        self.watch_rate_now()  # the peak shown with it may have changed
+
+    def watch_snapshot(self, snap: dict | None) -> None:
+        if snap is None:
+            return
+        self.query_one("#counters", Static).update(self.counters_text())
+        self.query_one("#sessions", Static).update(self.sessions_text())
+
+    def watch_rate_now(self) -> None:
+        if self.snapshot is not None:
+            self.query_one("#counters", Static).update(self.counters_text())
+
+    def counters_text(self) -> Text:
+        stats = self.snapshot["stats"]
+        peak = self.peak
+        return Text.assemble(
+            ("served ", "bold"), f"{fmt_rate(self.rate_now)} (peak {fmt_rate(peak)})\n",
+            ("steps ", "bold"), f"{stats['steps']}  ", ("tokens ", "bold"), f"{stats['tokens']}\n",
+            ("in ", "bold"), f"{fmt_bytes(stats['bytes_in'])}  ", ("out ", "bold"), fmt_bytes(stats["bytes_out"]),
+        )
+
+    def sessions_text(self) -> Text:
+        snap = self.snapshot
+        active = snap["active"]
+        text = Text.assemble(("sessions ", "bold"), f"{len(active)}/{snap['max_sessions']}")
+        shown = list_room(self)
+        for s in active[:shown]:
+            text.append(f"\n {s['id']} for {short_id(s['requester'])} {fmt_span(s['span'])} {s['steps']} steps")
+        if len(active) > shown:
+            text.append(f"\n … and {len(active) - shown} more")
+        return text
+
+
+class SwarmPanel(Widget):
+    """Swarm: how many peers serve every layer (gaps marked), and neighbours with RTTs."""
+
+    snapshot: reactive[dict | None] = reactive(None)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.border_title = "Swarm"
+
+    def render(self) -> Text:
+        snap = self.snapshot
+        if snap is None:
+            return WAITING
+        width = max(8, self.content_size.width)
+        neighbours = snap["neighbours"]
+        lines = [
+            Text.assemble(("peers per layer", "bold"), f" (of {snap['swarm']['serving'] + 1} serving)"),
+            coverage_strip(snap["coverage"], width),
+            gaps_text(snap["gaps"]),
+            Text.assemble(("neighbours ", "bold"), str(len(neighbours)) if neighbours else "none yet"),
+        ]
+        room = list_room(self)
+        for n in neighbours[:room]:
+            who = f"{n['name'][:8]} {short_id(n['peer_id'])}" if n["name"] else short_id(n["peer_id"])
+            span = f"[{n['span'][0]},{n['span'][1]})" if n["span"] else n["state"]
+            lines.append(Text(f" {who} {fmt_ms(n['rtt_ms'])} {n['kind']} {span}"))
+        if len(neighbours) > room:
+            lines.append(Text(f" … and {len(neighbours) - room} more"))
+        return _block(lines)
+
+
+class LedgerPanel(Widget):
+    """Ledger: what this peer has contributed today and overall (from its store)."""
+
+    ledger: reactive[dict | None] = reactive(None)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.border_title = "Ledger"
+
+    def render(self) -> Text:
+        ledger = self.ledger
+        if ledger is None:
+            return WAITING
+        rows = [Text(f"{'':<8}{'layer·tok':>10}{'steps':>8}{'bytes':>10}", style="bold")]
+        for name in ("today", "total"):
+            s = ledger[name]
+            rows.append(Text(f"{name:<8}{s['layer_tokens']:>10}{s['steps']:>8}{fmt_bytes(s['bytes']):>10}"))
+        by = ledger["by_requester"]
+        if by:
+            top = next(iter(by))
+            rows.append(Text(f"{len(by)} requester{'s' if len(by) != 1 else ''}; most: {short_id(top)}"))
+        else:
+            rows.append(Text("no requesters yet", style="dim"))
+        return _block(rows)
