@@ -15,17 +15,43 @@ from stages.tokenizer import TextStream
 
 from .cli_generate import apply_threads
 from .cli_peer import read_swarm_key
+from stages.sampling import Sampler
+from stages.speculative import AdaptiveK, ModelDrafter, NgramDrafter
+from stages.stage import Stage
+
 from .client import Swarm
+from .emulated_link import LinkEmulation
+from .errors import ConfigError
+from .generation import Speculation
+
+
+def speculation_from(spec: str, k: int, pipeline: bool, swarm: Swarm, sampling: SamplingParams, capacity: int) -> Speculation | None:
+    """--speculate none | ngram | self:N -> a Speculation (or None)."""
+    if spec == "none":
+        return None
+    if spec == "ngram":
+        drafter = NgramDrafter()
+    elif spec.startswith("self:") and spec[5:].isdigit() and 0 < int(spec[5:]) < swarm.spec.num_layers:
+        stage = Stage.load(swarm.folder, start=0, end=int(spec[5:]), embed=True, head=True)
+        drafter = ModelDrafter(stage, capacity=capacity, sampler=None if sampling.greedy else Sampler(sampling))
+    else:
+        raise ConfigError(f"--speculate wants none, ngram or self:N (0 < N < {swarm.spec.num_layers}), got {spec!r}")
+    return Speculation(drafter, k=AdaptiveK(k), pipeline=pipeline)
 
 
 async def generate_through_swarm(args: argparse.Namespace, sampling: SamplingParams) -> GenerationResult:
-    async with Swarm.join(args.join, model=args.model, swarm_key=read_swarm_key(getattr(args, "swarm_key", None))) as swarm:
+    emulation = LinkEmulation.parse(args.emulate_link) if args.emulate_link else None
+    async with Swarm.join(args.join, model=args.model, swarm_key=read_swarm_key(args.swarm_key),
+                          emulate_link=emulation) as swarm:
         ids = prompt_ids(swarm.tokenizer, args.prompt, raw=args.raw)
+        speculation = speculation_from(args.speculate, args.draft_k, not args.no_pipeline, swarm, sampling,
+                                       len(ids) + args.max_tokens + 64)
         stream = TextStream(swarm.tokenizer)
         info: dict = {}
         tokens = []
         started = time.perf_counter()
-        async for token in swarm.generate_ids(ids, max_new_tokens=args.max_tokens, sampling=sampling, info=info):
+        async for token in swarm.generate_ids(ids, max_new_tokens=args.max_tokens, sampling=sampling,
+                                              speculation=speculation, info=info):
             tokens.append(token)
             if not args.json:
                 sys.stdout.write(stream.push(token))

@@ -31,7 +31,9 @@ from store.trace import NullTracer, Tracer
 
 from .errors import NoRoute, PeerError
 from .gossip import Gossip, Pinger, ViewKeeper
+from .emulated_link import LinkEmulation, emulate
 from .libp2p_transport import open_libp2p_transport
+from .generation import Speculation, plain_tokens, speculative_tokens
 from .recovery import ResilientSession
 from .route_session import RequesterContext, route_summary
 from .routing import Route, route
@@ -41,6 +43,9 @@ from .view import PeerInfo, SwarmView
 # How long a requester waits for the swarm to cover every layer before it gives up.
 DEFAULT_ROUTE_WAIT = 30.0
 REFRESH_INTERVAL = 2.0  # gossip and ping period of a requester
+# Positions reserved beyond the answer: a pipelined speculative block may run past
+# the last token that is finally kept.
+SPECULATION_SLACK = 32
 
 
 @dataclass(frozen=True)
@@ -91,11 +96,17 @@ class Swarm:
         seed: bytes | None = None,
         tracer: Tracer | None = None,
         listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+        emulate_link: LinkEmulation | None = None,
     ) -> AsyncIterator["Swarm"]:
-        """Join the swarm reachable at `addrs` as a requester (serving nothing)."""
+        """Join the swarm reachable at `addrs` as a requester (serving nothing).
+
+        `emulate_link` (benchmarks only) delays and paces every frame the requester sends.
+        """
         folder = registry.resolve(model)
         identity = Identity.from_seed(seed) if seed else Identity.generate()
-        async with open_libp2p_transport(identity.seed, listen=listen, swarm_key=swarm_key) as transport:
+        async with open_libp2p_transport(
+            identity.seed, listen=listen, swarm_key=swarm_key
+        ) as real_transport, emulate(real_transport, emulate_link) as transport:
             async with trio.open_nursery() as nursery:
                 swarm = await trio.to_thread.run_sync(
                     lambda: Swarm(transport, nursery, folder=folder, identity=identity, tracer=tracer)
@@ -155,11 +166,16 @@ class Swarm:
         source: str | None = None,
         sink: str | None = None,
         exclude: Sequence[str] = (),
+        groups: bool = True,
     ) -> Route:
-        """The cheapest chain over layers [start, end) from `source` to `sink` (default: this requester)."""
+        """The cheapest chain over layers [start, end) from `source` to `sink` (default: this requester).
+
+        `groups`: tensor-shard groups may be hops (they are entered from and left to this
+        requester, so a repair that chains between peers passes False; peer/shard_route.py).
+        """
         banned = {p for p in self.banned if self.is_banned(p)}
         return route(self.view(), start=start, end=end, source=source or self.peer_id, sink=sink or self.peer_id,
-                     exclude=frozenset(banned | set(exclude)))
+                     exclude=frozenset(banned | set(exclude)), groups=groups)
 
     async def wait_for_route(self, timeout: float = DEFAULT_ROUTE_WAIT, **plan_args) -> Route:
         """A route, waiting up to `timeout` s for the swarm to cover the layers. Raises NoRoute."""
@@ -193,27 +209,35 @@ class Swarm:
         max_new_tokens: int = 128,
         sampling: SamplingParams = SamplingParams(),
         route_wait: float = DEFAULT_ROUTE_WAIT,
+        speculation: Speculation | None = None,
         info: dict | None = None,
     ) -> AsyncIterator[int]:
-        """Token ids continuing `ids`, one at a time; `info` (if given) receives the routes used."""
+        """Token ids continuing `ids`, one at a time; `info` (if given) receives the routes used.
+
+        With `speculation`, drafted blocks are verified in one pass each (and pipelined
+        when confident); greedy output is the same as without.
+        """
         budget = plan_length(len(ids), max_new_tokens, self.spec.max_position)
         sampler = Sampler(sampling)
-        session = ResilientSession(self, max_length=len(ids) + budget, route_wait=route_wait)
+        capacity = min(len(ids) + budget + SPECULATION_SLACK, self.spec.max_position)
+        session = ResilientSession(self, max_length=capacity, route_wait=route_wait)
         await session.open()
         self.active.add(session)
+        eos = self.spec.eos_token_ids
+        if speculation is None:
+            tokens = plain_tokens(session, self._embed, self._logits, ids, budget, sampler, eos)
+        else:
+            tokens = speculative_tokens(session, self._embed, self._logits, ids, budget, sampler, eos, speculation)
         try:
-            logits = await self._logits((await session.step(await self._embed(ids), 0))[-1:])
-            for produced in range(1, budget + 1):
-                token = sampler.sample(logits[-1])
+            async for token in tokens:
                 yield token
-                if token in self.spec.eos_token_ids or produced == budget:
-                    break
-                hidden = await session.step(await self._embed([token]), len(ids) + produced - 1)
-                logits = await self._logits(hidden)
         finally:
+            await tokens.aclose()
             self.active.discard(session)
             if info is not None:
                 info.update(session.summary())
+                if speculation is not None:
+                    info["speculation"] = speculation.summary()
             await session.close()
 
     async def generate(

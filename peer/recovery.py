@@ -26,6 +26,7 @@ fails during repair is banned and the region re-routed.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,8 +35,9 @@ import trio
 from protocol.messages import Relink
 
 from .errors import NoRoute, PeerError, PeerFailed, SessionRefused
-from .route_session import HopState, RouteSession, peer_bytes, route_summary
+from .route_session import HopState, RouteSession, StepSlot, peer_bytes, route_summary
 from .routing import Route
+from .shard_route import SegmentedSession, has_groups
 
 if TYPE_CHECKING:
     from .client import Swarm
@@ -54,6 +56,22 @@ TAP_WAIT = 3.0
 RELINK_TIMEOUT = 10.0
 
 
+class Superseded(Exception):
+    """A step was sent before a failover repaired the route; it must be sent again."""
+
+
+@dataclass
+class Pending:
+    """A step in flight: what was sent, and how to wait for it."""
+
+    hidden: torch.Tensor
+    start_pos: int
+    epoch: int
+    step: int | None = None
+    slot: StepSlot | None = None
+    failure: PeerFailed | None = None
+
+
 class ResilientSession:
     """A generation's session that survives peers refusing, dying and hanging."""
 
@@ -64,6 +82,7 @@ class ResilientSession:
         self.current: RouteSession | None = None
         self.routes: list[Route] = []
         self.failovers = 0
+        self.epoch = 0  # bumped by every repair: steps sent before it are superseded
         self._strikes: dict[str, int] = {}
 
     def ban(self, peer: str, reason: str, *, seconds: float | None = None) -> None:
@@ -78,7 +97,9 @@ class ResilientSession:
         last_error: Exception | None = None
         for _ in range(MAX_OPEN_ATTEMPTS):
             chosen = await self.swarm.wait_for_route(self.route_wait)
-            session = RouteSession(self.swarm.ctx, chosen, max_length=self.max_length)
+            # a route with tensor-shard group hops runs in segments (peer/shard_route.py)
+            kind = SegmentedSession if has_groups(chosen) else RouteSession
+            session = kind(self.swarm.ctx, chosen, max_length=self.max_length)
             try:
                 await session.open()
             except SessionRefused as refused:
@@ -98,21 +119,57 @@ class ResilientSession:
 
     async def step(self, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
         """One step through the chain, repaired and re-sent as often as peers fail."""
+        return await self.wait(await self.submit(hidden, start_pos))
+
+    async def submit(self, hidden: torch.Tensor, start_pos: int) -> "Pending":
+        """Send a step without waiting; several may be in flight (speculative blocks)."""
         assert self.current is not None, "open() first"
+        pending = Pending(hidden, start_pos, self.epoch)
+        try:
+            pending.step, pending.slot = await self.current.submit(hidden, start_pos)
+        except PeerFailed as failure:
+            pending.failure = failure  # repaired when waited for
+        return pending
+
+    async def wait(self, pending: "Pending") -> torch.Tensor:
+        """A submitted step's output, repairing the route and re-sending as often as peers fail.
+
+        Raises Superseded for a step sent before a repair that another step triggered:
+        the caller re-sends it if it still wants it (speculative blocks are redrafted).
+        """
+        assert self.current is not None, "open() first"
+        if pending.epoch != self.epoch:
+            raise Superseded(f"step at position {pending.start_pos} was sent before a failover")
+        failure = pending.failure
+        if failure is None:
+            try:
+                return await self.current.wait(pending.step, pending.slot, pending.hidden.shape[0], pending.start_pos)
+            except PeerFailed as error:
+                failure = error
         repairs = 0
         while True:
+            repairs += 1
+            if repairs > MAX_REPAIRS_PER_STEP:
+                raise failure
+            await self.repair(failure, pending.start_pos)
             try:
-                return await self.current.step(hidden, start_pos)
-            except PeerFailed as failure:
-                repairs += 1
-                if repairs > MAX_REPAIRS_PER_STEP:
-                    raise
-                await self.repair(failure, start_pos)
+                return await self.current.step(pending.hidden, pending.start_pos)
+            except PeerFailed as error:
+                failure = error
+
+    async def cancel(self, pending: "Pending") -> None:
+        if self.current is not None and pending.epoch == self.epoch and pending.step is not None:
+            await self.current.cancel(pending.step)
 
     async def repair(self, failure: PeerFailed, position: int) -> None:
         """Replace every failed hop of the current session; `position` = positions already answered."""
         session = self.current
         assert session is not None
+        if isinstance(session, SegmentedSession):  # tensor-shard groups: the failed segment is re-routed
+            self.routes.append(await session.repair(self, failure, position))
+            self.failovers += 1
+            self.epoch += 1
+            return
         started = time.perf_counter()
         self.ban(failure.peer, failure.reason)
         replaced: list[str] = []
@@ -144,6 +201,7 @@ class ResilientSession:
                 continue
             replaced += [h.peer for h in new]
         self.failovers += 1
+        self.epoch += 1
         session.route = Route(tuple(h.hop for h in session.hops), session.route.cost_ms)
         self.routes.append(session.route)
         self.swarm.ctx.tracer.emit(
@@ -168,7 +226,7 @@ class ResilientSession:
         dead = [h.peer for h in hops[i : j + 1]]
         chosen = await self.swarm.wait_for_route(
             self.route_wait, start=a, end=b, source=up.peer if up else None, sink=down.peer if down else None,
-            exclude=dead,
+            exclude=dead, groups=False,  # replacements are chained peer to peer; groups need the requester
         )
         new, into, out = await session.open_hops(
             list(chosen.hops), prev=up.peer if up else None, next_=down.peer if down else None

@@ -26,7 +26,7 @@ from protocol.activations import open_activations, seal_activations
 from protocol.errors import WireError
 from protocol.keys import EphemeralKey, Identity, public_key_from_peer_id
 from protocol.links import Direction, LinkCipher, seal_link_key
-from protocol.messages import ErrorMsg, Forward, Result, SealedKey, SessionAccept, SessionClose, SessionOpen
+from protocol.messages import Cancel, ErrorMsg, Forward, Result, SealedKey, SessionAccept, SessionClose, SessionOpen
 from store.trace import NullTracer, Tracer
 
 from .errors import PeerError, PeerFailed, SessionRefused
@@ -86,6 +86,7 @@ class StepSlot:
     """A step waiting for its end: the chain's result, or the tap of `tap_from`."""
 
     tap_from: str | None = None
+    sent_at: float = 0.0
     done: trio.Event = field(default_factory=trio.Event)
     value: torch.Tensor | None = None
     error: PeerError | None = None
@@ -298,12 +299,17 @@ class RouteSession:
 
         Returns the last hop's output [T, H]. Raises PeerFailed naming the peer that failed.
         """
+        step, slot = await self.submit(hidden, start_pos)
+        return await self.wait(step, slot, hidden.shape[0], start_pos)
+
+    async def submit(self, hidden: torch.Tensor, start_pos: int) -> tuple[int, StepSlot]:
+        """Send a step through the whole route without waiting for it. Raises PeerFailed."""
         first = self.hops[0]
         self.history.at(first.hop.start).write(start_pos, hidden)
         failed = next((h for h in self.hops if h.failure), None)
         if failed is not None:
             raise PeerFailed(failed.peer, failed.failure or "failed")
-        return await self.run(first, hidden, start_pos, stop_layer=self.ctx.num_layers, hops=[h.hop for h in self.hops])
+        return await self.send(first, hidden, start_pos, stop_layer=self.ctx.num_layers)
 
     async def run(
         self,
@@ -317,30 +323,54 @@ class RouteSession:
     ) -> torch.Tensor:
         """Send one step into `first` and wait for its end: the chain's result, or — for a
         step that stops early (a replay) — the tap of the peer `tap_from` where it stops."""
+        step, slot = await self.send(first, hidden, start_pos, stop_layer=stop_layer, tap_from=tap_from)
+        return await self.wait(step, slot, hidden.shape[0], start_pos, hops=hops)
+
+    async def send(
+        self, first: HopState, hidden: torch.Tensor, start_pos: int, *, stop_layer: int, tap_from: str | None = None
+    ) -> tuple[int, StepSlot]:
+        """Send one step without waiting (several may be in flight). Raises PeerFailed."""
         self._next_step += 1
         step = self._next_step
         slot = self.pending[step] = StepSlot(tap_from=tap_from)
+        slot.sent_at = time.perf_counter()
         n = hidden.shape[0]
         assert first.send is not None, "the requester feeds only the first hop or an injected one"
         template = Forward(self.session_id, step, first.send.link_id, 0, start_pos, n, stop_layer, b"")
-        started = time.perf_counter()
         try:
-            try:
-                await first.channel.send(seal_activations(first.send, template, hidden))
-            except PeerError as error:
-                raise PeerFailed(first.peer, f"sending step {step}: {error}") from None
+            frame = seal_activations(first.send, template, hidden)
+            await first.channel.send(frame)
+        except PeerError as error:
+            self.pending.pop(step, None)
+            raise PeerFailed(first.peer, f"sending step {step}: {error}") from None
+        self.ctx.tracer.emit("push", session=self.session_id, step=step, remote=first.peer, bytes=len(frame.payload),
+                             detail={"start_pos": start_pos, "n_tokens": n})
+        return step, slot
+
+    async def wait(self, step: int, slot: StepSlot, n: int, start_pos: int, *, hops: list[Hop] | None = None) -> torch.Tensor:
+        """The end of a step sent with `send`. Raises PeerFailed naming the peer that failed."""
+        try:
             with trio.move_on_after(self.step_timeout(n, hops)) as waited:
                 await slot.done.wait()
             if waited.cancelled_caught:
                 raise PeerFailed(self.suspect(start_pos + n), f"step {step} timed out")
             if slot.error is not None:
                 raise slot.error
-            self.ctx.tracer.emit("result", session=self.session_id, step=step, duration=time.perf_counter() - started,
-                                 detail={"start_pos": start_pos, "n_tokens": n, "stop_layer": stop_layer})
+            self.ctx.tracer.emit("result", session=self.session_id, step=step, duration=time.perf_counter() - slot.sent_at,
+                                 detail={"start_pos": start_pos, "n_tokens": n})
             assert slot.value is not None
             return slot.value
         finally:
             self.pending.pop(step, None)
+
+    async def cancel(self, step: int) -> None:
+        """Tell every hop to drop `step` if it has not run yet (a speculative block that became invalid)."""
+        self.pending.pop(step, None)
+        for state in self.hops:
+            try:
+                await state.channel.send(Cancel(self.session_id, step))
+            except PeerError:
+                pass  # a dead hop is the failover's business, not the cancel's
 
     def suspect(self, end_pos: int) -> str:
         """On a timeout: the first hop whose output (tap) for the step never arrived."""

@@ -1,0 +1,246 @@
+"""Speculative decoding and the async pipeline: exact (greedy), unbiased (sampling), overlapping."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+import trio
+
+from peer.client import Swarm
+from peer.emulated_link import LinkEmulation
+from peer.generation import Speculation, plain_tokens, speculative_tokens
+from peer.recovery import Pending
+from stages.generate import prompt_ids
+from stages.sampling import Sampler, SamplingParams
+from stages.speculative import AdaptiveK, ModelDrafter, NgramDrafter, greedy_accept
+from stages.stage import Stage
+from store.trace import MemoryTracer
+
+from .swarm_helpers import local_swarm
+
+PROMPTS = [
+    ("Repeat this sentence twice: the quick brown fox jumps over the lazy dog.", False),
+    ("List the days of the week.", False),
+    ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):", True),
+]
+TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def three_peers(smol_dir):
+    with local_swarm([(0, 10), (10, 20), (20, 30)]) as swarm:
+        yield swarm
+
+
+@pytest.fixture(scope="module")
+def references(local_engine, smol_tokenizer):
+    return {p: local_engine.generate_ids(prompt_ids(smol_tokenizer, p, raw=raw), max_new_tokens=TOKENS) for p, raw in PROMPTS}
+
+
+def drafters(smol_dir):
+    yield "ngram-k1", lambda: Speculation(NgramDrafter(), k=AdaptiveK(1), pipeline=False)
+    yield "ngram-k4-pipelined", lambda: Speculation(NgramDrafter(), k=AdaptiveK(4), pipeline=True)
+    yield "ngram-k8", lambda: Speculation(NgramDrafter(), k=AdaptiveK(8), pipeline=False)
+    draft_stage = Stage.load(smol_dir, start=0, end=6, embed=True, head=True)
+    yield "self-6-pipelined", lambda: Speculation(ModelDrafter(draft_stage, capacity=512), k=AdaptiveK(3), pipeline=True)
+
+
+@pytest.mark.slow
+async def test_greedy_speculation_equals_plain_decoding(three_peers, references, smol_dir):
+    async with Swarm.join(three_peers.addrs[:1]) as swarm:
+        await swarm.wait_for_route(30)
+        totals = Counter()
+        for name, make in drafters(smol_dir):
+            for prompt, raw in PROMPTS:
+                spec = make()
+                info: dict = {}
+                ids = prompt_ids(swarm.tokenizer, prompt, raw=raw)
+                got = [t async for t in swarm.generate_ids(ids, max_new_tokens=TOKENS, speculation=spec, info=info)]
+                assert got == references[prompt], (name, prompt)
+                totals[f"{name} proposed"] += spec.proposed
+                totals[f"{name} accepted"] += spec.accepted
+                totals[f"{name} rolled back"] += spec.proposed - spec.accepted
+        print(dict(totals))
+        # the drafts were really used, and really rejected sometimes (rollbacks happened)
+        assert totals["ngram-k4-pipelined accepted"] > 0 and totals["self-6-pipelined accepted"] > 0
+        assert totals["ngram-k8 rolled back"] > 0 and totals["self-6-pipelined rolled back"] > 0
+
+
+@pytest.mark.slow
+async def test_speculation_survives_a_peer_failure(smol_dir, references):
+    prompt, raw = PROMPTS[2]
+    with local_swarm([(0, 15), (15, 30), (15, 30)]) as peers:
+        async with Swarm.join(peers.addrs[:1]) as swarm:
+            await swarm.wait_for_route(30)
+            info: dict = {}
+            got = []
+            spec = Speculation(NgramDrafter(), k=AdaptiveK(4), pipeline=True)
+            async for token in swarm.generate_ids(prompt_ids(swarm.tokenizer, prompt, raw=raw), max_new_tokens=TOKENS,
+                                                  speculation=spec, info=info):
+                got.append(token)
+                if len(got) == 10:
+                    (session,) = swarm.active
+                    victim = session.current.hops[1].peer
+                    peers.kill(next(i for i, a in enumerate(peers.addrs) if a.endswith(victim)))
+    assert got == references[prompt]
+    assert info["failovers"] == 1 and spec.accepted > 0
+
+
+@pytest.mark.slow
+async def test_in_flight_steps_overlap_on_a_slow_link(smol_dir):
+    """With 30 ms added per hop, the requester's trace shows steps sent before earlier
+    ones returned: within a session (pipelined blocks) and across sessions."""
+    delay = ["--emulate-link", "delay=30ms"]
+    with local_swarm([(0, 15), (15, 30)], extra=delay) as peers:
+        tracer = MemoryTracer(peer="requester")
+        async with Swarm.join(peers.addrs[:1], tracer=tracer, emulate_link=LinkEmulation(delay=0.03)) as swarm:
+            await swarm.wait_for_route(30)
+
+            async def one(prompt: str, raw: bool) -> None:
+                ids = prompt_ids(swarm.tokenizer, prompt, raw=raw)
+                spec = Speculation(NgramDrafter(), k=AdaptiveK(4), pipeline=True)
+                async for _ in swarm.generate_ids(ids, max_new_tokens=32, speculation=spec):
+                    pass
+
+            async with trio.open_nursery() as nursery:
+                for prompt, raw in PROMPTS[::2]:
+                    nursery.start_soon(one, prompt, raw)
+    sent = {(e["session"], e["step"]): e["wall"] for e in tracer.of_kind("push")}
+    back = {(e["session"], e["step"]): e["wall"] for e in tracer.of_kind("result")}
+    within = [(k, j) for k in back for j in sent if j[0] == k[0] and j[1] > k[1] and sent[j] < back[k]]
+    across = [(k, j) for k in back for j in sent if j[0] != k[0] and sent[k] < sent[j] < back[k]]
+    print(f"{len(sent)} steps; {len(within)} overlaps within a session, {len(across)} across sessions")
+    assert within and across
+
+
+# -- sampling: the output distribution is unchanged ---------------------------------------------
+
+
+class LocalChain:
+    """The session interface the generation loops use, over a local stage (no network)."""
+
+    def __init__(self, stage: Stage) -> None:
+        self.stage = stage
+        self.epoch = 0
+        stage.open("chain", capacity=256)
+
+    async def step(self, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
+        return self.stage.forward("chain", hidden, start_pos)
+
+    async def submit(self, hidden: torch.Tensor, start_pos: int) -> Pending:
+        pending = Pending(hidden, start_pos, self.epoch)
+        pending.slot = self.stage.forward("chain", hidden, start_pos)  # type: ignore[assignment]
+        return pending
+
+    async def wait(self, pending: Pending) -> torch.Tensor:
+        return pending.slot  # type: ignore[return-value]
+
+    async def cancel(self, pending: Pending) -> None:
+        pass
+
+
+def peaky_model(tiny_llama) -> Stage:
+    """The tiny synthetic model with weights scaled up, so that next-token distributions are
+    far from uniform (a statistical test needs mass on few tokens)."""
+    stage = Stage.load(tiny_llama, embed=True, head=True)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in stage.blocks.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.15)
+        stage.embedding.copy_(torch.randn(stage.embedding.shape, generator=gen))
+        stage.head.copy_(torch.randn(stage.head.shape, generator=gen) * 0.5)  # logits of std ~4
+    return stage
+
+
+async def sample_many(stage: Stage, draft: Stage | None, n: int, *, temperature: float) -> list[tuple[int, ...]]:
+    out = []
+    ids = [5, 17, 42, 5, 17]
+
+    async def embed(t):
+        return stage.embed(list(t))
+
+    async def head(h):
+        return stage.logits(h)
+
+    for seed in range(n):
+        chain = LocalChain(stage)
+        sampler = Sampler(SamplingParams(temperature=temperature, seed=seed))
+        if draft is None:
+            gen = plain_tokens(chain, embed, head, ids, 4, sampler, ())
+        else:
+            drafter = ModelDrafter(draft, capacity=64, sampler=Sampler(SamplingParams(temperature=temperature, seed=10**6 + seed)))
+            gen = speculative_tokens(chain, embed, head, ids, 4, sampler, (), Speculation(drafter, k=AdaptiveK(3), pipeline=False))
+        out.append(tuple([t async for t in gen]))
+        stage.close("chain")
+        if draft is not None:
+            drafter.close()
+    return out
+
+
+def chi2_homogeneity(a: Counter, b: Counter) -> tuple[float, int]:
+    """Two-sample chi-square statistic and degrees of freedom (bins of < 10 expected merged)."""
+    na, nb = sum(a.values()), sum(b.values())
+    keys = sorted(set(a) | set(b), key=lambda k: -(a[k] + b[k]))
+    bins, rest = [], (0, 0)
+    for k in keys:
+        if (a[k] + b[k]) * min(na, nb) / (na + nb) >= 10:
+            bins.append((a[k], b[k]))
+        else:
+            rest = (rest[0] + a[k], rest[1] + b[k])
+    if sum(rest):
+        bins.append(rest)
+    stat = 0.0
+    for x, y in bins:
+        total = x + y
+        ex, ey = total * na / (na + nb), total * nb / (na + nb)
+        stat += (x - ex) ** 2 / ex + (y - ey) ** 2 / ey
+    return stat, len(bins) - 1
+
+
+def chi2_sf(x: float, k: int) -> float:
+    """Upper tail of chi-square (Wilson–Hilferty normal approximation; fine for k >= 3)."""
+    z = ((x / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+async def test_speculative_sampling_keeps_the_distribution(tiny_llama):
+    stage = peaky_model(tiny_llama)
+    draft = Stage(stage.spec, 0, list(stage.blocks[:2]), embedding=stage.embedding, norm=stage.norm, head=stage.head)
+    n = 600
+    plain = await sample_many(stage, None, n, temperature=1.0)
+    spec = await sample_many(stage, draft, n, temperature=1.0)
+    for position in (1, 2, 3):  # the first token is sampled before any draft
+        a, b = Counter(s[position] for s in plain), Counter(s[position] for s in spec)
+        stat, dof = chi2_homogeneity(a, b)
+        p = chi2_sf(stat, dof)
+        print(f"token {position}: chi2 {stat:.1f} on {dof} dof, p = {p:.3f}")
+        assert dof >= 3 and p > 1e-3
+
+
+def test_greedy_accept_stops_at_near_ties():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 2.0, 2.0 + 1e-5], [9.0, 0.0, 0.0]])
+    assert greedy_accept(logits, [1, 2]) == (1, None)  # row 1 is a near-tie: decide it exactly
+    assert greedy_accept(logits[:1], []) == (0, 1)
+    assert greedy_accept(torch.tensor([[0.0, 5.0], [3.0, 0.0]]), [0]) == (0, 1)  # wrong draft: model's own token
+
+
+async def test_the_distribution_test_catches_a_biased_rule(tiny_llama, monkeypatch):
+    """Control: accepting every draft token (ignoring p/q) must be detected."""
+    import peer.generation
+
+    def always_accept(logits, draft, sampler):
+        k = len(draft.tokens)
+        return k, sampler.draw(sampler.distribution(logits[k]))
+
+    monkeypatch.setattr(peer.generation, "sampling_accept", always_accept)
+    stage = peaky_model(tiny_llama)
+    draft = Stage(stage.spec, 0, list(stage.blocks[:2]), embedding=stage.embedding, norm=stage.norm, head=stage.head)
+    plain = await sample_many(stage, None, 600, temperature=1.0)
+    biased = await sample_many(stage, draft, 600, temperature=1.0)
+    worst = min(chi2_sf(*chi2_homogeneity(Counter(s[i] for s in plain), Counter(s[i] for s in biased))) for i in (1, 2, 3))
+    print(f"biased rule: smallest p = {worst:.2e}")
+    assert worst < 1e-3
