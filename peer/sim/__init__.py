@@ -1,0 +1,31 @@
+"""Simulation and replay: many peers in one process, on trio's MockClock, running the real peer code.
+
+    from peer.sim import simulate, synthetic, dumps
+    report = simulate(synthetic(peers=100, requests=1000, churn=0.05, seed=1), policy="default", seed=1)
+
+- peer/memory_transport.py: the in-memory `Transport` (latency, bandwidth, crashes);
+- stage.py: a weightless `Stage` and the compute cost model;
+- policies.py: swappable placement policies (default, random, petals, recorded);
+- scenario.py: who joins, leaves and asks what, when (`synthetic`); replay.py reads one from traces;
+- peer.py / requester.py: a simulated peer (node.py's lifecycle) and requester (Swarm's loop);
+- world.py: what they share (network, view, timings); engine.py runs it; report.py writes the result.
+"""
+
+from typing import Any
+
+_EXPORTS = {
+    "simulate": "engine", "synthetic": "scenario", "Scenario": "scenario", "PeerPlan": "scenario",
+    "RequestPlan": "scenario", "from_trace": "replay", "dumps": "report", "format_summary": "report",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Lazy exports: `peer.sim.policies` (used by the CLI's parser) must not pull in the engine."""
+    if name in _EXPORTS:
+        from importlib import import_module
+
+        return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = list(_EXPORTS)

@@ -1,0 +1,275 @@
+"""Running a scenario: peers and requesters on the memory transport, under trio's MockClock.
+
+    report = simulate(synthetic(peers=50, requests=200, churn=0.05, seed=1), policy="default", seed=1)
+    open("report.json", "wb").write(dumps(report))
+
+One driver task walks the scenario's events in time order — a peer joins, a
+peer leaves (drains, is killed, or vanishes), a recorded move, a requester
+starts, a request arrives — sleeping on the mock clock in between; everything
+else is the peers' and requesters' own tasks. The run ends when every request
+has finished (or at `until`), and the report is built from what the recorder saw.
+
+Determinism: every identity, RNG and link comes from the seed; simulated time is
+trio's MockClock; and trio's scheduler, which otherwise reverses each batch of
+runnable tasks at random, is put in its deterministic mode (tasks sorted by
+creation, then shuffled by an RNG seeded from the seed) for the run —
+`deterministic_scheduling()`, the switch trio itself flips under Hypothesis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import trio
+import trio.testing
+
+from ..memory_transport import LinkSpec, MemoryNetwork, open_memory_transport
+from .errors import BadScenario
+from .peer import SimPeer
+from .policies import get_policy
+from .report import Recorder
+from .requester import SimRequester
+from .scenario import ONE_WAY_S, REGIONS, RequestPlan, Scenario
+from .stage import sim_model_id, sim_spec
+from .world import VIEW_MODES, SharedViewKeeper, Timings, World, assign_identities, large_swarm_timings
+
+# A replay of up to this many peers runs real gossip by default; bigger replays and synthetic
+# swarms share one view. Gossip costs O(N^2) exchanges of N records per round, all verified, in
+# one process: at 12 peers it already takes most of the wall time.
+GOSSIP_MAX_PEERS = 16
+# From this many peers on, a simulation uses large_swarm_timings() unless told otherwise.
+LARGE_SWARM_PEERS = 200
+# A requester joins this long before its first request (it needs a view to route with).
+REQUESTER_LEAD_S = 1.0
+# A replay's links: measured latencies (peer/sim/replay.py), and a LAN's bandwidth — a
+# trace holds no bandwidth figure, and a loopback or LAN swarm is not bandwidth-bound.
+REPLAY_BANDWIDTH = 125e6
+
+
+@contextmanager
+def deterministic_scheduling(seed: int) -> Iterator[None]:
+    """Make trio's choice among simultaneously runnable tasks a function of `seed`.
+
+    Trio keeps this switch for Hypothesis (trio/_core/_run.py: `_ALLOW_DETERMINISTIC_SCHEDULING`
+    and the module RNG `_r`); we set both for the run and restore them after.
+    Raises RuntimeError if this trio version has no such switch.
+    """
+    try:
+        from trio._core import _run
+    except ImportError:  # pragma: no cover - trio moved its internals
+        raise RuntimeError("this trio version has no trio._core._run; simulation needs trio 0.2x") from None
+    if not hasattr(_run, "_ALLOW_DETERMINISTIC_SCHEDULING") or not hasattr(_run, "_r"):
+        raise RuntimeError(f"trio {trio.__version__} has no deterministic-scheduling switch; pin trio <= 0.35")
+    old_flag, old_state = _run._ALLOW_DETERMINISTIC_SCHEDULING, _run._r.getstate()
+    _run._ALLOW_DETERMINISTIC_SCHEDULING = True  # type: ignore[misc]
+    _run._r.seed(f"tessera-sim-scheduler:{seed}")
+    try:
+        yield
+    finally:
+        _run._ALLOW_DETERMINISTIC_SCHEDULING = old_flag  # type: ignore[misc]
+        _run._r.setstate(old_state)
+
+
+def simulate(
+    scenario: Scenario,
+    *,
+    policy: str = "default",
+    seed: int = 0,
+    timings: Timings | None = None,
+    view: str | None = None,
+    link: LinkSpec | None = None,
+    until: float | None = None,
+    trace_path: Path | str | None = None,
+) -> dict[str, Any]:
+    """Run `scenario` and return its report (a dict; write it with `report.dumps`).
+
+    policy:     a name from peer/sim/policies.py.
+    seed:       identities, jitter and trio's scheduling all follow from it.
+    timings:    periods and graces (default: a real peer's; large_swarm_timings() from
+                LARGE_SWARM_PEERS peers on).
+    view:       "gossip" or "shared" (default: gossip for a replay of up to
+                GOSSIP_MAX_PEERS peers, else shared; see peer/sim/world.py).
+    link:       one LinkSpec for every pair (default: the replay's measured latencies, or
+                the synthetic peers' regions and bandwidths).
+    until:      stop at this simulated second (default: when every request has finished).
+    trace_path: also write every node's events into one trace database (`tessera trace`).
+
+    Raises UnknownPolicy or BadScenario.
+    """
+    placement = get_policy(policy)
+    if placement.name == "recorded" and scenario.source != "replay":
+        raise BadScenario("the recorded policy replays a trace; a synthetic scenario has nothing recorded")
+    if placement.name != "recorded":  # what if: the policy places every peer, whatever it did live
+        scenario = dataclasses.replace(
+            scenario, peers=tuple(dataclasses.replace(p, span=None, moves=()) for p in scenario.peers))
+    if view is None:
+        view = "gossip" if scenario.source == "replay" and len(scenario.peers) <= GOSSIP_MAX_PEERS else "shared"
+    if view not in VIEW_MODES:
+        raise BadScenario(f"view must be one of {VIEW_MODES!r}, got {view!r}")
+    if timings is None:
+        timings = Timings() if len(scenario.peers) <= LARGE_SWARM_PEERS else large_swarm_timings()
+    writer = None
+    if trace_path is not None:
+        from store.trace import TraceWriter
+
+        writer = TraceWriter(Path(trace_path), peer="simulation")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: a thread pool only adds overhead to a one-thread simulation
+    try:
+        with deterministic_scheduling(seed):
+            return trio.run(
+                _run, scenario, placement, seed, timings, view, link, until, writer,
+                clock=trio.testing.MockClock(autojump_threshold=0),
+            )
+    finally:
+        torch.set_num_threads(threads)
+        if writer is not None:
+            writer.close()
+
+
+async def _run(scenario: Scenario, placement, seed: int, timings: Timings, view: str, link: LinkSpec | None,
+               until: float | None, writer) -> dict[str, Any]:
+    spec = sim_spec(scenario.num_layers, scenario.hidden_size)
+    model_id = scenario.model_id or sim_model_id(spec)
+    recorder = Recorder(spec.num_layers, trio.current_time)
+    locations: dict[str, tuple[int, float]] = {}
+    if link is not None:
+        network = MemoryNetwork(link)
+    elif scenario.link_latency is not None:
+        measured, fallback = scenario.link_latency, scenario.default_latency
+
+        def link_model(a: str, b: str) -> LinkSpec:
+            key = (world.label(a), world.label(b))
+            return LinkSpec(latency=measured.get(key, fallback), bandwidth=REPLAY_BANDWIDTH)
+        network = MemoryNetwork(link_model)
+    else:
+        def link_model(a: str, b: str) -> LinkSpec:
+            ra, ba = locations.get(a, (0, 125e6))
+            rb, bb = locations.get(b, (0, 125e6))
+            return LinkSpec(latency=ONE_WAY_S[ra][rb], bandwidth=min(ba, bb))
+        network = MemoryNetwork(link_model)
+    world = World(network=network, spec=spec, model_id=model_id, timings=timings, policy=placement, view_mode=view,
+                  seed=seed, recorder=recorder, trace_writer=writer)
+    if view == "shared":
+        world.keeper = SharedViewKeeper(model_id=model_id, num_layers=spec.num_layers,
+                                        round_seconds=timings.gossip_interval)
+    peer_ids = assign_identities([p.label for p in scenario.peers], seed, kind="peer")
+    requester_ids = assign_identities(list(scenario.requesters), seed, kind="requester")
+    requesters: dict[str, SimRequester] = {}
+    ready = {label: trio.Event() for label in scenario.requesters}
+    pending = {"requests": len(scenario.requests), "dispatched": False}
+    all_done = trio.Event()
+
+    def finished() -> None:
+        pending["requests"] -= 1
+        if pending["requests"] == 0 and pending["dispatched"]:
+            all_done.set()
+
+    async def requester_task(label: str) -> None:
+        identity = requester_ids[label]
+        from libp2p.peer.id import ID
+
+        pid = ID(identity.peer_id).to_base58()
+        world.labels[pid] = label
+        locations[pid] = (scenario.requester_regions.get(label, 0), 125e6)
+        async with open_memory_transport(network, pid) as transport:
+            async with trio.open_nursery() as nursery:
+                requester = SimRequester(world, label, identity, transport, nursery)
+                requesters[label] = requester
+                await requester.connect(world.bootstrap_addrs())
+                nursery.start_soon(requester.refresh_forever)
+                ready[label].set()
+                await trio.sleep_forever()
+
+    async def request_task(request: RequestPlan) -> None:
+        try:
+            await ready[request.requester].wait()  # still joining: the wait counts in the latency
+            await requesters[request.requester].run_request(request)
+        finally:
+            finished()
+
+    events: list[tuple[float, int, str, Any]] = []
+    for order, plan in enumerate(scenario.peers):
+        events.append((plan.join_at, order, "join", plan))
+        if plan.leave_at is not None:
+            events.append((plan.leave_at, order, "leave", plan))
+        if placement.name == "recorded":
+            for at, span in plan.moves:
+                events.append((at, order, "move", (plan, span)))
+    first_request: dict[str, float] = {}
+    for request in scenario.requests:
+        first_request[request.requester] = min(first_request.get(request.requester, math.inf), request.at)
+        events.append((request.at, len(scenario.peers) + request.id, "request", request))
+    for label in scenario.requesters:
+        at = max(0.0, first_request.get(label, 0.0) - REQUESTER_LEAD_S)
+        events.append((at, -1, "requester", label))
+    kinds = {"requester": 0, "join": 1, "move": 2, "leave": 3, "request": 4}
+    events.sort(key=lambda e: (e[0], kinds[e[2]], e[1]))
+
+    async with trio.open_nursery() as nursery:
+        world.nursery = nursery
+        with trio.move_on_at(until if until is not None else math.inf):
+            for at, _, kind, payload in events:
+                if at > trio.current_time():
+                    await trio.sleep_until(at)
+                if kind == "join":
+                    identity = peer_ids[payload.label]
+                    peer = SimPeer(world, payload, identity)
+                    world.peers[payload.label] = peer
+                    world.labels[peer.peer_id] = payload.label
+                    locations[peer.peer_id] = (payload.region, payload.bandwidth)
+                    nursery.start_soon(peer.run)
+                elif kind == "leave":
+                    peer = world.peers[payload.label]
+                    if payload.leave_mode == "graceful":
+                        peer.stop()
+                    else:
+                        peer.crash(silent=payload.leave_mode == "vanish")
+                elif kind == "move":
+                    plan, span = payload
+                    peer = world.peers.get(plan.label)
+                    if peer is not None and peer.serving and tuple(span) != peer.span:
+                        nursery.start_soon(peer.move_to, tuple(span), "recorded")
+                elif kind == "requester":
+                    nursery.start_soon(requester_task, payload)
+                elif kind == "request":
+                    nursery.start_soon(request_task, payload)
+            pending["dispatched"] = True
+            if pending["requests"] == 0:
+                all_done.set()
+            if until is not None:
+                await trio.sleep_forever()  # observe until `until`
+            await all_done.wait()
+        end = trio.current_time()
+        recorder.closed = True
+        nursery.cancel_scope.cancel()
+    settings = {
+        "policy": placement.name,
+        "seed": seed,
+        "view": view,
+        "view_note": ("one shared ViewKeeper: records signed and verified as on real peers, every node sees "
+                      "them from the next gossip round (idealised dissemination)") if view == "shared"
+        else "real gossip over the memory transport",
+        "timings": timings.as_dict(),
+        "links": _describe_links(scenario, link),
+        "until": until,
+        "handler_errors": network.handler_errors,
+    }
+    return recorder.report(scenario=scenario.describe(), settings=settings, end=end)
+
+
+def _describe_links(scenario: Scenario, link: LinkSpec | None) -> dict[str, Any]:
+    if link is not None:
+        return {"latency_s": link.latency, "bandwidth_Bps": link.bandwidth}
+    if scenario.link_latency is not None:
+        return {"measured_one_way_s": {f"{a} -> {b}": v for (a, b), v in sorted(scenario.link_latency.items())},
+                "default_one_way_s": scenario.default_latency, "bandwidth_Bps": REPLAY_BANDWIDTH}
+    return {"regions": list(REGIONS), "one_way_s": [list(r) for r in ONE_WAY_S]}
+
+
+__all__ = ["simulate", "deterministic_scheduling", "GOSSIP_MAX_PEERS", "LARGE_SWARM_PEERS"]

@@ -1,0 +1,176 @@
+"""Placement policies a simulation can swap: where a joining peer claims, and when it moves.
+
+A policy answers the two questions `peer/node.py` asks of placement, as pure
+functions of a swarm view (plus, for the random one, the peer's own seeded RNG):
+
+- ``claim(view, me=..., capacity_layers=..., throughput=...)`` -> the span to claim on joining;
+- ``rebalance(view, me=..., span=..., capacity_layers=..., throughput=...)`` -> a span to
+  move to now, or None. Called on a jittered period, only while the peer is serving.
+
+``default`` is exactly what a real peer does (peer/placement.py: `choose_span`
+at join, `plan_move` on each rebalance check, a move only when the plan
+differs from the current span). The others are baselines to compare it with:
+
+- ``random``: a uniformly random window at join; never moves. What a swarm gets
+  without placement at all.
+- ``petals``: Petals' block selection (server/block_selection.py), in our
+  throughput model: join where the *sorted* capacities of the window are
+  smallest (the weakest window); move when an optimistic re-plan of every peer
+  (greedy passes, seeded order) would raise the swarm's bottleneck so that
+  current / new < PETALS_BALANCE_QUALITY, and never when leaving would disjoin
+  the swarm.
+- ``recorded`` (replay only): the span the trace says the peer claimed, and the
+  moves it recorded, at their times; no decisions of its own.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from typing import Protocol
+
+from peer.placement import choose_span, layer_capacity, plan_move
+from peer.view import SERVING, SwarmView
+
+from .errors import UnknownPolicy
+
+# How simulated nodes learn the swarm view: real gossip, or one shared keeper (peer/sim/world.py).
+VIEW_MODES = ("shared", "gossip")
+
+# Petals' default balance_quality: move only if the swarm would get 1/0.75 = 1.33x faster.
+PETALS_BALANCE_QUALITY = 0.75
+PETALS_EPS = 1e-3
+# Petals repeats greedy passes until nobody moves; we cap them (a pass is O(peers x layers)).
+PETALS_MAX_PASSES = 8
+
+
+class PlacementPolicy(Protocol):
+    name: str
+    moves: bool  # whether rebalance() can ever say move (peers skip the periodic check if not)
+
+    def claim(self, view: SwarmView, *, me: str, capacity_layers: int, throughput: float,
+              rng: random.Random) -> tuple[int, int]: ...
+
+    def rebalance(self, view: SwarmView, *, me: str, span: tuple[int, int], capacity_layers: int,
+                  throughput: float, rng: random.Random) -> tuple[int, int] | None: ...
+
+
+class DefaultPolicy:
+    """peer/placement.py, called the way peer/node.py calls it."""
+
+    name = "default"
+    moves = True
+
+    def claim(self, view, *, me, capacity_layers, throughput, rng):
+        return choose_span(view, me=me, capacity_layers=capacity_layers, throughput=throughput)
+
+    def rebalance(self, view, *, me, span, capacity_layers, throughput, rng):
+        plan = plan_move(view, me=me, capacity_layers=capacity_layers, throughput=throughput)
+        return plan if plan is not None and plan != span else None
+
+
+class RandomPolicy:
+    """A random window of the peer's length; never moves."""
+
+    name = "random"
+    moves = False
+
+    def claim(self, view, *, me, capacity_layers, throughput, rng):
+        k = min(capacity_layers, view.num_layers)
+        start = rng.randrange(view.num_layers - k + 1)
+        return (start, start + k)
+
+    def rebalance(self, view, *, me, span, capacity_layers, throughput, rng):
+        return None
+
+
+def _weakest_start(caps: list[float], k: int) -> int:
+    """Petals' _choose_best_start: the window whose sorted capacities are smallest."""
+    return min((sorted(caps[i : i + k]), i) for i in range(len(caps) - k + 1))[1]
+
+
+class PetalsPolicy:
+    """Petals-style weakest-window placement with an optimistic whole-swarm re-plan."""
+
+    name = "petals"
+    moves = True
+
+    def claim(self, view, *, me, capacity_layers, throughput, rng):
+        k = min(capacity_layers, view.num_layers)
+        start = _weakest_start(layer_capacity(view.without([me])), k)
+        return (start, start + k)
+
+    def rebalance(self, view, *, me, span, capacity_layers, throughput, rng):
+        mine = view.get(me)
+        if mine is None or mine.state != SERVING:
+            return None
+        view = view.replace(replace(mine, throughput=throughput))
+        caps = layer_capacity(view)
+        initial = min(caps) if caps else 0.0
+        spans = {p.peer_id: [p.start, p.end - p.start, p.throughput / max(p.num_layers, 1)]
+                 for p in view.peers if p.state == SERVING and p.end > p.start}
+        start, length, per_layer = spans[me]
+        for layer in range(start, start + length):
+            caps[layer] -= per_layer * (1 + PETALS_EPS)
+        if initial > PETALS_EPS and min(caps) <= 0:
+            return None  # leaving would disjoin the swarm
+        new_start = _weakest_start(caps, length)
+        if new_start == start:
+            return None  # already in its best place
+        _place(caps, spans[me], new_start)
+        order = sorted(spans)
+        for _ in range(PETALS_MAX_PASSES):
+            rng.shuffle(order)
+            moved = False
+            for pid in order:
+                entry = spans[pid]
+                s, n, w = entry
+                for layer in range(s, s + n):
+                    caps[layer] -= w * (1 + PETALS_EPS)  # (1 + eps): prefer staying on near-ties
+                best = _weakest_start(caps, n)
+                moved = moved or best != s
+                _place(caps, entry, best)
+            if not moved:
+                break
+        new = min(caps)
+        if new < initial or new < PETALS_EPS:
+            return None
+        return (new_start, new_start + length) if initial / new < PETALS_BALANCE_QUALITY - PETALS_EPS else None
+
+
+def _place(caps: list[float], entry: list, new_start: int) -> None:
+    """Put a peer that was taken out of `caps` (by w * (1 + eps)) back, at `new_start`."""
+    s, n, w = entry
+    for layer in range(s, s + n):
+        caps[layer] += w * PETALS_EPS
+    entry[0] = new_start
+    for layer in range(new_start, new_start + n):
+        caps[layer] += w
+
+
+class RecordedPolicy:
+    """Replay only: the span the trace recorded (the engine applies recorded moves)."""
+
+    name = "recorded"
+    moves = False
+
+    def claim(self, view, *, me, capacity_layers, throughput, rng):
+        raise UnknownPolicy("the recorded policy takes spans from a trace; use it with `tessera replay`")
+
+    def rebalance(self, view, *, me, span, capacity_layers, throughput, rng):
+        return None
+
+
+POLICIES: dict[str, type] = {p.name: p for p in (DefaultPolicy, RandomPolicy, PetalsPolicy, RecordedPolicy)}
+
+
+def get_policy(name: str) -> PlacementPolicy:
+    """A policy by name. Raises UnknownPolicy naming the known ones."""
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise UnknownPolicy(f"unknown placement policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+
+
+__all__ = ["PlacementPolicy", "DefaultPolicy", "RandomPolicy", "PetalsPolicy", "RecordedPolicy",
+           "POLICIES", "get_policy"]

@@ -1,0 +1,150 @@
+"""What a simulated peer computes: nothing, at the price its advertised speed says.
+
+`SimStage` has `stages.stage.Stage`'s interface (open / forward / rollback /
+close / session_bytes, spec, start, end, weight_bytes) and its checks (spans,
+capacity, positions), but holds no weights: `forward` returns its input and
+counts the work — tokens x layers. `cost_model` is the `StageServer.run_compute`
+that a simulation plugs in: it runs the step (decrypt, check, "compute",
+encrypt — the real peer code) and then sleeps, on trio's clock, the time the
+work takes at the peer's throughput::
+
+    seconds = n_tokens * n_layers / throughput     (throughput: tokens/s through one layer)
+
+The same formula that `peer/routing.py` prices a hop with, so a simulated swarm
+runs exactly as fast as its advertisements claim.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Hashable, Sequence
+
+import torch
+import trio
+
+from stages.errors import ContextOverflow, SpanError, UnknownSession
+from stages.spec import ModelSpec
+
+FLOAT32_BYTES = 4
+
+
+def sim_spec(num_layers: int = 30, hidden_size: int = 576, *, max_position: int = 8192) -> ModelSpec:
+    """A model shape for simulation (by default SmolLM2-135M's: 30 layers, hidden 576)."""
+    heads = max(1, hidden_size // 64)
+    kv_heads = 3 if heads % 3 == 0 else 1
+    return ModelSpec(
+        architecture="llama", vocab_size=49152, hidden_size=hidden_size,
+        intermediate_size=hidden_size * 8 // 3, num_layers=num_layers, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=max(2, hidden_size // heads) // 2 * 2, max_position=max_position,
+    )
+
+
+def sim_model_id(spec: ModelSpec) -> str:
+    """A model id for a weightless model: the hash of its shape."""
+    blob = json.dumps(spec.as_dict(), sort_keys=True, default=str).encode()
+    return "sim-" + hashlib.sha256(blob).hexdigest()[:32]
+
+
+@dataclass
+class _Session:
+    start: int
+    end: int
+    capacity: int
+    length: int = 0
+
+
+class SimStage:
+    """Layers [start, end) of a weightless model: Stage's interface and checks, no math."""
+
+    def __init__(self, spec: ModelSpec, start: int, end: int) -> None:
+        if not 0 <= start <= end <= spec.num_layers:
+            raise SpanError(f"span [{start}, {end}) is outside [0, {spec.num_layers})")
+        self.spec = spec
+        self.start = start
+        self.end = end
+        self.sessions: dict[Hashable, _Session] = {}
+        self.embedding = self.norm = self.head = None
+        self.work = 0  # layer-tokens computed since the last take_work()
+
+    def open(self, session: Hashable, *, capacity: int, start: int | None = None, end: int | None = None) -> None:
+        start = self.start if start is None else start
+        end = self.end if end is None else end
+        if not self.start <= start <= end <= self.end:
+            raise SpanError(f"session span [{start}, {end}) is outside this stage's [{self.start}, {self.end})")
+        if not 0 < capacity <= self.spec.max_position:
+            raise ContextOverflow(f"session capacity {capacity!r} is outside (0, {self.spec.max_position}]")
+        self.sessions[session] = _Session(start, end, capacity)
+
+    def close(self, session: Hashable) -> None:
+        self.sessions.pop(session, None)
+
+    def _session(self, session: Hashable) -> _Session:
+        try:
+            return self.sessions[session]
+        except KeyError:
+            raise UnknownSession(f"no session {session!r} on this stage") from None
+
+    def position(self, session: Hashable) -> int:
+        return self._session(session).length
+
+    def rollback(self, session: Hashable, position: int) -> None:
+        state = self._session(session)
+        if not 0 <= position <= state.length:
+            raise ContextOverflow(f"cannot roll back to {position!r}: the cache holds positions [0, {state.length})")
+        state.length = position
+
+    def session_bytes(self, capacity: int, num_layers: int | None = None) -> int:
+        layers = self.end - self.start if num_layers is None else num_layers
+        return self.spec.kv_bytes_per_token(layers, FLOAT32_BYTES) * capacity
+
+    def forward(self, session: Hashable, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Check like Stage.forward, count tokens x layers, return the input unchanged."""
+        state = self._session(session)
+        if hidden.dim() != 2 or hidden.shape[1] != self.spec.hidden_size:
+            raise SpanError(f"hidden states have shape {tuple(hidden.shape)!r}, expected [T, {self.spec.hidden_size}]")
+        t = hidden.shape[0]
+        if start_pos < 0 or start_pos > state.length:
+            raise ContextOverflow(f"write at position {start_pos!r} but the cache holds positions [0, {state.length})")
+        if start_pos + t > state.capacity:
+            raise ContextOverflow(f"positions up to {start_pos + t} exceed this session's capacity of {state.capacity}")
+        state.length = start_pos + t
+        self.work += t * (state.end - state.start)
+        return hidden
+
+    def take_work(self) -> int:
+        work, self.work = self.work, 0
+        return work
+
+    def embed(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        raise SpanError("a simulated stage holds no embedding")
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise SpanError("a simulated stage holds no head")
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.spec.layer_bytes(FLOAT32_BYTES) * (self.end - self.start)
+
+
+def cost_model(stage_of: Callable[[], SimStage], throughput: float) -> Callable[[Callable[[], object]], Awaitable[object]]:
+    """A `StageServer.run_compute`: run the step, then sleep work / throughput on trio's clock.
+
+    `stage_of` returns the server's current stage (a peer that moves swaps it).
+    The step's own report of compute seconds (wall time of a no-op) is replaced
+    by the modelled seconds, so traces show simulated durations.
+    """
+    if not throughput > 0:
+        raise ValueError(f"throughput must be > 0 tokens/s per layer, got {throughput!r}")
+
+    async def run(step: Callable[[], object]) -> object:
+        frames, _wall = step()  # type: ignore[misc]
+        seconds = stage_of().take_work() / throughput
+        await trio.sleep(seconds)
+        return frames, seconds
+
+    return run
+
+
+__all__ = ["SimStage", "sim_spec", "sim_model_id", "cost_model"]

@@ -1,0 +1,219 @@
+"""What every simulated peer and requester shares: the network, the clock, the view, the settings.
+
+The shared view
+---------------
+With real gossip (peer/gossip.py) every node holds its own `ViewKeeper` and swaps
+whole views with its neighbours: O(N) per exchange, O(N^2) per round — fine for
+the tens of peers a real swarm has, far too slow for a thousand simulated ones.
+So a large simulation (``view="shared"``) gives every node one `SharedViewKeeper`:
+each advertisement is still built and signed by the peer (`protocol.crypto.sign_record`)
+and verified on the way in (`ViewKeeper.merge`), once; and every node sees it at
+the start of the next gossip round. That is idealised dissemination (no lost or
+partial rounds), said so in every report. Small simulations and replays can run
+real gossip over the memory transport instead (``view="gossip"``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import trio
+from libp2p.peer.id import ID
+
+from protocol.keys import Identity
+from stages.spec import ModelSpec
+
+from ..client import DEFAULT_ROUTE_WAIT, REFRESH_INTERVAL
+from ..gossip import GOSSIP_INTERVAL, ViewKeeper
+from ..node import ADVERTISE_INTERVAL, LEAVE_GRACE, MOVE_GRACE, PING_INTERVAL, REBALANCE_INTERVAL, RECORD_TTL
+from ..view import SwarmView
+from .policies import VIEW_MODES
+
+# Unix time that simulated time 0 is written as, in a simulation's own trace
+# (2025-01-01T00:00:00Z; a fixed value so that traces of the same run are identical).
+SIM_EPOCH = 1735689600.0
+
+
+
+@dataclass(frozen=True)
+class Timings:
+    """The periods and grace times simulated peers use. Defaults: a real peer's (peer/node.py)."""
+
+    record_ttl: float = RECORD_TTL
+    advertise_interval: float = ADVERTISE_INTERVAL
+    ping_interval: float = PING_INTERVAL
+    rebalance_interval: float = REBALANCE_INTERVAL
+    gossip_interval: float = GOSSIP_INTERVAL
+    leave_grace: float = LEAVE_GRACE
+    move_grace: float = MOVE_GRACE
+    requester_refresh: float = REFRESH_INTERVAL
+    route_wait: float = DEFAULT_ROUTE_WAIT
+    # Loading a span's weights (reading them from disk or fetching them); a real peer's
+    # load of a SmolLM2 layer from a warm page cache takes ~0.1 s, a cold download far more.
+    load_seconds_per_layer: float = 0.2
+    # A request still running after this long is cut off and counted as failed.
+    request_timeout: float = 900.0
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(vars(self))
+
+
+def large_swarm_timings() -> Timings:
+    """Periods for a thousand peers: Petals-like (re-announce every ~15 s, rebalance every
+    2 minutes) rather than a small swarm's seconds — the O(N) work of each check, repeated
+    by N peers, is what a big swarm cannot afford, in simulation or for real."""
+    return Timings(record_ttl=60.0, advertise_interval=15.0, ping_interval=60.0, rebalance_interval=120.0,
+                   requester_refresh=30.0)
+
+
+class SharedViewKeeper(ViewKeeper):
+    """One `ViewKeeper` for every simulated node (see the module docstring).
+
+    `merge` verifies at once; `snapshot` changes at most once per gossip round
+    (or when a record in it expires), so a view is shared — and its routes
+    memoised — by everyone in the round, as a round of gossip would spread it.
+    """
+
+    def __init__(self, *, model_id: str, num_layers: int, round_seconds: float) -> None:
+        super().__init__(model_id=model_id, num_layers=num_layers, clock=trio.current_time)
+        self.round_seconds = round_seconds
+        self._snap: SwarmView | None = None
+        self._snap_round = -1
+        self._snap_valid_until = -math.inf
+        self._dirty = True
+
+    def merge(self, records) -> list[str]:  # type: ignore[override]
+        updated = super().merge(records)
+        if updated:
+            self._dirty = True
+        return updated
+
+    def forget(self, peer_id: str) -> None:
+        super().forget(peer_id)
+        self._dirty = True
+
+    def snapshot(self) -> SwarmView:
+        now = self.clock()
+        this_round = int(now // self.round_seconds)
+        snap = self._snap
+        if snap is not None and now < self._snap_valid_until and (not self._dirty or this_round == self._snap_round):
+            return snap
+        for pid in [p for p, k in self.known.items() if k.record.expires_at <= now]:
+            del self.known[pid]  # expired for good: a newer record of it would have a higher seq anyway
+        live = list(self.known.values())
+        self._snap = SwarmView.of(self.num_layers, (k.info for k in live))
+        self._snap_valid_until = min((k.record.expires_at for k in live), default=math.inf)
+        self._snap_round = this_round
+        self._dirty = False
+        return self._snap
+
+
+class SimTracer:
+    """A tracer for simulated nodes: counts events by kind; writes them (on simulated time) if asked.
+
+    Peer code calls ``emit(kind, **fields)`` as on a real peer. With a `writer` (a
+    store.trace.TraceWriter) the event is stored with this node's id and the
+    simulated clock (SIM_EPOCH + trio time), so `tessera trace export` draws a simulation.
+    """
+
+    def __init__(self, peer: str, counts: dict[str, int], writer: Any = None) -> None:
+        self.peer = peer
+        self.counts = counts
+        self.writer = writer
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        if self.writer is not None:
+            now = trio.current_time()
+            self.writer.emit(kind, peer=self.peer, wall=SIM_EPOCH + now, mono_ns=int(now * 1e9), **fields)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "SimTracer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def derive_seed(seed: int, *parts: object) -> bytes:
+    """32 bytes from a seed and a name: identities and RNGs that depend on nothing else."""
+    text = ":".join(["tessera-sim", str(seed), *map(str, parts)])
+    return hashlib.sha256(text.encode()).digest()
+
+
+def node_rng(seed: int, *parts: object) -> random.Random:
+    return random.Random(derive_seed(seed, *parts))
+
+
+def assign_identities(labels: list[str], seed: int, *, kind: str = "peer") -> dict[str, Identity]:
+    """A fresh identity per label, handed out so that peer-id order follows label order.
+
+    Routing and placement break ties by peer id; a replay gives recorded peers new keys
+    (it cannot sign as them), and keeping their order keeps the tie-breaks the same.
+    """
+    identities = [Identity.from_seed(derive_seed(seed, kind, i)) for i in range(len(labels))]
+    identities.sort(key=lambda ident: ID(ident.peer_id).to_base58())
+    return dict(zip(sorted(labels), identities))
+
+
+@dataclass
+class World:
+    """The shared state of one simulation run."""
+
+    network: Any  # MemoryNetwork
+    spec: ModelSpec
+    model_id: str
+    timings: Timings
+    policy: Any  # PlacementPolicy
+    view_mode: str
+    seed: int
+    recorder: Any  # report.Recorder
+    keeper: SharedViewKeeper | None = None
+    trace_writer: Any = None
+    nursery: trio.Nursery | None = None
+    peers: dict[str, Any] = field(default_factory=dict)  # label -> SimPeer (alive or not)
+    labels: dict[str, str] = field(default_factory=dict)  # peer id -> label
+    _id_bytes: dict[str, bytes] = field(default_factory=dict)
+
+    def tracer(self, peer_id: str) -> SimTracer:
+        return SimTracer(peer_id, self.recorder.event_counts, self.trace_writer)
+
+    def id_bytes(self, peer_id: str) -> bytes:
+        raw = self._id_bytes.get(peer_id)
+        if raw is None:
+            raw = self._id_bytes[peer_id] = ID.from_base58(peer_id).to_bytes()
+        return raw
+
+    def label(self, peer_id: str) -> str:
+        return self.labels.get(peer_id, peer_id)
+
+    def new_keeper(self) -> ViewKeeper:
+        """The keeper a new node uses: the shared one, or its own (real gossip)."""
+        if self.keeper is not None:
+            return self.keeper
+        return ViewKeeper(model_id=self.model_id, num_layers=self.spec.num_layers, clock=trio.current_time)
+
+    def bootstrap_addrs(self, *, exclude: str = "", limit: int = 3) -> list[str]:
+        """Addresses of the earliest-joined peers still serving (the join addresses a newcomer is given)."""
+        out = []
+        for peer in self.peers.values():
+            if peer.peer_id != exclude and peer.serving and peer.transport is not None:
+                out.extend(peer.transport.addrs()[:1])
+                if len(out) >= limit:
+                    break
+        return out
+
+
+Clock = Callable[[], float]
+
+__all__ = ["Timings", "large_swarm_timings", "SharedViewKeeper", "SimTracer", "World", "SIM_EPOCH",
+           "VIEW_MODES", "assign_identities", "derive_seed", "node_rng"]

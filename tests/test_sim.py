@@ -1,0 +1,131 @@
+"""Simulation: determinism, recovery after a leave, stability, failover, and policies compared."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from peer.sim import dumps, format_summary, from_trace, simulate, synthetic
+from peer.sim.errors import BadScenario, UnknownPolicy
+from peer.sim.scenario import PeerPlan, RequestPlan, Scenario
+from peer.sim.world import Timings
+
+TIMINGS = Timings()  # a real peer's periods (peer/node.py)
+
+
+def small_swarm(seed: int = 5) -> Scenario:
+    return synthetic(peers=6, requests=12, churn=0.5, seed=seed, capacity=(8, 16), prompt=(4, 16), tokens=(2, 5))
+
+
+def test_the_same_scenario_and_seed_give_identical_bytes():
+    first = dumps(simulate(small_swarm(), policy="default", seed=3))
+    again = dumps(simulate(small_swarm(), policy="default", seed=3))
+    assert first == again
+    report = json.loads(first)
+    assert report["summary"]["requests"] == 12 and report["summary"]["completed"] > 0
+    assert report["settings"]["handler_errors"] == 0
+    assert b"wall" not in first.replace(b"walls", b"")  # no wall-clock value anywhere
+    other = dumps(simulate(small_swarm(), policy="default", seed=4))
+    assert other != first  # the seed drives jitter and scheduling
+
+
+def sole_server_scenario(mode: str) -> Scenario:
+    """Three peers tile [0, 30); d duplicates a third; c (the fastest, alone on its third) goes at t=60."""
+    peers = (
+        PeerPlan("a", 0.0, 100.0, 10),
+        PeerPlan("b", 5.0, 100.0, 10),
+        PeerPlan("c", 10.0, 300.0, 10, leave_at=60.0, leave_mode=mode),
+        PeerPlan("d", 15.0, 100.0, 10),  # joins seeing the others' claims: duplicates a slow third
+    )
+    return Scenario("synthetic", 30, 64, None, peers, (), ())
+
+
+@pytest.mark.parametrize("mode", ["graceful", "crash", "vanish"])
+def test_a_sole_servers_layers_are_covered_again_within_a_bound(mode):
+    report = simulate(sole_server_scenario(mode), policy="default", seed=0, until=200.0)
+    coverage = report["summary"]["coverage"]
+    # The bound: the dead peer's record must expire (crash, vanish), the next rebalance check
+    # (jittered +20 %) must elect a redundant peer, which drains, loads and serves.
+    bound = (TIMINGS.record_ttl if mode != "graceful" else 0.0) + 1.2 * TIMINGS.rebalance_interval \
+        + TIMINGS.move_grace + 10 * TIMINGS.load_seconds_per_layer + 2 * TIMINGS.gossip_interval
+    print(f"{mode}: gaps {coverage['gaps']}, moves {[(m['peer'], m['from'], m['to']) for m in report['moves']]}, "
+          f"bound {bound:.1f} s")
+    assert len(coverage["gaps"]) == 1
+    start, end = coverage["gaps"][0]
+    assert start == pytest.approx(60.0, abs=0.5)  # the gap opened when c went
+    assert end - start <= bound
+    assert report["coverage"][-1][2] == 0  # and the swarm is whole at the end
+    assert any(m["reason"] == "rebalance" for m in report["moves"])
+
+
+def test_a_stable_swarm_makes_no_moves_for_an_hour():
+    scenario = synthetic(peers=6, requests=0, seed=2, capacity=(8, 16))
+    report = simulate(scenario, policy="default", seed=0, until=3600.0)
+    settled = max(p.join_at for p in scenario.peers) + 120.0
+    late = [m for m in report["moves"] if m["t"] > settled]
+    print(f"moves while joining: {len(report['moves']) - len(late)}, after t={settled:.0f} s: {len(late)}")
+    assert report["summary"]["coverage"]["covered_fraction"] == 1.0
+    assert late == []
+
+
+def failover_scenario() -> Scenario:
+    """Two fast peers (the route), two slow spares; a is killed in the middle of the answer."""
+    peers = (
+        PeerPlan("a", 0.0, 400.0, 15, span=(0, 15), leave_at=14.0, leave_mode="crash"),
+        PeerPlan("b", 0.0, 400.0, 15, span=(15, 30)),
+        PeerPlan("c", 0.0, 100.0, 15, span=(0, 15)),
+        PeerPlan("d", 0.0, 100.0, 15, span=(15, 30)),
+    )
+    request = RequestPlan(0, 10.0, "r", prompt_tokens=16, new_tokens=40)
+    return Scenario("replay", 30, 64, None, peers, (request,), ("r",), link_latency={}, default_latency=0.01)
+
+
+def test_a_peer_killed_mid_answer_is_replaced_and_the_answer_completes():
+    report = simulate(failover_scenario(), policy="recorded", seed=0)
+    (request,) = report["requests"]
+    print(format_summary(report))
+    assert request["completed"], request["error"]
+    assert request["failovers"] >= 1
+    assert request["routes"][0] == [["a", 0, 15], ["b", 15, 30]]
+    assert ["c", 0, 15] in request["routes"][-1] and all(h[0] != "a" for h in request["routes"][-1])
+    assert report["summary"]["events"]["failover"] >= 1
+
+
+def test_policies_compared_on_a_fixed_synthetic_swarm(capsys):
+    """default (peer/placement.py) against random placement, on the same scenario and seed."""
+    scenario = synthetic(peers=10, requests=16, seed=3, capacity=(5, 10), prompt=(4, 12), tokens=(2, 4))
+    results = {name: simulate(scenario, policy=name, seed=0)["summary"] for name in ("default", "random")}
+    with capsys.disabled():
+        print()
+        for name, s in results.items():
+            cov = s["coverage"]
+            print(f"  {name:8} completed {s['completed']:>2}/{s['requests']}  covered {cov['covered_fraction']:.3f}"
+                  f"  mean bottleneck {cov['mean_bottleneck']:8.2f} tokens/s  moves {s['moves']}")
+    default, random = results["default"], results["random"]
+    assert default["coverage"]["mean_bottleneck"] > 1.2 * random["coverage"]["mean_bottleneck"]
+    assert default["completed"] > random["completed"]
+
+
+def test_a_simulated_trace_replays_with_the_routes_it_took(tmp_path):
+    """simulate --trace writes every node's events; replaying them finds the same routes."""
+    db = tmp_path / "sim.db"
+    scenario = synthetic(peers=4, requests=4, seed=1, capacity=(10, 20), prompt=(4, 8), tokens=(2, 3))
+    live = simulate(scenario, policy="default", seed=0, trace_path=db)
+    replayed = from_trace([db])
+    assert len(replayed.peers) == 4 and len(replayed.requests) == 4
+    assert sorted((r.prompt_tokens, r.new_tokens) for r in replayed.requests) == sorted(
+        (r["prompt_tokens"], r["new_tokens"]) for r in live["requests"])
+    report = simulate(replayed, policy="recorded", seed=0)
+    assert report["summary"]["route_matches"] == 4, [r["routes"] for r in report["requests"]]
+
+
+def test_bad_options_are_clear_errors():
+    with pytest.raises(UnknownPolicy, match="default"):
+        simulate(small_swarm(), policy="nearest")
+    with pytest.raises(BadScenario, match="recorded"):
+        simulate(small_swarm(), policy="recorded")
+    with pytest.raises(BadScenario, match="view"):
+        simulate(small_swarm(), view="telepathy")
+    with pytest.raises(BadScenario):
+        synthetic(peers=0, requests=1)
