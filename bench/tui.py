@@ -9,15 +9,18 @@ lays out and renders every frame but draws nothing: the terminal's own cost is l
 out), swapping which goes first every round, so machine noise hits both alike. The
 handle's snapshot task (a dict every 0.5 s) runs in both: it is microseconds.
 
-Prints each round, the median decode tokens/s of each, and their ratio last.
+Prints each round (decode tokens/s, and this process's CPU seconds per token — the
+peer's compute, the requester's and, when open, the UI's: steadier than speed on a
+crowded machine), then the medians, and the decode-speed ratio last.
 
-    .venv/bin/python bench/tui.py [--rounds 4] [--tokens 32] [--size 120x40]
+    .venv/bin/python bench/tui.py [--rounds 8] [--tokens 32] [--size 120x40]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import resource
 import statistics
 import sys
 import tempfile
@@ -44,49 +47,58 @@ PROMPT = "Once upon a time, in a village by the sea,"
 STARTUP = 120.0
 
 
-def decode_rate(addr: str, tokens: int) -> float:
-    """One greedy answer through the peer (a requester in this thread's own trio loop): decode tokens/s."""
-    async def go() -> float:
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread: peer, requester, UI
+    return usage.ru_utime + usage.ru_stime
+
+
+def decode(addr: str, tokens: int) -> tuple[float, float]:
+    """One greedy answer through the peer (a requester in this thread's own trio loop).
+
+    Returns decode tokens/s and CPU seconds per decoded token, both from the first token on.
+    """
+    async def go() -> tuple[float, float]:
         async with Swarm.join([addr]) as swarm:
             await swarm.wait_for_route(60)
             ids = prompt_ids(swarm.tokenizer, PROMPT, raw=True)
-            stamps = [time.perf_counter() async for _ in swarm.generate_ids(ids, max_new_tokens=tokens)]
+            stamps = [(time.perf_counter(), cpu_seconds()) async for _ in swarm.generate_ids(ids, max_new_tokens=tokens)]
         if len(stamps) < 3:
             raise RuntimeError(f"the answer stopped after {len(stamps)} tokens; ask for a longer one")
-        return (len(stamps) - 1) / (stamps[-1] - stamps[0])  # from the first token: decode only
+        (t0, c0), (t1, c1) = stamps[0], stamps[-1]
+        return (len(stamps) - 1) / (t1 - t0), (c1 - c0) / (len(stamps) - 1)
 
     return trio.run(go)
 
 
-async def with_ui(handle: PeerHandle, addr: str, tokens: int, size: tuple[int, int]) -> float:
+async def with_ui(handle: PeerHandle, addr: str, tokens: int, size: tuple[int, int]) -> tuple[float, float]:
     app = TesseraApp(handle)
     async with app.run_test(size=size) as pilot:
-        await pilot.pause(1.0)  # the first trace and ledger reads, the first snapshots
-        rate = await asyncio.to_thread(decode_rate, addr, tokens)
+        await pilot.pause(2.0)  # past start-up: the first trace and ledger reads, the first snapshots
+        result = await asyncio.to_thread(decode, addr, tokens)
         await pilot.pause(0.1)
-    return rate
+    return result
 
 
-async def bench(handle: PeerHandle, rounds: int, tokens: int, size: tuple[int, int]) -> dict[str, list[float]]:
+async def bench(handle: PeerHandle, rounds: int, tokens: int, size: tuple[int, int]) -> dict[str, list]:
     addr = handle.latest()["addrs"][0]
-    await asyncio.to_thread(decode_rate, addr, 4)  # warm-up: first connections, caches
-    rates: dict[str, list[float]] = {"without": [], "with": []}
+    await asyncio.to_thread(decode, addr, 4)  # warm-up: first connections, caches
+    results: dict[str, list[tuple[float, float]]] = {"without": [], "with": []}
     for r in range(rounds):
         order = ("without", "with") if r % 2 == 0 else ("with", "without")
         for which in order:
             if which == "with":
-                rate = await with_ui(handle, addr, tokens, size)
+                rate, cpu = await with_ui(handle, addr, tokens, size)
             else:
-                rate = await asyncio.to_thread(decode_rate, addr, tokens)
-            rates[which].append(rate)
-            print(f"round {r + 1} {which:>7} TUI: {rate:6.1f} tok/s", flush=True)
-    return rates
+                rate, cpu = await asyncio.to_thread(decode, addr, tokens)
+            results[which].append((rate, cpu))
+            print(f"round {r + 1} {which:>7} TUI: {rate:6.1f} tok/s, {cpu * 1000:6.1f} CPU ms/token", flush=True)
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the peer (and requester)")
     parser.add_argument("--size", default="120x40", help="the UI's terminal size, COLSxROWS")
@@ -102,14 +114,17 @@ def main() -> None:
         try:
             if not handle.wait_ready(STARTUP):
                 raise SystemExit(f"the peer did not start: {handle.error!r}")
-            rates = asyncio.run(bench(handle, args.rounds, args.tokens, size))
+            results = asyncio.run(bench(handle, args.rounds, args.tokens, size))
         finally:
             handle.leave()
             handle.join(30)
-    without, with_ = statistics.median(rates["without"]), statistics.median(rates["with"])
-    print(f"median decode: without TUI {without:.1f} tok/s, with TUI {with_:.1f} tok/s ({args.size}, "
-          f"{args.rounds} rounds of {args.tokens} tokens)")
-    print(f"tui/decode ratio (with TUI / without): {with_ / without:.2f}")
+    rate = {k: statistics.median(r for r, _ in v) for k, v in results.items()}
+    cpu = {k: statistics.median(c for _, c in v) for k, v in results.items()}
+    paired = statistics.median(w[0] / o[0] for w, o in zip(results["with"], results["without"]))
+    print(f"median decode: without TUI {rate['without']:.1f} tok/s, with TUI {rate['with']:.1f} tok/s; "
+          f"median of per-round ratios {paired:.2f} ({args.size}, {args.rounds} rounds of {args.tokens} tokens)")
+    print(f"tui/cpu per token ratio (with TUI / without): {cpu['with'] / cpu['without']:.2f}")
+    print(f"tui/decode ratio (with TUI / without): {rate['with'] / rate['without']:.2f}")
 
 
 if __name__ == "__main__":

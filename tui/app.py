@@ -26,7 +26,7 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid
-from textual.reactive import reactive
+from textual.reactive import var
 from textual.widgets import Footer, Input, RichLog
 from textual.worker import get_current_worker
 
@@ -73,12 +73,14 @@ class TesseraApp(App[int]):
         Binding("escape", "focus_log", "back to the log", show=False),
     ]
 
-    snapshot: reactive[dict | None] = reactive(None, always_update=False)
-    rates: reactive[tuple[float, ...]] = reactive(())
-    rate_now: reactive[float] = reactive(0.0)
-    ledger: reactive[dict | None] = reactive(None)
-    quitting: reactive[bool] = reactive(False)  # q was confirmed: exit once the peer has left
-    state: reactive[str] = reactive("starting")  # state_word(snapshot): which keys apply
+    # State, not drawing: `var`s (reactives that never repaint the app, which would
+    # repaint the whole screen). The panels bound to them repaint what changed.
+    snapshot: var[dict | None] = var(None)
+    rates: var[tuple[float, ...]] = var(())
+    rate_now: var[float] = var(0.0)
+    ledger: var[dict | None] = var(None)
+    quitting: var[bool] = var(False)  # q was confirmed: exit once the peer has left
+    state: var[str] = var("starting")  # state_word(snapshot): which keys apply
 
     def __init__(self, handle: PeerHandle, *, leave_on_sigterm: bool = False) -> None:
         super().__init__()

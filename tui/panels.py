@@ -13,7 +13,7 @@ from typing import Any
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
-from textual.reactive import reactive
+from textual.reactive import reactive, var
 from textual.widget import Widget
 from textual.widgets import Sparkline, Static
 
@@ -32,21 +32,43 @@ def list_room(widget: Widget) -> int:
     return LONG_LIST if widget.app.size.height >= TALL_SCREEN else SHORT_LIST
 
 def _swarm_words(snapshot: dict[str, Any]) -> str:
-    """'joined 127.0.0.1:4001, 3 peers' (this one included) or 'new swarm, 1 peer'."""
+    """'3 peers, joined 127.0.0.1:4001' (this one included) or '1 peer, new swarm'."""
     swarm = snapshot["swarm"]
     size = _plural(swarm["peers"] + 1, "peer")
     private = "private " if swarm["private"] else ""
     if not swarm["join"]:
-        return f"new {private}swarm, {size}"
+        return f"{size}, new {private}swarm"
     addr = swarm["join"][0].split("/")
     host = f"{addr[2]}:{addr[4]}" if len(addr) > 4 else swarm["join"][0]
-    return f"joined {private}{host}, {size}"
+    return f"{size}, joined {private}{host}"
 
 
-class PeerHeader(Widget):
-    """One line: state, name and id, swarm joined, reachability, uptime."""
+class SnapshotPanel(Widget):
+    """A widget drawn from the snapshot, repainted only when what it draws has changed.
 
-    snapshot: reactive[dict | None] = reactive(None)
+    A snapshot arrives twice a second and is mostly the same as the last; the UI's CPU
+    is the peer's CPU too, so each panel names the keys it draws (`SHOWN`) and a
+    snapshot that leaves them alone costs no repaint.
+    """
+
+    SHOWN: tuple[str, ...] = ()
+    snapshot: reactive[dict | None] = reactive(None, repaint=False)
+
+    def shown(self, snap: dict) -> tuple:
+        return tuple(snap[key] for key in self.SHOWN)
+
+    def watch_snapshot(self, old: dict | None, new: dict | None) -> None:
+        if new is not None and (old is None or self.shown(old) != self.shown(new)):
+            self.refresh()
+
+
+class PeerHeader(SnapshotPanel):
+    """One line: state, name and id, uptime, reachability, the swarm joined."""
+
+    SHOWN = ("phase", "state", "paused", "name", "peer_id", "swarm", "reachability")
+
+    def shown(self, snap: dict) -> tuple:
+        return (*super().shown(snap), int(snap["uptime"]))
 
     def render(self) -> Text:
         snap = self.snapshot
@@ -54,8 +76,20 @@ class PeerHeader(Widget):
             return Text(" STARTING  tessera peer", style="bold")
         text = Text(f" {state_word(snap).upper()} ", style="bold reverse")
         text.append(f" {snap['name'] or 'peer'} {short_id(snap['peer_id'])}", style="bold")
-        text.append(f" │ {_swarm_words(snap)} │ reach: {snap['reachability']} │ up {fmt_duration(snap['uptime'])}")
+        # the longest part last: a narrow terminal cuts it, not the uptime or reachability
+        text.append(f" │ up {fmt_duration(snap['uptime'])} │ reach: {snap['reachability']} │ {_swarm_words(snap)}")
         return text
+
+
+def _update(static: Static, text: Text) -> None:
+    """Set a Static's text, repainting only if it changed and laying out only if its height did.
+
+    A layout pass re-renders the whole screen; a repaint, only the widget (see SnapshotPanel).
+    """
+    old = static.content
+    if old != text:
+        lines = old.plain.count("\n") if isinstance(old, Text) else -1
+        static.update(text, layout=lines != text.plain.count("\n"))
 
 
 def _block(lines: list[Text]) -> Text:
@@ -67,10 +101,11 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-class PeerPanel(Widget):
+class PeerPanel(SnapshotPanel):
     """This peer: model, claimed span against all layers, memory, device and speed."""
 
-    snapshot: reactive[dict | None] = reactive(None)
+    SHOWN = ("model", "model_id", "device", "span", "num_layers", "forced_layers", "memory_used",
+             "memory_offered", "throughput")
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -109,10 +144,11 @@ def _speed(snap: dict[str, Any]) -> str:
 class LivePanel(Vertical):
     """Live: tokens/s served (a sparkline over the last minutes), counters, running sessions."""
 
-    snapshot: reactive[dict | None] = reactive(None)
-    rates: reactive[tuple[float, ...]] = reactive(())
-    rate_now: reactive[float] = reactive(0.0)
-    peak: reactive[float] = reactive(0.0)
+    # its children draw; these only feed them (a repaint of the whole panel would be waste)
+    snapshot: var[dict | None] = var(None)
+    rates: var[tuple[float, ...]] = var(())
+    rate_now: var[float] = var(0.0)
+    peak: var[float] = var(0.0)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -127,18 +163,17 @@ class LivePanel(Vertical):
         yield Static("", id="sessions")
 
     def watch_rates(self, rates: tuple[float, ...]) -> None:
-        self.query_one(Sparkline).data = list(rates) or [0.0]
+        self.query_one(Sparkline).data = list(rates) or [0.0]  # equal data: no repaint
         self.watch_rate_now()  # the peak shown with it may have changed
 
     def watch_snapshot(self, snap: dict | None) -> None:
-        if snap is None:
-            return
-        self.query_one("#counters", Static).update(self.counters_text())
-        self.query_one("#sessions", Static).update(self.sessions_text())
+        if snap is not None:
+            _update(self.query_one("#counters", Static), self.counters_text())
+            _update(self.query_one("#sessions", Static), self.sessions_text())
 
     def watch_rate_now(self) -> None:
         if self.snapshot is not None:
-            self.query_one("#counters", Static).update(self.counters_text())
+            _update(self.query_one("#counters", Static), self.counters_text())
 
     def counters_text(self) -> Text:
         stats = self.snapshot["stats"]
@@ -155,16 +190,16 @@ class LivePanel(Vertical):
         text = Text.assemble(("sessions ", "bold"), f"{len(active)}/{snap['max_sessions']}")
         shown = list_room(self)
         for s in active[:shown]:
-            text.append(f"\n {s['id']} for {short_id(s['requester'])} {fmt_span(s['span'])} {s['steps']} steps")
+            text.append(f"\n {s['id']} for {short_id(s['requester'])}: {_plural(s['steps'], 'step')}")
         if len(active) > shown:
             text.append(f"\n … and {len(active) - shown} more")
         return text
 
 
-class SwarmPanel(Widget):
+class SwarmPanel(SnapshotPanel):
     """Swarm: how many peers serve every layer (gaps marked), and neighbours with RTTs."""
 
-    snapshot: reactive[dict | None] = reactive(None)
+    SHOWN = ("coverage", "gaps", "swarm", "neighbours")
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
