@@ -55,7 +55,7 @@ class SnapshotPanel(Widget):
     snapshot: reactive[dict | None] = reactive(None, repaint=False)
 
     def shown(self, snap: dict) -> tuple:
-        return tuple(snap[key] for key in self.SHOWN)
+        return tuple(snap.get(key) for key in self.SHOWN)
 
     def watch_snapshot(self, old: dict | None, new: dict | None) -> None:
         if new is not None and (old is None or self.shown(old) != self.shown(new)):
@@ -104,7 +104,7 @@ def _plural(n: int, word: str) -> str:
 class PeerPanel(SnapshotPanel):
     """This peer: model, claimed span against all layers, memory, device and speed."""
 
-    SHOWN = ("model", "model_id", "device", "span", "num_layers", "forced_layers", "memory_used",
+    SHOWN = ("model", "model_id", "device", "span", "shard", "num_layers", "forced_layers", "memory_used",
              "memory_offered", "throughput")
 
     def __init__(self, **kwargs: Any) -> None:
@@ -118,6 +118,9 @@ class PeerPanel(SnapshotPanel):
         width = max(8, self.content_size.width)
         span, layers = snap["span"], snap["num_layers"]
         forced = " (forced)" if snap["forced_layers"] else ""
+        shard = snap.get("shard") or {}  # a tensor-sharded span: this peer holds one slice of it
+        if shard.get("count", 1) > 1:
+            forced += f", shard {shard['index'] + 1}/{shard['count']}"
         lines = [
             Text.assemble(("model ", "bold"), f"{snap['model']} {snap['model_id'][:8]} on {snap['device']}"),
             Text.assemble(("layers ", "bold"), f"{fmt_span(span)} of {layers}{forced}"),
