@@ -51,6 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where to listen (default /ip4/127.0.0.1/tcp/0)")
     p.add_argument("--memory", type=float, default=None, metavar="GB", help="memory offered (default: half of free RAM)")
     p.add_argument("--layers", type=parse_layers, default=None, metavar="A:B", help="force layers A to B-1")
+    p.add_argument("--shard", type=parse_shard, default=None, metavar="I/N",
+                   help="serve the --layers span as rank I of a tensor-shard group of N (with --group)")
+    p.add_argument("--group", default="", metavar="NAME", help="the tensor-shard group's name (with --shard)")
     p.add_argument("--data-dir", type=Path, default=None, help="identity, store and trace (default ~/.local/share/tessera/NAME)")
     p.add_argument("--name", default="", help="a display name")
     p.add_argument("--max-sessions", type=int, default=16)
@@ -78,8 +81,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run_demo)
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """'I/N' -> (I, N): rank I of a tensor-shard group of N."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard wants I/N (rank I of a group of N), got {text!r}") from None
+    if not 0 <= i < n or n < 2:
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: need 0 <= I < N and N >= 2")
+    return i, n
+
+
 def config_from(args: argparse.Namespace) -> PeerConfig:
     name = args.name or "peer"
+    if (args.shard is None) != (not args.group) or (args.shard is not None and args.layers is None):
+        raise ConfigError("a tensor-shard rank needs all of --layers A:B, --shard I/N and --group NAME")
     data_dir = args.data_dir or Path.home() / ".local" / "share" / "tessera" / name
     return PeerConfig(
         model=args.model, join=args.join, listen=args.listen or ["/ip4/127.0.0.1/tcp/0"],
@@ -87,6 +103,7 @@ def config_from(args: argparse.Namespace) -> PeerConfig:
         threads=args.threads, device=args.device, dtype=args.dtype,
         swarm_key=read_swarm_key(args.swarm_key), max_sessions=args.max_sessions,
         **({"rebalance_interval": args.rebalance_interval} if args.rebalance_interval else {}),
+        **({"shard": args.shard, "group": args.group} if args.shard else {}),
     )
 
 

@@ -63,6 +63,7 @@ def info_from_record(record: PeerRecord) -> PeerInfo:
         issued_at=record.issued_at,
         shard_index=record.shard_index,
         shard_count=record.shard_count,
+        shard_group=record.shard_group,
     )
 
 

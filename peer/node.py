@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 import sys
+from functools import partial
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from stages import registry
 from stages.generate import pick_device, pick_dtype
 from stages.spec import ModelSpec
 from stages.speed import measure_layer_throughput
+from stages.sharded import ShardedStage
 from stages.stage import Stage
 from store.db import PeerStore
 from store.keyfile import load_or_create_key
@@ -43,6 +45,7 @@ from .gossip import Gossip, Pinger, ViewKeeper
 from .libp2p_transport import open_libp2p_transport
 from .placement import choose_span, plan_move
 from .server import ServerLimits, StageServer
+from .shard_server import ShardServer
 from .transport import Transport
 from .view import DRAINING, LEAVING, LOADING, SERVING
 
@@ -81,6 +84,8 @@ class PeerConfig:
     advertise_interval: float = ADVERTISE_INTERVAL
     leave_grace: float = LEAVE_GRACE
     rebalance_interval: float = REBALANCE_INTERVAL
+    shard: tuple[int, int] = (0, 1)  # (rank, group size): a rank of a tensor-shard group (needs layers, group)
+    group: str = ""  # the shard group's name
 
 
 def parse_layers(text: str) -> tuple[int, int]:
@@ -149,7 +154,8 @@ class PeerNode:
         server = self.server
         record = PeerRecord(
             peer_id=self.identity.peer_id, name=self.config.name[:64], model_id=self.model_id,
-            start=self.span[0], end=self.span[1], shard_index=0, shard_count=1,
+            start=self.span[0], end=self.span[1], shard_index=self.config.shard[0], shard_count=self.config.shard[1],
+            shard_group=self.config.group,
             throughput=self.throughput, free_memory=max(0, self.memory_bytes - used),
             load=server.load if server else 0.0, max_sessions=self.config.max_sessions,
             state=self.state, reachability="public", addrs=tuple(self.transport.addrs()[:16]),
@@ -189,7 +195,9 @@ class PeerNode:
                 async with trio.open_nursery() as nursery:
                     await self._join()
                     await self._claim_and_load()
-                    self.server = StageServer(
+                    # a rank of a tensor-shard group runs the shard server (peer/shard_server.py)
+                    kind = partial(ShardServer, group=self.config.group) if self.config.shard[1] > 1 else StageServer
+                    self.server = kind(
                         transport, self.identity, self.stage, tracer=self.tracer,
                         limits=ServerLimits(max_sessions=self.config.max_sessions, max_length=self.config.max_length,
                                             kv_budget=int(self.memory_bytes * KV_RESERVE_FRACTION)),
@@ -255,13 +263,17 @@ class PeerNode:
             start, end = choose_span(self.keeper.snapshot(), me=self.transport.peer_id,
                                      capacity_layers=self.capacity, throughput=self.throughput)
         self.span = (start, end)
-        self.store.record_claim(self.model_id, self.span, action="claim",
+        self.store.record_claim(self.model_id, self.span, action="claim", shard=self.config.shard,
                                 reason="forced" if self.config.layers else "placement")
         self.tracer.emit("claim", span=self.span, detail={"throughput": self.throughput, "capacity": self.capacity})
         await self.advertise()  # LOADING: others see the claim before the weights are in
         self.stage = await self._load(start, end)
 
-    async def _load(self, start: int, end: int) -> Stage:
+    async def _load(self, start: int, end: int) -> Stage | ShardedStage:
+        index, count = self.config.shard
+        if count > 1:  # only this rank's slices (stages/sharded.py)
+            return await trio.to_thread.run_sync(lambda: ShardedStage.load(
+                self.folder, start=start, end=end, index=index, count=count, device=self.device, dtype=self.dtype))
         return await trio.to_thread.run_sync(
             lambda: Stage.load(self.folder, start=start, end=end, device=self.device, dtype=self.dtype)
         )
@@ -386,6 +398,7 @@ class PeerNode:
             "model_id": self.model_id,
             "num_layers": self.spec.num_layers,
             "span": list(self.span) if self.span else None,
+            "shard": {"index": self.config.shard[0], "count": self.config.shard[1], "group": self.config.group},
             "state": self.state,
             "throughput": self.throughput,
             "memory_offered": self.memory_bytes,

@@ -61,6 +61,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+from peer.shard_groups import ShardGroup, with_group_peers
 from peer.view import PeerInfo, SwarmView
 
 __all__ = [
@@ -98,11 +99,18 @@ FULL_LOAD = 1.0
 
 @dataclass(frozen=True)
 class Hop:
-    """One peer of a chain: it runs layers ``[start, end)``."""
+    """One peer of a chain: it runs layers ``[start, end)``.
+
+    A tensor-shard group as one hop (only with ``route(..., groups=True)``): ``peer_id`` is
+    the group's hop id (``peer.shard_groups.group_hop_id``), ``group`` its name and
+    ``members`` its ranks' peer ids in rank order; empty for a plain peer.
+    """
 
     peer_id: str
     start: int
     end: int
+    group: str = ""
+    members: tuple[str, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -193,6 +201,7 @@ def route(
     exclude: frozenset[str] = frozenset(),
     default_rtt_ms: float = DEFAULT_RTT_MS,
     load_penalty: float = LOAD_PENALTY,
+    groups: bool = False,
 ) -> Route:
     """The cheapest chain from ``source`` through layers ``[start, end)`` to ``sink``.
 
@@ -200,7 +209,12 @@ def route(
     `PeerInfo.routable` peers (state serving, non-empty span) that are not in
     ``exclude``, have a positive throughput and a free session slot (load < 1) are
     used; so are only unsharded peers (``shard_count == 1``): one shard of a
-    tensor-sharded span cannot run the span alone. The source and sink need not be
+    tensor-sharded span cannot run the span alone — unless ``groups``: then every
+    complete group of usable ranks is one more candidate hop, priced as entered from and
+    left to ``source`` (the requester, which scatters into and gathers out of a group;
+    see ``peer/shard_groups.py``), so pass it only when ``source`` is the requester. A
+    group hop has ``members``; excluding any rank (or the group's hop id) drops the group.
+    The source and sink need not be
     in the view (a requester usually is not; it may add itself with an empty span
     to contribute its own RTT measurements).
 
@@ -219,6 +233,12 @@ def route(
     if start == end:
         return Route((), 0.0)
     peers = {p.peer_id: p for p in view.peers}
+    group_of: dict[str, ShardGroup] = {}
+    if groups:  # tensor-shard groups, each as one synthetic peer (peer/shard_groups.py)
+        peers, group_of = with_group_peers(
+            peers, source=source, default_rtt_ms=default_rtt_ms, load_penalty=load_penalty,
+            usable=lambda p: p.routable and p.peer_id not in exclude and p.throughput > 0 and p.load < FULL_LOAD,
+        )
 
     # The usable peers, in peer-id order, grouped by the boundary where they exit.
     exits: dict[int, list[tuple[str, int, float]]] = defaultdict(list)
@@ -278,7 +298,8 @@ def route(
     cost, _, ids = min(finals)
     hops, at = [], start
     for pid in ids:
-        hops.append(Hop(pid, at, span_of[pid][1]))
+        g = group_of.get(pid)
+        hops.append(Hop(pid, at, span_of[pid][1], group=g.name, members=g.member_ids) if g else Hop(pid, at, span_of[pid][1]))
         at = span_of[pid][1]
     return Route(tuple(hops), cost)
 

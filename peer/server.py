@@ -87,6 +87,10 @@ class Refused(Exception):
 class StageServer:
     """Serves `stage` to sessions over `transport`."""
 
+    # What `admit` builds for a session; a tensor-shard peer's server builds its own kind
+    # (peer/shard_server.py).
+    session_class: type[ServedSession] = ServedSession
+
     def __init__(
         self,
         transport: Transport,
@@ -149,7 +153,7 @@ class StageServer:
         need = self.stage.session_bytes(msg.max_length, msg.end - msg.start)
         if self.kv_in_use() + need > self.limits.kv_budget:
             raise Refused(TOO_LONG, f"{need} more bytes of KV cache would exceed the budget of {self.limits.kv_budget}")
-        session = ServedSession(
+        session = self.session_class(
             session_id=msg.session_id, requester=requester, start=msg.start, end=msg.end,
             capacity=msg.max_length, control=channel, ephemeral_public=msg.ephemeral_public,
         )

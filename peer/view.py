@@ -44,6 +44,7 @@ class PeerInfo:
     expires_at:   time after which this record is stale (same clock as the view's `now`).
     issued_at:    when the peer signed this record (its "last seen").
     shard_index, shard_count: tensor-shard position inside a shard group (0, 1 = not sharded).
+    shard_group:  the name of that group ("" when not sharded; see peer/shard_groups.py).
     """
 
     peer_id: str
@@ -63,6 +64,7 @@ class PeerInfo:
     issued_at: float = 0.0
     shard_index: int = 0
     shard_count: int = 1
+    shard_group: str = ""
 
     @property
     def span(self) -> tuple[int, int]:

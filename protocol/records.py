@@ -71,6 +71,8 @@ class PeerRecord:
         issued_at: when the record was made (seconds since the epoch, sender's clock).
         expires_at: when the record stops being valid (same clock).
         seq: sequence number; a higher one replaces a lower one from the same peer.
+        shard_group: the name of the tensor-shard group this peer is a rank of ("" when
+            not sharded); the peers advertising one name, span and shard_count form it.
     """
 
     peer_id: bytes = wire(max_len=MAX_PEER_ID_SIZE)
@@ -91,6 +93,7 @@ class PeerRecord:
     issued_at: float = wire()
     expires_at: float = wire()
     seq: int = wire(max=INT64_MAX)
+    shard_group: str = wire(default="", max_len=64)
 
     def __post_init__(self) -> None:
         if self.start >= self.end:

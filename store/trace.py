@@ -67,6 +67,7 @@ EVENT_KINDS = (
     "token",  # requester side: a token was produced (detail: token id, position)
     "misbehaviour",  # a misbehaviour report was sent or received (remote = accused)
     "move",  # placement moved this peer to another span (detail: from, to)
+    "audit",  # a tensor-shard step: what one node held and every collective it joined (peer/shard_audit.py)
 )
 CONNECT_KINDS = ("direct", "punched", "relayed")
 

@@ -1,0 +1,150 @@
+"""Helpers for tensor-shard tests: an in-process group of ranks (threads), and the reference run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Hashable, Sequence
+
+import torch
+
+from peer.shard_audit import REQUESTER, SHARD, StepLog
+from stages.collectives import HIDDEN, Collectives, ThreadGroup
+from stages.sharded import ShardedStage
+from stages.stage import Stage
+
+DECODE_STEPS = 32
+LOGITS_TOLERANCE = 5e-4  # float32; only the order of summation differs
+
+
+class InProcessGroup:
+    """n `ShardedStage`s of one span run as threads, with the requester's scatter and gather,
+    writing the same audit logs a network run writes."""
+
+    def __init__(self, folder: Path, *, start: int, end: int, count: int, gather_full: bool = False,
+                 group: str = "local") -> None:
+        self.ranks = [ShardedStage.load(folder, start=start, end=end, index=i, count=count, gather_full=gather_full)
+                      for i in range(count)]
+        self.count = count
+        self.group = group
+        self.logs: list[StepLog] = []
+        self._steps: dict[Hashable, int] = {}
+
+    def open(self, session: Hashable, *, capacity: int) -> None:
+        for rank in self.ranks:
+            rank.open(session, capacity=capacity)
+        self._steps[session] = 0
+
+    def forward(self, session: Hashable, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Scatter [T, H] into the ranks, run them together, gather [T, H]."""
+        self._steps[session] += 1
+        step = self._steps[session]
+        threads = ThreadGroup(self.count)
+        records: list[list[dict]] = [[] for _ in self.ranks]
+
+        def run(i: int) -> Callable[[], torch.Tensor]:
+            rank = self.ranks[i]
+            lo, hi = rank.cols
+            group = Collectives(i, self.count, threads.exchange_for(i), audit=records[i].append)
+            return lambda: rank.forward(session, hidden[:, lo:hi].contiguous(), start_pos, group)
+
+        outputs = threads.run([run(i) for i in range(self.count)])
+        first = self.ranks[0]
+        start, end = first.sessions[session].start, first.sessions[session].end
+        for i, rank in enumerate(self.ranks):
+            self.logs.append(StepLog(
+                node=f"rank-node-{i}", session=str(session), step=step, role=SHARD, group=self.group, index=i,
+                count=self.count, start=start, end=end, hidden=first.spec.hidden_size,
+                records=tuple(records[i]),
+            ))
+        h = first.spec.hidden_size
+        slices = [[i, *r.cols] for i, r in enumerate(self.ranks)]
+        self.logs.append(StepLog(
+            node="requester", session=str(session), step=step, role=REQUESTER, group=self.group, index=-1,
+            count=self.count, start=start, end=end, hidden=h,
+            records=({"layer": start, "event": "scatter", "op": "input", "space": HIDDEN, "width": h,
+                      "rows": hidden.shape[0], "sent": slices},
+                     {"layer": end, "event": "compat_gather", "op": "output", "space": HIDDEN, "width": h,
+                      "rows": hidden.shape[0], "received": slices}),
+        ))
+        return torch.cat(outputs, dim=1)
+
+
+def greedy_run(
+    head: Stage, spans: Sequence[Stage | InProcessGroup], prompt: Sequence[int], steps: int = DECODE_STEPS,
+    session: Hashable = "s",
+) -> tuple[list[int], list[torch.Tensor]]:
+    """Prefill + `steps` greedy decode steps through `spans` in order; the tokens and every step's logits."""
+    capacity = len(prompt) + steps + 1
+    for span in spans:
+        span.open(session, capacity=capacity)
+
+    def through(x: torch.Tensor, pos: int) -> torch.Tensor:
+        for span in spans:
+            x = span.forward(session, x, pos)
+        return head.logits(x)
+
+    logits = [through(head.embed(list(prompt)), 0)[-1:]]
+    tokens = [int(logits[-1][-1].argmax())]
+    for k in range(steps):
+        logits.append(through(head.embed([tokens[-1]]), len(prompt) + k))
+        tokens.append(int(logits[-1][-1].argmax()))
+    return tokens, logits
+
+
+# -- real processes ----------------------------------------------------------------------------
+
+
+def rank_args(span: tuple[int, int], group: str, count: int) -> list[list[str]]:
+    return [["--layers", f"{span[0]}:{span[1]}", "--shard", f"{i}/{count}", "--group", group] for i in range(count)]
+
+
+async def wait_for_peers(swarm, names: Sequence[str], timeout: float = 60.0) -> dict[str, str]:
+    """Peer ids by name (`--name peerN`), once the requester's view holds all of them."""
+    import trio
+
+    with trio.fail_after(timeout):
+        while True:
+            found = {p.name: p.peer_id for p in swarm.keeper.snapshot().peers}
+            if all(n in found for n in names):
+                return found
+            with trio.move_on_after(1.0):
+                await swarm.keeper.wait_changed()
+            await swarm.refresh()
+
+
+def group_hop(ids: dict[str, str], names: Sequence[str], group: str, start: int, end: int):
+    from peer.routing import Hop
+    from peer.shard_groups import group_hop_id
+
+    return Hop(group_hop_id(group, start, end, len(names)), start, end, group=group,
+               members=tuple(ids[n] for n in names))
+
+
+async def network_greedy(swarm, session, prompt: Sequence[int], steps: int = DECODE_STEPS):
+    """Prefill + `steps` greedy decode steps through `session` (anything with `step`); tokens and logits."""
+    out = await session.step(await swarm._embed(list(prompt)), 0)
+    logits = [swarm.head.logits(out[-1:])]
+    tokens = [int(logits[-1][-1].argmax())]
+    for k in range(steps):
+        out = await session.step(await swarm._embed([tokens[-1]]), len(prompt) + k)
+        logits.append(swarm.head.logits(out))
+        tokens.append(int(logits[-1][-1].argmax()))
+    return tokens, logits
+
+
+def collect_audit(local_swarm, indices: Sequence[int], tracer, sessions: Sequence[str], *, expected: int,
+                  timeout: float = 20.0) -> list[StepLog]:
+    """The audit logs of `sessions` (hex ids) from the requester's tracer and the given peers' stores,
+    waiting (briefly) until every rank's last steps have reached its database."""
+    import time
+
+    from peer.shard_audit import load_events, load_store
+
+    deadline = time.monotonic() + timeout
+    while True:
+        logs = [log for log in load_events(tracer.events) if log.session in sessions]
+        for i in indices:
+            logs += [log for log in load_store(local_swarm.base_dir / f"peer{i}" / "tessera.db") if log.session in sessions]
+        if len(logs) >= expected or time.monotonic() > deadline:
+            return logs
+        time.sleep(0.5)
