@@ -20,6 +20,7 @@ from typing import AsyncIterator, Sequence
 
 import torch
 import trio
+from libp2p.peer.id import ID
 
 from protocol.keys import Identity
 from stages import registry
@@ -34,6 +35,8 @@ from .gossip import Gossip, Pinger, ViewKeeper
 from .emulated_link import LinkEmulation, emulate
 from .libp2p_transport import open_libp2p_transport
 from .generation import Speculation, plain_tokens, speculative_tokens
+from .reports import ReportBook
+from .verify import GUILTY_BAN, CheckPolicy, SpotChecker
 from .recovery import ResilientSession
 from .route_session import RequesterContext, route_summary
 from .routing import Route, route
@@ -84,6 +87,7 @@ class Swarm:
         )
         self.peer_id = transport.peer_id
         self.banned: dict[str, float] = {}  # peer id -> until (monotonic); see recovery.py
+        self.reports = ReportBook(transport, model_id=self.model_id, on_accept=self._avoid_accused)
         self.active: set[ResilientSession] = set()  # generations running now
 
     @staticmethod
@@ -113,6 +117,7 @@ class Swarm:
                 )
                 await swarm.connect(addrs)
                 nursery.start_soon(swarm._refresh_forever)
+                nursery.start_soon(swarm.reports.run)
                 try:
                     yield swarm
                 finally:
@@ -125,6 +130,7 @@ class Swarm:
             try:
                 peer = await self.transport.connect(addr)
                 await self.gossip.exchange(peer)
+                await self.reports.pull(peer)
             except PeerError as error:
                 errors.append(error)
         if errors and len(errors) == len(addrs):
@@ -154,6 +160,15 @@ class Swarm:
         me = PeerInfo(peer_id=self.peer_id, model_id=self.model_id, start=0, end=0, throughput=0.0,
                       state="requester", rtt_ms=dict(self.pinger.rtt_ms))
         return self.keeper.snapshot().replace(me)
+
+    def _avoid_accused(self, body) -> None:
+        """A verified misbehaviour report: stop using the accused."""
+        accused = ID(body.accused.peer_id).to_base58()
+        self.banned[accused] = max(self.banned.get(accused, 0.0), time.monotonic() + GUILTY_BAN)
+
+    async def publish_report(self, report) -> int:
+        """Record a report we made and share it with every connected peer."""
+        return await self.reports.publish(report)
 
     def is_banned(self, peer: str) -> bool:
         return self.banned.get(peer, 0.0) > time.monotonic()
@@ -210,6 +225,7 @@ class Swarm:
         sampling: SamplingParams = SamplingParams(),
         route_wait: float = DEFAULT_ROUTE_WAIT,
         speculation: Speculation | None = None,
+        spot_check: CheckPolicy | None = None,
         info: dict | None = None,
     ) -> AsyncIterator[int]:
         """Token ids continuing `ids`, one at a time; `info` (if given) receives the routes used.
@@ -222,6 +238,8 @@ class Swarm:
         capacity = min(len(ids) + budget + SPECULATION_SLACK, self.spec.max_position)
         session = ResilientSession(self, max_length=capacity, route_wait=route_wait)
         await session.open()
+        if spot_check is not None and spot_check.rate > 0:
+            session.checker = SpotChecker(self, session, spot_check)
         self.active.add(session)
         eos = self.spec.eos_token_ids
         if speculation is None:

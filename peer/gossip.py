@@ -61,6 +61,7 @@ def info_from_record(record: PeerRecord) -> PeerInfo:
         rtt_ms={peer_id_str(n.peer_id): n.rtt_ms for n in record.neighbours},
         expires_at=record.expires_at,
         issued_at=record.issued_at,
+        dtype=record.dtype,
         shard_index=record.shard_index,
         shard_count=record.shard_count,
         shard_group=record.shard_group,

@@ -23,15 +23,15 @@ class HiddenHistory:
         self.rows = torch.zeros(capacity, hidden_size, dtype=dtype)
         self.length = 0
 
-    def write(self, start_pos: int, hidden: torch.Tensor) -> None:
-        """Store rows for positions [start_pos, start_pos + T); a gap before start_pos is an error."""
+    def write(self, start_pos: int, hidden: torch.Tensor) -> bool:
+        """Store rows for positions [start_pos, start_pos + T); returns False (storing nothing)
+        when that would leave positions before start_pos unknown, or overflow the capacity."""
         end = start_pos + hidden.shape[0]
-        if start_pos > self.length:
-            raise ValueError(f"history holds positions [0, {self.length}); cannot write at {start_pos}")
-        if end > self.rows.shape[0]:
-            raise ValueError(f"positions up to {end} exceed the history's capacity {self.rows.shape[0]}")
+        if start_pos > self.length or end > self.rows.shape[0]:
+            return False
         self.rows[start_pos:end] = hidden
         self.length = end
+        return True
 
     def upto(self, end: int) -> torch.Tensor:
         """Rows for positions [0, end) (raises if some are not known yet)."""

@@ -41,6 +41,7 @@ from .shard_route import SegmentedSession, has_groups
 
 if TYPE_CHECKING:
     from .client import Swarm
+    from .verify import SpotChecker
 
 MAX_OPEN_ATTEMPTS = 5
 MAX_REPAIRS_PER_STEP = 6  # a step is given up after this many repairs (each bans a peer)
@@ -83,6 +84,8 @@ class ResilientSession:
         self.routes: list[Route] = []
         self.failovers = 0
         self.epoch = 0  # bumped by every repair: steps sent before it are superseded
+        self.confirmed = 0  # positions [0, confirmed) have been answered
+        self.checker: "SpotChecker | None" = None  # spot checks (peer/verify.py), if asked for
         self._strikes: dict[str, int] = {}
 
     def ban(self, peer: str, reason: str, *, seconds: float | None = None) -> None:
@@ -141,28 +144,37 @@ class ResilientSession:
         if pending.epoch != self.epoch:
             raise Superseded(f"step at position {pending.start_pos} was sent before a failover")
         failure = pending.failure
+        output = None
         if failure is None:
             try:
-                return await self.current.wait(pending.step, pending.slot, pending.hidden.shape[0], pending.start_pos)
+                output = await self.current.wait(pending.step, pending.slot, pending.hidden.shape[0], pending.start_pos)
             except PeerFailed as error:
                 failure = error
         repairs = 0
-        while True:
+        while output is None:
             repairs += 1
             if repairs > MAX_REPAIRS_PER_STEP:
                 raise failure
             await self.repair(failure, pending.start_pos)
             try:
-                return await self.current.step(pending.hidden, pending.start_pos)
+                output = await self.current.step(pending.hidden, pending.start_pos)
             except PeerFailed as error:
                 failure = error
+        self.confirmed = pending.start_pos + pending.hidden.shape[0]
+        if self.checker is not None:
+            await self.checker.after_step(self.confirmed)
+        return output
 
     async def cancel(self, pending: "Pending") -> None:
         if self.current is not None and pending.epoch == self.epoch and pending.step is not None:
             await self.current.cancel(pending.step)
 
-    async def repair(self, failure: PeerFailed, position: int) -> None:
-        """Replace every failed hop of the current session; `position` = positions already answered."""
+    async def repair(self, failure: PeerFailed, position: int, *, through_end: bool = False) -> None:
+        """Replace every failed hop of the current session; `position` = positions already answered.
+
+        `through_end`: the replay runs on through every later hop too, rebuilding their
+        caches (after a peer was caught returning wrong activations, their inputs were wrong).
+        """
         session = self.current
         assert session is not None
         if isinstance(session, SegmentedSession):  # tensor-shard groups: the failed segment is re-routed
@@ -192,7 +204,7 @@ class ResilientSession:
                 self.ban(upstream.peer, upstream.failure)
                 continue
             try:
-                new = await self.replace(session, i, j, position)
+                new = await self.replace(session, i, j, position, through_end=through_end)
             except SessionRefused as refused:
                 self.ban(refused.peer, f"refused: {refused.code}", seconds=REFUSED_BACKOFF)
                 continue
@@ -217,7 +229,9 @@ class ResilientSession:
                 await session.tap_arrived.wait()
         return session.history.known(layer) >= position
 
-    async def replace(self, session: RouteSession, i: int, j: int, position: int) -> list[HopState]:
+    async def replace(
+        self, session: RouteSession, i: int, j: int, position: int, *, through_end: bool = False
+    ) -> list[HopState]:
         """Re-route hops i..j (layers [a, b)), rebuild the replacements' caches, relink the neighbours."""
         hops = session.hops
         a, b = hops[i].hop.start, hops[j].hop.end
@@ -237,27 +251,35 @@ class ResilientSession:
                 await self.relink(session, down, Relink(
                     session.session_id, None, (), in_key=session.seal(out, down.peer), prev_peer=peer_bytes(new[-1].peer),
                 ))
+            if through_end and up is not None:
+                await self.relink_up(session, up, new, into)
             if position > 0:
                 # one prefill-shaped step rebuilds every replacement's KV cache; it stops at b
+                # (or runs on to the end, rebuilding every later cache too)
+                stop = self.swarm.spec.num_layers if through_end else b
                 await session.run(
-                    new[0], session.history.at(a).upto(position), 0, stop_layer=b,
-                    hops=list(chosen.hops), tap_from=new[-1].peer if down is not None else None,
+                    new[0], session.history.at(a).upto(position), 0, stop_layer=stop,
+                    hops=list(chosen.hops), tap_from=new[-1].peer if down is not None and not through_end else None,
                 )
-            if up is not None:
-                await self.relink(session, up, Relink(
-                    session.session_id, peer_bytes(new[0].peer), self.swarm.keeper.addrs(new[0].peer),
-                    out_key=session.seal(into, up.peer),
-                ))
+            if up is not None and not through_end:
+                await self.relink_up(session, up, new, into)
         except BaseException:
             for state in new:
                 session.ctx.nursery.start_soon(session.close_hop, state, "replacement abandoned")
             raise
         old = hops[i : j + 1]
+        session.retired_attestations += [a for state in old for a in state.attested]
         session.hops[i : j + 1] = new
         for state in old:
             # in the background: a dead peer's stream may take a while to give up
             session.ctx.nursery.start_soon(session.close_hop, state, "replaced after a failure")
         return new
+
+    async def relink_up(self, session: RouteSession, up: HopState, new: list[HopState], into: tuple[int, bytes]) -> None:
+        await self.relink(session, up, Relink(
+            session.session_id, peer_bytes(new[0].peer), self.swarm.keeper.addrs(new[0].peer),
+            out_key=session.seal(into, up.peer),
+        ))
 
     async def relink(self, session: RouteSession, state: HopState, msg: Relink) -> None:
         """Send a live neighbour its new link and wait for its ack. Raises PeerFailed."""
@@ -272,11 +294,18 @@ class ResilientSession:
             raise PeerFailed(state.peer, f"relink not acknowledged: {state.failure or 'timeout'}")
 
     async def close(self) -> None:
+        if self.checker is not None and self.current is not None:
+            try:
+                if self.checker.policy.final_check:
+                    await self.checker.final(self.confirmed)
+            finally:
+                await self.checker.close()
         if self.current is not None:
             await self.current.close()
 
     def summary(self) -> dict:
-        return {
+        checks = {"checks": self.checker.summary()} if self.checker is not None else {}
+        return {**checks,
             "route": route_summary(self.routes[-1]) if self.routes else [],
             "routes": [route_summary(r) for r in self.routes],
             "failovers": self.failovers,

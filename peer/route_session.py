@@ -22,11 +22,12 @@ import torch
 import trio
 from libp2p.peer.id import ID
 
-from protocol.activations import open_activations, seal_activations
+from protocol.activations import open_payload, seal_activations
 from protocol.errors import WireError
+from protocol.tensors import decode_tensor
 from protocol.keys import EphemeralKey, Identity, public_key_from_peer_id
 from protocol.links import Direction, LinkCipher, seal_link_key
-from protocol.messages import Cancel, ErrorMsg, Forward, Result, SealedKey, SessionAccept, SessionClose, SessionOpen
+from protocol.messages import REPLY_FINGERPRINT, REPLY_FULL, Cancel, ErrorMsg, Forward, Result, SealedKey, SessionAccept, SessionClose, SessionOpen
 from store.trace import NullTracer, Tracer
 
 from .errors import PeerError, PeerFailed, SessionRefused
@@ -73,6 +74,7 @@ class HopState:
     tap: LinkCipher | None = None  # this peer -> requester, copy of its output
     result: LinkCipher | None = None  # last hop -> requester
     failure: str | None = None
+    attested: list[AttestedStep] = field(default_factory=list)
     acked: trio.Event = field(default_factory=trio.Event)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
 
@@ -81,11 +83,34 @@ class HopState:
         return self.hop.peer_id
 
 
+@dataclass(frozen=True)
+class AttestedStep:
+    """What a peer signed about one step it computed (see protocol.attest)."""
+
+    peer: str
+    step: int
+    start_pos: int
+    n_tokens: int
+    start: int
+    end: int
+    inputs_hash: bytes
+    outputs_hash: bytes
+    attestation: bytes
+
+    @staticmethod
+    def of(state: "HopState", msg: Result) -> "AttestedStep":
+        return AttestedStep(state.peer, msg.step, msg.start_pos, msg.n_tokens, state.hop.start, state.hop.end,
+                            msg.inputs_hash, msg.outputs_hash, msg.attestation)
+
+
 @dataclass
 class StepSlot:
-    """A step waiting for its end: the chain's result, or the tap of `tap_from`."""
+    """A step waiting for its end: the chain's result, or the tap of `tap_from`
+    (its output tensor, or — when `fingerprint` — the fingerprint bytes in `raw`)."""
 
     tap_from: str | None = None
+    fingerprint: bool = False
+    raw: bytes | None = None
     sent_at: float = 0.0
     done: trio.Event = field(default_factory=trio.Event)
     value: torch.Tensor | None = None
@@ -94,6 +119,11 @@ class StepSlot:
     def complete(self, value: torch.Tensor) -> None:
         if not self.done.is_set():
             self.value = value.clone()  # the decoded tensor views a read-only buffer
+            self.done.set()
+
+    def complete_raw(self, raw: bytes) -> None:
+        if not self.done.is_set():
+            self.raw = raw
             self.done.set()
 
     def fail(self, error: PeerError) -> None:
@@ -105,7 +135,7 @@ class StepSlot:
 class RouteSession:
     """A session over a route of peers; `step` runs hidden states through all of them."""
 
-    def __init__(self, ctx: RequesterContext, route: Route, *, max_length: int) -> None:
+    def __init__(self, ctx: RequesterContext, route: Route, *, max_length: int, keep_history: bool = True) -> None:
         self.ctx = ctx
         self.route = route
         self.max_length = max_length
@@ -113,8 +143,10 @@ class RouteSession:
         self.ephemeral = EphemeralKey.generate()
         self.hops: list[HopState] = []
         self.history = RouteHistory(max_length, ctx.hidden_size)
+        self.keep_history = keep_history  # a spot checker's shadow session needs none
         self.pending: dict[int, StepSlot] = {}
         self.tap_arrived = trio.Event()  # set (and replaced) whenever a tap lands in the history
+        self.retired_attestations: list[AttestedStep] = []  # of hops a failover replaced
         self._next_link = 0
         self._next_step = 0
         self.closed = False
@@ -246,20 +278,28 @@ class RouteSession:
                     self._fail(state, f"{type(error).__name__}: {error}")
 
     def _on_result(self, state: HopState, msg: Result) -> None:
-        if state.tap is not None and msg.link_id == state.tap.link_id:
-            hidden = open_activations(state.tap, msg)
+        """A tap or the chain's result: outputs go to the history (so the requester holds every
+        span's output), the step's end to its waiting slot; the attestation is kept."""
+        is_tap = state.tap is not None and msg.link_id == state.tap.link_id
+        cipher = state.tap if is_tap else state.result
+        if cipher is None or msg.link_id != cipher.link_id:
+            raise WireError(f"result on link {msg.link_id}, which is not one of this peer's")
+        slot = self.pending.get(msg.step)
+        ends_step = slot is not None and (slot.tap_from == state.peer if is_tap else slot.tap_from is None)
+        payload = open_payload(cipher, msg)
+        if msg.attestation:
+            state.attested.append(AttestedStep.of(state, msg))
+        if ends_step and slot.fingerprint:
+            slot.complete_raw(payload)
+            return
+        hidden = decode_tensor(payload)
+        if self.keep_history:
             self.history.at(state.hop.end).write(msg.start_pos, hidden)
+        if is_tap:
             self.tap_arrived.set()
             self.tap_arrived = trio.Event()
-            slot = self.pending.get(msg.step)
-            if slot is not None and slot.tap_from == state.peer:
-                slot.complete(hidden)
-        elif state.result is not None and msg.link_id == state.result.link_id:
-            slot = self.pending.get(msg.step)
-            if slot is not None:
-                slot.complete(open_activations(state.result, msg))
-        else:
-            raise WireError(f"result on link {msg.link_id}, which is not one of this peer's")
+        if ends_step:
+            slot.complete(hidden)
 
     def _fail(self, state: HopState, reason: str, *, code: str | None = None) -> None:
         """Mark a hop failed and wake every waiting step with the error.
@@ -305,7 +345,8 @@ class RouteSession:
     async def submit(self, hidden: torch.Tensor, start_pos: int) -> tuple[int, StepSlot]:
         """Send a step through the whole route without waiting for it. Raises PeerFailed."""
         first = self.hops[0]
-        self.history.at(first.hop.start).write(start_pos, hidden)
+        if self.keep_history:
+            self.history.at(first.hop.start).write(start_pos, hidden)
         failed = next((h for h in self.hops if h.failure), None)
         if failed is not None:
             raise PeerFailed(failed.peer, failed.failure or "failed")
@@ -327,16 +368,17 @@ class RouteSession:
         return await self.wait(step, slot, hidden.shape[0], start_pos, hops=hops)
 
     async def send(
-        self, first: HopState, hidden: torch.Tensor, start_pos: int, *, stop_layer: int, tap_from: str | None = None
+        self, first: HopState, hidden: torch.Tensor, start_pos: int, *, stop_layer: int,
+        tap_from: str | None = None, reply: int = REPLY_FULL,
     ) -> tuple[int, StepSlot]:
         """Send one step without waiting (several may be in flight). Raises PeerFailed."""
         self._next_step += 1
         step = self._next_step
-        slot = self.pending[step] = StepSlot(tap_from=tap_from)
+        slot = self.pending[step] = StepSlot(tap_from=tap_from, fingerprint=reply == REPLY_FINGERPRINT)
         slot.sent_at = time.perf_counter()
         n = hidden.shape[0]
         assert first.send is not None, "the requester feeds only the first hop or an injected one"
-        template = Forward(self.session_id, step, first.send.link_id, 0, start_pos, n, stop_layer, b"")
+        template = Forward(self.session_id, step, first.send.link_id, 0, start_pos, n, stop_layer, b"", reply=reply)
         try:
             frame = seal_activations(first.send, template, hidden)
             await first.channel.send(frame)
@@ -348,7 +390,8 @@ class RouteSession:
         return step, slot
 
     async def wait(self, step: int, slot: StepSlot, n: int, start_pos: int, *, hops: list[Hop] | None = None) -> torch.Tensor:
-        """The end of a step sent with `send`. Raises PeerFailed naming the peer that failed."""
+        """The end of a step sent with `send` (for a REPLY_FINGERPRINT step, the fingerprint
+        bytes). Raises PeerFailed naming the peer that failed."""
         try:
             with trio.move_on_after(self.step_timeout(n, hops)) as waited:
                 await slot.done.wait()
@@ -358,8 +401,9 @@ class RouteSession:
                 raise slot.error
             self.ctx.tracer.emit("result", session=self.session_id, step=step, duration=time.perf_counter() - slot.sent_at,
                                  detail={"start_pos": start_pos, "n_tokens": n})
-            assert slot.value is not None
-            return slot.value
+            result = slot.raw if slot.fingerprint else slot.value
+            assert result is not None
+            return result  # type: ignore[return-value]
         finally:
             self.pending.pop(step, None)
 

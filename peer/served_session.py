@@ -19,11 +19,13 @@ from typing import TYPE_CHECKING
 import torch
 import trio
 
-from protocol.activations import open_activations, seal_activations
+from protocol.activations import open_payload, seal_activations, seal_payload
+from protocol.attest import Attestation, sha256, sign_attestation
+from protocol.fingerprint import fingerprint_bytes
 from protocol.keys import Identity
 from protocol.links import Direction, LinkCipher, open_link_key
-from protocol.messages import Forward, LinkHello, Result, SealedKey
-from protocol.tensors import check_finite
+from protocol.messages import REPLY_FINGERPRINT, Forward, LinkHello, Result, SealedKey
+from protocol.tensors import check_finite, decode_tensor
 
 from .transport import LINK_PROTOCOL, Channel
 
@@ -120,7 +122,8 @@ class ServedSession:
 
         Raises WireError (bad frame), StageError (shape, context, NaN/Inf).
         """
-        hidden = open_activations(self.inbound[msg.link_id], msg, limits=server.tensor_limits)
+        plaintext = open_payload(self.inbound[msg.link_id], msg)
+        hidden = decode_tensor(plaintext, limits=server.tensor_limits)
         expected = (msg.n_tokens, server.stage.spec.hidden_size)
         if tuple(hidden.shape) != expected:
             from stages.errors import SpanError
@@ -132,28 +135,41 @@ class ServedSession:
         elapsed = time.perf_counter() - started
         output = server.tamper(output)
         check_finite(output, what="output activations")
-        return self.package(msg, output), elapsed
+        return self.package(server, msg, output, inputs_hash=sha256(plaintext)), elapsed
 
-    def package(self, msg: Forward, output: torch.Tensor) -> list[object]:
+    def package(self, server: "StageServer", msg: Forward, output: torch.Tensor, *, inputs_hash: bytes) -> list[object]:
         """The frames one step sends: the output onward (or, at the chain's end, to the
         requester), and a tap copy of it to the requester.
 
         A step whose `stop_layer` is this span's end stops here even if a next peer
         exists: that is a replay rebuilding this peer's cache after a failover, and the
         peers downstream already hold those positions.
+
+        Every frame to the requester carries this peer's attestation of the step; the
+        one that ends the step carries only a fingerprint when the step asked for that.
         """
         assert self.out is not None, "a session always has an outbound link"
         frames: list[object] = []
         last_hop = self.next_peer is None
-        if last_hop:
-            template = Result(self.session_id, msg.step, self.out.link_id, 0, msg.start_pos, msg.n_tokens, b"")
-            frames.append(seal_activations(self.out, template, output))
-        elif msg.stop_layer > self.end:
+        stops_here = last_hop or msg.stop_layer <= self.end
+        if not stops_here:
             template = Forward(
-                self.session_id, msg.step, self.out.link_id, 0, msg.start_pos, msg.n_tokens, msg.stop_layer, b""
+                self.session_id, msg.step, self.out.link_id, 0, msg.start_pos, msg.n_tokens, msg.stop_layer, b"",
+                reply=msg.reply,
             )
             frames.append(seal_activations(self.out, template, output))
-        if not last_hop and self.tap is not None:
-            template = Result(self.session_id, msg.step, self.tap.link_id, 0, msg.start_pos, msg.n_tokens, b"")
-            frames.append(seal_activations(self.tap, template, output))
+        to_requester = self.out if last_hop else self.tap
+        if to_requester is not None:
+            fingerprint = fingerprint_bytes(output)
+            outputs_hash = sha256(fingerprint)
+            attestation = sign_attestation(server.identity, Attestation(
+                server.identity.peer_id, self.session_id, msg.step, msg.start_pos, msg.n_tokens,
+                self.start, self.end, inputs_hash, outputs_hash,
+            ))
+            template = Result(self.session_id, msg.step, to_requester.link_id, 0, msg.start_pos, msg.n_tokens, b"",
+                              inputs_hash=inputs_hash, outputs_hash=outputs_hash, attestation=attestation)
+            if stops_here and msg.reply == REPLY_FINGERPRINT:
+                frames.append(seal_payload(to_requester, template, fingerprint))
+            else:
+                frames.append(seal_activations(to_requester, template, output))
         return frames

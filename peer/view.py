@@ -43,6 +43,7 @@ class PeerInfo:
     rtt_ms:       measured round-trip times to neighbours, peer id -> milliseconds.
     expires_at:   time after which this record is stale (same clock as the view's `now`).
     issued_at:    when the peer signed this record (its "last seen").
+    dtype:        the dtype it computes in (spot checks derive their tolerance from it).
     shard_index, shard_count: tensor-shard position inside a shard group (0, 1 = not sharded).
     shard_group:  the name of that group ("" when not sharded; see peer/shard_groups.py).
     """
@@ -62,6 +63,7 @@ class PeerInfo:
     rtt_ms: Mapping[str, float] = field(default_factory=dict)
     expires_at: float = float("inf")
     issued_at: float = 0.0
+    dtype: str = "float32"
     shard_index: int = 0
     shard_count: int = 1
     shard_group: str = ""

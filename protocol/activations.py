@@ -51,10 +51,21 @@ def seal_activations(cipher: LinkCipher, template: StepMessage, tensor: torch.Te
         MalformedMessage: a field of `template` is invalid.
         CipherClosed, CounterExhausted: see LinkCipher.seal.
     """
+    return seal_payload(cipher, template, encode_tensor(tensor))
+
+
+def seal_payload(cipher: LinkCipher, template: StepMessage, plaintext: bytes) -> StepMessage:
+    """Encrypt any plaintext (an encoded tensor, or a fingerprint) into `template`'s payload."""
     _check_link(cipher, template)
     header = clear_header(template)
-    counter, payload = cipher.seal(step=template.step, header=header, plaintext=encode_tensor(tensor))
+    counter, payload = cipher.seal(step=template.step, header=header, plaintext=plaintext)
     return dataclasses.replace(template, counter=counter, payload=payload)
+
+
+def open_payload(cipher: LinkCipher, msg: Forward | Result) -> bytes:
+    """Decrypt a received frame's payload (raises WrongLink, ReplayedFrame, DecryptionFailed)."""
+    _check_link(cipher, msg)
+    return cipher.open(step=msg.step, header=clear_header(msg), counter=msg.counter, ciphertext=msg.payload)
 
 
 def open_activations(
@@ -74,9 +85,7 @@ def open_activations(
         ReplayedFrame, DecryptionFailed, CipherClosed: see LinkCipher.open.
         BadTensor (any subclass): the plaintext is not a valid tensor within `limits`.
     """
-    _check_link(cipher, msg)
-    plaintext = cipher.open(step=msg.step, header=clear_header(msg), counter=msg.counter, ciphertext=msg.payload)
-    return decode_tensor(plaintext, limits=limits)
+    return decode_tensor(open_payload(cipher, msg), limits=limits)
 
 
 def _check_link(cipher: LinkCipher, msg: Forward | Result) -> None:

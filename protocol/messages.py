@@ -44,6 +44,8 @@ __all__ = [
     "Cancel",
     "ErrorMsg",
     "Forward",
+    "REPLY_FULL",
+    "REPLY_FINGERPRINT",
     "GossipPush",
     "Heartbeat",
     "JoinChallenge",
@@ -208,6 +210,9 @@ class Forward:
             when a failover replays inputs into replacement peers only.
         payload: XChaCha20-Poly1305 ciphertext of an encoded tensor
             (`protocol.tensors.encode_tensor`).
+        reply: what the peer that returns this step to the requester sends back:
+            REPLY_FULL, the output tensor; REPLY_FINGERPRINT, only its fingerprint
+            (a spot-checking peer; see protocol.attest).
     """
 
     session_id: bytes = wire(size=SESSION_ID_SIZE)
@@ -218,6 +223,11 @@ class Forward:
     n_tokens: int = wire(min=1, max=MAX_STEP_TOKENS)
     stop_layer: int = wire(max=MAX_LAYERS)
     payload: bytes = wire(max_len=MAX_PAYLOAD)
+    reply: int = wire(default=0, max=1)
+
+
+REPLY_FULL = 0
+REPLY_FINGERPRINT = 1
 
 
 @message("res")
@@ -225,7 +235,16 @@ class Forward:
 class Result:
     """The last hop's output (or a tap's copy), sent to the requester.
 
-    Same header as Forward, without stop_layer; see Forward for the fields.
+    Same header as Forward, without stop_layer; see Forward for the fields. The
+    payload holds the output tensor, or — when the step asked for REPLY_FINGERPRINT —
+    an encoded `protocol.attest.Fingerprint`.
+
+    Attributes (beyond Forward's):
+        inputs_hash: sha256 of the encoded input tensor this peer computed from.
+        outputs_hash: sha256 of the encoded fingerprint of its output (see protocol.attest).
+        attestation: the peer's Ed25519 signature over an `Attestation` of this step
+            (session, step, positions, span, both hashes): evidence that it, and nobody
+            else, produced this output from these inputs.
     """
 
     session_id: bytes = wire(size=SESSION_ID_SIZE)
@@ -235,6 +254,9 @@ class Result:
     start_pos: int = wire(max=MAX_POSITION)
     n_tokens: int = wire(min=1, max=MAX_STEP_TOKENS)
     payload: bytes = wire(max_len=MAX_PAYLOAD)
+    inputs_hash: bytes = wire(default=b"", max_len=32)
+    outputs_hash: bytes = wire(default=b"", max_len=32)
+    attestation: bytes = wire(default=b"", max_len=64)
 
 
 @message("rollback")

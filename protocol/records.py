@@ -73,6 +73,8 @@ class PeerRecord:
         seq: sequence number; a higher one replaces a lower one from the same peer.
         shard_group: the name of the tensor-shard group this peer is a rank of ("" when
             not sharded); the peers advertising one name, span and shard_count form it.
+        dtype: the dtype it computes in ("float32", "bfloat16", ...); spot checks
+            derive their tolerance from it.
     """
 
     peer_id: bytes = wire(max_len=MAX_PEER_ID_SIZE)
@@ -93,6 +95,7 @@ class PeerRecord:
     issued_at: float = wire()
     expires_at: float = wire()
     seq: int = wire(max=INT64_MAX)
+    dtype: str = wire(default="float32", max_len=16)
     shard_group: str = wire(default="", max_len=64)
 
     def __post_init__(self) -> None:
