@@ -43,6 +43,7 @@ from store.trace import TraceWriter
 from .errors import ConfigError, PeerError
 from .gossip import Gossip, Pinger, ViewKeeper
 from .libp2p_transport import open_libp2p_transport
+from .nat import NatService
 from .placement import choose_span, plan_move
 from .server import ServerLimits, StageServer
 from .shard_server import ShardServer
@@ -132,6 +133,7 @@ class PeerNode:
         self.stopping = trio.Event()
         self.ready = trio.Event()
         self.tracer: TraceWriter | None = None
+        self.nat: NatService | None = None
 
     @property
     def memory_bytes(self) -> int:
@@ -158,7 +160,8 @@ class PeerNode:
             shard_group=self.config.group,
             throughput=self.throughput, free_memory=max(0, self.memory_bytes - used),
             load=server.load if server else 0.0, max_sessions=self.config.max_sessions,
-            state=self.state, reachability="public", addrs=tuple(self.transport.addrs()[:16]),
+            state=self.state, reachability=self.nat.reachability if self.nat else "public",
+            addrs=tuple(self.transport.addrs()[:16]),
             neighbours=tuple(Neighbour(_peer_bytes(p), rtt) for p, rtt in sorted(self.pinger.rtt_ms.items())[:64]),
             issued_at=now, expires_at=now + self.config.record_ttl, seq=self.seq,
         )
@@ -193,6 +196,7 @@ class PeerNode:
             self.tracer.emit("join", detail={"addrs": transport.addrs(), "model": self.model_id})
             try:
                 async with trio.open_nursery() as nursery:
+                    self._start_nat(nursery)
                     await self._join()
                     await self._claim_and_load()
                     # a rank of a tensor-shard group runs the shard server (peer/shard_server.py)
@@ -224,6 +228,11 @@ class PeerNode:
 
     def stop(self) -> None:
         self.stopping.set()
+
+    def _start_nat(self, nursery: trio.Nursery) -> None:
+        """Behind NAT (peer/nat.py): dial-back reachability, relays, link kinds; re-advertise on change."""
+        self.nat = NatService(self.transport, self.keeper, out=self.out, tracer=self.tracer, on_change=self.advertise)
+        nursery.start_soon(self.nat.run)
 
     async def _join(self) -> None:
         for addr in self.config.join:
@@ -409,6 +418,7 @@ class PeerNode:
             "stats": vars(server.stats) if server else {},
             "coverage": view.coverage(),
             "neighbours": {p: {"rtt_ms": rtt, "kind": self.transport.connection_kind(p)} for p, rtt in self.pinger.rtt_ms.items()},
+            "nat": self.nat.status() if self.nat else None,
         }
 
 

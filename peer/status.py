@@ -14,6 +14,7 @@ from stages.spec import ModelSpec
 from .errors import PeerError
 from .gossip import Gossip, ViewKeeper
 from .libp2p_transport import open_libp2p_transport
+from .nat_links import ask_links
 
 SETTLE = 1.5  # seconds to let a second gossip round bring in peers the first one named
 
@@ -45,6 +46,8 @@ async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | N
                         pass  # listed but unreachable from here; shown as such
         view = keeper.snapshot()
         kinds = {p.peer_id: transport.connection_kind(p.peer_id) for p in view.peers}
+        links = {p.peer_id: await ask_links(transport, p.peer_id) for p in view.peers if kinds[p.peer_id]}
+        links = {p: {q: k for q, k in (found or {}).items() if q != transport.peer_id} for p, found in links.items()}
     now = time.time()
     coverage = view.coverage()
     return {
@@ -58,6 +61,7 @@ async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | N
                 "reachability": p.reachability, "connection": kinds.get(p.peer_id),
                 "last_seen_s": round(max(0.0, now - p.issued_at), 1), "addrs": list(p.addrs),
                 "neighbours": {k: round(v, 2) for k, v in p.rtt_ms.items()},
+                "links": links.get(p.peer_id) or {},  # its own connections: peer id -> direct/punched/relayed
             }
             for p in view.peers
         ],
@@ -68,7 +72,10 @@ async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | N
 
 def format_status(report: dict) -> str:
     lines = [f"model {report['model_id'][:16]}…  {report['num_layers']} layers  {len(report['peers'])} peers", ""]
-    header = f"{'peer':<14}{'name':<12}{'span':<10}{'state':<10}{'free':>9}{'tok/s·layer':>13}{'load':>6}  {'reach':<9}{'seen':>6}"
+    # reach: how the peer says others reach it (public / hole-punched / relayed / private, see
+    # peer/nat.py); link: this observer's own connection to it (direct / punched / relayed).
+    header = (f"{'peer':<14}{'name':<12}{'span':<10}{'state':<10}{'free':>9}{'tok/s·layer':>13}{'load':>6}  "
+              f"{'reach':<13}{'link':<9}{'seen':>6}")
     lines.append(header)
     for p in report["peers"]:
         span = f"[{p['span'][0]},{p['span'][1]})"
@@ -77,8 +84,15 @@ def format_status(report: dict) -> str:
         lines.append(
             f"{'…' + p['peer_id'][-12:]:<14}{p['name'][:11]:<12}{span:<10}{p['state']:<10}"
             f"{p['free_memory'] / 2**30:>8.1f}G{p['throughput']:>13.1f}{p['load']:>6.2f}  "
-            f"{(p['connection'] or p['reachability']):<9}{p['last_seen_s']:>5.0f}s"
+            f"{p['reachability']:<13}{p['connection'] or '-':<9}{p['last_seen_s']:>5.0f}s"
         )
+    names = {p["peer_id"]: p["name"] or "…" + p["peer_id"][-8:] for p in report["peers"]}
+    linked = [p for p in report["peers"] if p.get("links")]
+    if linked:
+        lines += ["", "links (as each peer sees its connections):"]
+        for p in linked:
+            others = ", ".join(f"{names.get(q, '…' + q[-8:])} {kind}" for q, kind in sorted(p["links"].items()))
+            lines.append(f"  {names[p['peer_id']]}: {others}")
     lines += ["", "coverage (peers per layer):", "  " + " ".join(str(c) for c in report["coverage"])]
     gaps = report["gaps"]
     lines.append("gaps: " + (", ".join(f"[{a},{b}) UNCOVERED" for a, b in gaps) if gaps else "none — every layer is served"))
