@@ -282,8 +282,10 @@ class MemoryNetwork:
         self.link_model: LinkModel = (lambda a, b, spec=link: spec) if isinstance(link, LinkSpec) else link
         self.transports: dict[str, MemoryTransport] = {}
         self.links: dict[tuple[str, str], _Link] = {}
-        # peer id -> its open stream ends. Weak: an end both sides dropped without closing (a
-        # handler that just returns) is garbage, not a leak; a parked reader keeps its end alive.
+        # peer id -> the open stream ends that touch it (both ends of each of its streams, so
+        # that a crash finds them in one lookup). Weak: an end both sides dropped without
+        # closing (a handler that just returns) is garbage, not a leak; a parked reader keeps
+        # its end alive.
         self.streams: dict[str, weakref.WeakKeyDictionary[MemoryStream, None]] = {}
         self.cuts: set[tuple[str, str]] = set()
         self.handler_errors = 0
@@ -311,16 +313,13 @@ class MemoryNetwork:
         transport.silent = silent
         # Every stream end that touches the peer, at either end (an end its owner dropped
         # without closing still resets when the process dies, as a socket would).
-        for ends in list(self.streams.values()):
-            for stream in list(ends):
-                if stream.remote == peer_id:
-                    if silent:
-                        stream._out.blackhole = True  # what others send it is lost
-                        stream._out.chunks.clear()
-                    else:
-                        stream.abort()
-                elif stream.local.peer_id == peer_id and not silent:
-                    stream.abort()
+        for stream in list(self.streams.get(peer_id, ())):
+            if not silent:
+                stream.abort()
+            else:  # what others send it is lost; what it sent before it vanished still arrives
+                into = stream._in if stream.local.peer_id == peer_id else stream._out
+                into.blackhole = True
+                into.chunks.clear()
         if not silent:
             for other in list(transport.conns):
                 peer = self.transports.get(other)
@@ -366,27 +365,27 @@ class MemoryNetwork:
         mine = MemoryStream(opener, b, protocol, there, back, self.link(a, b))
         theirs = MemoryStream(acceptor, a, protocol, back, there, self.link(b, a))
         mine._other, theirs._other = weakref.ref(theirs), weakref.ref(mine)
-        self.streams[a][mine] = None
-        self.streams[b][theirs] = None
+        for end in (mine, theirs):
+            self.streams[a][end] = None
+            self.streams[b][end] = None
         return mine, theirs
 
     def _forget(self, stream: MemoryStream) -> None:
-        mine = self.streams.get(stream.local.peer_id)
-        if mine is not None:
-            mine.pop(stream, None)
         other = stream._other() if stream._other is not None else None
-        theirs = self.streams.get(other.local.peer_id) if other is not None else None
-        if theirs is not None:
-            theirs.pop(other, None)
+        for peer in (stream.local.peer_id, stream.remote):
+            ends = self.streams.get(peer)
+            if ends is not None:
+                ends.pop(stream, None)
+                if other is not None:
+                    ends.pop(other, None)
 
     def _disconnect(self, a: str, b: str) -> None:
         for x, y in ((a, b), (b, a)):
             transport = self.transports.get(x)
             if transport is not None:
                 transport.conns.pop(y, None)
-        for x, y in ((a, b), (b, a)):
-            for stream in [s for s in self.streams.get(x, ()) if s.remote == y]:
-                stream.abort()
+        for stream in [s for s in self.streams.get(a, ()) if s.remote in (a, b) and s.local.peer_id in (a, b)]:
+            stream.abort()
 
     def bytes_sent(self) -> int:
         return sum(link.bytes for link in self.links.values())

@@ -25,7 +25,6 @@ def test_the_same_scenario_and_seed_give_identical_bytes():
     report = json.loads(first)
     assert report["summary"]["requests"] == 12 and report["summary"]["completed"] > 0
     assert report["settings"]["handler_errors"] == 0
-    assert b"wall" not in first.replace(b"walls", b"")  # no wall-clock value anywhere
     other = dumps(simulate(small_swarm(), policy="default", seed=4))
     assert other != first  # the seed drives jitter and scheduling
 
@@ -129,3 +128,37 @@ def test_bad_options_are_clear_errors():
         simulate(small_swarm(), view="telepathy")
     with pytest.raises(BadScenario):
         synthetic(peers=0, requests=1)
+
+
+def test_the_default_policys_shortcut_never_hides_a_move_plan_move_would_make():
+    """DefaultPolicy.cannot_move skips plan_move only where plan_move would say no."""
+    import random as stdlib_random
+
+    from peer.placement import plan_move
+    from peer.sim.policies import DefaultPolicy
+    from peer.view import DRAINING, LOADING, PeerInfo, SwarmView
+
+    rng = stdlib_random.Random(11)
+    policy = DefaultPolicy()
+    skipped = asked = moves = 0
+    for _ in range(400):
+        layers = rng.choice([4, 8, 30])
+        peers = []
+        for i in range(rng.randint(1, 14)):
+            k = rng.randint(1, layers)
+            start = rng.randint(0, layers - k)
+            peers.append(PeerInfo(peer_id=f"p{i:03d}", model_id="m", start=start, end=start + k,
+                                  throughput=rng.choice([10.0, 20.0, 30.0, rng.uniform(5, 50)]),
+                                  state=rng.choice(["serving"] * 6 + [DRAINING, LOADING])))
+        view = SwarmView.of(layers, peers)
+        for p in view.peers:
+            capacity = rng.choice([p.num_layers, rng.randint(1, layers)])
+            plan = plan_move(view, me=p.peer_id, capacity_layers=capacity, throughput=p.throughput)
+            moves += plan is not None
+            if policy.cannot_move(view, p, capacity_layers=capacity, throughput=p.throughput):
+                skipped += 1
+                assert plan is None, (view, p.peer_id, capacity)
+            else:
+                asked += 1
+    print(f"plan_move skipped {skipped} times, asked {asked} times; {moves} moves, none hidden")
+    assert skipped > asked > moves > 20

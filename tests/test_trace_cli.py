@@ -149,6 +149,22 @@ def test_simulate_writes_the_same_report_twice(tmp_path, capsys):
     assert "requests: 3/3 completed" in text
 
 
+def test_simulate_gives_the_same_bytes_in_another_process_with_another_hash_seed(tmp_path):
+    """No set or dict order that Python randomises per process leaks into a report."""
+    import os
+    import subprocess
+    import sys
+
+    outs = []
+    for hash_seed in ("1", "4242"):
+        out = tmp_path / f"r{hash_seed}.json"
+        subprocess.run([sys.executable, "-m", "peer.cli", "simulate", "--peers", "5", "--requests", "4",
+                        "--churn", "1", "--seed", "3", "--report", str(out)],
+                       check=True, capture_output=True, env={**os.environ, "PYTHONHASHSEED": hash_seed})
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]
+
+
 def test_every_command_has_an_example(capsys):
     for argv in (["ledger"], ["trace", "export"], ["trace", "plot"], ["replay"], ["simulate"]):
         with pytest.raises(SystemExit):

@@ -27,6 +27,7 @@ from typing import Any, Iterator
 import torch
 import trio
 import trio.testing
+from libp2p.peer.id import ID
 
 from ..memory_transport import LinkSpec, MemoryNetwork, open_memory_transport
 from .errors import BadScenario
@@ -137,114 +138,23 @@ async def _run(scenario: Scenario, placement, seed: int, timings: Timings, view:
     spec = sim_spec(scenario.num_layers, scenario.hidden_size)
     model_id = scenario.model_id or sim_model_id(spec)
     recorder = Recorder(spec.num_layers, trio.current_time)
-    locations: dict[str, tuple[int, float]] = {}
-    if link is not None:
-        network = MemoryNetwork(link)
-    elif scenario.link_latency is not None:
-        measured, fallback = scenario.link_latency, scenario.default_latency
-
-        def link_model(a: str, b: str) -> LinkSpec:
-            key = (world.label(a), world.label(b))
-            return LinkSpec(latency=measured.get(key, fallback), bandwidth=REPLAY_BANDWIDTH)
-        network = MemoryNetwork(link_model)
-    else:
-        def link_model(a: str, b: str) -> LinkSpec:
-            ra, ba = locations.get(a, (0, 125e6))
-            rb, bb = locations.get(b, (0, 125e6))
-            return LinkSpec(latency=ONE_WAY_S[ra][rb], bandwidth=min(ba, bb))
-        network = MemoryNetwork(link_model)
-    world = World(network=network, spec=spec, model_id=model_id, timings=timings, policy=placement, view_mode=view,
+    world = World(network=None, spec=spec, model_id=model_id, timings=timings, policy=placement, view_mode=view,
                   seed=seed, recorder=recorder, trace_writer=writer)
+    driver = _Driver(world, scenario, link)
     if view == "shared":
         world.keeper = SharedViewKeeper(model_id=model_id, num_layers=spec.num_layers,
-                                        round_seconds=timings.gossip_interval)
-    peer_ids = assign_identities([p.label for p in scenario.peers], seed, kind="peer")
-    requester_ids = assign_identities(list(scenario.requesters), seed, kind="requester")
-    requesters: dict[str, SimRequester] = {}
-    ready = {label: trio.Event() for label in scenario.requesters}
-    pending = {"requests": len(scenario.requests), "dispatched": False}
-    all_done = trio.Event()
-
-    def finished() -> None:
-        pending["requests"] -= 1
-        if pending["requests"] == 0 and pending["dispatched"]:
-            all_done.set()
-
-    async def requester_task(label: str) -> None:
-        identity = requester_ids[label]
-        from libp2p.peer.id import ID
-
-        pid = ID(identity.peer_id).to_base58()
-        world.labels[pid] = label
-        locations[pid] = (scenario.requester_regions.get(label, 0), 125e6)
-        async with open_memory_transport(network, pid) as transport:
-            async with trio.open_nursery() as nursery:
-                requester = SimRequester(world, label, identity, transport, nursery)
-                requesters[label] = requester
-                await requester.connect(world.bootstrap_addrs())
-                nursery.start_soon(requester.refresh_forever)
-                ready[label].set()
-                await trio.sleep_forever()
-
-    async def request_task(request: RequestPlan) -> None:
-        try:
-            await ready[request.requester].wait()  # still joining: the wait counts in the latency
-            await requesters[request.requester].run_request(request)
-        finally:
-            finished()
-
-    events: list[tuple[float, int, str, Any]] = []
-    for order, plan in enumerate(scenario.peers):
-        events.append((plan.join_at, order, "join", plan))
-        if plan.leave_at is not None:
-            events.append((plan.leave_at, order, "leave", plan))
-        if placement.name == "recorded":
-            for at, span in plan.moves:
-                events.append((at, order, "move", (plan, span)))
-    first_request: dict[str, float] = {}
-    for request in scenario.requests:
-        first_request[request.requester] = min(first_request.get(request.requester, math.inf), request.at)
-        events.append((request.at, len(scenario.peers) + request.id, "request", request))
-    for label in scenario.requesters:
-        at = max(0.0, first_request.get(label, 0.0) - REQUESTER_LEAD_S)
-        events.append((at, -1, "requester", label))
-    kinds = {"requester": 0, "join": 1, "move": 2, "leave": 3, "request": 4}
-    events.sort(key=lambda e: (e[0], kinds[e[2]], e[1]))
-
+                                        round_seconds=timings.view_round)
     async with trio.open_nursery() as nursery:
         world.nursery = nursery
         with trio.move_on_at(until if until is not None else math.inf):
-            for at, _, kind, payload in events:
+            for at, _, kind, payload in _timeline(scenario, placement.name == "recorded"):
                 if at > trio.current_time():
                     await trio.sleep_until(at)
-                if kind == "join":
-                    identity = peer_ids[payload.label]
-                    peer = SimPeer(world, payload, identity)
-                    world.peers[payload.label] = peer
-                    world.labels[peer.peer_id] = payload.label
-                    locations[peer.peer_id] = (payload.region, payload.bandwidth)
-                    nursery.start_soon(peer.run)
-                elif kind == "leave":
-                    peer = world.peers[payload.label]
-                    if payload.leave_mode == "graceful":
-                        peer.stop()
-                    else:
-                        peer.crash(silent=payload.leave_mode == "vanish")
-                elif kind == "move":
-                    plan, span = payload
-                    peer = world.peers.get(plan.label)
-                    if peer is not None and peer.serving and tuple(span) != peer.span:
-                        nursery.start_soon(peer.move_to, tuple(span), "recorded")
-                elif kind == "requester":
-                    nursery.start_soon(requester_task, payload)
-                elif kind == "request":
-                    nursery.start_soon(request_task, payload)
-            pending["dispatched"] = True
-            if pending["requests"] == 0:
-                all_done.set()
+                driver.dispatch(kind, payload)
+            driver.dispatched()
             if until is not None:
                 await trio.sleep_forever()  # observe until `until`
-            await all_done.wait()
+            await driver.all_done.wait()
         end = trio.current_time()
         recorder.closed = True
         nursery.cancel_scope.cancel()
@@ -253,14 +163,118 @@ async def _run(scenario: Scenario, placement, seed: int, timings: Timings, view:
         "seed": seed,
         "view": view,
         "view_note": ("one shared ViewKeeper: records signed and verified as on real peers, every node sees "
-                      "them from the next gossip round (idealised dissemination)") if view == "shared"
+                      "them from the next view round (idealised dissemination)") if view == "shared"
         else "real gossip over the memory transport",
         "timings": timings.as_dict(),
         "links": _describe_links(scenario, link),
         "until": until,
-        "handler_errors": network.handler_errors,
+        "handler_errors": world.network.handler_errors,
     }
     return recorder.report(scenario=scenario.describe(), settings=settings, end=end)
+
+
+# Events at one instant happen in this order: a requester joins before its first request,
+# a peer joins before it moves or leaves.
+_EVENT_ORDER = {"requester": 0, "join": 1, "move": 2, "leave": 3, "request": 4}
+
+
+def _timeline(scenario: Scenario, recorded: bool) -> list[tuple[float, int, str, Any]]:
+    """The scenario's events, (time, tie-break, kind, payload), in the order they happen."""
+    events: list[tuple[float, int, str, Any]] = []
+    for order, plan in enumerate(scenario.peers):
+        events.append((plan.join_at, order, "join", plan))
+        if plan.leave_at is not None:
+            events.append((plan.leave_at, order, "leave", plan))
+        if recorded:
+            events.extend((at, order, "move", (plan, span)) for at, span in plan.moves)
+    first_request: dict[str, float] = {}
+    for request in scenario.requests:
+        first_request[request.requester] = min(first_request.get(request.requester, math.inf), request.at)
+        events.append((request.at, len(scenario.peers) + request.id, "request", request))
+    for label in scenario.requesters:
+        events.append((max(0.0, first_request.get(label, 0.0) - REQUESTER_LEAD_S), -1, "requester", label))
+    events.sort(key=lambda e: (e[0], _EVENT_ORDER[e[2]], e[1]))
+    return events
+
+
+class _Driver:
+    """Carries out the scenario's events on the world: starts, stops and crashes nodes."""
+
+    def __init__(self, world: World, scenario: Scenario, link: LinkSpec | None) -> None:
+        self.world = world
+        self.scenario = scenario
+        self.locations: dict[str, tuple[int, float]] = {}  # node id -> (region, bandwidth)
+        world.network = MemoryNetwork(link if link is not None else self.link_model)
+        self.peer_ids = assign_identities([p.label for p in scenario.peers], world.seed, kind="peer")
+        self.requester_ids = assign_identities(list(scenario.requesters), world.seed, kind="requester")
+        self.requesters: dict[str, SimRequester] = {}
+        self.ready = {label: trio.Event() for label in scenario.requesters}
+        self.outstanding = len(scenario.requests)
+        self.all_dispatched = False
+        self.all_done = trio.Event()
+
+    def link_model(self, a: str, b: str) -> LinkSpec:
+        """A replay's measured latencies, or the synthetic peers' regions and bandwidths."""
+        scenario = self.scenario
+        if scenario.link_latency is not None:
+            key = (self.world.label(a), self.world.label(b))
+            return LinkSpec(latency=scenario.link_latency.get(key, scenario.default_latency),
+                            bandwidth=REPLAY_BANDWIDTH)
+        ra, ba = self.locations.get(a, (0, 125e6))
+        rb, bb = self.locations.get(b, (0, 125e6))
+        return LinkSpec(latency=ONE_WAY_S[ra][rb], bandwidth=min(ba, bb))
+
+    def dispatch(self, kind: str, payload: Any) -> None:
+        world, nursery = self.world, self.world.nursery
+        if kind == "join":
+            peer = SimPeer(world, payload, self.peer_ids[payload.label])
+            world.peers[payload.label] = peer
+            world.labels[peer.peer_id] = payload.label
+            self.locations[peer.peer_id] = (payload.region, payload.bandwidth)
+            nursery.start_soon(peer.run)
+        elif kind == "leave":
+            peer = world.peers[payload.label]
+            if payload.leave_mode == "graceful":
+                peer.stop()
+            else:
+                peer.crash(silent=payload.leave_mode == "vanish")
+        elif kind == "move":
+            plan, span = payload
+            peer = world.peers.get(plan.label)
+            if peer is not None and peer.serving and tuple(span) != peer.span:
+                nursery.start_soon(peer.move_to, tuple(span), "recorded")
+        elif kind == "requester":
+            nursery.start_soon(self.requester_task, payload)
+        elif kind == "request":
+            nursery.start_soon(self.request_task, payload)
+
+    def dispatched(self) -> None:
+        self.all_dispatched = True
+        if self.outstanding == 0:
+            self.all_done.set()
+
+    async def requester_task(self, label: str) -> None:
+        identity = self.requester_ids[label]
+        node_id = ID(identity.peer_id).to_base58()
+        self.world.labels[node_id] = label
+        self.locations[node_id] = (self.scenario.requester_regions.get(label, 0), 125e6)
+        async with open_memory_transport(self.world.network, node_id) as transport:
+            async with trio.open_nursery() as nursery:
+                requester = SimRequester(self.world, label, identity, transport, nursery)
+                self.requesters[label] = requester
+                await requester.connect(self.world.bootstrap_addrs())
+                nursery.start_soon(requester.refresh_forever)
+                self.ready[label].set()
+                await trio.sleep_forever()
+
+    async def request_task(self, request: RequestPlan) -> None:
+        try:
+            await self.ready[request.requester].wait()  # still joining: the wait counts in the latency
+            await self.requesters[request.requester].run_request(request)
+        finally:
+            self.outstanding -= 1
+            if self.outstanding == 0 and self.all_dispatched:
+                self.all_done.set()
 
 
 def _describe_links(scenario: Scenario, link: LinkSpec | None) -> dict[str, Any]:

@@ -117,13 +117,6 @@ class SimPeer:
         self.tracer.emit("advertise", span=self.span, detail={"state": self.state,
                                                                "load": self.server.load if self.server else 0.0})
 
-    def view(self):
-        """This peer's view with its own latest record in it (node.py merges its own at once)."""
-        view = self.keeper.snapshot()
-        if self._own_info is not None:
-            view = view.replace(self._own_info)
-        return view
-
     # -- lifecycle --------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -241,9 +234,9 @@ class SimPeer:
             await trio.sleep(timings.rebalance_interval * self.rng.uniform(1 - JITTER, 1 + JITTER))
             if self.state != SERVING:
                 continue
-            plan = self.world.policy.rebalance(self.view(), me=self.peer_id, span=self.span,
-                                               capacity_layers=self.capacity, throughput=self.throughput,
-                                               rng=self.rng)
+            plan = self.world.policy.rebalance(self.keeper.snapshot(), own=self._own_info, me=self.peer_id,
+                                               span=self.span, capacity_layers=self.capacity,
+                                               throughput=self.throughput, rng=self.rng)
             if plan is not None and plan != self.span:
                 await self.move_to(plan, "rebalance")
 

@@ -4,8 +4,9 @@ A policy answers the two questions `peer/node.py` asks of placement, as pure
 functions of a swarm view (plus, for the random one, the peer's own seeded RNG):
 
 - ``claim(view, me=..., capacity_layers=..., throughput=...)`` -> the span to claim on joining;
-- ``rebalance(view, me=..., span=..., capacity_layers=..., throughput=...)`` -> a span to
-  move to now, or None. Called on a jittered period, only while the peer is serving.
+- ``rebalance(snapshot, own=..., me=..., span=..., capacity_layers=..., throughput=...)`` -> a
+  span to move to now, or None. Called on a jittered period, only while the peer is
+  serving; it judges `with_own(snapshot, own)`: the view plus the peer's own latest entry.
 
 ``default`` is exactly what a real peer does (peer/placement.py: `choose_span`
 at join, `plan_move` on each rebalance check, a move only when the plan
@@ -29,8 +30,8 @@ import random
 from dataclasses import replace
 from typing import Protocol
 
-from peer.placement import choose_span, layer_capacity, plan_move
-from peer.view import SERVING, SwarmView
+from peer.placement import REBALANCE_MIN_GAIN, Coverage, choose_span, coverage_summary, gap_filler, layer_capacity, plan_move
+from peer.view import SERVING, PeerInfo, SwarmView
 
 from .errors import UnknownPolicy
 
@@ -51,22 +52,77 @@ class PlacementPolicy(Protocol):
     def claim(self, view: SwarmView, *, me: str, capacity_layers: int, throughput: float,
               rng: random.Random) -> tuple[int, int]: ...
 
-    def rebalance(self, view: SwarmView, *, me: str, span: tuple[int, int], capacity_layers: int,
-                  throughput: float, rng: random.Random) -> tuple[int, int] | None: ...
+    def rebalance(self, snapshot: SwarmView, *, own: PeerInfo | None, me: str, span: tuple[int, int],
+                  capacity_layers: int, throughput: float, rng: random.Random) -> tuple[int, int] | None: ...
+
+
+def with_own(snapshot: SwarmView, own: PeerInfo | None) -> SwarmView:
+    """The view a peer judges from: the snapshot with its own latest entry (node.py merges its own at once)."""
+    return snapshot.replace(own) if own is not None else snapshot
 
 
 class DefaultPolicy:
-    """peer/placement.py, called the way peer/node.py calls it."""
+    """peer/placement.py, called the way peer/node.py calls it.
+
+    `rebalance` first runs a cheap exact pre-check (`cannot_move`) against coverage
+    computed once per shared snapshot: a thousand peers each calling `plan_move`
+    (O(peers x layers)) every period is what makes a big simulation slow, and in a big
+    swarm almost no single peer can lift the bottleneck by REBALANCE_MIN_GAIN. Only
+    when the pre-check cannot rule a move out is `plan_move` itself asked; so the
+    answer is always plan_move's (tests/test_sim.py checks the two agree).
+    """
 
     name = "default"
     moves = True
 
+    def __init__(self) -> None:
+        self._shared: tuple[SwarmView, Coverage, str | None, dict[str, PeerInfo]] | None = None
+
     def claim(self, view, *, me, capacity_layers, throughput, rng):
         return choose_span(view, me=me, capacity_layers=capacity_layers, throughput=throughput)
 
-    def rebalance(self, view, *, me, span, capacity_layers, throughput, rng):
-        plan = plan_move(view, me=me, capacity_layers=capacity_layers, throughput=throughput)
+    def rebalance(self, snapshot, *, own, me, span, capacity_layers, throughput, rng):
+        if own is not None and self.cannot_move(snapshot, own, capacity_layers=capacity_layers,
+                                                throughput=throughput):
+            return None
+        plan = plan_move(with_own(snapshot, own), me=me, capacity_layers=capacity_layers, throughput=throughput)
         return plan if plan is not None and plan != span else None
+
+    def cannot_move(self, snapshot: SwarmView, mine: PeerInfo, *, capacity_layers: int, throughput: float) -> bool:
+        """True only where plan_move(with_own(snapshot, mine), ...) is certain to return None.
+
+        The shortcut holds only while `mine` is, for placement, the entry the snapshot has.
+        """
+        if mine.state != SERVING or mine.num_layers <= 0:
+            return True  # plan_move: only a serving peer with a span moves
+        if self._shared is None or self._shared[0] is not snapshot:
+            summary = coverage_summary(snapshot)
+            by_id = {p.peer_id: p for p in snapshot.peers}
+            self._shared = (snapshot, summary, gap_filler(snapshot) if summary.gaps else None, by_id)
+        _, now, filler, by_id = self._shared
+        theirs = by_id.get(mine.peer_id)
+        if theirs is None or (theirs.start, theirs.end, theirs.throughput, theirs.state) != (
+                mine.start, mine.end, throughput, mine.state):
+            return False
+        start, end = max(mine.start, 0), min(mine.end, snapshot.num_layers)
+        if any(now.counts[layer] < 2 for layer in range(start, end)):
+            return True  # the only server of a layer never moves
+        if now.gaps:
+            return filler != mine.peer_id  # one elected peer fills a gap; plan_move decides for it
+        # Covered: a move must lift every layer to above `bar`. Layers that others alone keep
+        # at or below it must all fit in the new window, and gain enough from this peer.
+        k = min(capacity_layers, snapshot.num_layers)
+        per_layer, gain = mine.throughput / mine.num_layers, throughput / k
+        bar = now.bottleneck * (1.0 + REBALANCE_MIN_GAIN)
+        safe = bar * (1.0 - 1e-9) - 1e-12  # sums in another order differ in the last digits
+        weak = [layer for layer, cap in enumerate(now.capacity)
+                if cap - (per_layer if start <= layer < end else 0.0) <= safe]
+        if not weak:
+            return False
+        if weak[-1] - weak[0] + 1 > k:
+            return True  # no window of this peer's length covers every weak layer
+        return any(now.capacity[layer] - (per_layer if start <= layer < end else 0.0) + gain <= safe
+                   for layer in weak)  # this peer cannot lift some weak layer above the bar
 
 
 class RandomPolicy:
@@ -80,7 +136,7 @@ class RandomPolicy:
         start = rng.randrange(view.num_layers - k + 1)
         return (start, start + k)
 
-    def rebalance(self, view, *, me, span, capacity_layers, throughput, rng):
+    def rebalance(self, snapshot, *, own, me, span, capacity_layers, throughput, rng):
         return None
 
 
@@ -100,7 +156,8 @@ class PetalsPolicy:
         start = _weakest_start(layer_capacity(view.without([me])), k)
         return (start, start + k)
 
-    def rebalance(self, view, *, me, span, capacity_layers, throughput, rng):
+    def rebalance(self, snapshot, *, own, me, span, capacity_layers, throughput, rng):
+        view = with_own(snapshot, own)
         mine = view.get(me)
         if mine is None or mine.state != SERVING:
             return None
@@ -157,7 +214,7 @@ class RecordedPolicy:
     def claim(self, view, *, me, capacity_layers, throughput, rng):
         raise UnknownPolicy("the recorded policy takes spans from a trace; use it with `tessera replay`")
 
-    def rebalance(self, view, *, me, span, capacity_layers, throughput, rng):
+    def rebalance(self, snapshot, *, own, me, span, capacity_layers, throughput, rng):
         return None
 
 

@@ -28,6 +28,9 @@ from ..view import SERVING
 
 ROUND_DIGITS = 6
 REPORT_VERSION = 1
+# One point of the coverage step function: when, how many peers serve, how many layers
+# nobody serves, the fewest servers of any layer, tokens/s through the weakest layer.
+COVERAGE_COLUMNS = ("t", "serving_peers", "uncovered_layers", "min_replicas", "bottleneck")
 
 
 @dataclass
@@ -181,6 +184,7 @@ class Recorder:
             "settings": settings,
             "summary": summary,
             "requests": requests,
+            "coverage_columns": list(COVERAGE_COLUMNS),
             "coverage": self.coverage,
             "moves": self.moves,
             "peers": peers,

@@ -13,11 +13,12 @@ Synthetic swarms (`synthetic`)
 Peers join over a warm-up; speeds are log-normal (volunteer hardware spans
 orders of magnitude), capacities uniform over a range of layers, each peer sits
 in one of four regions with the link latencies below. Requests arrive as a
-Poisson process, after the warm-up, at a rate set to `load` times what the
-swarm's layer capacity could carry. Churn: ``churn`` is the fraction of the
-swarm that leaves per simulated minute, each leaver replaced by a newcomer a
-little later; a leaver drains and leaves (half of them), is killed (a quarter:
-connections reset) or vanishes (a quarter: connections go silent).
+Poisson process after the warm-up, at `rate` per second — or by default at
+`load` times what the swarm could carry if requests spread evenly over it.
+Churn: ``churn`` is the fraction of the swarm that leaves per simulated minute,
+each leaver replaced by a newcomer a little later; a leaver drains and leaves
+(half of them), is killed (a quarter: connections reset) or vanishes (a
+quarter: connections go silent).
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ class PeerPlan:
             raise BadScenario(f"peer {self.label}: throughput must be > 0, got {self.throughput!r}")
         if self.capacity_layers < 1:
             raise BadScenario(f"peer {self.label}: capacity_layers must be >= 1, got {self.capacity_layers!r}")
+        if self.leave_at is not None and self.leave_at < self.join_at:
+            raise BadScenario(f"peer {self.label}: leaves at {self.leave_at!r}, before it joins at {self.join_at!r}")
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,7 @@ def synthetic(
     tokens: tuple[int, int] = (2, 12),
     throughput_median: float = 400.0,
     load: float = 0.5,
+    rate: float | None = None,
     warmup: float | None = None,
     requesters: int | None = None,
     max_sessions: int = 16,
@@ -160,10 +164,13 @@ def synthetic(
         )
 
     plans = [new_peer(i, 0.0 if i == 0 else rng.uniform(0.0, warmup)) for i in range(peers)]
-    # The request rate: `load` x what the swarm's bottleneck could carry if spread evenly.
+    # The request rate: `rate`, or `load` x what the swarm could carry if requests spread evenly.
     mean_tokens = (prompt[0] + prompt[1]) / 2 + (tokens[0] + tokens[1]) / 2
     layer_tokens_per_s = sum(p.throughput for p in plans)  # summed over every layer it runs
-    rate = load * layer_tokens_per_s / num_layers / mean_tokens
+    if rate is None:
+        rate = load * layer_tokens_per_s / num_layers / mean_tokens
+    elif not rate > 0:
+        raise BadScenario(f"rate must be > 0 requests/s, got {rate!r}")
     reqs = []
     t = warmup + 5.0
     names = [f"req-{i:03d}" for i in range(n_req)]
@@ -180,7 +187,10 @@ def synthetic(
             t += rng.expovariate(departures)
             if t >= end:
                 break
-            label = rng.choice(sorted(alive))
+            joined = sorted(label for label, k in alive.items() if plans[k].join_at < t)
+            if not joined:
+                continue
+            label = rng.choice(joined)
             k = alive.pop(label)
             mode = rng.choices(LEAVE_MODES, weights=(2, 1, 1))[0]
             plans[k] = _with(plans[k], leave_at=round(t, 6), leave_mode=mode)

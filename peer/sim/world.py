@@ -8,7 +8,8 @@ the tens of peers a real swarm has, far too slow for a thousand simulated ones.
 So a large simulation (``view="shared"``) gives every node one `SharedViewKeeper`:
 each advertisement is still built and signed by the peer (`protocol.crypto.sign_record`)
 and verified on the way in (`ViewKeeper.merge`), once; and every node sees it at
-the start of the next gossip round. That is idealised dissemination (no lost or
+the start of the next round (`Timings.view_round`: a gossip round in a small swarm,
+the few rounds a record takes to cross a big one). That is idealised dissemination (no lost or
 partial rounds), said so in every report. Small simulations and replays can run
 real gossip over the memory transport instead (``view="gossip"``).
 """
@@ -52,6 +53,9 @@ class Timings:
     move_grace: float = MOVE_GRACE
     requester_refresh: float = REFRESH_INTERVAL
     route_wait: float = DEFAULT_ROUTE_WAIT
+    # The shared view (see the module docstring) refreshes this often: one gossip round when
+    # everyone swaps with everyone (a small swarm), log_fanout(N) rounds in a big one.
+    view_round: float = GOSSIP_INTERVAL
     # Loading a span's weights (reading them from disk or fetching them); a real peer's
     # load of a SmolLM2 layer from a warm page cache takes ~0.1 s, a cold download far more.
     load_seconds_per_layer: float = 0.2
@@ -65,17 +69,19 @@ class Timings:
 def large_swarm_timings() -> Timings:
     """Periods for a thousand peers: Petals-like (re-announce every ~15 s, rebalance every
     2 minutes) rather than a small swarm's seconds — the O(N) work of each check, repeated
-    by N peers, is what a big swarm cannot afford, in simulation or for real."""
+    by N peers, is what a big swarm cannot afford, in simulation or for real. A record
+    reaches everyone in about log_8(1000) ~ 3.3 gossip rounds of 2 s (each peer swapping
+    with ~8 neighbours), so the shared view refreshes every 8 s."""
     return Timings(record_ttl=60.0, advertise_interval=15.0, ping_interval=60.0, rebalance_interval=120.0,
-                   requester_refresh=30.0)
+                   requester_refresh=30.0, view_round=8.0)
 
 
 class SharedViewKeeper(ViewKeeper):
     """One `ViewKeeper` for every simulated node (see the module docstring).
 
-    `merge` verifies at once; `snapshot` changes at most once per gossip round
-    (or when a record in it expires), so a view is shared — and its routes
-    memoised — by everyone in the round, as a round of gossip would spread it.
+    `merge` verifies at once; `snapshot` changes at most once per round (`round_seconds`,
+    Timings.view_round) or when a record in it expires, so a view is shared — and its
+    routes memoised — by everyone in the round, as gossip would have spread it.
     """
 
     def __init__(self, *, model_id: str, num_layers: int, round_seconds: float) -> None:
