@@ -37,7 +37,7 @@ from .libp2p_transport import open_libp2p_transport
 from .generation import Speculation, plain_tokens, speculative_tokens
 from .reports import ReportBook
 from .verify import GUILTY_BAN, CheckPolicy, SpotChecker
-from .recovery import ResilientSession
+from .recovery import AnswerRewound, ResilientSession
 from .route_session import RequesterContext, route_summary
 from .routing import Route, route
 from .transport import Transport
@@ -252,11 +252,11 @@ class Swarm:
         finally:
             await tokens.aclose()
             self.active.discard(session)
+            await session.close()
             if info is not None:
                 info.update(session.summary())
                 if speculation is not None:
                     info["speculation"] = speculation.summary()
-            await session.close()
 
     async def generate(
         self,
@@ -277,6 +277,29 @@ class Swarm:
         finally:
             await gen.aclose()
 
+    async def complete_ids(
+        self, ids: Sequence[int], *, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
+        info: dict | None = None, **options,
+    ) -> list[int]:
+        """The whole continuation at once. If a peer is caught returning wrong activations
+        after tokens were produced from them, regenerates from the last right token."""
+        tokens: list[int] = []
+        attempts: list[dict] = []
+        try:
+            while True:
+                start = len(tokens)
+                attempts.append({})
+                try:
+                    async for token in self.generate_ids([*ids, *tokens], max_new_tokens=max_new_tokens - len(tokens),
+                                                         sampling=sampling, info=attempts[-1], **options):
+                        tokens.append(token)
+                    return tokens
+                except AnswerRewound as rewound:
+                    del tokens[start + rewound.valid :]
+        finally:
+            if info is not None:
+                info.update(merge_infos(attempts))
+
     async def complete(
         self, prompt: str, *, raw: bool = False, max_tokens: int = 128, sampling: SamplingParams = SamplingParams()
     ) -> GenerationResult:
@@ -284,9 +307,23 @@ class Swarm:
         ids = prompt_ids(self.tokenizer, prompt, raw=raw)
         info: dict = {}
         started = time.perf_counter()
-        tokens = [t async for t in self.generate_ids(ids, max_new_tokens=max_tokens, sampling=sampling, info=info)]
+        tokens = await self.complete_ids(ids, max_new_tokens=max_tokens, sampling=sampling, info=info)
         seconds = time.perf_counter() - started
         return GenerationResult(self.tokenizer.decode(tokens), tokens, len(ids), seconds, extra=info)
+
+
+def merge_infos(attempts: list[dict]) -> dict:
+    """One `info` for an answer that took several sessions (regenerated after a rewind)."""
+    merged = dict(attempts[-1]) if attempts else {}
+    merged["rewinds"] = len(attempts) - 1
+    merged["failovers"] = sum(a.get("failovers", 0) for a in attempts)
+    merged["routes"] = [r for a in attempts for r in a.get("routes", [])]
+    checks = [a["checks"] for a in attempts if "checks" in a]
+    if checks:
+        merged["checks"] = {
+            key: sum(c[key] for c in checks) for key in ("checks", "rows_compared", "fingerprint_bytes")
+        } | {"verdicts": [v for c in checks for v in c["verdicts"]]}
+    return merged
 
 
 __all__ = ["Swarm", "Piece", "route_summary"]

@@ -28,7 +28,7 @@ import torch
 from stages.sampling import Sampler
 from stages.speculative import AdaptiveK, Draft, Drafter, greedy_accept, sampling_accept
 
-from .recovery import Pending, ResilientSession, Superseded
+from .recovery import AnswerRewound, Pending, ResilientSession, Superseded
 
 if TYPE_CHECKING:
     pass
@@ -68,16 +68,34 @@ class Block:
         return self.pending.start_pos
 
 
+async def check_rebuilt(session: ResilientSession, head: Head, n_prompt: int, given: Sequence[int],
+                        sampler: Sampler) -> None:
+    """After a repair that rebuilt the caches from clean inputs: were the tokens already
+    given out (greedy) what the clean computation gives? Raises AnswerRewound if not."""
+    rows, session.rebuilt = session.rebuilt, None
+    if rows is None or not sampler.params.greedy or rows.shape[0] < n_prompt:
+        return
+    clean = (await head(rows[n_prompt - 1 :])).argmax(-1).tolist()
+    for i, (want, got) in enumerate(zip(clean, given)):
+        if want != got:
+            raise AnswerRewound(i, want)
+
+
 async def plain_tokens(
     session: ResilientSession, embed: Embed, head: Head, ids: Sequence[int], budget: int,
     sampler: Sampler, eos: Sequence[int],
 ) -> AsyncIterator[int]:
     """One step per token."""
     logits = await head((await session.step(await embed(ids), 0))[-1:])
+    given: list[int] = []
     for produced in range(1, budget + 1):
+        await check_rebuilt(session, head, len(ids), given, sampler)
         token = sampler.sample(logits[-1])
+        given.append(token)
         yield token
         if token in eos or produced == budget:
+            await session.finish()
+            await check_rebuilt(session, head, len(ids), given, sampler)
             return
         logits = await head(await session.step(await embed([token]), len(ids) + produced - 1))
 
@@ -120,6 +138,7 @@ async def speculative_tokens(
         except Superseded:
             await drop_all()
             continue
+        await check_rebuilt(session, head, len(ids), tokens[len(ids):], sampler)
         if sampler.params.greedy:
             kept, nxt = greedy_accept(rows, block.draft.tokens)
         else:
@@ -142,6 +161,8 @@ async def speculative_tokens(
             yield token
             if token in eos or produced >= budget:
                 await drop_all()
+                await session.finish()
+                await check_rebuilt(session, head, len(ids), tokens[len(ids):], sampler)
                 return
         spec.drafter.accepted(tokens)
 

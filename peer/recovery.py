@@ -61,6 +61,19 @@ class Superseded(Exception):
     """A step was sent before a failover repaired the route; it must be sent again."""
 
 
+class AnswerRewound(PeerError):
+    """Tokens already given out were computed from a peer's wrong activations.
+
+    `valid` of them are right; the clean computation continues with `token` instead.
+    `Swarm.complete` recovers by regenerating from there; a streaming consumer decides.
+    """
+
+    def __init__(self, valid: int, token: int) -> None:
+        super().__init__(f"a peer was caught returning wrong activations; the answer diverged after {valid} tokens")
+        self.valid = valid
+        self.token = token
+
+
 @dataclass
 class Pending:
     """A step in flight: what was sent, and how to wait for it."""
@@ -85,6 +98,10 @@ class ResilientSession:
         self.failovers = 0
         self.epoch = 0  # bumped by every repair: steps sent before it are superseded
         self.confirmed = 0  # positions [0, confirmed) have been answered
+        # after a repair that rebuilt every later cache (a peer caught returning wrong
+        # activations): the clean last-layer hidden states of the positions so far, so that
+        # the generation loop can tell whether tokens it already gave out were affected
+        self.rebuilt: torch.Tensor | None = None
         self.checker: "SpotChecker | None" = None  # spot checks (peer/verify.py), if asked for
         self._strikes: dict[str, int] = {}
 
@@ -257,10 +274,12 @@ class ResilientSession:
                 # one prefill-shaped step rebuilds every replacement's KV cache; it stops at b
                 # (or runs on to the end, rebuilding every later cache too)
                 stop = self.swarm.spec.num_layers if through_end else b
-                await session.run(
+                replayed = await session.run(
                     new[0], session.history.at(a).upto(position), 0, stop_layer=stop,
                     hops=list(chosen.hops), tap_from=new[-1].peer if down is not None and not through_end else None,
                 )
+                if through_end:
+                    self.rebuilt = replayed  # the clean final hidden states of [0, position)
             if up is not None and not through_end:
                 await self.relink_up(session, up, new, into)
         except BaseException:
@@ -293,13 +312,16 @@ class ResilientSession:
         if state.failure is not None or not acked.is_set():
             raise PeerFailed(state.peer, f"relink not acknowledged: {state.failure or 'timeout'}")
 
+    async def finish(self) -> None:
+        """The answer is complete: run the closing spot check over what no check covered
+        (a peer caught now still leads to a repair, so the caller can tell whether tokens
+        already given out were affected)."""
+        if self.checker is not None and self.checker.policy.final_check:
+            await self.checker.final(self.confirmed)
+
     async def close(self) -> None:
-        if self.checker is not None and self.current is not None:
-            try:
-                if self.checker.policy.final_check:
-                    await self.checker.final(self.confirmed)
-            finally:
-                await self.checker.close()
+        if self.checker is not None:
+            await self.checker.close()
         if self.current is not None:
             await self.current.close()
 

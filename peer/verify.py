@@ -95,10 +95,16 @@ class SpotChecker:
     # -- when to check --------------------------------------------------------------------
 
     async def after_step(self, end_pos: int) -> None:
-        if self.rng.random() < self.policy.rate:
-            session = self.resilient.current
-            assert session is not None
-            await self.check(self.rng.choice(session.hops), end_pos)
+        """With probability `rate`, check one hop — one that some other peer can check."""
+        if self.rng.random() >= self.policy.rate:
+            return
+        session = self.resilient.current
+        assert session is not None
+        hops = list(session.hops)
+        self.rng.shuffle(hops)
+        for hop in hops:
+            if await self.check(hop, end_pos):
+                return
 
     async def final(self, end_pos: int) -> None:
         """Compare what no check has covered yet, for every hop (at the session's end)."""
@@ -156,15 +162,16 @@ class SpotChecker:
             self.fingerprint_bytes += len(out)
         return step, out
 
-    async def check(self, hop: HopState, end_pos: int) -> None:
+    async def check(self, hop: HopState, end_pos: int) -> bool:
+        """Compare `hop`'s outputs up to `end_pos` with a checker's; False if it could not be checked."""
         session = self.resilient.current
         assert session is not None
         start, end = hop.hop.start, hop.hop.end
         if not (await self.resilient.wait_inputs(session, start, end_pos) and await self.resilient.wait_inputs(session, end, end_pos)):
-            return  # the taps to compare with never came; the failover machinery deals with that peer
+            return False  # the taps to compare with never came; the failover machinery deals with that peer
         shadow = await self.shadow_for(start, end, hop.peer)
         if shadow is None:
-            return  # no independent peer serves this span now
+            return False  # no independent peer serves this span now
         self.checks += 1
         begin = min(shadow.upto, end_pos)
         inputs = session.history.at(start).upto(end_pos)
@@ -173,15 +180,15 @@ class SpotChecker:
         except PeerFailed as failure:
             self.swarm.ctx.tracer.emit("error", remote=failure.peer, detail={"check": "checker failed", "reason": failure.reason[:200]})
             self.shadows.pop((start, end, shadow.checker), None)
-            return
+            return False
         ours = fingerprint_bytes(session.history.at(end).upto(end_pos)[begin:end_pos])
         tol = tolerance(self.view_dtype(hop.peer), shadow.dtype, end - start)
         agree = rows_agree(theirs, ours, tol)
         self.rows_compared += int(agree.numel())
-        if bool(agree.all()):
-            return
-        first_bad = begin + int((~agree).nonzero()[0])
-        await self.investigate(session, start, end, first_bad, end_pos, shadow, tol)
+        if not bool(agree.all()):
+            first_bad = begin + int((~agree).nonzero()[0])
+            await self.investigate(session, start, end, first_bad, end_pos, shadow, tol)
+        return True
 
     # -- a mismatch -----------------------------------------------------------------------
 
