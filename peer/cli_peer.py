@@ -12,6 +12,7 @@ from pathlib import Path
 import trio
 
 from .cli_generate import add_compute_options
+from .emulated_link import LinkEmulation
 from .errors import ConfigError
 from .node import PeerConfig, PeerNode, parse_layers
 
@@ -38,6 +39,11 @@ def add_join_options(p: argparse.ArgumentParser, *, required: bool = False) -> N
     p.add_argument("--swarm-key", default=None, help="private swarm key: 64 hex chars or a file (default $TESSERA_SWARM_KEY)")
 
 
+def add_emulation_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--emulate-link", type=LinkEmulation.parse, default=None, metavar="SPEC",
+                   help='TESTS AND BENCHMARKS ONLY: delay/pace every frame sent, e.g. "delay=40ms,jitter=10ms,rate=100mbit"')
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "peer", help="volunteer: join a swarm and serve a span of layers",
@@ -60,6 +66,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rebalance-interval", type=float, default=None, metavar="S",
                    help="seconds between placement checks (default 10)")
     p.add_argument("--tui", action="store_true", help="open the operator's terminal UI")
+    add_emulation_option(p)
+    p.add_argument("--misbehave", default=None, metavar="MODE",
+                   help="FAULT INJECTION for tests and demos: perturb:P (a fraction P of steps) or wrong-weights")
     add_compute_options(p)
     p.set_defaults(handler=run_peer)
 
@@ -103,6 +112,7 @@ def config_from(args: argparse.Namespace) -> PeerConfig:
         threads=args.threads, device=args.device, dtype=args.dtype,
         swarm_key=read_swarm_key(args.swarm_key), max_sessions=args.max_sessions,
         **({"rebalance_interval": args.rebalance_interval} if args.rebalance_interval else {}),
+        emulate_link=args.emulate_link, misbehave=args.misbehave,
         **({"shard": args.shard, "group": args.group} if args.shard else {}),
     )
 

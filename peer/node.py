@@ -42,9 +42,12 @@ from store.trace import TraceWriter
 
 from .errors import ConfigError, PeerError
 from .gossip import Gossip, Pinger, ViewKeeper
+from .emulated_link import LinkEmulation, emulate
 from .libp2p_transport import open_libp2p_transport
 from .nat import NatService
+from . import misbehave
 from .placement import choose_span, plan_move
+from .reports import ReportBook
 from .server import ServerLimits, StageServer
 from .shard_server import ShardServer
 from .transport import Transport
@@ -85,6 +88,8 @@ class PeerConfig:
     advertise_interval: float = ADVERTISE_INTERVAL
     leave_grace: float = LEAVE_GRACE
     rebalance_interval: float = REBALANCE_INTERVAL
+    emulate_link: LinkEmulation | None = None  # benchmarks only: delay/pace every frame sent
+    misbehave: str | None = None  # fault injection (tests, demos): "perturb:P" or "wrong-weights"
     shard: tuple[int, int] = (0, 1)  # (rank, group size): a rank of a tensor-shard group (needs layers, group)
     group: str = ""  # the shard group's name
 
@@ -164,6 +169,7 @@ class PeerNode:
             addrs=tuple(self.transport.addrs()[:16]),
             neighbours=tuple(Neighbour(_peer_bytes(p), rtt) for p, rtt in sorted(self.pinger.rtt_ms.items())[:64]),
             issued_at=now, expires_at=now + self.config.record_ttl, seq=self.seq,
+            dtype=str(self.dtype).removeprefix("torch."),
         )
         self._own = sign_record(self.identity, record)
         return self._own
@@ -185,7 +191,7 @@ class PeerNode:
             torch.set_num_threads(self.config.threads)
         async with open_libp2p_transport(
             self.identity.seed, listen=self.config.listen, swarm_key=self.config.swarm_key
-        ) as transport:
+        ) as real_transport, emulate(real_transport, self.config.emulate_link) as transport:
             self.transport = transport
             peer_id = transport.peer_id
             self.store.record_identity(peer_id)
@@ -208,9 +214,14 @@ class PeerNode:
                         ledger=lambda requester, layer_tokens, nbytes: self.store.add_ledger(
                             requester, layer_tokens, steps=1, bytes=nbytes),
                     )
+                    self._inject_faults()
+                    self.reports = ReportBook(transport, model_id=self.model_id, store=self.store)
+                    nursery.start_soon(self.reports.run)
                     self.state = SERVING
                     await self.advertise()
-                    self.out(f"serving layers [{self.span[0]}, {self.span[1]}) of {self.spec.num_layers}")
+                    rank = f" as rank {self.config.shard[0]}/{self.config.shard[1]} of group {self.config.group!r}"
+                    self.out(f"serving layers [{self.span[0]}, {self.span[1]}) of {self.spec.num_layers}"
+                             + (rank if self.config.shard[1] > 1 else ""))
                     self.ready.set()
                     task_status.started(self)
                     nursery.start_soon(self.server.reap_idle)
@@ -228,6 +239,17 @@ class PeerNode:
 
     def stop(self) -> None:
         self.stopping.set()
+
+    def _inject_faults(self) -> None:
+        """--misbehave (tests and demos only): make this peer return wrong activations."""
+        if not self.config.misbehave:
+            return
+        mode, probability = misbehave.parse(self.config.misbehave)
+        if mode == "perturb":
+            self.server.tamper = misbehave.perturber(probability, seed=self.seq)
+            self.out(f"MISBEHAVING: perturbing {probability:.0%} of steps")
+        else:
+            self.out(f"MISBEHAVING: serving with a perturbed {misbehave.corrupt_weights(self.stage)}")
 
     def _start_nat(self, nursery: trio.Nursery) -> None:
         """Behind NAT (peer/nat.py): dial-back reachability, relays, link kinds; re-advertise on change."""
