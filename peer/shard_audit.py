@@ -252,16 +252,16 @@ def _knowledge(who: str, layer: int, records: list[dict], count: int, hidden: in
 
 def _check_pairs(ranks: list[StepLog]) -> list[str]:
     """Each collective's sends match the receiver's receives, column for column."""
-    index: dict[tuple[int, int, int], dict] = {}
+    index: dict[tuple[int, int, int, str], dict] = {}  # a fused round logs two events with one seq
     for e in ranks:
         for rec in e.records:
             if "seq" in rec:
-                index[(e.index, rec["layer"], rec["seq"])] = rec
+                index[(e.index, rec["layer"], rec["seq"], rec["event"])] = rec
     problems = []
-    for (rank, layer, seq), rec in sorted(index.items(), key=lambda kv: kv[0]):
+    for (rank, layer, seq, event), rec in sorted(index.items(), key=lambda kv: kv[0]):
         for dst, lo, hi in rec.get("sent", ()):
-            other = index.get((dst, layer, seq))
-            if other is None or other["event"] != rec["event"] or other["op"] != rec["op"]:
+            other = index.get((dst, layer, seq, event))
+            if other is None or other["op"] != rec["op"]:
                 problems.append(f"rank {rank} sent {rec['event']} {rec['op']} #{seq} at layer {layer} to rank {dst}, "
                                 f"which logged {None if other is None else (other['event'], other['op'])}")
             elif [rank, lo, hi] not in [list(x) for x in other.get("received", ())]:

@@ -12,7 +12,7 @@ What a group hop costs (ms per decode step), for the requester r::
 
     rtt(prev, r) + max_m rtt(r, m)               entered from the requester (the junction)
     + layers * (max_m ms_per_layer(m) / n         each rank computes 1/n of a layer
-                + COLLECTIVES_PER_LAYER * max_(m, m') rtt(m, m'))
+                + ROUNDS_PER_LAYER * max_(m, m') rtt(m, m'))
     + max_m rtt(m, r) + rtt(r, next)             and it returns to the requester
 
 A group's input and output are hidden slices, and the requester is the junction that
@@ -22,7 +22,7 @@ it that way (`group_as_peer`) and the requester runs it so (`peer/shard_route.py
 
 A worked example: a group of 3 whose members advertise 500 tokens/s per layer (2 ms
 a layer) and measured 1 ms between each other, 5 ms from the requester, serving 10
-layers: 5 + 10 * (2/3 + 6 * 1) + 5 = 76.7 ms — slower than one such peer (5 + 20 + 5
+layers: 5 + 10 * (2/3 + 4 * 1) + 5 = 56.7 ms — slower than one such peer (5 + 20 + 5
 = 30 ms) on these numbers, as expected of a CPU group on a LAN: the group's point is
 memory (each holds a third), and it wins on time only where compute dominates.
 """
@@ -35,10 +35,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from peer.view import LEAVING, PeerInfo, SwarmView
+from stages.sharded import ROUNDS_PER_LAYER  # exchanges per layer, each a round trip between the ranks
 
-# Collectives per layer, each one round trip between the ranks: two all-reduces (the
-# norms) and four reduce-scatters (q/k/v, o_proj, gate/up, down).
-COLLECTIVES_PER_LAYER = 6
 GROUP_PREFIX = "group:"
 
 
@@ -117,7 +115,7 @@ def group_as_peer(
     slowest = max(1000.0 / p.throughput * (1.0 + load_penalty * max(p.load, 0.0)) if p.throughput > 0 else math.inf
                   for p in members)
     among = max((_rtt(peers, a, b, default_rtt_ms) for a in ids for b in ids if a < b), default=0.0)
-    per_layer = slowest / group.count + COLLECTIVES_PER_LAYER * among
+    per_layer = slowest / group.count + ROUNDS_PER_LAYER * among
     to_source = max(_rtt(peers, source, m, default_rtt_ms) for m in ids)
     rtts = {q: to_source + _rtt(peers, source, q, default_rtt_ms) for q in others if q not in ids}
     rtts[source] = to_source

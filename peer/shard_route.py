@@ -115,6 +115,7 @@ class SegmentedSession:
         self._next_step = 0
         self._at: Segment | None = None  # the segment the worker is waiting on
         self._worker = trio.CancelScope()
+        self.retired: list[Segment] = []  # segments replaced after a failure (closed)
         self.closed = False
 
     @property
@@ -233,6 +234,7 @@ class SegmentedSession:
                 continue
             old = self.segments[k]
             self.segments[k : k + 1] = new
+            self.retired.append(old)
             self.ctx.nursery.start_soon(old.close, "replaced after a failure")
             break
         else:

@@ -29,12 +29,12 @@ from protocol.links import Direction, LinkCipher, seal_link_key
 from protocol.messages import ErrorMsg, Forward, Result, SealedKey, SessionAccept, SessionClose
 from protocol.shards import ShardOpen, ShardPeer
 from stages.collectives import HIDDEN
+from stages.sharded import ROUNDS_PER_LAYER
 
 from .errors import PeerError, PeerFailed, SessionRefused
 from .route_session import CLOSE_TIMEOUT, OPEN_TIMEOUT, STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_FLOOR, RequesterContext, peer_bytes
 from .routing import Hop
 from .shard_audit import REQUESTER, StepLog
-from .shard_groups import COLLECTIVES_PER_LAYER
 from .shard_links import COLLECTIVE_TIMEOUT, SHARD_SESSION_PROTOCOL
 from .transport import Channel
 
@@ -225,7 +225,7 @@ class GroupSession:
         speeds = [(view.get(m).throughput if view.get(m) else 0.0) for m in self.members]
         slowest = min(speeds) if speeds and min(speeds) > 0 else 1.0
         layers = self.hop.num_layers
-        estimate = layers * n_tokens / slowest + layers * COLLECTIVES_PER_LAYER * COLLECTIVE_ALLOWANCE + 0.1
+        estimate = layers * n_tokens / slowest + layers * ROUNDS_PER_LAYER * COLLECTIVE_ALLOWANCE + 0.1
         return max(GROUP_STEP_MIN, STEP_TIMEOUT_FLOOR + STEP_TIMEOUT_FACTOR * estimate)
 
     def cols(self, rank: int) -> tuple[int, int]:

@@ -15,6 +15,7 @@ from .errors import PeerError
 from .gossip import Gossip, ViewKeeper
 from .libp2p_transport import open_libp2p_transport
 from .nat_links import ask_links
+from .shard_groups import group_report, replica_coverage
 
 SETTLE = 1.5  # seconds to let a second gossip round bring in peers the first one named
 
@@ -67,6 +68,8 @@ async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | N
         ],
         "coverage": coverage,
         "gaps": [list(g) for g in view.gaps()],
+        "groups": group_report(view),  # tensor-shard groups: span, size, who holds each rank
+        "replicas": replica_coverage(view),  # per layer: unsharded peers + complete groups
     }
 
 
@@ -94,6 +97,14 @@ def format_status(report: dict) -> str:
             others = ", ".join(f"{names.get(q, '…' + q[-8:])} {kind}" for q, kind in sorted(p["links"].items()))
             lines.append(f"  {names[p['peer_id']]}: {others}")
     lines += ["", "coverage (peers per layer):", "  " + " ".join(str(c) for c in report["coverage"])]
+    if report.get("groups"):
+        lines += ["", "shard groups:"]
+        for g in report["groups"]:
+            ranks = ", ".join(names.get(r, "…" + r[-8:]) if r else f"rank {i} MISSING" for i, r in enumerate(g["ranks"]))
+            state = "complete" if g["complete"] else "INCOMPLETE (cannot serve)"
+            lines.append(f"  {g['group']} [{g['span'][0]},{g['span'][1]}) {g['count']} ranks, {state}: {ranks}")
+        lines.append("replicas per layer (a complete group counts once):")
+        lines.append("  " + " ".join(str(c) for c in report["replicas"]))
     gaps = report["gaps"]
     lines.append("gaps: " + (", ".join(f"[{a},{b}) UNCOVERED" for a, b in gaps) if gaps else "none — every layer is served"))
     return "\n".join(lines)

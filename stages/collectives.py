@@ -11,6 +11,7 @@ On top of it:
 
     all_reduce_scalar(x [T])    -> [T], the sum over ranks     (RMSNorm: sums of squares)
     reduce_scatter(x [T, n C])  -> [T, C], the sum over ranks of column chunk r
+    norm_reduce_scatter(x, squares [T]) -> both at once, in ONE round (a norm, then a projection)
     all_gather(x [T, C])        -> [T, n C]   (the deliberately broken variant only)
 
 Sums are taken in rank order 0, 1, ..., n-1 on every rank, whatever order the
@@ -109,11 +110,11 @@ class Collectives:
         incoming = self._round([None if r == self.rank else x for r in range(self.count)])
         self._expect(incoming, tuple(x.shape), f"all_reduce_scalar {op}")
         parts = [x if r == self.rank else incoming[r] for r in range(self.count)]
+        others = [r for r in range(self.count) if r != self.rank]
         self.record({
-            "event": "all_reduce_scalar", "op": op, "seq": self.seq, "bytes": self.last_bytes, "space": "scalar", "width": 1,
-            "sent": [[r, 0, 1] for r in range(self.count) if r != self.rank],
-            "received": [[r, 0, 1] for r in range(self.count) if r != self.rank],
-            "rows": int(x.shape[0]),
+            "event": "all_reduce_scalar", "op": op, "seq": self.seq, "bytes": self.last_bytes, "space": "scalar",
+            "width": 1, "rows": int(x.shape[0]), "sent": [[r, 0, 1] for r in others],
+            "received": [[r, 0, 1] for r in others],
         })
         return _sum_in_order(parts)
 
@@ -123,24 +124,51 @@ class Collectives:
         Only partials cross the wire, and each rank receives only the chunk it owns. Audited
         as: the partial held (all columns, not reduced), the exchange, the chunk held (reduced).
         """
+        return self._reduce_scatter(x, None, op=op, space=space)[0]
+
+    def norm_reduce_scatter(
+        self, x: torch.Tensor, squares: torch.Tensor, *, op: str, space: str, norm: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A reduce-scatter of x [T, n C] that also all-reduces squares [T] in the same round.
+
+        For an RMSNorm followed by a projection: the norm's per-token scale commutes with the
+        projection, so ranks reduce-scatter the unscaled product and the sums of squares
+        travel with it (one round instead of two). Returns (chunk sum [T, C], squares sum [T]);
+        audited as an all_reduce_scalar of `norm` and a reduce_scatter of `op`, one round.
+        """
+        return self._reduce_scatter(x, squares, op=op, space=space, norm=norm)  # type: ignore[return-value]
+
+    def _reduce_scatter(
+        self, x: torch.Tensor, squares: torch.Tensor | None, *, op: str, space: str, norm: str = ""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         t, width = x.shape
         if width % self.count:
             raise CollectiveError(f"reduce_scatter {op}: width {width} is not divisible by {self.count}")
         c = width // self.count
-        chunks = [x[:, r * c : (r + 1) * c].contiguous() for r in range(self.count)]
+        chunks = [x[:, r * c : (r + 1) * c] for r in range(self.count)]
+        if squares is not None:  # one extra column: this rank's sum of squares, per token
+            chunks = [torch.cat([chunk, squares[:, None].to(x.dtype)], dim=1) for chunk in chunks]
+        chunks = [chunk.contiguous() for chunk in chunks]
         incoming = self._round([None if r == self.rank else chunks[r] for r in range(self.count)])
-        self._expect(incoming, (t, c), f"reduce_scatter {op}")
+        self._expect(incoming, tuple(chunks[0].shape), f"reduce_scatter {op}")
         mine = (self.rank * c, (self.rank + 1) * c)
         others = [r for r in range(self.count) if r != self.rank]
         self.held(op, space, (0, width), width, t, reduced=False)
+        if squares is not None:
+            self.record({
+                "event": "all_reduce_scalar", "op": norm, "seq": self.seq, "bytes": 0, "space": "scalar",
+                "width": 1, "rows": t, "sent": [[r, 0, 1] for r in others], "received": [[r, 0, 1] for r in others],
+            })
         self.record({
-            "event": "reduce_scatter", "op": op, "seq": self.seq, "bytes": self.last_bytes, "space": space, "width": width, "rows": t,
-            "sent": [[r, r * c, (r + 1) * c] for r in others],
+            "event": "reduce_scatter", "op": op, "seq": self.seq, "bytes": self.last_bytes, "space": space,
+            "width": width, "rows": t, "sent": [[r, r * c, (r + 1) * c] for r in others],
             "received": [[r, mine[0], mine[1]] for r in others],  # partials of this rank's chunk
         })
         total = _sum_in_order([chunks[self.rank] if r == self.rank else incoming[r] for r in range(self.count)])
         self.held(op, space, mine, width, t)
-        return total
+        if squares is None:
+            return total, None
+        return total[:, :c], total[:, c]
 
     def all_gather(self, x: torch.Tensor, *, op: str, space: str) -> torch.Tensor:
         """x [T, C], this rank's final values -> [T, n C], every rank's (a full copy everywhere).
@@ -153,7 +181,8 @@ class Collectives:
         self._expect(incoming, (t, c), f"all_gather {op}")
         others = [r for r in range(self.count) if r != self.rank]
         self.record({
-            "event": "all_gather", "op": op, "seq": self.seq, "bytes": self.last_bytes, "space": space, "width": c * self.count, "rows": t,
+            "event": "all_gather", "op": op, "seq": self.seq, "bytes": self.last_bytes, "space": space,
+            "width": c * self.count, "rows": t,
             "sent": [[r, self.rank * c, (self.rank + 1) * c] for r in others],
             "received": [[r, r * c, (r + 1) * c] for r in others],
         })

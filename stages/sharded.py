@@ -6,9 +6,10 @@ input and output are slices, and inside the span no rank holds (receives or
 computes) the full hidden state. Per layer, for rank r with hidden slice x_r [T, H/n]:
 
     attn_norm   ss = all_reduce_scalar(sum(x_r²))            one number per token
-                n_r = x_r * rsqrt(ss / H + eps) * w_norm[slice r]
-    q/k/v       partial = n_r @ Wqkv[:, slice r]ᵀ              [T, (A + 2K) D], one term of the sum
-                qkv_r = reduce_scatter(partial)                 the heads rank r owns
+                s = rsqrt(ss / H + eps)                         the norm's scale, per token
+    q/k/v       partial = (x_r * w_norm[slice r]) @ Wqkv[:, slice r]ᵀ      [T, (A + 2K) D],
+                                                                one term of the sum
+                qkv_r = s * reduce_scatter(partial)             the heads rank r owns
     attention   on rank r's A/n query heads and K/n KV heads (its KV cache holds only those)
     o_proj      partial = attn_r @ Wo[:, heads r]ᵀ             [T, H], one term of the sum
                 x_r += reduce_scatter(partial)                  back to hidden slice r
@@ -16,6 +17,11 @@ computes) the full hidden state. Per layer, for rank r with hidden slice x_r [T,
     gate/up     gu_r = reduce_scatter(n_r @ Wgu[:, slice r]ᵀ)  intermediate slice r (gate and up)
                 h_r = silu(gate_r) * up_r
     down        x_r += reduce_scatter(h_r @ Wdown[:, I-slice r]ᵀ)
+
+The norm's scale is one number per token, so it commutes with the projection after
+it: it is applied to the reduced chunk, and the sum of squares travels in the same
+round as the reduce-scatter (`Collectives.norm_reduce_scatter`) — 4 rounds of
+exchange per layer, not 6. The MLP's norm works the same way before gate/up.
 
 A partial of hidden width is one rank's term of a sum; only the reduce-scatter
 turns terms into values, and it hands each rank only its own slice. So each rank
@@ -57,17 +63,19 @@ from .weights import WeightFolder, layer_tensor_names
 # every rank's log against it, so a skipped or extra operator is caught.
 LAYER_AUDIT_OPS: tuple[tuple[str, str], ...] = (
     ("held", "residual_in"),
-    ("all_reduce_scalar", "attn_norm"), ("held", "attn_norm"),
-    ("held", "qkv"), ("reduce_scatter", "qkv"), ("held", "qkv"),
+    ("held", "attn_norm"),
+    ("held", "qkv"), ("all_reduce_scalar", "attn_norm"), ("reduce_scatter", "qkv"), ("held", "qkv"),
     ("held", "attn"),
     ("held", "o_proj"), ("reduce_scatter", "o_proj"), ("held", "o_proj"),
     ("held", "residual_mid"),
-    ("all_reduce_scalar", "mlp_norm"), ("held", "mlp_norm"),
-    ("held", "gate_up"), ("reduce_scatter", "gate_up"), ("held", "gate_up"),
+    ("held", "mlp_norm"),
+    ("held", "gate_up"), ("all_reduce_scalar", "mlp_norm"), ("reduce_scatter", "gate_up"), ("held", "gate_up"),
     ("held", "swiglu"),
     ("held", "down"), ("reduce_scatter", "down"), ("held", "down"),
     ("held", "residual_out"),
 )
+# Rounds of all-to-all exchange per layer: the norms' all-reduces ride with the next reduce-scatter.
+ROUNDS_PER_LAYER = 4
 
 
 class ShardError(StageError):
@@ -241,8 +249,7 @@ class ShardedStage:
     ) -> torch.Tensor:
         spec, t, h = self.spec, x.shape[0], self.spec.hidden_size
         group.held("residual_in", HIDDEN, self.cols, h, t)
-        normed = self._norm(x, w.attn_norm, group, "attn_norm")
-        qkv = group.reduce_scatter(F.linear(normed, w.w_qkv), op="qkv", space="qkv")  # [T, (a + 2k) D]
+        qkv = self._norm_project(x, w.attn_norm, w.w_qkv, group, "attn_norm", "qkv", "qkv")  # [T, (a + 2k) D]
         if w.b_qkv is not None:
             qkv = qkv + w.b_qkv
         heads = self._attend(qkv, ctx, keys, values)  # [T, a D]
@@ -252,24 +259,34 @@ class ShardedStage:
         group.held("residual_mid", HIDDEN, self.cols, h, t)
         if self.gather_full:
             normed = self._broken_norm(x, w.mlp_norm, group)
+            gate_up = group.reduce_scatter(F.linear(normed, w.w_gate_up), op="gate_up", space="mlp")
         else:
-            normed = self._norm(x, w.mlp_norm, group, "mlp_norm")
-        gate_up = group.reduce_scatter(F.linear(normed, w.w_gate_up), op="gate_up", space="mlp")  # [T, 2 I/n]
+            gate_up = self._norm_project(x, w.mlp_norm, w.w_gate_up, group, "mlp_norm", "gate_up", "mlp")
         i = spec.intermediate_size // self.count
-        gate, up = gate_up.split(i, dim=-1)
-        inner = F.silu(gate) * up  # [T, I/n]
+        gate, up = gate_up.split(i, dim=-1)  # [T, I/n] each
+        inner = F.silu(gate) * up
         group.held("swiglu", "ffn", (self.index * i, (self.index + 1) * i), spec.intermediate_size, t)
         x = x + group.reduce_scatter(F.linear(inner, w.w_down), op="down", space=HIDDEN)  # [T, H/n]
         group.held("residual_out", HIDDEN, self.cols, h, t)
         return x
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor, group: Collectives, op: str) -> torch.Tensor:
-        """RMSNorm of the full hidden state, computed on a slice: the mean square is a sum over ranks."""
-        squares = group.all_reduce_scalar(x.float().square().sum(-1), op=op)  # [T]
-        scale = torch.rsqrt(squares / self.spec.hidden_size + self.spec.rms_norm_eps)
-        normed = (x * scale[:, None].to(x.dtype)) * weight
-        group.held(op, HIDDEN, self.cols, self.spec.hidden_size, x.shape[0])
-        return normed
+    def _norm_project(
+        self, x: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, group: Collectives, norm_op: str, op: str,
+        space: str,
+    ) -> torch.Tensor:
+        """RMSNorm of the full hidden state, then a projection, reduce-scattered — from a slice.
+
+        The norm's scale rsqrt(mean square + eps) is one number per token, so it commutes with
+        the projection: ranks project their slice times the norm weight, and the sums of
+        squares ride in the same round as the reduce-scatter (a scalar all-reduce); the scale
+        is applied to the reduced chunk.
+        """
+        squares = x.float().square().sum(-1)  # [T], this slice's part of the sum of squares
+        weighted = x * norm  # [T, H/n]
+        group.held(norm_op, HIDDEN, self.cols, self.spec.hidden_size, x.shape[0])
+        part, total = group.norm_reduce_scatter(F.linear(weighted, weight), squares, op=op, space=space, norm=norm_op)
+        scale = torch.rsqrt(total.float() / self.spec.hidden_size + self.spec.rms_norm_eps)
+        return part * scale[:, None].to(part.dtype)
 
     def _broken_norm(self, x: torch.Tensor, weight: torch.Tensor, group: Collectives) -> torch.Tensor:
         """The BROKEN variant (gather_full): gather the residual, norm the full state here."""

@@ -120,6 +120,21 @@ def group_hop(ids: dict[str, str], names: Sequence[str], group: str, start: int,
                members=tuple(ids[n] for n in names))
 
 
+async def open_forced(swarm, hops):
+    """A resilient session whose first route is `hops` (a peer dropping out under a loaded
+    machine fails over as in any generation; the answer must stay exact all the same)."""
+    from peer.recovery import ResilientSession
+    from peer.routing import Route
+    from peer.shard_route import SegmentedSession
+
+    route = Route(tuple(hops), 0.0)
+    resilient = ResilientSession(swarm, max_length=64, route_wait=30.0)
+    resilient.current = SegmentedSession(swarm.ctx, route, max_length=64)
+    await resilient.current.open()
+    resilient.routes.append(route)
+    return resilient
+
+
 async def network_greedy(swarm, session, prompt: Sequence[int], steps: int = DECODE_STEPS):
     """Prefill + `steps` greedy decode steps through `session` (anything with `step`); tokens and logits."""
     out = await session.step(await swarm._embed(list(prompt)), 0)
@@ -132,19 +147,29 @@ async def network_greedy(swarm, session, prompt: Sequence[int], steps: int = DEC
     return tokens, logits
 
 
-def collect_audit(local_swarm, indices: Sequence[int], tracer, sessions: Sequence[str], *, expected: int,
-                  timeout: float = 20.0) -> list[StepLog]:
-    """The audit logs of `sessions` (hex ids) from the requester's tracer and the given peers' stores,
-    waiting (briefly) until every rank's last steps have reached its database."""
+def group_sessions(session) -> list[str]:
+    """Hex ids of every group session a `SegmentedSession` used (replaced ones too)."""
+    return [s.session_id.hex() for s in [*session.segments, *session.retired] if hasattr(s, "members")]
+
+
+def collect_audit(local_swarm, tracer, sessions: Sequence[str], *, timeout: float = 20.0) -> list[StepLog]:
+    """The audit logs of `sessions` (hex ids) from the requester's tracer and every peer's store,
+    waiting (briefly) until each step the requester completed has all its ranks' logs on disk."""
     import time
+    from collections import Counter
 
     from peer.shard_audit import load_events, load_store
 
+    mine = [log for log in load_events(tracer.events) if log.session in sessions]
+    wanted = {(log.session, log.step): log.count for log in mine}
     deadline = time.monotonic() + timeout
     while True:
-        logs = [log for log in load_events(tracer.events) if log.session in sessions]
-        for i in indices:
-            logs += [log for log in load_store(local_swarm.base_dir / f"peer{i}" / "tessera.db") if log.session in sessions]
-        if len(logs) >= expected or time.monotonic() > deadline:
+        logs = list(mine)
+        for i in range(len(local_swarm.procs)):
+            db = local_swarm.base_dir / f"peer{i}" / "tessera.db"
+            if db.exists():
+                logs += [log for log in load_store(db) if log.session in sessions]
+        have = Counter((log.session, log.step) for log in logs if log.role == SHARD)
+        if all(have[key] >= count for key, count in wanted.items()) or time.monotonic() > deadline:
             return logs
         time.sleep(0.5)

@@ -54,7 +54,7 @@ def test_a_group_between_plain_peers_and_a_doubly_claimed_rank():
 
 
 def test_the_group_cost_follows_the_worked_example():
-    """Ranks at 500 tok/s per layer, 1 ms apart, 5 ms from the requester, 10 layers: 76.7 ms."""
+    """Ranks at 500 tok/s per layer, 1 ms apart, 5 ms from the requester, 10 layers: 56.7 ms."""
     ids = ["s0", "s1", "s2"]
     ranks = [rank(p, i, 3, 0, 10, throughput=500.0, rtt_ms={q: 1.0 for q in ids if q != p}) for i, p in enumerate(ids)]
     me = PeerInfo(REQ, "m", 0, 0, 0.0, state="requester", rtt_ms={p: 5.0 for p in ids})
@@ -62,8 +62,8 @@ def test_the_group_cost_follows_the_worked_example():
     (group,) = shard_groups(ranks)
     synthetic = group_as_peer(group, {p.peer_id: p for p in view.peers}, source=REQ, others=[], default_rtt_ms=100.0,
                               load_penalty=1.0)
-    assert 10 * 1000.0 / synthetic.throughput == pytest.approx(10 * (2.0 / 3 + 6 * 1.0))
-    assert route(view, source=REQ, groups=True).cost_ms == pytest.approx(5 + 10 * (2.0 / 3 + 6.0) + 5)
+    assert 10 * 1000.0 / synthetic.throughput == pytest.approx(10 * (2.0 / 3 + 4 * 1.0))
+    assert route(view, source=REQ, groups=True).cost_ms == pytest.approx(5 + 10 * (2.0 / 3 + 4.0) + 5)
 
 
 def test_coverage_counts_a_complete_group_once_and_an_incomplete_one_not_at_all():
@@ -104,3 +104,29 @@ def test_shard_open_invariants():
         shard_open(others=())
     with pytest.raises(InconsistentFields, match="layer range"):
         shard_open(start=20)
+
+
+def test_a_route_with_groups_runs_as_segments_joined_at_the_requester():
+    from peer.route_session import RequesterContext, RouteSession
+    from peer.routing import Route
+    from peer.shard_route import build_segments, has_groups, span_of
+    from peer.shard_session import GroupSession
+
+    ctx = RequesterContext(transport=None, identity=None, keeper=None, nursery=None, num_layers=8, hidden_size=64)
+    group = Hop(group_hop_id("g", 2, 5, 2), 2, 5, group="g", members=("s0", "s1"))
+    route = Route((Hop("a", 0, 1), Hop("b", 1, 2), group, Hop("c", 5, 8)), 0.0)
+    segments = build_segments(ctx, route, max_length=16)
+    assert has_groups(route) and not has_groups(Route((Hop("a", 0, 8),), 0.0))
+    assert [type(s) for s in segments] == [RouteSession, GroupSession, RouteSession]
+    assert [span_of(s) for s in segments] == [(0, 2), (2, 5), (5, 8)]
+    assert segments[0].route.peer_ids == ("a", "b")  # plain hops still push straight to each other
+    assert segments[1].width == 32 and segments[1].cols(1) == (32, 64)
+
+
+def test_a_ranks_error_blames_the_rank_it_names():
+    from peer.shard_session import culprit
+
+    members = ["12D3KooWA", "12D3KooWB", "12D3KooWC"]
+    assert culprit("compute-failed: step 3: shard peer 12D3KooWC (rank 2) failed: its link closed", members,
+                   "12D3KooWA") == "12D3KooWC"
+    assert culprit("compute-failed: step 3: bad input", members, "12D3KooWA") == "12D3KooWA"

@@ -61,9 +61,7 @@ async def test_a_group_matches_the_unsharded_model(procs, synth, names, group):
     assert tokens == reference[0]
     worst = max(float((a - b).abs().max()) for a, b in zip(reference[1], logits))
     assert worst <= LOGITS_TOLERANCE
-    hex_id = session.segments[0].session_id.hex()
-    indices = [int(n[4:]) for n in names]
-    report = check(collect_audit(procs, indices, tracer, [hex_id], expected=(DECODE_STEPS + 1) * (len(names) + 1)))
+    report = check(collect_audit(procs, tracer, [session.segments[0].session_id.hex()]))
     print(f"group of {len(names)}: max |logits diff| {worst:.2e}; {report.summary()}")
     assert report.ok, report.summary()
     assert report.closure == f"{DECODE_STEPS + 1}/{DECODE_STEPS + 1}"
@@ -88,3 +86,15 @@ async def test_a_rank_alone_refuses_a_plain_session(procs, synth):
         with pytest.raises(SessionRefused) as refused:
             await lone.open()
     assert refused.value.code == "bad-span" and "rank 0/2 of group 'two'" in str(refused.value)
+
+
+async def test_swarm_status_shows_the_groups(procs, synth):
+    from peer.status import format_status, gather_status
+
+    report = await gather_status(procs.addrs[:1], model=str(synth))
+    groups = {g["group"]: g for g in report["groups"]}
+    assert groups["two"]["complete"] and groups["two"]["count"] == 2 and groups["two"]["span"] == [0, 4]
+    assert groups["four"]["complete"] and len(groups["four"]["ranks"]) == 4
+    assert report["replicas"] == [2, 2, 2, 2]  # two complete groups; the 6 ranks are not 6 replicas
+    text = format_status(report)
+    assert "two [0,4) 2 ranks, complete: peer0, peer1" in text and "#3/4" in text
