@@ -63,7 +63,6 @@ class GroupLinks:
     limits: TensorLimits = DEFAULT_LIMITS
     channels: dict[int, Channel] = field(default_factory=dict)  # rank j -> the stream shared with j
     failure: str | None = None
-    bytes_out: int = 0
 
     def __post_init__(self) -> None:
         self._inbox = {j: trio.open_memory_channel[Collective | str](INBOX_DEPTH) for j in self.recv}
@@ -178,7 +177,7 @@ class GroupLinks:
             for j, frame in frames.items():
                 await self._joined[j].wait()  # a lower rank's stream may still be on its way
                 try:
-                    self.bytes_out += await self.channels[j].send(frame)
+                    await self.channels[j].send(frame)
                 except PeerError as error:
                     raise self._fail(j, f"sending to it: {error}") from None
             for j in frames:

@@ -105,10 +105,6 @@ class ShardServer(StageServer):
         self.transport.set_handler(SHARD_SESSION_PROTOCOL, self.handle_shard_session)
         self.transport.set_handler(SHARD_LINK_PROTOCOL, self.handle_shard_link)
 
-    @property
-    def collective_bytes(self) -> int:
-        return sum(s.links.bytes_out for s in self.sessions.values() if s.links)  # type: ignore[attr-defined]
-
     # -- admission ----------------------------------------------------------------------
 
     def admit_shard(self, msg: ShardOpen, channel: Channel) -> ShardServedSession:
