@@ -16,26 +16,23 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
 
 import torch
 import trio
-from libp2p.peer.id import ID
 
 from protocol.activations import open_payload, seal_activations
 from protocol.errors import WireError
 from protocol.tensors import decode_tensor
-from protocol.keys import EphemeralKey, Identity, public_key_from_peer_id
+from protocol.keys import EphemeralKey, public_key_from_peer_id
 from protocol.links import Direction, LinkCipher, seal_link_key
 from protocol.messages import REPLY_FINGERPRINT, REPLY_FULL, Cancel, ErrorMsg, Forward, Result, SealedKey, SessionAccept, SessionClose, SessionOpen
-from store.trace import NullTracer, Tracer
 
 from .errors import PeerError, PeerFailed, SessionRefused
-from .gossip import ViewKeeper
 from .history import RouteHistory
 from .routing import Hop, Route
+from .route_state import AttestedStep, HopState, RequesterContext, StepSlot, peer_bytes  # noqa: F401 (re-exported)
 from .server import NEXT_HOP_FAILED
-from .transport import SESSION_PROTOCOL, Channel, Transport
+from .transport import SESSION_PROTOCOL, Channel
 
 # Opening a session: dial (if needed), SessionOpen, the peer dials its next hop, SessionAccept.
 OPEN_TIMEOUT = 15.0
@@ -45,91 +42,6 @@ OPEN_TIMEOUT = 15.0
 STEP_TIMEOUT_FACTOR = 10.0
 STEP_TIMEOUT_FLOOR = 5.0
 CLOSE_TIMEOUT = 2.0
-
-
-@dataclass
-class RequesterContext:
-    """What a route session needs from the requester that owns it."""
-
-    transport: Transport
-    identity: Identity
-    keeper: ViewKeeper
-    nursery: trio.Nursery
-    num_layers: int
-    hidden_size: int
-    tracer: Tracer = field(default_factory=NullTracer)
-
-
-def peer_bytes(peer_id: str) -> bytes:
-    return ID.from_base58(peer_id).to_bytes()
-
-
-@dataclass
-class HopState:
-    """The requester's end of one peer's session."""
-
-    hop: Hop
-    channel: Channel
-    send: LinkCipher | None = None  # requester -> this peer (first hop, or an inject link)
-    tap: LinkCipher | None = None  # this peer -> requester, copy of its output
-    result: LinkCipher | None = None  # last hop -> requester
-    failure: str | None = None
-    attested: list[AttestedStep] = field(default_factory=list)
-    acked: trio.Event = field(default_factory=trio.Event)
-    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
-
-    @property
-    def peer(self) -> str:
-        return self.hop.peer_id
-
-
-@dataclass(frozen=True)
-class AttestedStep:
-    """What a peer signed about one step it computed (see protocol.attest)."""
-
-    peer: str
-    step: int
-    start_pos: int
-    n_tokens: int
-    start: int
-    end: int
-    inputs_hash: bytes
-    outputs_hash: bytes
-    attestation: bytes
-
-    @staticmethod
-    def of(state: "HopState", msg: Result) -> "AttestedStep":
-        return AttestedStep(state.peer, msg.step, msg.start_pos, msg.n_tokens, state.hop.start, state.hop.end,
-                            msg.inputs_hash, msg.outputs_hash, msg.attestation)
-
-
-@dataclass
-class StepSlot:
-    """A step waiting for its end: the chain's result, or the tap of `tap_from`
-    (its output tensor, or — when `fingerprint` — the fingerprint bytes in `raw`)."""
-
-    tap_from: str | None = None
-    fingerprint: bool = False
-    raw: bytes | None = None
-    sent_at: float = 0.0
-    done: trio.Event = field(default_factory=trio.Event)
-    value: torch.Tensor | None = None
-    error: PeerError | None = None
-
-    def complete(self, value: torch.Tensor) -> None:
-        if not self.done.is_set():
-            self.value = value.clone()  # the decoded tensor views a read-only buffer
-            self.done.set()
-
-    def complete_raw(self, raw: bytes) -> None:
-        if not self.done.is_set():
-            self.raw = raw
-            self.done.set()
-
-    def fail(self, error: PeerError) -> None:
-        if not self.done.is_set():
-            self.error = error
-            self.done.set()
 
 
 class RouteSession:

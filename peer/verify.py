@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-import trio
 from libp2p.peer.id import ID
 
 from protocol.attest import MAX_ROWS, MisbehaviourReport, ReportBody, Witness, sha256, sign_report

@@ -94,25 +94,37 @@ class WeightFolder:
                 raise ModelFormatError(f"cannot read {str(path)!r}: {bad}") from None
         return out
 
+    def read_stacked(self, names: list[str], shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> torch.Tensor:
+        """Tensors concatenated along dim 0, read one at a time straight into one buffer
+        (so that loading never holds a piece and the stacked copy of a whole layer at once)."""
+        rows = sum(shapes[n][0] for n in names)
+        out = torch.empty((rows, *shapes[names[0]][1:]), dtype=dtype)
+        at = 0
+        for name in names:
+            piece = self.read({name: shapes[name]}, dtype)[name]
+            out[at : at + piece.shape[0]] = piece
+            at += piece.shape[0]
+            del piece
+        return out
+
     def block_state(self, layer: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """One layer's tensors under the engine's names (`stages.model.Block`), q/k/v and gate/up stacked."""
         spec = self.spec
         p = f"model.layers.{layer}."
-        t = self.read(layer_tensor_names(spec, layer), dtype)
+        shapes = layer_tensor_names(spec, layer)
+        single = [p + "input_layernorm.weight", p + "self_attn.o_proj.weight",
+                  p + "post_attention_layernorm.weight", p + "mlp.down_proj.weight"]
+        t = self.read({n: shapes[n] for n in single}, dtype)
         state = {
-            "attn_norm.weight": t[p + "input_layernorm.weight"],
-            "attn.wqkv.weight": torch.cat(
-                [t[p + f"self_attn.{x}_proj.weight"] for x in "qkv"], dim=0
-            ),
-            "attn.wo.weight": t[p + "self_attn.o_proj.weight"],
-            "mlp_norm.weight": t[p + "post_attention_layernorm.weight"],
-            "mlp.w_gate_up.weight": torch.cat(
-                [t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]], dim=0
-            ),
-            "mlp.w_down.weight": t[p + "mlp.down_proj.weight"],
+            "attn_norm.weight": t[single[0]],
+            "attn.wqkv.weight": self.read_stacked([p + f"self_attn.{x}_proj.weight" for x in "qkv"], shapes, dtype),
+            "attn.wo.weight": t[single[1]],
+            "mlp_norm.weight": t[single[2]],
+            "mlp.w_gate_up.weight": self.read_stacked([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], shapes, dtype),
+            "mlp.w_down.weight": t[single[3]],
         }
         if spec.attention_bias:
-            state["attn.wqkv.bias"] = torch.cat([t[p + f"self_attn.{x}_proj.bias"] for x in "qkv"])
+            state["attn.wqkv.bias"] = self.read_stacked([p + f"self_attn.{x}_proj.bias" for x in "qkv"], shapes, dtype)
         return state
 
     def embedding(self, dtype: torch.dtype) -> torch.Tensor:

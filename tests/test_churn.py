@@ -27,7 +27,7 @@ PROMPTS = [
     ("The best way to learn", True),
 ]
 CHURN_ANSWERS = 20
-CHURN_TOKENS = 24
+CHURN_TOKENS = 16
 CHURN_DEADLINE = 420.0  # seconds: the test stops by itself
 
 

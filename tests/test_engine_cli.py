@@ -149,19 +149,24 @@ def test_import_sharded_folder(tiny_llama, tmp_path):
 
 
 SPAN_RSS = """
-import resource, sys, torch
+import gc, sys, psutil, torch
 from pathlib import Path
 from stages.stage import Stage
 torch.set_num_threads(1)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+me = psutil.Process()
+gc.collect()
+before = me.memory_info().rss
 stage = Stage.load(Path(sys.argv[1]), start=int(sys.argv[2]), end=int(sys.argv[3]))
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print((after - before) * 1024, stage.weight_bytes)
+stage.open("s", capacity=4)
+stage.forward("s", torch.zeros(1, stage.spec.hidden_size), 0)  # every weight touched, so resident
+gc.collect()
+print(me.memory_info().rss - before, stage.weight_bytes)
 """
 
 
 def test_span_load_costs_about_the_span(smol_dir):
-    """Peak RSS of loading 3 of 30 layers is about those layers' bytes, not the model's."""
+    """Resident memory after loading (and running) 3 of 30 layers is about those layers'
+    bytes, not the model's."""
     def load(start: int, end: int) -> tuple[int, int]:
         done = subprocess.run([sys.executable, "-c", SPAN_RSS, str(smol_dir), str(start), str(end)],
                               capture_output=True, text=True, timeout=120)
@@ -173,5 +178,5 @@ def test_span_load_costs_about_the_span(smol_dir):
     whole_grown, whole_bytes = load(0, 30)
     print(f"span: +{span_grown / 2**20:.0f} MiB for {span_bytes / 2**20:.0f} MiB of weights; "
           f"all layers: +{whole_grown / 2**20:.0f} MiB for {whole_bytes / 2**20:.0f} MiB")
-    assert span_grown < 2 * span_bytes + 32 * 2**20
-    assert whole_grown > 5 * span_grown
+    assert span_bytes * 0.8 < span_grown < 1.3 * span_bytes + 16 * 2**20
+    assert whole_grown > 0.8 * whole_bytes
