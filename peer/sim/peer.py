@@ -17,16 +17,19 @@ always close their sessions).
 from __future__ import annotations
 
 import trio
+from libp2p.peer.id import ID
 
 from protocol.crypto import sign_record
+from protocol.keys import Identity
 from protocol.records import Neighbour, PeerRecord, SignedRecord
 
 from ..errors import PeerError
 from ..gossip import Gossip, Pinger
 from ..memory_transport import MemoryTransport, open_memory_transport
-from ..node import KV_RESERVE_FRACTION, capacity_in_layers
-from ..server import ServerLimits, StageServer
-from ..view import DRAINING, LEAVING, LOADING, SERVING
+from ..node_config import KV_RESERVE_FRACTION, capacity_in_layers
+from ..server import StageServer
+from ..server_limits import ServerLimits
+from ..view import DRAINING, LEAVING, LOADING, SERVING, PeerInfo
 from .scenario import PeerPlan
 from .stage import FLOAT32_BYTES, SimStage, cost_model
 from .world import World, node_rng
@@ -46,13 +49,11 @@ def memory_for(plan: PeerPlan, world: World) -> int:
 class SimPeer:
     """One simulated peer (see the module docstring)."""
 
-    def __init__(self, world: World, plan: PeerPlan, identity) -> None:
+    def __init__(self, world: World, plan: PeerPlan, identity: Identity) -> None:
         self.world = world
         self.plan = plan
         self.label = plan.label
         self.identity = identity
-        from libp2p.peer.id import ID
-
         self.peer_id = ID(identity.peer_id).to_base58()
         self.throughput = plan.throughput
         self.memory_bytes = memory_for(plan, world)
@@ -69,7 +70,7 @@ class SimPeer:
         self.pinger: Pinger | None = None
         self.seq = 0
         self._own: SignedRecord | None = None
-        self._own_info = None
+        self._own_info: PeerInfo | None = None  # this peer as its latest record shows it
         self.stopping = trio.Event()
         self.scope = trio.CancelScope()
         self.alive = False
@@ -249,6 +250,8 @@ class SimPeer:
             await self.advertise()
             if self.server:
                 await self.server.drain(self.world.timings.leave_grace)
+                for session in list(self.server.sessions.values()):  # past the grace: end them now
+                    self.server.drop(session, "peer left")
             self._set_state(LEAVING)
             await self.advertise()
             self.exit = "left"

@@ -119,9 +119,13 @@ class Recorder:
         self._sample(now)
 
     def claim(self, peer) -> None:
+        if self.closed:
+            return
         self.peer_log[peer.label]["spans"].append([self.clock(), peer.span[0], peer.span[1]])
 
     def move(self, peer, old, new, reason: str) -> None:
+        if self.closed:
+            return
         now = self.clock()
         self.moves.append({"t": now, "peer": peer.label, "from": list(old) if old else None, "to": list(new),
                            "reason": reason})

@@ -29,7 +29,7 @@ from ..errors import NoRoute, PeerError
 from ..gossip import Gossip, Pinger
 from ..memory_transport import MemoryTransport
 from ..recovery import ResilientSession
-from ..route_session import RequesterContext
+from ..route_state import RequesterContext
 from ..routing import Route, route
 from ..view import PeerInfo
 from .scenario import RequestPlan
