@@ -186,6 +186,8 @@ class SegmentedSession:
                 except PeerFailed as failure:
                     self.failure = failure
                     slot.fail(failure)
+                except ValueError as gap:  # positions that skip past what was sent (a caller's bug): this step only
+                    slot.fail(PeerError(f"step at position {start_pos}: {gap}"))
 
     async def _through(self, segments: list[Segment], x: torch.Tensor, start_pos: int) -> torch.Tensor:
         for segment in segments:

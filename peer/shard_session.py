@@ -60,9 +60,10 @@ class RankState:
 
 @dataclass
 class GatherSlot:
-    """A step waiting for every rank's output slice."""
+    """A step waiting for every rank's output slice, each of `shape`."""
 
     count: int
+    shape: tuple[int, int]
     parts: dict[int, torch.Tensor] = field(default_factory=dict)
     done: trio.Event = field(default_factory=trio.Event)
     error: PeerFailed | None = None
@@ -197,6 +198,9 @@ class GroupSession:
                     if isinstance(msg, Result) and msg.link_id == state.result.link_id:
                         slot = self.pending.get(msg.step)
                         part = open_activations(state.result, msg)
+                        if slot is not None and tuple(part.shape) != slot.shape:
+                            raise WireError(f"rank {state.rank} sent a slice of shape {tuple(part.shape)}, "
+                                            f"expected {slot.shape}")
                         if slot is not None:
                             slot.add(state.rank, part)
                     elif isinstance(msg, ErrorMsg):
@@ -239,7 +243,7 @@ class GroupSession:
         self._next_step += 1
         step = self._next_step
         n = hidden.shape[0]
-        slot = self.pending[step] = GatherSlot(self.count)
+        slot = self.pending[step] = GatherSlot(self.count, (n, self.width))
         started = time.perf_counter()
         try:
             for state in self.ranks:
