@@ -320,6 +320,10 @@ async def open_libp2p_transport(
     """Run a host listening on `listen` for the duration of the block (with its relay stack unless `relay=False`)."""
     host = make_host(seed, swarm_key=swarm_key, noise_only=noise_only)
     async with host.run(listen_addrs=[multiaddr.Multiaddr(a) for a in listen]):
+        # py-libp2p's auto-connector dials every address in the peerstore until ~200
+        # connections are open (hundreds of dials at once on a loaded machine); our
+        # peers connect to the peers they need themselves (gossip, routes).
+        await host.get_network().auto_connector.stop()
         if not relay:
             yield Libp2pTransport(host, swarm_key=swarm_key)
             return

@@ -57,6 +57,10 @@ from .view import LEAVING
 
 log = logging.getLogger(__name__)
 
+
+def _is_loopback(addr: str) -> bool:
+    return addr.startswith(("/ip4/127.", "/ip6/::1/"))
+
 # Verdicts of the dial-back check.
 UNKNOWN = "unknown"
 PUBLIC = "public"
@@ -91,8 +95,10 @@ class NatService:
         out: Callable[[str], None] = print,
         tracer: Tracer | None = None,
         on_change: Callable[[], Awaitable[None]] | None = None,
+        trust_loopback: bool = True,
     ) -> None:
         self.transport = transport
+        self.trust_loopback = trust_loopback  # loopback-only listeners are public without asking
         self.keeper = keeper
         self.out = out
         self.tracer = tracer or NullTracer()
@@ -175,6 +181,16 @@ class NatService:
 
     async def check_reachability(self) -> str:
         """Ask helpers to dial us back; update (and return) the verdict."""
+        listen = self.transport.listen_addrs()
+        if self.trust_loopback and listen and all(_is_loopback(a) for a in listen):
+            # a peer listening on loopback only serves peers on its own host, which can
+            # always dial it; asking (and, on a busy machine, timing out) would only ever
+            # mislabel it private and send a local swarm through relays
+            if self.verdict != PUBLIC:
+                self.verdict, self.public_addrs = PUBLIC, sorted(listen)
+                self._apply_verdict()
+                self._mark_changed()
+            return self.verdict
         outcomes: list[DialBackOutcome] = []
 
         async def ask(helper: str) -> None:

@@ -82,9 +82,14 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", rope_frequencies(spec, device), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # float32 whatever the model dtype, as the reference implementation does
+        """The tables `apply_rope` takes, [T, 1, D]: (cos, cos) and (-sin, sin) per half.
+
+        float32 whatever the model dtype, as the reference implementation does. Built once
+        per step and shared by every layer, so that a layer's rotation is 4 kernels.
+        """
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        return angles.cos()[:, None, :], angles.sin()[:, None, :]  # [T, 1, D/2]
+        cos, sin = angles.cos(), angles.sin()
+        return torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]  # [T, 1, D]
 
 
 def rope_frequencies(spec: ModelSpec, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -116,10 +121,11 @@ def rope_frequencies(spec: ModelSpec, device: torch.device | str = "cpu") -> tor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [T, heads, D] by the tables [T, 1, D/2] (the half-split layout Hugging Face uses)."""
+    """Rotate [T, heads, D] by `Rotary.cos_sin`'s tables (the half-split layout Hugging Face uses):
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), the same products and sums as the reference."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (x2, x1)
+    return x * cos + swapped * sin
 
 
 @dataclass
@@ -166,7 +172,7 @@ class Attention(nn.Module):
         spec = self.spec
         t = x.shape[0]
         a, k, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        qkv = self.wqkv(x)  # [T, (A + 2K) D]
+        qkv = F.linear(x, self.wqkv.weight, self.wqkv.bias)  # [T, (A + 2K) D]
         qk = apply_rope(qkv[:, : (a + k) * d].view(t, a + k, d), ctx.cos, ctx.sin)  # [T, A + K, D]
         end = ctx.start + t
         keys[:, ctx.start : end] = qk[:, a:].transpose(0, 1)  # cache [K, S, D]
@@ -185,7 +191,7 @@ class Attention(nn.Module):
                 attn_mask=ctx.mask,
                 is_causal=ctx.mask is None,
             )[0].transpose(0, 1).reshape(t, a * d)  # [T, A D]
-        return self.wo(out)
+        return F.linear(out, self.wo.weight)
 
 
 def grouped_decode_attention(
@@ -213,8 +219,8 @@ class MLP(nn.Module):
         self.w_down = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).split(self.width, dim=-1)  # [T, I] each
-        return self.w_down(F.silu(gate) * up)
+        gate, up = F.linear(x, self.w_gate_up.weight).split(self.width, dim=-1)  # [T, I] each
+        return F.linear(F.silu(gate).mul_(up), self.w_down.weight)
 
 
 class RMSNorm(nn.Module):
@@ -240,5 +246,7 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, ctx: StepContext, keys: torch.Tensor, values: torch.Tensor
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), ctx, keys, values)
-        return x + self.mlp(self.mlp_norm(x))
+        # `.forward` directly: nn.Module.__call__'s hook machinery costs more than the
+        # small ops of a one-token step (no hooks are ever registered on these modules)
+        x = x + self.attn.forward(self.attn_norm.forward(x), ctx, keys, values)
+        return x + self.mlp.forward(self.mlp_norm.forward(x))

@@ -103,8 +103,8 @@ def test_dialback_messages_round_trip_and_reject_bad_fields() -> None:
 async def test_a_listening_peer_is_found_public_and_advertises_what_was_reached() -> None:
     async with open_libp2p_transport(Identity.generate().seed) as asker, \
             open_libp2p_transport(Identity.generate().seed) as helper:
-        nat = NatService(asker, keeper(), out=lambda line: None)
-        NatService(helper, keeper(), out=lambda line: None)
+        nat = NatService(asker, keeper(), out=lambda line: None, trust_loopback=False)
+        NatService(helper, keeper(), out=lambda line: None, trust_loopback=False)
         assert nat.verdict == UNKNOWN and nat.advertised() == asker.listen_addrs()
         assert await nat.check_reachability() == UNKNOWN  # nobody to ask yet
         await asker.connect(helper.addrs()[0])
@@ -116,8 +116,8 @@ async def test_a_listening_peer_is_found_public_and_advertises_what_was_reached(
 async def test_nothing_listening_on_the_named_port_means_private() -> None:
     async with open_libp2p_transport(Identity.generate().seed) as asker, \
             open_libp2p_transport(Identity.generate().seed) as helper:
-        NatService(helper, keeper(), out=lambda line: None)
-        nat = NatService(asker, keeper(), out=lambda line: None)
+        NatService(helper, keeper(), out=lambda line: None, trust_loopback=False)
+        nat = NatService(asker, keeper(), out=lambda line: None, trust_loopback=False)
         # As behind a NAT: the port others would have to dial leads nowhere.
         closed = free_port()
         nat.dialback.listen_addrs = lambda: [f"/ip4/127.0.0.1/tcp/{closed}/p2p/{asker.peer_id}"]
@@ -139,7 +139,7 @@ async def test_a_helper_that_claims_success_without_dialling_is_not_believed() -
             await channel.close()
 
         liar.set_handler(DIALBACK_PROTOCOL, lie)
-        nat = NatService(asker, keeper(), out=lambda line: None)
+        nat = NatService(asker, keeper(), out=lambda line: None, trust_loopback=False)
         await asker.connect(liar.addrs()[0])
         outcome = await nat.dialback.check(liar.peer_id)
         assert outcome is not None and outcome.tried and outcome.reached == ()
@@ -163,7 +163,7 @@ async def test_private_peer_reserves_on_a_relay_that_appears_later_renews_and_is
         relay.relay.enable_hop()
         view = keeper()
         lines: list[str] = []
-        nat = NatService(private, view, out=lines.append)
+        nat = NatService(private, view, out=lines.append, trust_loopback=False)
         nat.verdict = PRIVATE  # as the dial-back check would find behind a NAT
         async with trio.open_nursery() as nursery:
             nursery.start_soon(nat._relay_loop)
@@ -200,7 +200,7 @@ async def test_peers_meeting_over_a_relay_upgrade_to_direct_when_one_is_dialable
         assert await a.relay.reserve(relay.peer_id) > time.time()
         lines: list[str] = []
         tracer = MemoryTracer()
-        nat = NatService(b, keeper(), out=lines.append, tracer=tracer)
+        nat = NatService(b, keeper(), out=lines.append, tracer=tracer, trust_loopback=False)
         await b.connect(f"{relay.addrs()[0]}/p2p-circuit/p2p/{a.peer_id}")
         nat.poll_links()
         assert nat.links[a.peer_id] == RELAYED

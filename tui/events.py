@@ -24,7 +24,7 @@ from store.db import PeerStore
 from store.errors import StoreClosed
 from store.trace import EVENT_KINDS
 
-NOISY_KINDS = ("forward", "push", "receive", "advertise", "token", "result")
+NOISY_KINDS = ("forward", "push", "receive", "advertise", "token", "result", "audit")
 QUIET_KINDS = tuple(k for k in EVENT_KINDS if k not in NOISY_KINDS)
 BACKLOG = 200  # events shown from before the UI opened (or the filter changed)
 PAGE = 500  # trace rows per read; a busy peer catches up in a few ticks
