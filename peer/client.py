@@ -138,14 +138,7 @@ class Swarm:
 
     async def refresh(self) -> None:
         """Pull views from connected peers and connect to the peers they name."""
-        for info in self.keeper.snapshot().peers:
-            if info.peer_id not in self.transport.connected() and info.addrs:
-                with trio.move_on_after(2.0):
-                    try:
-                        await self.transport.connect(info.addrs[0])
-                    except PeerError:
-                        continue  # unreachable now; the view will age it out
-        await self.gossip.announce()
+        await self.gossip.round()
         await self.pinger.ping_all()
 
     async def _refresh_forever(self) -> None:

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 # One exchange is two small messages on an existing connection: a few RTTs.
 # 5 s leaves room for a relayed link across continents without stalling the loop.
 EXCHANGE_TIMEOUT = 5.0
+CONNECT_TIMEOUT = 2.0  # a dial to a peer the view names (it may be gone)
 # How often neighbours swap views; advertisements live RECORD_TTL (peer/node.py), several periods.
 GOSSIP_INTERVAL = 2.0
 PING_TIMEOUT = 5.0
@@ -150,6 +151,10 @@ class Gossip:
         self.keeper = keeper
         self.own_record = own_record
         self.interval = interval
+        # neighbours whose last exchange failed: a vanished peer can stay "connected" for a
+        # while, and an announce that waited EXCHANGE_TIMEOUT on it would delay every
+        # advertisement (and so every move) behind it; only the periodic round retries them
+        self.failing: set[str] = set()
         transport.set_handler(GOSSIP_PROTOCOL, self.handle)
 
     def _outgoing(self) -> list[SignedRecord]:
@@ -182,20 +187,43 @@ class Gossip:
                 while (reply := await channel.receive_or_none()) is not None:
                     if isinstance(reply, GossipPush):
                         self.keeper.merge(reply.records)
+            self.failing.discard(peer_id)
             return True
         except (trio.TooSlowError, PeerError, WireError) as bad:
             log.debug("gossip with %s failed: %s", peer_id, bad)
+            self.failing.add(peer_id)
             return False
 
-    async def announce(self) -> None:
-        """Exchange with every connected peer now (after our own record changed)."""
+    async def announce(self, *, retry_failing: bool = False) -> None:
+        """Exchange with every connected peer now (after our own record changed); peers
+        whose last exchange failed only when `retry_failing` (the periodic round)."""
         async with trio.open_nursery() as nursery:
             for peer_id in self.transport.connected():
-                nursery.start_soon(self.exchange, peer_id)
+                if retry_failing or peer_id not in self.failing:
+                    nursery.start_soon(self.exchange, peer_id)
+
+    async def connect_known(self, on_connect: Callable[[str], None] = lambda peer_id: None) -> None:
+        """Dial the peers the view names that we are not connected to yet (each for at most
+        CONNECT_TIMEOUT; one that fails may be gone, and its record will expire)."""
+        connected = set(self.transport.connected())
+        for info in self.keeper.snapshot().peers:
+            if info.peer_id != self.transport.peer_id and info.peer_id not in connected and info.addrs:
+                with trio.move_on_after(CONNECT_TIMEOUT):
+                    try:
+                        await self.transport.connect(info.addrs[0])
+                    except PeerError:
+                        continue
+                    on_connect(info.peer_id)
+
+    async def round(self, on_connect: Callable[[str], None] = lambda peer_id: None) -> None:
+        """The periodic round: meet the peers the view names, then exchange with every
+        neighbour (those whose last exchange failed included)."""
+        await self.connect_known(on_connect)
+        await self.announce(retry_failing=True)
 
     async def run(self) -> None:
         while True:
-            await self.announce()
+            await self.round()
             await trio.sleep(self.interval)
 
 

@@ -211,16 +211,10 @@ class PeerNode:
         await self._connect_known()
 
     async def _connect_known(self) -> None:
-        """Connect to peers the view names that we are not connected to yet."""
-        connected = set(self.transport.connected())
-        for info in self.keeper.snapshot().peers:
-            if info.peer_id != self.transport.peer_id and info.peer_id not in connected and info.addrs:
-                with trio.move_on_after(2.0):
-                    try:
-                        await self.transport.connect(info.addrs[0])
-                        self.tracer.emit("connect", remote=info.peer_id, detail={"kind": "direct"})
-                    except PeerError:
-                        continue  # it may be gone; its record will expire
+        await self.gossip.connect_known(self._connected)
+
+    def _connected(self, peer_id: str) -> None:
+        self.tracer.emit("connect", remote=peer_id, detail={"kind": self.transport.connection_kind(peer_id) or "direct"})
 
     @property
     def capacity(self) -> int:
@@ -353,8 +347,7 @@ class PeerNode:
     async def _gossip_forever(self) -> None:
         while True:
             await trio.sleep(self.gossip.interval)
-            await self._connect_known()
-            await self.gossip.announce()
+            await self.gossip.round(self._connected)
 
     async def _ping_forever(self) -> None:
         while True:

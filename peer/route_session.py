@@ -146,9 +146,11 @@ class RouteSession:
         if failed:
             for state in opened:
                 self.ctx.nursery.start_soon(self.close_hop, state, "a peer of the route refused")
-            hop, error = failed[0]
-            if isinstance(error, PeerError):
+            hop, error = blame(failed, hops, next_)
+            if isinstance(error, (SessionRefused, PeerFailed)):
                 raise error
+            # anything else (unreachable, a stream that closed, a bad frame, a timeout) is
+            # this hop failing: the caller bans it and routes around it
             raise PeerFailed(hop.peer_id, f"opening the session: {type(error).__name__}: {error}")
         return opened, into[0], out_last
 
@@ -363,3 +365,18 @@ class RouteSession:
 def route_summary(route: Route) -> list[dict]:
     return [{"peer": h.peer_id, "start": h.start, "end": h.end} for h in route.hops]
 
+
+def blame(failed: list[tuple[Hop, BaseException]], hops: list[Hop], next_: str | None) -> tuple[Hop, BaseException]:
+    """Which failure of an open to report. A hop that refused with NEXT_HOP_FAILED is alive:
+    it could not reach the peer after it, so that peer is the one to ban, unless another
+    hop failed in its own right (reported first)."""
+    own = [(hop, error) for hop, error in failed
+           if not (isinstance(error, SessionRefused) and error.code == NEXT_HOP_FAILED)]
+    if own:
+        return own[0]
+    hop, error = failed[0]
+    index = hops.index(hop)
+    culprit = hops[index + 1].peer_id if index + 1 < len(hops) else next_
+    if culprit is None:
+        return hop, error
+    return hop, PeerFailed(culprit, f"unreachable from the previous peer: {error}")

@@ -125,7 +125,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), the same products and sums as the reference."""
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (x2, x1)
-    return x * cos + swapped * sin
+    # the tables are float32; like the reference, rotate in the activations' dtype
+    # (`.to` is free when they already match, as in float32 models)
+    return x * cos.to(x.dtype) + swapped * sin.to(x.dtype)
 
 
 @dataclass

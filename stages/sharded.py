@@ -53,10 +53,10 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 
 from .collectives import HIDDEN, Collectives
-from .errors import ContextOverflow, ModelFormatError, SpanError, StageError, UnknownSession
-from .model import KVCache, Rotary, StepContext, apply_rope, attention_mask, grouped_decode_attention
+from .errors import ModelFormatError, SpanError, StageError
+from .model import Rotary, StepContext, apply_rope, attention_mask, grouped_decode_attention
 from .spec import ModelSpec
-from .stage import SessionState
+from .sessions import SessionState, SessionTable
 from .weights import WeightFolder, layer_tensor_names
 
 # What one rank reports per layer, in order: (event, op). `peer/shard_audit.py` checks
@@ -111,7 +111,7 @@ class ShardLayer:
         return [t for t in vars(self).values() if t is not None]
 
 
-class ShardedStage:
+class ShardedStage(SessionTable):
     """Shard `index` of `count` of layers [start, end): the `Stage` API, on hidden slices."""
 
     def __init__(
@@ -142,6 +142,7 @@ class ShardedStage:
         self.cols = (index * self.width, (index + 1) * self.width)  # this rank's hidden slice
         # this rank's heads: its own attention shape, and its KV cache's
         self.local_spec = replace(spec, num_heads=spec.num_heads // count, num_kv_heads=spec.num_kv_heads // count)
+        self.cache_spec = self.local_spec  # the KV cache holds this rank's KV heads only
         self.rotary = Rotary(spec, self.device)
         self.scale = 1.0 / math.sqrt(spec.head_dim)
         self.sessions: dict[Hashable, SessionState] = {}
@@ -178,42 +179,6 @@ class ShardedStage:
     @property
     def weight_bytes(self) -> int:
         return sum(t.nbytes for layer in self.layers for t in layer.tensors())
-
-    # -- sessions (as Stage) ------------------------------------------------------------
-
-    def open(self, session: Hashable, *, capacity: int, start: int | None = None, end: int | None = None) -> None:
-        """Allocate a session's KV cache (this rank's KV heads only) over layers [start, end)."""
-        start = self.start if start is None else start
-        end = self.end if end is None else end
-        if not self.start <= start <= end <= self.end:
-            raise SpanError(f"session span [{start}, {end}) is outside this stage's [{self.start}, {self.end})")
-        if not 0 < capacity <= self.spec.max_position:
-            raise ContextOverflow(
-                f"session capacity {capacity!r} is outside (0, {self.spec.max_position}] (the model's context)"
-            )
-        with torch.inference_mode():
-            cache = KVCache(end - start, self.local_spec, capacity, dtype=self.dtype, device=self.device)
-        self.sessions[session] = SessionState(cache, start, end)
-
-    def close(self, session: Hashable) -> None:
-        self.sessions.pop(session, None)
-
-    def position(self, session: Hashable) -> int:
-        return self._session(session).cache.length
-
-    def rollback(self, session: Hashable, position: int) -> None:
-        self._session(session).cache.rollback(position)
-
-    def session_bytes(self, capacity: int, num_layers: int | None = None) -> int:
-        layers = self.end - self.start if num_layers is None else num_layers
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return self.local_spec.kv_bytes_per_token(layers, itemsize) * capacity
-
-    def _session(self, session: Hashable) -> SessionState:
-        try:
-            return self.sessions[session]
-        except KeyError:
-            raise UnknownSession(f"no session {session!r} on this stage") from None
 
     # -- compute ------------------------------------------------------------------------
 

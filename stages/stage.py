@@ -12,7 +12,6 @@ thread) and serialises the rest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Hashable, Sequence
 
@@ -20,22 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import ContextOverflow, SpanError, UnknownSession
-from .model import Block, KVCache, Rotary, StepContext, attention_mask
+from .errors import SpanError
+from .model import Block, Rotary, StepContext, attention_mask
+from .sessions import SessionState, SessionTable
 from .spec import ModelSpec
 from .weights import WeightFolder
 
 
-@dataclass
-class SessionState:
-    """One session's cache and the sub-span [start, end) of layers it runs."""
-
-    cache: KVCache
-    start: int
-    end: int
-
-
-class Stage:
+class Stage(SessionTable):
     """Layers [start, end) of one model, plus the embedding and/or head when asked for."""
 
     def __init__(
@@ -104,42 +95,11 @@ class Stage:
             spec, start, blocks, embedding=embedding, norm=norm, head=head_weight, device=device, dtype=dtype
         )
 
-    # -- sessions -----------------------------------------------------------------
+    # -- sessions (SessionTable) ---------------------------------------------------
 
-    def open(self, session: Hashable, *, capacity: int, start: int | None = None, end: int | None = None) -> None:
-        """Allocate a session's KV cache for `capacity` positions over layers [start, end)."""
-        start = self.start if start is None else start
-        end = self.end if end is None else end
-        if not self.start <= start <= end <= self.end:
-            raise SpanError(f"session span [{start}, {end}) is outside this stage's [{self.start}, {self.end})")
-        if not 0 < capacity <= self.spec.max_position:
-            raise ContextOverflow(
-                f"session capacity {capacity!r} is outside (0, {self.spec.max_position}] (the model's context)"
-            )
-        with torch.inference_mode():
-            cache = KVCache(end - start, self.spec, capacity, dtype=self.dtype, device=self.device)
-        self.sessions[session] = SessionState(cache, start, end)
-
-    def close(self, session: Hashable) -> None:
-        self.sessions.pop(session, None)
-
-    def position(self, session: Hashable) -> int:
-        return self._session(session).cache.length
-
-    def rollback(self, session: Hashable, position: int) -> None:
-        self._session(session).cache.rollback(position)
-
-    def session_bytes(self, capacity: int, num_layers: int | None = None) -> int:
-        """KV bytes a session of `capacity` positions costs (to check limits before allocating)."""
-        layers = self.end - self.start if num_layers is None else num_layers
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return self.spec.kv_bytes_per_token(layers, itemsize) * capacity
-
-    def _session(self, session: Hashable) -> SessionState:
-        try:
-            return self.sessions[session]
-        except KeyError:
-            raise UnknownSession(f"no session {session!r} on this stage") from None
+    @property
+    def cache_spec(self) -> ModelSpec:
+        return self.spec
 
     # -- compute ------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ PROMPTS = [
     ("Once upon a time", True),
     ("The best way to learn", True),
 ]
-CHURN_ANSWERS = 20
+CHURN_ANSWERS = 8
 CHURN_TOKENS = 16
 CHURN_DEADLINE = 420.0  # seconds: the test stops by itself
 
@@ -37,7 +37,8 @@ def references(local_engine, tokenizer, n: int) -> dict[str, list[int]]:
 
 async def test_churn_every_answer_completes_exactly(smol_dir, local_engine, smol_tokenizer):
     """5 peers, every layer held at least twice; a peer is killed or restarted every few
-    seconds while 20 answers run; every answer completes and equals the reference."""
+    seconds while answers run (8 at least, and until 3 kills); every answer completes and
+    equals the reference."""
     expected = references(local_engine, smol_tokenizer, CHURN_TOKENS)
     spans = [(0, 15), (15, 30), (0, 30), (0, 15), (15, 30)]
     rng = random.Random(2024)
@@ -62,14 +63,16 @@ async def test_churn_every_answer_completes_exactly(smol_dir, local_engine, smol
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(churn)
-                for n in range(CHURN_ANSWERS):
+                n = 0  # at least CHURN_ANSWERS answers, and as many more as it takes to see 3 kills
+                while n < CHURN_ANSWERS or sum(e.startswith("kill") for e in events) < 3:
                     prompt, raw = PROMPTS[n % len(PROMPTS)]
+                    n += 1
                     ids = prompt_ids(swarm.tokenizer, prompt, raw=raw)
                     tokens = [t async for t in swarm.generate_ids(ids, max_new_tokens=CHURN_TOKENS, route_wait=60)]
                     answers.append((prompt, tokens))
                 nursery.cancel_scope.cancel()
     print(f"churn events: {events}")
-    assert len(answers) == CHURN_ANSWERS
+    assert len(answers) >= CHURN_ANSWERS
     assert sum(e.startswith("kill") for e in events) >= 3, events
     for prompt, tokens in answers:
         assert tokens == expected[prompt], prompt

@@ -40,14 +40,9 @@ def sole_server_scenario(mode: str) -> Scenario:
     return Scenario("synthetic", 30, 64, None, peers, (), ())
 
 
-GOSSIP_STALLS = pytest.mark.xfail(strict=True, reason=(
-    "real gossip: a vanished neighbour stays connected, every announce (and so every advertise) waits "
-    "EXCHANGE_TIMEOUT for it, moves are seen late and two peers fill the same gap (63 s gap, 3 moves)"))
-
-
 @pytest.mark.parametrize("mode, view", [
     ("graceful", "shared"), ("crash", "shared"), ("vanish", "shared"),
-    ("graceful", "gossip"), ("crash", "gossip"), pytest.param("vanish", "gossip", marks=GOSSIP_STALLS),
+    ("graceful", "gossip"), ("crash", "gossip"), ("vanish", "gossip"),
 ])
 def test_a_sole_servers_layers_are_covered_again_within_a_bound(mode, view):
     report = simulate(sole_server_scenario(mode), policy="default", seed=0, until=200.0, view=view)
@@ -172,10 +167,6 @@ def test_the_default_policys_shortcut_never_hides_a_move_plan_move_would_make():
     assert skipped > asked > moves > 20
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "RouteSession.open re-raises PeerUnreachable (a dial refused by a crashed peer whose record has not "
-    "expired) and ResilientSession.open catches only SessionRefused and PeerFailed: the generation fails "
-    "instead of banning the peer and routing around it (984 of 10,000 requests in bench/simulate.py)"))
 def test_a_generation_routed_through_a_freshly_crashed_peer_routes_around_it():
     peers = (
         PeerPlan("a", 0.0, 400.0, 15, span=(0, 15), leave_at=10.0, leave_mode="crash"),

@@ -41,7 +41,6 @@ def references(local_engine, smol_tokenizer):
 
 
 def drafters(smol_dir):
-    yield "ngram-k1", lambda: Speculation(NgramDrafter(), k=AdaptiveK(1), pipeline=False)
     yield "ngram-k4-pipelined", lambda: Speculation(NgramDrafter(), k=AdaptiveK(4), pipeline=True)
     yield "ngram-k8", lambda: Speculation(NgramDrafter(), k=AdaptiveK(8), pipeline=False)
     draft_stage = Stage.load(smol_dir, start=0, end=6, embed=True, head=True)
@@ -54,7 +53,7 @@ async def test_greedy_speculation_equals_plain_decoding(three_peers, references,
         await swarm.wait_for_route(30)
         totals = Counter()
         for name, make in drafters(smol_dir):
-            for prompt, raw in PROMPTS:
+            for prompt, raw in PROMPTS[::2]:  # a repetitive text and code: drafts hit and miss
                 spec = make()
                 info: dict = {}
                 ids = prompt_ids(swarm.tokenizer, prompt, raw=raw)
@@ -125,6 +124,7 @@ class LocalChain:
     def __init__(self, stage: Stage) -> None:
         self.stage = stage
         self.epoch = 0
+        self.rebuilt = None  # never set: a local chain has no repairs
         stage.open("chain", capacity=256)
 
     async def step(self, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
@@ -139,6 +139,9 @@ class LocalChain:
         return pending.slot  # type: ignore[return-value]
 
     async def cancel(self, pending: Pending) -> None:
+        pass
+
+    async def finish(self) -> None:
         pass
 
 

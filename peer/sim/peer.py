@@ -34,8 +34,6 @@ from .scenario import PeerPlan
 from .stage import FLOAT32_BYTES, SimStage, cost_model
 from .world import World, node_rng
 
-# How long a joining peer waits for each bootstrap exchange (as node.py's connect timeout).
-CONNECT_TIMEOUT = 2.0
 # Jitter of every periodic task, as node.py: +-20 %.
 JITTER = 0.2
 
@@ -182,15 +180,10 @@ class SimPeer:
         await self._connect_known()
 
     async def _connect_known(self) -> None:
-        connected = set(self.transport.connected())
-        for info in self.keeper.snapshot().peers:
-            if info.peer_id != self.peer_id and info.peer_id not in connected and info.addrs:
-                with trio.move_on_after(CONNECT_TIMEOUT):
-                    try:
-                        await self.transport.connect(info.addrs[0])
-                        self.tracer.emit("connect", remote=info.peer_id, detail={"kind": "direct"})
-                    except PeerError:
-                        continue  # it may be gone; its record will expire
+        await self.gossip.connect_known(self._connected)
+
+    def _connected(self, peer_id: str) -> None:
+        self.tracer.emit("connect", remote=peer_id, detail={"kind": "direct"})
 
     async def _claim_and_load(self) -> None:
         if self.plan.span is not None:
@@ -266,8 +259,7 @@ class SimPeer:
     async def _gossip_forever(self) -> None:
         while True:
             await trio.sleep(self.gossip.interval)
-            await self._connect_known()
-            await self.gossip.announce()
+            await self.gossip.round(self._connected)
 
     async def _ping_forever(self) -> None:
         interval = self.world.timings.ping_interval

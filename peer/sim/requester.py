@@ -125,14 +125,7 @@ class SimRequester:
     async def refresh(self) -> None:
         """As Swarm.refresh; with the shared view there is nothing to pull, only RTTs to measure."""
         if self.gossip is not None:
-            for info in self.keeper.snapshot().peers:
-                if info.peer_id not in self.transport.connected() and info.addrs:
-                    with trio.move_on_after(2.0):
-                        try:
-                            await self.transport.connect(info.addrs[0])
-                        except PeerError:
-                            continue  # unreachable now; the view will age it out
-            await self.gossip.announce()
+            await self.gossip.round()
         await self.pinger.ping_all()
 
     async def refresh_forever(self) -> None:

@@ -25,6 +25,7 @@ import torch
 import trio
 
 from stages.errors import ContextOverflow, SpanError, UnknownSession
+from stages.sessions import check_session
 from stages.spec import ModelSpec
 
 FLOAT32_BYTES = 4
@@ -69,12 +70,7 @@ class SimStage:
         self.work = 0  # layer-tokens computed since the last take_work()
 
     def open(self, session: Hashable, *, capacity: int, start: int | None = None, end: int | None = None) -> None:
-        start = self.start if start is None else start
-        end = self.end if end is None else end
-        if not self.start <= start <= end <= self.end:
-            raise SpanError(f"session span [{start}, {end}) is outside this stage's [{self.start}, {self.end})")
-        if not 0 < capacity <= self.spec.max_position:
-            raise ContextOverflow(f"session capacity {capacity!r} is outside (0, {self.spec.max_position}]")
+        start, end = check_session((self.start, self.end), start, end, capacity, self.spec.max_position)
         self.sessions[session] = _Session(start, end, capacity)
 
     def close(self, session: Hashable) -> None:
