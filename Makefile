@@ -6,7 +6,9 @@ TESSERA := $(VENV)/bin/tessera
 # torch first and pinned: here it is a local CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 MODEL  := smollm2-135m
-PYTEST_ARGS ?=
+# Two workers, a test file each at a time (module fixtures start one swarm per file).
+# Every peer process runs torch on one thread, so two files share the 2 cores fairly.
+PYTEST_ARGS ?= -n 2 --dist loadfile
 
 .PHONY: install model demo test bench clean
 

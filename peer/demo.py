@@ -72,13 +72,16 @@ class LocalSwarm:
     def start(self, *, together: bool = False) -> list[str]:
         """Start every peer; the first alone, then the rest one by one (placement sees each
         claim) or, with `together` (spans forced by --layers), all at once."""
-        first = self.start_peer(0, [])
         if together:
+            # the others can join as soon as the first listens (it measures and loads meanwhile)
+            self.spawn(0, [])
+            first = self.addrs[0] = wait_for_line(self.logs[0], self.procs[0], "listening on", prefix="listening on ")
             for i in range(1, self.n):
                 self.spawn(i, [first])
-            for i in range(1, self.n):
+            for i in range(self.n):
                 self.wait_ready(i)
         else:
+            first = self.start_peer(0, [])
             for i in range(1, self.n):
                 self.start_peer(i, [first])
         return self.addrs

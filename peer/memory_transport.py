@@ -8,19 +8,7 @@
 Run under `trio.testing.MockClock(autojump_threshold=0)` and a thousand peers
 cost no real time while they wait: simulated time jumps to the next event.
 
-The model of a link (one per ordered pair of peers, shared by all their streams):
-a frame written at time ``now`` leaves when the link is free (frames queue
-behind each other) and takes ``size / bandwidth`` seconds to send, then
-``latency`` seconds to arrive::
-
-    leaves = max(now, link.busy_until);  link.busy_until = leaves + size / bandwidth
-    arrives = link.busy_until + latency
-
-Nothing here is random: the same writes give the same arrival times. Writes do
-not block (the bytes sit in the link, as in a socket buffer); the reader waits
-until they arrive. Opening a stream costs one round trip (multistream-select on
-an existing yamux connection); dialling a new connection `DIAL_RTTS` more (TCP,
-Noise XX and the muxer's negotiation).
+Links are modelled in peer/memory_stream.py (latency, bandwidth, queueing).
 
 Failures, as the peer code meets them over libp2p:
 
@@ -41,16 +29,14 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections import deque
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Sequence
+from typing import AsyncIterator, Sequence
 
 import trio
-from trio.lowlevel import ParkingLot
 
-from .errors import PeerUnreachable, StreamClosed
+from .errors import PeerUnreachable
 from .libp2p_transport import DIAL_TIMEOUT, OPEN_STREAM_TIMEOUT
+from .memory_stream import Link, LinkModel, LinkSpec, MemoryStream, Pipe  # noqa: F401 (LinkSpec re-exported)
 from .transport import DIRECT, Handler
 
 log = logging.getLogger(__name__)
@@ -59,132 +45,6 @@ log = logging.getLogger(__name__)
 DIAL_RTTS = 3.0
 # A new stream on a live connection: multistream-select, one round trip.
 OPEN_RTTS = 1.0
-
-
-@dataclass(frozen=True)
-class LinkSpec:
-    """One direction of a link: one-way latency in seconds, bandwidth in bytes/s."""
-
-    latency: float = 0.001
-    bandwidth: float = 125e6  # 1 Gbit/s
-
-    def __post_init__(self) -> None:
-        if not self.latency >= 0:
-            raise ValueError(f"latency must be >= 0 seconds, got {self.latency!r}")
-        if not self.bandwidth > 0:
-            raise ValueError(f"bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
-
-
-LinkModel = Callable[[str, str], LinkSpec]
-
-
-class _Link:
-    """A directed link's state: its spec and when it finishes sending what it holds."""
-
-    __slots__ = ("spec", "busy_until", "bytes")
-
-    def __init__(self, spec: LinkSpec) -> None:
-        self.spec = spec
-        self.busy_until = 0.0
-        self.bytes = 0
-
-
-class _Pipe:
-    """One direction of one stream: chunks in flight, in arrival order."""
-
-    __slots__ = ("chunks", "eof_at", "broken", "blackhole", "lot", "last_arrival")
-
-    def __init__(self) -> None:
-        self.chunks: deque[tuple[float, bytes]] = deque()
-        self.eof_at: float | None = None  # when the writer's close reaches the reader
-        self.broken = False  # reset: both ends raise StreamClosed
-        self.blackhole = False  # the reader vanished: writes are lost
-        self.lot = ParkingLot()
-        self.last_arrival = 0.0
-
-    def break_(self) -> None:
-        self.broken = True
-        self.chunks.clear()
-        self.lot.unpark_all()
-
-
-class MemoryStream:
-    """One end of an in-memory stream (see the module docstring for its timing)."""
-
-    __slots__ = ("local", "remote", "protocol", "_out", "_in", "_link", "_closed_write", "_other", "__weakref__")
-
-    def __init__(self, local: "MemoryTransport", remote: str, protocol: str, out: _Pipe, into: _Pipe,
-                 link: _Link) -> None:
-        self.local = local
-        self.remote = remote
-        self.protocol = protocol
-        self._out = out
-        self._in = into
-        self._link = link
-        self._closed_write = False
-        self._other: weakref.ref[MemoryStream] | None = None  # the remote end (weak: no cycle)
-
-    async def read(self, max_bytes: int) -> bytes:
-        pipe = self._in
-        while True:
-            if pipe.broken:
-                raise StreamClosed(f"stream from {self.remote} was reset")
-            now = trio.current_time()
-            if pipe.chunks:
-                arrival, data = pipe.chunks[0]
-                if arrival > now:
-                    await trio.sleep_until(arrival)
-                    continue
-                if len(data) <= max_bytes:
-                    pipe.chunks.popleft()
-                    return data
-                pipe.chunks[0] = (arrival, data[max_bytes:])
-                return data[:max_bytes]
-            if pipe.eof_at is not None:
-                if pipe.eof_at > now:
-                    await trio.sleep_until(pipe.eof_at)
-                    continue
-                return b""
-            await pipe.lot.park()
-
-    async def write(self, data: bytes) -> None:
-        pipe = self._out
-        if self._closed_write:
-            raise StreamClosed(f"stream to {self.remote} is closed for writing")
-        if pipe.broken:
-            raise StreamClosed(f"stream to {self.remote} was reset")
-        if pipe.blackhole:
-            return  # the remote vanished silently: the bytes go nowhere, as on a dead wifi
-        link = self._link
-        now = trio.current_time()
-        spec = link.spec
-        link.busy_until = max(now, link.busy_until) + len(data) / spec.bandwidth
-        link.bytes += len(data)
-        arrival = max(link.busy_until + spec.latency, pipe.last_arrival)
-        pipe.last_arrival = arrival
-        pipe.chunks.append((arrival, bytes(data)))
-        pipe.lot.unpark_all()
-
-    async def close(self) -> None:
-        """Half-close: the remote reads what was sent, then end of stream."""
-        if self._closed_write or self._out.broken:
-            return
-        self._closed_write = True
-        pipe = self._out
-        pipe.eof_at = max(trio.current_time() + self._link.spec.latency, pipe.last_arrival)
-        pipe.lot.unpark_all()
-        other = self._other() if self._other is not None else None
-        if other is not None and other._closed_write:
-            self.local.network._forget(self)
-
-    async def reset(self) -> None:
-        self.abort()
-
-    def abort(self) -> None:
-        """Reset both directions now (both ends raise StreamClosed)."""
-        self._out.break_()
-        self._in.break_()
-        self.local.network._forget(self)
 
 
 class MemoryTransport:
@@ -281,7 +141,7 @@ class MemoryNetwork:
     def __init__(self, link: LinkSpec | LinkModel = LinkSpec()) -> None:
         self.link_model: LinkModel = (lambda a, b, spec=link: spec) if isinstance(link, LinkSpec) else link
         self.transports: dict[str, MemoryTransport] = {}
-        self.links: dict[tuple[str, str], _Link] = {}
+        self.links: dict[tuple[str, str], Link] = {}
         # peer id -> the open stream ends that touch it (both ends of each of its streams, so
         # that a crash finds them in one lookup). Weak: an end both sides dropped without
         # closing (a handler that just returns) is garbage, not a leak; a parked reader keeps
@@ -329,11 +189,11 @@ class MemoryNetwork:
 
     # -- links ----------------------------------------------------------------------------
 
-    def link(self, a: str, b: str) -> _Link:
+    def link(self, a: str, b: str) -> Link:
         key = (a, b)
         state = self.links.get(key)
         if state is None:
-            state = self.links[key] = _Link(self.link_model(a, b))
+            state = self.links[key] = Link(self.link_model(a, b))
         return state
 
     def set_link(self, a: str, b: str, spec: LinkSpec, *, both_ways: bool = True) -> None:
@@ -360,7 +220,7 @@ class MemoryNetwork:
 
     def _stream_pair(self, opener: MemoryTransport, acceptor: MemoryTransport,
                      protocol: str) -> tuple[MemoryStream, MemoryStream]:
-        there, back = _Pipe(), _Pipe()
+        there, back = Pipe(), Pipe()
         a, b = opener.peer_id, acceptor.peer_id
         mine = MemoryStream(opener, b, protocol, there, back, self.link(a, b))
         theirs = MemoryStream(acceptor, a, protocol, back, there, self.link(b, a))

@@ -148,27 +148,8 @@ class StageServer:
 
     async def handle_session(self, stream: Stream) -> None:
         channel = Channel(stream)
-        session = None
-        try:
-            with trio.fail_after(OPEN_TIMEOUT):
-                msg = await channel.receive()
-                if not isinstance(msg, SessionOpen):
-                    raise Refused(BAD_REQUEST, f"expected SessionOpen, got {type(msg).__name__}")
-                session = self.admit(msg, channel)
-                await session.connect_next(self)
-                await channel.send(SessionAccept(msg.session_id, msg.max_length))
-        except Refused as refusal:
-            self.stats.refused += 1
-            await self._refuse(channel, refusal.code, str(refusal), getattr(session, "session_id", None))
-            if session is not None:
-                self.drop(session, refusal.code)
-            return
-        except (trio.TooSlowError, PeerError, WireError, StageError) as bad:
-            self.stats.refused += 1
-            code = NEXT_HOP_FAILED if session is not None else BAD_REQUEST
-            await self._refuse(channel, code, f"{type(bad).__name__}: {bad}", getattr(session, "session_id", None))
-            if session is not None:
-                self.drop(session, code)
+        session = await self.accept(channel, SessionOpen, self.admit, self._drop_refused)
+        if session is None:
             return
         self.tracer.emit("session_open", session=session.session_id, span=(session.start, session.end),
                          remote=session.requester, detail={"next": session.next_peer, "capacity": session.capacity})
@@ -182,6 +163,35 @@ class StageServer:
             self.drop(session, reason)
             with trio.CancelScope(shield=True):
                 await channel.close()
+
+    async def accept(self, channel: Channel, kind: type, admit: Callable, forget: Callable[..., Awaitable[None]]):
+        """Read the opening message (of type `kind`), admit it, connect the next hop and
+        answer SessionAccept; or refuse with a code, `forget` what was set up, and return None.
+        (Shared by plain sessions and tensor-shard sessions, peer/shard_server.py.)"""
+        session = None
+        try:
+            with trio.fail_after(OPEN_TIMEOUT):
+                msg = await channel.receive()
+                if not isinstance(msg, kind):
+                    raise Refused(BAD_REQUEST, f"expected {kind.__name__}, got {type(msg).__name__}")
+                session = admit(msg, channel)
+                await session.connect_next(self)
+                await channel.send(SessionAccept(msg.session_id, msg.max_length))
+            return session
+        except Refused as refusal:
+            code, message = refusal.code, str(refusal)
+        except (trio.TooSlowError, PeerError, WireError, StageError) as bad:
+            # admitted, then failed: the next hop could not be reached
+            code = NEXT_HOP_FAILED if session is not None else BAD_REQUEST
+            message = f"{type(bad).__name__}: {bad}"
+        self.stats.refused += 1
+        await self._refuse(channel, code, message, getattr(session, "session_id", None))
+        await forget(session, code)
+        return None
+
+    async def _drop_refused(self, session: ServedSession | None, reason: str) -> None:
+        if session is not None:
+            self.drop(session, reason)
 
     async def _refuse(self, channel: Channel, code: str, message: str, session_id: bytes | None) -> None:
         try:

@@ -29,17 +29,17 @@ import trio
 from protocol.activations import open_activations, seal_activations
 from protocol.errors import WireError
 from protocol.links import Direction, LinkCipher
-from protocol.messages import Forward, LinkHello, Result, SessionAccept, SessionOpen
+from protocol.messages import Forward, LinkHello, Result, SessionOpen
 from protocol.shards import ShardOpen
 from protocol.tensors import check_finite
 from stages.collectives import Collectives
-from stages.errors import SpanError, StageError
+from stages.errors import SpanError
 from stages.sharded import ShardedStage
 
 from .errors import PeerError
 from .gossip import peer_id_str
 from .served_session import ServedSession
-from .server import BAD_REQUEST, BAD_SPAN, LINK_WAIT, NEXT_HOP_FAILED, OPEN_TIMEOUT, Refused, StageServer
+from .server import BAD_REQUEST, BAD_SPAN, LINK_WAIT, Refused, StageServer
 from .shard_audit import SHARD, StepLog
 from .shard_links import SHARD_LINK_PROTOCOL, SHARD_SESSION_PROTOCOL, GroupLinks
 from .transport import SESSION_PROTOCOL, Channel, Stream
@@ -156,25 +156,8 @@ class ShardServer(StageServer):
     async def handle_shard_session(self, stream: Stream) -> None:
         """As `StageServer.handle_session`, for a ShardOpen."""
         channel = Channel(stream)
-        session: ShardServedSession | None = None
-        try:
-            with trio.fail_after(OPEN_TIMEOUT):
-                msg = await channel.receive()
-                if not isinstance(msg, ShardOpen):
-                    raise Refused(BAD_REQUEST, f"expected ShardOpen, got {type(msg).__name__}")
-                session = self.admit_shard(msg, channel)
-                await session.connect_next(self)
-                await channel.send(SessionAccept(msg.session_id, msg.max_length))
-        except Refused as refusal:
-            self.stats.refused += 1
-            await self._refuse(channel, refusal.code, str(refusal), getattr(session, "session_id", None))
-            await self._forget(session, refusal.code)
-            return
-        except (trio.TooSlowError, PeerError, WireError, StageError) as bad:
-            self.stats.refused += 1
-            code = NEXT_HOP_FAILED if session is not None else BAD_REQUEST
-            await self._refuse(channel, code, f"{type(bad).__name__}: {bad}", getattr(session, "session_id", None))
-            await self._forget(session, code)
+        session = await self.accept(channel, ShardOpen, self.admit_shard, self._forget)
+        if session is None:
             return
         self.tracer.emit("session_open", session=session.session_id, span=(session.start, session.end),
                          remote=session.requester, detail={"group": self.group, "rank": self.stage.index,

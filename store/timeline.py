@@ -39,26 +39,13 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from .errors import NotATraceDatabase
+from .writer import TRACE_COLUMNS
 
 # The least one-way delay we assume for a matched message: keeps every receive strictly
 # after its push once aligned (a loopback hop takes tens of microseconds; this is one).
 MIN_DELAY_S = 1e-6
 
-COLUMNS = (
-    "id",
-    "mono_ns",
-    "wall",
-    "peer",
-    "kind",
-    "session",
-    "step",
-    "span_start",
-    "span_end",
-    "bytes",
-    "duration",
-    "remote",
-    "detail",
-)
+COLUMNS = ("id", *TRACE_COLUMNS)  # as written by store/writer.py
 
 
 @dataclass

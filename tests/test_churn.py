@@ -26,7 +26,7 @@ PROMPTS = [
     ("Once upon a time", True),
     ("The best way to learn", True),
 ]
-CHURN_ANSWERS = 8
+CHURN_ANSWERS = 20
 CHURN_TOKENS = 16
 CHURN_DEADLINE = 420.0  # seconds: the test stops by itself
 
@@ -37,7 +37,7 @@ def references(local_engine, tokenizer, n: int) -> dict[str, list[int]]:
 
 async def test_churn_every_answer_completes_exactly(smol_dir, local_engine, smol_tokenizer):
     """5 peers, every layer held at least twice; a peer is killed or restarted every few
-    seconds while answers run (8 at least, and until 3 kills); every answer completes and
+    seconds while 20 answers run (more if it takes more to see 3 kills); every answer completes and
     equals the reference."""
     expected = references(local_engine, smol_tokenizer, CHURN_TOKENS)
     spans = [(0, 15), (15, 30), (0, 30), (0, 15), (15, 30)]
