@@ -8,13 +8,17 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
 from .cli_generate import add_compute_options
 from .emulated_link import LinkEmulation
 from .errors import ConfigError
-from .node import PeerConfig, PeerNode, parse_layers
+from .node_config import PeerConfig, parse_layers
+
+if TYPE_CHECKING:
+    from .node import PeerNode
 
 
 def read_swarm_key(value: str | None) -> bytes | None:
@@ -117,7 +121,7 @@ def config_from(args: argparse.Namespace) -> PeerConfig:
     )
 
 
-async def serve_until_signalled(node: PeerNode) -> None:
+async def serve_until_signalled(node: "PeerNode") -> None:
     """Run the peer; the first Ctrl-C/SIGTERM leaves gracefully, a second one stops at once."""
     async with trio.open_nursery() as nursery:
         async def watch_signals() -> None:
@@ -135,6 +139,8 @@ async def serve_until_signalled(node: PeerNode) -> None:
 
 
 def run_peer(args: argparse.Namespace) -> int:
+    from .node import PeerNode  # imported here: libp2p is heavy, and other commands don't need it
+
     node = PeerNode(config_from(args))
     if args.tui:
         from tui.app import run_with_tui

@@ -131,7 +131,6 @@ async def test_a_cheating_peer_is_caught_in_almost_every_session(decisive_model)
             CHEATS[0] = 0
             assert not any(v["guilty"] in ids[2:] for v in verdicts), verdicts  # honest peers never convicted
             equal += out == reference
-            await trio.sleep(0.2)  # let the banned-for-routing peers' bans lapse
         print(f"caught in {caught}/{SESSIONS} sessions; answers equal to the reference in {equal}/{SESSIONS} "
               f"({rewinds} regenerated after a caught peer's activations had changed tokens)")
     assert caught >= 0.99 * SESSIONS
@@ -185,10 +184,11 @@ def test_honest_peers_on_different_dtypes_are_never_flagged(smol_dir, smol_stage
         gen = torch.Generator().manual_seed(a)
         tokens = torch.randint(0, 49152, (500,), generator=gen).tolist()
         tamper = perturber(1.0, seed=a)
-        for pos, token in enumerate(tokens):
-            x = smol_stage.embed([token])
-            if a > 0:
-                x = prefix.forward("x", x, pos)
+        inputs = smol_stage.embed(tokens)
+        if a > 0:  # the real hidden states entering layer a, in one prefill pass
+            inputs = prefix.forward("x", inputs, 0)
+        for pos in range(len(tokens)):
+            x = inputs[pos : pos + 1]
             y32, y16 = f32.forward("x", x, pos), b16.forward("x", x, pos).float()
             ok = rows_agree(fingerprint_bytes(y32), fingerprint_bytes(y16), tol_mixed)
             if not bool(ok.all()):
