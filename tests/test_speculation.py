@@ -41,6 +41,7 @@ def references(local_engine, smol_tokenizer):
 
 
 def drafters(smol_dir):
+    yield "ngram-k1", lambda: Speculation(NgramDrafter(), k=AdaptiveK(1), pipeline=False)
     yield "ngram-k4-pipelined", lambda: Speculation(NgramDrafter(), k=AdaptiveK(4), pipeline=True)
     yield "ngram-k8", lambda: Speculation(NgramDrafter(), k=AdaptiveK(8), pipeline=False)
     draft_stage = Stage.load(smol_dir, start=0, end=6, embed=True, head=True)
