@@ -121,7 +121,6 @@ def layer_time(spec: ModelSpec, tokens: int, *, threads: int, min_time: float) -
             block(x, ctx, cache.keys[0], cache.values[0])
 
     seconds = median_time(run, min_time=min_time)
-    del block, cache
     return seconds
 
 
