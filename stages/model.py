@@ -81,15 +81,17 @@ class Rotary(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", rope_frequencies(spec, device), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """The tables `apply_rope` takes, [T, 1, D]: (cos, cos) and (-sin, sin) per half.
 
-        float32 whatever the model dtype, as the reference implementation does. Built once
-        per step and shared by every layer, so that a layer's rotation is 4 kernels.
+        Computed in float32 whatever the model dtype, then cast to the activations' `dtype`,
+        as the reference implementation does. Built once per step and shared by every
+        layer, so that a layer's rotation is 4 kernels.
         """
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, D/2]
         cos, sin = angles.cos(), angles.sin()
-        return torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]  # [T, 1, D]
+        cos, sin = torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
+        return cos[:, None, :], sin[:, None, :]  # [T, 1, D]
 
 
 def rope_frequencies(spec: ModelSpec, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -125,9 +127,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), the same products and sums as the reference."""
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (x2, x1)
-    # the tables are float32; like the reference, rotate in the activations' dtype
-    # (`.to` is free when they already match, as in float32 models)
-    return x * cos.to(x.dtype) + swapped * sin.to(x.dtype)
+    return x * cos + swapped * sin
 
 
 @dataclass

@@ -198,7 +198,7 @@ class ShardedStage(SessionTable):
             raise ShardError(f"collectives of rank {group.rank}/{group.count} given to shard {self.index}/{self.count}")
         state.cache.reserve(start_pos, t)
         positions = torch.arange(start_pos, start_pos + t, device=self.device)
-        cos, sin = self.rotary.cos_sin(positions)
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
         ctx = StepContext(start_pos, cos, sin, attention_mask(start_pos, t, self.spec.sliding_window, self.device))
         x = hidden.to(device=self.device, dtype=self.dtype)
         cache = state.cache

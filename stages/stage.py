@@ -117,7 +117,7 @@ class Stage(SessionTable):
             raise SpanError(f"hidden states have shape {tuple(hidden.shape)!r}, expected [T, {self.spec.hidden_size}]")
         state.cache.reserve(start_pos, t)
         positions = torch.arange(start_pos, start_pos + t, device=self.device)
-        cos, sin = self.rotary.cos_sin(positions)
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
         mask = attention_mask(start_pos, t, self.spec.sliding_window, self.device)
         ctx = StepContext(start_pos, cos, sin, mask)
         x = hidden.to(device=self.device, dtype=self.dtype)
