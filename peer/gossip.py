@@ -197,8 +197,10 @@ class Gossip:
     async def announce(self, *, retry_failing: bool = False) -> None:
         """Exchange with every connected peer now (after our own record changed); peers
         whose last exchange failed only when `retry_failing` (the periodic round)."""
+        connected = self.transport.connected()
+        self.failing.intersection_update(connected)  # a peer we dropped is forgotten, not kept
         async with trio.open_nursery() as nursery:
-            for peer_id in self.transport.connected():
+            for peer_id in connected:
                 if retry_failing or peer_id not in self.failing:
                     nursery.start_soon(self.exchange, peer_id)
 
