@@ -8,12 +8,13 @@ line on stderr and a non-zero exit status — never a traceback.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from typing import Callable, Sequence
 
 from stages.errors import StageError
+
+from .cli_logging import install as install_logging
 
 EXAMPLES = """examples:
   tessera model fetch smollm2-135m
@@ -43,10 +44,28 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="say more on stderr: -v INFO (py-libp2p's own lines as it writes them), -vv DEBUG")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (cli_model, cli_generate, *optional_command_modules()):
         module.register(sub)
+    add_verbose_everywhere(sub)
     return parser
+
+
+def add_verbose_everywhere(sub: argparse._SubParsersAction) -> None:
+    """`-v` after the command too (`tessera peer -v`); SUPPRESS keeps one given before it."""
+    for command in dict.fromkeys(sub.choices.values()):
+        nested = [a for a in command._actions if isinstance(a, argparse._SubParsersAction)]
+        if nested:
+            add_verbose_everywhere(nested[0])
+        else:
+            command.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                                 help="say more on stderr (-vv: DEBUG)")
+
+
+# Commands that reach the network through py-libp2p (whose logging `install_logging` tames).
+NETWORK_COMMANDS = ("peer", "swarm", "demo", "serve")
 
 
 def optional_command_modules() -> list:
@@ -77,8 +96,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int | None] = args.handler
-    # py-libp2p logs every failed handshake at ERROR; our own messages say what matters
-    logging.getLogger("libp2p").setLevel(logging.DEBUG if os.environ.get("TESSERA_DEBUG") else logging.CRITICAL)
+    # py-libp2p logs every failed dial at ERROR, some in 8-line dumps: one line each, unless -v
+    verbose = max(args.verbose, 2 if os.environ.get("TESSERA_DEBUG") else 0)
+    install_logging(verbose, import_libp2p=args.command in NETWORK_COMMANDS or bool(getattr(args, "join", None)))
     errors = domain_errors()
     try:
         return int(handler(args) or 0)

@@ -68,6 +68,9 @@ EVENT_KINDS = (
     "misbehaviour",  # a misbehaviour report was sent or received (remote = accused)
     "move",  # placement moved this peer to another span (detail: from, to)
     "audit",  # a tensor-shard step: what one node held and every collective it joined (peer/shard_audit.py)
+    "drain",  # the operator drained the peer: no new sessions, running ones finish (span_*)
+    "pause",  # the operator paused compute: steps held, no new sessions (span_*; detail: sessions held)
+    "resume",  # the operator resumed: sessions accepted again (span_*)
 )
 CONNECT_KINDS = ("direct", "punched", "relayed")
 

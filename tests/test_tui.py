@@ -10,12 +10,16 @@ scenario with `asyncio.run` (this suite's async tests run under trio).
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from peer.client import Swarm
 from peer.demo import memory_for_layers
@@ -27,10 +31,10 @@ from stages.generate import prompt_ids
 from store.db import PeerStore
 from store.trace import EVENT_KINDS
 from tui.app import TesseraApp
-from tui.bridge import PeerHandle
+from tui.bridge import PeerHandle, PeerNotRunning
 from tui.events import NOISY_KINDS, EventFilter, last_id, read_backlog
 from tui.panels import LedgerPanel, LivePanel, PeerHeader, PeerPanel, SwarmPanel
-from tui.rates import RateHistory
+from tui.rates import RECENT, RateHistory
 from tui.render import coverage_strip, event_line, gaps_text, span_bar, state_word
 from tui.screens import ConfirmScreen, HelpScreen, MemoryDialog, parse_gb
 
@@ -78,6 +82,45 @@ def test_rate_history_derives_tokens_per_second_from_cumulative_counts():
     assert history.series(2) == [0.0, 5.0]  # tokens seen late count in the bucket where they were seen
     history.add(101.0, 0)  # a new counter (smaller): the old history is dropped
     assert list(history.samples) == [(101.0, 0)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    burst=st.lists(st.tuples(st.floats(0.05, 3.0), st.integers(0, 400)), min_size=1, max_size=30),
+    idle=st.lists(st.floats(0.05, 40.0), min_size=1, max_size=60),
+)
+def test_peak_rate_moves_only_when_tokens_are_served(burst, idle):
+    """Samples at irregular times while tokens flow, then a still counter for minutes: the peak
+    stays put (it used to be the best of the sparkline's buckets, which slide and age out) and
+    the headline rate never rises."""
+    history, at, total = RateHistory(window=60.0), 100.0, 0
+    history.add(at, total)
+    for gap, tokens in burst:
+        at, total = at + gap, total + tokens
+        history.add(at, total)
+        assert history.peak >= history.current()  # "served X (peak Y)": Y is never below X
+    peak, rate = history.peak, history.current()
+    for gap in idle:
+        at += gap
+        assert history.add(at, total)
+        assert history.peak == peak, "the peak changed with no traffic"
+        assert history.current() <= rate + 1e-9, "the rate rose with no traffic"
+        rate = history.current()
+    if sum(idle) >= RECENT:
+        assert history.current() == 0.0
+
+
+def test_peak_rate_counts_a_burst_once():
+    history = RateHistory()
+    for at, total in [(0.0, 0), (1.0, 0), (1.5, 50), (2.0, 100), (2.5, 100)]:
+        history.add(at, total)
+    assert history.current() == pytest.approx(100 / 2.5)  # less than 5 s of samples: over what there is
+    assert history.peak == pytest.approx(100 / 2.0)  # at t=2.0: 100 tokens in the 2 s seen
+    for i in range(1, 200):
+        history.add(2.5 + i * 0.5, 100)
+    assert history.current() == 0.0 and history.peak == pytest.approx(50.0)
+    history.add(200.0, 600)  # traffic again: 500 tokens in the last 5 s
+    assert history.current() == pytest.approx(100.0) and history.peak == pytest.approx(100.0)
 
 
 def test_event_filter_parses_kinds_words_and_all():
@@ -389,3 +432,141 @@ def test_state_words_read_without_colour():
     assert state_word({**base, "phase": "starting", "span": None}) == "starting"
     assert state_word({**base, "phase": "starting"}) == "loading"
     assert state_word({**base, "phase": "stopped", "state": "leaving"}) == "left"
+
+
+# -- layout, the events log, typing, operator events (one peer under several UIs) ---------
+
+@pytest.fixture(scope="module")
+def ui_peer(other_peer, tmp_path_factory):
+    """One in-process peer serving [0, 15) behind a handle, shared by the UIs below (the last one drains it)."""
+    handle = make_handle(tmp_path_factory.mktemp("ui"), other_peer.addrs)
+    assert handle.wait_ready(STARTUP), handle.error
+    yield handle
+    try:
+        handle.leave()
+    except PeerNotRunning:
+        pass
+    handle.join(LEAVE_GRACE + SETTLE)
+
+
+def rows(widget) -> int:
+    return plain(widget).count("\n") + 1
+
+
+def swarm_snapshot(neighbours: int) -> dict:
+    """The keys SwarmPanel draws, for `neighbours` neighbours."""
+    return {"coverage": [1] * 30, "gaps": [], "swarm": {"serving": neighbours},
+            "neighbours": [{"peer_id": f"12D3KooWpeer{i:08d}", "name": f"n{i}", "rtt_ms": 1.5, "kind": "direct",
+                            "span": [0, 30], "state": "serving"} for i in range(neighbours)]}
+
+
+@pytest.mark.parametrize("size", [(80, 24), (100, 32)])
+def test_swarm_panel_grows_and_shrinks_with_its_rows(size):
+    """The panel's height is `auto`: a new neighbour (and nothing else changing) must lay it out
+    again; a repaint alone kept the height of the first layout ("waiting…": one line)."""
+    from textual.app import App
+
+    class OnePanel(App):
+        CSS = "SwarmPanel { height: auto; border: round white; }"
+
+        def compose(self):
+            yield SwarmPanel()
+
+    async def scenario():
+        app = OnePanel()
+        async with app.run_test(size=size) as pilot:
+            panel = app.query_one(SwarmPanel)
+            await pilot.pause()
+            assert panel.content_size.height == 1  # "waiting for the peer…"
+            for n in (0, 1, 2, 5, 1):
+                panel.snapshot = swarm_snapshot(n)
+                await pilot.pause()
+                assert panel.content_size.height == rows(panel), (n, panel.content_size.height, rows(panel))
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_panels_show_all_their_rows_at_80x24_and_100x32(ui_peer):
+    """At 100x32 the Swarm panel stayed one line high (its first layout drew "waiting…") until a resize."""
+    async def at(size: tuple[int, int]) -> None:
+        app = TesseraApp(ui_peer)
+        async with app.run_test(size=size) as pilot:
+            await until(pilot, lambda: app.snapshot and app.snapshot["neighbours"] and app.ledger, "neighbours")
+            await until(pilot, lambda: "neighbours" in plain(app.query_one(SwarmPanel)), "the swarm panel")
+            await pilot.pause()
+            for panel in (app.query_one(PeerPanel), app.query_one(SwarmPanel), app.query_one(LedgerPanel)):
+                assert panel.content_size.height >= rows(panel), \
+                    f"{type(panel).__name__} at {size}: {panel.content_size.height} of {rows(panel)} rows shown"
+            assert app.query_one("#event-log").size.height >= 2  # and the log keeps room of its own
+
+    for size in ((100, 32), (80, 24)):
+        asyncio.run(at(size))
+
+
+def burst_of_keys(app: TesseraApp, keys: str) -> None:
+    """Keys as a fast typist sends them: all queued before the app handles the first."""
+    from textual import events
+
+    for char in keys:
+        event = events.Key("slash" if char == "/" else char, char)
+        event.set_sender(app)
+        app.post_message(event)
+
+
+def at_tail(log) -> bool:
+    return log.max_scroll_y > 0 and log.scroll_y == log.max_scroll_y
+
+
+@pytest.mark.slow
+def test_events_tail_filter_typing_and_operator_events(ui_peer):
+    """At 80x24: the log shows its newest lines (and stays put while scrolled up); "/" then fast
+    typing goes to the filter box; drain, resume, pause, resume each leave an event in the log;
+    the peer's logging shows in the log too."""
+    for i in range(40):
+        ui_peer.node.out(f"backlog line {i}")
+
+    async def scenario():
+        app = TesseraApp(ui_peer)
+        async with app.run_test(size=(80, 24)) as pilot:
+            log = app.query_one("#event-log")
+            await until(pilot, lambda: "backlog line 39" in log_text(app) and app.snapshot, "the backlog")
+            await pilot.pause()
+            assert at_tail(log), (log.scroll_y, log.max_scroll_y)
+            await pilot.resize_terminal(80, 20)  # the log gets shorter, as when the panels grow
+            await pilot.pause()
+            assert at_tail(log), (log.scroll_y, log.max_scroll_y)
+
+            log.scroll_to(y=0, animate=False)  # the operator reads further up
+            await pilot.pause()
+            ui_peer.node.out("a line while reading up")
+            await until(pilot, lambda: "a line while reading up" in log_text(app), "the new line")
+            await pilot.pause()
+            assert log.scroll_y == 0  # left where the operator is reading
+            log.scroll_end(animate=False)
+            await pilot.pause()
+            logging.getLogger("peer.gossip").warning("a warning while the UI runs")
+            await until(pilot, lambda: "a warning while the UI runs" in log_text(app), "the warning")
+            await pilot.pause()
+            assert at_tail(log)  # back at the end: following again
+
+            burst_of_keys(app, "/claim")
+            await pilot.pause()
+            assert len(app.screen_stack) == 1, app.screen  # no memory dialog, no leave question
+            box = app.query_one("#event-filter")
+            assert box.value == "claim" and app.focused is box
+            await until(pilot, lambda: re.search(r"\d\d:\d\d:\d\d claim\s", log_text(app))
+                        and not re.search(r"\d\d:\d\d:\d\d join\s", log_text(app)), "only claims shown")
+            await pilot.press("escape")
+            box.value = ""
+
+            for key, state in (("d", "draining"), ("p", "serving"), ("p", "paused"), ("p", "serving")):
+                await pilot.press(key)
+                await until(pilot, lambda: app.state == state, state)
+            await until(pilot, lambda: all(re.search(rf"\d\d:\d\d:\d\d {kind}\s", log_text(app))
+                                           for kind in ("drain", "pause", "resume")), "the operator's events")
+
+    asyncio.run(scenario())
+    with PeerStore(ui_peer.db_path, readonly=True) as store:
+        kinds = [e["kind"] for e in store.events(kinds=("drain", "pause", "resume"))]
+    assert kinds == ["drain", "resume", "pause", "resume"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import signal
 import sys
 import traceback
@@ -40,6 +41,7 @@ from .panels import LedgerPanel, LivePanel, PeerHeader, PeerPanel, SwarmPanel
 from .rates import RateHistory
 from .render import fmt_span, state_word
 from .screens import ConfirmScreen, HelpScreen, MemoryDialog
+from .terminal import driver_for, logs_to, ui_terminal
 
 LEDGER_INTERVAL = 2.0  # seconds between ledger reads: it changes once per step, a person reads it slower
 FINISH_MARGIN = 10.0  # beyond the peer's leave grace, for it to close its host and store
@@ -69,7 +71,10 @@ class TesseraApp(App[int]):
         # As without the UI: the first Ctrl-C leaves gracefully, a second one stops at once.
         Binding("ctrl+c", "quit", "quit", show=False, priority=True),
         Binding("question_mark", "help", "help"),
-        Binding("slash", "filter", "filter", show=False),
+        # priority: run as the key arrives, before the next key is handed to the focused widget
+        # (a normal binding runs when the key has bubbled up from the log, by which time fast
+        # typing had sent "claim" to the global keys: `l` asked to leave, `m` opened memory)
+        Binding("slash", "filter", "filter", show=False, priority=True),
         Binding("escape", "focus_log", "back to the log", show=False),
     ]
 
@@ -78,12 +83,13 @@ class TesseraApp(App[int]):
     snapshot: var[dict | None] = var(None)
     rates: var[tuple[float, ...]] = var(())
     rate_now: var[float] = var(0.0)
+    rate_peak: var[float] = var(0.0)
     ledger: var[dict | None] = var(None)
     quitting: var[bool] = var(False)  # q was confirmed: exit once the peer has left
     state: var[str] = var("starting")  # state_word(snapshot): which keys apply
 
-    def __init__(self, handle: PeerHandle, *, leave_on_sigterm: bool = False) -> None:
-        super().__init__()
+    def __init__(self, handle: PeerHandle, *, leave_on_sigterm: bool = False, driver_class: type | None = None) -> None:
+        super().__init__(driver_class=driver_class)
         self.handle = handle
         self.leave_on_sigterm = leave_on_sigterm
         self.reader = StoreReader(handle.db_path)
@@ -91,19 +97,21 @@ class TesseraApp(App[int]):
         self._ledger_worker = None
         self._reported_end = False
         self._reported_snapshot_error: str | None = None
+        self._logs = contextlib.ExitStack()  # logging goes to the Events panel while the app runs
 
     def compose(self) -> ComposeResult:
         yield PeerHeader(id="header").data_bind(TesseraApp.snapshot)
         with Grid(id="panels"):
             yield PeerPanel(id="peer", classes="panel").data_bind(TesseraApp.snapshot)
             yield LivePanel(id="live", classes="panel").data_bind(
-                TesseraApp.snapshot, TesseraApp.rates, TesseraApp.rate_now)
+                TesseraApp.snapshot, TesseraApp.rates, TesseraApp.rate_now, peak=TesseraApp.rate_peak)
             yield SwarmPanel(id="swarm", classes="panel").data_bind(TesseraApp.snapshot)
             yield LedgerPanel(id="ledger", classes="panel").data_bind(TesseraApp.ledger)
         yield EventsPanel(self.reader, self.handle.lines_since, id="events", classes="panel")
         yield Footer()
 
     def on_mount(self) -> None:
+        self._logs.enter_context(logs_to(self.handle.node.out))
         if self.leave_on_sigterm:  # `kill PID` (a service manager) stops the peer as cleanly as q does
             asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.quit_without_asking)
         self.set_interval(SNAPSHOT_INTERVAL / 2, self.pull_snapshot)
@@ -111,6 +119,7 @@ class TesseraApp(App[int]):
         self.refresh_ledger()
 
     def on_unmount(self) -> None:
+        self._logs.close()
         self.reader.close()
 
     # -- state --------------------------------------------------------------------------
@@ -134,6 +143,7 @@ class TesseraApp(App[int]):
         if self.history.add(snapshot["at"], snapshot["stats"]["tokens"]):
             self.rates = tuple(self.history.series(SPARK_BUCKETS))
             self.rate_now = self.history.current()
+            self.rate_peak = self.history.peak
 
     def watch_state(self, state: str) -> None:
         self.sub_title = state
@@ -172,6 +182,8 @@ class TesseraApp(App[int]):
         """True: the key applies now; None: shown but does nothing in this state."""
         if action in PEER_ACTIONS and len(self.screen_stack) > 1:
             return False  # a dialog is open: answer it first
+        if action == "filter" and (len(self.screen_stack) > 1 or isinstance(self.focused, Input)):
+            return False  # "/" is a character there: the box being typed in takes it
         state = self.state
         over = self.handle.finished.is_set() or self.quitting
         if action == "drain":
@@ -270,7 +282,8 @@ class TesseraApp(App[int]):
         self.push_screen(HelpScreen())
 
     def action_filter(self) -> None:
-        self.query_one("#event-filter", Input).focus()
+        # focus now, not via Widget.focus() (which waits for the queue): the next key goes to the box
+        self.set_focus(self.query_one("#event-filter", Input))
 
     def action_focus_log(self) -> None:
         self.query_one("#event-log", RichLog).focus()
@@ -306,9 +319,10 @@ def run_with_tui(node: PeerNode) -> int:
     """
     handle = PeerHandle(node)
     handle.start()
-    app = TesseraApp(handle, leave_on_sigterm=True)
     try:
-        app.run()
+        with ui_terminal() as terminal:  # not stderr when that is a file (`2>peer.log`)
+            app = TesseraApp(handle, leave_on_sigterm=True, driver_class=driver_for(terminal))
+            app.run()
     finally:
         _stop(handle)  # the UI may have ended some other way (a crash): the peer still leaves gracefully
         for _, line in handle.lines:  # what the peer said, now that the terminal is ours again

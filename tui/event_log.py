@@ -15,6 +15,7 @@ from typing import Callable
 from textual import work
 from textual.app import ComposeResult
 from textual.containers import Vertical
+from textual.events import Resize
 from textual.reactive import reactive
 from textual.widgets import Input, RichLog
 from textual.worker import Worker, get_current_worker
@@ -32,6 +33,32 @@ PeerLines = Callable[[int], tuple[list[tuple[float, str]], int]]  # PeerHandle.l
 
 def peer_line(wall: float, line: str) -> str:
     return f"{datetime.fromtimestamp(wall).strftime('%H:%M:%S')} {'(peer)':<13} {shorten_ids(line)}"
+
+
+class TailLog(RichLog):
+    """A log that keeps its newest line in view until the operator scrolls up.
+
+    RichLog scrolls to the end when a line is written, but not when the log gets
+    shorter (at 80x24 the panels above grow once the first snapshot arrives, and
+    the log was left showing its oldest lines), and it jumps to the end on every
+    write even while someone reads further up. Here: `following` is whether the view
+    is at the end; scrolling up clears it, scrolling back to the end sets it, and
+    while it is set a write or a resize scrolls to the end.
+    """
+
+    following = True
+
+    def watch_scroll_y(self, old: float, new: float) -> None:
+        super().watch_scroll_y(old, new)
+        self.following = new >= self.max_scroll_y
+
+    def write(self, content, width=None, expand=False, shrink=True, scroll_end=None, animate=False):  # type: ignore[override]
+        return super().write(content, width, expand, shrink, self.following if scroll_end is None else scroll_end,
+                             animate)
+
+    def on_resize(self, event: Resize) -> None:  # RichLog's own on_resize runs too (Textual calls each class's)
+        if self.following:
+            self.scroll_end(animate=False, immediate=False, x_axis=False)
 
 
 class EventsPanel(Vertical):
@@ -52,7 +79,7 @@ class EventsPanel(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Input(placeholder="/ filter: kinds (claim session_open …), 'all', or any text", id="event-filter")
-        yield RichLog(id="event-log", max_lines=KEPT_LINES, wrap=False, markup=False, auto_scroll=True)
+        yield TailLog(id="event-log", max_lines=KEPT_LINES, wrap=False, markup=False)
 
     def on_mount(self) -> None:
         self.set_interval(POLL_INTERVAL, self.poll)

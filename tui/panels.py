@@ -53,13 +53,18 @@ class SnapshotPanel(Widget):
 
     SHOWN: tuple[str, ...] = ()
     snapshot: reactive[dict | None] = reactive(None, repaint=False)
+    rows = 1  # lines drawn at the last layout: the panel's height is `auto`
 
     def shown(self, snap: dict) -> tuple:
         return tuple(snap.get(key) for key in self.SHOWN)
 
     def watch_snapshot(self, old: dict | None, new: dict | None) -> None:
         if new is not None and (old is None or self.shown(old) != self.shown(new)):
-            self.refresh()
+            # A repaint alone keeps the height of the last layout: a panel first laid out
+            # as one "waiting…" line stayed clipped to it (seen at 100x32) until a resize.
+            rows = self.render().plain.count("\n") + 1
+            self.refresh(layout=rows != self.rows)
+            self.rows = rows
 
 
 class PeerHeader(SnapshotPanel):
@@ -151,14 +156,11 @@ class LivePanel(Vertical):
     snapshot: var[dict | None] = var(None)
     rates: var[tuple[float, ...]] = var(())
     rate_now: var[float] = var(0.0)
-    peak: var[float] = var(0.0)
+    peak: var[float] = var(0.0)  # tui/rates.py's RateHistory.peak: moves only when tokens are served
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.border_title = "Live"
-
-    def compute_peak(self) -> float:
-        return max((*self.rates, self.rate_now))  # the buckets average 5 s; "now" may top them
 
     def compose(self) -> ComposeResult:
         yield Sparkline([], id="rate-spark")
@@ -167,7 +169,6 @@ class LivePanel(Vertical):
 
     def watch_rates(self, rates: tuple[float, ...]) -> None:
         self.query_one(Sparkline).data = list(rates) or [0.0]  # equal data: no repaint
-        self.watch_rate_now()  # the peak shown with it may have changed
 
     def watch_snapshot(self, snap: dict | None) -> None:
         if snap is not None:
@@ -175,6 +176,10 @@ class LivePanel(Vertical):
             _update(self.query_one("#sessions", Static), self.sessions_text())
 
     def watch_rate_now(self) -> None:
+        if self.snapshot is not None:
+            _update(self.query_one("#counters", Static), self.counters_text())
+
+    def watch_peak(self) -> None:
         if self.snapshot is not None:
             _update(self.query_one("#counters", Static), self.counters_text())
 

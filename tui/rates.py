@@ -9,6 +9,12 @@ repeats a snapshot still gets the right rate.
     history.add(snapshot["at"], snapshot["stats"]["tokens"])
     history.series(60)  # the last WINDOW seconds in 60 equal buckets, oldest first: the sparkline
     history.current()   # the rate over the last RECENT seconds
+    history.peak        # the highest `current()` since the UI opened
+
+Tokens of the interval ending at a sample count at that sample (the counter is
+only known at samples). `current()` always divides by the same RECENT seconds, so
+it cannot rise while the counter stands still, and the peak — the highest
+`current()` seen — only moves when tokens are served.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ class RateHistory:
     def __init__(self, window: float = WINDOW) -> None:
         self.window = window
         self.samples: collections.deque[tuple[float, int]] = collections.deque()
+        self.peak = 0.0  # the highest current() seen at any sample; kept when old samples age out
 
     def add(self, at: float, total: int) -> bool:
         """Record `total` at time `at`; False (and ignored) if it is not newer than the last sample."""
@@ -33,23 +40,27 @@ class RateHistory:
             return False
         if self.samples and total < self.samples[-1][1]:
             self.samples.clear()  # the counter restarted (a new peer behind the same UI)
+            self.peak = 0.0
         self.samples.append((at, total))
         while len(self.samples) > 2 and self.samples[1][0] < at - self.window:
             self.samples.popleft()
+        self.peak = max(self.peak, self.current())
         return True
 
     def current(self, recent: float = RECENT) -> float:
-        """The average rate over the last `recent` seconds (0.0 until two samples)."""
+        """Tokens counted in the last `recent` seconds over those seconds (0.0 until two samples).
+
+        The counter at the window's start is the last sample at or before it, and the
+        divisor is `recent` itself (or the time since the first sample, if shorter): as the
+        window slides over a still counter, the count can only fall and the divisor stays.
+        """
         if len(self.samples) < 2:
             return 0.0
         end_at, end = self.samples[-1]
-        start_at, start = self.samples[-2]
-        for at, total in reversed(self.samples):
-            if at < end_at - recent:
-                break
-            start_at, start = at, total
-        if start_at == end_at:
-            start_at, start = self.samples[-2]
+        first_at = self.samples[0][0]
+        start_at = max(end_at - recent, first_at)
+        times = [at for at, _ in self.samples]
+        start = self.samples[max(0, bisect.bisect_right(times, start_at) - 1)][1]
         return (end - start) / (end_at - start_at)
 
     def series(self, buckets: int) -> list[float]:
