@@ -9,10 +9,12 @@ undoes that at the command line's composition root and sends every record throug
 one handler:
 
 - quiet (the default): our own records at WARNING and above as they are; each of
-  libp2p's records at WARNING and above folded into ONE line at WARNING — what
-  failed (its first line), why (its ``Error:`` line, or the exception's type and
-  message, never a traceback) — and a line repeated within `REPEAT_WINDOW` is not
-  shown again: one line per event, however often libp2p retries it;
+  libp2p's failures (ERROR and above) folded into ONE line at WARNING — what failed
+  (its first line), why (its ``Error:`` line, or the exception's type and message,
+  never a traceback) — and a line repeated within `REPEAT_WINDOW` is not shown
+  again: one line per event, however often libp2p retries it. libp2p's own
+  WARNINGs are its internal bookkeeping ("AUTO_CONNECTOR_STATE: num_connections=0
+  …" at every start): shown with ``-v``;
 - ``-v``: INFO and above from everyone, libp2p's lines as libp2p wrote them;
 - ``-vv`` (or ``$TESSERA_DEBUG``): DEBUG from everyone.
 
@@ -67,6 +69,8 @@ class OneLinePerEvent(logging.Filter):
         return record.tessera_shown
 
     def _fold_once(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return False  # bookkeeping, not a failure (some of libp2p's loggers set their own level)
         line = fold(record)
         key, now = (record.name, line), self.clock()
         last = self.shown.get(key)
@@ -108,7 +112,7 @@ def install(verbose: int = 0, *, stream: TextIO | None = None, import_libp2p: bo
     lib = logging.getLogger(LIBP2P)
     lib.handlers.clear()
     lib.propagate = True
-    lib.setLevel(level)
+    lib.setLevel(max(level, logging.ERROR) if not verbose else level)
     return handler
 
 

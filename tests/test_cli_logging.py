@@ -45,6 +45,7 @@ def test_one_line_per_event_then_a_count():
     now[0] = 700.0
     again = record(first.name, first.msg)
     assert flt.filter(again) and again.getMessage().endswith("(and 3 times more in the last 10 min)")
+    assert not flt.filter(record("libp2p.network.auto_connector", "AUTO_CONNECTOR_STATE", logging.WARNING))
     ours = record("peer.gossip", "two\nlines")
     assert flt.filter(ours) and ours.getMessage() == "two\nlines"  # our own records are ours to word
 
@@ -67,6 +68,7 @@ def test_install_quiet_and_verbose(restore_logging):
     for _ in range(3):
         dump.error(DUMP)
     logging.getLogger("libp2p.transport.tcp.tcp").info("dial tcp 127.0.0.1:1")
+    logging.getLogger("libp2p.network.auto_connector").warning("AUTO_CONNECTOR_STATE: num_connections=0")
     logging.getLogger("peer.gossip").warning("ours")
     lines = out.getvalue().splitlines()
     assert len(lines) == 2, lines
@@ -77,8 +79,9 @@ def test_install_quiet_and_verbose(restore_logging):
     install(1, stream=out)  # -v: libp2p's lines as it wrote them, from INFO
     dump.error(DUMP)
     logging.getLogger("libp2p.transport.tcp.tcp").info("dial tcp 127.0.0.1:1")
+    logging.getLogger("libp2p.network.auto_connector").warning("AUTO_CONNECTOR_STATE: num_connections=0")
     text = out.getvalue()
-    assert "Registry Stats: None" in text and "dial tcp 127.0.0.1:1" in text
+    assert "Registry Stats: None" in text and "dial tcp 127.0.0.1:1" in text and "AUTO_CONNECTOR" in text
     assert len([h for h in logging.getLogger().handlers if getattr(h, "tessera", False)]) == 1
 
 

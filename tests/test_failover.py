@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import collections
+import re
+import sys
+
 import pytest
+import trio
 
 from peer.client import Swarm
 from stages.generate import prompt_ids
@@ -74,3 +79,38 @@ async def test_kill_mid_answer(replicated, expected, kills):
         assert len(killed) == len(kills)
     finally:
         restart(replicated, killed)
+
+
+# A line our logging printed for py-libp2p (peer/cli_logging.py): "12:00:01 WARNING libp2p.x: what: why"
+LIBP2P_LINE = re.compile(r"^\d\d:\d\d:\d\d (?:WARNING|ERROR) libp2p[\w.]*: (?P<text>.*)$")
+DUMP_LINES = ("Registry Stats", "Protocols:", "Connection State:", "Traceback")
+DIAL_SEEN = 60.0  # s: survivors redial a dead peer within a gossip round or a ping (peer/node_config.py: 5 s)
+
+
+def libp2p_lines(text: str) -> list[str]:
+    assert not any(dump in text for dump in DUMP_LINES), "a multi-line libp2p dump was printed"
+    return [m["text"] for m in map(LIBP2P_LINE.match, text.splitlines()) if m]
+
+
+async def test_a_killed_peer_costs_each_survivor_and_requester_one_line_at_most(replicated):
+    """Survivors redial a dead peer every round; each says so once, in one line, and so does a
+    requester whose view still lists it (py-libp2p printed 1-8 lines per attempt)."""
+    victim = 4  # serves [10, 20), as peer 1 does
+    port = replicated.addrs[victim].split("/tcp/")[1].split("/")[0]
+    survivors = [i for i in range(len(SPANS)) if i != victim]
+    replicated.kill(victim)
+    with trio.fail_after(DIAL_SEEN):
+        while not any(f":{port}" in replicated.log(i) for i in survivors):
+            await trio.sleep(0.2)
+    requester = await trio.run_process(
+        [sys.executable, "-m", "peer.cli", "generate", PROMPT, "--join", replicated.addrs[0], "--max-tokens", "4"],
+        capture_stdout=True, capture_stderr=True, check=False)
+    stderr = requester.stderr.decode()
+    assert requester.returncode == 0, stderr
+    for name, text in [*((f"peer {i}", replicated.log(i)) for i in survivors), ("requester", stderr)]:
+        lines = libp2p_lines(text)
+        repeated = [line for line, n in collections.Counter(lines).items() if n > 1]
+        assert not repeated, f"{name} printed the same libp2p event more than once: {repeated}"
+        about = [line for line in text.splitlines() if f":{port}" in line or f"/tcp/{port}" in line]
+        assert len(about) <= 1, f"{name}: more than one line about the dead peer: {about[:5]}"
+    assert any(f":{port}" in line for i in survivors for line in libp2p_lines(replicated.log(i)))  # said once

@@ -504,6 +504,17 @@ def test_panels_show_all_their_rows_at_80x24_and_100x32(ui_peer):
         asyncio.run(at(size))
 
 
+def test_start_up_lines_say_memory_device_and_speed(ui_peer):
+    """What `tessera peer` prints once it serves (without the UI these lines go to stdout)."""
+    node = ui_peer.node
+    weights = node.stage.weight_bytes / (1 << 30)
+    assert ui_peer.printed(f"memory: {weights:.2f} GB used by the weights of layers [0, 15) + up to 0.25 GB "
+                           "for KV caches, of 1.00 GB offered")  # make_handle offers 1 GB; a quarter is for KV
+    assert ui_peer.printed("compute: cpu float32, 1 thread; one layer decodes a token in ")
+    ms = 1000 / node.throughput
+    assert ui_peer.printed(f"in {ms:.2f} ms ({node.throughput / 15:.1f} tok/s through 15 layers)")
+
+
 def burst_of_keys(app: TesseraApp, keys: str) -> None:
     """Keys as a fast typist sends them: all queued before the app handles the first."""
     from textual import events

@@ -7,7 +7,9 @@ The peer runs in its own thread behind a `PeerHandle` (tui/bridge.py: why a thre
 and the only calls that cross); the app pulls the handle's latest snapshot a few
 times a second into the reactive `snapshot`, which the panels are bound to. The
 trace and the ledger are sqlite reads, done in thread workers on a read-only
-connection of the UI's own (tui/events.py). Layout is in app.tcss.
+connection of the UI's own (tui/events.py). Layout is in app.tcss. While the app
+runs, logging goes to the Events panel, and the screen is drawn on the terminal
+even when stderr is a file (tui/terminal.py).
 
 Keys: d drain, p pause/resume, m memory offered, l leave, q quit, / filter events,
 ? help. An action that would drop work asks first: pausing or quitting with
