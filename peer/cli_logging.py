@@ -12,7 +12,8 @@ one handler:
   libp2p's failures (ERROR and above) folded into ONE line at WARNING — what failed
   (its first line), why (its ``Error:`` line, or the exception's type and message,
   never a traceback) — and a line repeated within `REPEAT_WINDOW` is not shown
-  again: one line per event, however often libp2p retries it. libp2p's own
+  again: one line per event, however often libp2p retries it, and however many of
+  its layers report the same failure (`BURST`, `ECHOES`). libp2p's own
   WARNINGs are its internal bookkeeping ("AUTO_CONNECTOR_STATE: num_connections=0
   …" at every start): shown with ``-v``;
 - ``-v``: INFO and above from everyone, libp2p's lines as libp2p wrote them;
@@ -25,6 +26,7 @@ one handler:
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from typing import Callable, TextIO
@@ -37,6 +39,17 @@ LIBP2P = "libp2p"
 REPEAT_WINDOW = 600.0
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DATE_FORMAT = "%H:%M:%S"
+# One failure is reported by several of libp2p's layers within a second or two: when a peer
+# dies, the host's "Failed to open stream to peer X" (which names it), then the TCP
+# transport's "Failed to open TCP stream … 127.0.0.1:P" as it is redialled (which names only
+# its address). Lines within BURST seconds of a shown one, naming no other peer, are that
+# same event. (Seen on loopback: 2 s from the first line to the redial's.)
+BURST = 5.0
+PEER_ID = re.compile(r"\b(?:12D3KooW|Qm)[1-9A-HJ-NP-Za-km-z]{20,}")
+# Loggers whose failures libp2p reports again one layer up, with the peer named: the
+# protocol negotiation's "MultiselectClient handshake: read failed" precedes the host's
+# "Failed to open stream to peer X: handshake read failed".
+ECHOES = ("libp2p.protocol_muxer",)
 
 
 def fold(record: logging.LogRecord) -> str:
@@ -58,6 +71,7 @@ class OneLinePerEvent(logging.Filter):
         self.window = window
         self.clock = clock
         self.shown: dict[tuple[str, str], tuple[float, int]] = {}  # (logger, line) -> (when shown, repeats since)
+        self.burst: tuple[float, str | None] | None = None  # the last line shown: when, and the peer it names
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not (record.name == LIBP2P or record.name.startswith(LIBP2P + ".")):
@@ -71,6 +85,8 @@ class OneLinePerEvent(logging.Filter):
     def _fold_once(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR:
             return False  # bookkeeping, not a failure (some of libp2p's loggers set their own level)
+        if record.name.startswith(ECHOES):
+            return False
         line = fold(record)
         key, now = (record.name, line), self.clock()
         last = self.shown.get(key)
@@ -79,10 +95,15 @@ class OneLinePerEvent(logging.Filter):
             return False
         if last is not None and last[1]:
             line += f" (and {last[1]} times more in the last {self.window / 60:g} min)"
-        self.shown[key] = (now, 0)
+        self.shown[key] = (now, 0)  # also when the line is part of a burst: its repeats stay quiet too
         if len(self.shown) > 1024:  # addresses come and go; forget the oldest
             for old in sorted(self.shown, key=lambda k: self.shown[k][0])[:512]:
                 del self.shown[old]
+        peer = PEER_ID.search(line)
+        peer_id = peer.group() if peer else None
+        if self.burst is not None and now - self.burst[0] < BURST and peer_id in (None, self.burst[1]):
+            return False  # the same failure, seen again by another layer (or the redial after it)
+        self.burst = (now, peer_id)
         # libp2p's ERRORs are not ours: the peer goes on serving, our own messages say what matters
         record.msg, record.args, record.exc_info, record.exc_text = line, (), None, None
         record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)

@@ -50,6 +50,29 @@ def test_one_line_per_event_then_a_count():
     assert flt.filter(ours) and ours.getMessage() == "two\nlines"  # our own records are ours to word
 
 
+def test_a_dead_peer_reported_by_three_layers_is_one_line():
+    """What a survivor's libp2p logged when a neighbour was killed (seen on loopback): the protocol
+    negotiation, the host (naming the peer), then the transport's redial (naming its address)."""
+    now = [100.0]
+    flt = OneLinePerEvent(clock=lambda: now[0])
+    dead, other = "12D3KooWK7zfsexngmqznB34KDT3qFJxRPXSmGagzfyPeGeYM2Ab", "12D3KooWSyDPiPin3gbJtr6D4Um7G2UUeBZpaYnJxshmQJ8V68Br"
+    redial = ("libp2p.transport.tcp.tcp", "Failed to open TCP stream: all attempts to connect to 127.0.0.1:45489 failed")
+    seen = []
+    for t, name, msg in [
+        (0.0, "libp2p.protocol_muxer.multiselect_client", "MultiselectClient handshake: read failed: fail to read"),
+        (0.1, "libp2p.host.basic_host", DUMP.replace("12D3KooWAbc", dead)),
+        (2.0, *redial),
+        (3.0, "libp2p.host.basic_host", DUMP.replace("12D3KooWAbc", other)),  # another peer: another event
+        (7.0, *redial), (60.0, *redial),  # the dead one, redialled every round
+    ]:
+        now[0] = 100.0 + t
+        rec = record(name, msg)
+        if flt.filter(rec):
+            seen.append(rec.getMessage())
+    assert seen == [f"Failed to open stream to peer {dead}: failed to upgrade",
+                    f"Failed to open stream to peer {other}: failed to upgrade"]
+
+
 @pytest.fixture
 def restore_logging():
     root, lib = logging.getLogger(), logging.getLogger(LIBP2P)

@@ -320,9 +320,10 @@ def run_with_tui(node: PeerNode) -> int:
     Raises what the peer raised if it failed (a `PeerError` is printed by the CLI).
     """
     handle = PeerHandle(node)
-    handle.start()
     try:
-        with ui_terminal() as terminal:  # not stderr when that is a file (`2>peer.log`)
+        # the peer logs from its first moment; not onto the terminal the UI is about to take
+        with logs_to(node.out), ui_terminal() as terminal:  # draw on stderr only if it is a terminal
+            handle.start()
             app = TesseraApp(handle, leave_on_sigterm=True, driver_class=driver_for(terminal))
             app.run()
     finally:

@@ -109,6 +109,10 @@ def logs_to(out: Callable[[str], None]) -> Iterator[LinesHandler]:
     (one line per libp2p event) apply to `out` too.
     """
     root = logging.getLogger()
+    already = [h for h in root.handlers if isinstance(h, LinesHandler) and h.out == out]
+    if already:  # run_with_tui routes from before the app starts; the app's own call is then a no-op
+        yield already[0]
+        return
     ours = [h for h in root.handlers if getattr(h, "tessera", False)]
     paused = [h for h in ours if _is_terminal(getattr(h, "stream", None))]
     handler = LinesHandler(out)
