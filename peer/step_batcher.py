@@ -4,8 +4,7 @@ A peer serving eight requesters would otherwise make eight passes over its weigh
 per token, one session at a time; a decode step reads every weight to multiply one
 row. `StepBatcher` sits between the server's sessions and the compute: each
 session's worker `submit`s its step and waits; whoever finds the compute free
-collects what is queued (its own step first, then the others in arrival order, up
-to the row budget), runs them as ONE call of `run` (the server's: one stacked
+collects what is queued (in arrival order, up to the row budget), runs them as ONE call of `run` (the server's: one stacked
 forward in a worker thread, `Stage.forward_batch`), and hands every member its own
 outcome — its output or its own error, so a bad step fails only its session.
 
@@ -90,8 +89,8 @@ class StepBatcher(Generic[Job, Outcome]):
     """Collects steps of different sessions (by key) and runs them in batches through `run`.
 
     `run(jobs)` computes a batch and returns one outcome per job, in order: a value, or
-    the exception that job raised (returned, not raised). If `run` itself raises, every
-    member but the one that dispatched gets BatchInterrupted; the dispatcher gets the error.
+    the exception that job raised (returned, not raised). If `run` itself raises, the task
+    that dispatched the batch gets the error, and every member of the batch BatchInterrupted.
     """
 
     def __init__(
@@ -117,7 +116,7 @@ class StepBatcher(Generic[Job, Outcome]):
                 if self.busy:
                     await self._finished.wait()
                 else:
-                    await self._dispatch(slot)
+                    await self._dispatch()
         finally:
             if not slot.done and slot in self.pending:
                 self.pending.remove(slot)  # cancelled before any batch took it
@@ -129,18 +128,17 @@ class StepBatcher(Generic[Job, Outcome]):
         """A session ended: stop expecting it."""
         self.regulars.discard(key)
 
-    async def _dispatch(self, own: _Slot[Job, Outcome]) -> None:
+    async def _dispatch(self) -> None:
         self.busy = True
         try:
             await self._wait_for_company()
-            batch = self._take(own)
+            batch = self._take()
             with trio.CancelScope(shield=True):  # the batch is every member's, not only ours
                 try:
                     outcomes = await self.run([slot.job for slot in batch])
                 except Exception as bad:
                     for slot in batch:
-                        slot.outcome = bad if slot is own else BatchInterrupted(f"the batch failed: {bad!r}")
-                        slot.done = True
+                        slot.outcome, slot.done = BatchInterrupted(f"the batch failed: {bad!r}"), True
                     raise
             assert len(outcomes) == len(batch), f"run returned {len(outcomes)} outcomes for {len(batch)} jobs"
             for slot, outcome in zip(batch, outcomes):
@@ -164,11 +162,12 @@ class StepBatcher(Generic[Job, Outcome]):
             return False
         return not self.regulars <= {slot.key for slot in self.pending}
 
-    def _take(self, own: _Slot[Job, Outcome]) -> list[_Slot[Job, Outcome]]:
-        """Our own step, then the queued ones in arrival order while their rows fit."""
-        batch, rows = [own], own.rows
-        for slot in self.pending:
-            if slot is not own and rows + slot.rows <= self.budget.max_rows:
+    def _take(self) -> list[_Slot[Job, Outcome]]:
+        """The queued steps in arrival order while their rows fit (the first always: a step
+        bigger than the budget runs alone). Whoever dispatches goes on until its own step ran."""
+        batch, rows = [self.pending[0]], self.pending[0].rows
+        for slot in self.pending[1:]:
+            if rows + slot.rows <= self.budget.max_rows:
                 batch.append(slot)
                 rows += slot.rows
         taken = set(map(id, batch))
