@@ -141,7 +141,8 @@ class Stage(SessionTable):
         moves no pointer, and the others run. Sessions may sit at different positions
         and hold different lengths; those over different sub-spans of this stage run as
         separate stacks, and a stack of one is exactly `forward`. A stacked step's outputs
-        equal solo steps' up to the rounding of matmuls over more rows (float32: ~1e-6).
+        equal solo steps' up to the rounding of matmuls over more rows (float32 logits:
+        a few 1e-6 of the largest).
         """
         results: list[torch.Tensor | StageError | None] = [None] * len(steps)
         stacks: dict[tuple[int, int], list[int]] = {}  # sub-span -> indices of its steps
@@ -164,7 +165,8 @@ class Stage(SessionTable):
             outputs = self._run_stacked(start, end, [steps[i] for i in members])
             for i, output in zip(members, outputs):
                 results[i] = output
-        return [r for r in results if r is not None]
+        assert all(r is not None for r in results), "every step has an output or an error"
+        return results  # type: ignore[return-value]
 
     def _reserve(self, session: Hashable, hidden: torch.Tensor, start_pos: int) -> SessionState:
         """Check a step (session, shape, context) and move the session's pointer past it."""
