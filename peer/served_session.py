@@ -22,7 +22,6 @@ import trio
 
 from protocol.activations import open_payload, seal_activations, seal_payload
 from protocol.attest import Attestation, sha256, sign_attestation
-from protocol.errors import WireError
 from protocol.fingerprint import fingerprint_bytes
 from protocol.keys import Identity
 from protocol.links import Direction, LinkCipher, open_link_key
@@ -190,18 +189,20 @@ class ServedSession:
 
 def compute_batch(
     server: "StageServer", jobs: list[tuple[ServedSession, Forward]]
-) -> tuple[list[list[object] | WireError | StageError], float]:
+) -> tuple[list[list[object] | Exception], float]:
     """Several sessions' steps as ONE stacked forward (in a worker thread; see peer/step_batcher.py).
 
     Returns, per job in order, its frames or the error that step alone raised (a bad
-    frame, a shape, a context overflow, NaN/Inf), and the compute seconds of the batch.
+    frame, a shape, a context overflow, NaN/Inf — or anything else one session's input
+    or output raised: it is that session's to raise, not its batch's), and the compute
+    seconds of the batch.
     """
-    outcomes: list[list[object] | WireError | StageError | None] = [None] * len(jobs)
+    outcomes: list[list[object] | Exception | None] = [None] * len(jobs)
     ready: list[tuple[int, torch.Tensor, bytes]] = []
     for i, (session, msg) in enumerate(jobs):
         try:
             ready.append((i, *session.prepare(server, msg)))
-        except (WireError, StageError) as bad:
+        except Exception as bad:  # returned to its own session's task, which raises it
             outcomes[i] = bad
     started = time.perf_counter()
     outputs = server.stage.forward_batch(
@@ -214,7 +215,7 @@ def compute_batch(
             if isinstance(output, StageError):
                 raise output
             outcomes[i] = session.finish(server, msg, output, inputs_hash)
-        except (WireError, StageError) as bad:
+        except Exception as bad:  # as above
             outcomes[i] = bad
     assert all(o is not None for o in outcomes), "every job has frames or an error"
     return outcomes, elapsed  # type: ignore[return-value]

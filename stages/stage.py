@@ -145,7 +145,9 @@ class Stage(SessionTable):
         a few 1e-6 of the largest).
         """
         results: list[torch.Tensor | StageError | None] = [None] * len(steps)
-        stacks: dict[tuple[int, int], list[int]] = {}  # sub-span -> indices of its steps
+        # sub-span -> its steps (index, session state): the states are held, so that a session
+        # closed meanwhile (on another thread) cannot fail the stack
+        stacks: dict[tuple[int, int], list[tuple[int, SessionState]]] = {}
         seen: set[Hashable] = set()
         for i, (session, hidden, start_pos) in enumerate(steps):
             try:
@@ -156,14 +158,14 @@ class Stage(SessionTable):
                 results[i] = bad
                 continue
             seen.add(session)
-            stacks.setdefault((state.start, state.end), []).append(i)
+            stacks.setdefault((state.start, state.end), []).append((i, state))
         for (start, end), members in stacks.items():
             if len(members) == 1:
-                session, hidden, start_pos = steps[members[0]]
-                results[members[0]] = self._run_solo(self.sessions[session], hidden, start_pos)
+                (i, state), = members
+                results[i] = self._run_solo(state, steps[i][1], steps[i][2])
                 continue
-            outputs = self._run_stacked(start, end, [steps[i] for i in members])
-            for i, output in zip(members, outputs):
+            outputs = self._run_stacked(start, end, [(state, *steps[i][1:]) for i, state in members])
+            for (i, _), output in zip(members, outputs):
                 results[i] = output
         assert all(r is not None for r in results), "every step has an output or an error"
         return results  # type: ignore[return-value]
@@ -176,7 +178,9 @@ class Stage(SessionTable):
         state.cache.reserve(start_pos, hidden.shape[0])
         return state
 
-    def _run_stacked(self, start: int, end: int, steps: Sequence[BatchStep]) -> list[torch.Tensor]:
+    def _run_stacked(
+        self, start: int, end: int, steps: Sequence[tuple[SessionState, torch.Tensor, int]]
+    ) -> list[torch.Tensor]:
         """Layers [start, end) over the stacked rows of reserved steps; each one's output rows."""
         segments, lo = [], 0
         for _, hidden, start_pos in steps:
@@ -188,7 +192,7 @@ class Stage(SessionTable):
         cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [R, 1, D], each row at its session's position
         ctx = StepContext(segments[0].start, cos, sin, None, tuple(segments))
         x = torch.cat([hidden.to(device=self.device, dtype=self.dtype) for _, hidden, _ in steps])  # [R, H]
-        caches = [self.sessions[session].cache for session, _, _ in steps]
+        caches = [state.cache for state, _, _ in steps]
         for i in range(start - self.start, end - self.start):
             j = i - (start - self.start)
             x = self.blocks[i](x, ctx, [c.keys[j] for c in caches], [c.values[j] for c in caches])
