@@ -11,7 +11,8 @@ Two figures per count of sessions, both as ratios to one session measured in the
   The requesters' heads run here too, one session at a time, so this ratio is lower.
 
 Every session's tokens are checked against its solo run (greedy); a mismatch fails loudly.
-Rounds alternate counts so that machine noise hits all alike; medians are printed last.
+Each round measures every count; a ratio is taken within a round (so that machine noise
+hits both sides alike) and the median over rounds is printed last.
 
     .venv/bin/python bench/batching.py [--threads 1] [--tokens 16] [--rounds 3]
 
@@ -24,7 +25,7 @@ import argparse
 import statistics
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import trio
@@ -70,9 +71,11 @@ def lockstep(stage: Stage, batch: Sequence[list[int]], n: int) -> tuple[list[lis
             stage.close(name)
 
 
-async def through_server(stage: Stage, head: Stage, batch: Sequence[list[int]], n: int) -> tuple[list[list[int]], float]:
-    """The same decode through a real StageServer over the in-memory transport.
-    Returns the tokens of each session and the wall seconds of the decode phase."""
+async def through_server(
+    stage: Stage, head: Stage, batch: Sequence[list[int]], n: int
+) -> tuple[list[list[int]], float, float]:
+    """The same decode through a real StageServer over the in-memory transport. Returns the
+    tokens of each session, the wall seconds of the decode phase and the mean batch size."""
     from libp2p.peer.id import ID
 
     from peer.gossip import ViewKeeper
@@ -89,10 +92,11 @@ async def through_server(stage: Stage, head: Stage, batch: Sequence[list[int]], 
     network = MemoryNetwork(LinkSpec(latency=0.0, bandwidth=1e12))
     layers = stage.spec.num_layers
     tokens: list[list[int]] = [[] for _ in batch]
+    server: StageServer | None = None
     prefilled = 0
     all_prefilled = trio.Event()
     async with open_memory_transport(network, pid(peer)) as tp, open_memory_transport(network, pid(requester)) as tr:
-        StageServer(tp, peer, stage)
+        server = StageServer(tp, peer, stage)
         async with trio.open_nursery() as nursery:
             ctx = RequesterContext(transport=tr, identity=requester, nursery=nursery, num_layers=layers,
                                    hidden_size=stage.spec.hidden_size,
@@ -121,32 +125,41 @@ async def through_server(stage: Stage, head: Stage, batch: Sequence[list[int]], 
                 started = time.perf_counter()
             elapsed = time.perf_counter() - started
             nursery.cancel_scope.cancel()
-    return tokens, elapsed
+    assert server is not None
+    stats = server.batcher.stats
+    return tokens, elapsed, stats.steps / max(stats.batches, 1)
 
 
 def concurrent_sessions_figures(
     folder: Path, *, counts: Sequence[int] = COUNTS, tokens: int = 16, rounds: int = 3,
-    log=print,
+    log: Callable[[str], None] = print,
 ) -> dict[str, dict[int, float]]:
-    """Median aggregate decode tok/s per count of sessions, for 'stage' and 'server', each
-    session checked exact against its solo run. Raises AssertionError on a mismatch."""
+    """Aggregate decode tok/s per count of sessions ('stage', 'server': medians over rounds)
+    and its ratio to one session ('stage ratio', 'server ratio': the median of each round's
+    ratio, both measured in that round). Every session is checked exact against its solo
+    run; raises AssertionError on a mismatch. `counts` must include 1."""
+    assert 1 in counts, "ratios are to one session"
     stage = Stage.load(folder)
     head = Stage.load(folder, start=0, end=0, embed=True, head=True)
     whole = Stage(stage.spec, 0, list(stage.blocks), embedding=head.embedding, norm=head.norm, head=head.head)
     batch = prompts(max(counts))
     solo = [lockstep(whole, [p], tokens)[0][0] for p in batch]
-    figures: dict[str, dict[int, list[float]]] = {"stage": {c: [] for c in counts}, "server": {c: [] for c in counts}}
+    rates: dict[str, dict[int, list[float]]] = {kind: {c: [] for c in counts} for kind in ("stage", "server")}
     for r in range(rounds):
         for c in counts:
             got, spent = lockstep(whole, batch[:c], tokens)
             assert got == solo[:c], f"stage: {c} stacked sessions differ from their solo runs"
-            figures["stage"][c].append(c * (tokens - 1) / spent)
-            got, wall = trio.run(through_server, stage, head, batch[:c], tokens)
+            rates["stage"][c].append(c * (tokens - 1) / spent)
+            got, wall, mean_batch = trio.run(through_server, stage, head, batch[:c], tokens)
             assert got == solo[:c], f"server: {c} concurrent sessions differ from their solo runs"
-            figures["server"][c].append(c * (tokens - 1) / wall)
-            log(f"round {r}, {c} session(s): stage {figures['stage'][c][-1]:.1f} tok/s, "
-                f"server {figures['server'][c][-1]:.1f} tok/s (all exact)")
-    return {kind: {c: statistics.median(v) for c, v in by.items()} for kind, by in figures.items()}
+            rates["server"][c].append(c * (tokens - 1) / wall)
+            log(f"round {r}, {c} session(s): stage {rates['stage'][c][-1]:.1f} tok/s, "
+                f"server {rates['server'][c][-1]:.1f} tok/s (mean batch {mean_batch:.1f}), all exact")
+    figures: dict[str, dict[int, float]] = {}
+    for kind, by in rates.items():
+        figures[kind] = {c: statistics.median(v) for c, v in by.items()}
+        figures[f"{kind} ratio"] = {c: statistics.median(a / b for a, b in zip(v, by[1])) for c, v in by.items()}
+    return figures
 
 
 def main() -> None:
@@ -160,11 +173,11 @@ def main() -> None:
     figures = concurrent_sessions_figures(registry.resolve(args.model), tokens=args.tokens, rounds=args.rounds)
     print(f"threads: {args.threads}, dtype: float32, tokens per session: {args.tokens}, rounds: {args.rounds}")
     for kind in ("stage", "server"):
-        one = figures[kind][1]
         for c, rate in figures[kind].items():
             print(f"{kind}: {c} session(s) {rate:.1f} tok/s aggregate")
+    for kind in ("stage", "server"):
         print(f"{kind} batching ratios to 1 session: "
-              + ", ".join(f"{c}: {rate / one:.2f}" for c, rate in figures[kind].items() if c != 1))
+              + ", ".join(f"{c}: {ratio:.2f}" for c, ratio in figures[f"{kind} ratio"].items() if c != 1))
 
 
 if __name__ == "__main__":
