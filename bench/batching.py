@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 import torch
 import trio
 
+from peer.step_batcher import MAX_BATCH_WAIT
 from stages import registry
 from stages.stage import Stage
 
@@ -72,7 +73,7 @@ def lockstep(stage: Stage, batch: Sequence[list[int]], n: int) -> tuple[list[lis
 
 
 async def through_server(
-    stage: Stage, head: Stage, batch: Sequence[list[int]], n: int
+    stage: Stage, head: Stage, batch: Sequence[list[int]], n: int, batch_wait: float
 ) -> tuple[list[list[int]], float, float]:
     """The same decode through a real StageServer over the in-memory transport. Returns the
     tokens of each session, the wall seconds of the decode phase and the mean batch size."""
@@ -83,6 +84,7 @@ async def through_server(
     from peer.route_session import RequesterContext, RouteSession
     from peer.routing import Hop, Route
     from peer.server import StageServer
+    from peer.server_limits import ServerLimits
     from protocol.keys import Identity
 
     def pid(identity: Identity) -> str:
@@ -96,7 +98,7 @@ async def through_server(
     prefilled = 0
     all_prefilled = trio.Event()
     async with open_memory_transport(network, pid(peer)) as tp, open_memory_transport(network, pid(requester)) as tr:
-        server = StageServer(tp, peer, stage)
+        server = StageServer(tp, peer, stage, limits=ServerLimits(batch_wait=batch_wait))
         async with trio.open_nursery() as nursery:
             ctx = RequesterContext(transport=tr, identity=requester, nursery=nursery, num_layers=layers,
                                    hidden_size=stage.spec.hidden_size,
@@ -132,7 +134,7 @@ async def through_server(
 
 def concurrent_sessions_figures(
     folder: Path, *, counts: Sequence[int] = COUNTS, tokens: int = 16, rounds: int = 3,
-    log: Callable[[str], None] = print,
+    batch_wait: float = MAX_BATCH_WAIT, log: Callable[[str], None] = print,
 ) -> dict[str, dict[int, float]]:
     """Aggregate decode tok/s per count of sessions ('stage', 'server': medians over rounds)
     and its ratio to one session ('stage ratio', 'server ratio': the median of each round's
@@ -150,7 +152,7 @@ def concurrent_sessions_figures(
             got, spent = lockstep(whole, batch[:c], tokens)
             assert got == solo[:c], f"stage: {c} stacked sessions differ from their solo runs"
             rates["stage"][c].append(c * (tokens - 1) / spent)
-            got, wall, mean_batch = trio.run(through_server, stage, head, batch[:c], tokens)
+            got, wall, mean_batch = trio.run(through_server, stage, head, batch[:c], tokens, batch_wait)
             assert got == solo[:c], f"server: {c} concurrent sessions differ from their solo runs"
             rates["server"][c].append(c * (tokens - 1) / wall)
             log(f"round {r}, {c} session(s): stage {rates['stage'][c][-1]:.1f} tok/s, "
@@ -168,10 +170,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-wait-ms", type=float, default=MAX_BATCH_WAIT * 1000,
+                        help="the server's wait for the sessions of its last batch (the peer's --batch-wait-ms)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    figures = concurrent_sessions_figures(registry.resolve(args.model), tokens=args.tokens, rounds=args.rounds)
-    print(f"threads: {args.threads}, dtype: float32, tokens per session: {args.tokens}, rounds: {args.rounds}")
+    figures = concurrent_sessions_figures(registry.resolve(args.model), tokens=args.tokens, rounds=args.rounds,
+                                          batch_wait=args.batch_wait_ms / 1000)
+    print(f"threads: {args.threads}, dtype: float32, tokens per session: {args.tokens}, rounds: {args.rounds}, "
+          f"server batch wait: {args.batch_wait_ms:g} ms")
     for kind in ("stage", "server"):
         for c, rate in figures[kind].items():
             print(f"{kind}: {c} session(s) {rate:.1f} tok/s aggregate")

@@ -386,3 +386,17 @@ async def test_a_failing_session_does_not_fail_the_others_in_its_batch(tiny_llam
     batches = sorted(e["detail"]["batch"] for e in tracer.of_kind("forward"))
     assert batches == [1] + [5] * 4  # the held first step alone, then four good ones and the bad one
     assert len(tracer.of_kind("error")) == 1
+
+
+def test_the_peer_flags_set_the_budget_and_bad_values_are_refused():
+    from peer.cli import build_parser
+    from peer.cli_peer import config_from
+    from peer.errors import ConfigError
+
+    parser = build_parser()
+    config = config_from(parser.parse_args(["peer", "--batch-rows", "8", "--batch-wait-ms", "5"]))
+    assert (config.batch_rows, config.batch_wait) == (8, 0.005)
+    with pytest.raises(ConfigError, match=r"--batch-rows 0"):
+        config_from(parser.parse_args(["peer", "--batch-rows", "0"]))
+    with pytest.raises(ConfigError, match=r"max_wait"):
+        config_from(parser.parse_args(["peer", "--batch-wait-ms", "-3"]))
