@@ -16,6 +16,7 @@ from .cli_generate import add_compute_options
 from .emulated_link import LinkEmulation
 from .errors import ConfigError
 from .node_config import PeerConfig, parse_layers
+from .step_batcher import MAX_BATCH_ROWS, MAX_BATCH_WAIT, BatchBudget
 
 if TYPE_CHECKING:
     from .node import PeerNode
@@ -67,6 +68,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", type=Path, default=None, help="identity, store and trace (default ~/.local/share/tessera/NAME)")
     p.add_argument("--name", default="", help="a display name")
     p.add_argument("--max-sessions", type=int, default=16)
+    p.add_argument("--batch-rows", type=int, default=MAX_BATCH_ROWS, metavar="N",
+                   help=f"rows one stacked forward of several sessions' steps may hold (default {MAX_BATCH_ROWS}; "
+                        "1: every step alone)")
+    p.add_argument("--batch-wait-ms", type=float, default=MAX_BATCH_WAIT * 1000, metavar="MS",
+                   help=f"how long a batch waits for the sessions of the last one (default {MAX_BATCH_WAIT * 1000:g})")
     p.add_argument("--rebalance-interval", type=float, default=None, metavar="S",
                    help="seconds between placement checks (default 10)")
     p.add_argument("--tui", action="store_true", help="open the operator's terminal UI")
@@ -110,11 +116,16 @@ def config_from(args: argparse.Namespace) -> PeerConfig:
     if (args.shard is None) != (not args.group) or (args.shard is not None and args.layers is None):
         raise ConfigError("a tensor-shard rank needs all of --layers A:B, --shard I/N and --group NAME")
     data_dir = args.data_dir or Path.home() / ".local" / "share" / "tessera" / name
+    try:
+        budget = BatchBudget(args.batch_rows, args.batch_wait_ms / 1000)
+    except ValueError as bad:
+        raise ConfigError(f"--batch-rows {args.batch_rows!r} / --batch-wait-ms {args.batch_wait_ms!r}: {bad}") from None
     return PeerConfig(
         model=args.model, join=args.join, listen=args.listen or ["/ip4/127.0.0.1/tcp/0"],
         memory_gb=args.memory, layers=args.layers, data_dir=data_dir, name=args.name,
         threads=args.threads, device=args.device, dtype=args.dtype,
         swarm_key=read_swarm_key(args.swarm_key), max_sessions=args.max_sessions,
+        batch_rows=budget.max_rows, batch_wait=budget.max_wait,
         **({"rebalance_interval": args.rebalance_interval} if args.rebalance_interval else {}),
         emulate_link=args.emulate_link, misbehave=args.misbehave,
         **({"shard": args.shard, "group": args.group} if args.shard else {}),

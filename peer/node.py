@@ -154,6 +154,7 @@ class PeerNode:
                     self.server = kind(
                         transport, self.identity, self.stage, tracer=self.tracer,
                         limits=ServerLimits(max_sessions=self.config.max_sessions, max_length=self.config.max_length,
+                                            batch_rows=self.config.batch_rows, batch_wait=self.config.batch_wait,
                                             kv_budget=int(self.memory_bytes * KV_RESERVE_FRACTION)),
                         ledger=lambda requester, layer_tokens, nbytes: self.store.add_ledger(
                             requester, layer_tokens, steps=1, bytes=nbytes),

@@ -12,6 +12,7 @@ from stages.spec import ModelSpec
 
 from .emulated_link import LinkEmulation
 from .errors import ConfigError
+from .step_batcher import MAX_BATCH_ROWS, MAX_BATCH_WAIT
 
 RECORD_TTL = 15.0  # an advertisement is valid this long; re-advertised every ADVERTISE_INTERVAL
 ADVERTISE_INTERVAL = 3.0
@@ -44,6 +45,8 @@ class PeerConfig:
     swarm_key: bytes | None = None
     max_sessions: int = 16
     max_length: int = 4096
+    batch_rows: int = MAX_BATCH_ROWS  # rows of a stacked step of several sessions (peer/step_batcher.py)
+    batch_wait: float = MAX_BATCH_WAIT  # seconds a batch waits for the sessions of the last one
     record_ttl: float = RECORD_TTL
     advertise_interval: float = ADVERTISE_INTERVAL
     leave_grace: float = LEAVE_GRACE

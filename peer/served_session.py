@@ -7,7 +7,8 @@ and one worker task per session takes frames in order: decrypt, compute (in a
 worker thread, one forward at a time per peer), encrypt, push to the next peer
 — or, at the end of the chain, return to the requester — and send the requester
 a tap: a copy of this span's output, which the requester keeps so it can rebuild
-a replacement's cache if the next peer dies.
+a replacement's cache if the next peer dies. Steps of several sessions that are
+queued together run as one stacked forward (`compute_batch`, peer/step_batcher.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from protocol.keys import Identity
 from protocol.links import Direction, LinkCipher, open_link_key
 from protocol.messages import REPLY_FINGERPRINT, Forward, LinkHello, Result, SealedKey
 from protocol.tensors import check_finite, decode_tensor
+from stages.errors import SpanError, StageError
 
 from .transport import LINK_PROTOCOL, Channel
 
@@ -122,20 +124,30 @@ class ServedSession:
 
         Raises WireError (bad frame), StageError (shape, context, NaN/Inf).
         """
+        hidden, inputs_hash = self.prepare(server, msg)
+        started = time.perf_counter()
+        output = server.stage.forward(self.session_id, hidden, msg.start_pos)
+        elapsed = time.perf_counter() - started
+        return self.finish(server, msg, output, inputs_hash), elapsed
+
+    def prepare(self, server: "StageServer", msg: Forward) -> tuple[torch.Tensor, bytes]:
+        """A step's input: decrypted, decoded and checked. Returns (hidden [T, H], hash of the plaintext).
+
+        Raises WireError (bad frame), StageError (shape, NaN/Inf).
+        """
         plaintext = open_payload(self.inbound[msg.link_id], msg)
         hidden = decode_tensor(plaintext, limits=server.tensor_limits)
         expected = (msg.n_tokens, server.stage.spec.hidden_size)
         if tuple(hidden.shape) != expected:
-            from stages.errors import SpanError
-
             raise SpanError(f"step {msg.step}: hidden states of shape {tuple(hidden.shape)!r}, expected {expected!r}")
         check_finite(hidden, what="input activations")
-        started = time.perf_counter()
-        output = server.stage.forward(self.session_id, hidden, msg.start_pos)
-        elapsed = time.perf_counter() - started
+        return hidden, sha256(plaintext)
+
+    def finish(self, server: "StageServer", msg: Forward, output: torch.Tensor, inputs_hash: bytes) -> list[object]:
+        """A step's output, checked and sealed into the frames it sends. Raises StageError (NaN/Inf)."""
         output = server.tamper(output)
         check_finite(output, what="output activations")
-        return self.package(server, msg, output, inputs_hash=sha256(plaintext)), elapsed
+        return self.package(server, msg, output, inputs_hash=inputs_hash)
 
     def package(self, server: "StageServer", msg: Forward, output: torch.Tensor, *, inputs_hash: bytes) -> list[object]:
         """The frames one step sends: the output onward (or, at the chain's end, to the
@@ -173,3 +185,37 @@ class ServedSession:
             else:
                 frames.append(seal_activations(to_requester, template, output))
         return frames
+
+
+def compute_batch(
+    server: "StageServer", jobs: list[tuple[ServedSession, Forward]]
+) -> tuple[list[list[object] | Exception], float]:
+    """Several sessions' steps as ONE stacked forward (in a worker thread; see peer/step_batcher.py).
+
+    Returns, per job in order, its frames or the error that step alone raised (a bad
+    frame, a shape, a context overflow, NaN/Inf — or anything else one session's input
+    or output raised: it is that session's to raise, not its batch's), and the compute
+    seconds of the batch.
+    """
+    outcomes: list[list[object] | Exception | None] = [None] * len(jobs)
+    ready: list[tuple[int, torch.Tensor, bytes]] = []
+    for i, (session, msg) in enumerate(jobs):
+        try:
+            ready.append((i, *session.prepare(server, msg)))
+        except Exception as bad:  # returned to its own session's task, which raises it
+            outcomes[i] = bad
+    started = time.perf_counter()
+    outputs = server.stage.forward_batch(
+        [(jobs[i][0].session_id, hidden, jobs[i][1].start_pos) for i, hidden, _ in ready]
+    )
+    elapsed = time.perf_counter() - started
+    for (i, _, inputs_hash), output in zip(ready, outputs):
+        session, msg = jobs[i]
+        try:
+            if isinstance(output, StageError):
+                raise output
+            outcomes[i] = session.finish(server, msg, output, inputs_hash)
+        except Exception as bad:  # as above
+            outcomes[i] = bad
+    assert all(o is not None for o in outcomes), "every job has frames or an error"
+    return outcomes, elapsed  # type: ignore[return-value]

@@ -4,7 +4,9 @@ Two protocols: `SESSION_PROTOCOL`, a stream the requester opens for each session
 (open, control, inputs when we are first, results when we are last, taps), and
 `LINK_PROTOCOL`, a stream the previous peer of a chain opens to push its output
 to us. Limits are explicit and checked before anything is allocated: sessions
-at once, sessions per requester, context length, KV-cache bytes. A peer that
+at once, sessions per requester, context length, KV-cache bytes, rows and wait of a
+batch of steps (peer/step_batcher.py: the steps of sessions that arrive together run
+as one stacked forward). A peer that
 sends garbage gets an error message and loses its stream; every other session
 goes on.
 """
@@ -30,11 +32,12 @@ from store.trace import NullTracer, Tracer
 
 from .errors import PeerError, StreamClosed
 from .gossip import peer_id_str
-from .served_session import ServedSession
+from .served_session import ServedSession, compute_batch
 from .server_limits import (  # noqa: F401 - re-exported: the codes and limits are part of the server's API
     BAD_FRAME, BAD_REQUEST, BAD_SPAN, BUSY, COMPUTE_FAILED, DRAINING, LINK_WAIT, NEXT_HOP_FAILED, OPEN_TIMEOUT,
     REAPER_INTERVAL, TOO_LONG, Refused, ServerLimits, ServerStats,
 )
+from .step_batcher import BatchBudget, BatchInterrupted, StepBatcher
 from .transport import LINK_PROTOCOL, SESSION_PROTOCOL, Channel, Stream, Transport
 
 log = logging.getLogger(__name__)
@@ -73,6 +76,8 @@ class StageServer:
         # How a step's compute runs: in a worker thread, so that heartbeats and stream reads
         # never stall. A simulation swaps in a cost model that advances trio's MockClock.
         self.run_compute: Callable[[Callable[[], object]], Awaitable[object]] = trio.to_thread.run_sync
+        # Steps of different sessions queued together run as one stacked forward (peer/step_batcher.py).
+        self.batcher = StepBatcher(self._run_batch, BatchBudget(self.limits.batch_rows, self.limits.batch_wait))
         self.emptied = trio.Event()
         self.running = trio.Event()  # cleared while the operator has paused compute
         self.running.set()
@@ -137,6 +142,7 @@ class StageServer:
         session.closed = True
         session.forget_keys()
         self.stage.close(session.session_id)
+        self.batcher.forget(session.session_id)
         self.sessions.pop(session.session_id, None)
         if not self.sessions:
             self.emptied.set()
@@ -312,9 +318,13 @@ class StageServer:
             return
         await self.running.wait()
         try:
-            async with self.compute_lock:
-                frames, seconds = await self.run_compute(lambda: session.compute(self, msg))
-        except (WireError, StageError) as bad:
+            if self.batching:
+                frames, seconds, batch = await self.batcher.submit(session.session_id, (session, msg), msg.n_tokens)
+            else:
+                async with self.compute_lock:
+                    frames, seconds = await self.run_compute(lambda: session.compute(self, msg))
+                batch = 1
+        except (WireError, StageError, BatchInterrupted) as bad:
             code = BAD_FRAME if isinstance(bad, WireError) else COMPUTE_FAILED
             await self._error(session, code, f"step {msg.step}: {bad}")
             return
@@ -326,7 +336,7 @@ class StageServer:
         self.stats.layer_tokens += msg.n_tokens * n_layers
         self.stats.bytes_in += len(msg.payload)
         self.tracer.emit("forward", session=msg.session_id, step=msg.step, span=(session.start, session.end),
-                         duration=seconds, detail={"start_pos": msg.start_pos, "n_tokens": msg.n_tokens})
+                         duration=seconds, detail={"start_pos": msg.start_pos, "n_tokens": msg.n_tokens, "batch": batch})
         sent = 0
         for frame in frames:
             sent += len(frame.payload)
@@ -349,6 +359,19 @@ class StageServer:
         self.stats.bytes_out += sent
         if self.ledger is not None:
             self.ledger(session.requester, msg.n_tokens * n_layers, len(msg.payload) + sent)
+
+    @property
+    def batching(self) -> bool:
+        """Whether steps of different sessions run stacked: a budget over one row, and a stage
+        that can (a tensor-shard rank or a simulated stage runs each step alone)."""
+        return self.limits.batch_rows > 1 and isinstance(self.stage, Stage)
+
+    async def _run_batch(self, jobs: list[tuple[ServedSession, Forward]]) -> list[object]:
+        """The batcher's compute: one stacked forward in a worker thread; per job (frames,
+        seconds of the batch, batch size) or that job's own error."""
+        async with self.compute_lock:
+            outcomes, seconds = await self.run_compute(lambda: compute_batch(self, jobs))
+        return [o if isinstance(o, Exception) else (o, seconds, len(jobs)) for o in outcomes]
 
     async def _error(self, session: ServedSession, code: str, message: str) -> None:
         self.stats.errors += 1

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .step_batcher import MAX_BATCH_ROWS, MAX_BATCH_WAIT
+
 
 # A requester sends SessionOpen right after opening the stream; a peer dials its next
 # hop before accepting. Both are a few RTTs; 10 s covers a relayed intercontinental link.
@@ -37,6 +39,8 @@ class ServerLimits:
     max_length: int = 4096  # tokens per session (clamped to the model's context)
     kv_budget: int = 2 << 30  # bytes of KV cache across sessions
     idle_timeout: float = 300.0  # seconds without a frame before a session is dropped
+    batch_rows: int = MAX_BATCH_ROWS  # rows of one stacked forward of several sessions' steps; 1: no stacking
+    batch_wait: float = MAX_BATCH_WAIT  # seconds a batch waits for the sessions of the last one
 
 
 @dataclass

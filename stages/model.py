@@ -2,8 +2,10 @@
 
 Shapes use: T = tokens in this step, S = positions attended (cache length),
 H = hidden size, A = query heads, K = key/value heads, D = head dim, I = MLP width.
-A step works on one session at a time, so there is no batch dimension: the
-residual stream is [T, H].
+There is no batch dimension: the residual stream is [T, H]. A step of several
+sessions stacks their rows (T = the sum of theirs) and names each one's rows in a
+`Segment`: projections and MLP run once over the stack, attention per session over
+its own cache, so every session keeps its own length and position pointer.
 
 Two fusions pay on a CPU, where a 135M model's decode is dominated by per-op
 overhead rather than arithmetic: q, k and v come from ONE matmul against a
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +27,9 @@ from torch import nn
 
 from .errors import ContextOverflow
 from .spec import ModelSpec
+
+# A layer's cache as a step sees it: [K, S, D] of one session, or one per session of a stacked step.
+KVRows = torch.Tensor | Sequence[torch.Tensor]
 
 
 class KVCache:
@@ -138,6 +144,25 @@ class StepContext:
     cos: torch.Tensor  # [T, 1, D/2]
     sin: torch.Tensor
     mask: torch.Tensor | None  # [T, S] bool, True = may attend; None = attend to everything
+    # A stacked step of several sessions (see `Segment`): the rows of each, in order. Empty: the
+    # step is one session's, `start` and `mask` above are its own, and keys/values are its cache.
+    segments: tuple[Segment, ...] = ()
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One session's rows [lo, hi) in a stacked step, at positions [start, start + hi - lo).
+
+    Sessions at different positions and of different lengths share a step's weight passes
+    (the projections and the MLP run once over all rows); attention stays per session,
+    over its own cache (ragged: each attends to its own length), with the same kernel a
+    solo step uses.
+    """
+
+    lo: int
+    hi: int
+    start: int
+    mask: torch.Tensor | None  # as StepContext.mask, for this session's rows
 
 
 def attention_mask(start: int, n_tokens: int, window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -169,31 +194,52 @@ class Attention(nn.Module):
         self.scale = 1.0 / math.sqrt(spec.head_dim)
 
     def forward(
-        self, x: torch.Tensor, ctx: StepContext, keys: torch.Tensor, values: torch.Tensor
+        self, x: torch.Tensor, ctx: StepContext, keys: KVRows, values: KVRows
     ) -> torch.Tensor:
+        """x [T, H] -> [T, H]. keys, values: the layer's cache [K, S, D] — or, for a stacked
+        step (`ctx.segments`), one such cache per segment."""
         spec = self.spec
         t = x.shape[0]
         a, k, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         qkv = F.linear(x, self.wqkv.weight, self.wqkv.bias)  # [T, (A + 2K) D]
         qk = apply_rope(qkv[:, : (a + k) * d].view(t, a + k, d), ctx.cos, ctx.sin)  # [T, A + K, D]
-        end = ctx.start + t
-        keys[:, ctx.start : end] = qk[:, a:].transpose(0, 1)  # cache [K, S, D]
-        values[:, ctx.start : end] = qkv[:, (a + k) * d :].view(t, k, d).transpose(0, 1)
+        v = qkv[:, (a + k) * d :].view(t, k, d)  # [T, K, D]
+        if not ctx.segments:
+            assert isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor), "one session: one cache"
+            out = self.attend(qk, v, ctx.start, ctx.mask, keys, values)
+        else:
+            assert len(keys) == len(values) == len(ctx.segments), "a stacked step: one cache per segment"
+            out = torch.cat([  # [T, A D], each session over its own cache
+                self.attend(qk[s.lo : s.hi], v[s.lo : s.hi], s.start, s.mask, keys_s, values_s)
+                for s, keys_s, values_s in zip(ctx.segments, keys, values)
+            ])
+        return F.linear(out, self.wo.weight)
+
+    def attend(
+        self, qk: torch.Tensor, v: torch.Tensor, start: int, mask: torch.Tensor | None,
+        keys: torch.Tensor, values: torch.Tensor,
+    ) -> torch.Tensor:
+        """One session's rows: write k, v [T, K, D] at [start, start + T) of its cache, then
+        attend. qk [T, A + K, D] (rotated). Returns [T, A D]."""
+        spec = self.spec
+        t = qk.shape[0]
+        a, k, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        end = start + t
+        keys[:, start:end] = qk[:, a:].transpose(0, 1)  # cache [K, S, D]
+        values[:, start:end] = v.transpose(0, 1)
         if t == 1:
             lo = 0 if spec.sliding_window is None else max(0, end - spec.sliding_window)
-            out = grouped_decode_attention(qk[:, :a], keys[:, lo:end], values[:, lo:end], self.scale)
-        else:
-            # prefill and multi-token steps: the same kernel the reference uses, so logits agree closely
-            g = a // k
-            q = qk[None, :, :a].transpose(1, 2)  # [1, A, T, D]
-            out = F.scaled_dot_product_attention(
-                q,
-                keys[None, :, :end].repeat_interleave(g, dim=1),  # [1, A, S, D]
-                values[None, :, :end].repeat_interleave(g, dim=1),
-                attn_mask=ctx.mask,
-                is_causal=ctx.mask is None,
-            )[0].transpose(0, 1).reshape(t, a * d)  # [T, A D]
-        return F.linear(out, self.wo.weight)
+            return grouped_decode_attention(qk[:, :a], keys[:, lo:end], values[:, lo:end], self.scale)
+        # prefill and multi-token steps: the same kernel the reference uses, so logits agree closely
+        g = a // k
+        q = qk[None, :, :a].transpose(1, 2)  # [1, A, T, D]
+        return F.scaled_dot_product_attention(
+            q,
+            keys[None, :, :end].repeat_interleave(g, dim=1),  # [1, A, S, D]
+            values[None, :, :end].repeat_interleave(g, dim=1),
+            attn_mask=mask,
+            is_causal=mask is None,
+        )[0].transpose(0, 1).reshape(t, a * d)  # [T, A D]
 
 
 def grouped_decode_attention(
@@ -246,7 +292,7 @@ class Block(nn.Module):
         self.mlp = MLP(spec)
 
     def forward(
-        self, x: torch.Tensor, ctx: StepContext, keys: torch.Tensor, values: torch.Tensor
+        self, x: torch.Tensor, ctx: StepContext, keys: KVRows, values: KVRows
     ) -> torch.Tensor:
         # `.forward` directly: nn.Module.__call__'s hook machinery costs more than the
         # small ops of a one-token step (no hooks are ever registered on these modules)

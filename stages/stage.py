@@ -7,7 +7,9 @@ use a sub-span of the stage, which is what lets a requester route around a dead
 peer with different cut points.
 
 A Stage is not thread-safe: a server runs one `forward` at a time (in a worker
-thread) and serialises the rest.
+thread) and serialises the rest. `forward_batch` runs the steps of several
+sessions as one forward over their stacked rows (one pass over the weights for
+all of them), which is how a peer serves many requesters at once.
 """
 
 from __future__ import annotations
@@ -19,11 +21,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import SpanError
-from .model import Block, Rotary, StepContext, attention_mask
+from .errors import SpanError, StageError
+from .model import Block, Rotary, Segment, StepContext, attention_mask
 from .sessions import SessionState, SessionTable
 from .spec import ModelSpec
 from .weights import WeightFolder
+
+
+# One session's step in a stacked forward: (session, hidden states [T, H], start position).
+BatchStep = tuple[Hashable, torch.Tensor, int]
 
 
 class Stage(SessionTable):
@@ -111,11 +117,10 @@ class Stage(SessionTable):
         after a failure, or verifying a new draft after a rejected one, needs no
         separate rollback.
         """
-        state = self._session(session)
+        return self._run_solo(self._reserve(session, hidden, start_pos), hidden, start_pos)
+
+    def _run_solo(self, state: SessionState, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
         t = hidden.shape[0]
-        if hidden.dim() != 2 or hidden.shape[1] != self.spec.hidden_size:
-            raise SpanError(f"hidden states have shape {tuple(hidden.shape)!r}, expected [T, {self.spec.hidden_size}]")
-        state.cache.reserve(start_pos, t)
         positions = torch.arange(start_pos, start_pos + t, device=self.device)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         mask = attention_mask(start_pos, t, self.spec.sliding_window, self.device)
@@ -126,6 +131,72 @@ class Stage(SessionTable):
             j = i - (state.start - self.start)
             x = self.blocks[i](x, ctx, cache.keys[j], cache.values[j])
         return x
+
+    @torch.inference_mode()
+    def forward_batch(self, steps: Sequence[BatchStep]) -> list[torch.Tensor | StageError]:
+        """Several sessions' steps as one stacked forward (each as `forward` would run it).
+
+        Entry i of the answer is step i's output [T_i, H], or the StageError that step
+        raised: a bad step (unknown session, wrong shape, past its context) fails alone and
+        moves no pointer, and the others run. Sessions may sit at different positions
+        and hold different lengths; those over different sub-spans of this stage run as
+        separate stacks, and a stack of one is exactly `forward`. A stacked step's outputs
+        equal solo steps' up to the rounding of matmuls over more rows (float32 logits:
+        a few 1e-6 of the largest).
+        """
+        results: list[torch.Tensor | StageError | None] = [None] * len(steps)
+        # sub-span -> its steps (index, session state): the states are held, so that a session
+        # closed meanwhile (on another thread) cannot fail the stack
+        stacks: dict[tuple[int, int], list[tuple[int, SessionState]]] = {}
+        seen: set[Hashable] = set()
+        for i, (session, hidden, start_pos) in enumerate(steps):
+            try:
+                if session in seen:
+                    raise SpanError(f"session {session!r} has two steps in one stacked forward")
+                state = self._reserve(session, hidden, start_pos)
+            except StageError as bad:
+                results[i] = bad
+                continue
+            seen.add(session)
+            stacks.setdefault((state.start, state.end), []).append((i, state))
+        for (start, end), members in stacks.items():
+            if len(members) == 1:
+                (i, state), = members
+                results[i] = self._run_solo(state, steps[i][1], steps[i][2])
+                continue
+            outputs = self._run_stacked(start, end, [(state, *steps[i][1:]) for i, state in members])
+            for (i, _), output in zip(members, outputs):
+                results[i] = output
+        assert all(r is not None for r in results), "every step has an output or an error"
+        return results  # type: ignore[return-value]
+
+    def _reserve(self, session: Hashable, hidden: torch.Tensor, start_pos: int) -> SessionState:
+        """Check a step (session, shape, context) and move the session's pointer past it."""
+        state = self._session(session)
+        if hidden.dim() != 2 or hidden.shape[1] != self.spec.hidden_size:
+            raise SpanError(f"hidden states have shape {tuple(hidden.shape)!r}, expected [T, {self.spec.hidden_size}]")
+        state.cache.reserve(start_pos, hidden.shape[0])
+        return state
+
+    def _run_stacked(
+        self, start: int, end: int, steps: Sequence[tuple[SessionState, torch.Tensor, int]]
+    ) -> list[torch.Tensor]:
+        """Layers [start, end) over the stacked rows of reserved steps; each one's output rows."""
+        segments, lo = [], 0
+        for _, hidden, start_pos in steps:
+            t = hidden.shape[0]
+            segments.append(Segment(lo, lo + t, start_pos,
+                                    attention_mask(start_pos, t, self.spec.sliding_window, self.device)))
+            lo += t
+        positions = torch.cat([torch.arange(s.start, s.start + s.hi - s.lo, device=self.device) for s in segments])
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [R, 1, D], each row at its session's position
+        ctx = StepContext(segments[0].start, cos, sin, None, tuple(segments))
+        x = torch.cat([hidden.to(device=self.device, dtype=self.dtype) for _, hidden, _ in steps])  # [R, H]
+        caches = [state.cache for state, _, _ in steps]
+        for i in range(start - self.start, end - self.start):
+            j = i - (start - self.start)
+            x = self.blocks[i](x, ctx, [c.keys[j] for c in caches], [c.values[j] for c in caches])
+        return [x[s.lo : s.hi] for s in segments]
 
     @torch.inference_mode()
     def embed(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:

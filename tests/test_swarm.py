@@ -9,6 +9,7 @@ import trio
 from peer.client import Swarm
 from peer.errors import NoRoute
 from stages.generate import prompt_ids
+from store.db import PeerStore
 
 from .conftest import FRANCE
 from .swarm_helpers import local_swarm
@@ -48,21 +49,51 @@ async def test_three_peers_match_local_engine(three_peers, local_engine, smol_to
             assert [(h["start"], h["end"]) for h in info["route"]] == [(0, 10), (10, 20), (20, 30)]
 
 
-async def test_concurrent_sessions_are_all_exact(three_peers, local_engine, smol_tokenizer):
-    """Four generations at once through the same peers, interleaving on every peer."""
-    prompts = [(FRANCE, False), ("Name three colours.", False), ("Once upon a time", True), ("1, 2, 3,", True)]
+# Eight requesters' prompts of different lengths (raw ones: 3 to 12 tokens; chat ones longer).
+CONCURRENT = [
+    (FRANCE, False), ("Name three colours.", False), ("Once upon a time", True), ("1, 2, 3,", True),
+    ("Hi", True), ("Write a haiku about the sea.", False), ("The quick brown fox jumps over the lazy", True),
+    ("def fibonacci(n):", True),
+]
+CONCURRENT_NEW = 8
+BATCH_SEEN_WAIT = 10.0  # the peers' trace writers flush every 0.25 s; this is 40 flushes
+
+
+async def test_eight_concurrent_sessions_are_batched_and_all_exact(three_peers, local_engine, smol_tokenizer):
+    """Eight generations at once through the same peers: their steps meet on every peer and
+    run stacked (the peers' traces say so), and every answer is what one machine gives."""
     got: dict[int, list[int]] = {}
+    before = [last_forward(three_peers, i) for i in range(3)]
     async with Swarm.join(three_peers.addrs[:1]) as swarm:
         await swarm.wait_for_route(30)
 
         async def one(i: int) -> None:
-            got[i] = await swarm_tokens(swarm, *prompts[i], n=16)
+            got[i] = await swarm_tokens(swarm, *CONCURRENT[i], n=CONCURRENT_NEW)
 
         async with trio.open_nursery() as nursery:
-            for i in range(len(prompts)):
+            for i in range(len(CONCURRENT)):
                 nursery.start_soon(one, i)
-    for i, (prompt, raw) in enumerate(prompts):
-        assert got[i] == reference(local_engine, smol_tokenizer, prompt, raw, 16), prompt
+    for i, (prompt, raw) in enumerate(CONCURRENT):
+        assert got[i] == reference(local_engine, smol_tokenizer, prompt, raw, CONCURRENT_NEW), prompt
+    with trio.fail_after(BATCH_SEEN_WAIT):
+        while True:
+            forwards = [e for i in range(3) for e in peer_store(three_peers, i).events(
+                after_id=before[i], kinds=("forward",))]
+            if len(forwards) >= 3 * sum(map(len, got.values())):  # a step per token, on each peer
+                break
+            await trio.sleep(0.25)
+    batches = [e["detail"]["batch"] for e in forwards]
+    print(f"batch sizes seen on the peers: largest {max(batches)}, mean {sum(batches) / len(batches):.1f}")
+    assert max(batches) > 1
+
+
+def peer_store(peers, i: int) -> PeerStore:
+    return PeerStore(peers.base_dir / f"peer{i}" / "tessera.db", readonly=True)
+
+
+def last_forward(peers, i: int) -> int:
+    events = peer_store(peers, i).events(kinds=("forward",))
+    return events[-1]["id"] if events else 0
 
 
 @pytest.mark.parametrize("spans", [

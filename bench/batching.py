@@ -1,0 +1,190 @@
+"""Aggregate decode tokens/s of 1, 4 and 8 concurrent sessions on one peer, each session exact.
+
+Two figures per count of sessions, both as ratios to one session measured in the same run:
+
+- stage: what the peer's compute delivers. N sessions (prompts of different lengths,
+  so at different positions) decode in lockstep: one `Stage.forward_batch` of N rows
+  a token (a stack of one is exactly `Stage.forward`). Only the forward is timed:
+  the head and sampling run at the requesters in a swarm.
+- server: a real `StageServer` (encryption, the step batcher, a worker thread) over
+  the in-memory transport, N requester sessions at once in this process, wall clock.
+  The requesters' heads run here too, one session at a time, so this ratio is lower.
+
+Every session's tokens are checked against its solo run (greedy); a mismatch fails loudly.
+Each round measures every count; a ratio is taken within a round (so that machine noise
+hits both sides alike) and the median over rounds is printed last.
+
+    .venv/bin/python bench/batching.py [--threads 1] [--tokens 16] [--rounds 3]
+
+`concurrent_sessions_figures(...)` returns the figures for bench/capacity.py to print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import trio
+
+from peer.step_batcher import MAX_BATCH_WAIT
+from stages import registry
+from stages.stage import Stage
+
+COUNTS = (1, 4, 8)
+# Prompts of different lengths (token ids of the model's vocabulary; any will do for speed,
+# and greedy continuation of each is checked against its own solo run).
+PROMPT_LENGTHS = (5, 9, 14, 20, 27, 33, 40, 48)
+
+
+def prompts(count: int) -> list[list[int]]:
+    return [[(17 * i + 31 * j) % 4000 + 100 for j in range(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)])]
+            for i in range(count)]
+
+
+def lockstep(stage: Stage, batch: Sequence[list[int]], n: int) -> tuple[list[list[int]], float]:
+    """Greedy-decode n tokens for every prompt, all sessions stacked in each step.
+    Returns the tokens of each and the seconds spent in the decode forwards."""
+    names = [("bench", i) for i in range(len(batch))]
+    for name, prompt in zip(names, batch):
+        stage.open(name, capacity=len(prompt) + n + 1)
+    try:
+        hidden = [stage.forward(name, stage.embed(p), 0)[-1:] for name, p in zip(names, batch)]
+        tokens = [[int(stage.logits(h).argmax())] for h in hidden]
+        spent = 0.0
+        for k in range(n - 1):
+            steps = [(name, stage.embed(t[-1:]), len(p) + k) for name, p, t in zip(names, batch, tokens)]
+            started = time.perf_counter()
+            if len(steps) == 1:
+                outputs = [stage.forward(*steps[0])]
+            else:
+                outputs = stage.forward_batch(steps)
+            spent += time.perf_counter() - started
+            for t, out in zip(tokens, outputs):
+                assert isinstance(out, torch.Tensor), out
+                t.append(int(stage.logits(out).argmax()))
+        return tokens, spent
+    finally:
+        for name in names:
+            stage.close(name)
+
+
+async def through_server(
+    stage: Stage, head: Stage, batch: Sequence[list[int]], n: int, batch_wait: float
+) -> tuple[list[list[int]], float, float]:
+    """The same decode through a real StageServer over the in-memory transport. Returns the
+    tokens of each session, the wall seconds of the decode phase and the mean batch size."""
+    from libp2p.peer.id import ID
+
+    from peer.gossip import ViewKeeper
+    from peer.memory_transport import LinkSpec, MemoryNetwork, open_memory_transport
+    from peer.route_session import RequesterContext, RouteSession
+    from peer.routing import Hop, Route
+    from peer.server import StageServer
+    from peer.server_limits import ServerLimits
+    from protocol.keys import Identity
+
+    def pid(identity: Identity) -> str:
+        return ID(identity.peer_id).to_base58()
+
+    peer, requester = Identity.from_seed(b"\x51" * 32), Identity.from_seed(b"\x52" * 32)
+    network = MemoryNetwork(LinkSpec(latency=0.0, bandwidth=1e12))
+    layers = stage.spec.num_layers
+    tokens: list[list[int]] = [[] for _ in batch]
+    server: StageServer | None = None
+    prefilled = 0
+    all_prefilled = trio.Event()
+    async with open_memory_transport(network, pid(peer)) as tp, open_memory_transport(network, pid(requester)) as tr:
+        server = StageServer(tp, peer, stage, limits=ServerLimits(batch_wait=batch_wait))
+        async with trio.open_nursery() as nursery:
+            ctx = RequesterContext(transport=tr, identity=requester, nursery=nursery, num_layers=layers,
+                                   hidden_size=stage.spec.hidden_size,
+                                   keeper=ViewKeeper(model_id="m", num_layers=layers, clock=trio.current_time))
+
+            async def one(i: int) -> None:
+                nonlocal prefilled
+                session = RouteSession(ctx, Route((Hop(pid(peer), 0, layers),), 0.0),
+                                       max_length=len(batch[i]) + n + 1, keep_history=False)
+                await session.open()
+                out = await session.step(head.embed(batch[i]), 0)
+                tokens[i].append(int((await trio.to_thread.run_sync(head.logits, out[-1:])).argmax()))
+                prefilled += 1
+                if prefilled == len(batch):
+                    all_prefilled.set()
+                await all_prefilled.wait()
+                for k in range(n - 1):
+                    out = await session.step(head.embed(tokens[i][-1:]), len(batch[i]) + k)
+                    tokens[i].append(int((await trio.to_thread.run_sync(head.logits, out)).argmax()))
+                await session.close()
+
+            async with trio.open_nursery() as sessions:
+                for i in range(len(batch)):
+                    sessions.start_soon(one, i)
+                await all_prefilled.wait()
+                started = time.perf_counter()
+            elapsed = time.perf_counter() - started
+            nursery.cancel_scope.cancel()
+    assert server is not None
+    stats = server.batcher.stats
+    return tokens, elapsed, stats.steps / max(stats.batches, 1)
+
+
+def concurrent_sessions_figures(
+    folder: Path, *, counts: Sequence[int] = COUNTS, tokens: int = 16, rounds: int = 3,
+    batch_wait: float = MAX_BATCH_WAIT, log: Callable[[str], None] = print,
+) -> dict[str, dict[int, float]]:
+    """Aggregate decode tok/s per count of sessions ('stage', 'server': medians over rounds)
+    and its ratio to one session ('stage ratio', 'server ratio': the median of each round's
+    ratio, both measured in that round). Every session is checked exact against its solo
+    run; raises AssertionError on a mismatch. `counts` must include 1."""
+    assert 1 in counts, "ratios are to one session"
+    stage = Stage.load(folder)
+    head = Stage.load(folder, start=0, end=0, embed=True, head=True)
+    whole = Stage(stage.spec, 0, list(stage.blocks), embedding=head.embedding, norm=head.norm, head=head.head)
+    batch = prompts(max(counts))
+    solo = [lockstep(whole, [p], tokens)[0][0] for p in batch]
+    rates: dict[str, dict[int, list[float]]] = {kind: {c: [] for c in counts} for kind in ("stage", "server")}
+    for r in range(rounds):
+        for c in counts:
+            got, spent = lockstep(whole, batch[:c], tokens)
+            assert got == solo[:c], f"stage: {c} stacked sessions differ from their solo runs"
+            rates["stage"][c].append(c * (tokens - 1) / spent)
+            got, wall, mean_batch = trio.run(through_server, stage, head, batch[:c], tokens, batch_wait)
+            assert got == solo[:c], f"server: {c} concurrent sessions differ from their solo runs"
+            rates["server"][c].append(c * (tokens - 1) / wall)
+            log(f"round {r}, {c} session(s): stage {rates['stage'][c][-1]:.1f} tok/s, "
+                f"server {rates['server'][c][-1]:.1f} tok/s (mean batch {mean_batch:.1f}), all exact")
+    figures: dict[str, dict[int, float]] = {}
+    for kind, by in rates.items():
+        figures[kind] = {c: statistics.median(v) for c, v in by.items()}
+        figures[f"{kind} ratio"] = {c: statistics.median(a / b for a, b in zip(v, by[1])) for c, v in by.items()}
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-wait-ms", type=float, default=MAX_BATCH_WAIT * 1000,
+                        help="the server's wait for the sessions of its last batch (the peer's --batch-wait-ms)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    figures = concurrent_sessions_figures(registry.resolve(args.model), tokens=args.tokens, rounds=args.rounds,
+                                          batch_wait=args.batch_wait_ms / 1000)
+    print(f"threads: {args.threads}, dtype: float32, tokens per session: {args.tokens}, rounds: {args.rounds}, "
+          f"server batch wait: {args.batch_wait_ms:g} ms")
+    for kind in ("stage", "server"):
+        for c, rate in figures[kind].items():
+            print(f"{kind}: {c} session(s) {rate:.1f} tok/s aggregate")
+    for kind in ("stage", "server"):
+        print(f"{kind} batching ratios to 1 session: "
+              + ", ".join(f"{c}: {ratio:.2f}" for c, ratio in figures[f"{kind} ratio"].items() if c != 1))
+
+
+if __name__ == "__main__":
+    main()
