@@ -69,6 +69,14 @@ class WeightFolder:
         except (SafetensorError, OSError) as bad:
             raise ModelFormatError(f"{str(single)!r} is not a readable safetensors file: {bad}") from None
 
+    def files(self) -> list[Path]:
+        """The files the folder's tensors live in (as the index names them), sorted."""
+        return sorted(set(self._where.values()))
+
+    def names(self) -> set[str]:
+        """Every tensor name the folder lists."""
+        return set(self._where)
+
     def has(self, name: str) -> bool:
         return name in self._where
 
