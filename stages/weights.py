@@ -142,9 +142,8 @@ class WeightFolder:
     def head(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(final norm weight, lm_head weight); the embedding when the model ties them."""
         spec = self.spec
-        head_name = "lm_head.weight"
-        if spec.tie_embeddings or not self.has(head_name):
-            head_name = "model.embed_tokens.weight"
+        # untied without lm_head.weight: `read` refuses it (transformers would draw a random head)
+        head_name = "model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight"
         t = self.read(
             {"model.norm.weight": (spec.hidden_size,), head_name: (spec.vocab_size, spec.hidden_size)},
             dtype,
