@@ -234,3 +234,28 @@ def test_import_refuses_a_broken_folder_and_registers_nothing(folders, tmp_path,
         assert not (registry_root / folder.name).exists()
     assert [p.name for p in registry_root.iterdir()] == []  # no staging folder left either
     assert (import_model(source, name="good") / "manifest.json").exists()
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_theta": 5e5},  # only the older top-level base
+        {"rope_scaling": {"type": "linear", "factor": 4.0}, "rope_theta": 1e4},  # transformers 4.3x's `type`
+        {"rope_scaling": {**LLAMA3}, "rope_theta": 5e5},
+        {"rope_scaling": {k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"}},
+        {"rope_parameters": {**LLAMA3, "rope_theta": 5e5}, "rope_theta": 1.0},  # the block's base wins
+        {},  # nothing at all: 10000
+    ],
+    ids=["top-level-theta", "legacy-type-key", "llama3-top-level", "llama3-context-fallback", "block-wins", "none"],
+)
+def test_rope_reading_agrees_with_transformers(rope):
+    """What `read_rope` makes of a raw config dict is what transformers 5 standardises it to."""
+    from stages.spec import read_rope
+
+    raw = {"architectures": ["LlamaForCausalLM"], **SHAPE, **rope}
+    theirs = dict(transformers.LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"}).rope_parameters)
+    theta, scaling = read_rope(raw)
+    assert theta == theirs.pop("rope_theta")
+    kind = theirs.pop("rope_type")
+    theirs.pop("type", None)
+    assert scaling == (None if kind == "default" else {"rope_type": kind, **theirs})
