@@ -15,6 +15,7 @@ import trio
 from .cli_generate import add_compute_options
 from .emulated_link import LinkEmulation
 from .errors import ConfigError
+from .join import JOIN_TIMEOUT
 from .node_config import PeerConfig, parse_layers
 from .step_batcher import MAX_BATCH_ROWS, MAX_BATCH_WAIT, BatchBudget
 
@@ -58,6 +59,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", default="smollm2-135m")
     add_join_options(p)
+    p.add_argument("--join-timeout", type=float, default=JOIN_TIMEOUT, metavar="S",
+                   help=f"give up (exit non-zero) if no --join address is reached within S seconds (default {JOIN_TIMEOUT:g})")
+    p.add_argument("--allow-alone", action="store_true",
+                   help="if no --join address is reached in time, serve alone as a new swarm instead of exiting")
     p.add_argument("--listen", action="append", default=[], metavar="MULTIADDR",
                    help="where to listen (default /ip4/127.0.0.1/tcp/0)")
     p.add_argument("--memory", type=float, default=None, metavar="GB", help="memory offered (default: half of free RAM)")
@@ -120,12 +125,15 @@ def config_from(args: argparse.Namespace) -> PeerConfig:
         budget = BatchBudget(args.batch_rows, args.batch_wait_ms / 1000)
     except ValueError as bad:
         raise ConfigError(f"--batch-rows {args.batch_rows!r} / --batch-wait-ms {args.batch_wait_ms!r}: {bad}") from None
+    if not args.join_timeout > 0:
+        raise ConfigError(f"--join-timeout wants a positive number of seconds, got {args.join_timeout!r}")
     return PeerConfig(
         model=args.model, join=args.join, listen=args.listen or ["/ip4/127.0.0.1/tcp/0"],
         memory_gb=args.memory, layers=args.layers, data_dir=data_dir, name=args.name,
         threads=args.threads, device=args.device, dtype=args.dtype,
         swarm_key=read_swarm_key(args.swarm_key), max_sessions=args.max_sessions,
         batch_rows=budget.max_rows, batch_wait=budget.max_wait,
+        join_timeout=args.join_timeout, allow_alone=args.allow_alone,
         **({"rebalance_interval": args.rebalance_interval} if args.rebalance_interval else {}),
         emulate_link=args.emulate_link, misbehave=args.misbehave,
         **({"shard": args.shard, "group": args.group} if args.shard else {}),

@@ -195,7 +195,9 @@ class Swarm:
                 with trio.move_on_after(REFRESH_INTERVAL):
                     await self.keeper.wait_changed()
                 await self.refresh()
-        gaps = self.keeper.snapshot().gaps()
+        # the layers no usable peer covers: a banned (failed) or excluded peer's record may outlive it
+        unusable = {p for p in self.banned if self.is_banned(p)} | set(plan_args.get("exclude", ()))
+        gaps = self.keeper.snapshot().without(unusable).gaps()
         raise NoRoute(
             f"no route through the swarm after {timeout:.0f} s; uncovered layers: "
             + (", ".join(f"[{a}, {b})" for a, b in gaps) if gaps else "none (peers busy, banned or unreachable)"),

@@ -23,6 +23,10 @@ class NoRoute(PeerError):
         self.missing = missing or []
 
 
+class RouteLost(NoRoute):
+    """A running session lost a peer and no other peer could take its layers (`missing`)."""
+
+
 class SessionRefused(PeerError):
     """A peer answered a session request with an error message (code says why)."""
 

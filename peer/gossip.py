@@ -39,6 +39,7 @@ CONNECT_TIMEOUT = 2.0  # a dial to a peer the view names (it may be gone)
 GOSSIP_INTERVAL = 2.0
 PING_TIMEOUT = 5.0
 RTT_SMOOTHING = 0.3  # weight of a new sample in the moving average
+MAX_FOREIGN_MODELS = 256  # other-model peers remembered for the join message; more says nothing new
 
 
 def peer_id_str(raw: bytes) -> str:
@@ -91,6 +92,8 @@ class ViewKeeper:
         self.known: dict[str, Known] = {}
         self.changed = trio.Event()
         self.rejected = 0
+        # peer id -> model id of peers that advertised another model (bounded: gossip is untrusted)
+        self.foreign_models: dict[str, str] = {}
 
     def merge(self, records: Iterable[SignedRecord]) -> list[str]:
         """Verify and keep records; return the peer ids whose entry changed."""
@@ -103,9 +106,11 @@ class ViewKeeper:
                 self.rejected += 1
                 log.debug("ignored advertisement: %s", bad)
                 continue
-            if record.model_id != self.model_id:
-                continue
             pid = peer_id_str(record.peer_id)
+            if record.model_id != self.model_id:
+                if len(self.foreign_models) < MAX_FOREIGN_MODELS:  # kept only to tell a joiner why (peer/join.py)
+                    self.foreign_models[pid] = record.model_id
+                continue
             old = self.known.get(pid)
             if old is not None and old.record.seq >= record.seq:
                 continue

@@ -36,7 +36,7 @@ import trio
 
 from stages.errors import StageError
 
-from .errors import NoRoute, PeerError
+from .errors import NoRoute, PeerError, RouteLost
 from .http_exchange import SSE_HEADERS, ClientGone, Exchange, Receive, Send
 from .http_generation import (
     Envelope, Generation, chat_chunk, chat_object, completion_chunk, completion_object, usage_chunk,
@@ -247,6 +247,10 @@ class Gateway:
                         else:
                             text = await gen.text()
                             await http.json(200, (chat_object if chat else completion_object)(env, text, gen))
+                except RouteLost as error:  # the swarm failed mid-way: not "no route" at the start
+                    outcome, failure = "failed", ApiError(502, f"the swarm failed this request: {error}",
+                                                          type="upstream_error", code="swarm_error",
+                                                          extra={"missing": [list(g) for g in error.missing]})
                 except NoRoute as error:
                     outcome, failure = "failed", ApiError(503, str(error), type="service_unavailable",
                                                           code="no_route",

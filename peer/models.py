@@ -21,6 +21,7 @@ from typing import Callable
 from stages import registry
 from stages.convert import convert_gguf
 from stages.errors import ModelFormatError, StageError
+from stages.folder_check import check_folder
 from stages.synth import synth_spec, write_synth
 
 Progress = Callable[[int, int, str], None]
@@ -108,10 +109,8 @@ def import_model(path: Path, *, name: str | None = None, progress: Progress | No
             convert_gguf(path, staging, progress=progress)
         else:
             registry.link_folder(path, staging)
-            # check it loads as a model we can run before registering it
-            from stages.weights import WeightFolder
-
-            WeightFolder(staging)
+        # the whole folder (config, tokenizer, every tensor's shape) before anything is registered
+        check_folder(staging)
         registry.write_manifest(staging, source={"imported": str(path.resolve())}, progress=progress)
         _install(staging, root / name)
     return root / name

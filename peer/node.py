@@ -44,8 +44,9 @@ from .emulated_link import emulate
 from .libp2p_transport import open_libp2p_transport
 from .node_config import (  # noqa: F401 - PeerConfig and parse_layers are this module's API too
     DEFAULT_MEMORY_FRACTION, KV_RESERVE_FRACTION, MOVE_GRACE, PING_INTERVAL, PeerConfig,
-    capacity_in_layers, parse_layers,
+    capacity_in_layers, check_memory_offer, parse_layers,
 )
+from .join import join_swarm
 from .nat import NatService
 from . import misbehave
 from .placement import choose_span, plan_move
@@ -66,6 +67,9 @@ class PeerNode:
         self.model_id = registry.model_id(self.folder)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
+        if config.memory_gb is not None:  # refused before anything starts (raises ConfigError)
+            check_memory_offer(self.spec, config.memory_gb, self.itemsize, str(self.dtype).removeprefix("torch."),
+                               layers=config.layers)
         config.data_dir.mkdir(parents=True, exist_ok=True)
         self.identity = Identity.from_seed(load_or_create_key(config.data_dir / "identity.key"))
         self.store = PeerStore(config.data_dir / "tessera.db")
@@ -204,14 +208,25 @@ class PeerNode:
         nursery.start_soon(self.nat.run)
 
     async def _join(self) -> None:
-        for addr in self.config.join:
-            try:
-                peer = await self.transport.connect(addr)
-                self.tracer.emit("connect", remote=peer, detail={"kind": self.transport.connection_kind(peer) or "direct"})
-                await self.gossip.exchange(peer)
-            except PeerError as error:
-                self.out(f"warning: cannot reach {addr}: {error}")
+        """Join through --join (peer/join.py: retries, one reason line per attempt, JoinFailed)."""
+        if self.config.join:
+            await join_swarm(
+                self.config.join, self._try_join, timeout=self.config.join_timeout,
+                allow_alone=self.config.allow_alone, swarm_key_given=self.config.swarm_key is not None, out=self.out,
+            )
         await self._connect_known()
+
+    async def _try_join(self, addr: str) -> str | None:
+        """Connect to `addr` and gossip once: None when joined, else why not (raises PeerError if unreachable)."""
+        peer = await self.transport.connect(addr)
+        self.tracer.emit("connect", remote=peer, detail={"kind": self.transport.connection_kind(peer) or "direct"})
+        if not await self.gossip.exchange(peer):
+            return "unreachable (connected, but the gossip exchange failed)"
+        other = self.keeper.foreign_models.get(peer)
+        if other is not None:
+            return (f"different model: it serves model id {other}, ours is {self.model_id} "
+                    f"({self.config.model!r}; check --model and that the files are identical)")
+        return None
 
     async def _connect_known(self) -> None:
         await self.gossip.connect_known(self._connected)

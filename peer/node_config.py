@@ -13,6 +13,7 @@ from stages.spec import ModelSpec
 from .emulated_link import LinkEmulation
 from .errors import ConfigError
 from .step_batcher import MAX_BATCH_ROWS, MAX_BATCH_WAIT
+from .join import JOIN_TIMEOUT
 
 RECORD_TTL = 15.0  # an advertisement is valid this long; re-advertised every ADVERTISE_INTERVAL
 ADVERTISE_INTERVAL = 3.0
@@ -53,6 +54,8 @@ class PeerConfig:
     rebalance_interval: float = REBALANCE_INTERVAL
     emulate_link: LinkEmulation | None = None  # benchmarks only: delay/pace every frame sent
     misbehave: str | None = None  # fault injection (tests, demos): "perturb:P" or "wrong-weights"
+    join_timeout: float = JOIN_TIMEOUT  # seconds --join may take before the peer gives up (peer/join.py)
+    allow_alone: bool = False  # when no --join address answers in time: serve alone instead of exiting
     shard: tuple[int, int] = (0, 1)  # (rank, group size): a rank of a tensor-shard group (needs layers, group)
     group: str = ""  # the shard group's name
 
@@ -72,3 +75,17 @@ def capacity_in_layers(spec: ModelSpec, memory_bytes: int, itemsize: int) -> int
     """How many layers fit in the memory offered, keeping a share for KV caches."""
     usable = memory_bytes * (1 - KV_RESERVE_FRACTION)
     return max(1, min(spec.num_layers, int(usable // spec.layer_bytes(itemsize))))
+
+
+def check_memory_offer(spec: ModelSpec, memory_gb: float, itemsize: int, dtype: str,
+                       *, layers: tuple[int, int] | None = None) -> None:
+    """Raise ConfigError when `memory_gb` cannot hold one layer (or the forced span) plus the
+    KV share, saying how many GB it needs — before a peer loads weights that do not fit."""
+    count = (layers[1] - layers[0]) if layers else 1
+    need = count * spec.layer_bytes(itemsize) / (1 - KV_RESERVE_FRACTION)
+    if not memory_gb > 0 or memory_gb * (1 << 30) < need:
+        what = f"{count} layers" if layers else "one layer"
+        raise ConfigError(
+            f"--memory {memory_gb:g} GB is too small: {what} of this model in {dtype} needs "
+            f"{need / (1 << 30):.3g} GB (weights plus {KV_RESERVE_FRACTION:.0%} kept for KV caches)"
+        )

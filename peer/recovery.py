@@ -34,7 +34,7 @@ import trio
 
 from protocol.messages import Relink
 
-from .errors import NoRoute, PeerError, PeerFailed, SessionRefused
+from .errors import NoRoute, PeerError, PeerFailed, RouteLost, SessionRefused
 from .route_session import HopState, RouteSession, StepSlot, peer_bytes, route_summary
 from .routing import Route
 from .shard_route import SegmentedSession, has_groups
@@ -255,10 +255,18 @@ class ResilientSession:
         up = hops[i - 1] if i > 0 else None
         down = hops[j + 1] if j + 1 < len(hops) else None
         dead = [h.peer for h in hops[i : j + 1]]
-        chosen = await self.swarm.wait_for_route(
-            self.route_wait, start=a, end=b, source=up.peer if up else None, sink=down.peer if down else None,
-            exclude=dead, groups=False,  # replacements are chained peer to peer; groups need the requester
-        )
+        try:
+            chosen = await self.swarm.wait_for_route(
+                self.route_wait, start=a, end=b, source=up.peer if up else None, sink=down.peer if down else None,
+                exclude=dead, groups=False,  # replacements are chained peer to peer; groups need the requester
+            )
+        except NoRoute as lost:
+            # mid-way, not at the start: the request failed in the swarm (HTTP 502), naming what is gone
+            reasons = "; ".join(f"{h.peer}: {h.failure}" for h in hops[i : j + 1] if h.failure) or "failed"
+            raise RouteLost(
+                f"lost layers [{a}, {b}) mid-way ({reasons}) and no other peer took them within "
+                f"{self.route_wait:g} s", lost.missing or [(a, b)],
+            ) from None
         new, into, out = await session.open_hops(
             list(chosen.hops), prev=up.peer if up else None, next_=down.peer if down else None
         )

@@ -5,11 +5,19 @@ share one block: pre-norm RMSNorm, rotary attention with grouped KV heads, and a
 SwiGLU MLP. They differ in small switches (q/k/v bias for Qwen2, a sliding window
 for Mistral, RoPE scaling for Llama 3, tied embeddings for small models), and
 those switches are the fields below.
+
+`from_config` reads both forms `transformers` writes: the older top-level
+`rope_theta` / `rope_scaling` keys, and the `rope_parameters` block of
+transformers 5. Any setting the engine does not implement (another RoPE type,
+per-layer attention kinds, an MLP or output-projection bias, quantised weights,
+another activation) is refused with `UnsupportedModel` naming the key and its
+value: a model either runs exactly or does not load.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +30,16 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
 }
+
+# RoPE types we compute, each with the parameters it needs (transformers' modeling_rope_utils names)
+ROPE_PARAMETERS: dict[str, frozenset[str]] = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+}
+# keys of a RoPE block that name the type and base rather than parameters of the type
+ROPE_NAMING_KEYS = ("rope_type", "type", "rope_theta")
+DEFAULT_ROPE_THETA = 10000.0  # transformers' `default_theta` when a config names no base
 
 
 @dataclass(frozen=True)
@@ -37,7 +55,8 @@ class ModelSpec:
     head_dim:          per-head width (D), usually H / A.
     rms_norm_eps:      epsilon inside every RMSNorm.
     rope_theta:        RoPE base frequency.
-    rope_scaling:      the config's `rope_scaling` dict (None, "linear" or "llama3").
+    rope_scaling:      None (plain RoPE) or {"rope_type": "linear" | "llama3", and its parameters},
+                       normalised by `read_rope` from whichever form the config used.
     max_position:      the longest context the model was trained for.
     tie_embeddings:    the head reuses the embedding matrix.
     attention_bias:    q/k/v projections carry a bias (Qwen2).
@@ -145,17 +164,14 @@ class ModelSpec:
             raise UnsupportedModel(
                 f"unknown architecture {archs!r}: tessera runs {sorted(ARCHITECTURES)}"
             )
-        act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModel(f"hidden_act {act!r} is not supported (only 'silu')")
+        refuse_unsupported_settings(config, arch)
         try:
             hidden = int(config["hidden_size"])
             heads = int(config["num_attention_heads"])
             eos = config.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             window = config.get("sliding_window") if arch == "mistral" else None
-            if arch == "qwen2" and config.get("use_sliding_window"):
-                raise UnsupportedModel("Qwen2 with use_sliding_window=true is not supported")
+            rope_theta, rope_scaling = read_rope(config)
             return ModelSpec(
                 architecture=arch,
                 vocab_size=int(config["vocab_size"]),
@@ -166,11 +182,13 @@ class ModelSpec:
                 num_kv_heads=int(config.get("num_key_value_heads") or heads),
                 head_dim=int(config.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(config.get("rope_theta", 10000.0)),
-                rope_scaling=config.get("rope_scaling"),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
                 max_position=int(config.get("max_position_embeddings", 4096)),
                 tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-                attention_bias=bool(config.get("attention_bias", arch == "qwen2")),
+                # Qwen2 always biases q/k/v; Llama's attention_bias (which would also bias o_proj)
+                # is refused above; Mistral has no bias whatever the config says
+                attention_bias=arch == "qwen2",
                 sliding_window=int(window) if window else None,
                 bos_token_id=config.get("bos_token_id"),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
@@ -195,3 +213,82 @@ class ModelSpec:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def refuse_unsupported_settings(config: dict[str, Any], arch: str) -> None:
+    """Raise UnsupportedModel naming the first setting `config` asks for that the engine lacks.
+
+    Settings that do not change the arithmetic of inference (dropout, initializer
+    range, `use_cache`, `pretraining_tp` which transformers 5 ignores) are not looked at.
+    """
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedModel(f"config hidden_act {act!r} is not supported (only 'silu')")
+    if config.get("mlp_bias"):
+        raise UnsupportedModel(f"config mlp_bias {config['mlp_bias']!r} is not supported (MLP without bias only)")
+    if arch == "llama" and config.get("attention_bias"):
+        # Llama's attention_bias biases o_proj as well as q/k/v; the engine has no o_proj bias
+        raise UnsupportedModel(f"config attention_bias {config['attention_bias']!r} is not supported for Llama")
+    if config.get("quantization_config"):
+        method = config["quantization_config"]
+        method = method.get("quant_method", method) if isinstance(method, dict) else method
+        raise UnsupportedModel(f"config quantization_config {method!r} is not supported (float weights only)")
+    if arch == "qwen2" and config.get("use_sliding_window"):
+        raise UnsupportedModel(f"config use_sliding_window {config['use_sliding_window']!r} is not supported for Qwen2")
+    kinds = config.get("layer_types")
+    if kinds is not None and (not isinstance(kinds, list) or set(kinds) - {"full_attention"}):
+        raise UnsupportedModel(f"config layer_types {kinds!r} is not supported (only 'full_attention' layers)")
+    partial = config.get("partial_rotary_factor")
+    if partial not in (None, 1, 1.0):
+        raise UnsupportedModel(f"config partial_rotary_factor {partial!r} is not supported (only 1.0)")
+
+
+def read_rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(RoPE base, normalised scaling or None) from either form transformers writes.
+
+    Follows transformers 5 (`RotaryEmbeddingConfigMixin.convert_rope_params_to_dict`):
+    the block is `rope_scaling` when that is set, else `rope_parameters`; the base is
+    the block's `rope_theta`, else the top-level `rope_theta`, else 10000; the type is
+    `rope_type` (or the older `type`), else "default"; llama3's
+    `original_max_position_embeddings` falls back to the top-level keys.
+    Raises UnsupportedModel for a RoPE type or parameter the engine does not compute,
+    ModelFormatError for a missing or impossible value.
+    """
+    where = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    block = config.get(where) or {}
+    if not isinstance(block, dict):
+        raise ModelFormatError(f"config {where} {block!r} is not a JSON object")
+    if any(isinstance(v, dict) for v in block.values()):
+        raise UnsupportedModel(f"config {where} {block!r} differs per layer type; only one RoPE for all layers is supported")
+    kind = block.get("rope_type", block.get("type", "default"))
+    if "rope_type" in block and "type" in block and block["type"] != block["rope_type"]:
+        raise ModelFormatError(f"config {where} names two RoPE types: {block['rope_type']!r} and {block['type']!r}")
+    if kind not in ROPE_PARAMETERS:
+        raise UnsupportedModel(
+            f"config {where}.rope_type {kind!r} is not supported (tessera computes {sorted(ROPE_PARAMETERS)})"
+        )
+    theta = block.get("rope_theta", config.get("rope_theta", DEFAULT_ROPE_THETA))
+    params = {k: v for k, v in block.items() if k not in ROPE_NAMING_KEYS}
+    if params.get("partial_rotary_factor", 1.0) not in (1, 1.0):
+        raise UnsupportedModel(f"config {where}.partial_rotary_factor {params['partial_rotary_factor']!r} is not supported (only 1.0)")
+    params.pop("partial_rotary_factor", None)
+    if kind == "llama3" and "original_max_position_embeddings" not in params:
+        params["original_max_position_embeddings"] = config.get(
+            "original_max_position_embeddings", config.get("max_position_embeddings")
+        )
+    unknown = sorted(set(params) - ROPE_PARAMETERS[kind])
+    if unknown:
+        raise UnsupportedModel(
+            f"config {where}.{unknown[0]} {params[unknown[0]]!r} is not supported with rope_type {kind!r}"
+        )
+    for key in ("rope_theta", *sorted(ROPE_PARAMETERS[kind])):
+        value = theta if key == "rope_theta" else params.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ModelFormatError(f"config {where}.{key} has an impossible value {value!r}")
+    if kind == "llama3" and params["high_freq_factor"] <= params["low_freq_factor"]:
+        raise ModelFormatError(
+            f"config {where}.high_freq_factor {params['high_freq_factor']!r} must exceed "
+            f"low_freq_factor {params['low_freq_factor']!r}"
+        )
+    scaling = None if kind == "default" else {"rope_type": kind, **{k: params[k] for k in sorted(params)}}
+    return float(theta), scaling

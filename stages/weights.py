@@ -69,6 +69,14 @@ class WeightFolder:
         except (SafetensorError, OSError) as bad:
             raise ModelFormatError(f"{str(single)!r} is not a readable safetensors file: {bad}") from None
 
+    def files(self) -> list[Path]:
+        """The files the folder's tensors live in (as the index names them), sorted."""
+        return sorted(set(self._where.values()))
+
+    def names(self) -> set[str]:
+        """Every tensor name the folder lists."""
+        return set(self._where)
+
     def has(self, name: str) -> bool:
         return name in self._where
 
@@ -134,9 +142,8 @@ class WeightFolder:
     def head(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(final norm weight, lm_head weight); the embedding when the model ties them."""
         spec = self.spec
-        head_name = "lm_head.weight"
-        if spec.tie_embeddings or not self.has(head_name):
-            head_name = "model.embed_tokens.weight"
+        # untied without lm_head.weight: `read` refuses it (transformers would draw a random head)
+        head_name = "model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight"
         t = self.read(
             {"model.norm.weight": (spec.hidden_size,), head_name: (spec.vocab_size, spec.hidden_size)},
             dtype,

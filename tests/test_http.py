@@ -386,3 +386,27 @@ async def test_eight_concurrent_streams_are_exact(url, peers, local_engine):
         peak = max(peak, running)
     print(f"sessions running at once on peer0: {peak} of {len(cases)}")
     assert peak >= 2, events
+
+
+# -- a swarm failure mid-stream (LAST in this file: it kills a peer of the module's swarm) ----------------
+
+
+def test_a_peer_dying_mid_stream_ends_the_stream_with_swarm_error(url, peers):
+    """No other peer serves [15, 30): the stream ends with one 502-style `swarm_error` event naming them."""
+    body = {"model": MODEL, "prompt": "1, 2, 3,", "temperature": 0, "max_tokens": 64, "stream": True}
+    events = []
+    with httpx.Client(timeout=HTTP_TIMEOUT) as http:
+        with http.stream("POST", url + "/v1/completions", json=body, headers=auth()) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]")
+                if len(events) == 2:
+                    peers.stop(1, sig=signal.SIGKILL)  # mid-stream, after tokens went out
+    assert "[DONE]" not in events and len(events) < 64, events[-3:]
+    error = events[-1]["error"]
+    assert error["code"] == "swarm_error" and error["type"] == "upstream_error", error
+    assert error["missing"] == [[15, 30]] and "[15, 30)" in error["message"], error
+    health = httpx.get(url + "/health").json()
+    assert health["gateway"]["failed"] >= 1 and health["gateway"]["active"] == 0

@@ -1,0 +1,115 @@
+"""Check a whole model folder before it is registered: one clear error, and nothing half-made.
+
+`check_folder` reads only headers and small files: the config (through `ModelSpec`,
+which refuses settings the engine does not implement), the tokenizer and its chat
+template, and every weight file's tensor table — names, shapes and dtypes — against
+what the spec says the model holds. No tensor data is read, so checking a 70B folder
+costs what its headers cost.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from safetensors import SafetensorError, safe_open
+
+from .errors import ModelFormatError, UnsupportedModel
+from .spec import ModelSpec
+from .tokenizer import Tokenizer
+from .weights import WeightFolder, layer_tensor_names
+
+# safetensors dtypes the engine casts from exactly; integer tensors would be quantised weights
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+# tensors older checkpoints carry that the engine recomputes from the config instead
+RECOMPUTED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)
+
+
+def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor name a folder for `spec` must hold, with its shape."""
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, spec.hidden_size)}
+    for layer in range(spec.num_layers):
+        shapes.update(layer_tensor_names(spec, layer))
+    shapes["model.norm.weight"] = (spec.hidden_size,)
+    if not spec.tie_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
+    return shapes
+
+
+def tensor_table(weights: WeightFolder) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{name: (shape, safetensors dtype)} of every tensor the folder's files hold (headers only)."""
+    table: dict[str, tuple[tuple[int, ...], str]] = {}
+    for path in weights.files():
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    piece = f.get_slice(name)
+                    table[name] = (tuple(piece.get_shape()), piece.get_dtype())
+        except (SafetensorError, OSError) as bad:
+            raise ModelFormatError(f"cannot read {str(path)!r}: {bad}") from None
+    return table
+
+
+def check_tensors(spec: ModelSpec, weights: WeightFolder) -> None:
+    """Raise ModelFormatError for a missing, unexpected or misshapen tensor (UnsupportedModel for int weights)."""
+    expected = expected_tensors(spec)
+    table = tensor_table(weights)
+    listed_elsewhere = sorted(weights.names() - set(table))
+    if listed_elsewhere:
+        raise ModelFormatError(
+            f"the index lists tensor {listed_elsewhere[0]!r} but its file does not hold it"
+        )
+    missing = sorted(set(expected) - set(table))
+    if missing:
+        raise ModelFormatError(f"tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
+    # a tied model may still carry lm_head.weight; transformers ignores it and so do we
+    ignorable = {"lm_head.weight"} if spec.tie_embeddings else set()
+    unexpected = sorted(
+        n for n in set(table) - set(expected) - ignorable if not n.endswith(RECOMPUTED_SUFFIXES)
+    )
+    if unexpected:
+        raise UnsupportedModel(
+            f"tensor {unexpected[0]!r} is not part of a {spec.architecture} model as configured "
+            f"({len(unexpected)} unexpected in all)"
+        )
+    for name, shape in sorted(expected.items()):
+        actual, dtype = table[name]
+        if actual != shape:
+            raise ModelFormatError(f"tensor {name!r} has shape {actual!r}, expected {shape!r}")
+        if dtype not in FLOAT_DTYPES:
+            raise UnsupportedModel(f"tensor {name!r} has dtype {dtype!r} (float weights only: {FLOAT_DTYPES})")
+
+
+def check_tokenizer(spec: ModelSpec, folder: Path) -> None:
+    """Raise ModelFormatError when the tokenizer is absent or unreadable, holds ids past the
+    embedding, or its chat template does not compile."""
+    if not (folder / "tokenizer.json").exists():
+        raise ModelFormatError(f"{str(folder)!r} has no tokenizer.json (tessera reads Hugging Face fast tokenizers)")
+    tokenizer = Tokenizer.from_folder(folder)
+    size = tokenizer.backend.get_vocab_size(with_added_tokens=True)
+    if size > spec.vocab_size:
+        raise ModelFormatError(
+            f"tokenizer.json has {size} tokens but config vocab_size is {spec.vocab_size}: "
+            "ids past the embedding could not be run"
+        )
+    if tokenizer.chat_template is not None:
+        try:
+            ImmutableSandboxedEnvironment().parse(tokenizer.chat_template)
+        except TemplateError as bad:
+            raise ModelFormatError(f"the chat template of {str(folder)!r} does not parse: {bad}") from None
+
+
+def check_folder(folder: Path) -> ModelSpec:
+    """Everything `tessera model import` checks before it registers `folder`; returns its spec.
+
+    Raises ModelFormatError or UnsupportedModel, each naming the file, key or tensor at fault.
+    """
+    folder = Path(folder)
+    weights = WeightFolder(folder)  # parses config.json into a ModelSpec, with its refusals
+    for path in weights.files():
+        if not path.exists():
+            raise ModelFormatError(f"the safetensors index names {path.name!r}, which is not in {str(folder)!r}")
+    check_tensors(weights.spec, weights)
+    check_tokenizer(weights.spec, folder)
+    return weights.spec
