@@ -16,6 +16,7 @@ from pathlib import Path
 
 import trio
 
+from .cli_config import add_config_options
 from .cli_generate import apply_threads
 from .cli_peer import add_join_options, read_swarm_key
 from .errors import ConfigError
@@ -48,6 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                    help=f"max_tokens when a request gives none (default {DEFAULT_MAX_TOKENS})")
     p.add_argument("--threads", type=int, default=None, help="torch threads for the embedding and head")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let browser pages from ORIGIN call the API (repeatable; '*' = any; default none)")
+    add_config_options(p)
     p.set_defaults(handler=run)
 
 
