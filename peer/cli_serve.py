@@ -1,4 +1,4 @@
-"""`tessera serve`: an OpenAI-compatible HTTP gateway to a swarm.
+"""`tessera serve`: an OpenAI- and Anthropic-compatible HTTP gateway to a swarm.
 
 One trio loop runs both the requester (`Swarm`, joined once for the gateway's
 life) and hypercorn's trio worker serving `Gateway` (peer/http_api.py).
@@ -85,7 +85,8 @@ async def serve(args: argparse.Namespace) -> None:
     api_key = args.api_key or os.environ.get("TESSERA_API_KEY") or None
     async with Swarm.join(args.join, model=args.model, swarm_key=read_swarm_key(args.swarm_key)) as swarm:
         gateway = Gateway(swarm, name=served_name(args.model), api_key=api_key, route_wait=args.route_wait,
-                          max_concurrent=args.max_concurrent, default_max_tokens=args.default_max_tokens)
+                          max_concurrent=args.max_concurrent, default_max_tokens=args.default_max_tokens,
+                          cors_origins=args.cors_origin)
         config = Config()
         host = f"[{args.host}]" if ":" in args.host else args.host
         config.bind = [f"{host}:{args.port}"]
@@ -95,7 +96,7 @@ async def serve(args: argparse.Namespace) -> None:
                                                 shutdown_trigger=stop_signal))
             print(f"gateway peer id: {swarm.peer_id}", flush=True)
             for url in binds:
-                print(f"serving {gateway.name} (OpenAI API) on {url}/v1"
+                print(f"serving {gateway.name} (OpenAI and Anthropic APIs) on {url}/v1"
                       f"{' (API key required)' if api_key else ''}", flush=True)
     print("stopped", flush=True)
 

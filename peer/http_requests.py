@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from stages.json_prefix import JSON_OBJECT, Shape, UnsupportedSchema, compile_schema
 from stages.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -101,6 +102,7 @@ class GenerationRequest:
     stop:       strings that end the answer (not included in it).
     stream:     answer as Server-Sent Events.
     include_usage: with `stream`, send a last chunk carrying `usage` (stream_options).
+    json_shape: the answer must be JSON of this shape (response_format; constrained decoding), or None.
     """
 
     messages: tuple[dict, ...] | None
@@ -111,6 +113,7 @@ class GenerationRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    json_shape: Shape | None = None
 
 
 def _is_int(value: Any) -> bool:
@@ -193,7 +196,34 @@ def _common(data: dict) -> dict:
         raise bad("stream_options", f"stream_options must be an object, got {options!r}")
     include_usage = bool(options and options.get("include_usage") is True)
     return dict(model=model, max_tokens=max_tokens, sampling=sampling, stop=_stop(data), stream=stream,
-                include_usage=include_usage)
+                include_usage=include_usage, json_shape=response_format(data.get("response_format")))
+
+
+def json_shape(kind: Any, schema: Any, param: str) -> Shape | None:
+    """The shape a response format asks for: "text" (None), "json_object" or "json_schema" with `schema`."""
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return JSON_OBJECT
+    if kind == "json_schema":
+        if not isinstance(schema, dict):
+            raise bad(param, f"a json_schema response format needs a schema object, got {schema!r}")
+        try:
+            return compile_schema(schema)
+        except UnsupportedSchema as error:
+            raise bad(param, str(error), code="unsupported_schema") from None
+    raise bad(param, f"the response format type must be text, json_object or json_schema, got {kind!r}")
+
+
+def response_format(value: Any) -> Shape | None:
+    """Chat Completions' `response_format`: {"type": ..., "json_schema": {"name", "schema", "strict"}}."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad("response_format", f"response_format must be an object, got {value!r}")
+    spec = value.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    return json_shape(value.get("type"), schema, "response_format")
 
 
 def _message_text(content: Any, i: int) -> str:
