@@ -19,8 +19,13 @@ Anthropic's shape, `{"type": "error", "error": {"type": ..., "message": ...}}`,
 with its type names for each status; mid-stream, one `error` event.
 
 As Anthropic's API: `max_tokens` is required, temperature lies in [0, 1]
-(default 1), and `top_k` is native. Tools, images and extended thinking are
-refused with a 400 naming the field; `metadata` and unknown fields are ignored.
+(default 1), and `top_k` is native — Anthropic's current SDK no longer sends
+sampling parameters, so ask for the greedy answer with
+`extra_body={"temperature": 0}`. Structured outputs
+(`output_config.format`, a JSON schema) are honoured by constrained decoding,
+as on the OpenAI endpoints; `output_config.effort` is ignored. Tools, images
+and extended thinking are refused with a 400 naming the field; `metadata` and
+unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ from __future__ import annotations
 import secrets
 from typing import Any, Awaitable, Callable
 
+from stages.json_prefix import Shape
 from stages.sampling import SamplingParams
 
 from .http_exchange import SSE_HEADERS, Exchange
 from .http_generation import LENGTH, Generation
 from .http_requests import (
-    ApiError, GenerationRequest, _bool, _number, _optional_int, bad,
+    ApiError, GenerationRequest, _bool, _number, _optional_int, bad, json_shape,
 )
 
 MAX_STOP_SEQUENCES = 16  # Anthropic sets no small limit; this keeps matching cheap
@@ -100,7 +106,22 @@ def parse_messages(data: dict) -> GenerationRequest:
     )
     return GenerationRequest(messages=tuple(chat), prompt=None, model=model, max_tokens=max_tokens,
                              sampling=sampling, stop=tuple(stops), stream=_bool(data, "stream"),
-                             include_usage=False)
+                             include_usage=False, json_shape=_output_format(data.get("output_config")))
+
+
+def _output_format(config: Any) -> Shape | None:
+    """Structured outputs: output_config.format = {"type": "json_schema", "schema": {...}}."""
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise bad("output_config", f"output_config must be an object, got {config!r}")
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise bad("output_config.format", f"output_config.format must be {{\"type\": \"json_schema\", "
+                  f"\"schema\": ...}}, got {fmt!r}")
+    return json_shape("json_schema", fmt.get("schema"), "output_config.format")
 
 
 def _thinking_off(value: Any) -> bool:
