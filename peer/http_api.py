@@ -135,7 +135,8 @@ class Gateway:
             if anthropic:
                 await http.event(body, name="error")
             elif http.scope["path"].rstrip("/") == "/v1/responses":
-                await http.event({"type": "error", **error.body()["error"]}, name="error")
+                await http.event({"type": "error", "code": error.code, "message": error.message,
+                                  "param": error.param}, name="error")
             else:
                 await http.event(body)
             await http.write(b"", more=False)

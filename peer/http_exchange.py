@@ -79,7 +79,8 @@ class Exchange:
         """One Server-Sent Event: `data: <json>` (or a literal such as [DONE]), after `event: <name>`
         when named (Anthropic's and the Responses API's streams name every event)."""
         data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-        await self.write(f"{f'event: {name}' + chr(10) if name else ''}data: {data}\n\n".encode())
+        head = f"event: {name}\n" if name else ""
+        await self.write(f"{head}data: {data}\n\n".encode())
 
     async def watch_disconnect(self, scope: trio.CancelScope) -> None:
         """Cancel `scope` when the client goes away (the body has been read already)."""

@@ -11,7 +11,9 @@ Defaults follow OpenAI's, not `tessera generate`'s: temperature 1.0, top_p 1.0.
 A parameter that would change the answer in a way we cannot honour (n > 1,
 logprobs, penalties, logit_bias, tools, echo, suffix) is refused rather than
 ignored; a field we do not know (user, metadata ...) is ignored, as OpenAI-
-compatible servers do.
+compatible servers do. `response_format` (json_object, json_schema) is honoured
+by constrained decoding (stages/constrained.py); a schema keyword that is not
+implemented is refused with a 400 naming it.
 """
 
 from __future__ import annotations
