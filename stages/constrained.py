@@ -16,8 +16,9 @@ vocabulary first:
 - sampling: the usual distribution (temperature, top-k, top-p on the raw
   logits) is drawn from; a disallowed draw has its probability zeroed and is
   drawn again — which samples that distribution conditioned on the allowed
-  set. If the filters left no allowed token, the allowed token with the
-  highest logit is taken.
+  set (after `MAX_REJECTIONS`, every remaining candidate is judged and one
+  draw is made from the allowed ones: the same distribution). If the filters
+  left no allowed token, the allowed token with the highest logit is taken.
 
 A token's text is judged by decoding the whole answer with it (decoding is not
 always concatenation); a token that ends inside a multi-byte character
@@ -36,6 +37,9 @@ from .sampling import Sampler, SamplingParams, probabilities
 from .tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"  # what decoding a partial UTF-8 sequence yields
+# Rejected draws before a sampled step judges every candidate instead: a rejected draw costs one
+# multinomial over the vocabulary, a judged candidate one decode; past this many, judging is cheaper.
+MAX_REJECTIONS = 32
 
 
 class JsonConstraint:
@@ -47,12 +51,13 @@ class JsonConstraint:
         self.eos = frozenset(eos_ids)
         self.ids: list[int] = []
         self.text = ""
+        self.complete = False  # the document is whole: only end-of-sequence may follow
         self.checked = 0  # candidates judged (for tests and curiosity)
 
     def allows(self, token: int) -> bool:
         self.checked += 1
-        if token in self.eos:
-            return check(self.text, self.shape) == COMPLETE
+        if token in self.eos or self.complete:
+            return token in self.eos and self.complete
         text = self.tokenizer.decode([*self.ids, token])
         if len(text) <= len(self.text) or not text.startswith(self.text) or REPLACEMENT in text[len(self.text):]:
             return False
@@ -61,6 +66,7 @@ class JsonConstraint:
     def advance(self, token: int) -> None:
         self.ids.append(token)
         self.text = self.tokenizer.decode(self.ids)
+        self.complete = check(self.text, self.shape) == COMPLETE
 
 
 class ConstrainedSampler(Sampler):
@@ -84,9 +90,18 @@ class ConstrainedSampler(Sampler):
 
     def draw_allowed(self, logits: torch.Tensor) -> int:
         probs = probabilities(logits, self.params).clone()
-        while probs.sum() > 0:
+        for _ in range(MAX_REJECTIONS):
+            if not probs.sum() > 0:
+                break
             token = self.draw(probs)
             if self.constraint.allows(token):
                 return token
             probs[token] = 0.0
-        return self.greedy_allowed(logits)
+        # Still nothing: judge every remaining candidate and draw once from what is allowed —
+        # the same conditional distribution, at a bounded cost when little is allowed.
+        candidates = probs.nonzero().flatten().tolist()
+        allowed = torch.zeros_like(probs)
+        for token in candidates:
+            allowed[token] = float(self.constraint.allows(token))
+        probs = probs * allowed
+        return self.draw(probs) if probs.sum() > 0 else self.greedy_allowed(logits)

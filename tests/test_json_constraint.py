@@ -117,11 +117,13 @@ def test_lazy_greedy_is_the_argmax_of_the_fully_masked_logits(tokenizer):
 def test_sampled_tokens_are_allowed_and_reproducible(tokenizer):
     shape = JSON_OBJECT
     logits = torch.randn(49152, generator=torch.Generator().manual_seed(1))
+    for ch in '{}"ab: ,1x[':  # most of the mass on a few characters, some of them allowed at each step
+        logits[tokenizer.encode(ch)] += 12.0
     runs = []
     for _ in range(2):
         sampler = ConstrainedSampler(SamplingParams(temperature=1.0, seed=7), JsonConstraint(shape, tokenizer, [2]))
         runs.append([sampler.sample(logits) for _ in range(4)])
-        assert check(sampler.constraint.text, shape) == PREFIX
+        assert check(sampler.constraint.text, shape) in (PREFIX, COMPLETE)
     assert runs[0] == runs[1]
 
 
@@ -132,3 +134,16 @@ def test_end_of_sequence_only_when_complete(tokenizer):
         constraint.advance(token)
     assert constraint.text == "{}" and constraint.allows(2)
     assert not any(constraint.allows(t) for t in tokenizer.encode(" ,x"))
+
+
+def test_sampling_under_the_mask_draws_from_the_conditional_distribution(tokenizer):
+    """Mass on two allowed first tokens and two refused ones: draws split like the allowed pair's odds."""
+    brace, brace_quote, bracket, word = (tokenizer.encode(t)[0] for t in ("{", '{"', "[", "Sure"))
+    assert len({brace, brace_quote, bracket, word}) == 4
+    logits = torch.full((49152,), -30.0)
+    logits[[brace, brace_quote, bracket, word]] = torch.tensor([1.0, 2.0, 3.0, 3.0])  # brace : brace_quote = 1 : e
+    sampler = ConstrainedSampler(SamplingParams(temperature=1.0, seed=3), JsonConstraint(JSON_OBJECT, tokenizer, [2]))
+    draws = [sampler.draw_allowed(logits) for _ in range(600)]
+    assert set(draws) == {brace, brace_quote}
+    share = draws.count(brace) / len(draws)
+    assert abs(share - 1 / (1 + 2.718281828)) < 0.06, share  # 0.269; 4.4 standard deviations of 600 draws
