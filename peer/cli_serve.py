@@ -26,7 +26,7 @@ from .http_api import DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_TOKENS, DEFAULT_ROUTE_
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
-        help="requester: an OpenAI-compatible HTTP API in front of a swarm",
+        help="requester: an OpenAI- and Anthropic-compatible HTTP API in front of a swarm",
         epilog="examples:\n"
         "  tessera serve --join /ip4/127.0.0.1/tcp/4001/p2p/12D3KooW... --port 8000\n"
         "  TESSERA_API_KEY=secret tessera serve --join ... --host 0.0.0.0\n"

@@ -15,8 +15,8 @@ tokens, budget, queueing, disconnects, and turning swarm failures into HTTP
 errors (in the dialect's error shape: `error_body`).
 
 Plain ASGI rather than a framework (Starlette would run on trio through anyio,
-but it is one more dependency): five routes, two of them streams, and the one
-thing a framework would add — request parsing — is OpenAI-specific anyway
+but it is one more dependency): seven routes, four of them streams, and the one
+thing a framework would add — request parsing — is dialect-specific anyway
 (peer/http_requests.py). It runs under hypercorn's trio worker, so the swarm
 client and the HTTP server share one trio loop (peer/cli_serve.py).
 
@@ -42,12 +42,11 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Sequence
 
 import trio
 
+from stages.constrained import JsonConstraint
 from stages.errors import StageError
 
-from .errors import NoRoute, PeerError
-from stages.constrained import JsonConstraint
-
 from . import http_anthropic, http_responses
+from .errors import NoRoute, PeerError
 from .http_exchange import SSE_HEADERS, ClientGone, Exchange, Receive, Send
 from .http_generation import (
     Envelope, Generation, chat_chunk, chat_object, completion_chunk, completion_object, usage_chunk,
