@@ -1,9 +1,11 @@
-"""`tessera serve` — the OpenAI-compatible HTTP gateway — on a real loopback swarm.
+"""`tessera serve` — the OpenAI- and Anthropic-compatible HTTP gateway — on a real loopback swarm.
 
 The gateway runs as a real `tessera serve` subprocess (the command users run,
 signal handling and shutdown included), shared by the module with one 2-peer
-swarm; clients are the official `openai` package and plain httpx. Every greedy
-answer is compared with `LocalEngine` — what `tessera generate --local` prints.
+swarm; clients are the official `openai` and `anthropic` packages and plain
+httpx. Every greedy answer — Chat Completions, Completions, Responses, Messages,
+and JSON-constrained ones (against `LocalEngine` under the same mask) — is
+compared with `LocalEngine`, what `tessera generate --local` prints.
 A second gateway in front of a swarm that lacks layers [15, 30) answers the
 "no route" cases.
 """
