@@ -92,8 +92,26 @@ def first_domain_error(group: BaseExceptionGroup, errors: tuple[type[BaseExcepti
     return None
 
 
+def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return actions[0].choices[command]
+
+
+def with_config(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str]) -> str | None:
+    """Apply `--config FILE` for a command that takes one; the TOML to print for `--print-config`."""
+    from .cli_config import apply_config, format_config, has_config
+
+    sub = command_parser(parser, args.command)
+    if not has_config(sub):
+        return None
+    rest = list(argv)[list(argv).index(args.command) + 1 :]  # the group itself has no options but -h
+    raw = apply_config(sub, args, rest)
+    return format_config(sub, args, raw) if args.print_config else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int | None] = args.handler
     # py-libp2p logs every failed dial at ERROR, some in 8-line dumps: one line each, unless -v
@@ -101,6 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     install_logging(verbose, import_libp2p=args.command in NETWORK_COMMANDS or bool(getattr(args, "join", None)))
     errors = domain_errors()
     try:
+        printed = with_config(parser, args, argv)
+        if printed is not None:
+            print(printed, end="")
+            return 0
         return int(handler(args) or 0)
     except errors as error:
         print(f"error: {error}", file=sys.stderr)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from .cli_config import add_config_options
 from .cli_generate import add_compute_options
 from .emulated_link import LinkEmulation
 from .errors import ConfigError
@@ -85,6 +86,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--misbehave", default=None, metavar="MODE",
                    help="FAULT INJECTION for tests and demos: perturb:P (a fraction P of steps) or wrong-weights")
     add_compute_options(p)
+    add_config_options(p)
     p.set_defaults(handler=run_peer)
 
     swarm = sub.add_parser("swarm", help="look at a swarm")

@@ -1,4 +1,4 @@
-"""`tessera serve`: an OpenAI-compatible HTTP gateway to a swarm.
+"""`tessera serve`: an OpenAI- and Anthropic-compatible HTTP gateway to a swarm.
 
 One trio loop runs both the requester (`Swarm`, joined once for the gateway's
 life) and hypercorn's trio worker serving `Gateway` (peer/http_api.py).
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import trio
 
+from .cli_config import add_config_options
 from .cli_generate import apply_threads
 from .cli_peer import add_join_options, read_swarm_key
 from .errors import ConfigError
@@ -25,7 +26,7 @@ from .http_api import DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_TOKENS, DEFAULT_ROUTE_
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
-        help="requester: an OpenAI-compatible HTTP API in front of a swarm",
+        help="requester: an OpenAI- and Anthropic-compatible HTTP API in front of a swarm",
         epilog="examples:\n"
         "  tessera serve --join /ip4/127.0.0.1/tcp/4001/p2p/12D3KooW... --port 8000\n"
         "  TESSERA_API_KEY=secret tessera serve --join ... --host 0.0.0.0\n"
@@ -48,6 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                    help=f"max_tokens when a request gives none (default {DEFAULT_MAX_TOKENS})")
     p.add_argument("--threads", type=int, default=None, help="torch threads for the embedding and head")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let browser pages from ORIGIN call the API (repeatable; '*' = any; default none)")
+    add_config_options(p)
     p.set_defaults(handler=run)
 
 
@@ -81,7 +85,8 @@ async def serve(args: argparse.Namespace) -> None:
     api_key = args.api_key or os.environ.get("TESSERA_API_KEY") or None
     async with Swarm.join(args.join, model=args.model, swarm_key=read_swarm_key(args.swarm_key)) as swarm:
         gateway = Gateway(swarm, name=served_name(args.model), api_key=api_key, route_wait=args.route_wait,
-                          max_concurrent=args.max_concurrent, default_max_tokens=args.default_max_tokens)
+                          max_concurrent=args.max_concurrent, default_max_tokens=args.default_max_tokens,
+                          cors_origins=args.cors_origin)
         config = Config()
         host = f"[{args.host}]" if ":" in args.host else args.host
         config.bind = [f"{host}:{args.port}"]
@@ -91,7 +96,7 @@ async def serve(args: argparse.Namespace) -> None:
                                                 shutdown_trigger=stop_signal))
             print(f"gateway peer id: {swarm.peer_id}", flush=True)
             for url in binds:
-                print(f"serving {gateway.name} (OpenAI API) on {url}/v1"
+                print(f"serving {gateway.name} (OpenAI and Anthropic APIs) on {url}/v1"
                       f"{' (API key required)' if api_key else ''}", flush=True)
     print("stopped", flush=True)
 

@@ -25,6 +25,7 @@ from libp2p.peer.id import ID
 from protocol.keys import Identity
 from stages import registry
 from stages.generate import GenerationResult, plan_length, prompt_ids
+from stages.constrained import ConstrainedSampler, JsonConstraint
 from stages.sampling import Sampler, SamplingParams
 from stages.stage import Stage
 from stages.tokenizer import TextStream, Tokenizer
@@ -222,14 +223,20 @@ class Swarm:
         speculation: Speculation | None = None,
         spot_check: CheckPolicy | None = None,
         info: dict | None = None,
+        constraint: JsonConstraint | None = None,
     ) -> AsyncIterator[int]:
         """Token ids continuing `ids`, one at a time; `info` (if given) receives the routes used.
 
         With `speculation`, drafted blocks are verified in one pass each (and pipelined
-        when confident); greedy output is the same as without.
+        when confident); greedy output is the same as without. With `constraint`, only
+        tokens it allows are drawn (stages/constrained.py; the mask is applied here, where
+        the head runs, so the answer is the local constrained one).
         """
+        if constraint is not None and (speculation is not None or spot_check is not None):
+            # drafts are accepted against unmasked rows, and a spot check's rewind compares them
+            raise ValueError("constrained decoding does not combine with speculation or spot checks")
         budget = plan_length(len(ids), max_new_tokens, self.spec.max_position)
-        sampler = Sampler(sampling)
+        sampler = Sampler(sampling) if constraint is None else ConstrainedSampler(sampling, constraint)
         capacity = min(len(ids) + budget + SPECULATION_SLACK, self.spec.max_position)
         session = ResilientSession(self, max_length=capacity, route_wait=route_wait)
         await session.open()

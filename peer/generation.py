@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Sequence
 
 import torch
+import trio
 
+from stages.constrained import ConstrainedSampler
 from stages.sampling import Sampler
 from stages.speculative import AdaptiveK, Draft, Drafter, greedy_accept, sampling_accept
 
@@ -81,6 +83,14 @@ async def check_rebuilt(session: ResilientSession, head: Head, n_prompt: int, gi
             raise AnswerRewound(i, want)
 
 
+async def pick(sampler: Sampler, row: torch.Tensor) -> int:
+    """One token from a logits row. A constrained draw judges candidates on their text, which
+    can take a while for a schema the model fights: off the trio loop, which serves the network."""
+    if isinstance(sampler, ConstrainedSampler):
+        return await trio.to_thread.run_sync(sampler.sample, row)
+    return sampler.sample(row)
+
+
 async def plain_tokens(
     session: ResilientSession, embed: Embed, head: Head, ids: Sequence[int], budget: int,
     sampler: Sampler, eos: Sequence[int],
@@ -90,7 +100,7 @@ async def plain_tokens(
     given: list[int] = []
     for produced in range(1, budget + 1):
         await check_rebuilt(session, head, len(ids), given, sampler)
-        token = sampler.sample(logits[-1])
+        token = await pick(sampler, logits[-1])
         given.append(token)
         yield token
         if token in eos or produced == budget:

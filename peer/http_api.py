@@ -5,10 +5,18 @@
     GET  /v1/models/{name}
     POST /v1/chat/completions    messages -> the model's chat template -> an answer
     POST /v1/completions         a raw prompt (text or token ids) -> its continuation
+    POST /v1/messages            Anthropic's Messages API (peer/http_anthropic.py)
+    POST /v1/responses           OpenAI's Responses API (peer/http_responses.py)
+
+Three dialects, one generation core: each parses its body into a
+`GenerationRequest` and renders a `Generation` (text deltas, finish reason,
+usage) in its own shapes; `Gateway.generate` does the rest — model check,
+tokens, budget, queueing, disconnects, and turning swarm failures into HTTP
+errors (in the dialect's error shape: `error_body`).
 
 Plain ASGI rather than a framework (Starlette would run on trio through anyio,
-but it is one more dependency): five routes, two of them streams, and the one
-thing a framework would add — request parsing — is OpenAI-specific anyway
+but it is one more dependency): seven routes, four of them streams, and the one
+thing a framework would add — request parsing — is dialect-specific anyway
 (peer/http_requests.py). It runs under hypercorn's trio worker, so the swarm
 client and the HTTP server share one trio loop (peer/cli_serve.py).
 
@@ -30,18 +38,23 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Sequence
 
 import trio
 
+from stages.constrained import JsonConstraint
 from stages.errors import StageError
 
+from . import http_anthropic, http_responses
 from .errors import NoRoute, PeerError, RouteLost
 from .http_exchange import SSE_HEADERS, ClientGone, Exchange, Receive, Send
 from .http_generation import (
     Envelope, Generation, chat_chunk, chat_object, completion_chunk, completion_object, usage_chunk,
 )
 from .http_requests import ApiError, GenerationRequest, bad, decode_body, parse_chat, parse_completion
+
+# Renders one answer in a dialect: the whole object, or its stream (after `gen.start()`).
+Respond = Callable[[Exchange, Generation, GenerationRequest], Awaitable[None]]
 
 if TYPE_CHECKING:
     from .client import Swarm
@@ -50,6 +63,9 @@ DEFAULT_MAX_TOKENS = 512  # when a request gives no max_tokens (clamped to the c
 # How long a request waits for the swarm to cover every layer before it gets a 503.
 DEFAULT_ROUTE_WAIT = 10.0
 DEFAULT_MAX_CONCURRENT = 8  # = the peers' default sessions per requester (ServerLimits)
+CORS_MAX_AGE = b"600"  # seconds a browser may cache a preflight answer
+# What a browser may send on a cross-origin request (when the page asks for none in particular).
+CORS_HEADERS = b"authorization, content-type, x-api-key, anthropic-version, openai-organization"
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +86,14 @@ class Gateway:
 
     def __init__(self, swarm: "Swarm", *, name: str, api_key: str | None = None,
                  route_wait: float = DEFAULT_ROUTE_WAIT, max_concurrent: int = DEFAULT_MAX_CONCURRENT,
-                 default_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS, cors_origins: Sequence[str] = ()) -> None:
         self.swarm = swarm
         self.name = name
         self.api_key = api_key
         self.route_wait = route_wait
         self.default_max_tokens = default_max_tokens
         self.max_concurrent = max_concurrent
+        self.cors_origins = frozenset(cors_origins)  # browser origins allowed ("*": any); empty: CORS off
         self.slots = trio.Semaphore(max_concurrent)
         self.stats = GatewayStats()
         self.fingerprint = f"tessera-{swarm.model_id[:16]}"
@@ -85,6 +102,8 @@ class Gateway:
             ("GET", "/v1/models"): self.models,
             ("POST", "/v1/chat/completions"): self.chat,
             ("POST", "/v1/completions"): self.completions,
+            ("POST", "/v1/messages"): self.messages,
+            ("POST", "/v1/responses"): self.responses,
         }
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
@@ -95,6 +114,8 @@ class Gateway:
             return  # websockets: not served
         http = Exchange(scope, receive, send)
         try:
+            if await self.cors(http):
+                return
             await self.dispatch(http)
         except ClientGone:
             return
@@ -107,11 +128,40 @@ class Gateway:
     async def report(self, http: Exchange, error: ApiError) -> None:
         if http.disconnected or http.finished:
             return
-        if http.started:  # mid-stream: OpenAI's clients raise on an `error` event
-            await http.event(error.body())
+        anthropic = http.scope["path"].rstrip("/") == "/v1/messages"
+        body = http_anthropic.error_body(error) if anthropic else error.body()
+        if http.started:  # mid-stream: the clients raise on an `error` event
+            if anthropic:
+                await http.event(body, name="error")
+            elif http.scope["path"].rstrip("/") == "/v1/responses":
+                await http.event({"type": "error", "code": error.code, "message": error.message,
+                                  "param": error.param}, name="error")
+            else:
+                await http.event(body)
             await http.write(b"", more=False)
         else:
-            await http.json(error.status, error.body(), error.headers)
+            await http.json(error.status, body, error.headers)
+
+    async def cors(self, http: Exchange) -> bool:
+        """Add CORS headers for an allowed origin; answer a preflight (True: answered)."""
+        origin = http.header(b"origin")
+        if not self.cors_origins or origin is None:
+            return False
+        if "*" not in self.cors_origins and origin not in self.cors_origins:
+            if http.scope["method"] == "OPTIONS":
+                raise ApiError(403, f"the origin {origin!r} may not call this API (see --cors-origin)")
+            return False  # no CORS headers: the browser refuses the answer to the page
+        allowed = b"*" if "*" in self.cors_origins else origin.encode("latin-1")
+        http.extra_headers = [(b"access-control-allow-origin", allowed), (b"vary", b"origin")]
+        if http.scope["method"] != "OPTIONS":
+            return False
+        asked = http.header(b"access-control-request-headers")
+        http.extra_headers += [(b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+                               (b"access-control-allow-headers", asked.encode("latin-1") if asked else CORS_HEADERS),
+                               (b"access-control-max-age", CORS_MAX_AGE)]
+        await http.start(204, [])
+        await http.write(b"", more=False)
+        return True
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -140,7 +190,12 @@ class Gateway:
     def check_key(self, http: Exchange) -> None:
         if self.api_key is None:
             return
+        given = http.header(b"x-api-key")  # how Anthropic's clients send it
+        if given is not None and hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
+            return
         header = http.header(b"authorization") or ""
+        if given is not None and not header:
+            raise ApiError(401, "incorrect API key", code="invalid_api_key")
         scheme, _, given = header.partition(" ")
         if scheme.lower() != "bearer" or not given.strip():
             raise ApiError(401, "missing API key: send the header 'Authorization: Bearer KEY'",
@@ -167,7 +222,9 @@ class Gateway:
 
     async def model(self, http: Exchange) -> None:
         name = http.scope["path"].rstrip("/")[len("/v1/models/"):]
-        self.check_model(name)
+        if name not in (self.name, self.swarm.model_id):  # as OpenAI answers models.retrieve
+            raise ApiError(404, f"The model {name!r} does not exist; this gateway serves {self.name!r}",
+                           param="model", code="model_not_found")
         await http.json(200, self.model_card())
 
     async def health(self, http: Exchange) -> None:
@@ -192,10 +249,31 @@ class Gateway:
     # -- generation -----------------------------------------------------------------------
 
     async def chat(self, http: Exchange) -> None:
-        await self.generate(http, parse_chat(decode_body(await http.body())), chat=True)
+        await self.openai(http, parse_chat(decode_body(await http.body())), chat=True)
 
     async def completions(self, http: Exchange) -> None:
-        await self.generate(http, parse_completion(decode_body(await http.body())), chat=False)
+        await self.openai(http, parse_completion(decode_body(await http.body())), chat=False)
+
+    async def openai(self, http: Exchange, request: GenerationRequest, *, chat: bool) -> None:
+        env = Envelope.new("chatcmpl" if chat else "cmpl", request.model or self.name, self.fingerprint)
+
+        async def respond(http: Exchange, gen: Generation, request: GenerationRequest) -> None:
+            if request.stream:
+                await self.stream(http, gen, env, request, chat=chat)
+            else:
+                text = await gen.text()
+                await http.json(200, (chat_object if chat else completion_object)(env, text, gen))
+
+        await self.generate(http, request, respond)
+
+    async def messages(self, http: Exchange) -> None:
+        request = http_anthropic.parse_messages(decode_body(await http.body()))
+        await self.generate(http, request, http_anthropic.responder(request.model or self.name))
+
+    async def responses(self, http: Exchange) -> None:
+        data = decode_body(await http.body())
+        request = http_responses.parse_responses(data)
+        await self.generate(http, request, http_responses.responder(request.model or self.name, data))
 
     async def prompt_ids(self, request: GenerationRequest) -> list[int]:
         tokenizer = self.swarm.tokenizer
@@ -229,12 +307,15 @@ class Gateway:
                       code="context_length_exceeded")
         return request.max_tokens
 
-    async def generate(self, http: Exchange, request: GenerationRequest, *, chat: bool) -> None:
+    async def generate(self, http: Exchange, request: GenerationRequest, respond: Respond) -> None:
+        """The one generation core (see module docstring); `respond` renders the answer."""
         self.check_model(request.model)
         ids = await self.prompt_ids(request)
+        constraint = None
+        if request.json_shape is not None:
+            constraint = JsonConstraint(request.json_shape, self.swarm.tokenizer, self.swarm.spec.eos_token_ids)
         gen = Generation(self.swarm, ids, max_tokens=self.budget(request, len(ids)), sampling=request.sampling,
-                         stop=request.stop, route_wait=self.route_wait)
-        env = Envelope.new("chatcmpl" if chat else "cmpl", request.model or self.name, self.fingerprint)
+                         stop=request.stop, route_wait=self.route_wait, constraint=constraint)
         self.stats.requests += 1
         outcome, failure = "cancelled", None
         try:
@@ -242,11 +323,7 @@ class Gateway:
                 nursery.start_soon(http.watch_disconnect, nursery.cancel_scope)
                 try:
                     async with self.slot():
-                        if request.stream:
-                            await self.stream(http, gen, env, request, chat=chat)
-                        else:
-                            text = await gen.text()
-                            await http.json(200, (chat_object if chat else completion_object)(env, text, gen))
+                        await respond(http, gen, request)
                 except RouteLost as error:  # the swarm failed mid-way: not "no route" at the start
                     outcome, failure = "failed", ApiError(502, f"the swarm failed this request: {error}",
                                                           type="upstream_error", code="swarm_error",

@@ -37,6 +37,7 @@ class Exchange:
         self.started = False  # response headers sent
         self.finished = False  # the last body part is being or has been sent
         self.disconnected = False
+        self.extra_headers: list[tuple[bytes, bytes]] = []  # on every response (CORS)
 
     def header(self, name: bytes) -> str | None:
         for key, value in self.scope.get("headers", []):
@@ -61,7 +62,8 @@ class Exchange:
 
     async def start(self, status: int, headers: list) -> None:
         self.started = True
-        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        await self.send({"type": "http.response.start", "status": status,
+                         "headers": [*headers, *self.extra_headers]})
 
     async def write(self, data: bytes, *, more: bool = True) -> None:
         # Set before sending: the server reports the stream closed (http.disconnect) while
@@ -73,10 +75,12 @@ class Exchange:
         await self.start(status, [*JSON_HEADERS, *headers])
         await self.write(json.dumps(obj).encode(), more=False)
 
-    async def event(self, obj: dict | str) -> None:
-        """One Server-Sent Event: `data: <json>` (or a literal such as [DONE])."""
+    async def event(self, obj: dict | str, *, name: str | None = None) -> None:
+        """One Server-Sent Event: `data: <json>` (or a literal such as [DONE]), after `event: <name>`
+        when named (Anthropic's and the Responses API's streams name every event)."""
         data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-        await self.write(f"data: {data}\n\n".encode())
+        head = f"event: {name}\n" if name else ""
+        await self.write(f"{head}data: {data}\n\n".encode())
 
     async def watch_disconnect(self, scope: trio.CancelScope) -> None:
         """Cancel `scope` when the client goes away (the body has been read already)."""

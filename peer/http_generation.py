@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 import trio
 
+from stages.constrained import JsonConstraint
 from stages.sampling import SamplingParams
 from stages.tokenizer import TextStream
 
@@ -42,14 +43,16 @@ class StopMatcher:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(stops)
         self.held = ""
+        self.matched: str | None = None  # the stop string found
 
     def push(self, delta: str) -> tuple[str, bool]:
         """(text that is safe to emit, whether a stop string ended the answer)."""
         text = self.held + delta
-        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        found = [(i, s) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
         if found:
             self.held = ""
-            return text[: min(found)], True
+            at, self.matched = min(found, key=lambda f: f[0])
+            return text[:at], True
         keep = self._partial_stop(text)
         self.held = text[len(text) - keep :]
         return text[: len(text) - keep], False
@@ -87,14 +90,16 @@ class Generation:
     completion_tokens: int = 0
     finish_reason: str | None = None
     info: dict = field(default_factory=dict)
+    constraint: JsonConstraint | None = None  # response_format: the mask over the next token
 
     def __post_init__(self) -> None:
         self._tokens: AsyncIterator[int] = self.swarm.generate_ids(
             self.ids, max_new_tokens=self.max_tokens, sampling=self.sampling, route_wait=self.route_wait,
-            info=self.info,
+            info=self.info, constraint=self.constraint,
         )
         self._text = TextStream(self.swarm.tokenizer)
         self._stops = StopMatcher(self.stop)
+        self.stop_sequence: str | None = None  # the stop string that ended the answer (Anthropic reports it)
         self._next: int | None = None
         self._closed = False
 
@@ -121,6 +126,7 @@ class Generation:
         self.completion_tokens += 1
         delta, stopped = self._stops.push(self._text.push(token))
         if stopped:
+            self.stop_sequence = self._stops.matched
             return await self._finish(STOP, delta)
         if token in self.swarm.spec.eos_token_ids:
             return await self._finish(STOP, delta + self._tail())
@@ -131,6 +137,8 @@ class Generation:
 
     def _tail(self) -> str:
         delta, stopped = self._stops.push(self._text.flush())
+        if stopped:
+            self.stop_sequence = self._stops.matched
         return delta if stopped else delta + self._stops.flush()
 
     async def _finish(self, reason: str, delta: str) -> str:

@@ -11,7 +11,9 @@ Defaults follow OpenAI's, not `tessera generate`'s: temperature 1.0, top_p 1.0.
 A parameter that would change the answer in a way we cannot honour (n > 1,
 logprobs, penalties, logit_bias, tools, echo, suffix) is refused rather than
 ignored; a field we do not know (user, metadata ...) is ignored, as OpenAI-
-compatible servers do.
+compatible servers do. `response_format` (json_object, json_schema) is honoured
+by constrained decoding (stages/constrained.py); a schema keyword that is not
+implemented is refused with a 400 naming it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from stages.json_prefix import JSON_OBJECT, Shape, UnsupportedSchema, compile_schema
 from stages.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -101,6 +104,7 @@ class GenerationRequest:
     stop:       strings that end the answer (not included in it).
     stream:     answer as Server-Sent Events.
     include_usage: with `stream`, send a last chunk carrying `usage` (stream_options).
+    json_shape: the answer must be JSON of this shape (response_format; constrained decoding), or None.
     """
 
     messages: tuple[dict, ...] | None
@@ -111,6 +115,7 @@ class GenerationRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    json_shape: Shape | None = None
 
 
 def _is_int(value: Any) -> bool:
@@ -193,7 +198,34 @@ def _common(data: dict) -> dict:
         raise bad("stream_options", f"stream_options must be an object, got {options!r}")
     include_usage = bool(options and options.get("include_usage") is True)
     return dict(model=model, max_tokens=max_tokens, sampling=sampling, stop=_stop(data), stream=stream,
-                include_usage=include_usage)
+                include_usage=include_usage, json_shape=response_format(data.get("response_format")))
+
+
+def json_shape(kind: Any, schema: Any, param: str) -> Shape | None:
+    """The shape a response format asks for: "text" (None), "json_object" or "json_schema" with `schema`."""
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return JSON_OBJECT
+    if kind == "json_schema":
+        if not isinstance(schema, dict):
+            raise bad(param, f"a json_schema response format needs a schema object, got {schema!r}")
+        try:
+            return compile_schema(schema)
+        except UnsupportedSchema as error:
+            raise bad(param, str(error), code="unsupported_schema") from None
+    raise bad(param, f"the response format type must be text, json_object or json_schema, got {kind!r}")
+
+
+def response_format(value: Any) -> Shape | None:
+    """Chat Completions' `response_format`: {"type": ..., "json_schema": {"name", "schema", "strict"}}."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad("response_format", f"response_format must be an object, got {value!r}")
+    spec = value.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    return json_shape(value.get("type"), schema, "response_format")
 
 
 def _message_text(content: Any, i: int) -> str:

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .constrained import ConstrainedSampler, JsonConstraint
 from .errors import ContextOverflow
 from .sampling import Sampler, SamplingParams
 from .stage import Stage
@@ -94,10 +95,12 @@ class LocalEngine:
         max_new_tokens: int,
         sampling: SamplingParams = SamplingParams(),
         on_token: Callable[[int], None] | None = None,
+        constraint: JsonConstraint | None = None,
     ) -> list[int]:
-        """Greedy or sampled continuation of `ids`, stopping at an end-of-sequence id."""
+        """Greedy or sampled continuation of `ids`, stopping at an end-of-sequence id
+        (with `constraint`, only tokens it allows: stages/constrained.py)."""
         budget = plan_length(len(ids), max_new_tokens, self.spec.max_position)
-        sampler = Sampler(sampling)
+        sampler = Sampler(sampling) if constraint is None else ConstrainedSampler(sampling, constraint)
         self._sessions += 1
         session = ("local", self._sessions)
         self.stage.open(session, capacity=len(ids) + budget)

@@ -1,9 +1,11 @@
-"""`tessera serve` — the OpenAI-compatible HTTP gateway — on a real loopback swarm.
+"""`tessera serve` — the OpenAI- and Anthropic-compatible HTTP gateway — on a real loopback swarm.
 
 The gateway runs as a real `tessera serve` subprocess (the command users run,
 signal handling and shutdown included), shared by the module with one 2-peer
-swarm; clients are the official `openai` package and plain httpx. Every greedy
-answer is compared with `LocalEngine` — what `tessera generate --local` prints.
+swarm; clients are the official `openai` and `anthropic` packages and plain
+httpx. Every greedy answer — Chat Completions, Completions, Responses, Messages,
+and JSON-constrained ones (against `LocalEngine` under the same mask) — is
+compared with `LocalEngine`, what `tessera generate --local` prints.
 A second gateway in front of a swarm that lacks layers [15, 30) answers the
 "no route" cases.
 """
@@ -20,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -28,7 +31,9 @@ import trio
 from peer.demo import LocalSwarm
 from peer.http_exchange import MAX_BODY_BYTES
 from peer.http_generation import StopMatcher
+from stages.constrained import JsonConstraint
 from stages.generate import prompt_ids
+from stages.json_prefix import JSON_OBJECT, compile_schema
 from stages.sampling import SamplingParams
 from store.db import PeerStore
 
@@ -38,6 +43,7 @@ from .swarm_helpers import local_swarm
 pytestmark = pytest.mark.slow
 
 KEY = "test-key-7f3a"
+ORIGIN = "https://app.example"  # the browser origin the module's gateway allows
 MODEL = "smollm2-135m"
 GATEWAY_STARTUP = 120.0  # import torch, load the embedding and head, join the swarm
 PEER_EVENT_WAIT = 20.0  # a peer's trace is flushed every 0.25 s; generous for a busy machine
@@ -75,7 +81,8 @@ def peers(smol_dir) -> Iterator[LocalSwarm]:
 
 @pytest.fixture(scope="module")
 def url(peers) -> Iterator[str]:
-    with gateway_process(peers.addrs[0], peers.base_dir / "serve.log", "--api-key", KEY) as (base, _):
+    with gateway_process(peers.addrs[0], peers.base_dir / "serve.log", "--api-key", KEY,
+                         "--cors-origin", ORIGIN) as (base, _):
         yield base
 
 
@@ -226,7 +233,9 @@ def test_unknown_model_is_400(url):
     error = assert_error(post(url, "/v1/chat/completions", {**CHAT, "model": "gpt-4o"}), 400,
                          param="model", code="model_not_found")
     assert "gpt-4o" in error["message"]
-    assert_error(httpx.get(url + "/v1/models/gpt-4o", headers=auth()), 400, param="model", code="model_not_found")
+    assert_error(httpx.get(url + "/v1/models/gpt-4o", headers=auth()), 404, param="model", code="model_not_found")
+    with pytest.raises(openai.NotFoundError):  # models.retrieve of an unknown model, as OpenAI answers it
+        openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0).models.retrieve("gpt-4o")
 
 
 @pytest.mark.parametrize("field, value, param", [
@@ -297,10 +306,15 @@ def test_no_route_is_503_naming_the_missing_layers(half_url):
         response = post(half_url, "/v1/chat/completions", {**CHAT, "stream": stream}, headers={})
         error = assert_error(response, 503, code="no_route")
         assert "[15, 30)" in error["message"] and error["missing"] == [[15, 30]]
+    claude = post(half_url, "/v1/messages", {"model": MODEL, "max_tokens": 4, "stream": True,
+                                             "messages": [{"role": "user", "content": "Hi"}]}, headers={})
+    assert claude.status_code == 503, claude.text
+    assert claude.json()["type"] == "error" and claude.json()["error"]["type"] == "overloaded_error"
+    assert claude.json()["error"]["missing"] == [[15, 30]]
     health = httpx.get(half_url + "/health")
     assert health.status_code == 503
     assert health.json()["swarm"]["missing"] == [[15, 30]] and health.json()["status"] == "unavailable"
-    assert health.json()["gateway"]["failed"] == 2
+    assert health.json()["gateway"]["failed"] == 3
     with pytest.raises(openai.InternalServerError) as raised:  # what an openai client sees
         openai.OpenAI(base_url=half_url + "/v1", api_key="none", max_retries=0).completions.create(
             model=MODEL, prompt="Hi", max_tokens=2)
@@ -386,6 +400,184 @@ async def test_eight_concurrent_streams_are_exact(url, peers, local_engine):
         peak = max(peak, running)
     print(f"sessions running at once on peer0: {peak} of {len(cases)}")
     assert peak >= 2, events
+
+
+# -- the Anthropic Messages and OpenAI Responses dialects -------------------------------------
+
+
+GREEDY = {"temperature": 0}  # Anthropic's current SDK has no temperature argument; the API still takes it
+
+
+@pytest.fixture
+def claude(url) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=HTTP_TIMEOUT)
+
+
+def test_anthropic_messages_equal_local(claude, local_engine):
+    text, ids = reference(local_engine, FRANCE, raw=False, n=24)
+    answer = claude.messages.create(model=MODEL, max_tokens=24, extra_body=GREEDY,
+                                    messages=[{"role": "user", "content": FRANCE}])
+    assert answer.content[0].type == "text" and answer.content[0].text == text == "The capital of France is Paris."
+    assert answer.role == "assistant" and answer.stop_reason == "end_turn" and answer.stop_sequence is None
+    n_prompt = len(prompt_ids(local_engine.tokenizer, FRANCE, raw=False))
+    assert (answer.usage.input_tokens, answer.usage.output_tokens) == (n_prompt, len(ids))
+
+    with claude.messages.stream(model=MODEL, max_tokens=24, extra_body=GREEDY,
+                                messages=[{"role": "user", "content": FRANCE}]) as stream:
+        pieces = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert len(pieces) > 3 and "".join(pieces) == text and final.content[0].text == text
+    assert final.stop_reason == "end_turn" and final.usage.output_tokens == len(ids)
+
+
+def test_anthropic_stream_events_and_stop_sequences(claude, local_engine):
+    prompt = "Count from one to ten."
+    full, _ = reference(local_engine, prompt, raw=False, n=30)  # "123456789012..."
+    assert "5" in full
+    events = list(claude.messages.create(model=MODEL, max_tokens=30, extra_body=GREEDY, stream=True,
+                                         stop_sequences=["5", "xyz"], messages=[{"role": "user", "content": prompt}]))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["message_start", "content_block_start"]  # (the SDK drops the ping that follows)
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(kinds[2:-3]) == {"content_block_delta"}
+    text = "".join(e.delta.text for e in events if e.type == "content_block_delta")
+    assert text == full[: full.index("5")]
+    delta = events[-2]
+    assert (delta.delta.stop_reason, delta.delta.stop_sequence) == ("stop_sequence", "5")
+    short = claude.messages.create(model=MODEL, max_tokens=3, extra_body=GREEDY,
+                                   messages=[{"role": "user", "content": prompt}])
+    assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 3
+
+
+def test_anthropic_errors_have_anthropic_shape(url, claude):
+    with pytest.raises(anthropic.BadRequestError) as raised:
+        claude.messages.create(model=MODEL, max_tokens=8, extra_body={"temperature": 1.5}, messages=[{"role": "user", "content": "x"}])
+    assert raised.value.body["type"] == "error" and raised.value.body["error"]["type"] == "invalid_request_error"
+    assert "temperature" in raised.value.body["error"]["message"]
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.create(
+            model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "x"}])
+    missing = post(url, "/v1/messages", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+    assert missing.status_code == 400 and missing.json()["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in missing.json()["error"]["message"]
+    tools = post(url, "/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+                                       "tools": [{"name": "f", "input_schema": {}}]})
+    assert tools.status_code == 400 and "tools" in tools.json()["error"]["message"]
+
+
+def test_responses_api_equals_local(client, local_engine):
+    text, ids = reference(local_engine, FRANCE, raw=False, n=24)
+    answer = client.responses.create(model=MODEL, input=FRANCE, temperature=0, max_output_tokens=24)
+    assert answer.output_text == text and answer.status == "completed"
+    assert answer.output[0].role == "assistant" and answer.usage.output_tokens == len(ids)
+
+    events = list(client.responses.create(model=MODEL, input=[{"role": "user", "content": FRANCE}], temperature=0,
+                                          max_output_tokens=24, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 3 and "".join(deltas) == text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].response.output_text == text and events[-1].response.usage.output_tokens == len(ids)
+    short = client.responses.create(model=MODEL, input=FRANCE, temperature=0, max_output_tokens=3)
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+
+
+def test_responses_api_refuses_what_needs_state(url):
+    body = {"model": MODEL, "input": "Hi", "previous_response_id": "resp_123"}
+    assert_error(post(url, "/v1/responses", body), 400, param="previous_response_id")
+    assert_error(post(url, "/v1/responses", {"model": MODEL, "input": [{"type": "function_call"}]}), 400,
+                 param="input[0]")
+
+
+# -- response_format: JSON by constrained decoding ----------------------------------------------
+
+CAPITAL = {"type": "object", "additionalProperties": False, "required": ["country", "capital"],
+           "properties": {"country": {"type": "string"}, "capital": {"type": "string"}}}
+JSON_PROMPT = "Give the capital of France as JSON."
+
+
+def constrained_reference(local_engine, prompt: str, shape, n: int) -> str:
+    """`LocalEngine` greedy under the same mask: what the swarm must answer token for token."""
+    tokenizer = local_engine.tokenizer
+    constraint = JsonConstraint(shape, tokenizer, local_engine.spec.eos_token_ids)
+    ids = local_engine.generate_ids(prompt_ids(tokenizer, prompt, raw=False), max_new_tokens=n,
+                                    constraint=constraint)
+    return tokenizer.decode(ids)
+
+
+def test_response_format_json_schema_is_honoured(client, claude, local_engine):
+    want = constrained_reference(local_engine, JSON_PROMPT, compile_schema(CAPITAL), 40)
+    answer = client.chat.completions.create(
+        model=MODEL, messages=chat_of(JSON_PROMPT), temperature=0, max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": CAPITAL, "strict": True}})
+    text = answer.choices[0].message.content
+    assert text == want and answer.choices[0].finish_reason == "stop"
+    value = json.loads(text)
+    assert set(value) == {"country", "capital"} and all(isinstance(v, str) for v in value.values())
+    unconstrained, _ = reference(local_engine, JSON_PROMPT, raw=False, n=40)
+    assert unconstrained != text  # the mask changed the answer: the test can fail
+
+    streamed = client.responses.create(model=MODEL, input=JSON_PROMPT, temperature=0, max_output_tokens=40,
+                                       stream=True, text={"format": {"type": "json_schema", "name": "capital",
+                                                                     "schema": CAPITAL, "strict": True}})
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == want
+    structured = claude.messages.create(model=MODEL, max_tokens=40, messages=[{"role": "user", "content": JSON_PROMPT}],
+                                        extra_body=GREEDY, output_config={"format": {"type": "json_schema",
+                                                                                     "schema": CAPITAL}})
+    assert structured.content[0].text == want
+
+
+def test_response_format_json_object_is_honoured(client, local_engine):
+    prompt = "What is the capital of France? Answer in JSON."
+    want = constrained_reference(local_engine, prompt, JSON_OBJECT, 40)
+    stream = client.chat.completions.create(model=MODEL, messages=chat_of(prompt), temperature=0, max_tokens=40,
+                                            stream=True, response_format={"type": "json_object"})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == want and isinstance(json.loads(text), dict)
+
+
+@pytest.mark.parametrize("response_format, needle", [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "^a"}}}, "pattern"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"anyOf": [{"type": "string"}]}}}, "anyOf"),
+    ({"type": "json_schema", "json_schema": {"name": "x"}}, "schema"),
+    ({"type": "yaml"}, "yaml"),
+])
+def test_unsupported_response_format_is_400(url, response_format, needle):
+    error = assert_error(post(url, "/v1/chat/completions", {**CHAT, "response_format": response_format}), 400,
+                         param="response_format", code=error_code(response_format))
+    assert needle in error["message"]
+
+
+def error_code(response_format: dict) -> str | None:
+    schema = response_format.get("json_schema", {}).get("schema")
+    return "unsupported_schema" if schema else None
+
+
+# -- CORS ------------------------------------------------------------------------------------------
+
+
+def test_cors_preflight_and_headers(url, half_url):
+    asked = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization, content-type"}
+    preflight = httpx.options(url + "/v1/chat/completions", headers=asked)  # no API key: browsers send none
+    assert preflight.status_code == 204
+    assert preflight.headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    assert preflight.headers["access-control-allow-headers"] == "authorization, content-type"
+    models = httpx.get(url + "/v1/models", headers={**auth(), "Origin": ORIGIN})
+    assert models.status_code == 200 and models.headers["access-control-allow-origin"] == ORIGIN
+    refused = assert_error(httpx.get(url + "/v1/models", headers={"Origin": ORIGIN}), 401, code="invalid_api_key")
+    assert refused  # an error still carries the CORS header, so the page can read it:
+    assert httpx.get(url + "/v1/models", headers={"Origin": ORIGIN}).headers["access-control-allow-origin"] == ORIGIN
+    stranger = {**asked, "Origin": "https://evil.example"}
+    assert httpx.options(url + "/v1/chat/completions", headers=stranger).status_code == 403
+    assert "access-control-allow-origin" not in httpx.get(url + "/v1/models", headers={**auth(), **stranger}).headers
+    off = httpx.options(half_url + "/v1/chat/completions", headers=asked)  # no --cors-origin: CORS is off
+    assert off.status_code == 405 and "access-control-allow-origin" not in off.headers
 
 
 # -- a swarm failure mid-stream (LAST in this file: it kills a peer of the module's swarm) ----------------
