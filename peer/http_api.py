@@ -5,6 +5,7 @@
     GET  /v1/models/{name}
     POST /v1/chat/completions    messages -> the model's chat template -> an answer
     POST /v1/completions         a raw prompt (text or token ids) -> its continuation
+    POST /admin/revoke           {"peer": ID}: stop using a peer, now (loopback clients only)
 
 Plain ASGI rather than a framework (Starlette would run on trio through anyio,
 but it is one more dependency): five routes, two of them streams, and the one
@@ -26,6 +27,7 @@ session, so the peers drop its KV cache at once.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -36,12 +38,13 @@ import trio
 
 from stages.errors import StageError
 
-from .errors import NoRoute, PeerError
+from .errors import NoRoute, PeerError, UnknownPeer
 from .http_exchange import SSE_HEADERS, ClientGone, Exchange, Receive, Send
 from .http_generation import (
     Envelope, Generation, chat_chunk, chat_object, completion_chunk, completion_object, usage_chunk,
 )
 from .http_requests import ApiError, GenerationRequest, bad, decode_body, parse_chat, parse_completion
+from .requester_policy import BadPeerId
 
 if TYPE_CHECKING:
     from .client import Swarm
@@ -85,6 +88,7 @@ class Gateway:
             ("GET", "/v1/models"): self.models,
             ("POST", "/v1/chat/completions"): self.chat,
             ("POST", "/v1/completions"): self.completions,
+            ("POST", "/admin/revoke"): self.admin_revoke,
         }
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
@@ -147,6 +151,34 @@ class Gateway:
                            code="invalid_api_key")
         if not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
             raise ApiError(401, "incorrect API key", code="invalid_api_key")
+
+    def check_admin(self, http: Exchange) -> None:
+        """Admin calls change what every request may use: only a client on this machine
+        (loopback) may make them, with the API key when the gateway has one."""
+        client = http.scope.get("client")
+        try:
+            local = client is not None and ipaddress.ip_address(client[0]).is_loopback
+        except ValueError:
+            local = False  # a unix socket or an unknown peer: not loopback
+        if not local:
+            raise ApiError(403, "admin calls are answered only from this machine (a loopback client)",
+                           type="permission_error", code="forbidden")
+        self.check_key(http)
+
+    async def admin_revoke(self, http: Exchange) -> None:
+        """`{"peer": ID}` -> the peer is denied from now on and taken out of every running answer."""
+        self.check_admin(http)
+        data = decode_body(await http.body())
+        peer = data.get("peer")
+        if not isinstance(peer, str):
+            raise bad("peer", f"peer must be a peer id (a string), got {peer!r}")
+        try:
+            sessions = await self.swarm.revoke(peer)
+        except BadPeerId as error:
+            raise bad("peer", str(error)) from None
+        except UnknownPeer as error:
+            raise ApiError(404, str(error), param="peer", code="unknown_peer") from None
+        await http.json(200, {"revoked": peer.strip(), "sessions": sessions, "deny": sorted(self.swarm.policy.deny)})
 
     # -- the swarm, as these endpoints show it --------------------------------------------
 
@@ -233,7 +265,7 @@ class Gateway:
         self.check_model(request.model)
         ids = await self.prompt_ids(request)
         gen = Generation(self.swarm, ids, max_tokens=self.budget(request, len(ids)), sampling=request.sampling,
-                         stop=request.stop, route_wait=self.route_wait)
+                         stop=request.stop, route_wait=self.route_wait, policy=request.policy)
         env = Envelope.new("chatcmpl" if chat else "cmpl", request.model or self.name, self.fingerprint)
         self.stats.requests += 1
         outcome, failure = "cancelled", None

@@ -58,6 +58,7 @@ class ServedSession:
     tokens: int = 0
     cancelled: set[int] = field(default_factory=set)
     registered: trio.Event = field(default_factory=trio.Event)  # a new inbound link was added
+    link_scopes: list[trio.CancelScope] = field(default_factory=list)  # readers of its link streams
     closed: bool = False
 
     def __post_init__(self) -> None:
