@@ -319,7 +319,6 @@ class Swarm:
         seconds = time.perf_counter() - started
         return GenerationResult(self.tokenizer.decode(tokens), tokens, len(ids), seconds, extra=info)
 
-
     # -- revocation ---------------------------------------------------------------------
 
     async def revoke(self, peer_id: str) -> int:

@@ -60,6 +60,7 @@ class ServedSession:
     registered: trio.Event = field(default_factory=trio.Event)  # a new inbound link was added
     link_scopes: list[trio.CancelScope] = field(default_factory=list)  # readers of its link streams
     closed: bool = False
+    revoked: bool = False  # the requester revoked this peer from the session (SessionRevoke)
 
     def __post_init__(self) -> None:
         self.queue_in, self.queue_out = trio.open_memory_channel[object](QUEUE_DEPTH)

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 # Why a session ended when its requester revoked this peer from it (SessionRevoke).
 REVOKED = "revoked by the requester"
 
+
 class StageServer:
     """Serves `stage` to sessions over `transport`."""
 
@@ -166,7 +167,7 @@ class StageServer:
                 nursery.cancel_scope.cancel()
         finally:
             self.drop(session, reason)
-            if reason == REVOKED:  # the confirmation: KV cache and keys are gone, nothing more is read
+            if session.revoked:  # the confirmation: KV cache and keys are gone, nothing more is read
                 self.tracer.emit("session_revoked", session=session.session_id, span=(session.start, session.end),
                                  remote=session.requester, detail={"steps": session.steps, "tokens": session.tokens})
             with trio.CancelScope(shield=True):
@@ -223,6 +224,7 @@ class StageServer:
             if isinstance(msg, SessionClose):
                 return msg.reason or "closed"
             if isinstance(msg, SessionRevoke):
+                session.revoked = True
                 return REVOKED
             if isinstance(msg, Cancel):
                 session.cancelled.add(msg.step)
