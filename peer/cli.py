@@ -71,7 +71,7 @@ NETWORK_COMMANDS = ("peer", "swarm", "demo", "serve")
 def optional_command_modules() -> list:
     """Command modules of later layers, registered when present."""
     modules = []
-    for name in ("cli_peer", "cli_store", "cli_serve", "cli_sim"):
+    for name in ("cli_peer", "cli_store", "cli_serve", "cli_revoke", "cli_sim"):
         try:
             modules.append(__import__(f"peer.{name}", fromlist=["register"]))
         except ModuleNotFoundError as missing:

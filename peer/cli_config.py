@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 from .errors import ConfigError
 
-NOT_KEYS = {"help", "config", "print_config"}  # options about the config itself, not in it
+NOT_KEYS = {"help", "config", "print_config", "verbose"}  # options about the config itself or the console, not in it
 
 
 def add_config_options(p: argparse.ArgumentParser) -> None:

@@ -32,6 +32,26 @@ def add_compute_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
 
+def add_policy_options(p: argparse.ArgumentParser) -> None:
+    """Who may compute the answers (peer/requester_policy.py); each option repeats."""
+    group = p.add_argument_group("choosing who computes (full peer ids; @FILE = one id per line)")
+    group.add_argument("--allow", action="append", default=[], metavar="PEER_ID|@FILE",
+                       help="use only these peers (every layer must be covered by them)")
+    group.add_argument("--deny", action="append", default=[], metavar="PEER_ID|@FILE", help="never use these peers")
+    group.add_argument("--prefer", action="append", default=[], metavar="PEER_ID|@FILE",
+                       help="use these peers wherever they cover the layers, others only where they do not")
+
+
+def policy_from(args: argparse.Namespace):
+    """The RequesterPolicy the options ask for. Raises BadPeerId or ConfigError (an unreadable @FILE)."""
+    from peer.requester_policy import RequesterPolicy, read_peer_ids
+
+    return RequesterPolicy(
+        allow=read_peer_ids(args.allow, option="--allow") if args.allow else None,
+        deny=read_peer_ids(args.deny, option="--deny"), prefer=read_peer_ids(args.prefer, option="--prefer"),
+    )
+
+
 def apply_threads(threads: int | None) -> None:
     if threads:
         torch.set_num_threads(threads)
@@ -65,7 +85,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help='TESTS AND BENCHMARKS ONLY: delay/pace every frame sent, e.g. "delay=40ms"')
     p.add_argument("--model", default="smollm2-135m", help="registered name or folder (default smollm2-135m)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--route-wait", type=float, default=30.0, metavar="S",
+                   help="how long to wait for the (allowed) peers to cover every layer (default 30)")
     add_sampling_options(p)
+    add_policy_options(p)
     add_compute_options(p)
     p.set_defaults(handler=run)
 
@@ -79,7 +102,13 @@ def run(args: argparse.Namespace) -> int:
     if args.join:
         from .cli_swarm_generate import run_swarm_generate
 
+        if not args.route_wait > 0:
+            raise UsageError(f"--route-wait must be > 0, got {args.route_wait!r}")
+        args.policy = policy_from(args)  # a bad id or an unreadable @FILE fails here, before joining
+
         return run_swarm_generate(args, sampling)
+    if args.allow or args.deny or args.prefer:
+        raise UsageError("--allow, --deny and --prefer choose peers of a swarm; they mean nothing with --local")
     from stages.generate import LocalEngine
 
     apply_threads(args.threads)

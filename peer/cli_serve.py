@@ -17,7 +17,7 @@ from pathlib import Path
 import trio
 
 from .cli_config import add_config_options
-from .cli_generate import apply_threads
+from .cli_generate import add_policy_options, apply_threads, policy_from
 from .cli_peer import add_join_options, read_swarm_key
 from .errors import ConfigError
 from .http_api import DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_TOKENS, DEFAULT_ROUTE_WAIT, Gateway
@@ -51,6 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads for the embedding and head")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="let browser pages from ORIGIN call the API (repeatable; '*' = any; default none)")
+    add_policy_options(p)
     add_config_options(p)
     p.set_defaults(handler=run)
 
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)!r}")
     if not args.route_wait > 0:
         raise ConfigError(f"--route-wait must be > 0, got {args.route_wait!r}")
+    args.policy = policy_from(args)  # a bad id or an unreadable @FILE fails here, before joining
     apply_threads(args.threads)
     trio.run(serve, args)
     return 0
@@ -83,7 +85,8 @@ async def serve(args: argparse.Namespace) -> None:
     from .client import Swarm
 
     api_key = args.api_key or os.environ.get("TESSERA_API_KEY") or None
-    async with Swarm.join(args.join, model=args.model, swarm_key=read_swarm_key(args.swarm_key)) as swarm:
+    async with Swarm.join(args.join, model=args.model, swarm_key=read_swarm_key(args.swarm_key),
+                          policy=args.policy) as swarm:
         gateway = Gateway(swarm, name=served_name(args.model), api_key=api_key, route_wait=args.route_wait,
                           max_concurrent=args.max_concurrent, default_max_tokens=args.default_max_tokens,
                           cors_origins=args.cors_origin)

@@ -42,7 +42,7 @@ def speculation_from(spec: str, k: int, pipeline: bool, swarm: Swarm, sampling: 
 async def generate_through_swarm(args: argparse.Namespace, sampling: SamplingParams) -> GenerationResult:
     emulation = LinkEmulation.parse(args.emulate_link) if args.emulate_link else None
     async with Swarm.join(args.join, model=args.model, swarm_key=read_swarm_key(args.swarm_key),
-                          emulate_link=emulation) as swarm:
+                          emulate_link=emulation, policy=args.policy) as swarm:
         ids = prompt_ids(swarm.tokenizer, args.prompt, raw=args.raw)
         speculation = speculation_from(args.speculate, args.draft_k, not args.no_pipeline, swarm, sampling,
                                        len(ids) + args.max_tokens + 64)
@@ -51,7 +51,7 @@ async def generate_through_swarm(args: argparse.Namespace, sampling: SamplingPar
         tokens = []
         started = time.perf_counter()
         async for token in swarm.generate_ids(ids, max_new_tokens=args.max_tokens, sampling=sampling,
-                                              speculation=speculation, info=info):
+                                              speculation=speculation, info=info, route_wait=args.route_wait):
             tokens.append(token)
             if not args.json:
                 sys.stdout.write(stream.push(token))

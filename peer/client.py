@@ -31,7 +31,7 @@ from stages.stage import Stage
 from stages.tokenizer import TextStream, Tokenizer
 from store.trace import NullTracer, Tracer
 
-from .errors import NoRoute, PeerError
+from .errors import NoRoute, PeerError, UnknownPeer
 from .gossip import Gossip, Pinger, ViewKeeper
 from .emulated_link import LinkEmulation, emulate
 from .libp2p_transport import open_libp2p_transport
@@ -39,6 +39,7 @@ from .generation import Speculation, plain_tokens, speculative_tokens
 from .reports import ReportBook
 from .verify import GUILTY_BAN, CheckPolicy, SpotChecker
 from .recovery import AnswerRewound, ResilientSession
+from .requester_policy import RequesterPolicy, check_peer_id, explain_gaps
 from .route_session import RequesterContext, route_summary
 from .routing import Route, route
 from .transport import Transport
@@ -72,8 +73,11 @@ class Swarm:
         identity: Identity,
         tracer: Tracer | None = None,
         clock=time.time,
+        policy: RequesterPolicy | None = None,
     ) -> None:
         self.folder = folder
+        # who may compute this requester's answers (peer/requester_policy.py); a revocation adds to `deny`
+        self.policy = policy or RequesterPolicy()
         self.head = Stage.load(folder, start=0, end=0, embed=True, head=True)
         self.spec = self.head.spec
         self.tokenizer = Tokenizer.from_folder(folder)
@@ -102,8 +106,11 @@ class Swarm:
         tracer: Tracer | None = None,
         listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
         emulate_link: LinkEmulation | None = None,
+        policy: RequesterPolicy | None = None,
     ) -> AsyncIterator["Swarm"]:
         """Join the swarm reachable at `addrs` as a requester (serving nothing).
+
+        `policy` says which peers may compute its answers (every answer; a request may narrow it).
 
         `emulate_link` (benchmarks only) delays and paces every frame the requester sends.
         """
@@ -114,7 +121,7 @@ class Swarm:
         ) as real_transport, emulate(real_transport, emulate_link) as transport:
             async with trio.open_nursery() as nursery:
                 swarm = await trio.to_thread.run_sync(
-                    lambda: Swarm(transport, nursery, folder=folder, identity=identity, tracer=tracer)
+                    lambda: Swarm(transport, nursery, folder=folder, identity=identity, tracer=tracer, policy=policy)
                 )
                 await swarm.connect(addrs)
                 nursery.start_soon(swarm._refresh_forever)
@@ -176,14 +183,17 @@ class Swarm:
         sink: str | None = None,
         exclude: Sequence[str] = (),
         groups: bool = True,
+        policy: RequesterPolicy | None = None,
     ) -> Route:
         """The cheapest chain over layers [start, end) from `source` to `sink` (default: this requester).
 
         `groups`: tensor-shard groups may be hops (they are entered from and left to this
         requester, so a repair that chains between peers passes False; peer/shard_route.py).
+        Only peers this requester's policy, narrowed by `policy`, admits are used.
         """
         banned = {p for p in self.banned if self.is_banned(p)}
-        return route(self.view(), start=start, end=end, source=source or self.peer_id, sink=sink or self.peer_id,
+        view = self.policy.narrowed(policy).apply(self.view(), keep=(self.peer_id,))
+        return route(view, start=start, end=end, source=source or self.peer_id, sink=sink or self.peer_id,
                      exclude=frozenset(banned | set(exclude)), groups=groups)
 
     async def wait_for_route(self, timeout: float = DEFAULT_ROUTE_WAIT, **plan_args) -> Route:
@@ -198,10 +208,10 @@ class Swarm:
                 await self.refresh()
         # the layers no usable peer covers: a banned (failed) or excluded peer's record may outlive it
         unusable = {p for p in self.banned if self.is_banned(p)} | set(plan_args.get("exclude", ()))
-        gaps = self.keeper.snapshot().without(unusable).gaps()
+        gaps, why = explain_gaps(self.keeper.snapshot().without(unusable), self.policy.narrowed(plan_args.get("policy")))
         raise NoRoute(
-            f"no route through the swarm after {timeout:.0f} s; uncovered layers: "
-            + (", ".join(f"[{a}, {b})" for a, b in gaps) if gaps else "none (peers busy, banned or unreachable)"),
+            f"no route through the swarm after {timeout:.0f} s: "
+            + (why if gaps else "every layer is covered, but by peers busy, banned or unreachable"),
             gaps,
         )
 
@@ -224,8 +234,11 @@ class Swarm:
         spot_check: CheckPolicy | None = None,
         info: dict | None = None,
         constraint: JsonConstraint | None = None,
+        policy: RequesterPolicy | None = None,
     ) -> AsyncIterator[int]:
         """Token ids continuing `ids`, one at a time; `info` (if given) receives the routes used.
+
+        `policy` narrows this requester's policy for this answer only (see `Swarm.plan`).
 
         With `speculation`, drafted blocks are verified in one pass each (and pipelined
         when confident); greedy output is the same as without. With `constraint`, only
@@ -238,7 +251,7 @@ class Swarm:
         budget = plan_length(len(ids), max_new_tokens, self.spec.max_position)
         sampler = Sampler(sampling) if constraint is None else ConstrainedSampler(sampling, constraint)
         capacity = min(len(ids) + budget + SPECULATION_SLACK, self.spec.max_position)
-        session = ResilientSession(self, max_length=capacity, route_wait=route_wait)
+        session = ResilientSession(self, max_length=capacity, route_wait=route_wait, policy=policy)
         await session.open()
         if spot_check is not None and spot_check.rate > 0:
             session.checker = SpotChecker(self, session, spot_check)
@@ -268,11 +281,12 @@ class Swarm:
         max_tokens: int = 128,
         sampling: SamplingParams = SamplingParams(),
         info: dict | None = None,
+        policy: RequesterPolicy | None = None,
     ) -> AsyncIterator[Piece]:
         """Stream the answer to `prompt` (chat template unless `raw`) as `Piece`s."""
         stream = TextStream(self.tokenizer)
         ids = prompt_ids(self.tokenizer, prompt, raw=raw)
-        gen = self.generate_ids(ids, max_new_tokens=max_tokens, sampling=sampling, info=info)
+        gen = self.generate_ids(ids, max_new_tokens=max_tokens, sampling=sampling, info=info, policy=policy)
         try:
             async for token in gen:
                 yield Piece(token, stream.push(token))
@@ -303,15 +317,37 @@ class Swarm:
                 info.update(merge_infos(attempts))
 
     async def complete(
-        self, prompt: str, *, raw: bool = False, max_tokens: int = 128, sampling: SamplingParams = SamplingParams()
+        self, prompt: str, *, raw: bool = False, max_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
+        policy: RequesterPolicy | None = None,
     ) -> GenerationResult:
         """The whole answer at once, with the route(s) it took."""
         ids = prompt_ids(self.tokenizer, prompt, raw=raw)
         info: dict = {}
         started = time.perf_counter()
-        tokens = await self.complete_ids(ids, max_new_tokens=max_tokens, sampling=sampling, info=info)
+        tokens = await self.complete_ids(ids, max_new_tokens=max_tokens, sampling=sampling, info=info, policy=policy)
         seconds = time.perf_counter() - started
         return GenerationResult(self.tokenizer.decode(tokens), tokens, len(ids), seconds, extra=info)
+
+    # -- revocation ---------------------------------------------------------------------
+
+    async def revoke(self, peer_id: str) -> int:
+        """Stop trusting `peer_id`, now: it is denied for every later route, and removed from
+        every running session — its span moves to an allowed replacement by the failover's
+        replay, the answer goes on unchanged, and the peer is told to drop the session's KV
+        cache and keys (it gets no further frame for it). Returns how many running sessions
+        it was removed from.
+
+        Raises BadPeerId (not a peer id) or UnknownPeer (neither in this requester's view
+        nor in a running session); nothing changes then.
+        """
+        peer_id = check_peer_id(peer_id, what="revoke")
+        running = [s for s in self.active if s.uses(peer_id)]
+        if not running and self.keeper.snapshot().get(peer_id) is None:
+            raise UnknownPeer(f"revoke: no peer {peer_id} in this requester's view of the swarm or in its sessions")
+        self.policy = self.policy.denying(peer_id)
+        for session in running:
+            await session.revoke(peer_id)
+        return len(running)
 
 
 def merge_infos(attempts: list[dict]) -> dict:

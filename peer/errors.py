@@ -51,3 +51,7 @@ class ModelMismatch(PeerError):
 
 class ConfigError(PeerError):
     """A peer or requester option is invalid."""
+
+
+class UnknownPeer(PeerError):
+    """A peer id that names no peer this requester knows (e.g. revoking it)."""

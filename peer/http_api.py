@@ -7,6 +7,7 @@
     POST /v1/completions         a raw prompt (text or token ids) -> its continuation
     POST /v1/messages            Anthropic's Messages API (peer/http_anthropic.py)
     POST /v1/responses           OpenAI's Responses API (peer/http_responses.py)
+    POST /admin/revoke           {"peer": ID}: stop using a peer, now (loopback clients only)
 
 Three dialects, one generation core: each parses its body into a
 `GenerationRequest` and renders a `Generation` (text deltas, finish reason,
@@ -15,7 +16,7 @@ tokens, budget, queueing, disconnects, and turning swarm failures into HTTP
 errors (in the dialect's error shape: `error_body`).
 
 Plain ASGI rather than a framework (Starlette would run on trio through anyio,
-but it is one more dependency): seven routes, four of them streams, and the one
+but it is one more dependency): eight routes, four of them streams, and the one
 thing a framework would add — request parsing — is dialect-specific anyway
 (peer/http_requests.py). It runs under hypercorn's trio worker, so the swarm
 client and the HTTP server share one trio loop (peer/cli_serve.py).
@@ -34,6 +35,7 @@ session, so the peers drop its KV cache at once.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -46,12 +48,13 @@ from stages.constrained import JsonConstraint
 from stages.errors import StageError
 
 from . import http_anthropic, http_responses
-from .errors import NoRoute, PeerError, RouteLost
+from .errors import NoRoute, PeerError, RouteLost, UnknownPeer
 from .http_exchange import SSE_HEADERS, ClientGone, Exchange, Receive, Send
 from .http_generation import (
     Envelope, Generation, chat_chunk, chat_object, completion_chunk, completion_object, usage_chunk,
 )
 from .http_requests import ApiError, GenerationRequest, bad, decode_body, parse_chat, parse_completion
+from .requester_policy import BadPeerId
 
 # Renders one answer in a dialect: the whole object, or its stream (after `gen.start()`).
 Respond = Callable[[Exchange, Generation, GenerationRequest], Awaitable[None]]
@@ -104,6 +107,7 @@ class Gateway:
             ("POST", "/v1/completions"): self.completions,
             ("POST", "/v1/messages"): self.messages,
             ("POST", "/v1/responses"): self.responses,
+            ("POST", "/admin/revoke"): self.admin_revoke,
         }
 
     async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
@@ -202,6 +206,34 @@ class Gateway:
                            code="invalid_api_key")
         if not hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
             raise ApiError(401, "incorrect API key", code="invalid_api_key")
+
+    def check_admin(self, http: Exchange) -> None:
+        """Admin calls change what every request may use: only a client on this machine
+        (loopback) may make them, with the API key when the gateway has one."""
+        client = http.scope.get("client")
+        try:
+            local = client is not None and ipaddress.ip_address(client[0]).is_loopback
+        except ValueError:
+            local = False  # a unix socket or an unknown peer: not loopback
+        if not local:
+            raise ApiError(403, "admin calls are answered only from this machine (a loopback client)",
+                           type="permission_error", code="forbidden")
+        self.check_key(http)
+
+    async def admin_revoke(self, http: Exchange) -> None:
+        """`{"peer": ID}` -> the peer is denied from now on and taken out of every running answer."""
+        self.check_admin(http)
+        data = decode_body(await http.body())
+        peer = data.get("peer")
+        if not isinstance(peer, str):
+            raise bad("peer", f"peer must be a peer id (a string), got {peer!r}")
+        try:
+            sessions = await self.swarm.revoke(peer)
+        except BadPeerId as error:
+            raise bad("peer", str(error)) from None
+        except UnknownPeer as error:
+            raise ApiError(404, str(error), param="peer", code="unknown_peer") from None
+        await http.json(200, {"revoked": peer.strip(), "sessions": sessions, "deny": sorted(self.swarm.policy.deny)})
 
     # -- the swarm, as these endpoints show it --------------------------------------------
 
@@ -315,7 +347,8 @@ class Gateway:
         if request.json_shape is not None:
             constraint = JsonConstraint(request.json_shape, self.swarm.tokenizer, self.swarm.spec.eos_token_ids)
         gen = Generation(self.swarm, ids, max_tokens=self.budget(request, len(ids)), sampling=request.sampling,
-                         stop=request.stop, route_wait=self.route_wait, constraint=constraint)
+                         stop=request.stop, route_wait=self.route_wait, constraint=constraint,
+                         policy=request.policy)
         self.stats.requests += 1
         outcome, failure = "cancelled", None
         try:

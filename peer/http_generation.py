@@ -27,6 +27,7 @@ from stages.tokenizer import TextStream
 
 if TYPE_CHECKING:
     from .client import Swarm
+    from .requester_policy import RequesterPolicy
 
 STOP = "stop"  # finish_reason: end-of-sequence token or a stop string
 LENGTH = "length"  # finish_reason: max_tokens (or the context) reached
@@ -91,11 +92,12 @@ class Generation:
     finish_reason: str | None = None
     info: dict = field(default_factory=dict)
     constraint: JsonConstraint | None = None  # response_format: the mask over the next token
+    policy: "RequesterPolicy | None" = None  # who may compute it, within the gateway's own policy
 
     def __post_init__(self) -> None:
         self._tokens: AsyncIterator[int] = self.swarm.generate_ids(
             self.ids, max_new_tokens=self.max_tokens, sampling=self.sampling, route_wait=self.route_wait,
-            info=self.info, constraint=self.constraint,
+            info=self.info, constraint=self.constraint, policy=self.policy,
         )
         self._text = TextStream(self.swarm.tokenizer)
         self._stops = StopMatcher(self.stop)

@@ -25,6 +25,8 @@ from typing import Any
 from stages.json_prefix import JSON_OBJECT, Shape, UnsupportedSchema, compile_schema
 from stages.sampling import SamplingParams
 
+from .requester_policy import BadPeerId, RequesterPolicy, check_peer_id
+
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256  # a stop string longer than this is a mistake, not a stop
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -43,6 +45,10 @@ UNSUPPORTED_UNLESS = {
     "functions": (None, []),
 }
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+# The extension field `"tessera": {"allow": [...], "deny": [...], "prefer": [...]}` (peer ids):
+# who may compute this answer, within what the gateway's own --allow/--deny permit.
+POLICY_FIELDS = ("allow", "deny", "prefer")
+MAX_POLICY_IDS = 1024  # per list: far more peers than a requester would name one by one
 
 
 class ApiError(Exception):
@@ -105,6 +111,7 @@ class GenerationRequest:
     stream:     answer as Server-Sent Events.
     include_usage: with `stream`, send a last chunk carrying `usage` (stream_options).
     json_shape: the answer must be JSON of this shape (response_format; constrained decoding), or None.
+    policy:     who may compute it (the `tessera` extension field); None: the gateway's policy.
     """
 
     messages: tuple[dict, ...] | None
@@ -116,6 +123,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     json_shape: Shape | None = None
+    policy: RequesterPolicy | None = None
 
 
 def _is_int(value: Any) -> bool:
@@ -171,6 +179,35 @@ def _stop(data: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _policy(data: dict) -> RequesterPolicy | None:
+    """The `tessera` extension field, checked. Raises ApiError naming e.g. `tessera.allow[2]`."""
+    ext = data.get("tessera")
+    if ext is None:
+        return None
+    if not isinstance(ext, dict):
+        raise bad("tessera", f"tessera must be an object with {', '.join(POLICY_FIELDS)}, got {ext!r}")
+    unknown = sorted(set(ext) - set(POLICY_FIELDS))
+    if unknown:
+        raise bad(f"tessera.{unknown[0]}", f"unknown field tessera.{unknown[0]}; "
+                  f"the extension takes {', '.join(POLICY_FIELDS)}")
+    lists: dict[str, frozenset[str]] = {}
+    for name in POLICY_FIELDS:
+        value = ext.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, list) or len(value) > MAX_POLICY_IDS:
+            raise bad(f"tessera.{name}", f"tessera.{name} must be a list of at most {MAX_POLICY_IDS} peer ids, "
+                      f"got {value!r}"[:500])
+        for i, item in enumerate(value):
+            try:
+                check_peer_id(item, what=f"tessera.{name}[{i}]")
+            except BadPeerId as error:
+                raise bad(f"tessera.{name}[{i}]", str(error)) from None
+        lists[name] = frozenset(v.strip() for v in value)
+    return RequesterPolicy(allow=lists.get("allow"), deny=lists.get("deny", frozenset()),
+                           prefer=lists.get("prefer", frozenset()))
+
+
 def _refuse_unsupported(data: dict) -> None:
     for name, allowed in UNSUPPORTED_UNLESS.items():
         if name in data and data[name] not in allowed:
@@ -198,7 +235,8 @@ def _common(data: dict) -> dict:
         raise bad("stream_options", f"stream_options must be an object, got {options!r}")
     include_usage = bool(options and options.get("include_usage") is True)
     return dict(model=model, max_tokens=max_tokens, sampling=sampling, stop=_stop(data), stream=stream,
-                include_usage=include_usage, json_shape=response_format(data.get("response_format")))
+                include_usage=include_usage, json_shape=response_format(data.get("response_format")),
+                policy=_policy(data))
 
 
 def json_shape(kind: Any, schema: Any, param: str) -> Shape | None:

@@ -21,6 +21,10 @@ speeds — is repaired and sent again:
 
 Two failures, adjacent or not, repair region by region; a replacement that
 fails during repair is banned and the region re-routed.
+
+Revocation (`Swarm.revoke`) is a failure the requester chooses: the peer is
+denied by the requester's policy, told to drop the session (SessionRevoke),
+marked failed, and the next step repairs around it by the steps above.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import trio
 from protocol.messages import Relink
 
 from .errors import NoRoute, PeerError, PeerFailed, RouteLost, SessionRefused
+from .requester_policy import RequesterPolicy
 from .route_session import HopState, RouteSession, StepSlot, peer_bytes, route_summary
 from .routing import Route
 from .shard_route import SegmentedSession, has_groups
@@ -89,8 +94,10 @@ class Pending:
 class ResilientSession:
     """A generation's session that survives peers refusing, dying and hanging."""
 
-    def __init__(self, swarm: "Swarm", *, max_length: int, route_wait: float) -> None:
+    def __init__(self, swarm: "Swarm", *, max_length: int, route_wait: float,
+                 policy: RequesterPolicy | None = None) -> None:
         self.swarm = swarm
+        self.request_policy = policy  # narrows the requester's own policy for this answer
         self.max_length = max_length
         self.route_wait = route_wait
         self.current: RouteSession | None = None
@@ -105,7 +112,31 @@ class ResilientSession:
         self.checker: "SpotChecker | None" = None  # spot checks (peer/verify.py), if asked for
         self._strikes: dict[str, int] = {}
 
+    @property
+    def policy(self) -> RequesterPolicy:
+        """Who may compute this answer, now: read at every routing, so a revocation counts at once."""
+        return self.swarm.policy.narrowed(self.request_policy)
+
+    def uses(self, peer: str) -> bool:
+        """Whether `peer` computes a part of this answer now."""
+        session = self.current
+        if isinstance(session, SegmentedSession):
+            return any(h.peer_id == peer or peer in h.members for h in session.hops)
+        return session is not None and any(h.peer == peer for h in session.hops)
+
+    async def revoke(self, peer: str) -> None:
+        """Take `peer` out of this session now (its policy already denies it): it is told to drop
+        the session and marked failed; the step waiting on it, or the next one, repairs around it."""
+        session = self.current
+        routes = session.segments if isinstance(session, SegmentedSession) else [session]
+        for part in routes:
+            if isinstance(part, RouteSession):  # a tensor-shard group's rank is not revoked mid-answer
+                for state in [h for h in part.hops if h.peer == peer]:
+                    await part.revoke_hop(state)
+
     def ban(self, peer: str, reason: str, *, seconds: float | None = None) -> None:
+        if not self.policy.admits(peer):
+            return  # revoked or denied: never used again by this answer anyway
         strikes = self._strikes[peer] = self._strikes.get(peer, 0) + 1
         duration = seconds if seconds is not None else min(BAN_CAP, BAN_BASE * 2 ** (strikes - 1))
         self.swarm.banned[peer] = time.monotonic() + duration
@@ -116,7 +147,7 @@ class ResilientSession:
     async def open(self) -> None:
         last_error: Exception | None = None
         for _ in range(MAX_OPEN_ATTEMPTS):
-            chosen = await self.swarm.wait_for_route(self.route_wait)
+            chosen = await self.swarm.wait_for_route(self.route_wait, policy=self.policy)
             # a route with tensor-shard group hops runs in segments (peer/shard_route.py)
             kind = SegmentedSession if has_groups(chosen) else RouteSession
             session = kind(self.swarm.ctx, chosen, max_length=self.max_length)
@@ -204,7 +235,8 @@ class ResilientSession:
         replaced: list[str] = []
         attempts = 0
         while True:
-            failed = [i for i, h in enumerate(session.hops) if h.failure or self.swarm.is_banned(h.peer)]
+            failed = [i for i, h in enumerate(session.hops)
+                      if h.failure or self.swarm.is_banned(h.peer) or not self.policy.admits(h.peer)]
             if not failed:
                 break
             attempts += 1
@@ -259,6 +291,7 @@ class ResilientSession:
             chosen = await self.swarm.wait_for_route(
                 self.route_wait, start=a, end=b, source=up.peer if up else None, sink=down.peer if down else None,
                 exclude=dead, groups=False,  # replacements are chained peer to peer; groups need the requester
+                policy=self.policy,
             )
         except NoRoute as lost:
             # mid-way, not at the start: the request failed in the swarm (HTTP 502), naming what is gone

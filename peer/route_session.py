@@ -25,7 +25,10 @@ from protocol.errors import WireError
 from protocol.tensors import decode_tensor
 from protocol.keys import EphemeralKey, public_key_from_peer_id
 from protocol.links import Direction, LinkCipher, seal_link_key
-from protocol.messages import REPLY_FINGERPRINT, REPLY_FULL, Cancel, ErrorMsg, Forward, Result, SealedKey, SessionAccept, SessionClose, SessionOpen
+from protocol.messages import (
+    REPLY_FINGERPRINT, REPLY_FULL, Cancel, ErrorMsg, Forward, Result, SealedKey, SessionAccept, SessionClose, SessionOpen,
+    SessionRevoke,
+)
 
 from .errors import PeerError, PeerFailed, SessionRefused
 from .history import RouteHistory
@@ -42,6 +45,7 @@ OPEN_TIMEOUT = 15.0
 STEP_TIMEOUT_FACTOR = 10.0
 STEP_TIMEOUT_FLOOR = 5.0
 CLOSE_TIMEOUT = 2.0
+REVOKED = "revoked by the requester"  # the failure a revoked hop carries into the repair
 
 
 class RouteSession:
@@ -325,6 +329,8 @@ class RouteSession:
         """Tell every hop to drop `step` if it has not run yet (a speculative block that became invalid)."""
         self.pending.pop(step, None)
         for state in self.hops:
+            if state.revoked:
+                continue  # a revoked peer gets no further frame for this session
             try:
                 await state.channel.send(Cancel(self.session_id, step))
             except PeerError:
@@ -349,7 +355,35 @@ class RouteSession:
         self.ephemeral.forget()
         self.ctx.tracer.emit("session_close", session=self.session_id, detail={"reason": reason})
 
+    async def revoke_hop(self, state: HopState) -> None:
+        """Take `state`'s peer out of this session now: nothing more is sent to it or read from
+        it but one SessionRevoke (it drops the session's KV cache and keys, and confirms in its
+        trace); steps waiting on the route fail, and the repair moves its span elsewhere."""
+        if state.revoked:
+            return
+        state.revoked = True
+        if state.failure is None:
+            state.failure = REVOKED
+        state.scope.cancel()
+        for cipher in (state.send, state.tap, state.result):
+            if cipher is not None:
+                cipher.forget()
+        state.acked.set()  # a relink waiting on it checks `failure`
+        error = PeerFailed(state.peer, REVOKED)
+        for slot in self.pending.values():
+            slot.fail(error)
+        self.ctx.tracer.emit("session_revoked", session=self.session_id, remote=state.peer,
+                             span=(state.hop.start, state.hop.end))
+        with trio.move_on_after(CLOSE_TIMEOUT):
+            try:
+                await state.channel.send(SessionRevoke(self.session_id))
+                await state.channel.close()
+            except PeerError:
+                pass  # the peer is gone already; its session died with its stream
+
     async def close_hop(self, state: HopState, reason: str) -> None:
+        if state.revoked:
+            return  # told and closed at the revocation; it gets no further frame
         state.scope.cancel()
         for cipher in (state.send, state.tap, state.result):
             if cipher is not None:

@@ -46,6 +46,7 @@ class HopState:
     tap: LinkCipher | None = None  # this peer -> requester, copy of its output
     result: LinkCipher | None = None  # last hop -> requester
     failure: str | None = None
+    revoked: bool = False  # the requester took this peer out of the session (RouteSession.revoke_hop)
     attested: list[AttestedStep] = field(default_factory=list)
     acked: trio.Event = field(default_factory=trio.Event)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)

@@ -60,7 +60,9 @@ class ServedSession:
     tokens: int = 0
     cancelled: set[int] = field(default_factory=set)
     registered: trio.Event = field(default_factory=trio.Event)  # a new inbound link was added
+    link_scopes: list[trio.CancelScope] = field(default_factory=list)  # readers of its link streams
     closed: bool = False
+    revoked: bool = False  # the requester revoked this peer from the session (SessionRevoke)
 
     def __post_init__(self) -> None:
         self.queue_in, self.queue_out = trio.open_memory_channel[object](QUEUE_DEPTH)

@@ -23,7 +23,7 @@ import trio
 from protocol.errors import WireError
 from protocol.keys import Identity
 from protocol.messages import (
-    Cancel, ErrorMsg, Forward, LinkHello, Relink, Rollback, SessionAccept, SessionClose, SessionOpen,
+    Cancel, ErrorMsg, Forward, LinkHello, Relink, Rollback, SessionAccept, SessionClose, SessionOpen, SessionRevoke,
 )
 from protocol.tensors import DEFAULT_LIMITS, TensorLimits
 from stages.errors import StageError
@@ -41,6 +41,10 @@ from .step_batcher import BatchBudget, BatchInterrupted, StepBatcher
 from .transport import LINK_PROTOCOL, SESSION_PROTOCOL, Channel, Stream, Transport
 
 log = logging.getLogger(__name__)
+
+# Why a session ended when its requester revoked this peer from it (SessionRevoke).
+REVOKED = "revoked by the requester"
+
 
 class StageServer:
     """Serves `stage` to sessions over `transport`."""
@@ -140,6 +144,8 @@ class StageServer:
         if session.closed:
             return
         session.closed = True
+        for scope in session.link_scopes:
+            scope.cancel()  # read nothing more for it: a frame still on its way is discarded unread
         session.forget_keys()
         self.stage.close(session.session_id)
         self.batcher.forget(session.session_id)
@@ -167,6 +173,9 @@ class StageServer:
                 nursery.cancel_scope.cancel()
         finally:
             self.drop(session, reason)
+            if session.revoked:  # the confirmation: KV cache and keys are gone, nothing more is read
+                self.tracer.emit("session_revoked", session=session.session_id, span=(session.start, session.end),
+                                 remote=session.requester, detail={"steps": session.steps, "tokens": session.tokens})
             with trio.CancelScope(shield=True):
                 await channel.close()
 
@@ -220,6 +229,9 @@ class StageServer:
             session.last_active = time.monotonic()
             if isinstance(msg, SessionClose):
                 return msg.reason or "closed"
+            if isinstance(msg, SessionRevoke):
+                session.revoked = True
+                return REVOKED
             if isinstance(msg, Cancel):
                 session.cancelled.add(msg.step)
             elif isinstance(msg, Relink):
@@ -256,23 +268,25 @@ class StageServer:
         if session.link_sources.get(hello.link_id) != stream.remote:
             await channel.reset()  # only the peer the requester named may feed this link
             return
-        while not session.closed:
-            try:
-                msg = await channel.receive()
-            except StreamClosed:
-                return  # the previous peer left; the requester will relink us
-            except WireError as bad:
-                await self._error(session, BAD_FRAME, f"from {stream.remote}: {bad}")
-                await channel.reset()
-                return
-            if not isinstance(msg, Forward) or msg.link_id != hello.link_id:
-                await self._error(session, BAD_FRAME, f"unexpected {type(msg).__name__} on link {hello.link_id}")
-                await channel.reset()
-                return
-            session.last_active = time.monotonic()
-            self.tracer.emit("receive", session=msg.session_id, step=msg.step, remote=stream.remote,
-                             bytes=len(msg.payload), span=(session.start, session.end))
-            await session.queue_in.send(msg)
+        with trio.CancelScope() as reading:  # cancelled when the session is dropped (see drop)
+            session.link_scopes.append(reading)
+            while not session.closed:
+                try:
+                    msg = await channel.receive()
+                except StreamClosed:
+                    return  # the previous peer left; the requester will relink us
+                except WireError as bad:
+                    await self._error(session, BAD_FRAME, f"from {stream.remote}: {bad}")
+                    await channel.reset()
+                    return
+                if not isinstance(msg, Forward) or msg.link_id != hello.link_id:
+                    await self._error(session, BAD_FRAME, f"unexpected {type(msg).__name__} on link {hello.link_id}")
+                    await channel.reset()
+                    return
+                session.last_active = time.monotonic()
+                self.tracer.emit("receive", session=msg.session_id, step=msg.step, remote=stream.remote,
+                                 bytes=len(msg.payload), span=(session.start, session.end))
+                await session.queue_in.send(msg)
 
     async def _wait_for_link(self, hello: LinkHello) -> ServedSession:
         while True:

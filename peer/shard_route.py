@@ -215,7 +215,7 @@ class SegmentedSession:
         a, b = span_of(self.segments[k])
         last: PeerError = failure
         for _ in range(MAX_SEGMENT_REPAIRS):
-            chosen = await resilient.swarm.wait_for_route(resilient.route_wait, start=a, end=b)
+            chosen = await resilient.swarm.wait_for_route(resilient.route_wait, start=a, end=b, policy=resilient.policy)
             new = build_segments(self.ctx, chosen, max_length=self.max_length)
             try:
                 await open_segments(new)

@@ -134,6 +134,7 @@ class SpotChecker:
             p for p in view.peers
             if p.routable and p.shard_count == 1 and p.start <= start and end <= p.end
             and p.peer_id not in {suspect, *exclude, *banned} and PRECISION.get(p.dtype, 1) >= want
+            and self.resilient.policy.admits(p.peer_id)  # a checker sees the activations too
         ]
         if not candidates:
             return None

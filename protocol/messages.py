@@ -60,6 +60,7 @@ __all__ = [
     "SessionAccept",
     "SessionClose",
     "SessionOpen",
+    "SessionRevoke",
     "SignedRecord",
     "decode",
     "encode",
@@ -173,6 +174,22 @@ class SessionClose:
 
     session_id: bytes = wire(size=SESSION_ID_SIZE)
     reason: str = wire(max_len=256)
+
+
+@message("revoke")
+@dataclass(frozen=True)
+class SessionRevoke:
+    """Requester -> peer: this peer is no longer trusted with the session.
+
+    The peer drops the session's KV cache and keys at once, records that it did
+    (a ``session_revoked`` trace event), and reads nothing more for it: the
+    requester has moved the span to another peer and sends it no further frame.
+
+    Attributes:
+        session_id: the session.
+    """
+
+    session_id: bytes = wire(size=SESSION_ID_SIZE)
 
 
 @message("hello")

@@ -54,6 +54,7 @@ EVENT_KINDS = (
     "disconnect",  # a connection to `remote` went down
     "session_open",  # a session opened here
     "session_close",  # a session closed here (detail: steps, tokens, reason)
+    "session_revoked",  # the requester revoked this peer from a session; its KV and keys are dropped
     "forward",  # one forward step computed; duration = compute time
     "push",  # activations sent to `remote`; duration = send time
     "receive",  # activations received from `remote`

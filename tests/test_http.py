@@ -580,6 +580,34 @@ def test_cors_preflight_and_headers(url, half_url):
     assert off.status_code == 405 and "access-control-allow-origin" not in off.headers
 
 
+# -- choosing who computes: the request's policy and the admin revocation ----------------------
+
+
+NOBODY = "12D3KooWNvSZnPi3RrhrTwEY4LuuBeB6K6facKUCJcyWG1aoDd2p"  # a valid peer id no peer has
+
+
+def test_request_policy_extension_field_narrows_the_route(half_url):
+    body = {**CHAT, "tessera": {"allow": [NOBODY]}}
+    error = assert_error(post(half_url, "/v1/chat/completions", body, headers={}), 503, code="no_route")
+    assert "no allowed peer covers layers [0, 15)" in error["message"]
+    assert "no peer at all covers layers [15, 30)" in error["message"]
+    assert error["missing"] == [[0, 15], [15, 30]]
+    bad = {**CHAT, "tessera": {"deny": ["12D3KooWtypo"]}}
+    assert_error(post(half_url, "/v1/chat/completions", bad, headers={}), 400, param="tessera.deny[0]")
+
+
+def test_admin_revoke_of_an_unknown_or_bad_peer_costs_nothing(url, capsys):
+    from peer.cli import main
+
+    error = assert_error(post(url, "/admin/revoke", {"peer": NOBODY}), 404, param="peer", code="unknown_peer")
+    assert NOBODY in error["message"]
+    assert_error(post(url, "/admin/revoke", {"peer": "12D3KooWtypo"}), 400, param="peer")
+    assert_error(post(url, "/admin/revoke", {"peer": NOBODY}, headers={}), 401, code="invalid_api_key")
+    assert main(["revoke", NOBODY, "--url", url, "--api-key", KEY]) == 1
+    assert "answered 404" in capsys.readouterr().err
+    assert httpx.get(url + "/health").json()["status"] == "ok"  # the gateway serves on
+
+
 # -- a swarm failure mid-stream (LAST in this file: it kills a peer of the module's swarm) ----------------
 
 

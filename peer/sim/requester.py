@@ -29,6 +29,7 @@ from ..errors import NoRoute, PeerError
 from ..gossip import Gossip, Pinger
 from ..memory_transport import MemoryTransport
 from ..recovery import ResilientSession
+from ..requester_policy import RequesterPolicy
 from ..route_state import RequesterContext
 from ..routing import Route, route
 from ..view import PeerInfo
@@ -67,6 +68,7 @@ class SimRequester:
             num_layers=world.spec.num_layers, hidden_size=world.spec.hidden_size, tracer=self.tracer,
         )
         self.banned: dict[str, float] = SimBans()
+        self.policy = RequesterPolicy()  # as Swarm.policy: a simulated requester trusts every peer
         self._memo_view = None
         self._memo: dict[tuple, Route] = {}
         self._hidden: dict[int, torch.Tensor] = {}
@@ -82,18 +84,19 @@ class SimRequester:
         return self.banned.get(peer, -1.0) > trio.current_time()
 
     def plan(self, *, start: int = 0, end: int | None = None, source: str | None = None, sink: str | None = None,
-             exclude: Sequence[str] = (), groups: bool = True) -> Route:
+             exclude: Sequence[str] = (), groups: bool = True, policy: RequesterPolicy | None = None) -> Route:
         """As Swarm.plan: the cheapest chain over [start, end) from `source` to `sink` (default: this requester)."""
         banned = tuple(sorted(p for p in self.banned if self.is_banned(p)))
         snapshot = self.keeper.snapshot()
         if snapshot is not self._memo_view:
             self._memo_view, self._memo = snapshot, {}
+        policy = self.policy.narrowed(policy)
         key = (banned, tuple(sorted(exclude)), start, end, source, sink, groups,
-               tuple(sorted(self.pinger.rtt_ms.items())))
+               tuple(sorted(self.pinger.rtt_ms.items())), policy)
         chosen = self._memo.get(key)
         if chosen is None:
-            chosen = self._memo[key] = route(self.view(), start=start, end=end, source=source or self.peer_id,
-                                             sink=sink or self.peer_id, exclude=frozenset(banned) | frozenset(exclude),
+            chosen = self._memo[key] = route(policy.apply(self.view(), keep=(self.peer_id,)), start=start, end=end,
+                                             source=source or self.peer_id, sink=sink or self.peer_id, exclude=frozenset(banned) | frozenset(exclude),
                                              groups=groups)
         return chosen
 
