@@ -24,6 +24,7 @@ from libp2p.peer.id import ID
 from protocol.crypto import verify_record
 from protocol.errors import WireError
 from protocol.records import MAX_GOSSIP_RECORDS, GossipPush, Heartbeat, PeerRecord, SignedRecord
+from stages.quant import base_model_id
 
 from .errors import PeerError
 from .transport import GOSSIP_PROTOCOL, PING_PROTOCOL, Channel, Stream, Transport
@@ -81,11 +82,15 @@ class ViewKeeper:
 
     `merge` is the only way in: every record is verified; records of other models
     are dropped (peers chain only on the identical model); for each peer the
-    highest `seq` wins.
+    highest `seq` wins. A model id carries the span's quantization (`+int8`, ...;
+    stages/quant.py `model_tag`); `accept_mixed` keeps every quantization of the same
+    model (a requester that accepts mixed precision).
     """
 
-    def __init__(self, *, model_id: str, num_layers: int, clock: Callable[[], float]) -> None:
+    def __init__(self, *, model_id: str, num_layers: int, clock: Callable[[], float],
+                 accept_mixed: bool = False) -> None:
         self.model_id = model_id
+        self.accept_mixed = accept_mixed
         self.num_layers = num_layers
         self.clock = clock
         self.known: dict[str, Known] = {}
@@ -103,7 +108,7 @@ class ViewKeeper:
                 self.rejected += 1
                 log.debug("ignored advertisement: %s", bad)
                 continue
-            if record.model_id != self.model_id:
+            if not self.accepts(record.model_id):
                 continue
             pid = peer_id_str(record.peer_id)
             old = self.known.get(pid)
@@ -115,6 +120,11 @@ class ViewKeeper:
             self.changed.set()
             self.changed = trio.Event()
         return updated
+
+    def accepts(self, model_id: str) -> bool:
+        if self.accept_mixed:
+            return base_model_id(model_id) == base_model_id(self.model_id)
+        return model_id == self.model_id
 
     def forget(self, peer_id: str) -> None:
         self.known.pop(peer_id, None)

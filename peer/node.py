@@ -30,6 +30,7 @@ from protocol.keys import Identity
 from protocol.records import Neighbour, PeerRecord, SignedRecord
 from stages import registry
 from stages.generate import pick_device, pick_dtype
+from stages.quant import model_tag
 from stages.spec import ModelSpec
 from stages.speed import measure_layer_throughput
 from stages.sharded import ShardedStage
@@ -63,9 +64,11 @@ class PeerNode:
         self.out = out or (lambda line: (print(line), sys.stdout.flush()))
         self.folder = registry.resolve(config.model)
         self.spec = ModelSpec.from_file(self.folder / "config.json")
-        self.model_id = registry.model_id(self.folder)
+        self.quant = config.quant
+        # the advertised id carries the quantization: requesters chain only what they accept
+        self.model_id = model_tag(registry.model_id(self.folder), self.quant)
         self.device = pick_device(config.device)
-        self.dtype = pick_dtype(config.dtype, self.device)
+        self.dtype = pick_dtype(config.dtype, self.device, self.quant)
         config.data_dir.mkdir(parents=True, exist_ok=True)
         self.identity = Identity.from_seed(load_or_create_key(config.data_dir / "identity.key"))
         self.store = PeerStore(config.data_dir / "tessera.db")
@@ -218,11 +221,11 @@ class PeerNode:
 
     @property
     def capacity(self) -> int:
-        return capacity_in_layers(self.spec, self.memory_bytes, self.itemsize)
+        return capacity_in_layers(self.spec, self.memory_bytes, self.itemsize, self.quant)
 
     async def _claim_and_load(self) -> None:
         self.throughput = await trio.to_thread.run_sync(
-            lambda: measure_layer_throughput(self.spec, device=self.device, dtype=self.dtype)
+            lambda: measure_layer_throughput(self.spec, device=self.device, dtype=self.dtype, quant=self.quant)
         )
         if self.config.layers is not None:
             start, end = self.config.layers
@@ -244,7 +247,7 @@ class PeerNode:
             return await trio.to_thread.run_sync(lambda: ShardedStage.load(
                 self.folder, start=start, end=end, index=index, count=count, device=self.device, dtype=self.dtype))
         return await trio.to_thread.run_sync(
-            lambda: Stage.load(self.folder, start=start, end=end, device=self.device, dtype=self.dtype)
+            lambda: Stage.load(self.folder, start=start, end=end, device=self.device, dtype=self.dtype, quant=self.quant)
         )
 
     async def move_to(self, span: tuple[int, int], reason: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stages.quant import NO_QUANT, Quant, layer_bytes
 from stages.spec import ModelSpec
 
 from .emulated_link import LinkEmulation
@@ -41,6 +42,7 @@ class PeerConfig:
     threads: int | None = None
     device: str = "auto"
     dtype: str = "auto"
+    quant: Quant = NO_QUANT  # how the span's matrices are stored (stages/quant.py)
     swarm_key: bytes | None = None
     max_sessions: int = 16
     max_length: int = 4096
@@ -65,7 +67,8 @@ def parse_layers(text: str) -> tuple[int, int]:
     return a, b
 
 
-def capacity_in_layers(spec: ModelSpec, memory_bytes: int, itemsize: int) -> int:
-    """How many layers fit in the memory offered, keeping a share for KV caches."""
+def capacity_in_layers(spec: ModelSpec, memory_bytes: int, itemsize: int, quant: Quant = NO_QUANT) -> int:
+    """How many layers fit in the memory offered, keeping a share for KV caches
+    (a quantized layer counts its integers and scales: stages/quant.py `layer_bytes`)."""
     usable = memory_bytes * (1 - KV_RESERVE_FRACTION)
-    return max(1, min(spec.num_layers, int(usable // spec.layer_bytes(itemsize))))
+    return max(1, min(spec.num_layers, int(usable // layer_bytes(spec, itemsize, quant))))

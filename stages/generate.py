@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from .errors import ContextOverflow
+from .quant import NO_QUANT, Quant
 from .sampling import Sampler, SamplingParams
 from .stage import Stage
 from .tokenizer import TextStream, Tokenizer
@@ -32,10 +33,13 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """float32 on CPU (the fast CPU dtype without native bf16, and the reference); bf16 on accelerators."""
+def pick_dtype(name: str, device: torch.device, quant: Quant = NO_QUANT) -> torch.dtype:
+    """float32 on CPU (the fast CPU dtype without native bf16, and the reference); bf16 on accelerators.
+
+    A quantized span on a CPU computes in bf16 too: torch's int8/int4 CPU kernels have their
+    fast path for bf16 activations and a slow generic one for float32 (stages/quant.py)."""
     if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        return torch.float32 if device.type == "cpu" and not quant.active else torch.bfloat16
     return DTYPES[name]
 
 
@@ -80,9 +84,10 @@ class GenerationResult:
 class LocalEngine:
     """The whole model on this machine."""
 
-    def __init__(self, folder: Path, *, device: str = "auto", dtype: str = "auto") -> None:
+    def __init__(self, folder: Path, *, device: str = "auto", dtype: str = "auto", quant: Quant = NO_QUANT) -> None:
         dev = pick_device(device)
-        self.stage = Stage.load(folder, embed=True, head=True, device=dev, dtype=pick_dtype(dtype, dev))
+        self.stage = Stage.load(folder, embed=True, head=True, device=dev, dtype=pick_dtype(dtype, dev, quant),
+                                quant=quant)
         self.tokenizer = Tokenizer.from_folder(folder)
         self.spec = self.stage.spec
         self._sessions = 0

@@ -99,7 +99,7 @@ def preview_memory(node: PeerNode, gb: float) -> dict[str, Any]:
     """
     if not (isinstance(gb, (int, float)) and math.isfinite(gb) and gb > 0):
         raise ValueError(f"memory offered must be a positive number of GB, got {gb!r}")
-    capacity = capacity_in_layers(node.spec, int(gb * (1 << 30)), node.itemsize)
+    capacity = capacity_in_layers(node.spec, int(gb * (1 << 30)), node.itemsize, node.quant)
     current = tuple(node.span) if node.span else None
     if node.config.layers is not None or node.state != SERVING or node.transport is None:
         span = current  # set_memory_offered only re-advertises: a forced span never moves
