@@ -29,6 +29,8 @@ the device uses.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from dataclasses import dataclass
 
 import torch
@@ -281,7 +283,25 @@ def quantize_block(weights: WeightFolder, layer: int, quant: Quant, *, dtype: to
     norms = weights.read({prefix + hf: shapes[prefix + hf] for hf in BLOCK_NORMS.values()}, dtype)
     block.load_state_dict({ours: norms[prefix + hf].to(device) for ours, hf in BLOCK_NORMS.items()},
                           assign=True, strict=False)
+    release_freed_memory()
     return block.requires_grad_(False)
+
+
+def _libc_trim():  # glibc's malloc_trim, or None on another C library
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    return trim
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def release_freed_memory() -> None:
+    """Hand the float temporaries of quantization back to the OS. glibc raises its mmap threshold
+    after large frees, so matrix-sized temporaries land in its heap and stay resident once freed
+    (measured: +1.3x to +4x the quantized span's bytes in RSS); malloc_trim returns them."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def dense_block(block: Block, spec: ModelSpec) -> Block:
