@@ -86,8 +86,13 @@ class LocalEngine:
 
     def __init__(self, folder: Path, *, device: str = "auto", dtype: str = "auto", quant: Quant = NO_QUANT) -> None:
         dev = pick_device(device)
-        self.stage = Stage.load(folder, embed=True, head=True, device=dev, dtype=pick_dtype(dtype, dev, quant),
-                                quant=quant)
+        if quant.active:
+            # as through a swarm: the quantized layers here, the embedding and head in float32 as a
+            # requester holds them, so that `--local --quant` is the swarm's answer token for token
+            self.stage = Stage.load(folder, device=dev, dtype=pick_dtype(dtype, dev, quant), quant=quant)
+            self.head = Stage.load(folder, start=0, end=0, embed=True, head=True)
+        else:
+            self.stage = self.head = Stage.load(folder, embed=True, head=True, device=dev, dtype=pick_dtype(dtype, dev))
         self.tokenizer = Tokenizer.from_folder(folder)
         self.spec = self.stage.spec
         self._sessions = 0
@@ -107,7 +112,7 @@ class LocalEngine:
         session = ("local", self._sessions)
         self.stage.open(session, capacity=len(ids) + budget)
         try:
-            logits = self.stage.logits(self.stage.forward(session, self.stage.embed(ids), 0)[-1:])
+            logits = self.head.logits(self.stage.forward(session, self.head.embed(ids), 0)[-1:])
             out: list[int] = []
             while True:
                 token = sampler.sample(logits[-1])
@@ -116,8 +121,8 @@ class LocalEngine:
                     on_token(token)
                 if token in self.spec.eos_token_ids or len(out) >= budget:
                     return out
-                hidden = self.stage.forward(session, self.stage.embed([token]), len(ids) + len(out) - 1)
-                logits = self.stage.logits(hidden)
+                hidden = self.stage.forward(session, self.head.embed([token]), len(ids) + len(out) - 1)
+                logits = self.head.logits(hidden)
         finally:
             self.stage.close(session)
 
