@@ -27,8 +27,18 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--raw", action="store_true", help="plain continuation, no chat template")
 
 
+def device_arg(text: str) -> str:
+    """auto, cpu, mps, cuda or cuda:N (one card of several)."""
+    kind, colon, index = text.partition(":")
+    if kind not in ("auto", "cpu", "cuda", "mps") or (colon and (kind != "cuda" or not index.isdigit())):
+        raise argparse.ArgumentTypeError(f"--device wants auto, cpu, cuda, cuda:N or mps, got {text!r}")
+    return text
+
+
 def add_compute_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "mps"))
+    p.add_argument("--device", default="auto", type=device_arg, metavar="{auto,cpu,cuda,cuda:N,mps}",
+                   help="where to compute (default auto: CUDA, then MPS, then CPU); on CUDA the memory "
+                   "offered defaults to the card's free memory less a reserve, and the dtype to bfloat16")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--quant", default="none", choices=QUANT_KINDS,

@@ -67,6 +67,8 @@ def info_from_record(record: PeerRecord) -> PeerInfo:
         shard_index=record.shard_index,
         shard_count=record.shard_count,
         shard_group=record.shard_group,
+        device=record.device,
+        device_free=record.device_free,
     )
 
 

@@ -30,6 +30,7 @@ from protocol.keys import Identity
 from protocol.records import Neighbour, PeerRecord, SignedRecord
 from stages import registry
 from stages.generate import pick_device, pick_dtype
+from stages.devices import cuda_offer, cuda_reserve, read_device_memory
 from stages.quant import model_tag
 from stages.spec import ModelSpec
 from stages.speed import measure_layer_throughput
@@ -86,12 +87,25 @@ class PeerNode:
         self.ready = trio.Event()
         self.tracer: TraceWriter | None = None
         self.nat: NatService | None = None
+        self._vram_offer: int | None = None
 
     @property
     def memory_bytes(self) -> int:
+        """Bytes offered: --memory; on CUDA the card's free memory less a reserve (read once, before
+        anything is loaded: afterwards our own weights would count as taken); else half the free RAM."""
         if self.config.memory_gb is not None:
             return int(self.config.memory_gb * (1 << 30))
+        if self.device.type == "cuda":
+            if self._vram_offer is None:
+                card = read_device_memory(self.device)
+                self._vram_offer = cuda_offer(card.free, card.total, cuda_reserve(card.total))
+            return self._vram_offer
         return int(psutil.virtual_memory().available * DEFAULT_MEMORY_FRACTION)
+
+    def device_memory(self) -> dict | None:
+        """Free and total memory of a CUDA device (for the record and the TUI); None elsewhere."""
+        card = read_device_memory(self.device)
+        return {"free": card.free, "total": card.total} if card.kind == "cuda" else None
 
     @property
     def itemsize(self) -> int:
@@ -117,6 +131,7 @@ class PeerNode:
             neighbours=tuple(Neighbour(_peer_bytes(p), rtt) for p, rtt in sorted(self.pinger.rtt_ms.items())[:64]),
             issued_at=now, expires_at=now + self.config.record_ttl, seq=self.seq,
             dtype=str(self.dtype).removeprefix("torch."),
+            device=self.device.type, device_free=(self.device_memory() or {}).get("free", 0),
         )
         self._own = sign_record(self.identity, record)
         return self._own
@@ -375,6 +390,8 @@ class PeerNode:
             "memory_offered": self.memory_bytes,
             "memory_used": self.stage.weight_bytes if self.stage else 0,
             "device": str(self.device),
+            "vram": self.device_memory(),
+            "quant": self.quant.tag,
             "uptime": time.time() - self.started,
             "sessions": len(server.sessions) if server else 0,
             "stats": vars(server.stats) if server else {},
