@@ -247,11 +247,6 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
     return ((codes - 8) * scales + zeros).reshape(rows, groups * g)
 
 
-def quantized_bytes(module: nn.Module) -> int:
-    """Bytes of a module's parameters and buffers (what a quantized block occupies)."""
-    return sum(t.nbytes for t in module.parameters()) + sum(t.nbytes for t in module.buffers())
-
-
 # The block's four matrices: engine name -> the Hugging Face projections stacked into it, in order.
 BLOCK_LINEARS = {
     "attn.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
