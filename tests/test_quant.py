@@ -253,3 +253,20 @@ def test_quantized_span_resident_memory(smol_dir, scheme):  # layers [0, 15) of 
           f"{kv / 2**20:.1f} MiB of KV cache; peak +{peak / 2**20:.1f} MiB (float32 span {float_span / 2**20:.0f} MiB)")
     assert grown <= 1.15 * (weights + kv)
     assert peak <= weights + kv + FLOAT_TEMPORARIES
+
+
+def test_command_line_quant_options():
+    from peer.cli import build_parser
+    from peer.cli_peer import config_from
+    from peer.errors import ConfigError
+
+    parser = build_parser()
+    args = parser.parse_args(["peer", "--quant", "int4", "--quant-group", "64"])
+    assert config_from(args).quant == Quant("int4", 64)
+    assert config_from(parser.parse_args(["peer"])).quant == NO_QUANT
+    sharded = parser.parse_args(["peer", "--quant", "int8", "--layers", "0:10", "--shard", "0/3", "--group", "g"])
+    with pytest.raises(ConfigError, match="--quant int8"):
+        config_from(sharded)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "x", "--local", "--quant", "int3"])
+    assert parser.parse_args(["generate", "x", "--join", "a", "--accept-mixed"]).accept_mixed
