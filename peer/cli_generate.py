@@ -10,6 +10,7 @@ import torch
 
 from stages import registry
 from stages.errors import StageError
+from stages.quant import DEFAULT_INT4_GROUP, INT4_GROUP_SIZES, QUANT_KINDS, Quant
 from stages.sampling import SamplingParams
 
 
@@ -26,10 +27,29 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--raw", action="store_true", help="plain continuation, no chat template")
 
 
+def device_arg(text: str) -> str:
+    """auto, cpu, mps, cuda or cuda:N (one card of several)."""
+    kind, colon, index = text.partition(":")
+    if kind not in ("auto", "cpu", "cuda", "mps") or (colon and (kind != "cuda" or not index.isdigit())):
+        raise argparse.ArgumentTypeError(f"--device wants auto, cpu, cuda, cuda:N or mps, got {text!r}")
+    return text
+
+
 def add_compute_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda", "mps"))
+    p.add_argument("--device", default="auto", type=device_arg, metavar="{auto,cpu,cuda,cuda:N,mps}",
+                   help="where to compute (default auto: CUDA, then MPS, then CPU); on CUDA the memory "
+                   "offered defaults to the card's free memory less a reserve, and the dtype to bfloat16")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--quant", default="none", choices=QUANT_KINDS,
+                   help="store the layers' matrices as int8 (per output channel) or int4 (group-wise); "
+                   "quantized spans compute in bfloat16 unless --dtype says otherwise")
+    p.add_argument("--quant-group", type=int, default=DEFAULT_INT4_GROUP, choices=INT4_GROUP_SIZES,
+                   help=f"inputs per int4 scale (default {DEFAULT_INT4_GROUP})")
+
+
+def quant_from(args: argparse.Namespace) -> Quant:
+    return Quant(args.quant, args.quant_group)
 
 
 def add_policy_options(p: argparse.ArgumentParser) -> None:
@@ -84,6 +104,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--emulate-link", default=None, metavar="SPEC",
                    help='TESTS AND BENCHMARKS ONLY: delay/pace every frame sent, e.g. "delay=40ms"')
     p.add_argument("--model", default="smollm2-135m", help="registered name or folder (default smollm2-135m)")
+    p.add_argument("--accept-mixed", action="store_true",
+                   help="through a swarm: chain peers of any quantization (default: only peers of --quant)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--route-wait", type=float, default=30.0, metavar="S",
                    help="how long to wait for the (allowed) peers to cover every layer (default 30)")
@@ -112,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     from stages.generate import LocalEngine
 
     apply_threads(args.threads)
-    engine = LocalEngine(registry.resolve(args.model), device=args.device, dtype=args.dtype)
+    engine = LocalEngine(registry.resolve(args.model), device=args.device, dtype=args.dtype, quant=quant_from(args))
     on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = engine.generate(
         args.prompt, raw=args.raw, max_new_tokens=args.max_tokens, sampling=sampling, on_text=on_text

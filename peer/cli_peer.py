@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from .cli_config import add_config_options
-from .cli_generate import add_compute_options
+from .cli_generate import add_compute_options, quant_from
 from .emulated_link import LinkEmulation
 from .errors import ConfigError
 from .join import JOIN_TIMEOUT
@@ -122,6 +122,8 @@ def config_from(args: argparse.Namespace) -> PeerConfig:
     name = args.name or "peer"
     if (args.shard is None) != (not args.group) or (args.shard is not None and args.layers is None):
         raise ConfigError("a tensor-shard rank needs all of --layers A:B, --shard I/N and --group NAME")
+    if args.shard is not None and args.quant != "none":
+        raise ConfigError(f"--quant {args.quant} is for whole spans; a tensor-shard rank serves unquantized slices")
     data_dir = args.data_dir or Path.home() / ".local" / "share" / "tessera" / name
     try:
         budget = BatchBudget(args.batch_rows, args.batch_wait_ms / 1000)
@@ -132,7 +134,7 @@ def config_from(args: argparse.Namespace) -> PeerConfig:
     return PeerConfig(
         model=args.model, join=args.join, listen=args.listen or ["/ip4/127.0.0.1/tcp/0"],
         memory_gb=args.memory, layers=args.layers, data_dir=data_dir, name=args.name,
-        threads=args.threads, device=args.device, dtype=args.dtype,
+        threads=args.threads, device=args.device, dtype=args.dtype, quant=quant_from(args),
         swarm_key=read_swarm_key(args.swarm_key), max_sessions=args.max_sessions,
         batch_rows=budget.max_rows, batch_wait=budget.max_wait,
         join_timeout=args.join_timeout, allow_alone=args.allow_alone,

@@ -13,7 +13,7 @@ from stages.generate import GenerationResult, prompt_ids
 from stages.sampling import SamplingParams
 from stages.tokenizer import TextStream
 
-from .cli_generate import apply_threads
+from .cli_generate import apply_threads, quant_from
 from .cli_peer import read_swarm_key
 from stages.sampling import Sampler
 from stages.speculative import AdaptiveK, ModelDrafter, NgramDrafter
@@ -42,7 +42,8 @@ def speculation_from(spec: str, k: int, pipeline: bool, swarm: Swarm, sampling: 
 async def generate_through_swarm(args: argparse.Namespace, sampling: SamplingParams) -> GenerationResult:
     emulation = LinkEmulation.parse(args.emulate_link) if args.emulate_link else None
     async with Swarm.join(args.join, model=args.model, swarm_key=read_swarm_key(args.swarm_key),
-                          emulate_link=emulation, policy=args.policy) as swarm:
+                          emulate_link=emulation, policy=args.policy, quant=quant_from(args),
+                          accept_mixed=args.accept_mixed) as swarm:
         ids = prompt_ids(swarm.tokenizer, args.prompt, raw=args.raw)
         speculation = speculation_from(args.speculate, args.draft_k, not args.no_pipeline, swarm, sampling,
                                        len(ids) + args.max_tokens + 64)

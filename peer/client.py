@@ -26,6 +26,7 @@ from protocol.keys import Identity
 from stages import registry
 from stages.generate import GenerationResult, plan_length, prompt_ids
 from stages.constrained import ConstrainedSampler, JsonConstraint
+from stages.quant import NO_QUANT, Quant, model_tag
 from stages.sampling import Sampler, SamplingParams
 from stages.stage import Stage
 from stages.tokenizer import TextStream, Tokenizer
@@ -74,6 +75,8 @@ class Swarm:
         tracer: Tracer | None = None,
         clock=time.time,
         policy: RequesterPolicy | None = None,
+        quant: Quant = NO_QUANT,
+        accept_mixed: bool = False,
     ) -> None:
         self.folder = folder
         # who may compute this requester's answers (peer/requester_policy.py); a revocation adds to `deny`
@@ -81,9 +84,11 @@ class Swarm:
         self.head = Stage.load(folder, start=0, end=0, embed=True, head=True)
         self.spec = self.head.spec
         self.tokenizer = Tokenizer.from_folder(folder)
-        self.model_id = registry.model_id(folder)
+        # the peers it chains: those of its quantization (their advertised model id says it), or any
+        self.model_id = model_tag(registry.model_id(folder), quant)
         self.transport = transport
-        self.keeper = ViewKeeper(model_id=self.model_id, num_layers=self.spec.num_layers, clock=clock)
+        self.keeper = ViewKeeper(model_id=self.model_id, num_layers=self.spec.num_layers, clock=clock,
+                                 accept_mixed=accept_mixed)
         self.gossip = Gossip(transport, self.keeper)
         self.pinger = Pinger(transport)
         self.ctx = RequesterContext(
@@ -107,10 +112,14 @@ class Swarm:
         listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
         emulate_link: LinkEmulation | None = None,
         policy: RequesterPolicy | None = None,
+        quant: Quant = NO_QUANT,
+        accept_mixed: bool = False,
     ) -> AsyncIterator["Swarm"]:
         """Join the swarm reachable at `addrs` as a requester (serving nothing).
 
         `policy` says which peers may compute its answers (every answer; a request may narrow it).
+        `quant`: route only through peers serving that quantization (default: unquantized);
+        `accept_mixed`: through peers of any quantization of the model.
 
         `emulate_link` (benchmarks only) delays and paces every frame the requester sends.
         """
@@ -121,7 +130,8 @@ class Swarm:
         ) as real_transport, emulate(real_transport, emulate_link) as transport:
             async with trio.open_nursery() as nursery:
                 swarm = await trio.to_thread.run_sync(
-                    lambda: Swarm(transport, nursery, folder=folder, identity=identity, tracer=tracer, policy=policy)
+                    lambda: Swarm(transport, nursery, folder=folder, identity=identity, tracer=tracer, policy=policy,
+                                  quant=quant, accept_mixed=accept_mixed)
                 )
                 await swarm.connect(addrs)
                 nursery.start_soon(swarm._refresh_forever)

@@ -24,6 +24,7 @@ from libp2p.peer.id import ID
 from protocol.crypto import verify_record
 from protocol.errors import WireError
 from protocol.records import MAX_GOSSIP_RECORDS, GossipPush, Heartbeat, PeerRecord, SignedRecord
+from stages.quant import base_model_id
 
 from .errors import PeerError
 from .transport import GOSSIP_PROTOCOL, PING_PROTOCOL, Channel, Stream, Transport
@@ -67,6 +68,8 @@ def info_from_record(record: PeerRecord) -> PeerInfo:
         shard_index=record.shard_index,
         shard_count=record.shard_count,
         shard_group=record.shard_group,
+        device=record.device,
+        device_free=record.device_free,
     )
 
 
@@ -82,11 +85,15 @@ class ViewKeeper:
 
     `merge` is the only way in: every record is verified; records of other models
     are dropped (peers chain only on the identical model); for each peer the
-    highest `seq` wins.
+    highest `seq` wins. A model id carries the span's quantization (`+int8`, ...;
+    stages/quant.py `model_tag`); `accept_mixed` keeps every quantization of the same
+    model (a requester that accepts mixed precision).
     """
 
-    def __init__(self, *, model_id: str, num_layers: int, clock: Callable[[], float]) -> None:
+    def __init__(self, *, model_id: str, num_layers: int, clock: Callable[[], float],
+                 accept_mixed: bool = False) -> None:
         self.model_id = model_id
+        self.accept_mixed = accept_mixed
         self.num_layers = num_layers
         self.clock = clock
         self.known: dict[str, Known] = {}
@@ -107,7 +114,7 @@ class ViewKeeper:
                 log.debug("ignored advertisement: %s", bad)
                 continue
             pid = peer_id_str(record.peer_id)
-            if record.model_id != self.model_id:
+            if not self.accepts(record.model_id):
                 if len(self.foreign_models) < MAX_FOREIGN_MODELS:  # kept only to tell a joiner why (peer/join.py)
                     self.foreign_models[pid] = record.model_id
                 continue
@@ -120,6 +127,11 @@ class ViewKeeper:
             self.changed.set()
             self.changed = trio.Event()
         return updated
+
+    def accepts(self, model_id: str) -> bool:
+        if self.accept_mixed:
+            return base_model_id(model_id) == base_model_id(self.model_id)
+        return model_id == self.model_id
 
     def forget(self, peer_id: str) -> None:
         self.known.pop(peer_id, None)

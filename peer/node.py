@@ -30,6 +30,8 @@ from protocol.keys import Identity
 from protocol.records import Neighbour, PeerRecord, SignedRecord
 from stages import registry
 from stages.generate import pick_device, pick_dtype
+from stages.devices import cuda_offer, cuda_reserve, read_device_memory
+from stages.quant import model_tag
 from stages.spec import ModelSpec
 from stages.speed import measure_layer_throughput
 from stages.sharded import ShardedStage
@@ -64,12 +66,14 @@ class PeerNode:
         self.out = out or (lambda line: (print(line), sys.stdout.flush()))
         self.folder = registry.resolve(config.model)
         self.spec = ModelSpec.from_file(self.folder / "config.json")
-        self.model_id = registry.model_id(self.folder)
+        self.quant = config.quant
+        # the advertised id carries the quantization: requesters chain only what they accept
+        self.model_id = model_tag(registry.model_id(self.folder), self.quant)
         self.device = pick_device(config.device)
-        self.dtype = pick_dtype(config.dtype, self.device)
+        self.dtype = pick_dtype(config.dtype, self.device, self.quant)
         if config.memory_gb is not None:  # refused before anything starts (raises ConfigError)
             check_memory_offer(self.spec, config.memory_gb, self.itemsize, str(self.dtype).removeprefix("torch."),
-                               layers=config.layers)
+                               layers=config.layers, quant=self.quant)
         config.data_dir.mkdir(parents=True, exist_ok=True)
         self.identity = Identity.from_seed(load_or_create_key(config.data_dir / "identity.key"))
         self.store = PeerStore(config.data_dir / "tessera.db")
@@ -87,12 +91,25 @@ class PeerNode:
         self.ready = trio.Event()
         self.tracer: TraceWriter | None = None
         self.nat: NatService | None = None
+        self._vram_offer: int | None = None
 
     @property
     def memory_bytes(self) -> int:
+        """Bytes offered: --memory; on CUDA the card's free memory less a reserve (read once, before
+        anything is loaded: afterwards our own weights would count as taken); else half the free RAM."""
         if self.config.memory_gb is not None:
             return int(self.config.memory_gb * (1 << 30))
+        if self.device.type == "cuda":
+            if self._vram_offer is None:
+                card = read_device_memory(self.device)
+                self._vram_offer = cuda_offer(card.free, card.total, cuda_reserve(card.total))
+            return self._vram_offer
         return int(psutil.virtual_memory().available * DEFAULT_MEMORY_FRACTION)
+
+    def device_memory(self) -> dict | None:
+        """Free and total memory of a CUDA device (for the record and the TUI); None elsewhere."""
+        card = read_device_memory(self.device)
+        return {"free": card.free, "total": card.total} if card.kind == "cuda" else None
 
     @property
     def itemsize(self) -> int:
@@ -118,6 +135,7 @@ class PeerNode:
             neighbours=tuple(Neighbour(_peer_bytes(p), rtt) for p, rtt in sorted(self.pinger.rtt_ms.items())[:64]),
             issued_at=now, expires_at=now + self.config.record_ttl, seq=self.seq,
             dtype=str(self.dtype).removeprefix("torch."),
+            device=self.device.type, device_free=(self.device_memory() or {}).get("free", 0),
         )
         self._own = sign_record(self.identity, record)
         return self._own
@@ -236,11 +254,11 @@ class PeerNode:
 
     @property
     def capacity(self) -> int:
-        return capacity_in_layers(self.spec, self.memory_bytes, self.itemsize)
+        return capacity_in_layers(self.spec, self.memory_bytes, self.itemsize, self.quant)
 
     async def _claim_and_load(self) -> None:
         self.throughput = await trio.to_thread.run_sync(
-            lambda: measure_layer_throughput(self.spec, device=self.device, dtype=self.dtype)
+            lambda: measure_layer_throughput(self.spec, device=self.device, dtype=self.dtype, quant=self.quant)
         )
         if self.config.layers is not None:
             start, end = self.config.layers
@@ -262,7 +280,7 @@ class PeerNode:
             return await trio.to_thread.run_sync(lambda: ShardedStage.load(
                 self.folder, start=start, end=end, index=index, count=count, device=self.device, dtype=self.dtype))
         return await trio.to_thread.run_sync(
-            lambda: Stage.load(self.folder, start=start, end=end, device=self.device, dtype=self.dtype)
+            lambda: Stage.load(self.folder, start=start, end=end, device=self.device, dtype=self.dtype, quant=self.quant)
         )
 
     async def move_to(self, span: tuple[int, int], reason: str) -> None:
@@ -416,6 +434,8 @@ class PeerNode:
             "memory_offered": self.memory_bytes,
             "memory_used": self.stage.weight_bytes if self.stage else 0,
             "device": str(self.device),
+            "vram": self.device_memory(),
+            "quant": self.quant.tag,
             "uptime": time.time() - self.started,
             "sessions": len(server.sessions) if server else 0,
             "stats": vars(server.stats) if server else {},

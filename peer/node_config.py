@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stages.quant import NO_QUANT, Quant, layer_bytes
 from stages.spec import ModelSpec
 
 from .emulated_link import LinkEmulation
@@ -43,6 +44,7 @@ class PeerConfig:
     threads: int | None = None
     device: str = "auto"
     dtype: str = "auto"
+    quant: Quant = NO_QUANT  # how the span's matrices are stored (stages/quant.py)
     swarm_key: bytes | None = None
     max_sessions: int = 16
     max_length: int = 4096
@@ -71,18 +73,19 @@ def parse_layers(text: str) -> tuple[int, int]:
     return a, b
 
 
-def capacity_in_layers(spec: ModelSpec, memory_bytes: int, itemsize: int) -> int:
-    """How many layers fit in the memory offered, keeping a share for KV caches."""
+def capacity_in_layers(spec: ModelSpec, memory_bytes: int, itemsize: int, quant: Quant = NO_QUANT) -> int:
+    """How many layers fit in the memory offered, keeping a share for KV caches
+    (a quantized layer counts its integers and scales: stages/quant.py `layer_bytes`)."""
     usable = memory_bytes * (1 - KV_RESERVE_FRACTION)
-    return max(1, min(spec.num_layers, int(usable // spec.layer_bytes(itemsize))))
+    return max(1, min(spec.num_layers, int(usable // layer_bytes(spec, itemsize, quant))))
 
 
 def check_memory_offer(spec: ModelSpec, memory_gb: float, itemsize: int, dtype: str,
-                       *, layers: tuple[int, int] | None = None) -> None:
+                       *, layers: tuple[int, int] | None = None, quant: Quant = NO_QUANT) -> None:
     """Raise ConfigError when `memory_gb` cannot hold one layer (or the forced span) plus the
     KV share, saying how many GB it needs — before a peer loads weights that do not fit."""
     count = (layers[1] - layers[0]) if layers else 1
-    need = count * spec.layer_bytes(itemsize) / (1 - KV_RESERVE_FRACTION)
+    need = count * layer_bytes(spec, itemsize, quant) / (1 - KV_RESERVE_FRACTION)
     if not memory_gb > 0 or memory_gb * (1 << 30) < need:
         what = f"{count} layers" if layers else "one layer"
         raise ConfigError(

@@ -24,7 +24,9 @@ async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | N
     """Join briefly as an observer, collect the view, and return it as plain data."""
     folder = registry.resolve(model)
     spec = ModelSpec.from_file(folder / "config.json")
-    keeper = ViewKeeper(model_id=registry.model_id(folder), num_layers=spec.num_layers, clock=time.time)
+    # every quantization of the model (each peer's model id says which it serves)
+    keeper = ViewKeeper(model_id=registry.model_id(folder), num_layers=spec.num_layers, clock=time.time,
+                        accept_mixed=True)
     identity = Identity.generate()
     async with open_libp2p_transport(identity.seed, swarm_key=swarm_key) as transport:
         gossip = Gossip(transport, keeper)

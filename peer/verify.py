@@ -124,6 +124,10 @@ class SpotChecker:
     async def shadow_for(self, start: int, end: int, suspect: str, *, exclude: set[str] = frozenset()) -> Shadow | None:
         """A checker session over [start, end): a route avoiding the suspect, at its precision or better."""
         want = PRECISION.get(self.view_dtype(suspect), 1)
+        suspect_info = self.swarm.keeper.snapshot().get(suspect)
+        # a quantized span is checked only by peers holding the same integers (same model id):
+        # a float checker's honest difference from it is the quantization error, not roundoff
+        model = suspect_info.model_id if suspect_info else self.swarm.model_id
         for key, shadow in self.shadows.items():
             if key[:2] == (start, end) and shadow.checker not in exclude | {suspect}:
                 return shadow
@@ -135,6 +139,7 @@ class SpotChecker:
             if p.routable and p.shard_count == 1 and p.start <= start and end <= p.end
             and p.peer_id not in {suspect, *exclude, *banned} and PRECISION.get(p.dtype, 1) >= want
             and self.resilient.policy.admits(p.peer_id)  # a checker sees the activations too
+            and p.model_id == model
         ]
         if not candidates:
             return None

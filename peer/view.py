@@ -46,6 +46,8 @@ class PeerInfo:
     dtype:        the dtype it computes in (spot checks derive their tolerance from it).
     shard_index, shard_count: tensor-shard position inside a shard group (0, 1 = not sharded).
     shard_group:  the name of that group ("" when not sharded; see peer/shard_groups.py).
+    device:       the kind of device it computes on ("cpu", "cuda", "mps").
+    device_free:  bytes free on that device (CUDA's free VRAM; 0 when unknown).
     """
 
     peer_id: str
@@ -67,6 +69,8 @@ class PeerInfo:
     shard_index: int = 0
     shard_count: int = 1
     shard_group: str = ""
+    device: str = "cpu"
+    device_free: int = 0
 
     @property
     def span(self) -> tuple[int, int]:

@@ -75,6 +75,9 @@ class PeerRecord:
             not sharded); the peers advertising one name, span and shard_count form it.
         dtype: the dtype it computes in ("float32", "bfloat16", ...); spot checks
             derive their tolerance from it.
+        device: the kind of device it computes on: "cpu", "cuda" or "mps".
+        device_free: bytes free on that device when the record was made (CUDA's
+            free VRAM); 0 when the device does not say (CPU, MPS).
     """
 
     peer_id: bytes = wire(max_len=MAX_PEER_ID_SIZE)
@@ -97,6 +100,8 @@ class PeerRecord:
     seq: int = wire(max=INT64_MAX)
     dtype: str = wire(default="float32", max_len=16)
     shard_group: str = wire(default="", max_len=64)
+    device: str = wire(default="cpu", max_len=16)
+    device_free: int = wire(default=0, max=INT64_MAX)
 
     def __post_init__(self) -> None:
         if self.start >= self.end:

@@ -15,6 +15,7 @@ import torch
 
 from .constrained import ConstrainedSampler, JsonConstraint
 from .errors import ContextOverflow
+from .quant import NO_QUANT, Quant
 from .sampling import Sampler, SamplingParams
 from .stage import Stage
 from .tokenizer import TextStream, Tokenizer
@@ -33,10 +34,13 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """float32 on CPU (the fast CPU dtype without native bf16, and the reference); bf16 on accelerators."""
+def pick_dtype(name: str, device: torch.device, quant: Quant = NO_QUANT) -> torch.dtype:
+    """float32 on CPU (the fast CPU dtype without native bf16, and the reference); bf16 on accelerators.
+
+    A quantized span on a CPU computes in bf16 too: torch's int8/int4 CPU kernels have their
+    fast path for bf16 activations and a slow generic one for float32 (stages/quant.py)."""
     if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        return torch.float32 if device.type == "cpu" and not quant.active else torch.bfloat16
     return DTYPES[name]
 
 
@@ -81,9 +85,15 @@ class GenerationResult:
 class LocalEngine:
     """The whole model on this machine."""
 
-    def __init__(self, folder: Path, *, device: str = "auto", dtype: str = "auto") -> None:
+    def __init__(self, folder: Path, *, device: str = "auto", dtype: str = "auto", quant: Quant = NO_QUANT) -> None:
         dev = pick_device(device)
-        self.stage = Stage.load(folder, embed=True, head=True, device=dev, dtype=pick_dtype(dtype, dev))
+        if quant.active:
+            # as through a swarm: the quantized layers here, the embedding and head in float32 as a
+            # requester holds them, so that `--local --quant` is the swarm's answer token for token
+            self.stage = Stage.load(folder, device=dev, dtype=pick_dtype(dtype, dev, quant), quant=quant)
+            self.head = Stage.load(folder, start=0, end=0, embed=True, head=True)
+        else:
+            self.stage = self.head = Stage.load(folder, embed=True, head=True, device=dev, dtype=pick_dtype(dtype, dev))
         self.tokenizer = Tokenizer.from_folder(folder)
         self.spec = self.stage.spec
         self._sessions = 0
@@ -105,7 +115,7 @@ class LocalEngine:
         session = ("local", self._sessions)
         self.stage.open(session, capacity=len(ids) + budget)
         try:
-            logits = self.stage.logits(self.stage.forward(session, self.stage.embed(ids), 0)[-1:])
+            logits = self.head.logits(self.stage.forward(session, self.head.embed(ids), 0)[-1:])
             out: list[int] = []
             while True:
                 token = sampler.sample(logits[-1])
@@ -114,8 +124,8 @@ class LocalEngine:
                     on_token(token)
                 if token in self.spec.eos_token_ids or len(out) >= budget:
                     return out
-                hidden = self.stage.forward(session, self.stage.embed([token]), len(ids) + len(out) - 1)
-                logits = self.stage.logits(hidden)
+                hidden = self.stage.forward(session, self.head.embed([token]), len(ids) + len(out) - 1)
+                logits = self.head.logits(hidden)
         finally:
             self.stage.close(session)
 

@@ -184,7 +184,10 @@ def attention_mask(start: int, n_tokens: int, window: int | None, device: torch.
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with one stacked q/k/v projection."""
+    """Grouped-query attention with one stacked q/k/v projection.
+
+    The projections are called as modules, so that a quantized span can hold
+    `stages.quant` linears in their place (same call, integer weights)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
@@ -201,7 +204,7 @@ class Attention(nn.Module):
         spec = self.spec
         t = x.shape[0]
         a, k, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        qkv = F.linear(x, self.wqkv.weight, self.wqkv.bias)  # [T, (A + 2K) D]
+        qkv = self.wqkv.forward(x)  # [T, (A + 2K) D]
         qk = apply_rope(qkv[:, : (a + k) * d].view(t, a + k, d), ctx.cos, ctx.sin)  # [T, A + K, D]
         v = qkv[:, (a + k) * d :].view(t, k, d)  # [T, K, D]
         if not ctx.segments:
@@ -213,7 +216,7 @@ class Attention(nn.Module):
                 self.attend(qk[s.lo : s.hi], v[s.lo : s.hi], s.start, s.mask, keys_s, values_s)
                 for s, keys_s, values_s in zip(ctx.segments, keys, values)
             ])
-        return F.linear(out, self.wo.weight)
+        return self.wo.forward(out)
 
     def attend(
         self, qk: torch.Tensor, v: torch.Tensor, start: int, mask: torch.Tensor | None,
@@ -267,8 +270,8 @@ class MLP(nn.Module):
         self.w_down = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.w_gate_up.weight).split(self.width, dim=-1)  # [T, I] each
-        return F.linear(F.silu(gate).mul_(up), self.w_down.weight)
+        gate, up = self.w_gate_up.forward(x).split(self.width, dim=-1)  # [T, I] each
+        return self.w_down.forward(F.silu(gate).mul_(up))
 
 
 class RMSNorm(nn.Module):

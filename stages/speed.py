@@ -13,6 +13,7 @@ import time
 import torch
 
 from .model import Block
+from .quant import BLOCK_LINEARS, NO_QUANT, Quant, quantize_linear
 from .spec import ModelSpec
 from .stage import Stage
 
@@ -25,16 +26,23 @@ def measure_layer_throughput(
     *,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    quant: Quant = NO_QUANT,
     seconds: float = 0.3,
     max_steps: int = 200,
 ) -> float:
-    """Decode tokens/s through one layer of `spec` on this machine (median of timed steps)."""
+    """Decode tokens/s through one layer of `spec` on this machine (median of timed steps),
+    its matrices stored as `quant`."""
     gen = torch.Generator().manual_seed(0)
     block = Block(spec)
     with torch.no_grad():
         for p in block.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     block = block.to(device=device, dtype=dtype).requires_grad_(False)
+    for path in BLOCK_LINEARS if quant.active else ():
+        owner, name = path.split(".")
+        dense = getattr(getattr(block, owner), name)
+        setattr(getattr(block, owner), name, quantize_linear(
+            dense.weight.cpu(), None if dense.bias is None else dense.bias.cpu(), quant, dtype=dtype, device=device))
     stage = Stage(spec, 0, [block], device=device, dtype=dtype)
     stage.open("speed", capacity=CONTEXT + WARMUP_STEPS + max_steps + 1)
     x = torch.randn(CONTEXT, spec.hidden_size, generator=gen).to(device=device, dtype=dtype)

@@ -23,6 +23,7 @@ from torch import nn
 
 from .errors import SpanError, StageError
 from .model import Block, Rotary, Segment, StepContext, attention_mask
+from .quant import NO_QUANT, Quant, quantize_block
 from .sessions import SessionState, SessionTable
 from .spec import ModelSpec
 from .weights import WeightFolder
@@ -46,6 +47,7 @@ class Stage(SessionTable):
         head: torch.Tensor | None = None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        quant: Quant = NO_QUANT,
     ) -> None:
         if not 0 <= start <= start + len(blocks) <= spec.num_layers:
             raise SpanError(f"span [{start}, {start + len(blocks)}) is outside [0, {spec.num_layers})")
@@ -58,6 +60,7 @@ class Stage(SessionTable):
         self.head = head
         self.device = torch.device(device)
         self.dtype = dtype
+        self.quant = quant  # how the blocks' matrices are stored (stages/quant.py)
         self.rotary = Rotary(spec, self.device)
         self.sessions: dict[Hashable, SessionState] = {}
 
@@ -73,11 +76,14 @@ class Stage(SessionTable):
         head: bool = False,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        quant: Quant = NO_QUANT,
     ) -> "Stage":
         """Load layers [start, end) (and the embedding / head if asked) — and nothing else.
 
         Blocks are built on the meta device and take the read tensors by assignment,
-        so no memory is spent on initial values. Raises ModelFormatError, SpanError.
+        so no memory is spent on initial values. With `quant`, each matrix is quantized
+        as it is read (the embedding and head stay in `dtype`). Raises ModelFormatError,
+        SpanError, QuantError.
         """
         weights = WeightFolder(folder)
         spec = weights.spec
@@ -86,6 +92,9 @@ class Stage(SessionTable):
             raise SpanError(f"span [{start}, {end}) is outside the model's [0, {spec.num_layers})")
         blocks = []
         for layer in range(start, end):
+            if quant.active:
+                blocks.append(quantize_block(weights, layer, quant, dtype=dtype, device=device))
+                continue
             with torch.device("meta"):
                 block = Block(spec)
             state = {k: v.to(device) for k, v in weights.block_state(layer, dtype).items()}
@@ -98,7 +107,8 @@ class Stage(SessionTable):
             if embedding is not None and spec.tie_embeddings:
                 head_weight = embedding  # one copy of a tied matrix
         return Stage(
-            spec, start, blocks, embedding=embedding, norm=norm, head=head_weight, device=device, dtype=dtype
+            spec, start, blocks, embedding=embedding, norm=norm, head=head_weight, device=device, dtype=dtype,
+            quant=quant,
         )
 
     # -- sessions (SessionTable) ---------------------------------------------------
@@ -218,6 +228,7 @@ class Stage(SessionTable):
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of weights held (a tied head and embedding count once)."""
+        """Bytes of weights held (a tied head and embedding count once; quantized matrices are buffers)."""
         extra = {id(t): t for t in (self.embedding, self.norm, self.head) if t is not None}
-        return sum(p.nbytes for p in self.blocks.parameters()) + sum(t.nbytes for t in extra.values())
+        blocks = sum(p.nbytes for p in self.blocks.parameters()) + sum(b.nbytes for b in self.blocks.buffers())
+        return blocks + sum(t.nbytes for t in extra.values())

@@ -72,7 +72,7 @@ def test_print_config_round_trips(tmp_path):
     ("max-sessions = 2.5\n", "bad value for 'max-sessions': wants an integer, got 2.5"),
     ("max-sessions = true\n", "bad value for 'max-sessions': wants an integer, got True"),
     ('tui = "yes"\n', "bad value for 'tui': wants true or false"),
-    ('device = "tpu"\n', "bad value for 'device': invalid choice: 'tpu'"),
+    ('device = "tpu"\n', "bad value for 'device': --device wants auto, cpu, cuda, cuda:N or mps, got 'tpu'"),
     ('layers = "a:b"\n', "bad value for 'layers'"),
     ("join = [1, 2]\n", "bad value for 'join': wants a list of strings"),
     ("[peer]\nmodel = 'x'\n", "line 1: unknown key 'peer'"),

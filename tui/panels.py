@@ -110,7 +110,7 @@ class PeerPanel(SnapshotPanel):
     """This peer: model, claimed span against all layers, memory, device and speed."""
 
     SHOWN = ("model", "model_id", "device", "span", "shard", "num_layers", "forced_layers", "memory_used",
-             "memory_offered", "throughput")
+             "memory_offered", "throughput", "vram", "quant")
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -127,7 +127,8 @@ class PeerPanel(SnapshotPanel):
         if shard.get("count", 1) > 1:
             forced += f", shard {shard['index'] + 1}/{shard['count']}"
         lines = [
-            Text.assemble(("model ", "bold"), f"{snap['model']} {snap['model_id'][:8]} on {snap['device']}"),
+            Text.assemble(("model ", "bold"), f"{snap['model']} {snap['model_id'][:8]} on {snap['device']}"
+                          + (f" ({snap['quant']})" if snap.get("quant", "none") != "none" else "")),
             Text.assemble(("layers ", "bold"), f"{fmt_span(span)} of {layers}{forced}"),
             span_bar(span, layers, width),
             Text.assemble(("memory ", "bold"),
@@ -135,6 +136,9 @@ class PeerPanel(SnapshotPanel):
             meter(snap["memory_used"], snap["memory_offered"], min(width, max(layers, 8))),
             Text.assemble(("speed ", "bold"), _speed(snap)),
         ]
+        vram = snap.get("vram")  # a CUDA device: its own memory, as the card reports it now
+        if vram:
+            lines.insert(5, Text.assemble(("VRAM ", "bold"), f"{fmt_gb(vram['free'])} free of {fmt_gb(vram['total'])}"))
         return _block(lines)
 
 

@@ -12,7 +12,8 @@ it says what is known so far.
 Keys (always present): ``phase`` ("starting", "serving", "stopped"), ``at``
 (monotonic seconds), the keys of `PeerNode.status()` (``peer_id``, ``name``,
 ``addrs``, ``model_id``, ``num_layers``, ``span``, ``state``, ``throughput``,
-``memory_offered``, ``memory_used``, ``device``, ``uptime``, ``sessions`` — a count —,
+``memory_offered``, ``memory_used``, ``device``, ``vram`` (a CUDA card's ``free`` and ``total``
+bytes, else None), ``quant`` (the span's quantization), ``uptime``, ``sessions`` — a count —,
 ``stats``, ``coverage``, ``neighbours``), and ``model``, ``gaps``, ``active`` (one
 dict per running session: ``id``, ``requester``, ``span``, ``steps``, ``tokens``,
 ``idle_s``), ``paused``, ``accepting``, ``reachability``, ``swarm`` (``peers``,
@@ -99,7 +100,7 @@ def preview_memory(node: PeerNode, gb: float) -> dict[str, Any]:
     """
     if not (isinstance(gb, (int, float)) and math.isfinite(gb) and gb > 0):
         raise ValueError(f"memory offered must be a positive number of GB, got {gb!r}")
-    capacity = capacity_in_layers(node.spec, int(gb * (1 << 30)), node.itemsize)
+    capacity = capacity_in_layers(node.spec, int(gb * (1 << 30)), node.itemsize, node.quant)
     current = tuple(node.span) if node.span else None
     if node.config.layers is not None or node.state != SERVING or node.transport is None:
         span = current  # set_memory_offered only re-advertises: a forced span never moves
@@ -126,6 +127,8 @@ def _starting_status(node: PeerNode) -> dict[str, Any]:
         "memory_offered": node.memory_bytes,
         "memory_used": node.stage.weight_bytes if node.stage else 0,
         "device": str(node.device),
+        "vram": node.device_memory(),
+        "quant": node.quant.tag,
         "uptime": time.time() - node.started,
         "sessions": 0,
         "stats": {},

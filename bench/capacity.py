@@ -1,0 +1,115 @@
+"""What quantized spans buy a volunteer: layers per memory budget, and decode speed.
+
+1. Capacity: decoder layers that fit in a fixed budget (the peer's rule: 75% of the offer
+   for weights, `peer/node_config.capacity_in_layers`, counting quantized bytes) for
+   float32, int8 and int4 (group 32), as a ratio to float32 — SmolLM2 and the synthetic
+   1B shape (hidden 2048, 24 layers, 16/8 heads, MLP 5632). Pure arithmetic.
+2. Decode: SmolLM2 greedy decode tok/s of the whole model, float32 vs int8 and int4 spans
+   (which compute in bfloat16 on a CPU: torch's kernels are fast there) and dense bfloat16
+   for context; rounds alternate so that machine noise hits all alike. For the 1B shape,
+   the per-layer decode speed a peer measures and advertises (stages/speed.py), each kind
+   vs float32.
+3. Concurrent sessions: see `concurrent_sessions` below (bench/batching.py's part).
+
+Prints the ratios last.
+
+    .venv/bin/python bench/capacity.py [--threads 1] [--tokens 32] [--rounds 3] [--budget-gb 2] [--no-1b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from peer.node_config import KV_RESERVE_FRACTION
+from stages import registry
+from stages.quant import NO_QUANT, Quant, layer_bytes
+from stages.spec import ModelSpec
+from stages.speed import measure_layer_throughput
+from stages.stage import Stage
+from stages.synth import synth_spec
+from stages.tokenizer import Tokenizer
+
+KINDS = [("float32", torch.float32, NO_QUANT), ("bfloat16", torch.bfloat16, NO_QUANT),
+         ("int8", torch.bfloat16, Quant("int8")), ("int4", torch.bfloat16, Quant("int4"))]
+SYNTH_1B = dict(hidden=2048, layers=24, heads=16, kv_heads=8, intermediate=5632)
+
+
+def layers_in_budget(spec: ModelSpec, budget: int, itemsize: int, quant: Quant) -> int:
+    """The peer's capacity rule without its cap at the model's depth (so ratios show)."""
+    return int(budget * (1 - KV_RESERVE_FRACTION) // layer_bytes(spec, itemsize, quant))
+
+
+def decode_rate(stage: Stage, head: Stage, ids: list[int], n: int) -> float:
+    stage.open("bench", capacity=len(ids) + n + 1)
+    token = int(head.logits(stage.forward("bench", head.embed(ids), 0)[-1:]).argmax())
+    pos = len(ids)
+    started = time.perf_counter()
+    for _ in range(n):
+        token = int(head.logits(stage.forward("bench", head.embed([token]), pos)).argmax())
+        pos += 1
+    elapsed = time.perf_counter() - started
+    stage.close("bench")
+    return n / elapsed
+
+
+def concurrent_sessions(args: argparse.Namespace) -> list[str]:
+    """PLACEHOLDER — aggregate decode tok/s of 1, 4 and 8 concurrent sessions on one peer
+    (ratios to 1). Written in bench/batching.py by the batched-serving work of issue 18;
+    call it from here once it lands. Returns the lines to print last."""
+    return ["concurrent sessions: not measured here (bench/batching.py)"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--budget-gb", type=float, default=2.0)
+    parser.add_argument("--no-1b", action="store_true", help="skip the synthetic 1B shape's per-layer speed")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    budget = int(args.budget_gb * (1 << 30))
+    folder = registry.resolve(args.model)
+    smol = ModelSpec.from_file(folder / "config.json")
+    shapes = {"smollm2": smol, "synth-1b": synth_spec(**SYNTH_1B)}
+    last: list[str] = []
+    for name, spec in shapes.items():
+        fits = {k: layers_in_budget(spec, budget, 4 if dt == torch.float32 else 2, q) for k, dt, q in KINDS}
+        print(f"{name}: layers in {args.budget_gb:g} GB: " + ", ".join(f"{k} {v}" for k, v in fits.items()))
+        last.append(f"{name} layers in budget vs float32: int8 {fits['int8'] / fits['float32']:.2f}x, "
+                    f"int4 {fits['int4'] / fits['float32']:.2f}x")
+
+    ids = Tokenizer.from_folder(folder).encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    head = Stage.load(folder, start=0, end=0, embed=True, head=True)  # float32, as a requester holds it
+    stages = {k: Stage.load(folder, dtype=dt, quant=q) for k, dt, q in KINDS}
+    for k, s in stages.items():
+        decode_rate(s, head, ids, 4)  # warm-up
+    rates: dict[str, list[float]] = {k: [] for k in stages}
+    for r in range(args.rounds):
+        for k, s in stages.items():
+            rates[k].append(decode_rate(s, head, ids, args.tokens))
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in rates.items()) + " tok/s")
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    last.append("smollm2 decode vs float32: " + ", ".join(f"{k} {med[k] / med['float32']:.2f}x" for k in med if k != "float32"))
+
+    if not args.no_1b:
+        spec = shapes["synth-1b"]
+        per_layer = {k: measure_layer_throughput(spec, dtype=dt, quant=q, seconds=1.0) for k, dt, q in KINDS}
+        print("synth-1b one layer: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in per_layer.items()))
+        last.append("synth-1b layer decode vs float32: "
+                    + ", ".join(f"{k} {per_layer[k] / per_layer['float32']:.2f}x" for k in per_layer if k != "float32"))
+
+    last += concurrent_sessions(args)
+    print(f"threads: {args.threads}, tokens per round: {args.tokens}, rounds: {args.rounds} "
+          f"(int8/int4 compute in bfloat16; int4 group {Quant('int4').group_size})")
+    for line in last:
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

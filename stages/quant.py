@@ -1,0 +1,315 @@
+"""Weight-only quantized linear layers: int8 per output channel, int4 group-wise.
+
+A quantized span keeps its norms (and q/k/v biases) in the stage's dtype and its four
+matrices per layer (wqkv, wo, w_gate_up, w_down) as integers plus scales; activations
+stay in the stage's dtype. The matmuls are torch's own kernels, as gpt-fast's
+quantize.py uses them:
+
+- int8: `q = round(w / s)` in [-127, 127] with one scale per output row,
+  `s = max|w_row| / 127`; `torch.ops.aten._weight_int8pack_mm(x, q, s)` on CPU (it wants
+  the scales in x's dtype). On CUDA torch has no such kernel: `F.linear(x, q.to(x.dtype)) * s`,
+  gpt-fast's own `WeightOnlyInt8Linear` form (a transient copy of one matrix per call).
+- int4: per group of G consecutive inputs of a row (G = 32 by default: it divides every
+  Llama width, 576 = 18 x 32 included, and is GGUF's Q4 block), asymmetric min/max:
+  `s = (max - min) / 15`, `q = round((w - min) / s)` in [0, 15], stored as torch expects,
+  `w ~ (q - 8) s + z` with `z = min + 8 s` (`scales_and_zeros` [K/G, N, 2]).
+  `_convert_weight_to_int4pack_for_cpu` / `_weight_int4pack_mm_for_cpu` on CPU (N % 16 == 0),
+  `_convert_weight_to_int4pack` / `_weight_int4pack_mm` on CUDA (bfloat16 activations,
+  K a multiple of 16 x inner k tiles).
+
+Speed on a CPU: those kernels are fast for bfloat16 activations (AVX512-BF16) and take a
+slow generic path for float32 ones, so a quantized span on a CPU computes in bfloat16
+unless --dtype float32 asks otherwise (stages/generate.py `pick_dtype`).
+
+The reference for a quantized span is its own dequantized float32 model: `dense_weight`
+reads back the very weights a kernel multiplies by (it runs the kernel on the identity
+matrix), so the reference is exactly what the integers and scales mean, whatever packing
+the device uses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import StageError
+from .model import Block
+from .spec import ModelSpec
+from .weights import WeightFolder, layer_tensor_names
+
+QUANT_KINDS = ("none", "int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128)
+DEFAULT_INT4_GROUP = 32  # divides 576 (SmolLM2's width; 64 does too, 128 does not) and matches GGUF's Q4 blocks
+INT8_MAX = 127
+INT4_LEVELS = 15  # codes 0..15; torch's int4 kernels subtract 8
+CPU_INT4_ROWS = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
+
+
+class QuantError(StageError):
+    """A quantization name, group size, or a matrix shape the chosen kernels cannot take."""
+
+
+@dataclass(frozen=True)
+class Quant:
+    """How a span's linear weights are stored.
+
+    kind:       "none" (the stage's dtype), "int8" (per output channel) or "int4" (group-wise).
+    group_size: inputs per int4 scale/zero (32, 64 or 128); ignored unless kind is "int4".
+    """
+
+    kind: str = "none"
+    group_size: int = DEFAULT_INT4_GROUP
+
+    def __post_init__(self) -> None:
+        if self.kind not in QUANT_KINDS:
+            raise QuantError(f"quantization {self.kind!r} is unknown, expected one of {QUANT_KINDS}")
+        if self.kind == "int4" and self.group_size not in INT4_GROUP_SIZES:
+            raise QuantError(f"int4 group size {self.group_size!r} is not one of {INT4_GROUP_SIZES}")
+
+    @property
+    def tag(self) -> str:
+        """The name a peer advertises (part of its model id): none, int8, int4g32 ..."""
+        return f"int4g{self.group_size}" if self.kind == "int4" else self.kind
+
+    @property
+    def active(self) -> bool:
+        return self.kind != "none"
+
+    @staticmethod
+    def parse(text: str, group_size: int | None = None) -> "Quant":
+        """'none' | 'int8' | 'int4' | 'int4g64' (an explicit `group_size` wins for plain 'int4')."""
+        if text.startswith("int4g") and text[5:].isdigit():
+            return Quant("int4", int(text[5:]))
+        return Quant(text, group_size or DEFAULT_INT4_GROUP)
+
+    def check_shape(self, rows: int, cols: int, device: torch.device) -> None:
+        """Raise QuantError if a [rows, cols] weight cannot be stored this way on `device`."""
+        if self.kind != "int4":
+            return
+        if cols % self.group_size:
+            raise QuantError(f"int4 group size {self.group_size} does not divide a weight's {cols} inputs")
+        if device.type == "cpu" and rows % CPU_INT4_ROWS:
+            raise QuantError(f"torch's CPU int4 kernel needs outputs in multiples of {CPU_INT4_ROWS}, a weight has {rows}")
+        if device.type != "cpu" and cols % (16 * inner_k_tiles(cols)):
+            raise QuantError(f"torch's int4 kernel cannot take {cols} inputs (a multiple of 32 is needed)")
+
+    def linear_bytes(self, rows: int, cols: int, itemsize: int) -> int:
+        """Bytes a [rows, cols] weight occupies stored this way (scales in the activations' dtype)."""
+        if self.kind == "int8":
+            return rows * cols + rows * itemsize
+        if self.kind == "int4":
+            return rows * cols // 2 + (cols // self.group_size) * rows * 2 * itemsize
+        return rows * cols * itemsize
+
+
+NO_QUANT = Quant()
+
+
+def linear_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
+    """[rows, cols] of one block's four matrices, as stages.model.Block stacks them."""
+    h, i = spec.hidden_size, spec.intermediate_size
+    return [(spec.q_size + 2 * spec.kv_size, h), (h, spec.q_size), (2 * i, h), (h, i)]
+
+
+def layer_bytes(spec: ModelSpec, itemsize: int, quant: Quant = NO_QUANT) -> int:
+    """Bytes of one decoder block stored with `quant` (what placement counts per layer)."""
+    matrices = sum(quant.linear_bytes(r, c, itemsize) for r, c in linear_shapes(spec))
+    dense = spec.layer_param_count() - sum(r * c for r, c in linear_shapes(spec))  # norms, biases
+    return matrices + dense * itemsize
+
+
+def model_tag(model_id: str, quant: Quant) -> str:
+    """The model id a peer advertises: the plain id unquantized, `<id>+int8` / `<id>+int4g32` otherwise,
+    so that only peers whose weights are the same integers and scales chain by default."""
+    return model_id if not quant.active else f"{model_id}+{quant.tag}"
+
+
+def base_model_id(tag: str) -> str:
+    """The model id without its quantization suffix (`model_tag` undone)."""
+    return tag.split("+", 1)[0]
+
+
+def inner_k_tiles(cols: int) -> int:
+    """torch's CUDA int4 packing parameter: the largest of 8, 4, 2 with cols % (16 x tiles) == 0."""
+    return next((t for t in (8, 4, 2) if cols % (16 * t) == 0), 2)
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T (+ b) with W = q * s[:, None]: q int8 [N, K], s [N] in the activations' dtype."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.register_buffer("weight", q)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matmul(x.reshape(-1, x.shape[-1]))  # [T, N]: the kernels take 2-D input
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [T, K] -> [T, N], without the bias."""
+        if rows.device.type == "cuda":  # no int8 weight-only kernel in torch for CUDA (gpt-fast's form)
+            return F.linear(rows, self.weight.to(rows.dtype)) * self.scales
+        return torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T (+ b) with W = (q - 8) s + z per group of `group_size` inputs, q packed by torch."""
+
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.group_size = group_size
+        self.register_buffer("weight", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)  # [K/G, N, 2]
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matmul(x.reshape(-1, x.shape[-1]))  # [T, N]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [T, K] -> [T, N], without the bias."""
+        if rows.device.type == "cpu":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, self.group_size, self.scales_and_zeros)
+        return torch.ops.aten._weight_int4pack_mm(rows, self.weight, self.group_size, self.scales_and_zeros)
+
+
+def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, quant: Quant, *,
+                    dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """A float weight [N, K] (any float dtype, on the CPU) -> a linear module stored as `quant` on `device`.
+
+    The scales are rounded to `dtype` first and the integers chosen against the rounded
+    scales, so that storing them in `dtype` loses nothing further. Raises QuantError.
+    """
+    device = torch.device(device)
+    rows, cols = weight.shape
+    quant.check_shape(rows, cols, device)
+    w = weight.float()
+    b = None if bias is None else bias.to(device=device, dtype=dtype)
+    if quant.kind == "none":
+        layer = nn.Linear(cols, rows, bias=bias is not None, device="meta")
+        layer.load_state_dict({"weight": w.to(device=device, dtype=dtype),
+                               **({"bias": b} if b is not None else {})}, assign=True)
+        return layer.requires_grad_(False)
+    if quant.kind == "int8":
+        peak = torch.linalg.vector_norm(w, ord=float("inf"), dim=1)  # max |w| per row [N]
+        scales = (peak / INT8_MAX).clamp(min=torch.finfo(torch.float32).tiny).to(dtype)
+        w = w.clone() if w is weight else w  # divided in place below; never the caller's tensor
+        q = w.div_(scales.float()[:, None]).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)  # [N, K]
+        return Int8Linear(q.to(device), scales.to(device), b)
+    g = quant.group_size
+    groups = w.reshape(rows, cols // g, g)  # [N, K/G, G]
+    low, high = torch.aminmax(groups, dim=-1)  # [N, K/G]
+    scales = ((high - low) / INT4_LEVELS).clamp(min=torch.finfo(torch.float32).tiny).to(dtype)
+    zeros = (low + 8 * scales.float()).to(dtype)  # so that code c means (c - 8) s + z
+    lowest = zeros.float() - 8 * scales.float()  # what code 0 means once rounded
+    codes = (groups - lowest[..., None]).div_(scales.float()[..., None]).round_().clamp_(0, INT4_LEVELS)
+    codes = codes.to(torch.int32).reshape(rows, cols)  # [N, K]
+    scales_and_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous()  # [K/G, N, 2]
+    if device.type == "cpu":
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+    else:
+        pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)  # [N, K/2], even input high
+        packed = torch.ops.aten._convert_weight_to_int4pack(pairs.to(device), inner_k_tiles(cols))
+    return Int4Linear(packed.to(device), scales_and_zeros.to(device), g, b)
+
+
+@torch.no_grad()
+def dense_weight(layer: nn.Module) -> torch.Tensor:
+    """The float32 weight [N, K] a linear module means: q s for int8, (q - 8) s + z for int4,
+    computed in float32 from the stored integers and scales (the reference model's weights).
+
+    int4 codes are read back out of torch's packed layout by the kernel itself: with every
+    scale 1 and zero 8 it returns each code exactly, for any packing the device uses."""
+    if isinstance(layer, nn.Linear):
+        return layer.weight.detach().float().cpu().clone()
+    if isinstance(layer, Int8Linear):
+        return layer.weight.float().cpu() * layer.scales.float().cpu()[:, None]
+    g, sz = layer.group_size, layer.scales_and_zeros  # [K/G, N, 2]
+    groups, rows = sz.shape[0], sz.shape[1]
+    unit = torch.empty_like(sz, dtype=torch.bfloat16)
+    unit[..., 0], unit[..., 1] = 1.0, 8.0  # code c -> (c - 8) * 1 + 8 = c, exact in bfloat16
+    eye = torch.eye(groups * g, dtype=torch.bfloat16, device=sz.device)
+    probe = Int4Linear(layer.weight, unit, g, None)
+    codes = probe.matmul(eye).float().T.cpu().reshape(rows, groups, g)  # [N, K/G, G]
+    scales, zeros = (sz[..., i].float().T.cpu()[..., None] for i in (0, 1))  # [N, K/G, 1]
+    return ((codes - 8) * scales + zeros).reshape(rows, groups * g)
+
+
+# The block's four matrices: engine name -> the Hugging Face projections stacked into it, in order.
+BLOCK_LINEARS = {
+    "attn.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attn.wo": ("self_attn.o_proj",),
+    "mlp.w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.w_down": ("mlp.down_proj",),
+}
+BLOCK_NORMS = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight"}
+
+
+def quantize_block(weights: WeightFolder, layer: int, quant: Quant, *, dtype: torch.dtype,
+                   device: torch.device | str) -> Block:
+    """Layer `layer` of `weights` with its matrices stored as `quant`, read ONE matrix at a time:
+    the float copy of a stacked matrix is dropped once quantized, so loading a span never holds
+    more float weights than its largest matrix (gate/up: 2 I x H). Raises ModelFormatError, QuantError."""
+    spec = weights.spec
+    shapes = layer_tensor_names(spec, layer)
+    prefix = f"model.layers.{layer}."
+    with torch.device("meta"):
+        block = Block(spec)
+    for path, parts in BLOCK_LINEARS.items():
+        names = [prefix + p + ".weight" for p in parts]
+        weight = weights.read_stacked(names, shapes, torch.float32)
+        bias_names = [prefix + p + ".bias" for p in parts]
+        bias = weights.read_stacked(bias_names, shapes, torch.float32) if bias_names[0] in shapes else None
+        owner, name = path.split(".")
+        setattr(getattr(block, owner), name, quantize_linear(weight, bias, quant, dtype=dtype, device=device))
+        del weight, bias
+    norms = weights.read({prefix + hf: shapes[prefix + hf] for hf in BLOCK_NORMS.values()}, dtype)
+    block.load_state_dict({ours: norms[prefix + hf].to(device) for ours, hf in BLOCK_NORMS.items()},
+                          assign=True, strict=False)
+    release_freed_memory()
+    return block.requires_grad_(False)
+
+
+def _libc_trim():  # glibc's malloc_trim, or None on another C library
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    return trim
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def release_freed_memory() -> None:
+    """Hand the float temporaries of quantization back to the OS. glibc raises its mmap threshold
+    after large frees, so matrix-sized temporaries land in its heap and stay resident once freed
+    (measured: +1.3x to +4x the quantized span's bytes in RSS); malloc_trim returns them."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def dense_block(block: Block, spec: ModelSpec) -> Block:
+    """A float32 copy of `block` whose matrices are the dequantized ones: the reference model."""
+    with torch.device("meta"):
+        dense = Block(spec)
+    state = {name: t.detach().float().cpu() for name, t in block.state_dict().items() if name in
+             ("attn_norm.weight", "mlp_norm.weight")}
+    for path in BLOCK_LINEARS:
+        owner, name = path.split(".")
+        layer = getattr(getattr(block, owner), name)
+        state[path + ".weight"] = dense_weight(layer)
+        if layer.bias is not None:
+            state[path + ".bias"] = layer.bias.detach().float().cpu()
+    dense.load_state_dict(state, assign=True, strict=True)
+    return dense.requires_grad_(False)

@@ -1,0 +1,272 @@
+"""Quantized spans against their own dequantized float32 model (stages/quant.py).
+
+The reference for a span stored as int8/int4 is a float32 model whose matrices are the
+dequantized values (q s, or (q - 8) s + z) — the same model, computed without the kernels.
+
+Tolerances, derived:
+- float32 activations: the kernels and the dense reference multiply the same numbers and
+  differ only in summation order (one kernel product differs from x @ W^T by ~1e-7), as two
+  float32 implementations do. Such noise is relative: ~1e-5 of the largest logit through
+  30 layers, and SmolLM2's logits reach ~30, so 3e-4 (measured: 8e-5 int8, 1e-4 int4 on
+  SmolLM2; 3e-7 on the tiny model). The engine meets 1e-4 against transformers, whose
+  kernels are the same as ours; the int4/int8 kernels block their sums differently.
+- bfloat16 activations (the CPU default for a quantized span, SmolLM2): the difference from
+  the float32 reference is bfloat16 roundoff through 30 layers, and the project already
+  bounds that: `protocol.fingerprint.tolerance("bfloat16", "float32", layers)` (16 x 2^-8 x
+  sqrt(layers), entrywise relative to |a| + |b| + the row's RMS), the bound spot checks
+  hold an honest bf16 peer to against a float32 one.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from peer.node_config import capacity_in_layers
+from protocol.fingerprint import relative_difference, tolerance
+from stages.generate import pick_dtype, prompt_ids
+from stages.quant import (
+    BLOCK_LINEARS, NO_QUANT, Int4Linear, Int8Linear, Quant, QuantError, base_model_id, dense_block, dense_weight, layer_bytes,
+    model_tag, quantize_linear,
+)
+from stages.spec import ModelSpec
+from stages.stage import Stage
+
+from .conftest import FRANCE
+
+FLOAT32_TOLERANCE = 3e-4  # max |logits - reference|, float32 activations (see module docstring)
+SCHEMES = ["int8", "int4g32", "int4g64"]
+
+
+def reference_of(stage: Stage) -> Stage:
+    """The float32 model whose weights are `stage`'s dequantized ones."""
+    return Stage(stage.spec, stage.start, [dense_block(b, stage.spec) for b in stage.blocks],
+                 embedding=stage.embedding.float(), norm=stage.norm.float(), head=stage.head.float())
+
+
+def greedy(stage: Stage, ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """n greedy tokens and the logits of every step."""
+    stage.open("g", capacity=len(ids) + n)
+    logits = [stage.logits(stage.forward("g", stage.embed(ids), 0))]
+    out: list[int] = []
+    while len(out) < n:
+        out.append(int(logits[-1][-1].argmax()))
+        logits.append(stage.logits(stage.forward("g", stage.embed(out[-1:]), len(ids) + len(out) - 1)))
+    stage.close("g")
+    return out, logits
+
+
+# -- the scheme itself ----------------------------------------------------------------------
+
+
+def test_names_and_bad_values():
+    assert Quant.parse("int8").tag == "int8" and Quant.parse("int4").tag == "int4g32"
+    assert Quant.parse("int4", 64) == Quant("int4", 64) == Quant.parse("int4g64")
+    assert model_tag("abc", NO_QUANT) == "abc" and model_tag("abc", Quant("int4", 64)) == "abc+int4g64"
+    assert base_model_id("abc+int8") == "abc"
+    with pytest.raises(QuantError, match="'int3'"):
+        Quant("int3")
+    with pytest.raises(QuantError, match="48"):
+        Quant("int4", 48)
+    with pytest.raises(QuantError, match="128 does not divide a weight's 576"):
+        quantize_linear(torch.zeros(64, 576), None, Quant("int4", 128), dtype=torch.float32, device="cpu")
+    with pytest.raises(QuantError, match="multiples of 16, a weight has 40"):
+        quantize_linear(torch.zeros(40, 64), None, Quant("int4"), dtype=torch.float32, device="cpu")
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_kernel_multiplies_by_the_dequantized_weight(scheme):
+    """The reference's weight is what the kernel uses: x W_ref^T equals the kernel to float32 roundoff,
+    and W_ref is within one quantization step of the float weight."""
+    gen = torch.Generator().manual_seed(1)
+    w, bias, x = torch.randn(96, 128, generator=gen) * 0.02, torch.randn(96, generator=gen), torch.randn(5, 128, generator=gen)
+    quant = Quant.parse(scheme)
+    layer = quantize_linear(w, bias, quant, dtype=torch.float32, device="cpu")
+    assert isinstance(layer, Int8Linear if quant.kind == "int8" else Int4Linear)
+    dense = dense_weight(layer)
+    assert (layer(x) - (x @ dense.T + bias)).abs().max() < 1e-5
+    if quant.kind == "int8":
+        step = w.abs().amax(1, keepdim=True) / 127  # one step per row
+    else:
+        g = w.reshape(96, -1, quant.group_size)
+        step = ((g.amax(-1) - g.amin(-1)) / 15).repeat_interleave(quant.group_size, 1)
+    assert ((dense - w).abs() <= step / 2 + 1e-7).all()  # rounding to the nearest level
+    assert layer.weight.dtype == (torch.int8 if quant.kind == "int8" else torch.uint8)
+
+
+def test_placement_counts_quantized_bytes(smol_dir):
+    spec = ModelSpec.from_file(smol_dir / "config.json")
+    f32 = layer_bytes(spec, 4)
+    assert f32 == spec.layer_bytes(4)
+    int8, int4 = layer_bytes(spec, 2, Quant("int8")), layer_bytes(spec, 2, Quant("int4"))
+    # int8: 1 byte per weight + a bf16 scale per row; int4: half a byte + a bf16 (scale, zero) per 32
+    assert 3.9 < f32 / int8 < 4.0 and 6.3 < f32 / int4 < 6.5  # 4 / (0.5 + 4 / 32) = 6.4
+    budget = 1 << 30
+    assert capacity_in_layers(spec, budget // 8, 4) < capacity_in_layers(spec, budget // 8, 2, Quant("int4"))
+    assert capacity_in_layers(spec, 5 * f32, 2, Quant("int8")) == min(30, int(5 * f32 * 0.75 // int8))
+
+
+def test_quantized_spans_compute_in_bfloat16_on_cpu_unless_asked():
+    cpu = torch.device("cpu")
+    assert pick_dtype("auto", cpu) == torch.float32
+    assert pick_dtype("auto", cpu, Quant("int8")) == torch.bfloat16
+    assert pick_dtype("float32", cpu, Quant("int4")) == torch.float32
+
+
+# -- a tiny synthetic model, float32 activations --------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_tiny_model_equals_its_dequantized_float32_model(tiny_llama, scheme):
+    stage = Stage.load(tiny_llama, embed=True, head=True, quant=Quant.parse(scheme))
+    ref = reference_of(stage)
+    ids = [3, 17, 99, 250, 42, 7, 7, 8]
+    got, got_logits = greedy(stage, ids, 12)
+    want, want_logits = greedy(ref, ids, 12)
+    worst = max((a - b).abs().max().item() for a, b in zip(got_logits, want_logits))
+    print(f"{scheme}: max |logits - dequantized float32| = {worst:.2g}")
+    assert got == want
+    assert worst <= FLOAT32_TOLERANCE
+    dense = Stage.load(tiny_llama, embed=True, head=True)
+    assert stage.weight_bytes < dense.weight_bytes  # not a float copy in disguise
+    assert not any(t.is_meta for t in [*stage.blocks.parameters(), *stage.blocks.buffers()])
+
+
+# -- SmolLM2 -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["int8", "int4g32"])
+def smol_quantized(request, smol_dir):
+    """(scheme, the quantized model in bfloat16 as a peer serves it, its dequantized float32 model)."""
+    stage = Stage.load(smol_dir, embed=True, head=True, quant=Quant.parse(request.param), dtype=torch.bfloat16)
+    return request.param, stage, reference_of(stage)
+
+
+def float32_twin(stage: Stage) -> Stage:
+    """The same integers and scales, computing in float32 (bf16 scales and norms widen exactly)."""
+    blocks = []
+    for block in stage.blocks:
+        twin = copy.copy(block)  # shallow: the integer buffers are shared, not copied
+        twin._modules = dict(block._modules)
+        for owner in ("attn", "mlp", "attn_norm", "mlp_norm"):
+            twin._modules[owner] = copy.copy(block._modules[owner])
+            twin._modules[owner]._modules = dict(block._modules[owner]._modules)
+            twin._modules[owner]._parameters = {k: v.float() for k, v in block._modules[owner]._parameters.items()}
+        for path in BLOCK_LINEARS:
+            owner, name = path.split(".")
+            layer = copy.copy(getattr(getattr(block, owner), name))
+            layer._buffers = {k: (v if v is None or not v.is_floating_point() else v.float())
+                              for k, v in layer._buffers.items()}
+            twin._modules[owner]._modules[name] = layer
+        blocks.append(twin)
+    return Stage(stage.spec, stage.start, blocks, embedding=stage.embedding.float(), norm=stage.norm.float(),
+                 head=stage.head.float())
+
+
+@pytest.mark.slow
+def test_smollm2_float32_activations_equal_the_dequantized_model(smol_quantized, smol_tokenizer):
+    """torch's float32 CPU path of these kernels is slow (generic), so a short prompt and few tokens."""
+    scheme, stage, ref = smol_quantized
+    ids = prompt_ids(smol_tokenizer, FRANCE, raw=True)
+    got, got_logits = greedy(float32_twin(stage), ids, 4)
+    want, want_logits = greedy(ref, ids, 4)
+    worst = max((a - b).abs().max().item() for a, b in zip(got_logits, want_logits))
+    print(f"{scheme}: max |logits - dequantized float32| = {worst:.2g} (float32 activations)")
+    assert got == want
+    assert worst <= FLOAT32_TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt,raw", [(FRANCE, False), ("The quick brown fox", True)])
+def test_smollm2_bfloat16_tokens_and_logits_against_the_dequantized_model(smol_quantized, smol_tokenizer,
+                                                                          prompt, raw):
+    """Logits within the bf16 bound at every step; greedy tokens identical, except that a step whose
+    reference top-2 margin lies inside that bound may flip (bf16 roundoff alone flips such near ties:
+    the unquantized bf16 model does on "List three prime numbers greater than 100.")."""
+    scheme, stage, ref = smol_quantized
+    ids = prompt_ids(smol_tokenizer, prompt, raw=raw)
+    got, got_logits = greedy(stage, ids, 12)
+    tol = tolerance("bfloat16", "float32", stage.spec.num_layers)
+    ref.open("r", capacity=len(ids) + len(got))
+    want_logits = [ref.logits(ref.forward("r", ref.embed(ids + got[:-1]), 0))]  # teacher-forced on our tokens
+    ref.close("r")
+    ours = torch.cat([got_logits[0][-1:], *got_logits[1:-1]])  # [n, V]: the logits each token was chosen from
+    theirs = want_logits[0][len(ids) - 1:]
+    rms = theirs.pow(2).mean(-1).sqrt()
+    worst = relative_difference(ours, theirs, rms).max().item()
+    print(f"{scheme} {prompt!r}: {smol_tokenizer.decode(got)!r}; worst relative logit difference {worst:.3g} "
+          f"(tolerance {tol:.3g})")
+    assert worst <= tol
+    for step, token in enumerate(got):
+        best = int(theirs[step].argmax())
+        if token != best:  # a near tie: allowed only inside the bound, the reference's margin included
+            a, b = theirs[step], ours[step]
+            slack = tol * (a[best].abs() + b[best].abs() + a[token].abs() + b[token].abs() + 2 * rms[step])
+            assert a[best] - a[token] <= slack, (scheme, step, token, best)
+
+
+# -- memory ---------------------------------------------------------------------------------
+
+QUANT_SPAN_RSS = """
+import gc, sys, psutil, torch
+from pathlib import Path
+from stages.stage import Stage
+from stages.quant import Quant
+torch.set_num_threads(1)
+me = psutil.Process()
+warm = Stage.load(Path(sys.argv[1]), start=0, end=1, quant=Quant.parse(sys.argv[2]), dtype=torch.bfloat16)
+warm.open("w", capacity=4)
+warm.forward("w", torch.zeros(1, warm.spec.hidden_size), 0)  # torch's lazy kernel set-up, not the span
+del warm
+gc.collect()
+before = me.memory_info().rss
+Path("/proc/self/clear_refs").write_text("5")  # resets the peak (VmHWM) to the current RSS
+stage = Stage.load(Path(sys.argv[1]), start=0, end=15, quant=Quant.parse(sys.argv[2]), dtype=torch.bfloat16)
+peak = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
+            if line.startswith("VmHWM:"))
+stage.open("s", capacity=64)
+stage.forward("s", torch.zeros(1, stage.spec.hidden_size), 0)  # every weight touched, so resident
+gc.collect()
+print(me.memory_info().rss - before, stage.weight_bytes, stage.session_bytes(64), peak - before)
+"""
+
+
+FLOAT_TEMPORARIES = 48 << 20  # the largest float32 matrix (gate/up: 7 MiB) and its int4 temporaries (~5 copies)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_span_resident_memory(smol_dir, scheme):  # layers [0, 15) of SmolLM2
+    """RSS after loading (and running) a quantized span <= 1.15 x (its quantized weights + KV cache),
+    and the float weights were never all in memory at once: the peak is the quantized span plus a
+    few float matrices (layers [0, 15): measured peaks +64 MiB for 51 MiB int8, +69 MiB for 32 MiB int4,
+    against a 203 MiB float32 span)."""
+    done = subprocess.run([sys.executable, "-c", QUANT_SPAN_RSS, str(smol_dir), scheme],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    grown, weights, kv, peak = map(int, done.stdout.split())
+    float_span = 15 * ModelSpec.from_file(smol_dir / "config.json").layer_bytes(4)
+    print(f"{scheme}: +{grown / 2**20:.1f} MiB resident for {weights / 2**20:.1f} MiB of weights and "
+          f"{kv / 2**20:.1f} MiB of KV cache; peak +{peak / 2**20:.1f} MiB (float32 span {float_span / 2**20:.0f} MiB)")
+    assert grown <= 1.15 * (weights + kv)
+    assert peak <= weights + kv + FLOAT_TEMPORARIES
+
+
+def test_command_line_quant_options():
+    from peer.cli import build_parser
+    from peer.cli_peer import config_from
+    from peer.errors import ConfigError
+
+    parser = build_parser()
+    args = parser.parse_args(["peer", "--quant", "int4", "--quant-group", "64"])
+    assert config_from(args).quant == Quant("int4", 64)
+    assert config_from(parser.parse_args(["peer"])).quant == NO_QUANT
+    sharded = parser.parse_args(["peer", "--quant", "int8", "--layers", "0:10", "--shard", "0/3", "--group", "g"])
+    with pytest.raises(ConfigError, match="--quant int8"):
+        config_from(sharded)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "x", "--local", "--quant", "int3"])
+    assert parser.parse_args(["generate", "x", "--join", "a", "--accept-mixed"]).accept_mixed
