@@ -9,7 +9,7 @@
    for context; rounds alternate so that machine noise hits all alike. For the 1B shape,
    the per-layer decode speed a peer measures and advertises (stages/speed.py), each kind
    vs float32.
-3. Concurrent sessions: see `concurrent_sessions` below (bench/batching.py's part).
+3. Aggregate decode tok/s of 1, 4 and 8 concurrent sessions on one peer (bench/batching.py).
 
 Prints the ratios last.
 
@@ -23,6 +23,7 @@ import statistics
 import time
 
 import torch
+from batching import concurrent_sessions_figures  # bench/batching.py, beside this script
 
 from peer.node_config import KV_RESERVE_FRACTION
 from stages import registry
@@ -57,10 +58,13 @@ def decode_rate(stage: Stage, head: Stage, ids: list[int], n: int) -> float:
 
 
 def concurrent_sessions(args: argparse.Namespace) -> list[str]:
-    """PLACEHOLDER — aggregate decode tok/s of 1, 4 and 8 concurrent sessions on one peer
-    (ratios to 1). Written in bench/batching.py by the batched-serving work of issue 18;
-    call it from here once it lands. Returns the lines to print last."""
-    return ["concurrent sessions: not measured here (bench/batching.py)"]
+    """Aggregate decode tok/s of 1, 4 and 8 concurrent sessions on one peer (ratios to 1),
+    each session checked exact against its solo run (bench/batching.py). Returns the lines
+    to print last."""
+    figures = concurrent_sessions_figures(registry.resolve(args.model), tokens=args.tokens, rounds=args.rounds)
+    return [f"concurrent sessions ({where}) vs one: "
+            + ", ".join(f"{n}: {ratio:.2f}x" for n, ratio in sorted(figures[f"{where} ratio"].items()) if n != 1)
+            for where in ("stage", "server")]
 
 
 def main() -> None:
