@@ -30,9 +30,9 @@ from typing import Callable, Sequence
 import torch
 import trio
 
-from peer.step_batcher import MAX_BATCH_WAIT
-from stages import registry
-from stages.stage import Stage
+from tessera.peer.serve.batcher import MAX_BATCH_WAIT
+from tessera.stages import registry
+from tessera.stages.stage import Stage
 
 COUNTS = (1, 4, 8)
 # Prompts of different lengths (token ids of the model's vocabulary; any will do for speed,
@@ -79,13 +79,13 @@ async def through_server(
     tokens of each session, the wall seconds of the decode phase and the mean batch size."""
     from libp2p.peer.id import ID
 
-    from peer.gossip import ViewKeeper
-    from peer.memory_transport import LinkSpec, MemoryNetwork, open_memory_transport
-    from peer.route_session import RequesterContext, RouteSession
-    from peer.routing import Hop, Route
-    from peer.server import StageServer
-    from peer.server_limits import ServerLimits
-    from protocol.keys import Identity
+    from tessera.peer.net.gossip import ViewKeeper
+    from tessera.peer.net.memory import LinkSpec, MemoryNetwork, open_memory_transport
+    from tessera.peer.request.chain import RequesterContext, RouteSession
+    from tessera.peer.plan.routing import Hop, Route
+    from tessera.peer.serve.server import StageServer
+    from tessera.peer.serve.limits import ServerLimits
+    from tessera.protocol.keys import Identity
 
     def pid(identity: Identity) -> str:
         return ID(identity.peer_id).to_base58()

@@ -25,14 +25,14 @@ import time
 import torch
 from batching import concurrent_sessions_figures  # bench/batching.py, beside this script
 
-from peer.node_config import KV_RESERVE_FRACTION
-from stages import registry
-from stages.quant import NO_QUANT, Quant, layer_bytes
-from stages.spec import ModelSpec
-from stages.speed import measure_layer_throughput
-from stages.stage import Stage
-from stages.synth import synth_spec
-from stages.tokenizer import Tokenizer
+from tessera.peer.node.config import KV_RESERVE_FRACTION
+from tessera.stages import registry
+from tessera.stages.quant import NO_QUANT, Quant, layer_bytes
+from tessera.stages.spec import ModelSpec
+from tessera.stages.speed import measure_layer_throughput
+from tessera.stages.stage import Stage
+from tessera.stages.synth import synth_spec
+from tessera.stages.tokenizer import Tokenizer
 
 KINDS = [("float32", torch.float32, NO_QUANT), ("bfloat16", torch.bfloat16, NO_QUANT),
          ("int8", torch.bfloat16, Quant("int8")), ("int4", torch.bfloat16, Quant("int4"))]

@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from stages import registry
-from stages.stage import Stage
-from stages.tokenizer import Tokenizer
+from tessera.stages import registry
+from tessera.stages.stage import Stage
+from tessera.stages.tokenizer import Tokenizer
 
 
 def ours_decode(stage: Stage, ids: list[int], n: int) -> float:

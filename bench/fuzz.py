@@ -1,6 +1,6 @@
 """A long fuzzing campaign against every decoder in protocol/.
 
-The same seeded mutation fuzzer as tests/test_protocol_fuzz.py (`protocol.fuzz`:
+The same seeded mutation fuzzer as tests/test_protocol_fuzz.py (`tessera.protocol.fuzz`:
 bit flips, truncation, insertion, splicing, random CBOR, huge claimed lengths and
 dimensions, deep nesting, and structure-aware replacement of decoded fields), but
 for as long as you like and with a fresh seed per round, so it keeps finding new
@@ -17,7 +17,7 @@ import argparse
 import time
 from collections import Counter
 
-from protocol.fuzz import build_targets, run_target
+from tessera.protocol.fuzz import build_targets, run_target
 
 ROUND_CASES = 5_000  # cases per target per round (a round takes about a second per target)
 

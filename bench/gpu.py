@@ -3,7 +3,7 @@
 1. Exactness: SmolLM2 on the GPU in float32 (TF32 off), bfloat16 and float16 against the
    CPU float32 oracle, over a prefill and 16 greedy steps. Tolerance: float32 1e-3
    relative (two float32 implementations differ in summation order only); bf16/fp16
-   `protocol.fingerprint.tolerance(dtype, "float32", 30)` = 16 x roundoff x sqrt(layers),
+   `tessera.protocol.fingerprint.tolerance(dtype, "float32", 30)` = 16 x roundoff x sqrt(layers),
    entrywise relative to |a| + |b| + the row's RMS (0.34 bf16, 0.043 fp16) — the bound spot
    checks hold an honest peer of that dtype to; greedy tokens must match in float32.
 2. Decode tok/s on the GPU (bf16) against transformers on the same GPU and dtype.
@@ -24,12 +24,12 @@ import time
 
 import torch
 
-from protocol.fingerprint import relative_difference, tolerance
-from stages import registry
-from stages.generate import prompt_ids
-from stages.quant import Quant, dense_block
-from stages.stage import Stage
-from stages.tokenizer import Tokenizer
+from tessera.protocol.fingerprint import relative_difference, tolerance
+from tessera.stages import registry
+from tessera.stages.generate import prompt_ids
+from tessera.stages.quant import Quant, dense_block
+from tessera.stages.stage import Stage
+from tessera.stages.tokenizer import Tokenizer
 
 PROMPT = "What is the capital of France?"
 STEPS = 16
@@ -102,8 +102,8 @@ def check_speed(folder, device, ids) -> list[str]:
 def check_swarm(folder, device, ids) -> list[str]:
     import trio
 
-    from peer.client import Swarm
-    from peer.demo import LocalSwarm
+    from tessera.peer.request.client import Swarm
+    from tessera.peer.cli.demo import LocalSwarm
 
     spans = [(0, 10), (10, 20), (20, 30)]
     layers = Stage.load(folder, device=device, dtype=torch.bfloat16)

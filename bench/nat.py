@@ -73,7 +73,7 @@ class LogWatch:
 
 
 def peer_cmd(topo, role: str, name: str, layers: str, base: Path, join: str | None) -> list[str]:
-    cmd = [PY, "-m", "peer.cli", "peer", "--threads", "1", "--listen", f"/ip4/{topo.ip(role)}/tcp/4001",
+    cmd = [PY, "-m", "tessera.peer.cli.main", "peer", "--threads", "1", "--listen", f"/ip4/{topo.ip(role)}/tcp/4001",
            "--layers", layers, "--name", name, "--data-dir", str(base / name)]
     return cmd + (["--join", join] if join else [])
 
@@ -131,9 +131,9 @@ async def requester(args: argparse.Namespace) -> dict:
     """Inside the pub namespace: alternate the punched and the relayed route, timing decode."""
     import trio
 
-    from peer.client import Swarm
-    from peer.transport import RELAYED
-    from stages.generate import prompt_ids
+    from tessera.peer.request.client import Swarm
+    from tessera.peer.net.transport import RELAYED
+    from tessera.stages.generate import prompt_ids
     from tests.netns import PUB_IP
 
     pairs = {"punched": args.punched.split(","), "relayed": args.relayed.split(",")}

@@ -19,8 +19,8 @@ import time
 import torch
 import trio
 
-from peer.client import Swarm
-from peer.demo import LocalSwarm
+from tessera.peer.request.client import Swarm
+from tessera.peer.cli.demo import LocalSwarm
 
 SPANS = [(0, 10), (10, 20), (20, 30)] * 2
 KILL_AFTER = 12
@@ -65,8 +65,8 @@ def main() -> None:
     recoveries, gaps = [], []
     try:
         peers.start(together=True)
-        from stages.tokenizer import Tokenizer
-        from stages import registry
+        from tessera.stages.tokenizer import Tokenizer
+        from tessera.stages import registry
 
         ids = Tokenizer.from_folder(registry.resolve("smollm2-135m")).encode("The history of the city begins in the year")
         for r in range(args.rounds):

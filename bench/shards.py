@@ -21,14 +21,14 @@ import time
 import torch
 import trio
 
-from peer.client import Swarm
-from peer.demo import LocalSwarm
-from peer.route_session import RouteSession
-from peer.routing import Hop, Route
-from peer.shard_audit import check, load_store
-from peer.shard_groups import group_hop_id
-from peer.shard_session import GroupSession
-from stages.sharded import ROUNDS_PER_LAYER
+from tessera.peer.request.client import Swarm
+from tessera.peer.cli.demo import LocalSwarm
+from tessera.peer.request.chain import RouteSession
+from tessera.peer.plan.routing import Hop, Route
+from tessera.peer.plan.audit import check, load_store
+from tessera.peer.plan.groups import group_hop_id
+from tessera.peer.request.group import GroupSession
+from tessera.stages.sharded import ROUNDS_PER_LAYER
 
 PROMPT = [1, 504, 3458, 282, 4649, 30, 216, 10]
 

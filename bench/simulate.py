@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from peer.sim.engine import simulate  # noqa: E402
-from peer.sim.report import format_summary  # noqa: E402
-from peer.sim.scenario import synthetic  # noqa: E402
+from tessera.peer.sim.engine import simulate  # noqa: E402
+from tessera.peer.sim.report import format_summary  # noqa: E402
+from tessera.peer.sim.scenario import synthetic  # noqa: E402
 
 
 def main() -> None:

@@ -20,17 +20,17 @@ from pathlib import Path
 import torch
 import trio
 
-from peer.client import Swarm
-from peer.demo import LocalSwarm
-from stages import registry
-from stages.generate import LocalEngine
-from stages.spec import ModelSpec
+from tessera.peer.request.client import Swarm
+from tessera.peer.cli.demo import LocalSwarm
+from tessera.stages import registry
+from tessera.stages.generate import LocalEngine
+from tessera.stages.spec import ModelSpec
 
 SYNTH_1B = dict(hidden=2048, layers=24, heads=16, kv_heads=8, intermediate=5632, vocab=32000, seed=0)
 
 
 def synth_1b() -> Path:
-    from peer.models import synthesise
+    from tessera.peer.cli.model_files import synthesise
 
     out = registry.models_root().parent / "bench" / "synth-1b"
     if not (out / "manifest.json").exists():

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from store.trace import NullTracer, TraceWriter  # noqa: E402
+from tessera.store.trace import NullTracer, TraceWriter  # noqa: E402
 
 
 def emit_loop(tracer, n: int, work: int = 0) -> float:

@@ -1,6 +1,6 @@
 """Does the operator's TUI slow the peer down? Decode speed with the UI open vs without.
 
-One in-process peer serves every layer of the model behind a `tui.bridge.PeerHandle`
+One in-process peer serves every layer of the model behind a `tessera.tui.bridge.PeerHandle`
 (its trio loop in its own thread, as `tessera peer --tui` runs it), so every step of
 the generation is this peer's compute and anything the UI steals shows in full. A
 requester in another thread asks for the same greedy answer each round; rounds
@@ -35,13 +35,13 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 import torch  # noqa: E402
 import trio  # noqa: E402
 
-from peer.client import Swarm  # noqa: E402
-from peer.node import PeerConfig, PeerNode  # noqa: E402
-from stages import registry  # noqa: E402
-from stages.generate import prompt_ids  # noqa: E402
-from stages.spec import ModelSpec  # noqa: E402
-from tui.app import TesseraApp  # noqa: E402
-from tui.bridge import PeerHandle  # noqa: E402
+from tessera.peer.request.client import Swarm  # noqa: E402
+from tessera.peer.node.peer_node import PeerConfig, PeerNode  # noqa: E402
+from tessera.stages import registry  # noqa: E402
+from tessera.stages.generate import prompt_ids  # noqa: E402
+from tessera.stages.spec import ModelSpec  # noqa: E402
+from tessera.tui.app import TesseraApp  # noqa: E402
+from tessera.tui.bridge import PeerHandle  # noqa: E402
 
 PROMPT = "Once upon a time, in a village by the sea,"
 STARTUP = 120.0

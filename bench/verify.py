@@ -17,11 +17,11 @@ import time
 import torch
 import trio
 
-from peer.client import Swarm
-from peer.demo import LocalSwarm
-from peer.verify import CheckPolicy
-from protocol.fingerprint import fingerprint_bytes
-from stages.generate import prompt_ids
+from tessera.peer.request.client import Swarm
+from tessera.peer.cli.demo import LocalSwarm
+from tessera.peer.request.verify import CheckPolicy
+from tessera.protocol.fingerprint import fingerprint_bytes
+from tessera.stages.generate import prompt_ids
 
 SPANS = [(0, 15), (15, 30), (0, 15), (15, 30)]
 RATES = [0.0, 0.01, 0.05, 0.10]

@@ -1,6 +1,6 @@
 """protocol/ — what crosses the wire. Pure: no I/O, no clocks, no libp2p.
 
-Every decoder here returns a valid value or raises a `protocol.errors.WireError`
+Every decoder here returns a valid value or raises a `tessera.protocol.errors.WireError`
 subclass; nothing else escapes, whatever the bytes.
 
     errors       the exception hierarchy (one class per failure condition)
@@ -17,6 +17,6 @@ subclass; nothing else escapes, whatever the bytes.
     activations  a tensor into a Forward/Result frame and back
     fuzz         seeded mutation fuzzing of every decoder (tests and bench/fuzz.py)
 
-Import the submodule you need (`from protocol.messages import Forward`); this
+Import the submodule you need (`from tessera.protocol.messages import Forward`); this
 package imports nothing itself, so that message code does not pull in torch.
 """

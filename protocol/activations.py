@@ -18,13 +18,13 @@ from typing import TypeVar
 
 import torch
 
-from protocol import cbor
-from protocol.codec import PROTOCOL_VERSION
-from protocol.errors import WrongLink
-from protocol.links import LinkCipher
-from protocol.messages import Forward, Result
-from protocol.schema import schema_of
-from protocol.tensors import DEFAULT_LIMITS, TensorLimits, decode_tensor, encode_tensor
+from tessera.protocol import cbor
+from tessera.protocol.codec import PROTOCOL_VERSION
+from tessera.protocol.errors import WrongLink
+from tessera.protocol.links import LinkCipher
+from tessera.protocol.messages import Forward, Result
+from tessera.protocol.schema import schema_of
+from tessera.protocol.tensors import DEFAULT_LIMITS, TensorLimits, decode_tensor, encode_tensor
 
 StepMessage = TypeVar("StepMessage", Forward, Result)
 

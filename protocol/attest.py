@@ -13,7 +13,7 @@ A **misbehaviour report** bundles the accused's attested fingerprint and those o
 the witnesses (peers that recomputed the same step from the same inputs), signed
 by the reporter. `verify_report` checks every signature and every hash — pure
 cryptography; whether the fingerprints really disagree beyond honest float noise
-is judged by `peer.verify.judge_report`, which knows the tolerances.
+is judged by `tessera.peer.request.verify.judge_report`, which knows the tolerances.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import nacl.exceptions
 import nacl.signing
 
-from protocol.codec import decode, encode, message
-from protocol.errors import BadSignature, ForgedPeerId, InconsistentFields
-from protocol.keys import Identity, peer_id_from_public_key, public_key_from_peer_id
-from protocol.records import MAX_LAYERS, MAX_PEER_ID_SIZE
-from protocol.schema import INT64_MAX, wire
+from tessera.protocol.codec import decode, encode, message
+from tessera.protocol.errors import BadSignature, ForgedPeerId, InconsistentFields
+from tessera.protocol.keys import Identity, peer_id_from_public_key, public_key_from_peer_id
+from tessera.protocol.records import MAX_LAYERS, MAX_PEER_ID_SIZE
+from tessera.protocol.schema import INT64_MAX, wire
 
 ATTEST_CONTEXT = b"tessera/attestation/v1\x00"
 REPORT_CONTEXT = b"tessera/misbehaviour-report/v1\x00"

@@ -26,7 +26,7 @@ from typing import Any
 
 import cbor2
 
-from protocol.errors import InvalidCbor
+from tessera.protocol.errors import InvalidCbor
 
 MAX_ITEMS = 8192
 """Default budget of data items in one message. The largest legitimate message (a

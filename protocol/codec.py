@@ -7,9 +7,9 @@ Every message travels as one CBOR array, the envelope:
 `tag` is the short string the message class was registered with (`@message("fwd")`),
 and the map holds one entry per dataclass field, nested messages as nested maps,
 tuples as arrays, None as null. Decoding checks, in this order: the size limit,
-the strict CBOR subset (`protocol.cbor`), the envelope shape, the version, the tag,
+the strict CBOR subset (`tessera.protocol.cbor`), the envelope shape, the version, the tag,
 the expected type if the caller names one, and then every field against its
-annotation and limits (`protocol.schema`); finally the dataclass's own
+annotation and limits (`tessera.protocol.schema`); finally the dataclass's own
 `__post_init__` checks invariants that span fields.
 
 Compatibility: a field that has a default may be absent (it takes the default), so
@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from protocol import cbor
-from protocol.errors import (
+from tessera.protocol import cbor
+from tessera.protocol.errors import (
     FrameTooLarge,
     MalformedMessage,
     UnexpectedMessage,
@@ -31,7 +31,7 @@ from protocol.errors import (
     UnsupportedVersion,
     show,
 )
-from protocol.schema import message_types, register, schema_of
+from tessera.protocol.schema import message_types, register, schema_of
 
 PROTOCOL_VERSION = 1
 """Carried in every message; bump it when a change is not backwards compatible."""
@@ -94,7 +94,7 @@ def decode(
 
     Raises:
         FrameTooLarge: `data` is longer than `max_size`.
-        InvalidCbor: not CBOR of the strict subset (see protocol.cbor).
+        InvalidCbor: not CBOR of the strict subset (see tessera.protocol.cbor).
         MalformedMessage: the envelope is not [version, tag, map].
         UnsupportedVersion: the version is not PROTOCOL_VERSION.
         UnknownMessageType: the tag is not registered.

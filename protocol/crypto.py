@@ -1,7 +1,7 @@
 """The protocol's cryptography in one place: identities, signed records, link keys,
 link ciphers, and the swarm key.
 
-Keys and peer ids are in `protocol.keys`, link keys and ciphers in `protocol.links`;
+Keys and peer ids are in `tessera.protocol.keys`, link keys and ciphers in `tessera.protocol.links`;
 both are re-exported here. This module adds the two checks that are about trust in
 the swarm rather than about one session:
 
@@ -25,8 +25,8 @@ import hmac
 import nacl.exceptions
 import nacl.signing
 
-from protocol.codec import decode, encode
-from protocol.errors import (
+from tessera.protocol.codec import decode, encode
+from tessera.protocol.errors import (
     BadKey,
     BadSignature,
     BadSwarmKeyProof,
@@ -34,7 +34,7 @@ from protocol.errors import (
     ForgedPeerId,
     RecordFromFuture,
 )
-from protocol.keys import (
+from tessera.protocol.keys import (
     KEY_SIZE,
     PEER_ID_PREFIX,
     EphemeralKey,
@@ -43,8 +43,8 @@ from protocol.keys import (
     public_key_from_peer_id,
     x25519_public_from_ed25519,
 )
-from protocol.links import MAX_COUNTER, Direction, LinkCipher, open_link_key, seal_link_key
-from protocol.records import MAX_RECORD_SIZE, PeerRecord, SignedRecord
+from tessera.protocol.links import MAX_COUNTER, Direction, LinkCipher, open_link_key, seal_link_key
+from tessera.protocol.records import MAX_RECORD_SIZE, PeerRecord, SignedRecord
 
 __all__ = [
     "KEY_SIZE",

@@ -23,9 +23,9 @@ import math
 
 import torch
 
-from protocol.attest import Fingerprint, sha256
-from protocol.codec import decode, encode
-from protocol.tensors import decode_tensor, encode_tensor
+from tessera.protocol.attest import Fingerprint, sha256
+from tessera.protocol.codec import decode, encode
+from tessera.protocol.tensors import decode_tensor, encode_tensor
 
 TOP_K = 8
 # unit roundoff of each dtype (half an ulp at 1.0)

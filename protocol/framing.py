@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from protocol.errors import BadLengthPrefix, EndOfStream, FrameTooLarge, TruncatedFrame, WireError
+from tessera.protocol.errors import BadLengthPrefix, EndOfStream, FrameTooLarge, TruncatedFrame, WireError
 
 DEFAULT_MAX_FRAME = 64 * 1024 * 1024
 """64 MiB: a 2048-token prefill of hidden size 8192 in float32, with its header."""

@@ -31,17 +31,17 @@ from typing import Any
 import cbor2
 import torch
 
-from protocol import schema
-from protocol.activations import clear_header, open_activations, seal_activations
-from protocol.codec import decode, encode
-from protocol.crypto import RECORD_CONTEXT, sign_record, verify_record
-from protocol.errors import EndOfStream, InconsistentFields, WireError
-from protocol.framing import FrameDecoder, encode_frame, read_frame
-from protocol.keys import EphemeralKey, Identity
-from protocol.links import Direction, LinkCipher, open_link_key, seal_link_key
-from protocol.messages import Forward, SealedKey
-from protocol.records import PeerRecord, SignedRecord
-from protocol.tensors import DTYPES, decode_tensor, encode_tensor
+from tessera.protocol import schema
+from tessera.protocol.activations import clear_header, open_activations, seal_activations
+from tessera.protocol.codec import decode, encode
+from tessera.protocol.crypto import RECORD_CONTEXT, sign_record, verify_record
+from tessera.protocol.errors import EndOfStream, InconsistentFields, WireError
+from tessera.protocol.framing import FrameDecoder, encode_frame, read_frame
+from tessera.protocol.keys import EphemeralKey, Identity
+from tessera.protocol.links import Direction, LinkCipher, open_link_key, seal_link_key
+from tessera.protocol.messages import Forward, SealedKey
+from tessera.protocol.records import PeerRecord, SignedRecord
+from tessera.protocol.tensors import DTYPES, decode_tensor, encode_tensor
 
 FRAME_LIMIT = 4096
 """The frame target's max_size: small, so that oversized claims are common."""

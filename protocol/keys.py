@@ -21,7 +21,7 @@ import nacl.bindings as sodium
 import nacl.exceptions
 import nacl.utils
 
-from protocol.errors import BadKey, show
+from tessera.protocol.errors import BadKey, show
 
 KEY_SIZE = 32
 PEER_ID_PREFIX = b"\x00\x24\x08\x01\x12\x20"

@@ -33,8 +33,8 @@ import nacl.bindings as sodium
 import nacl.exceptions
 import nacl.utils
 
-from protocol.codec import PROTOCOL_VERSION
-from protocol.errors import (
+from tessera.protocol.codec import PROTOCOL_VERSION
+from tessera.protocol.errors import (
     BadKey,
     CipherClosed,
     CounterExhausted,
@@ -44,9 +44,9 @@ from protocol.errors import (
     WrongLink,
     show,
 )
-from protocol.keys import KEY_SIZE, EphemeralKey, Identity, derive_key, x25519, x25519_public_from_ed25519
-from protocol.messages import SEALED_KEY_BOX_SIZE, SealedKey
-from protocol.schema import INT64_MAX
+from tessera.protocol.keys import KEY_SIZE, EphemeralKey, Identity, derive_key, x25519, x25519_public_from_ed25519
+from tessera.protocol.messages import SEALED_KEY_BOX_SIZE, SealedKey
+from tessera.protocol.schema import INT64_MAX
 
 NONCE_SIZE = sodium.crypto_aead_xchacha20poly1305_ietf_NPUBBYTES
 TAG_SIZE = sodium.crypto_aead_xchacha20poly1305_ietf_ABYTES

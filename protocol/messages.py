@@ -1,7 +1,7 @@
 """The messages of the session protocol: opening a session, stepping it, closing it.
 
 Each message is a frozen dataclass registered with a short type tag; `encode` and
-`decode` (from `protocol.codec`, re-exported here) turn any of them into bytes and
+`decode` (from `tessera.protocol.codec`, re-exported here) turn any of them into bytes and
 back, checking every field against its annotation and the limits declared with
 `wire(...)`. To add a message, write a dataclass with `@message("tag")`; to add a
 field, add it (with a default, if old senders may omit it). The tests derive their
@@ -14,16 +14,16 @@ with its own id (unique within the session) and its own key. A *step* is one
 forward pass of the chain (a prefill chunk, a decoded token, or a block of drafted
 tokens). Positions are token indices in the session's sequence; layer ranges are
 half-open, [start, end). The gossip/advertisement messages live in
-`protocol.records` and are re-exported here.
+`tessera.protocol.records` and are re-exported here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.codec import MAX_MESSAGE_SIZE, PROTOCOL_VERSION, decode, encode, message
-from protocol.errors import InconsistentFields
-from protocol.records import (
+from tessera.protocol.codec import MAX_MESSAGE_SIZE, PROTOCOL_VERSION, decode, encode, message
+from tessera.protocol.errors import InconsistentFields
+from tessera.protocol.records import (
     MAX_ADDR_LEN,
     MAX_ADDRS,
     MAX_LAYERS,
@@ -36,7 +36,7 @@ from protocol.records import (
     PeerRecord,
     SignedRecord,
 )
-from protocol.schema import INT64_MAX, wire
+from tessera.protocol.schema import INT64_MAX, wire
 
 __all__ = [
     "MAX_MESSAGE_SIZE",
@@ -89,7 +89,7 @@ MAX_TEXT = 1024
 @message("sealed")
 @dataclass(frozen=True)
 class SealedKey:
-    """A link key sealed to one peer (see `protocol.links.seal_link_key`).
+    """A link key sealed to one peer (see `tessera.protocol.links.seal_link_key`).
 
     Attributes:
         link_id: the link this key is for; the seal is bound to it.
@@ -212,7 +212,7 @@ class Forward:
     """One step's hidden states, on their way into the next span of layers.
 
     Every field except `payload` and `counter` travels in clear and is bound into the
-    AEAD associated data (see `protocol.activations`), so none can be altered.
+    AEAD associated data (see `tessera.protocol.activations`), so none can be altered.
 
     Attributes:
         session_id: the session.
@@ -226,10 +226,10 @@ class Forward:
             pushing it on. The model's layer count for a normal step; a span's end
             when a failover replays inputs into replacement peers only.
         payload: XChaCha20-Poly1305 ciphertext of an encoded tensor
-            (`protocol.tensors.encode_tensor`).
+            (`tessera.protocol.tensors.encode_tensor`).
         reply: what the peer that returns this step to the requester sends back:
             REPLY_FULL, the output tensor; REPLY_FINGERPRINT, only its fingerprint
-            (a spot-checking peer; see protocol.attest).
+            (a spot-checking peer; see tessera.protocol.attest).
     """
 
     session_id: bytes = wire(size=SESSION_ID_SIZE)
@@ -254,11 +254,11 @@ class Result:
 
     Same header as Forward, without stop_layer; see Forward for the fields. The
     payload holds the output tensor, or — when the step asked for REPLY_FINGERPRINT —
-    an encoded `protocol.attest.Fingerprint`.
+    an encoded `tessera.protocol.attest.Fingerprint`.
 
     Attributes (beyond Forward's):
         inputs_hash: sha256 of the encoded input tensor this peer computed from.
-        outputs_hash: sha256 of the encoded fingerprint of its output (see protocol.attest).
+        outputs_hash: sha256 of the encoded fingerprint of its output (see tessera.protocol.attest).
         attestation: the peer's Ed25519 signature over an `Attestation` of this step
             (session, step, positions, span, both hashes): evidence that it, and nobody
             else, produced this output from these inputs.

@@ -1,19 +1,19 @@
 """The swarm messages: signed advertisements, gossip, heartbeats and joining.
 
 A peer describes itself in a `PeerRecord`, encodes it, and signs the bytes
-(`protocol.crypto.sign_record`); the `SignedRecord` is what travels, alone or in a
+(`tessera.protocol.crypto.sign_record`); the `SignedRecord` is what travels, alone or in a
 `GossipPush`. A receiver checks the signature, that the peer id is the one the
 signing key implies, and that the record has not expired
-(`protocol.crypto.verify_record`) before it believes a word of it.
+(`tessera.protocol.crypto.verify_record`) before it believes a word of it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.codec import message
-from protocol.errors import InconsistentFields
-from protocol.schema import INT64_MAX, wire
+from tessera.protocol.codec import message
+from tessera.protocol.errors import InconsistentFields
+from tessera.protocol.schema import INT64_MAX, wire
 
 MAX_PEER_ID_SIZE = 64
 """libp2p peer ids: 38 bytes for an inline Ed25519 key, 34 for a SHA-256 multihash."""
@@ -174,7 +174,7 @@ class JoinChallenge:
 @message("proof")
 @dataclass(frozen=True)
 class JoinProof:
-    """Joining peer -> swarm member: `protocol.crypto.swarm_key_proof` over the nonce.
+    """Joining peer -> swarm member: `tessera.protocol.crypto.swarm_key_proof` over the nonce.
 
     Attributes:
         proof: 32-byte keyed BLAKE2b over (nonce, prover id, verifier id).

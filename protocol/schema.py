@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Union
 
-from protocol.errors import (
+from tessera.protocol.errors import (
     FieldOutOfRange,
     MissingField,
     UnknownField,

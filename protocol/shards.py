@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.codec import message
-from protocol.errors import InconsistentFields
-from protocol.messages import (
+from tessera.protocol.codec import message
+from tessera.protocol.errors import InconsistentFields
+from tessera.protocol.messages import (
     MAX_LINK_ID,
     MAX_PAYLOAD,
     MAX_POSITION,
@@ -25,8 +25,8 @@ from protocol.messages import (
     SESSION_ID_SIZE,
     SealedKey,
 )
-from protocol.records import MAX_ADDR_LEN, MAX_ADDRS, MAX_LAYERS, MAX_PEER_ID_SIZE
-from protocol.schema import INT64_MAX, wire
+from tessera.protocol.records import MAX_ADDR_LEN, MAX_ADDRS, MAX_LAYERS, MAX_PEER_ID_SIZE
+from tessera.protocol.schema import INT64_MAX, wire
 
 MAX_GROUP = 64
 """Most ranks in one group (every rank receives a key pair per other rank)."""
@@ -108,7 +108,7 @@ class Collective:
     """Rank i -> rank j: i's contribution to one collective of one step.
 
     Every field except `payload` and `counter` is clear and bound into the AEAD
-    associated data (`protocol.activations`), as in a Forward.
+    associated data (`tessera.protocol.activations`), as in a Forward.
 
     Attributes:
         session_id: the session.
@@ -116,7 +116,7 @@ class Collective:
         link_id: the directed link i -> j this frame travels on.
         counter: the link's frame counter (strictly increasing).
         seq: which collective of the step (1, 2, ... in the order every rank runs them).
-        payload: ciphertext of an encoded tensor (`protocol.tensors.encode_tensor`).
+        payload: ciphertext of an encoded tensor (`tessera.protocol.tensors.encode_tensor`).
     """
 
     session_id: bytes = wire(size=SESSION_ID_SIZE)

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.cbor import ARRAY, BYTES, TEXT, UINT, encode_head, read_head
-from protocol.errors import (
+from tessera.protocol.cbor import ARRAY, BYTES, TEXT, UINT, encode_head, read_head
+from tessera.protocol.errors import (
     BadTensor,
     InvalidBoolean,
     InvalidCbor,

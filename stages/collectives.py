@@ -5,7 +5,7 @@ ONE round of an all-to-all **exchange**: rank r hands over n tensors (one per
 destination, None for itself) and gets back one from each source (None for itself).
 The exchange is the only thing that differs between an in-process group of threads
 (`ThreadGroup`, for tests and benchmarks) and peers on a network
-(`peer/shard_links.py`); the arithmetic and the audit trail live here, once.
+(`peer/serve/shard_links.py`); the arithmetic and the audit trail live here, once.
 
 On top of it:
 
@@ -20,7 +20,7 @@ contributions arrive in, so a step is reproducible bit for bit.
 Audit. Each rank reports to its `audit` sink, as plain JSON-ready dicts, every tensor
 it holds (`held`: which coordinates of which logical tensor, and whether they are
 final values or one rank's partial contribution) and every collective it took part
-in (what it sent to whom and what it received from whom). `peer/shard_audit.py`
+in (what it sent to whom and what it received from whom). `peer/plan/audit.py`
 reads these records back and proves that no rank ever held the full hidden state.
 """
 
@@ -31,7 +31,7 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 
-from .errors import StageError
+from tessera.stages.errors import StageError
 
 Exchange = Callable[[int, list["torch.Tensor | None"]], list["torch.Tensor | None"]]
 """(sequence number of the collective within the step, one tensor per destination) -> one per source."""

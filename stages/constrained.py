@@ -32,9 +32,9 @@ from typing import Sequence
 
 import torch
 
-from .json_prefix import COMPLETE, INVALID, Shape, check
-from .sampling import Sampler, SamplingParams, probabilities
-from .tokenizer import Tokenizer
+from tessera.stages.json_prefix import COMPLETE, INVALID, Shape, check
+from tessera.stages.sampling import Sampler, SamplingParams, probabilities
+from tessera.stages.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"  # what decoding a partial UTF-8 sequence yields
 # Rejected draws before a sampled step judges every candidate instead: a rejected draw costs one

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from .errors import ModelFormatError, UnsupportedModel
-from .spec import ModelSpec
+from tessera.stages.errors import ModelFormatError, UnsupportedModel
+from tessera.stages.spec import ModelSpec
 
 Progress = Callable[[int, int, str], None]
 

@@ -5,7 +5,7 @@ CUDA's own context and the caching allocator's slack (~0.5-1 GiB on current card
 activations and fragmentation, which grow with the card — 1 GiB or 10% of the card,
 whichever is more. `read_device_memory` is the ONE place that asks torch.cuda; the arithmetic
 is the pure `cuda_offer`. On CPU and MPS (unified memory) the peer's RAM rule applies
-(peer/node_config.py: half the available RAM).
+(peer/node/config.py: half the available RAM).
 """
 
 from __future__ import annotations

@@ -13,12 +13,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from .constrained import ConstrainedSampler, JsonConstraint
-from .errors import ContextOverflow
-from .quant import NO_QUANT, Quant
-from .sampling import Sampler, SamplingParams
-from .stage import Stage
-from .tokenizer import TextStream, Tokenizer
+from tessera.stages.constrained import ConstrainedSampler, JsonConstraint
+from tessera.stages.errors import ContextOverflow
+from tessera.stages.quant import NO_QUANT, Quant
+from tessera.stages.sampling import Sampler, SamplingParams
+from tessera.stages.stage import Stage
+from tessera.stages.tokenizer import TextStream, Tokenizer
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

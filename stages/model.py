@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import ContextOverflow
-from .spec import ModelSpec
+from tessera.stages.errors import ContextOverflow
+from tessera.stages.spec import ModelSpec
 
 # A layer's cache as a step sees it: [K, S, D] of one session, or one per session of a stacked step.
 KVRows = torch.Tensor | Sequence[torch.Tensor]
@@ -122,7 +122,7 @@ def rope_frequencies(spec: ModelSpec, device: torch.device | str = "cpu") -> tor
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
     elif kind not in ("default", None):
-        from .errors import UnsupportedModel
+        from tessera.stages.errors import UnsupportedModel
 
         raise UnsupportedModel(f"rope_scaling type {kind!r} is not supported (linear, llama3)")
     return inv_freq
@@ -187,7 +187,7 @@ class Attention(nn.Module):
     """Grouped-query attention with one stacked q/k/v projection.
 
     The projections are called as modules, so that a quantized span can hold
-    `stages.quant` linears in their place (same call, integer weights)."""
+    `tessera.stages.quant` linears in their place (same call, integer weights)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()

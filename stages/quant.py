@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import StageError
-from .model import Block
-from .spec import ModelSpec
-from .weights import WeightFolder, layer_tensor_names
+from tessera.stages.errors import StageError
+from tessera.stages.model import Block
+from tessera.stages.spec import ModelSpec
+from tessera.stages.weights import WeightFolder, layer_tensor_names
 
 QUANT_KINDS = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -111,7 +111,7 @@ NO_QUANT = Quant()
 
 
 def linear_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
-    """[rows, cols] of one block's four matrices, as stages.model.Block stacks them."""
+    """[rows, cols] of one block's four matrices, as tessera.stages.model.Block stacks them."""
     h, i = spec.hidden_size, spec.intermediate_size
     return [(spec.q_size + 2 * spec.kv_size, h), (h, spec.q_size), (2 * i, h), (h, i)]
 

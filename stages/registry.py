@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from .errors import ModelFormatError
+from tessera.stages.errors import ModelFormatError
 
 MANIFEST = "manifest.json"
 WEIGHT_SUFFIXES = (".safetensors",)

@@ -12,9 +12,9 @@ from typing import Hashable
 
 import torch
 
-from .errors import ContextOverflow, SpanError, UnknownSession
-from .model import KVCache
-from .spec import ModelSpec
+from tessera.stages.errors import ContextOverflow, SpanError, UnknownSession
+from tessera.stages.model import KVCache
+from tessera.stages.spec import ModelSpec
 
 
 @dataclass

@@ -52,14 +52,14 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 
-from .collectives import HIDDEN, Collectives
-from .errors import ModelFormatError, SpanError, StageError
-from .model import Rotary, StepContext, apply_rope, attention_mask, grouped_decode_attention
-from .spec import ModelSpec
-from .sessions import SessionState, SessionTable
-from .weights import WeightFolder, layer_tensor_names
+from tessera.stages.collectives import HIDDEN, Collectives
+from tessera.stages.errors import ModelFormatError, SpanError, StageError
+from tessera.stages.model import Rotary, StepContext, apply_rope, attention_mask, grouped_decode_attention
+from tessera.stages.spec import ModelSpec
+from tessera.stages.sessions import SessionState, SessionTable
+from tessera.stages.weights import WeightFolder, layer_tensor_names
 
-# What one rank reports per layer, in order: (event, op). `peer/shard_audit.py` checks
+# What one rank reports per layer, in order: (event, op). `peer/plan/audit.py` checks
 # every rank's log against it, so a skipped or extra operator is caught.
 LAYER_AUDIT_OPS: tuple[tuple[str, str], ...] = (
     ("held", "residual_in"),
@@ -260,7 +260,7 @@ class ShardedStage(SessionTable):
         return (x * scale[:, None].to(x.dtype)) * weight
 
     def _attend(self, qkv: torch.Tensor, ctx: StepContext, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Attention over this rank's heads; the same kernels as `stages.model.Attention`."""
+        """Attention over this rank's heads; the same kernels as `tessera.stages.model.Attention`."""
         spec = self.local_spec
         t = qkv.shape[0]
         a, k, d = spec.num_heads, spec.num_kv_heads, spec.head_dim

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ModelFormatError, UnsupportedModel
+from tessera.stages.errors import ModelFormatError, UnsupportedModel
 
 # architectures we can run, by the name `config.json` gives them
 ARCHITECTURES = {

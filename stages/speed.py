@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from .model import Block
-from .quant import BLOCK_LINEARS, NO_QUANT, Quant, quantize_linear
-from .spec import ModelSpec
-from .stage import Stage
+from tessera.stages.model import Block
+from tessera.stages.quant import BLOCK_LINEARS, NO_QUANT, Quant, quantize_linear
+from tessera.stages.spec import ModelSpec
+from tessera.stages.stage import Stage
 
 WARMUP_STEPS = 3
 CONTEXT = 64  # positions already cached when the timed steps run

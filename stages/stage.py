@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import SpanError, StageError
-from .model import Block, Rotary, Segment, StepContext, attention_mask
-from .quant import NO_QUANT, Quant, quantize_block
-from .sessions import SessionState, SessionTable
-from .spec import ModelSpec
-from .weights import WeightFolder
+from tessera.stages.errors import SpanError, StageError
+from tessera.stages.model import Block, Rotary, Segment, StepContext, attention_mask
+from tessera.stages.quant import NO_QUANT, Quant, quantize_block
+from tessera.stages.sessions import SessionState, SessionTable
+from tessera.stages.spec import ModelSpec
+from tessera.stages.weights import WeightFolder
 
 
 # One session's step in a stacked forward: (session, hidden states [T, H], start position).

@@ -16,7 +16,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from .errors import ModelFormatError
+from tessera.stages.errors import ModelFormatError
 
 Message = dict[str, str]
 

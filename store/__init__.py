@@ -1,13 +1,13 @@
-"""What a peer remembers: its sqlite database (store.db), trace (store.trace), key file
-(store.keyfile), and the merged, clock-aligned views of many peers' traces
-(store.timeline, store.export, store.plot). Depends on sqlite-utils and the stdlib only
-(matplotlib for store.plot, imported when a plot is drawn)."""
+"""What a peer remembers: its sqlite database (tessera.store.db), trace (tessera.store.trace), key file
+(tessera.store.keyfile), and the merged, clock-aligned views of many peers' traces
+(tessera.store.timeline, tessera.store.export, tessera.store.plot). Depends on sqlite-utils and the stdlib only
+(matplotlib for tessera.store.plot, imported when a plot is drawn)."""
 
-from .db import PeerStore
-from .errors import StoreError
-from .keyfile import load_or_create_key
-from .reputation import Ban
-from .trace import EVENT_KINDS, MemoryTracer, NullTracer, Tracer, TraceWriter
+from tessera.store.db import PeerStore
+from tessera.store.errors import StoreError
+from tessera.store.keyfile import load_or_create_key
+from tessera.store.reputation import Ban
+from tessera.store.trace import EVENT_KINDS, MemoryTracer, NullTracer, Tracer, TraceWriter
 
 __all__ = [
     "Ban",

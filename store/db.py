@@ -21,11 +21,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from . import schema
-from .errors import BadRecord, NotJSON, ReadOnlyStore, StoreClosed
-from .reputation import Reputation
-from .values import check_int, check_span, check_text, session_hex, timestamp
-from .writer import DEFAULT_FLUSH_INTERVAL_S, FLUSH_TIMEOUT_S, BatchWriter, call_op
+from tessera.store import schema
+from tessera.store.errors import BadRecord, NotJSON, ReadOnlyStore, StoreClosed
+from tessera.store.reputation import Reputation
+from tessera.store.values import check_int, check_span, check_text, session_hex, timestamp
+from tessera.store.writer import DEFAULT_FLUSH_INTERVAL_S, FLUSH_TIMEOUT_S, BatchWriter, call_op
 
 CLAIM_ACTIONS = ("claim", "release", "move")
 HOUR_S = 3600
@@ -317,7 +317,7 @@ class PeerStore(Reputation):
         by_requester = {r.pop("requester"): r for r in rows}
         return {"today": today, "total": total, "by_requester": by_requester}
 
-    # --- the trace (written by store.trace.TraceWriter) ---------------------------------
+    # --- the trace (written by tessera.store.trace.TraceWriter) ---------------------------------
 
     def events(
         self, *, after_id: int = 0, kinds: tuple[str, ...] | None = None, limit: int | None = None

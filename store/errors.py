@@ -30,7 +30,7 @@ class NotJSON(StoreError, TypeError):
 
 
 class UnknownEventKind(StoreError, ValueError):
-    """A trace event names a kind that is not in `store.trace.EVENT_KINDS`."""
+    """A trace event names a kind that is not in `tessera.store.trace.EVENT_KINDS`."""
 
 
 class BadTraceField(StoreError, ValueError):
@@ -42,7 +42,7 @@ class BadRecord(StoreError, ValueError):
 
 
 class ReportTooLarge(StoreError, ValueError):
-    """A misbehaviour report's raw bytes exceed `store.db.MAX_REPORT_BYTES`."""
+    """A misbehaviour report's raw bytes exceed `tessera.store.db.MAX_REPORT_BYTES`."""
 
 
 class KeyFileError(StoreError):

@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from .timeline import Event, Timeline, load_timeline
+from tessera.store.timeline import Event, Timeline, load_timeline
 
 # A zero-duration push or receive still needs a slice for its flow arrow to bind to.
 MIN_SLICE_US = 1.0

@@ -17,7 +17,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from .errors import KeyFileNotOwned, KeyFileTooOpen, KeyFileWrongSize
+from tessera.store.errors import KeyFileNotOwned, KeyFileTooOpen, KeyFileWrongSize
 
 SEED_BYTES = 32
 KEY_FILE_MODE = 0o600

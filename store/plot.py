@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from .timeline import Event, Timeline, load_timeline
+from tessera.store.timeline import Event, Timeline, load_timeline
 
 # Events drawn as markers on their peer's row: kind -> (marker, colour).
 MARKERS = {

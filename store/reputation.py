@@ -10,8 +10,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .errors import BadRecord, ReportTooLarge
-from .values import check_int, check_span, check_text, hash_text, session_hex, timestamp
+from tessera.store.errors import BadRecord, ReportTooLarge
+from tessera.store.values import check_int, check_span, check_text, hash_text, session_hex, timestamp
 
 # A report's raw signed bytes: a few hashes, ids and a signature. 64 KiB is ample and keeps
 # a hostile reporter from filling our disk through one row.

@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 
 from sqlite_utils import Database
 
-from .errors import SchemaMismatch, SchemaTooNew
+from tessera.store.errors import SchemaMismatch, SchemaTooNew
 
 # How long a connection waits for another writer's lock before SQLite reports "database is
 # locked". Our own writes are small batches that commit in milliseconds; five seconds covers

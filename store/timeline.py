@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .errors import NotATraceDatabase
-from .writer import TRACE_COLUMNS
+from tessera.store.errors import NotATraceDatabase
+from tessera.store.writer import TRACE_COLUMNS
 
 # The least one-way delay we assume for a matched message: keeps every receive strictly
 # after its push once aligned (a loopback hop takes tens of microseconds; this is one).

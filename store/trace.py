@@ -41,9 +41,9 @@ import time
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from .db import PeerStore
-from .errors import BadTraceField, NotJSON, StoreClosed, UnknownEventKind
-from .writer import TRACE_COLUMNS
+from tessera.store.db import PeerStore
+from tessera.store.errors import BadTraceField, NotJSON, StoreClosed, UnknownEventKind
+from tessera.store.writer import TRACE_COLUMNS
 
 EVENT_KINDS = (
     "join",  # the peer joined the swarm (detail: addrs, model)
@@ -68,7 +68,7 @@ EVENT_KINDS = (
     "token",  # requester side: a token was produced (detail: token id, position)
     "misbehaviour",  # a misbehaviour report was sent or received (remote = accused)
     "move",  # placement moved this peer to another span (detail: from, to)
-    "audit",  # a tensor-shard step: what one node held and every collective it joined (peer/shard_audit.py)
+    "audit",  # a tensor-shard step: what one node held and every collective it joined (peer/plan/audit.py)
     "drain",  # the operator drained the peer: no new sessions, running ones finish (span_*)
     "pause",  # the operator paused compute: steps held, no new sessions (span_*; detail: sessions held)
     "resume",  # the operator resumed: sessions accepted again (span_*)

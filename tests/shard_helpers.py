@@ -7,10 +7,10 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-from peer.shard_audit import REQUESTER, SHARD, StepLog
-from stages.collectives import HIDDEN, Collectives, ThreadGroup
-from stages.sharded import ShardedStage
-from stages.stage import Stage
+from tessera.peer.plan.audit import REQUESTER, SHARD, StepLog
+from tessera.stages.collectives import HIDDEN, Collectives, ThreadGroup
+from tessera.stages.sharded import ShardedStage
+from tessera.stages.stage import Stage
 
 DECODE_STEPS = 32
 LOGITS_TOLERANCE = 5e-4  # float32; only the order of summation differs
@@ -113,8 +113,8 @@ async def wait_for_peers(swarm, names: Sequence[str], timeout: float = 60.0) -> 
 
 
 def group_hop(ids: dict[str, str], names: Sequence[str], group: str, start: int, end: int):
-    from peer.routing import Hop
-    from peer.shard_groups import group_hop_id
+    from tessera.peer.plan.routing import Hop
+    from tessera.peer.plan.groups import group_hop_id
 
     return Hop(group_hop_id(group, start, end, len(names)), start, end, group=group,
                members=tuple(ids[n] for n in names))
@@ -123,9 +123,9 @@ def group_hop(ids: dict[str, str], names: Sequence[str], group: str, start: int,
 async def open_forced(swarm, hops):
     """A resilient session whose first route is `hops` (a peer dropping out under a loaded
     machine fails over as in any generation; the answer must stay exact all the same)."""
-    from peer.recovery import ResilientSession
-    from peer.routing import Route
-    from peer.shard_route import SegmentedSession
+    from tessera.peer.request.repair import ResilientSession
+    from tessera.peer.plan.routing import Route
+    from tessera.peer.request.segmented import SegmentedSession
 
     route = Route(tuple(hops), 0.0)
     resilient = ResilientSession(swarm, max_length=64, route_wait=30.0)
@@ -158,7 +158,7 @@ def collect_audit(local_swarm, tracer, sessions: Sequence[str], *, timeout: floa
     import time
     from collections import Counter
 
-    from peer.shard_audit import load_events, load_store
+    from tessera.peer.plan.audit import load_events, load_store
 
     mine = [log for log in load_events(tracer.events) if log.session in sessions]
     wanted = {(log.session, log.step): log.count for log in mine}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
-from peer.demo import LocalSwarm
+from tessera.peer.cli.demo import LocalSwarm
 
 
 def layer_args(spans: Sequence[tuple[int, int]], extra: Sequence[str] = ()) -> list[list[str]]:

@@ -1,7 +1,7 @@
 """Batched serving: steps of many sessions as one stacked forward, each session exact.
 
 The stage (`Stage.forward_batch`) against solo runs of the real model; the batcher
-(`peer/step_batcher.py`) on its own under trio's MockClock; and a real StageServer
+(`peer/serve/batcher.py`) on its own under trio's MockClock; and a real StageServer
 over the in-memory transport, where a failing session leaves the others of its batch alone.
 """
 
@@ -13,18 +13,18 @@ import trio
 import trio.testing
 from libp2p.peer.id import ID
 
-from peer.errors import PeerFailed
-from peer.gossip import ViewKeeper
-from peer.memory_transport import LinkSpec, MemoryNetwork, open_memory_transport
-from peer.route_session import RequesterContext, RouteSession
-from peer.routing import Hop, Route
-from peer.server import StageServer
-from peer.server_limits import ServerLimits
-from peer.step_batcher import BatchBudget, BatchInterrupted, StepBatcher
-from protocol.keys import Identity
-from stages.errors import ContextOverflow, SpanError, UnknownSession
-from stages.stage import Stage
-from store.trace import MemoryTracer
+from tessera.peer.base.errors import PeerFailed
+from tessera.peer.net.gossip import ViewKeeper
+from tessera.peer.net.memory import LinkSpec, MemoryNetwork, open_memory_transport
+from tessera.peer.request.chain import RequesterContext, RouteSession
+from tessera.peer.plan.routing import Hop, Route
+from tessera.peer.serve.server import StageServer
+from tessera.peer.serve.limits import ServerLimits
+from tessera.peer.serve.batcher import BatchBudget, BatchInterrupted, StepBatcher
+from tessera.protocol.keys import Identity
+from tessera.stages.errors import ContextOverflow, SpanError, UnknownSession
+from tessera.stages.stage import Stage
+from tessera.store.trace import MemoryTracer
 
 # Float32 logits of a session in a stacked step against its solo step, relative to the
 # row's largest logit. Only the matmuls differ (more rows take other kernel paths, which
@@ -389,9 +389,9 @@ async def test_a_failing_session_does_not_fail_the_others_in_its_batch(tiny_llam
 
 
 def test_the_peer_flags_set_the_budget_and_bad_values_are_refused():
-    from peer.cli import build_parser
-    from peer.cli_peer import config_from
-    from peer.errors import ConfigError
+    from tessera.peer.cli.main import build_parser
+    from tessera.peer.cli.peer import config_from
+    from tessera.peer.base.errors import ConfigError
 
     parser = build_parser()
     config = config_from(parser.parse_args(["peer", "--batch-rows", "8", "--batch-wait-ms", "5"]))

@@ -10,10 +10,10 @@ import time
 import pytest
 import trio
 
-from peer.client import Swarm
-from peer.demo import LocalSwarm, memory_for_layers
-from peer.errors import NoRoute
-from stages.generate import prompt_ids
+from tessera.peer.request.client import Swarm
+from tessera.peer.cli.demo import LocalSwarm, memory_for_layers
+from tessera.peer.base.errors import NoRoute
+from tessera.stages.generate import prompt_ids
 
 from .swarm_helpers import local_swarm
 
@@ -142,7 +142,7 @@ def test_layers_are_recovered_after_a_peer_leaves(smol_dir, tmp_path):
         status = None
         while time.monotonic() < deadline:
             other = next(i for i in range(3) if i != lone)
-            done = subprocess.run([sys.executable, "-m", "peer.cli", "swarm", "status", "--json", "--join", peers.addrs[other]],
+            done = subprocess.run([sys.executable, "-m", "tessera.peer.cli.main", "swarm", "status", "--json", "--join", peers.addrs[other]],
                                   capture_output=True, text=True, timeout=60)
             status = json.loads(done.stdout) if done.returncode == 0 else None
             if status and not status["gaps"] and len(status["peers"]) == 2:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from peer.cli import build_parser, command_parser, with_config
-from peer.cli_config import config_actions
-from peer.errors import ConfigError
+from tessera.peer.cli.main import build_parser, command_parser, with_config
+from tessera.peer.cli.config import config_actions
+from tessera.peer.base.errors import ConfigError
 
 
 def load(argv: list[str]):
@@ -96,7 +96,7 @@ def test_missing_file_is_an_error(tmp_path):
 
 
 def tessera(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "peer.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "tessera.peer.cli.main", *args], capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("command, text, needle", [

@@ -1,4 +1,4 @@
-"""What the command line prints on stderr: libp2p's records folded to one line each (peer/cli_logging.py)."""
+"""What the command line prints on stderr: libp2p's records folded to one line each (peer/cli/log_setup.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from peer.cli_logging import LIBP2P, OneLinePerEvent, fold, install
-from tui.terminal import driver_for, logs_to, ui_terminal
+from tessera.peer.cli.log_setup import LIBP2P, OneLinePerEvent, fold, install
+from tessera.tui.terminal import driver_for, logs_to, ui_terminal
 
 # What py-libp2p's basic_host logs when a stream to a peer that went away cannot open (8 lines).
 DUMP = ("Failed to open stream to peer 12D3KooWAbc:\n  Error: failed to upgrade\n  Protocols: ['/tessera/1']\n"
@@ -46,7 +46,7 @@ def test_one_line_per_event_then_a_count():
     again = record(first.name, first.msg)
     assert flt.filter(again) and again.getMessage().endswith("(and 3 times more in the last 10 min)")
     assert not flt.filter(record("libp2p.network.auto_connector", "AUTO_CONNECTOR_STATE", logging.WARNING))
-    ours = record("peer.gossip", "two\nlines")
+    ours = record("tessera.peer.net.gossip", "two\nlines")
     assert flt.filter(ours) and ours.getMessage() == "two\nlines"  # our own records are ours to word
 
 
@@ -92,11 +92,11 @@ def test_install_quiet_and_verbose(restore_logging):
         dump.error(DUMP)
     logging.getLogger("libp2p.transport.tcp.tcp").info("dial tcp 127.0.0.1:1")
     logging.getLogger("libp2p.network.auto_connector").warning("AUTO_CONNECTOR_STATE: num_connections=0")
-    logging.getLogger("peer.gossip").warning("ours")
+    logging.getLogger("tessera.peer.net.gossip").warning("ours")
     lines = out.getvalue().splitlines()
     assert len(lines) == 2, lines
     assert lines[0].endswith("WARNING libp2p.host.basic_host: Failed to open stream to peer 12D3KooWAbc: failed to upgrade")
-    assert lines[1].endswith("WARNING peer.gossip: ours")
+    assert lines[1].endswith("WARNING tessera.peer.net.gossip: ours")
 
     out = io.StringIO()
     install(1, stream=out)  # -v: libp2p's lines as it wrote them, from INFO
@@ -114,10 +114,10 @@ def test_while_the_ui_runs_records_go_to_the_events(restore_logging, tmp_path):
         install(0, stream=terminal)
         shown: list[str] = []
         with logs_to(shown.append):
-            logging.getLogger("peer.gossip").warning("while the UI draws")
-        logging.getLogger("peer.gossip").warning("after")
+            logging.getLogger("tessera.peer.net.gossip").warning("while the UI draws")
+        logging.getLogger("tessera.peer.net.gossip").warning("after")
         terminal.flush()
-        assert shown == ["WARNING peer.gossip: while the UI draws"]
+        assert shown == ["WARNING tessera.peer.net.gossip: while the UI draws"]
         drawn = os.read(master, 4096).decode()
         assert "after" in drawn and "while the UI draws" not in drawn  # nothing drawn over the UI
 

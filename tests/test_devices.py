@@ -12,12 +12,12 @@ import pytest
 import torch
 from textual.app import App, ComposeResult
 
-from peer.cli_generate import device_arg
-from protocol.codec import decode, encode
-from protocol.records import PeerRecord
-from stages.devices import CUDA_RESERVE_MIN, cuda_offer, cuda_reserve, read_device_memory
-from stages.generate import pick_dtype
-from tui.panels import PeerPanel
+from tessera.peer.cli.generate import device_arg
+from tessera.protocol.codec import decode, encode
+from tessera.protocol.records import PeerRecord
+from tessera.stages.devices import CUDA_RESERVE_MIN, cuda_offer, cuda_reserve, read_device_memory
+from tessera.stages.generate import pick_dtype
+from tessera.tui.panels import PeerPanel
 
 GIB = 1 << 30
 

@@ -13,7 +13,7 @@ import pytest
 
 from .conftest import FRANCE
 
-TESSERA = [sys.executable, "-m", "peer.cli"]
+TESSERA = [sys.executable, "-m", "tessera.peer.cli.main"]
 
 
 def tessera(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -124,7 +124,7 @@ def test_import_sharded_folder(tiny_llama, tmp_path):
     """A Hugging Face folder with its weights in several shards and an index."""
     from safetensors.torch import load_file, save_file
 
-    from stages.stage import Stage
+    from tessera.stages.stage import Stage
 
     folder = tmp_path / "sharded"
     folder.mkdir()
@@ -151,7 +151,7 @@ def test_import_sharded_folder(tiny_llama, tmp_path):
 SPAN_RSS = """
 import gc, sys, psutil, torch
 from pathlib import Path
-from stages.stage import Stage
+from tessera.stages.stage import Stage
 torch.set_num_threads(1)
 me = psutil.Process()
 gc.collect()

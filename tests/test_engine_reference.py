@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.stage import Stage
+from tessera.stages.stage import Stage
 
 from .conftest import FRANCE
 
@@ -54,7 +54,7 @@ def test_logits_match_transformers_over_prefill_and_decode(hf_smol, smol_stage, 
     ],
 )
 def test_greedy_tokens_match_transformers(hf_smol, local_engine, smol_tokenizer, prompt, raw):
-    from stages.generate import prompt_ids
+    from tessera.stages.generate import prompt_ids
 
     ids = prompt_ids(smol_tokenizer, prompt, raw=raw)
     ours = local_engine.generate_ids(ids, max_new_tokens=24)
@@ -83,7 +83,7 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(smol_gguf, smol_tokenizer
 def test_synthetic_architectures_match_transformers(tmp_path, arch):
     """Qwen2 (q/k/v bias) and Mistral shapes, random weights, against transformers' own classes."""
     transformers = pytest.importorskip("transformers")
-    from peer.models import synthesise
+    from tessera.peer.cli.model_files import synthesise
 
     folder = synthesise(
         tmp_path / arch, hidden=96, layers=3, heads=6, kv_heads=2, intermediate=160, vocab=320, seed=3,

@@ -9,8 +9,8 @@ import sys
 import pytest
 import trio
 
-from peer.client import Swarm
-from stages.generate import prompt_ids
+from tessera.peer.request.client import Swarm
+from tessera.stages.generate import prompt_ids
 
 from .swarm_helpers import local_swarm
 
@@ -81,10 +81,10 @@ async def test_kill_mid_answer(replicated, expected, kills):
         restart(replicated, killed)
 
 
-# A line our logging printed for py-libp2p (peer/cli_logging.py): "12:00:01 WARNING libp2p.x: what: why"
+# A line our logging printed for py-libp2p (peer/cli/log_setup.py): "12:00:01 WARNING libp2p.x: what: why"
 LIBP2P_LINE = re.compile(r"^\d\d:\d\d:\d\d (?:WARNING|ERROR) libp2p[\w.]*: (?P<text>.*)$")
 DUMP_LINES = ("Registry Stats", "Protocols:", "Connection State:", "Traceback")
-DIAL_SEEN = 60.0  # s: survivors redial a dead peer within a gossip round or a ping (peer/node_config.py: 5 s)
+DIAL_SEEN = 60.0  # s: survivors redial a dead peer within a gossip round or a ping (peer/node/config.py: 5 s)
 
 
 def libp2p_lines(text: str) -> list[str]:
@@ -104,7 +104,7 @@ async def test_a_killed_peer_costs_each_survivor_and_requester_one_line_at_most(
         while not any(f":{port} " in line or dead_id in line for i in survivors for line in libp2p_lines(replicated.log(i))):
             await trio.sleep(0.2)
     requester = await trio.run_process(
-        [sys.executable, "-m", "peer.cli", "generate", PROMPT, "--join", replicated.addrs[0], "--max-tokens", "4"],
+        [sys.executable, "-m", "tessera.peer.cli.main", "generate", PROMPT, "--join", replicated.addrs[0], "--max-tokens", "4"],
         capture_stdout=True, capture_stderr=True, check=False)
     stderr = requester.stderr.decode()
     assert requester.returncode == 0, stderr

@@ -28,14 +28,14 @@ import openai
 import pytest
 import trio
 
-from peer.demo import LocalSwarm
-from peer.http_exchange import MAX_BODY_BYTES
-from peer.http_generation import StopMatcher
-from stages.constrained import JsonConstraint
-from stages.generate import prompt_ids
-from stages.json_prefix import JSON_OBJECT, compile_schema
-from stages.sampling import SamplingParams
-from store.db import PeerStore
+from tessera.peer.cli.demo import LocalSwarm
+from tessera.peer.http.exchange import MAX_BODY_BYTES
+from tessera.peer.http.generation import StopMatcher
+from tessera.stages.constrained import JsonConstraint
+from tessera.stages.generate import prompt_ids
+from tessera.stages.json_prefix import JSON_OBJECT, compile_schema
+from tessera.stages.sampling import SamplingParams
+from tessera.store.db import PeerStore
 
 from .conftest import FRANCE
 from .swarm_helpers import local_swarm
@@ -53,7 +53,7 @@ HTTP_TIMEOUT = 120.0
 @contextmanager
 def gateway_process(join: str, log: Path, *extra: str) -> Iterator[tuple[str, subprocess.Popen]]:
     """`tessera serve` on a free port; yields its base URL. Stopped with SIGTERM, which must be graceful."""
-    cmd = [sys.executable, "-m", "peer.cli", "serve", "--join", join, "--port", "0", "--threads", "1", *extra]
+    cmd = [sys.executable, "-m", "tessera.peer.cli.main", "serve", "--join", join, "--port", "0", "--threads", "1", *extra]
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + GATEWAY_STARTUP
@@ -597,7 +597,7 @@ def test_request_policy_extension_field_narrows_the_route(half_url):
 
 
 def test_admin_revoke_of_an_unknown_or_bad_peer_costs_nothing(url, capsys):
-    from peer.cli import main
+    from tessera.peer.cli.main import main
 
     error = assert_error(post(url, "/admin/revoke", {"peer": NOBODY}), 404, param="peer", code="unknown_peer")
     assert NOBODY in error["message"]

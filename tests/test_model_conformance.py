@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.errors import ModelFormatError, UnsupportedModel
-from stages.folder_check import check_folder
-from stages.generate import LocalEngine
-from stages.spec import ModelSpec
-from stages.stage import Stage
-from stages.synth import CHATML, byte_tokenizer_json
+from tessera.stages.errors import ModelFormatError, UnsupportedModel
+from tessera.stages.folder_check import check_folder
+from tessera.stages.generate import LocalEngine
+from tessera.stages.spec import ModelSpec
+from tessera.stages.stage import Stage
+from tessera.stages.synth import CHATML, byte_tokenizer_json
 
 from .swarm_helpers import local_swarm
 
@@ -150,7 +150,7 @@ def test_the_rope_base_changes_the_output(folders):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama3-tied", "mistral-window"])
 async def test_a_two_peer_swarm_matches_transformers(folders, name):
-    from peer.client import Swarm
+    from tessera.peer.request.client import Swarm
 
     folder = folders[(name, FORMS[0])]
     tokens, _ = reference_run(folder)
@@ -192,7 +192,7 @@ def test_impossible_rope_values_are_refused(folders):
 
 def test_import_refuses_a_broken_folder_and_registers_nothing(folders, tmp_path, monkeypatch):
     """Each defect gets one error naming it, and the registry stays empty."""
-    from peer.models import import_model
+    from tessera.peer.cli.model_files import import_model
     from safetensors.torch import load_file, save_file
 
     registry_root = tmp_path / "registry"
@@ -250,7 +250,7 @@ def test_import_refuses_a_broken_folder_and_registers_nothing(folders, tmp_path,
 )
 def test_rope_reading_agrees_with_transformers(rope):
     """What `read_rope` makes of a raw config dict is what transformers 5 standardises it to."""
-    from stages.spec import read_rope
+    from tessera.stages.spec import read_rope
 
     raw = {"architectures": ["LlamaForCausalLM"], **SHAPE, **rope}
     theirs = dict(transformers.LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"}).rope_parameters)

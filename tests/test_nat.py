@@ -26,24 +26,24 @@ from pathlib import Path
 import pytest
 import trio
 
-from peer.gossip import Pinger, ViewKeeper, peer_id_str
-from peer.libp2p_transport import open_libp2p_transport
-from peer.nat import PRIVATE, PUBLIC, UNKNOWN, NatService
-from peer.nat_dialback import (
+from tessera.peer.net.gossip import Pinger, ViewKeeper, peer_id_str
+from tessera.peer.net.libp2p import open_libp2p_transport
+from tessera.peer.net.nat.reachability import PRIVATE, PUBLIC, UNKNOWN, NatService
+from tessera.peer.net.nat.dialback import (
     DIALBACK_PROTOCOL,
     DialBackRequest,
     DialBackResult,
     dialback_addrs,
 )
-from peer.nat_links import ask_links
-from peer.transport import DIRECT, PING_PROTOCOL, RELAYED, Channel
-from protocol.codec import decode, encode
-from protocol.crypto import sign_record
-from protocol.errors import WireError
-from protocol.keys import Identity
-from protocol.records import PeerRecord
-from stages.generate import prompt_ids
-from store.trace import MemoryTracer
+from tessera.peer.net.nat.links import ask_links
+from tessera.peer.net.transport import DIRECT, PING_PROTOCOL, RELAYED, Channel
+from tessera.protocol.codec import decode, encode
+from tessera.protocol.crypto import sign_record
+from tessera.protocol.errors import WireError
+from tessera.protocol.keys import Identity
+from tessera.protocol.records import PeerRecord
+from tessera.stages.generate import prompt_ids
+from tessera.store.trace import MemoryTracer
 
 from . import netns
 from .conftest import FRANCE
@@ -242,7 +242,7 @@ def wait_for_line(path: Path, pattern: str, timeout: float) -> re.Match:
 def start_peer(topo: netns.NatTopology, role: str, name: str, layers: str, tmp: Path, join: str | None = None,
                *, listen: str | None = None) -> Path:
     log = tmp / f"{name}.log"
-    cmd = [PY, "-m", "peer.cli", "peer", "--threads", "1", "--listen", listen or f"/ip4/{topo.ip(role)}/tcp/4001",
+    cmd = [PY, "-m", "tessera.peer.cli.main", "peer", "--threads", "1", "--listen", listen or f"/ip4/{topo.ip(role)}/tcp/4001",
            "--layers", layers, "--name", name, "--data-dir", str(tmp / name)]
     if join:
         cmd += ["--join", join]
@@ -269,13 +269,13 @@ def nat_swarm(topo: netns.NatTopology, tmp: Path) -> dict:
 
 
 def swarm_status(topo: netns.NatTopology, relay_addr: str) -> dict:
-    done = topo.output("pub", [PY, "-m", "peer.cli", "swarm", "status", "--json", "--join", relay_addr], timeout=60)
+    done = topo.output("pub", [PY, "-m", "tessera.peer.cli.main", "swarm", "status", "--json", "--join", relay_addr], timeout=60)
     assert done.returncode == 0, done.stderr
     return {p["name"]: p for p in json.loads(done.stdout)["peers"]}
 
 
 def generate(topo: netns.NatTopology, relay_addr: str) -> dict:
-    done = topo.output("pub", [PY, "-m", "peer.cli", "generate", FRANCE, "--json", "--threads", "1",
+    done = topo.output("pub", [PY, "-m", "tessera.peer.cli.main", "generate", FRANCE, "--json", "--threads", "1",
                                "--max-tokens", str(MAX_NEW), "--join", relay_addr], timeout=GENERATE_TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from peer.demo import LocalSwarm
+from tessera.peer.cli.demo import LocalSwarm
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ RUN_LIMIT = 120  # seconds a joiner process may take in all (start-up on a loade
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> tuple[Path, Path]:
-    from peer.models import synthesise
+    from tessera.peer.cli.model_files import synthesise
 
     root = tmp_path_factory.mktemp("join")
     shape = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=300)
@@ -41,7 +41,7 @@ def keyed_peer(models):
 
 def peer(model: Path, tmp_path: Path, *args: str, until: str | None = None) -> tuple[int | None, str]:
     """Run `tessera peer`; (exit status, output). With `until`, stop it (SIGINT) once that line appears."""
-    cmd = [sys.executable, "-m", "peer.cli", "peer", "--model", str(model), "--threads", "1",
+    cmd = [sys.executable, "-m", "tessera.peer.cli.main", "peer", "--model", str(model), "--threads", "1",
            "--data-dir", str(tmp_path / "joiner"), "--join-timeout", JOIN_TIMEOUT, *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if until is None:
@@ -98,7 +98,7 @@ def test_a_peer_of_another_model_is_named(models, keyed_peer, tmp_path):
 def test_memory_too_small_for_one_layer_is_refused_with_the_number(models, tmp_path):
     status, output = peer(models[0], tmp_path, "--memory", "0.00001")
     assert status == 1, output
-    from stages.spec import ModelSpec
+    from tessera.stages.spec import ModelSpec
 
     # one float32 layer's weights over the 75% of the offer not kept for KV caches
     need = ModelSpec.from_file(models[0] / "config.json").layer_bytes(4) / 0.75 / (1 << 30)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from peer.placement import (
+from tessera.peer.plan.placement import (
     REBALANCE_MIN_GAIN,
     bottleneck,
     choose_span,
@@ -18,7 +18,7 @@ from peer.placement import (
     layer_capacity,
     plan_move,
 )
-from peer.view import DRAINING, LEAVING, LOADING, SERVING, PeerInfo, SwarmView
+from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, SERVING, PeerInfo, SwarmView
 
 MODEL = "m"
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.cbor import encode_head, loads
-from protocol.errors import InvalidCbor
+from tessera.protocol.cbor import encode_head, loads
+from tessera.protocol.errors import InvalidCbor
 
 scalars = (
     st.integers(-(2**64), 2**64 - 1)

@@ -10,8 +10,8 @@ import pytest
 from libp2p.crypto.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from libp2p.peer.id import ID
 
-from protocol.codec import decode, encode
-from protocol.crypto import (
+from tessera.protocol.codec import decode, encode
+from tessera.protocol.crypto import (
     RECORD_CONTEXT,
     EphemeralKey,
     Identity,
@@ -25,7 +25,7 @@ from protocol.crypto import (
     verify_swarm_key_proof,
     x25519_public_from_ed25519,
 )
-from protocol.errors import (
+from tessera.protocol.errors import (
     BadKey,
     BadSignature,
     BadSwarmKeyProof,
@@ -36,7 +36,7 @@ from protocol.errors import (
     UnexpectedMessage,
     WrongLink,
 )
-from protocol.messages import Heartbeat, Neighbour, PeerRecord, SealedKey, SignedRecord
+from tessera.protocol.messages import Heartbeat, Neighbour, PeerRecord, SealedKey, SignedRecord
 
 NOW = 1_700_000_000.0
 NEIGHBOUR = Identity.from_seed(bytes([7]) * 32)

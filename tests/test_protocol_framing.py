@@ -9,8 +9,8 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.errors import BadLengthPrefix, EndOfStream, FrameTooLarge, TruncatedFrame
-from protocol.framing import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame, read_frame
+from tessera.protocol.errors import BadLengthPrefix, EndOfStream, FrameTooLarge, TruncatedFrame
+from tessera.protocol.framing import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame, read_frame
 
 
 class Reader:

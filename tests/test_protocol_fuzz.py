@@ -1,7 +1,7 @@
 """Fuzzing in the normal test run: 100,000 mutated inputs into every decoder (20,000
 for the one that signs each input first), and nothing but a WireError may come out.
 
-The targets and mutations live in `protocol.fuzz` (shared with the longer campaign in
+The targets and mutations live in `tessera.protocol.fuzz` (shared with the longer campaign in
 bench/fuzz.py). Corpora are drawn from the message registry, so a message added
 later is fuzzed here without a new test. Set TESSERA_FUZZ_SEED to explore other
 seeds; a failure report shows the offending inputs in hex.
@@ -13,10 +13,10 @@ import os
 
 import pytest
 
-from protocol import schema
-from protocol.codec import decode
-from protocol.errors import WireError
-from protocol.fuzz import build_targets, random_message, run_target
+from tessera.protocol import schema
+from tessera.protocol.codec import decode
+from tessera.protocol.errors import WireError
+from tessera.protocol.fuzz import build_targets, random_message, run_target
 
 CASES = 100_000
 FEWER = {"record_body": 20_000}  # signs every input first (~170 us a case); bench/fuzz.py runs it longer

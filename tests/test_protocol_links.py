@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from protocol.activations import clear_header, open_activations, seal_activations
-from protocol.codec import decode, encode
-from protocol.errors import (
+from tessera.protocol.activations import clear_header, open_activations, seal_activations
+from tessera.protocol.codec import decode, encode
+from tessera.protocol.errors import (
     BadKey,
     CipherClosed,
     DecryptionFailed,
@@ -20,8 +20,8 @@ from protocol.errors import (
     WireError,
     WrongLink,
 )
-from protocol.links import Direction, LinkCipher
-from protocol.messages import Forward, Result
+from tessera.protocol.links import Direction, LinkCipher
+from tessera.protocol.messages import Forward, Result
 
 KEY, SESSION = os.urandom(32), os.urandom(16)
 HEADER = b"clear header: start_pos=5 n_tokens=1"

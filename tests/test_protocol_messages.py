@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
-from protocol import schema
-from protocol.codec import PROTOCOL_VERSION, decode, encode
-from protocol.errors import (
+from tessera.protocol import schema
+from tessera.protocol.codec import PROTOCOL_VERSION, decode, encode
+from tessera.protocol.errors import (
     FieldOutOfRange,
     FrameTooLarge,
     InconsistentFields,
@@ -27,7 +27,7 @@ from protocol.errors import (
     WireError,
     WrongFieldType,
 )
-from protocol.messages import Forward, GossipPush, Heartbeat, PeerRecord, SessionAccept, SignedRecord
+from tessera.protocol.messages import Forward, GossipPush, Heartbeat, PeerRecord, SessionAccept, SignedRecord
 
 ALL_TYPES = sorted(schema.message_types().items())
 _SMALL_FLOATS = st.sampled_from([0.0, 0.5, 1.0, 60.0, 1e3, 1.7e9])
@@ -174,7 +174,7 @@ def test_encode_refuses_what_decode_would_refuse() -> None:
 
 
 def test_every_error_is_a_wire_error() -> None:
-    import protocol.errors as errors
+    import tessera.protocol.errors as errors
 
     classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, Exception)]
     assert len(classes) > 25

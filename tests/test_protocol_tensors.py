@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.cbor import encode_head
-from protocol.errors import (
+from tessera.protocol.cbor import encode_head
+from tessera.protocol.errors import (
     BadTensor,
     InvalidBoolean,
     NonFiniteTensor,
@@ -21,7 +21,7 @@ from protocol.errors import (
     TensorTooLarge,
     UnsupportedDtype,
 )
-from protocol.tensors import DTYPES, TensorLimits, _swap_bytes, check_finite, decode_tensor, encode_tensor
+from tessera.protocol.tensors import DTYPES, TensorLimits, _swap_bytes, check_finite, decode_tensor, encode_tensor
 
 
 def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:

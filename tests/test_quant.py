@@ -12,7 +12,7 @@ Tolerances, derived:
   kernels are the same as ours; the int4/int8 kernels block their sums differently.
 - bfloat16 activations (the CPU default for a quantized span, SmolLM2): the difference from
   the float32 reference is bfloat16 roundoff through 30 layers, and the project already
-  bounds that: `protocol.fingerprint.tolerance("bfloat16", "float32", layers)` (16 x 2^-8 x
+  bounds that: `tessera.protocol.fingerprint.tolerance("bfloat16", "float32", layers)` (16 x 2^-8 x
   sqrt(layers), entrywise relative to |a| + |b| + the row's RMS), the bound spot checks
   hold an honest bf16 peer to against a float32 one.
 """
@@ -26,15 +26,15 @@ import sys
 import pytest
 import torch
 
-from peer.node_config import capacity_in_layers
-from protocol.fingerprint import relative_difference, tolerance
-from stages.generate import pick_dtype, prompt_ids
-from stages.quant import (
+from tessera.peer.node.config import capacity_in_layers
+from tessera.protocol.fingerprint import relative_difference, tolerance
+from tessera.stages.generate import pick_dtype, prompt_ids
+from tessera.stages.quant import (
     BLOCK_LINEARS, NO_QUANT, Int4Linear, Int8Linear, Quant, QuantError, base_model_id, dense_block, dense_weight, layer_bytes,
     model_tag, quantize_linear,
 )
-from stages.spec import ModelSpec
-from stages.stage import Stage
+from tessera.stages.spec import ModelSpec
+from tessera.stages.stage import Stage
 
 from .conftest import FRANCE
 
@@ -214,8 +214,8 @@ def test_smollm2_bfloat16_tokens_and_logits_against_the_dequantized_model(smol_q
 QUANT_SPAN_RSS = """
 import gc, sys, psutil, torch
 from pathlib import Path
-from stages.stage import Stage
-from stages.quant import Quant
+from tessera.stages.stage import Stage
+from tessera.stages.quant import Quant
 torch.set_num_threads(1)
 me = psutil.Process()
 warm = Stage.load(Path(sys.argv[1]), start=0, end=1, quant=Quant.parse(sys.argv[2]), dtype=torch.bfloat16)
@@ -256,9 +256,9 @@ def test_quantized_span_resident_memory(smol_dir, scheme):  # layers [0, 15) of 
 
 
 def test_command_line_quant_options():
-    from peer.cli import build_parser
-    from peer.cli_peer import config_from
-    from peer.errors import ConfigError
+    from tessera.peer.cli.main import build_parser
+    from tessera.peer.cli.peer import config_from
+    from tessera.peer.base.errors import ConfigError
 
     parser = build_parser()
     args = parser.parse_args(["peer", "--quant", "int4", "--quant-group", "64"])

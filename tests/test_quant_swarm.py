@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from peer.client import Swarm
-from stages.generate import LocalEngine, prompt_ids
-from stages.quant import Quant
+from tessera.peer.request.client import Swarm
+from tessera.stages.generate import LocalEngine, prompt_ids
+from tessera.stages.quant import Quant
 
 from .conftest import FRANCE
 from .swarm_helpers import local_swarm

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 from libp2p.peer.id import ID
 
-from peer.errors import ConfigError
-from peer.http_requests import ApiError, parse_chat
-from peer.requester_policy import (
+from tessera.peer.base.errors import ConfigError
+from tessera.peer.http.requests import ApiError, parse_chat
+from tessera.peer.request.policy import (
     PREFER_FACTOR, BadPeerId, RequesterPolicy, check_peer_id, explain_gaps, read_peer_ids,
 )
-from peer.routing import route
-from peer.view import PeerInfo, SwarmView
-from protocol.keys import Identity
+from tessera.peer.plan.routing import route
+from tessera.peer.plan.view import PeerInfo, SwarmView
+from tessera.protocol.keys import Identity
 
 REQ = "requester"
 

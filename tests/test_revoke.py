@@ -17,13 +17,13 @@ import pytest
 import trio
 from libp2p.peer.id import ID
 
-from peer.cli import main
-from peer.client import Swarm
-from peer.errors import UnknownPeer
-from peer.requester_policy import BadPeerId
-from protocol.keys import Identity
-from stages.generate import prompt_ids
-from store.db import PeerStore
+from tessera.peer.cli.main import main
+from tessera.peer.request.client import Swarm
+from tessera.peer.base.errors import UnknownPeer
+from tessera.peer.request.policy import BadPeerId
+from tessera.protocol.keys import Identity
+from tessera.stages.generate import prompt_ids
+from tessera.store.db import PeerStore
 
 from .swarm_helpers import local_swarm
 

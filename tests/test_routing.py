@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from peer import routing
-from peer.routing import (
+from tessera.peer.plan import routing
+from tessera.peer.plan.routing import (
     DEFAULT_RTT_MS,
     NO_ROUTE,
     Hop,
@@ -22,7 +22,7 @@ from peer.routing import (
     route_cost,
     rtt_ms,
 )
-from peer.view import DRAINING, LEAVING, LOADING, STATES, PeerInfo, SwarmView
+from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, STATES, PeerInfo, SwarmView
 
 MODEL = "m"
 REQ = "req"

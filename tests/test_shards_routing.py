@@ -6,13 +6,13 @@ import os
 
 import pytest
 
-from peer.routing import Hop, route
-from peer.shard_groups import group_as_peer, group_hop_id, replica_coverage, shard_groups
-from peer.view import PeerInfo, SwarmView
-from protocol.codec import decode, encode
-from protocol.errors import InconsistentFields
-from protocol.messages import SealedKey
-from protocol.shards import Collective, ShardOpen, ShardPeer
+from tessera.peer.plan.routing import Hop, route
+from tessera.peer.plan.groups import group_as_peer, group_hop_id, replica_coverage, shard_groups
+from tessera.peer.plan.view import PeerInfo, SwarmView
+from tessera.protocol.codec import decode, encode
+from tessera.protocol.errors import InconsistentFields
+from tessera.protocol.messages import SealedKey
+from tessera.protocol.shards import Collective, ShardOpen, ShardPeer
 
 REQ = "req"
 
@@ -107,10 +107,10 @@ def test_shard_open_invariants():
 
 
 def test_a_route_with_groups_runs_as_segments_joined_at_the_requester():
-    from peer.route_session import RequesterContext, RouteSession
-    from peer.routing import Route
-    from peer.shard_route import build_segments, has_groups, span_of
-    from peer.shard_session import GroupSession
+    from tessera.peer.request.chain import RequesterContext, RouteSession
+    from tessera.peer.plan.routing import Route
+    from tessera.peer.request.segmented import build_segments, has_groups, span_of
+    from tessera.peer.request.group import GroupSession
 
     ctx = RequesterContext(transport=None, identity=None, keeper=None, nursery=None, num_layers=8, hidden_size=64)
     group = Hop(group_hop_id("g", 2, 5, 2), 2, 5, group="g", members=("s0", "s1"))
@@ -124,7 +124,7 @@ def test_a_route_with_groups_runs_as_segments_joined_at_the_requester():
 
 
 def test_a_ranks_error_blames_the_rank_it_names():
-    from peer.shard_session import culprit
+    from tessera.peer.request.group import culprit
 
     members = ["12D3KooWA", "12D3KooWB", "12D3KooWC"]
     assert culprit("compute-failed: step 3: shard peer 12D3KooWC (rank 2) failed: its link closed", members,

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from peer.shard_audit import REQUESTER, check
-from stages.sharded import ShardError, ShardedStage
-from stages.spec import ModelSpec
-from stages.stage import Stage
+from tessera.peer.plan.audit import REQUESTER, check
+from tessera.stages.sharded import ShardError, ShardedStage
+from tessera.stages.spec import ModelSpec
+from tessera.stages.stage import Stage
 
 from .shard_helpers import DECODE_STEPS, LOGITS_TOLERANCE, InProcessGroup, greedy_run
 
@@ -20,7 +20,7 @@ PROMPT = [1, 504, 3458, 282, 4649, 30, 216, 10, 45, 99, 7, 1000]
 @pytest.fixture(scope="module")
 def synth_models(tmp_path_factory):
     """Shapes a group of 2 and of 4 can split: 8 heads / 4 KV heads, hidden 128, MLP 256."""
-    from peer.models import synthesise
+    from tessera.peer.cli.model_files import synthesise
 
     base = tmp_path_factory.mktemp("shard-synth")
     shape = dict(hidden=128, layers=4, heads=8, kv_heads=4, intermediate=256, vocab=320)

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from peer.client import Swarm
-from peer.demo import LocalSwarm
-from peer.errors import SessionRefused
-from peer.route_session import RouteSession
-from peer.routing import Hop, Route
-from peer.shard_audit import check
-from peer.shard_route import SegmentedSession
-from stages.generate import LocalEngine
-from stages.stage import Stage
-from store.trace import MemoryTracer
+from tessera.peer.request.client import Swarm
+from tessera.peer.cli.demo import LocalSwarm
+from tessera.peer.base.errors import SessionRefused
+from tessera.peer.request.chain import RouteSession
+from tessera.peer.plan.routing import Hop, Route
+from tessera.peer.plan.audit import check
+from tessera.peer.request.segmented import SegmentedSession
+from tessera.stages.generate import LocalEngine
+from tessera.stages.stage import Stage
+from tessera.store.trace import MemoryTracer
 
 from .shard_helpers import (
     DECODE_STEPS, LOGITS_TOLERANCE, collect_audit, greedy_run, group_hop, network_greedy, rank_args, wait_for_peers,
@@ -28,7 +28,7 @@ TWO, FOUR = ["peer0", "peer1"], ["peer2", "peer3", "peer4", "peer5"]
 
 @pytest.fixture(scope="module")
 def synth(tmp_path_factory):
-    from peer.models import synthesise
+    from tessera.peer.cli.model_files import synthesise
 
     out = tmp_path_factory.mktemp("shard-swarm") / "synth"
     return synthesise(out, hidden=128, layers=4, heads=8, kv_heads=4, intermediate=256, vocab=320, seed=11)
@@ -89,7 +89,7 @@ async def test_a_rank_alone_refuses_a_plain_session(procs, synth):
 
 
 async def test_swarm_status_shows_the_groups(procs, synth):
-    from peer.status import format_status, gather_status
+    from tessera.peer.cli.status import format_status, gather_status
 
     report = await gather_status(procs.addrs[:1], model=str(synth))
     groups = {g["group"]: g for g in report["groups"]}

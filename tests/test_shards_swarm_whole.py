@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from peer.client import Swarm
-from peer.demo import LocalSwarm
-from peer.shard_audit import check
-from store.trace import MemoryTracer
+from tessera.peer.request.client import Swarm
+from tessera.peer.cli.demo import LocalSwarm
+from tessera.peer.plan.audit import check
+from tessera.store.trace import MemoryTracer
 
 from .shard_helpers import (
     DECODE_STEPS, LOGITS_TOLERANCE, collect_audit, greedy_run, group_hop, group_sessions, network_greedy, open_forced,

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from peer.sim import dumps, format_summary, from_trace, simulate, synthetic
-from peer.sim.errors import BadScenario, UnknownPolicy
-from peer.sim.scenario import PeerPlan, RequestPlan, Scenario
-from peer.sim.world import Timings
+from tessera.peer.sim import dumps, format_summary, from_trace, simulate, synthetic
+from tessera.peer.sim.errors import BadScenario, UnknownPolicy
+from tessera.peer.sim.scenario import PeerPlan, RequestPlan, Scenario
+from tessera.peer.sim.world import Timings
 
-TIMINGS = Timings()  # a real peer's periods (peer/node.py)
+TIMINGS = Timings()  # a real peer's periods (peer/node/peer_node.py)
 
 
 def small_swarm(seed: int = 5) -> Scenario:
@@ -95,7 +95,7 @@ def test_a_peer_killed_mid_answer_is_replaced_and_the_answer_completes():
 
 
 def test_policies_compared_on_a_fixed_synthetic_swarm(capsys):
-    """default (peer/placement.py) against random placement, on the same scenario and seed."""
+    """default (peer/plan/placement.py) against random placement, on the same scenario and seed."""
     scenario = synthetic(peers=10, requests=16, seed=3, capacity=(5, 10), prompt=(4, 12), tokens=(2, 4))
     results = {name: simulate(scenario, policy=name, seed=0)["summary"] for name in ("default", "random")}
     with capsys.disabled():
@@ -137,9 +137,9 @@ def test_the_default_policys_shortcut_never_hides_a_move_plan_move_would_make():
     """DefaultPolicy.cannot_move skips plan_move only where plan_move would say no."""
     import random as stdlib_random
 
-    from peer.placement import plan_move
-    from peer.sim.policies import DefaultPolicy
-    from peer.view import DRAINING, LOADING, PeerInfo, SwarmView
+    from tessera.peer.plan.placement import plan_move
+    from tessera.peer.sim.policies import DefaultPolicy
+    from tessera.peer.plan.view import DRAINING, LOADING, PeerInfo, SwarmView
 
     rng = stdlib_random.Random(11)
     policy = DefaultPolicy()

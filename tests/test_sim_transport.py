@@ -7,18 +7,18 @@ import torch
 import trio
 from libp2p.peer.id import ID
 
-from peer.errors import PeerFailed, PeerUnreachable, StreamClosed
-from peer.gossip import Gossip, ViewKeeper
-from peer.libp2p_transport import DIAL_TIMEOUT
-from peer.memory_transport import DIAL_RTTS, OPEN_RTTS, LinkSpec, MemoryNetwork, open_memory_transport
-from peer.route_session import RequesterContext, RouteSession
-from peer.routing import Hop, Route
-from peer.server import StageServer
-from peer.sim.stage import SimStage, cost_model, sim_spec
-from protocol.crypto import sign_record
-from protocol.keys import Identity
-from protocol.records import PeerRecord
-from store.trace import MemoryTracer
+from tessera.peer.base.errors import PeerFailed, PeerUnreachable, StreamClosed
+from tessera.peer.net.gossip import Gossip, ViewKeeper
+from tessera.peer.net.libp2p import DIAL_TIMEOUT
+from tessera.peer.net.memory import DIAL_RTTS, OPEN_RTTS, LinkSpec, MemoryNetwork, open_memory_transport
+from tessera.peer.request.chain import RequesterContext, RouteSession
+from tessera.peer.plan.routing import Hop, Route
+from tessera.peer.serve.server import StageServer
+from tessera.peer.sim.stage import SimStage, cost_model, sim_spec
+from tessera.protocol.crypto import sign_record
+from tessera.protocol.keys import Identity
+from tessera.protocol.records import PeerRecord
+from tessera.store.trace import MemoryTracer
 
 LATENCY = 0.05
 RTT = 2 * LATENCY

@@ -9,15 +9,15 @@ import pytest
 import torch
 import trio
 
-from peer.client import Swarm
-from peer.emulated_link import LinkEmulation
-from peer.generation import Speculation, plain_tokens, speculative_tokens
-from peer.recovery import Pending
-from stages.generate import prompt_ids
-from stages.sampling import Sampler, SamplingParams
-from stages.speculative import AdaptiveK, ModelDrafter, NgramDrafter, greedy_accept
-from stages.stage import Stage
-from store.trace import MemoryTracer
+from tessera.peer.request.client import Swarm
+from tessera.peer.net.emulated import LinkEmulation
+from tessera.peer.request.decode import Speculation, plain_tokens, speculative_tokens
+from tessera.peer.request.repair import Pending
+from tessera.stages.generate import prompt_ids
+from tessera.stages.sampling import Sampler, SamplingParams
+from tessera.stages.speculative import AdaptiveK, ModelDrafter, NgramDrafter, greedy_accept
+from tessera.stages.stage import Stage
+from tessera.store.trace import MemoryTracer
 
 from .swarm_helpers import local_swarm
 
@@ -234,13 +234,13 @@ def test_greedy_accept_stops_at_near_ties():
 
 async def test_the_distribution_test_catches_a_biased_rule(tiny_llama, monkeypatch):
     """Control: accepting every draft token (ignoring p/q) must be detected."""
-    import peer.generation
+    import tessera.peer.request.decode
 
     def always_accept(logits, draft, sampler):
         k = len(draft.tokens)
         return k, sampler.draw(sampler.distribution(logits[k]))
 
-    monkeypatch.setattr(peer.generation, "sampling_accept", always_accept)
+    monkeypatch.setattr(tessera.peer.request.decode, "sampling_accept", always_accept)
     stage = peaky_model(tiny_llama)
     draft = Stage(stage.spec, 0, list(stage.blocks[:2]), embedding=stage.embedding, norm=stage.norm, head=stage.head)
     plain = await sample_many(stage, None, 600, temperature=1.0)

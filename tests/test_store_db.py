@@ -6,9 +6,9 @@ import sqlite3
 
 import pytest
 
-from store import schema
-from store.db import PeerStore, hour_bucket
-from store.errors import (
+from tessera.store import schema
+from tessera.store.db import PeerStore, hour_bucket
+from tessera.store.errors import (
     BadRecord,
     NotJSON,
     ReadOnlyStore,
@@ -17,7 +17,7 @@ from store.errors import (
     SchemaTooNew,
     StoreClosed,
 )
-from store.reputation import BAN_BASE_S, MAX_REPORT_BYTES, Ban
+from tessera.store.reputation import BAN_BASE_S, MAX_REPORT_BYTES, Ban
 
 
 @pytest.fixture

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from store.errors import NotATraceDatabase
-from store.export import export_jsonl, export_perfetto, to_perfetto, validate_perfetto
-from store.plot import plot_timeline
-from store.timeline import Event, estimate_offsets, load_timeline
-from store.trace import TraceWriter
+from tessera.store.errors import NotATraceDatabase
+from tessera.store.export import export_jsonl, export_perfetto, to_perfetto, validate_perfetto
+from tessera.store.plot import plot_timeline
+from tessera.store.timeline import Event, estimate_offsets, load_timeline
+from tessera.store.trace import TraceWriter
 
 EPOCH = 1_760_000_000.0
 REQ, A, B = "12D3KooWRequester", "12D3KooWAlpha", "12D3KooWBravo"

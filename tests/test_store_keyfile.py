@@ -7,8 +7,8 @@ import stat
 
 import pytest
 
-from store.errors import KeyFileTooOpen, KeyFileWrongSize
-from store.keyfile import SEED_BYTES, load_or_create_key
+from tessera.store.errors import KeyFileTooOpen, KeyFileWrongSize
+from tessera.store.keyfile import SEED_BYTES, load_or_create_key
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="file modes are a POSIX notion")
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from store import schema
-from store.db import PeerStore
-from store.errors import BadTraceField, NotJSON, StoreClosed, UnknownEventKind
-from store.trace import EVENT_KINDS, MemoryTracer, NullTracer, Tracer, TraceWriter
+from tessera.store import schema
+from tessera.store.db import PeerStore
+from tessera.store.errors import BadTraceField, NotJSON, StoreClosed, UnknownEventKind
+from tessera.store.trace import EVENT_KINDS, MemoryTracer, NullTracer, Tracer, TraceWriter
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -197,7 +197,7 @@ def test_emit_does_not_wait_for_a_locked_database(tmp_path, monkeypatch):
 
 CHILD = r"""
 import sys, time
-from store.trace import TraceWriter
+from tessera.store.trace import TraceWriter
 tracer = TraceWriter(sys.argv[1], peer="victim", flush_interval=0.25)
 i = 0
 while True:

@@ -6,10 +6,10 @@ import psutil
 import pytest
 import trio
 
-from peer.client import Swarm
-from peer.errors import NoRoute
-from stages.generate import prompt_ids
-from store.db import PeerStore
+from tessera.peer.request.client import Swarm
+from tessera.peer.base.errors import NoRoute
+from tessera.stages.generate import prompt_ids
+from tessera.store.db import PeerStore
 
 from .conftest import FRANCE
 from .swarm_helpers import local_swarm
@@ -113,9 +113,9 @@ async def test_other_swarm_shapes_match(spans, smol_dir, local_engine, smol_toke
 async def test_each_peer_loaded_only_its_span(smol_dir):
     """Resident memory, after each peer ran a step (weights are memory-mapped until used): a
     10-layer peer holds about 20 layers' bytes less than a 30-layer one."""
-    from peer.route_session import RouteSession
-    from peer.routing import Hop, Route
-    from stages.spec import ModelSpec
+    from tessera.peer.request.chain import RouteSession
+    from tessera.peer.plan.routing import Hop, Route
+    from tessera.stages.spec import ModelSpec
 
     layer = ModelSpec.from_file(smol_dir / "config.json").layer_bytes(4)
     with local_swarm([(0, 10), (0, 30)]) as peers:
@@ -135,9 +135,9 @@ async def test_each_peer_loaded_only_its_span(smol_dir):
 async def test_session_beyond_limits_is_refused_then_routed_elsewhere(smol_dir, local_engine, smol_tokenizer):
     """Peers with one session slot: a second session is refused with a clear code, the
     requester routes to the replica, and when every replica is full it reports NoRoute."""
-    from peer.errors import SessionRefused
-    from peer.route_session import RouteSession
-    from peer.routing import Hop, Route
+    from tessera.peer.base.errors import SessionRefused
+    from tessera.peer.request.chain import RouteSession
+    from tessera.peer.plan.routing import Hop, Route
 
     with local_swarm([(0, 30), (0, 30)], extra=["--max-sessions", "1"]) as peers:
         async with Swarm.join(peers.addrs[:1]) as swarm:

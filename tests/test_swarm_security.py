@@ -16,15 +16,15 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
 
-from peer.errors import PeerUnreachable
-from peer.gossip import Gossip, ViewKeeper
-from peer.libp2p_transport import open_libp2p_transport
-from peer.transport import GOSSIP_PROTOCOL, Channel
-from protocol.codec import encode
-from protocol.crypto import RECORD_CONTEXT, sign_record
-from protocol.keys import Identity
-from protocol.records import GossipPush, PeerRecord, SignedRecord
-from stages import registry
+from tessera.peer.base.errors import PeerUnreachable
+from tessera.peer.net.gossip import Gossip, ViewKeeper
+from tessera.peer.net.libp2p import open_libp2p_transport
+from tessera.peer.net.transport import GOSSIP_PROTOCOL, Channel
+from tessera.protocol.codec import encode
+from tessera.protocol.crypto import RECORD_CONTEXT, sign_record
+from tessera.protocol.keys import Identity
+from tessera.protocol.records import GossipPush, PeerRecord, SignedRecord
+from tessera.stages import registry
 
 from .conftest import FRANCE
 from .swarm_helpers import local_swarm
@@ -62,7 +62,7 @@ async def test_the_swarm_key_gates_joining():
 def test_a_requester_without_the_swarm_key_gets_a_clear_error(smol_dir, tmp_path):
     key = os.urandom(32).hex()
     with local_swarm([(0, 30)], extra=["--swarm-key", key]) as peers:
-        cmd = [sys.executable, "-m", "peer.cli", "generate", FRANCE, "--join", peers.addrs[0], "--json", "--threads", "1"]
+        cmd = [sys.executable, "-m", "tessera.peer.cli.main", "generate", FRANCE, "--join", peers.addrs[0], "--json", "--threads", "1"]
         wrong = subprocess.run([*cmd, "--swarm-key", os.urandom(32).hex()], capture_output=True, text=True, timeout=120)
         assert wrong.returncode != 0 and wrong.stderr.startswith("error: "), wrong.stderr
         assert "Traceback" not in wrong.stderr

@@ -10,13 +10,13 @@ import pytest
 import trio
 from libp2p.peer.id import ID
 
-from peer.cli import main
-from peer.client import Swarm
-from protocol.keys import Identity
-from stages.generate import prompt_ids
-from store.export import validate_perfetto
-from store.timeline import load_timeline
-from store.trace import TraceWriter
+from tessera.peer.cli.main import main
+from tessera.peer.request.client import Swarm
+from tessera.protocol.keys import Identity
+from tessera.stages.generate import prompt_ids
+from tessera.store.export import validate_perfetto
+from tessera.store.timeline import load_timeline
+from tessera.store.trace import TraceWriter
 
 from .conftest import FRANCE
 from .swarm_helpers import local_swarm
@@ -158,7 +158,7 @@ def test_simulate_gives_the_same_bytes_in_another_process_with_another_hash_seed
     outs = []
     for hash_seed in ("1", "4242"):
         out = tmp_path / f"r{hash_seed}.json"
-        subprocess.run([sys.executable, "-m", "peer.cli", "simulate", "--peers", "5", "--requests", "4",
+        subprocess.run([sys.executable, "-m", "tessera.peer.cli.main", "simulate", "--peers", "5", "--requests", "4",
                         "--churn", "1", "--seed", "3", "--report", str(out)],
                        check=True, capture_output=True, env={**os.environ, "PYTHONHASHSEED": hash_seed})
         outs.append(out.read_bytes())

@@ -1,8 +1,8 @@
 """The operator's TUI, driven by Textual's pilot over a real peer in a loopback swarm.
 
-The peer under the UI is an in-process `PeerNode` behind `tui.bridge.PeerHandle`
+The peer under the UI is an in-process `PeerNode` behind `tessera.tui.bridge.PeerHandle`
 (its own trio thread, as `tessera peer --tui` runs it); the rest of the swarm is a
-real `tessera peer` process; requests come from a `peer.client.Swarm` in another
+real `tessera peer` process; requests come from a `tessera.peer.request.client.Swarm` in another
 thread. Textual runs on asyncio, so each UI test is a plain function that runs its
 scenario with `asyncio.run` (this suite's async tests run under trio).
 """
@@ -21,22 +21,22 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peer.client import Swarm
-from peer.demo import memory_for_layers
-from peer.errors import NoRoute, SessionRefused
-from peer.node import PeerConfig, PeerNode
-from peer.route_session import RouteSession
-from peer.routing import Hop, Route
-from stages.generate import prompt_ids
-from store.db import PeerStore
-from store.trace import EVENT_KINDS
-from tui.app import TesseraApp
-from tui.bridge import PeerHandle, PeerNotRunning
-from tui.events import NOISY_KINDS, EventFilter, last_id, read_backlog
-from tui.panels import LedgerPanel, LivePanel, PeerHeader, PeerPanel, SwarmPanel
-from tui.rates import RECENT, RateHistory
-from tui.render import coverage_strip, event_line, gaps_text, span_bar, state_word
-from tui.screens import ConfirmScreen, HelpScreen, MemoryDialog, parse_gb
+from tessera.peer.request.client import Swarm
+from tessera.peer.cli.demo import memory_for_layers
+from tessera.peer.base.errors import NoRoute, SessionRefused
+from tessera.peer.node.peer_node import PeerConfig, PeerNode
+from tessera.peer.request.chain import RouteSession
+from tessera.peer.plan.routing import Hop, Route
+from tessera.stages.generate import prompt_ids
+from tessera.store.db import PeerStore
+from tessera.store.trace import EVENT_KINDS
+from tessera.tui.app import TesseraApp
+from tessera.tui.bridge import PeerHandle, PeerNotRunning
+from tessera.tui.events import NOISY_KINDS, EventFilter, last_id, read_backlog
+from tessera.tui.panels import LedgerPanel, LivePanel, PeerHeader, PeerPanel, SwarmPanel
+from tessera.tui.rates import RECENT, RateHistory
+from tessera.tui.render import coverage_strip, event_line, gaps_text, span_bar, state_word
+from tessera.tui.screens import ConfirmScreen, HelpScreen, MemoryDialog, parse_gb
 
 from .conftest import FRANCE
 from .swarm_helpers import local_swarm
@@ -133,7 +133,7 @@ def test_event_filter_parses_kinds_words_and_all():
 
 
 def test_trace_tail_is_found_without_reading_the_whole_trace(tmp_path):
-    from store.trace import TraceWriter
+    from tessera.store.trace import TraceWriter
 
     with PeerStore(tmp_path / "t.db") as store:
         tracer = TraceWriter(store, peer="me")
@@ -556,7 +556,7 @@ def test_events_tail_filter_typing_and_operator_events(ui_peer):
             assert log.scroll_y == 0  # left where the operator is reading
             log.scroll_end(animate=False)
             await pilot.pause()
-            logging.getLogger("peer.gossip").warning("a warning while the UI runs")
+            logging.getLogger("tessera.peer.net.gossip").warning("a warning while the UI runs")
             await until(pilot, lambda: "a warning while the UI runs" in log_text(app), "the warning")
             await pilot.pause()
             assert at_tail(log)  # back at the end: following again

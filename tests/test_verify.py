@@ -12,21 +12,21 @@ import torch
 import trio
 from safetensors.torch import load_file, save_file
 
-from peer.client import Swarm
-from peer.memory_transport import LinkSpec, MemoryNetwork, open_memory_transport
-from peer.misbehave import perturber
-from peer.server import StageServer
-from peer.verify import CheckPolicy, judge_report
-from protocol.attest import MisbehaviourReport, Witness, sign_report, verify_report
-from protocol.codec import decode, encode
-from protocol.crypto import sign_record
-from protocol.errors import WireError
-from protocol.fingerprint import fingerprint_bytes, full_rows_agree, rows_agree, tolerance
-from protocol.keys import Identity
-from protocol.records import PeerRecord
-from stages import registry
-from stages.generate import LocalEngine, prompt_ids
-from stages.stage import Stage
+from tessera.peer.request.client import Swarm
+from tessera.peer.net.memory import LinkSpec, MemoryNetwork, open_memory_transport
+from tessera.peer.serve.faults import perturber
+from tessera.peer.serve.server import StageServer
+from tessera.peer.request.verify import CheckPolicy, judge_report
+from tessera.protocol.attest import MisbehaviourReport, Witness, sign_report, verify_report
+from tessera.protocol.codec import decode, encode
+from tessera.protocol.crypto import sign_record
+from tessera.protocol.errors import WireError
+from tessera.protocol.fingerprint import fingerprint_bytes, full_rows_agree, rows_agree, tolerance
+from tessera.protocol.keys import Identity
+from tessera.protocol.records import PeerRecord
+from tessera.stages import registry
+from tessera.stages.generate import LocalEngine, prompt_ids
+from tessera.stages.stage import Stage
 
 from .swarm_helpers import local_swarm
 
@@ -40,7 +40,7 @@ CHEAT_RATE = 0.05
 def decisive_model(tmp_path_factory) -> Path:
     """A tiny random model whose greedy choices have wide margins (embedding and head scaled
     up), so that a small perturbation is detectable without flipping every token."""
-    from peer.models import synthesise
+    from tessera.peer.cli.model_files import synthesise
 
     folder = synthesise(tmp_path_factory.mktemp("decisive") / "m", hidden=64, layers=4, heads=4, kv_heads=2,
                         intermediate=128, vocab=300, seed=5)
@@ -161,7 +161,7 @@ async def test_real_swarm_end_to_end(smol_dir, local_engine, smol_tokenizer):
             await trio.sleep(1.0)
         stored = []
         for i in (0, 2, 3):
-            from store.db import PeerStore
+            from tessera.store.db import PeerStore
 
             with PeerStore(peers.base_dir / f"peer{i}" / "tessera.db", readonly=True) as store:
                 stored.append(len(store.reports(accused=cheater)))
@@ -203,8 +203,8 @@ def test_honest_peers_on_different_dtypes_are_never_flagged(smol_dir, smol_stage
 
 def make_report(reporter: Identity, accused_rows, witness_rows, *, tamper=None):
     """A report built like SpotChecker.build_report, from in-process parties."""
-    from protocol.attest import Attestation, ReportBody, sha256, sign_attestation
-    from protocol.tensors import encode_tensor
+    from tessera.protocol.attest import Attestation, ReportBody, sha256, sign_attestation
+    from tessera.protocol.tensors import encode_tensor
 
     inputs = torch.randn(1, 8)
     inputs_hash = sha256(encode_tensor(inputs))

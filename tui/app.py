@@ -1,6 +1,6 @@
 """The operator's terminal UI: `tessera peer ... --tui`.
 
-    from tui.app import run_with_tui
+    from tessera.tui.app import run_with_tui
     run_with_tui(PeerNode(config))    # serves while the UI runs; `q` leaves gracefully
 
 The peer runs in its own thread behind a `PeerHandle` (tui/bridge.py: why a thread,
@@ -33,17 +33,17 @@ from textual.reactive import var
 from textual.widgets import Footer, Input, RichLog
 from textual.worker import get_current_worker
 
-from peer.node import MOVE_GRACE, PeerNode
-from store.errors import StoreError
+from tessera.peer.node.peer_node import MOVE_GRACE, PeerNode
+from tessera.store.errors import StoreError
 
-from .bridge import SNAPSHOT_INTERVAL, PeerHandle, PeerNotRunning
-from .event_log import EventsPanel
-from .events import StoreReader
-from .panels import LedgerPanel, LivePanel, PeerHeader, PeerPanel, SwarmPanel
-from .rates import RateHistory
-from .render import fmt_span, state_word
-from .screens import ConfirmScreen, HelpScreen, MemoryDialog
-from .terminal import driver_for, logs_to, ui_terminal
+from tessera.tui.bridge import SNAPSHOT_INTERVAL, PeerHandle, PeerNotRunning
+from tessera.tui.event_log import EventsPanel
+from tessera.tui.events import StoreReader
+from tessera.tui.panels import LedgerPanel, LivePanel, PeerHeader, PeerPanel, SwarmPanel
+from tessera.tui.rates import RateHistory
+from tessera.tui.render import fmt_span, state_word
+from tessera.tui.screens import ConfirmScreen, HelpScreen, MemoryDialog
+from tessera.tui.terminal import driver_for, logs_to, ui_terminal
 
 LEDGER_INTERVAL = 2.0  # seconds between ledger reads: it changes once per step, a person reads it slower
 FINISH_MARGIN = 10.0  # beyond the peer's leave grace, for it to close its host and store

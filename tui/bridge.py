@@ -41,9 +41,9 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
-from peer.node import PeerNode
+from tessera.peer.node.peer_node import PeerNode
 
-from .snapshot import preview_memory, read_snapshot, stopped_snapshot
+from tessera.tui.snapshot import preview_memory, read_snapshot, stopped_snapshot
 
 log = logging.getLogger(__name__)
 

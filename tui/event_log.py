@@ -20,10 +20,10 @@ from textual.reactive import reactive
 from textual.widgets import Input, RichLog
 from textual.worker import Worker, get_current_worker
 
-from store.errors import StoreError
+from tessera.store.errors import StoreError
 
-from .events import EventFilter, StoreReader, read_backlog, read_new
-from .render import event_line, shorten_ids
+from tessera.tui.events import EventFilter, StoreReader, read_backlog, read_new
+from tessera.tui.render import event_line, shorten_ids
 
 POLL_INTERVAL = 1.0  # seconds between reads of new events: a person reads a log no faster
 KEPT_LINES = 1000  # lines the log keeps for scrolling back

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from store.db import PeerStore
-from store.errors import StoreClosed
-from store.trace import EVENT_KINDS
+from tessera.store.db import PeerStore
+from tessera.store.errors import StoreClosed
+from tessera.store.trace import EVENT_KINDS
 
 NOISY_KINDS = ("forward", "push", "receive", "advertise", "token", "result", "audit")
 QUIET_KINDS = tuple(k for k in EVENT_KINDS if k not in NOISY_KINDS)

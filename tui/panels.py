@@ -17,7 +17,7 @@ from textual.reactive import reactive, var
 from textual.widget import Widget
 from textual.widgets import Sparkline, Static
 
-from .render import (
+from tessera.tui.render import (
     coverage_strip, fmt_bytes, fmt_duration, fmt_gb, fmt_ms, fmt_rate, fmt_span, gaps_text, meter, short_id,
     span_bar, state_word,
 )

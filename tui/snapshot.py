@@ -1,6 +1,6 @@
 """What the TUI draws, read from a live `PeerNode` as plain data — on the peer's trio side.
 
-`read_snapshot(node)` runs in the peer's thread (called by `tui.bridge.PeerHandle`
+`read_snapshot(node)` runs in the peer's thread (called by `tessera.tui.bridge.PeerHandle`
 between the peer's own tasks, so nothing changes under it) and returns a dict of
 plain values — copies, never the node's own objects — that the UI thread may keep
 and read at leisure. It extends `PeerNode.status()` with what the operator's screen
@@ -27,10 +27,10 @@ import math
 import time
 from typing import Any
 
-from peer.node import PeerNode, capacity_in_layers
-from peer.placement import choose_span
-from peer.server import ServerStats
-from peer.view import SERVING
+from tessera.peer.node.peer_node import PeerNode, capacity_in_layers
+from tessera.peer.plan.placement import choose_span
+from tessera.peer.serve.server import ServerStats
+from tessera.peer.plan.view import SERVING
 
 ZERO_STATS = {f.name: 0 for f in dataclasses.fields(ServerStats)}
 
@@ -43,7 +43,7 @@ def read_snapshot(node: PeerNode) -> dict[str, Any]:
     now = time.monotonic()
     me = base["peer_id"]
     own = view.get(me) if me else None
-    nat = base.get("nat") or {}  # peer/nat.py's view of links: knows "punched" from "direct"
+    nat = base.get("nat") or {}  # peer/net/nat/reachability.py's view of links: knows "punched" from "direct"
     link_kinds = nat.get("links") or {}
     active = [] if server is None else [
         {"id": s.short_id, "requester": s.requester, "span": [s.start, s.end], "steps": s.steps,

@@ -25,7 +25,7 @@ import os
 import sys
 from typing import Callable, Iterator, TextIO
 
-from peer.cli_logging import DATE_FORMAT
+from tessera.peer.cli.log_setup import DATE_FORMAT
 
 TTY = "/dev/tty"
 LINE_FORMAT = "%(levelname)s %(name)s: %(message)s"  # the Events panel puts the time in front
@@ -104,7 +104,7 @@ class LinesHandler(logging.Handler):
 def logs_to(out: Callable[[str], None]) -> Iterator[LinesHandler]:
     """While the block runs: records go to `out`, and handlers of ours writing to a terminal pause.
 
-    A handler of ours (`peer.cli_logging.install`) that writes to a file (stderr
+    A handler of ours (`tessera.peer.cli.log_setup.install`) that writes to a file (stderr
     redirected) keeps writing: the file is the log the operator asked for. Its filters
     (one line per libp2p event) apply to `out` too.
     """

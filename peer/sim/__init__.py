@@ -1,9 +1,9 @@
 """Simulation and replay: many peers in one process, on trio's MockClock, running the real peer code.
 
-    from peer.sim import simulate, synthetic, dumps
+    from tessera.peer.sim import simulate, synthetic, dumps
     report = simulate(synthetic(peers=100, requests=1000, churn=0.05, seed=1), policy="default", seed=1)
 
-- peer/memory_transport.py: the in-memory `Transport` (latency, bandwidth, crashes);
+- peer/net/memory.py: the in-memory `Transport` (latency, bandwidth, crashes);
 - stage.py: a weightless `Stage` and the compute cost model;
 - policies.py: swappable placement policies (default, random, petals, recorded);
 - scenario.py: who joins, leaves and asks what, when (`synthetic`); replay.py reads one from traces;
@@ -20,7 +20,7 @@ _EXPORTS = {
 
 
 def __getattr__(name: str) -> Any:
-    """Lazy exports: `peer.sim.policies` (used by the CLI's parser) must not pull in the engine."""
+    """Lazy exports: `tessera.peer.sim.policies` (used by the CLI's parser) must not pull in the engine."""
     if name in _EXPORTS:
         from importlib import import_module
 

@@ -29,15 +29,15 @@ import trio
 import trio.testing
 from libp2p.peer.id import ID
 
-from ..memory_transport import LinkSpec, MemoryNetwork, open_memory_transport
-from .errors import BadScenario
-from .peer import SimPeer
-from .policies import get_policy
-from .report import Recorder
-from .requester import SimRequester
-from .scenario import ONE_WAY_S, REGIONS, RequestPlan, Scenario
-from .stage import sim_model_id, sim_spec
-from .world import VIEW_MODES, SharedViewKeeper, Timings, World, assign_identities, large_swarm_timings
+from tessera.peer.net.memory import LinkSpec, MemoryNetwork, open_memory_transport
+from tessera.peer.sim.errors import BadScenario
+from tessera.peer.sim.peer import SimPeer
+from tessera.peer.sim.policies import get_policy
+from tessera.peer.sim.report import Recorder
+from tessera.peer.sim.requester import SimRequester
+from tessera.peer.sim.scenario import ONE_WAY_S, REGIONS, RequestPlan, Scenario
+from tessera.peer.sim.stage import sim_model_id, sim_spec
+from tessera.peer.sim.world import VIEW_MODES, SharedViewKeeper, Timings, World, assign_identities, large_swarm_timings
 
 # A replay of up to this many peers runs real gossip by default; bigger replays and synthetic
 # swarms share one view. Gossip costs O(N^2) exchanges of N records per round, all verified, in
@@ -116,7 +116,7 @@ def simulate(
         timings = Timings() if len(scenario.peers) <= LARGE_SWARM_PEERS else large_swarm_timings()
     writer = None
     if trace_path is not None:
-        from store.trace import TraceWriter
+        from tessera.store.trace import TraceWriter
 
         writer = TraceWriter(Path(trace_path), peer="simulation")
     threads = torch.get_num_threads()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import PeerError
+from tessera.peer.base.errors import PeerError
 
 
 class SimError(PeerError):

@@ -1,4 +1,4 @@
-"""A simulated volunteer: `peer/node.py`'s lifecycle over the memory transport, with no weights.
+"""A simulated volunteer: `peer/node/peer_node.py`'s lifecycle over the memory transport, with no weights.
 
 In the order a real peer goes: join (pull the view, or read the shared one),
 claim a span (the placement policy; `default` is choose_span, as node.py),
@@ -19,20 +19,20 @@ from __future__ import annotations
 import trio
 from libp2p.peer.id import ID
 
-from protocol.crypto import sign_record
-from protocol.keys import Identity
-from protocol.records import Neighbour, PeerRecord, SignedRecord
+from tessera.protocol.crypto import sign_record
+from tessera.protocol.keys import Identity
+from tessera.protocol.records import Neighbour, PeerRecord, SignedRecord
 
-from ..errors import PeerError
-from ..gossip import Gossip, Pinger
-from ..memory_transport import MemoryTransport, open_memory_transport
-from ..node_config import KV_RESERVE_FRACTION, capacity_in_layers
-from ..server import StageServer
-from ..server_limits import ServerLimits
-from ..view import DRAINING, LEAVING, LOADING, SERVING, PeerInfo
-from .scenario import PeerPlan
-from .stage import FLOAT32_BYTES, SimStage, cost_model
-from .world import World, node_rng
+from tessera.peer.base.errors import PeerError
+from tessera.peer.net.gossip import Gossip, Pinger
+from tessera.peer.net.memory import MemoryTransport, open_memory_transport
+from tessera.peer.node.config import KV_RESERVE_FRACTION, capacity_in_layers
+from tessera.peer.serve.server import StageServer
+from tessera.peer.serve.limits import ServerLimits
+from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, SERVING, PeerInfo
+from tessera.peer.sim.scenario import PeerPlan
+from tessera.peer.sim.stage import FLOAT32_BYTES, SimStage, cost_model
+from tessera.peer.sim.world import World, node_rng
 
 # Jitter of every periodic task, as node.py: +-20 %.
 JITTER = 0.2

@@ -1,6 +1,6 @@
 """Placement policies a simulation can swap: where a joining peer claims, and when it moves.
 
-A policy answers the two questions `peer/node.py` asks of placement, as pure
+A policy answers the two questions `peer/node/peer_node.py` asks of placement, as pure
 functions of a swarm view (plus, for the random one, the peer's own seeded RNG):
 
 - ``claim(view, me=..., capacity_layers=..., throughput=...)`` -> the span to claim on joining;
@@ -8,7 +8,7 @@ functions of a swarm view (plus, for the random one, the peer's own seeded RNG):
   span to move to now, or None. Called on a jittered period, only while the peer is
   serving; it judges `with_own(snapshot, own)`: the view plus the peer's own latest entry.
 
-``default`` is exactly what a real peer does (peer/placement.py: `choose_span`
+``default`` is exactly what a real peer does (peer/plan/placement.py: `choose_span`
 at join, `plan_move` on each rebalance check, a move only when the plan
 differs from the current span). The others are baselines to compare it with:
 
@@ -30,10 +30,10 @@ import random
 from dataclasses import replace
 from typing import Protocol
 
-from peer.placement import REBALANCE_MIN_GAIN, Coverage, choose_span, coverage_summary, gap_filler, layer_capacity, plan_move
-from peer.view import SERVING, PeerInfo, SwarmView
+from tessera.peer.plan.placement import REBALANCE_MIN_GAIN, Coverage, choose_span, coverage_summary, gap_filler, layer_capacity, plan_move
+from tessera.peer.plan.view import SERVING, PeerInfo, SwarmView
 
-from .errors import UnknownPolicy
+from tessera.peer.sim.errors import UnknownPolicy
 
 # How simulated nodes learn the swarm view: real gossip, or one shared keeper (peer/sim/world.py).
 VIEW_MODES = ("shared", "gossip")
@@ -62,7 +62,7 @@ def with_own(snapshot: SwarmView, own: PeerInfo | None) -> SwarmView:
 
 
 class DefaultPolicy:
-    """peer/placement.py, called the way peer/node.py calls it.
+    """peer/plan/placement.py, called the way peer/node/peer_node.py calls it.
 
     `rebalance` first runs a cheap exact pre-check (`cannot_move`) against coverage
     computed once per shared snapshot: a thousand peers each calling `plan_move`

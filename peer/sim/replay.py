@@ -31,10 +31,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from store.timeline import Event, load_timeline
+from tessera.store.timeline import Event, load_timeline
 
-from .errors import TraceTooThin
-from .scenario import PeerPlan, RequestPlan, Scenario
+from tessera.peer.sim.errors import TraceTooThin
+from tessera.peer.sim.scenario import PeerPlan, RequestPlan, Scenario
 
 # A peer silent this long before the trace ends (it advertises every few seconds while
 # alive) and with no leave event was killed, not still running.
@@ -60,7 +60,7 @@ def find_databases(paths: Iterable[Path | str]) -> list[Path]:
 def from_trace(paths: Sequence[Path | str], *, until: float | None = None) -> Scenario:
     """The scenario recorded in the databases at `paths` (files or directories).
 
-    Raises store.errors.NotATraceDatabase for a file that is not one, TraceTooThin if
+    Raises tessera.store.errors.NotATraceDatabase for a file that is not one, TraceTooThin if
     no peer claimed a span.
     """
     dbs = find_databases(paths)

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ..view import SERVING
+from tessera.peer.plan.view import SERVING
 
 ROUND_DIGITS = 6
 REPORT_VERSION = 1

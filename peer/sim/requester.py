@@ -1,6 +1,6 @@
-"""A simulated requester: `peer.client.Swarm`'s generation loop without a tokenizer or a head.
+"""A simulated requester: `tessera.peer.request.client.Swarm`'s generation loop without a tokenizer or a head.
 
-`ResilientSession` (peer/recovery.py) drives a generation through a `Swarm`; it
+`ResilientSession` (peer/request/repair.py) drives a generation through a `Swarm`; it
 needs only `ctx` (a `RequesterContext`), `keeper`, `banned`, `is_banned()`,
 `plan()` and `wait_for_route()`. `SimRequester` provides exactly those, as `Swarm` does —
 same routing call, same wait-and-refresh loop — over the memory transport, so
@@ -25,16 +25,16 @@ from typing import Any, Sequence
 import torch
 import trio
 
-from ..errors import NoRoute, PeerError
-from ..gossip import Gossip, Pinger
-from ..memory_transport import MemoryTransport
-from ..recovery import ResilientSession
-from ..requester_policy import RequesterPolicy
-from ..route_state import RequesterContext
-from ..routing import Route, route
-from ..view import PeerInfo
-from .scenario import RequestPlan
-from .world import World
+from tessera.peer.base.errors import NoRoute, PeerError
+from tessera.peer.net.gossip import Gossip, Pinger
+from tessera.peer.net.memory import MemoryTransport
+from tessera.peer.request.repair import ResilientSession
+from tessera.peer.request.policy import RequesterPolicy
+from tessera.peer.request.chain_state import RequesterContext
+from tessera.peer.plan.routing import Route, route
+from tessera.peer.plan.view import PeerInfo
+from tessera.peer.sim.scenario import RequestPlan
+from tessera.peer.sim.world import World
 
 # The constant every simulated hidden state holds (any finite value passes the checks).
 HIDDEN_FILL = 0.5

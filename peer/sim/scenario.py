@@ -28,7 +28,7 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .errors import BadScenario
+from tessera.peer.sim.errors import BadScenario
 
 LEAVE_MODES = ("graceful", "crash", "vanish")
 

@@ -1,6 +1,6 @@
 """What a simulated peer computes: nothing, at the price its advertised speed says.
 
-`SimStage` has `stages.stage.Stage`'s interface (open / forward / rollback /
+`SimStage` has `tessera.stages.stage.Stage`'s interface (open / forward / rollback /
 close / session_bytes, spec, start, end, weight_bytes) and its checks (spans,
 capacity, positions), but holds no weights: `forward` returns its input and
 counts the work — tokens x layers. `cost_model` is the `StageServer.run_compute`
@@ -10,7 +10,7 @@ work takes at the peer's throughput::
 
     seconds = n_tokens * n_layers / throughput     (throughput: tokens/s through one layer)
 
-The same formula that `peer/routing.py` prices a hop with, so a simulated swarm
+The same formula that `peer/plan/routing.py` prices a hop with, so a simulated swarm
 runs exactly as fast as its advertisements claim.
 """
 
@@ -24,9 +24,9 @@ from typing import Awaitable, Callable, Hashable, Sequence
 import torch
 import trio
 
-from stages.errors import ContextOverflow, SpanError, UnknownSession
-from stages.sessions import check_session
-from stages.spec import ModelSpec
+from tessera.stages.errors import ContextOverflow, SpanError, UnknownSession
+from tessera.stages.sessions import check_session
+from tessera.stages.spec import ModelSpec
 
 FLOAT32_BYTES = 4
 

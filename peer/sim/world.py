@@ -2,11 +2,11 @@
 
 The shared view
 ---------------
-With real gossip (peer/gossip.py) every node holds its own `ViewKeeper` and swaps
+With real gossip (peer/net/gossip.py) every node holds its own `ViewKeeper` and swaps
 whole views with its neighbours: O(N) per exchange, O(N^2) per round — fine for
 the tens of peers a real swarm has, far too slow for a thousand simulated ones.
 So a large simulation (``view="shared"``) gives every node one `SharedViewKeeper`:
-each advertisement is still built and signed by the peer (`protocol.crypto.sign_record`)
+each advertisement is still built and signed by the peer (`tessera.protocol.crypto.sign_record`)
 and verified on the way in (`ViewKeeper.merge`), once; and every node sees it at
 the start of the next round (`Timings.view_round`: a gossip round in a small swarm,
 the few rounds a record takes to cross a big one). That is idealised dissemination
@@ -25,14 +25,14 @@ from typing import Any
 import trio
 from libp2p.peer.id import ID
 
-from protocol.keys import Identity
-from stages.spec import ModelSpec
+from tessera.protocol.keys import Identity
+from tessera.stages.spec import ModelSpec
 
-from ..client import DEFAULT_ROUTE_WAIT, REFRESH_INTERVAL
-from ..gossip import GOSSIP_INTERVAL, ViewKeeper
-from ..node_config import ADVERTISE_INTERVAL, LEAVE_GRACE, MOVE_GRACE, PING_INTERVAL, REBALANCE_INTERVAL, RECORD_TTL
-from ..view import PeerInfo, SwarmView
-from .policies import VIEW_MODES
+from tessera.peer.request.client import DEFAULT_ROUTE_WAIT, REFRESH_INTERVAL
+from tessera.peer.net.gossip import GOSSIP_INTERVAL, ViewKeeper
+from tessera.peer.node.config import ADVERTISE_INTERVAL, LEAVE_GRACE, MOVE_GRACE, PING_INTERVAL, REBALANCE_INTERVAL, RECORD_TTL
+from tessera.peer.plan.view import PeerInfo, SwarmView
+from tessera.peer.sim.policies import VIEW_MODES
 
 # Unix time that simulated time 0 is written as, in a simulation's own trace
 # (2025-01-01T00:00:00Z; a fixed value so that traces of the same run are identical).
@@ -41,7 +41,7 @@ SIM_EPOCH = 1735689600.0
 
 @dataclass(frozen=True)
 class Timings:
-    """The periods and grace times simulated peers use. Defaults: a real peer's (peer/node.py)."""
+    """The periods and grace times simulated peers use. Defaults: a real peer's (peer/node/peer_node.py)."""
 
     record_ttl: float = RECORD_TTL
     advertise_interval: float = ADVERTISE_INTERVAL
@@ -139,7 +139,7 @@ class SimTracer:
     """A tracer for simulated nodes: counts events by kind; writes them (on simulated time) if asked.
 
     Peer code calls ``emit(kind, **fields)`` as on a real peer. With a `writer` (a
-    store.trace.TraceWriter) the event is stored with this node's id and the
+    tessera.store.trace.TraceWriter) the event is stored with this node's id and the
     simulated clock (SIM_EPOCH + trio time), so `tessera trace export` draws a simulation.
     """
 

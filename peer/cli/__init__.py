@@ -1,0 +1,1 @@
+"""CLI layer: the `tessera` command line, the demo and swarm status (may import tui/)."""

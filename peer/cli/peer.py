@@ -1,0 +1,187 @@
+"""`tessera peer`, `tessera swarm status`, `tessera demo`: running and watching a swarm."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import trio
+
+from tessera.peer.cli.config import add_config_options
+from tessera.peer.cli.generate import add_compute_options, quant_from
+from tessera.peer.net.emulated import LinkEmulation
+from tessera.peer.base.errors import ConfigError
+from tessera.peer.net.join import JOIN_TIMEOUT
+from tessera.peer.node.config import PeerConfig, parse_layers
+from tessera.peer.serve.batcher import MAX_BATCH_ROWS, MAX_BATCH_WAIT, BatchBudget
+
+if TYPE_CHECKING:
+    from tessera.peer.node.peer_node import PeerNode
+
+
+def read_swarm_key(value: str | None) -> bytes | None:
+    """A swarm key: 64 hex characters, or a file holding them (or $TESSERA_SWARM_KEY)."""
+    value = value or os.environ.get("TESSERA_SWARM_KEY")
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    text = path.read_text().strip() if path.exists() else value.strip()
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise ConfigError("--swarm-key wants 64 hex characters or a file holding them") from None
+    if len(key) != 32:
+        raise ConfigError(f"a swarm key is 32 bytes (64 hex characters), got {len(key)} bytes")
+    return key
+
+
+def add_join_options(p: argparse.ArgumentParser, *, required: bool = False) -> None:
+    p.add_argument("--join", action="append", default=[], required=required, metavar="MULTIADDR",
+                   help="a peer of the swarm (repeatable)")
+    p.add_argument("--swarm-key", default=None, help="private swarm key: 64 hex chars or a file (default $TESSERA_SWARM_KEY)")
+
+
+def add_emulation_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--emulate-link", type=LinkEmulation.parse, default=None, metavar="SPEC",
+                   help='TESTS AND BENCHMARKS ONLY: delay/pace every frame sent, e.g. "delay=40ms,jitter=10ms,rate=100mbit"')
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "peer", help="volunteer: join a swarm and serve a span of layers",
+        epilog="examples:\n  tessera peer --model smollm2-135m                      # start a new swarm\n"
+        "  tessera peer --join /ip4/192.0.2.7/tcp/4001/p2p/12D3KooW... --memory 2 --name attic-pc",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="smollm2-135m")
+    add_join_options(p)
+    p.add_argument("--join-timeout", type=float, default=JOIN_TIMEOUT, metavar="S",
+                   help=f"give up (exit non-zero) if no --join address is reached within S seconds (default {JOIN_TIMEOUT:g})")
+    p.add_argument("--allow-alone", action="store_true",
+                   help="if no --join address is reached in time, serve alone as a new swarm instead of exiting")
+    p.add_argument("--listen", action="append", default=[], metavar="MULTIADDR",
+                   help="where to listen (default /ip4/127.0.0.1/tcp/0)")
+    p.add_argument("--memory", type=float, default=None, metavar="GB", help="memory offered (default: half of free RAM)")
+    p.add_argument("--layers", type=parse_layers, default=None, metavar="A:B", help="force layers A to B-1")
+    p.add_argument("--shard", type=parse_shard, default=None, metavar="I/N",
+                   help="serve the --layers span as rank I of a tensor-shard group of N (with --group)")
+    p.add_argument("--group", default="", metavar="NAME", help="the tensor-shard group's name (with --shard)")
+    p.add_argument("--data-dir", type=Path, default=None, help="identity, store and trace (default ~/.local/share/tessera/NAME)")
+    p.add_argument("--name", default="", help="a display name")
+    p.add_argument("--max-sessions", type=int, default=16)
+    p.add_argument("--batch-rows", type=int, default=MAX_BATCH_ROWS, metavar="N",
+                   help=f"rows one stacked forward of several sessions' steps may hold (default {MAX_BATCH_ROWS}; "
+                        "1: every step alone)")
+    p.add_argument("--batch-wait-ms", type=float, default=MAX_BATCH_WAIT * 1000, metavar="MS",
+                   help=f"how long a batch waits for the sessions of the last one (default {MAX_BATCH_WAIT * 1000:g})")
+    p.add_argument("--rebalance-interval", type=float, default=None, metavar="S",
+                   help="seconds between placement checks (default 10)")
+    p.add_argument("--tui", action="store_true", help="open the operator's terminal UI")
+    add_emulation_option(p)
+    p.add_argument("--misbehave", default=None, metavar="MODE",
+                   help="FAULT INJECTION for tests and demos: perturb:P (a fraction P of steps) or wrong-weights")
+    add_compute_options(p)
+    add_config_options(p)
+    p.set_defaults(handler=run_peer)
+
+    swarm = sub.add_parser("swarm", help="look at a swarm")
+    ssub = swarm.add_subparsers(dest="swarm_command", required=True, metavar="ACTION")
+    p = ssub.add_parser("status", help="every peer, and the coverage of every layer",
+                        epilog="example: tessera swarm status --join /ip4/127.0.0.1/tcp/4001/p2p/12D3KooW...")
+    p.add_argument("--model", default="smollm2-135m")
+    add_join_options(p, required=True)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler=run_status)
+
+    p = sub.add_parser("demo", help="start a local swarm and answer a prompt through it",
+                       epilog='example: tessera demo --peers 3 "What is the capital of France?"')
+    p.add_argument("prompt", nargs="?", default="What is the capital of France?")
+    p.add_argument("--peers", type=int, default=3)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.set_defaults(handler=run_demo)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'I/N' -> (I, N): rank I of a tensor-shard group of N."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard wants I/N (rank I of a group of N), got {text!r}") from None
+    if not 0 <= i < n or n < 2:
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: need 0 <= I < N and N >= 2")
+    return i, n
+
+
+def config_from(args: argparse.Namespace) -> PeerConfig:
+    name = args.name or "peer"
+    if (args.shard is None) != (not args.group) or (args.shard is not None and args.layers is None):
+        raise ConfigError("a tensor-shard rank needs all of --layers A:B, --shard I/N and --group NAME")
+    if args.shard is not None and args.quant != "none":
+        raise ConfigError(f"--quant {args.quant} is for whole spans; a tensor-shard rank serves unquantized slices")
+    data_dir = args.data_dir or Path.home() / ".local" / "share" / "tessera" / name
+    try:
+        budget = BatchBudget(args.batch_rows, args.batch_wait_ms / 1000)
+    except ValueError as bad:
+        raise ConfigError(f"--batch-rows {args.batch_rows!r} / --batch-wait-ms {args.batch_wait_ms!r}: {bad}") from None
+    if not args.join_timeout > 0:
+        raise ConfigError(f"--join-timeout wants a positive number of seconds, got {args.join_timeout!r}")
+    return PeerConfig(
+        model=args.model, join=args.join, listen=args.listen or ["/ip4/127.0.0.1/tcp/0"],
+        memory_gb=args.memory, layers=args.layers, data_dir=data_dir, name=args.name,
+        threads=args.threads, device=args.device, dtype=args.dtype, quant=quant_from(args),
+        swarm_key=read_swarm_key(args.swarm_key), max_sessions=args.max_sessions,
+        batch_rows=budget.max_rows, batch_wait=budget.max_wait,
+        join_timeout=args.join_timeout, allow_alone=args.allow_alone,
+        **({"rebalance_interval": args.rebalance_interval} if args.rebalance_interval else {}),
+        emulate_link=args.emulate_link, misbehave=args.misbehave,
+        **({"shard": args.shard, "group": args.group} if args.shard else {}),
+    )
+
+
+async def serve_until_signalled(node: "PeerNode") -> None:
+    """Run the peer; the first Ctrl-C/SIGTERM leaves gracefully, a second one stops at once."""
+    async with trio.open_nursery() as nursery:
+        async def watch_signals() -> None:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    if node.stopping.is_set():
+                        nursery.cancel_scope.cancel()
+                        return
+                    print("stopping: draining sessions and leaving (Ctrl-C again to force)", file=sys.stderr)
+                    node.stop()
+
+        nursery.start_soon(watch_signals)
+        await node.run()
+        nursery.cancel_scope.cancel()
+
+
+def run_peer(args: argparse.Namespace) -> int:
+    from tessera.peer.node.peer_node import PeerNode  # imported here: libp2p is heavy, and other commands don't need it
+
+    node = PeerNode(config_from(args))
+    if args.tui:
+        from tessera.tui.app import run_with_tui
+
+        return run_with_tui(node)
+    trio.run(serve_until_signalled, node)
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from tessera.peer.cli.status import format_status, gather_status
+
+    report = trio.run(lambda: gather_status(args.join, model=args.model, swarm_key=read_swarm_key(args.swarm_key)))
+    print(json.dumps(report, indent=2) if args.json else format_status(report))
+    return 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from tessera.peer.cli.demo import run_demo as demo
+
+    return demo(prompt=args.prompt, peers=args.peers, model=args.model, max_tokens=args.max_tokens)

@@ -1,0 +1,111 @@
+"""`tessera serve`: an OpenAI- and Anthropic-compatible HTTP gateway to a swarm.
+
+One trio loop runs both the requester (`Swarm`, joined once for the gateway's
+life) and hypercorn's trio worker serving `Gateway` (peer/http/api.py).
+SIGINT or SIGTERM shut it down gracefully: no new connections, running
+answers get hypercorn's grace period, then every swarm session is closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from functools import partial
+from pathlib import Path
+
+import trio
+
+from tessera.peer.cli.config import add_config_options
+from tessera.peer.cli.generate import add_policy_options, apply_threads, policy_from
+from tessera.peer.cli.peer import add_join_options, read_swarm_key
+from tessera.peer.base.errors import ConfigError
+from tessera.peer.http.api import DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_TOKENS, DEFAULT_ROUTE_WAIT, Gateway
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="requester: an OpenAI- and Anthropic-compatible HTTP API in front of a swarm",
+        epilog="examples:\n"
+        "  tessera serve --join /ip4/127.0.0.1/tcp/4001/p2p/12D3KooW... --port 8000\n"
+        "  TESSERA_API_KEY=secret tessera serve --join ... --host 0.0.0.0\n"
+        "  curl http://127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' \\\n"
+        "       -d '{\"model\": \"smollm2-135m\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_join_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 (default $TESSERA_API_KEY; none = open)")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="registered name or folder of the swarm's model; the name clients ask for")
+    p.add_argument("--route-wait", type=float, default=DEFAULT_ROUTE_WAIT, metavar="S",
+                   help=f"how long a request waits for the swarm to cover every layer before a 503 "
+                        f"(default {DEFAULT_ROUTE_WAIT:g})")
+    p.add_argument("--max-concurrent", type=int, default=DEFAULT_MAX_CONCURRENT, metavar="N",
+                   help=f"requests running on the swarm at once; more wait (default {DEFAULT_MAX_CONCURRENT})")
+    p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                   help=f"max_tokens when a request gives none (default {DEFAULT_MAX_TOKENS})")
+    p.add_argument("--threads", type=int, default=None, help="torch threads for the embedding and head")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let browser pages from ORIGIN call the API (repeatable; '*' = any; default none)")
+    add_policy_options(p)
+    add_config_options(p)
+    p.set_defaults(handler=run)
+
+
+def served_name(model: str) -> str:
+    """The name clients use: a registered name as given, or a model folder's own name."""
+    path = Path(model).expanduser()
+    return path.name if (path / "config.json").exists() else model
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.join:
+        raise ConfigError("give at least one --join MULTIADDR (a peer of the swarm)")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must lie in [0, 65535], got {args.port!r}")
+    for name in ("max_concurrent", "default_max_tokens"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)!r}")
+    if not args.route_wait > 0:
+        raise ConfigError(f"--route-wait must be > 0, got {args.route_wait!r}")
+    args.policy = policy_from(args)  # a bad id or an unreadable @FILE fails here, before joining
+    apply_threads(args.threads)
+    trio.run(serve, args)
+    return 0
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from hypercorn.config import Config
+    from hypercorn.trio import serve as hypercorn_serve
+
+    from tessera.peer.request.client import Swarm
+
+    api_key = args.api_key or os.environ.get("TESSERA_API_KEY") or None
+    async with Swarm.join(args.join, model=args.model, swarm_key=read_swarm_key(args.swarm_key),
+                          policy=args.policy) as swarm:
+        gateway = Gateway(swarm, name=served_name(args.model), api_key=api_key, route_wait=args.route_wait,
+                          max_concurrent=args.max_concurrent, default_max_tokens=args.default_max_tokens,
+                          cors_origins=args.cors_origin)
+        config = Config()
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        config.bind = [f"{host}:{args.port}"]
+        config.loglevel = "WARNING"  # hypercorn's errors still reach stderr; its "Running on" line is ours
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(partial(hypercorn_serve, gateway, config, mode="asgi",
+                                                shutdown_trigger=stop_signal))
+            print(f"gateway peer id: {swarm.peer_id}", flush=True)
+            for url in binds:
+                print(f"serving {gateway.name} (OpenAI and Anthropic APIs) on {url}/v1"
+                      f"{' (API key required)' if api_key else ''}", flush=True)
+    print("stopped", flush=True)
+
+
+async def stop_signal() -> None:
+    """Returns on SIGINT or SIGTERM (hypercorn then shuts down gracefully)."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            return

@@ -1,0 +1,112 @@
+"""`tessera swarm status`: every peer of a swarm and the coverage of every layer."""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import trio
+
+from tessera.protocol.keys import Identity
+from tessera.stages import registry
+from tessera.stages.spec import ModelSpec
+
+from tessera.peer.base.errors import PeerError
+from tessera.peer.net.gossip import Gossip, ViewKeeper
+from tessera.peer.net.libp2p import open_libp2p_transport
+from tessera.peer.net.nat.links import ask_links
+from tessera.peer.plan.groups import group_report, replica_coverage
+
+SETTLE = 1.5  # seconds to let a second gossip round bring in peers the first one named
+
+
+async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | None = None) -> dict:
+    """Join briefly as an observer, collect the view, and return it as plain data."""
+    folder = registry.resolve(model)
+    spec = ModelSpec.from_file(folder / "config.json")
+    # every quantization of the model (each peer's model id says which it serves)
+    keeper = ViewKeeper(model_id=registry.model_id(folder), num_layers=spec.num_layers, clock=time.time,
+                        accept_mixed=True)
+    identity = Identity.generate()
+    async with open_libp2p_transport(identity.seed, swarm_key=swarm_key) as transport:
+        gossip = Gossip(transport, keeper)
+        reached = 0
+        for addr in join:
+            try:
+                await gossip.exchange(await transport.connect(addr))
+                reached += 1
+            except PeerError as error:
+                print(f"warning: {addr}: {error}")
+        if not reached:
+            raise PeerError("none of the --join addresses answered")
+        await trio.sleep(SETTLE)
+        for info in keeper.snapshot().peers:
+            if info.peer_id not in transport.connected() and info.addrs:
+                with trio.move_on_after(2.0):
+                    try:
+                        await gossip.exchange(await transport.connect(info.addrs[0]))
+                    except PeerError:
+                        pass  # listed but unreachable from here; shown as such
+        view = keeper.snapshot()
+        kinds = {p.peer_id: transport.connection_kind(p.peer_id) for p in view.peers}
+        links = {p.peer_id: await ask_links(transport, p.peer_id) for p in view.peers if kinds[p.peer_id]}
+        links = {p: {q: k for q, k in (found or {}).items() if q != transport.peer_id} for p, found in links.items()}
+    now = time.time()
+    coverage = view.coverage()
+    return {
+        "model_id": keeper.model_id,
+        "num_layers": spec.num_layers,
+        "peers": [
+            {
+                "peer_id": p.peer_id, "name": p.name, "span": [p.start, p.end],
+                "shard": [p.shard_index, p.shard_count], "state": p.state,
+                "free_memory": p.free_memory, "throughput": round(p.throughput, 2), "load": round(p.load, 3),
+                "reachability": p.reachability, "connection": kinds.get(p.peer_id),
+                "last_seen_s": round(max(0.0, now - p.issued_at), 1), "addrs": list(p.addrs),
+                "neighbours": {k: round(v, 2) for k, v in p.rtt_ms.items()},
+                "links": links.get(p.peer_id) or {},  # its own connections: peer id -> direct/punched/relayed
+            }
+            for p in view.peers
+        ],
+        "coverage": coverage,
+        "gaps": [list(g) for g in view.gaps()],
+        "groups": group_report(view),  # tensor-shard groups: span, size, who holds each rank
+        "replicas": replica_coverage(view),  # per layer: unsharded peers + complete groups
+    }
+
+
+def format_status(report: dict) -> str:
+    lines = [f"model {report['model_id'][:16]}…  {report['num_layers']} layers  {len(report['peers'])} peers", ""]
+    # reach: how the peer says others reach it (public / hole-punched / relayed / private, see
+    # peer/net/nat/reachability.py); link: this observer's own connection to it (direct / punched / relayed).
+    header = (f"{'peer':<14}{'name':<12}{'span':<10}{'state':<10}{'free':>9}{'tok/s·layer':>13}{'load':>6}  "
+              f"{'reach':<13}{'link':<9}{'seen':>6}")
+    lines.append(header)
+    for p in report["peers"]:
+        span = f"[{p['span'][0]},{p['span'][1]})"
+        if p["shard"][1] > 1:
+            span += f"#{p['shard'][0]}/{p['shard'][1]}"
+        lines.append(
+            f"{'…' + p['peer_id'][-12:]:<14}{p['name'][:11]:<12}{span:<10}{p['state']:<10}"
+            f"{p['free_memory'] / 2**30:>8.1f}G{p['throughput']:>13.1f}{p['load']:>6.2f}  "
+            f"{p['reachability']:<13}{p['connection'] or '-':<9}{p['last_seen_s']:>5.0f}s"
+        )
+    names = {p["peer_id"]: p["name"] or "…" + p["peer_id"][-8:] for p in report["peers"]}
+    linked = [p for p in report["peers"] if p.get("links")]
+    if linked:
+        lines += ["", "links (as each peer sees its connections):"]
+        for p in linked:
+            others = ", ".join(f"{names.get(q, '…' + q[-8:])} {kind}" for q, kind in sorted(p["links"].items()))
+            lines.append(f"  {names[p['peer_id']]}: {others}")
+    lines += ["", "coverage (peers per layer):", "  " + " ".join(str(c) for c in report["coverage"])]
+    if report.get("groups"):
+        lines += ["", "shard groups:"]
+        for g in report["groups"]:
+            ranks = ", ".join(names.get(r, "…" + r[-8:]) if r else f"rank {i} MISSING" for i, r in enumerate(g["ranks"]))
+            state = "complete" if g["complete"] else "INCOMPLETE (cannot serve)"
+            lines.append(f"  {g['group']} [{g['span'][0]},{g['span'][1]}) {g['count']} ranks, {state}: {ranks}")
+        lines.append("replicas per layer (a complete group counts once):")
+        lines.append("  " + " ".join(str(c) for c in report["replicas"]))
+    gaps = report["gaps"]
+    lines.append("gaps: " + (", ".join(f"[{a},{b}) UNCOVERED" for a, b in gaps) if gaps else "none — every layer is served"))
+    return "\n".join(lines)

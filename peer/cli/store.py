@@ -1,0 +1,144 @@
+"""`tessera ledger`, `tessera trace export`, `tessera trace plot`: what a peer's database remembers.
+
+A peer keeps one sqlite database in its data dir (`DATA_DIR/tessera.db`): its
+contribution ledger and the trace of every event it saw. These commands only
+read (a running peer may keep writing; sqlite's WAL lets both happen at once).
+Wherever a command takes databases it also takes folders: every ``*.db`` under them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from datetime import datetime
+from pathlib import Path
+
+DEFAULT_DATA_DIR = Path.home() / ".local" / "share" / "tessera" / "peer"  # `tessera peer`'s default
+DB_NAME = "tessera.db"
+
+LEDGER_EXAMPLES = """examples:
+  tessera ledger                                   # the default peer's data dir
+  tessera ledger --data-dir ~/.local/share/tessera/attic-pc --json
+"""
+EXPORT_EXAMPLES = """examples:
+  tessera trace export peer0/tessera.db peer1/tessera.db requester.db --format perfetto -o swarm.json
+      # then open https://ui.perfetto.dev and drop swarm.json on it
+  tessera trace export /tmp/tessera-swarm-abc123/ --format jsonl -o events.jsonl
+"""
+PLOT_EXAMPLES = """example:
+  tessera trace plot peer0/tessera.db peer1/tessera.db peer2/tessera.db requester.db -o timeline.png
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "ledger", help="what this peer contributed: layer-tokens, steps and bytes, per requester",
+        epilog=LEDGER_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
+                   help=f"the peer's data dir, or its database file (default {DEFAULT_DATA_DIR})")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(handler=run_ledger)
+
+    trace = sub.add_parser("trace", help="export or draw the merged trace of several peers")
+    tsub = trace.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
+    p = tsub.add_parser(
+        "export", help="merge peer databases into one clock-aligned timeline: JSONL or Perfetto JSON",
+        epilog=EXPORT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("dbs", nargs="+", type=Path, metavar="DB", help="peer databases, or folders holding them")
+    p.add_argument("--format", choices=("jsonl", "perfetto"), required=True)
+    p.add_argument("-o", "--out", type=Path, required=True, metavar="OUT")
+    p.set_defaults(handler=run_export)
+
+    p = tsub.add_parser(
+        "plot", help="draw a generation across peers (matplotlib, PNG)",
+        epilog=PLOT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("dbs", nargs="+", type=Path, metavar="DB", help="peer databases, or folders holding them")
+    p.add_argument("-o", "--out", type=Path, required=True, metavar="timeline.png")
+    p.add_argument("--title", default=None)
+    p.set_defaults(handler=run_plot)
+
+
+def database_of(data_dir: Path) -> Path:
+    """DATA_DIR/tessera.db, or the file itself if a database file was given. Raises NotATraceDatabase."""
+    from tessera.store.errors import NotATraceDatabase
+
+    path = data_dir.expanduser()
+    db = path if path.is_file() else path / DB_NAME
+    if not db.is_file():
+        raise NotATraceDatabase(f"no peer database at {str(db)!r} (is --data-dir the peer's data dir?)")
+    return db
+
+
+def run_ledger(args: argparse.Namespace) -> int:
+    from tessera.store.db import PeerStore
+
+    db = database_of(args.data_dir)
+    with PeerStore(db, readonly=True) as store:
+        summary = store.ledger_summary()
+        peer = store.identity()
+    if args.json:
+        print(json.dumps({"peer": peer, "database": str(db), **summary}, indent=2, sort_keys=True))
+        return 0
+    print(format_ledger(peer, db, summary))
+    return 0
+
+
+def format_ledger(peer: str | None, db: Path, summary: dict) -> str:
+    def row(label: str, sums: dict) -> str:
+        return f"  {label:<24} {sums['layer_tokens']:>14,} {sums['steps']:>10,} {_bytes(sums['bytes']):>10}"
+
+    lines = [f"peer {peer or '(unknown)'} — {db}", f"  {'':<24} {'layer-tokens':>14} {'steps':>10} {'bytes':>10}",
+             row("today", summary["today"]), row("total", summary["total"])]
+    if summary["by_requester"]:
+        lines.append("by requester (largest first):")
+        for requester, sums in summary["by_requester"].items():
+            last = datetime.fromtimestamp(sums["last_hour"]).strftime("%Y-%m-%d %H:00")
+            lines.append(row(requester[-24:], sums) + f"   last {last}")
+    else:
+        lines.append("nothing served yet")
+    return "\n".join(lines)
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"  # pragma: no cover
+
+
+def _databases(paths: list[Path]) -> list[Path]:
+    from tessera.store.errors import NotATraceDatabase
+
+    from tessera.peer.sim.replay import find_databases
+
+    found = find_databases(paths)
+    if not found:
+        raise NotATraceDatabase(f"no *.db files in {[str(p) for p in paths]}")
+    return found
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from tessera.store.export import export_jsonl, export_perfetto
+
+    dbs = _databases(args.dbs)
+    export = export_perfetto if args.format == "perfetto" else export_jsonl
+    summary = export(dbs, args.out)
+    print(f"{summary['events']} events from {len(summary['peers'])} peers ({len(dbs)} databases), "
+          f"{summary['pairs']} matched pushes -> {args.out}")
+    if summary["non_causal"]:
+        print(f"warning: {summary['non_causal']} receives still precede their push after clock alignment")
+    return 0
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    from tessera.store.plot import plot_timeline
+
+    dbs = _databases(args.dbs)
+    drawn = plot_timeline(dbs, args.out, title=args.title)
+    print(f"{drawn['forward_steps']} forward steps on {len(drawn['peers'])} peers, "
+          f"{drawn['pushes']} pushes -> {args.out}")
+    return 0

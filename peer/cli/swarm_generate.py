@@ -1,0 +1,73 @@
+"""`tessera generate --join ...`: a requester on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import trio
+
+from tessera.stages.generate import GenerationResult, prompt_ids
+from tessera.stages.sampling import SamplingParams
+from tessera.stages.tokenizer import TextStream
+
+from tessera.peer.cli.generate import apply_threads, quant_from
+from tessera.peer.cli.peer import read_swarm_key
+from tessera.stages.sampling import Sampler
+from tessera.stages.speculative import AdaptiveK, ModelDrafter, NgramDrafter
+from tessera.stages.stage import Stage
+
+from tessera.peer.request.client import Swarm
+from tessera.peer.net.emulated import LinkEmulation
+from tessera.peer.base.errors import ConfigError
+from tessera.peer.request.decode import Speculation
+
+
+def speculation_from(spec: str, k: int, pipeline: bool, swarm: Swarm, sampling: SamplingParams, capacity: int) -> Speculation | None:
+    """--speculate none | ngram | self:N -> a Speculation (or None)."""
+    if spec == "none":
+        return None
+    if spec == "ngram":
+        drafter = NgramDrafter()
+    elif spec.startswith("self:") and spec[5:].isdigit() and 0 < int(spec[5:]) < swarm.spec.num_layers:
+        stage = Stage.load(swarm.folder, start=0, end=int(spec[5:]), embed=True, head=True)
+        drafter = ModelDrafter(stage, capacity=capacity, sampler=None if sampling.greedy else Sampler(sampling))
+    else:
+        raise ConfigError(f"--speculate wants none, ngram or self:N (0 < N < {swarm.spec.num_layers}), got {spec!r}")
+    return Speculation(drafter, k=AdaptiveK(k), pipeline=pipeline)
+
+
+async def generate_through_swarm(args: argparse.Namespace, sampling: SamplingParams) -> GenerationResult:
+    emulation = LinkEmulation.parse(args.emulate_link) if args.emulate_link else None
+    async with Swarm.join(args.join, model=args.model, swarm_key=read_swarm_key(args.swarm_key),
+                          emulate_link=emulation, policy=args.policy, quant=quant_from(args),
+                          accept_mixed=args.accept_mixed) as swarm:
+        ids = prompt_ids(swarm.tokenizer, args.prompt, raw=args.raw)
+        speculation = speculation_from(args.speculate, args.draft_k, not args.no_pipeline, swarm, sampling,
+                                       len(ids) + args.max_tokens + 64)
+        stream = TextStream(swarm.tokenizer)
+        info: dict = {}
+        tokens = []
+        started = time.perf_counter()
+        async for token in swarm.generate_ids(ids, max_new_tokens=args.max_tokens, sampling=sampling,
+                                              speculation=speculation, info=info, route_wait=args.route_wait):
+            tokens.append(token)
+            if not args.json:
+                sys.stdout.write(stream.push(token))
+                sys.stdout.flush()
+        seconds = time.perf_counter() - started
+        if not args.json:
+            sys.stdout.write(stream.flush() + "\n")
+            hops = " -> ".join(f"{h['peer'][-8:]}[{h['start']},{h['end']})" for h in info.get("route", []))
+            print(f"route: requester -> {hops} -> requester", file=sys.stderr)
+        return GenerationResult(swarm.tokenizer.decode(tokens), tokens, len(ids), seconds, extra=info)
+
+
+def run_swarm_generate(args: argparse.Namespace, sampling: SamplingParams) -> int:
+    apply_threads(args.threads)
+    result = trio.run(generate_through_swarm, args, sampling)
+    if args.json:
+        print(json.dumps(result.as_json()))
+    return 0

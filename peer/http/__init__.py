@@ -1,0 +1,1 @@
+"""HTTP layer: the OpenAI-compatible gateway over one `Swarm`."""

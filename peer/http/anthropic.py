@@ -1,0 +1,172 @@
+"""Anthropic's Messages API (`POST /v1/messages`) over the gateway's one generation core.
+
+The request becomes a `GenerationRequest` (a `system` prompt, then the
+`messages`, through the model's chat template); the answer comes back as a
+`message` object or, with `stream: true`, as the named Server-Sent Events
+Anthropic's SDK reads:
+
+    message_start          the message, content empty, usage.input_tokens
+    content_block_start    one text block (index 0)
+    ping
+    content_block_delta    {"type": "text_delta", "text": ...} per piece of text
+    content_block_stop
+    message_delta          stop_reason, stop_sequence, usage.output_tokens
+    message_stop
+
+stop_reason is `end_turn` (end-of-sequence), `stop_sequence` (one of
+`stop_sequences`, named in `stop_sequence`) or `max_tokens`. Errors have
+Anthropic's shape, `{"type": "error", "error": {"type": ..., "message": ...}}`,
+with its type names for each status; mid-stream, one `error` event.
+
+As Anthropic's API: `max_tokens` is required, temperature lies in [0, 1]
+(default 1), and `top_k` is native — Anthropic's current SDK no longer sends
+sampling parameters, so ask for the greedy answer with
+`extra_body={"temperature": 0}`. Structured outputs
+(`output_config.format`, a JSON schema) are honoured by constrained decoding,
+as on the OpenAI endpoints; `output_config.effort` is ignored. Tools, images
+and extended thinking are refused with a 400 naming the field; `metadata` and
+unknown fields are ignored.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, Awaitable, Callable
+
+from tessera.stages.json_prefix import Shape
+from tessera.stages.sampling import SamplingParams
+
+from tessera.peer.http.exchange import SSE_HEADERS, Exchange
+from tessera.peer.http.generation import LENGTH, Generation
+from tessera.peer.http.requests import (
+    ApiError, GenerationRequest, _bool, _number, _optional_int, bad, json_shape,
+)
+
+MAX_STOP_SEQUENCES = 16  # Anthropic sets no small limit; this keeps matching cheap
+MAX_STOP_CHARS = 256
+ROLES = ("user", "assistant")
+# Accepted only at these "off" values: anything else would change the answer in a way we cannot honour.
+UNSUPPORTED_UNLESS = {"tools": (None, []), "tool_choice": (None,), "thinking": (None,)}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+               429: "rate_limit_error", 500: "api_error", 502: "api_error", 503: "overloaded_error"}
+
+
+def error_body(error: ApiError) -> dict:
+    """An ApiError in Anthropic's shape (the swarm's extras, e.g. the missing layers, kept)."""
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(error.status, "api_error"),
+                                       "message": error.message, **error.extra}}
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for block in content:
+            if not (isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)):
+                raise bad(where, f"{where}: only text content blocks are supported, got {block!r}")
+            parts.append(block["text"])
+        return "".join(parts)
+    raise bad(where, f"{where} must be a string or a list of text blocks, got {content!r}")
+
+
+def parse_messages(data: dict) -> GenerationRequest:
+    """A Messages API body as a GenerationRequest. Raises ApiError(400) naming the field."""
+    for name, allowed in UNSUPPORTED_UNLESS.items():
+        if name in data and data[name] not in allowed and not (name == "thinking" and _thinking_off(data[name])):
+            raise bad(name, f"{name} is not supported by this server")
+    model = data.get("model")
+    if not isinstance(model, str):
+        raise bad("model", f"model: a string is required, got {model!r}")
+    max_tokens = _optional_int(data, "max_tokens", low=1)
+    if max_tokens is None:
+        raise bad("max_tokens", "max_tokens: Field required")
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", f"messages must be a non-empty list, got {messages!r}")
+    chat = []
+    system = data.get("system")
+    if system is not None:
+        chat.append({"role": "system", "content": _text(system, "system")})
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise bad(f"messages.{i}.role", f"messages.{i}: each message needs a role, user or assistant, "
+                      f"got {message!r}")
+        chat.append({"role": message["role"], "content": _text(message.get("content"), f"messages.{i}.content")})
+    stops = data.get("stop_sequences") or []
+    if (not isinstance(stops, list) or len(stops) > MAX_STOP_SEQUENCES
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)):
+        raise bad("stop_sequences", f"stop_sequences must be a list of at most {MAX_STOP_SEQUENCES} strings of "
+                  f"1 to {MAX_STOP_CHARS} characters, got {stops!r}")
+    sampling = SamplingParams(
+        temperature=_number(data, "temperature", 1.0, low=0.0, high=1.0),
+        top_p=_number(data, "top_p", 1.0, low=0.0, high=1.0, low_open=True),
+        top_k=_optional_int(data, "top_k", low=0) or 0,
+    )
+    return GenerationRequest(messages=tuple(chat), prompt=None, model=model, max_tokens=max_tokens,
+                             sampling=sampling, stop=tuple(stops), stream=_bool(data, "stream"),
+                             include_usage=False, json_shape=_output_format(data.get("output_config")))
+
+
+def _output_format(config: Any) -> Shape | None:
+    """Structured outputs: output_config.format = {"type": "json_schema", "schema": {...}}."""
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise bad("output_config", f"output_config must be an object, got {config!r}")
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise bad("output_config.format", f"output_config.format must be {{\"type\": \"json_schema\", "
+                  f"\"schema\": ...}}, got {fmt!r}")
+    return json_shape("json_schema", fmt.get("schema"), "output_config.format")
+
+
+def _thinking_off(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("type") == "disabled"
+
+
+def stop_reason(gen: Generation) -> str:
+    if gen.finish_reason == LENGTH:
+        return "max_tokens"
+    return "stop_sequence" if gen.stop_sequence is not None else "end_turn"
+
+
+def message(id: str, model: str, text: str | None, gen: Generation) -> dict:
+    """The message object: whole (text given, the answer over) or as message_start carries it."""
+    done = text is not None
+    return {"id": id, "type": "message", "role": "assistant", "model": model,
+            "content": [{"type": "text", "text": text}] if done else [],
+            "stop_reason": stop_reason(gen) if done else None,
+            "stop_sequence": gen.stop_sequence if done else None,
+            "usage": {"input_tokens": gen.prompt_tokens, "output_tokens": gen.completion_tokens}}
+
+
+def responder(model: str) -> Callable[[Exchange, Generation, GenerationRequest], Awaitable[None]]:
+    id = f"msg_{secrets.token_hex(12)}"
+
+    async def respond(http: Exchange, gen: Generation, request: GenerationRequest) -> None:
+        if not request.stream:
+            text = await gen.text()
+            await http.json(200, message(id, model, text, gen))
+            return
+        await gen.start()  # no route is still an HTTP error: no header sent yet
+        await http.start(200, SSE_HEADERS)
+        await http.event({"type": "message_start", "message": message(id, model, None, gen)}, name="message_start")
+        await http.event({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                         name="content_block_start")
+        await http.event({"type": "ping"}, name="ping")
+        while (delta := await gen.step()) is not None:
+            if delta:
+                await http.event({"type": "content_block_delta", "index": 0,
+                                  "delta": {"type": "text_delta", "text": delta}}, name="content_block_delta")
+        await http.event({"type": "content_block_stop", "index": 0}, name="content_block_stop")
+        await http.event({"type": "message_delta",
+                          "delta": {"stop_reason": stop_reason(gen), "stop_sequence": gen.stop_sequence},
+                          "usage": {"output_tokens": gen.completion_tokens}}, name="message_delta")
+        await http.event({"type": "message_stop"}, name="message_stop")
+        await http.write(b"", more=False)
+
+    return respond

@@ -1,0 +1,1 @@
+"""Net layer: the transport interface and its implementations, gossip, NAT."""

@@ -1,0 +1,137 @@
+"""Joining a swarm: try every `--join` address, say why each attempt failed, back off, give up.
+
+A peer told to join that reaches nobody used to warn once and serve a one-peer swarm
+forever; that hides the usual mistakes (a dead address, a wrong or missing swarm
+key, a peer of another model). `join_swarm` retries with doubling back-off until
+one address answers and gossips with us, printing ONE line per failed attempt with
+the reason, and raises `JoinFailed` when the join time runs out (the CLI exits
+non-zero) unless the peer was told it may serve alone.
+
+The reasons, told apart by what the address did:
+  unreachable        nothing answers on the address (refused, or no answer at all);
+  handshake refused  TCP answers but the libp2p handshake never completes: with a
+                     private-network key the two sides cannot even agree on
+                     encryption, so "wrong or missing swarm key?" is the likely cause;
+  different model    the peer answers, but its advertisement names another model id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Iterator, Sequence
+
+import multiaddr
+import trio
+
+from tessera.peer.base.errors import PeerError
+
+JOIN_TIMEOUT = 60.0  # default --join-timeout: a peer that restarts beside us is up well within a minute
+RETRY_FIRST = 1.0  # first back-off: a peer started at the same moment is listening within seconds
+RETRY_MAX = 10.0  # back-off cap: the dial itself already waits up to 10 s (libp2p_transport.DIAL_TIMEOUT)
+TCP_PROBE_TIMEOUT = 3.0  # a TCP connect on a live address answers in one round trip; 3 s covers slow links
+
+
+class JoinFailed(PeerError):
+    """No `--join` address was reached within the join time."""
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One failed try at one address: what it was and why it failed."""
+
+    addr: str
+    reason: str
+
+
+def backoff(first: float = RETRY_FIRST, cap: float = RETRY_MAX) -> Iterator[float]:
+    """Waits between rounds of attempts: first, 2 first, 4 first, ... never above cap."""
+    delay = first
+    while True:
+        yield delay
+        delay = min(cap, delay * 2)
+
+
+def tcp_endpoint(addr: str) -> tuple[str, int] | None:
+    """(host, port) of an /ip4, /ip6 or /dns… + /tcp multiaddr; None for anything else."""
+    try:
+        parts = multiaddr.Multiaddr(addr).items()
+    except (ValueError, multiaddr.exceptions.Error):
+        return None
+    host = next((v for p, v in parts if p.name in ("ip4", "ip6", "dns", "dns4", "dns6")), None)
+    port = next((v for p, v in parts if p.name == "tcp"), None)
+    return (str(host), int(port)) if host is not None and port is not None else None
+
+
+async def tcp_answers(addr: str) -> bool:
+    """Whether something accepts a TCP connection at `addr` (closed at once)."""
+    endpoint = tcp_endpoint(addr)
+    if endpoint is None:
+        return False
+    with trio.move_on_after(TCP_PROBE_TIMEOUT):
+        try:
+            stream = await trio.open_tcp_stream(*endpoint)
+        except OSError:
+            return False
+        await stream.aclose()
+        return True
+    return False
+
+
+def handshake_reason(swarm_key_given: bool) -> str:
+    key = "our --swarm-key differs from the swarm's" if swarm_key_given else "the swarm may need --swarm-key"
+    return f"handshake refused (the address answers TCP, but not libp2p with us): wrong or missing swarm key? ({key})"
+
+
+async def join_swarm(
+    addrs: Sequence[str],
+    try_one: Callable[[str], Awaitable[str | None]],
+    *,
+    timeout: float,
+    allow_alone: bool,
+    swarm_key_given: bool,
+    out: Callable[[str], None],
+    delays: Iterator[float] | None = None,
+) -> bool:
+    """Try `addrs` until one joins; True when one did, False when serving alone is allowed.
+
+    `try_one(addr)` connects and gossips; it returns None on success or a reason
+    ("different model ...") and raises PeerError when the address cannot be reached.
+    Raises JoinFailed when `timeout` seconds pass without a join and not `allow_alone`.
+    """
+    delays = delays or backoff()
+    deadline = trio.current_time() + timeout
+    last: list[Attempt] = []
+    n = 0
+    while True:
+        n += 1
+        last = []
+        for addr in addrs:
+            remaining = deadline - trio.current_time()
+            reason: str | None = "no answer within the join time"
+            with trio.move_on_after(max(0.0, remaining)):
+                try:
+                    reason = await try_one(addr)
+                except PeerError:
+                    reason = "unreachable"
+                if reason is None:
+                    return True
+            if reason.startswith(("unreachable", "no answer")):
+                reason = handshake_reason(swarm_key_given) if await tcp_answers(addr) else (
+                    "unreachable: nothing answers at this address (is the peer running, and the address right?)")
+            last.append(Attempt(addr, reason))
+        wait = next(delays)
+        left = deadline - trio.current_time()
+        for attempt in last:
+            then = f"retrying in {min(wait, left):.0f} s" if left > 0 else "giving up"
+            out(f"join attempt {n}: cannot join {attempt.addr}: {attempt.reason}; {then}")
+        if left <= 0:
+            break
+        await trio.sleep(min(wait, left))
+    if allow_alone:
+        out(f"join: nobody reached in {timeout:g} s; serving alone as a new swarm (--allow-alone)")
+        return False
+    reasons = "; ".join(f"{a.addr}: {a.reason}" for a in last)
+    raise JoinFailed(
+        f"could not join any --join address within {timeout:g} s ({reasons}); "
+        "fix the address or key, raise --join-timeout, or pass --allow-alone to start a new swarm"
+    )

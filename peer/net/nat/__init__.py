@@ -1,0 +1,1 @@
+"""Behind NAT: reachability, dial-back, link kinds, relays and hole punching."""

@@ -1,0 +1,166 @@
+"""The one small interface between the peer logic and the network.
+
+Everything in peer/ that moves bytes — the stage server, the requester, gossip,
+pings — speaks to a `Transport`: open a stream to a peer on a protocol, serve a
+protocol. `peer/libp2p_transport.py` implements it over real py-libp2p hosts;
+`peer/net/memory.py` implements it in memory for simulation and replay
+of many peers under trio's MockClock. Both run the same peer code.
+
+On top of a raw byte `Stream`, `Channel` sends and receives whole protocol
+messages: a length-prefixed frame (size checked before the body is read) holding
+one CBOR message.
+"""
+
+from __future__ import annotations
+
+from typing import Awaitable, Callable, Protocol, Sequence
+
+import trio
+
+from tessera.protocol.codec import decode, encode
+from tessera.protocol.errors import EndOfStream, WireError
+from tessera.protocol.framing import DEFAULT_MAX_FRAME, encode_frame, read_frame
+
+from tessera.peer.base.errors import PeerUnreachable, StreamClosed
+
+# Connection kinds, as shown by `swarm status` and the TUI.
+DIRECT = "direct"
+PUNCHED = "punched"  # direct, after a DCUtR hole punch
+RELAYED = "relayed"
+
+# The protocols peers speak (module constants, versioned).
+SESSION_PROTOCOL = "/tessera/session/1.0.0"  # requester <-> each peer of its route
+LINK_PROTOCOL = "/tessera/link/1.0.0"  # peer i -> peer i+1 of a route
+GOSSIP_PROTOCOL = "/tessera/gossip/1.0.0"  # advertisement exchange
+PING_PROTOCOL = "/tessera/ping/1.0.0"  # RTT probes
+
+
+class Stream(Protocol):
+    """A bidirectional byte stream to one remote peer."""
+
+    remote: str  # the remote peer id
+
+    async def read(self, max_bytes: int) -> bytes:
+        """Up to max_bytes; b"" at end of stream. Raises StreamClosed on reset."""
+        ...
+
+    async def write(self, data: bytes) -> None:
+        """Raises StreamClosed if the stream is gone."""
+        ...
+
+    async def close(self) -> None: ...
+
+    async def reset(self) -> None: ...
+
+
+Handler = Callable[[Stream], Awaitable[None]]
+
+
+class Transport(Protocol):
+    """What the peer logic needs from a network."""
+
+    peer_id: str
+
+    def addrs(self) -> list[str]:
+        """Addresses others can dial this peer on (full multiaddrs with /p2p/<id>)."""
+        ...
+
+    def set_handler(self, protocol: str, handler: Handler) -> None: ...
+
+    async def connect(self, addr: str) -> str:
+        """Dial a multiaddr; return the remote peer id. Raises PeerUnreachable."""
+        ...
+
+    async def open_stream(self, peer_id: str, protocol: str, *, addrs: Sequence[str] = ()) -> Stream:
+        """A new stream to `peer_id` (dialling `addrs` first if not connected). Raises PeerUnreachable."""
+        ...
+
+    def connected(self) -> list[str]:
+        """Peer ids with a live connection."""
+        ...
+
+    def connection_kind(self, peer_id: str) -> str | None:
+        """DIRECT, PUNCHED or RELAYED for a connected peer; None if not connected."""
+        ...
+
+    async def disconnect(self, peer_id: str) -> None: ...
+
+
+class Channel:
+    """Whole messages over a stream: one frame, one CBOR message, limits checked first.
+
+    Sends are serialised by a lock, so several tasks may share one channel; one
+    task at a time should receive.
+    """
+
+    def __init__(self, stream: Stream, *, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self.stream = stream
+        self.max_frame = max_frame
+        self.remote = stream.remote
+        self._send_lock = trio.Lock()
+        self._buffer = bytearray()
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    async def send(self, msg: object) -> int:
+        """Send one message; returns the bytes written. Raises StreamClosed."""
+        frame = encode_frame(encode(msg), max_size=self.max_frame)
+        async with self._send_lock:
+            await self.stream.write(frame)
+        self.bytes_out += len(frame)
+        return len(frame)
+
+    async def receive(self) -> object:
+        """The next message. Raises StreamClosed at end of stream, WireError on a bad frame."""
+        try:
+            payload = await read_frame(self._read_exactly, max_size=self.max_frame)
+        except EndOfStream:
+            raise StreamClosed(f"stream from {self.remote} ended") from None
+        self.bytes_in += len(payload)
+        return decode(payload, max_size=self.max_frame)
+
+    async def receive_or_none(self) -> object | None:
+        """The next message, or None at a clean end of stream."""
+        try:
+            return await self.receive()
+        except StreamClosed:
+            return None
+
+    async def _read_exactly(self, n: int) -> bytes:
+        while len(self._buffer) < n:
+            chunk = await self.stream.read(max(n - len(self._buffer), 65536))
+            if not chunk:
+                break  # read_frame tells a clean end from a truncated frame
+            self._buffer += chunk
+        out = bytes(self._buffer[:n])
+        del self._buffer[:n]
+        return out
+
+    async def close(self) -> None:
+        await self.stream.close()
+
+    async def reset(self) -> None:
+        await self.stream.reset()
+
+
+async def open_channel(transport: Transport, peer_id: str, protocol: str, *, addrs: Sequence[str] = ()) -> Channel:
+    return Channel(await transport.open_stream(peer_id, protocol, addrs=addrs))
+
+
+__all__ = [
+    "DIRECT",
+    "PUNCHED",
+    "RELAYED",
+    "SESSION_PROTOCOL",
+    "LINK_PROTOCOL",
+    "GOSSIP_PROTOCOL",
+    "PING_PROTOCOL",
+    "Stream",
+    "Handler",
+    "Transport",
+    "Channel",
+    "open_channel",
+    "PeerUnreachable",
+    "StreamClosed",
+    "WireError",
+]

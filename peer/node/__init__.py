@@ -1,0 +1,1 @@
+"""Node layer: a volunteer's peer (join, measure, claim, serve, leave) and its config."""

@@ -1,0 +1,94 @@
+"""What a peer is told to do: `PeerConfig` (every `tessera peer` option) and its timings.
+
+The numbers here are the knobs of a peer's life cycle; each says where it comes from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tessera.stages.quant import NO_QUANT, Quant, layer_bytes
+from tessera.stages.spec import ModelSpec
+
+from tessera.peer.net.emulated import LinkEmulation
+from tessera.peer.base.errors import ConfigError
+from tessera.peer.serve.batcher import MAX_BATCH_ROWS, MAX_BATCH_WAIT
+from tessera.peer.net.join import JOIN_TIMEOUT
+
+RECORD_TTL = 15.0  # an advertisement is valid this long; re-advertised every ADVERTISE_INTERVAL
+ADVERTISE_INTERVAL = 3.0
+PING_INTERVAL = 5.0
+LEAVE_GRACE = 10.0  # seconds running sessions get to finish when the peer stops
+# How often a peer reconsiders its span. Petals checks every ~2 minutes; a small
+# swarm recovers faster with a shorter period, and plan_move's 25% threshold (see
+# placement.py) keeps a stable swarm from moving at all. Jittered, so that peers
+# judging the same view do not all move at once.
+REBALANCE_INTERVAL = 10.0
+MOVE_GRACE = 5.0  # seconds running sessions get to finish before a peer moves its span
+KV_RESERVE_FRACTION = 0.25  # of the memory offered, kept for sessions' KV caches
+DEFAULT_MEMORY_FRACTION = 0.5  # of available RAM, when --memory is not given
+
+
+@dataclass
+class PeerConfig:
+    """Everything `tessera peer` accepts (see `peer/cli/peer.py` for the flags)."""
+
+    model: str = "smollm2-135m"
+    join: list[str] = field(default_factory=list)
+    listen: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    memory_gb: float | None = None
+    layers: tuple[int, int] | None = None
+    data_dir: Path = Path.home() / ".local" / "share" / "tessera" / "peer"
+    name: str = ""
+    threads: int | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    quant: Quant = NO_QUANT  # how the span's matrices are stored (stages/quant.py)
+    swarm_key: bytes | None = None
+    max_sessions: int = 16
+    max_length: int = 4096
+    batch_rows: int = MAX_BATCH_ROWS  # rows of a stacked step of several sessions (peer/serve/batcher.py)
+    batch_wait: float = MAX_BATCH_WAIT  # seconds a batch waits for the sessions of the last one
+    record_ttl: float = RECORD_TTL
+    advertise_interval: float = ADVERTISE_INTERVAL
+    leave_grace: float = LEAVE_GRACE
+    rebalance_interval: float = REBALANCE_INTERVAL
+    emulate_link: LinkEmulation | None = None  # benchmarks only: delay/pace every frame sent
+    misbehave: str | None = None  # fault injection (tests, demos): "perturb:P" or "wrong-weights"
+    join_timeout: float = JOIN_TIMEOUT  # seconds --join may take before the peer gives up (peer/net/join.py)
+    allow_alone: bool = False  # when no --join address answers in time: serve alone instead of exiting
+    shard: tuple[int, int] = (0, 1)  # (rank, group size): a rank of a tensor-shard group (needs layers, group)
+    group: str = ""  # the shard group's name
+
+
+def parse_layers(text: str) -> tuple[int, int]:
+    """'A:B' -> (A, B), layers A to B-1."""
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"--layers wants A:B (layers A to B-1), got {text!r}") from None
+    if not 0 <= a < b:
+        raise ConfigError(f"--layers {text!r} is empty or negative")
+    return a, b
+
+
+def capacity_in_layers(spec: ModelSpec, memory_bytes: int, itemsize: int, quant: Quant = NO_QUANT) -> int:
+    """How many layers fit in the memory offered, keeping a share for KV caches
+    (a quantized layer counts its integers and scales: stages/quant.py `layer_bytes`)."""
+    usable = memory_bytes * (1 - KV_RESERVE_FRACTION)
+    return max(1, min(spec.num_layers, int(usable // layer_bytes(spec, itemsize, quant))))
+
+
+def check_memory_offer(spec: ModelSpec, memory_gb: float, itemsize: int, dtype: str,
+                       *, layers: tuple[int, int] | None = None, quant: Quant = NO_QUANT) -> None:
+    """Raise ConfigError when `memory_gb` cannot hold one layer (or the forced span) plus the
+    KV share, saying how many GB it needs — before a peer loads weights that do not fit."""
+    count = (layers[1] - layers[0]) if layers else 1
+    need = count * layer_bytes(spec, itemsize, quant) / (1 - KV_RESERVE_FRACTION)
+    if not memory_gb > 0 or memory_gb * (1 << 30) < need:
+        what = f"{count} layers" if layers else "one layer"
+        raise ConfigError(
+            f"--memory {memory_gb:g} GB is too small: {what} of this model in {dtype} needs "
+            f"{need / (1 << 30):.3g} GB (weights plus {KV_RESERVE_FRACTION:.0%} kept for KV caches)"
+        )

@@ -1,0 +1,451 @@
+"""A volunteer's peer: join, measure, claim a span, load it, advertise, serve, leave.
+
+    node = PeerNode(PeerConfig(model="smollm2-135m", join=[addr]))
+    await node.run()          # until cancelled; then it leaves gracefully
+
+The lifecycle, in order: open the data dir (identity key, sqlite store, trace);
+start the libp2p host and print the multiaddr others can join; pull the swarm
+view from the join addresses; measure one layer's decode speed; pick a span
+(`peer/plan/placement.py`, unless --layers forces one) that fits the memory offered;
+advertise it as LOADING, load only those layers, advertise SERVING; serve, gossip,
+ping, re-advertise and reconsider placement until stopped. Stopping drains:
+no new sessions, advertise LEAVING, let running sessions finish within a grace
+period, close.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from functools import partial
+import time
+from typing import Callable
+
+import psutil
+import torch
+import trio
+
+from tessera.protocol.crypto import sign_record
+from tessera.protocol.keys import Identity
+from tessera.protocol.records import Neighbour, PeerRecord, SignedRecord
+from tessera.stages import registry
+from tessera.stages.generate import pick_device, pick_dtype
+from tessera.stages.devices import cuda_offer, cuda_reserve, read_device_memory
+from tessera.stages.quant import model_tag
+from tessera.stages.spec import ModelSpec
+from tessera.stages.speed import measure_layer_throughput
+from tessera.stages.sharded import ShardedStage
+from tessera.stages.stage import Stage
+from tessera.store.db import PeerStore
+from tessera.store.keyfile import load_or_create_key
+from tessera.store.trace import TraceWriter
+
+from tessera.peer.base.errors import ConfigError, PeerError
+from tessera.peer.net.gossip import Gossip, Pinger, ViewKeeper
+from tessera.peer.net.emulated import emulate
+from tessera.peer.net.libp2p import open_libp2p_transport
+from tessera.peer.node.config import (  # noqa: F401 - PeerConfig and parse_layers are this module's API too
+    DEFAULT_MEMORY_FRACTION, KV_RESERVE_FRACTION, MOVE_GRACE, PING_INTERVAL, PeerConfig,
+    capacity_in_layers, check_memory_offer, parse_layers,
+)
+from tessera.peer.net.join import join_swarm
+from tessera.peer.net.nat.reachability import NatService
+from tessera.peer.serve import faults as misbehave
+from tessera.peer.plan.placement import choose_span, plan_move
+from tessera.peer.request.reports import ReportBook
+from tessera.peer.serve.server import ServerLimits, StageServer
+from tessera.peer.serve.shard_server import ShardServer
+from tessera.peer.net.transport import Transport
+from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, SERVING
+
+class PeerNode:
+    """One running peer (see module docstring)."""
+
+    def __init__(self, config: PeerConfig, *, out: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self.out = out or (lambda line: (print(line), sys.stdout.flush()))
+        self.folder = registry.resolve(config.model)
+        self.spec = ModelSpec.from_file(self.folder / "config.json")
+        self.quant = config.quant
+        # the advertised id carries the quantization: requesters chain only what they accept
+        self.model_id = model_tag(registry.model_id(self.folder), self.quant)
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device, self.quant)
+        if config.memory_gb is not None:  # refused before anything starts (raises ConfigError)
+            check_memory_offer(self.spec, config.memory_gb, self.itemsize, str(self.dtype).removeprefix("torch."),
+                               layers=config.layers, quant=self.quant)
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+        self.identity = Identity.from_seed(load_or_create_key(config.data_dir / "identity.key"))
+        self.store = PeerStore(config.data_dir / "tessera.db")
+        self.state = LOADING
+        self.span: tuple[int, int] | None = None
+        self.throughput = 0.0
+        self.started = time.time()
+        self.seq = 0
+        self.transport: Transport | None = None
+        self.server: StageServer | None = None
+        self.stage: Stage | None = None
+        self.keeper = ViewKeeper(model_id=self.model_id, num_layers=self.spec.num_layers, clock=time.time)
+        self._own: SignedRecord | None = None
+        self.stopping = trio.Event()
+        self.ready = trio.Event()
+        self.tracer: TraceWriter | None = None
+        self.nat: NatService | None = None
+        self._vram_offer: int | None = None
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes offered: --memory; on CUDA the card's free memory less a reserve (read once, before
+        anything is loaded: afterwards our own weights would count as taken); else half the free RAM."""
+        if self.config.memory_gb is not None:
+            return int(self.config.memory_gb * (1 << 30))
+        if self.device.type == "cuda":
+            if self._vram_offer is None:
+                card = read_device_memory(self.device)
+                self._vram_offer = cuda_offer(card.free, card.total, cuda_reserve(card.total))
+            return self._vram_offer
+        return int(psutil.virtual_memory().available * DEFAULT_MEMORY_FRACTION)
+
+    def device_memory(self) -> dict | None:
+        """Free and total memory of a CUDA device (for the record and the TUI); None elsewhere."""
+        card = read_device_memory(self.device)
+        return {"free": card.free, "total": card.total} if card.kind == "cuda" else None
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    # -- advertising ------------------------------------------------------------------
+
+    def make_record(self) -> SignedRecord | None:
+        if self.span is None or self.transport is None:
+            return None
+        now = time.time()
+        self.seq = max(self.seq + 1, int(now * 1000))  # survives restarts: newer beats older
+        used = self.stage.weight_bytes if self.stage else 0
+        server = self.server
+        record = PeerRecord(
+            peer_id=self.identity.peer_id, name=self.config.name[:64], model_id=self.model_id,
+            start=self.span[0], end=self.span[1], shard_index=self.config.shard[0], shard_count=self.config.shard[1],
+            shard_group=self.config.group,
+            throughput=self.throughput, free_memory=max(0, self.memory_bytes - used),
+            load=server.load if server else 0.0, max_sessions=self.config.max_sessions,
+            state=self.state, reachability=self.nat.reachability if self.nat else "public",
+            addrs=tuple(self.transport.addrs()[:16]),
+            neighbours=tuple(Neighbour(_peer_bytes(p), rtt) for p, rtt in sorted(self.pinger.rtt_ms.items())[:64]),
+            issued_at=now, expires_at=now + self.config.record_ttl, seq=self.seq,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=self.device.type, device_free=(self.device_memory() or {}).get("free", 0),
+        )
+        self._own = sign_record(self.identity, record)
+        return self._own
+
+    async def advertise(self) -> None:
+        """Re-sign our record and push it to every neighbour now."""
+        signed = self.make_record()
+        if signed is None:
+            return
+        self.keeper.merge([signed])
+        await self.gossip.announce()
+        if self.tracer:
+            self.tracer.emit("advertise", span=self.span, detail={"state": self.state, "load": self.server.load if self.server else 0.0})
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
+        async with open_libp2p_transport(
+            self.identity.seed, listen=self.config.listen, swarm_key=self.config.swarm_key
+        ) as real_transport, emulate(real_transport, self.config.emulate_link) as transport:
+            self.transport = transport
+            peer_id = transport.peer_id
+            self.store.record_identity(peer_id)
+            self.tracer = TraceWriter(self.store, peer=peer_id)
+            self.gossip = Gossip(transport, self.keeper, own_record=lambda: self._own)
+            self.pinger = Pinger(transport)
+            self.out(f"listening on {transport.addrs()[0]}")
+            self.tracer.emit("join", detail={"addrs": transport.addrs(), "model": self.model_id})
+            try:
+                async with trio.open_nursery() as nursery:
+                    self._start_nat(nursery)
+                    await self._join()
+                    await self._claim_and_load()
+                    # a rank of a tensor-shard group runs the shard server (peer/serve/shard_server.py)
+                    kind = partial(ShardServer, group=self.config.group) if self.config.shard[1] > 1 else StageServer
+                    self.server = kind(
+                        transport, self.identity, self.stage, tracer=self.tracer,
+                        limits=ServerLimits(max_sessions=self.config.max_sessions, max_length=self.config.max_length,
+                                            batch_rows=self.config.batch_rows, batch_wait=self.config.batch_wait,
+                                            kv_budget=int(self.memory_bytes * KV_RESERVE_FRACTION)),
+                        ledger=lambda requester, layer_tokens, nbytes: self.store.add_ledger(
+                            requester, layer_tokens, steps=1, bytes=nbytes),
+                    )
+                    self._inject_faults()
+                    self.reports = ReportBook(transport, model_id=self.model_id, store=self.store)
+                    nursery.start_soon(self.reports.run)
+                    self.state = SERVING
+                    await self.advertise()
+                    rank = f" as rank {self.config.shard[0]}/{self.config.shard[1]} of group {self.config.group!r}"
+                    self.out(f"serving layers [{self.span[0]}, {self.span[1]}) of {self.spec.num_layers}"
+                             + (rank if self.config.shard[1] > 1 else ""))
+                    for line in self.resource_lines():
+                        self.out(line)
+                    self.ready.set()
+                    task_status.started(self)
+                    nursery.start_soon(self.server.reap_idle)
+                    nursery.start_soon(self._advertise_forever)
+                    nursery.start_soon(self._gossip_forever)
+                    nursery.start_soon(self._ping_forever)
+                    if self.config.layers is None:  # a forced span never moves
+                        nursery.start_soon(self._rebalance_forever)
+                    await self.stopping.wait()
+                    await self._leave()
+                    nursery.cancel_scope.cancel()
+            finally:
+                self.tracer.close()
+                self.store.close()
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _inject_faults(self) -> None:
+        """--misbehave (tests and demos only): make this peer return wrong activations."""
+        if not self.config.misbehave:
+            return
+        mode, probability = misbehave.parse(self.config.misbehave)
+        if mode == "perturb":
+            self.server.tamper = misbehave.perturber(probability, seed=self.seq)
+            self.out(f"MISBEHAVING: perturbing {probability:.0%} of steps")
+        else:
+            self.out(f"MISBEHAVING: serving with a perturbed {misbehave.corrupt_weights(self.stage)}")
+
+    def _start_nat(self, nursery: trio.Nursery) -> None:
+        """Behind NAT (peer/net/nat/reachability.py): dial-back reachability, relays, link kinds; re-advertise on change."""
+        self.nat = NatService(self.transport, self.keeper, out=self.out, tracer=self.tracer, on_change=self.advertise)
+        nursery.start_soon(self.nat.run)
+
+    async def _join(self) -> None:
+        """Join through --join (peer/net/join.py: retries, one reason line per attempt, JoinFailed)."""
+        if self.config.join:
+            await join_swarm(
+                self.config.join, self._try_join, timeout=self.config.join_timeout,
+                allow_alone=self.config.allow_alone, swarm_key_given=self.config.swarm_key is not None, out=self.out,
+            )
+        await self._connect_known()
+
+    async def _try_join(self, addr: str) -> str | None:
+        """Connect to `addr` and gossip once: None when joined, else why not (raises PeerError if unreachable)."""
+        peer = await self.transport.connect(addr)
+        self.tracer.emit("connect", remote=peer, detail={"kind": self.transport.connection_kind(peer) or "direct"})
+        if not await self.gossip.exchange(peer):
+            return "unreachable (connected, but the gossip exchange failed)"
+        other = self.keeper.foreign_models.get(peer)
+        if other is not None:
+            return (f"different model: it serves model id {other}, ours is {self.model_id} "
+                    f"({self.config.model!r}; check --model and that the files are identical)")
+        return None
+
+    async def _connect_known(self) -> None:
+        await self.gossip.connect_known(self._connected)
+
+    def _connected(self, peer_id: str) -> None:
+        self.tracer.emit("connect", remote=peer_id, detail={"kind": self.transport.connection_kind(peer_id) or "direct"})
+
+    @property
+    def capacity(self) -> int:
+        return capacity_in_layers(self.spec, self.memory_bytes, self.itemsize, self.quant)
+
+    async def _claim_and_load(self) -> None:
+        self.throughput = await trio.to_thread.run_sync(
+            lambda: measure_layer_throughput(self.spec, device=self.device, dtype=self.dtype, quant=self.quant)
+        )
+        if self.config.layers is not None:
+            start, end = self.config.layers
+            if end > self.spec.num_layers:
+                raise ConfigError(f"--layers {start}:{end} exceeds the model's {self.spec.num_layers} layers")
+        else:
+            start, end = choose_span(self.keeper.snapshot(), me=self.transport.peer_id,
+                                     capacity_layers=self.capacity, throughput=self.throughput)
+        self.span = (start, end)
+        self.store.record_claim(self.model_id, self.span, action="claim", shard=self.config.shard,
+                                reason="forced" if self.config.layers else "placement")
+        self.tracer.emit("claim", span=self.span, detail={"throughput": self.throughput, "capacity": self.capacity})
+        await self.advertise()  # LOADING: others see the claim before the weights are in
+        self.stage = await self._load(start, end)
+
+    async def _load(self, start: int, end: int) -> Stage | ShardedStage:
+        index, count = self.config.shard
+        if count > 1:  # only this rank's slices (stages/sharded.py)
+            return await trio.to_thread.run_sync(lambda: ShardedStage.load(
+                self.folder, start=start, end=end, index=index, count=count, device=self.device, dtype=self.dtype))
+        return await trio.to_thread.run_sync(
+            lambda: Stage.load(self.folder, start=start, end=end, device=self.device, dtype=self.dtype, quant=self.quant)
+        )
+
+    async def move_to(self, span: tuple[int, int], reason: str) -> None:
+        """Serve another span: drain (no new sessions, a grace for running ones), load, serve.
+
+        Only the new span's weights are read; the old stage is dropped once the new one
+        is in, so for a moment both are in memory.
+        """
+        old = self.span
+        assert self.server is not None
+        self.server.accepting = False
+        self.state = DRAINING
+        await self.advertise()
+        await self.server.drain(MOVE_GRACE)
+        self.span = span
+        self.state = LOADING
+        self.tracer.emit("move", span=span, detail={"from": list(old) if old else None, "reason": reason})
+        self.store.record_claim(self.model_id, span, action="move", reason=reason, moved_from=old)
+        await self.advertise()
+        stage = await self._load(*span)
+        for session in list(self.server.sessions.values()):
+            self.server.drop(session, "peer moved its span")
+        self.stage = self.server.stage = stage
+        self.state = SERVING
+        self.server.accepting = True
+        await self.advertise()
+        self.out(f"serving layers [{span[0]}, {span[1]}) of {self.spec.num_layers} (moved: {reason})")
+        self.out(self.resource_lines()[0])
+
+    async def _rebalance_forever(self) -> None:
+        while True:
+            await trio.sleep(self.config.rebalance_interval * random.uniform(0.8, 1.2))
+            if self.state != SERVING:
+                continue
+            plan = plan_move(self.keeper.snapshot(), me=self.transport.peer_id,
+                             capacity_layers=self.capacity, throughput=self.throughput)
+            if plan is not None and plan != self.span:
+                await self.move_to(plan, "rebalance")
+
+    # -- operator controls (CLI, TUI) ---------------------------------------------------
+
+    async def set_memory_offered(self, gb: float) -> None:
+        """Offer a different amount of memory; re-claim a span that fits it (if it changes)."""
+        self.config.memory_gb = gb
+        if self.config.layers is not None or self.state != SERVING:
+            await self.advertise()
+            return
+        view = self.keeper.snapshot().without([self.transport.peer_id])
+        span = choose_span(view, me=self.transport.peer_id, capacity_layers=self.capacity, throughput=self.throughput)
+        if span != self.span:
+            await self.move_to(span, f"memory offered changed to {gb:g} GB")
+        else:
+            await self.advertise()
+
+    async def drain(self) -> None:
+        """Stop taking new sessions; running ones finish."""
+        assert self.server is not None
+        self.server.accepting = False
+        self.state = DRAINING
+        self.tracer.emit("drain", span=self.span, detail={"sessions": len(self.server.sessions)})
+        await self.advertise()
+
+    async def pause(self) -> None:
+        """Hold all compute and take no new sessions (running sessions will fail over elsewhere)."""
+        assert self.server is not None
+        self.server.pause()
+        self.state = DRAINING
+        self.tracer.emit("pause", span=self.span, detail={"sessions": len(self.server.sessions)})
+        await self.advertise()
+
+    async def resume(self) -> None:
+        assert self.server is not None
+        self.server.resume()
+        self.state = SERVING
+        self.tracer.emit("resume", span=self.span)
+        await self.advertise()
+
+    async def _leave(self) -> None:
+        """Graceful stop: no new sessions, tell the swarm, let running ones finish."""
+        with trio.CancelScope(shield=True):
+            self.state = LEAVING if not self.server or not self.server.sessions else DRAINING
+            if self.server:
+                self.server.accepting = False
+            await self.advertise()
+            if self.server:
+                await self.server.drain(self.config.leave_grace)
+                # Past the grace: end what is left now, while the trace is still open (closing
+                # the host later would end them too, and their session_close would hit a closed tracer).
+                for session in list(self.server.sessions.values()):
+                    self.server.drop(session, "peer left")
+            self.state = LEAVING
+            await self.advertise()
+            if self.span:
+                self.store.record_claim(self.model_id, self.span, action="release", reason="leaving")
+            self.tracer.emit("leave", span=self.span)
+            self.out("left the swarm")
+
+    async def _advertise_forever(self) -> None:
+        while True:
+            # jitter so that peers started together do not advertise in lockstep
+            await trio.sleep(self.config.advertise_interval * random.uniform(0.8, 1.2))
+            await self.advertise()
+
+    async def _gossip_forever(self) -> None:
+        while True:
+            await trio.sleep(self.gossip.interval)
+            await self.gossip.round(self._connected)
+
+    async def _ping_forever(self) -> None:
+        while True:
+            await self.pinger.ping_all()
+            await trio.sleep(PING_INTERVAL)
+
+    def resource_lines(self) -> list[str]:
+        """What this peer offers and uses, and how fast it measured itself (printed at start-up).
+
+        'memory: 0.27 GB used by the weights of layers [0, 15) + up to 0.25 GB for KV caches, of 1.00 GB offered'
+        'compute: cpu float32, 1 thread; one layer decodes a token in 0.86 ms (77.5 tok/s through 15 layers)'
+        """
+        gb = 1 << 30
+        used = self.stage.weight_bytes if self.stage else 0
+        kv = int(self.memory_bytes * KV_RESERVE_FRACTION)  # the server's KV budget (ServerLimits.kv_budget)
+        span = f"[{self.span[0]}, {self.span[1]})" if self.span else "no layers"
+        n = self.span[1] - self.span[0] if self.span else 0
+        threads = torch.get_num_threads()
+        speed = (f"one layer decodes a token in {1000 / self.throughput:.2f} ms "
+                 f"({self.throughput / max(n, 1):.1f} tok/s through {n} layer{'s' if n != 1 else ''})"
+                 if self.throughput > 0 else "speed not measured")
+        return [
+            f"memory: {used / gb:.2f} GB used by the weights of layers {span} + up to {kv / gb:.2f} GB "
+            f"for KV caches, of {self.memory_bytes / gb:.2f} GB offered",
+            f"compute: {self.device} {str(self.dtype).removeprefix('torch.')}, "
+            f"{threads} thread{'s' if threads != 1 else ''}; {speed}",
+        ]
+
+    # -- status (CLI, TUI) --------------------------------------------------------------
+
+    def status(self) -> dict:
+        view = self.keeper.snapshot()
+        server = self.server
+        return {
+            "peer_id": self.transport.peer_id if self.transport else None,
+            "name": self.config.name,
+            "addrs": self.transport.addrs() if self.transport else [],
+            "model_id": self.model_id,
+            "num_layers": self.spec.num_layers,
+            "span": list(self.span) if self.span else None,
+            "shard": {"index": self.config.shard[0], "count": self.config.shard[1], "group": self.config.group},
+            "state": self.state,
+            "throughput": self.throughput,
+            "memory_offered": self.memory_bytes,
+            "memory_used": self.stage.weight_bytes if self.stage else 0,
+            "device": str(self.device),
+            "vram": self.device_memory(),
+            "quant": self.quant.tag,
+            "uptime": time.time() - self.started,
+            "sessions": len(server.sessions) if server else 0,
+            "stats": vars(server.stats) if server else {},
+            "coverage": view.coverage(),
+            "neighbours": {p: {"rtt_ms": rtt, "kind": self.transport.connection_kind(p)} for p, rtt in self.pinger.rtt_ms.items()},
+            "nat": self.nat.status() if self.nat else None,
+        }
+
+
+def _peer_bytes(peer_id: str) -> bytes:
+    from libp2p.peer.id import ID
+
+    return ID.from_base58(peer_id).to_bytes()

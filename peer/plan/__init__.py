@@ -1,0 +1,1 @@
+"""Plan layer: pure decisions over a swarm view (no trio, torch, time or I/O)."""

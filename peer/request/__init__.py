@@ -1,0 +1,1 @@
+"""Request layer: the requester's side (chains, groups, repair, decoding, checks)."""

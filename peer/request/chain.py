@@ -1,0 +1,416 @@
+"""One generation's chain of peers, as the requester drives it.
+
+Opening: the requester picks a fresh X25519 key for the session and a fresh
+32-byte key per link — requester -> first peer, peer i -> peer i+1, last peer ->
+requester, and a tap link peer -> requester for every peer but the last — and
+seals each to the peers at its ends (`tessera.protocol.links.seal_link_key`). All
+peers are opened at once; a link stream that reaches a peer before its own
+SessionOpen waits for it.
+
+A step: the requester sends hidden states to the first peer; each peer pushes
+its output straight to the next; the last returns to the requester. Taps carry
+each span's output back too, off the critical path, into `RouteHistory`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import trio
+
+from tessera.protocol.activations import open_payload, seal_activations
+from tessera.protocol.errors import WireError
+from tessera.protocol.tensors import decode_tensor
+from tessera.protocol.keys import EphemeralKey, public_key_from_peer_id
+from tessera.protocol.links import Direction, LinkCipher, seal_link_key
+from tessera.protocol.messages import (
+    REPLY_FINGERPRINT, REPLY_FULL, Cancel, ErrorMsg, Forward, Result, SealedKey, SessionAccept, SessionClose, SessionOpen,
+    SessionRevoke,
+)
+
+from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
+from tessera.peer.request.history import RouteHistory
+from tessera.peer.plan.routing import Hop, Route
+from tessera.peer.request.chain_state import AttestedStep, HopState, RequesterContext, StepSlot, peer_bytes  # noqa: F401 (re-exported)
+from tessera.peer.serve.server import NEXT_HOP_FAILED
+from tessera.peer.net.transport import SESSION_PROTOCOL, Channel
+
+# Opening a session: dial (if needed), SessionOpen, the peer dials its next hop, SessionAccept.
+OPEN_TIMEOUT = 15.0
+# A step's deadline: this many times the advertised estimate, plus a floor for
+# scheduling noise and a cold CPU cache. Generous on purpose: a false alarm costs a
+# failover, a late alarm only a delay (see peer/request/repair.py).
+STEP_TIMEOUT_FACTOR = 10.0
+STEP_TIMEOUT_FLOOR = 5.0
+CLOSE_TIMEOUT = 2.0
+REVOKED = "revoked by the requester"  # the failure a revoked hop carries into the repair
+
+
+class RouteSession:
+    """A session over a route of peers; `step` runs hidden states through all of them."""
+
+    def __init__(self, ctx: RequesterContext, route: Route, *, max_length: int, keep_history: bool = True) -> None:
+        self.ctx = ctx
+        self.route = route
+        self.max_length = max_length
+        self.session_id = os.urandom(16)
+        self.ephemeral = EphemeralKey.generate()
+        self.hops: list[HopState] = []
+        self.history = RouteHistory(max_length, ctx.hidden_size)
+        self.keep_history = keep_history  # a spot checker's shadow session needs none
+        self.pending: dict[int, StepSlot] = {}
+        self.tap_arrived = trio.Event()  # set (and replaced) whenever a tap lands in the history
+        self.retired_attestations: list[AttestedStep] = []  # of hops a failover replaced
+        self._next_link = 0
+        self._next_step = 0
+        self.closed = False
+
+    @property
+    def hex(self) -> str:
+        return self.session_id.hex()
+
+    def new_link(self) -> tuple[int, bytes]:
+        self._next_link += 1
+        return self._next_link, os.urandom(32)
+
+    def seal(self, link: tuple[int, bytes], peer: str) -> SealedKey:
+        link_id, key = link
+        return seal_link_key(
+            key, session_id=self.session_id, link_id=link_id, sender=self.ephemeral,
+            recipient_public_ed25519=public_key_from_peer_id(peer_bytes(peer)),
+        )
+
+    def cipher(self, link: tuple[int, bytes]) -> LinkCipher:
+        return LinkCipher(link[1], session_id=self.session_id, link_id=link[0], direction=Direction.FORWARD)
+
+    # -- opening --------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Open every hop of the route at once. Raises SessionRefused or PeerFailed."""
+        self.hops, _, _ = await self.open_hops(list(self.route.hops), prev=None, next_=None)
+        self.ctx.tracer.emit("session_open", session=self.session_id,
+                             detail={"route": [[h.peer_id, h.start, h.end] for h in self.route.hops],
+                                     "max_length": self.max_length})
+
+    async def open_hops(
+        self, hops: list[Hop], *, prev: str | None, next_: str | None
+    ) -> tuple[list[HopState], tuple[int, bytes], tuple[int, bytes]]:
+        """Open sessions on consecutive `hops`, linked among themselves.
+
+        The first hop is fed by `prev` (a peer id; None = this requester) and the last
+        sends to `next_` (a peer id; None = this requester). When `prev` is a peer, the
+        first hop also gets an inject link from the requester (to replay inputs into it).
+        Returns the hop states and the boundary links (into the first, out of the last),
+        whose keys the caller seals to `prev` / `next_` when relinking them.
+        Raises SessionRefused or PeerFailed (every hop opened here is closed again).
+        """
+        into = [self.new_link() for _ in hops]  # link into hop i
+        out_last = self.new_link()
+        plans = []
+        for i, hop in enumerate(hops):
+            last = i + 1 == len(hops)
+            out = out_last if last else into[i + 1]
+            next_peer = (next_ if last else hops[i + 1].peer_id)
+            prev_peer = (prev if i == 0 else hops[i - 1].peer_id)
+            # every hop but the chain's last sends the requester a tap (a copy of its output)
+            tap = self.new_link() if next_peer is not None else None
+            inject = self.new_link() if i == 0 and prev is not None else None
+            msg = SessionOpen(
+                session_id=self.session_id, start=hop.start, end=hop.end, max_length=self.max_length,
+                requester=self.ctx.identity.peer_id, ephemeral_public=self.ephemeral.public,
+                in_key=self.seal(into[i], hop.peer_id), out_key=self.seal(out, hop.peer_id),
+                next_peer=peer_bytes(next_peer) if next_peer is not None else None,
+                next_addrs=self.ctx.keeper.addrs(next_peer) if next_peer is not None else (),
+                tap_key=self.seal(tap, hop.peer_id) if tap else None,
+                prev_peer=peer_bytes(prev_peer) if prev_peer is not None else None,
+                inject_key=self.seal(inject, hop.peer_id) if inject else None,
+            )
+            links = {
+                "send": self.cipher(inject) if inject else (self.cipher(into[0]) if i == 0 else None),
+                "tap": self.cipher(tap) if tap else None,
+                "result": self.cipher(out_last) if last and next_ is None else None,
+            }
+            plans.append((hop, msg, links))
+        results: list[HopState | BaseException | None] = [None] * len(plans)
+
+        async def open_one(i: int) -> None:
+            hop, msg, links = plans[i]
+            try:
+                results[i] = await self._open_hop(hop, msg, **links)
+            except (PeerError, WireError, trio.TooSlowError) as error:
+                results[i] = error
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(plans)):
+                nursery.start_soon(open_one, i)
+        opened = [r for r in results if isinstance(r, HopState)]
+        failed = [(plans[i][0], r) for i, r in enumerate(results) if not isinstance(r, HopState)]
+        if failed:
+            for state in opened:
+                self.ctx.nursery.start_soon(self.close_hop, state, "a peer of the route refused")
+            hop, error = blame(failed, hops, next_)
+            if isinstance(error, (SessionRefused, PeerFailed)):
+                raise error
+            # anything else (unreachable, a stream that closed, a bad frame, a timeout) is
+            # this hop failing: the caller bans it and routes around it
+            raise PeerFailed(hop.peer_id, f"opening the session: {type(error).__name__}: {error}")
+        return opened, into[0], out_last
+
+    async def _open_hop(self, hop: Hop, msg: SessionOpen, **links: LinkCipher | None) -> HopState:
+        with trio.fail_after(OPEN_TIMEOUT):
+            stream = await self.ctx.transport.open_stream(hop.peer_id, SESSION_PROTOCOL, addrs=self.ctx.keeper.addrs(hop.peer_id))
+            channel = Channel(stream)
+            await channel.send(msg)
+            reply = await channel.receive()
+        if isinstance(reply, ErrorMsg):
+            await channel.close()
+            raise SessionRefused(hop.peer_id, reply.code, reply.message)
+        if not isinstance(reply, SessionAccept) or reply.session_id != self.session_id:
+            await channel.reset()
+            raise PeerFailed(hop.peer_id, f"answered SessionOpen with {type(reply).__name__}")
+        state = HopState(hop, channel, **links)
+        self.ctx.nursery.start_soon(self._read, state)
+        return state
+
+    # -- receiving ------------------------------------------------------------------
+
+    async def _read(self, state: HopState) -> None:
+        """Route one peer's frames: results to waiting steps, taps to the history, errors to failures."""
+        with state.scope:
+            try:
+                while True:
+                    msg = await state.channel.receive()
+                    if isinstance(msg, Result):
+                        self._on_result(state, msg)
+                    elif isinstance(msg, ErrorMsg):
+                        self._fail(state, f"{msg.code}: {msg.message}", code=msg.code)
+                    elif isinstance(msg, SessionAccept):
+                        state.acked.set()
+                        state.acked = trio.Event()
+                    else:
+                        raise WireError(f"unexpected {type(msg).__name__} from a stage peer")
+            except (PeerError, WireError) as error:
+                if not self.closed:
+                    self._fail(state, f"{type(error).__name__}: {error}")
+
+    def _on_result(self, state: HopState, msg: Result) -> None:
+        """A tap or the chain's result: outputs go to the history (so the requester holds every
+        span's output), the step's end to its waiting slot; the attestation is kept."""
+        is_tap = state.tap is not None and msg.link_id == state.tap.link_id
+        cipher = state.tap if is_tap else state.result
+        if cipher is None or msg.link_id != cipher.link_id:
+            raise WireError(f"result on link {msg.link_id}, which is not one of this peer's")
+        slot = self.pending.get(msg.step)
+        ends_step = slot is not None and (slot.tap_from == state.peer if is_tap else slot.tap_from is None)
+        payload = open_payload(cipher, msg)
+        if msg.attestation:
+            state.attested.append(AttestedStep.of(state, msg))
+        if ends_step and slot.fingerprint:
+            slot.complete_raw(payload)
+            return
+        hidden = decode_tensor(payload)
+        if self.keep_history:
+            self.history.at(state.hop.end).write(msg.start_pos, hidden)
+        if is_tap:
+            self.tap_arrived.set()
+            self.tap_arrived = trio.Event()
+        if ends_step:
+            slot.complete(hidden)
+
+    def _fail(self, state: HopState, reason: str, *, code: str | None = None) -> None:
+        """Mark a hop failed and wake every waiting step with the error.
+
+        A peer reporting that its push to the next peer failed is alive; the next peer
+        is the one to blame.
+        """
+        if code == NEXT_HOP_FAILED and state in self.hops:
+            index = self.hops.index(state)
+            if index + 1 < len(self.hops):
+                state = self.hops[index + 1]
+                reason = f"unreachable from the previous peer: {reason}"
+        if state.failure is None:
+            state.failure = reason
+        state.acked.set()  # wake a relink waiting on this peer; it checks `failure`
+        self.ctx.tracer.emit("error", session=self.session_id, remote=state.peer, detail={"reason": reason[:300]})
+        error = PeerFailed(state.peer, reason)
+        for slot in self.pending.values():
+            slot.fail(error)
+
+    # -- stepping -------------------------------------------------------------------
+
+    def step_timeout(self, n_tokens: int, hops: list[Hop] | None = None) -> float:
+        """A deadline from the hops' advertised speeds (not a fixed minute)."""
+        view = self.ctx.keeper.snapshot()
+        estimate = 0.0
+        chosen = hops if hops is not None else [h.hop for h in self.hops]
+        for hop in chosen:
+            info = view.get(hop.peer_id)
+            speed = info.throughput if info and info.throughput > 0 else 1.0
+            estimate += hop.num_layers * n_tokens / speed
+        estimate += len(chosen) * 0.1  # per-hop network allowance
+        return STEP_TIMEOUT_FLOOR + STEP_TIMEOUT_FACTOR * estimate
+
+    async def step(self, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Run hidden states [T, H] at positions [start_pos, start_pos + T) through the route.
+
+        Returns the last hop's output [T, H]. Raises PeerFailed naming the peer that failed.
+        """
+        step, slot = await self.submit(hidden, start_pos)
+        return await self.wait(step, slot, hidden.shape[0], start_pos)
+
+    async def submit(self, hidden: torch.Tensor, start_pos: int) -> tuple[int, StepSlot]:
+        """Send a step through the whole route without waiting for it. Raises PeerFailed."""
+        first = self.hops[0]
+        if self.keep_history:
+            self.history.at(first.hop.start).write(start_pos, hidden)
+        failed = next((h for h in self.hops if h.failure), None)
+        if failed is not None:
+            raise PeerFailed(failed.peer, failed.failure or "failed")
+        return await self.send(first, hidden, start_pos, stop_layer=self.ctx.num_layers)
+
+    async def run(
+        self,
+        first: HopState,
+        hidden: torch.Tensor,
+        start_pos: int,
+        *,
+        stop_layer: int,
+        hops: list[Hop],
+        tap_from: str | None = None,
+    ) -> torch.Tensor:
+        """Send one step into `first` and wait for its end: the chain's result, or — for a
+        step that stops early (a replay) — the tap of the peer `tap_from` where it stops."""
+        step, slot = await self.send(first, hidden, start_pos, stop_layer=stop_layer, tap_from=tap_from)
+        return await self.wait(step, slot, hidden.shape[0], start_pos, hops=hops)
+
+    async def send(
+        self, first: HopState, hidden: torch.Tensor, start_pos: int, *, stop_layer: int,
+        tap_from: str | None = None, reply: int = REPLY_FULL,
+    ) -> tuple[int, StepSlot]:
+        """Send one step without waiting (several may be in flight). Raises PeerFailed."""
+        self._next_step += 1
+        step = self._next_step
+        slot = self.pending[step] = StepSlot(tap_from=tap_from, fingerprint=reply == REPLY_FINGERPRINT)
+        slot.sent_at = time.perf_counter()
+        n = hidden.shape[0]
+        assert first.send is not None, "the requester feeds only the first hop or an injected one"
+        template = Forward(self.session_id, step, first.send.link_id, 0, start_pos, n, stop_layer, b"", reply=reply)
+        try:
+            frame = seal_activations(first.send, template, hidden)
+            await first.channel.send(frame)
+        except PeerError as error:
+            self.pending.pop(step, None)
+            raise PeerFailed(first.peer, f"sending step {step}: {error}") from None
+        self.ctx.tracer.emit("push", session=self.session_id, step=step, remote=first.peer, bytes=len(frame.payload),
+                             detail={"start_pos": start_pos, "n_tokens": n})
+        return step, slot
+
+    async def wait(self, step: int, slot: StepSlot, n: int, start_pos: int, *, hops: list[Hop] | None = None) -> torch.Tensor:
+        """The end of a step sent with `send` (for a REPLY_FINGERPRINT step, the fingerprint
+        bytes). Raises PeerFailed naming the peer that failed."""
+        try:
+            with trio.move_on_after(self.step_timeout(n, hops)) as waited:
+                await slot.done.wait()
+            if waited.cancelled_caught:
+                raise PeerFailed(self.suspect(start_pos + n), f"step {step} timed out")
+            if slot.error is not None:
+                raise slot.error
+            self.ctx.tracer.emit("result", session=self.session_id, step=step, duration=time.perf_counter() - slot.sent_at,
+                                 detail={"start_pos": start_pos, "n_tokens": n})
+            result = slot.raw if slot.fingerprint else slot.value
+            assert result is not None
+            return result  # type: ignore[return-value]
+        finally:
+            self.pending.pop(step, None)
+
+    async def cancel(self, step: int) -> None:
+        """Tell every hop to drop `step` if it has not run yet (a speculative block that became invalid)."""
+        self.pending.pop(step, None)
+        for state in self.hops:
+            if state.revoked:
+                continue  # a revoked peer gets no further frame for this session
+            try:
+                await state.channel.send(Cancel(self.session_id, step))
+            except PeerError:
+                pass  # a dead hop is the failover's business, not the cancel's
+
+    def suspect(self, end_pos: int) -> str:
+        """On a timeout: the first hop whose output (tap) for the step never arrived."""
+        for state in self.hops[:-1]:
+            if self.history.known(state.hop.end) < end_pos:
+                return state.peer
+        return self.hops[-1].peer
+
+    # -- closing --------------------------------------------------------------------
+
+    async def close(self, reason: str = "done") -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with trio.CancelScope(shield=True):
+            for state in self.hops:
+                await self.close_hop(state, reason)
+        self.ephemeral.forget()
+        self.ctx.tracer.emit("session_close", session=self.session_id, detail={"reason": reason})
+
+    async def revoke_hop(self, state: HopState) -> None:
+        """Take `state`'s peer out of this session now: nothing more is sent to it or read from
+        it but one SessionRevoke (it drops the session's KV cache and keys, and confirms in its
+        trace); steps waiting on the route fail, and the repair moves its span elsewhere."""
+        if state.revoked:
+            return
+        state.revoked = True
+        if state.failure is None:
+            state.failure = REVOKED
+        state.scope.cancel()
+        for cipher in (state.send, state.tap, state.result):
+            if cipher is not None:
+                cipher.forget()
+        state.acked.set()  # a relink waiting on it checks `failure`
+        error = PeerFailed(state.peer, REVOKED)
+        for slot in self.pending.values():
+            slot.fail(error)
+        self.ctx.tracer.emit("session_revoked", session=self.session_id, remote=state.peer,
+                             span=(state.hop.start, state.hop.end))
+        with trio.move_on_after(CLOSE_TIMEOUT):
+            try:
+                await state.channel.send(SessionRevoke(self.session_id))
+                await state.channel.close()
+            except PeerError:
+                pass  # the peer is gone already; its session died with its stream
+
+    async def close_hop(self, state: HopState, reason: str) -> None:
+        if state.revoked:
+            return  # told and closed at the revocation; it gets no further frame
+        state.scope.cancel()
+        for cipher in (state.send, state.tap, state.result):
+            if cipher is not None:
+                cipher.forget()
+        with trio.move_on_after(CLOSE_TIMEOUT):
+            try:
+                await state.channel.send(SessionClose(self.session_id, reason[:200]))
+                await state.channel.close()
+            except PeerError:
+                pass  # the peer is gone already; its session dies with its stream
+
+
+def route_summary(route: Route) -> list[dict]:
+    return [{"peer": h.peer_id, "start": h.start, "end": h.end} for h in route.hops]
+
+
+def blame(failed: list[tuple[Hop, BaseException]], hops: list[Hop], next_: str | None) -> tuple[Hop, BaseException]:
+    """Which failure of an open to report. A hop that refused with NEXT_HOP_FAILED is alive:
+    it could not reach the peer after it, so that peer is the one to ban, unless another
+    hop failed in its own right (reported first)."""
+    own = [(hop, error) for hop, error in failed
+           if not (isinstance(error, SessionRefused) and error.code == NEXT_HOP_FAILED)]
+    if own:
+        return own[0]
+    hop, error = failed[0]
+    index = hops.index(hop)
+    culprit = hops[index + 1].peer_id if index + 1 < len(hops) else next_
+    if culprit is None:
+        return hop, error
+    return hop, PeerFailed(culprit, f"unreachable from the previous peer: {error}")

@@ -1,0 +1,105 @@
+"""The requester's bookkeeping for a route: its context, each hop's end, and steps in flight."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import trio
+from libp2p.peer.id import ID
+
+from tessera.protocol.keys import Identity
+from tessera.protocol.links import LinkCipher
+from tessera.protocol.messages import Result
+from tessera.store.trace import NullTracer, Tracer
+
+from tessera.peer.base.errors import PeerError
+from tessera.peer.net.gossip import ViewKeeper
+from tessera.peer.plan.routing import Hop
+from tessera.peer.net.transport import Channel, Transport
+
+
+@dataclass
+class RequesterContext:
+    """What a route session needs from the requester that owns it."""
+
+    transport: Transport
+    identity: Identity
+    keeper: ViewKeeper
+    nursery: trio.Nursery
+    num_layers: int
+    hidden_size: int
+    tracer: Tracer = field(default_factory=NullTracer)
+
+
+def peer_bytes(peer_id: str) -> bytes:
+    return ID.from_base58(peer_id).to_bytes()
+
+
+@dataclass
+class HopState:
+    """The requester's end of one peer's session."""
+
+    hop: Hop
+    channel: Channel
+    send: LinkCipher | None = None  # requester -> this peer (first hop, or an inject link)
+    tap: LinkCipher | None = None  # this peer -> requester, copy of its output
+    result: LinkCipher | None = None  # last hop -> requester
+    failure: str | None = None
+    revoked: bool = False  # the requester took this peer out of the session (RouteSession.revoke_hop)
+    attested: list[AttestedStep] = field(default_factory=list)
+    acked: trio.Event = field(default_factory=trio.Event)
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+    @property
+    def peer(self) -> str:
+        return self.hop.peer_id
+
+
+@dataclass(frozen=True)
+class AttestedStep:
+    """What a peer signed about one step it computed (see tessera.protocol.attest)."""
+
+    peer: str
+    step: int
+    start_pos: int
+    n_tokens: int
+    start: int
+    end: int
+    inputs_hash: bytes
+    outputs_hash: bytes
+    attestation: bytes
+
+    @staticmethod
+    def of(state: "HopState", msg: Result) -> "AttestedStep":
+        return AttestedStep(state.peer, msg.step, msg.start_pos, msg.n_tokens, state.hop.start, state.hop.end,
+                            msg.inputs_hash, msg.outputs_hash, msg.attestation)
+
+
+@dataclass
+class StepSlot:
+    """A step waiting for its end: the chain's result, or the tap of `tap_from`
+    (its output tensor, or — when `fingerprint` — the fingerprint bytes in `raw`)."""
+
+    tap_from: str | None = None
+    fingerprint: bool = False
+    raw: bytes | None = None
+    sent_at: float = 0.0
+    done: trio.Event = field(default_factory=trio.Event)
+    value: torch.Tensor | None = None
+    error: PeerError | None = None
+
+    def complete(self, value: torch.Tensor) -> None:
+        if not self.done.is_set():
+            self.value = value.clone()  # the decoded tensor views a read-only buffer
+            self.done.set()
+
+    def complete_raw(self, raw: bytes) -> None:
+        if not self.done.is_set():
+            self.raw = raw
+            self.done.set()
+
+    def fail(self, error: PeerError) -> None:
+        if not self.done.is_set():
+            self.error = error
+            self.done.set()

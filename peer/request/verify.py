@@ -1,0 +1,326 @@
+"""Trust but verify: spot checks, tie-breaks, bans and misbehaviour reports.
+
+For a configurable fraction of steps the requester picks one hop of its route
+and has a **checker** — another peer serving the same span, of the same or
+better precision — recompute it. The checker keeps a shadow session: each check
+first catches it up on every position since the last one, in one
+prefill-shaped step, and it answers with fingerprints only (protocol/fingerprint.py),
+which the requester compares with fingerprints of the outputs it already holds
+(the taps). So a check covers every step since the previous check, not just one.
+
+On a mismatch the suspicious step is recomputed with full outputs; a real
+difference (beyond the tolerance of the two peers' dtypes) goes to a tie-break
+against a third peer. The peer the other two disagree with is banned, a signed
+report with every party's attested output is recorded and shared, and — if it
+is in the route — the session fails over, replaying through to the end so that
+the caches after it are rebuilt from clean inputs too.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from libp2p.peer.id import ID
+
+from tessera.protocol.attest import MAX_ROWS, MisbehaviourReport, ReportBody, Witness, sha256, sign_report
+from tessera.protocol.errors import WireError
+from tessera.protocol.fingerprint import (
+    fingerprint_bytes, full_rows_agree, row_differences, rows_agree, rows_conflict, tolerance,
+)
+from tessera.protocol.messages import REPLY_FINGERPRINT, REPLY_FULL
+from tessera.protocol.tensors import decode_tensor, encode_tensor
+
+from tessera.peer.base.errors import PeerError, PeerFailed
+from tessera.peer.request.chain import AttestedStep, HopState, RouteSession
+from tessera.peer.plan.routing import route
+from tessera.peer.plan.view import SwarmView
+
+if TYPE_CHECKING:
+    from tessera.peer.request.client import Swarm
+    from tessera.peer.request.repair import ResilientSession
+
+PRECISION = {"float32": 3, "float16": 2, "bfloat16": 1}  # higher = more exact
+GUILTY_BAN = 24 * 3600.0  # seconds a peer proven wrong is avoided by this requester
+CHECK_WAIT = 5.0  # seconds to wait for the taps a check compares against
+
+
+@dataclass
+class CheckPolicy:
+    """rate: fraction of steps checked; final_check: check the rest when the session ends."""
+
+    rate: float = 0.1
+    seed: int | None = None
+    final_check: bool = True
+
+
+@dataclass
+class Shadow:
+    """A checker's session over a span: positions [0, upto) are in its cache and compared."""
+
+    session: RouteSession
+    checker: str
+    dtype: str
+    upto: int = 0
+
+
+@dataclass
+class Verdict:
+    guilty: str | None
+    detail: dict = field(default_factory=dict)
+
+
+def peer_bytes(peer: str) -> bytes:
+    return ID.from_base58(peer).to_bytes()
+
+
+class SpotChecker:
+    """Checks one generation's peers (see module docstring)."""
+
+    def __init__(self, swarm: "Swarm", resilient: "ResilientSession", policy: CheckPolicy) -> None:
+        self.swarm = swarm
+        self.resilient = resilient
+        self.policy = policy
+        self.rng = random.Random(policy.seed)
+        self.shadows: dict[tuple[int, int, str], Shadow] = {}
+        self.checks = 0
+        self.rows_compared = 0
+        self.fingerprint_bytes = 0
+        self.verdicts: list[Verdict] = []
+
+    # -- when to check --------------------------------------------------------------------
+
+    async def after_step(self, end_pos: int) -> None:
+        """With probability `rate`, check one hop — one that some other peer can check."""
+        if self.rng.random() >= self.policy.rate:
+            return
+        session = self.resilient.current
+        if not isinstance(session, RouteSession):
+            return  # a route through a tensor-shard group: its ranks do not attest (yet)
+        hops = list(session.hops)
+        self.rng.shuffle(hops)
+        for hop in hops:
+            if await self.check(hop, end_pos):
+                return
+
+    async def final(self, end_pos: int) -> None:
+        """Compare what no check has covered yet, for every hop (at the session's end)."""
+        session = self.resilient.current
+        if not isinstance(session, RouteSession) or end_pos == 0:
+            return
+        for hop in list(session.hops):
+            if not any(k[0] == hop.hop.start and k[1] == hop.hop.end and s.upto >= end_pos for k, s in self.shadows.items()):
+                await self.check(hop, end_pos)
+
+    # -- checking -------------------------------------------------------------------------
+
+    def view_dtype(self, peer: str) -> str:
+        info = self.swarm.keeper.snapshot().get(peer)
+        return info.dtype if info else "float32"
+
+    async def shadow_for(self, start: int, end: int, suspect: str, *, exclude: set[str] = frozenset()) -> Shadow | None:
+        """A checker session over [start, end): a route avoiding the suspect, at its precision or better."""
+        want = PRECISION.get(self.view_dtype(suspect), 1)
+        suspect_info = self.swarm.keeper.snapshot().get(suspect)
+        # a quantized span is checked only by peers holding the same integers (same model id):
+        # a float checker's honest difference from it is the quantization error, not roundoff
+        model = suspect_info.model_id if suspect_info else self.swarm.model_id
+        for key, shadow in self.shadows.items():
+            if key[:2] == (start, end) and shadow.checker not in exclude | {suspect}:
+                return shadow
+        # one peer holding the whole span: its attestation then covers exactly the suspect's span
+        view = self.swarm.view()
+        banned = {p for p in self.swarm.banned if self.swarm.is_banned(p)}
+        candidates = [
+            p for p in view.peers
+            if p.routable and p.shard_count == 1 and p.start <= start and end <= p.end
+            and p.peer_id not in {suspect, *exclude, *banned} and PRECISION.get(p.dtype, 1) >= want
+            and self.resilient.policy.admits(p.peer_id)  # a checker sees the activations too
+            and p.model_id == model
+        ]
+        if not candidates:
+            return None
+        me = view.get(self.swarm.peer_id)
+        chosen = route(SwarmView.of(view.num_layers, [*candidates, *([me] if me else [])]),
+                       start=start, end=end, source=self.swarm.peer_id)
+        if not chosen.ok:
+            return None
+        session = RouteSession(self.swarm.ctx, chosen, max_length=self.resilient.max_length, keep_history=False)
+        try:
+            await session.open()
+        except PeerError:
+            return None
+        checker = chosen.hops[-1].peer_id
+        shadow = Shadow(session, checker, self.view_dtype(checker))
+        self.shadows[(start, end, checker)] = shadow
+        return shadow
+
+    async def recompute(self, shadow: Shadow, inputs: torch.Tensor, start_pos: int, *, reply: int):
+        """Send rows at [start_pos, start_pos + T) to the checker (its cache rolls back there)."""
+        first = shadow.session.hops[0]
+        step, slot = await shadow.session.send(first, inputs, start_pos, stop_layer=self.swarm.spec.num_layers, reply=reply)
+        out = await shadow.session.wait(step, slot, inputs.shape[0], start_pos)
+        shadow.upto = start_pos + inputs.shape[0]
+        if reply == REPLY_FINGERPRINT:
+            self.fingerprint_bytes += len(out)
+        return step, out
+
+    async def check(self, hop: HopState, end_pos: int) -> bool:
+        """Compare `hop`'s outputs up to `end_pos` with a checker's; False if it could not be checked."""
+        session = self.resilient.current
+        assert session is not None
+        start, end = hop.hop.start, hop.hop.end
+        if not (await self.resilient.wait_inputs(session, start, end_pos) and await self.resilient.wait_inputs(session, end, end_pos)):
+            return False  # the taps to compare with never came; the failover machinery deals with that peer
+        shadow = await self.shadow_for(start, end, hop.peer)
+        if shadow is None:
+            return False  # no independent peer serves this span now
+        self.checks += 1
+        begin = min(shadow.upto, end_pos)
+        inputs = session.history.at(start).upto(end_pos)
+        try:
+            _, theirs = await self.recompute(shadow, inputs[begin:end_pos], begin, reply=REPLY_FINGERPRINT)
+        except PeerFailed as failure:
+            self.swarm.ctx.tracer.emit("error", remote=failure.peer, detail={"check": "checker failed", "reason": failure.reason[:200]})
+            self.shadows.pop((start, end, shadow.checker), None)
+            return False
+        ours = fingerprint_bytes(session.history.at(end).upto(end_pos)[begin:end_pos])
+        tol = tolerance(self.view_dtype(hop.peer), shadow.dtype, end - start)
+        agree = rows_agree(theirs, ours, tol)
+        self.rows_compared += int(agree.numel())
+        if not bool(agree.all()):
+            first_bad = begin + int((~agree).nonzero()[0])
+            await self.investigate(session, start, end, first_bad, end_pos, shadow, tol)
+        return True
+
+    # -- a mismatch -----------------------------------------------------------------------
+
+    def producer(self, session: RouteSession, end: int, position: int) -> AttestedStep | None:
+        """The latest attested step whose output at layer `end` covers `position`."""
+        steps = [a for h in session.hops for a in h.attested] + session.retired_attestations
+        covering = [a for a in steps if a.end == end and a.start_pos <= position < a.start_pos + a.n_tokens]
+        return covering[-1] if covering else None
+
+    async def investigate(self, session: RouteSession, start: int, end: int, position: int, end_pos: int,
+                          shadow: Shadow, tol: float) -> None:
+        step = self.producer(session, end, position)
+        if step is None or step.start != start:
+            return  # produced under an earlier route with other cuts; a later check of that span covers it
+        rows = slice(step.start_pos, step.start_pos + step.n_tokens)
+        inputs = session.history.at(start).upto(end_pos)[rows]
+        accused_rows = session.history.at(end).upto(end_pos)[rows]
+        checker_step, checker_rows = await self.recompute(shadow, inputs, step.start_pos, reply=REPLY_FULL)
+        if bool(full_rows_agree(checker_rows, accused_rows, tol).all()):
+            return  # the fingerprints differed by an honest boundary swap
+        tie = await self.shadow_for(start, end, step.peer, exclude={shadow.checker})
+        detail = {"span": [start, end], "positions": [rows.start, rows.stop], "tolerance": tol,
+                  "accused_vs_checker": float(row_differences(accused_rows, checker_rows).max())}
+        if tie is None:
+            verdict = Verdict(None, {**detail, "outcome": "no third peer for a tie-break"})
+        else:
+            if tie.upto < step.start_pos:
+                await self.recompute(tie, session.history.at(start).upto(step.start_pos)[tie.upto:], tie.upto,
+                                     reply=REPLY_FINGERPRINT)
+            tie_step, tie_rows = await self.recompute(tie, inputs, step.start_pos, reply=REPLY_FULL)
+            tie_tol = max(tol, tolerance(tie.dtype, shadow.dtype, end - start))
+            with_checker = bool(full_rows_agree(tie_rows, checker_rows, tie_tol).all())
+            with_accused = bool(full_rows_agree(tie_rows, accused_rows, tie_tol).all())
+            guilty = step.peer if with_checker and not with_accused else shadow.checker if with_accused and not with_checker else None
+            verdict = Verdict(guilty, {**detail, "tie_breaker": tie.checker, "tie_agrees_with_checker": with_checker,
+                                       "tie_agrees_with_accused": with_accused})
+            if guilty is not None:
+                await self.convict(session, guilty, step, inputs, {
+                    step.peer: (accused_rows, step),
+                    shadow.checker: (checker_rows, self.attested(shadow, checker_step)),
+                    tie.checker: (tie_rows, self.attested(tie, tie_step)),
+                })
+        self.verdicts.append(verdict)
+        self.swarm.ctx.tracer.emit("misbehaviour", session=session.session_id, remote=verdict.guilty, detail=verdict.detail)
+
+    def attested(self, shadow: Shadow, step: int) -> AttestedStep | None:
+        steps = [a for h in shadow.session.hops for a in h.attested if a.step == step and a.peer == shadow.checker]
+        return steps[-1] if steps else None
+
+    async def convict(self, session: RouteSession, guilty: str, step: AttestedStep, inputs: torch.Tensor,
+                      parties: dict[str, tuple[torch.Tensor, AttestedStep | None]]) -> None:
+        self.resilient.ban(guilty, "returned wrong activations", seconds=GUILTY_BAN)
+        report = self.build_report(guilty, step, inputs, parties)
+        if report is not None:
+            await self.swarm.publish_report(report)
+        if any(h.peer == guilty for h in session.hops):
+            await self.resilient.repair(PeerFailed(guilty, "returned wrong activations"), self.resilient.confirmed,
+                                        through_end=True)
+
+    def build_report(self, guilty: str, step: AttestedStep, inputs: torch.Tensor,
+                     parties: dict[str, tuple[torch.Tensor, AttestedStep | None]]) -> MisbehaviourReport | None:
+        witnesses = []
+        for peer, (rows, attested) in parties.items():
+            if attested is None or attested.inputs_hash != sha256(encode_tensor(inputs.contiguous())):
+                return None  # a party's attestation is missing or for other inputs: no verifiable report
+            encoded = encode_tensor(rows.contiguous())
+            witnesses.append(Witness(peer_bytes(peer), attested_session(self, attested), attested.step,
+                                     attested.outputs_hash, attested.attestation, fingerprint_bytes(rows),
+                                     self.view_dtype(peer), encoded if len(encoded) <= MAX_ROWS else b""))
+        accused = next(w for w in witnesses if w.peer_id == peer_bytes(guilty))
+        body = ReportBody(
+            reporter=self.swarm.ctx.identity.peer_id, model_id=self.swarm.model_id, start=step.start, end=step.end,
+            start_pos=step.start_pos, n_tokens=step.n_tokens, inputs_hash=sha256(encode_tensor(inputs.contiguous())),
+            accused=accused, witnesses=tuple(w for w in witnesses if w is not accused), issued_at=time.time(),
+            reason="returned activations unlike two other peers'",
+        )
+        return sign_report(self.swarm.ctx.identity, body)
+
+    async def close(self) -> None:
+        for shadow in self.shadows.values():
+            await shadow.session.close("check done")
+
+    def summary(self) -> dict:
+        return {"checks": self.checks, "rows_compared": self.rows_compared,
+                "fingerprint_bytes": self.fingerprint_bytes,
+                "verdicts": [{"guilty": v.guilty, **v.detail} for v in self.verdicts]}
+
+
+def attested_session(checker: SpotChecker, step: AttestedStep) -> bytes:
+    """The session id an attested step belongs to (the main session or a shadow)."""
+    for shadow in checker.shadows.values():
+        if any(step in h.attested for h in shadow.session.hops):
+            return shadow.session.session_id
+    return checker.resilient.current.session_id  # type: ignore[union-attr]
+
+
+def judge_report(body: ReportBody) -> bool:
+    """True when a (signature-verified) report holds: the accused's output differs from
+    every witness's beyond their dtypes' tolerance, and the witnesses agree with each other.
+
+    Full rows decide when every party carries them (and they must fingerprint to what
+    each attested); otherwise fingerprints decide, counting only proven conflicts.
+    """
+    n_layers = body.end - body.start
+    parties = [body.accused, *body.witnesses]
+    if len(body.witnesses) < 2:
+        return False
+
+    def tol(a: Witness, b: Witness) -> float:
+        return tolerance(a.dtype, b.dtype, n_layers)
+
+    if all(p.output for p in parties):
+        rows = {}
+        for p in parties:
+            rows[p.peer_id] = decode_tensor(p.output).float()
+            if fingerprint_bytes(rows[p.peer_id]) != p.fingerprint:
+                raise WireError("a party's rows do not match its attested fingerprint")
+
+        def differ(a: Witness, b: Witness) -> bool:
+            return not bool(full_rows_agree(rows[a.peer_id], rows[b.peer_id], tol(a, b)).all())
+    else:
+        def differ(a: Witness, b: Witness) -> bool:
+            return bool(rows_conflict(a.fingerprint, b.fingerprint, tol(a, b)).any())
+
+    w1, w2 = body.witnesses[:2]
+    return all(differ(body.accused, w) for w in body.witnesses) and not differ(w1, w2)
+
+
+__all__ = ["CheckPolicy", "SpotChecker", "judge_report", "Verdict"]

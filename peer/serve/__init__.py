@@ -1,0 +1,1 @@
+"""Serve layer: the volunteer's side of a session (stage servers, shard servers)."""

@@ -1,0 +1,61 @@
+"""What a stage server promises and refuses: timeouts, error codes, limits, counters.
+
+Error codes travel in `ErrorMsg.code`; a requester acts on them (route elsewhere,
+ban, fail over). Limits are checked before anything is allocated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.peer.serve.batcher import MAX_BATCH_ROWS, MAX_BATCH_WAIT
+
+
+# A requester sends SessionOpen right after opening the stream; a peer dials its next
+# hop before accepting. Both are a few RTTs; 10 s covers a relayed intercontinental link.
+OPEN_TIMEOUT = 10.0
+# A link stream may arrive before the requester's SessionOpen reaches us (they race
+# over different connections); wait this long for the session to be registered.
+LINK_WAIT = 10.0
+REAPER_INTERVAL = 5.0
+
+# Error codes (ErrorMsg.code) a requester can act on.
+BUSY = "busy"  # too many sessions; try another peer
+DRAINING = "draining"  # this peer is leaving or draining
+TOO_LONG = "too-long"  # the context or KV memory asked for exceeds the limits
+BAD_SPAN = "bad-span"  # the layers asked for are not served here
+BAD_REQUEST = "bad-request"  # malformed or out-of-order message
+BAD_FRAME = "bad-frame"  # a frame failed to decrypt, decode or validate
+COMPUTE_FAILED = "compute-failed"  # the stage rejected the input (shape, NaN/Inf, context)
+NEXT_HOP_FAILED = "next-hop-failed"  # our push to the next peer failed
+
+
+@dataclass
+class ServerLimits:
+    """What one peer accepts. Defaults suit a small CPU peer."""
+
+    max_sessions: int = 16
+    max_sessions_per_requester: int = 8
+    max_length: int = 4096  # tokens per session (clamped to the model's context)
+    kv_budget: int = 2 << 30  # bytes of KV cache across sessions
+    idle_timeout: float = 300.0  # seconds without a frame before a session is dropped
+    batch_rows: int = MAX_BATCH_ROWS  # rows of one stacked forward of several sessions' steps; 1: no stacking
+    batch_wait: float = MAX_BATCH_WAIT  # seconds a batch waits for the sessions of the last one
+
+
+@dataclass
+class ServerStats:
+    steps: int = 0
+    tokens: int = 0
+    layer_tokens: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    sessions_opened: int = 0
+    refused: int = 0
+    errors: int = 0
+
+
+class Refused(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
