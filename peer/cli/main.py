@@ -1,6 +1,6 @@
 """`tessera`: one command group for volunteers, requesters and maintainers.
 
-Each sub-command lives in a small module (`peer/cli_*.py`) that registers its
+Each sub-command lives in a small module of this package (`peer/cli/`) that registers its
 parser; this module builds the group and turns domain errors into one clean
 line on stderr and a non-zero exit status — never a traceback.
 """
@@ -12,7 +12,18 @@ import os
 import sys
 from typing import Callable, Sequence
 
+from tessera.protocol.errors import WireError
 from tessera.stages.errors import StageError
+from tessera.store.errors import StoreError
+
+from tessera.peer.base.errors import PeerError
+from tessera.peer.cli import generate as cli_generate
+from tessera.peer.cli import model as cli_model
+from tessera.peer.cli import peer as cli_peer
+from tessera.peer.cli import revoke as cli_revoke
+from tessera.peer.cli import serve as cli_serve
+from tessera.peer.cli import sim as cli_sim
+from tessera.peer.cli import store as cli_store
 
 from tessera.peer.cli.log_setup import install as install_logging
 
@@ -25,20 +36,11 @@ EXAMPLES = """examples:
 
 
 def domain_errors() -> tuple[type[BaseException], ...]:
-    """The error bases every layer raises on purpose (imported lazily: some layers are heavy)."""
-    errors: list[type[BaseException]] = [StageError]
-    for module, name in (("tessera.protocol.errors", "WireError"), ("tessera.store.errors", "StoreError"), ("tessera.peer.base.errors", "PeerError")):
-        try:
-            errors.append(getattr(__import__(module, fromlist=[name]), name))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(errors)
+    """The error bases every layer raises on purpose."""
+    return (StageError, WireError, StoreError, PeerError)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tessera.peer.cli import generate as cli_generate
-    from tessera.peer.cli import model as cli_model
-
     parser = argparse.ArgumentParser(
         prog="tessera",
         description="Run large language models on a swarm of volunteer peers, exactly.",
@@ -48,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="say more on stderr: -v INFO (py-libp2p's own lines as it writes them), -vv DEBUG")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (cli_model, cli_generate, *optional_command_modules()):
+    for module in (cli_model, cli_generate, cli_peer, cli_store, cli_serve, cli_revoke, cli_sim):
         module.register(sub)
     add_verbose_everywhere(sub)
     return parser
@@ -67,18 +69,6 @@ def add_verbose_everywhere(sub: argparse._SubParsersAction) -> None:
 
 # Commands that reach the network through py-libp2p (whose logging `install_logging` tames).
 NETWORK_COMMANDS = ("peer", "swarm", "demo", "serve")
-
-
-def optional_command_modules() -> list:
-    """Command modules of later layers, registered when present."""
-    modules = []
-    for name in ("cli_peer", "cli_store", "cli_serve", "cli_revoke", "cli_sim"):
-        try:
-            modules.append(__import__(f"peer.{name}", fromlist=["register"]))
-        except ModuleNotFoundError as missing:
-            if missing.name != f"peer.{name}":
-                raise
-    return modules
 
 
 def first_domain_error(group: BaseExceptionGroup, errors: tuple[type[BaseException], ...]) -> BaseException | None:
