@@ -34,6 +34,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
+from tessera.peer.plan.cost import rtt_ms
 from tessera.peer.plan.view import LEAVING, PeerInfo, SwarmView
 from tessera.stages.sharded import ROUNDS_PER_LAYER  # exchanges per layer, each a round trip between the ranks
 
@@ -89,8 +90,6 @@ def shard_groups(peers: Iterable[PeerInfo]) -> list[ShardGroup]:
 
 
 def _rtt(peers: Mapping[str, PeerInfo], a: str, b: str, default_rtt_ms: float) -> float:
-    from tessera.peer.plan.routing import rtt_ms
-
     return rtt_ms(peers, a, b, default_rtt_ms)
 
 
