@@ -53,29 +53,13 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 
 from tessera.stages.collectives import HIDDEN, Collectives
+from tessera.stages.shard_layout import LAYER_AUDIT_OPS, ROUNDS_PER_LAYER  # noqa: F401 - part of this module's API
 from tessera.stages.errors import ModelFormatError, SpanError, StageError
 from tessera.stages.model import Rotary, StepContext, apply_rope, attention_mask, grouped_decode_attention
 from tessera.stages.spec import ModelSpec
 from tessera.stages.sessions import SessionState, SessionTable
 from tessera.stages.weights import WeightFolder, layer_tensor_names
 
-# What one rank reports per layer, in order: (event, op). `peer/plan/audit.py` checks
-# every rank's log against it, so a skipped or extra operator is caught.
-LAYER_AUDIT_OPS: tuple[tuple[str, str], ...] = (
-    ("held", "residual_in"),
-    ("held", "attn_norm"),
-    ("held", "qkv"), ("all_reduce_scalar", "attn_norm"), ("reduce_scatter", "qkv"), ("held", "qkv"),
-    ("held", "attn"),
-    ("held", "o_proj"), ("reduce_scatter", "o_proj"), ("held", "o_proj"),
-    ("held", "residual_mid"),
-    ("held", "mlp_norm"),
-    ("held", "gate_up"), ("all_reduce_scalar", "mlp_norm"), ("reduce_scatter", "gate_up"), ("held", "gate_up"),
-    ("held", "swiglu"),
-    ("held", "down"), ("reduce_scatter", "down"), ("held", "down"),
-    ("held", "residual_out"),
-)
-# Rounds of all-to-all exchange per layer: the norms' all-reduces ride with the next reduce-scatter.
-ROUNDS_PER_LAYER = 4
 
 
 class ShardError(StageError):

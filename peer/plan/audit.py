@@ -41,8 +41,7 @@ from typing import Iterable
 
 import numpy as np
 
-from tessera.stages.collectives import HIDDEN
-from tessera.stages.sharded import LAYER_AUDIT_OPS
+from tessera.stages.shard_layout import HIDDEN, LAYER_AUDIT_OPS
 
 SHARD = "shard"  # a log written by a rank of the group
 REQUESTER = "requester"  # a log written by the node that scattered into / gathered from the group

@@ -28,8 +28,7 @@ from tessera.protocol.keys import EphemeralKey, public_key_from_peer_id
 from tessera.protocol.links import Direction, LinkCipher, seal_link_key
 from tessera.protocol.messages import ErrorMsg, Forward, Result, SealedKey, SessionAccept, SessionClose
 from tessera.protocol.shards import ShardOpen, ShardPeer
-from tessera.stages.collectives import HIDDEN
-from tessera.stages.sharded import ROUNDS_PER_LAYER
+from tessera.stages.shard_layout import HIDDEN, ROUNDS_PER_LAYER
 
 from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
 from tessera.peer.request.chain import CLOSE_TIMEOUT, OPEN_TIMEOUT, STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_FLOOR, RequesterContext, peer_bytes
