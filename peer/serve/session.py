@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Callable, Protocol
 
 import torch
 import trio
@@ -26,13 +26,25 @@ from tessera.protocol.fingerprint import fingerprint_bytes
 from tessera.protocol.keys import Identity
 from tessera.protocol.links import Direction, LinkCipher, open_link_key
 from tessera.protocol.messages import REPLY_FINGERPRINT, Forward, LinkHello, Result, SealedKey
-from tessera.protocol.tensors import check_finite, decode_tensor
+from tessera.protocol.tensors import TensorLimits, check_finite, decode_tensor
+
 from tessera.stages.errors import SpanError, StageError
+from tessera.stages.stage import Stage
+from tessera.store.trace import Tracer
 
-from tessera.peer.net.transport import LINK_PROTOCOL, Channel
+from tessera.peer.net.transport import LINK_PROTOCOL, Channel, Transport
 
-if TYPE_CHECKING:
-    from tessera.peer.serve.server import StageServer
+
+
+class ComputeContext(Protocol):
+    """What a session needs of the server that holds it (a `StageServer` is one): no more."""
+
+    transport: Transport
+    identity: Identity
+    stage: Stage
+    tensor_limits: TensorLimits
+    tamper: Callable[[torch.Tensor], torch.Tensor]
+    tracer: Tracer
 
 QUEUE_DEPTH = 64  # frames waiting per session; a requester keeps only a few steps in flight
 
@@ -107,7 +119,7 @@ class ServedSession:
 
     # -- neighbours ---------------------------------------------------------------
 
-    async def connect_next(self, server: "StageServer") -> None:
+    async def connect_next(self, server: ComputeContext) -> None:
         """Open the link stream to the next peer (if any) and announce which link it carries."""
         if self.next_channel is not None:
             await self.next_channel.close()
@@ -121,7 +133,7 @@ class ServedSession:
 
     # -- one step -----------------------------------------------------------------
 
-    def compute(self, server: "StageServer", msg: Forward) -> tuple[list[object], float]:
+    def compute(self, server: ComputeContext, msg: Forward) -> tuple[list[object], float]:
         """Decrypt, run this span, encrypt (in a worker thread). Returns (messages to send, compute seconds).
 
         Raises WireError (bad frame), StageError (shape, context, NaN/Inf).
@@ -132,7 +144,7 @@ class ServedSession:
         elapsed = time.perf_counter() - started
         return self.finish(server, msg, output, inputs_hash), elapsed
 
-    def prepare(self, server: "StageServer", msg: Forward) -> tuple[torch.Tensor, bytes]:
+    def prepare(self, server: ComputeContext, msg: Forward) -> tuple[torch.Tensor, bytes]:
         """A step's input: decrypted, decoded and checked. Returns (hidden [T, H], hash of the plaintext).
 
         Raises WireError (bad frame), StageError (shape, NaN/Inf).
@@ -145,13 +157,13 @@ class ServedSession:
         check_finite(hidden, what="input activations")
         return hidden, sha256(plaintext)
 
-    def finish(self, server: "StageServer", msg: Forward, output: torch.Tensor, inputs_hash: bytes) -> list[object]:
+    def finish(self, server: ComputeContext, msg: Forward, output: torch.Tensor, inputs_hash: bytes) -> list[object]:
         """A step's output, checked and sealed into the frames it sends. Raises StageError (NaN/Inf)."""
         output = server.tamper(output)
         check_finite(output, what="output activations")
         return self.package(server, msg, output, inputs_hash=inputs_hash)
 
-    def package(self, server: "StageServer", msg: Forward, output: torch.Tensor, *, inputs_hash: bytes) -> list[object]:
+    def package(self, server: ComputeContext, msg: Forward, output: torch.Tensor, *, inputs_hash: bytes) -> list[object]:
         """The frames one step sends: the output onward (or, at the chain's end, to the
         requester), and a tap copy of it to the requester.
 
@@ -190,7 +202,7 @@ class ServedSession:
 
 
 def compute_batch(
-    server: "StageServer", jobs: list[tuple[ServedSession, Forward]]
+    server: ComputeContext, jobs: list[tuple[ServedSession, Forward]]
 ) -> tuple[list[list[object] | Exception], float]:
     """Several sessions' steps as ONE stacked forward (in a worker thread; see peer/serve/batcher.py).
 

@@ -38,7 +38,7 @@ from tessera.stages.sharded import ShardedStage
 
 from tessera.peer.base.errors import PeerError
 from tessera.peer.net.gossip import peer_id_str
-from tessera.peer.serve.session import ServedSession
+from tessera.peer.serve.session import ComputeContext, ServedSession
 from tessera.peer.serve.server import BAD_REQUEST, BAD_SPAN, LINK_WAIT, Refused, StageServer
 from tessera.peer.plan.audit import SHARD, StepLog
 from tessera.peer.serve.shard_links import SHARD_LINK_PROTOCOL, SHARD_SESSION_PROTOCOL, GroupLinks
@@ -54,12 +54,12 @@ class ShardServedSession(ServedSession):
     links: GroupLinks | None = None
     group: str = ""
 
-    async def connect_next(self, server: StageServer) -> None:  # type: ignore[override]
+    async def connect_next(self, server: ComputeContext) -> None:
         """A rank has no next hop; it links to the other ranks instead."""
         assert self.links is not None, "links are set at admission"
         await self.links.connect(server.transport)
 
-    def compute(self, server: StageServer, msg: Forward) -> tuple[list[object], float]:
+    def compute(self, server: ComputeContext, msg: Forward) -> tuple[list[object], float]:
         """Decrypt this rank's input slice, run the span with the group, encrypt the output slice.
 
         Raises WireError (bad frame), StageError (shape, context, NaN/Inf, a failed collective).
