@@ -20,15 +20,27 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import trio
 from trio.lowlevel import ParkingLot
 
 from tessera.peer.base.errors import StreamClosed
 
-if TYPE_CHECKING:
-    from tessera.peer.net.memory import MemoryTransport
+
+class StreamBook(Protocol):
+    """The network's record of open streams (a `MemoryNetwork`): a closed stream is struck from it."""
+
+    def _forget(self, stream: MemoryStream) -> None: ...
+
+
+class StreamEndpoint(Protocol):
+    """The transport a stream end belongs to (a `MemoryTransport`): its peer and its network."""
+
+    peer_id: str
+
+    @property
+    def network(self) -> StreamBook: ...
 
 
 @dataclass(frozen=True)
@@ -83,7 +95,7 @@ class MemoryStream:
 
     __slots__ = ("local", "remote", "protocol", "_out", "_in", "_link", "_closed_write", "_other", "__weakref__")
 
-    def __init__(self, local: "MemoryTransport", remote: str, protocol: str, out: Pipe, into: Pipe,
+    def __init__(self, local: StreamEndpoint, remote: str, protocol: str, out: Pipe, into: Pipe,
                  link: Link) -> None:
         self.local = local
         self.remote = remote
