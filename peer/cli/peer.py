@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 from pathlib import Path
@@ -13,8 +12,9 @@ from typing import TYPE_CHECKING
 import trio
 
 from tessera.peer.cli.config import add_config_options
-from tessera.peer.cli.generate import add_compute_options, quant_from
-from tessera.peer.net.emulated import LinkEmulation
+from tessera.peer.cli.options import (
+    add_compute_options, add_emulation_option, add_join_options, quant_from, read_swarm_key,
+)
 from tessera.peer.base.errors import ConfigError
 from tessera.peer.net.join import JOIN_TIMEOUT
 from tessera.peer.node.config import PeerConfig, parse_layers
@@ -22,33 +22,6 @@ from tessera.peer.serve.batcher import MAX_BATCH_ROWS, MAX_BATCH_WAIT, BatchBudg
 
 if TYPE_CHECKING:
     from tessera.peer.node.peer_node import PeerNode
-
-
-def read_swarm_key(value: str | None) -> bytes | None:
-    """A swarm key: 64 hex characters, or a file holding them (or $TESSERA_SWARM_KEY)."""
-    value = value or os.environ.get("TESSERA_SWARM_KEY")
-    if not value:
-        return None
-    path = Path(value).expanduser()
-    text = path.read_text().strip() if path.exists() else value.strip()
-    try:
-        key = bytes.fromhex(text)
-    except ValueError:
-        raise ConfigError("--swarm-key wants 64 hex characters or a file holding them") from None
-    if len(key) != 32:
-        raise ConfigError(f"a swarm key is 32 bytes (64 hex characters), got {len(key)} bytes")
-    return key
-
-
-def add_join_options(p: argparse.ArgumentParser, *, required: bool = False) -> None:
-    p.add_argument("--join", action="append", default=[], required=required, metavar="MULTIADDR",
-                   help="a peer of the swarm (repeatable)")
-    p.add_argument("--swarm-key", default=None, help="private swarm key: 64 hex chars or a file (default $TESSERA_SWARM_KEY)")
-
-
-def add_emulation_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--emulate-link", type=LinkEmulation.parse, default=None, metavar="SPEC",
-                   help='TESTS AND BENCHMARKS ONLY: delay/pace every frame sent, e.g. "delay=40ms,jitter=10ms,rate=100mbit"')
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -17,8 +17,7 @@ from pathlib import Path
 import trio
 
 from tessera.peer.cli.config import add_config_options
-from tessera.peer.cli.generate import add_policy_options, apply_threads, policy_from
-from tessera.peer.cli.peer import add_join_options, read_swarm_key
+from tessera.peer.cli.options import add_join_options, add_policy_options, apply_threads, policy_from, read_swarm_key
 from tessera.peer.base.errors import ConfigError
 from tessera.peer.http.api import DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_TOKENS, DEFAULT_ROUTE_WAIT, Gateway
 

@@ -13,8 +13,7 @@ from tessera.stages.generate import GenerationResult, prompt_ids
 from tessera.stages.sampling import SamplingParams
 from tessera.stages.tokenizer import TextStream
 
-from tessera.peer.cli.generate import apply_threads, quant_from
-from tessera.peer.cli.peer import read_swarm_key
+from tessera.peer.cli.options import apply_threads, quant_from, read_swarm_key
 from tessera.stages.sampling import Sampler
 from tessera.stages.speculative import AdaptiveK, ModelDrafter, NgramDrafter
 from tessera.stages.stage import Stage

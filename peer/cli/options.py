@@ -1,0 +1,113 @@
+"""Command-line options shared by several `tessera` commands, and what they turn into."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+from tessera.stages.errors import StageError
+from tessera.stages.quant import DEFAULT_INT4_GROUP, INT4_GROUP_SIZES, QUANT_KINDS, Quant
+from tessera.stages.sampling import SamplingParams
+
+from tessera.peer.base.errors import ConfigError
+from tessera.peer.net.emulated import LinkEmulation
+
+
+class UsageError(StageError):
+    """The command line asks for something contradictory."""
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    p.add_argument("--raw", action="store_true", help="plain continuation, no chat template")
+
+
+def device_arg(text: str) -> str:
+    """auto, cpu, mps, cuda or cuda:N (one card of several)."""
+    kind, colon, index = text.partition(":")
+    if kind not in ("auto", "cpu", "cuda", "mps") or (colon and (kind != "cuda" or not index.isdigit())):
+        raise argparse.ArgumentTypeError(f"--device wants auto, cpu, cuda, cuda:N or mps, got {text!r}")
+    return text
+
+
+def add_compute_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", type=device_arg, metavar="{auto,cpu,cuda,cuda:N,mps}",
+                   help="where to compute (default auto: CUDA, then MPS, then CPU); on CUDA the memory "
+                   "offered defaults to the card's free memory less a reserve, and the dtype to bfloat16")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--quant", default="none", choices=QUANT_KINDS,
+                   help="store the layers' matrices as int8 (per output channel) or int4 (group-wise); "
+                   "quantized spans compute in bfloat16 unless --dtype says otherwise")
+    p.add_argument("--quant-group", type=int, default=DEFAULT_INT4_GROUP, choices=INT4_GROUP_SIZES,
+                   help=f"inputs per int4 scale (default {DEFAULT_INT4_GROUP})")
+
+
+def quant_from(args: argparse.Namespace) -> Quant:
+    return Quant(args.quant, args.quant_group)
+
+
+def add_policy_options(p: argparse.ArgumentParser) -> None:
+    """Who may compute the answers (peer/request/policy.py); each option repeats."""
+    group = p.add_argument_group("choosing who computes (full peer ids; @FILE = one id per line)")
+    group.add_argument("--allow", action="append", default=[], metavar="PEER_ID|@FILE",
+                       help="use only these peers (every layer must be covered by them)")
+    group.add_argument("--deny", action="append", default=[], metavar="PEER_ID|@FILE", help="never use these peers")
+    group.add_argument("--prefer", action="append", default=[], metavar="PEER_ID|@FILE",
+                       help="use these peers wherever they cover the layers, others only where they do not")
+
+
+def policy_from(args: argparse.Namespace):
+    """The RequesterPolicy the options ask for. Raises BadPeerId or ConfigError (an unreadable @FILE)."""
+    from tessera.peer.request.policy import RequesterPolicy, read_peer_ids
+
+    return RequesterPolicy(
+        allow=read_peer_ids(args.allow, option="--allow") if args.allow else None,
+        deny=read_peer_ids(args.deny, option="--deny"), prefer=read_peer_ids(args.prefer, option="--prefer"),
+    )
+
+
+def apply_threads(threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def sampling_from(args: argparse.Namespace) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    except ValueError as bad:
+        raise UsageError(str(bad)) from None
+
+
+def read_swarm_key(value: str | None) -> bytes | None:
+    """A swarm key: 64 hex characters, or a file holding them (or $TESSERA_SWARM_KEY)."""
+    value = value or os.environ.get("TESSERA_SWARM_KEY")
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    text = path.read_text().strip() if path.exists() else value.strip()
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise ConfigError("--swarm-key wants 64 hex characters or a file holding them") from None
+    if len(key) != 32:
+        raise ConfigError(f"a swarm key is 32 bytes (64 hex characters), got {len(key)} bytes")
+    return key
+
+
+def add_join_options(p: argparse.ArgumentParser, *, required: bool = False) -> None:
+    p.add_argument("--join", action="append", default=[], required=required, metavar="MULTIADDR",
+                   help="a peer of the swarm (repeatable)")
+    p.add_argument("--swarm-key", default=None, help="private swarm key: 64 hex chars or a file (default $TESSERA_SWARM_KEY)")
+
+
+def add_emulation_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--emulate-link", type=LinkEmulation.parse, default=None, metavar="SPEC",
+                   help='TESTS AND BENCHMARKS ONLY: delay/pace every frame sent, e.g. "delay=40ms,jitter=10ms,rate=100mbit"')
