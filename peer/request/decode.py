@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 import torch
 import trio
@@ -31,9 +31,6 @@ from tessera.stages.sampling import Sampler
 from tessera.stages.speculative import AdaptiveK, Draft, Drafter, greedy_accept, sampling_accept
 
 from tessera.peer.request.repair import AnswerRewound, Pending, ResilientSession, Superseded
-
-if TYPE_CHECKING:
-    pass
 
 Embed = Callable[[Sequence[int]], Awaitable[torch.Tensor]]
 Head = Callable[[torch.Tensor], Awaitable[torch.Tensor]]

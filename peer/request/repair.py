@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import trio
@@ -42,16 +41,12 @@ from tessera.peer.base.errors import NoRoute, PeerError, PeerFailed, RouteLost, 
 from tessera.peer.request.policy import RequesterPolicy
 from tessera.peer.request.chain import HopState, RouteSession, StepSlot, peer_bytes, route_summary
 from tessera.peer.plan.routing import Route
+from tessera.peer.request.ports import REFUSED_BACKOFF, StepChecker, SwarmPort  # noqa: F401 - REFUSED_BACKOFF: this module's API too
 from tessera.peer.request.segmented import SegmentedSession, has_groups
 
-if TYPE_CHECKING:
-    from tessera.peer.request.client import Swarm
-    from tessera.peer.request.verify import SpotChecker
 
 MAX_OPEN_ATTEMPTS = 5
 MAX_REPAIRS_PER_STEP = 6  # a step is given up after this many repairs (each bans a peer)
-# A peer that refused (busy, draining) is skipped for this long by this requester.
-REFUSED_BACKOFF = 10.0
 # A peer that failed is banned for this long, doubling with each further failure.
 BAN_BASE = 30.0
 BAN_CAP = 3600.0
@@ -94,7 +89,7 @@ class Pending:
 class ResilientSession:
     """A generation's session that survives peers refusing, dying and hanging."""
 
-    def __init__(self, swarm: "Swarm", *, max_length: int, route_wait: float,
+    def __init__(self, swarm: SwarmPort, *, max_length: int, route_wait: float,
                  policy: RequesterPolicy | None = None) -> None:
         self.swarm = swarm
         self.request_policy = policy  # narrows the requester's own policy for this answer
@@ -109,7 +104,7 @@ class ResilientSession:
         # activations): the clean last-layer hidden states of the positions so far, so that
         # the generation loop can tell whether tokens it already gave out were affected
         self.rebuilt: torch.Tensor | None = None
-        self.checker: "SpotChecker | None" = None  # spot checks (peer/request/verify.py), if asked for
+        self.checker: StepChecker | None = None  # spot checks (peer/request/verify.py), if asked for
         self._strikes: dict[str, int] = {}
 
     @property

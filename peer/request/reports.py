@@ -21,9 +21,11 @@ from libp2p.peer.id import ID
 from tessera.protocol.attest import MisbehaviourReport, ReportBatch, ReportBody, ReportQuery, verify_report
 from tessera.protocol.codec import encode
 from tessera.protocol.errors import WireError
+from tessera.store.errors import StoreError
 
 from tessera.peer.base.errors import PeerError
 from tessera.peer.net.transport import Channel, Stream, Transport
+from tessera.peer.request.verify import judge_report
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +55,6 @@ class ReportBook:
 
     def accept(self, report: MisbehaviourReport) -> ReportBody | None:
         """Verify and judge a report; keep it if it holds. Returns its body, or None (dropped)."""
-        from tessera.peer.request.verify import judge_report
-
         key = hashlib.sha256(encode(report)).digest()
         if key in self.reports:
             return None
@@ -76,8 +76,6 @@ class ReportBook:
         return body
 
     def _record(self, report: MisbehaviourReport, body: ReportBody) -> None:
-        from tessera.store.errors import StoreError
-
         try:
             self.store.add_report(
                 ID(body.reporter).to_base58(), ID(body.accused.peer_id).to_base58(),

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Union
+from typing import Union
 
 import torch
 import trio
@@ -34,9 +34,8 @@ from tessera.peer.request.history import RouteHistory
 from tessera.peer.request.chain import STEP_TIMEOUT_FLOOR, RequesterContext, RouteSession, StepSlot
 from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.request.group import GroupSession
+from tessera.peer.request.ports import REFUSED_BACKOFF, RepairPort
 
-if TYPE_CHECKING:
-    from tessera.peer.request.repair import ResilientSession
 
 Segment = Union[RouteSession, GroupSession]
 MAX_SEGMENT_REPAIRS = 6  # re-routes of one failed segment before the step is given up
@@ -203,7 +202,7 @@ class SegmentedSession:
         return next((k for k, s in enumerate(self.segments) if peer in peers_of(s)),
                     self.segments.index(self._at) if self._at in self.segments else 0)
 
-    async def repair(self, resilient: "ResilientSession", failure: PeerFailed, position: int) -> Route:
+    async def repair(self, resilient: RepairPort, failure: PeerFailed, position: int) -> Route:
         """Re-route the failed segment's span, rebuild its caches, splice it in; returns the new route.
 
         `position` = positions already answered (their inputs are replayed). Raises PeerFailed
@@ -223,8 +222,6 @@ class SegmentedSession:
                     # one prefill-shaped step per new segment rebuilds its caches
                     await self._through(new, self.inputs.at(a).upto(position), 0)
             except SessionRefused as refused:
-                from tessera.peer.request.repair import REFUSED_BACKOFF
-
                 resilient.ban(refused.peer, f"refused: {refused.code}", seconds=REFUSED_BACKOFF)
                 last = refused
                 continue

@@ -21,8 +21,6 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 import torch
 from libp2p.peer.id import ID
 
@@ -36,25 +34,13 @@ from tessera.protocol.tensors import decode_tensor, encode_tensor
 
 from tessera.peer.base.errors import PeerError, PeerFailed
 from tessera.peer.request.chain import AttestedStep, HopState, RouteSession
+from tessera.peer.request.ports import CheckPolicy, RepairPort, SwarmPort
 from tessera.peer.plan.routing import route
 from tessera.peer.plan.view import SwarmView
-
-if TYPE_CHECKING:
-    from tessera.peer.request.client import Swarm
-    from tessera.peer.request.repair import ResilientSession
 
 PRECISION = {"float32": 3, "float16": 2, "bfloat16": 1}  # higher = more exact
 GUILTY_BAN = 24 * 3600.0  # seconds a peer proven wrong is avoided by this requester
 CHECK_WAIT = 5.0  # seconds to wait for the taps a check compares against
-
-
-@dataclass
-class CheckPolicy:
-    """rate: fraction of steps checked; final_check: check the rest when the session ends."""
-
-    rate: float = 0.1
-    seed: int | None = None
-    final_check: bool = True
 
 
 @dataclass
@@ -80,7 +66,7 @@ def peer_bytes(peer: str) -> bytes:
 class SpotChecker:
     """Checks one generation's peers (see module docstring)."""
 
-    def __init__(self, swarm: "Swarm", resilient: "ResilientSession", policy: CheckPolicy) -> None:
+    def __init__(self, swarm: SwarmPort, resilient: RepairPort, policy: CheckPolicy) -> None:
         self.swarm = swarm
         self.resilient = resilient
         self.policy = policy
