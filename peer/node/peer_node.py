@@ -40,6 +40,7 @@ from tessera.store.db import PeerStore
 from tessera.store.keyfile import load_or_create_key
 from tessera.store.trace import TraceWriter
 
+from tessera.peer.base.ids import peer_id_bytes
 from tessera.peer.base.errors import ConfigError, PeerError
 from tessera.peer.net.gossip import Gossip, Pinger, ViewKeeper
 from tessera.peer.net.emulated import emulate
@@ -446,6 +447,4 @@ class PeerNode:
 
 
 def _peer_bytes(peer_id: str) -> bytes:
-    from libp2p.peer.id import ID
-
-    return ID.from_base58(peer_id).to_bytes()
+    return peer_id_bytes(peer_id)

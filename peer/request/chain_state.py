@@ -6,13 +6,13 @@ from dataclasses import dataclass, field
 
 import torch
 import trio
-from libp2p.peer.id import ID
 
 from tessera.protocol.keys import Identity
 from tessera.protocol.links import LinkCipher
 from tessera.protocol.messages import Result
 from tessera.store.trace import NullTracer, Tracer
 
+from tessera.peer.base.ids import peer_id_bytes
 from tessera.peer.base.errors import PeerError
 from tessera.peer.net.gossip import ViewKeeper
 from tessera.peer.plan.routing import Hop
@@ -33,7 +33,7 @@ class RequesterContext:
 
 
 def peer_bytes(peer_id: str) -> bytes:
-    return ID.from_base58(peer_id).to_bytes()
+    return peer_id_bytes(peer_id)
 
 
 @dataclass

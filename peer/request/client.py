@@ -20,7 +20,6 @@ from typing import AsyncIterator, Sequence
 
 import torch
 import trio
-from libp2p.peer.id import ID
 
 from tessera.protocol.keys import Identity
 from tessera.stages import registry
@@ -32,6 +31,7 @@ from tessera.stages.stage import Stage
 from tessera.stages.tokenizer import TextStream, Tokenizer
 from tessera.store.trace import NullTracer, Tracer
 
+from tessera.peer.base.ids import peer_id_text
 from tessera.peer.base.errors import NoRoute, PeerError, UnknownPeer
 from tessera.peer.net.gossip import Gossip, Pinger, ViewKeeper
 from tessera.peer.net.emulated import LinkEmulation, emulate
@@ -174,7 +174,7 @@ class Swarm:
 
     def _avoid_accused(self, body) -> None:
         """A verified misbehaviour report: stop using the accused."""
-        accused = ID(body.accused.peer_id).to_base58()
+        accused = peer_id_text(body.accused.peer_id)
         self.banned[accused] = max(self.banned.get(accused, 0.0), time.monotonic() + GUILTY_BAN)
 
     async def publish_report(self, report) -> int:

@@ -16,13 +16,13 @@ import time
 from typing import Callable
 
 import trio
-from libp2p.peer.id import ID
 
 from tessera.protocol.attest import MisbehaviourReport, ReportBatch, ReportBody, ReportQuery, verify_report
 from tessera.protocol.codec import encode
 from tessera.protocol.errors import WireError
 from tessera.store.errors import StoreError
 
+from tessera.peer.base.ids import peer_id_text
 from tessera.peer.base.errors import PeerError
 from tessera.peer.net.transport import Channel, Stream, Transport
 from tessera.peer.request.verify import judge_report
@@ -51,7 +51,7 @@ class ReportBook:
         transport.set_handler(REPORT_PROTOCOL, self.handle)
 
     def accused(self) -> set[str]:
-        return {ID(body.accused.peer_id).to_base58() for _, body in self.reports.values()}
+        return {peer_id_text(body.accused.peer_id) for _, body in self.reports.values()}
 
     def accept(self, report: MisbehaviourReport) -> ReportBody | None:
         """Verify and judge a report; keep it if it holds. Returns its body, or None (dropped)."""
@@ -78,7 +78,7 @@ class ReportBook:
     def _record(self, report: MisbehaviourReport, body: ReportBody) -> None:
         try:
             self.store.add_report(
-                ID(body.reporter).to_base58(), ID(body.accused.peer_id).to_base58(),
+                peer_id_text(body.reporter), peer_id_text(body.accused.peer_id),
                 span=(body.start, body.end), step=body.accused.step, inputs_hash=body.inputs_hash,
                 outputs_hash=body.accused.outputs_hash, signature=report.signature, raw=encode(report),
                 session=body.accused.session_id, model_id=body.model_id, verified=True,
@@ -86,7 +86,7 @@ class ReportBook:
         except StoreError as error:  # e.g. larger than the store keeps raw: record without it
             log.info("report stored without its raw bytes: %s", error)
             self.store.add_report(
-                ID(body.reporter).to_base58(), ID(body.accused.peer_id).to_base58(),
+                peer_id_text(body.reporter), peer_id_text(body.accused.peer_id),
                 span=(body.start, body.end), step=body.accused.step, inputs_hash=body.inputs_hash,
                 outputs_hash=body.accused.outputs_hash, signature=report.signature,
                 session=body.accused.session_id, model_id=body.model_id, verified=True,

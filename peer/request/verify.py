@@ -22,7 +22,6 @@ import random
 import time
 from dataclasses import dataclass, field
 import torch
-from libp2p.peer.id import ID
 
 from tessera.protocol.attest import MAX_ROWS, MisbehaviourReport, ReportBody, Witness, sha256, sign_report
 from tessera.protocol.errors import WireError
@@ -32,6 +31,7 @@ from tessera.protocol.fingerprint import (
 from tessera.protocol.messages import REPLY_FINGERPRINT, REPLY_FULL
 from tessera.protocol.tensors import decode_tensor, encode_tensor
 
+from tessera.peer.base.ids import peer_id_bytes
 from tessera.peer.base.errors import PeerError, PeerFailed
 from tessera.peer.request.chain import AttestedStep, HopState, RouteSession
 from tessera.peer.request.ports import CheckPolicy, RepairPort, SwarmPort
@@ -60,7 +60,7 @@ class Verdict:
 
 
 def peer_bytes(peer: str) -> bytes:
-    return ID.from_base58(peer).to_bytes()
+    return peer_id_bytes(peer)
 
 
 class SpotChecker:

@@ -27,8 +27,8 @@ from typing import Any, Iterator
 import torch
 import trio
 import trio.testing
-from libp2p.peer.id import ID
 
+from tessera.peer.base.ids import peer_id_text
 from tessera.peer.net.memory import LinkSpec, MemoryNetwork, open_memory_transport
 from tessera.peer.sim.errors import BadScenario
 from tessera.peer.sim.peer import SimPeer
@@ -255,7 +255,7 @@ class _Driver:
 
     async def requester_task(self, label: str) -> None:
         identity = self.requester_ids[label]
-        node_id = ID(identity.peer_id).to_base58()
+        node_id = peer_id_text(identity.peer_id)
         self.world.labels[node_id] = label
         self.locations[node_id] = (self.scenario.requester_regions.get(label, 0), 125e6)
         async with open_memory_transport(self.world.network, node_id) as transport:

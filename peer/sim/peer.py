@@ -17,12 +17,12 @@ always close their sessions).
 from __future__ import annotations
 
 import trio
-from libp2p.peer.id import ID
 
 from tessera.protocol.crypto import sign_record
 from tessera.protocol.keys import Identity
 from tessera.protocol.records import Neighbour, PeerRecord, SignedRecord
 
+from tessera.peer.base.ids import peer_id_text
 from tessera.peer.base.errors import PeerError
 from tessera.peer.net.gossip import Gossip, Pinger
 from tessera.peer.net.memory import MemoryTransport, open_memory_transport
@@ -52,7 +52,7 @@ class SimPeer:
         self.plan = plan
         self.label = plan.label
         self.identity = identity
-        self.peer_id = ID(identity.peer_id).to_base58()
+        self.peer_id = peer_id_text(identity.peer_id)
         self.throughput = plan.throughput
         self.memory_bytes = memory_for(plan, world)
         self.capacity = capacity_in_layers(world.spec, self.memory_bytes, FLOAT32_BYTES)

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import trio
-from libp2p.peer.id import ID
 
 from tessera.protocol.keys import Identity
 from tessera.stages.spec import ModelSpec
 
+from tessera.peer.base.ids import peer_id_bytes, peer_id_text
 from tessera.peer.request.client import DEFAULT_ROUTE_WAIT, REFRESH_INTERVAL
 from tessera.peer.net.gossip import GOSSIP_INTERVAL, ViewKeeper
 from tessera.peer.node.config import ADVERTISE_INTERVAL, LEAVE_GRACE, MOVE_GRACE, PING_INTERVAL, REBALANCE_INTERVAL, RECORD_TTL
@@ -184,7 +184,7 @@ def assign_identities(labels: list[str], seed: int, *, kind: str = "peer") -> di
     (it cannot sign as them), and keeping their order keeps the tie-breaks the same.
     """
     identities = [Identity.from_seed(derive_seed(seed, kind, i)) for i in range(len(labels))]
-    identities.sort(key=lambda ident: ID(ident.peer_id).to_base58())
+    identities.sort(key=lambda ident: peer_id_text(ident.peer_id))
     return dict(zip(sorted(labels), identities))
 
 
@@ -213,7 +213,7 @@ class World:
     def id_bytes(self, peer_id: str) -> bytes:
         raw = self._id_bytes.get(peer_id)
         if raw is None:
-            raw = self._id_bytes[peer_id] = ID.from_base58(peer_id).to_bytes()
+            raw = self._id_bytes[peer_id] = peer_id_bytes(peer_id)
         return raw
 
     def label(self, peer_id: str) -> str:
