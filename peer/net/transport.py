@@ -21,18 +21,13 @@ from tessera.protocol.codec import decode, encode
 from tessera.protocol.errors import EndOfStream, WireError
 from tessera.protocol.framing import DEFAULT_MAX_FRAME, encode_frame, read_frame
 
+from tessera.peer.base.protocols import GOSSIP_PROTOCOL, LINK_PROTOCOL, PING_PROTOCOL, SESSION_PROTOCOL  # noqa: F401 - this module's API too
 from tessera.peer.base.errors import PeerUnreachable, StreamClosed
 
 # Connection kinds, as shown by `swarm status` and the TUI.
 DIRECT = "direct"
 PUNCHED = "punched"  # direct, after a DCUtR hole punch
 RELAYED = "relayed"
-
-# The protocols peers speak (module constants, versioned).
-SESSION_PROTOCOL = "/tessera/session/1.0.0"  # requester <-> each peer of its route
-LINK_PROTOCOL = "/tessera/link/1.0.0"  # peer i -> peer i+1 of a route
-GOSSIP_PROTOCOL = "/tessera/gossip/1.0.0"  # advertisement exchange
-PING_PROTOCOL = "/tessera/ping/1.0.0"  # RTT probes
 
 
 class Stream(Protocol):

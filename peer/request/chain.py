@@ -25,6 +25,7 @@ from tessera.protocol.errors import WireError
 from tessera.protocol.tensors import decode_tensor
 from tessera.protocol.keys import EphemeralKey, public_key_from_peer_id
 from tessera.protocol.links import Direction, LinkCipher, seal_link_key
+from tessera.protocol.error_codes import NEXT_HOP_FAILED
 from tessera.protocol.messages import (
     REPLY_FINGERPRINT, REPLY_FULL, Cancel, ErrorMsg, Forward, Result, SealedKey, SessionAccept, SessionClose, SessionOpen,
     SessionRevoke,
@@ -34,7 +35,6 @@ from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
 from tessera.peer.request.history import RouteHistory
 from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.request.chain_state import AttestedStep, HopState, RequesterContext, StepSlot, peer_bytes  # noqa: F401 (re-exported)
-from tessera.peer.serve.server import NEXT_HOP_FAILED
 from tessera.peer.net.transport import SESSION_PROTOCOL, Channel
 
 # Opening a session: dial (if needed), SessionOpen, the peer dials its next hop, SessionAccept.

@@ -34,7 +34,7 @@ from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
 from tessera.peer.request.chain import CLOSE_TIMEOUT, OPEN_TIMEOUT, STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_FLOOR, RequesterContext, peer_bytes
 from tessera.peer.plan.routing import Hop
 from tessera.peer.plan.audit import REQUESTER, StepLog
-from tessera.peer.serve.shard_links import COLLECTIVE_TIMEOUT, SHARD_SESSION_PROTOCOL
+from tessera.peer.base.protocols import COLLECTIVE_TIMEOUT, SHARD_SESSION_PROTOCOL
 from tessera.peer.net.transport import Channel
 
 # Per collective, on top of the ranks' compute: a LAN round trip and a little crypto.

@@ -22,6 +22,7 @@ from tessera.protocol.codec import encode
 from tessera.protocol.errors import WireError
 from tessera.store.errors import StoreError
 
+from tessera.peer.base.protocols import REPORT_PROTOCOL  # noqa: F401 - this module's API too
 from tessera.peer.base.ids import peer_id_text
 from tessera.peer.base.errors import PeerError
 from tessera.peer.net.transport import Channel, Stream, Transport
@@ -29,7 +30,6 @@ from tessera.peer.request.verify import judge_report
 
 log = logging.getLogger(__name__)
 
-REPORT_PROTOCOL = "/tessera/reports/1.0.0"
 EXCHANGE_TIMEOUT = 10.0  # a report is one frame each way; generous for relayed links
 
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tessera.protocol.error_codes import (  # noqa: F401 - this module's API too
+    BAD_FRAME, BAD_REQUEST, BAD_SPAN, BUSY, COMPUTE_FAILED, DRAINING, NEXT_HOP_FAILED, TOO_LONG,
+)
 from tessera.peer.serve.batcher import MAX_BATCH_ROWS, MAX_BATCH_WAIT
 
 
@@ -19,15 +22,6 @@ OPEN_TIMEOUT = 10.0
 LINK_WAIT = 10.0
 REAPER_INTERVAL = 5.0
 
-# Error codes (ErrorMsg.code) a requester can act on.
-BUSY = "busy"  # too many sessions; try another peer
-DRAINING = "draining"  # this peer is leaving or draining
-TOO_LONG = "too-long"  # the context or KV memory asked for exceeds the limits
-BAD_SPAN = "bad-span"  # the layers asked for are not served here
-BAD_REQUEST = "bad-request"  # malformed or out-of-order message
-BAD_FRAME = "bad-frame"  # a frame failed to decrypt, decode or validate
-COMPUTE_FAILED = "compute-failed"  # the stage rejected the input (shape, NaN/Inf, context)
-NEXT_HOP_FAILED = "next-hop-failed"  # our push to the next peer failed
 
 
 @dataclass

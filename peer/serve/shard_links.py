@@ -34,17 +34,11 @@ from tessera.protocol.shards import Collective
 from tessera.protocol.tensors import DEFAULT_LIMITS, TensorLimits
 from tessera.stages.collectives import CollectiveError, Exchange
 
+from tessera.peer.base.protocols import COLLECTIVE_TIMEOUT, SHARD_LINK_PROTOCOL, SHARD_SESSION_PROTOCOL  # noqa: F401 - this module's API too
 from tessera.peer.base.errors import PeerError, StreamClosed
 from tessera.peer.net.transport import Channel, Transport
 
-SHARD_SESSION_PROTOCOL = "/tessera/shard-session/1.0.0"  # requester <-> each member of a group
-SHARD_LINK_PROTOCOL = "/tessera/shard-link/1.0.0"  # member i -> member j of a group, per session
 
-# One collective waits for every other rank's contribution: one link RTT plus the time
-# the slowest rank needs to compute up to that collective. On a decode step that is
-# milliseconds; a long prefill on a slow CPU computes one operator of a few thousand
-# tokens in seconds. 30 s bounds a hung rank without ever tripping on a live one.
-COLLECTIVE_TIMEOUT = 30.0
 # Frames a rank may run ahead of us per link: the next collective's frame can arrive
 # before this rank has consumed the current one, never more than a few.
 INBOX_DEPTH = 8

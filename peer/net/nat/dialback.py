@@ -37,13 +37,12 @@ from tessera.protocol.codec import message
 from tessera.protocol.errors import WireError
 from tessera.protocol.schema import wire
 
+from tessera.peer.base.protocols import DIALBACK_PROBE_PROTOCOL, DIALBACK_PROTOCOL  # noqa: F401 - this module's API too
 from tessera.peer.base.errors import PeerError
 from tessera.peer.net.transport import Channel, Stream, Transport
 
 log = logging.getLogger(__name__)
 
-DIALBACK_PROTOCOL = "/tessera/dialback/1.0.0"  # asker -> helper: please dial me back
-DIALBACK_PROBE_PROTOCOL = "/tessera/dialback-probe/1.0.0"  # helper's fresh host -> asker: the dial-back
 NONCE_SIZE = 16
 MAX_ADDRS = 8  # listen addresses an asker may name (ports are what the helper uses)
 # One dial-back dial: a TCP + Noise + yamux handshake and one stream, a few RTTs on the

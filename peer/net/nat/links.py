@@ -22,12 +22,12 @@ from tessera.protocol.errors import WireError
 from tessera.protocol.records import MAX_NEIGHBOURS, MAX_PEER_ID_SIZE
 from tessera.protocol.schema import wire
 
+from tessera.peer.base.protocols import LINKS_PROTOCOL  # noqa: F401 - this module's API too
 from tessera.peer.base.errors import PeerError
 from tessera.peer.net.transport import DIRECT, PUNCHED, RELAYED, Channel, Stream, Transport
 
 log = logging.getLogger(__name__)
 
-LINKS_PROTOCOL = "/tessera/links/1.0.0"
 LINKS_TIMEOUT = 5.0  # one small request and answer on an existing connection (as gossip's exchange)
 KINDS = (DIRECT, PUNCHED, RELAYED)
 

@@ -1,0 +1,16 @@
+"""The error codes a stage server puts in `ErrorMsg.code`: what a requester can act on.
+
+Part of the wire protocol, so that the server (peer/serve/) and the requester
+(peer/request/) both name them from here.
+"""
+
+from __future__ import annotations
+
+BUSY = "busy"  # too many sessions; try another peer
+DRAINING = "draining"  # this peer is leaving or draining
+TOO_LONG = "too-long"  # the context or KV memory asked for exceeds the limits
+BAD_SPAN = "bad-span"  # the layers asked for are not served here
+BAD_REQUEST = "bad-request"  # malformed or out-of-order message
+BAD_FRAME = "bad-frame"  # a frame failed to decrypt, decode or validate
+COMPUTE_FAILED = "compute-failed"  # the stage rejected the input (shape, NaN/Inf, context)
+NEXT_HOP_FAILED = "next-hop-failed"  # our push to the next peer failed
