@@ -25,7 +25,8 @@ from tessera.peer.request.client import Swarm
 from tessera.peer.cli.demo import LocalSwarm
 from tessera.peer.request.chain import RouteSession
 from tessera.peer.plan.routing import Hop, Route
-from tessera.peer.plan.audit import check, load_store
+from tessera.peer.cli.store import load_audit_logs
+from tessera.peer.plan.audit import check
 from tessera.peer.plan.groups import group_hop_id
 from tessera.peer.request.group import GroupSession
 from tessera.stages.sharded import ROUNDS_PER_LAYER
@@ -88,7 +89,7 @@ def main() -> None:
         procs.start(together=True)
         single, group, session = trio.run(measure, procs.addrs, args.layers, args.tokens, args.rounds)
         time.sleep(1.0)  # let the ranks' trace writers commit the last steps
-        logs = [log for i in (1, 2, 3) for log in load_store(procs.base_dir / f"peer{i}" / "tessera.db")
+        logs = [log for i in (1, 2, 3) for log in load_audit_logs(procs.base_dir / f"peer{i}" / "tessera.db")
                 if log.session == session]
     decode = [log for log in logs if all(r.get("rows", 1) == 1 for r in log.records)]
     report = check(logs)

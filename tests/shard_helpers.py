@@ -158,7 +158,8 @@ def collect_audit(local_swarm, tracer, sessions: Sequence[str], *, timeout: floa
     import time
     from collections import Counter
 
-    from tessera.peer.plan.audit import load_events, load_store
+    from tessera.peer.cli.store import load_audit_logs
+    from tessera.peer.plan.audit import load_events
 
     mine = [log for log in load_events(tracer.events) if log.session in sessions]
     wanted = {(log.session, log.step): log.count for log in mine}
@@ -168,7 +169,7 @@ def collect_audit(local_swarm, tracer, sessions: Sequence[str], *, timeout: floa
         for i in range(len(local_swarm.procs)):
             db = local_swarm.base_dir / f"peer{i}" / "tessera.db"
             if db.exists():
-                logs += [log for log in load_store(db) if log.session in sessions]
+                logs += [log for log in load_audit_logs(db) if log.session in sessions]
         have = Counter((log.session, log.step) for log in logs if log.role == SHARD)
         if all(have[key] >= count for key, count in wanted.items()) or time.monotonic() > deadline:
             return logs

@@ -13,6 +13,8 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+from tessera.peer.plan.audit import StepLog, load_events
+
 DEFAULT_DATA_DIR = Path.home() / ".local" / "share" / "tessera" / "peer"  # `tessera peer`'s default
 DB_NAME = "tessera.db"
 
@@ -142,3 +144,14 @@ def run_plot(args: argparse.Namespace) -> int:
     print(f"{drawn['forward_steps']} forward steps on {len(drawn['peers'])} peers, "
           f"{drawn['pushes']} pushes -> {args.out}")
     return 0
+
+
+def load_audit_logs(path: Path | str) -> list[StepLog]:
+    """Every tensor-shard audit log in one peer's database (read-only; the peer may still be running)."""
+    from tessera.store.db import PeerStore
+
+    store = PeerStore(path, readonly=True)
+    try:
+        return load_events(store.events(kinds=("audit",)))
+    finally:
+        store.close()

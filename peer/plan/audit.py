@@ -36,7 +36,6 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable
 
 import numpy as np
@@ -113,17 +112,6 @@ class AuditReport:
         if len(self.problems) > 20:
             lines.append(f"  ... and {len(self.problems) - 20} more")
         return "\n".join(lines)
-
-
-def load_store(path: Path | str) -> list[StepLog]:
-    """Every audit log in one peer's database (read-only; the peer may still be running)."""
-    from tessera.store.db import PeerStore
-
-    store = PeerStore(path, readonly=True)
-    try:
-        return [StepLog.from_event(e) for e in store.events(kinds=("audit",))]
-    finally:
-        store.close()
 
 
 def load_events(events: Iterable[dict]) -> list[StepLog]:
