@@ -195,3 +195,21 @@ def test_importing_the_planner_loads_no_torch_or_trio() -> None:
             "print(sorted(m for m in ('torch', 'trio', 'libp2p') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_the_install_has_one_top_level_package(tmp_path: Path) -> None:
+    """`pip install` puts `tessera` on the path, not `protocol`, `peer`, ... (run away from the
+    checkout and without PYTHONPATH, so that only the installation can answer)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = ("import importlib.util as u; "
+            "print([n for n in ('peer', 'protocol', 'stages', 'store', 'tui') if u.find_spec(n)], "
+            "[n for n in ('tessera.peer', 'tessera.protocol', 'tessera.stages', 'tessera.store', 'tessera.tui') "
+            "if u.find_spec(n)])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                          cwd=tmp_path, env=env)
+    assert done.stdout.strip() == ("[] ['tessera.peer', 'tessera.protocol', 'tessera.stages', 'tessera.store', "
+                                   "'tessera.tui']")
