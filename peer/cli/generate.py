@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-
+import sys
 
 from tessera.stages import registry
 from tessera.stages.errors import StageError
