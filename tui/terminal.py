@@ -25,7 +25,7 @@ import os
 import sys
 from typing import Callable, Iterator, TextIO
 
-from tessera.peer.cli.log_setup import DATE_FORMAT
+DATE_FORMAT = "%H:%M:%S"  # the clock on each line, as the console's (peer/cli/log_setup.py)
 
 TTY = "/dev/tty"
 LINE_FORMAT = "%(levelname)s %(name)s: %(message)s"  # the Events panel puts the time in front

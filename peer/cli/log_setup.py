@@ -117,7 +117,7 @@ def install(verbose: int = 0, *, stream: TextIO | None = None, import_libp2p: bo
     a command that never touches the network passes False and does not pay for it.
     """
     if import_libp2p:
-        import libp2p  # noqa: F401 - its import resets the "libp2p" logger: do it before configuring
+        import tessera.peer.net.libp2p  # noqa: F401 - imports py-libp2p, which resets the "libp2p" logger: do it before configuring
 
     level = logging.DEBUG if verbose >= 2 else logging.INFO if verbose == 1 else logging.WARNING
     root = logging.getLogger()

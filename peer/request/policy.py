@@ -43,6 +43,7 @@ from tessera.protocol.keys import public_key_from_peer_id
 
 from tessera.peer.base.errors import ConfigError
 from tessera.peer.plan.view import SwarmView
+from tessera.peer.base.ids import peer_id_bytes
 
 __all__ = ["PREFER_FACTOR", "BadPeerId", "RequesterPolicy", "check_peer_id", "read_peer_ids", "explain_gaps"]
 
@@ -60,13 +61,11 @@ class BadPeerId(ConfigError):
 
 def check_peer_id(text: str, *, what: str = "peer id") -> str:
     """`text` if it is a full base58 Ed25519 libp2p peer id. Raises BadPeerId naming it."""
-    from libp2p.peer.id import ID  # base58 decoding (libp2p is already every peer module's dependency)
-
     if not isinstance(text, str) or not text.strip():
         raise BadPeerId(f"{what}: expected a peer id (12D3KooW...), got {text!r}")
     text = text.strip()
     try:
-        public_key_from_peer_id(ID.from_base58(text).to_bytes())
+        public_key_from_peer_id(peer_id_bytes(text))
     except (ValueError, WireError):
         raise BadPeerId(f"{what}: {text!r} is not a full peer id (base58, 12D3KooW..., 52 characters)") from None
     return text
