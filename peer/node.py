@@ -39,7 +39,7 @@ from store.keyfile import load_or_create_key
 from store.trace import TraceWriter
 
 from .errors import ConfigError, PeerError
-from .gossip import Gossip, Pinger, ViewKeeper
+from .gossip import Gossip, Pinger, ViewKeeper, material
 from .emulated_link import emulate
 from .libp2p_transport import open_libp2p_transport
 from .node_config import (  # noqa: F401 - PeerConfig and parse_layers are this module's API too
@@ -119,12 +119,16 @@ class PeerNode:
         return self._own
 
     async def advertise(self) -> None:
-        """Re-sign our record and push it to every neighbour now."""
+        """Re-sign our record; exchange with every neighbour now if what it says changed (a
+        refresh alone travels with the next gossip tick)."""
+        before = self.keeper.known.get(self.transport.peer_id) if self.transport else None
         signed = self.make_record()
         if signed is None:
             return
         self.keeper.merge([signed])
-        await self.gossip.announce()
+        after = self.keeper.known.get(self.transport.peer_id)
+        if before is None or after is None or material(before.record) != material(after.record):
+            await self.gossip.announce()
         if self.tracer:
             self.tracer.emit("advertise", span=self.span, detail={"state": self.state, "load": self.server.load if self.server else 0.0})
 
@@ -202,6 +206,7 @@ class PeerNode:
 
     async def _join(self) -> None:
         for addr in self.config.join:
+            self.keeper.remember(addr)  # re-dialled whenever we are not connected to it
             try:
                 peer = await self.transport.connect(addr)
                 self.tracer.emit("connect", remote=peer, detail={"kind": self.transport.connection_kind(peer) or "direct"})
@@ -345,9 +350,8 @@ class PeerNode:
             await self.advertise()
 
     async def _gossip_forever(self) -> None:
-        while True:
-            await trio.sleep(self.gossip.interval)
-            await self.gossip.round(self._connected)
+        await trio.sleep(self.gossip.interval)
+        await self.gossip.run(self._connected)
 
     async def _ping_forever(self) -> None:
         while True:
