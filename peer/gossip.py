@@ -32,16 +32,20 @@ The bound. Let δ be one exchange's duration (a dial plus a few round trips, at
 most EXCHANGE_TIMEOUT). After the last change (a join, leave, crash, move, memory
 change, or a link healing), any two live peers that can reach each other — directly,
 or through peers that can — hold the same live record set within 2 gossip periods
-plus 2δ: the change reaches every neighbour of its source within P + δ (at once,
-by `announce`, for a connected one), and every other peer within one more period,
-from a neighbour or by dialling the source it now knows of. A crashed peer's record
-disappears everywhere at its expiry (at most RECORD_TTL after its last refresh);
-the copies agree on that expiry by then, since the last refresh it sent spreads
-within the same bound. A peer the address book forgot (REDIAL_WINDOW after its
-record expired, dials then back off up to MAX_REDIAL_BACKOFF) adds that backoff to
-the bound; join addresses are never forgotten. tests/test_gossip_convergence.py
-checks the bound under random sequences of joins, leaves, crashes, moves, memory
-changes and partitions.
+plus 2δ. Why: a changed record reaches every connected neighbour of its source at
+once (`announce`, δ); any two connected peers exchange at least once in every
+window of 1.9 periods (each tick skips a neighbour exchanged with less than 0.9 of a
+period ago, so a pair exchanges about once a period rather than twice), so a peer
+that is not the source's neighbour gets it from one within 1.9P + δ; and a peer
+that knows of a peer it is not connected to dials it at its next tick (≤ P) and
+exchanges at once — which is how a healed link, or a connection libp2p closed while
+idle, rejoins the two sides. A crashed peer's record disappears everywhere at its
+expiry (at most RECORD_TTL after its last refresh); the copies agree on that expiry
+by then, since its last refresh spreads within the same bound. A peer the address
+book forgot (REDIAL_WINDOW after its record expired, dials then back off up to
+MAX_REDIAL_BACKOFF) adds that backoff to the bound; join addresses are never
+forgotten. tests/test_gossip_convergence.py checks the bound under random sequences
+of joins, leaves, crashes, vanishings, moves, memory changes and partitions.
 """
 
 from __future__ import annotations
