@@ -544,17 +544,22 @@ class Pinger:
     async def ping(self, peer_id: str) -> float | None:
         """One probe; the RTT in ms (also folded into `rtt_ms`), or None if it failed."""
         self._seq += 1
+        seq = self._seq  # this probe's own: pings to several neighbours run at once
         try:
             with trio.fail_after(PING_TIMEOUT):
                 channel = Channel(await self.transport.open_stream(peer_id, PING_PROTOCOL))
                 sent = self.clock()
-                await channel.send(Heartbeat(self._seq, sent))
+                await channel.send(Heartbeat(seq, sent))
                 reply = await channel.receive()
                 rtt = (self.clock() - sent) * 1000.0
                 await channel.close()
         except (trio.TooSlowError, PeerError, WireError):
+            # an RTT kept after a failed probe showed a dead link as alive (the TUI showed an RTT
+            # to a peer whose records no longer came through); it is measured again on success
+            self.rtt_ms.pop(peer_id, None)
             return None
-        if not isinstance(reply, Heartbeat) or reply.seq != self._seq:
+        if not isinstance(reply, Heartbeat) or reply.seq != seq:
+            self.rtt_ms.pop(peer_id, None)
             return None
         old = self.rtt_ms.get(peer_id)
         self.rtt_ms[peer_id] = rtt if old is None else (1 - RTT_SMOOTHING) * old + RTT_SMOOTHING * rtt
