@@ -89,10 +89,6 @@ RTT_SMOOTHING = 0.3  # weight of a new sample in the moving average
 REDIAL_WINDOW = 600.0
 MAX_REDIAL_BACKOFF = 300.0
 FORGET_AFTER = 86400.0
-# Consecutive failed exchanges on a connection the transport still calls open before we drop
-# it: a half-dead connection (reset under libp2p without its being told) is then re-dialled
-# afresh; two, not one, so that one slow exchange does not cut a peer's running sessions.
-DROP_AFTER_FAILURES = 2
 MAX_PARALLEL_DIALS = 16
 SEEN_SIGNATURES = 4096  # a few refreshes of a swarm of hundreds  # dials one tick runs at once (each at most CONNECT_TIMEOUT)
 
@@ -400,10 +396,9 @@ class Gossip:
             return True
         except (trio.TooSlowError, PeerError, WireError) as bad:
             log.debug("gossip with %s failed: %s", peer_id, bad)
-            failures = self.failing[peer_id] = self.failing.get(peer_id, 0) + 1
-            if failures >= DROP_AFTER_FAILURES and peer_id in self.transport.connected():
-                with trio.move_on_after(CONNECT_TIMEOUT):
-                    await self.transport.disconnect(peer_id)  # re-dialled afresh by the next tick
+            # Counted, never acted on by dropping the connection: a timeout on a loaded peer is
+            # not a dead link, and the connection carries that peer's sessions too.
+            self.failing[peer_id] = self.failing.get(peer_id, 0) + 1
             return False
         finally:
             self._exchanging.discard(peer_id)

@@ -20,7 +20,9 @@ cut separates them and one of them knows the other's address (its view or its
 address book); the groups of peers in touch, transitively, must each agree: every
 member holds the same set, and it includes every member's current record. The *last
 change* is the last event, or the last time any live peer's own record changed (a
-move drains, loads and serves over several seconds; a leave drains first). The
+move drains, loads and serves over several seconds; a leave drains first), or the
+groups changed (a peer joined or died, or two peers on one side of a partition that
+the cut had separated from everything they knew learned of each other). The
 outcome's `worst_periods` is (first agreeing poll after the last change − last
 change) / gossip period; `agreed_throughout` says the agreement then held to the end
 (until records of dead peers expired); `stale` lists records of dead peers still
@@ -102,7 +104,8 @@ class _Run:
         self.group: dict[str, int] = {}  # label -> side of the current partition (all 0 when whole)
         self.died: dict[str, float] = {}  # label -> when it stopped running
         self.outcome = Outcome(peers=total, events=len(events))
-        self.last_truth: dict[str, tuple] = {}
+        self.last_truth: dict[str, tuple | None] = {}
+        self.last_groups: frozenset = frozenset()
 
     # -- events ---------------------------------------------------------------------------------
 
@@ -147,9 +150,10 @@ class _Run:
             self.group = {label: 0 for label in self.group}
             self.changed()
             return
-        if kind == "partition":
+        if kind == "partition":  # replaces any partition in place: two sides, newly drawn
+            self.world.network.cuts.clear()
             split = random.Random(event.value)
-            sides = {p.label: split.randrange(2) for p in live}
+            sides = {p.label: split.randrange(2) for p in self.live()}  # joining ones too: no bridges
             for label in self.group:
                 self.group[label] = sides.get(label, self.group[label])
             peers = self.world.peers
@@ -224,8 +228,9 @@ class _Run:
         while not until.is_set():
             now = trio.current_time()
             truth = self.truth()
-            if truth != self.last_truth:
-                self.last_truth = truth
+            groups = frozenset(frozenset(p.label for p in g) for g in self.groups_in_touch())
+            if truth != self.last_truth or groups != self.last_groups:
+                self.last_truth, self.last_groups = truth, groups
                 self.outcome.last_change = now
                 self.outcome.converged_at = None
             if self.agree(truth):
