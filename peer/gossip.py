@@ -215,7 +215,9 @@ class ViewKeeper:
         return peer_id
 
     def forget(self, peer_id: str) -> None:
-        self.known.pop(peer_id, None)
+        known = self.known.pop(peer_id, None)
+        if known is not None:
+            self._seen.pop(known.signed.signature, None)  # the same record may come back
 
     def live(self) -> dict[str, Known]:
         now = self.clock()
