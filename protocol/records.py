@@ -28,6 +28,10 @@ MAX_RECORD_SIZE = 16 * 1024
 neighbours) is about 13 KiB."""
 
 MAX_GOSSIP_RECORDS = 256
+MAX_DIGEST_ENTRIES = 1024
+"""Entries in one GossipDigest frame (about 60 bytes each: ~60 KiB); more peers take more frames."""
+MAX_DIGEST_FRAMES = 16
+"""Digest frames one exchange may send: a view of at most 16,384 peers, far above a real swarm's."""
 MAX_RECORD_TTL = 3600.0
 """Seconds a record may claim to stay valid; peers re-advertise well within it."""
 
@@ -157,6 +161,57 @@ class GossipPush:
     """
 
     records: tuple[SignedRecord, ...] = wire(max_items=MAX_GOSSIP_RECORDS)
+
+
+@message("dent")
+@dataclass(frozen=True)
+class DigestEntry:
+    """Which version of one peer's record the sender holds.
+
+    Attributes:
+        peer_id: the record's peer id.
+        seq: the record's sequence number (a higher one replaces a lower one).
+        expires_at: the record's expiry (the sender's copy; shown to the other side so
+            that an expired entry is never pulled).
+    """
+
+    peer_id: bytes = wire(max_len=MAX_PEER_ID_SIZE)
+    seq: int = wire(max=INT64_MAX)
+    expires_at: float = wire()
+
+
+@message("digest")
+@dataclass(frozen=True)
+class GossipDigest:
+    """Anti-entropy, first move: every live record the sender holds, as (peer, seq, expiry).
+
+    A view larger than MAX_DIGEST_ENTRIES goes in several frames, `more` set on all but
+    the last (at most MAX_DIGEST_FRAMES).
+
+    Attributes:
+        entries: one per peer whose unexpired record the sender holds.
+        more: another digest frame follows.
+    """
+
+    entries: tuple[DigestEntry, ...] = wire(max_items=MAX_DIGEST_ENTRIES)
+    more: bool = wire(default=False)
+
+
+@message("pull")
+@dataclass(frozen=True)
+class GossipPull:
+    """Anti-entropy, answer to a digest: send me these peers' records (you hold newer ones).
+
+    Sent after the records the digest showed the other side lacks (as GossipPush frames);
+    the frame with `more` unset ends the answer.
+
+    Attributes:
+        peer_ids: the peers whose records are wanted (each named in the digest).
+        more: another pull frame follows.
+    """
+
+    peer_ids: tuple[bytes, ...] = wire(max_items=MAX_GOSSIP_RECORDS, max_len=MAX_PEER_ID_SIZE)
+    more: bool = wire(default=False)
 
 
 @message("challenge")

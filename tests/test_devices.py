@@ -12,7 +12,7 @@ import pytest
 import torch
 from textual.app import App, ComposeResult
 
-from tessera.peer.cli.generate import device_arg
+from tessera.peer.cli.options import device_arg
 from tessera.protocol.codec import decode, encode
 from tessera.protocol.records import PeerRecord
 from tessera.stages.devices import CUDA_RESERVE_MIN, cuda_offer, cuda_reserve, read_device_memory

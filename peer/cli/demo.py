@@ -34,13 +34,15 @@ class LocalSwarm:
     """N peer processes on loopback (also used by tests and benchmarks)."""
 
     def __init__(self, n: int, *, model: str = "smollm2-135m", extra_args: list[list[str]] | None = None,
-                 base_dir: Path | None = None, threads: int = 1, env: dict | None = None) -> None:
+                 base_dir: Path | None = None, threads: int = 1, env: dict | None = None,
+                 control: bool = False) -> None:
         self.n = n
         self.model = model
         self.extra_args = extra_args or [[] for _ in range(n)]
         self.base_dir = Path(base_dir or tempfile.mkdtemp(prefix="tessera-swarm-"))
         self.threads = threads
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.control = control  # peers read commands from a pipe (`--control-stdin`; see `command`)
         self.procs: list[subprocess.Popen] = []
         self.addrs: list[str] = []
         self.logs: list[Path] = []
@@ -52,7 +54,10 @@ class LocalSwarm:
                "--data-dir", str(self.base_dir / f"peer{i}"), "--threads", str(self.threads), *self.extra_args[i]]
         for addr in join:
             cmd += ["--join", addr]
-        proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=self.env)
+        if self.control:
+            cmd.append("--control-stdin")
+        proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=self.env,
+                                stdin=subprocess.PIPE if self.control else None)
         while len(self.procs) <= i:
             self.procs.append(proc)
             self.logs.append(log)
@@ -97,6 +102,12 @@ class LocalSwarm:
             except subprocess.TimeoutExpired:
                 self.procs[j].kill()
                 self.procs[j].wait()
+
+    def command(self, i: int, line: str) -> None:
+        """Send peer i an operator command (peer/cli/control.py); its reply goes to its log."""
+        assert self.control, "LocalSwarm(control=True) gives peers a command pipe"
+        self.procs[i].stdin.write((line + "\n").encode())
+        self.procs[i].stdin.flush()
 
     def kill(self, i: int) -> None:
         self.procs[i].kill()

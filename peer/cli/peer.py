@@ -6,6 +6,7 @@ import argparse
 import json
 import signal
 import sys
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,6 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rebalance-interval", type=float, default=None, metavar="S",
                    help="seconds between placement checks (default 10)")
     p.add_argument("--tui", action="store_true", help="open the operator's terminal UI")
+    p.add_argument("--control-stdin", action="store_true",
+                   help="read operator commands from standard input: memory GB, drain, pause, resume (see peer/cli/control.py)")
     add_emulation_option(p)
     p.add_argument("--misbehave", default=None, metavar="MODE",
                    help="FAULT INJECTION for tests and demos: perturb:P (a fraction P of steps) or wrong-weights")
@@ -69,6 +72,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="smollm2-135m")
     add_join_options(p, required=True)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--only", action="store_true",
+                   help="show exactly what the --join peers know (do not ask the peers they name)")
     p.set_defaults(handler=run_status)
 
     p = sub.add_parser("demo", help="start a local swarm and answer a prompt through it",
@@ -117,9 +122,13 @@ def config_from(args: argparse.Namespace) -> PeerConfig:
     )
 
 
-async def serve_until_signalled(node: "PeerNode") -> None:
+async def serve_until_signalled(node: "PeerNode", *, control_stdin: bool = False) -> None:
     """Run the peer; the first Ctrl-C/SIGTERM leaves gracefully, a second one stops at once."""
     async with trio.open_nursery() as nursery:
+        if control_stdin:
+            from tessera.peer.cli.control import serve_stdin
+
+            nursery.start_soon(serve_stdin, node, node.out)
         async def watch_signals() -> None:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for _ in signals:
@@ -142,14 +151,15 @@ def run_peer(args: argparse.Namespace) -> int:
         from tessera.tui.app import run_with_tui
 
         return run_with_tui(node)
-    trio.run(serve_until_signalled, node)
+    trio.run(partial(serve_until_signalled, node, control_stdin=args.control_stdin))
     return 0
 
 
 def run_status(args: argparse.Namespace) -> int:
     from tessera.peer.cli.status import format_status, gather_status
 
-    report = trio.run(lambda: gather_status(args.join, model=args.model, swarm_key=read_swarm_key(args.swarm_key)))
+    report = trio.run(lambda: gather_status(args.join, model=args.model, swarm_key=read_swarm_key(args.swarm_key),
+                                            only=args.only))
     print(json.dumps(report, indent=2) if args.json else format_status(report))
     return 0
 

@@ -16,12 +16,18 @@ from tessera.peer.net.gossip import Gossip, ViewKeeper
 from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.net.nat.links import ask_links
 from tessera.peer.plan.groups import group_report, replica_coverage
+from tessera.peer.plan.routing import routable_view, unusable_reason
+from tessera.peer.plan.view import SwarmView
 
 SETTLE = 1.5  # seconds to let a second gossip round bring in peers the first one named
 
 
-async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | None = None) -> dict:
-    """Join briefly as an observer, collect the view, and return it as plain data."""
+async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | None = None,
+                        only: bool = False) -> dict:
+    """Join briefly as an observer, collect the view, and return it as plain data.
+
+    `only`: report exactly what the --join peers hold (no settling, no asking the peers they
+    name): how to see whether one peer's view has split from the others'."""
     folder = registry.resolve(model)
     spec = ModelSpec.from_file(folder / "config.json")
     # every quantization of the model (each peer's model id says which it serves)
@@ -39,8 +45,9 @@ async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | N
                 print(f"warning: {addr}: {error}")
         if not reached:
             raise PeerError("none of the --join addresses answered")
-        await trio.sleep(SETTLE)
-        for info in keeper.snapshot().peers:
+        if not only:
+            await trio.sleep(SETTLE)
+        for info in ([] if only else keeper.snapshot().peers):
             if info.peer_id not in transport.connected() and info.addrs:
                 with trio.move_on_after(2.0):
                     try:
@@ -52,7 +59,7 @@ async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | N
         links = {p.peer_id: await ask_links(transport, p.peer_id) for p in view.peers if kinds[p.peer_id]}
         links = {p: {q: k for q, k in (found or {}).items() if q != transport.peer_id} for p, found in links.items()}
     now = time.time()
-    coverage = view.coverage()
+    coverage = routable_coverage(view)
     return {
         "model_id": keeper.model_id,
         "num_layers": spec.num_layers,
@@ -65,14 +72,35 @@ async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | N
                 "last_seen_s": round(max(0.0, now - p.issued_at), 1), "addrs": list(p.addrs),
                 "neighbours": {k: round(v, 2) for k, v in p.rtt_ms.items()},
                 "links": links.get(p.peer_id) or {},  # its own connections: peer id -> direct/punched/relayed
+                # why a requester would not open a session here now (routing.unusable_reason); None: it would
+                "not_routable": unusable_reason(p),
             }
             for p in view.peers
         ],
+        # what routing can use: per layer, the peers that accept sessions (a complete shard group
+        # once); a draining, paused, leaving, loading or full peer is listed, but not counted
         "coverage": coverage,
-        "gaps": [list(g) for g in view.gaps()],
+        "gaps": gaps_of(coverage),
+        "claimed": view.coverage(),  # every claim but a leaving peer's, as before
         "groups": group_report(view),  # tensor-shard groups: span, size, who holds each rank
         "replicas": replica_coverage(view),  # per layer: unsharded peers + complete groups
     }
+
+
+def routable_coverage(view: SwarmView) -> list[int]:
+    """Per layer, how many replicas a route could use now (routing.unusable_reason decides)."""
+    return replica_coverage(routable_view(view))
+
+
+def gaps_of(coverage: list[int]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for layer, count in enumerate(coverage):
+        if count == 0:
+            if out and out[-1][1] == layer:
+                out[-1][1] = layer + 1
+            else:
+                out.append([layer, layer + 1])
+    return out
 
 
 def format_status(report: dict) -> str:
@@ -98,7 +126,11 @@ def format_status(report: dict) -> str:
         for p in linked:
             others = ", ".join(f"{names.get(q, '…' + q[-8:])} {kind}" for q, kind in sorted(p["links"].items()))
             lines.append(f"  {names[p['peer_id']]}: {others}")
-    lines += ["", "coverage (peers per layer):", "  " + " ".join(str(c) for c in report["coverage"])]
+    lines += ["", "coverage (peers taking sessions, per layer):", "  " + " ".join(str(c) for c in report["coverage"])]
+    aside = [p for p in report["peers"] if p.get("not_routable")]
+    if aside:
+        lines.append("not taking sessions (not counted): " + ", ".join(
+            f"{names[p['peer_id']]} [{p['span'][0]},{p['span'][1]}) {p['not_routable']}" for p in aside))
     if report.get("groups"):
         lines += ["", "shard groups:"]
         for g in report["groups"]:

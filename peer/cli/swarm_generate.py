@@ -43,6 +43,7 @@ async def generate_through_swarm(args: argparse.Namespace, sampling: SamplingPar
     async with Swarm.join(args.join, model=args.model, swarm_key=read_swarm_key(args.swarm_key),
                           emulate_link=emulation, policy=args.policy, quant=quant_from(args),
                           accept_mixed=args.accept_mixed) as swarm:
+        swarm.on_route_wait = lambda line: print(line, file=sys.stderr, flush=True)
         ids = prompt_ids(swarm.tokenizer, args.prompt, raw=args.raw)
         speculation = speculation_from(args.speculate, args.draft_k, not args.no_pipeline, swarm, sampling,
                                        len(ids) + args.max_tokens + 64)

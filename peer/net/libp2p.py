@@ -282,7 +282,15 @@ class Libp2pTransport:
         return [c for c in conns if not getattr(c, "is_closed", False)]
 
     def connected(self) -> list[str]:
-        return sorted(pid.to_base58() for pid, conns in self.host.get_network().connections.items() if conns)
+        """Peers with an open connection. py-libp2p may keep a closed or reset connection in its
+        map for a while; counting it as connected made gossip skip the re-dial (and fail every
+        exchange) until both sides' records of each other expired — and then nobody re-dialled."""
+        out = []
+        for pid, conns in self.host.get_network().connections.items():
+            conns = conns if isinstance(conns, list) else [conns]
+            if any(not getattr(c, "is_closed", False) for c in conns):
+                out.append(pid.to_base58())
+        return sorted(out)
 
     def connection_kind(self, peer_id: str) -> str | None:
         conns = self._connections(peer_id)

@@ -5,6 +5,7 @@ The numbers here are the knobs of a peer's life cycle; each says where it comes 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,8 +17,12 @@ from tessera.peer.base.errors import ConfigError
 from tessera.peer.serve.batcher import MAX_BATCH_ROWS, MAX_BATCH_WAIT
 from tessera.peer.net.join import JOIN_TIMEOUT
 
-RECORD_TTL = 15.0  # an advertisement is valid this long; re-advertised every ADVERTISE_INTERVAL
-ADVERTISE_INTERVAL = 3.0
+# An advertisement is valid this long; re-advertised (re-signed, a later expiry) every
+# ADVERTISE_INTERVAL, at most a fifth of it, so several refreshes in a row may be lost before
+# it expires. TESSERA_RECORD_TTL (tests only) shortens both, to cover idle periods longer
+# than a TTL in seconds.
+RECORD_TTL = float(os.environ.get("TESSERA_RECORD_TTL", "15.0"))
+ADVERTISE_INTERVAL = min(3.0, RECORD_TTL / 5)
 PING_INTERVAL = 5.0
 LEAVE_GRACE = 10.0  # seconds running sessions get to finish when the peer stops
 # How often a peer reconsiders its span. Petals checks every ~2 minutes; a small

@@ -42,7 +42,7 @@ from tessera.store.trace import TraceWriter
 
 from tessera.peer.base.ids import peer_id_bytes
 from tessera.peer.base.errors import ConfigError, PeerError
-from tessera.peer.net.gossip import Gossip, Pinger, ViewKeeper
+from tessera.peer.net.gossip import Gossip, Pinger, ViewKeeper, material
 from tessera.peer.net.emulated import emulate
 from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.node.config import (  # noqa: F401 - PeerConfig and parse_layers are this module's API too
@@ -142,12 +142,16 @@ class PeerNode:
         return self._own
 
     async def advertise(self) -> None:
-        """Re-sign our record and push it to every neighbour now."""
+        """Re-sign our record; exchange with every neighbour now if what it says changed (a
+        refresh alone travels with the next gossip tick)."""
+        before = self.keeper.known.get(self.transport.peer_id) if self.transport else None
         signed = self.make_record()
         if signed is None:
             return
         self.keeper.merge([signed])
-        await self.gossip.announce()
+        after = self.keeper.known.get(self.transport.peer_id)
+        if before is None or after is None or material(before.record) != material(after.record):
+            await self.gossip.announce()
         if self.tracer:
             self.tracer.emit("advertise", span=self.span, detail={"state": self.state, "load": self.server.load if self.server else 0.0})
 
@@ -228,6 +232,8 @@ class PeerNode:
 
     async def _join(self) -> None:
         """Join through --join (peer/net/join.py: retries, one reason line per attempt, JoinFailed)."""
+        for addr in self.config.join:
+            self.keeper.remember(addr)  # re-dialled whenever we are not connected to it
         if self.config.join:
             await join_swarm(
                 self.config.join, self._try_join, timeout=self.config.join_timeout,
@@ -386,9 +392,8 @@ class PeerNode:
             await self.advertise()
 
     async def _gossip_forever(self) -> None:
-        while True:
-            await trio.sleep(self.gossip.interval)
-            await self.gossip.round(self._connected)
+        await trio.sleep(self.gossip.interval)
+        await self.gossip.run(self._connected)
 
     async def _ping_forever(self) -> None:
         while True:

@@ -62,8 +62,8 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from tessera.peer.plan.cost import DEFAULT_RTT_MS, FULL_LOAD, LOAD_PENALTY, ms_per_layer, hop_compute_ms, rtt_ms
-from tessera.peer.plan.groups import ShardGroup, with_group_peers
-from tessera.peer.plan.view import PeerInfo, SwarmView
+from tessera.peer.plan.groups import ShardGroup, replica_coverage, with_group_peers
+from tessera.peer.plan.view import SERVING, PeerInfo, SwarmView
 
 __all__ = [
     "DEFAULT_RTT_MS",
@@ -148,6 +148,74 @@ def route_cost(
     return total + rtt_ms(peers, prev, sink, default_rtt_ms)
 
 
+def unusable_reason(p: PeerInfo, exclude: frozenset[str] | set[str] = frozenset()) -> str | None:
+    """Why a new session would not be routed through `p` now; None when it would.
+
+    The one definition of "accepts sessions": `route` uses it, and so do `swarm status`
+    (what it counts as coverage) and the requester's wait for a route (what it says it is
+    waiting for). A reason is "banned" (in `exclude`: this requester avoids it), the
+    peer's state when not serving ("draining" — paused peers say so too —, "leaving",
+    "loading"), "busy" (every session slot taken) or "unmeasured" (no speed yet).
+    """
+    if p.peer_id in exclude:
+        return "banned"
+    if not p.routable:
+        return p.state if p.state != SERVING else "no layers"
+    if p.throughput <= 0:
+        return "unmeasured"
+    if p.load >= FULL_LOAD:
+        return "busy"
+    return None
+
+
+def routable_view(view: SwarmView, exclude: frozenset[str] | set[str] = frozenset()) -> SwarmView:
+    """Only the peers `route` would use (see `unusable_reason`)."""
+    return SwarmView(view.num_layers, tuple(p for p in view.peers if unusable_reason(p, exclude) is None))
+
+
+def why_no_route(
+    view: SwarmView,
+    *,
+    start: int = 0,
+    end: int | None = None,
+    banned: frozenset[str] | set[str] = frozenset(),
+    unreachable: frozenset[str] | set[str] = frozenset(),
+) -> tuple[list[tuple[int, int]], str]:
+    """What stands between a requester and a route over [start, end): the layer ranges no
+    usable peer covers, and a sentence naming them and, for each peer that claims a layer
+    there (every peer not taking sessions, when nothing is uncovered), why it is not used:
+    its `unusable_reason`, "banned" (this requester's ban) or "unreachable" (a failed dial)."""
+    end = view.num_layers if end is None else end
+    reasons: dict[str, str] = {}
+    for p in view.peers:
+        why = "banned" if p.peer_id in banned else "unreachable" if p.peer_id in unreachable else unusable_reason(p)
+        if why is not None:
+            reasons[p.peer_id] = why
+    usable = SwarmView(view.num_layers, tuple(p for p in view.peers if p.peer_id not in reasons))
+    counts = replica_coverage(usable)
+    gaps: list[tuple[int, int]] = []
+    for layer in range(start, end):
+        if counts[layer] == 0:
+            if gaps and gaps[-1][1] == layer:
+                gaps[-1] = (gaps[-1][0], layer + 1)
+            else:
+                gaps.append((layer, layer + 1))
+
+    def touches_gap(p: PeerInfo) -> bool:
+        return any(p.start < b and a < p.end for a, b in gaps)
+
+    blockers = [f"{p.name or p.peer_id[-8:]} [{p.start},{p.end}) {reasons[p.peer_id]}"
+                for p in view.peers if p.peer_id in reasons and (touches_gap(p) or not gaps)]
+    text = "uncovered layers: " + (", ".join(f"[{a}, {b})" for a, b in gaps) if gaps else "none")
+    if blockers:
+        text += "; not taking sessions: " + ", ".join(blockers)
+    elif gaps:
+        text += " (no peer claims them)"
+    else:
+        text += " (every layer has a usable peer; no chain of them joins source to sink)"
+    return gaps, text
+
+
 def route(
     view: SwarmView,
     *,
@@ -194,7 +262,7 @@ def route(
     if groups:  # tensor-shard groups, each as one synthetic peer (peer/plan/groups.py)
         peers, group_of = with_group_peers(
             peers, source=source, default_rtt_ms=default_rtt_ms, load_penalty=load_penalty,
-            usable=lambda p: p.routable and p.peer_id not in exclude and p.throughput > 0 and p.load < FULL_LOAD,
+            usable=lambda p: unusable_reason(p, exclude) is None,
         )
 
     # The usable peers, in peer-id order, grouped by the boundary where they exit.
@@ -202,7 +270,7 @@ def route(
     span_of: dict[str, tuple[int, int]] = {}  # the layers each usable peer would run
     for pid in sorted(peers):
         p = peers[pid]
-        if not p.routable or pid in exclude or p.throughput <= 0 or p.load >= FULL_LOAD or p.shard_count != 1:
+        if p.shard_count != 1 or unusable_reason(p, exclude) is not None:
             continue
         lo, hi = max(p.start, start), min(p.end, end)
         if lo < hi:

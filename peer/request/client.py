@@ -16,7 +16,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 import torch
 import trio
@@ -42,13 +42,14 @@ from tessera.peer.request.verify import GUILTY_BAN, CheckPolicy, SpotChecker
 from tessera.peer.request.repair import AnswerRewound, ResilientSession
 from tessera.peer.request.policy import RequesterPolicy, check_peer_id, explain_gaps
 from tessera.peer.request.chain import RequesterContext, route_summary
-from tessera.peer.plan.routing import Route, route
+from tessera.peer.plan.routing import Route, route, why_no_route
 from tessera.peer.net.transport import Transport
 from tessera.peer.plan.view import PeerInfo, SwarmView
 
 # How long a requester waits for the swarm to cover every layer before it gives up.
 DEFAULT_ROUTE_WAIT = 30.0
 REFRESH_INTERVAL = 2.0  # gossip and ping period of a requester
+WAIT_REPORT_INTERVAL = 1.0  # how often a requester waiting for a route says what it waits for
 # Positions reserved beyond the answer: a pipelined speculative block may run past
 # the last token that is finally kept.
 SPECULATION_SLACK = 32
@@ -99,6 +100,8 @@ class Swarm:
         self.banned: dict[str, float] = {}  # peer id -> until (monotonic); see recovery.py
         self.reports = ReportBook(transport, model_id=self.model_id, on_accept=self._avoid_accused)
         self.active: set[ResilientSession] = set()  # generations running now
+        # Told, once a second while `wait_for_route` waits, what it is waiting for (the CLI prints it)
+        self.on_route_wait: Callable[[str], None] | None = None
 
     @staticmethod
     @asynccontextmanager
@@ -206,24 +209,46 @@ class Swarm:
         return route(view, start=start, end=end, source=source or self.peer_id, sink=sink or self.peer_id,
                      exclude=frozenset(banned | set(exclude)), groups=groups)
 
+    def why_no_route(self, *, start: int = 0, end: int | None = None, exclude: Sequence[str] = (),
+                     policy: RequesterPolicy | None = None, **_: object) -> tuple[list[tuple[int, int]], str]:
+        """The uncovered layers, and a sentence saying what blocks a route: layers only peers
+        the policy excludes cover (request/policy.py `explain_gaps`), else routing.why_no_route."""
+        banned = {p for p in self.banned if self.is_banned(p)}
+        view = self.keeper.snapshot()
+        policy = self.policy.narrowed(policy)
+        if policy.restricts:
+            gaps, why = explain_gaps(view.without(banned | set(exclude)), policy)
+            if gaps:
+                return gaps, why
+        return why_no_route(view, start=start, end=end, banned=banned, unreachable=set(exclude) - banned)
+
     async def wait_for_route(self, timeout: float = DEFAULT_ROUTE_WAIT, **plan_args) -> Route:
-        """A route, waiting up to `timeout` s for the swarm to cover the layers. Raises NoRoute."""
+        """A route, waiting up to `timeout` s for the swarm to cover the layers. Raises NoRoute
+        naming the uncovered layers and the peers that are there but not usable, and why.
+        While it waits, `on_route_wait` (if set) hears what it waits for once a second."""
+        began = trio.current_time()
+        next_report = began + WAIT_REPORT_INTERVAL
+        next_refresh = began + REFRESH_INTERVAL
         with trio.move_on_after(timeout):
             while True:
                 chosen = self.plan(**plan_args)
                 if chosen.ok:
                     return chosen
-                with trio.move_on_after(REFRESH_INTERVAL):
+                now = trio.current_time()
+                if now >= next_report:
+                    if self.on_route_wait is not None:
+                        self.on_route_wait(f"waiting for a route ({now - began:.0f} s of {timeout:.0f} s): "
+                                           + self.why_no_route(**plan_args)[1])
+                    next_report = now + WAIT_REPORT_INTERVAL
+                if now >= next_refresh:
+                    await self.refresh()
+                    next_refresh = trio.current_time() + REFRESH_INTERVAL
+                    continue
+                with trio.move_on_at(min(next_report, next_refresh)):
                     await self.keeper.wait_changed()
                 await self.refresh()
-        # the layers no usable peer covers: a banned (failed) or excluded peer's record may outlive it
-        unusable = {p for p in self.banned if self.is_banned(p)} | set(plan_args.get("exclude", ()))
-        gaps, why = explain_gaps(self.keeper.snapshot().without(unusable), self.policy.narrowed(plan_args.get("policy")))
-        raise NoRoute(
-            f"no route through the swarm after {timeout:.0f} s: "
-            + (why if gaps else "every layer is covered, but by peers busy, banned or unreachable"),
-            gaps,
-        )
+        gaps, why = self.why_no_route(**plan_args)
+        raise NoRoute(f"no route through the swarm after {timeout:.0f} s: {why}", gaps)
 
     # -- generation -------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from tessera.protocol.records import Neighbour, PeerRecord, SignedRecord
 
 from tessera.peer.base.ids import peer_id_text
 from tessera.peer.base.errors import PeerError
-from tessera.peer.net.gossip import Gossip, Pinger
+from tessera.peer.net.gossip import Gossip, Pinger, material
 from tessera.peer.net.memory import MemoryTransport, open_memory_transport
 from tessera.peer.node.config import KV_RESERVE_FRACTION, capacity_in_layers
 from tessera.peer.serve.server import StageServer
@@ -105,13 +105,16 @@ class SimPeer:
         return self._own
 
     async def advertise(self) -> None:
+        before = self.keeper.known.get(self.peer_id)
         signed = self.make_record()
         if signed is None:
             return
         self.keeper.merge([signed])
         known = self.keeper.known.get(self.peer_id)
         self._own_info = known.info if known is not None and known.signed is signed else None
-        if self.gossip is not None:
+        # as node.advertise: a change is announced at once, a refresh travels with the next tick
+        if self.gossip is not None and (before is None or known is None
+                                        or material(before.record) != material(known.record)):
             await self.gossip.announce()
         self.tracer.emit("advertise", span=self.span, detail={"state": self.state,
                                                                "load": self.server.load if self.server else 0.0})
@@ -171,6 +174,7 @@ class SimPeer:
         if self.gossip is None:
             return  # the shared view needs no pulling
         for addr in self.world.bootstrap_addrs(exclude=self.peer_id):
+            self.keeper.remember(addr)  # as node.py: a join address is re-dialled for good
             try:
                 peer = await self.transport.connect(addr)
                 self.tracer.emit("connect", remote=peer, detail={"kind": self.transport.connection_kind(peer) or "direct"})
@@ -222,6 +226,23 @@ class SimPeer:
         self._set_state(SERVING)
         await self.advertise()
 
+    async def set_memory_offered(self, memory_bytes: int) -> None:
+        """node.set_memory_offered: re-claim a span that fits the new offer (a move if it
+        changes), else re-advertise (the record's free memory changed)."""
+        self.memory_bytes = memory_bytes
+        self.capacity = capacity_in_layers(self.world.spec, memory_bytes, FLOAT32_BYTES)
+        if self.plan.span is not None or self.state != SERVING:
+            await self.advertise()
+            return
+        view = self.keeper.snapshot().without([self.peer_id])
+        span = self.world.policy.claim(view, me=self.peer_id, capacity_layers=self.capacity,
+                                       throughput=self.throughput, rng=self.rng)
+        span = (int(span[0]), int(span[1]))
+        if span != self.span:
+            await self.move_to(span, "memory offered changed")
+        else:
+            await self.advertise()
+
     async def _rebalance_forever(self) -> None:
         timings = self.world.timings
         while True:
@@ -257,9 +278,9 @@ class SimPeer:
             await self.advertise()
 
     async def _gossip_forever(self) -> None:
-        while True:
-            await trio.sleep(self.gossip.interval)
-            await self.gossip.round(self._connected)
+        # peers started together tick apart (an RNG of its own: the peer's jitter stays as it was)
+        await trio.sleep(self.gossip.interval * node_rng(self.world.seed, "gossip", self.label).random())
+        await self.gossip.run(self._connected)
 
     async def _ping_forever(self) -> None:
         interval = self.world.timings.ping_interval

@@ -1,0 +1,109 @@
+"""The swarm view converges: random sequences of joins, leaves, crashes, moves, memory changes
+and partitions over simulated peers running the real gossip (peer/sim/convergence.py), and the
+bound stated in peer/net/gossip.py checked after the last change.
+
+bench/convergence.py runs more and larger sequences (up to 30 peers) and prints the figures.
+"""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tessera.peer.net.gossip import Gossip, ViewKeeper
+from tessera.peer.net.memory import LinkSpec, MemoryNetwork, open_memory_transport
+from tessera.peer.sim.convergence import CONVERGENCE_TIMINGS, EVENT_KINDS, LATENCY, POLL, Event, run_sequence
+from tessera.protocol.crypto import sign_record
+from tessera.protocol.keys import Identity
+from tessera.protocol.records import PeerRecord
+
+# The bound (peer/net/gossip.py): 2 gossip periods + 2 exchanges after the last change. An exchange
+# here: a dial (3 RTTs) + opening a stream (1) + digest / records / pull / records (2), and the
+# observer looks every POLL seconds.
+EXCHANGE_S = 6 * 2 * LATENCY
+BOUND_PERIODS = 2 + (2 * EXCHANGE_S + POLL) / CONVERGENCE_TIMINGS.gossip_interval
+
+events = st.builds(
+    Event,
+    kind=st.sampled_from(EVENT_KINDS),
+    after=st.floats(0.0, 3.0 * CONVERGENCE_TIMINGS.gossip_interval),
+    target=st.integers(0, 1000),
+    value=st.integers(0, 1000),
+)
+
+
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(peers=st.integers(3, 12), sequence=st.lists(events, min_size=1, max_size=8), seed=st.integers(0, 2**16))
+def test_every_sequence_converges_within_the_bound(peers: int, sequence: list[Event], seed: int) -> None:
+    outcome = run_sequence(peers, sequence, seed=seed)
+    assert outcome.worst_periods is not None, outcome
+    assert outcome.worst_periods <= BOUND_PERIODS, outcome
+    assert outcome.agreed_throughout, outcome
+    assert outcome.stale == [], outcome
+
+
+def test_a_partition_longer_than_a_record_lifetime_heals() -> None:
+    """Both sides' records of the other expire during the cut; the address book re-dials."""
+    t = CONVERGENCE_TIMINGS
+    outcome = run_sequence(6, [Event("partition", after=2.0, value=3), Event("heal", after=3 * t.record_ttl)], seed=5)
+    assert outcome.worst_periods is not None and outcome.worst_periods <= BOUND_PERIODS, outcome
+    assert outcome.agreed_throughout and outcome.stale == [], outcome
+
+
+def test_a_crashed_peers_record_disappears_everywhere_after_it_expires() -> None:
+    outcome = run_sequence(4, [Event("crash", after=2.0, target=1), Event("vanish", after=0.5, target=2)], seed=9)
+    assert outcome.stale == [] and outcome.agreed_throughout, outcome
+    assert outcome.worst_periods is not None and outcome.worst_periods <= BOUND_PERIODS, outcome
+
+
+def record(identity: Identity, *, seq: int, now: float, start: int = 0, end: int = 10, state: str = "serving",
+           ttl: float = 15.0, addrs: tuple[str, ...] = ()) -> object:
+    return sign_record(identity, PeerRecord(
+        peer_id=identity.peer_id, name="p", model_id="m", start=start, end=end, shard_index=0, shard_count=1,
+        throughput=100.0, free_memory=0, load=0.0, max_sessions=16, state=state, reachability="public",
+        addrs=addrs, neighbours=(), issued_at=now, expires_at=now + ttl, seq=seq))
+
+
+def test_one_digest_exchange_leaves_both_sides_with_the_newer_of_every_record() -> None:
+    ids = [Identity.from_seed(bytes([i]) * 32) for i in range(5)]
+
+    async def main() -> None:
+        network = MemoryNetwork(LinkSpec(latency=0.01))
+        a_keeper = ViewKeeper(model_id="m", num_layers=30, clock=trio.current_time)
+        b_keeper = ViewKeeper(model_id="m", num_layers=30, clock=trio.current_time)
+        now = trio.current_time()
+        # a: peer 0 new, peer 1 old; b: peer 0 old, peer 1 new; peer 2 only a; peer 3 only b; 4 expired at b
+        a_keeper.merge([record(ids[0], seq=5, now=now, state="draining"), record(ids[1], seq=1, now=now),
+                        record(ids[2], seq=1, now=now)])
+        b_keeper.merge([record(ids[0], seq=4, now=now), record(ids[1], seq=3, now=now, start=10, end=20),
+                        record(ids[3], seq=1, now=now), record(ids[4], seq=1, now=now, ttl=0.5)])
+        await trio.sleep(1.0)
+        async with open_memory_transport(network, "A") as ta, open_memory_transport(network, "B") as tb:
+            a, _ = Gossip(ta, a_keeper), Gossip(tb, b_keeper)
+            await ta.connect(tb.addrs()[0])
+            assert await a.exchange("B")
+        for keeper in (a_keeper, b_keeper):
+            live = keeper.live()
+            assert {k.record.seq for k in live.values()} == {5, 3, 1} and len(live) == 4
+            assert keeper.rejected == 0
+        assert a_keeper.snapshot().get(b_keeper.snapshot().peers[0].peer_id) is not None
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_refresh_replaces_only_an_older_record_of_the_same_peer() -> None:
+    me = Identity.from_seed(b"\x07" * 32)
+
+    async def main() -> None:
+        keeper = ViewKeeper(model_id="m", num_layers=30, clock=trio.current_time)
+        now = trio.current_time()
+        assert keeper.merge([record(me, seq=2, now=now, state="draining")])
+        assert keeper.merge([record(me, seq=1, now=now, state="serving")]) == []  # older: ignored
+        assert keeper.snapshot().peers[0].state == "draining"
+        assert keeper.merge([record(me, seq=3, now=now, state="leaving")])
+        assert keeper.snapshot().peers[0].state == "leaving"
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
