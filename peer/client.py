@@ -35,6 +35,7 @@ from .gossip import Gossip, Pinger, ViewKeeper
 from .emulated_link import LinkEmulation, emulate
 from .libp2p_transport import open_libp2p_transport
 from .generation import Speculation, plain_tokens, speculative_tokens
+from .prefill import route_chunk_size
 from .reports import ReportBook
 from .verify import GUILTY_BAN, CheckPolicy, SpotChecker
 from .recovery import AnswerRewound, ResilientSession
@@ -220,11 +221,14 @@ class Swarm:
         speculation: Speculation | None = None,
         spot_check: CheckPolicy | None = None,
         info: dict | None = None,
+        prefill_chunk: int | None = None,
     ) -> AsyncIterator[int]:
         """Token ids continuing `ids`, one at a time; `info` (if given) receives the routes used.
 
         With `speculation`, drafted blocks are verified in one pass each (and pipelined
-        when confident); greedy output is the same as without.
+        when confident); greedy output is the same as without. `prefill_chunk`: the prompt
+        flows down the chain in chunks of this many tokens (peer/prefill.py); None = chosen
+        from the route's measured speeds, 0 = sent whole.
         """
         budget = plan_length(len(ids), max_new_tokens, self.spec.max_position)
         sampler = Sampler(sampling)
@@ -235,10 +239,13 @@ class Swarm:
             session.checker = SpotChecker(self, session, spot_check)
         self.active.add(session)
         eos = self.spec.eos_token_ids
+        if prefill_chunk is None:
+            prefill_chunk = self.prefill_chunk(len(ids), session)
         if speculation is None:
-            tokens = plain_tokens(session, self._embed, self._logits, ids, budget, sampler, eos)
+            tokens = plain_tokens(session, self._embed, self._logits, ids, budget, sampler, eos, prefill_chunk)
         else:
-            tokens = speculative_tokens(session, self._embed, self._logits, ids, budget, sampler, eos, speculation)
+            tokens = speculative_tokens(session, self._embed, self._logits, ids, budget, sampler, eos, speculation,
+                                        prefill_chunk)
         try:
             async for token in tokens:
                 yield token
@@ -250,6 +257,12 @@ class Swarm:
                 info.update(session.summary())
                 if speculation is not None:
                     info["speculation"] = speculation.summary()
+
+    def prefill_chunk(self, n_tokens: int, session: ResilientSession) -> int:
+        """The prompt's chunk size on the session's route (peer/prefill.py)."""
+        hops = session.routes[-1].hops if session.routes else ()
+        spans = [(h.peer_id, h.end - h.start) for h in hops]
+        return route_chunk_size(n_tokens, spans, self.keeper.snapshot(), hidden_size=self.spec.hidden_size)
 
     async def generate(
         self,

@@ -28,6 +28,7 @@ import torch
 from stages.sampling import Sampler
 from stages.speculative import AdaptiveK, Draft, Drafter, greedy_accept, sampling_accept
 
+from .prefill import pipelined_prefill
 from .recovery import AnswerRewound, Pending, ResilientSession, Superseded
 
 if TYPE_CHECKING:
@@ -81,12 +82,19 @@ async def check_rebuilt(session: ResilientSession, head: Head, n_prompt: int, gi
             raise AnswerRewound(i, want)
 
 
+async def prefill(session: ResilientSession, hidden: torch.Tensor, chunk: int | None) -> torch.Tensor:
+    """The prompt's step: whole, or pipelined in chunks when `chunk` cuts it."""
+    if chunk is None or chunk <= 0 or chunk >= hidden.shape[0]:
+        return await session.step(hidden, 0)
+    return await pipelined_prefill(session, hidden, chunk)
+
+
 async def plain_tokens(
     session: ResilientSession, embed: Embed, head: Head, ids: Sequence[int], budget: int,
-    sampler: Sampler, eos: Sequence[int],
+    sampler: Sampler, eos: Sequence[int], prefill_chunk: int | None = None,
 ) -> AsyncIterator[int]:
-    """One step per token."""
-    logits = await head((await session.step(await embed(ids), 0))[-1:])
+    """One step per token (the prompt in chunks of `prefill_chunk`, peer/prefill.py)."""
+    logits = await head((await prefill(session, await embed(ids), prefill_chunk))[-1:])
     given: list[int] = []
     for produced in range(1, budget + 1):
         await check_rebuilt(session, head, len(ids), given, sampler)
@@ -102,10 +110,10 @@ async def plain_tokens(
 
 async def speculative_tokens(
     session: ResilientSession, embed: Embed, head: Head, ids: Sequence[int], budget: int,
-    sampler: Sampler, eos: Sequence[int], spec: Speculation,
+    sampler: Sampler, eos: Sequence[int], spec: Speculation, prefill_chunk: int | None = None,
 ) -> AsyncIterator[int]:
     """Speculative blocks, pipelined when the draft is confident. Yields confirmed tokens."""
-    logits = await head((await session.step(await embed(ids), 0))[-1:])
+    logits = await head((await prefill(session, await embed(ids), prefill_chunk))[-1:])
     tokens = list(ids) + [sampler.sample(logits[-1])]
     produced = 1
     yield tokens[-1]
