@@ -15,10 +15,17 @@ current one returns — guessing that the current block is accepted whole and
 that the model's bonus token is the drafter's next one. If the guess fails,
 the later block is cancelled down the chain and the loop redrafts; if it
 holds, a whole round trip was hidden.
+
+Speculation never costs: K adapts to what drafts earn (stages/speculative.py
+`AdaptiveK`): each block's tokens per second of wall time, drafting included,
+are weighed against plain one-token steps; after a few blocks that earn less,
+K drops to 0 and the loop runs plain steps (an empty draft is exactly a plain
+step), re-probing with K = 1 every 16 of them.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Sequence
@@ -53,7 +60,7 @@ class Speculation:
 
     def summary(self) -> dict:
         return {"proposed": self.proposed, "accepted": self.accepted, "blocks": self.blocks,
-                "cancelled": self.cancelled, "acceptance": round(self.accepted / self.proposed, 4) if self.proposed else 0.0}
+                "cancelled": self.cancelled, "backoffs": self.k.backoffs, "acceptance": round(self.accepted / self.proposed, 4) if self.proposed else 0.0}
 
 
 @dataclass
@@ -129,6 +136,7 @@ async def speculative_tokens(
             await session.cancel(in_flight.popleft().pending)
 
     while produced < budget and tokens[-1] not in eos:
+        started = time.perf_counter()  # the K controller weighs tokens per second of wall time
         room = budget - produced  # tokens we may still emit; a block emits at most K+1
         if not in_flight:
             draft = spec.drafter.propose(tokens, min(spec.k.k, room - 1))
@@ -147,13 +155,15 @@ async def speculative_tokens(
             await drop_all()
             continue
         await check_rebuilt(session, head, len(ids), tokens[len(ids):], sampler)
-        if sampler.params.greedy:
+        if sampler.params.greedy and not block.draft.tokens:
+            kept, nxt = 0, sampler.sample(rows[-1])  # a plain step (K = 0): exactly plain decoding
+        elif sampler.params.greedy:
             kept, nxt = greedy_accept(rows, block.draft.tokens)
         else:
             kept, nxt = sampling_accept(rows, block.draft, sampler)
         spec.proposed += len(block.draft.tokens)
         spec.accepted += kept
-        spec.k.update(len(block.draft.tokens), kept)
+        spec.k.update(len(block.draft.tokens), kept, time.perf_counter() - started)
         if nxt is None:  # a near-tie: one exact single-token step decides it
             await drop_all()
             fed_upto = block.fed[: kept + 1]
