@@ -1,12 +1,19 @@
-"""Decode speed of a 3-peer loopback swarm vs the local engine, same model, one run.
+"""Swarm vs local, side by side in one run: decode speed, per-hop overhead, and pipelined prefill.
 
-For SmolLM2-135M and for a seeded random-weight ~1B model (hidden 2048, 24 layers,
-16/8 heads; compute cost does not depend on the weights). Each peer and the
-local engine get one torch thread: with one session the pipeline runs one peer
-at a time, so both sides compute on one core and the ratio shows what the
-network, the encryption and the hops cost. Rounds alternate (local, swarm, ...).
+1. Decode speed of a 3-peer loopback swarm vs the local engine, same model: for
+   SmolLM2-135M and for a seeded random-weight ~1B model (hidden 2048, 24 layers,
+   16/8 heads; compute cost does not depend on the weights). Each peer and the
+   local engine get one torch thread: with one session the pipeline runs one peer
+   at a time, so both sides compute on one core and the ratio shows what the
+   network, the encryption and the hops cost. Rounds alternate (local, swarm, ...).
+   Per-hop overhead = (swarm step time - local step time) / 4 network hops
+   (requester -> p0 -> p1 -> p2 -> requester).
+2. Time to first token of a long prompt (default 2,000 tokens) over 4 SmolLM2 peers
+   on an emulated WAN (`--emulate-link`, as bench/wan.py: 40-75 ms a hop, 100 Mbit/s
+   uplinks), the prompt sent whole vs pipelined in chunks (peer/request/prefill.py).
 
-    .venv/bin/python bench/swarm.py [--tokens 32] [--rounds 3] [--skip-1b]
+    .venv/bin/python bench/swarm.py [--tokens 32] [--rounds 3] [--skip-1b] [--prompt-tokens 2000]
+    .venv/bin/python bench/swarm.py --quick     # 1 round, SmolLM2 only, a 600-token prompt
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from tessera.peer.cli.demo import LocalSwarm
 from tessera.stages import registry
 from tessera.stages.generate import LocalEngine
 from tessera.stages.spec import ModelSpec
+from tessera.peer.net.emulated import LinkEmulation
 
 SYNTH_1B = dict(hidden=2048, layers=24, heads=16, kv_heads=8, intermediate=5632, vocab=32000, seed=0)
 
@@ -56,7 +64,15 @@ async def swarm_rate(swarm: Swarm, ids: list[int], tokens: int) -> float:
     return len(out) / (time.perf_counter() - started)
 
 
-def measure(model: str, label: str, tokens: int, rounds: int) -> float:
+HOPS = 4  # requester -> p0 -> p1 -> p2 -> requester
+WAN_SPANS = [(0, 8), (8, 15), (15, 23), (23, 30)]
+WAN_PEER_DELAYS_MS = [40, 60, 75, 50]
+WAN_REQUESTER_DELAY_MS = 25
+WAN_RATE = "100mbit"
+
+
+def measure(model: str, label: str, tokens: int, rounds: int) -> tuple[float, float]:
+    """(swarm tokens/s, local tokens/s), medians over `rounds`."""
     spec = ModelSpec.from_file(registry.resolve(model) / "config.json")
     engine = LocalEngine(registry.resolve(model), device="cpu", dtype="float32")
     # a prompt whose answer does not stop early: greedy continuation of a plain text
@@ -81,7 +97,52 @@ def measure(model: str, label: str, tokens: int, rounds: int) -> float:
         peers.stop()
     a, b = statistics.median(swarm_rates), statistics.median(local)
     print(f"{label}: swarm {a:.2f} tok/s, local {b:.2f} tok/s")
-    return a / b
+    return a, b
+
+
+async def first_token_seconds(swarm: Swarm, ids: list[int], chunk: int | None) -> float:
+    started = time.perf_counter()
+    async for _ in swarm.generate_ids(ids, max_new_tokens=1, prefill_chunk=chunk):
+        break
+    return time.perf_counter() - started
+
+
+def measure_ttft(prompt_tokens: int, rounds: int, rate: str = WAN_RATE) -> tuple[float, float, int]:
+    """(unchunked s, chunked s, chunk size): time to first token over the emulated WAN."""
+    extra = [["--layers", f"{a}:{b}", "--emulate-link", f"delay={d}ms,rate={rate}"]
+             for (a, b), d in zip(WAN_SPANS, WAN_PEER_DELAYS_MS)]
+    peers = LocalSwarm(len(WAN_SPANS), extra_args=extra)
+    whole, chunked = [], []
+    chunk_used = 0
+    try:
+        peers.start(together=True)
+
+        async def rounds_() -> None:
+            nonlocal chunk_used
+            link = LinkEmulation.parse(f"delay={WAN_REQUESTER_DELAY_MS}ms,rate={rate}")
+            async with Swarm.join(peers.addrs[:1], emulate_link=link) as swarm:
+                await swarm.wait_for_route(60)
+                text = " ".join(f"Line {i}: the history of the city begins in the year {1000 + i}." for i in range(400))
+                ids = swarm.tokenizer.encode(text)[:prompt_tokens]
+                await first_token_seconds(swarm, ids[:64], 0)  # warm-up
+                for r in range(rounds):
+                    whole.append(await first_token_seconds(swarm, ids, 0))
+                    chunk_used = swarm.prefill_chunk(len(ids), _RouteOnly(swarm))  # what None picks
+                    chunked.append(await first_token_seconds(swarm, ids, None))
+                    print(f"  ttft round {r} ({len(ids)} tokens): whole {whole[-1]:.2f} s, "
+                          f"chunked (chunk {chunk_used}) {chunked[-1]:.2f} s")
+
+        trio.run(rounds_)
+    finally:
+        peers.stop()
+    return statistics.median(whole), statistics.median(chunked), chunk_used
+
+
+class _RouteOnly:
+    """Just enough of a session for `Swarm.prefill_chunk`: the route it would take."""
+
+    def __init__(self, swarm: Swarm) -> None:
+        self.routes = [swarm.plan()]
 
 
 def main() -> None:
@@ -89,14 +150,27 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip-1b", action="store_true")
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument("--quick", action="store_true", help="1 round, SmolLM2 only, a 600-token prompt")
+    parser.add_argument("--wan-rate", default=WAN_RATE, help="uplink of every emulated WAN stage (e.g. 10mbit)")
+    parser.add_argument("--only-ttft", action="store_true", help="skip the decode comparisons")
     args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.skip_1b, args.prompt_tokens, args.tokens = 1, True, min(args.prompt_tokens, 600), 16
     torch.set_num_threads(1)
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # it logs every refused dial
-    ratios = {"smollm2-135m": measure("smollm2-135m", "smollm2-135m", args.tokens, args.rounds)}
-    if not args.skip_1b:
-        ratios["synthetic-1b"] = measure(str(synth_1b()), "synthetic-1b", max(8, args.tokens // 4), args.rounds)
-    for label, ratio in ratios.items():
-        print(f"swarm/local decode ratio ({label}, 3 peers, loopback): {ratio:.2f}")
+    rates = {} if args.only_ttft else {"smollm2-135m": measure("smollm2-135m", "smollm2-135m", args.tokens, args.rounds)}
+    if not args.skip_1b and not args.only_ttft:
+        rates["synthetic-1b"] = measure(str(synth_1b()), "synthetic-1b", max(8, args.tokens // 4), args.rounds)
+    whole, chunked, chunk = measure_ttft(args.prompt_tokens, args.rounds, args.wan_rate)
+    print("\n-- side by side (one run; noisy on a shared machine) --")
+    for label, (swarm_rate, local_rate) in rates.items():
+        overhead_ms = (1 / swarm_rate - 1 / local_rate) / HOPS * 1e3
+        print(f"per-hop overhead ({label}, 3 peers, loopback): {overhead_ms:.2f} ms")
+    for label, (swarm_rate, local_rate) in rates.items():
+        print(f"swarm/local decode ratio ({label}, 3 peers, loopback): {swarm_rate / local_rate:.2f}")
+    print(f"time to first token, {args.prompt_tokens}-token prompt, 4 emulated WAN stages ({args.wan_rate}): "
+          f"chunked (chunk {chunk}) {chunked:.2f} s / unchunked {whole:.2f} s = {chunked / whole:.2f}")
 
 
 if __name__ == "__main__":

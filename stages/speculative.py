@@ -164,21 +164,62 @@ def sampling_accept(logits: torch.Tensor, draft: Draft, sampler: Sampler) -> tup
     return k, sampler.draw(sampler.distribution(logits[k]))
 
 
+# The K controller's rule (AdaptiveK): a block "pays" when it produced tokens at least as
+# fast as plain one-token steps do (tokens kept + 1 over its wall time, drafting included,
+# against the smoothed rate of plain steps; before any plain step was timed: when it kept
+# at least one draft token). After BACKOFF_MISSES blocks in a row that did not pay, K drops
+# to 0 (plain decoding); every REPROBE_EVERY plain steps it re-probes with K = K_PROBE, and
+# one probe that does not pay drops it back to 0. Three misses bound the loss of a stream
+# that never hits to a few blocks; a probe per 16 steps costs at most ~1/16 of plain speed
+# when drafts never hit (the issue's floor is 0.95x), and finds a stream that starts to hit.
+BACKOFF_MISSES = 3
+REPROBE_EVERY = 16
+K_PROBE = 1
+RATE_SMOOTHING = 0.3  # weight of the newest plain step in the plain-rate average
+
+
 @dataclass
 class AdaptiveK:
-    """K from the recent acceptance: grow after a fully accepted block, shrink to what was kept."""
+    """K from the recent acceptance and cost: grow after a fully accepted block, shrink to what
+    was kept, and back off to 0 (plain decoding) while drafts do not pay (rule above)."""
 
     k: int = 4
     history: list[float] = field(default_factory=list)
+    misses: int = 0  # blocks in a row that did not pay
+    plain_rate: float | None = None  # tokens/s of plain steps (smoothed), once one was timed
+    plain_steps: int = 0  # plain steps since K dropped to 0
+    backoffs: int = 0  # times K dropped to 0 (for summaries)
+    backoff_after: int = BACKOFF_MISSES  # misses in a row before K drops to 0 (tests pin drafting on)
 
-    def update(self, proposed: int, accepted: int) -> None:
+    def update(self, proposed: int, accepted: int, seconds: float | None = None) -> None:
+        """One verified block: `proposed` draft tokens, `accepted` kept, `seconds` its wall time
+        (None: untimed; only acceptance counts). `proposed == 0` is a plain step."""
         if proposed == 0:
+            self._plain_step(seconds)
             return
         self.history.append(accepted / proposed)
-        if accepted == proposed:
+        if seconds is not None and seconds > 0 and self.plain_rate is not None:
+            pays = (accepted + 1) / seconds >= self.plain_rate
+        else:
+            pays = accepted > 0
+        self.misses = 0 if pays else self.misses + 1
+        if self.misses >= self.backoff_after:
+            self.k, self.plain_steps, self.backoffs = 0, 0, self.backoffs + 1
+        elif accepted == proposed:
             self.k = min(K_MAX, self.k + 1)
         else:
             self.k = max(K_MIN, accepted + 1)
+
+    def _plain_step(self, seconds: float | None) -> None:
+        if seconds is not None and seconds > 0:
+            rate = 1.0 / seconds
+            old = self.plain_rate
+            self.plain_rate = rate if old is None else (1 - RATE_SMOOTHING) * old + RATE_SMOOTHING * rate
+        if self.k == 0:
+            self.plain_steps += 1
+            if self.plain_steps >= REPROBE_EVERY:
+                self.k, self.plain_steps = K_PROBE, 0
+                self.misses = self.backoff_after - 1  # one probe that does not pay: back to 0
 
     @property
     def acceptance(self) -> float:

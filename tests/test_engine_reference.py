@@ -100,3 +100,27 @@ def test_synthetic_architectures_match_transformers(tmp_path, arch):
         ours = stage.logits(stage.forward("s", stage.embed([ids[pos]]), pos))
         worst = max(worst, (logits - ours).abs().max().item())
     assert worst <= TOLERANCE, f"{arch}: {worst}"
+
+
+def test_chunked_prefill_matches_whole_prefill_and_transformers(hf_smol, smol_stage, smol_tokenizer):
+    """A ~300-token prompt prefilled in 64-token chunks at their positions (as peer/request/prefill.py
+    sends it) gives the logits of one whole prefill and of transformers, every position."""
+    from tessera.peer.request.prefill import chunks
+
+    ids = smol_tokenizer.encode(" ".join(f"{FRANCE} ({i})" for i in range(30)))[:300]
+    assert len(ids) == 300
+    ref, _ = hf_step(hf_smol, ids)
+    smol_stage.open("whole", capacity=len(ids))
+    smol_stage.open("chunked", capacity=len(ids))
+    try:
+        whole = smol_stage.logits(smol_stage.forward("whole", smol_stage.embed(ids), 0))
+        hidden = smol_stage.embed(ids)
+        pieces = [smol_stage.forward("chunked", hidden[a:b], a) for a, b in chunks(len(ids), 64)]
+        chunked = smol_stage.logits(torch.cat(pieces))
+    finally:
+        smol_stage.close("whole")
+        smol_stage.close("chunked")
+    assert len(pieces) == 5
+    assert (chunked - ref).abs().max().item() <= TOLERANCE
+    assert (chunked - whole).abs().max().item() <= TOLERANCE
+    assert chunked.argmax(-1).tolist() == whole.argmax(-1).tolist()

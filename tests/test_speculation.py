@@ -15,7 +15,9 @@ from tessera.peer.request.decode import Speculation, plain_tokens, speculative_t
 from tessera.peer.request.repair import Pending
 from tessera.stages.generate import prompt_ids
 from tessera.stages.sampling import Sampler, SamplingParams
-from tessera.stages.speculative import AdaptiveK, ModelDrafter, NgramDrafter, greedy_accept
+from tessera.stages.speculative import (
+    BACKOFF_MISSES, K_PROBE, REPROBE_EVERY, AdaptiveK, Draft, ModelDrafter, NgramDrafter, greedy_accept,
+)
 from tessera.stages.stage import Stage
 from tessera.store.trace import MemoryTracer
 
@@ -40,12 +42,18 @@ def references(local_engine, smol_tokenizer):
     return {p: local_engine.generate_ids(prompt_ids(smol_tokenizer, p, raw=raw), max_new_tokens=TOKENS) for p, raw in PROMPTS}
 
 
+def pinned(k: int) -> AdaptiveK:
+    """A K that never backs off to plain decoding: these tests exercise verification, rollback
+    and pipelining, which a back-off (tested on its own below) would skip."""
+    return AdaptiveK(k, backoff_after=10**9)
+
+
 def drafters(smol_dir):
-    yield "ngram-k1", lambda: Speculation(NgramDrafter(), k=AdaptiveK(1), pipeline=False)
-    yield "ngram-k4-pipelined", lambda: Speculation(NgramDrafter(), k=AdaptiveK(4), pipeline=True)
-    yield "ngram-k8", lambda: Speculation(NgramDrafter(), k=AdaptiveK(8), pipeline=False)
+    yield "ngram-k1", lambda: Speculation(NgramDrafter(), k=pinned(1), pipeline=False)
+    yield "ngram-k4-pipelined", lambda: Speculation(NgramDrafter(), k=pinned(4), pipeline=True)
+    yield "ngram-k8", lambda: Speculation(NgramDrafter(), k=pinned(8), pipeline=False)
     draft_stage = Stage.load(smol_dir, start=0, end=6, embed=True, head=True)
-    yield "self-6-pipelined", lambda: Speculation(ModelDrafter(draft_stage, capacity=512), k=AdaptiveK(3), pipeline=True)
+    yield "self-6-pipelined", lambda: Speculation(ModelDrafter(draft_stage, capacity=512), k=pinned(3), pipeline=True)
 
 
 @pytest.mark.slow
@@ -77,7 +85,7 @@ async def test_speculation_survives_a_peer_failure(smol_dir, references):
             await swarm.wait_for_route(30)
             info: dict = {}
             got = []
-            spec = Speculation(NgramDrafter(), k=AdaptiveK(4), pipeline=True)
+            spec = Speculation(NgramDrafter(), k=pinned(4), pipeline=True)
             async for token in swarm.generate_ids(prompt_ids(swarm.tokenizer, prompt, raw=raw), max_new_tokens=TOKENS,
                                                   speculation=spec, info=info):
                 got.append(token)
@@ -101,7 +109,7 @@ async def test_in_flight_steps_overlap_on_a_slow_link(smol_dir):
 
             async def one(prompt: str, raw: bool) -> None:
                 ids = prompt_ids(swarm.tokenizer, prompt, raw=raw)
-                spec = Speculation(NgramDrafter(), k=AdaptiveK(4), pipeline=True)
+                spec = Speculation(NgramDrafter(), k=pinned(4), pipeline=True)
                 async for _ in swarm.generate_ids(ids, max_new_tokens=32, speculation=spec):
                     pass
 
@@ -177,7 +185,7 @@ async def sample_many(stage: Stage, draft: Stage | None, n: int, *, temperature:
             gen = plain_tokens(chain, embed, head, ids, 4, sampler, ())
         else:
             drafter = ModelDrafter(draft, capacity=64, sampler=Sampler(SamplingParams(temperature=temperature, seed=10**6 + seed)))
-            gen = speculative_tokens(chain, embed, head, ids, 4, sampler, (), Speculation(drafter, k=AdaptiveK(3), pipeline=False))
+            gen = speculative_tokens(chain, embed, head, ids, 4, sampler, (), Speculation(drafter, k=pinned(3), pipeline=False))
         out.append(tuple([t async for t in gen]))
         stage.close("chain")
         if draft is not None:
@@ -248,3 +256,92 @@ async def test_the_distribution_test_catches_a_biased_rule(tiny_llama, monkeypat
     worst = min(chi2_sf(*chi2_homogeneity(Counter(s[i] for s in plain), Counter(s[i] for s in biased))) for i in (1, 2, 3))
     print(f"biased rule: smallest p = {worst:.2e}")
     assert worst < 1e-3
+
+
+# -- the K controller: speculation backs off to plain decoding when drafts do not pay ----------
+
+
+def test_k_controller_reaches_zero_on_a_stream_that_never_hits_and_reprobes():
+    k = AdaptiveK(4)
+    for _ in range(BACKOFF_MISSES):
+        assert k.k > 0
+        k.update(k.k, 0, seconds=0.1)
+    assert k.k == 0 and k.backoffs == 1
+    for _ in range(REPROBE_EVERY - 1):
+        k.update(0, 0, seconds=0.05)  # plain steps: 20 tokens/s
+    assert k.k == 0
+    k.update(0, 0, seconds=0.05)
+    assert k.k == K_PROBE  # a re-probe ...
+    k.update(K_PROBE, 0, seconds=0.06)
+    assert k.k == 0 and k.backoffs == 2  # ... that missed drops straight back
+
+
+def test_k_controller_returns_on_a_stream_that_hits():
+    k = AdaptiveK(0)
+    for _ in range(REPROBE_EVERY):
+        k.update(0, 0, seconds=0.05)  # plain: 20 tokens/s
+    assert k.k == K_PROBE
+    for _ in range(4):
+        k.update(k.k, k.k, seconds=0.06)  # whole blocks accepted, (k+1)/0.06 s >> 20 tokens/s
+    assert k.k == K_PROBE + 4 and k.misses == 0
+
+
+def test_k_controller_counts_time_not_just_acceptance():
+    """Blocks that keep a token but take longer per token than plain steps do not pay."""
+    k = AdaptiveK(4)
+    k.update(0, 0, seconds=0.05)  # an empty draft: a plain step, timed (20 tokens/s)
+    for _ in range(BACKOFF_MISSES):
+        k.update(k.k, 1, seconds=0.2)  # 2 tokens in 0.2 s = 10 tokens/s
+    assert k.k == 0
+    fast = AdaptiveK(4)
+    fast.update(0, 0, seconds=0.05)
+    for _ in range(BACKOFF_MISSES):
+        fast.update(fast.k, 1, seconds=0.08)  # 2 tokens in 0.08 s = 25 tokens/s: pays
+    assert fast.k > 0 and fast.misses == 0
+
+
+class WrongDrafter:
+    """Always proposes a token the greedy model does not choose (the argmin of the last row)."""
+
+    def __init__(self, stage: Stage) -> None:
+        self.stage = stage
+
+    def propose(self, tokens, k: int) -> Draft:
+        if k <= 0:
+            return Draft([])
+        self.stage.open("wrong", capacity=256)
+        try:
+            hidden = self.stage.forward("wrong", self.stage.embed(list(tokens)), 0)
+            return Draft([int(self.stage.logits(hidden[-1:])[-1].argmin())] * k)
+        finally:
+            self.stage.close("wrong")
+
+    def accepted(self, tokens) -> None:
+        pass
+
+
+async def test_drafts_that_never_hit_back_off_to_plain_decoding_with_the_same_tokens(tiny_llama):
+    stage = Stage.load(tiny_llama, embed=True, head=True)
+    ids = [5, 17, 42, 5, 17]
+    budget = 3 * REPROBE_EVERY
+
+    async def embed(t):
+        return stage.embed(list(t))
+
+    async def head(h):
+        return stage.logits(h)
+
+    async def run(spec: Speculation | None) -> list[int]:
+        chain = LocalChain(stage)
+        sampler = Sampler(SamplingParams())
+        gen = (plain_tokens(chain, embed, head, ids, budget, sampler, ()) if spec is None
+               else speculative_tokens(chain, embed, head, ids, budget, sampler, (), spec))
+        out = [t async for t in gen]
+        stage.close("chain")
+        return out
+
+    spec = Speculation(WrongDrafter(stage), k=AdaptiveK(4), pipeline=False)
+    assert await run(spec) == await run(None)
+    assert spec.accepted == 0 and spec.k.backoffs >= 2  # backed off, re-probed, backed off again
+    # only the first misses and one probe per REPROBE_EVERY plain steps drafted anything
+    assert spec.proposed <= 4 + 3 + 2 + 2 * K_PROBE

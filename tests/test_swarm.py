@@ -49,6 +49,32 @@ async def test_three_peers_match_local_engine(three_peers, local_engine, smol_to
             assert [(h["start"], h["end"]) for h in info["route"]] == [(0, 10), (10, 20), (20, 30)]
 
 
+LONG_PROMPT = " ".join(f"{FRANCE} ({i})" for i in range(30))  # ~300 tokens (raw)
+FORCED_CHUNK = 64
+
+
+async def test_pipelined_prefill_of_a_long_prompt_matches_local_engine(three_peers, local_engine, smol_tokenizer):
+    """A ~300-token prompt sent in 64-token chunks back to back (peer/request/prefill.py): the same
+    tokens as one machine, and every peer ran the prompt as those chunks (its trace says so)."""
+    ids = smol_tokenizer.encode(LONG_PROMPT)[:300]
+    want = local_engine.generate_ids(ids, max_new_tokens=8)
+    before = [last_forward(three_peers, i) for i in range(3)]
+    async with Swarm.join(three_peers.addrs[:1]) as swarm:
+        await swarm.wait_for_route(30)
+        got = [t async for t in swarm.generate_ids(ids, max_new_tokens=8, prefill_chunk=FORCED_CHUNK)]
+    assert got == want
+    starts = [(a, b - a) for a in range(0, 300, FORCED_CHUNK) for b in [min(a + FORCED_CHUNK, 300)]]
+    with trio.fail_after(BATCH_SEEN_WAIT):
+        while True:
+            seen = [[(e["detail"]["start_pos"], e["detail"]["n_tokens"]) for e in peer_store(three_peers, i).events(
+                after_id=before[i], kinds=("forward",))] for i in range(3)]
+            if all(len(s) >= len(starts) for s in seen):
+                break
+            await trio.sleep(0.25)
+    for i in range(3):
+        assert seen[i][: len(starts)] == starts, f"peer {i}"
+
+
 # Eight requesters' prompts of different lengths (raw ones: 3 to 12 tokens; chat ones longer).
 CONCURRENT = [
     (FRANCE, False), ("Name three colours.", False), ("Once upon a time", True), ("1, 2, 3,", True),

@@ -45,6 +45,7 @@ from tessera.peer.request.chain import RequesterContext, route_summary
 from tessera.peer.plan.routing import Route, route, why_no_route
 from tessera.peer.net.transport import Transport
 from tessera.peer.plan.view import PeerInfo, SwarmView
+from tessera.peer.request.prefill import route_chunk_size
 
 # How long a requester waits for the swarm to cover every layer before it gives up.
 DEFAULT_ROUTE_WAIT = 30.0
@@ -270,6 +271,7 @@ class Swarm:
         info: dict | None = None,
         constraint: JsonConstraint | None = None,
         policy: RequesterPolicy | None = None,
+        prefill_chunk: int | None = None,
     ) -> AsyncIterator[int]:
         """Token ids continuing `ids`, one at a time; `info` (if given) receives the routes used.
 
@@ -278,7 +280,9 @@ class Swarm:
         With `speculation`, drafted blocks are verified in one pass each (and pipelined
         when confident); greedy output is the same as without. With `constraint`, only
         tokens it allows are drawn (stages/constrained.py; the mask is applied here, where
-        the head runs, so the answer is the local constrained one).
+        the head runs, so the answer is the local constrained one). `prefill_chunk`: the prompt
+        flows down the chain in chunks of this many tokens (peer/request/prefill.py); None = chosen
+        from the route's measured speeds, 0 = sent whole.
         """
         if constraint is not None and (speculation is not None or spot_check is not None):
             # drafts are accepted against unmasked rows, and a spot check's rewind compares them
@@ -292,10 +296,13 @@ class Swarm:
             session.checker = SpotChecker(self, session, spot_check)
         self.active.add(session)
         eos = self.spec.eos_token_ids
+        if prefill_chunk is None:
+            prefill_chunk = self.prefill_chunk(len(ids), session)
         if speculation is None:
-            tokens = plain_tokens(session, self._embed, self._logits, ids, budget, sampler, eos)
+            tokens = plain_tokens(session, self._embed, self._logits, ids, budget, sampler, eos, prefill_chunk)
         else:
-            tokens = speculative_tokens(session, self._embed, self._logits, ids, budget, sampler, eos, speculation)
+            tokens = speculative_tokens(session, self._embed, self._logits, ids, budget, sampler, eos, speculation,
+                                        prefill_chunk)
         try:
             async for token in tokens:
                 yield token
@@ -307,6 +314,12 @@ class Swarm:
                 info.update(session.summary())
                 if speculation is not None:
                     info["speculation"] = speculation.summary()
+
+    def prefill_chunk(self, n_tokens: int, session: ResilientSession) -> int:
+        """The prompt's chunk size on the session's route (peer/request/prefill.py)."""
+        hops = session.routes[-1].hops if session.routes else ()
+        spans = [(h.peer_id, h.end - h.start) for h in hops]
+        return route_chunk_size(n_tokens, spans, self.keeper.snapshot(), hidden_size=self.spec.hidden_size)
 
     async def generate(
         self,

@@ -15,10 +15,17 @@ current one returns — guessing that the current block is accepted whole and
 that the model's bonus token is the drafter's next one. If the guess fails,
 the later block is cancelled down the chain and the loop redrafts; if it
 holds, a whole round trip was hidden.
+
+Speculation never costs: K adapts to what drafts earn (stages/speculative.py
+`AdaptiveK`): each block's tokens per second of wall time, drafting included,
+are weighed against plain one-token steps; after a few blocks that earn less,
+K drops to 0 and the loop runs plain steps (an empty draft is exactly a plain
+step), re-probing with K = 1 every 16 of them.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Sequence
@@ -30,6 +37,7 @@ from tessera.stages.constrained import ConstrainedSampler
 from tessera.stages.sampling import Sampler
 from tessera.stages.speculative import AdaptiveK, Draft, Drafter, greedy_accept, sampling_accept
 
+from tessera.peer.request.prefill import pipelined_prefill
 from tessera.peer.request.repair import AnswerRewound, Pending, ResilientSession, Superseded
 
 Embed = Callable[[Sequence[int]], Awaitable[torch.Tensor]]
@@ -51,7 +59,7 @@ class Speculation:
 
     def summary(self) -> dict:
         return {"proposed": self.proposed, "accepted": self.accepted, "blocks": self.blocks,
-                "cancelled": self.cancelled, "acceptance": round(self.accepted / self.proposed, 4) if self.proposed else 0.0}
+                "cancelled": self.cancelled, "backoffs": self.k.backoffs, "acceptance": round(self.accepted / self.proposed, 4) if self.proposed else 0.0}
 
 
 @dataclass
@@ -88,12 +96,19 @@ async def pick(sampler: Sampler, row: torch.Tensor) -> int:
     return sampler.sample(row)
 
 
+async def prefill(session: ResilientSession, hidden: torch.Tensor, chunk: int | None) -> torch.Tensor:
+    """The prompt's step: whole, or pipelined in chunks when `chunk` cuts it."""
+    if chunk is None or chunk <= 0 or chunk >= hidden.shape[0]:
+        return await session.step(hidden, 0)
+    return await pipelined_prefill(session, hidden, chunk)
+
+
 async def plain_tokens(
     session: ResilientSession, embed: Embed, head: Head, ids: Sequence[int], budget: int,
-    sampler: Sampler, eos: Sequence[int],
+    sampler: Sampler, eos: Sequence[int], prefill_chunk: int | None = None,
 ) -> AsyncIterator[int]:
-    """One step per token."""
-    logits = await head((await session.step(await embed(ids), 0))[-1:])
+    """One step per token (the prompt in chunks of `prefill_chunk`, peer/request/prefill.py)."""
+    logits = await head((await prefill(session, await embed(ids), prefill_chunk))[-1:])
     given: list[int] = []
     for produced in range(1, budget + 1):
         await check_rebuilt(session, head, len(ids), given, sampler)
@@ -109,10 +124,10 @@ async def plain_tokens(
 
 async def speculative_tokens(
     session: ResilientSession, embed: Embed, head: Head, ids: Sequence[int], budget: int,
-    sampler: Sampler, eos: Sequence[int], spec: Speculation,
+    sampler: Sampler, eos: Sequence[int], spec: Speculation, prefill_chunk: int | None = None,
 ) -> AsyncIterator[int]:
     """Speculative blocks, pipelined when the draft is confident. Yields confirmed tokens."""
-    logits = await head((await session.step(await embed(ids), 0))[-1:])
+    logits = await head((await prefill(session, await embed(ids), prefill_chunk))[-1:])
     tokens = list(ids) + [sampler.sample(logits[-1])]
     produced = 1
     yield tokens[-1]
@@ -128,6 +143,7 @@ async def speculative_tokens(
             await session.cancel(in_flight.popleft().pending)
 
     while produced < budget and tokens[-1] not in eos:
+        started = time.perf_counter()  # the K controller weighs tokens per second of wall time
         room = budget - produced  # tokens we may still emit; a block emits at most K+1
         if not in_flight:
             draft = spec.drafter.propose(tokens, min(spec.k.k, room - 1))
@@ -146,13 +162,15 @@ async def speculative_tokens(
             await drop_all()
             continue
         await check_rebuilt(session, head, len(ids), tokens[len(ids):], sampler)
-        if sampler.params.greedy:
+        if sampler.params.greedy and not block.draft.tokens:
+            kept, nxt = 0, sampler.sample(rows[-1])  # a plain step (K = 0): exactly plain decoding
+        elif sampler.params.greedy:
             kept, nxt = greedy_accept(rows, block.draft.tokens)
         else:
             kept, nxt = sampling_accept(rows, block.draft, sampler)
         spec.proposed += len(block.draft.tokens)
         spec.accepted += kept
-        spec.k.update(len(block.draft.tokens), kept)
+        spec.k.update(len(block.draft.tokens), kept, time.perf_counter() - started)
         if nxt is None:  # a near-tie: one exact single-token step decides it
             await drop_all()
             fed_upto = block.fed[: kept + 1]

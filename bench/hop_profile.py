@@ -1,0 +1,166 @@
+"""Where one token's time goes through a 3-peer loopback chain (SmolLM2-135M).
+
+Three peer processes run under cProfile (their main thread: the trio loop that
+reads, opens, seals and forwards frames; torch compute runs in a worker thread
+and is timed by the peers' own `forward` trace events). The requester decodes
+`--tokens` tokens under cProfile in this process. Printed: the step time split
+into compute (peers' forward events; the requester's embedding and head) and
+the rest, and for the requester and the middle peer the share of their busy
+main-thread time per kind of work (crypto, CBOR, tensor codec, yamux/libp2p,
+trio, signing) — shares, since the machine is shared and absolute ms are noisy.
+
+    .venv/bin/python bench/hop_profile.py [--tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import logging
+import pstats
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import torch
+import trio
+
+from tessera.peer.request.client import Swarm
+from tessera.peer.cli.demo import LocalSwarm
+from tessera.store.db import PeerStore
+
+SPANS = [(0, 10), (10, 20), (20, 30)]
+# what a function's file or name says about the kind of work it is (first match wins)
+KINDS = [
+    ("idle (waiting on sockets)", ("epoll", "select.", "poll'", "_io_epoll")),
+    ("idle: start-up (imports, loading)", ("importlib", "<frozen", "safetensors", "weights.py", "speed.py", "<built-in method builtins.exec>", "marshal")),
+    ("signing/attestation", ("attest", "signing", "crypto_sign", "ed25519")),
+    ("AEAD + key handling", ("nacl", "links.py", "crypto_aead", "blake2b")),
+    ("CBOR + schema", ("cbor", "schema.py", "codec.py", "messages.py", "framing.py")),
+    ("tensor codec", ("tensors.py", "activations.py")),
+    ("yamux/noise/libp2p", ("libp2p", "yamux", "noise", "multiaddr")),
+    ("compute hand-off (threads)", ("_threads.py", "to_thread", "threading.py", "queue.py")),
+    ("trio scheduler", ("trio",)),
+    ("torch (main thread)", ("torch",)),
+]
+
+
+class ProfiledSwarm(LocalSwarm):
+    """LocalSwarm whose peers run under cProfile (written when a peer exits on SIGINT)."""
+
+    def spawn(self, i: int, join: list[str]) -> subprocess.Popen:
+        log = self.base_dir / f"peer{i}.log"
+        cmd = [sys.executable, "-m", "cProfile", "-o", str(self.base_dir / f"peer{i}.prof"), "-m", "tessera.peer.cli.main", "peer",
+               "--model", self.model, "--name", f"peer{i}", "--data-dir", str(self.base_dir / f"peer{i}"),
+               "--threads", str(self.threads), *self.extra_args[i]]
+        for addr in join:
+            cmd += ["--join", addr]
+        proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=self.env)
+        while len(self.procs) <= i:
+            self.procs.append(proc)
+            self.logs.append(log)
+            self.addrs.append("")
+        self.procs[i], self.logs[i] = proc, log
+        return proc
+
+
+def kind_of(func: tuple[str, int, str]) -> str:
+    text = f"{func[0]}:{func[2]}".lower()
+    for kind, marks in KINDS:
+        if any(m.lower() in text for m in marks):
+            return kind
+    return "other Python (tessera)" if "/work/" in func[0] or "tessera" in func[0] else "other Python"
+
+
+def shares(stats: pstats.Stats) -> tuple[Counter, float]:
+    """Self time per kind of work, and the busy total (idle excluded)."""
+    by_kind: Counter = Counter()
+    for func, (_, _, tottime, _, _) in stats.stats.items():  # type: ignore[attr-defined]
+        by_kind[kind_of(func)] += tottime
+    busy = sum(v for k, v in by_kind.items() if not k.startswith("idle"))
+    return by_kind, busy
+
+
+def print_shares(label: str, stats: pstats.Stats, steps: int) -> None:
+    by_kind, busy = shares(stats)
+    print(f"{label}: busy main thread {busy / max(steps, 1) * 1e3:.2f} ms per step")
+    for kind, seconds in by_kind.most_common():
+        if not kind.startswith("idle"):
+            print(f"    {kind:28s} {100 * seconds / busy:5.1f}%")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=48)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+    peers = ProfiledSwarm(3, extra_args=[["--layers", f"{a}:{b}"] for a, b in SPANS])
+    profile = cProfile.Profile()
+    timing: dict = {}
+    try:
+        peers.start(together=True)
+
+        async def run() -> None:
+            async with Swarm.join(peers.addrs[:1]) as swarm:
+                await swarm.wait_for_route(60)
+                ids = swarm.tokenizer.encode("The history of the city begins in the year")
+                [t async for t in swarm.generate_ids(ids, max_new_tokens=4)]  # warm-up
+                timing["first_event"] = [last_event(peers, i) for i in range(3)]
+                embed, head = swarm._embed, swarm._logits
+                spent = {"embed+head": 0.0}
+
+                async def timed_embed(x):
+                    t = time.perf_counter()
+                    try:
+                        return await embed(x)
+                    finally:
+                        spent["embed+head"] += time.perf_counter() - t
+
+                async def timed_head(x):
+                    t = time.perf_counter()
+                    try:
+                        return await head(x)
+                    finally:
+                        spent["embed+head"] += time.perf_counter() - t
+
+                swarm._embed, swarm._logits = timed_embed, timed_head  # type: ignore[method-assign]
+                started = time.perf_counter()
+                profile.enable()
+                out = [t async for t in swarm.generate_ids(ids, max_new_tokens=args.tokens)]
+                profile.disable()
+                timing["seconds"] = time.perf_counter() - started
+                timing["tokens"] = len(out)
+                timing["requester_compute"] = spent["embed+head"]
+
+        trio.run(run)
+    finally:
+        peers.stop()
+    steps = timing["tokens"]
+    compute = [sum(e["duration"] or 0.0 for e in PeerStore(peers.base_dir / f"peer{i}" / "tessera.db", readonly=True)
+                   .events(after_id=timing["first_event"][i], kinds=("forward",))) for i in range(3)]
+    step_ms = timing["seconds"] / steps * 1e3
+    peer_ms = [c / steps * 1e3 for c in compute]
+    req_ms = timing["requester_compute"] / steps * 1e3
+    rest = step_ms - sum(peer_ms) - req_ms
+    print(f"\none token through 3 peers: {step_ms:.1f} ms per step ({steps} steps; a loaded machine)")
+    print(f"  peers' compute (forward events): {' + '.join(f'{m:.1f}' for m in peer_ms)} ms = {100 * sum(peer_ms) / step_ms:.0f}%")
+    print(f"  requester embedding + head: {req_ms:.1f} ms = {100 * req_ms / step_ms:.0f}%")
+    print(f"  the rest (wire work, hops, hand-offs): {rest:.1f} ms = {100 * rest / step_ms:.0f}%"
+          f" -> {rest / 4:.2f} ms per hop (4 hops: requester->p0->p1->p2->requester)")
+    print_shares("requester", pstats.Stats(profile), steps)
+    middle = peers.base_dir / "peer1.prof"
+    if middle.exists():
+        print_shares("middle peer (whole run, per decode step of this run)", pstats.Stats(str(middle)), steps)
+    else:
+        print("middle peer: no profile written (did it exit on SIGINT?)")
+
+
+def last_event(peers: LocalSwarm, i: int) -> int:
+    events = PeerStore(peers.base_dir / f"peer{i}" / "tessera.db", readonly=True).events(kinds=("forward",))
+    return events[-1]["id"] if events else 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Tessera vs Petals, side by side: the same model, split and threads (optional; not in `make test`).
+
+Two peers each (layers 0:15 and 15:30 of SmolLM2-135M-Instruct, one torch thread
+each), greedy decoding of the same chat prompt, decode tokens/s (steps after the
+first). Petals 2.2.0.post1 runs from its own venv (it pins old transformers and a
+hivemind that builds from an sdist): build it once with the script in
+bench/README.md ("Petals"), which also writes the run script this bench calls.
+Without it, this bench says so and exits 0.
+
+    .venv/bin/python bench/petals.py [--tokens 48] [--petals-root ~/.cache/petals-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import trio
+
+from tessera.peer.request.client import Swarm
+from tessera.peer.cli.demo import LocalSwarm
+from tessera.stages.generate import prompt_ids
+
+SPANS = [(0, 15), (15, 30)]
+PROMPT = "What is the capital of France?"
+RESULT = re.compile(r"RESULT decode_tok_s=([0-9.]+)")
+
+
+def petals_ready(root: Path) -> str | None:
+    """None if the Petals venv and run script are there; else what is missing."""
+    python = root / "venv" / "bin" / "python"
+    if not python.exists():
+        return f"no Petals venv at {root / 'venv'}"
+    check = subprocess.run([str(python), "-c", "import petals"], capture_output=True, text=True)
+    if check.returncode != 0:
+        return f"petals does not import in {root / 'venv'}: {check.stderr.strip()[-200:]}"
+    return None
+
+
+def petals_rate(run_script: Path, root: Path, tokens: int) -> float:
+    """Median decode tok/s of the Petals run script's RESULT lines."""
+    env = {**os.environ, "PETALS_ROOT": str(root), "NEW_TOKENS": str(tokens), "RUNS": "3"}
+    out = subprocess.run(["bash", str(run_script)], capture_output=True, text=True, env=env, timeout=1800).stdout
+    rates = sorted(float(m.group(1)) for m in RESULT.finditer(out))
+    if not rates:
+        raise SystemExit(f"the Petals run printed no RESULT line; its output ends:\n{out[-2000:]}")
+    return rates[len(rates) // 2]
+
+
+def tessera_rate(tokens: int) -> float:
+    peers = LocalSwarm(len(SPANS), extra_args=[["--layers", f"{a}:{b}"] for a, b in SPANS])
+    rates: list[float] = []
+    try:
+        peers.start(together=True)
+
+        async def run() -> None:
+            async with Swarm.join(peers.addrs[:1]) as swarm:
+                await swarm.wait_for_route(60)
+                ids = prompt_ids(swarm.tokenizer, PROMPT, raw=False)
+                for _ in range(3):
+                    stamps = []
+                    async for _token in swarm.generate_ids(ids, max_new_tokens=tokens, prefill_chunk=0):
+                        stamps.append(time.perf_counter())
+                    rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))  # steps after the first
+
+        trio.run(run)
+    finally:
+        peers.stop()
+    return sorted(rates)[len(rates) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--petals-root", type=Path, default=Path(os.environ.get("PETALS_ROOT", Path.home() / ".cache/petals-bench")))
+    parser.add_argument("--run-script", type=Path, default=None, help="default: PETALS_ROOT/run_p3.sh")
+    args = parser.parse_args()
+    missing = petals_ready(args.petals_root)
+    run_script = args.run_script or args.petals_root / "run_p3.sh"
+    if missing is None and not run_script.exists():
+        missing = f"no Petals run script at {run_script}"
+    if missing is not None:
+        print(f"SKIPPED: Petals is not installed ({missing}). See bench/README.md, 'Petals', to build it.")
+        sys.exit(0)
+    torch.set_num_threads(1)
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+    ours = tessera_rate(args.tokens)
+    theirs = petals_rate(run_script, args.petals_root, args.tokens)
+    print(f"decode tok/s, 2 peers (0:15, 15:30), 1 thread each: tessera {ours:.2f}, petals {theirs:.2f}")
+    print(f"tessera/petals decode ratio: {ours / theirs:.2f}")
+
+
+if __name__ == "__main__":
+    main()
