@@ -93,6 +93,7 @@ def print_shares(label: str, stats: pstats.Stats, steps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--dump", metavar="FILE", help="also write the requester's profile here (pstats)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
@@ -150,6 +151,8 @@ def main() -> None:
     print(f"  the rest (wire work, hops, hand-offs): {rest:.1f} ms = {100 * rest / step_ms:.0f}%"
           f" -> {rest / 4:.2f} ms per hop (4 hops: requester->p0->p1->p2->requester)")
     print_shares("requester", pstats.Stats(profile), steps)
+    if args.dump:
+        profile.dump_stats(args.dump)
     middle = peers.base_dir / "peer1.prof"
     if middle.exists():
         print_shares("middle peer (whole run, per decode step of this run)", pstats.Stats(str(middle)), steps)

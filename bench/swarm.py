@@ -14,6 +14,7 @@
 
     .venv/bin/python bench/swarm.py [--tokens 32] [--rounds 3] [--skip-1b] [--prompt-tokens 2000]
     .venv/bin/python bench/swarm.py --quick     # 1 round, SmolLM2 only, a 600-token prompt
+    .venv/bin/python bench/swarm.py --skip-1b --skip-ttft   # SmolLM2 decode only (before/after a change)
 """
 
 from __future__ import annotations
@@ -154,6 +155,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1 round, SmolLM2 only, a 600-token prompt")
     parser.add_argument("--wan-rate", default=WAN_RATE, help="uplink of every emulated WAN stage (e.g. 10mbit)")
     parser.add_argument("--only-ttft", action="store_true", help="skip the decode comparisons")
+    parser.add_argument("--skip-ttft", action="store_true", help="skip the time-to-first-token comparison")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.skip_1b, args.prompt_tokens, args.tokens = 1, True, min(args.prompt_tokens, 600), 16
@@ -162,15 +164,17 @@ def main() -> None:
     rates = {} if args.only_ttft else {"smollm2-135m": measure("smollm2-135m", "smollm2-135m", args.tokens, args.rounds)}
     if not args.skip_1b and not args.only_ttft:
         rates["synthetic-1b"] = measure(str(synth_1b()), "synthetic-1b", max(8, args.tokens // 4), args.rounds)
-    whole, chunked, chunk = measure_ttft(args.prompt_tokens, args.rounds, args.wan_rate)
+    ttft = None if args.skip_ttft else measure_ttft(args.prompt_tokens, args.rounds, args.wan_rate)
     print("\n-- side by side (one run; noisy on a shared machine) --")
     for label, (swarm_rate, local_rate) in rates.items():
         overhead_ms = (1 / swarm_rate - 1 / local_rate) / HOPS * 1e3
         print(f"per-hop overhead ({label}, 3 peers, loopback): {overhead_ms:.2f} ms")
     for label, (swarm_rate, local_rate) in rates.items():
         print(f"swarm/local decode ratio ({label}, 3 peers, loopback): {swarm_rate / local_rate:.2f}")
-    print(f"time to first token, {args.prompt_tokens}-token prompt, 4 emulated WAN stages ({args.wan_rate}): "
-          f"chunked (chunk {chunk}) {chunked:.2f} s / unchunked {whole:.2f} s = {chunked / whole:.2f}")
+    if ttft is not None:
+        whole, chunked, chunk = ttft
+        print(f"time to first token, {args.prompt_tokens}-token prompt, 4 emulated WAN stages ({args.wan_rate}): "
+              f"chunked (chunk {chunk}) {chunked:.2f} s / unchunked {whole:.2f} s = {chunked / whole:.2f}")
 
 
 if __name__ == "__main__":

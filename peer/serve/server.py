@@ -32,7 +32,7 @@ from tessera.store.trace import NullTracer, Tracer
 
 from tessera.peer.base.errors import PeerError, StreamClosed
 from tessera.peer.net.gossip import peer_id_str
-from tessera.peer.serve.session import ServedSession, compute_batch
+from tessera.peer.serve.session import DeferredTap, ServedSession, compute_batch
 from tessera.peer.serve.limits import (  # noqa: F401 - re-exported: the codes and limits are part of the server's API
     BAD_FRAME, BAD_REQUEST, BAD_SPAN, BUSY, COMPUTE_FAILED, DRAINING, LINK_WAIT, NEXT_HOP_FAILED, OPEN_TIMEOUT,
     REAPER_INTERVAL, TOO_LONG, Refused, ServerLimits, ServerStats,
@@ -352,7 +352,12 @@ class StageServer:
         self.tracer.emit("forward", session=msg.session_id, step=msg.step, span=(session.start, session.end),
                          duration=seconds, detail={"start_pos": msg.start_pos, "n_tokens": msg.n_tokens, "batch": batch})
         sent = 0
-        for frame in frames:
+        for frame in frames:  # the onward frame first; a deferred tap is sealed only after it went
+            if isinstance(frame, DeferredTap):
+                try:
+                    frame = frame.seal(self.identity)
+                except WireError:
+                    return  # the session ended meanwhile (its keys are forgotten): no one to tap
             sent += len(frame.payload)
             if isinstance(frame, Forward):
                 try:

@@ -20,13 +20,13 @@ from typing import Callable, Protocol
 import torch
 import trio
 
-from tessera.protocol.activations import open_payload, seal_activations, seal_payload
+from tessera.protocol.activations import open_payload, seal_payload
 from tessera.protocol.attest import Attestation, sha256, sign_attestation
 from tessera.protocol.fingerprint import fingerprint_bytes
 from tessera.protocol.keys import Identity
 from tessera.protocol.links import Direction, LinkCipher, open_link_key
 from tessera.protocol.messages import REPLY_FINGERPRINT, Forward, LinkHello, Result, SealedKey
-from tessera.protocol.tensors import TensorLimits, check_finite, decode_tensor
+from tessera.protocol.tensors import TensorLimits, check_finite, decode_tensor, encode_tensor
 
 from tessera.stages.errors import SpanError, StageError
 from tessera.stages.stage import Stage
@@ -173,32 +173,60 @@ class ServedSession:
 
         Every frame to the requester carries this peer's attestation of the step; the
         one that ends the step carries only a fingerprint when the step asked for that.
+        A tap that does not end the step is not built here but returned as a `DeferredTap`
+        after the onward frame: the server sends that frame first and seals and signs the
+        tap after it, so the next peer's compute does not wait for the copy.
         """
         assert self.out is not None, "a session always has an outbound link"
         frames: list[object] = []
         last_hop = self.next_peer is None
         stops_here = last_hop or msg.stop_layer <= self.end
+        encoded = encode_tensor(output)  # once, for both the onward frame and the tap
         if not stops_here:
             template = Forward(
                 self.session_id, msg.step, self.out.link_id, 0, msg.start_pos, msg.n_tokens, msg.stop_layer, b"",
                 reply=msg.reply,
             )
-            frames.append(seal_activations(self.out, template, output))
+            frames.append(seal_payload(self.out, template, encoded))
         to_requester = self.out if last_hop else self.tap
-        if to_requester is not None:
-            fingerprint = fingerprint_bytes(output)
-            outputs_hash = sha256(fingerprint)
-            attestation = sign_attestation(server.identity, Attestation(
-                server.identity.peer_id, self.session_id, msg.step, msg.start_pos, msg.n_tokens,
-                self.start, self.end, inputs_hash, outputs_hash,
-            ))
-            template = Result(self.session_id, msg.step, to_requester.link_id, 0, msg.start_pos, msg.n_tokens, b"",
-                              inputs_hash=inputs_hash, outputs_hash=outputs_hash, attestation=attestation)
-            if stops_here and msg.reply == REPLY_FINGERPRINT:
-                frames.append(seal_payload(to_requester, template, fingerprint))
-            else:
-                frames.append(seal_activations(to_requester, template, output))
+        if to_requester is None:
+            return frames
+        tap = DeferredTap(self, to_requester, msg, output, encoded, inputs_hash, ends_step=stops_here)
+        frames.append(tap.seal(server.identity) if stops_here else tap)
         return frames
+
+
+@dataclass(frozen=True)
+class DeferredTap:
+    """A step's frame to the requester, built on demand: fingerprint, attestation, seal.
+
+    The cipher's counter is taken when `seal` runs, so taps of one link must be sealed
+    in step order (one worker per session does that) — the requester's replay window
+    rejects nothing it would have accepted before.
+    """
+
+    session: ServedSession
+    cipher: LinkCipher
+    msg: Forward
+    output: torch.Tensor
+    encoded: bytes
+    inputs_hash: bytes
+    ends_step: bool  # the step's last frame: it carries only a fingerprint when the step asked for that
+
+    def seal(self, identity: Identity) -> Result:
+        """Raises CipherClosed (the session ended meanwhile), CounterExhausted."""
+        session, msg = self.session, self.msg
+        fingerprint = fingerprint_bytes(self.output)
+        outputs_hash = sha256(fingerprint)
+        attestation = sign_attestation(identity, Attestation(
+            identity.peer_id, session.session_id, msg.step, msg.start_pos, msg.n_tokens,
+            session.start, session.end, self.inputs_hash, outputs_hash,
+        ))
+        template = Result(session.session_id, msg.step, self.cipher.link_id, 0, msg.start_pos, msg.n_tokens, b"",
+                          inputs_hash=self.inputs_hash, outputs_hash=outputs_hash, attestation=attestation)
+        if self.ends_step and msg.reply == REPLY_FINGERPRINT:
+            return seal_payload(self.cipher, template, fingerprint)
+        return seal_payload(self.cipher, template, self.encoded)
 
 
 def compute_batch(
