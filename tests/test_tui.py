@@ -578,6 +578,13 @@ def test_events_tail_filter_typing_and_operator_events(ui_peer):
                                            for kind in ("drain", "pause", "resume")), "the operator's events")
 
     asyncio.run(scenario())
-    with PeerStore(ui_peer.db_path, readonly=True) as store:
-        kinds = [e["kind"] for e in store.events(kinds=("drain", "pause", "resume"))]
+
+    def operator_events() -> list[str]:
+        with PeerStore(ui_peer.db_path, readonly=True) as store:
+            return [e["kind"] for e in store.events(kinds=("drain", "pause", "resume"))]
+
+    # the trace writer commits in batches: the last resume may land a moment after the UI shows it
+    deadline = time.monotonic() + 15
+    while len(kinds := operator_events()) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert kinds == ["drain", "resume", "pause", "resume"]
