@@ -29,14 +29,11 @@ import trio
 from tessera.peer.net.gossip import Pinger, ViewKeeper, peer_id_str
 from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.net.nat.reachability import PRIVATE, PUBLIC, UNKNOWN, NatService
-from tessera.peer.net.nat.dialback import (
-    DIALBACK_PROTOCOL,
-    DialBackRequest,
-    DialBackResult,
-    dialback_addrs,
-)
+from tessera.peer.base.protocols import DIALBACK_PROTOCOL
+from tessera.peer.net.nat.dialback import DialBackRequest, DialBackResult, dialback_addrs
 from tessera.peer.net.nat.links import ask_links
-from tessera.peer.net.transport import DIRECT, PING_PROTOCOL, RELAYED, Channel
+from tessera.peer.net.transport import DIRECT, RELAYED, Channel
+from tessera.peer.base.protocols import PING_PROTOCOL
 from tessera.protocol.codec import decode, encode
 from tessera.protocol.crypto import sign_record
 from tessera.protocol.errors import WireError

@@ -12,19 +12,12 @@ from libp2p.peer.id import ID
 
 from tessera.protocol.codec import decode, encode
 from tessera.protocol.crypto import (
-    RECORD_CONTEXT,
-    EphemeralKey,
-    Identity,
-    open_link_key,
-    peer_id_from_public_key,
-    public_key_from_peer_id,
-    seal_link_key,
-    sign_record,
-    swarm_key_proof,
-    verify_record,
-    verify_swarm_key_proof,
-    x25519_public_from_ed25519,
+    RECORD_CONTEXT, sign_record, swarm_key_proof, verify_record, verify_swarm_key_proof,
 )
+from tessera.protocol.keys import (
+    EphemeralKey, Identity, peer_id_from_public_key, public_key_from_peer_id, x25519_public_from_ed25519,
+)
+from tessera.protocol.links import open_link_key, seal_link_key
 from tessera.protocol.errors import (
     BadKey,
     BadSignature,
@@ -36,7 +29,8 @@ from tessera.protocol.errors import (
     UnexpectedMessage,
     WrongLink,
 )
-from tessera.protocol.messages import Heartbeat, Neighbour, PeerRecord, SealedKey, SignedRecord
+from tessera.protocol.records import Heartbeat, Neighbour, PeerRecord, SignedRecord
+from tessera.protocol.messages import SealedKey
 
 NOW = 1_700_000_000.0
 NEIGHBOUR = Identity.from_seed(bytes([7]) * 32)

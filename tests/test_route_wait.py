@@ -11,8 +11,10 @@ import trio.testing
 from tessera.peer.request.client import Swarm
 from tessera.peer.base.errors import NoRoute
 from tessera.peer.net.gossip import Gossip, Pinger, ViewKeeper
-from tessera.peer.net.memory import LinkSpec, MemoryNetwork, open_memory_transport
-from tessera.peer.plan.routing import FULL_LOAD, route, unusable_reason, why_no_route
+from tessera.peer.net.memory_stream import LinkSpec
+from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
+from tessera.peer.plan.cost import FULL_LOAD
+from tessera.peer.plan.routing import route, unusable_reason, why_no_route
 from tessera.peer.cli.status import format_status, gaps_of, routable_coverage
 from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, SERVING, PeerInfo, SwarmView
 from tessera.peer.request.policy import RequesterPolicy

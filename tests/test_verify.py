@@ -13,10 +13,12 @@ import trio
 from safetensors.torch import load_file, save_file
 
 from tessera.peer.request.client import Swarm
-from tessera.peer.net.memory import LinkSpec, MemoryNetwork, open_memory_transport
+from tessera.peer.net.memory_stream import LinkSpec
+from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
 from tessera.peer.serve.faults import perturber
 from tessera.peer.serve.server import StageServer
-from tessera.peer.request.verify import CheckPolicy, judge_report
+from tessera.peer.request.ports import CheckPolicy
+from tessera.peer.request.verify import judge_report
 from tessera.protocol.attest import MisbehaviourReport, Witness, sign_report, verify_report
 from tessera.protocol.codec import decode, encode
 from tessera.protocol.crypto import sign_record

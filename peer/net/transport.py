@@ -21,7 +21,6 @@ from tessera.protocol.codec import decode, encode
 from tessera.protocol.errors import EndOfStream, WireError
 from tessera.protocol.framing import DEFAULT_MAX_FRAME, encode_frame, read_frame
 
-from tessera.peer.base.protocols import GOSSIP_PROTOCOL, LINK_PROTOCOL, PING_PROTOCOL, SESSION_PROTOCOL  # noqa: F401 - this module's API too
 from tessera.peer.base.errors import PeerUnreachable, StreamClosed
 
 # Connection kinds, as shown by `swarm status` and the TUI.
@@ -146,10 +145,6 @@ __all__ = [
     "DIRECT",
     "PUNCHED",
     "RELAYED",
-    "SESSION_PROTOCOL",
-    "LINK_PROTOCOL",
-    "GOSSIP_PROTOCOL",
-    "PING_PROTOCOL",
     "Stream",
     "Handler",
     "Transport",

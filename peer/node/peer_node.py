@@ -45,16 +45,17 @@ from tessera.peer.base.errors import ConfigError, PeerError
 from tessera.peer.net.gossip import Gossip, Pinger, ViewKeeper, material
 from tessera.peer.net.emulated import emulate
 from tessera.peer.net.libp2p import open_libp2p_transport
-from tessera.peer.node.config import (  # noqa: F401 - PeerConfig and parse_layers are this module's API too
+from tessera.peer.node.config import (
     DEFAULT_MEMORY_FRACTION, KV_RESERVE_FRACTION, MOVE_GRACE, PING_INTERVAL, PeerConfig,
-    capacity_in_layers, check_memory_offer, parse_layers,
+    capacity_in_layers, check_memory_offer,
 )
 from tessera.peer.net.join import join_swarm
 from tessera.peer.net.nat.reachability import NatService
 from tessera.peer.serve import faults as misbehave
 from tessera.peer.plan.placement import choose_span, plan_move
 from tessera.peer.request.reports import ReportBook
-from tessera.peer.serve.server import ServerLimits, StageServer
+from tessera.peer.serve.limits import ServerLimits
+from tessera.peer.serve.server import StageServer
 from tessera.peer.serve.shard_server import ShardServer
 from tessera.peer.net.transport import Transport
 from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, SERVING

@@ -38,10 +38,12 @@ from tessera.peer.net.emulated import LinkEmulation, emulate
 from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.request.decode import Speculation, plain_tokens, speculative_tokens
 from tessera.peer.request.reports import ReportBook
-from tessera.peer.request.verify import GUILTY_BAN, CheckPolicy, SpotChecker
+from tessera.peer.request.verify import GUILTY_BAN, SpotChecker
+from tessera.peer.request.ports import CheckPolicy
 from tessera.peer.request.repair import AnswerRewound, ResilientSession
 from tessera.peer.request.policy import RequesterPolicy, check_peer_id, explain_gaps
-from tessera.peer.request.chain import RequesterContext, route_summary
+from tessera.peer.request.chain_state import RequesterContext
+from tessera.peer.request.chain import route_summary
 from tessera.peer.plan.routing import Route, route, why_no_route
 from tessera.peer.net.transport import Transport
 from tessera.peer.plan.view import PeerInfo, SwarmView

@@ -17,7 +17,8 @@ from tessera.peer.base.errors import PeerFailed
 from tessera.peer.net.gossip import ViewKeeper
 from tessera.peer.plan.routing import Route
 from tessera.peer.plan.view import SwarmView
-from tessera.peer.request.chain import RequesterContext, RouteSession
+from tessera.peer.request.chain_state import RequesterContext
+from tessera.peer.request.chain import RouteSession
 
 # A peer that refused (busy, draining) is skipped for this long by this requester.
 REFUSED_BACKOFF = 10.0

@@ -39,9 +39,10 @@ from tessera.protocol.messages import Relink
 
 from tessera.peer.base.errors import NoRoute, PeerError, PeerFailed, RouteLost, SessionRefused
 from tessera.peer.request.policy import RequesterPolicy
-from tessera.peer.request.chain import HopState, RouteSession, StepSlot, peer_bytes, route_summary
+from tessera.peer.request.chain_state import HopState, StepSlot, peer_bytes
+from tessera.peer.request.chain import RouteSession, route_summary
 from tessera.peer.plan.routing import Route
-from tessera.peer.request.ports import REFUSED_BACKOFF, StepChecker, SwarmPort  # noqa: F401 - REFUSED_BACKOFF: this module's API too
+from tessera.peer.request.ports import REFUSED_BACKOFF, StepChecker, SwarmPort
 from tessera.peer.request.segmented import SegmentedSession, has_groups
 
 

@@ -33,7 +33,8 @@ from tessera.protocol.tensors import decode_tensor, encode_tensor
 
 from tessera.peer.base.ids import peer_id_bytes
 from tessera.peer.base.errors import PeerError, PeerFailed
-from tessera.peer.request.chain import AttestedStep, HopState, RouteSession
+from tessera.peer.request.chain_state import AttestedStep, HopState
+from tessera.peer.request.chain import RouteSession
 from tessera.peer.request.ports import CheckPolicy, RepairPort, SwarmPort
 from tessera.peer.plan.routing import route
 from tessera.peer.plan.view import SwarmView

@@ -33,12 +33,15 @@ from tessera.store.trace import NullTracer, Tracer
 from tessera.peer.base.errors import PeerError, StreamClosed
 from tessera.peer.net.gossip import peer_id_str
 from tessera.peer.serve.session import ServedSession, compute_batch
-from tessera.peer.serve.limits import (  # noqa: F401 - re-exported: the codes and limits are part of the server's API
-    BAD_FRAME, BAD_REQUEST, BAD_SPAN, BUSY, COMPUTE_FAILED, DRAINING, LINK_WAIT, NEXT_HOP_FAILED, OPEN_TIMEOUT,
-    REAPER_INTERVAL, TOO_LONG, Refused, ServerLimits, ServerStats,
+from tessera.protocol.error_codes import (
+    BAD_FRAME, BAD_REQUEST, BAD_SPAN, BUSY, COMPUTE_FAILED, DRAINING, NEXT_HOP_FAILED, TOO_LONG,
+)
+from tessera.peer.serve.limits import (
+    LINK_WAIT, OPEN_TIMEOUT, REAPER_INTERVAL, Refused, ServerLimits, ServerStats,
 )
 from tessera.peer.serve.batcher import BatchBudget, BatchInterrupted, StepBatcher
-from tessera.peer.net.transport import LINK_PROTOCOL, SESSION_PROTOCOL, Channel, Stream, Transport
+from tessera.peer.base.protocols import LINK_PROTOCOL, SESSION_PROTOCOL
+from tessera.peer.net.transport import Channel, Stream, Transport
 
 log = logging.getLogger(__name__)
 
