@@ -13,6 +13,7 @@ one CBOR message.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Awaitable, Callable, Protocol, Sequence
 
 import trio
@@ -23,10 +24,18 @@ from tessera.protocol.framing import DEFAULT_MAX_FRAME, encode_frame, read_frame
 
 from tessera.peer.base.errors import PeerUnreachable, StreamClosed
 
-# Connection kinds, as shown by `swarm status` and the TUI.
-DIRECT = "direct"
-PUNCHED = "punched"  # direct, after a DCUtR hole punch
-RELAYED = "relayed"
+
+class LinkKind(StrEnum):
+    """How this peer is connected to another, as shown by `swarm status` and the TUI."""
+
+    DIRECT = "direct"
+    PUNCHED = "punched"  # direct, after a DCUtR hole punch
+    RELAYED = "relayed"
+
+
+DIRECT = LinkKind.DIRECT
+PUNCHED = LinkKind.PUNCHED
+RELAYED = LinkKind.RELAYED
 
 
 class Stream(Protocol):
@@ -142,6 +151,7 @@ async def open_channel(transport: Transport, peer_id: str, protocol: str, *, add
 
 
 __all__ = [
+    "LinkKind",
     "DIRECT",
     "PUNCHED",
     "RELAYED",

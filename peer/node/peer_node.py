@@ -58,7 +58,7 @@ from tessera.peer.serve.limits import ServerLimits
 from tessera.peer.serve.server import StageServer
 from tessera.peer.serve.shard_server import ShardServer
 from tessera.peer.net.transport import Transport
-from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, SERVING
+from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, SERVING, Reachability
 
 class PeerNode:
     """One running peer (see module docstring)."""
@@ -132,7 +132,7 @@ class PeerNode:
             shard_group=self.config.group,
             throughput=self.throughput, free_memory=max(0, self.memory_bytes - used),
             load=server.load if server else 0.0, max_sessions=self.config.max_sessions,
-            state=self.state, reachability=self.nat.reachability if self.nat else "public",
+            state=self.state, reachability=self.nat.reachability if self.nat else Reachability.PUBLIC,
             addrs=tuple(self.transport.addrs()[:16]),
             neighbours=tuple(Neighbour(_peer_bytes(p), rtt) for p, rtt in sorted(self.pinger.rtt_ms.items())[:64]),
             issued_at=now, expires_at=now + self.config.record_ttl, seq=self.seq,
