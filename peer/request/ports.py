@@ -8,8 +8,9 @@ not on each other's classes, so the request layer has no import cycle.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
+from tessera.peer.base.backoff import Backoff
 from tessera.protocol.attest import MisbehaviourReport
 from tessera.stages.spec import ModelSpec
 
@@ -22,6 +23,9 @@ from tessera.peer.request.chain import RouteSession
 
 # A peer that refused (busy, draining) is skipped for this long by this requester.
 REFUSED_BACKOFF = 10.0
+# A peer that failed is banned for this long, doubling with each further failure (peer/base/backoff.py).
+BAN_BASE = 30.0
+BAN_CAP = 3600.0
 
 
 @dataclass
@@ -41,7 +45,8 @@ class SwarmPort(Protocol):
     keeper: ViewKeeper
     peer_id: str
     model_id: str
-    banned: dict[str, float]  # peer id -> until (monotonic)
+    bans: Backoff  # who this requester avoids, and until when on `clock`; kept across answers
+    clock: Callable[[], float]  # the clock `bans` runs on
 
     def view(self) -> SwarmView: ...
 

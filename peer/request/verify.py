@@ -120,7 +120,7 @@ class SpotChecker:
                 return shadow
         # one peer holding the whole span: its attestation then covers exactly the suspect's span
         view = self.swarm.view()
-        banned = {p for p in self.swarm.banned if self.swarm.is_banned(p)}
+        banned = set(self.swarm.bans.banned(self.swarm.clock()))
         candidates = [
             p for p in view.peers
             if p.routable and p.shard_count == 1 and p.start <= start and end <= p.end
