@@ -28,6 +28,8 @@ from tessera.stages.errors import ContextOverflow, SpanError, UnknownSession
 from tessera.stages.stage import Stage
 from tessera.store.trace import MemoryTracer
 
+from .waiting import await_until
+
 # Float32 logits of a session in a stacked step against its solo step, relative to the
 # row's largest logit. Only the matmuls differ (more rows take other kernel paths, which
 # sum in another order); measured on SmolLM2-135M over 30 layers: ~1e-4 absolute on
@@ -366,9 +368,7 @@ async def test_a_failing_session_does_not_fail_the_others_in_its_batch(tiny_llam
                     got[i] = failed
 
             async def queued(n: int) -> None:
-                with trio.fail_after(30):
-                    while len(server.batcher.pending) < n:
-                        await trio.sleep(0.01)
+                await await_until(lambda: len(server.batcher.pending) >= n, 30, f"{n} steps queued", interval=0.01)
 
             async with trio.open_nursery() as steps:
                 for i in (0, 1, 2, 4, 5):
