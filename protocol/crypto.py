@@ -1,9 +1,7 @@
-"""The protocol's cryptography in one place: identities, signed records, link keys,
-link ciphers. (A private swarm's key is libp2p's pnet protector, peer/net/.)
+"""Signed peer records: the check that is about trust in the swarm rather than one session.
 
-Keys and peer ids are in `tessera.protocol.keys`, link keys and ciphers in `tessera.protocol.links`;
-both are re-exported here. This module adds the check that is about trust in
-the swarm rather than about one session:
+Keys and peer ids are in `tessera.protocol.keys`, link keys and ciphers in
+`tessera.protocol.links`. (A private swarm's key is libp2p's pnet protector, peer/net/.)
 
 - Signed advertisements. `sign_record` encodes a PeerRecord and signs
   "tessera/peer-record/v1\\0" + the encoding with the peer's identity key.
@@ -20,41 +18,15 @@ import nacl.signing
 
 from tessera.protocol.codec import decode, encode
 from tessera.protocol.errors import (
-    BadKey,
     BadSignature,
     ExpiredRecord,
     ForgedPeerId,
     RecordFromFuture,
 )
-from tessera.protocol.keys import (
-    KEY_SIZE,
-    PEER_ID_PREFIX,
-    EphemeralKey,
-    Identity,
-    peer_id_from_public_key,
-    public_key_from_peer_id,
-    x25519_public_from_ed25519,
-)
-from tessera.protocol.links import MAX_COUNTER, Direction, LinkCipher, open_link_key, seal_link_key
+from tessera.protocol.keys import PEER_ID_PREFIX, Identity
 from tessera.protocol.records import MAX_RECORD_SIZE, PeerRecord, SignedRecord
 
-__all__ = [
-    "KEY_SIZE",
-    "MAX_CLOCK_SKEW",
-    "MAX_COUNTER",
-    "PEER_ID_PREFIX",
-    "Direction",
-    "EphemeralKey",
-    "Identity",
-    "LinkCipher",
-    "open_link_key",
-    "peer_id_from_public_key",
-    "public_key_from_peer_id",
-    "seal_link_key",
-    "sign_record",
-    "verify_record",
-    "x25519_public_from_ed25519",
-]
+__all__ = ["MAX_CLOCK_SKEW", "RECORD_CONTEXT", "sign_record", "verify_record"]
 
 RECORD_CONTEXT = b"tessera/peer-record/v1\x00"
 """Signed before the record bytes, so that a record signature means nothing elsewhere."""
