@@ -80,8 +80,10 @@ async def through_server(
     from libp2p.peer.id import ID
 
     from tessera.peer.net.gossip import ViewKeeper
-    from tessera.peer.net.memory import LinkSpec, MemoryNetwork, open_memory_transport
-    from tessera.peer.request.chain import RequesterContext, RouteSession
+    from tessera.peer.net.memory_stream import LinkSpec
+    from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
+    from tessera.peer.request.chain_state import RequesterContext
+    from tessera.peer.request.chain import RouteSession
     from tessera.peer.plan.routing import Hop, Route
     from tessera.peer.serve.server import StageServer
     from tessera.peer.serve.limits import ServerLimits

@@ -148,7 +148,9 @@ async def requester(args: argparse.Namespace) -> dict:
                 await trio.sleep(0.5)
         for _ in range(args.rounds):
             for kind, other in (("punched", "relayed"), ("relayed", "punched")):
-                swarm.banned = {p: math.inf for p in pairs[other]}
+                swarm.bans.clear()
+                for p in pairs[other]:
+                    swarm.bans.ban_until(p, math.inf)
                 await swarm.wait_for_route(30)
                 info: dict = {}
                 stamps = []

@@ -36,7 +36,8 @@ import torch  # noqa: E402
 import trio  # noqa: E402
 
 from tessera.peer.request.client import Swarm  # noqa: E402
-from tessera.peer.node.peer_node import PeerConfig, PeerNode  # noqa: E402
+from tessera.peer.node.config import PeerConfig  # noqa: E402
+from tessera.peer.node.peer_node import PeerNode
 from tessera.stages import registry  # noqa: E402
 from tessera.stages.generate import prompt_ids  # noqa: E402
 from tessera.stages.spec import ModelSpec  # noqa: E402

@@ -19,7 +19,7 @@ import trio
 
 from tessera.peer.request.client import Swarm
 from tessera.peer.cli.demo import LocalSwarm
-from tessera.peer.request.verify import CheckPolicy
+from tessera.peer.request.ports import CheckPolicy
 from tessera.protocol.fingerprint import fingerprint_bytes
 from tessera.stages.generate import prompt_ids
 

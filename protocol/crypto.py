@@ -1,9 +1,7 @@
-"""The protocol's cryptography in one place: identities, signed records, link keys,
-link ciphers, and the swarm key.
+"""Signed peer records: the check that is about trust in the swarm rather than one session.
 
-Keys and peer ids are in `tessera.protocol.keys`, link keys and ciphers in `tessera.protocol.links`;
-both are re-exported here. This module adds the two checks that are about trust in
-the swarm rather than about one session:
+Keys and peer ids are in `tessera.protocol.keys`, link keys and ciphers in
+`tessera.protocol.links`. (A private swarm's key is libp2p's pnet protector, peer/net/.)
 
 - Signed advertisements. `sign_record` encodes a PeerRecord and signs
   "tessera/peer-record/v1\\0" + the encoding with the peer's identity key.
@@ -11,60 +9,24 @@ the swarm rather than about one session:
   before parsing them), that the bytes are a valid PeerRecord, that its peer id is
   the one the signing key implies, and that it is current at `now` (which the
   caller passes in: this package reads no clock).
-- The swarm key. A private swarm shares a 32-byte secret. A joining peer answers a
-  member's random nonce with BLAKE2b keyed by the secret over (nonce, its own peer
-  id, the member's peer id), so a proof can be neither replayed to another member
-  nor relayed for another peer. Comparison is constant-time.
 """
 
 from __future__ import annotations
-
-import hashlib
-import hmac
 
 import nacl.exceptions
 import nacl.signing
 
 from tessera.protocol.codec import decode, encode
 from tessera.protocol.errors import (
-    BadKey,
     BadSignature,
-    BadSwarmKeyProof,
     ExpiredRecord,
     ForgedPeerId,
     RecordFromFuture,
 )
-from tessera.protocol.keys import (
-    KEY_SIZE,
-    PEER_ID_PREFIX,
-    EphemeralKey,
-    Identity,
-    peer_id_from_public_key,
-    public_key_from_peer_id,
-    x25519_public_from_ed25519,
-)
-from tessera.protocol.links import MAX_COUNTER, Direction, LinkCipher, open_link_key, seal_link_key
+from tessera.protocol.keys import PEER_ID_PREFIX, Identity
 from tessera.protocol.records import MAX_RECORD_SIZE, PeerRecord, SignedRecord
 
-__all__ = [
-    "KEY_SIZE",
-    "MAX_CLOCK_SKEW",
-    "MAX_COUNTER",
-    "PEER_ID_PREFIX",
-    "Direction",
-    "EphemeralKey",
-    "Identity",
-    "LinkCipher",
-    "open_link_key",
-    "peer_id_from_public_key",
-    "public_key_from_peer_id",
-    "seal_link_key",
-    "sign_record",
-    "swarm_key_proof",
-    "verify_record",
-    "verify_swarm_key_proof",
-    "x25519_public_from_ed25519",
-]
+__all__ = ["MAX_CLOCK_SKEW", "RECORD_CONTEXT", "sign_record", "verify_record"]
 
 RECORD_CONTEXT = b"tessera/peer-record/v1\x00"
 """Signed before the record bytes, so that a record signature means nothing elsewhere."""
@@ -72,8 +34,6 @@ RECORD_CONTEXT = b"tessera/peer-record/v1\x00"
 MAX_CLOCK_SKEW = 300.0
 """Seconds a record's issued_at may lie ahead of our clock: volunteers' clocks
 drift, and NTP-less laptops waking from sleep are minutes off."""
-
-_SWARM_CONTEXT = b"tessera-swarm-v1"
 
 
 def sign_record(identity: Identity, record: PeerRecord) -> SignedRecord:
@@ -127,32 +87,3 @@ def verify_record(signed: SignedRecord, *, now: float, max_skew: float = MAX_CLO
             f"{max_skew!r} s after now ({now!r})"
         )
     return record
-
-
-def swarm_key_proof(swarm_key: bytes, *, nonce: bytes, prover: bytes, verifier: bytes) -> bytes:
-    """Prove knowledge of the swarm key: keyed BLAKE2b-256 over (nonce, prover, verifier).
-
-    `prover` and `verifier` are the two peers' libp2p peer ids.
-
-    Raises:
-        BadKey: `swarm_key` is not 32 bytes.
-    """
-    if len(swarm_key) != KEY_SIZE:
-        raise BadKey(f"swarm key is {len(swarm_key)} bytes, expected {KEY_SIZE}")
-    h = hashlib.blake2b(key=bytes(swarm_key), person=_SWARM_CONTEXT, digest_size=32)
-    for part in (nonce, prover, verifier):
-        h.update(len(part).to_bytes(4, "little"))
-        h.update(part)
-    return h.digest()
-
-
-def verify_swarm_key_proof(swarm_key: bytes, proof: bytes, *, nonce: bytes, prover: bytes, verifier: bytes) -> None:
-    """Check a swarm key proof in constant time.
-
-    Raises:
-        BadKey: `swarm_key` is not 32 bytes.
-        BadSwarmKeyProof: the proof is wrong (wrong key, nonce, prover or verifier).
-    """
-    expected = swarm_key_proof(swarm_key, nonce=nonce, prover=prover, verifier=verifier)
-    if not hmac.compare_digest(expected, bytes(proof)):
-        raise BadSwarmKeyProof(f"swarm key proof {bytes(proof)[:8].hex()!r}... from {prover.hex()!r} is wrong")

@@ -6,11 +6,28 @@ Part of the wire protocol, so that the server (peer/serve/) and the requester
 
 from __future__ import annotations
 
-BUSY = "busy"  # too many sessions; try another peer
-DRAINING = "draining"  # this peer is leaving or draining
-TOO_LONG = "too-long"  # the context or KV memory asked for exceeds the limits
-BAD_SPAN = "bad-span"  # the layers asked for are not served here
-BAD_REQUEST = "bad-request"  # malformed or out-of-order message
-BAD_FRAME = "bad-frame"  # a frame failed to decrypt, decode or validate
-COMPUTE_FAILED = "compute-failed"  # the stage rejected the input (shape, NaN/Inf, context)
-NEXT_HOP_FAILED = "next-hop-failed"  # our push to the next peer failed
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    """A code's value is what travels (a plain string on the wire: schema.Str.dump converts)."""
+
+    BUSY = "busy"  # too many sessions; try another peer
+    DRAINING = "draining"  # this peer is leaving or draining
+    TOO_LONG = "too-long"  # the context or KV memory asked for exceeds the limits
+    BAD_SPAN = "bad-span"  # the layers asked for are not served here
+    BAD_REQUEST = "bad-request"  # malformed or out-of-order message
+    BAD_FRAME = "bad-frame"  # a frame failed to decrypt, decode or validate
+    COMPUTE_FAILED = "compute-failed"  # the stage rejected the input (shape, NaN/Inf, context)
+    NEXT_HOP_FAILED = "next-hop-failed"  # our push to the next peer failed
+
+
+# The members under their short names, as the server and the requester use them.
+BUSY = ErrorCode.BUSY
+DRAINING = ErrorCode.DRAINING
+TOO_LONG = ErrorCode.TOO_LONG
+BAD_SPAN = ErrorCode.BAD_SPAN
+BAD_REQUEST = ErrorCode.BAD_REQUEST
+BAD_FRAME = ErrorCode.BAD_FRAME
+COMPUTE_FAILED = ErrorCode.COMPUTE_FAILED
+NEXT_HOP_FAILED = ErrorCode.NEXT_HOP_FAILED

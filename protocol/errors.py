@@ -25,7 +25,7 @@ The hierarchy, for `except` clauses:
     │   └── NonFiniteTensor
     └── crypto: BadKey, DecryptionFailed, WrongLink, ReplayedFrame, CipherClosed,
         CounterExhausted, BadSignature, ForgedPeerId, ExpiredRecord,
-        RecordFromFuture, BadSwarmKeyProof
+        RecordFromFuture
 """
 
 from __future__ import annotations
@@ -165,10 +165,6 @@ class ExpiredRecord(WireError):
 
 class RecordFromFuture(WireError):
     """A signed record claims to be issued later than now plus the allowed clock skew."""
-
-
-class BadSwarmKeyProof(WireError):
-    """A peer's proof of knowing the swarm key does not verify."""
 
 
 def show(value: object, *, limit: int = 64) -> str:

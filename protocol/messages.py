@@ -33,8 +33,6 @@ from tessera.protocol.records import (
     GossipPull,
     GossipPush,
     Heartbeat,
-    JoinChallenge,
-    JoinProof,
     Neighbour,
     PeerRecord,
     SignedRecord,
@@ -54,14 +52,11 @@ __all__ = [
     "GossipPull",
     "GossipPush",
     "Heartbeat",
-    "JoinChallenge",
-    "JoinProof",
     "LinkHello",
     "Neighbour",
     "PeerRecord",
     "Relink",
     "Result",
-    "Rollback",
     "SealedKey",
     "SessionAccept",
     "SessionClose",
@@ -280,20 +275,6 @@ class Result:
     inputs_hash: bytes = wire(default=b"", max_len=32)
     outputs_hash: bytes = wire(default=b"", max_len=32)
     attestation: bytes = wire(default=b"", max_len=64)
-
-
-@message("rollback")
-@dataclass(frozen=True)
-class Rollback:
-    """Requester -> peer: move the session's KV position pointer back.
-
-    Attributes:
-        session_id: the session.
-        position: the new length of the cached sequence; later entries are void.
-    """
-
-    session_id: bytes = wire(size=SESSION_ID_SIZE)
-    position: int = wire(max=MAX_POSITION)
 
 
 @message("relink")

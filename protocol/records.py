@@ -214,25 +214,3 @@ class GossipPull:
     more: bool = wire(default=False)
 
 
-@message("challenge")
-@dataclass(frozen=True)
-class JoinChallenge:
-    """Swarm member -> joining peer: prove you know the swarm key.
-
-    Attributes:
-        nonce: 32 fresh random bytes.
-    """
-
-    nonce: bytes = wire(size=32)
-
-
-@message("proof")
-@dataclass(frozen=True)
-class JoinProof:
-    """Joining peer -> swarm member: `tessera.protocol.crypto.swarm_key_proof` over the nonce.
-
-    Attributes:
-        proof: 32-byte keyed BLAKE2b over (nonce, prover id, verifier id).
-    """
-
-    proof: bytes = wire(size=32)

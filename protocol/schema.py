@@ -219,7 +219,12 @@ class Str(Node):
             raise FieldOutOfRange(f"{self.where}: {show(value)} holds control character {found.group()!r}")
         return value
 
-    dump = load
+    def dump(self, value: Any) -> str:
+        # A str subclass (an enum.StrEnum member such as an ErrorCode or PeerState) goes out as
+        # the plain string it equals, so the wire never sees the subclass; loading stays strict.
+        if isinstance(value, str) and type(value) is not str:
+            value = str.__str__(value)
+        return self.load(value)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,6 @@ from typing import Callable, Sequence, TypeVar
 import torch
 
 from tessera.stages.errors import StageError
-from tessera.stages.shard_layout import HIDDEN  # noqa: F401 - part of this module's API
 
 Exchange = Callable[[int, list["torch.Tensor | None"]], list["torch.Tensor | None"]]
 """(sequence number of the collective within the step, one tensor per destination) -> one per source."""

@@ -52,8 +52,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 
-from tessera.stages.collectives import HIDDEN, Collectives
-from tessera.stages.shard_layout import LAYER_AUDIT_OPS, ROUNDS_PER_LAYER  # noqa: F401 - part of this module's API
+from tessera.stages.shard_layout import HIDDEN
+from tessera.stages.collectives import Collectives
 from tessera.stages.errors import ModelFormatError, SpanError, StageError
 from tessera.stages.model import Rotary, StepContext, apply_rope, attention_mask, grouped_decode_attention
 from tessera.stages.spec import ModelSpec

@@ -8,7 +8,8 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 from tessera.peer.plan.audit import REQUESTER, SHARD, StepLog
-from tessera.stages.collectives import HIDDEN, Collectives, ThreadGroup
+from tessera.stages.shard_layout import HIDDEN
+from tessera.stages.collectives import Collectives, ThreadGroup
 from tessera.stages.sharded import ShardedStage
 from tessera.stages.stage import Stage
 

@@ -15,8 +15,10 @@ from libp2p.peer.id import ID
 
 from tessera.peer.base.errors import PeerFailed
 from tessera.peer.net.gossip import ViewKeeper
-from tessera.peer.net.memory import LinkSpec, MemoryNetwork, open_memory_transport
-from tessera.peer.request.chain import RequesterContext, RouteSession
+from tessera.peer.net.memory_stream import LinkSpec
+from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
+from tessera.peer.request.chain_state import RequesterContext
+from tessera.peer.request.chain import RouteSession
 from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.serve.server import StageServer
 from tessera.peer.serve.limits import ServerLimits
@@ -25,6 +27,8 @@ from tessera.protocol.keys import Identity
 from tessera.stages.errors import ContextOverflow, SpanError, UnknownSession
 from tessera.stages.stage import Stage
 from tessera.store.trace import MemoryTracer
+
+from .waiting import await_until
 
 # Float32 logits of a session in a stacked step against its solo step, relative to the
 # row's largest logit. Only the matmuls differ (more rows take other kernel paths, which
@@ -364,9 +368,7 @@ async def test_a_failing_session_does_not_fail_the_others_in_its_batch(tiny_llam
                     got[i] = failed
 
             async def queued(n: int) -> None:
-                with trio.fail_after(30):
-                    while len(server.batcher.pending) < n:
-                        await trio.sleep(0.01)
+                await await_until(lambda: len(server.batcher.pending) >= n, 30, f"{n} steps queued", interval=0.01)
 
             async with trio.open_nursery() as steps:
                 for i in (0, 1, 2, 4, 5):

@@ -13,6 +13,7 @@ from tessera.peer.request.client import Swarm
 from tessera.stages.generate import prompt_ids
 
 from .swarm_helpers import local_swarm
+from .waiting import await_until
 
 pytestmark = pytest.mark.slow
 
@@ -65,10 +66,10 @@ def _current_route(swarm: Swarm) -> list[str]:
 
 
 def restart(swarm_procs, killed: list[int]) -> None:
-    # join through a peer that is alive: with two kills, peer 0 may be one of them
-    live = [a for j, a in enumerate(swarm_procs.addrs) if j not in killed]
+    # each joins through a peer that was not killed (with two kills, peer 0 may be down too)
+    alive = [addr for j, addr in enumerate(swarm_procs.addrs) if j not in killed]
     for i in killed:
-        swarm_procs.start_peer(i, live[:1])
+        swarm_procs.start_peer(i, alive[:1])
 
 
 @pytest.mark.parametrize("kills", [{20: 1}, {20: 0}, {20: 2}, {12: 1, 40: 0}],
@@ -102,9 +103,8 @@ async def test_a_killed_peer_costs_each_survivor_and_requester_one_line_at_most(
     dead_id = replicated.addrs[victim].split("/p2p/")[1]
     survivors = [i for i in range(len(SPANS)) if i != victim]
     replicated.kill(victim)
-    with trio.fail_after(DIAL_SEEN):
-        while not any(f":{port} " in line or dead_id in line for i in survivors for line in libp2p_lines(replicated.log(i))):
-            await trio.sleep(0.2)
+    await await_until(lambda: any(f":{port} " in line or dead_id in line for i in survivors for line in libp2p_lines(replicated.log(i))),
+                      DIAL_SEEN, "a survivor's failed dial of the killed peer", interval=0.2)
     requester = await trio.run_process(
         [sys.executable, "-m", "tessera.peer.cli.main", "generate", PROMPT, "--join", replicated.addrs[0], "--max-tokens", "4"],
         capture_stdout=True, capture_stderr=True, check=False)

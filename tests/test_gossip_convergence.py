@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tessera.peer.net.gossip import Gossip, ViewKeeper
-from tessera.peer.net.memory import LinkSpec, MemoryNetwork, open_memory_transport
+from tessera.peer.net.memory_stream import LinkSpec
+from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
 from tessera.peer.sim.convergence import CONVERGENCE_TIMINGS, EVENT_KINDS, LATENCY, POLL, Event, run_sequence
 from tessera.protocol.crypto import sign_record
 from tessera.protocol.keys import Identity

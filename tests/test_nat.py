@@ -29,14 +29,11 @@ import trio
 from tessera.peer.net.gossip import Pinger, ViewKeeper, peer_id_str
 from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.net.nat.reachability import PRIVATE, PUBLIC, UNKNOWN, NatService
-from tessera.peer.net.nat.dialback import (
-    DIALBACK_PROTOCOL,
-    DialBackRequest,
-    DialBackResult,
-    dialback_addrs,
-)
+from tessera.peer.base.protocols import DIALBACK_PROTOCOL
+from tessera.peer.net.nat.dialback import DialBackRequest, DialBackResult, dialback_addrs
 from tessera.peer.net.nat.links import ask_links
-from tessera.peer.net.transport import DIRECT, PING_PROTOCOL, RELAYED, Channel
+from tessera.peer.net.transport import DIRECT, RELAYED, Channel
+from tessera.peer.base.protocols import PING_PROTOCOL
 from tessera.protocol.codec import decode, encode
 from tessera.protocol.crypto import sign_record
 from tessera.protocol.errors import WireError
@@ -47,6 +44,7 @@ from tessera.store.trace import MemoryTracer
 
 from . import netns
 from .conftest import FRANCE
+from .waiting import await_until
 
 MODEL_ID = "m" * 16
 NUM_LAYERS = 4
@@ -63,14 +61,6 @@ def signed_record(identity: Identity, *, reachability: str, addrs: tuple[str, ..
 
 def keeper() -> ViewKeeper:
     return ViewKeeper(model_id=MODEL_ID, num_layers=NUM_LAYERS, clock=time.time)
-
-
-async def wait_until(predicate, timeout: float, what: str) -> None:
-    with trio.move_on_after(timeout):
-        while not predicate():
-            await trio.sleep(0.1)
-        return
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 # -- the dial-back protocol, pure parts ------------------------------------------------
@@ -170,7 +160,7 @@ async def test_private_peer_reserves_on_a_relay_that_appears_later_renews_and_is
             await trio.sleep(0.3)
             assert nat.relay_addrs == {} and nat.advertised() == []  # no public peer known yet
             view.merge([signed_record(relay_id, reachability=PUBLIC, addrs=tuple(relay.addrs()))])
-            await wait_until(lambda: relay.peer_id in nat.relay_addrs, 10, "a reservation on the new relay")
+            await await_until(lambda: relay.peer_id in nat.relay_addrs, 10, "a reservation on the new relay")
             circuit = nat.relay_addrs[relay.peer_id]
             assert circuit == f"{relay.addrs()[0]}/p2p-circuit/p2p/{private.peer_id}"
             assert nat.advertised() == [circuit] == private.addrs()
@@ -178,7 +168,7 @@ async def test_private_peer_reserves_on_a_relay_that_appears_later_renews_and_is
 
             # Renewal: a reservation with little time left is renewed (the relay extends it).
             private.relay.reservations[relay.peer_id] = time.time() + 5
-            await wait_until(lambda: private.relay.reservations[relay.peer_id] > time.time() + 60, 10, "renewal")
+            await await_until(lambda: private.relay.reservations[relay.peer_id] > time.time() + 60, 10, "renewal")
             nursery.cancel_scope.cancel()
 
         # Someone who knows only the advertised address gets through, over the relay.
@@ -204,7 +194,7 @@ async def test_peers_meeting_over_a_relay_upgrade_to_direct_when_one_is_dialable
         await b.connect(f"{relay.addrs()[0]}/p2p-circuit/p2p/{a.peer_id}")
         nat.poll_links()
         assert nat.links[a.peer_id] == RELAYED
-        await wait_until(lambda: b.connection_kind(a.peer_id) == DIRECT, 30, "the upgrade to a direct connection")
+        await await_until(lambda: b.connection_kind(a.peer_id) == DIRECT, 30, "the upgrade to a direct connection")
         assert a.connection_kind(b.peer_id) == DIRECT
         nat.poll_links()
         assert f"link {a.peer_id}: relayed -> direct" in lines

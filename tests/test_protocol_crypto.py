@@ -12,23 +12,15 @@ from libp2p.peer.id import ID
 
 from tessera.protocol.codec import decode, encode
 from tessera.protocol.crypto import (
-    RECORD_CONTEXT,
-    EphemeralKey,
-    Identity,
-    open_link_key,
-    peer_id_from_public_key,
-    public_key_from_peer_id,
-    seal_link_key,
-    sign_record,
-    swarm_key_proof,
-    verify_record,
-    verify_swarm_key_proof,
-    x25519_public_from_ed25519,
+    RECORD_CONTEXT, sign_record, verify_record,
 )
+from tessera.protocol.keys import (
+    EphemeralKey, Identity, peer_id_from_public_key, public_key_from_peer_id, x25519_public_from_ed25519,
+)
+from tessera.protocol.links import open_link_key, seal_link_key
 from tessera.protocol.errors import (
     BadKey,
     BadSignature,
-    BadSwarmKeyProof,
     DecryptionFailed,
     ExpiredRecord,
     ForgedPeerId,
@@ -36,7 +28,8 @@ from tessera.protocol.errors import (
     UnexpectedMessage,
     WrongLink,
 )
-from tessera.protocol.messages import Heartbeat, Neighbour, PeerRecord, SealedKey, SignedRecord
+from tessera.protocol.records import Heartbeat, Neighbour, PeerRecord, SignedRecord
+from tessera.protocol.messages import SealedKey
 
 NOW = 1_700_000_000.0
 NEIGHBOUR = Identity.from_seed(bytes([7]) * 32)
@@ -178,21 +171,3 @@ def test_the_same_key_sealed_twice_looks_different_and_forgotten_senders_cannot_
         seal_link_key(key, session_id=SESSION, link_id=1, sender=requester, recipient_public_ed25519=peer.public_key)
     with pytest.raises(BadKey, match="link key is 31 bytes"):
         seal_link_key(key[:31], session_id=SESSION, link_id=1, sender=EphemeralKey.generate(), recipient_public_ed25519=peer.public_key)
-
-
-def test_swarm_key_proof() -> None:
-    swarm_key, nonce = os.urandom(32), os.urandom(32)
-    prover, verifier = Identity.generate().peer_id, Identity.generate().peer_id
-    proof = swarm_key_proof(swarm_key, nonce=nonce, prover=prover, verifier=verifier)
-    verify_swarm_key_proof(swarm_key, proof, nonce=nonce, prover=prover, verifier=verifier)
-    for wrong in (
-        {"swarm_key": os.urandom(32)},
-        {"nonce": os.urandom(32)},
-        {"prover": verifier, "verifier": prover},  # relayed back the other way
-        {"proof": bytes(32)},
-    ):
-        args = {"swarm_key": swarm_key, "proof": proof, "nonce": nonce, "prover": prover, "verifier": verifier, **wrong}
-        with pytest.raises(BadSwarmKeyProof, match="is wrong"):
-            verify_swarm_key_proof(args.pop("swarm_key"), args.pop("proof"), **args)
-    with pytest.raises(BadKey, match="swarm key is 16 bytes"):
-        swarm_key_proof(bytes(16), nonce=nonce, prover=prover, verifier=verifier)

@@ -27,7 +27,8 @@ from tessera.protocol.errors import (
     WireError,
     WrongFieldType,
 )
-from tessera.protocol.messages import Forward, GossipPush, Heartbeat, PeerRecord, SessionAccept, SignedRecord
+from tessera.protocol.messages import Forward, SessionAccept
+from tessera.protocol.records import GossipPush, Heartbeat, PeerRecord, SignedRecord
 
 ALL_TYPES = sorted(schema.message_types().items())
 _SMALL_FLOATS = st.sampled_from([0.0, 0.5, 1.0, 60.0, 1e3, 1.7e9])

@@ -8,11 +8,15 @@ import pytest
 import trio
 import trio.testing
 
+from tessera.peer.base.backoff import Backoff
+from tessera.peer.request.ports import BAN_BASE, BAN_CAP
 from tessera.peer.request.client import Swarm
 from tessera.peer.base.errors import NoRoute
 from tessera.peer.net.gossip import Gossip, Pinger, ViewKeeper
-from tessera.peer.net.memory import LinkSpec, MemoryNetwork, open_memory_transport
-from tessera.peer.plan.routing import FULL_LOAD, route, unusable_reason, why_no_route
+from tessera.peer.net.memory_stream import LinkSpec
+from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
+from tessera.peer.plan.cost import FULL_LOAD
+from tessera.peer.plan.routing import route, unusable_reason, why_no_route
 from tessera.peer.cli.status import format_status, gaps_of, routable_coverage
 from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, SERVING, PeerInfo, SwarmView
 from tessera.peer.request.policy import RequesterPolicy
@@ -89,7 +93,8 @@ def test_waiting_for_a_route_reports_each_second_and_ends_with_the_reason() -> N
             swarm.keeper = ViewKeeper(model_id="m", num_layers=30, clock=trio.current_time)
             swarm.gossip, swarm.pinger = Gossip(transport, swarm.keeper), Pinger(transport)
             swarm.transport, swarm.peer_id, swarm.model_id = transport, "requester", "m"
-            swarm.banned, swarm.on_route_wait, swarm.policy = {}, lines.append, RequesterPolicy()
+            swarm.on_route_wait, swarm.policy = lines.append, RequesterPolicy()
+            swarm.bans, swarm.clock = Backoff(BAN_BASE, BAN_CAP), trio.current_time
             now = trio.current_time()
             for ident, span, state in ((me, (0, 15), SERVING), (other, (15, 30), DRAINING)):
                 swarm.keeper.merge([sign_record(ident, PeerRecord(

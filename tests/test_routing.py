@@ -12,16 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tessera.peer.plan import routing
-from tessera.peer.plan.routing import (
-    DEFAULT_RTT_MS,
-    NO_ROUTE,
-    Hop,
-    Route,
-    hop_compute_ms,
-    route,
-    route_cost,
-    rtt_ms,
-)
+from tessera.peer.plan.cost import DEFAULT_RTT_MS, hop_compute_ms, rtt_ms
+from tessera.peer.plan.routing import NO_ROUTE, Hop, Route, route, route_cost
 from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, STATES, PeerInfo, SwarmView
 
 MODEL = "m"

@@ -107,7 +107,8 @@ def test_shard_open_invariants():
 
 
 def test_a_route_with_groups_runs_as_segments_joined_at_the_requester():
-    from tessera.peer.request.chain import RequesterContext, RouteSession
+    from tessera.peer.request.chain_state import RequesterContext
+    from tessera.peer.request.chain import RouteSession
     from tessera.peer.plan.routing import Route
     from tessera.peer.request.segmented import build_segments, has_groups, span_of
     from tessera.peer.request.group import GroupSession

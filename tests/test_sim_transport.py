@@ -10,8 +10,10 @@ from libp2p.peer.id import ID
 from tessera.peer.base.errors import PeerFailed, PeerUnreachable, StreamClosed
 from tessera.peer.net.gossip import Gossip, ViewKeeper
 from tessera.peer.net.libp2p import DIAL_TIMEOUT
-from tessera.peer.net.memory import DIAL_RTTS, OPEN_RTTS, LinkSpec, MemoryNetwork, open_memory_transport
-from tessera.peer.request.chain import RequesterContext, RouteSession
+from tessera.peer.net.memory import DIAL_RTTS, OPEN_RTTS, MemoryNetwork, open_memory_transport
+from tessera.peer.net.memory_stream import LinkSpec
+from tessera.peer.request.chain_state import RequesterContext
+from tessera.peer.request.chain import RouteSession
 from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.serve.server import StageServer
 from tessera.peer.sim.stage import SimStage, cost_model, sim_spec

@@ -20,6 +20,8 @@ from tessera.store.db import PeerStore
 from tessera.store.errors import BadTraceField, NotJSON, StoreClosed, UnknownEventKind
 from tessera.store.trace import EVENT_KINDS, MemoryTracer, NullTracer, Tracer, TraceWriter
 
+from .waiting import wait_until
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -131,9 +133,7 @@ def test_writer_waits_for_the_interval_then_writes_without_being_asked(tmp_path)
     fast = tmp_path / "fast.db"
     with TraceWriter(fast, peer="p", flush_interval=0.05) as tracer:
         tracer.emit("join")
-        deadline = time.monotonic() + 10
-        while _count(fast) == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: _count(fast) > 0, 10, "the periodic flush", interval=0.01)
         assert _count(fast) == 1  # written by the periodic flush, no flush() call
 
 

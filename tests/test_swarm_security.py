@@ -19,7 +19,8 @@ from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTr
 from tessera.peer.base.errors import PeerUnreachable
 from tessera.peer.net.gossip import Gossip, ViewKeeper
 from tessera.peer.net.libp2p import open_libp2p_transport
-from tessera.peer.net.transport import GOSSIP_PROTOCOL, Channel
+from tessera.peer.base.protocols import GOSSIP_PROTOCOL
+from tessera.peer.net.transport import Channel
 from tessera.protocol.codec import encode
 from tessera.protocol.crypto import RECORD_CONTEXT, sign_record
 from tessera.protocol.keys import Identity

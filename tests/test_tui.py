@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from tessera.peer.request.client import Swarm
 from tessera.peer.cli.demo import memory_for_layers
 from tessera.peer.base.errors import NoRoute, SessionRefused
-from tessera.peer.node.peer_node import PeerConfig, PeerNode
+from tessera.peer.node.config import PeerConfig
+from tessera.peer.node.peer_node import PeerNode
 from tessera.peer.request.chain import RouteSession
 from tessera.peer.plan.routing import Hop, Route
 from tessera.stages.generate import prompt_ids

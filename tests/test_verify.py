@@ -13,10 +13,12 @@ import trio
 from safetensors.torch import load_file, save_file
 
 from tessera.peer.request.client import Swarm
-from tessera.peer.net.memory import LinkSpec, MemoryNetwork, open_memory_transport
+from tessera.peer.net.memory_stream import LinkSpec
+from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
 from tessera.peer.serve.faults import perturber
 from tessera.peer.serve.server import StageServer
-from tessera.peer.request.verify import CheckPolicy, judge_report
+from tessera.peer.request.ports import CheckPolicy
+from tessera.peer.request.verify import judge_report
 from tessera.protocol.attest import MisbehaviourReport, Witness, sign_report, verify_report
 from tessera.protocol.codec import decode, encode
 from tessera.protocol.crypto import sign_record
@@ -118,7 +120,7 @@ async def test_a_cheating_peer_is_caught_in_almost_every_session(decisive_model)
     async with AsyncExitStack() as stack:
         swarm, ids = await memory_swarm(stack, decisive_model, spans, cheater=1, seed=0)
         for n in range(SESSIONS):
-            swarm.banned.clear()  # each session starts afresh (the cheater advertises the best speed,
+            swarm.bans.clear()  # each session starts afresh (the cheater advertises the best speed,
             swarm.reports.reports.clear()  # so routes go through it until it is caught)
             info: dict = {}
             out = await swarm.complete_ids(prompt, max_new_tokens=TOKENS, info=info,
@@ -148,7 +150,7 @@ async def test_real_swarm_end_to_end(smol_dir, local_engine, smol_tokenizer):
         async with Swarm.join(peers.addrs[:1]) as swarm:
             await swarm.wait_for_route(30)
             for addr in peers.addrs[2:]:
-                swarm.banned[addr.split("/p2p/")[1]] = time.monotonic() + 2
+                swarm.bans.ban_until(addr.split("/p2p/")[1], swarm.clock() + 2)
             info: dict = {}
             # complete_ids, not a stream: a perturbation may change a token before the check
             # that catches it, and then the answer is regenerated from the last right token

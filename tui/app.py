@@ -33,7 +33,8 @@ from textual.reactive import var
 from textual.widgets import Footer, Input, RichLog
 from textual.worker import get_current_worker
 
-from tessera.peer.node.peer_node import MOVE_GRACE, PeerNode
+from tessera.peer.node.config import MOVE_GRACE
+from tessera.peer.node.peer_node import PeerNode
 from tessera.store.errors import StoreError
 
 from tessera.tui.bridge import SNAPSHOT_INTERVAL, PeerHandle, PeerNotRunning

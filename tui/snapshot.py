@@ -27,9 +27,10 @@ import math
 import time
 from typing import Any
 
-from tessera.peer.node.peer_node import PeerNode, capacity_in_layers
+from tessera.peer.node.peer_node import PeerNode
+from tessera.peer.node.config import capacity_in_layers
 from tessera.peer.plan.placement import choose_span
-from tessera.peer.serve.server import ServerStats
+from tessera.peer.serve.limits import ServerStats
 from tessera.peer.plan.view import SERVING
 
 ZERO_STATS = {f.name: 0 for f in dataclasses.fields(ServerStats)}

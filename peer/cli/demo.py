@@ -25,7 +25,7 @@ from tessera.stages.spec import ModelSpec
 
 from tessera.peer.request.client import Swarm
 from tessera.peer.base.errors import PeerError
-from tessera.peer.node.peer_node import KV_RESERVE_FRACTION
+from tessera.peer.node.config import KV_RESERVE_FRACTION
 
 STARTUP_TIMEOUT = 120.0  # one peer: import torch, measure a layer, load its span
 

@@ -85,7 +85,7 @@ def _finish(report: dict, out: Path | None) -> int:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from tessera.peer.net.memory import LinkSpec
+    from tessera.peer.net.memory_stream import LinkSpec
     from tessera.peer.sim.engine import simulate
     from tessera.peer.sim.replay import from_trace
 

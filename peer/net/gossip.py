@@ -69,7 +69,8 @@ from tessera.protocol.records import (
 from tessera.stages.quant import base_model_id
 
 from tessera.peer.base.errors import PeerError
-from tessera.peer.net.transport import GOSSIP_PROTOCOL, PING_PROTOCOL, Channel, Stream, Transport
+from tessera.peer.base.protocols import GOSSIP_PROTOCOL, PING_PROTOCOL
+from tessera.peer.net.transport import Channel, Stream, Transport
 from tessera.peer.plan.view import LEAVING, PeerInfo, SwarmView
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ import trio
 
 from tessera.peer.base.errors import PeerUnreachable
 from tessera.peer.net.libp2p import DIAL_TIMEOUT, OPEN_STREAM_TIMEOUT
-from tessera.peer.net.memory_stream import Link, LinkModel, LinkSpec, MemoryStream, Pipe  # noqa: F401 (LinkSpec re-exported)
+from tessera.peer.net.memory_stream import Link, LinkModel, LinkSpec, MemoryStream, Pipe
 from tessera.peer.net.transport import DIRECT, Handler
 
 log = logging.getLogger(__name__)

@@ -13,6 +13,7 @@ one CBOR message.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Awaitable, Callable, Protocol, Sequence
 
 import trio
@@ -21,13 +22,20 @@ from tessera.protocol.codec import decode, encode
 from tessera.protocol.errors import EndOfStream, WireError
 from tessera.protocol.framing import DEFAULT_MAX_FRAME, encode_frame, read_frame
 
-from tessera.peer.base.protocols import GOSSIP_PROTOCOL, LINK_PROTOCOL, PING_PROTOCOL, SESSION_PROTOCOL  # noqa: F401 - this module's API too
 from tessera.peer.base.errors import PeerUnreachable, StreamClosed
 
-# Connection kinds, as shown by `swarm status` and the TUI.
-DIRECT = "direct"
-PUNCHED = "punched"  # direct, after a DCUtR hole punch
-RELAYED = "relayed"
+
+class LinkKind(StrEnum):
+    """How this peer is connected to another, as shown by `swarm status` and the TUI."""
+
+    DIRECT = "direct"
+    PUNCHED = "punched"  # direct, after a DCUtR hole punch
+    RELAYED = "relayed"
+
+
+DIRECT = LinkKind.DIRECT
+PUNCHED = LinkKind.PUNCHED
+RELAYED = LinkKind.RELAYED
 
 
 class Stream(Protocol):
@@ -143,13 +151,10 @@ async def open_channel(transport: Transport, peer_id: str, protocol: str, *, add
 
 
 __all__ = [
+    "LinkKind",
     "DIRECT",
     "PUNCHED",
     "RELAYED",
-    "SESSION_PROTOCOL",
-    "LINK_PROTOCOL",
-    "GOSSIP_PROTOCOL",
-    "PING_PROTOCOL",
     "Stream",
     "Handler",
     "Transport",

@@ -45,19 +45,20 @@ from tessera.peer.base.errors import ConfigError, PeerError
 from tessera.peer.net.gossip import Gossip, Pinger, ViewKeeper, material
 from tessera.peer.net.emulated import emulate
 from tessera.peer.net.libp2p import open_libp2p_transport
-from tessera.peer.node.config import (  # noqa: F401 - PeerConfig and parse_layers are this module's API too
+from tessera.peer.node.config import (
     DEFAULT_MEMORY_FRACTION, KV_RESERVE_FRACTION, MOVE_GRACE, PING_INTERVAL, PeerConfig,
-    capacity_in_layers, check_memory_offer, parse_layers,
+    capacity_in_layers, check_memory_offer,
 )
 from tessera.peer.net.join import join_swarm
 from tessera.peer.net.nat.reachability import NatService
 from tessera.peer.serve import faults as misbehave
 from tessera.peer.plan.placement import choose_span, plan_move
 from tessera.peer.request.reports import ReportBook
-from tessera.peer.serve.server import ServerLimits, StageServer
+from tessera.peer.serve.limits import ServerLimits
+from tessera.peer.serve.server import StageServer
 from tessera.peer.serve.shard_server import ShardServer
 from tessera.peer.net.transport import Transport
-from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, SERVING
+from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, SERVING, Reachability
 
 class PeerNode:
     """One running peer (see module docstring)."""
@@ -131,7 +132,7 @@ class PeerNode:
             shard_group=self.config.group,
             throughput=self.throughput, free_memory=max(0, self.memory_bytes - used),
             load=server.load if server else 0.0, max_sessions=self.config.max_sessions,
-            state=self.state, reachability=self.nat.reachability if self.nat else "public",
+            state=self.state, reachability=self.nat.reachability if self.nat else Reachability.PUBLIC,
             addrs=tuple(self.transport.addrs()[:16]),
             neighbours=tuple(Neighbour(_peer_bytes(p), rtt) for p, rtt in sorted(self.pinger.rtt_ms.items())[:64]),
             issued_at=now, expires_at=now + self.config.record_ttl, seq=self.seq,

@@ -12,15 +12,36 @@ Spans are half-open everywhere: a peer with ``start=4, end=10`` serves layers
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-# Peer states, as advertised.
-SERVING = "serving"  # takes new sessions
-DRAINING = "draining"  # finishes running sessions, takes no new ones
-LEAVING = "leaving"  # about to disconnect; route around it now
-LOADING = "loading"  # has claimed a span, weights not loaded yet (counts for placement, not routing)
-STATES = (SERVING, DRAINING, LEAVING, LOADING)
+
+class PeerState(StrEnum):
+    """A peer's state, as advertised (the value is what gossip carries)."""
+
+    SERVING = "serving"  # takes new sessions
+    DRAINING = "draining"  # finishes running sessions, takes no new ones
+    LEAVING = "leaving"  # about to disconnect; route around it now
+    LOADING = "loading"  # has claimed a span, weights not loaded yet (counts for placement, not routing)
+
+
+class Reachability(StrEnum):
+    """How others can reach a peer, as advertised (peer/net/nat/reachability.py decides it)."""
+
+    UNKNOWN = "unknown"  # not checked yet
+    PUBLIC = "public"  # others dial it directly
+    PRIVATE = "private"  # behind NAT; no punch tried yet
+    HOLE_PUNCHED = "hole-punched"  # behind NAT; a punch has succeeded (meet it over a relay, expect direct)
+    RELAYED = "relayed"  # behind NAT; punches failed: traffic stays relayed
+
+
+SERVING = PeerState.SERVING
+DRAINING = PeerState.DRAINING
+LEAVING = PeerState.LEAVING
+LOADING = PeerState.LOADING
+STATES = tuple(PeerState)
 
 
 @dataclass(frozen=True)
@@ -38,7 +59,7 @@ class PeerInfo:
     load:         fraction of its session slots in use, 0.0 .. 1.0.
     max_sessions: how many sessions it accepts at once.
     state:        one of STATES.
-    reachability: "public", "private" (only reachable through a relay) or "relayed".
+    reachability: one of Reachability ("unknown", "public", "private", "hole-punched", "relayed").
     addrs:        multiaddrs others can dial.
     rtt_ms:       measured round-trip times to neighbours, peer id -> milliseconds.
     expires_at:   time after which this record is stale (same clock as the view's `now`).
@@ -60,7 +81,7 @@ class PeerInfo:
     load: float = 0.0
     max_sessions: int = 16
     state: str = SERVING
-    reachability: str = "public"
+    reachability: str = Reachability.PUBLIC
     addrs: tuple[str, ...] = ()
     rtt_ms: Mapping[str, float] = field(default_factory=dict)
     expires_at: float = float("inf")

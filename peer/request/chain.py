@@ -34,8 +34,9 @@ from tessera.protocol.messages import (
 from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
 from tessera.peer.request.history import RouteHistory
 from tessera.peer.plan.routing import Hop, Route
-from tessera.peer.request.chain_state import AttestedStep, HopState, RequesterContext, StepSlot, peer_bytes  # noqa: F401 (re-exported)
-from tessera.peer.net.transport import SESSION_PROTOCOL, Channel
+from tessera.peer.request.chain_state import AttestedStep, HopState, RequesterContext, StepSlot, peer_bytes
+from tessera.peer.base.protocols import SESSION_PROTOCOL
+from tessera.peer.net.transport import Channel
 
 # Opening a session: dial (if needed), SessionOpen, the peer dials its next hop, SessionAccept.
 OPEN_TIMEOUT = 15.0

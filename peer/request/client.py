@@ -38,10 +38,13 @@ from tessera.peer.net.emulated import LinkEmulation, emulate
 from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.request.decode import Speculation, plain_tokens, speculative_tokens
 from tessera.peer.request.reports import ReportBook
-from tessera.peer.request.verify import GUILTY_BAN, CheckPolicy, SpotChecker
+from tessera.peer.request.verify import GUILTY_BAN, SpotChecker
+from tessera.peer.base.backoff import Backoff
+from tessera.peer.request.ports import BAN_BASE, BAN_CAP, CheckPolicy
 from tessera.peer.request.repair import AnswerRewound, ResilientSession
 from tessera.peer.request.policy import RequesterPolicy, check_peer_id, explain_gaps
-from tessera.peer.request.chain import RequesterContext, route_summary
+from tessera.peer.request.chain_state import RequesterContext
+from tessera.peer.request.chain import route_summary
 from tessera.peer.plan.routing import Route, route, why_no_route
 from tessera.peer.net.transport import Transport
 from tessera.peer.plan.view import PeerInfo, SwarmView
@@ -98,7 +101,8 @@ class Swarm:
             num_layers=self.spec.num_layers, hidden_size=self.spec.hidden_size, tracer=tracer or NullTracer(),
         )
         self.peer_id = transport.peer_id
-        self.banned: dict[str, float] = {}  # peer id -> until (monotonic); see recovery.py
+        self.clock: Callable[[], float] = time.monotonic  # what `bans` measures time on
+        self.bans = Backoff(BAN_BASE, BAN_CAP)  # strikes survive from one answer to the next
         self.reports = ReportBook(transport, model_id=self.model_id, on_accept=self._avoid_accused)
         self.active: set[ResilientSession] = set()  # generations running now
         # Told, once a second while `wait_for_route` waits, what it is waiting for (the CLI prints it)
@@ -179,14 +183,14 @@ class Swarm:
     def _avoid_accused(self, body) -> None:
         """A verified misbehaviour report: stop using the accused."""
         accused = peer_id_text(body.accused.peer_id)
-        self.banned[accused] = max(self.banned.get(accused, 0.0), time.monotonic() + GUILTY_BAN)
+        self.bans.ban_until(accused, self.clock() + GUILTY_BAN)
 
     async def publish_report(self, report) -> int:
         """Record a report we made and share it with every connected peer."""
         return await self.reports.publish(report)
 
     def is_banned(self, peer: str) -> bool:
-        return self.banned.get(peer, 0.0) > time.monotonic()
+        return self.bans.is_banned(peer, self.clock())
 
     def plan(
         self,
@@ -205,7 +209,7 @@ class Swarm:
         requester, so a repair that chains between peers passes False; peer/request/segmented.py).
         Only peers this requester's policy, narrowed by `policy`, admits are used.
         """
-        banned = {p for p in self.banned if self.is_banned(p)}
+        banned = set(self.bans.banned(self.clock()))
         view = self.policy.narrowed(policy).apply(self.view(), keep=(self.peer_id,))
         return route(view, start=start, end=end, source=source or self.peer_id, sink=sink or self.peer_id,
                      exclude=frozenset(banned | set(exclude)), groups=groups)
@@ -214,7 +218,7 @@ class Swarm:
                      policy: RequesterPolicy | None = None, **_: object) -> tuple[list[tuple[int, int]], str]:
         """The uncovered layers, and a sentence saying what blocks a route: layers only peers
         the policy excludes cover (request/policy.py `explain_gaps`), else routing.why_no_route."""
-        banned = {p for p in self.banned if self.is_banned(p)}
+        banned = set(self.bans.banned(self.clock()))
         view = self.keeper.snapshot()
         policy = self.policy.narrowed(policy)
         if policy.restricts:

@@ -31,7 +31,8 @@ from tessera.protocol.shards import ShardOpen, ShardPeer
 from tessera.stages.shard_layout import HIDDEN, ROUNDS_PER_LAYER
 
 from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
-from tessera.peer.request.chain import CLOSE_TIMEOUT, OPEN_TIMEOUT, STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_FLOOR, RequesterContext, peer_bytes
+from tessera.peer.request.chain import CLOSE_TIMEOUT, OPEN_TIMEOUT, STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_FLOOR
+from tessera.peer.request.chain_state import RequesterContext, peer_bytes
 from tessera.peer.plan.routing import Hop
 from tessera.peer.plan.audit import REQUESTER, StepLog
 from tessera.peer.base.protocols import COLLECTIVE_TIMEOUT, SHARD_SESSION_PROTOCOL

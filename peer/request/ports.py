@@ -8,8 +8,9 @@ not on each other's classes, so the request layer has no import cycle.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
+from tessera.peer.base.backoff import Backoff
 from tessera.protocol.attest import MisbehaviourReport
 from tessera.stages.spec import ModelSpec
 
@@ -17,10 +18,14 @@ from tessera.peer.base.errors import PeerFailed
 from tessera.peer.net.gossip import ViewKeeper
 from tessera.peer.plan.routing import Route
 from tessera.peer.plan.view import SwarmView
-from tessera.peer.request.chain import RequesterContext, RouteSession
+from tessera.peer.request.chain_state import RequesterContext
+from tessera.peer.request.chain import RouteSession
 
 # A peer that refused (busy, draining) is skipped for this long by this requester.
 REFUSED_BACKOFF = 10.0
+# A peer that failed is banned for this long, doubling with each further failure (peer/base/backoff.py).
+BAN_BASE = 30.0
+BAN_CAP = 3600.0
 
 
 @dataclass
@@ -40,7 +45,8 @@ class SwarmPort(Protocol):
     keeper: ViewKeeper
     peer_id: str
     model_id: str
-    banned: dict[str, float]  # peer id -> until (monotonic)
+    bans: Backoff  # who this requester avoids, and until when on `clock`; kept across answers
+    clock: Callable[[], float]  # the clock `bans` runs on
 
     def view(self) -> SwarmView: ...
 

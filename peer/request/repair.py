@@ -5,7 +5,7 @@ refuse (busy, draining). A step that fails — a reset stream (the peer's proces
 died), an error message, or a deadline derived from the route's advertised
 speeds — is repaired and sent again:
 
-1. The failed peer is banned for this requester (30 s, doubling per repeat).
+1. The failed peer is banned for this requester (30 s, doubling per repeat, across answers).
 2. Only the failed span [a, b) is re-routed — over one or several replacement
    peers, with any cut points (`route(start=a, end=b, source=upstream, sink=downstream)`).
 3. The replacements are opened and linked among themselves; the downstream
@@ -39,17 +39,15 @@ from tessera.protocol.messages import Relink
 
 from tessera.peer.base.errors import NoRoute, PeerError, PeerFailed, RouteLost, SessionRefused
 from tessera.peer.request.policy import RequesterPolicy
-from tessera.peer.request.chain import HopState, RouteSession, StepSlot, peer_bytes, route_summary
+from tessera.peer.request.chain_state import HopState, StepSlot, peer_bytes
+from tessera.peer.request.chain import RouteSession, route_summary
 from tessera.peer.plan.routing import Route
-from tessera.peer.request.ports import REFUSED_BACKOFF, StepChecker, SwarmPort  # noqa: F401 - REFUSED_BACKOFF: this module's API too
+from tessera.peer.request.ports import REFUSED_BACKOFF, StepChecker, SwarmPort
 from tessera.peer.request.segmented import SegmentedSession, has_groups
 
 
 MAX_OPEN_ATTEMPTS = 5
 MAX_REPAIRS_PER_STEP = 6  # a step is given up after this many repairs (each bans a peer)
-# A peer that failed is banned for this long, doubling with each further failure.
-BAN_BASE = 30.0
-BAN_CAP = 3600.0
 # A live upstream peer's taps trail its pushes by one send; if they have not reached
 # the failed step's position after this long, that peer is treated as failed too.
 TAP_WAIT = 3.0
@@ -105,7 +103,6 @@ class ResilientSession:
         # the generation loop can tell whether tokens it already gave out were affected
         self.rebuilt: torch.Tensor | None = None
         self.checker: StepChecker | None = None  # spot checks (peer/request/verify.py), if asked for
-        self._strikes: dict[str, int] = {}
 
     @property
     def policy(self) -> RequesterPolicy:
@@ -132,9 +129,9 @@ class ResilientSession:
     def ban(self, peer: str, reason: str, *, seconds: float | None = None) -> None:
         if not self.policy.admits(peer):
             return  # revoked or denied: never used again by this answer anyway
-        strikes = self._strikes[peer] = self._strikes.get(peer, 0) + 1
-        duration = seconds if seconds is not None else min(BAN_CAP, BAN_BASE * 2 ** (strikes - 1))
-        self.swarm.banned[peer] = time.monotonic() + duration
+        # the strikes live in the swarm's Backoff, so a peer failing again in a later answer
+        # is banned for twice as long, not for BAN_BASE again
+        duration = self.swarm.bans.register_failure(peer, self.swarm.clock(), seconds=seconds)
         self.swarm.ctx.tracer.emit("ban", remote=peer, detail={"reason": reason[:200], "seconds": duration})
 
     # -- opening ----------------------------------------------------------------------

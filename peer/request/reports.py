@@ -22,7 +22,7 @@ from tessera.protocol.codec import encode
 from tessera.protocol.errors import WireError
 from tessera.store.errors import StoreError
 
-from tessera.peer.base.protocols import REPORT_PROTOCOL  # noqa: F401 - this module's API too
+from tessera.peer.base.protocols import REPORT_PROTOCOL
 from tessera.peer.base.ids import peer_id_text
 from tessera.peer.base.errors import PeerError
 from tessera.peer.net.transport import Channel, Stream, Transport

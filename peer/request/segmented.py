@@ -31,7 +31,8 @@ import trio
 
 from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
 from tessera.peer.request.history import RouteHistory
-from tessera.peer.request.chain import STEP_TIMEOUT_FLOOR, RequesterContext, RouteSession, StepSlot
+from tessera.peer.request.chain import STEP_TIMEOUT_FLOOR, RouteSession
+from tessera.peer.request.chain_state import RequesterContext, StepSlot
 from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.request.group import GroupSession
 from tessera.peer.request.ports import REFUSED_BACKOFF, RepairPort

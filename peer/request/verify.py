@@ -33,7 +33,8 @@ from tessera.protocol.tensors import decode_tensor, encode_tensor
 
 from tessera.peer.base.ids import peer_id_bytes
 from tessera.peer.base.errors import PeerError, PeerFailed
-from tessera.peer.request.chain import AttestedStep, HopState, RouteSession
+from tessera.peer.request.chain_state import AttestedStep, HopState
+from tessera.peer.request.chain import RouteSession
 from tessera.peer.request.ports import CheckPolicy, RepairPort, SwarmPort
 from tessera.peer.plan.routing import route
 from tessera.peer.plan.view import SwarmView
@@ -119,7 +120,7 @@ class SpotChecker:
                 return shadow
         # one peer holding the whole span: its attestation then covers exactly the suspect's span
         view = self.swarm.view()
-        banned = {p for p in self.swarm.banned if self.swarm.is_banned(p)}
+        banned = set(self.swarm.bans.banned(self.swarm.clock()))
         candidates = [
             p for p in view.peers
             if p.routable and p.shard_count == 1 and p.start <= start and end <= p.end

@@ -1,16 +1,13 @@
-"""What a stage server promises and refuses: timeouts, error codes, limits, counters.
+"""What a stage server promises and refuses: timeouts, limits, counters.
 
-Error codes travel in `ErrorMsg.code`; a requester acts on them (route elsewhere,
-ban, fail over). Limits are checked before anything is allocated.
+The error codes it answers with live in protocol/error_codes.py. Limits are checked
+before anything is allocated.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera.protocol.error_codes import (  # noqa: F401 - this module's API too
-    BAD_FRAME, BAD_REQUEST, BAD_SPAN, BUSY, COMPUTE_FAILED, DRAINING, NEXT_HOP_FAILED, TOO_LONG,
-)
 from tessera.peer.serve.batcher import MAX_BATCH_ROWS, MAX_BATCH_WAIT
 
 

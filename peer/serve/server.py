@@ -23,7 +23,7 @@ import trio
 from tessera.protocol.errors import WireError
 from tessera.protocol.keys import Identity
 from tessera.protocol.messages import (
-    Cancel, ErrorMsg, Forward, LinkHello, Relink, Rollback, SessionAccept, SessionClose, SessionOpen, SessionRevoke,
+    Cancel, ErrorMsg, Forward, LinkHello, Relink, SessionAccept, SessionClose, SessionOpen, SessionRevoke,
 )
 from tessera.protocol.tensors import DEFAULT_LIMITS, TensorLimits
 from tessera.stages.errors import StageError
@@ -33,12 +33,15 @@ from tessera.store.trace import NullTracer, Tracer
 from tessera.peer.base.errors import PeerError, StreamClosed
 from tessera.peer.net.gossip import peer_id_str
 from tessera.peer.serve.session import DeferredTap, ServedSession, compute_batch
-from tessera.peer.serve.limits import (  # noqa: F401 - re-exported: the codes and limits are part of the server's API
-    BAD_FRAME, BAD_REQUEST, BAD_SPAN, BUSY, COMPUTE_FAILED, DRAINING, LINK_WAIT, NEXT_HOP_FAILED, OPEN_TIMEOUT,
-    REAPER_INTERVAL, TOO_LONG, Refused, ServerLimits, ServerStats,
+from tessera.protocol.error_codes import (
+    BAD_FRAME, BAD_REQUEST, BAD_SPAN, BUSY, COMPUTE_FAILED, DRAINING, NEXT_HOP_FAILED, TOO_LONG,
+)
+from tessera.peer.serve.limits import (
+    LINK_WAIT, OPEN_TIMEOUT, REAPER_INTERVAL, Refused, ServerLimits, ServerStats,
 )
 from tessera.peer.serve.batcher import BatchBudget, BatchInterrupted, StepBatcher
-from tessera.peer.net.transport import LINK_PROTOCOL, SESSION_PROTOCOL, Channel, Stream, Transport
+from tessera.peer.base.protocols import LINK_PROTOCOL, SESSION_PROTOCOL
+from tessera.peer.net.transport import Channel, Stream, Transport
 
 log = logging.getLogger(__name__)
 
@@ -243,8 +246,8 @@ class StageServer:
                     await self._error(session, BAD_REQUEST, f"relink keys: {bad}")
                     continue
                 await session.queue_in.send(msg)
-            elif isinstance(msg, (Forward, Rollback)):
-                if isinstance(msg, Forward) and session.link_sources.get(msg.link_id) != session.requester:
+            elif isinstance(msg, Forward):
+                if session.link_sources.get(msg.link_id) != session.requester:
                     await self._error(session, BAD_FRAME, f"link {msg.link_id} does not come from the requester")
                     continue
                 await session.queue_in.send(msg)
@@ -300,13 +303,7 @@ class StageServer:
 
     async def _work(self, session: ServedSession) -> None:
         async for msg in session.queue_out:
-            if isinstance(msg, Rollback):
-                try:
-                    self.stage.rollback(session.session_id, msg.position)
-                    self.tracer.emit("rollback", session=session.session_id, detail={"position": msg.position})
-                except StageError as bad:
-                    await self._error(session, BAD_REQUEST, str(bad))
-            elif isinstance(msg, Relink):
+            if isinstance(msg, Relink):
                 await self._relink(session, msg)
             elif isinstance(msg, Forward):
                 if msg.step in session.cancelled:

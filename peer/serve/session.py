@@ -32,7 +32,8 @@ from tessera.stages.errors import SpanError, StageError
 from tessera.stages.stage import Stage
 from tessera.store.trace import Tracer
 
-from tessera.peer.net.transport import LINK_PROTOCOL, Channel, Transport
+from tessera.peer.base.protocols import LINK_PROTOCOL
+from tessera.peer.net.transport import Channel, Transport
 
 
 

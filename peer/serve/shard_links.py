@@ -34,7 +34,7 @@ from tessera.protocol.shards import Collective
 from tessera.protocol.tensors import DEFAULT_LIMITS, TensorLimits
 from tessera.stages.collectives import CollectiveError, Exchange
 
-from tessera.peer.base.protocols import COLLECTIVE_TIMEOUT, SHARD_LINK_PROTOCOL, SHARD_SESSION_PROTOCOL  # noqa: F401 - this module's API too
+from tessera.peer.base.protocols import COLLECTIVE_TIMEOUT, SHARD_LINK_PROTOCOL
 from tessera.peer.base.errors import PeerError, StreamClosed
 from tessera.peer.net.transport import Channel, Transport
 

@@ -39,10 +39,14 @@ from tessera.stages.sharded import ShardedStage
 from tessera.peer.base.errors import PeerError
 from tessera.peer.net.gossip import peer_id_str
 from tessera.peer.serve.session import ComputeContext, ServedSession
-from tessera.peer.serve.server import BAD_REQUEST, BAD_SPAN, LINK_WAIT, Refused, StageServer
+from tessera.protocol.error_codes import BAD_REQUEST, BAD_SPAN
+from tessera.peer.serve.limits import LINK_WAIT, Refused
+from tessera.peer.serve.server import StageServer
 from tessera.peer.plan.audit import SHARD, StepLog
-from tessera.peer.serve.shard_links import SHARD_LINK_PROTOCOL, SHARD_SESSION_PROTOCOL, GroupLinks
-from tessera.peer.net.transport import SESSION_PROTOCOL, Channel, Stream
+from tessera.peer.base.protocols import SHARD_LINK_PROTOCOL, SHARD_SESSION_PROTOCOL
+from tessera.peer.serve.shard_links import GroupLinks
+from tessera.peer.base.protocols import SESSION_PROTOCOL
+from tessera.peer.net.transport import Channel, Stream
 
 log = logging.getLogger(__name__)
 
@@ -215,4 +219,4 @@ class ShardServer(StageServer):
             await self.session_added.wait()
 
 
-__all__ = ["SHARD_LINK_PROTOCOL", "SHARD_SESSION_PROTOCOL", "ShardServer", "ShardServedSession"]
+__all__ = ["ShardServer", "ShardServedSession"]

@@ -29,7 +29,8 @@ import trio
 import trio.testing
 
 from tessera.peer.base.ids import peer_id_text
-from tessera.peer.net.memory import LinkSpec, MemoryNetwork, open_memory_transport
+from tessera.peer.net.memory_stream import LinkSpec
+from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
 from tessera.peer.sim.errors import BadScenario
 from tessera.peer.sim.peer import SimPeer
 from tessera.peer.sim.policies import get_policy
@@ -37,7 +38,8 @@ from tessera.peer.sim.report import Recorder
 from tessera.peer.sim.requester import SimRequester
 from tessera.peer.sim.scenario import ONE_WAY_S, REGIONS, RequestPlan, Scenario
 from tessera.peer.sim.stage import sim_model_id, sim_spec
-from tessera.peer.sim.world import VIEW_MODES, SharedViewKeeper, Timings, World, assign_identities, large_swarm_timings
+from tessera.peer.sim.policies import VIEW_MODES
+from tessera.peer.sim.world import SharedViewKeeper, Timings, World, assign_identities, large_swarm_timings
 
 # A replay of up to this many peers runs real gossip by default; bigger replays and synthetic
 # swarms share one view. Gossip costs O(N^2) exchanges of N records per round, all verified, in

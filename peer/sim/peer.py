@@ -29,7 +29,7 @@ from tessera.peer.net.memory import MemoryTransport, open_memory_transport
 from tessera.peer.node.config import KV_RESERVE_FRACTION, capacity_in_layers
 from tessera.peer.serve.server import StageServer
 from tessera.peer.serve.limits import ServerLimits
-from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, SERVING, PeerInfo
+from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, SERVING, PeerInfo, Reachability
 from tessera.peer.sim.scenario import PeerPlan
 from tessera.peer.sim.stage import FLOAT32_BYTES, SimStage, cost_model
 from tessera.peer.sim.world import World, node_rng
@@ -96,7 +96,7 @@ class SimPeer:
             start=self.span[0], end=self.span[1], shard_index=0, shard_count=1,
             throughput=self.throughput, free_memory=max(0, self.memory_bytes - used),
             load=self.server.load if self.server else 0.0, max_sessions=self.plan.max_sessions,
-            state=self.state, reachability="public", addrs=tuple(self.transport.addrs()[:16]),
+            state=self.state, reachability=Reachability.PUBLIC, addrs=tuple(self.transport.addrs()[:16]),
             neighbours=tuple(Neighbour(self.world.id_bytes(p), rtt) for p, rtt in neighbours),
             issued_at=now, expires_at=now + self.world.timings.record_ttl, seq=self.seq,
         )

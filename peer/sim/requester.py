@@ -1,7 +1,7 @@
 """A simulated requester: `tessera.peer.request.client.Swarm`'s generation loop without a tokenizer or a head.
 
 `ResilientSession` (peer/request/repair.py) drives a generation through a `Swarm`; it
-needs only `ctx` (a `RequesterContext`), `keeper`, `banned`, `is_banned()`,
+needs only `ctx` (a `RequesterContext`), `keeper`, `bans` and `clock`, `is_banned()`,
 `plan()` and `wait_for_route()`. `SimRequester` provides exactly those, as `Swarm` does —
 same routing call, same wait-and-refresh loop — over the memory transport, so
 opening, stepping, refusals, bans and failover run the real code. What it does
@@ -9,17 +9,15 @@ not have is what needs weights: the embedding (hidden states are a constant
 tensor of the right shape) and the head (there is no sampling; a request
 produces the number of tokens its plan says).
 
-Two adaptations, both about clocks:
+Two adaptations:
 
-- `ResilientSession.ban` writes ``banned[peer] = time.monotonic() + seconds``;
-  `SimBans` turns that back into seconds and keeps the ban on simulated time.
+- its `clock` is trio's (simulated time), so the shared `Backoff` keeps bans on it.
 - `plan` memoises routes per (shared view snapshot, bans, RTTs): routing is a
   pure function of them, and a thousand-peer route costs milliseconds.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any, Sequence
 
 import torch
@@ -28,6 +26,8 @@ import trio
 from tessera.peer.base.errors import NoRoute, PeerError
 from tessera.peer.net.gossip import Gossip, Pinger
 from tessera.peer.net.memory import MemoryTransport
+from tessera.peer.base.backoff import Backoff
+from tessera.peer.request.ports import BAN_BASE, BAN_CAP
 from tessera.peer.request.repair import ResilientSession
 from tessera.peer.request.policy import RequesterPolicy
 from tessera.peer.request.chain_state import RequesterContext
@@ -38,16 +38,6 @@ from tessera.peer.sim.world import World
 
 # The constant every simulated hidden state holds (any finite value passes the checks).
 HIDDEN_FILL = 0.5
-
-
-class SimBans(dict):
-    """``banned[peer] = until`` with `until` on time.monotonic() (as recovery.py writes it),
-    stored on trio's clock. Durations are rounded to 1 ms: the few microseconds between
-    the two clock reads must not leak into a deterministic run."""
-
-    def __setitem__(self, peer: str, until: float) -> None:
-        seconds = max(0.0, round(until - time.monotonic(), 3))
-        super().__setitem__(peer, trio.current_time() + seconds)
 
 
 class SimRequester:
@@ -67,7 +57,8 @@ class SimRequester:
             transport=transport, identity=identity, keeper=self.keeper, nursery=nursery,
             num_layers=world.spec.num_layers, hidden_size=world.spec.hidden_size, tracer=self.tracer,
         )
-        self.banned: dict[str, float] = SimBans()
+        self.clock = trio.current_time  # bans run on simulated time
+        self.bans = Backoff(BAN_BASE, BAN_CAP)
         self.policy = RequesterPolicy()  # as Swarm.policy: a simulated requester trusts every peer
         self._memo_view = None
         self._memo: dict[tuple, Route] = {}
@@ -81,12 +72,12 @@ class SimRequester:
         return self.keeper.snapshot().replace(me)
 
     def is_banned(self, peer: str) -> bool:
-        return self.banned.get(peer, -1.0) > trio.current_time()
+        return self.bans.is_banned(peer, self.clock())
 
     def plan(self, *, start: int = 0, end: int | None = None, source: str | None = None, sink: str | None = None,
              exclude: Sequence[str] = (), groups: bool = True, policy: RequesterPolicy | None = None) -> Route:
         """As Swarm.plan: the cheapest chain over [start, end) from `source` to `sink` (default: this requester)."""
-        banned = tuple(sorted(p for p in self.banned if self.is_banned(p)))
+        banned = tuple(sorted(self.bans.banned(self.clock())))
         snapshot = self.keeper.snapshot()
         if snapshot is not self._memo_view:
             self._memo_view, self._memo = snapshot, {}
@@ -170,4 +161,4 @@ class SimRequester:
             recorder.request_finished(outcome)
 
 
-__all__ = ["SimRequester", "SimBans"]
+__all__ = ["SimRequester"]

@@ -37,7 +37,7 @@ from tessera.protocol.codec import message
 from tessera.protocol.errors import WireError
 from tessera.protocol.schema import wire
 
-from tessera.peer.base.protocols import DIALBACK_PROBE_PROTOCOL, DIALBACK_PROTOCOL  # noqa: F401 - this module's API too
+from tessera.peer.base.protocols import DIALBACK_PROBE_PROTOCOL, DIALBACK_PROTOCOL
 from tessera.peer.base.errors import PeerError
 from tessera.peer.net.transport import Channel, Stream, Transport
 

@@ -22,7 +22,7 @@ from tessera.protocol.errors import WireError
 from tessera.protocol.records import MAX_NEIGHBOURS, MAX_PEER_ID_SIZE
 from tessera.protocol.schema import wire
 
-from tessera.peer.base.protocols import LINKS_PROTOCOL  # noqa: F401 - this module's API too
+from tessera.peer.base.protocols import LINKS_PROTOCOL
 from tessera.peer.base.errors import PeerError
 from tessera.peer.net.transport import DIRECT, PUNCHED, RELAYED, Channel, Stream, Transport
 

@@ -53,7 +53,7 @@ from tessera.peer.net.nat.dialback import DialBack, DialBackOutcome
 from tessera.peer.net.nat.links import serve_links
 from tessera.peer.net.nat.relay import RELAY_LIMITS, is_circuit_addr
 from tessera.peer.net.transport import RELAYED
-from tessera.peer.plan.view import LEAVING
+from tessera.peer.plan.view import LEAVING, Reachability
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +62,12 @@ def _is_loopback(addr: str) -> bool:
     return addr.startswith(("/ip4/127.", "/ip6/::1/"))
 
 # Verdicts of the dial-back check.
-UNKNOWN = "unknown"
-PUBLIC = "public"
-PRIVATE = "private"
+UNKNOWN = Reachability.UNKNOWN
+PUBLIC = Reachability.PUBLIC
+PRIVATE = Reachability.PRIVATE
 # What a private peer advertises as its reachability once punches were tried.
-HOLE_PUNCHED = "hole-punched"
-RELAYED_ONLY = "relayed"
+HOLE_PUNCHED = Reachability.HOLE_PUNCHED
+RELAYED_ONLY = Reachability.RELAYED
 
 CHECK_HELPERS = 3  # peers asked at once; one confirmed dial-back suffices
 RECHECK_INTERVAL = 120.0  # a known verdict is checked again this often
