@@ -18,6 +18,11 @@ from tessera.protocol.codec import decode
 from tessera.protocol.errors import WireError
 from tessera.protocol.fuzz import build_targets, random_message, run_target
 
+# Messages registered outside protocol/ (the NAT protocols) join the registry when their
+# modules are imported: import them here, so the corpora hold them whatever ran before.
+import tessera.peer.net.nat.dialback  # noqa: E402
+import tessera.peer.net.nat.links  # noqa: F401,E402
+
 CASES = 100_000
 FEWER = {"record_body": 20_000}  # signs every input first (~170 us a case); bench/fuzz.py runs it longer
 SEED = int(os.environ.get("TESSERA_FUZZ_SEED", "20240601"))
@@ -33,6 +38,7 @@ def test_there_is_a_target_for_every_decoder() -> None:
 def test_the_message_corpus_holds_every_registered_type() -> None:
     (messages,) = [t for t in TARGETS if t.name == "message"]
     assert {type(decode(blob)) for blob in messages.corpus} == set(schema.message_types().values())
+    assert tessera.peer.net.nat.dialback.DialBackRequest in {type(decode(blob)) for blob in messages.corpus}
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=[t.name for t in TARGETS])
