@@ -117,17 +117,31 @@ def test_views_stay_whole_across_an_idle_period_longer_than_a_record_lifetime(sw
         assert view == {(n, s, "serving") for n, s in expect.items()}  # the left peer's record expired
 
 
-def test_the_status_command_shows_each_peers_own_view_and_they_agree(swarm):
-    expect = {"peer0": (0, 11), "peer1": (11, 30), "peer3": span_of(swarm.log(3), "serving layers")}
-    wait_agreed(swarm, [0, 1, 3], expect)
+def status_reports(swarm: LocalSwarm, peers: tuple[int, ...]) -> list[dict]:
+    """`tessera swarm status --json --only --join <peer>` for each peer, run at once."""
     procs = [subprocess.Popen([sys.executable, "-m", "tessera.peer.cli.main", "swarm", "status", "--json", "--only",
                                "--join", swarm.addrs[i]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=swarm.env) for i in (0, 1, 3)]
+                              env=swarm.env) for i in peers]
     reports = []
     for proc in procs:
         out, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err
         reports.append(json.loads(out))
-    spans = [{(p["name"], tuple(p["span"]), p["state"]) for p in r["peers"]} for r in reports]
-    assert spans[0] == spans[1] == spans[2] == {(n, s, "serving") for n, s in expect.items()}
+    return reports
+
+
+def test_the_status_command_shows_each_peers_own_view_and_they_agree(swarm):
+    expect = {"peer0": (0, 11), "peer1": (11, 30), "peer3": span_of(swarm.log(3), "serving layers")}
+    wait_agreed(swarm, [0, 1, 3], expect)
+    want = {(n, s, "serving") for n, s in expect.items()}
+    # Three CLI processes starting at once load the two shared cores; with the test's 6 s record
+    # lifetime a starved peer's refresh can arrive late and a view briefly lack it. Agreement
+    # within the bound is the claim, so ask again (as a condition, not a sleep) until it holds.
+    began = time.monotonic()
+    while True:
+        reports = status_reports(swarm, (0, 1, 3))
+        spans = [{(p["name"], tuple(p["span"]), p["state"]) for p in r["peers"]} for r in reports]
+        if spans[0] == spans[1] == spans[2] == want or time.monotonic() - began > AGREE_TIMEOUT:
+            break
+    assert spans[0] == spans[1] == spans[2] == want, spans
     assert all(r["gaps"] == [] for r in reports)
