@@ -6,6 +6,7 @@ from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 from tessera.peer.cli.demo import LocalSwarm
+from tessera.stages.generate import prompt_ids
 
 
 def layer_args(spans: Sequence[tuple[int, int]], extra: Sequence[str] = ()) -> list[list[str]]:
@@ -25,3 +26,10 @@ def local_swarm(spans: Sequence[tuple[int, int]], *, extra: Sequence[str] = (), 
         yield swarm
     finally:
         swarm.stop(timeout=15)
+
+
+def reference_answer(local_engine, tokenizer, prompt: str, tokens: int) -> list[int]:
+    """The local engine's greedy answer (chat template), which must run the whole length."""
+    out = local_engine.generate_ids(prompt_ids(tokenizer, prompt, raw=False), max_new_tokens=tokens)
+    assert len(out) == tokens, "the reference answer must run the whole length"
+    return out

@@ -12,7 +12,7 @@ import trio
 from tessera.peer.request.client import Swarm
 from tessera.stages.generate import prompt_ids
 
-from .swarm_helpers import local_swarm
+from .swarm_helpers import local_swarm, reference_answer
 from .waiting import await_until
 
 pytestmark = pytest.mark.slow
@@ -30,10 +30,7 @@ def replicated(smol_dir):
 
 @pytest.fixture(scope="module")
 def expected(local_engine, smol_tokenizer):
-    ids = prompt_ids(smol_tokenizer, PROMPT, raw=False)
-    out = local_engine.generate_ids(ids, max_new_tokens=TOKENS)
-    assert len(out) == TOKENS, "the reference answer must run the whole length"
-    return out
+    return reference_answer(local_engine, smol_tokenizer, PROMPT, TOKENS)
 
 
 def peer_index(swarm, peer_id: str) -> int:

@@ -25,7 +25,7 @@ from tessera.protocol.keys import Identity
 from tessera.stages.generate import prompt_ids
 from tessera.store.db import PeerStore
 
-from .swarm_helpers import local_swarm
+from .swarm_helpers import local_swarm, reference_answer
 
 pytestmark = pytest.mark.slow
 
@@ -45,10 +45,7 @@ def peers(smol_dir):
 
 @pytest.fixture(scope="module")
 def expected(local_engine, smol_tokenizer):
-    ids = prompt_ids(smol_tokenizer, PROMPT, raw=False)
-    out = local_engine.generate_ids(ids, max_new_tokens=TOKENS)
-    assert len(out) == TOKENS, "the reference answer must run the whole length"
-    return out
+    return reference_answer(local_engine, smol_tokenizer, PROMPT, TOKENS)
 
 
 def peer_id_of(peers, i: int) -> str:

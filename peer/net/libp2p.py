@@ -238,7 +238,8 @@ class Libp2pTransport:
                     with trio.fail_after(direct_timeout):
                         await self.host.get_network().dial_addr(multiaddr.Multiaddr(addr), pid)
             except trio.TooSlowError:
-                errors.append(f"{addr}: no answer")
+                # A peer on another swarm key fails the handshake silently, so this reads the same
+                errors.append(f"{addr}: no answer within {direct_timeout:g} s (down, or on a different swarm key)")
                 return
             except Exception as error:  # py-libp2p raises many unrelated types for a failed dial
                 errors.append(f"{addr}: {type(error).__name__}: {error}")

@@ -21,6 +21,7 @@ import trio
 from tessera.protocol.codec import decode, encode
 from tessera.protocol.errors import EndOfStream, WireError
 from tessera.protocol.framing import DEFAULT_MAX_FRAME, encode_frame, read_frame
+from tessera.protocol.messages import LinkHello
 
 from tessera.peer.base.errors import PeerUnreachable, StreamClosed
 
@@ -150,6 +151,14 @@ async def open_channel(transport: Transport, peer_id: str, protocol: str, *, add
     return Channel(await transport.open_stream(peer_id, protocol, addrs=addrs))
 
 
+async def receive_link_hello(channel: Channel) -> LinkHello:
+    """The first frame of a link (previous peer -> this one, or rank -> rank). Raises WireError."""
+    hello = await channel.receive()
+    if not isinstance(hello, LinkHello):
+        raise WireError(f"expected LinkHello, got {type(hello).__name__}")
+    return hello
+
+
 __all__ = [
     "LinkKind",
     "DIRECT",
@@ -160,7 +169,5 @@ __all__ = [
     "Transport",
     "Channel",
     "open_channel",
-    "PeerUnreachable",
-    "StreamClosed",
-    "WireError",
+    "receive_link_hello",
 ]

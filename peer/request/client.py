@@ -32,8 +32,9 @@ from tessera.stages.tokenizer import TextStream, Tokenizer
 from tessera.store.trace import NullTracer, Tracer
 
 from tessera.peer.base.ids import peer_id_text
-from tessera.peer.base.errors import NoRoute, PeerError, UnknownPeer
+from tessera.peer.base.errors import NoRoute, PeerError, PeerUnreachable, UnknownPeer
 from tessera.peer.net.gossip import Gossip, Pinger, ViewKeeper
+from tessera.peer.net.join import handshake_reason, tcp_answers
 from tessera.peer.net.emulated import LinkEmulation, emulate
 from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.request.decode import Speculation, plain_tokens, speculative_tokens
@@ -141,7 +142,7 @@ class Swarm:
                     lambda: Swarm(transport, nursery, folder=folder, identity=identity, tracer=tracer, policy=policy,
                                   quant=quant, accept_mixed=accept_mixed)
                 )
-                await swarm.connect(addrs)
+                await swarm.connect(addrs, swarm_key_given=swarm_key is not None)
                 nursery.start_soon(swarm._refresh_forever)
                 nursery.start_soon(swarm.reports.run)
                 try:
@@ -149,14 +150,22 @@ class Swarm:
                 finally:
                     nursery.cancel_scope.cancel()
 
-    async def connect(self, addrs: Sequence[str]) -> None:
-        """Dial bootstrap peers and pull their view. Raises PeerUnreachable if none answers."""
+    async def connect(self, addrs: Sequence[str], *, swarm_key_given: bool = False) -> None:
+        """Dial bootstrap peers and pull their view. Raises PeerUnreachable if none answers.
+
+        An address that answers TCP but not libp2p is, nearly always, a swarm on another
+        key: the error says so (as a serving peer's join does) rather than "no answer".
+        """
         errors = []
         for addr in addrs:
             try:
                 peer = await self.transport.connect(addr)
                 await self.gossip.exchange(peer)
                 await self.reports.pull(peer)
+            except PeerUnreachable as error:
+                if await tcp_answers(addr):
+                    error = PeerUnreachable(f"cannot join {addr}: {handshake_reason(swarm_key_given)}")
+                errors.append(error)
             except PeerError as error:
                 errors.append(error)
         if errors and len(errors) == len(addrs):

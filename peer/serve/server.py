@@ -41,7 +41,7 @@ from tessera.peer.serve.limits import (
 )
 from tessera.peer.serve.batcher import BatchBudget, BatchInterrupted, StepBatcher
 from tessera.peer.base.protocols import LINK_PROTOCOL, SESSION_PROTOCOL
-from tessera.peer.net.transport import Channel, Stream, Transport
+from tessera.peer.net.transport import Channel, Stream, Transport, receive_link_hello
 
 log = logging.getLogger(__name__)
 
@@ -260,9 +260,7 @@ class StageServer:
         channel = Channel(stream)
         try:
             with trio.fail_after(LINK_WAIT):
-                hello = await channel.receive()
-                if not isinstance(hello, LinkHello):
-                    raise WireError(f"expected LinkHello, got {type(hello).__name__}")
+                hello = await receive_link_hello(channel)
                 session = await self._wait_for_link(hello)
         except (trio.TooSlowError, PeerError, WireError) as bad:
             log.debug("link from %s refused: %s", stream.remote, bad)

@@ -46,7 +46,7 @@ from tessera.peer.plan.audit import SHARD, StepLog
 from tessera.peer.base.protocols import SHARD_LINK_PROTOCOL, SHARD_SESSION_PROTOCOL
 from tessera.peer.serve.shard_links import GroupLinks
 from tessera.peer.base.protocols import SESSION_PROTOCOL
-from tessera.peer.net.transport import Channel, Stream
+from tessera.peer.net.transport import Channel, Stream, receive_link_hello
 
 log = logging.getLogger(__name__)
 
@@ -193,9 +193,7 @@ class ShardServer(StageServer):
         channel = Channel(stream)
         try:
             with trio.fail_after(LINK_WAIT):
-                hello = await channel.receive()
-                if not isinstance(hello, LinkHello):
-                    raise WireError(f"expected LinkHello, got {type(hello).__name__}")
+                hello = await receive_link_hello(channel)
                 session, rank = await self._wait_for_rank(hello)
         except (trio.TooSlowError, PeerError, WireError) as bad:
             log.debug("shard link from %s refused: %s", stream.remote, bad)
