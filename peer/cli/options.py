@@ -45,7 +45,8 @@ def add_compute_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--quant", default="none", choices=QUANT_KINDS,
                    help="store the layers' matrices as int8 (per output channel) or int4 (group-wise); "
-                   "quantized spans compute in bfloat16 unless --dtype says otherwise")
+                   "on a CPU a quantized span computes in float32 (exact against its dequantized "
+                   "float32 model); --dtype bfloat16 uses torch's faster int kernels, not token-exact")
     p.add_argument("--quant-group", type=int, default=DEFAULT_INT4_GROUP, choices=INT4_GROUP_SIZES,
                    help=f"inputs per int4 scale (default {DEFAULT_INT4_GROUP})")
 
