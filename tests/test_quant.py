@@ -289,3 +289,14 @@ def test_command_line_quant_options():
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "x", "--local", "--quant", "int3"])
     assert parser.parse_args(["generate", "x", "--join", "a", "--accept-mixed"]).accept_mixed
+    # the HTTP gateway chooses the peers it chains the same way
+    from tessera.peer.cli.options import quant_from
+    from tessera.peer.cli.serve import peers_note
+
+    serve = parser.parse_args(["serve", "--join", "a", "--quant", "int4", "--quant-group", "64"])
+    assert quant_from(serve) == Quant("int4", 64) and not serve.accept_mixed
+    assert peers_note(serve) == "; chaining int4g64 peers"
+    assert peers_note(parser.parse_args(["serve", "--join", "a"])) == ""
+    assert "any quantization" in peers_note(parser.parse_args(["serve", "--join", "a", "--accept-mixed"]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--join", "a", "--quant-group", "48"])
