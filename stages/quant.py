@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.stages.errors import StageError
+from tessera.stages.gguf_blocks import Q4_1_BLOCK, GgufQ4Source
 from tessera.stages.model import Block
 from tessera.stages.spec import ModelSpec
 from tessera.stages.weights import WeightFolder, layer_tensor_names
@@ -374,24 +375,40 @@ BLOCK_LINEARS = {
 BLOCK_NORMS = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight"}
 
 
+def takes_gguf_blocks(quant: Quant, device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether a span stored as `quant` on `device` for `dtype` can take a GGUF's Q4_1 blocks as they
+    are (stages/gguf_blocks.py): int4 in groups of 32, in the float32 CPU block layout."""
+    return quant.kind == "int4" and quant.group_size == Q4_1_BLOCK and dequantizes_in_chunks(torch.device(device), dtype)
+
+
 def quantize_block(weights: WeightFolder, layer: int, quant: Quant, *, dtype: torch.dtype,
-                   device: torch.device | str) -> Block:
+                   device: torch.device | str, gguf: GgufQ4Source | None = None) -> Block:
     """Layer `layer` of `weights` with its matrices stored as `quant`, read ONE matrix at a time:
     the float copy of a stacked matrix is dropped once quantized, so loading a span never holds
-    more float weights than its largest matrix (gate/up: 2 I x H). Raises ModelFormatError, QuantError."""
+    more float weights than its largest matrix (gate/up: 2 I x H). With `gguf` (and
+    `takes_gguf_blocks`), a matrix whose blocks are Q4_1 there is taken as it is, with no float
+    copy at all. Raises ModelFormatError, QuantError."""
     spec = weights.spec
     shapes = layer_tensor_names(spec, layer)
     prefix = f"model.layers.{layer}."
     with torch.device("meta"):
         block = Block(spec)
+    as_is = gguf if gguf is not None and takes_gguf_blocks(quant, device, dtype) else None
     for path, parts in BLOCK_LINEARS.items():
         names = [prefix + p + ".weight" for p in parts]
-        weight = weights.read_stacked(names, shapes, torch.float32)
         bias_names = [prefix + p + ".bias" for p in parts]
         bias = weights.read_stacked(bias_names, shapes, torch.float32) if bias_names[0] in shapes else None
         owner, name = path.split(".")
-        setattr(getattr(block, owner), name, quantize_linear(weight, bias, quant, dtype=dtype, device=device))
-        del weight, bias
+        blocks = as_is.matrix(names) if as_is is not None else None
+        if blocks is not None:
+            nibbles, scales, mins = blocks
+            layer_module: nn.Module = Int4BlockLinear(nibbles, scales, mins, None if bias is None else bias.to(dtype))
+        else:
+            weight = weights.read_stacked(names, shapes, torch.float32)
+            layer_module = quantize_linear(weight, bias, quant, dtype=dtype, device=device)
+            del weight
+        setattr(getattr(block, owner), name, layer_module)
+        del bias, blocks
     norms = weights.read({prefix + hf: shapes[prefix + hf] for hf in BLOCK_NORMS.values()}, dtype)
     block.load_state_dict({ours: norms[prefix + hf].to(device) for ours, hf in BLOCK_NORMS.items()},
                           assign=True, strict=False)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -241,6 +242,8 @@ warm = Stage.load(Path(sys.argv[1]), start=0, end=1, quant=Quant.parse(sys.argv[
 warm.open("w", capacity=4)
 warm.forward("w", torch.zeros(1, warm.spec.hidden_size), 0)  # torch's lazy kernel set-up, not the span
 del warm
+import tessera.stages.quant as quant_module
+quant_module.SCRATCH = quant_module.Scratch()  # the dequantization buffers count: a fresh one for the span
 gc.collect()
 before = me.memory_info().rss
 Path("/proc/self/clear_refs").write_text("5")  # resets the peak (VmHWM) to the current RSS
@@ -257,21 +260,91 @@ print(me.memory_info().rss - before, stage.weight_bytes, stage.session_bytes(64)
 FLOAT_TEMPORARIES = 48 << 20  # the largest float32 matrix (gate/up: 7 MiB) and its int4 temporaries (~5 copies)
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_quantized_span_resident_memory(smol_dir, scheme):  # layers [0, 15) of SmolLM2
+GGUF_LOAD_TEMPORARIES = 8 << 20  # the GGUF header's pages while parsed and one matrix's integer copies (measured +0.8 MiB)
+
+
+@pytest.fixture(scope="module")
+def smol_without_gguf(smol_dir, tmp_path_factory):
+    """SmolLM2's converted folder without its source GGUF (links): int4 is quantized from the float weights."""
+    folder = tmp_path_factory.mktemp("smol-no-gguf")
+    for path in smol_dir.iterdir():
+        if path.name != "source.gguf":
+            (folder / path.name).symlink_to(path)
+    return folder
+
+
+@pytest.mark.parametrize("scheme,source", [("int8", "folder"), ("int4", "folder"), ("int4", "gguf")])
+def test_quantized_span_resident_memory(smol_dir, smol_without_gguf, scheme, source):  # layers [0, 15) of SmolLM2
     """RSS after loading (and running) a quantized span <= 1.15 x (its quantized weights + KV cache),
-    and the float weights were never all in memory at once: the peak is the quantized span plus a
-    few float matrices (layers [0, 15): measured peaks +64 MiB for 51 MiB int8, +69 MiB for 32 MiB int4,
-    against a 203 MiB float32 span)."""
-    done = subprocess.run([sys.executable, "-c", QUANT_SPAN_RSS, str(smol_dir), scheme],
+    its dequantization scratch included, and the float weights were never all in memory at once:
+    quantized from the folder, the peak is the quantized span plus a few float matrices (layers
+    [0, 15): measured peaks +68 MiB for 51 MiB int8, +54 MiB for 38 MiB int4, against a 203 MiB
+    float32 span); from the GGUF's blocks there is no float matrix at all (measured: peak +38.8 MiB
+    for 38 MiB of int4)."""
+    folder = smol_dir if source == "gguf" else smol_without_gguf
+    done = subprocess.run([sys.executable, "-c", QUANT_SPAN_RSS, str(folder), scheme],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     grown, weights, kv, peak = map(int, done.stdout.split())
     float_span = 15 * ModelSpec.from_file(smol_dir / "config.json").layer_bytes(4)
-    print(f"{scheme}: +{grown / 2**20:.1f} MiB resident for {weights / 2**20:.1f} MiB of weights and "
-          f"{kv / 2**20:.1f} MiB of KV cache; peak +{peak / 2**20:.1f} MiB (float32 span {float_span / 2**20:.0f} MiB)")
+    print(f"{scheme} from the {source}: +{grown / 2**20:.1f} MiB resident for {weights / 2**20:.1f} MiB of weights and "
+          f"{kv / 2**20:.1f} MiB of KV cache (ratio {grown / (weights + kv):.3f}); peak +{peak / 2**20:.1f} MiB "
+          f"(float32 span {float_span / 2**20:.0f} MiB)")
     assert grown <= 1.15 * (weights + kv)
-    assert peak <= weights + kv + FLOAT_TEMPORARIES
+    assert peak <= weights + kv + (GGUF_LOAD_TEMPORARIES if source == "gguf" else FLOAT_TEMPORARIES)
+
+
+# -- a GGUF's Q4_1 blocks, as they are -----------------------------------------------------
+
+
+def test_int4_span_takes_the_gguf_blocks_without_reading_a_float_matrix(smol_dir, smol_without_gguf, monkeypatch):
+    """SmolLM2's GGUF is Q4_1: an int4 float32 CPU span takes its blocks as they are (no float matrix
+    is read: the folder's reader refuses here), and they are exactly what quantizing the converted
+    folder gives (same integers and scales, so the same `+int4g32` model), and their dequantized
+    weights ARE the folder's float32 weights: the reference model is the unquantized one."""
+    from tessera.stages.weights import WeightFolder
+
+    quantized = Stage.load(smol_without_gguf, start=0, end=3, quant=Quant("int4"))
+    dense = Stage.load(smol_dir, start=0, end=3)
+
+    def no_float_matrices(self, names, shapes, dtype):
+        raise AssertionError(f"a float matrix was read: {names}")
+
+    monkeypatch.setattr(WeightFolder, "read_stacked", no_float_matrices)
+    as_is = Stage.load(smol_dir, start=0, end=3, quant=Quant("int4"))
+    monkeypatch.undo()
+    for ours, theirs, floats in zip(as_is.blocks, quantized.blocks, dense.blocks):
+        for path in BLOCK_LINEARS:
+            owner, name = path.split(".")
+            layer = getattr(getattr(ours, owner), name)
+            assert isinstance(layer, Int4BlockLinear)
+            for buffer in ("weight", "scales", "mins"):
+                assert torch.equal(getattr(layer, buffer), getattr(getattr(getattr(theirs, owner), name), buffer)), path
+            assert torch.equal(dense_weight(layer), getattr(getattr(floats, owner), name).weight), path
+    # bf16 activations use torch's kernels, whose packing is not GGUF's: quantized from the folder
+    with pytest.raises(AssertionError, match="a float matrix was read"):
+        monkeypatch.setattr(WeightFolder, "read_stacked", no_float_matrices)
+        Stage.load(smol_dir, start=0, end=1, quant=Quant("int4"), dtype=torch.bfloat16)
+
+
+def test_gguf_blocks_served_as_is_only_when_they_requantize_to_themselves(tmp_path):
+    from tessera.stages.errors import ModelFormatError
+    from tessera.stages.gguf_blocks import read_gguf_directory, requantizes_to_itself
+
+    gen = np.random.default_rng(0)
+    nibbles = gen.integers(0, 256, (4, 3, 16), dtype=np.uint8)
+    nibbles[..., 0] = 0x0F  # code 15 first, code 0 in the second half: every block spans [0, 15]
+    d = np.full((4, 3), 0.01, dtype=np.float32)
+    m = np.full((4, 3), -0.07, dtype=np.float32)
+    assert requantizes_to_itself(nibbles, d, m)
+    short = nibbles & 0xEE  # no block reaches code 15 now: --quant int4 would choose another scale
+    assert not requantizes_to_itself(short, d, m)
+    (tmp_path / "bad.gguf").write_bytes(b"GGML" + bytes(64))
+    with pytest.raises(ModelFormatError, match="not a GGUF file"):
+        read_gguf_directory(tmp_path / "bad.gguf")
+    (tmp_path / "short.gguf").write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (5).to_bytes(8, "little"))
+    with pytest.raises(ModelFormatError, match="truncated"):
+        read_gguf_directory(tmp_path / "short.gguf")
 
 
 def test_command_line_quant_options():
