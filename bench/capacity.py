@@ -66,7 +66,7 @@ def concurrent_sessions(args: argparse.Namespace) -> list[str]:
     figures = concurrent_sessions_figures(registry.resolve(args.model), tokens=args.tokens, rounds=args.rounds)
     return [f"concurrent sessions ({where}) vs one: "
             + ", ".join(f"{n}: {ratio:.2f}x" for n, ratio in sorted(figures[f"{where} ratio"].items()) if n != 1)
-            for where in ("stage", "server")]
+            for where in ("stage", "server", "server-peer")]
 
 
 def main() -> None:

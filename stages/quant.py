@@ -26,8 +26,8 @@ them with the dense float32 matmul (gpt-fast's CUDA int8 form, in bounded chunks
 then decodes a SmolLM2 layer at ~0.5x float32's speed and int4 at ~0.2x (unpacking nibbles
 costs more than the matmul at one row; a 16-row prefill costs ~1x). There int4 is stored in GGUF's Q4 block layout
 (a group's low nibbles are its first half, the high nibbles its second half) as
-`w = c s + m` (code c in [0, 15], scale s and minimum m per group), so a Q4_0/Q4_1 GGUF
-tensor is these very integers and scales. bfloat16 activations (`--dtype bfloat16`) use
+`w = c s + m` (code c in [0, 15], scale s and minimum m per group), so a Q4_1 GGUF
+tensor is these very integers and scales (stages/gguf_blocks.py). bfloat16 activations (`--dtype bfloat16`) use
 the kernels' fast path (AVX512-BF16): a declared bfloat16 peer, held to the bfloat16
 tolerance as any bfloat16 peer is, not token for token.
 
@@ -44,6 +44,7 @@ import ctypes.util
 import threading
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -183,7 +184,8 @@ class Scratch(threading.local):
 SCRATCH = Scratch()
 
 
-def chunked_matmul(rows: torch.Tensor, n_out: int, dequantize) -> torch.Tensor:
+def chunked_matmul(rows: torch.Tensor, n_out: int,
+                   dequantize: Callable[[int, int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """rows [T, K] float32 @ W^T for W [n_out, K] produced by `dequantize(lo, hi, out)` into this
     thread's scratch, rows [lo, hi) at a time (at most DEQUANT_CHUNK_BYTES of float32) -> [T, n_out]."""
     k = rows.shape[-1]
@@ -191,22 +193,19 @@ def chunked_matmul(rows: torch.Tensor, n_out: int, dequantize) -> torch.Tensor:
     out = rows.new_empty(rows.shape[0], n_out)
     for lo in range(0, n_out, step):
         hi = min(n_out, lo + step)
-        w = dequantize(lo, hi, SCRATCH.take((hi - lo) * k, torch.float32).view(hi - lo, k))
-        torch.matmul(rows, w.T, out=out[:, lo:hi]) if hi - lo == n_out else out[:, lo:hi].copy_(rows @ w.T)
+        w = dequantize(lo, hi, SCRATCH.take((hi - lo) * k, torch.float32).view(hi - lo, k))  # [hi - lo, K]
+        if hi - lo == n_out:
+            torch.matmul(rows, w.T, out=out)
+        else:
+            out[:, lo:hi] = rows @ w.T  # [T, hi - lo]
     return out
 
 
 def int8_rows(q: torch.Tensor, scales: torch.Tensor, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Float32 rows [lo, hi) of W = q s (into `out` [hi - lo, K] when given): one scale per row
-    (scales [N]) or per group of inputs (scales [N, K/G], GGUF's Q8_0). The reference and the
-    float32 forward both call this, so both multiply by the very same numbers."""
+    """Float32 rows [lo, hi) of W = q s, one scale per row (into `out` [hi - lo, K] when given).
+    The reference and the float32 forward both call this, so both multiply by the very same numbers."""
     w = q[lo:hi].float() if out is None else out.copy_(q[lo:hi])  # [r, K]
-    s = scales[lo:hi].float()
-    if s.dim() == 1:
-        return w.mul_(s[:, None])
-    r, k = w.shape
-    w.view(r, s.shape[1], -1).mul_(s[..., None])
-    return w
+    return w.mul_(scales[lo:hi].float()[:, None])
 
 
 def int4_block_rows(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, lo: int, hi: int,
@@ -225,8 +224,7 @@ def int4_block_rows(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
 
 
 class Int8Linear(nn.Module):
-    """y = x W^T (+ b) with W = q * s: q int8 [N, K], s [N] (per row; torch's kernel) or [N, K/G]
-    (per group, GGUF's Q8_0; float32 CPU spans only) in the activations' dtype."""
+    """y = x W^T (+ b) with W = q * s[:, None]: q int8 [N, K], s [N] in the activations' dtype."""
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
