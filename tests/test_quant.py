@@ -1,15 +1,17 @@
 """Quantized spans against their own dequantized float32 model (stages/quant.py).
 
 The reference for a span stored as int8/int4 is a float32 model whose matrices are the
-dequantized values (q s, or (q - 8) s + z) — the same model, computed without the kernels.
+dequantized values (q s, c s + m, or (q - 8) s + z) — the same model, computed without the
+quantized forms.
 
 Tolerances, derived:
-- float32 activations: the kernels and the dense reference multiply the same numbers and
-  differ only in summation order (one kernel product differs from x @ W^T by ~1e-7), as two
-  float32 implementations do. Such noise is relative: ~1e-5 of the largest logit through
-  30 layers, and SmolLM2's logits reach ~30, so 3e-4 (measured: 8e-5 int8, 1e-4 int4 on
-  SmolLM2; 3e-7 on the tiny model). The engine meets 1e-4 against transformers, whose
-  kernels are the same as ours; the int4/int8 kernels block their sums differently.
+- float32 activations (the CPU default): a float32 CPU span multiplies by rows dequantized
+  with the reference's own function, a chunk at a time, so the two differ only in how the
+  matmul blocks its sums (~1e-7 a product), as two float32 implementations do. Such noise
+  is relative: ~1e-5 of the largest logit through 30 layers, and SmolLM2's logits reach
+  ~30, so 3e-4 (measured: 4e-5 to 8e-5 on SmolLM2; 0 on the tiny model, whose matrices fit
+  one chunk). The engine meets 1e-4 against transformers, whose kernels are the same as
+  ours; a chunked matmul blocks its sums differently.
 - bfloat16 activations (`--dtype bfloat16`: torch's fast CPU kernels; the CPU default is float32,
   because bfloat16 changes int4 SmolLM2's answer to the France prompt): the difference from
   the float32 reference is bfloat16 roundoff through 30 layers, and the project already
