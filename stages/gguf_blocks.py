@@ -174,17 +174,24 @@ class GgufQ4Source:
         path = Path(folder) / SOURCE_GGUF
         return GgufQ4Source(path, spec) if path.exists() else None
 
-    def matrix(self, hf_names: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def matrix(self, hf_names: list[str], shapes: dict[str, tuple[int, ...]]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The stacked matrix of `hf_names` (rows in that order) as (nibbles uint8 [N, K/32, 16], d, m
-        float32 [N, K/32]), or None unless every part is a Q4_1 tensor that `requantizes_to_itself`."""
+        float32 [N, K/32]), or None unless every part is a Q4_1 tensor that `requantizes_to_itself`.
+        Raises ModelFormatError if a tensor's shape is not the folder's (`shapes`: name -> [N, K])."""
         parts = []
         for name in hf_names:
             layer, pattern = split_layer(name)
             gguf_name = GGUF_NAMES.get(pattern)
             tensor = self.tensors.get(gguf_name.replace("{i}", layer)) if gguf_name else None
-            if tensor is None or tensor.kind != Q4_1_TYPE or len(tensor.dims) != 2 or tensor.dims[0] % Q4_1_BLOCK:
+            if tensor is None or tensor.kind != Q4_1_TYPE:
                 return None
-            cols, rows = tensor.dims
+            if tensor.dims[::-1] != tuple(shapes[name]):
+                raise ModelFormatError(f"{str(self.path)!r}: {gguf_name.replace('{i}', layer)} is {list(tensor.dims[::-1])}, "
+                                       f"the folder's {name} is {list(shapes[name])}: not this folder's source")
+            rows, cols = shapes[name]
+            if cols % Q4_1_BLOCK:
+                return None
             raw = np.memmap(self.path, dtype=np.uint8, mode="r", offset=tensor.offset,
                             shape=(rows, cols // Q4_1_BLOCK * Q4_1_BYTES))
             fields = q4_1_fields(raw)  # copies: the map is dropped below

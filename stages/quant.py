@@ -397,7 +397,7 @@ def quantize_block(weights: WeightFolder, layer: int, quant: Quant, *, dtype: to
         bias_names = [prefix + p + ".bias" for p in parts]
         bias = weights.read_stacked(bias_names, shapes, torch.float32) if bias_names[0] in shapes else None
         owner, name = path.split(".")
-        blocks = as_is.matrix(names) if as_is is not None else None
+        blocks = as_is.matrix(names, shapes) if as_is is not None else None
         if blocks is not None:
             nibbles, scales, mins = blocks
             layer_module: nn.Module = Int4BlockLinear(nibbles, scales, mins, None if bias is None else bias.to(dtype))

@@ -329,9 +329,16 @@ def test_int4_span_takes_the_gguf_blocks_without_reading_a_float_matrix(smol_dir
         Stage.load(smol_dir, start=0, end=1, quant=Quant("int4"), dtype=torch.bfloat16)
 
 
-def test_gguf_blocks_served_as_is_only_when_they_requantize_to_themselves(tmp_path):
+def test_gguf_blocks_served_as_is_only_when_they_requantize_to_themselves(tmp_path, smol_dir):
     from tessera.stages.errors import ModelFormatError
-    from tessera.stages.gguf_blocks import read_gguf_directory, requantizes_to_itself
+    from tessera.stages.gguf_blocks import GgufQ4Source, read_gguf_directory, requantizes_to_itself
+
+    source = GgufQ4Source.beside(smol_dir, ModelSpec.from_file(smol_dir / "config.json"))
+    v = "model.layers.0.self_attn.v_proj.weight"
+    nibbles, d, m = source.matrix([v], {v: (192, 576)})
+    assert nibbles.shape == (192, 18, 16) and d.shape == m.shape == (192, 18) and d.dtype == torch.float32
+    with pytest.raises(ModelFormatError, match="not this folder's source"):
+        source.matrix([v], {v: (64, 576)})
 
     gen = np.random.default_rng(0)
     nibbles = gen.integers(0, 256, (4, 3, 16), dtype=np.uint8)
