@@ -23,6 +23,7 @@ from typing import Any
 
 from tessera.store import schema
 from tessera.store.errors import BadRecord, NotJSON, ReadOnlyStore, StoreClosed
+from tessera.store.events import Stamped, TraceEvent, stamped
 from tessera.store.reputation import Reputation
 from tessera.store.values import check_int, check_span, check_text, session_hex, timestamp
 from tessera.store.writer import DEFAULT_FLUSH_INTERVAL_S, FLUSH_TIMEOUT_S, BatchWriter, call_op
@@ -320,15 +321,17 @@ class PeerStore(Reputation):
     # --- the trace (written by tessera.store.trace.TraceWriter) ---------------------------------
 
     def events(
-        self, *, after_id: int = 0, kinds: tuple[str, ...] | None = None, limit: int | None = None
-    ) -> list[dict]:
-        """Trace rows with id > `after_id`, oldest first (``detail`` decoded). For a live tail."""
+        self,
+        *,
+        after_id: int = 0,
+        kinds: tuple[type[TraceEvent], ...] | None = None,
+        limit: int | None = None,
+    ) -> list[Stamped]:
+        """Trace events with row id > `after_id`, oldest first, of the event classes `kinds`
+        (all, with rows no class fits as `Unknown`, when None). For a live tail."""
         where, params = "WHERE id > ?", [after_id]
         if kinds:
             where += " AND kind IN ({})".format(", ".join("?" * len(kinds)))
-            params += list(kinds)
+            params += [cls.kind for cls in kinds]
         tail = f"LIMIT {int(limit)}" if limit is not None else ""
-        rows = self._query(f"SELECT * FROM trace {where} ORDER BY id {tail}", tuple(params))
-        for row in rows:
-            row["detail"] = json.loads(row["detail"]) if row["detail"] else {}
-        return rows
+        return [stamped(row) for row in self._query(f"SELECT * FROM trace {where} ORDER BY id {tail}", tuple(params))]
