@@ -399,6 +399,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
 @dataclass(frozen=True)
 class _Field:
     name: str
+    annotation: str  # its type, without " | None": a key of _CHECKS
     key: str  # the detail key, or the column name
     column: bool
     check: Callable[[Any], bool]
@@ -417,7 +418,7 @@ def _spec(cls: type[TraceEvent]) -> tuple[_Field, ...]:
         check, want = _CHECKS[base]
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         column = f.name in COLUMN_FIELDS
-        out.append(_Field(f.name, f.name if column else f.metadata.get("key", f.name), column, check, want,
+        out.append(_Field(f.name, base, f.name if column else f.metadata.get("key", f.name), column, check, want,
                           optional, required))
     return tuple(out)
 
