@@ -119,11 +119,6 @@ class TraceWriter(_Closing):
             raise StoreClosed(f"tracer for {self.peer!r} is closed; cannot emit {event.kind!r}")
         self._writer.submit(("trace", make_row(event, peer or self.peer, wall=wall, mono_ns=mono_ns)))
 
-    @property
-    def dropped(self) -> int:
-        """Events refused because the disk was stuck and the queue full (see store/writer.py)."""
-        return self._writer.dropped
-
     def flush(self, timeout: float | None = None) -> None:
         if self._closed:
             return

@@ -154,7 +154,7 @@ def test_a_tracer_on_a_shared_store_flushes_only_and_tightens_the_interval(tmp_p
         tracer.emit(Join(addrs=[], model="m"))
         tracer.close()  # flushes; the store stays open for its owner
         assert [e.peer for e in store.events()] == ["p"]
-        store.set_setting("still", "open")
+        store.record_identity("12D3KooWStillOpen")
 
 
 def test_events_are_batched_one_transaction_per_interval(tmp_path):
@@ -245,5 +245,5 @@ def test_kill_9_loses_at_most_the_last_second(tmp_path):
     assert json.loads(detail) == {"start_pos": last_step, "n_tokens": 64}
     conn.close()
     with PeerStore(path) as store:  # and the peer can reopen it and carry on
-        store.set_setting("after", "crash")
-        assert store.get_setting("after") == "crash"
+        store.record_identity("12D3KooWAfterCrash")
+        assert store.identity() == "12D3KooWAfterCrash"
