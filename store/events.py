@@ -41,6 +41,8 @@ from typing import Any, Callable, ClassVar
 from tessera.store.errors import BadTraceField, BadTraceRow, NotJSON, UnknownEventKind
 
 COLUMN_FIELDS = ("session", "step", "span", "bytes", "duration", "remote")
+# The stored columns an event fills, in the trace table's order (store/writer.py TRACE_COLUMNS).
+ROW_COLUMNS = ("session", "step", "span_start", "span_end", "bytes", "duration", "remote")
 CONNECT_KINDS = ("direct", "punched", "relayed")  # peer/net/transport.py LinkKind; a test keeps them equal
 _HEX = "0123456789abcdef"
 
@@ -406,6 +408,7 @@ class _Field:
     want: str
     optional: bool
     required: bool  # no default: the constructor needs it
+    slot: int  # its index in ROW_COLUMNS (span: of span_start); -1 for a detail key
 
 
 def _spec(cls: type[TraceEvent]) -> tuple[_Field, ...]:
@@ -418,8 +421,9 @@ def _spec(cls: type[TraceEvent]) -> tuple[_Field, ...]:
         check, want = _CHECKS[base]
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         column = f.name in COLUMN_FIELDS
+        slot = ROW_COLUMNS.index("span_start" if f.name == "span" else f.name) if column else -1
         out.append(_Field(f.name, base, f.name if column else f.metadata.get("key", f.name), column, check, want,
-                          optional, required))
+                          optional, required, slot))
     return tuple(out)
 
 
@@ -434,8 +438,8 @@ def field_names(cls: type[TraceEvent]) -> tuple[str, ...]:
 # --- to and from a row ------------------------------------------------------------------
 
 
-def encode(event: TraceEvent) -> tuple[str, dict[str, Any], str | None]:
-    """(kind, the six column values with span split, detail as JSON text or None).
+def encode(event: TraceEvent) -> tuple[str, tuple, str | None]:
+    """(kind, the values of `ROW_COLUMNS`, detail as JSON text or None). On every emit: kept lean.
 
     Raises BadTraceField naming the kind, field and value for a value of the wrong type, and
     UnknownEventKind for anything that is not an instance of one of `EVENT_TYPES`.
@@ -444,11 +448,11 @@ def encode(event: TraceEvent) -> tuple[str, dict[str, Any], str | None]:
     spec = SPECS.get(cls)
     if spec is None:
         raise UnknownEventKind(f"{event!r} is not an event of tessera.store.events (one of EVENT_TYPES)")
-    columns: dict[str, Any] = {"session": None, "step": None, "span_start": None, "span_end": None,
-                               "bytes": None, "duration": None, "remote": None}
+    columns: list[Any] = [None] * len(ROW_COLUMNS)
     detail: dict[str, Any] = {}
+    values = event.__dict__
     for f in spec:
-        value = getattr(event, f.name)
+        value = values[f.name]
         if value is None:
             if not f.optional:
                 raise BadTraceField(f"{cls.kind} event: {f.name} must be {f.want}, got None")
@@ -456,25 +460,26 @@ def encode(event: TraceEvent) -> tuple[str, dict[str, Any], str | None]:
         if not f.check(value):
             raise BadTraceField(f"{cls.kind} event: {f.name} must be {f.want}"
                                 f"{' or None' if f.optional else ''}, got {value!r}")
-        if f.name == "span":
-            columns["span_start"], columns["span_end"] = int(value[0]), int(value[1])
-        elif f.name == "session":
-            columns["session"] = bytes(value).hex() if isinstance(value, (bytes, bytearray)) else value.lower()
-        elif f.name == "duration":
-            columns["duration"] = float(value)
-        elif f.column:
-            columns[f.name] = value
-        else:
+        slot = f.slot
+        if slot < 0:
             detail[f.key] = value
+        elif slot == 0:  # session
+            columns[0] = bytes(value).hex() if isinstance(value, (bytes, bytearray)) else value.lower()
+        elif slot == 2:  # span
+            columns[2], columns[3] = int(value[0]), int(value[1])
+        elif slot == 5:  # duration
+            columns[5] = float(value)
+        else:
+            columns[slot] = value
     if cls is Connect and event.link not in CONNECT_KINDS:  # type: ignore[attr-defined]
         raise BadTraceField(f"connect event: link must be one of {CONNECT_KINDS!r}, got {event.link!r}")  # type: ignore[attr-defined]
     if not detail:
-        return cls.kind, columns, None
+        return cls.kind, tuple(columns), None
     try:
         text = json.dumps(detail, separators=(",", ":"), sort_keys=True, allow_nan=False)
     except (TypeError, ValueError) as error:
         raise NotJSON(f"{cls.kind} event: detail {detail!r} is not JSON ({error})") from None
-    return cls.kind, columns, text
+    return cls.kind, tuple(columns), text
 
 
 def decode(kind: str, columns: dict[str, Any], detail: dict[str, Any]) -> TraceEvent:
@@ -526,8 +531,7 @@ def stamped(row: dict[str, Any]) -> Stamped:
         detail = json.loads(text) if text else {}
     except (TypeError, ValueError):
         detail = {"": text}  # kept verbatim in an Unknown below
-    columns = {name: row.get(name) for name in ("session", "step", "span_start", "span_end", "bytes", "duration",
-                                                "remote")}
+    columns = {name: row.get(name) for name in ROW_COLUMNS}
     kind = row.get("kind")
     if not isinstance(detail, dict) or "" in detail:
         event: TraceEvent = Unknown(str(kind), columns, {"": text}, f"detail is not a JSON object: {text!r}")
@@ -541,4 +545,4 @@ def row_fields(event: TraceEvent) -> tuple[dict[str, Any], dict[str, Any]]:
     if isinstance(event, Unknown):
         return dict(event.columns), dict(event.detail)
     _, columns, text = encode(event)
-    return columns, json.loads(text) if text else {}
+    return dict(zip(ROW_COLUMNS, columns)), json.loads(text) if text else {}

@@ -50,9 +50,7 @@ def make_row(event: TraceEvent, peer: str, *, wall: float | None = None, mono_ns
         raise BadTraceField(f"{kind} event: wall must be a finite number of unix seconds, got {wall!r}")
     if not isinstance(peer, str) or not peer:
         raise BadTraceField(f"{kind} event: peer must be a non-empty str, got {peer!r}")
-    c = columns
-    return (mono_ns, float(wall), peer, kind, c["session"], c["step"], c["span_start"], c["span_end"], c["bytes"],
-            c["duration"], c["remote"], detail)
+    return (mono_ns, float(wall), peer, kind, *columns, detail)
 
 
 @runtime_checkable

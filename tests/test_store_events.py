@@ -21,11 +21,12 @@ import pytest
 from tessera.peer.net.transport import LinkKind
 from tessera.store.db import PeerStore
 from tessera.store.errors import BadTraceRow
-from tessera.store.events import (BY_KIND, CONNECT_KINDS, EVENT_TYPES, SPECS, Claim, Forward, SessionOpen, Stamped,
+from tessera.store.events import (BY_KIND, CONNECT_KINDS, EVENT_TYPES, ROW_COLUMNS, SPECS, Claim, Forward, SessionOpen, Stamped,
                                   TraceEvent, Unknown, field_names)
 from tessera.store.export import export_jsonl
 from tessera.store.timeline import load_timeline
 from tessera.store.trace import MemoryTracer, TraceWriter
+from tessera.store.writer import TRACE_COLUMNS
 
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("peer", "tui", "store", "bench")
@@ -60,8 +61,9 @@ def test_every_event_class_round_trips_through_a_store_a_timeline_and_the_export
     assert len(BY_KIND) == len(EVENT_TYPES)  # one class per kind
 
 
-def test_connect_kinds_are_the_transports_link_kinds():
+def test_connect_kinds_are_the_transports_link_kinds_and_row_columns_the_tables():
     assert sorted(CONNECT_KINDS) == sorted(k.value for k in LinkKind)
+    assert TRACE_COLUMNS == ("mono_ns", "wall", "peer", "kind", *ROW_COLUMNS, "detail")
 
 
 # --- the AST walk ----------------------------------------------------------------------------
