@@ -29,6 +29,7 @@ import trio
 from tessera.peer.request.client import Swarm
 from tessera.peer.cli.demo import LocalSwarm
 from tessera.store.db import PeerStore
+from tessera.store.events import Forward
 
 SPANS = [(0, 10), (10, 20), (20, 30)]
 # what a function's file or name says about the kind of work it is (first match wins)
@@ -139,8 +140,8 @@ def main() -> None:
     finally:
         peers.stop()
     steps = timing["tokens"]
-    compute = [sum(e["duration"] or 0.0 for e in PeerStore(peers.base_dir / f"peer{i}" / "tessera.db", readonly=True)
-                   .events(after_id=timing["first_event"][i], kinds=("forward",))) for i in range(3)]
+    compute = [sum(e.event.duration for e in PeerStore(peers.base_dir / f"peer{i}" / "tessera.db", readonly=True)
+                   .events(after_id=timing["first_event"][i], kinds=(Forward,))) for i in range(3)]
     step_ms = timing["seconds"] / steps * 1e3
     peer_ms = [c / steps * 1e3 for c in compute]
     req_ms = timing["requester_compute"] / steps * 1e3
@@ -161,8 +162,8 @@ def main() -> None:
 
 
 def last_event(peers: LocalSwarm, i: int) -> int:
-    events = PeerStore(peers.base_dir / f"peer{i}" / "tessera.db", readonly=True).events(kinds=("forward",))
-    return events[-1]["id"] if events else 0
+    events = PeerStore(peers.base_dir / f"peer{i}" / "tessera.db", readonly=True).events(kinds=(Forward,))
+    return events[-1].id if events else 0
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tessera.store.events import Forward  # noqa: E402
 from tessera.store.trace import NullTracer, TraceWriter  # noqa: E402
 
 
@@ -26,7 +27,7 @@ def emit_loop(tracer, n: int, work: int = 0) -> float:
     for i in range(n):
         for _ in range(work):  # stand-in for a step's Python-side bookkeeping
             pass
-        tracer.emit("forward", session="5e55", step=i, span=(0, 15), duration=0.001, bytes=2304)
+        tracer.emit(Forward(session="5e55", step=i, span=(0, 15), duration=0.001, bytes=2304))
     return time.perf_counter() - start
 
 

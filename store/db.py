@@ -13,7 +13,6 @@ store/trace.py. Times are unix seconds; spans are half-open ``(start, end)``.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import threading
@@ -22,16 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from tessera.store import schema
-from tessera.store.errors import BadRecord, NotJSON, ReadOnlyStore, StoreClosed
+from tessera.store.errors import BadRecord, ReadOnlyStore, StoreClosed
+from tessera.store.events import Stamped, TraceEvent, stamped
 from tessera.store.reputation import Reputation
-from tessera.store.values import check_int, check_span, check_text, session_hex, timestamp
+from tessera.store.values import check_int, check_span, check_text, timestamp
 from tessera.store.writer import DEFAULT_FLUSH_INTERVAL_S, FLUSH_TIMEOUT_S, BatchWriter, call_op
 
 CLAIM_ACTIONS = ("claim", "release", "move")
 HOUR_S = 3600
-
-_MISSING = object()  # get_setting's default when None is itself a stored value
-
 
 def hour_bucket(at: float) -> int:
     """Unix seconds of the start of the (UTC) hour holding `at`."""
@@ -39,7 +36,7 @@ def hour_bucket(at: float) -> int:
 
 
 class PeerStore(Reputation):
-    """One peer's database: identity, settings, claims, sessions, ledger, bans, reports, trace.
+    """One peer's database: identity, claims, ledger, misbehaviour reports, trace.
 
     `path` is created if missing (and migrated forward if old) unless ``readonly=True``,
     which opens an existing database for reading only (the TUI, ``tessera ledger``).
@@ -51,7 +48,6 @@ class PeerStore(Reputation):
         self.path = Path(path)
         self.readonly = readonly
         self._writer: BatchWriter | None = None
-        self._ban_lock = threading.Lock()  # see Reputation.add_ban
         if readonly:
             self._reader = schema.connect(self.path, readonly=True)
             try:
@@ -119,11 +115,7 @@ class PeerStore(Reputation):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @property
-    def schema_version(self) -> int:
-        return int(self._query("SELECT max(version) AS v FROM schema_version")[0]["v"])
-
-    # --- identity and settings ---------------------------------------------------------
+    # --- identity ----------------------------------------------------------------------
 
     def record_identity(self, peer_id: str, *, at: float | None = None) -> None:
         """Remember this peer's public id (the first time it is seen)."""
@@ -137,34 +129,6 @@ class PeerStore(Reputation):
         """The most recently created public peer id, or None."""
         rows = self._query("SELECT peer_id FROM identity ORDER BY created DESC, rowid DESC LIMIT 1")
         return rows[0]["peer_id"] if rows else None
-
-    def set_setting(self, key: str, value: Any, *, at: float | None = None) -> None:
-        """Store `value` (anything JSON can hold, None included) under `key`."""
-        try:
-            text = json.dumps(value, sort_keys=True, allow_nan=False)
-        except (TypeError, ValueError) as error:
-            raise NotJSON(f"setting {key!r}: value {value!r} is not JSON ({error})") from None
-        row = {"key": check_text("key", key), "value": text, "updated": timestamp(at)}
-        self._submit(lambda db: db["settings"].upsert(row, pk="key"), "setting")
-
-    def get_setting(self, key: str, default: Any = None) -> Any:
-        """The value stored under `key`, or `default` if there is none."""
-        value = self._setting(key)
-        return default if value is _MISSING else value
-
-    def _setting(self, key: str) -> Any:
-        rows = self._query("SELECT value FROM settings WHERE key = ?", (key,))
-        return json.loads(rows[0]["value"]) if rows else _MISSING
-
-    def settings(self) -> dict[str, Any]:
-        """Every setting, key -> value."""
-        return {
-            r["key"]: json.loads(r["value"])
-            for r in self._query("SELECT key, value FROM settings ORDER BY key")
-        }
-
-    def delete_setting(self, key: str) -> None:
-        self._submit(lambda db: db.execute("DELETE FROM settings WHERE key = ?", (key,)), "setting")
 
     # --- claims --------------------------------------------------------------------------
 
@@ -208,68 +172,6 @@ class PeerStore(Reputation):
             newest = f"SELECT * FROM claims ORDER BY time DESC, id DESC LIMIT {int(limit)}"
             sql = f"SELECT * FROM ({newest}) ORDER BY time, id"
         return self._query(sql)
-
-    def current_claims(self) -> list[dict]:
-        """What the history says is claimed now: claims and moves minus releases."""
-        held: dict[tuple, dict] = {}
-        for row in self.claims():
-            key = (
-                row["model_id"],
-                row["span_start"],
-                row["span_end"],
-                row["shard_index"],
-                row["shard_count"],
-            )
-            if row["action"] == "release":
-                held.pop(key, None)
-                continue
-            if row["action"] == "move" and row["moved_from_start"] is not None:
-                held.pop((key[0], row["moved_from_start"], row["moved_from_end"], *key[3:]), None)
-            held[key] = row
-        return list(held.values())
-
-    # --- sessions ----------------------------------------------------------------------
-
-    def session_opened(
-        self,
-        session: bytes | str,
-        requester: str,
-        span: tuple[int, int],
-        *,
-        model_id: str | None = None,
-        at: float | None = None,
-    ) -> None:
-        """Record that this peer opened `session` for `requester` over `span`."""
-        start, end = check_span(span)
-        row = {
-            "session": session_hex(session),
-            "requester": check_text("requester", requester),
-            "model_id": model_id,
-            "span_start": start,
-            "span_end": end,
-            "opened": timestamp(at),
-        }
-        self._submit(lambda db: db["sessions"].upsert(row, pk="session"), "session_opened")
-
-    def session_closed(
-        self, session: bytes | str, *, steps: int, tokens: int, reason: str = "done", at: float | None = None
-    ) -> None:
-        """Record that `session` closed after `steps` forward steps over `tokens` tokens."""
-        row = {
-            "session": session_hex(session),
-            "closed": timestamp(at),
-            "steps": check_int("steps", steps),
-            "tokens": check_int("tokens", tokens),
-            "close_reason": str(reason),
-        }
-        # upsert: a close whose open was never recorded (crash, older db) still lands.
-        self._submit(lambda db: db["sessions"].upsert(row, pk="session"), "session_closed")
-
-    def sessions(self, *, open_only: bool = False, limit: int | None = None) -> list[dict]:
-        """Sessions, newest opened first."""
-        where = "WHERE closed IS NULL" if open_only else ""
-        tail = f"LIMIT {int(limit)}" if limit is not None else ""
-        return self._query(f"SELECT * FROM sessions {where} ORDER BY opened DESC, rowid DESC {tail}")
 
     # --- ledger --------------------------------------------------------------------------
 
@@ -320,15 +222,17 @@ class PeerStore(Reputation):
     # --- the trace (written by tessera.store.trace.TraceWriter) ---------------------------------
 
     def events(
-        self, *, after_id: int = 0, kinds: tuple[str, ...] | None = None, limit: int | None = None
-    ) -> list[dict]:
-        """Trace rows with id > `after_id`, oldest first (``detail`` decoded). For a live tail."""
+        self,
+        *,
+        after_id: int = 0,
+        kinds: tuple[type[TraceEvent], ...] | None = None,
+        limit: int | None = None,
+    ) -> list[Stamped]:
+        """Trace events with row id > `after_id`, oldest first, of the event classes `kinds`
+        (all, with rows no class fits as `Unknown`, when None). For a live tail."""
         where, params = "WHERE id > ?", [after_id]
         if kinds:
             where += " AND kind IN ({})".format(", ".join("?" * len(kinds)))
-            params += list(kinds)
+            params += [cls.kind for cls in kinds]
         tail = f"LIMIT {int(limit)}" if limit is not None else ""
-        rows = self._query(f"SELECT * FROM trace {where} ORDER BY id {tail}", tuple(params))
-        for row in rows:
-            row["detail"] = json.loads(row["detail"]) if row["detail"] else {}
-        return rows
+        return [stamped(row) for row in self._query(f"SELECT * FROM trace {where} ORDER BY id {tail}", tuple(params))]

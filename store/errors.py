@@ -30,7 +30,7 @@ class NotJSON(StoreError, TypeError):
 
 
 class UnknownEventKind(StoreError, ValueError):
-    """A trace event names a kind that is not in `tessera.store.trace.EVENT_KINDS`."""
+    """What was emitted is not an event of `tessera.store.events.EVENT_TYPES`."""
 
 
 class BadTraceField(StoreError, ValueError):
@@ -63,3 +63,7 @@ class KeyFileNotOwned(KeyFileError):
 
 class NotATraceDatabase(StoreError):
     """A path given to export or plot is not a Tessera database with a trace table."""
+
+
+class BadTraceRow(NotATraceDatabase):
+    """A stored trace row has no usable time or peer id, so it cannot be placed on a timeline."""

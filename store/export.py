@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from tessera.store.events import Forward, Push, Receive, Unknown, row_fields
 from tessera.store.timeline import Event, Timeline, load_timeline
 
 # A zero-duration push or receive still needs a slice for its flow arrow to bind to.
@@ -33,7 +34,7 @@ MIN_SLICE_US = 1.0
 # seconds-or-nanoseconds or absolute epoch time slipped in.
 MAX_TS_US = 1e13
 # Thread ids: lane k of a thread group is tid base + k (a peer rarely needs more than a few).
-_LANES = {"forward": ("compute", 1000), "push": ("network", 2000), "receive": ("network", 2000)}
+_LANES = {Forward: ("compute", 1000), Push: ("network", 2000), Receive: ("network", 2000)}
 _ACTIVITY = ("activity", 3000)
 _EVENTS_TID = 0
 _PHASES = {"X", "B", "E", "i", "I", "s", "t", "f", "M", "C"}
@@ -63,27 +64,26 @@ def _summary(timeline: Timeline, **extra: Any) -> dict[str, Any]:
 
 
 def event_record(timeline: Timeline, e: Event) -> dict[str, Any]:
-    """One merged event as plain data: the trace columns plus aligned times and provenance."""
+    """One merged event as plain data: the trace columns plus aligned times and provenance
+    (and, for a row no event class fits, ``unknown``: why)."""
     offset = timeline.offsets.get(e.db, 0.0)
-    return {
+    columns, detail = row_fields(e.event)
+    record = {
         "t": timeline.origin + e.t,  # aligned unix time (reference clock) of the event's end
         "start": timeline.origin + e.start,
         "peer": e.peer,
         "kind": e.kind,
-        "session": e.session,
-        "step": e.step,
-        "span_start": e.span_start,
-        "span_end": e.span_end,
-        "bytes": e.bytes,
-        "duration": e.duration,
-        "remote": e.remote,
-        "detail": e.detail,
+        **columns,
+        "detail": detail,
         "wall": e.wall,
         "mono_ns": e.mono_ns,
         "clock_offset": offset,
         "db": str(timeline.paths[e.db]),
         "id": e.id,
     }
+    if isinstance(e.event, Unknown):
+        record["unknown"] = e.event.problem
+    return record
 
 
 def export_jsonl(db_paths: Sequence[Path | str], out_path: Path | str) -> dict[str, Any]:
@@ -99,16 +99,18 @@ def export_jsonl(db_paths: Sequence[Path | str], out_path: Path | str) -> dict[s
 
 def _args(timeline: Timeline, e: Event) -> dict[str, Any]:
     args: dict[str, Any] = {"db": str(timeline.paths[e.db]), "id": e.id}
+    columns, detail = row_fields(e.event)
     for name in ("session", "step", "bytes", "remote"):
-        value = getattr(e, name)
-        if value is not None:
-            args[name] = value
-    if e.span_start is not None or e.span_end is not None:
-        args["span"] = f"[{e.span_start}, {e.span_end})"
-    if e.duration is not None:
-        args["duration_ms"] = round(e.duration * 1e3, 6)
-    if e.detail:
-        args["detail"] = e.detail
+        if columns[name] is not None:
+            args[name] = columns[name]
+    if columns["span_start"] is not None or columns["span_end"] is not None:
+        args["span"] = f"[{columns['span_start']}, {columns['span_end']})"
+    if columns["duration"] is not None:
+        args["duration_ms"] = round(columns["duration"] * 1e3, 6)
+    if detail:
+        args["detail"] = detail
+    if isinstance(e.event, Unknown):
+        args["unknown"] = e.event.problem
     return args
 
 
@@ -145,7 +147,7 @@ def to_perfetto(timeline: Timeline) -> dict[str, Any]:
     out: list[dict[str, Any]] = []
     for e in timeline.events:
         pid = pid_of[e.peer]
-        lane = _LANES.get(e.kind) or (_ACTIVITY if e.duration else None)
+        lane = _LANES.get(type(e.event)) or (_ACTIVITY if e.duration else None)
         if lane is None:
             out.append(
                 {

@@ -6,7 +6,8 @@ One row per peer (in order of first activity, labelled with its short id and rol
 per forward step (coloured by session, labelled with its step when there is room;
 overlapping steps of concurrent sessions share the row in lanes), an arrow from each push
 to its matching receive, and markers for the events that explain a surprise (failover,
-rollback, ban, error, leave, join) and for each token the requester got. Times are
+ban, error, misbehaviour, move, leave, join) and for each step the requester got back
+(a `Result`: the prompt, then one per decoded token). Times are
 seconds since the start of the merged, clock-aligned timeline (store/timeline.py).
 
 matplotlib is imported inside `plot_timeline` (Agg backend), so importing store/ stays cheap.
@@ -17,19 +18,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
+from tessera.store.events import Ban, Error, Failover, Forward, Join, Leave, Misbehaviour, Move, Result, TraceEvent
 from tessera.store.timeline import Event, Timeline, load_timeline
 
-# Events drawn as markers on their peer's row: kind -> (marker, colour).
-MARKERS = {
-    "join": ("^", "#2a9d8f"),
-    "leave": ("v", "#6c757d"),
-    "failover": ("X", "#d62828"),
-    "rollback": ("<", "#f77f00"),
-    "ban": ("s", "#000000"),
-    "error": ("x", "#d62828"),
-    "misbehaviour": ("D", "#9d0208"),
-    "move": (">", "#577590"),
-    "token": ("|", "#333333"),
+# Events drawn as markers on their peer's row: event class -> (marker, colour).
+MARKERS: dict[type[TraceEvent], tuple[str, str]] = {
+    Join: ("^", "#2a9d8f"),
+    Leave: ("v", "#6c757d"),
+    Failover: ("X", "#d62828"),
+    Ban: ("s", "#000000"),
+    Error: ("x", "#d62828"),
+    Misbehaviour: ("D", "#9d0208"),
+    Move: (">", "#577590"),
+    Result: ("|", "#333333"),
 }
 SESSION_COLOURS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c"]
 BAR_HEIGHT = 0.5
@@ -43,13 +44,11 @@ def _short(peer: str) -> str:
 
 def _row_label(peer: str, events: list[Event]) -> str:
     """The peer's short id and what it did: "requester" or the layers it computed."""
-    mine = [e for e in events if e.peer == peer]
-    spans = sorted(
-        {(e.span_start, e.span_end) for e in mine if e.kind == "forward" and e.span_start is not None}
-    )
+    mine = [e.event for e in events if e.peer == peer]
+    spans = sorted({e.span for e in mine if isinstance(e, Forward)})
     if spans:
         role = "layers " + ", ".join(f"{a}–{b}" for a, b in spans[:3])
-    elif any(e.kind in ("request", "token") for e in mine):
+    elif any(isinstance(e, Result) for e in mine):
         role = "requester"
     else:
         role = ""
@@ -87,23 +86,23 @@ def plot_timeline(
     span = max((e.t for e in timeline.events), default=1.0) or 1.0
     fig_h = 1.6 + 0.75 * max(len(peers), 1)
     fig, ax = plt.subplots(figsize=(12, fig_h), dpi=110)
-    forwards = [e for e in timeline.events if e.kind == "forward"]
+    forwards = [e for e in timeline.events if isinstance(e.event, Forward)]
     for peer in peers:
         mine = [e for e in forwards if e.peer == peer]
         widths = [max(e.duration or 0.0, span / 2000) for e in mine]
         lanes, n_lanes = _lanes([(e.start, e.start + w) for e, w in zip(mine, widths)])
         height = BAR_HEIGHT / n_lanes
         for e, width, lane in zip(mine, widths, lanes):
-            colour = SESSION_COLOURS[sessions.setdefault(e.session, len(sessions)) % len(SESSION_COLOURS)]
+            colour = SESSION_COLOURS[sessions.setdefault(e.event.session, len(sessions)) % len(SESSION_COLOURS)]
             y = row[peer] - BAR_HEIGHT / 2 + lane * height
             ax.broken_barh(
                 [(e.start, width)], (y, height), facecolors=colour, edgecolors="white", linewidth=0.4
             )
-            if e.step is not None and width > span / 80:
+            if e.event.step is not None and width > span / 80:
                 ax.text(
                     e.start + width / 2,
                     y + height / 2,
-                    str(e.step),
+                    str(e.event.step),
                     ha="center",
                     va="center",
                     fontsize=7 if n_lanes == 1 else 6,
@@ -125,9 +124,9 @@ def plot_timeline(
         )
     drawn_markers = set()
     for e in timeline.events:
-        if e.kind in MARKERS:
-            marker, colour = MARKERS[e.kind]
-            y = row[e.peer] if e.kind == "token" else row[e.peer] - BAR_HEIGHT / 2 - 0.12
+        if type(e.event) in MARKERS:
+            marker, colour = MARKERS[type(e.event)]
+            y = row[e.peer] if isinstance(e.event, Result) else row[e.peer] - BAR_HEIGHT / 2 - 0.12
             ax.scatter(
                 [e.t],
                 [y],

@@ -1,13 +1,12 @@
-"""What a peer remembers about other peers: bans with back-off, and misbehaviour reports.
+"""What a peer remembers about other peers: the misbehaviour reports it received.
 
-A mixin of `PeerStore` (store/db.py), which provides ``_query`` (a read after a flush),
-``_submit`` (queue a write op) and ``_ban_lock``; kept apart so each file has one job.
+A mixin of `PeerStore` (store/db.py), which provides ``_query`` (a read after a flush) and
+``_submit`` (queue a write op); kept apart so each file has one job. Bans and their back-off
+live in the swarm client's one back-off object (peer/base/backoff.py), not here.
 """
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from tessera.store.errors import BadRecord, ReportTooLarge
@@ -16,75 +15,13 @@ from tessera.store.values import check_int, check_span, check_text, hash_text, s
 # A report's raw signed bytes: a few hashes, ids and a signature. 64 KiB is ample and keeps
 # a hostile reporter from filling our disk through one row.
 MAX_REPORT_BYTES = 64 * 1024
-# Ban back-off: the n-th ban lasts BAN_BASE_S * 2**(n-1), at most BAN_CAP_S. A peer that has
-# stayed clean for BAN_FORGIVE_S after its last ban ended starts again at the first step.
-BAN_BASE_S = 60.0
-BAN_CAP_S = 24 * 3600.0
-BAN_FORGIVE_S = 7 * 24 * 3600.0
-
-
-@dataclass(frozen=True)
-class Ban:
-    """One ban as stored: who, until when (unix s), why, and how many bans so far."""
-
-    peer: str
-    until: float
-    reason: str
-    count: int
 
 
 class Reputation:
-    """Bans and reports; see the module docstring for what the host class provides."""
+    """Misbehaviour reports; see the module docstring for what the host class provides."""
 
-    _ban_lock: threading.Lock
     _query: Callable[..., list[dict]]
     _submit: Callable[[Any, str], None]
-
-    # --- bans ----------------------------------------------------------------------------
-
-    def add_ban(
-        self,
-        peer: str,
-        reason: str,
-        *,
-        now: float | None = None,
-        base: float = BAN_BASE_S,
-        cap: float = BAN_CAP_S,
-        forgive: float = BAN_FORGIVE_S,
-    ) -> Ban:
-        """Ban `peer` with exponential back-off and return the ban (its `until` to enforce)."""
-        check_text("peer", peer)
-        at = timestamp(now)
-        with self._ban_lock:  # read-count-then-write must not interleave within this process
-            rows = self._query("SELECT * FROM bans WHERE peer = ?", (peer,))
-            previous = rows[0] if rows else None
-            if previous is None or previous["until"] + forgive < at:
-                count, first = 1, at
-            else:
-                count, first = previous["count"] + 1, previous["first"]
-            until = at + min(cap, base * 2.0 ** min(count - 1, 60))
-            row = {
-                "peer": peer,
-                "until": until,
-                "reason": str(reason),
-                "count": count,
-                "first": first,
-                "last": at,
-            }
-            self._submit(lambda db: db["bans"].upsert(row, pk="peer"), "ban")
-        return Ban(peer=peer, until=until, reason=str(reason), count=count)
-
-    def lift_ban(self, peer: str, *, now: float | None = None) -> None:
-        """End `peer`'s ban now (its count stays, so a relapse still backs off)."""
-        at = timestamp(now)
-        self._submit(
-            lambda db: db.execute("UPDATE bans SET until = min(until, ?) WHERE peer = ?", (at, peer)), "ban"
-        )
-
-    def active_bans(self, now: float | None = None) -> list[Ban]:
-        """Bans still in force at `now`, soonest to end first."""
-        rows = self._query("SELECT * FROM bans WHERE until > ? ORDER BY until, peer", (timestamp(now),))
-        return [Ban(peer=r["peer"], until=r["until"], reason=r["reason"], count=r["count"]) for r in rows]
 
     # --- misbehaviour reports -----------------------------------------------------------
 

@@ -74,7 +74,13 @@ def transaction(db: Database) -> Iterator[Database]:
 
 
 def _migration_1(db: Database) -> None:
-    """The initial schema. Times are unix seconds (REAL); spans are half-open [start, end)."""
+    """The initial schema. Times are unix seconds (REAL); spans are half-open [start, end).
+
+    Three of its tables are no longer written: ``settings`` (nothing read or set them),
+    ``sessions`` (the trace's session_open/session_close events hold the same facts) and
+    ``bans`` (bans live in the swarm client's back-off object, peer/base/backoff.py). They
+    stay, empty, so that databases written before and after are the same version 1.
+    """
     statements = [
         # The peer's public id(s); the private key stays in its own 0600 file (keyfile.py).
         """CREATE TABLE identity (

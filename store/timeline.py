@@ -30,15 +30,15 @@ path), so the same files always give the same timeline.
 
 from __future__ import annotations
 
-import json
 import math
 import sqlite3
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
-from tessera.store.errors import NotATraceDatabase
+from tessera.store.errors import BadTraceRow, NotATraceDatabase
+from tessera.store.events import Push, Receive, TraceEvent, Unknown, stamped
 from tessera.store.writer import TRACE_COLUMNS
 
 # The least one-way delay we assume for a matched message: keeps every receive strictly
@@ -50,7 +50,7 @@ COLUMNS = ("id", *TRACE_COLUMNS)  # as written by store/writer.py
 
 @dataclass
 class Event:
-    """One trace row plus where it came from and its aligned time.
+    """One stored trace event plus the database it came from and its aligned time.
 
     `t` is the aligned end of the event, in seconds since the timeline's origin (the
     earliest aligned start); `start` is ``t - duration``.
@@ -61,16 +61,17 @@ class Event:
     mono_ns: int
     wall: float
     peer: str
-    kind: str
-    session: str | None
-    step: int | None
-    span_start: int | None
-    span_end: int | None
-    bytes: int | None
-    duration: float | None
-    remote: str | None
-    detail: dict[str, Any]
+    event: TraceEvent
     t: float = 0.0
+
+    @property
+    def kind(self) -> str:
+        """The stored kind (an `Unknown` event's own)."""
+        return self.event.kind_name if isinstance(self.event, Unknown) else self.event.kind
+
+    @property
+    def duration(self) -> float | None:
+        return self.event.duration
 
     @property
     def start(self) -> float:
@@ -116,24 +117,25 @@ def read_events(path: Path, db: int = 0) -> list[Event]:
         conn.close()
     events = []
     for row in rows:
-        values = dict(zip(COLUMNS, row))
-        values["detail"] = json.loads(values["detail"]) if values["detail"] else {}
-        events.append(Event(db=db, **values))
+        try:
+            one = stamped(dict(zip(COLUMNS, row)))
+        except BadTraceRow as error:
+            raise BadTraceRow(f"{str(path)!r}: {error}") from None
+        events.append(Event(db, one.id, one.mono_ns, one.wall, one.peer, one.event))
     return events
 
 
 def match_pairs(events: Iterable[Event]) -> list[tuple[Event, Event]]:
-    """Pair each push (sender side) with its receive (receiver side), in order per link."""
+    """Pair each push (sender side) with its receive (receiver side): the k-th push of a
+    (session, step) on a link with the k-th receive of it."""
     pushes: dict[tuple, list[Event]] = defaultdict(list)
     receives: dict[tuple, list[Event]] = defaultdict(list)
     for e in events:
-        if e.session is None or e.step is None or e.remote is None:
-            continue
-        msg = e.detail.get("msg")
-        if e.kind == "push":
-            pushes[(e.peer, e.remote, e.session, e.step, msg)].append(e)
-        elif e.kind == "receive":
-            receives[(e.remote, e.peer, e.session, e.step, msg)].append(e)
+        ev = e.event
+        if isinstance(ev, Push):
+            pushes[(e.peer, ev.remote, ev.session, ev.step)].append(e)
+        elif isinstance(ev, Receive):
+            receives[(ev.remote, e.peer, ev.session, ev.step)].append(e)
     pairs = []
     for key in sorted(pushes, key=repr):
         sent = sorted(pushes[key], key=lambda e: (e.wall, e.id))

@@ -13,7 +13,7 @@ An item is one of:
 - ``("ledger", (requester, hour), (layer_tokens, steps, bytes))`` — summed per key within
   a batch, then upsert-accumulated, so a step on the hot path costs one queue append;
 - ``("op", fn, label)`` — ``fn(db)`` runs inside the batch's transaction (rare writes:
-  claims, sessions, settings, bans, reports).
+  identity, claims, reports).
 
 Failures: "database is locked/busy" is transient — the batch goes back to the front of the
 queue and is retried after an interval, nothing is lost. Any other error means some item
@@ -142,10 +142,6 @@ class BatchWriter:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         _live.add(self)
-
-    @property
-    def thread(self) -> threading.Thread:
-        return self._thread
 
     def submit(self, item: Item) -> None:
         """Queue one item; never touches the disk. Raises `StoreClosed` after `close()`."""

@@ -26,6 +26,7 @@ from tessera.peer.serve.batcher import BatchBudget, BatchInterrupted, StepBatche
 from tessera.protocol.keys import Identity
 from tessera.stages.errors import ContextOverflow, SpanError, UnknownSession
 from tessera.stages.stage import Stage
+from tessera.store.events import Error, Forward
 from tessera.store.trace import MemoryTracer
 
 from .waiting import await_until
@@ -385,9 +386,9 @@ async def test_a_failing_session_does_not_fail_the_others_in_its_batch(tiny_llam
     for i in (0, 1, 2, 4, 5):
         solo.open(i, capacity=16)
         torch.testing.assert_close(got[i], solo.forward(i, inputs[i], 0), rtol=0, atol=1e-5)
-    batches = sorted(e["detail"]["batch"] for e in tracer.of_kind("forward"))
+    batches = sorted(e.event.batch for e in tracer.of_kind(Forward))
     assert batches == [1] + [5] * 4  # the held first step alone, then four good ones and the bad one
-    assert len(tracer.of_kind("error")) == 1
+    assert len(tracer.of_kind(Error)) == 1
 
 
 def test_the_peer_flags_set_the_budget_and_bad_values_are_refused():

@@ -36,6 +36,7 @@ from tessera.stages.generate import prompt_ids
 from tessera.stages.json_prefix import JSON_OBJECT, compile_schema
 from tessera.stages.sampling import SamplingParams
 from tessera.store.db import PeerStore
+from tessera.store.events import SessionClose, SessionOpen, Stamped
 
 from .conftest import FRANCE
 from .swarm_helpers import local_swarm
@@ -181,7 +182,7 @@ def test_stop_string_cuts_the_text_and_ends_the_session(client, local_engine, pe
     assert " 9" not in local_engine.tokenizer.decode(ids[: used - 1])
     # The peer's session ended at the stop: it saw the prompt and the tokens fed back, no more.
     closed = wait_session_closes(peers, 0, after=before, count=1)
-    assert closed[0]["detail"]["tokens"] == answer.usage.prompt_tokens + used - 1
+    assert closed[0].event.tokens == answer.usage.prompt_tokens + used - 1
 
     stream = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=40, stop=" 9",
                                        stream=True)
@@ -330,14 +331,14 @@ def peer_store(peers: LocalSwarm, i: int) -> PeerStore:
 
 def last_event_id(peers: LocalSwarm, i: int) -> int:
     events = peer_store(peers, i).events()
-    return events[-1]["id"] if events else 0
+    return events[-1].id if events else 0
 
 
-def wait_session_closes(peers: LocalSwarm, i: int, *, after: int, count: int) -> list[dict]:
+def wait_session_closes(peers: LocalSwarm, i: int, *, after: int, count: int) -> list[Stamped]:
     """The first `count` session_close events peer i recorded after event `after`."""
     deadline = time.monotonic() + PEER_EVENT_WAIT
     while True:
-        closes = peer_store(peers, i).events(after_id=after, kinds=("session_close",))
+        closes = peer_store(peers, i).events(after_id=after, kinds=(SessionClose,))
         if len(closes) >= count or time.monotonic() > deadline:
             return closes
         time.sleep(0.2)
@@ -361,7 +362,7 @@ def test_client_disconnect_mid_stream_closes_the_swarm_session(url, peers, local
     for i in range(2):
         closes = wait_session_closes(peers, i, after=before[i], count=1)
         assert len(closes) == 1, f"peer{i} did not close the session"
-        assert closes[0]["detail"]["tokens"] < n_prompt + n - 1, closes[0]  # it stopped early
+        assert closes[0].event.tokens < n_prompt + n - 1, closes[0]  # it stopped early
     health = httpx.get(url + "/health").json()["gateway"]
     assert health["cancelled"] == cancelled_before + 1 and health["active"] == 0
 
@@ -392,11 +393,11 @@ async def test_eight_concurrent_streams_are_exact(url, peers, local_engine):
             nursery.start_soon(one, i)
     assert [got[i] for i in range(len(cases))] == expected
     # Each request had its own session on the peers, and they ran side by side.
-    events = peer_store(peers, 0).events(after_id=before, kinds=("session_open", "session_close"))
-    assert len({e["session"] for e in events if e["kind"] == "session_open"}) == len(cases)
+    events = peer_store(peers, 0).events(after_id=before, kinds=(SessionOpen, SessionClose))
+    assert len({e.event.session for e in events if isinstance(e.event, SessionOpen)}) == len(cases)
     running = peak = 0
     for e in events:
-        running += 1 if e["kind"] == "session_open" else -1
+        running += 1 if isinstance(e.event, SessionOpen) else -1
         peak = max(peak, running)
     print(f"sessions running at once on peer0: {peak} of {len(cases)}")
     assert peak >= 2, events

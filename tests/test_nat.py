@@ -40,6 +40,7 @@ from tessera.protocol.errors import WireError
 from tessera.protocol.keys import Identity
 from tessera.protocol.records import PeerRecord
 from tessera.stages.generate import prompt_ids
+from tessera.store.events import Connect
 from tessera.store.trace import MemoryTracer
 
 from . import netns
@@ -198,7 +199,7 @@ async def test_peers_meeting_over_a_relay_upgrade_to_direct_when_one_is_dialable
         assert a.connection_kind(b.peer_id) == DIRECT
         nat.poll_links()
         assert f"link {a.peer_id}: relayed -> direct" in lines
-        kinds = [(e["remote"], e["detail"]["kind"]) for e in tracer.of_kind("connect")]
+        kinds = [(e.event.remote, e.event.link) for e in tracer.of_kind(Connect)]
         assert sorted(kinds[:2]) == sorted([(a.peer_id, RELAYED), (relay.peer_id, DIRECT)])
         assert kinds[2:] == [(a.peer_id, DIRECT)]
         assert not b.relay.puncher.punched and nat.punched == set()

@@ -24,6 +24,7 @@ from tessera.peer.request.policy import BadPeerId
 from tessera.protocol.keys import Identity
 from tessera.stages.generate import prompt_ids
 from tessera.store.db import PeerStore
+from tessera.store.events import Forward, Stamped
 
 from .swarm_helpers import local_swarm, reference_answer
 
@@ -52,14 +53,14 @@ def peer_id_of(peers, i: int) -> str:
     return peers.addrs[i].split("/p2p/")[1]
 
 
-def trace_after(peers, i: int, wall: float) -> list[dict]:
+def trace_after(peers, i: int, wall: float) -> list[Stamped]:
     """Peer i's whole trace, once it holds an event stamped after `wall` (so that
     everything it recorded before then is on disk: the writer commits in order)."""
     deadline = time.monotonic() + TRACE_WAIT
     while True:
         with PeerStore(peers.base_dir / f"peer{i}" / "tessera.db", readonly=True) as store:
             events = store.events()
-        if (events and events[-1]["wall"] > wall) or time.monotonic() > deadline:
+        if (events and events[-1].wall > wall) or time.monotonic() > deadline:
             return events
         time.sleep(0.2)
 
@@ -105,8 +106,8 @@ async def test_revoking_the_middle_peer_mid_answer(peers, expected):
 
     i = next(k for k in range(len(SPANS)) if peer_id_of(peers, k) == revoked)
     events = trace_after(peers, i, finished)
-    mine = [e for e in events if e["session"] == session_id]
-    kinds = [e["kind"] for e in mine]
+    mine = [e for e in events if e.event.session == session_id]
+    kinds = [e.kind for e in mine]
     assert kinds.count("session_revoked") == 1, kinds  # it confirms: KV cache and keys dropped
     at = kinds.index("session_revoked")
     assert kinds.count("forward") >= TOKENS // 2  # it did compute the first half
@@ -114,7 +115,7 @@ async def test_revoking_the_middle_peer_mid_answer(peers, expected):
     assert mine[at:] == mine[-1:], f"frames of the session reached the revoked peer after the revoke: {kinds[at:]}"
     # the replacement computed the rest of the answer
     j = next(k for k in (1, 2) if k != i)
-    later = [e for e in trace_after(peers, j, finished) if e["session"] == session_id and e["kind"] == "forward"]
+    later = [e for e in trace_after(peers, j, finished) if e.event.session == session_id and isinstance(e.event, Forward)]
     assert len(later) >= TOKENS // 2 - 1
 
 

@@ -20,6 +20,7 @@ from tessera.peer.sim.stage import SimStage, cost_model, sim_spec
 from tessera.protocol.crypto import sign_record
 from tessera.protocol.keys import Identity
 from tessera.protocol.records import PeerRecord
+from tessera.store.events import Forward
 from tessera.store.trace import MemoryTracer
 
 LATENCY = 0.05
@@ -200,8 +201,8 @@ async def test_a_route_session_runs_through_three_stage_servers(autojump_clock):
             await session.close()
             nursery.cancel_scope.cancel()
     for tracer, speed in zip(tracers, THROUGHPUT):
-        forwards = tracer.of_kind("forward")
-        assert [f["duration"] for f in forwards] == pytest.approx([8 * 10 / speed, 10 / speed])
+        forwards = tracer.of_kind(Forward)
+        assert [f.event.duration for f in forwards] == pytest.approx([8 * 10 / speed, 10 / speed])
 
 
 async def test_a_dead_peer_fails_the_step_with_its_name(autojump_clock):

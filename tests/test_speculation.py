@@ -19,6 +19,7 @@ from tessera.stages.speculative import (
     BACKOFF_MISSES, K_PROBE, REPROBE_EVERY, AdaptiveK, Draft, ModelDrafter, NgramDrafter, greedy_accept,
 )
 from tessera.stages.stage import Stage
+from tessera.store.events import Push, Result
 from tessera.store.trace import MemoryTracer
 
 from .swarm_helpers import local_swarm
@@ -116,8 +117,8 @@ async def test_in_flight_steps_overlap_on_a_slow_link(smol_dir):
             async with trio.open_nursery() as nursery:
                 for prompt, raw in PROMPTS[::2]:
                     nursery.start_soon(one, prompt, raw)
-    sent = {(e["session"], e["step"]): e["wall"] for e in tracer.of_kind("push")}
-    back = {(e["session"], e["step"]): e["wall"] for e in tracer.of_kind("result")}
+    sent = {(e.event.session, e.event.step): e.wall for e in tracer.of_kind(Push)}
+    back = {(e.event.session, e.event.step): e.wall for e in tracer.of_kind(Result)}
     within = [(k, j) for k in back for j in sent if j[0] == k[0] and j[1] > k[1] and sent[j] < back[k]]
     across = [(k, j) for k in back for j in sent if j[0] != k[0] and sent[k] < sent[j] < back[k]]
     print(f"{len(sent)} steps; {len(within)} overlaps within a session, {len(across)} across sessions")

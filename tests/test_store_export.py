@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from tessera.store.errors import NotATraceDatabase
+from tessera.store.events import (Connect, Error, Failover, Forward, Join, Push, Receive, Result, SessionClose,
+                                  SessionOpen, TraceEvent)
 from tessera.store.export import export_jsonl, export_perfetto, to_perfetto, validate_perfetto
 from tessera.store.plot import plot_timeline
 from tessera.store.timeline import Event, estimate_offsets, load_timeline
@@ -27,30 +29,33 @@ def build_swarm(tmp_path: Path) -> dict[str, Path]:
     paths = {peer: tmp_path / f"{peer[8:].lower()}.db" for peer in SKEW}
     tracers = {peer: TraceWriter(path, peer=peer) for peer, path in paths.items()}
 
-    def emit(peer: str, kind: str, true_end: float, **fields) -> None:
+    def emit(peer: str, event: TraceEvent, true_end: float) -> None:
         wall = EPOCH + true_end + SKEW[peer]
-        tracers[peer].emit(kind, wall=wall, mono_ns=int((true_end + 1000) * 1e9), **fields)
+        tracers[peer].emit(event, wall=wall, mono_ns=int((true_end + 1000) * 1e9))
 
+    route = [[A, 0, 15], [B, 15, 30]]
     for peer in SKEW:
-        emit(peer, "join", 0.0, detail={"addrs": ["/ip4/127.0.0.1/tcp/1"]})
-    emit(REQ, "connect", 0.01, remote=A, detail={"kind": "direct"})
-    emit(A, "connect", 0.011, remote=B, detail={"kind": "punched"})
+        emit(peer, Join(addrs=["/ip4/127.0.0.1/tcp/1"], model="m"), 0.0)
+    emit(REQ, Connect(remote=A, link="direct"), 0.01)
+    emit(A, Connect(remote=B, link="punched"), 0.011)
     for session, lag in SESSIONS.items():
-        emit(REQ, "request", 0.02 + lag, session=session, detail={"phase": "start"})
+        emit(REQ, SessionOpen(session=session, route=route, max_length=64), 0.02 + lag)
         for step in range(STEPS):
             t = 0.05 + step * 0.05 + lag
             ids = dict(session=session, step=step)
-            emit(REQ, "push", t, remote=A, bytes=2304, duration=0.0005, **ids)
-            emit(A, "receive", t + 0.002, remote=REQ, bytes=2304, duration=0.0004, **ids)
-            emit(A, "forward", t + 0.012, span=(0, 15), duration=0.010, **ids)
-            emit(A, "push", t + 0.0125, remote=B, bytes=2304, duration=0.0003, **ids)
-            emit(B, "receive", t + 0.0155, remote=A, bytes=2304, **ids)  # no duration: a 1 µs slice
-            emit(B, "forward", t + 0.0275, span=(15, 30), duration=0.012, **ids)
-            emit(B, "push", t + 0.028, remote=REQ, bytes=2304, **ids)
-            emit(REQ, "receive", t + 0.030, remote=B, bytes=2304, **ids)
-            emit(REQ, "token", t + 0.031, detail={"token": 100 + step}, **ids)
-        emit(REQ, "request", 0.4 + lag, session=session, detail={"phase": "end"}, duration=0.38)
-    emit(B, "failover", 0.45, detail={"dead": A})
+            # pushes and receives carry no duration: each is a 1 µs slice for its flow arrow
+            emit(REQ, Push(remote=A, bytes=2304, start_pos=step, n_tokens=1, **ids), t)
+            emit(A, Receive(remote=REQ, bytes=2304, **ids), t + 0.002)
+            emit(A, Forward(span=(0, 15), duration=0.010, **ids), t + 0.012)
+            emit(A, Push(remote=B, bytes=2304, span=(0, 15), **ids), t + 0.0125)
+            emit(B, Receive(remote=A, bytes=2304, span=(15, 30), **ids), t + 0.0155)
+            emit(B, Forward(span=(15, 30), duration=0.012, **ids), t + 0.0275)
+            emit(B, Push(remote=REQ, bytes=2304, span=(15, 30), **ids), t + 0.028)
+            emit(REQ, Receive(remote=B, bytes=2304, **ids), t + 0.030)
+            emit(REQ, Result(duration=0.031, start_pos=step, n_tokens=1, **ids), t + 0.031)
+        emit(REQ, SessionClose(session=session, reason="done"), 0.4 + lag)
+    emit(REQ, Failover(session="5e55a1", remote=A, duration=0.01, reason="gone", position=6, route=route), 0.44)
+    emit(B, Error(remote=A, reason="link to A dropped"), 0.45)
     for tracer in tracers.values():
         tracer.close()
     return paths
@@ -63,6 +68,7 @@ def swarm(tmp_path):
 
 N_PAIRS = 3 * STEPS * len(SESSIONS)
 N_FORWARDS = 2 * STEPS * len(SESSIONS)
+N_RESULTS = STEPS * len(SESSIONS)
 
 
 def _pairs_in_order(records: list[dict]) -> list[tuple[int, int]]:
@@ -83,9 +89,8 @@ def test_raw_clocks_are_not_causal(swarm):
     """The fixture really needs alignment: by raw wall time, receives come before their pushes."""
     events = []
     for path in swarm.values():
-        events += [e.__dict__ for e in load_timeline([path]).events]
-    for e in events:
-        e["t"] = e["wall"]
+        events += [{"peer": e.peer, "kind": e.kind, "remote": e.event.remote, "session": e.event.session,
+                    "step": e.event.step, "t": e.wall} for e in load_timeline([path]).events]
     records = sorted(events, key=lambda e: e["t"])
     assert any(p > r for p, r in _pairs_in_order(records))
 
@@ -113,7 +118,7 @@ def test_jsonl_merge_is_causal_and_recovers_the_skew(swarm, tmp_path):
         "push",
         "receive",
         "forward",
-        "token",
+        "result",
         "failover",
     }
 
@@ -143,7 +148,8 @@ def test_perfetto_export_validates_with_tracks_slices_and_flows(swarm, tmp_path)
     pid_of = {name.removeprefix("peer "): pid for pid, name in names.items()}
     forwards = [ev for ev in events if ev["ph"] == "X" and ev["name"] == "forward"]
     assert len(forwards) == N_FORWARDS
-    assert summary["slices"] == N_FORWARDS + 2 * N_PAIRS + 2  # + pushes, receives, 2 request ends
+    # + pushes, receives, the requester's results and its failover (events with a duration)
+    assert summary["slices"] == N_FORWARDS + 2 * N_PAIRS + N_RESULTS + 1
     assert {(pid_of[A], s, k) for s in SESSIONS for k in range(STEPS)} <= {
         (ev["pid"], ev["args"]["session"], ev["args"]["step"]) for ev in forwards
     }
@@ -157,7 +163,7 @@ def test_perfetto_export_validates_with_tracks_slices_and_flows(swarm, tmp_path)
     assert links == {(pid_of[REQ], pid_of[A]), (pid_of[A], pid_of[B]), (pid_of[B], pid_of[REQ])}
     assert all(finishes[i]["ts"] > starts[i]["ts"] for i in starts)
     instants = {ev["name"] for ev in events if ev["ph"] == "i"}
-    assert instants == {"join", "connect", "request", "token", "failover"}  # request start: no duration
+    assert instants == {"join", "connect", "session_open", "session_close", "error"}  # no duration
 
 
 def _broken(obj: dict, how: str) -> dict:
@@ -211,27 +217,16 @@ def test_validate_perfetto_catches_a_broken_trace(swarm, how):
     assert problems, f"{how} went unnoticed"
 
 
-def _event(db: int, kind: str, wall: float, **kw) -> Event:
-    base = dict(
-        id=0,
-        mono_ns=0,
-        peer=f"p{db}",
-        session="aa",
-        step=0,
-        span_start=None,
-        span_end=None,
-        bytes=None,
-        duration=None,
-        detail={},
-    )
-    return Event(db=db, kind=kind, wall=wall, **{**base, **kw})
+def _event(db: int, kind: type[Push] | type[Receive], wall: float, *, remote: str) -> Event:
+    return Event(db=db, id=0, mono_ns=0, wall=wall, peer=f"p{db}",
+                 event=kind(session="aa", step=0, remote=remote, bytes=0))
 
 
 def test_two_way_pairs_give_the_ntp_estimate_and_lonely_peers_keep_zero():
     # db1's clock is 10 s ahead; delays 3 ms out, 5 ms back: NTP's error is (3 - 5) / 2 = -1 ms.
     pairs = [
-        (_event(0, "push", 100.0, remote="p1"), _event(1, "receive", 100.0 + 10 + 0.003, remote="p0")),
-        (_event(1, "push", 200.0 + 10, remote="p0"), _event(0, "receive", 200.005, remote="p1")),
+        (_event(0, Push, 100.0, remote="p1"), _event(1, Receive, 100.0 + 10 + 0.003, remote="p0")),
+        (_event(1, Push, 200.0 + 10, remote="p0"), _event(0, Receive, 200.005, remote="p1")),
     ]
     offsets, reference = estimate_offsets(3, pairs, [("p0",), ("p1",), ("p2",)])
     assert reference == 0
@@ -242,8 +237,8 @@ def test_two_way_pairs_give_the_ntp_estimate_and_lonely_peers_keep_zero():
 def test_one_way_link_assumes_the_fastest_message_was_instant():
     pairs = [
         (
-            _event(0, "push", 100.0 + i, remote="p1"),
-            _event(1, "receive", 100.0 + i - 3 + 0.002 + i / 100, remote="p0"),
+            _event(0, Push, 100.0 + i, remote="p1"),
+            _event(1, Receive, 100.0 + i - 3 + 0.002 + i / 100, remote="p0"),
         )
         for i in range(3)
     ]
@@ -272,9 +267,9 @@ def test_a_simulation_database_with_many_peers_shares_one_clock(tmp_path):
     with TraceWriter(path, peer="sim") as tracer:
         for step in range(3):
             t = 10.0 + step
-            tracer.emit("push", peer="s1", remote="s2", session="01", step=step, wall=t)
-            tracer.emit("receive", peer="s2", remote="s1", session="01", step=step, wall=t + 0.01)
-            tracer.emit("forward", peer="s2", session="01", step=step, wall=t + 0.03, duration=0.02)
+            tracer.emit(Push(remote="s2", session="01", step=step, bytes=8), peer="s1", wall=t)
+            tracer.emit(Receive(remote="s1", session="01", step=step, bytes=8), peer="s2", wall=t + 0.01)
+            tracer.emit(Forward(session="01", step=step, span=(0, 1), duration=0.02), peer="s2", wall=t + 0.03)
     timeline = load_timeline([path])
     assert timeline.offsets == {0: 0.0} and len(timeline.pairs) == 3 and timeline.peers == ["s1", "s2"]
     obj = to_perfetto(timeline)

@@ -10,6 +10,7 @@ from tessera.peer.request.client import Swarm
 from tessera.peer.base.errors import NoRoute
 from tessera.stages.generate import prompt_ids
 from tessera.store.db import PeerStore
+from tessera.store.events import Forward
 
 from .conftest import FRANCE
 from .swarm_helpers import local_swarm
@@ -66,8 +67,8 @@ async def test_pipelined_prefill_of_a_long_prompt_matches_local_engine(three_pee
     starts = [(a, b - a) for a in range(0, 300, FORCED_CHUNK) for b in [min(a + FORCED_CHUNK, 300)]]
     with trio.fail_after(BATCH_SEEN_WAIT):
         while True:
-            seen = [[(e["detail"]["start_pos"], e["detail"]["n_tokens"]) for e in peer_store(three_peers, i).events(
-                after_id=before[i], kinds=("forward",))] for i in range(3)]
+            seen = [[(e.event.start_pos, e.event.n_tokens) for e in peer_store(three_peers, i).events(
+                after_id=before[i], kinds=(Forward,))] for i in range(3)]
             if all(len(s) >= len(starts) for s in seen):
                 break
             await trio.sleep(0.25)
@@ -104,11 +105,11 @@ async def test_eight_concurrent_sessions_are_batched_and_all_exact(three_peers, 
     with trio.fail_after(BATCH_SEEN_WAIT):
         while True:
             forwards = [e for i in range(3) for e in peer_store(three_peers, i).events(
-                after_id=before[i], kinds=("forward",))]
+                after_id=before[i], kinds=(Forward,))]
             if len(forwards) >= 3 * sum(map(len, got.values())):  # a step per token, on each peer
                 break
             await trio.sleep(0.25)
-    batches = [e["detail"]["batch"] for e in forwards]
+    batches = [e.event.batch for e in forwards]
     print(f"batch sizes seen on the peers: largest {max(batches)}, mean {sum(batches) / len(batches):.1f}")
     assert max(batches) > 1
 
@@ -118,8 +119,8 @@ def peer_store(peers, i: int) -> PeerStore:
 
 
 def last_forward(peers, i: int) -> int:
-    events = peer_store(peers, i).events(kinds=("forward",))
-    return events[-1]["id"] if events else 0
+    events = peer_store(peers, i).events(kinds=(Forward,))
+    return events[-1].id if events else 0
 
 
 @pytest.mark.parametrize("spans", [

@@ -14,6 +14,7 @@ from tessera.peer.cli.main import main
 from tessera.peer.request.client import Swarm
 from tessera.protocol.keys import Identity
 from tessera.stages.generate import prompt_ids
+from tessera.store.events import Forward, Result
 from tessera.store.export import validate_perfetto
 from tessera.store.timeline import load_timeline
 from tessera.store.trace import TraceWriter
@@ -87,11 +88,12 @@ def test_a_real_run_exports_to_valid_perfetto_with_every_forward_step_in_causal_
     assert timeline.non_causal == 0 and len(timeline.pairs) > 0
     # The requester's own events are not paired with the peers' (it logs no receive), so check
     # it on the raw clocks: every process here shares this machine's wall clock.
-    last = {(e.session, e.step): e.wall for e in timeline.events if e.kind == "forward" and f"peer {e.peer}" == chain[-1]}
-    results = [e for e in timeline.events if e.kind == "result"]
+    last = {(e.event.session, e.event.step): e.wall for e in timeline.events
+            if isinstance(e.event, Forward) and f"peer {e.peer}" == chain[-1]}
+    results = [e for e in timeline.events if isinstance(e.event, Result)]
     assert len(results) == len(last)
     for e in results:
-        assert e.wall >= last[(e.session, e.step)], (e.session, e.step)
+        assert e.wall >= last[(e.event.session, e.event.step)], (e.event.session, e.event.step)
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ from tessera.peer.request.chain import RouteSession
 from tessera.peer.plan.routing import Hop, Route
 from tessera.stages.generate import prompt_ids
 from tessera.store.db import PeerStore
-from tessera.store.trace import EVENT_KINDS
+from tessera.store.events import EVENT_TYPES, Ban, Claim, Drain, Forward, Leave, Pause, Resume
 from tessera.tui.app import TesseraApp
 from tessera.tui.bridge import PeerHandle, PeerNotRunning
 from tessera.tui.events import NOISY_KINDS, EventFilter, last_id, read_backlog
@@ -126,10 +126,10 @@ def test_peak_rate_counts_a_burst_once():
 
 def test_event_filter_parses_kinds_words_and_all():
     default = EventFilter.parse("")
-    assert set(default.kinds) == set(EVENT_KINDS) - set(NOISY_KINDS)
-    assert EventFilter.parse("claim  ban").kinds == ("claim", "ban")
+    assert set(default.kinds) == set(EVENT_TYPES) - set(NOISY_KINDS)
+    assert EventFilter.parse("claim  ban").kinds == (Claim, Ban)
     everything = EventFilter.parse("all x3f2")
-    assert everything.kinds == EVENT_KINDS and everything.words == ("x3f2",)
+    assert everything.kinds == EVENT_TYPES and everything.words == ("x3f2",)
     assert everything.keeps("10:00:00 ban peer X3F2abcd") and not everything.keeps("10:00:00 ban peer zzz")
 
 
@@ -139,18 +139,18 @@ def test_trace_tail_is_found_without_reading_the_whole_trace(tmp_path):
     with PeerStore(tmp_path / "t.db") as store:
         tracer = TraceWriter(store, peer="me")
         for i in range(1000):
-            tracer.emit("forward", step=i)
+            tracer.emit(Forward(session="5e55", step=i, span=(0, 1), duration=0.0))
             if i % 100 == 7:
-                tracer.emit("claim", span=(0, i + 1))
+                tracer.emit(Claim(span=(0, i + 1), throughput=1.0, capacity=i + 1))
         tracer.close()
         store.flush()
-        assert last_id(store, ("forward",)) == 1010  # 1000 forwards + 10 claims, the last row a forward
-        claims = last_id(store, ("claim",))
-        assert store.events(after_id=claims - 1)[0]["kind"] == "claim"
-        assert store.events(after_id=claims, kinds=("claim",)) == []
+        assert last_id(store, (Forward,)) == 1010  # 1000 forwards + 10 claims, the last row a forward
+        claims = last_id(store, (Claim,))
+        assert store.events(after_id=claims - 1)[0].kind == "claim"
+        assert store.events(after_id=claims, kinds=(Claim,)) == []
         rows, tail = read_backlog(store, EventFilter.parse("claim"), keep=3)
-        assert [r["span_end"] for r in rows] == [708, 808, 908] and tail == claims
-        assert last_id(store, ("ban",)) == 0
+        assert [r.event.span[1] for r in rows] == [708, 808, 908] and tail == claims
+        assert last_id(store, (Ban,)) == 0
         line = event_line(rows[-1])
         assert "claim" in line and "[0, 908)" in line
 
@@ -304,7 +304,7 @@ def test_drain_key_refuses_new_sessions_and_quit_leaves(other_peer, tmp_path):
     assert handle.join(10) and handle.error is None
     assert handle.printed("left the swarm")
     with PeerStore(handle.db_path, readonly=True) as store:
-        assert [e["kind"] for e in store.events(kinds=("leave",))] == ["leave"]
+        assert [e.kind for e in store.events(kinds=(Leave,))] == ["leave"]
 
 
 def hold_session(addrs: list[str], me: str, opened: threading.Event, release: threading.Event,
@@ -582,7 +582,7 @@ def test_events_tail_filter_typing_and_operator_events(ui_peer):
 
     def operator_events() -> list[str]:
         with PeerStore(ui_peer.db_path, readonly=True) as store:
-            return [e["kind"] for e in store.events(kinds=("drain", "pause", "resume"))]
+            return [e.kind for e in store.events(kinds=(Drain, Pause, Resume))]
 
     # the trace writer commits in batches: the last resume may land a moment after the UI shows it
     deadline = time.monotonic() + 15

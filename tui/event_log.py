@@ -118,10 +118,10 @@ class EventsPanel(Vertical):
                 rows, tail = read_backlog(self.reader.store, flt)
             else:
                 rows = read_new(self.reader.store, flt, after_id)
-                tail = rows[-1]["id"] if rows else after_id
+                tail = rows[-1].id if rows else after_id
         except StoreError as failed:  # e.g. the database is locked for longer than the busy timeout
             rows, tail, error = [], after_id, f"(cannot read the trace: {failed})"
-        entries = [(row["wall"], event_line(row)) for row in rows]
+        entries = [(row.wall, event_line(row)) for row in rows]
         printed, lines_seen = self.peer_lines(lines_seen)
         entries += [(wall, peer_line(wall, line)) for wall, line in printed]
         entries.sort(key=lambda entry: entry[0])

@@ -18,32 +18,31 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from tessera.store.db import PeerStore
 from tessera.store.errors import StoreClosed
-from tessera.store.trace import EVENT_KINDS
+from tessera.store.events import BY_KIND, EVENT_TYPES, Advertise, Audit, Forward, Push, Receive, Result, Stamped, TraceEvent
 
-NOISY_KINDS = ("forward", "push", "receive", "advertise", "token", "result", "audit")
-QUIET_KINDS = tuple(k for k in EVENT_KINDS if k not in NOISY_KINDS)
+NOISY_KINDS: tuple[type[TraceEvent], ...] = (Forward, Push, Receive, Advertise, Result, Audit)
+QUIET_KINDS = tuple(k for k in EVENT_TYPES if k not in NOISY_KINDS)
 BACKLOG = 200  # events shown from before the UI opened (or the filter changed)
 PAGE = 500  # trace rows per read; a busy peer catches up in a few ticks
 
 
 @dataclass(frozen=True)
 class EventFilter:
-    """A parsed filter: which kinds to read from sqlite, and words every line must contain."""
+    """A parsed filter: which event classes to read from sqlite, and words every line must contain."""
 
-    kinds: tuple[str, ...]
+    kinds: tuple[type[TraceEvent], ...]
     words: tuple[str, ...] = ()
 
     @staticmethod
     def parse(text: str) -> "EventFilter":
         tokens = text.lower().split()
-        kinds = [t for t in tokens if t in EVENT_KINDS]
-        words = tuple(t for t in tokens if t not in EVENT_KINDS and t != "all")
+        kinds = [BY_KIND[t] for t in tokens if t in BY_KIND]
+        words = tuple(t for t in tokens if t not in BY_KIND and t != "all")
         if "all" in tokens:
-            return EventFilter(EVENT_KINDS, words)
+            return EventFilter(EVENT_TYPES, words)
         return EventFilter(tuple(dict.fromkeys(kinds)) or QUIET_KINDS, words)
 
     def keeps(self, line: str) -> bool:
@@ -77,7 +76,7 @@ class StoreReader:
                 self._store = None
 
 
-def last_id(store: PeerStore, kinds: tuple[str, ...]) -> int:
+def last_id(store: PeerStore, kinds: tuple[type[TraceEvent], ...]) -> int:
     """The id of the newest trace row of `kinds` (0 if none).
 
     `PeerStore.events` reads forward from an id; a peer's trace keeps every run it
@@ -102,17 +101,17 @@ def last_id(store: PeerStore, kinds: tuple[str, ...]) -> int:
     return high
 
 
-def read_backlog(store: PeerStore, flt: EventFilter, keep: int = BACKLOG) -> tuple[list[dict[str, Any]], int]:
+def read_backlog(store: PeerStore, flt: EventFilter, keep: int = BACKLOG) -> tuple[list[Stamped], int]:
     """The last `keep` rows of the filter's kinds, oldest first, and the id to tail from."""
     newest = last_id(store, flt.kinds)
     reach = keep
     while True:
         rows = store.events(after_id=max(0, newest - reach), kinds=flt.kinds)
         if len(rows) >= keep or reach >= newest:
-            return rows[-keep:], max(newest, rows[-1]["id"] if rows else 0)
+            return rows[-keep:], max(newest, rows[-1].id if rows else 0)
         reach *= 4
 
 
-def read_new(store: PeerStore, flt: EventFilter, after_id: int) -> list[dict[str, Any]]:
+def read_new(store: PeerStore, flt: EventFilter, after_id: int) -> list[Stamped]:
     """Rows of the filter's kinds after `after_id`, oldest first, at most PAGE of them."""
     return store.events(after_id=after_id, kinds=flt.kinds, limit=PAGE)

@@ -16,6 +16,8 @@ from typing import Any, Sequence
 
 from rich.text import Text
 
+from tessera.store.events import Stamped, row_fields
+
 CLAIMED, UNCLAIMED = "█", "░"
 GAP_STYLE = "bold reverse red"
 ID_TAIL = 8  # peer ids are shown by their last 8 characters, as the CLI does
@@ -123,12 +125,13 @@ def state_word(snapshot: dict[str, Any]) -> str:
     return snapshot["state"]
 
 
-def event_line(row: dict[str, Any]) -> str:
-    """One trace row as a line: time, kind, then whatever fields it has.
+def event_line(stamped: Stamped) -> str:
+    """One trace event as a line: time, kind, then whatever fields it has (as stored).
 
     '10:05:26 session_open  s=3f2a9c01 [0, 15) from xyz12345'
     """
-    parts = [datetime.fromtimestamp(row["wall"]).strftime("%H:%M:%S"), f"{row['kind']:<13}"]
+    row, detail = row_fields(stamped.event)
+    parts = [datetime.fromtimestamp(stamped.wall).strftime("%H:%M:%S"), f"{stamped.kind:<13}"]
     if row.get("session"):
         parts.append(f"s={row['session'][:8]}")
     if row.get("step") is not None:
@@ -141,7 +144,7 @@ def event_line(row: dict[str, Any]) -> str:
         parts.append(fmt_bytes(row["bytes"]))
     if row.get("duration") is not None:
         parts.append(f"{row['duration'] * 1000:.1f} ms")
-    for key, value in (row.get("detail") or {}).items():
+    for key, value in detail.items():
         if isinstance(value, float) and math.isfinite(value):
             value = f"{value:.3g}"
         elif isinstance(value, (list, dict)) and len(str(value)) > 40:

@@ -13,6 +13,8 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+from tessera.store.events import Audit
+
 from tessera.peer.plan.audit import StepLog, load_events
 
 DEFAULT_DATA_DIR = Path.home() / ".local" / "share" / "tessera" / "peer"  # `tessera peer`'s default
@@ -152,6 +154,6 @@ def load_audit_logs(path: Path | str) -> list[StepLog]:
 
     store = PeerStore(path, readonly=True)
     try:
-        return load_events(store.events(kinds=("audit",)))
+        return load_events(store.events(kinds=(Audit,)))
     finally:
         store.close()

@@ -39,6 +39,7 @@ from tessera.stages.stage import Stage
 from tessera.store.db import PeerStore
 from tessera.store.keyfile import load_or_create_key
 from tessera.store.trace import TraceWriter
+from tessera.store import events
 
 from tessera.peer.base.ids import peer_id_bytes
 from tessera.peer.base.errors import ConfigError, PeerError
@@ -154,7 +155,7 @@ class PeerNode:
         if before is None or after is None or material(before.record) != material(after.record):
             await self.gossip.announce()
         if self.tracer:
-            self.tracer.emit("advertise", span=self.span, detail={"state": self.state, "load": self.server.load if self.server else 0.0})
+            self.tracer.emit(events.Advertise(span=self.span, state=self.state, load=self.server.load if self.server else 0.0))
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -171,7 +172,7 @@ class PeerNode:
             self.gossip = Gossip(transport, self.keeper, own_record=lambda: self._own)
             self.pinger = Pinger(transport)
             self.out(f"listening on {transport.addrs()[0]}")
-            self.tracer.emit("join", detail={"addrs": transport.addrs(), "model": self.model_id})
+            self.tracer.emit(events.Join(addrs=transport.addrs(), model=self.model_id))
             try:
                 async with trio.open_nursery() as nursery:
                     self._start_nat(nursery)
@@ -245,7 +246,7 @@ class PeerNode:
     async def _try_join(self, addr: str) -> str | None:
         """Connect to `addr` and gossip once: None when joined, else why not (raises PeerError if unreachable)."""
         peer = await self.transport.connect(addr)
-        self.tracer.emit("connect", remote=peer, detail={"kind": self.transport.connection_kind(peer) or "direct"})
+        self.tracer.emit(events.Connect(remote=peer, link=self.transport.connection_kind(peer) or "direct"))
         if not await self.gossip.exchange(peer):
             return "unreachable (connected, but the gossip exchange failed)"
         other = self.keeper.foreign_models.get(peer)
@@ -258,7 +259,7 @@ class PeerNode:
         await self.gossip.connect_known(self._connected)
 
     def _connected(self, peer_id: str) -> None:
-        self.tracer.emit("connect", remote=peer_id, detail={"kind": self.transport.connection_kind(peer_id) or "direct"})
+        self.tracer.emit(events.Connect(remote=peer_id, link=self.transport.connection_kind(peer_id) or "direct"))
 
     @property
     def capacity(self) -> int:
@@ -278,7 +279,7 @@ class PeerNode:
         self.span = (start, end)
         self.store.record_claim(self.model_id, self.span, action="claim", shard=self.config.shard,
                                 reason="forced" if self.config.layers else "placement")
-        self.tracer.emit("claim", span=self.span, detail={"throughput": self.throughput, "capacity": self.capacity})
+        self.tracer.emit(events.Claim(span=self.span, throughput=self.throughput, capacity=self.capacity))
         await self.advertise()  # LOADING: others see the claim before the weights are in
         self.stage = await self._load(start, end)
 
@@ -305,7 +306,7 @@ class PeerNode:
         await self.server.drain(MOVE_GRACE)
         self.span = span
         self.state = LOADING
-        self.tracer.emit("move", span=span, detail={"from": list(old) if old else None, "reason": reason})
+        self.tracer.emit(events.Move(span=span, moved_from=list(old) if old else None, reason=reason))
         self.store.record_claim(self.model_id, span, action="move", reason=reason, moved_from=old)
         await self.advertise()
         stage = await self._load(*span)
@@ -348,7 +349,7 @@ class PeerNode:
         assert self.server is not None
         self.server.accepting = False
         self.state = DRAINING
-        self.tracer.emit("drain", span=self.span, detail={"sessions": len(self.server.sessions)})
+        self.tracer.emit(events.Drain(span=self.span, sessions=len(self.server.sessions)))
         await self.advertise()
 
     async def pause(self) -> None:
@@ -356,14 +357,14 @@ class PeerNode:
         assert self.server is not None
         self.server.pause()
         self.state = DRAINING
-        self.tracer.emit("pause", span=self.span, detail={"sessions": len(self.server.sessions)})
+        self.tracer.emit(events.Pause(span=self.span, sessions=len(self.server.sessions)))
         await self.advertise()
 
     async def resume(self) -> None:
         assert self.server is not None
         self.server.resume()
         self.state = SERVING
-        self.tracer.emit("resume", span=self.span)
+        self.tracer.emit(events.Resume(span=self.span))
         await self.advertise()
 
     async def _leave(self) -> None:
@@ -383,7 +384,7 @@ class PeerNode:
             await self.advertise()
             if self.span:
                 self.store.record_claim(self.model_id, self.span, action="release", reason="leaving")
-            self.tracer.emit("leave", span=self.span)
+            self.tracer.emit(events.Leave(span=self.span))
             self.out("left the swarm")
 
     async def _advertise_forever(self) -> None:

@@ -2,7 +2,7 @@
 
 Every rank of a tensor-shard group logs, per step, what it held and every collective
 it took part in (`stages/collectives.py`, `stages/sharded.py`); a peer writes one
-trace event of kind "audit" per step (`peer/serve/shard_server.py`), and so does the
+trace event `Audit` (store/events.py) per step (`peer/serve/shard_server.py`), and so does the
 requester for the slices it scattered into the group and the output it gathered.
 `check(logs)` reads them back and, step by step, proves:
 
@@ -41,6 +41,7 @@ from typing import Iterable
 import numpy as np
 
 from tessera.stages.shard_layout import HIDDEN, LAYER_AUDIT_OPS
+from tessera.store.events import Audit, Stamped
 
 SHARD = "shard"  # a log written by a rank of the group
 REQUESTER = "requester"  # a log written by the node that scattered into / gathered from the group
@@ -65,23 +66,19 @@ class StepLog:
     records: tuple[dict, ...]
 
     @staticmethod
-    def from_event(event: dict) -> "StepLog":
-        """From a trace row (a `MemoryTracer` event or a store row) of kind "audit"."""
-        d = event["detail"]
+    def from_event(node: str, event: Audit) -> "StepLog":
+        """From the audit event `node` wrote (read back from a `MemoryTracer` or a store)."""
         return StepLog(
-            node=event["peer"], session=event["session"], step=event["step"], role=d["role"], group=d["group"],
-            index=d.get("index", -1), count=d["count"], start=event["span_start"], end=event["span_end"],
-            hidden=d["hidden"], records=tuple(d["records"]),
+            node=node, session=str(event.session), step=event.step, role=event.role, group=event.group,
+            index=-1 if event.index is None else event.index, count=event.count, start=event.span[0],
+            end=event.span[1], hidden=event.hidden, records=tuple(event.records),
         )
 
-    def event_fields(self) -> dict:
-        """The keyword arguments of `tracer.emit("audit", ...)` that `from_event` reads back."""
-        detail = {"role": self.role, "group": self.group, "count": self.count, "hidden": self.hidden,
-                  "records": list(self.records)}
-        if self.role == SHARD:
-            detail["index"] = self.index
-        return {"peer": self.node, "session": self.session, "step": self.step, "span": (self.start, self.end),
-                "detail": detail}
+    def event(self) -> Audit:
+        """The trace event `from_event` reads back; emit it with ``peer=self.node``."""
+        return Audit(session=self.session, step=self.step, span=(self.start, self.end), role=self.role,
+                     group=self.group, count=self.count, hidden=self.hidden, records=list(self.records),
+                     index=self.index if self.role == SHARD else None)
 
 
 @dataclass
@@ -114,9 +111,9 @@ class AuditReport:
         return "\n".join(lines)
 
 
-def load_events(events: Iterable[dict]) -> list[StepLog]:
+def load_events(events: Iterable[Stamped]) -> list[StepLog]:
     """The audit logs among trace events (e.g. a requester's `MemoryTracer.events`)."""
-    return [StepLog.from_event(e) for e in events if e["kind"] == "audit"]
+    return [StepLog.from_event(e.peer, e.event) for e in events if isinstance(e.event, Audit)]
 
 
 def check(logs: Iterable[StepLog]) -> AuditReport:

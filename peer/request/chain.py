@@ -20,6 +20,7 @@ import time
 import torch
 import trio
 
+from tessera.store import events
 from tessera.protocol.activations import open_payload, seal_activations
 from tessera.protocol.errors import WireError
 from tessera.protocol.tensors import decode_tensor
@@ -91,9 +92,9 @@ class RouteSession:
     async def open(self) -> None:
         """Open every hop of the route at once. Raises SessionRefused or PeerFailed."""
         self.hops, _, _ = await self.open_hops(list(self.route.hops), prev=None, next_=None)
-        self.ctx.tracer.emit("session_open", session=self.session_id,
-                             detail={"route": [[h.peer_id, h.start, h.end] for h in self.route.hops],
-                                     "max_length": self.max_length})
+        self.ctx.tracer.emit(events.SessionOpen(session=self.session_id,
+                                                route=[[h.peer_id, h.start, h.end] for h in self.route.hops],
+                                                max_length=self.max_length))
 
     async def open_hops(
         self, hops: list[Hop], *, prev: str | None, next_: str | None
@@ -234,7 +235,7 @@ class RouteSession:
         if state.failure is None:
             state.failure = reason
         state.acked.set()  # wake a relink waiting on this peer; it checks `failure`
-        self.ctx.tracer.emit("error", session=self.session_id, remote=state.peer, detail={"reason": reason[:300]})
+        self.ctx.tracer.emit(events.Error(session=self.session_id, remote=state.peer, reason=reason[:300]))
         error = PeerFailed(state.peer, reason)
         for slot in self.pending.values():
             slot.fail(error)
@@ -304,8 +305,8 @@ class RouteSession:
         except PeerError as error:
             self.pending.pop(step, None)
             raise PeerFailed(first.peer, f"sending step {step}: {error}") from None
-        self.ctx.tracer.emit("push", session=self.session_id, step=step, remote=first.peer, bytes=len(frame.payload),
-                             detail={"start_pos": start_pos, "n_tokens": n})
+        self.ctx.tracer.emit(events.Push(session=self.session_id, step=step, remote=first.peer, bytes=len(frame.payload),
+                                         start_pos=start_pos, n_tokens=n))
         return step, slot
 
     async def wait(self, step: int, slot: StepSlot, n: int, start_pos: int, *, hops: list[Hop] | None = None) -> torch.Tensor:
@@ -318,8 +319,8 @@ class RouteSession:
                 raise PeerFailed(self.suspect(start_pos + n), f"step {step} timed out")
             if slot.error is not None:
                 raise slot.error
-            self.ctx.tracer.emit("result", session=self.session_id, step=step, duration=time.perf_counter() - slot.sent_at,
-                                 detail={"start_pos": start_pos, "n_tokens": n})
+            self.ctx.tracer.emit(events.Result(session=self.session_id, step=step, duration=time.perf_counter() - slot.sent_at,
+                                               start_pos=start_pos, n_tokens=n))
             result = slot.raw if slot.fingerprint else slot.value
             assert result is not None
             return result  # type: ignore[return-value]
@@ -354,7 +355,7 @@ class RouteSession:
             for state in self.hops:
                 await self.close_hop(state, reason)
         self.ephemeral.forget()
-        self.ctx.tracer.emit("session_close", session=self.session_id, detail={"reason": reason})
+        self.ctx.tracer.emit(events.SessionClose(session=self.session_id, reason=reason))
 
     async def revoke_hop(self, state: HopState) -> None:
         """Take `state`'s peer out of this session now: nothing more is sent to it or read from
@@ -373,8 +374,8 @@ class RouteSession:
         error = PeerFailed(state.peer, REVOKED)
         for slot in self.pending.values():
             slot.fail(error)
-        self.ctx.tracer.emit("session_revoked", session=self.session_id, remote=state.peer,
-                             span=(state.hop.start, state.hop.end))
+        self.ctx.tracer.emit(events.SessionRevoked(session=self.session_id, remote=state.peer,
+                                                   span=(state.hop.start, state.hop.end)))
         with trio.move_on_after(CLOSE_TIMEOUT):
             try:
                 await state.channel.send(SessionRevoke(self.session_id))

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
+from tessera.store import events
 from tessera.protocol.activations import open_activations, seal_activations
 from tessera.protocol.errors import WireError
 from tessera.protocol.keys import EphemeralKey, public_key_from_peer_id
@@ -167,9 +168,9 @@ class GroupSession:
                 raise PeerFailed(members[i], str(error))
             raise PeerFailed(members[i], f"opening the group session: {type(error).__name__}: {error}")
         self.ranks = opened
-        self.ctx.tracer.emit("session_open", session=self.session_id,
-                             detail={"group": self.hop.group, "span": [self.hop.start, self.hop.end],
-                                     "members": members, "max_length": self.max_length})
+        self.ctx.tracer.emit(events.SessionOpen(session=self.session_id,
+                                                group=self.hop.group, span=(self.hop.start, self.hop.end),
+                                                members=members, max_length=self.max_length))
 
     async def _open_rank(self, i: int, msg: ShardOpen, send: LinkCipher, result: LinkCipher) -> RankState:
         peer = self.members[i]
@@ -217,7 +218,7 @@ class GroupSession:
         target = next((s for s in self.ranks if s.peer == peer), state)
         if target.failure is None:
             target.failure = reason
-        self.ctx.tracer.emit("error", session=self.session_id, remote=peer, detail={"reason": reason[:300]})
+        self.ctx.tracer.emit(events.Error(session=self.session_id, remote=peer, reason=reason[:300]))
         error = PeerFailed(peer, reason)
         for slot in self.pending.values():
             slot.fail(error)
@@ -264,8 +265,8 @@ class GroupSession:
         finally:
             self.pending.pop(step, None)
         self._audit(step, n)
-        self.ctx.tracer.emit("result", session=self.session_id, step=step, duration=time.perf_counter() - started,
-                             detail={"start_pos": start_pos, "n_tokens": n, "group": self.hop.group})
+        self.ctx.tracer.emit(events.Result(session=self.session_id, step=step, duration=time.perf_counter() - started,
+                                           start_pos=start_pos, n_tokens=n, group=self.hop.group))
         return output
 
     def _audit(self, step: int, n: int) -> None:
@@ -281,7 +282,7 @@ class GroupSession:
         log = StepLog(node=self.ctx.transport.peer_id, session=self.session_id.hex(), step=step, role=REQUESTER,
                       group=self.hop.group, index=-1, count=self.count, start=self.hop.start, end=self.hop.end,
                       hidden=h, records=records)
-        self.ctx.tracer.emit("audit", **log.event_fields())
+        self.ctx.tracer.emit(log.event(), peer=log.node)
 
     # -- closing -------------------------------------------------------------------------
 

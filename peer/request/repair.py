@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import trio
 
+from tessera.store import events
 from tessera.protocol.messages import Relink
 
 from tessera.peer.base.errors import NoRoute, PeerError, PeerFailed, RouteLost, SessionRefused
@@ -132,7 +133,7 @@ class ResilientSession:
         # the strikes live in the swarm's Backoff, so a peer failing again in a later answer
         # is banned for twice as long, not for BAN_BASE again
         duration = self.swarm.bans.register_failure(peer, self.swarm.clock(), seconds=seconds)
-        self.swarm.ctx.tracer.emit("ban", remote=peer, detail={"reason": reason[:200], "seconds": duration})
+        self.swarm.ctx.tracer.emit(events.Ban(remote=peer, reason=reason[:200], seconds=duration))
 
     # -- opening ----------------------------------------------------------------------
 
@@ -257,11 +258,11 @@ class ResilientSession:
         self.epoch += 1
         session.route = Route(tuple(h.hop for h in session.hops), session.route.cost_ms)
         self.routes.append(session.route)
-        self.swarm.ctx.tracer.emit(
-            "failover", session=session.session_id, remote=failure.peer, duration=time.perf_counter() - started,
-            detail={"reason": failure.reason[:200], "position": position, "replacements": replaced,
-                    "route": [[h.hop.peer_id, h.hop.start, h.hop.end] for h in session.hops]},
-        )
+        self.swarm.ctx.tracer.emit(events.Failover(
+            session=session.session_id, remote=failure.peer, duration=time.perf_counter() - started,
+            reason=failure.reason[:200], position=position, replacements=replaced,
+            route=[[h.hop.peer_id, h.hop.start, h.hop.end] for h in session.hops],
+        ))
 
     async def wait_inputs(self, session: RouteSession, layer: int, position: int) -> bool:
         """Wait (briefly) until the inputs of `layer` are held for positions [0, position)."""

@@ -29,6 +29,7 @@ from typing import Union
 import torch
 import trio
 
+from tessera.store import events
 from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
 from tessera.peer.request.history import RouteHistory
 from tessera.peer.request.chain import STEP_TIMEOUT_FLOOR, RouteSession
@@ -126,9 +127,9 @@ class SegmentedSession:
         """Open every segment. Raises SessionRefused or PeerFailed (nothing stays open)."""
         await open_segments(self.segments)
         self.ctx.nursery.start_soon(self._work)
-        self.ctx.tracer.emit("session_open", session=self.session_id,
-                             detail={"route": [[h.peer_id, h.start, h.end] for h in self.route.hops],
-                                     "segments": len(self.segments), "max_length": self.max_length})
+        self.ctx.tracer.emit(events.SessionOpen(session=self.session_id,
+                                                route=[[h.peer_id, h.start, h.end] for h in self.route.hops],
+                                                segments=len(self.segments), max_length=self.max_length))
 
     # -- stepping -------------------------------------------------------------------------
 
@@ -153,8 +154,8 @@ class SegmentedSession:
             if slot.error is not None:
                 raise slot.error
             assert slot.value is not None
-            self.ctx.tracer.emit("result", session=self.session_id, step=step,
-                                 duration=time.perf_counter() - slot.sent_at, detail={"start_pos": start_pos, "n_tokens": n})
+            self.ctx.tracer.emit(events.Result(session=self.session_id, step=step,
+                                               duration=time.perf_counter() - slot.sent_at, start_pos=start_pos, n_tokens=n))
             return slot.value
         finally:
             self.pending.pop(step, None)
@@ -241,11 +242,11 @@ class SegmentedSession:
             raise PeerFailed(getattr(last, "peer", failure.peer), f"could not repair layers [{a}, {b}): {last}")
         self.failure = None
         self.route = Route(tuple(self.hops), math.nan)
-        self.ctx.tracer.emit(
-            "failover", session=self.session_id, remote=failure.peer, duration=time.perf_counter() - started,
-            detail={"reason": failure.reason[:200], "position": position, "replaced": [a, b],
-                    "route": [[h.peer_id, h.start, h.end] for h in self.route.hops]},
-        )
+        self.ctx.tracer.emit(events.Failover(
+            session=self.session_id, remote=failure.peer, duration=time.perf_counter() - started,
+            reason=failure.reason[:200], position=position, replaced=[a, b],
+            route=[[h.peer_id, h.start, h.end] for h in self.route.hops],
+        ))
         return self.route
 
     # -- closing ------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 import torch
 
+from tessera.store import events
 from tessera.protocol.attest import MAX_ROWS, MisbehaviourReport, ReportBody, Witness, sha256, sign_report
 from tessera.protocol.errors import WireError
 from tessera.protocol.fingerprint import (
@@ -171,7 +172,7 @@ class SpotChecker:
         try:
             _, theirs = await self.recompute(shadow, inputs[begin:end_pos], begin, reply=REPLY_FINGERPRINT)
         except PeerFailed as failure:
-            self.swarm.ctx.tracer.emit("error", remote=failure.peer, detail={"check": "checker failed", "reason": failure.reason[:200]})
+            self.swarm.ctx.tracer.emit(events.Error(remote=failure.peer, check="checker failed", reason=failure.reason[:200]))
             self.shadows.pop((start, end, shadow.checker), None)
             return False
         ours = fingerprint_bytes(session.history.at(end).upto(end_pos)[begin:end_pos])
@@ -225,7 +226,7 @@ class SpotChecker:
                     tie.checker: (tie_rows, self.attested(tie, tie_step)),
                 })
         self.verdicts.append(verdict)
-        self.swarm.ctx.tracer.emit("misbehaviour", session=session.session_id, remote=verdict.guilty, detail=verdict.detail)
+        self.swarm.ctx.tracer.emit(events.Misbehaviour(session=session.session_id, remote=verdict.guilty, **verdict.detail))
 
     def attested(self, shadow: Shadow, step: int) -> AttestedStep | None:
         steps = [a for h in shadow.session.hops for a in h.attested if a.step == step and a.peer == shadow.checker]

@@ -29,6 +29,7 @@ from tessera.protocol.tensors import DEFAULT_LIMITS, TensorLimits
 from tessera.stages.errors import StageError
 from tessera.stages.stage import Stage
 from tessera.store.trace import NullTracer, Tracer
+from tessera.store import events
 
 from tessera.peer.base.errors import PeerError, StreamClosed
 from tessera.peer.net.gossip import peer_id_str
@@ -156,8 +157,8 @@ class StageServer:
         if not self.sessions:
             self.emptied.set()
             self.emptied = trio.Event()
-        self.tracer.emit("session_close", session=session.session_id, span=(session.start, session.end),
-                         detail={"reason": reason, "steps": session.steps, "tokens": session.tokens})
+        self.tracer.emit(events.SessionClose(session=session.session_id, span=(session.start, session.end),
+                                             reason=reason, steps=session.steps, tokens=session.tokens))
 
     # -- the requester's stream ---------------------------------------------------
 
@@ -166,8 +167,8 @@ class StageServer:
         session = await self.accept(channel, SessionOpen, self.admit, self._drop_refused)
         if session is None:
             return
-        self.tracer.emit("session_open", session=session.session_id, span=(session.start, session.end),
-                         remote=session.requester, detail={"next": session.next_peer, "capacity": session.capacity})
+        self.tracer.emit(events.SessionOpen(session=session.session_id, span=(session.start, session.end),
+                                            remote=session.requester, next=session.next_peer, capacity=session.capacity))
         reason = "requester closed"
         try:
             async with trio.open_nursery() as nursery:
@@ -177,8 +178,8 @@ class StageServer:
         finally:
             self.drop(session, reason)
             if session.revoked:  # the confirmation: KV cache and keys are gone, nothing more is read
-                self.tracer.emit("session_revoked", session=session.session_id, span=(session.start, session.end),
-                                 remote=session.requester, detail={"steps": session.steps, "tokens": session.tokens})
+                self.tracer.emit(events.SessionRevoked(session=session.session_id, span=(session.start, session.end),
+                                                       remote=session.requester, steps=session.steps, tokens=session.tokens))
             with trio.CancelScope(shield=True):
                 await channel.close()
 
@@ -285,8 +286,8 @@ class StageServer:
                     await channel.reset()
                     return
                 session.last_active = time.monotonic()
-                self.tracer.emit("receive", session=msg.session_id, step=msg.step, remote=stream.remote,
-                                 bytes=len(msg.payload), span=(session.start, session.end))
+                self.tracer.emit(events.Receive(session=msg.session_id, step=msg.step, remote=stream.remote,
+                                                bytes=len(msg.payload), span=(session.start, session.end)))
                 await session.queue_in.send(msg)
 
     async def _wait_for_link(self, hello: LinkHello) -> ServedSession:
@@ -344,8 +345,8 @@ class StageServer:
         self.stats.tokens += msg.n_tokens
         self.stats.layer_tokens += msg.n_tokens * n_layers
         self.stats.bytes_in += len(msg.payload)
-        self.tracer.emit("forward", session=msg.session_id, step=msg.step, span=(session.start, session.end),
-                         duration=seconds, detail={"start_pos": msg.start_pos, "n_tokens": msg.n_tokens, "batch": batch})
+        self.tracer.emit(events.Forward(session=msg.session_id, step=msg.step, span=(session.start, session.end),
+                                        duration=seconds, start_pos=msg.start_pos, n_tokens=msg.n_tokens, batch=batch))
         sent = 0
         for frame in frames:  # the onward frame first; a deferred tap is sealed only after it went
             if isinstance(frame, DeferredTap):
@@ -359,15 +360,15 @@ class StageServer:
                     if session.next_channel is None:
                         raise StreamClosed("no link to the next peer")
                     await session.next_channel.send(frame)
-                    self.tracer.emit("push", session=msg.session_id, step=msg.step, remote=session.next_peer,
-                                     bytes=len(frame.payload), span=(session.start, session.end))
+                    self.tracer.emit(events.Push(session=msg.session_id, step=msg.step, remote=session.next_peer,
+                                                 bytes=len(frame.payload), span=(session.start, session.end)))
                 except PeerError as bad:
                     await self._error(session, NEXT_HOP_FAILED, f"push to {session.next_peer}: {bad}")
             else:
                 try:
                     await session.control.send(frame)
-                    self.tracer.emit("push", session=msg.session_id, step=msg.step, remote=session.requester,
-                                     bytes=len(frame.payload), span=(session.start, session.end))
+                    self.tracer.emit(events.Push(session=msg.session_id, step=msg.step, remote=session.requester,
+                                                 bytes=len(frame.payload), span=(session.start, session.end)))
                 except PeerError:
                     return  # the requester is gone; the control reader ends the session
         self.stats.bytes_out += sent
@@ -389,7 +390,7 @@ class StageServer:
 
     async def _error(self, session: ServedSession, code: str, message: str) -> None:
         self.stats.errors += 1
-        self.tracer.emit("error", session=session.session_id, detail={"code": code, "message": message[:500]})
+        self.tracer.emit(events.Error(session=session.session_id, code=code, message=message[:500]))
         try:
             await session.control.send(ErrorMsg(code, message[:1000], session.session_id))
         except PeerError:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import trio
 
+from tessera.store import events
 from tessera.protocol.activations import open_activations, seal_activations
 from tessera.protocol.errors import WireError
 from tessera.protocol.links import Direction, LinkCipher
@@ -85,7 +86,7 @@ class ShardServedSession(ServedSession):
             group=self.group, index=stage.index, count=stage.count, start=self.start, end=self.end,
             hidden=stage.spec.hidden_size, records=tuple(records),
         )
-        server.tracer.emit("audit", **audit.event_fields())
+        server.tracer.emit(audit.event(), peer=audit.node)
         output = server.tamper(output)
         check_finite(output, what="output activations")
         assert self.out is not None, "a session always has an outbound link"
@@ -163,9 +164,9 @@ class ShardServer(StageServer):
         session = await self.accept(channel, ShardOpen, self.admit_shard, self._forget)
         if session is None:
             return
-        self.tracer.emit("session_open", session=session.session_id, span=(session.start, session.end),
-                         remote=session.requester, detail={"group": self.group, "rank": self.stage.index,
-                                                           "capacity": session.capacity})
+        self.tracer.emit(events.SessionOpen(session=session.session_id, span=(session.start, session.end),
+                                            remote=session.requester, group=self.group, rank=self.stage.index,
+                                            capacity=session.capacity))
         reason = "requester closed"
         try:
             async with trio.open_nursery() as nursery:

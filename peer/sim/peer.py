@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import trio
 
+from tessera.store import events
 from tessera.protocol.crypto import sign_record
 from tessera.protocol.keys import Identity
 from tessera.protocol.records import Neighbour, PeerRecord, SignedRecord
@@ -116,8 +117,8 @@ class SimPeer:
         if self.gossip is not None and (before is None or known is None
                                         or material(before.record) != material(known.record)):
             await self.gossip.announce()
-        self.tracer.emit("advertise", span=self.span, detail={"state": self.state,
-                                                               "load": self.server.load if self.server else 0.0})
+        self.tracer.emit(events.Advertise(span=self.span, state=self.state,
+                                          load=self.server.load if self.server else 0.0))
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -131,7 +132,7 @@ class SimPeer:
                 if world.view_mode == "gossip":
                     self.gossip = Gossip(transport, self.keeper, own_record=lambda: self._own,
                                          interval=world.timings.gossip_interval)
-                self.tracer.emit("join", detail={"addrs": transport.addrs(), "model": world.model_id})
+                self.tracer.emit(events.Join(addrs=transport.addrs(), model=world.model_id))
                 world.recorder.peer_changed(self)
                 try:
                     async with trio.open_nursery() as nursery:
@@ -177,7 +178,7 @@ class SimPeer:
             self.keeper.remember(addr)  # as node.py: a join address is re-dialled for good
             try:
                 peer = await self.transport.connect(addr)
-                self.tracer.emit("connect", remote=peer, detail={"kind": self.transport.connection_kind(peer) or "direct"})
+                self.tracer.emit(events.Connect(remote=peer, link=self.transport.connection_kind(peer) or "direct"))
                 await self.gossip.exchange(peer)
             except PeerError:
                 continue  # a bootstrap peer that just left; the others will do
@@ -187,7 +188,7 @@ class SimPeer:
         await self.gossip.connect_known(self._connected)
 
     def _connected(self, peer_id: str) -> None:
-        self.tracer.emit("connect", remote=peer_id, detail={"kind": "direct"})
+        self.tracer.emit(events.Connect(remote=peer_id, link="direct"))
 
     async def _claim_and_load(self) -> None:
         if self.plan.span is not None:
@@ -196,7 +197,7 @@ class SimPeer:
             span = self.world.policy.claim(self.keeper.snapshot(), me=self.peer_id, capacity_layers=self.capacity,
                                            throughput=self.throughput, rng=self.rng)
         self.span = (int(span[0]), int(span[1]))
-        self.tracer.emit("claim", span=self.span, detail={"throughput": self.throughput, "capacity": self.capacity})
+        self.tracer.emit(events.Claim(span=self.span, throughput=self.throughput, capacity=self.capacity))
         self.world.recorder.claim(self)
         await self.advertise()  # LOADING: others see the claim before the weights are in
         self.stage = await self._load(*self.span, seconds=self.plan.load_seconds)
@@ -215,7 +216,7 @@ class SimPeer:
         await server.drain(self.world.timings.move_grace)
         self.span = span
         self._set_state(LOADING)
-        self.tracer.emit("move", span=span, detail={"from": list(old) if old else None, "reason": reason})
+        self.tracer.emit(events.Move(span=span, moved_from=list(old) if old else None, reason=reason))
         self.world.recorder.move(self, old, span, reason)
         await self.advertise()
         stage = await self._load(*span)
@@ -269,7 +270,7 @@ class SimPeer:
             self._set_state(LEAVING)
             await self.advertise()
             self.exit = "left"
-            self.tracer.emit("leave", span=self.span)
+            self.tracer.emit(events.Leave(span=self.span))
 
     async def _advertise_forever(self) -> None:
         interval = self.world.timings.advertise_interval

@@ -26,6 +26,7 @@ import trio
 
 from tessera.protocol.keys import Identity
 from tessera.stages.spec import ModelSpec
+from tessera.store.events import TraceEvent
 
 from tessera.peer.base.ids import peer_id_bytes, peer_id_text
 from tessera.peer.request.client import DEFAULT_ROUTE_WAIT, REFRESH_INTERVAL
@@ -138,7 +139,7 @@ class SharedViewKeeper(ViewKeeper):
 class SimTracer:
     """A tracer for simulated nodes: counts events by kind; writes them (on simulated time) if asked.
 
-    Peer code calls ``emit(kind, **fields)`` as on a real peer. With a `writer` (a
+    Peer code calls ``emit(event)`` as on a real peer. With a `writer` (a
     tessera.store.trace.TraceWriter) the event is stored with this node's id and the
     simulated clock (SIM_EPOCH + trio time), so `tessera trace export` draws a simulation.
     """
@@ -148,11 +149,14 @@ class SimTracer:
         self.counts = counts
         self.writer = writer
 
-    def emit(self, kind: str, **fields: Any) -> None:
+    def emit(
+        self, event: TraceEvent, *, peer: str | None = None, wall: float | None = None, mono_ns: int | None = None
+    ) -> None:
+        kind = event.kind
         self.counts[kind] = self.counts.get(kind, 0) + 1
         if self.writer is not None:
             now = trio.current_time()
-            self.writer.emit(kind, peer=self.peer, wall=SIM_EPOCH + now, mono_ns=int(now * 1e9), **fields)
+            self.writer.emit(event, peer=peer or self.peer, wall=SIM_EPOCH + now, mono_ns=int(now * 1e9))
 
     def flush(self) -> None:
         pass

@@ -45,6 +45,7 @@ from typing import Awaitable, Callable
 import trio
 
 from tessera.store.trace import NullTracer, Tracer
+from tessera.store import events
 
 from tessera.peer.base.errors import PeerError
 from tessera.peer.net.gossip import ViewKeeper
@@ -211,7 +212,7 @@ class NatService:
             self.verdict, self.public_addrs = verdict, reached
             where = ", ".join(reached) if reached else "no dial-back got through"
             self.out(f"reachability: {verdict} ({where}; asked {', '.join(o.helper[-8:] for o in conclusive)})")
-            self.tracer.emit("advertise", detail={"reachability": verdict, "addrs": reached})
+            self.tracer.emit(events.Advertise(reachability=verdict, addrs=reached))
             self._apply_verdict()
             self._mark_changed()
         return self.verdict
@@ -336,9 +337,9 @@ class NatService:
             old = self.links.get(peer_id)
             if kind != old:
                 self.out(f"link {peer_id}: {old + ' -> ' if old else ''}{kind}")
-                self.tracer.emit("connect", remote=peer_id, detail={"kind": kind})
+                self.tracer.emit(events.Connect(remote=peer_id, link=kind))
         for peer_id in set(self.links) - set(now):
-            self.tracer.emit("disconnect", remote=peer_id)
+            self.tracer.emit(events.Disconnect(remote=peer_id))
         self.links = now
 
     async def _link_loop(self) -> None:
