@@ -93,7 +93,7 @@ def test_buffered_reader_reads_as_read_frame_does(payloads: list[bytes], tail: b
     points = sorted({0, len(stream), *(c % (len(stream) + 1) for c in cuts)})
     old, new = _old_and_buffered([stream[a:b] for a, b in zip(points, points[1:])], max_size)
     assert new == old
-    assert new[0] == [p for p in payloads[: len(new[0])]]
+    assert new[0][: len(payloads)] == payloads[: len(new[0])]  # the tail may hold frames too
 
 
 def test_buffered_reader_asks_for_a_big_frame_in_at_most_two_reads() -> None:
