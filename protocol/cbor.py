@@ -119,29 +119,34 @@ class _Decoder:
         self.budget = max_items
 
     def item(self, pos: int, depth: int) -> tuple[Any, int]:
+        # The hot path of every message received: the head is read inline when its argument
+        # fits in the initial byte (read_head does the rest, and raises its errors).
         self.budget -= 1
         if self.budget < 0:
             raise InvalidCbor(f"more data items than the limit; stopped at offset {pos!r}")
-        major, info, arg, pos = read_head(self.data, pos)
+        data = self.data
+        if pos < len(data) and (initial := data[pos]) & 31 < 24:
+            major, info, arg, pos = initial >> 5, initial & 31, initial & 31, pos + 1
+        else:
+            major, info, arg, pos = read_head(data, pos)
         if major == UINT:
             return arg, pos
-        if major == NEGINT:
-            return -1 - arg, pos
-        if major == BYTES or major == TEXT:
+        if major == TEXT or major == BYTES:
             end = pos + arg
-            if end > len(self.data):
+            if end > len(data):
                 raise InvalidCbor(
-                    f"string at offset {pos!r} claims {arg!r} bytes but only {len(self.data) - pos!r} remain"
+                    f"string at offset {pos!r} claims {arg!r} bytes but only {len(data) - pos!r} remain"
                 )
-            chunk = self.data[pos:end]
             if major == BYTES:
-                return bytes(chunk), end
+                return bytes(data[pos:end]), end
             try:
-                return str(chunk, "utf-8"), end
+                return str(data[pos:end], "utf-8"), end
             except UnicodeDecodeError as exc:
                 raise InvalidCbor(f"text string at offset {pos!r} is not valid UTF-8: {exc.reason!s}") from None
         if major == ARRAY or major == MAP:
             return self.container(major, arg, pos, depth)
+        if major == NEGINT:
+            return -1 - arg, pos
         if major == SIMPLE:
             if info in _SIMPLE_VALUES:
                 return _SIMPLE_VALUES[info], pos
@@ -162,19 +167,21 @@ class _Decoder:
                 f"container at offset {pos!r} claims {count!r} entries; "
                 f"{len(self.data) - pos!r} bytes and {self.budget!r} items remain"
             )
+        item, depth = self.item, depth - 1
         if major == ARRAY:
             values = []
+            append = values.append
             for _ in range(count):
-                value, pos = self.item(pos, depth - 1)
-                values.append(value)
+                value, pos = item(pos, depth)
+                append(value)
             return values, pos
         mapping: dict[str, Any] = {}
         for _ in range(count):
             key_pos = pos
-            key, pos = self.item(pos, depth - 1)
+            key, pos = item(pos, depth)
             if type(key) is not str:
                 raise InvalidCbor(f"map key at offset {key_pos!r} is {type(key).__name__}, expected text")
             if key in mapping:
                 raise InvalidCbor(f"duplicate map key {key[:64]!r} at offset {key_pos!r}")
-            mapping[key], pos = self.item(pos, depth - 1)
+            mapping[key], pos = item(pos, depth)
         return mapping, pos

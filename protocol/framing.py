@@ -10,9 +10,12 @@ The limit is checked while the prefix is still being read, so a frame that claim
 body. Prefixes must be minimal (no trailing 0x80 ... 0x00 padding) and at most ten
 bytes long.
 
-Two readers share one prefix parser: `read_frame` pulls from an async
+Three readers share one prefix parser: `read_frame` pulls from an async
 `read_exactly` that the caller supplies (together with any timeout: this module has
-no clock), and `FrameDecoder` is fed bytes as they come, for tests and fuzzing.
+no clock); `read_buffered_frame` does the same from a buffer that it refills from an
+async `read` (what a `Channel` uses: a frame that arrived in one piece costs one read
+and no coroutine per byte); and `FrameDecoder` is fed bytes as they come, for tests
+and fuzzing.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ DEFAULT_MAX_FRAME = 64 * 1024 * 1024
 
 MAX_PREFIX_BYTES = 10
 """A uvarint of up to 64 bits takes at most ten bytes."""
+
+READ_CHUNK = 65536
+"""The least `read_buffered_frame` asks its stream for at once (a frame usually arrives whole)."""
 
 
 def encode_frame(payload: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_FRAME) -> bytes:
@@ -105,6 +111,50 @@ async def read_frame(
     payload = await read_exactly(length)
     if len(payload) != length:
         raise TruncatedFrame(f"stream ended after {len(payload)!r} of a frame's {length!r} bytes")
+    return payload
+
+
+async def read_buffered_frame(
+    buffer: bytearray,
+    read: Callable[[int], Awaitable[bytes]],
+    *,
+    max_size: int = DEFAULT_MAX_FRAME,
+) -> bytes:
+    """Read one frame's payload, as `read_frame` does over a buffered `read_exactly`.
+
+    `buffer` holds bytes received and not used yet; the frame's bytes are taken from
+    its front, and it keeps what follows the frame. When it holds too little, `read(n)`
+    (up to n bytes; b"" at the end of the stream) refills it: for the prefix with
+    READ_CHUNK, for the payload with max(missing bytes, READ_CHUNK). Those are exactly
+    the reads that `read_frame` over a buffering `read_exactly` makes, so a stream sees
+    the same calls (and a caller the same waits); the checks, errors and the bytes they
+    are raised at are read_frame's too. Wrap the call in the caller's own timeout.
+
+    Raises:
+        EndOfStream: the stream ended cleanly before the first byte of a frame.
+        TruncatedFrame: the stream ended inside a frame.
+        FrameTooLarge: the prefix claims more than `max_size` bytes.
+        BadLengthPrefix: the prefix is overlong or not minimal.
+    """
+    while (parsed := parse_prefix(buffer, 0, max_size=max_size)) is None:
+        chunk = await read(READ_CHUNK)
+        if not chunk:
+            if not buffer:
+                raise EndOfStream("stream ended between frames")
+            raise TruncatedFrame(f"stream ended inside the length prefix {bytes(buffer).hex()!r}")
+        buffer += chunk
+    length, start = parsed
+    end = start + length
+    while len(buffer) < end:
+        chunk = await read(max(end - len(buffer), READ_CHUNK))
+        if not chunk:
+            got = len(buffer) - start
+            del buffer[:]
+            raise TruncatedFrame(f"stream ended after {got!r} of a frame's {length!r} bytes")
+        buffer += chunk
+    with memoryview(buffer) as view:  # one copy, not two
+        payload = bytes(view[start:end])
+    del buffer[:end]
     return payload
 
 

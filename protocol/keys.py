@@ -16,6 +16,7 @@ needs no second key and anyone who knows its peer id can seal a key to it.
 from __future__ import annotations
 
 import hashlib
+from functools import lru_cache
 
 import nacl.bindings as sodium
 import nacl.exceptions
@@ -57,15 +58,22 @@ def x25519_public_from_ed25519(public_key: bytes) -> bytes:
     """
     _check_size(public_key, "Ed25519 public key")
     try:
-        return sodium.crypto_sign_ed25519_pk_to_curve25519(bytes(public_key))
+        return _pk_to_curve25519(bytes(public_key))
     except nacl.exceptions.CryptoError:
         raise BadKey(f"Ed25519 public key {public_key.hex()!r} is not a valid curve point") from None
+
+
+@lru_cache(maxsize=4096)
+def _pk_to_curve25519(public_key: bytes) -> bytes:
+    # A requester seals a session's link keys to the same few peers again and again: the
+    # conversion (a field inversion, ~30 us) is done once per peer, not once per key.
+    return sodium.crypto_sign_ed25519_pk_to_curve25519(public_key)
 
 
 class Identity:
     """A peer's long-term Ed25519 key pair. Its repr never shows the secret."""
 
-    __slots__ = ("_seed", "_secret", "public_key", "peer_id")
+    __slots__ = ("_seed", "_secret", "public_key", "peer_id", "_x25519", "_last_exchange")
 
     def __init__(self, seed: bytes) -> None:
         """Use `generate()` or `from_seed()`.
@@ -77,6 +85,8 @@ class Identity:
         self._seed = bytes(seed)
         self.public_key, self._secret = sodium.crypto_sign_seed_keypair(self._seed)
         self.peer_id = PEER_ID_PREFIX + self.public_key
+        self._x25519: tuple[bytes, bytes] | None = None  # (private, public), converted once
+        self._last_exchange: tuple[bytes, bytes] | None = None  # (their public, shared secret)
 
     @classmethod
     def generate(cls) -> Identity:
@@ -103,11 +113,34 @@ class Identity:
 
     def x25519_private(self) -> bytes:
         """The X25519 private key that corresponds to this identity."""
-        return sodium.crypto_sign_ed25519_sk_to_curve25519(self._secret)
+        return self._x25519_pair()[0]
 
     def x25519_public(self) -> bytes:
         """The X25519 public key that corresponds to this identity."""
-        return sodium.crypto_sign_ed25519_pk_to_curve25519(self.public_key)
+        return self._x25519_pair()[1]
+
+    def _x25519_pair(self) -> tuple[bytes, bytes]:
+        # converted once per identity, not once per sealed key a peer opens
+        if self._x25519 is None:
+            self._x25519 = (sodium.crypto_sign_ed25519_sk_to_curve25519(self._secret),
+                            sodium.crypto_sign_ed25519_pk_to_curve25519(self.public_key))
+        return self._x25519
+
+    def exchange(self, peer_x25519_public: bytes) -> bytes:
+        """X25519(our converted private key, their public key).
+
+        The last answer is kept: a session's in, out and tap keys are all sealed to us
+        with one ephemeral key, so opening them costs one exchange, not three.
+
+        Raises:
+            BadKey: the peer's key is not 32 bytes or is of low order.
+        """
+        last = self._last_exchange
+        if last is not None and last[0] == peer_x25519_public:
+            return last[1]
+        shared = x25519(self.x25519_private(), peer_x25519_public)
+        self._last_exchange = (bytes(peer_x25519_public), shared)
+        return shared
 
     def __repr__(self) -> str:
         return f"Identity(peer_id={self.peer_id.hex()!r})"
@@ -116,7 +149,7 @@ class Identity:
 class EphemeralKey:
     """A requester's X25519 key pair for one session; `forget()` drops the secret."""
 
-    __slots__ = ("_private", "public")
+    __slots__ = ("_private", "public", "_shared")
 
     def __init__(self, private: bytes) -> None:
         """Use `generate()` or `from_private()`.
@@ -127,6 +160,9 @@ class EphemeralKey:
         _check_size(private, "X25519 private key", secret=True)
         self._private: bytes | None = bytes(private)
         self.public = sodium.crypto_scalarmult_base(self._private)
+        # their public key -> shared secret: a session seals two or three link keys to each
+        # peer of its chain (in, out, tap), all with this key; one exchange per peer serves them
+        self._shared: dict[bytes, bytes] = {}
 
     @classmethod
     def generate(cls) -> EphemeralKey:
@@ -150,11 +186,16 @@ class EphemeralKey:
         """
         if self._private is None:
             raise BadKey("ephemeral key was forgotten; it cannot seal any more keys")
-        return x25519(self._private, peer_x25519_public)
+        shared = self._shared.get(peer_x25519_public) if type(peer_x25519_public) is bytes else None
+        if shared is None:
+            shared = self._shared[bytes(peer_x25519_public)] = x25519(self._private, peer_x25519_public)
+        return shared
 
     def forget(self) -> None:
-        """Drop the private key (best effort: Python may keep copies in freed memory)."""
+        """Drop the private key and the secrets made with it (best effort: Python may keep
+        copies in freed memory)."""
         self._private = None
+        self._shared.clear()
 
     def __repr__(self) -> str:
         return f"EphemeralKey(public={self.public.hex()!r})"

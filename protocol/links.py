@@ -44,7 +44,7 @@ from tessera.protocol.errors import (
     WrongLink,
     show,
 )
-from tessera.protocol.keys import KEY_SIZE, EphemeralKey, Identity, derive_key, x25519, x25519_public_from_ed25519
+from tessera.protocol.keys import KEY_SIZE, EphemeralKey, Identity, derive_key, x25519_public_from_ed25519
 from tessera.protocol.messages import SEALED_KEY_BOX_SIZE, SealedKey
 from tessera.protocol.schema import INT64_MAX
 
@@ -111,7 +111,7 @@ def open_link_key(
     if len(sealed.box) != SEALED_KEY_BOX_SIZE:
         raise DecryptionFailed(f"sealed key box is {len(sealed.box)!r} bytes, expected {SEALED_KEY_BOX_SIZE}")
     recipient_x = recipient.x25519_public()
-    shared = x25519(recipient.x25519_private(), sender_public)
+    shared = recipient.exchange(sender_public)
     kek = _key_encryption_key(shared, bytes(sender_public), recipient_x, session_id, link_id)
     nonce, box = sealed.box[:NONCE_SIZE], sealed.box[NONCE_SIZE:]
     try:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import sys
 import warnings
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -93,12 +94,19 @@ def encode_tensor(t: torch.Tensor) -> bytes:
     if not _LITTLE_ENDIAN:
         t = _swap_bytes(t)
     data = t.reshape(-1).view(torch.uint8).numpy()  # a view: no copy until the join
-    head = [encode_head(ARRAY, 4), encode_head(TEXT, len(name)), name.encode("ascii"), encode_head(ARRAY, t.dim())]
-    head += [encode_head(UINT, d) for d in t.shape]
-    data_head = encode_head(BYTES, data.nbytes)
+    return b"".join((_head(name, tuple(t.shape), data.nbytes), data))
+
+
+@lru_cache(maxsize=1024)
+def _head(name: str, shape: tuple[int, ...], nbytes: int) -> bytes:
+    """Everything before the data: [dtype, shape, pad, data's head] (the same few shapes
+    go out step after step, so each is built once)."""
+    head = [encode_head(ARRAY, 4), encode_head(TEXT, len(name)), name.encode("ascii"), encode_head(ARRAY, len(shape))]
+    head += [encode_head(UINT, d) for d in shape]
+    data_head = encode_head(BYTES, nbytes)
     pad = -(sum(map(len, head)) + 1 + len(data_head)) % _ALIGN
     head += [encode_head(BYTES, pad), bytes(pad), data_head]
-    return b"".join([*head, data])
+    return b"".join(head)
 
 
 def decode_tensor(
@@ -179,16 +187,24 @@ def check_finite(t: torch.Tensor, *, what: str = "tensor") -> None:
     )
 
 
+_readonly_warned = False  # torch has given its one read-only-buffer warning (see _frombuffer)
+
+
 def _frombuffer(view: memoryview, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
-    if not view.readonly:
+    global _readonly_warned
+    if not view.readonly or _readonly_warned:
         return torch.frombuffer(view, dtype=dtype, count=count, offset=offset)
-    # torch warns (once per process) that it cannot protect a read-only buffer. Here
-    # that is expected and documented (decode_tensor), so the warning is silenced for
-    # this call only. (catch_warnings swaps the global filter list; if threads race
-    # here, the worst case is that this one narrow filter outlives the call.)
+    # torch warns (once per process: TORCH_WARN_ONCE) that it cannot protect a read-only
+    # buffer. Here that is expected and documented (decode_tensor), so the warning is
+    # silenced for the first such call; later calls have nothing to silence, and skip
+    # catch_warnings (it costs five times the decode of a step's activations).
+    # (catch_warnings swaps the global filter list; if threads race here, the worst case
+    # is that this one narrow filter outlives the call.)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-        return torch.frombuffer(view, dtype=dtype, count=count, offset=offset)
+        t = torch.frombuffer(view, dtype=dtype, count=count, offset=offset)
+    _readonly_warned = True
+    return t
 
 
 def _expect(view: memoryview, pos: int, major: int, what: str) -> tuple[int, int]:

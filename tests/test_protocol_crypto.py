@@ -171,3 +171,23 @@ def test_the_same_key_sealed_twice_looks_different_and_forgotten_senders_cannot_
         seal_link_key(key, session_id=SESSION, link_id=1, sender=requester, recipient_public_ed25519=peer.public_key)
     with pytest.raises(BadKey, match="link key is 31 bytes"):
         seal_link_key(key[:31], session_id=SESSION, link_id=1, sender=EphemeralKey.generate(), recipient_public_ed25519=peer.public_key)
+
+
+def test_remembered_exchanges_never_mix_senders_or_recipients() -> None:
+    """Each side keeps the X25519 exchanges it made (one per peer per session, not per key):
+    keys sealed by two sessions to two peers, opened interleaved, each open only where
+    they were sealed to, and a recycled secret would show as a DecryptionFailed."""
+    senders, peers = [EphemeralKey.generate() for _ in range(2)], [Identity.generate() for _ in range(2)]
+    sealed = {(s, p, link): (key := os.urandom(32), seal_link_key(
+        key, session_id=SESSION, link_id=link, sender=senders[s], recipient_public_ed25519=peers[p].public_key))
+        for link in (1, 2) for s in (0, 1) for p in (0, 1)}
+    for (s, p, link), (key, box) in sealed.items():
+        for other in (0, 1):
+            kwargs = {"session_id": SESSION, "link_id": link, "recipient": peers[other]}
+            if other == p:
+                assert open_link_key(box, sender_public=senders[s].public, **kwargs) == key
+                with pytest.raises(DecryptionFailed):  # right after a success with the other sender
+                    open_link_key(box, sender_public=senders[1 - s].public, **kwargs)
+            else:
+                with pytest.raises(DecryptionFailed):
+                    open_link_key(box, sender_public=senders[s].public, **kwargs)

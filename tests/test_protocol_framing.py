@@ -3,6 +3,8 @@ header, before the body is read or allocated."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 import trio
 import trio.testing
@@ -10,7 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tessera.protocol.errors import BadLengthPrefix, EndOfStream, FrameTooLarge, TruncatedFrame
-from tessera.protocol.framing import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame, read_frame
+from tessera.protocol.errors import WireError
+from tessera.protocol.framing import (
+    DEFAULT_MAX_FRAME, READ_CHUNK, FrameDecoder, encode_frame, read_buffered_frame, read_frame,
+)
 
 
 class Reader:
@@ -24,6 +29,80 @@ class Reader:
         chunk = self.data[self.pos : self.pos + n]
         self.pos += len(chunk)
         return chunk
+
+
+class Chunks:
+    """A stream's read(max_bytes) over the pieces it received (as a memory stream hands out
+    its writes), recording every request."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces, self.requests = deque(p for p in pieces if p), []
+
+    async def read(self, n: int) -> bytes:
+        self.requests.append(n)
+        if not self.pieces:
+            return b""
+        piece = self.pieces[0]
+        if len(piece) <= n:
+            return self.pieces.popleft()
+        self.pieces[0] = piece[n:]
+        return piece[:n]
+
+
+async def _all_frames(read_one) -> tuple[list[bytes], str]:
+    """Frames until the reader raises; the error as 'Type: message'."""
+    got = []
+    while True:
+        try:
+            got.append(await read_one())
+        except WireError as end:
+            return got, f"{type(end).__name__}: {end}"
+
+
+def _old_and_buffered(pieces: list[bytes], max_size: int) -> tuple[tuple, tuple]:
+    """The same stream read by read_frame over a buffering read_exactly (what Channel did
+    before) and by read_buffered_frame: (frames, final error, the reads asked of the stream)."""
+    old, new = Chunks(pieces), Chunks(pieces)
+    old_buffer, new_buffer = bytearray(), bytearray()
+
+    async def read_exactly(n: int) -> bytes:
+        while len(old_buffer) < n:
+            chunk = await old.read(max(n - len(old_buffer), READ_CHUNK))
+            if not chunk:
+                break
+            old_buffer.extend(chunk)
+        out = bytes(old_buffer[:n])
+        del old_buffer[:n]
+        return out
+
+    async def both() -> tuple[tuple, tuple]:
+        a = await _all_frames(lambda: read_frame(read_exactly, max_size=max_size))
+        b = await _all_frames(lambda: read_buffered_frame(new_buffer, new.read, max_size=max_size))
+        return (*a, old.requests), (*b, new.requests)
+
+    return trio.run(both)
+
+
+@given(payloads=st.lists(st.binary(max_size=300), max_size=6), tail=st.binary(max_size=12),
+       cuts=st.lists(st.integers(0, 2000), max_size=8), max_size=st.sampled_from([100, 300, DEFAULT_MAX_FRAME]))
+def test_buffered_reader_reads_as_read_frame_does(payloads: list[bytes], tail: bytes, cuts: list[int],
+                                                  max_size: int) -> None:
+    """Any split, any garbage after the frames, any limit: the same frames, the same error
+    at the same byte, and the same reads asked of the stream (so the same waits)."""
+    stream = b"".join(encode_frame(p) for p in payloads) + tail
+    points = sorted({0, len(stream), *(c % (len(stream) + 1) for c in cuts)})
+    old, new = _old_and_buffered([stream[a:b] for a, b in zip(points, points[1:])], max_size)
+    assert new == old
+    assert new[0][: len(payloads)] == payloads[: len(new[0])]  # the tail may hold frames too
+
+
+def test_buffered_reader_asks_for_a_big_frame_in_at_most_two_reads() -> None:
+    big = bytes(range(256)) * 800  # 200 KB: more than one READ_CHUNK
+    frames = encode_frame(big) + encode_frame(b"next")
+    old, new = _old_and_buffered([frames[:70_000], frames[70_000:]], DEFAULT_MAX_FRAME)
+    assert new == old
+    assert new[0] == [big, b"next"] and new[1].startswith("EndOfStream")
+    assert new[2][:2] == [READ_CHUNK, len(big) + 3 - READ_CHUNK]
 
 
 @given(payloads=st.lists(st.binary(max_size=300), max_size=6), cuts=st.lists(st.integers(0, 2000), max_size=8))

@@ -20,7 +20,7 @@ import trio
 
 from tessera.protocol.codec import decode, encode
 from tessera.protocol.errors import EndOfStream, WireError
-from tessera.protocol.framing import DEFAULT_MAX_FRAME, encode_frame, read_frame
+from tessera.protocol.framing import DEFAULT_MAX_FRAME, encode_frame, read_buffered_frame
 from tessera.protocol.messages import LinkHello
 
 from tessera.peer.base.errors import PeerUnreachable, StreamClosed
@@ -117,7 +117,7 @@ class Channel:
     async def receive(self) -> object:
         """The next message. Raises StreamClosed at end of stream, WireError on a bad frame."""
         try:
-            payload = await read_frame(self._read_exactly, max_size=self.max_frame)
+            payload = await read_buffered_frame(self._buffer, self.stream.read, max_size=self.max_frame)
         except EndOfStream:
             raise StreamClosed(f"stream from {self.remote} ended") from None
         self.bytes_in += len(payload)
@@ -129,16 +129,6 @@ class Channel:
             return await self.receive()
         except StreamClosed:
             return None
-
-    async def _read_exactly(self, n: int) -> bytes:
-        while len(self._buffer) < n:
-            chunk = await self.stream.read(max(n - len(self._buffer), 65536))
-            if not chunk:
-                break  # read_frame tells a clean end from a truncated frame
-            self._buffer += chunk
-        out = bytes(self._buffer[:n])
-        del self._buffer[:n]
-        return out
 
     async def close(self) -> None:
         await self.stream.close()

@@ -57,9 +57,10 @@ per call, 11-12 ms when the measured-link index must be rebuilt (see
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from tessera.peer.plan.cost import DEFAULT_RTT_MS, FULL_LOAD, LOAD_PENALTY, ms_per_layer, hop_compute_ms, rtt_ms
 from tessera.peer.plan.groups import ShardGroup, replica_coverage, with_group_peers
@@ -278,26 +279,33 @@ def route(
             span_of[pid] = (lo, hi)
 
     into = _measured_links(peers, span_of)
+    # rtt_ms(peers, source, q) and rtt_ms(peers, q, sink) for many q: the source's and the
+    # sink's own maps looked up once (the same arithmetic as cost.rtt_ms; see _rtt_from)
+    from_source = _rtt_from(peers, source, default_rtt_ms)
+    to_sink = _rtt_from(peers, sink, default_rtt_ms)
 
     # label[pid] = (cost, hops, peer ids) of the best chain ending with pid;
     # arrivals[b] = (cost, hops, ids, pid) of the peers exiting at b, best first, and
     # via_default[b] = the best of them's cost + default_rtt_ms (what an unmeasured
     # link from it costs before compute). Candidates compare as (cost, hops, ids).
+    # `reached` lists, in order, the boundaries someone exits at: only those can be
+    # entered from (at any other b, via_default[b] is inf and nothing is priced).
     inf = math.inf
     label: dict[str, tuple[float, int, tuple[str, ...]]] = {}
     arrivals: list[list[tuple[float, int, tuple[str, ...], str]]] = [[] for _ in range(end + 1)]
     via_default = [inf] * (end + 1)
+    reached: list[int] = []
     nothing: dict[str, tuple[float, int]] = {}
     for e in sorted(exits):
         for qid, lo, per_layer in exits[e]:
             measured = into.get(qid, nothing)
             best_cost, best_n, best_ids = inf, 0, ()
             if lo == start:  # entered straight from the source
-                best_cost, best_n = rtt_ms(peers, source, qid, default_rtt_ms) + (e - start) * per_layer, 1
-            for b in range(lo, e):
+                best_cost, best_n = from_source(qid) + (e - start) * per_layer, 1
+            for b in reached[bisect_left(reached, lo):]:  # b < e: reached holds exits before e only
                 c = via_default[b] + (e - b) * per_layer
                 if c > best_cost or c == inf:
-                    continue  # nobody exits at b, or nobody there beats best (sorted)
+                    continue  # nobody there beats best (sorted)
                 arr = arrivals[b]
                 cost, n, ids, pid = arr[0]
                 if pid in measured:  # its link is priced below; take the best unmeasured one
@@ -313,11 +321,15 @@ def route(
                         best_cost, best_n, best_ids = c, n + 1, ids
             if best_cost < inf:
                 label[qid] = (best_cost, best_n, best_ids + (qid,))
+        if e == end:  # the last boundary: only the final choice below reads it, and min needs no order
+            arrivals[e] = [(*label[qid], qid) for qid, _, _ in exits[e] if qid in label]
+            continue
         arrivals[e] = sorted((*label[qid], qid) for qid, _, _ in exits[e] if qid in label)
         if arrivals[e]:
             via_default[e] = arrivals[e][0][0] + default_rtt_ms
+            reached.append(e)
 
-    finals = [(cost + rtt_ms(peers, ids[-1], sink, default_rtt_ms), n, ids) for cost, n, ids, _ in arrivals[end]]
+    finals = [(cost + to_sink(ids[-1]), n, ids) for cost, n, ids, _ in arrivals[end]]
     if not finals:
         return NO_ROUTE
     cost, _, ids = min(finals)
@@ -327,6 +339,28 @@ def route(
         hops.append(Hop(pid, at, span_of[pid][1], group=g.name, members=g.member_ids) if g else Hop(pid, at, span_of[pid][1]))
         at = span_of[pid][1]
     return Route(tuple(hops), cost)
+
+
+def _rtt_from(peers: Mapping[str, PeerInfo], a: str, default_rtt_ms: float) -> Callable[[str], float]:
+    """``lambda b: rtt_ms(peers, a, b, default_rtt_ms)`` with a's own map looked up once.
+
+    rtt(a, b) = rtt(b, a) (the mean of two measurements is symmetric in exact arithmetic
+    as in floats), so this serves the link into a sink as well as the one out of a source.
+    """
+    pa = peers.get(a)
+    mine = pa.rtt_ms if pa is not None else {}
+
+    def rtt(b: str) -> float:
+        if a == b:
+            return 0.0
+        pb = peers.get(b)
+        x = mine.get(b)
+        y = pb.rtt_ms.get(a) if pb is not None else None
+        if x is None:
+            return default_rtt_ms if y is None else y
+        return x if y is None else (x + y) / 2.0
+
+    return rtt
 
 
 # The measured-link index is the larger part of a call in a big swarm (it reads every

@@ -15,6 +15,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Iterable, Mapping
 
 
@@ -107,6 +108,9 @@ class PeerInfo:
         return self.state == SERVING and self.end > self.start
 
 
+_BY_ID = attrgetter("peer_id")  # a C-level sort key: a requester re-sorts its view for every route
+
+
 @dataclass(frozen=True)
 class SwarmView:
     """An immutable snapshot of the peers one node knows, for one model.
@@ -120,7 +124,7 @@ class SwarmView:
 
     @staticmethod
     def of(num_layers: int, peers: Iterable[PeerInfo]) -> "SwarmView":
-        return SwarmView(num_layers, tuple(sorted(peers, key=lambda p: p.peer_id)))
+        return SwarmView(num_layers, tuple(sorted(peers, key=_BY_ID)))
 
     def get(self, peer_id: str) -> PeerInfo | None:
         for p in self.peers:
