@@ -22,10 +22,12 @@ from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
 from tessera.peer.net.memory_stream import LinkSpec
 from tessera.peer.request.client import Swarm
 from tessera.peer.serve.server import StageServer
+from tessera.peer.serve.shard_server import ShardServer
 from tessera.protocol.crypto import sign_record
 from tessera.protocol.keys import Identity
 from tessera.protocol.records import PeerRecord
 from tessera.stages import registry
+from tessera.stages.sharded import ShardedStage
 from tessera.stages.stage import Stage
 from tessera.stages.synth import synth_spec, write_synth
 from tessera.store.trace import MemoryTracer
@@ -49,12 +51,16 @@ def decisive_model(out: Path) -> Path:
 
 @dataclass(frozen=True)
 class PeerPlan:
-    """A serving peer: its name, its span, and the throughput it advertises (routing prefers the fastest)."""
+    """A serving peer: its name, its span, and the throughput it advertises (routing prefers the
+    fastest); with `ranks` > 1, rank `rank` of the tensor-shard group `group` over the span."""
 
     name: str
     start: int
     end: int
     throughput: float
+    group: str = ""
+    rank: int = 0
+    ranks: int = 1
 
 
 async def inline(fn):
@@ -72,27 +78,39 @@ class MemorySwarm:
     ids: dict[str, str]  # name -> peer id
     servers: dict[str, StageServer]
     tracer: MemoryTracer
+    records: dict[str, object]  # name -> its signed record
+
+    def advertise(self, name: str) -> None:
+        """The requester's view learns of `name` (held back at the start)."""
+        self.swarm.keeper.merge([self.records[name]])
 
     def name(self, peer: str) -> str:
         return next(n for n, p in self.ids.items() if p == peer)
 
 
-async def memory_swarm(stack: AsyncExitStack, folder: Path, plans: list[PeerPlan]) -> MemorySwarm:
+async def memory_swarm(stack: AsyncExitStack, folder: Path, plans: list[PeerPlan], *,
+                       held_back: tuple[str, ...] = ()) -> MemorySwarm:
     """Every peer of `plans` on one in-memory network running the real StageServer, and a
-    requester (`Swarm`) whose view holds their signed records."""
+    requester (`Swarm`) whose view holds their signed records (but those `held_back`)."""
     network = MemoryNetwork(LinkSpec(latency=LATENCY, bandwidth=1e9))
     model_id = registry.model_id(folder)
-    records, ids, servers = [], {}, {}
+    records, ids, servers = {}, {}, {}
     for i, plan in enumerate(plans):
         identity = Identity.from_seed(bytes([i + 1]) * 32)
         pid = peer_id(identity)
         transport = await stack.enter_async_context(open_memory_transport(network, pid))
-        server = StageServer(transport, identity, Stage.load(folder, start=plan.start, end=plan.end))
-        server.run_compute = inline
+        if plan.ranks > 1:
+            # a rank's compute joins network collectives from its worker thread (peer/serve/shard_links.py),
+            # so it keeps its threads: a test with groups runs on the real clock
+            stage = ShardedStage.load(folder, start=plan.start, end=plan.end, index=plan.rank, count=plan.ranks)
+            server = ShardServer(transport, identity, stage, group=plan.group)
+        else:
+            server = StageServer(transport, identity, Stage.load(folder, start=plan.start, end=plan.end))
+            server.run_compute = inline
         now = time.time()
-        records.append(sign_record(identity, PeerRecord(
+        records[plan.name] = (sign_record(identity, PeerRecord(
             peer_id=identity.peer_id, name=plan.name, model_id=model_id, start=plan.start, end=plan.end,
-            shard_index=0, shard_count=1, throughput=plan.throughput, free_memory=0, load=0.0, max_sessions=64,
+            shard_index=plan.rank, shard_count=plan.ranks, shard_group=plan.group, throughput=plan.throughput, free_memory=0, load=0.0, max_sessions=64,
             state="serving", reachability="public", addrs=tuple(transport.addrs()), neighbours=(), issued_at=now,
             expires_at=now + RECORD_LIFETIME, seq=1,
         )))
@@ -103,7 +121,7 @@ async def memory_swarm(stack: AsyncExitStack, folder: Path, plans: list[PeerPlan
     stack.callback(nursery.cancel_scope.cancel)  # runs first on exit: background closes may still wait
     tracer = MemoryTracer(peer="requester")
     swarm = Swarm(transport, nursery, folder=folder, identity=me, tracer=tracer)
-    swarm.keeper.merge(records)
+    swarm.keeper.merge([record for name, record in records.items() if name not in held_back])
 
     async def embed(tokens):
         return swarm.head.embed(list(tokens))
@@ -112,7 +130,7 @@ async def memory_swarm(stack: AsyncExitStack, folder: Path, plans: list[PeerPlan
         return swarm.head.logits(hidden)
 
     swarm._embed, swarm._logits = embed, logits  # inline, as the servers compute
-    return MemorySwarm(network, swarm, ids, servers, tracer)
+    return MemorySwarm(network, swarm, ids, servers, tracer, records)
 
 
 def crash_at_first_compute(world: MemorySwarm, name: str) -> None:
