@@ -46,7 +46,7 @@ from tessera.peer.request.chain_state import StepSlot
 from tessera.peer.request.chain import route_summary
 from tessera.peer.plan.routing import Route
 from tessera.peer.request.ports import REFUSED_BACKOFF, Replacement, RouteRun, Segment, StepChecker, SwarmPort
-from tessera.peer.request.segmented import build_segments, open_route, open_segments, run_through
+from tessera.peer.request.segmented import build_segments, open_segments, run_through, session_for
 
 
 MAX_OPEN_ATTEMPTS = 5
@@ -134,7 +134,7 @@ class ResilientSession:
         for _ in range(MAX_OPEN_ATTEMPTS):
             chosen = await self.swarm.wait_for_route(self.route_wait, policy=self.policy)
             # a route with tensor-shard group hops runs in segments (peer/request/segmented.py)
-            session = open_route(self.swarm.ctx, chosen, max_length=self.max_length)
+            session = session_for(self.swarm.ctx, chosen, max_length=self.max_length)
             try:
                 await session.open()
             except SessionRefused as refused:

@@ -63,7 +63,7 @@ def span_of(segment: Segment) -> tuple[int, int]:
     return segment.span
 
 
-def open_route(ctx: RequesterContext, route: Route, *, max_length: int) -> RouteRun:
+def session_for(ctx: RequesterContext, route: Route, *, max_length: int) -> RouteRun:
     """The session that carries `route` (not opened yet): a route of plain hops is one
     segment, driven directly; one with tensor-shard groups runs in segments."""
     if has_groups(route):
