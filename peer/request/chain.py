@@ -10,12 +10,19 @@ SessionOpen waits for it.
 A step: the requester sends hidden states to the first peer; each peer pushes
 its output straight to the next; the last returns to the requester. Taps carry
 each span's output back too, off the critical path, into `RouteHistory`.
+
+A `RouteSession` is a `Segment` (peer/request/ports.py): on its own it carries a
+route of plain hops; inside a route with groups it carries one run of plain hops.
+Its repair patches it in place (`replace`): the failed hops' span is re-routed
+between their live neighbours, the replacements are rebuilt from the history, and
+the neighbours are relinked to them (the steps are in peer/request/repair.py).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from typing import Callable
 
 import torch
 import trio
@@ -28,14 +35,15 @@ from tessera.protocol.keys import EphemeralKey, public_key_from_peer_id
 from tessera.protocol.links import Direction, LinkCipher, seal_link_key
 from tessera.protocol.error_codes import NEXT_HOP_FAILED
 from tessera.protocol.messages import (
-    REPLY_FINGERPRINT, REPLY_FULL, Cancel, ErrorMsg, Forward, Result, SealedKey, SessionAccept, SessionClose, SessionOpen,
-    SessionRevoke,
+    REPLY_FINGERPRINT, REPLY_FULL, Cancel, ErrorMsg, Forward, Relink, Result, SealedKey, SessionAccept, SessionClose,
+    SessionOpen, SessionRevoke,
 )
 
 from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
 from tessera.peer.request.history import RouteHistory
 from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.request.chain_state import AttestedStep, HopState, RequesterContext, StepSlot, peer_bytes
+from tessera.peer.request.ports import Replacement, Segment, SegmentRepair
 from tessera.peer.base.protocols import SESSION_PROTOCOL
 from tessera.peer.net.transport import Channel
 
@@ -48,6 +56,11 @@ STEP_TIMEOUT_FACTOR = 10.0
 STEP_TIMEOUT_FLOOR = 5.0
 CLOSE_TIMEOUT = 2.0
 REVOKED = "revoked by the requester"  # the failure a revoked hop carries into the repair
+# A live upstream peer's taps trail its pushes by one send; if they have not reached
+# the failed step's position after this long, that peer is treated as failed too.
+TAP_WAIT = 3.0
+# A relink is one message and an ack from a live neighbour (which may dial the replacement).
+RELINK_TIMEOUT = 10.0
 
 
 class RouteSession:
@@ -72,6 +85,42 @@ class RouteSession:
     @property
     def hex(self) -> str:
         return self.session_id.hex()
+
+    # -- as a Segment, and as a route of one segment (peer/request/ports.py) ------------
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return self.route.hops[0].start, self.route.hops[-1].end
+
+    @property
+    def route_hops(self) -> list[Hop]:
+        return [h.hop for h in self.hops] if self.hops else list(self.route.hops)
+
+    @property
+    def peers(self) -> list[str]:
+        return [h.peer for h in self.hops] if self.hops else list(self.route.peer_ids)
+
+    @property
+    def segments(self) -> list[Segment]:
+        return [self]
+
+    def checkable(self) -> RouteSession:
+        return self  # every hop signs what it computed, and the history holds both its ends
+
+    def splice(self, segment: Segment, replacement: Replacement) -> None:
+        if segment is not self or replacement.segments != [self]:
+            raise ValueError("a route of plain hops is patched in place (RouteSession.replace)")
+
+    def repaired(self) -> Route:
+        self.route = Route(tuple(h.hop for h in self.hops), self.route.cost_ms)
+        return self.route
+
+    async def replay_after(self, segments: list[Segment], hidden: torch.Tensor) -> torch.Tensor:
+        return hidden  # nothing comes after the only segment
+
+    async def revoke(self, peer: str) -> None:
+        for state in [h for h in self.hops if h.peer == peer]:
+            await self.revoke_hop(state)
 
     def new_link(self) -> tuple[int, bytes]:
         self._next_link += 1
@@ -344,6 +393,101 @@ class RouteSession:
             if self.history.known(state.hop.end) < end_pos:
                 return state.peer
         return self.hops[-1].peer
+
+    # -- repair (the loop that calls these: ResilientSession.repair) -----------------
+
+    def failed_run(self, is_out: Callable[[str], bool]) -> tuple[int, int] | None:
+        failed = [i for i, h in enumerate(self.hops) if h.failure or is_out(h.peer)]
+        if not failed:
+            return None
+        j = failed[-1]
+        i = j
+        while i - 1 in failed:
+            i -= 1
+        return i, j
+
+    async def wait_known(self, layer: int, position: int) -> bool:
+        """Wait (briefly) until the inputs of `layer` are held for positions [0, position)."""
+        with trio.move_on_after(TAP_WAIT):
+            while self.history.known(layer) < position:
+                await self.tap_arrived.wait()
+        return self.history.known(layer) >= position
+
+    async def inputs_ready(self, i: int, position: int) -> PeerFailed | None:
+        if await self.wait_known(self.hops[i].hop.start, position):
+            return None
+        upstream = self.hops[i - 1]
+        upstream.failure = upstream.failure or "its taps stopped arriving"
+        return PeerFailed(upstream.peer, upstream.failure)
+
+    async def replace(self, i: int, j: int, position: int, repair: SegmentRepair, *,
+                      through_end: bool = False) -> Replacement:
+        """Re-route hops i..j (layers [a, b)) between their live neighbours, rebuild the
+        replacements' caches, relink the neighbours (peer/request/repair.py, steps 2-4)."""
+        hops = self.hops
+        a, b = hops[i].hop.start, hops[j].hop.end
+        up = hops[i - 1] if i > 0 else None
+        down = hops[j + 1] if j + 1 < len(hops) else None
+        dead = [h.peer for h in hops[i : j + 1]]
+        reasons = "; ".join(f"{h.peer}: {h.failure}" for h in hops[i : j + 1] if h.failure) or "failed"
+        chosen = await repair.reroute(
+            a, b, source=up.peer if up else None, sink=down.peer if down else None, exclude=dead,
+            groups=False,  # replacements are chained peer to peer; groups need the requester
+            why=reasons,
+        )
+        new, into, out = await self.open_hops(
+            list(chosen.hops), prev=up.peer if up else None, next_=down.peer if down else None
+        )
+        replayed = None
+        try:
+            if down is not None:
+                # first, so that the link stream the last replacement opened is accepted at once
+                await self.relink(down, Relink(
+                    self.session_id, None, (), in_key=self.seal(out, down.peer), prev_peer=peer_bytes(new[-1].peer),
+                ))
+            if through_end and up is not None:
+                await self.relink_up(up, new, into)
+            if position > 0:
+                # one prefill-shaped step rebuilds every replacement's KV cache; it stops at b
+                # (or runs on to the end, rebuilding every later cache too)
+                stop = self.ctx.num_layers if through_end else b
+                out_rows = await self.run(
+                    new[0], self.history.at(a).upto(position), 0, stop_layer=stop,
+                    hops=list(chosen.hops), tap_from=new[-1].peer if down is not None and not through_end else None,
+                )
+                if through_end:
+                    replayed = out_rows  # the clean hidden states of [0, position) at this chain's end
+            if up is not None and not through_end:
+                await self.relink_up(up, new, into)
+        except BaseException:
+            for state in new:
+                self.ctx.nursery.start_soon(self.close_hop, state, "replacement abandoned")
+            raise
+        old = hops[i : j + 1]
+        self.retired_attestations += [a for state in old for a in state.attested]
+        self.hops[i : j + 1] = new
+        for state in old:
+            # in the background: a dead peer's stream may take a while to give up
+            self.ctx.nursery.start_soon(self.close_hop, state, "replaced after a failure")
+        return Replacement([self], [h.peer for h in new], replayed)
+
+    async def relink_up(self, up: HopState, new: list[HopState], into: tuple[int, bytes]) -> None:
+        await self.relink(up, Relink(
+            self.session_id, peer_bytes(new[0].peer), self.ctx.keeper.addrs(new[0].peer),
+            out_key=self.seal(into, up.peer),
+        ))
+
+    async def relink(self, state: HopState, msg: Relink) -> None:
+        """Send a live neighbour its new link and wait for its ack. Raises PeerFailed."""
+        acked = state.acked
+        try:
+            await state.channel.send(msg)
+        except PeerError as error:
+            raise PeerFailed(state.peer, f"relink: {error}") from None
+        with trio.move_on_after(RELINK_TIMEOUT):
+            await acked.wait()
+        if state.failure is not None or not acked.is_set():
+            raise PeerFailed(state.peer, f"relink not acknowledged: {state.failure or 'timeout'}")
 
     # -- closing --------------------------------------------------------------------
 

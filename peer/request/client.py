@@ -419,9 +419,11 @@ def merge_infos(attempts: list[dict]) -> dict:
     merged["routes"] = [r for a in attempts for r in a.get("routes", [])]
     checks = [a["checks"] for a in attempts if "checks" in a]
     if checks:
+        unchecked = [u for c in checks for u in c.get("unchecked", [])]  # spans no check could cover (groups)
         merged["checks"] = {
             key: sum(c[key] for c in checks) for key in ("checks", "rows_compared", "fingerprint_bytes")
-        } | {"verdicts": [v for c in checks for v in c["verdicts"]]}
+        } | {"verdicts": [v for c in checks for v in c["verdicts"]],
+             "unchecked": [u for i, u in enumerate(unchecked) if u not in unchecked[:i]]}
     return merged
 
 

@@ -11,6 +11,10 @@ rank's output slice, which it assembles — the *compatibility gather*, at the g
 last layer, outside the interval — and logs both as one "audit" trace event
 (`peer/plan/audit.py`). A rank that fails is named: its own stream's end, or the
 rank another rank's collective error blames ("shard peer <id> ...").
+
+A `GroupSession` is a `Segment` (peer/request/ports.py). It keeps the inputs it
+was sent, so its span can be rebuilt elsewhere; but it is never patched in place
+and never spot-checked — `replace` and `checkable` say why.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import trio
@@ -34,6 +39,8 @@ from tessera.stages.shard_layout import HIDDEN, ROUNDS_PER_LAYER
 from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
 from tessera.peer.request.chain import CLOSE_TIMEOUT, OPEN_TIMEOUT, STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_FLOOR
 from tessera.peer.request.chain_state import RequesterContext, peer_bytes
+from tessera.peer.request.history import HiddenHistory
+from tessera.peer.request.ports import Checkable, Replacement, SegmentRepair
 from tessera.peer.plan.routing import Hop
 from tessera.peer.plan.audit import REQUESTER, StepLog
 from tessera.peer.base.protocols import COLLECTIVE_TIMEOUT, SHARD_SESSION_PROTOCOL
@@ -99,6 +106,7 @@ class GroupSession:
         self.session_id = os.urandom(16)
         self.ephemeral = EphemeralKey.generate()
         self.ranks: list[RankState] = []
+        self.inputs = HiddenHistory(max_length, ctx.hidden_size)  # what the requester sent, to rebuild elsewhere
         self.pending: dict[int, GatherSlot] = {}
         self._next_link = 0
         self._next_step = 0
@@ -107,6 +115,50 @@ class GroupSession:
     @property
     def members(self) -> list[str]:
         return list(self.hop.members)
+
+    # -- as a Segment (peer/request/ports.py) ---------------------------------------------
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return self.hop.start, self.hop.end
+
+    @property
+    def route_hops(self) -> list[Hop]:
+        return [self.hop]
+
+    @property
+    def peers(self) -> list[str]:
+        return self.members
+
+    def failed_run(self, is_out: Callable[[str], bool]) -> tuple[int, int] | None:
+        """The group is one hop: it failed when any rank did (or is out)."""
+        if any(r.failure for r in self.ranks) or any(is_out(m) for m in self.members):
+            return 0, 0
+        return None
+
+    async def inputs_ready(self, i: int, position: int) -> PeerFailed | None:
+        return None  # the requester sent them itself (`self.inputs`); no tap to wait for
+
+    async def replace(self, i: int, j: int, position: int, repair: SegmentRepair, *,
+                      through_end: bool = False) -> Replacement:
+        """The whole span is re-routed (onto a replica, another group, or a mix), never one
+        rank: the ranks' link keys were sealed for exactly these members and each rank's cache
+        is a column slice of one shared cache, so a newcomer could join neither."""
+        return await repair.replace_span(self.hop.start, self.hop.end, self.inputs.upto(position), position,
+                                         through_end=through_end)
+
+    async def revoke(self, peer: str) -> None:
+        """A rank is not revoked mid-answer (a group cannot drop one rank); the requester's
+        policy denies it, so the next repair re-routes the whole group (`failed_run`)."""
+
+    def checkable(self) -> Checkable | None:
+        """None: a group is not spot-checked, for two reasons. Every column of its output is a
+        reduce-scatter of partial sums from every rank (stages/shard_layout.py), so a wrong
+        output cannot be pinned on one rank, and a verdict must name one peer to ban; and its
+        ranks sign no attestation of their slices (peer/serve/shard_server.py sends a bare
+        Result), so no report could be verified by others. The plain hops of the same route
+        are checked (`SpotChecker.unchecked` records the skipped span)."""
+        return None
 
     def _link(self) -> tuple[int, bytes]:
         self._next_link += 1
@@ -238,6 +290,7 @@ class GroupSession:
 
     async def step(self, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
         """Scatter hidden states [T, H] into the group, gather its output [T, H]. Raises PeerFailed."""
+        self.inputs.write(start_pos, hidden)
         failed = next((r for r in self.ranks if r.failure), None)
         if failed is not None:
             raise PeerFailed(failed.peer, failed.failure or "failed")

@@ -1,14 +1,26 @@
 """The requester's ports: what its parts need of each other, as small Protocols.
 
 The swarm client (`Swarm`), the session that repairs a generation (`ResilientSession`),
-the spot checker (`SpotChecker`) and the segmented route each depend on these interfaces,
-not on each other's classes, so the request layer has no import cycle.
+the spot checker (`SpotChecker`) and the sessions that carry a route each depend on these
+interfaces, not on each other's classes, so the request layer has no import cycle.
+
+A route runs as **segments** (`Segment`): a chain of plain hops whose peers push to each
+other (`RouteSession`, peer/request/chain.py) or one tensor-shard group the requester
+scatters into and gathers from (`GroupSession`, peer/request/group.py). The requester feeds
+every segment's first layer and reads its last, so it holds every segment's inputs. A route
+of plain hops is one segment, driven directly; a route with groups is several, joined at the
+requester (`SegmentedSession`, peer/request/segmented.py). Both are a `RouteRun`, and the one
+repair loop (`ResilientSession.repair`, peer/request/repair.py) asks each segment which of its
+hops failed and has the segment replace them — a chain patches itself in place, relinking its
+live neighbours; a group, which cannot swap a rank alone, has its whole span re-routed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
+
+import torch
 
 from tessera.peer.base.backoff import Backoff
 from tessera.protocol.attest import MisbehaviourReport
@@ -16,10 +28,11 @@ from tessera.stages.spec import ModelSpec
 
 from tessera.peer.base.errors import PeerFailed
 from tessera.peer.net.gossip import ViewKeeper
-from tessera.peer.plan.routing import Route
+from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.plan.view import SwarmView
-from tessera.peer.request.chain_state import RequesterContext
-from tessera.peer.request.chain import RouteSession
+from tessera.peer.request.chain_state import AttestedStep, HopState, RequesterContext, StepSlot
+from tessera.peer.request.history import RouteHistory
+from tessera.peer.request.policy import RequesterPolicy
 
 # A peer that refused (busy, draining) is skipped for this long by this requester.
 REFUSED_BACKOFF = 10.0
@@ -46,6 +59,7 @@ class SwarmPort(Protocol):
     peer_id: str
     model_id: str
     bans: Backoff  # who this requester avoids, and until when on `clock`; kept across answers
+    policy: RequesterPolicy  # who may compute this requester's answers
     clock: Callable[[], float]  # the clock `bans` runs on
 
     def view(self) -> SwarmView: ...
@@ -57,20 +71,149 @@ class SwarmPort(Protocol):
     async def publish_report(self, report: MisbehaviourReport) -> int: ...
 
 
+@dataclass
+class Replacement:
+    """What replacing a segment's failed hops produced.
+
+    segments: what now carries the segment's span, in order (`[segment]` itself when it was
+    patched in place). peers: the peers brought in. replayed: when the replay of the inputs
+    so far ran (positions [0, position) > 0), the hidden states where it stopped — the end of
+    `segments` for a `through_end` repair, else None.
+    """
+
+    segments: list[Segment]
+    peers: list[str]
+    replayed: torch.Tensor | None = None
+
+
+class Checkable(Protocol):
+    """What the spot checker needs of a chain of plain hops (a `RouteSession`): who computed
+    each span (and signed it), and the hidden states it held at every cut."""
+
+    session_id: bytes
+    hops: list[HopState]
+    history: RouteHistory  # inputs of every hop, from the requester and the taps
+    retired_attestations: list[AttestedStep]  # of hops a repair replaced
+
+    async def wait_known(self, layer: int, position: int) -> bool: ...
+
+
+class SegmentRepair(Protocol):
+    """What a segment's replacement uses of the repair loop that drives it (`ResilientSession`)."""
+
+    swarm: SwarmPort
+
+    async def reroute(self, start: int, end: int, *, source: str | None = None, sink: str | None = None,
+                      exclude: Sequence[str] = (), groups: bool = True, why: str = "failed") -> Route: ...
+
+    async def replace_span(self, start: int, end: int, inputs: torch.Tensor, position: int, *,
+                           through_end: bool = False) -> Replacement: ...
+
+
+class Segment(Protocol):
+    """A piece of a route that the requester feeds at its first layer and reads at its last:
+    a chain of plain hops (`RouteSession`) or one tensor-shard group (`GroupSession`).
+
+    A segment records its own inputs (what the requester sent it), so whatever fails in it
+    can be rebuilt from the requester's copy.
+    """
+
+    session_id: bytes
+
+    @property
+    def span(self) -> tuple[int, int]: ...  # layers [start, end)
+
+    @property
+    def route_hops(self) -> list[Hop]: ...  # as routed: each plain hop, or the one group hop
+
+    @property
+    def peers(self) -> list[str]: ...  # every peer computing in it (a group: its ranks)
+
+    async def open(self) -> None: ...
+
+    async def step(self, hidden: torch.Tensor, start_pos: int) -> torch.Tensor: ...
+
+    def step_timeout(self, n_tokens: int) -> float: ...
+
+    async def close(self, reason: str = "done") -> None: ...
+
+    async def revoke(self, peer: str) -> None: ...
+
+    def failed_run(self, is_out: Callable[[str], bool]) -> tuple[int, int] | None:
+        """The last run [i, j] of `route_hops` that failed or whose peer `is_out`; None if none."""
+        ...
+
+    async def inputs_ready(self, i: int, position: int) -> PeerFailed | None:
+        """Wait (briefly) until the inputs of hop i are held for [0, position); else the failure
+        of whoever should have delivered them (the repair loop bans it and looks again)."""
+        ...
+
+    async def replace(self, i: int, j: int, position: int, repair: SegmentRepair, *,
+                      through_end: bool = False) -> Replacement:
+        """Replace hops i..j, rebuilding the replacements' caches from the inputs of positions
+        [0, position). `through_end`: the replay also runs on through this segment's later hops.
+        Raises SessionRefused or PeerFailed (what it opened is closed again), RouteLost."""
+        ...
+
+    def checkable(self) -> Checkable | None:
+        """What the spot checker compares, or None with the reason in the implementation."""
+        ...
+
+
+class RouteRun(Protocol):
+    """A whole route's session, as `ResilientSession` drives it: a `RouteSession` (a route of
+    plain hops: one segment) or a `SegmentedSession` (a route with groups)."""
+
+    session_id: bytes
+    route: Route
+    pending: dict[int, StepSlot]
+
+    @property
+    def segments(self) -> list[Segment]: ...
+
+    async def open(self) -> None: ...
+
+    async def submit(self, hidden: torch.Tensor, start_pos: int) -> tuple[int, StepSlot]: ...
+
+    async def wait(self, step: int, slot: StepSlot, n: int, start_pos: int) -> torch.Tensor: ...
+
+    async def step(self, hidden: torch.Tensor, start_pos: int) -> torch.Tensor: ...
+
+    async def cancel(self, step: int) -> None: ...
+
+    async def close(self, reason: str = "done") -> None: ...
+
+    def splice(self, segment: Segment, replacement: Replacement) -> None:
+        """Put `replacement` where `segment` was (closing `segment` if it left)."""
+        ...
+
+    def repaired(self) -> Route:
+        """The route after a repair (steps may be sent again)."""
+        ...
+
+    async def replay_after(self, segments: list[Segment], hidden: torch.Tensor) -> torch.Tensor:
+        """Feed `hidden` (positions [0, T)) through every segment after `segments`; the output at
+        the route's end (a `through_end` repair rebuilding every later cache)."""
+        ...
+
+
 class RepairPort(Protocol):
-    """What the spot checker and a segmented route use of the session that repairs a generation."""
+    """What the spot checker uses of the session that repairs a generation."""
 
     swarm: SwarmPort
     max_length: int
     route_wait: float
-    current: RouteSession | None
+    current: RouteRun | None
     confirmed: int
+
+    @property
+    def policy(self) -> RequesterPolicy: ...
+
+    def uses(self, peer: str) -> bool: ...
 
     def ban(self, peer: str, reason: str, *, seconds: float | None = None) -> None: ...
 
     async def repair(self, failure: PeerFailed, position: int, *, through_end: bool = False) -> None: ...
-
-    async def wait_inputs(self, session: RouteSession, layer: int, position: int) -> bool: ...
 
 
 class StepChecker(Protocol):

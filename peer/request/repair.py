@@ -1,18 +1,23 @@
 """Keeping a generation alive while peers refuse, fail or vanish.
 
-`ResilientSession` wraps a `RouteSession`. Opening routes around peers that
+`ResilientSession` wraps a route's session — a `RouteSession` for a route of plain
+hops, a `SegmentedSession` for one with tensor-shard groups; both are a `RouteRun`
+made of `Segment`s (peer/request/ports.py). Opening routes around peers that
 refuse (busy, draining). A step that fails — a reset stream (the peer's process
 died), an error message, or a deadline derived from the route's advertised
-speeds — is repaired and sent again:
+speeds — is repaired by ONE loop (`repair`) and sent again:
 
 1. The failed peer is banned for this requester (30 s, doubling per repeat, across answers).
-2. Only the failed span [a, b) is re-routed — over one or several replacement
-   peers, with any cut points (`route(start=a, end=b, source=upstream, sink=downstream)`).
+2. Each segment is asked for its last run of failed hops (`failed_run`); only that
+   span [a, b) is re-routed. In a chain of plain hops (`RouteSession.replace`), over
+   one or several replacement peers with any cut points
+   (`route(start=a, end=b, source=upstream, sink=downstream)`); a group is re-routed
+   whole, between the requester's ends (`GroupSession.replace`, `replace_span`).
 3. The replacements are opened and linked among themselves; the downstream
    neighbour accepts the new incoming link; the replacements are fed, in ONE
    prefill-shaped step, the inputs of layer a for every position so far. The
-   requester holds them: it fed layer 0 itself, and every other boundary from
-   the taps (copies of each span's output). The replay stops at layer b
+   requester holds them: it fed each segment's first layer itself, and every other
+   boundary from the taps (copies of each span's output). The replay stops at layer b
    (`stop_layer`), so peers downstream — whose caches are intact — see nothing.
 4. The upstream neighbour is relinked to push to the first replacement.
 5. The failed step is sent again from its start position; every peer writes
@@ -20,7 +25,7 @@ speeds — is repaired and sent again:
    the one an undisturbed run gives.
 
 Two failures, adjacent or not, repair region by region; a replacement that
-fails during repair is banned and the region re-routed.
+fails during repair is banned and the region re-routed (tests/request/).
 
 Revocation (`Swarm.revoke`) is a failure the requester chooses: the peer is
 denied by the requester's policy, told to drop the session (SessionRevoke),
@@ -31,29 +36,23 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
-import trio
 
 from tessera.store import events
-from tessera.protocol.messages import Relink
 
 from tessera.peer.base.errors import NoRoute, PeerError, PeerFailed, RouteLost, SessionRefused
 from tessera.peer.request.policy import RequesterPolicy
-from tessera.peer.request.chain_state import HopState, StepSlot, peer_bytes
-from tessera.peer.request.chain import RouteSession, route_summary
+from tessera.peer.request.chain_state import StepSlot
+from tessera.peer.request.chain import route_summary
 from tessera.peer.plan.routing import Route
-from tessera.peer.request.ports import REFUSED_BACKOFF, StepChecker, SwarmPort
-from tessera.peer.request.segmented import SegmentedSession, has_groups
+from tessera.peer.request.ports import REFUSED_BACKOFF, Replacement, RouteRun, Segment, StepChecker, SwarmPort
+from tessera.peer.request.segmented import build_segments, open_segments, run_through, session_for
 
 
 MAX_OPEN_ATTEMPTS = 5
 MAX_REPAIRS_PER_STEP = 6  # a step is given up after this many repairs (each bans a peer)
-# A live upstream peer's taps trail its pushes by one send; if they have not reached
-# the failed step's position after this long, that peer is treated as failed too.
-TAP_WAIT = 3.0
-# A relink is one message and an ack from a live neighbour (which may dial the replacement).
-RELINK_TIMEOUT = 10.0
 
 
 class Superseded(Exception):
@@ -94,7 +93,7 @@ class ResilientSession:
         self.request_policy = policy  # narrows the requester's own policy for this answer
         self.max_length = max_length
         self.route_wait = route_wait
-        self.current: RouteSession | None = None
+        self.current: RouteRun | None = None
         self.routes: list[Route] = []
         self.failovers = 0
         self.epoch = 0  # bumped by every repair: steps sent before it are superseded
@@ -113,19 +112,14 @@ class ResilientSession:
     def uses(self, peer: str) -> bool:
         """Whether `peer` computes a part of this answer now."""
         session = self.current
-        if isinstance(session, SegmentedSession):
-            return any(h.peer_id == peer or peer in h.members for h in session.hops)
-        return session is not None and any(h.peer == peer for h in session.hops)
+        return session is not None and any(peer in segment.peers for segment in session.segments)
 
     async def revoke(self, peer: str) -> None:
         """Take `peer` out of this session now (its policy already denies it): it is told to drop
         the session and marked failed; the step waiting on it, or the next one, repairs around it."""
-        session = self.current
-        routes = session.segments if isinstance(session, SegmentedSession) else [session]
-        for part in routes:
-            if isinstance(part, RouteSession):  # a tensor-shard group's rank is not revoked mid-answer
-                for state in [h for h in part.hops if h.peer == peer]:
-                    await part.revoke_hop(state)
+        if self.current is not None:
+            for segment in list(self.current.segments):
+                await segment.revoke(peer)  # a group's rank is not revoked mid-answer: GroupSession.revoke
 
     def ban(self, peer: str, reason: str, *, seconds: float | None = None) -> None:
         if not self.policy.admits(peer):
@@ -142,8 +136,7 @@ class ResilientSession:
         for _ in range(MAX_OPEN_ATTEMPTS):
             chosen = await self.swarm.wait_for_route(self.route_wait, policy=self.policy)
             # a route with tensor-shard group hops runs in segments (peer/request/segmented.py)
-            kind = SegmentedSession if has_groups(chosen) else RouteSession
-            session = kind(self.swarm.ctx, chosen, max_length=self.max_length)
+            session = session_for(self.swarm.ctx, chosen, max_length=self.max_length)
             try:
                 await session.open()
             except SessionRefused as refused:
@@ -210,141 +203,105 @@ class ResilientSession:
         if self.current is not None and pending.epoch == self.epoch and pending.step is not None:
             await self.current.cancel(pending.step)
 
+    def is_out(self, peer: str) -> bool:
+        """Whether `peer` may no longer compute this answer: banned, revoked or denied."""
+        return self.swarm.is_banned(peer) or not self.policy.admits(peer)
+
+    def failed_segment(self) -> tuple[Segment, int, int] | None:
+        """The last segment with failed hops, and its last run of them [i, j]."""
+        assert self.current is not None
+        for segment in reversed(self.current.segments):
+            run = segment.failed_run(self.is_out)
+            if run is not None:
+                return segment, *run
+        return None
+
     async def repair(self, failure: PeerFailed, position: int, *, through_end: bool = False) -> None:
         """Replace every failed hop of the current session; `position` = positions already answered.
 
-        `through_end`: the replay runs on through every later hop too, rebuilding their
-        caches (after a peer was caught returning wrong activations, their inputs were wrong).
+        The one repair loop, for segments of any kind (module docstring). `through_end`: the
+        replay runs on through every later hop too, rebuilding their caches (after a peer was
+        caught returning wrong activations, their inputs were wrong); `rebuilt` then holds the
+        clean last-layer hidden states of [0, position).
+        Raises PeerFailed when the route cannot be repaired, RouteLost when a span has no peer.
         """
         session = self.current
         assert session is not None
-        if isinstance(session, SegmentedSession):  # tensor-shard groups: the failed segment is re-routed
-            self.routes.append(await session.repair(self, failure, position))
-            self.failovers += 1
-            self.epoch += 1
-            return
         started = time.perf_counter()
         self.ban(failure.peer, failure.reason)
         replaced: list[str] = []
+        last: PeerError = failure
         attempts = 0
-        while True:
-            failed = [i for i, h in enumerate(session.hops)
-                      if h.failure or self.swarm.is_banned(h.peer) or not self.policy.admits(h.peer)]
-            if not failed:
-                break
+        while (found := self.failed_segment()) is not None:
+            segment, i, j = found
             attempts += 1
             if attempts > MAX_REPAIRS_PER_STEP:
-                raise PeerFailed(session.hops[failed[0]].peer, "could not repair the route")
-            j = failed[-1]
-            i = j
-            while i - 1 in failed:
-                i -= 1
-            a = session.hops[i].hop.start
-            if not await self.wait_inputs(session, a, position):
-                upstream = session.hops[i - 1]
-                upstream.failure = upstream.failure or "its taps stopped arriving"
-                self.ban(upstream.peer, upstream.failure)
+                raise PeerFailed(getattr(last, "peer", failure.peer), f"could not repair the route: {last}")
+            blamed = await segment.inputs_ready(i, position)
+            if blamed is not None:
+                self.ban(blamed.peer, blamed.reason)
+                last = blamed
                 continue
             try:
-                new = await self.replace(session, i, j, position, through_end=through_end)
+                replacement = await segment.replace(i, j, position, self, through_end=through_end)
+                session.splice(segment, replacement)
+                if through_end and replacement.replayed is not None:
+                    self.rebuilt = await session.replay_after(replacement.segments, replacement.replayed)
             except SessionRefused as refused:
                 self.ban(refused.peer, f"refused: {refused.code}", seconds=REFUSED_BACKOFF)
+                last = refused
                 continue
             except PeerFailed as failed_peer:
                 self.ban(failed_peer.peer, failed_peer.reason)
+                last = failed_peer
                 continue
-            replaced += [h.peer for h in new]
+            replaced += replacement.peers
         self.failovers += 1
         self.epoch += 1
-        session.route = Route(tuple(h.hop for h in session.hops), session.route.cost_ms)
-        self.routes.append(session.route)
+        route = session.repaired()
+        self.routes.append(route)
         self.swarm.ctx.tracer.emit(events.Failover(
             session=session.session_id, remote=failure.peer, duration=time.perf_counter() - started,
             reason=failure.reason[:200], position=position, replacements=replaced,
-            route=[[h.hop.peer_id, h.hop.start, h.hop.end] for h in session.hops],
+            route=[[h.peer_id, h.start, h.end] for h in route.hops],
         ))
 
-    async def wait_inputs(self, session: RouteSession, layer: int, position: int) -> bool:
-        """Wait (briefly) until the inputs of `layer` are held for positions [0, position)."""
-        with trio.move_on_after(TAP_WAIT):
-            while session.history.known(layer) < position:
-                await session.tap_arrived.wait()
-        return session.history.known(layer) >= position
+    # -- what a segment's replacement uses of this loop (ports.SegmentRepair) ---------------
 
-    async def replace(
-        self, session: RouteSession, i: int, j: int, position: int, *, through_end: bool = False
-    ) -> list[HopState]:
-        """Re-route hops i..j (layers [a, b)), rebuild the replacements' caches, relink the neighbours."""
-        hops = session.hops
-        a, b = hops[i].hop.start, hops[j].hop.end
-        up = hops[i - 1] if i > 0 else None
-        down = hops[j + 1] if j + 1 < len(hops) else None
-        dead = [h.peer for h in hops[i : j + 1]]
+    async def reroute(self, start: int, end: int, *, source: str | None = None, sink: str | None = None,
+                      exclude: Sequence[str] = (), groups: bool = True, why: str = "failed") -> Route:
+        """A route for the lost span [start, end). Raises RouteLost (naming `why`) when none came in time."""
         try:
-            chosen = await self.swarm.wait_for_route(
-                self.route_wait, start=a, end=b, source=up.peer if up else None, sink=down.peer if down else None,
-                exclude=dead, groups=False,  # replacements are chained peer to peer; groups need the requester
+            return await self.swarm.wait_for_route(
+                self.route_wait, start=start, end=end, source=source, sink=sink, exclude=exclude, groups=groups,
                 policy=self.policy,
             )
         except NoRoute as lost:
             # mid-way, not at the start: the request failed in the swarm (HTTP 502), naming what is gone
-            reasons = "; ".join(f"{h.peer}: {h.failure}" for h in hops[i : j + 1] if h.failure) or "failed"
             raise RouteLost(
-                f"lost layers [{a}, {b}) mid-way ({reasons}) and no other peer took them within "
-                f"{self.route_wait:g} s", lost.missing or [(a, b)],
+                f"lost layers [{start}, {end}) mid-way ({why}) and no other peer took them within "
+                f"{self.route_wait:g} s", lost.missing or [(start, end)],
             ) from None
-        new, into, out = await session.open_hops(
-            list(chosen.hops), prev=up.peer if up else None, next_=down.peer if down else None
-        )
+
+    async def replace_span(self, start: int, end: int, inputs: torch.Tensor, position: int, *,
+                           through_end: bool = False) -> Replacement:
+        """New segments for [start, end) between the requester's ends (any mix of plain hops and
+        groups), opened and fed `inputs` (positions [0, position)) in one step each.
+        Raises SessionRefused or PeerFailed (nothing stays open), RouteLost."""
+        chosen = await self.reroute(start, end)
+        new = build_segments(self.swarm.ctx, chosen, max_length=self.max_length)
+        await open_segments(new)
+        replayed = None
         try:
-            if down is not None:
-                # first, so that the link stream the last replacement opened is accepted at once
-                await self.relink(session, down, Relink(
-                    session.session_id, None, (), in_key=session.seal(out, down.peer), prev_peer=peer_bytes(new[-1].peer),
-                ))
-            if through_end and up is not None:
-                await self.relink_up(session, up, new, into)
             if position > 0:
-                # one prefill-shaped step rebuilds every replacement's KV cache; it stops at b
-                # (or runs on to the end, rebuilding every later cache too)
-                stop = self.swarm.spec.num_layers if through_end else b
-                replayed = await session.run(
-                    new[0], session.history.at(a).upto(position), 0, stop_layer=stop,
-                    hops=list(chosen.hops), tap_from=new[-1].peer if down is not None and not through_end else None,
-                )
-                if through_end:
-                    self.rebuilt = replayed  # the clean final hidden states of [0, position)
-            if up is not None and not through_end:
-                await self.relink_up(session, up, new, into)
+                # one prefill-shaped step per new segment rebuilds its caches
+                out = await run_through(new, inputs, 0)
+                replayed = out if through_end else None
         except BaseException:
-            for state in new:
-                session.ctx.nursery.start_soon(session.close_hop, state, "replacement abandoned")
+            for segment in new:
+                self.swarm.ctx.nursery.start_soon(segment.close, "replacement abandoned")
             raise
-        old = hops[i : j + 1]
-        session.retired_attestations += [a for state in old for a in state.attested]
-        session.hops[i : j + 1] = new
-        for state in old:
-            # in the background: a dead peer's stream may take a while to give up
-            session.ctx.nursery.start_soon(session.close_hop, state, "replaced after a failure")
-        return new
-
-    async def relink_up(self, session: RouteSession, up: HopState, new: list[HopState], into: tuple[int, bytes]) -> None:
-        await self.relink(session, up, Relink(
-            session.session_id, peer_bytes(new[0].peer), self.swarm.keeper.addrs(new[0].peer),
-            out_key=session.seal(into, up.peer),
-        ))
-
-    async def relink(self, session: RouteSession, state: HopState, msg: Relink) -> None:
-        """Send a live neighbour its new link and wait for its ack. Raises PeerFailed."""
-        acked = state.acked
-        try:
-            await state.channel.send(msg)
-        except PeerError as error:
-            raise PeerFailed(state.peer, f"relink: {error}") from None
-        with trio.move_on_after(RELINK_TIMEOUT):
-            await acked.wait()
-        if state.failure is not None or not acked.is_set():
-            raise PeerFailed(state.peer, f"relink not acknowledged: {state.failure or 'timeout'}")
+        return Replacement(new, [p for segment in new for p in segment.peers], replayed)
 
     async def finish(self) -> None:
         """The answer is complete: run the closing spot check over what no check covered

@@ -8,15 +8,17 @@ slices into G, gathers G's output slices — the compatibility gather, outside t
 group's interval — and feeds B. Unsharded peers stay exactly as they are; the
 price is one extra requester round trip at each group boundary.
 
-`SegmentedSession` offers what `ResilientSession` (peer/request/repair.py) drives: `open`,
-`submit`/`wait`/`step`/`cancel`, `close` — and its own `repair`. Steps run strictly
-in order through one worker; the requester keeps the input of every segment, so
-when a peer dies (a plain hop or any rank of a group) the failed segment's span
-``[a, b)`` is re-routed as a whole — onto a replica, another group, or a mix — the
-replacements are opened, fed the inputs of layer a for every position so far in
-one prefill-shaped step, and spliced in; the other segments never notice. The
-failed step is then sent again from its start, and every peer writes those
-positions afresh, so the answer is the one an undisturbed run gives.
+`SegmentedSession` is a `RouteRun` (peer/request/ports.py): what `ResilientSession`
+(peer/request/repair.py) drives — `open`, `submit`/`wait`/`step`/`cancel`, `close` — and
+what its one repair loop needs: the segments, `splice`, `repaired`, `replay_after`. Steps
+run strictly in order through one worker; every segment keeps the inputs it was sent, so
+when a peer dies (a plain hop or any rank of a group) the repair loop has the failed
+segment replace it: a run of plain hops is patched in place, between its live
+neighbours, as in any route; a group's span ``[a, b)`` is re-routed as a whole — onto a
+replica, another group, or a mix — and the replacements are fed the inputs of layer a
+for every position so far in one prefill-shaped step and spliced in. The other segments
+never notice. The failed step is then sent again from its start, and every peer writes
+those positions afresh, so the answer is the one an undisturbed run gives.
 """
 
 from __future__ import annotations
@@ -24,23 +26,17 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Union
 
 import torch
 import trio
 
 from tessera.store import events
 from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
-from tessera.peer.request.history import RouteHistory
 from tessera.peer.request.chain import STEP_TIMEOUT_FLOOR, RouteSession
 from tessera.peer.request.chain_state import RequesterContext, StepSlot
 from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.request.group import GroupSession
-from tessera.peer.request.ports import REFUSED_BACKOFF, RepairPort
-
-
-Segment = Union[RouteSession, GroupSession]
-MAX_SEGMENT_REPAIRS = 6  # re-routes of one failed segment before the step is given up
+from tessera.peer.request.ports import Replacement, RouteRun, Segment
 
 
 def has_groups(route: Route) -> bool:
@@ -65,19 +61,22 @@ def build_segments(ctx: RequesterContext, route: Route, *, max_length: int) -> l
 
 
 def span_of(segment: Segment) -> tuple[int, int]:
-    if isinstance(segment, GroupSession):
-        return segment.hop.start, segment.hop.end
-    return segment.route.hops[0].start, segment.route.hops[-1].end
+    return segment.span
 
 
-def peers_of(segment: Segment) -> list[str]:
-    if isinstance(segment, GroupSession):
-        return segment.members
-    return list(segment.route.peer_ids)
+def session_for(ctx: RequesterContext, route: Route, *, max_length: int) -> RouteRun:
+    """The session that carries `route` (not opened yet): a route of plain hops is one
+    segment, driven directly; one with tensor-shard groups runs in segments."""
+    if has_groups(route):
+        return SegmentedSession(ctx, route, max_length=max_length)
+    return RouteSession(ctx, route, max_length=max_length)
 
 
-def hops_of(segment: Segment) -> list[Hop]:
-    return [segment.hop] if isinstance(segment, GroupSession) else list(segment.route.hops)
+async def run_through(segments: list[Segment], x: torch.Tensor, start_pos: int) -> torch.Tensor:
+    """Feed `x` (positions [start_pos, start_pos + T)) through `segments` in order; their output."""
+    for segment in segments:
+        x = await segment.step(x, start_pos)
+    return x
 
 
 async def open_segments(segments: list[Segment]) -> None:
@@ -109,7 +108,6 @@ class SegmentedSession:
         self.max_length = max_length
         self.session_id = os.urandom(16)
         self.segments = build_segments(ctx, route, max_length=max_length)
-        self.inputs = RouteHistory(max_length, ctx.hidden_size)  # what entered each segment
         self.pending: dict[int, StepSlot] = {}
         self.failure: PeerFailed | None = None  # set by a failed step, cleared by `repair`
         self._queue_in, self._queue_out = trio.open_memory_channel[tuple[int, torch.Tensor, int]](math.inf)
@@ -121,7 +119,7 @@ class SegmentedSession:
 
     @property
     def hops(self) -> list[Hop]:
-        return [h for s in self.segments for h in hops_of(s)]
+        return [h for s in self.segments for h in s.route_hops]
 
     async def open(self) -> None:
         """Open every segment. Raises SessionRefused or PeerFailed (nothing stays open)."""
@@ -150,7 +148,7 @@ class SegmentedSession:
                 await slot.done.wait()
             if waited.cancelled_caught:
                 at = self._at or self.segments[0]
-                raise PeerFailed(peers_of(at)[0], f"step {step} timed out in the segment {span_of(at)}")
+                raise PeerFailed(at.peers[0], f"step {step} timed out in the segment {at.span}")
             if slot.error is not None:
                 raise slot.error
             assert slot.value is not None
@@ -191,63 +189,30 @@ class SegmentedSession:
                     slot.fail(PeerError(f"step at position {start_pos}: {gap}"))
 
     async def _through(self, segments: list[Segment], x: torch.Tensor, start_pos: int) -> torch.Tensor:
-        for segment in segments:
-            self.inputs.at(span_of(segment)[0]).write(start_pos, x)
+        for segment in segments:  # each keeps the inputs it is sent
             self._at = segment
             x = await segment.step(x, start_pos)
         self._at = None
         return x
 
-    # -- failover ---------------------------------------------------------------------------
+    # -- repair (the loop that calls these: ResilientSession.repair) ----------------------
 
-    def _segment_of(self, peer: str) -> int:
-        return next((k for k, s in enumerate(self.segments) if peer in peers_of(s)),
-                    self.segments.index(self._at) if self._at in self.segments else 0)
+    def splice(self, segment: Segment, replacement: Replacement) -> None:
+        if replacement.segments == [segment]:
+            return  # patched in place
+        k = self.segments.index(segment)
+        self.segments[k : k + 1] = replacement.segments
+        self.retired.append(segment)
+        self.ctx.nursery.start_soon(segment.close, "replaced after a failure")
 
-    async def repair(self, resilient: RepairPort, failure: PeerFailed, position: int) -> Route:
-        """Re-route the failed segment's span, rebuild its caches, splice it in; returns the new route.
-
-        `position` = positions already answered (their inputs are replayed). Raises PeerFailed
-        when no replacement holds after MAX_SEGMENT_REPAIRS tries, NoRoute when none exists.
-        """
-        started = time.perf_counter()
-        resilient.ban(failure.peer, failure.reason)
-        k = self._segment_of(failure.peer)
-        a, b = span_of(self.segments[k])
-        last: PeerError = failure
-        for _ in range(MAX_SEGMENT_REPAIRS):
-            chosen = await resilient.swarm.wait_for_route(resilient.route_wait, start=a, end=b, policy=resilient.policy)
-            new = build_segments(self.ctx, chosen, max_length=self.max_length)
-            try:
-                await open_segments(new)
-                if position > 0:
-                    # one prefill-shaped step per new segment rebuilds its caches
-                    await self._through(new, self.inputs.at(a).upto(position), 0)
-            except SessionRefused as refused:
-                resilient.ban(refused.peer, f"refused: {refused.code}", seconds=REFUSED_BACKOFF)
-                last = refused
-                continue
-            except PeerFailed as failed:
-                for segment in new:
-                    self.ctx.nursery.start_soon(segment.close, "replacement abandoned")
-                resilient.ban(failed.peer, failed.reason)
-                last = failed
-                continue
-            old = self.segments[k]
-            self.segments[k : k + 1] = new
-            self.retired.append(old)
-            self.ctx.nursery.start_soon(old.close, "replaced after a failure")
-            break
-        else:
-            raise PeerFailed(getattr(last, "peer", failure.peer), f"could not repair layers [{a}, {b}): {last}")
-        self.failure = None
+    def repaired(self) -> Route:
+        self.failure = None  # steps may be queued again
         self.route = Route(tuple(self.hops), math.nan)
-        self.ctx.tracer.emit(events.Failover(
-            session=self.session_id, remote=failure.peer, duration=time.perf_counter() - started,
-            reason=failure.reason[:200], position=position, replaced=[a, b],
-            route=[[h.peer_id, h.start, h.end] for h in self.route.hops],
-        ))
         return self.route
+
+    async def replay_after(self, segments: list[Segment], hidden: torch.Tensor) -> torch.Tensor:
+        k = self.segments.index(segments[-1]) + 1
+        return await self._through(self.segments[k:], hidden, 0)
 
     # -- closing ------------------------------------------------------------------------------
 

@@ -14,6 +14,11 @@ against a third peer. The peer the other two disagree with is banned, a signed
 report with every party's attested output is recorded and shared, and — if it
 is in the route — the session fails over, replaying through to the end so that
 the caches after it are rebuilt from clean inputs too.
+
+On a route with tensor-shard groups, every plain hop is checked as on any route
+(each run of plain hops is a chain segment with its own taps and attestations); a
+group hop is not, and `GroupSession.checkable` says precisely why. Its span is
+recorded in `unchecked` (and the summary), so a caller can tell what went unchecked.
 """
 
 from __future__ import annotations
@@ -36,11 +41,13 @@ from tessera.peer.base.ids import peer_id_bytes
 from tessera.peer.base.errors import PeerError, PeerFailed
 from tessera.peer.request.chain_state import AttestedStep, HopState
 from tessera.peer.request.chain import RouteSession
-from tessera.peer.request.ports import CheckPolicy, RepairPort, SwarmPort
+from tessera.peer.request.ports import CheckPolicy, Checkable, RepairPort, SwarmPort
 from tessera.peer.plan.routing import route
 from tessera.peer.plan.view import SwarmView
 
 PRECISION = {"float32": 3, "float16": 2, "bfloat16": 1}  # higher = more exact
+# Why a span of the route went unchecked (`SpotChecker.unchecked`); see GroupSession.checkable.
+GROUP_UNCHECKED = "a tensor-shard group: no one rank can be blamed for its output, and its ranks do not attest"
 GUILTY_BAN = 24 * 3600.0  # seconds a peer proven wrong is avoided by this requester
 CHECK_WAIT = 5.0  # seconds to wait for the taps a check compares against
 
@@ -78,30 +85,41 @@ class SpotChecker:
         self.rows_compared = 0
         self.fingerprint_bytes = 0
         self.verdicts: list[Verdict] = []
+        self.unchecked: dict[tuple[int, int], str] = {}  # spans of the route no check can cover, and why
 
     # -- when to check --------------------------------------------------------------------
+
+    def chains(self) -> list[Checkable]:
+        """The checkable parts of the current route (its runs of plain hops); the spans of the
+        others (tensor-shard groups) are recorded in `unchecked`."""
+        session = self.resilient.current
+        assert session is not None
+        chains = []
+        for segment in session.segments:
+            chain = segment.checkable()
+            if chain is None:
+                self.unchecked[segment.span] = GROUP_UNCHECKED
+            else:
+                chains.append(chain)
+        return chains
 
     async def after_step(self, end_pos: int) -> None:
         """With probability `rate`, check one hop — one that some other peer can check."""
         if self.rng.random() >= self.policy.rate:
             return
-        session = self.resilient.current
-        if not isinstance(session, RouteSession):
-            return  # a route through a tensor-shard group: its ranks do not attest (yet)
-        hops = list(session.hops)
+        hops = [(chain, hop) for chain in self.chains() for hop in chain.hops]
         self.rng.shuffle(hops)
-        for hop in hops:
-            if await self.check(hop, end_pos):
+        for chain, hop in hops:
+            if await self.check(chain, hop, end_pos):
                 return
 
     async def final(self, end_pos: int) -> None:
         """Compare what no check has covered yet, for every hop (at the session's end)."""
-        session = self.resilient.current
-        if not isinstance(session, RouteSession) or end_pos == 0:
+        if end_pos == 0:
             return
-        for hop in list(session.hops):
+        for chain, hop in [(chain, hop) for chain in self.chains() for hop in list(chain.hops)]:
             if not any(k[0] == hop.hop.start and k[1] == hop.hop.end and s.upto >= end_pos for k, s in self.shadows.items()):
-                await self.check(hop, end_pos)
+                await self.check(chain, hop, end_pos)
 
     # -- checking -------------------------------------------------------------------------
 
@@ -156,12 +174,11 @@ class SpotChecker:
             self.fingerprint_bytes += len(out)
         return step, out
 
-    async def check(self, hop: HopState, end_pos: int) -> bool:
-        """Compare `hop`'s outputs up to `end_pos` with a checker's; False if it could not be checked."""
-        session = self.resilient.current
-        assert session is not None
+    async def check(self, session: Checkable, hop: HopState, end_pos: int) -> bool:
+        """Compare `hop`'s outputs up to `end_pos` with a checker's; False if it could not be checked.
+        `session`: the chain of plain hops `hop` belongs to (its history holds both ends)."""
         start, end = hop.hop.start, hop.hop.end
-        if not (await self.resilient.wait_inputs(session, start, end_pos) and await self.resilient.wait_inputs(session, end, end_pos)):
+        if not (await session.wait_known(start, end_pos) and await session.wait_known(end, end_pos)):
             return False  # the taps to compare with never came; the failover machinery deals with that peer
         shadow = await self.shadow_for(start, end, hop.peer)
         if shadow is None:
@@ -186,13 +203,13 @@ class SpotChecker:
 
     # -- a mismatch -----------------------------------------------------------------------
 
-    def producer(self, session: RouteSession, end: int, position: int) -> AttestedStep | None:
+    def producer(self, session: Checkable, end: int, position: int) -> AttestedStep | None:
         """The latest attested step whose output at layer `end` covers `position`."""
         steps = [a for h in session.hops for a in h.attested] + session.retired_attestations
         covering = [a for a in steps if a.end == end and a.start_pos <= position < a.start_pos + a.n_tokens]
         return covering[-1] if covering else None
 
-    async def investigate(self, session: RouteSession, start: int, end: int, position: int, end_pos: int,
+    async def investigate(self, session: Checkable, start: int, end: int, position: int, end_pos: int,
                           shadow: Shadow, tol: float) -> None:
         step = self.producer(session, end, position)
         if step is None or step.start != start:
@@ -232,13 +249,13 @@ class SpotChecker:
         steps = [a for h in shadow.session.hops for a in h.attested if a.step == step and a.peer == shadow.checker]
         return steps[-1] if steps else None
 
-    async def convict(self, session: RouteSession, guilty: str, step: AttestedStep, inputs: torch.Tensor,
+    async def convict(self, session: Checkable, guilty: str, step: AttestedStep, inputs: torch.Tensor,
                       parties: dict[str, tuple[torch.Tensor, AttestedStep | None]]) -> None:
         self.resilient.ban(guilty, "returned wrong activations", seconds=GUILTY_BAN)
         report = self.build_report(guilty, step, inputs, parties)
         if report is not None:
             await self.swarm.publish_report(report)
-        if any(h.peer == guilty for h in session.hops):
+        if self.resilient.uses(guilty):
             await self.resilient.repair(PeerFailed(guilty, "returned wrong activations"), self.resilient.confirmed,
                                         through_end=True)
 
@@ -268,14 +285,19 @@ class SpotChecker:
     def summary(self) -> dict:
         return {"checks": self.checks, "rows_compared": self.rows_compared,
                 "fingerprint_bytes": self.fingerprint_bytes,
-                "verdicts": [{"guilty": v.guilty, **v.detail} for v in self.verdicts]}
+                "verdicts": [{"guilty": v.guilty, **v.detail} for v in self.verdicts],
+                "unchecked": [{"span": list(span), "why": why} for span, why in sorted(self.unchecked.items())]}
 
 
 def attested_session(checker: SpotChecker, step: AttestedStep) -> bytes:
-    """The session id an attested step belongs to (the main session or a shadow)."""
+    """The session id an attested step belongs to (a shadow, or the chain of the route that
+    computed it: the session id its peer signed)."""
     for shadow in checker.shadows.values():
         if any(step in h.attested for h in shadow.session.hops):
             return shadow.session.session_id
+    for chain in checker.chains():
+        if step in chain.retired_attestations or any(step in h.attested for h in chain.hops):
+            return chain.session_id
     return checker.resilient.current.session_id  # type: ignore[union-attr]
 
 
