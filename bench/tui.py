@@ -37,7 +37,7 @@ import trio  # noqa: E402
 
 from tessera.peer.request.client import Swarm  # noqa: E402
 from tessera.peer.node.config import PeerConfig  # noqa: E402
-from tessera.peer.node.peer_node import PeerNode
+from tessera.peer.node.compose import build_peer  # noqa: E402
 from tessera.stages import registry  # noqa: E402
 from tessera.stages.generate import prompt_ids  # noqa: E402
 from tessera.stages.spec import ModelSpec  # noqa: E402
@@ -108,7 +108,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="tessera-bench-tui-") as tmp:
         spec = ModelSpec.from_file(registry.resolve(args.model) / "config.json")
-        node = PeerNode(PeerConfig(model=args.model, layers=(0, spec.num_layers), data_dir=Path(tmp),
+        node = build_peer(PeerConfig(model=args.model, layers=(0, spec.num_layers), data_dir=Path(tmp),
                                    threads=args.threads, name="bench"))
         handle = PeerHandle(node)
         handle.start()

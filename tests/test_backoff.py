@@ -25,13 +25,13 @@ def test_a_failure_bans_for_base_then_doubles_up_to_the_cap() -> None:
     assert not bans.is_banned("q", 0.0) and bans.until("q") == 0.0
 
 
-def test_a_success_forgets_the_strikes_but_not_the_ban_in_force() -> None:
+def test_strikes_are_kept_however_long_ago_the_last_failure() -> None:
+    """No success forgets them (Backoff keeps no such call): the third failure bans for 4 x base."""
     bans = Backoff(base=10.0, cap=1000.0)
     bans.register_failure("p", now=0.0)
     bans.register_failure("p", now=20.0)
-    bans.register_success("p")
-    assert bans.is_banned("p", 30.0)  # the second ban (20 s from t=20) still runs
-    assert bans.register_failure("p", now=100.0) == 10.0
+    assert bans.is_banned("p", 30.0)  # the second ban (20 s from t=20) runs
+    assert bans.register_failure("p", now=10_000.0) == 40.0
 
 
 def test_a_fixed_length_ban_counts_a_strike_and_ban_until_never_shortens() -> None:

@@ -8,18 +8,15 @@ import pytest
 import trio
 import trio.testing
 
-from tessera.peer.base.backoff import Backoff
-from tessera.peer.request.ports import BAN_BASE, BAN_CAP
-from tessera.peer.request.client import Swarm
+from tessera.peer.request.client import RequesterModel, Swarm
 from tessera.peer.base.errors import NoRoute
-from tessera.peer.net.gossip import Gossip, Pinger, ViewKeeper
 from tessera.peer.net.memory_stream import LinkSpec
 from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
 from tessera.peer.plan.cost import FULL_LOAD
 from tessera.peer.plan.routing import route, unusable_reason, why_no_route
+from tessera.peer.sim.stage import sim_spec
 from tessera.peer.cli.status import format_status, gaps_of, routable_coverage
 from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, SERVING, PeerInfo, SwarmView
-from tessera.peer.request.policy import RequesterPolicy
 from tessera.protocol.crypto import sign_record
 from tessera.protocol.keys import Identity
 from tessera.protocol.records import PeerRecord
@@ -89,12 +86,11 @@ def test_waiting_for_a_route_reports_each_second_and_ends_with_the_reason() -> N
     async def main() -> None:
         network = MemoryNetwork(LinkSpec(latency=0.01))
         async with open_memory_transport(network, "requester") as transport, trio.open_nursery() as nursery:
-            swarm = object.__new__(Swarm)  # what wait_for_route uses: the view, bans, gossip, pings
-            swarm.keeper = ViewKeeper(model_id="m", num_layers=30, clock=trio.current_time)
-            swarm.gossip, swarm.pinger = Gossip(transport, swarm.keeper), Pinger(transport)
-            swarm.transport, swarm.peer_id, swarm.model_id = transport, "requester", "m"
-            swarm.on_route_wait, swarm.policy = lines.append, RequesterPolicy()
-            swarm.bans, swarm.clock = Backoff(BAN_BASE, BAN_CAP), trio.current_time
+            # the real Swarm on a weightless model (what a simulated requester is), on trio's clock
+            swarm = Swarm(transport, nursery, identity=Identity.from_seed(b"\x03" * 32),
+                          model=RequesterModel(sim_spec(30), "m"), clock=trio.current_time,
+                          ban_clock=trio.current_time)
+            swarm.on_route_wait = lines.append
             now = trio.current_time()
             for ident, span, state in ((me, (0, 15), SERVING), (other, (15, 30), DRAINING)):
                 swarm.keeper.merge([sign_record(ident, PeerRecord(

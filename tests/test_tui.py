@@ -25,7 +25,7 @@ from tessera.peer.request.client import Swarm
 from tessera.peer.cli.demo import memory_for_layers
 from tessera.peer.base.errors import NoRoute, SessionRefused
 from tessera.peer.node.config import PeerConfig
-from tessera.peer.node.peer_node import PeerNode
+from tessera.peer.node.compose import build_peer
 from tessera.peer.request.chain import RouteSession
 from tessera.peer.plan.routing import Hop, Route
 from tessera.stages.generate import prompt_ids
@@ -174,7 +174,7 @@ def other_peer(smol_dir):
 def make_handle(tmp_path: Path, join: list[str], **config) -> PeerHandle:
     settings = dict(layers=(0, 15), memory_gb=1.0, leave_grace=LEAVE_GRACE, rebalance_interval=3600.0)
     settings.update(config)
-    node = PeerNode(PeerConfig(join=join, data_dir=tmp_path / "tui-peer", threads=1, name="tui-peer", **settings))
+    node = build_peer(PeerConfig(join=join, data_dir=tmp_path / "tui-peer", threads=1, name="tui-peer", **settings))
     handle = PeerHandle(node)
     handle.start()
     return handle

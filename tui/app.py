@@ -1,7 +1,7 @@
 """The operator's terminal UI: `tessera peer ... --tui`.
 
     from tessera.tui.app import run_with_tui
-    run_with_tui(PeerNode(config))    # serves while the UI runs; `q` leaves gracefully
+    run_with_tui(build_peer(config))    # serves while the UI runs; `q` leaves gracefully
 
 The peer runs in its own thread behind a `PeerHandle` (tui/bridge.py: why a thread,
 and the only calls that cross); the app pulls the handle's latest snapshot a few

@@ -127,7 +127,7 @@ def _starting_status(node: PeerNode) -> dict[str, Any]:
         "throughput": node.throughput,
         "memory_offered": node.memory_bytes,
         "memory_used": node.stage.weight_bytes if node.stage else 0,
-        "device": str(node.device),
+        "device": node.compute.device_name,
         "vram": node.device_memory(),
         "quant": node.quant.tag,
         "uptime": time.time() - node.started,

@@ -1,10 +1,12 @@
 """One keyed back-off/ban policy: who is avoided until when, doubling per repeat.
 
 A failure of `key` bans it for `base` seconds, doubling with each further failure
-(strikes) up to `cap`; a success forgets the strikes. Pure: every call takes `now`
-(whatever clock the owner runs on: time.monotonic in a live requester, trio's
+(strikes) up to `cap`. Strikes are kept: a peer that failed before is avoided longer when
+it fails again, however well it served in between (`cap` bounds the ban). Pure: every call
+takes `now` (whatever clock the owner runs on: time.monotonic in a live requester, trio's
 MockClock in the simulator), so the same object serves both and tests need no clock.
-The requester's `Swarm` owns one, so strikes survive from one answer to the next.
+The requester's `Swarm` owns one (the simulator's requesters are `Swarm`s too), so strikes
+survive from one answer to the next.
 """
 
 from __future__ import annotations
@@ -34,10 +36,6 @@ class Backoff:
     def ban_until(self, key: str, until: float) -> None:
         """Avoid `key` until at least `until` (no strike: a ban for what others proved)."""
         self._until[key] = max(self._until.get(key, 0.0), until)
-
-    def register_success(self, key: str) -> None:
-        """`key` served well: its next failure starts from `base` again."""
-        self._strikes.pop(key, None)
 
     def is_banned(self, key: str, now: float) -> bool:
         return self._until.get(key, 0.0) > now

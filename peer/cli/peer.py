@@ -144,9 +144,9 @@ async def serve_until_signalled(node: "PeerNode", *, control_stdin: bool = False
 
 
 def run_peer(args: argparse.Namespace) -> int:
-    from tessera.peer.node.peer_node import PeerNode  # imported here: libp2p is heavy, and other commands don't need it
+    from tessera.peer.node.compose import build_peer  # imported here: libp2p is heavy, and other commands don't need it
 
-    node = PeerNode(config_from(args))
+    node = build_peer(config_from(args))
     if args.tui:
         from tessera.tui.app import run_with_tui
 

@@ -15,6 +15,7 @@ from tessera.stages.spec import ModelSpec
 from tessera.peer.net.emulated import LinkEmulation
 from tessera.peer.base.errors import ConfigError
 from tessera.peer.serve.batcher import MAX_BATCH_ROWS, MAX_BATCH_WAIT
+from tessera.peer.net.gossip import GOSSIP_INTERVAL
 from tessera.peer.net.join import JOIN_TIMEOUT
 
 # An advertisement is valid this long; re-advertised (re-signed, a later expiry) every
@@ -59,6 +60,10 @@ class PeerConfig:
     advertise_interval: float = ADVERTISE_INTERVAL
     leave_grace: float = LEAVE_GRACE
     rebalance_interval: float = REBALANCE_INTERVAL
+    # Periods with no flag of their own (a simulation sets them from its Timings, peer/sim/world.py)
+    ping_interval: float = PING_INTERVAL
+    gossip_interval: float = GOSSIP_INTERVAL
+    move_grace: float = MOVE_GRACE
     emulate_link: LinkEmulation | None = None  # benchmarks only: delay/pace every frame sent
     misbehave: str | None = None  # fault injection (tests, demos): "perturb:P" or "wrong-weights"
     join_timeout: float = JOIN_TIMEOUT  # seconds --join may take before the peer gives up (peer/net/join.py)

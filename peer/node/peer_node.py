@@ -1,10 +1,14 @@
 """A volunteer's peer: join, measure, claim a span, load it, advertise, serve, leave.
 
-    node = PeerNode(PeerConfig(model="smollm2-135m", join=[addr]))
+    node = build_peer(PeerConfig(model="smollm2-135m", join=[addr]))   # peer/node/compose.py
     await node.run()          # until cancelled; then it leaves gracefully
 
-The lifecycle, in order: open the data dir (identity key, sqlite store, trace);
-start the libp2p host and print the multiaddr others can join; pull the swarm
+`PeerNode(config, parts)` is given what it stands on (peer/node/parts.py): its transport,
+identity, stage loader, clock, view keeper, tracer and store. peer/node/compose.py wires
+a volunteer's (libp2p, torch, sqlite, the wall clock); the simulator runs this same class
+over the memory transport with a cost-model stage on trio's MockClock (peer/sim/peer.py).
+
+The lifecycle, in order: open the transport and print the multiaddr others can join; pull the swarm
 view from the join addresses; measure one layer's decode speed; pick a span
 (`peer/plan/placement.py`, unless --layers forces one) that fits the memory offered;
 advertise it as LOADING, load only those layers, advertise SERVING; serve, gossip,
@@ -15,115 +19,96 @@ period, close.
 
 from __future__ import annotations
 
-import random
 import sys
-from functools import partial
-import time
-from typing import Callable
+from functools import lru_cache, partial
+from typing import Any, Callable
 
-import psutil
-import torch
 import trio
 
 from tessera.protocol.crypto import sign_record
-from tessera.protocol.keys import Identity
 from tessera.protocol.records import Neighbour, PeerRecord, SignedRecord
-from tessera.stages import registry
-from tessera.stages.generate import pick_device, pick_dtype
-from tessera.stages.devices import cuda_offer, cuda_reserve, read_device_memory
-from tessera.stages.quant import model_tag
-from tessera.stages.spec import ModelSpec
-from tessera.stages.speed import measure_layer_throughput
-from tessera.stages.sharded import ShardedStage
-from tessera.stages.stage import Stage
-from tessera.store.db import PeerStore
-from tessera.store.keyfile import load_or_create_key
-from tessera.store.trace import TraceWriter
 from tessera.store import events
+from tessera.store.trace import Tracer
 
 from tessera.peer.base.ids import peer_id_bytes
-from tessera.peer.base.errors import ConfigError, PeerError
-from tessera.peer.net.gossip import Gossip, Pinger, ViewKeeper, material
-from tessera.peer.net.emulated import emulate
-from tessera.peer.net.libp2p import open_libp2p_transport
-from tessera.peer.node.config import (
-    DEFAULT_MEMORY_FRACTION, KV_RESERVE_FRACTION, MOVE_GRACE, PING_INTERVAL, PeerConfig,
-    capacity_in_layers, check_memory_offer,
-)
+from tessera.peer.base.errors import ConfigError
+from tessera.peer.net.gossip import Gossip, Pinger, material
+from tessera.peer.node.config import KV_RESERVE_FRACTION, PeerConfig, capacity_in_layers
+from tessera.peer.node.parts import NodeParts
 from tessera.peer.net.join import join_swarm
 from tessera.peer.net.nat.reachability import NatService
 from tessera.peer.serve import faults as misbehave
-from tessera.peer.plan.placement import choose_span, plan_move
 from tessera.peer.request.reports import ReportBook
 from tessera.peer.serve.limits import ServerLimits
 from tessera.peer.serve.server import StageServer
 from tessera.peer.serve.shard_server import ShardServer
 from tessera.peer.net.transport import Transport
-from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, SERVING, Reachability
+from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, SERVING, PeerInfo, Reachability
+
 
 class PeerNode:
     """One running peer (see module docstring)."""
 
-    def __init__(self, config: PeerConfig, *, out: Callable[[str], None] | None = None) -> None:
+    def __init__(self, config: PeerConfig, parts: NodeParts, *, out: Callable[[str], None] | None = None) -> None:
         self.config = config
+        self.parts = parts
         self.out = out or (lambda line: (print(line), sys.stdout.flush()))
-        self.folder = registry.resolve(config.model)
-        self.spec = ModelSpec.from_file(self.folder / "config.json")
-        self.quant = config.quant
-        # the advertised id carries the quantization: requesters chain only what they accept
-        self.model_id = model_tag(registry.model_id(self.folder), self.quant)
-        self.device = pick_device(config.device)
-        self.dtype = pick_dtype(config.dtype, self.device, self.quant)
-        if config.memory_gb is not None:  # refused before anything starts (raises ConfigError)
-            check_memory_offer(self.spec, config.memory_gb, self.itemsize, str(self.dtype).removeprefix("torch."),
-                               layers=config.layers, quant=self.quant)
-        config.data_dir.mkdir(parents=True, exist_ok=True)
-        self.identity = Identity.from_seed(load_or_create_key(config.data_dir / "identity.key"))
-        self.store = PeerStore(config.data_dir / "tessera.db")
-        self.state = LOADING
+        self.compute = parts.compute
+        self.spec = self.compute.spec
+        self.quant = self.compute.quant
+        self.model_id = self.compute.model_id
+        self.identity = parts.identity
+        self.store = parts.store
+        self.clock = parts.clock
+        self.pacing = parts.pacing
+        self.placement = parts.placement
+        self.watch = parts.watch
+        self._state = LOADING
         self.span: tuple[int, int] | None = None
         self.throughput = 0.0
-        self.started = time.time()
+        self.started = self.clock()
         self.seq = 0
         self.transport: Transport | None = None
         self.server: StageServer | None = None
-        self.stage: Stage | None = None
-        self.keeper = ViewKeeper(model_id=self.model_id, num_layers=self.spec.num_layers, clock=time.time)
+        self.stage: Any = None  # a tessera.stages Stage (or what the stage loader loads)
+        self.keeper = parts.keeper
+        self.gossip: Gossip | None = None
+        self.pinger: Pinger | None = None
         self._own: SignedRecord | None = None
+        self._own_info: PeerInfo | None = None  # this peer as its latest record shows it
         self.stopping = trio.Event()
         self.ready = trio.Event()
-        self.tracer: TraceWriter | None = None
+        self.tracer: Tracer | None = None
         self.nat: NatService | None = None
-        self._vram_offer: int | None = None
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @state.setter
+    def state(self, state: str) -> None:
+        self._state = state
+        self.watch.state_changed(self)
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes offered: --memory; on CUDA the card's free memory less a reserve (read once, before
-        anything is loaded: afterwards our own weights would count as taken); else half the free RAM."""
-        if self.config.memory_gb is not None:
-            return int(self.config.memory_gb * (1 << 30))
-        if self.device.type == "cuda":
-            if self._vram_offer is None:
-                card = read_device_memory(self.device)
-                self._vram_offer = cuda_offer(card.free, card.total, cuda_reserve(card.total))
-            return self._vram_offer
-        return int(psutil.virtual_memory().available * DEFAULT_MEMORY_FRACTION)
+        """Bytes offered (the stage loader's reading of --memory: peer/node/torch_compute.py)."""
+        return self.compute.memory_offered(self.config.memory_gb)
 
     def device_memory(self) -> dict | None:
         """Free and total memory of a CUDA device (for the record and the TUI); None elsewhere."""
-        card = read_device_memory(self.device)
-        return {"free": card.free, "total": card.total} if card.kind == "cuda" else None
+        return self.compute.device_memory()
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.compute.itemsize
 
     # -- advertising ------------------------------------------------------------------
 
     def make_record(self) -> SignedRecord | None:
         if self.span is None or self.transport is None:
             return None
-        now = time.time()
+        now = self.clock()
         self.seq = max(self.seq + 1, int(now * 1000))  # survives restarts: newer beats older
         used = self.stage.weight_bytes if self.stage else 0
         server = self.server
@@ -137,10 +122,11 @@ class PeerNode:
             addrs=tuple(self.transport.addrs()[:16]),
             neighbours=tuple(Neighbour(_peer_bytes(p), rtt) for p, rtt in sorted(self.pinger.rtt_ms.items())[:64]),
             issued_at=now, expires_at=now + self.config.record_ttl, seq=self.seq,
-            dtype=str(self.dtype).removeprefix("torch."),
-            device=self.device.type, device_free=(self.device_memory() or {}).get("free", 0),
+            dtype=self.compute.dtype_name,
+            device=self.compute.device_type, device_free=(self.device_memory() or {}).get("free", 0),
         )
         self._own = sign_record(self.identity, record)
+        self._own_info = None  # filled from the keeper's copy on merge (one decode, not two)
         return self._own
 
     async def advertise(self) -> None:
@@ -152,7 +138,9 @@ class PeerNode:
             return
         self.keeper.merge([signed])
         after = self.keeper.known.get(self.transport.peer_id)
-        if before is None or after is None or material(before.record) != material(after.record):
+        self._own_info = after.info if after is not None and after.signed is signed else None
+        if self.gossip is not None and (before is None or after is None
+                                        or material(before.record) != material(after.record)):
             await self.gossip.announce()
         if self.tracer:
             self.tracer.emit(events.Advertise(span=self.span, state=self.state, load=self.server.load if self.server else 0.0))
@@ -160,37 +148,43 @@ class PeerNode:
     # -- lifecycle --------------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        if self.config.threads:
-            torch.set_num_threads(self.config.threads)
-        async with open_libp2p_transport(
-            self.identity.seed, listen=self.config.listen, swarm_key=self.config.swarm_key
-        ) as real_transport, emulate(real_transport, self.config.emulate_link) as transport:
+        parts = self.parts
+        self.compute.prepare()
+        async with parts.open_transport() as transport:
             self.transport = transport
             peer_id = transport.peer_id
-            self.store.record_identity(peer_id)
-            self.tracer = TraceWriter(self.store, peer=peer_id)
-            self.gossip = Gossip(transport, self.keeper, own_record=lambda: self._own)
+            if self.store is not None:
+                self.store.record_identity(peer_id)
+            self.tracer = parts.tracer(peer_id)
+            if parts.gossip:
+                self.gossip = Gossip(transport, self.keeper, own_record=lambda: self._own,
+                                     interval=self.config.gossip_interval)
             self.pinger = Pinger(transport)
             self.out(f"listening on {transport.addrs()[0]}")
             self.tracer.emit(events.Join(addrs=transport.addrs(), model=self.model_id))
+            self.watch.opened(self)
             try:
                 async with trio.open_nursery() as nursery:
-                    self._start_nat(nursery)
+                    if parts.nat:
+                        self._start_nat(nursery)
                     await self._join()
                     await self._claim_and_load()
                     # a rank of a tensor-shard group runs the shard server (peer/serve/shard_server.py)
                     kind = partial(ShardServer, group=self.config.group) if self.config.shard[1] > 1 else StageServer
+                    store = self.store
                     self.server = kind(
                         transport, self.identity, self.stage, tracer=self.tracer,
                         limits=ServerLimits(max_sessions=self.config.max_sessions, max_length=self.config.max_length,
                                             batch_rows=self.config.batch_rows, batch_wait=self.config.batch_wait,
                                             kv_budget=int(self.memory_bytes * KV_RESERVE_FRACTION)),
-                        ledger=lambda requester, layer_tokens, nbytes: self.store.add_ledger(
+                        ledger=None if store is None else lambda requester, layer_tokens, nbytes: store.add_ledger(
                             requester, layer_tokens, steps=1, bytes=nbytes),
                     )
+                    self.compute.serve_with(self.server)
                     self._inject_faults()
-                    self.reports = ReportBook(transport, model_id=self.model_id, store=self.store)
-                    nursery.start_soon(self.reports.run)
+                    if parts.reports:
+                        self.reports = ReportBook(transport, model_id=self.model_id, store=store)
+                        nursery.start_soon(self.reports.run)
                     self.state = SERVING
                     await self.advertise()
                     rank = f" as rank {self.config.shard[0]}/{self.config.shard[1]} of group {self.config.group!r}"
@@ -200,18 +194,22 @@ class PeerNode:
                         self.out(line)
                     self.ready.set()
                     task_status.started(self)
-                    nursery.start_soon(self.server.reap_idle)
+                    if parts.reap_idle:
+                        nursery.start_soon(self.server.reap_idle)
                     nursery.start_soon(self._advertise_forever)
-                    nursery.start_soon(self._gossip_forever)
                     nursery.start_soon(self._ping_forever)
-                    if self.config.layers is None:  # a forced span never moves
+                    if self.gossip is not None:
+                        nursery.start_soon(self._gossip_forever)
+                    if self.config.layers is None and self.placement.moves:  # a forced span never moves
                         nursery.start_soon(self._rebalance_forever)
                     await self.stopping.wait()
                     await self._leave()
                     nursery.cancel_scope.cancel()
             finally:
+                self.watch.closed(self)
                 self.tracer.close()
-                self.store.close()
+                if self.store is not None:
+                    self.store.close()
 
     def stop(self) -> None:
         self.stopping.set()
@@ -234,6 +232,8 @@ class PeerNode:
 
     async def _join(self) -> None:
         """Join through --join (peer/net/join.py: retries, one reason line per attempt, JoinFailed)."""
+        if self.gossip is None:
+            return  # the view is fed otherwise (a simulation's shared view): nothing to pull
         for addr in self.config.join:
             self.keeper.remember(addr)  # re-dialled whenever we are not connected to it
         if self.config.join:
@@ -266,31 +266,26 @@ class PeerNode:
         return capacity_in_layers(self.spec, self.memory_bytes, self.itemsize, self.quant)
 
     async def _claim_and_load(self) -> None:
-        self.throughput = await trio.to_thread.run_sync(
-            lambda: measure_layer_throughput(self.spec, device=self.device, dtype=self.dtype, quant=self.quant)
-        )
+        self.throughput = await self.compute.measure()
         if self.config.layers is not None:
             start, end = self.config.layers
             if end > self.spec.num_layers:
                 raise ConfigError(f"--layers {start}:{end} exceeds the model's {self.spec.num_layers} layers")
         else:
-            start, end = choose_span(self.keeper.snapshot(), me=self.transport.peer_id,
-                                     capacity_layers=self.capacity, throughput=self.throughput)
-        self.span = (start, end)
-        self.store.record_claim(self.model_id, self.span, action="claim", shard=self.config.shard,
-                                reason="forced" if self.config.layers else "placement")
+            start, end = self.placement.claim(self.keeper.snapshot(), me=self.transport.peer_id,
+                                              capacity_layers=self.capacity, throughput=self.throughput,
+                                              rng=self.pacing.rng)
+        self.span = (int(start), int(end))
+        if self.store is not None:
+            self.store.record_claim(self.model_id, self.span, action="claim", shard=self.config.shard,
+                                    reason="forced" if self.config.layers else "placement")
         self.tracer.emit(events.Claim(span=self.span, throughput=self.throughput, capacity=self.capacity))
+        self.watch.claimed(self)
         await self.advertise()  # LOADING: others see the claim before the weights are in
-        self.stage = await self._load(start, end)
+        self.stage = await self._load(*self.span)
 
-    async def _load(self, start: int, end: int) -> Stage | ShardedStage:
-        index, count = self.config.shard
-        if count > 1:  # only this rank's slices (stages/sharded.py)
-            return await trio.to_thread.run_sync(lambda: ShardedStage.load(
-                self.folder, start=start, end=end, index=index, count=count, device=self.device, dtype=self.dtype))
-        return await trio.to_thread.run_sync(
-            lambda: Stage.load(self.folder, start=start, end=end, device=self.device, dtype=self.dtype, quant=self.quant)
-        )
+    async def _load(self, start: int, end: int) -> Any:
+        return await self.compute.load(start, end)
 
     async def move_to(self, span: tuple[int, int], reason: str) -> None:
         """Serve another span: drain (no new sessions, a grace for running ones), load, serve.
@@ -303,11 +298,13 @@ class PeerNode:
         self.server.accepting = False
         self.state = DRAINING
         await self.advertise()
-        await self.server.drain(MOVE_GRACE)
+        await self.server.drain(self.config.move_grace)
         self.span = span
         self.state = LOADING
         self.tracer.emit(events.Move(span=span, moved_from=list(old) if old else None, reason=reason))
-        self.store.record_claim(self.model_id, span, action="move", reason=reason, moved_from=old)
+        if self.store is not None:
+            self.store.record_claim(self.model_id, span, action="move", reason=reason, moved_from=old)
+        self.watch.moved(self, old, reason)
         await self.advertise()
         stage = await self._load(*span)
         for session in list(self.server.sessions.values()):
@@ -321,11 +318,12 @@ class PeerNode:
 
     async def _rebalance_forever(self) -> None:
         while True:
-            await trio.sleep(self.config.rebalance_interval * random.uniform(0.8, 1.2))
+            await trio.sleep(self.pacing.jittered(self.config.rebalance_interval))
             if self.state != SERVING:
                 continue
-            plan = plan_move(self.keeper.snapshot(), me=self.transport.peer_id,
-                             capacity_layers=self.capacity, throughput=self.throughput)
+            plan = self.placement.rebalance(self.keeper.snapshot(), own=self._own_info, me=self.transport.peer_id,
+                                            span=self.span, capacity_layers=self.capacity,
+                                            throughput=self.throughput, rng=self.pacing.rng)
             if plan is not None and plan != self.span:
                 await self.move_to(plan, "rebalance")
 
@@ -338,7 +336,9 @@ class PeerNode:
             await self.advertise()
             return
         view = self.keeper.snapshot().without([self.transport.peer_id])
-        span = choose_span(view, me=self.transport.peer_id, capacity_layers=self.capacity, throughput=self.throughput)
+        span = self.placement.claim(view, me=self.transport.peer_id, capacity_layers=self.capacity,
+                                    throughput=self.throughput, rng=self.pacing.rng)
+        span = (int(span[0]), int(span[1]))
         if span != self.span:
             await self.move_to(span, f"memory offered changed to {gb:g} GB")
         else:
@@ -382,25 +382,30 @@ class PeerNode:
                     self.server.drop(session, "peer left")
             self.state = LEAVING
             await self.advertise()
-            if self.span:
+            if self.span and self.store is not None:
                 self.store.record_claim(self.model_id, self.span, action="release", reason="leaving")
+            self.watch.left(self)
             self.tracer.emit(events.Leave(span=self.span))
             self.out("left the swarm")
 
     async def _advertise_forever(self) -> None:
         while True:
             # jitter so that peers started together do not advertise in lockstep
-            await trio.sleep(self.config.advertise_interval * random.uniform(0.8, 1.2))
+            await trio.sleep(self.pacing.jittered(self.config.advertise_interval))
             await self.advertise()
 
     async def _gossip_forever(self) -> None:
-        await trio.sleep(self.gossip.interval)
+        await trio.sleep(self.pacing.first_gossip(self.gossip.interval))
         await self.gossip.run(self._connected)
 
     async def _ping_forever(self) -> None:
+        interval = self.config.ping_interval
+        phase = self.pacing.first_ping(interval)
+        if phase is not None:
+            await trio.sleep(phase)
         while True:
             await self.pinger.ping_all()
-            await trio.sleep(PING_INTERVAL)
+            await trio.sleep(interval)
 
     def resource_lines(self) -> list[str]:
         """What this peer offers and uses, and how fast it measured itself (printed at start-up).
@@ -413,15 +418,13 @@ class PeerNode:
         kv = int(self.memory_bytes * KV_RESERVE_FRACTION)  # the server's KV budget (ServerLimits.kv_budget)
         span = f"[{self.span[0]}, {self.span[1]})" if self.span else "no layers"
         n = self.span[1] - self.span[0] if self.span else 0
-        threads = torch.get_num_threads()
         speed = (f"one layer decodes a token in {1000 / self.throughput:.2f} ms "
                  f"({self.throughput / max(n, 1):.1f} tok/s through {n} layer{'s' if n != 1 else ''})"
                  if self.throughput > 0 else "speed not measured")
         return [
             f"memory: {used / gb:.2f} GB used by the weights of layers {span} + up to {kv / gb:.2f} GB "
             f"for KV caches, of {self.memory_bytes / gb:.2f} GB offered",
-            f"compute: {self.device} {str(self.dtype).removeprefix('torch.')}, "
-            f"{threads} thread{'s' if threads != 1 else ''}; {speed}",
+            f"compute: {self.compute.describe()}; {speed}",
         ]
 
     # -- status (CLI, TUI) --------------------------------------------------------------
@@ -441,10 +444,10 @@ class PeerNode:
             "throughput": self.throughput,
             "memory_offered": self.memory_bytes,
             "memory_used": self.stage.weight_bytes if self.stage else 0,
-            "device": str(self.device),
+            "device": self.compute.device_name,
             "vram": self.device_memory(),
             "quant": self.quant.tag,
-            "uptime": time.time() - self.started,
+            "uptime": self.clock() - self.started,
             "sessions": len(server.sessions) if server else 0,
             "stats": vars(server.stats) if server else {},
             "coverage": view.coverage(),
@@ -453,5 +456,8 @@ class PeerNode:
         }
 
 
+@lru_cache(maxsize=1 << 14)
 def _peer_bytes(peer_id: str) -> bytes:
+    """A neighbour's id as bytes: converted once per id, not once per record (a thousand
+    simulated peers re-advertise their neighbours every period)."""
     return peer_id_bytes(peer_id)

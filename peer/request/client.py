@@ -8,6 +8,11 @@ A requester serves no layers. It holds the embedding and the head (as a
 pipeline coordinator does), the tokenizer and the sampler; it routes a chain of
 peers covering every layer (`peer/plan/routing.py`), streams tokens as they come,
 and — through `peer/request/repair.py` — carries on past peers that fail.
+
+`Swarm` is given its transport, identity, model (`RequesterModel`: spec, embedding and
+head, tokenizer), tracer and clocks; `Swarm.join` wires a real one (libp2p, the model's
+files, the wall clock). The simulator runs the same class over the memory transport on
+trio's clock, with a weightless model and one shared view (peer/sim/requester.py).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from tessera.stages.generate import GenerationResult, plan_length, prompt_ids
 from tessera.stages.constrained import ConstrainedSampler, JsonConstraint
 from tessera.stages.quant import NO_QUANT, Quant, model_tag
 from tessera.stages.sampling import Sampler, SamplingParams
+from tessera.stages.spec import ModelSpec
 from tessera.stages.stage import Stage
 from tessera.stages.tokenizer import TextStream, Tokenizer
 from tessera.store.trace import NullTracer, Tracer
@@ -61,6 +67,24 @@ SPECULATION_SLACK = 32
 
 
 @dataclass(frozen=True)
+class RequesterModel:
+    """What a requester knows of the model: its shape, its advertised id, and (when it
+    generates text) the embedding + head and the tokenizer."""
+
+    spec: ModelSpec
+    model_id: str  # the id peers advertise (tagged with the quantization they serve)
+    head: Stage | None = None  # embedding and head; None: hidden states come from elsewhere (a simulation)
+    tokenizer: Tokenizer | None = None
+
+    @staticmethod
+    def load(folder: Path, quant: Quant = NO_QUANT) -> "RequesterModel":
+        """The model in `folder`: its embedding and head (a few hundred MB for a small model) and tokenizer."""
+        head = Stage.load(folder, start=0, end=0, embed=True, head=True)
+        return RequesterModel(head.spec, model_tag(registry.model_id(folder), quant), head,
+                              Tokenizer.from_folder(folder))
+
+
+@dataclass(frozen=True)
 class Piece:
     """One generated token and the text it completes ("" while a character is still partial)."""
 
@@ -76,35 +100,50 @@ class Swarm:
         transport: Transport,
         nursery: trio.Nursery,
         *,
-        folder: Path,
         identity: Identity,
+        folder: Path | None = None,
+        model: RequesterModel | None = None,
         tracer: Tracer | None = None,
-        clock=time.time,
+        clock: Callable[[], float] = time.time,
+        ban_clock: Callable[[], float] = time.monotonic,
+        keeper: ViewKeeper | None = None,
+        gossip: bool = True,
+        reports: bool = True,
+        refresh_interval: float = REFRESH_INTERVAL,
         policy: RequesterPolicy | None = None,
         quant: Quant = NO_QUANT,
         accept_mixed: bool = False,
     ) -> None:
+        """`model`, or the one in `folder` (loaded here); `clock` dates the view's records,
+        `ban_clock` the bans. `keeper`: a view fed from elsewhere (then `gossip=False`: a
+        simulation's shared view); `reports`: keep and pull misbehaviour reports."""
         self.folder = folder
         # who may compute this requester's answers (peer/request/policy.py); a revocation adds to `deny`
         self.policy = policy or RequesterPolicy()
-        self.head = Stage.load(folder, start=0, end=0, embed=True, head=True)
-        self.spec = self.head.spec
-        self.tokenizer = Tokenizer.from_folder(folder)
+        model = model or RequesterModel.load(folder, quant)
+        self.head = model.head
+        self.spec = model.spec
+        self.tokenizer = model.tokenizer
         # the peers it chains: those of its quantization (their advertised model id says it), or any
-        self.model_id = model_tag(registry.model_id(folder), quant)
+        self.model_id = model.model_id
         self.transport = transport
-        self.keeper = ViewKeeper(model_id=self.model_id, num_layers=self.spec.num_layers, clock=clock,
-                                 accept_mixed=accept_mixed)
-        self.gossip = Gossip(transport, self.keeper)
+        self.keeper = keeper or ViewKeeper(model_id=self.model_id, num_layers=self.spec.num_layers, clock=clock,
+                                           accept_mixed=accept_mixed)
+        self.gossip = Gossip(transport, self.keeper) if gossip else None
         self.pinger = Pinger(transport)
+        self.refresh_interval = refresh_interval
         self.ctx = RequesterContext(
             transport=transport, identity=identity, keeper=self.keeper, nursery=nursery,
             num_layers=self.spec.num_layers, hidden_size=self.spec.hidden_size, tracer=tracer or NullTracer(),
         )
         self.peer_id = transport.peer_id
-        self.clock: Callable[[], float] = time.monotonic  # what `bans` measures time on
+        self.clock: Callable[[], float] = ban_clock  # what `bans` measures time on
         self.bans = Backoff(BAN_BASE, BAN_CAP)  # strikes survive from one answer to the next
-        self.reports = ReportBook(transport, model_id=self.model_id, on_accept=self._avoid_accused)
+        self.reports = ReportBook(transport, model_id=self.model_id, on_accept=self._avoid_accused) if reports else None
+        # routes memoised per (view snapshot, bans, exclusions, RTTs, policy): routing is a pure
+        # function of them, and where snapshots are shared (a simulation) a route costs milliseconds
+        self._memo_view: SwarmView | None = None
+        self._memo: dict[tuple, Route] = {}
         self.active: set[ResilientSession] = set()  # generations running now
         # Told, once a second while `wait_for_route` waits, what it is waiting for (the CLI prints it)
         self.on_route_wait: Callable[[str], None] | None = None
@@ -143,7 +182,7 @@ class Swarm:
                                   quant=quant, accept_mixed=accept_mixed)
                 )
                 await swarm.connect(addrs, swarm_key_given=swarm_key is not None)
-                nursery.start_soon(swarm._refresh_forever)
+                nursery.start_soon(swarm.refresh_forever)
                 nursery.start_soon(swarm.reports.run)
                 try:
                     yield swarm
@@ -160,8 +199,10 @@ class Swarm:
         for addr in addrs:
             try:
                 peer = await self.transport.connect(addr)
-                await self.gossip.exchange(peer)
-                await self.reports.pull(peer)
+                if self.gossip is not None:
+                    await self.gossip.exchange(peer)
+                if self.reports is not None:
+                    await self.reports.pull(peer)
             except PeerUnreachable as error:
                 if await tcp_answers(addr):
                     error = PeerUnreachable(f"cannot join {addr}: {handshake_reason(swarm_key_given)}")
@@ -172,13 +213,14 @@ class Swarm:
             raise errors[0]
 
     async def refresh(self) -> None:
-        """Pull views from connected peers and connect to the peers they name."""
-        await self.gossip.round()
+        """Pull views from connected peers and connect to the peers they name; measure RTTs."""
+        if self.gossip is not None:
+            await self.gossip.round()
         await self.pinger.ping_all()
 
-    async def _refresh_forever(self) -> None:
+    async def refresh_forever(self) -> None:
         while True:
-            await trio.sleep(REFRESH_INTERVAL)
+            await trio.sleep(self.refresh_interval)
             await self.refresh()
 
     # -- the view and routes ------------------------------------------------------------
@@ -195,8 +237,8 @@ class Swarm:
         self.bans.ban_until(accused, self.clock() + GUILTY_BAN)
 
     async def publish_report(self, report) -> int:
-        """Record a report we made and share it with every connected peer."""
-        return await self.reports.publish(report)
+        """Record a report we made and share it with every connected peer (0: reports are not kept)."""
+        return await self.reports.publish(report) if self.reports is not None else 0
 
     def is_banned(self, peer: str) -> bool:
         return self.bans.is_banned(peer, self.clock())
@@ -218,10 +260,20 @@ class Swarm:
         requester, so a repair that chains between peers passes False; peer/request/segmented.py).
         Only peers this requester's policy, narrowed by `policy`, admits are used.
         """
-        banned = set(self.bans.banned(self.clock()))
-        view = self.policy.narrowed(policy).apply(self.view(), keep=(self.peer_id,))
-        return route(view, start=start, end=end, source=source or self.peer_id, sink=sink or self.peer_id,
-                     exclude=frozenset(banned | set(exclude)), groups=groups)
+        banned = tuple(sorted(self.bans.banned(self.clock())))
+        snapshot = self.keeper.snapshot()
+        if snapshot is not self._memo_view:
+            self._memo_view, self._memo = snapshot, {}
+        policy = self.policy.narrowed(policy)
+        key = (banned, tuple(sorted(exclude)), start, end, source, sink, groups,
+               tuple(sorted(self.pinger.rtt_ms.items())), policy)
+        chosen = self._memo.get(key)
+        if chosen is None:
+            view = policy.apply(self.view(), keep=(self.peer_id,))
+            chosen = self._memo[key] = route(view, start=start, end=end, source=source or self.peer_id,
+                                             sink=sink or self.peer_id, exclude=frozenset(banned) | frozenset(exclude),
+                                             groups=groups)
+        return chosen
 
     def why_no_route(self, *, start: int = 0, end: int | None = None, exclude: Sequence[str] = (),
                      policy: RequesterPolicy | None = None, **_: object) -> tuple[list[tuple[int, int]], str]:
@@ -239,26 +291,25 @@ class Swarm:
     async def wait_for_route(self, timeout: float = DEFAULT_ROUTE_WAIT, **plan_args) -> Route:
         """A route, waiting up to `timeout` s for the swarm to cover the layers. Raises NoRoute
         naming the uncovered layers and the peers that are there but not usable, and why.
-        While it waits, `on_route_wait` (if set) hears what it waits for once a second."""
+        It re-plans whenever the view changes, refreshing the view after each wake (and at
+        least every `refresh_interval`). While it waits, `on_route_wait` (if set) hears what
+        it waits for once a second."""
         began = trio.current_time()
         next_report = began + WAIT_REPORT_INTERVAL
-        next_refresh = began + REFRESH_INTERVAL
         with trio.move_on_after(timeout):
             while True:
                 chosen = self.plan(**plan_args)
                 if chosen.ok:
                     return chosen
-                now = trio.current_time()
-                if now >= next_report:
-                    if self.on_route_wait is not None:
+                wake = self.refresh_interval
+                if self.on_route_wait is not None:
+                    now = trio.current_time()
+                    if now >= next_report:
                         self.on_route_wait(f"waiting for a route ({now - began:.0f} s of {timeout:.0f} s): "
                                            + self.why_no_route(**plan_args)[1])
-                    next_report = now + WAIT_REPORT_INTERVAL
-                if now >= next_refresh:
-                    await self.refresh()
-                    next_refresh = trio.current_time() + REFRESH_INTERVAL
-                    continue
-                with trio.move_on_at(min(next_report, next_refresh)):
+                        next_report = now + WAIT_REPORT_INTERVAL
+                    wake = min(wake, next_report - now)
+                with trio.move_on_after(wake):
                     await self.keeper.wait_changed()
                 await self.refresh()
         gaps, why = self.why_no_route(**plan_args)

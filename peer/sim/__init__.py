@@ -4,10 +4,10 @@
     report = simulate(synthetic(peers=100, requests=1000, churn=0.05, seed=1), policy="default", seed=1)
 
 - peer/net/memory.py: the in-memory `Transport` (latency, bandwidth, crashes);
-- stage.py: a weightless `Stage` and the compute cost model;
+- stage.py: a weightless `Stage`, the compute cost model, and `SimCompute` (the stage loader of a simulated peer);
 - policies.py: swappable placement policies (default, random, petals, recorded);
 - scenario.py: who joins, leaves and asks what, when (`synthetic`); replay.py reads one from traces;
-- peer.py / requester.py: a simulated peer (node.py's lifecycle) and requester (Swarm's loop);
+- peer.py / requester.py: a simulated peer and requester: the real PeerNode and Swarm on simulated parts;
 - world.py: what they share (network, view, timings); engine.py runs it; report.py writes the result.
 """
 

@@ -4,7 +4,7 @@ the real gossip (peer/net/gossip.py) and measure how long their views take to ag
     outcome = run_sequence(5, [Event("move", after=1.0, target=2), Event("crash", after=0.5)])
     outcome.worst_periods   # gossip periods from the last change until every pair agreed
 
-The peers are `SimPeer`s (peer/sim/peer.py: node.py's lifecycle, its `Gossip` and
+The peers are `SimPeer`s (peer/sim/peer.py: the real `PeerNode`, its `Gossip` and
 `ViewKeeper`) on the memory transport under trio's MockClock, each with its own view
 (``view="gossip"``). Events: join, leave (graceful), crash (connections reset),
 vanish (silent), move (a new span), memory (a new memory offer, as the TUI's `m` key

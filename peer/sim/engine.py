@@ -265,7 +265,7 @@ class _Driver:
                 requester = SimRequester(self.world, label, identity, transport, nursery)
                 self.requesters[label] = requester
                 await requester.connect(self.world.bootstrap_addrs())
-                nursery.start_soon(requester.refresh_forever)
+                nursery.start_soon(requester.swarm.refresh_forever)
                 self.ready[label].set()
                 await trio.sleep_forever()
 

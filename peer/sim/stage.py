@@ -25,6 +25,7 @@ import torch
 import trio
 
 from tessera.stages.errors import ContextOverflow, SpanError, UnknownSession
+from tessera.stages.quant import NO_QUANT
 from tessera.stages.sessions import check_session
 from tessera.stages.spec import ModelSpec
 
@@ -143,4 +144,50 @@ def cost_model(stage_of: Callable[[], SimStage], throughput: float) -> Callable[
     return run
 
 
-__all__ = ["SimStage", "sim_spec", "sim_model_id", "cost_model"]
+class SimCompute:
+    """A simulated peer's stage loader (peer/node/parts.py `Compute`): weightless `SimStage`s,
+    "loaded" in a modelled delay, computed at `throughput` by the cost model.
+
+    It advertises what a default record says (float32 on a CPU, no device memory), and
+    measures nothing: the peer's speed is the scenario's.
+    """
+
+    quant = NO_QUANT
+    itemsize = FLOAT32_BYTES
+    dtype_name = "float32"
+    device_type = "cpu"
+    device_name = "simulated"
+
+    def __init__(self, spec: ModelSpec, model_id: str, throughput: float, *, load_seconds_per_layer: float,
+                 first_load_seconds: float | None = None) -> None:
+        self.spec = spec
+        self.model_id = model_id
+        self.throughput = throughput
+        self.load_seconds_per_layer = load_seconds_per_layer
+        self._first_load = first_load_seconds  # the scenario's time for the first span, if it says
+
+    def prepare(self) -> None:
+        pass
+
+    def memory_offered(self, memory_gb: float | None) -> int:
+        return int((memory_gb or 0.0) * (1 << 30))
+
+    def device_memory(self) -> dict | None:
+        return None
+
+    async def measure(self) -> float:
+        return self.throughput  # no checkpoint: measuring takes no simulated time
+
+    async def load(self, start: int, end: int) -> SimStage:
+        seconds, self._first_load = self._first_load, None
+        await trio.sleep(seconds if seconds is not None else (end - start) * self.load_seconds_per_layer)
+        return SimStage(self.spec, start, end)
+
+    def serve_with(self, server) -> None:
+        server.run_compute = cost_model(lambda: server.stage, self.throughput)
+
+    def describe(self) -> str:
+        return f"simulated at {self.throughput:g} tokens/s per layer"
+
+
+__all__ = ["SimStage", "SimCompute", "sim_spec", "sim_model_id", "cost_model"]

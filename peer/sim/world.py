@@ -28,7 +28,7 @@ from tessera.protocol.keys import Identity
 from tessera.stages.spec import ModelSpec
 from tessera.store.events import TraceEvent
 
-from tessera.peer.base.ids import peer_id_bytes, peer_id_text
+from tessera.peer.base.ids import peer_id_text
 from tessera.peer.request.client import DEFAULT_ROUTE_WAIT, REFRESH_INTERVAL
 from tessera.peer.net.gossip import GOSSIP_INTERVAL, ViewKeeper
 from tessera.peer.node.config import ADVERTISE_INTERVAL, LEAVE_GRACE, MOVE_GRACE, PING_INTERVAL, REBALANCE_INTERVAL, RECORD_TTL
@@ -209,16 +209,9 @@ class World:
     nursery: trio.Nursery | None = None
     peers: dict[str, Any] = field(default_factory=dict)  # label -> SimPeer (alive or not)
     labels: dict[str, str] = field(default_factory=dict)  # peer id -> label
-    _id_bytes: dict[str, bytes] = field(default_factory=dict)
 
     def tracer(self, peer_id: str) -> SimTracer:
         return SimTracer(peer_id, self.recorder.event_counts, self.trace_writer)
-
-    def id_bytes(self, peer_id: str) -> bytes:
-        raw = self._id_bytes.get(peer_id)
-        if raw is None:
-            raw = self._id_bytes[peer_id] = peer_id_bytes(peer_id)
-        return raw
 
     def label(self, peer_id: str) -> str:
         return self.labels.get(peer_id, peer_id)

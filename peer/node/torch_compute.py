@@ -1,0 +1,95 @@
+"""A real peer's stage loader: the model's files, torch, the device and dtype it computes in.
+
+The `Compute` (peer/node/parts.py) that peer/node/compose.py gives a `PeerNode`: it resolves
+the model, refuses a memory offer that cannot hold one layer (before anything starts),
+measures one layer's decode speed and loads only the claimed span's weights.
+"""
+
+from __future__ import annotations
+
+import psutil
+import torch
+import trio
+
+from tessera.stages import registry
+from tessera.stages.devices import cuda_offer, cuda_reserve, read_device_memory
+from tessera.stages.generate import pick_device, pick_dtype
+from tessera.stages.quant import model_tag
+from tessera.stages.sharded import ShardedStage
+from tessera.stages.spec import ModelSpec
+from tessera.stages.speed import measure_layer_throughput
+from tessera.stages.stage import Stage
+
+from tessera.peer.node.config import DEFAULT_MEMORY_FRACTION, PeerConfig, check_memory_offer
+
+
+class TorchCompute:
+    """Layers of a model on this machine's device (see the module docstring)."""
+
+    def __init__(self, config: PeerConfig) -> None:
+        self.folder = registry.resolve(config.model)
+        self.spec = ModelSpec.from_file(self.folder / "config.json")
+        self.quant = config.quant
+        self.shard = config.shard
+        # the advertised id carries the quantization: requesters chain only what they accept
+        self.model_id = model_tag(registry.model_id(self.folder), self.quant)
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device, self.quant)
+        self.dtype_name = str(self.dtype).removeprefix("torch.")
+        self.device_type = self.device.type
+        self.device_name = str(self.device)
+        self.itemsize = torch.empty((), dtype=self.dtype).element_size()
+        if config.memory_gb is not None:  # refused before anything starts (raises ConfigError)
+            check_memory_offer(self.spec, config.memory_gb, self.itemsize, self.dtype_name,
+                               layers=config.layers, quant=self.quant)
+        self.threads = config.threads
+        self._vram_offer: int | None = None
+
+    def prepare(self) -> None:
+        """--threads, set in the thread the peer runs in (torch's setting is per process, OpenMP's per thread)."""
+        if self.threads:
+            torch.set_num_threads(self.threads)
+
+    def memory_offered(self, memory_gb: float | None) -> int:
+        """Bytes offered: --memory; on CUDA the card's free memory less a reserve (read once, before
+        anything is loaded: afterwards our own weights would count as taken); else half the free RAM."""
+        if memory_gb is not None:
+            return int(memory_gb * (1 << 30))
+        if self.device.type == "cuda":
+            if self._vram_offer is None:
+                card = read_device_memory(self.device)
+                self._vram_offer = cuda_offer(card.free, card.total, cuda_reserve(card.total))
+            return self._vram_offer
+        return int(psutil.virtual_memory().available * DEFAULT_MEMORY_FRACTION)
+
+    def device_memory(self) -> dict | None:
+        """Free and total memory of a CUDA device (for the record and the TUI); None elsewhere."""
+        card = read_device_memory(self.device)
+        return {"free": card.free, "total": card.total} if card.kind == "cuda" else None
+
+    async def measure(self) -> float:
+        """One layer's decode speed, tokens/s (in a worker thread: it runs torch)."""
+        return await trio.to_thread.run_sync(
+            lambda: measure_layer_throughput(self.spec, device=self.device, dtype=self.dtype, quant=self.quant)
+        )
+
+    async def load(self, start: int, end: int) -> Stage | ShardedStage:
+        index, count = self.shard
+        if count > 1:  # only this rank's slices (stages/sharded.py)
+            return await trio.to_thread.run_sync(lambda: ShardedStage.load(
+                self.folder, start=start, end=end, index=index, count=count, device=self.device, dtype=self.dtype))
+        return await trio.to_thread.run_sync(
+            lambda: Stage.load(self.folder, start=start, end=end, device=self.device, dtype=self.dtype,
+                               quant=self.quant)
+        )
+
+    def serve_with(self, server) -> None:
+        """A real server computes in worker threads (its default `run_compute`)."""
+
+    def describe(self) -> str:
+        """'cpu float32, 1 thread' (for the start-up lines)."""
+        threads = torch.get_num_threads()
+        return f"{self.device} {self.dtype_name}, {threads} thread{'s' if threads != 1 else ''}"
+
+
+__all__ = ["TorchCompute"]
