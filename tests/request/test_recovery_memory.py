@@ -15,6 +15,7 @@ import pytest
 from tessera.peer.net.memory_stream import LinkSpec
 from tessera.peer.request.chain import TAP_WAIT
 from tessera.stages.generate import LocalEngine
+from tessera.store import events
 
 from .memory_swarm import PeerPlan, crash_at_first_compute, decisive_model, memory_swarm
 
@@ -58,8 +59,8 @@ def route_names(world, info) -> list[str]:
 def bans(world) -> dict[str, str]:
     """Who the requester banned, and the first reason given."""
     found: dict[str, str] = {}
-    for event in world.tracer.of_kind("ban"):
-        found.setdefault(world.name(event["remote"]), event["detail"]["reason"])
+    for event in world.tracer.of_kind(events.Ban):
+        found.setdefault(world.name(event.event.remote), event.event.reason)
     return found
 
 
@@ -77,8 +78,8 @@ async def test_two_adjacent_peers_failing_at_once(model, solo, autojump_clock):
     assert tokens == solo
     assert info["failovers"] == 1
     assert route_names(world, info) == ["p0", "q1", "q2", "p3"]
-    (failover,) = world.tracer.of_kind("failover")  # one repair for both
-    assert [world.name(p) for p in failover["detail"]["replacements"]] == ["q1", "q2"]
+    (failover,) = world.tracer.of_kind(events.Failover)  # one repair for both
+    assert [world.name(p) for p in failover.event.replacements] == ["q1", "q2"]
     assert set(bans(world)) <= {"p1", "p2"}  # the one whose failure ended the step (the other is only replaced)
 
 

@@ -16,6 +16,7 @@ from tessera.peer.request.ports import CheckPolicy
 from tessera.peer.request.verify import GROUP_UNCHECKED
 from tessera.peer.serve.faults import perturber
 from tessera.stages.generate import LocalEngine
+from tessera.store import events
 
 from .memory_swarm import PeerPlan, decisive_model, memory_swarm
 
@@ -58,8 +59,8 @@ async def test_a_rank_dying_moves_the_group_span_whole(model, solo):
     assert route_names(world, first)[0] == "p0" and first[1]["peer"].startswith("group:")
     assert route_names(world, last) == ["p0", "s"]
     assert info["failovers"] == 1
-    (failover,) = world.tracer.of_kind("failover")
-    assert [world.name(p) for p in failover["detail"]["replacements"]] == ["s"]
+    (failover,) = world.tracer.of_kind(events.Failover)
+    assert [world.name(p) for p in failover.event.replacements] == ["s"]
 
 
 async def test_spot_checks_on_a_route_with_a_group(model, solo):
