@@ -41,6 +41,7 @@ def smol_dir() -> Path:
     folder = registry.models_root() / MODEL
     if not (folder / SOURCE_GGUF).exists():
         fetch(MODEL, log=lambda _: None)
+    registry.read_manifest(folder)  # an older manifest gains its tensor table here, once (atomically)
     return folder
 
 
