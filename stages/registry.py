@@ -28,7 +28,7 @@ from typing import Callable
 
 from tessera.stages.errors import ModelFormatError
 from tessera.stages.tensor_table import (
-    MANIFEST_FORMAT, build_table, check_manifest, model_id_of, read_header, table_of_file,
+    CHUNK_BYTES, MANIFEST_FORMAT, build_table, check_manifest, model_id_of, read_header, table_of_file,
 )
 
 MANIFEST = "manifest.json"
@@ -41,7 +41,7 @@ MODEL_FILES = (
     "generation_config.json",
     "model.safetensors.index.json",
 )
-CHUNK = 1 << 20
+CHUNK = 1 << 20  # read size when hashing whole files
 
 Progress = Callable[[int, int, str], None]
 
@@ -81,8 +81,10 @@ def model_files(folder: Path) -> list[str]:
     return sorted(names)
 
 
-def write_manifest(folder: Path, *, source: dict | None = None, progress: Progress | None = None) -> dict:
-    """Hash every model file in `folder` and write manifest.json; return it."""
+def write_manifest(folder: Path, *, source: dict | None = None, progress: Progress | None = None,
+                   chunk_bytes: int = CHUNK_BYTES) -> dict:
+    """Hash every model file in `folder` and write manifest.json; return it (`chunk_bytes`:
+    how finely tensors are hashed; tests use small chunks to have many of them)."""
     names = model_files(folder)
     files = {}
     for n, name in enumerate(names):
@@ -90,13 +92,13 @@ def write_manifest(folder: Path, *, source: dict | None = None, progress: Progre
         files[name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
         if progress:
             progress(n + 1, len(names), f"hashing {name}")
-    manifest = _with_table(folder, files, source or {})
+    manifest = _with_table(folder, files, source or {}, chunk_bytes=chunk_bytes)
     save_manifest(folder, manifest)
     return manifest
 
 
-def _with_table(folder: Path, files: dict[str, dict], source: dict) -> dict:
-    tensors = build_table(folder, [n for n in files if n.endswith(WEIGHT_SUFFIXES)])
+def _with_table(folder: Path, files: dict[str, dict], source: dict, *, chunk_bytes: int = CHUNK_BYTES) -> dict:
+    tensors = build_table(folder, [n for n in files if n.endswith(WEIGHT_SUFFIXES)], chunk_bytes=chunk_bytes)
     return {"format": MANIFEST_FORMAT, "files": files, "tensors": tensors,
             "model_id": model_id_of(files, tensors), "source": source}
 
