@@ -59,6 +59,8 @@ from tessera.peer.serve.server import StageServer
 from tessera.peer.serve.shard_server import ShardServer
 from tessera.peer.net.transport import Transport
 from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, SERVING, Reachability
+from tessera.peer.weights.bootstrap import ensure_span
+from tessera.peer.weights.source import serve_weights
 
 class PeerNode:
     """One running peer (see module docstring)."""
@@ -170,6 +172,8 @@ class PeerNode:
             self.tracer = TraceWriter(self.store, peer=peer_id)
             self.gossip = Gossip(transport, self.keeper, own_record=lambda: self._own)
             self.pinger = Pinger(transport)
+            self.weights = serve_weights(transport, self.folder, enabled=self.config.serve_weights,
+                                         rate=self.config.weights_upload_rate)
             self.out(f"listening on {transport.addrs()[0]}")
             self.tracer.emit("join", detail={"addrs": transport.addrs(), "model": self.model_id})
             try:
@@ -283,6 +287,9 @@ class PeerNode:
         self.stage = await self._load(start, end)
 
     async def _load(self, start: int, end: int) -> Stage | ShardedStage:
+        # a folder fetched from the swarm holds only some layers: fetch this span's first (peer/weights/)
+        await ensure_span(self.transport, self.folder, (start, end), self.transport.connected(), out=self.out,
+                          on_fetched=self.weights.refresh if self.weights else lambda: None)
         index, count = self.config.shard
         if count > 1:  # only this rank's slices (stages/sharded.py)
             return await trio.to_thread.run_sync(lambda: ShardedStage.load(

@@ -15,16 +15,21 @@ can also hand those to a requester without files).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Callable
 
 import trio
 
-from tessera.stages.registry import MANIFEST, read_manifest, save_manifest
+from tessera.stages.errors import ModelFormatError
+from tessera.stages.registry import MANIFEST, models_root, read_manifest, resolve, save_manifest
 from tessera.stages.spec import ModelSpec
 from tessera.stages.tensor_table import groups_for_span
 
+from tessera.peer.base.errors import PeerError
+from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.net.transport import Transport
+from tessera.peer.weights.errors import WeightsUnavailable
 from tessera.peer.weights.fetcher import Fetcher, FetchProgress, learn_manifest
 
 
@@ -64,3 +69,44 @@ async def ensure_span(transport: Transport, folder: Path, span: tuple[int, int],
     progress = await fetcher.fetch_groups(peers, groups, label=f"layers [{span[0]}, {span[1]})")
     on_fetched()
     return progress
+
+
+# Reaching a --join address to learn the manifest: one dial (TCP + Noise + yamux, a few
+# RTTs), as peer/net/join.py allows for one attempt.
+DIAL_TIMEOUT = 15.0
+
+
+async def fetch_model_files(join: list[str], model: str, root: Path, *, swarm_key: bytes | None,
+                            out: Callable[[str], None] = lambda line: None) -> Path:
+    """Learn `model` from the --join peers over a short-lived libp2p host of our own (a
+    throwaway identity: nothing is served from it) and set up its folder under `root`.
+
+    Raises WeightsUnavailable (no --join peer reached), ManifestRejected, DiskFull.
+    """
+    async with open_libp2p_transport(os.urandom(32), swarm_key=swarm_key, relay=False) as transport:
+        peers: list[str] = []
+        for addr in join:
+            try:
+                with trio.fail_after(DIAL_TIMEOUT):
+                    peers.append(await transport.connect(addr))
+            except (PeerError, trio.TooSlowError) as bad:
+                out(f"could not reach {addr} for the model's manifest: {bad or 'timed out'}")
+        if not peers:
+            raise WeightsUnavailable(f"no --join peer reached to fetch model {model!r} from")
+        return await bootstrap_model(transport, peers, model, root, out=out)
+
+
+def resolve_or_fetch(model: str, join: list[str], *, swarm_key: bytes | None,
+                     out: Callable[[str], None] = print) -> Path:
+    """The local folder of `model`; without one, and with --join peers, fetched from them
+    (the manifest and small files now, a span's tensors when the peer has chosen its span).
+
+    Raises ModelFormatError (no folder and nowhere to fetch it from), WeightsError.
+    """
+    try:
+        return resolve(model)
+    except ModelFormatError:
+        if not join:
+            raise
+    out(f"no model {model!r} in {models_root()}: fetching it from the swarm")
+    return trio.run(lambda: fetch_model_files(join, model, models_root(), swarm_key=swarm_key, out=out))

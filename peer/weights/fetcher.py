@@ -122,8 +122,10 @@ class FetchProgress:
         left = self.total - self.done
         eta = f"ETA {left / rate:.0f} s" if rate > 0 and left else ("done" if not left else "ETA ?")
         pct = 100 * self.done / self.total if self.total else 100
+        resumed = f", {self.skipped / mb:.1f} MB were already on disk" if self.skipped else ""
         return (f"fetching {self.label}: {self.done / mb:.1f}/{self.total / mb:.1f} MB ({pct:.0f}%), "
-                f"{rate / mb:.1f} MB/s, {eta}, from {len(self.by_peer)} peer{'s' if len(self.by_peer) != 1 else ''}")
+                f"{rate / mb:.1f} MB/s, {eta}, from {len(self.by_peer)} peer{'s' if len(self.by_peer) != 1 else ''}"
+                + resumed)
 
 
 class Fetcher:

@@ -185,3 +185,10 @@ def _pread(path: Path, offset: int, size: int) -> bytes:
         return os.pread(fd, size, offset)
     finally:
         os.close(fd)
+
+
+def serve_weights(transport: Transport, folder: Path, *, enabled: bool, rate: float) -> WeightSource | None:
+    """The peer's weight server over its model folder, or None when the volunteer turned it off."""
+    if not enabled:
+        return None
+    return WeightSource(transport, folder, name=Path(folder).name, limits=WeightLimits(rate=rate))
