@@ -21,14 +21,16 @@ from safetensors import safe_open
 from tessera.peer.base.protocols import WEIGHTS_PROTOCOL
 from tessera.peer.net.memory import LinkSpec, MemoryNetwork, open_memory_transport
 from tessera.peer.net.transport import Channel
-from tessera.peer.weights.bootstrap import bootstrap_model, ensure_span
+from tessera.peer.weights.bootstrap import REQUESTER_GROUPS, bootstrap_model, ensure_model, ensure_span
 from tessera.peer.weights.errors import DiskFull, ManifestRejected, WeightsUnavailable
 from tessera.peer.weights.fetcher import Fetcher, learn_manifest
 from tessera.peer.weights.source import WeightLimits, WeightSource
 from tessera.protocol.weights import WeightChunk, WeightChunkRequest, WeightManifestRequest, WeightRefused
 from tessera.stages import registry
 from tessera.stages.errors import ModelFormatError
+from tessera.stages.registry import held_tensors
 from tessera.stages.stage import Stage
+from tessera.stages.tokenizer import Tokenizer
 from tessera.stages.tensor_table import check_manifest, groups_for_span, table_digest
 
 CHUNK = 4096
@@ -279,3 +281,22 @@ async def test_a_holder_with_a_partial_folder_serves_only_what_it_holds(model, t
         await fetcher.fetch_groups(["P", "A"], {"layer.0", "layer.3"}, label="mixed")
         assert fetcher.last_progress is not None and set(fetcher.last_progress.by_peer) == {"A", "P"}
         assert not fetcher.banned
+
+
+async def test_a_requester_without_files_fetches_embedding_head_and_tokenizer(model, tmp_path, monkeypatch) -> None:
+    network = MemoryNetwork(LinkSpec(latency=0.0, bandwidth=1e12))
+    monkeypatch.setenv("TESSERA_MODELS", str(tmp_path / "requester"))
+    async with AsyncExitStack() as stack:
+        await holders(stack, network, {"A": model})
+        join = ["/memory/0/p2p/A"]  # a /memory/ multiaddr: the peer id after /p2p/ is what counts
+        folder = await ensure_model(NAME, join, swarm_key=None, groups=REQUESTER_GROUPS,
+                                    open_transport=lambda key: open_memory_transport(network, "R"))
+        again = await ensure_model(NAME, [], swarm_key=None, groups=REQUESTER_GROUPS)  # all here: no network
+    assert folder == again == tmp_path / "requester" / NAME
+    assert held_tensors(folder) == {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
+    ours = Stage.load(folder, start=0, end=0, embed=True, head=True)
+    theirs = Stage.load(model, start=0, end=0, embed=True, head=True)
+    assert torch.equal(ours.embedding, theirs.embedding) and torch.equal(ours.head, theirs.head)
+    assert Tokenizer.from_folder(folder).encode("hello there") == Tokenizer.from_folder(model).encode("hello there")
+    with pytest.raises(ModelFormatError, match="no model"):
+        await ensure_model("elsewhere", [], swarm_key=None)  # nothing here and nowhere to fetch it from

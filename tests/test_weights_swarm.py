@@ -1,6 +1,8 @@
 """Real peers on loopback: a volunteer with an empty model folder joins two holders, fetches
 the span it serves from both (killed with SIGKILL mid-fetch and restarted: it resumes from
-the chunks it had verified), and the route through it answers exactly what one machine does."""
+the chunks it had verified), and the route through it answers exactly what one machine
+does. (A requester without files, fetching embedding, head and tokenizer, is tested on the
+in-memory transport: tests/test_weights.py.)"""
 
 from __future__ import annotations
 

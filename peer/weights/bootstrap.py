@@ -16,13 +16,14 @@ can also hand those to a requester without files).
 from __future__ import annotations
 
 import os
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Callable
 
 import trio
 
 from tessera.stages.errors import ModelFormatError
-from tessera.stages.registry import MANIFEST, models_root, read_manifest, resolve, save_manifest
+from tessera.stages.registry import MANIFEST, held_tensors, models_root, read_manifest, resolve, save_manifest
 from tessera.stages.spec import ModelSpec
 from tessera.stages.tensor_table import groups_for_span
 
@@ -76,37 +77,74 @@ async def ensure_span(transport: Transport, folder: Path, span: tuple[int, int],
 DIAL_TIMEOUT = 15.0
 
 
-async def fetch_model_files(join: list[str], model: str, root: Path, *, swarm_key: bytes | None,
-                            out: Callable[[str], None] = lambda line: None) -> Path:
-    """Learn `model` from the --join peers over a short-lived libp2p host of our own (a
-    throwaway identity: nothing is served from it) and set up its folder under `root`.
+REQUESTER_GROUPS = frozenset({"embed", "head", "norm"})
+"""What a requester computes itself: the embedding, and the final norm and head."""
 
-    Raises WeightsUnavailable (no --join peer reached), ManifestRejected, DiskFull.
+
+async def _dial(transport: Transport, join: list[str], out: Callable[[str], None]) -> list[str]:
+    peers: list[str] = []
+    for addr in join:
+        try:
+            with trio.fail_after(DIAL_TIMEOUT):
+                peers.append(await transport.connect(addr))
+        except (PeerError, trio.TooSlowError) as bad:
+            out(f"could not reach {addr} for the model's weights: {bad or 'timed out'}")
+    if not peers:
+        raise WeightsUnavailable(f"no --join peer reached to fetch the model from ({', '.join(join)})")
+    return peers
+
+
+def _lacks(folder: Path, groups: frozenset[str]) -> bool:
+    """Whether a partial folder misses some tensor of `groups` (headers only)."""
+    manifest = read_manifest(folder)
+    if not groups or not manifest.get("partial"):
+        return False
+    wanted = {n for n, e in manifest["tensors"]["entries"].items() if e["group"] in groups}
+    return not wanted <= held_tensors(folder)
+
+
+def _throwaway_host(swarm_key: bytes | None) -> AbstractAsyncContextManager[Transport]:
+    return open_libp2p_transport(os.urandom(32), swarm_key=swarm_key, relay=False)
+
+
+async def ensure_model(model: str, join: list[str], *, swarm_key: bytes | None,
+                       groups: frozenset[str] = frozenset(), out: Callable[[str], None] = lambda line: None,
+                       open_transport: Callable[[bytes | None], AbstractAsyncContextManager[Transport]] = _throwaway_host,
+                       ) -> Path:
+    """The local folder of `model`, set up from the --join peers if it is missing (manifest
+    and small files), with the tensors of `groups` fetched if it lacks them (a requester
+    asks for `REQUESTER_GROUPS`; a peer fetches its span later, in `ensure_span`). The
+    peers are reached over a short-lived libp2p host of our own with a throwaway identity
+    (`open_transport`: tests pass the in-memory network's).
+
+    Raises ModelFormatError (no folder and no --join), WeightsError.
     """
-    async with open_libp2p_transport(os.urandom(32), swarm_key=swarm_key, relay=False) as transport:
-        peers: list[str] = []
-        for addr in join:
-            try:
-                with trio.fail_after(DIAL_TIMEOUT):
-                    peers.append(await transport.connect(addr))
-            except (PeerError, trio.TooSlowError) as bad:
-                out(f"could not reach {addr} for the model's manifest: {bad or 'timed out'}")
-        if not peers:
-            raise WeightsUnavailable(f"no --join peer reached to fetch model {model!r} from")
-        return await bootstrap_model(transport, peers, model, root, out=out)
+    try:
+        folder: Path | None = resolve(model)
+        if not _lacks(folder, groups):
+            return folder
+    except ModelFormatError:
+        if not join:
+            raise
+        folder = None
+        out(f"no model {model!r} in {models_root()}: fetching it from the swarm")
+    async with open_transport(swarm_key) as transport:
+        peers = await _dial(transport, join, out)
+        if folder is None:
+            folder = await bootstrap_model(transport, peers, model, models_root(), out=out)
+        if _lacks(folder, groups):
+            fetcher = Fetcher(transport, folder, read_manifest(folder), out=out)
+            await fetcher.fetch_groups(peers, set(groups), label="embedding and head")
+    return folder
 
 
 def resolve_or_fetch(model: str, join: list[str], *, swarm_key: bytes | None,
                      out: Callable[[str], None] = print) -> Path:
-    """The local folder of `model`; without one, and with --join peers, fetched from them
-    (the manifest and small files now, a span's tensors when the peer has chosen its span).
-
-    Raises ModelFormatError (no folder and nowhere to fetch it from), WeightsError.
-    """
+    """`ensure_model` for a peer, from synchronous code (no trio run is started when the
+    folder is here)."""
     try:
         return resolve(model)
     except ModelFormatError:
         if not join:
             raise
-    out(f"no model {model!r} in {models_root()}: fetching it from the swarm")
-    return trio.run(lambda: fetch_model_files(join, model, models_root(), swarm_key=swarm_key, out=out))
+    return trio.run(lambda: ensure_model(model, join, swarm_key=swarm_key, out=out))
