@@ -300,3 +300,14 @@ async def test_a_requester_without_files_fetches_embedding_head_and_tokenizer(mo
     assert Tokenizer.from_folder(folder).encode("hello there") == Tokenizer.from_folder(model).encode("hello there")
     with pytest.raises(ModelFormatError, match="no model"):
         await ensure_model("elsewhere", [], swarm_key=None)  # nothing here and nowhere to fetch it from
+
+
+async def test_no_holder_at_all_is_a_clear_error(model, tmp_path) -> None:
+    network = MemoryNetwork(LinkSpec(latency=0.0, bandwidth=1e12))
+    async with AsyncExitStack() as stack:
+        await holders(stack, network, {"A": model})
+        me = await stack.enter_async_context(open_memory_transport(network, "C"))
+        folder = await bootstrap_model(me, ["A"], NAME, tmp_path / "models")
+        await stack.enter_async_context(open_memory_transport(network, "Q"))  # a peer that serves no weights
+        with pytest.raises(WeightsUnavailable, match=r"no peer serves the weights of layers \[0, 1\): asked 1"):
+            await Fetcher(me, folder, registry.read_manifest(folder)).fetch_groups(["Q"], {"layer.0"}, label="layers [0, 1)")

@@ -250,6 +250,10 @@ class Fetcher:
         self.last_progress = progress
         if jobs:
             holders = await self.survey(peers)
+            if not holders:
+                raise WeightsUnavailable(
+                    f"no peer serves the weights of {label}: asked {len(set(peers) - {self.transport.peer_id})} "
+                    "(none answered for this model; a peer may run --no-serve-weights)")
             await self._run(jobs, holders, progress)
         for file, names in sorted(by_file.items()):
             new = [n for n in wanted if self.entries[n]["file"] == file]

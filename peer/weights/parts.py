@@ -131,10 +131,12 @@ class PartStore:
                 else:
                     source, start, size = self.part_path(name), 0, self.entries[name]["end"] - self.entries[name]["begin"]
                 offset = self._copy(source, start, size, fd, offset)
-            os.fsync(fd)
-        except BaseException:
+            os.fsync(fd)  # some filesystems report a full disk only here
+        except BaseException as bad:
             os.close(fd)
             tmp.unlink(missing_ok=True)
+            if isinstance(bad, OSError) and bad.errno == errno.ENOSPC:
+                raise _disk_full(str(tmp), bad) from None
             raise
         os.close(fd)
         os.replace(tmp, path)
