@@ -15,7 +15,9 @@ and the time from join to first served token for a peer that starts with no file
     .venv/bin/python bench/weights.py [--layers 10] [--rounds 1]
 
 Ratios last. On a shared, loaded machine absolute MB/s mean little; the ratios, measured
-side by side in one run, are the figures.
+side by side in one run, are the figures. The CPU seconds each side spends per 100 MB say
+which end bounds the rate (py-libp2p's Noise and yamux run in Python): with fewer free
+cores than processes, more holders cannot add speed.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import trio
 
 from tessera.peer.cli.demo import LocalSwarm, wait_for_line
@@ -41,6 +44,11 @@ from tessera.stages import registry
 from tessera.stages.generate import prompt_ids
 
 MODEL = "smollm2-135m"
+
+
+def cpu_seconds(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def raw_copy_rate(folder: Path, names: list[str], manifest: dict) -> float:
@@ -120,10 +128,16 @@ def main() -> None:
         for _ in range(args.rounds):
             raw.append(raw_copy_rate(folder, names, manifest))
             for k in (1, 2, 3):
+                holder_cpu = sum(cpu_seconds(p.pid) for p in swarm.procs[:k])
+                cpu = time.process_time()
                 rate, by_peer = trio.run(fetch_rate, swarm.addrs[:k], args.layers)
+                cpu = time.process_time() - cpu
+                holder_cpu = sum(cpu_seconds(p.pid) for p in swarm.procs[:k]) - holder_cpu
                 rates[k].append(rate)
+                mb = sum(by_peer.values()) / 1e6
                 share = ", ".join(f"{v / 1e6:.0f}" for v in by_peer.values())
-                print(f"fetch from {k} holder{'s' if k > 1 else ''}: {rate / 1e6:.1f} MB/s (MB per holder: {share})")
+                print(f"fetch from {k} holder{'s' if k > 1 else ''}: {rate / 1e6:.1f} MB/s (MB per holder: {share}); "
+                      f"CPU per 100 MB: fetcher {100 * cpu / mb:.1f} s, holders {100 * holder_cpu / mb:.1f} s")
             print(f"raw copy: {raw[-1] / 1e6:.1f} MB/s")
     finally:
         swarm.stop(timeout=15)
