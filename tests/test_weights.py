@@ -311,3 +311,29 @@ async def test_no_holder_at_all_is_a_clear_error(model, tmp_path) -> None:
         await stack.enter_async_context(open_memory_transport(network, "Q"))  # a peer that serves no weights
         with pytest.raises(WeightsUnavailable, match=r"no peer serves the weights of layers \[0, 1\): asked 1"):
             await Fetcher(me, folder, registry.read_manifest(folder)).fetch_groups(["Q"], {"layer.0"}, label="layers [0, 1)")
+
+
+async def test_the_upload_rate_per_peer_is_held(model, tmp_path) -> None:
+    """Paced by a token bucket: a lower bound on the time (a slow machine only adds to it)."""
+    network = MemoryNetwork(LinkSpec(latency=0.0, bandwidth=1e12))
+    rate = 100_000.0  # bytes/s
+    async with AsyncExitStack() as stack:
+        await holders(stack, network, {"A": model}, limits=WeightLimits(rate=rate))
+        me = await stack.enter_async_context(open_memory_transport(network, "C"))
+        folder = await bootstrap_model(me, ["A"], NAME, tmp_path / "models")
+        started = trio.current_time()
+        progress = await Fetcher(me, folder, registry.read_manifest(folder)).fetch_groups(["A"], {"layer.0"}, label="l0")
+        elapsed = trio.current_time() - started
+    assert elapsed >= (progress.total - CHUNK) / rate, (elapsed, progress.total)
+
+
+async def test_a_small_file_that_does_not_match_bans_its_sender(model, liar, tmp_path) -> None:
+    (liar / "tokenizer.json").write_text((model / "tokenizer.json").read_text().replace("<", "[", 1))
+    network = MemoryNetwork(LinkSpec(latency=0.0, bandwidth=1e12))
+    lines: list[str] = []
+    async with AsyncExitStack() as stack:
+        await holders(stack, network, {"L": liar, "H": model})
+        me = await stack.enter_async_context(open_memory_transport(network, "C"))
+        folder = await bootstrap_model(me, ["L", "H"], NAME, tmp_path / "models", out=lines.append)
+    assert (folder / "tokenizer.json").read_bytes() == (model / "tokenizer.json").read_bytes()
+    assert any("banned peer L" in line and "tokenizer.json" in line for line in lines), lines
