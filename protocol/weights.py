@@ -43,9 +43,12 @@ class WeightManifestRequest:
 
     Attributes:
         model: a model name as the holder registered it, or a model id (32 hex).
+        with_manifest: False to learn only what the holder holds (a fetcher surveying
+            holders already has the manifest; a big model's is megabytes).
     """
 
     model: str = wire(max_len=MODEL_ID_LEN)
+    with_manifest: bool = True
 
 
 @message("weights-manifest")
@@ -55,7 +58,8 @@ class WeightManifest:
 
     Attributes:
         model_id: the id the manifest must hash to.
-        manifest: the manifest's canonical JSON (files and tensor table; no local paths).
+        manifest: the manifest's canonical JSON (files and tensor table; no local paths),
+            or empty when not asked for.
         held: the groups ("layer.3", "embed", "head", "norm", "other") whose every tensor
             the holder has on disk; files are always held.
     """

@@ -25,7 +25,9 @@ from tessera.peer.weights.bootstrap import REQUESTER_GROUPS, bootstrap_model, en
 from tessera.peer.weights.errors import DiskFull, ManifestRejected, WeightsUnavailable
 from tessera.peer.weights.fetcher import Fetcher, learn_manifest
 from tessera.peer.weights.source import WeightLimits, WeightSource
-from tessera.protocol.weights import WeightChunk, WeightChunkRequest, WeightManifestRequest, WeightRefused
+from tessera.protocol.weights import (
+    WeightChunk, WeightChunkRequest, WeightManifest, WeightManifestRequest, WeightRefused,
+)
 from tessera.stages import registry
 from tessera.stages.errors import ModelFormatError
 from tessera.stages.registry import held_tensors
@@ -254,6 +256,9 @@ async def test_the_holder_refuses_what_it_does_not_serve_and_limits_streams(mode
             await channels[0].send(ask)
             reply = await channels[0].receive()
             assert isinstance(reply, WeightRefused) and refused in reply.reason, reply
+        await channels[0].send(WeightManifestRequest(NAME, with_manifest=False))  # a survey: holdings only
+        survey = await channels[0].receive()
+        assert isinstance(survey, WeightManifest) and survey.manifest == b"" and "layer.3" in survey.held
         channels.append(Channel(await me.open_stream("A", WEIGHTS_PROTOCOL)))
         await channels[1].send(WeightChunkRequest(model_id, "model.norm.weight", 0))
         assert isinstance(await channels[1].receive(), WeightChunk)

@@ -57,12 +57,13 @@ def is_model_id(text: str) -> bool:
     return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
 
 
-async def ask_manifest(transport: Transport, peer: str, model: str) -> WeightManifest:
-    """One holder's manifest answer. Raises PeerError, WireError, ManifestRejected."""
+async def ask_manifest(transport: Transport, peer: str, model: str, *, with_manifest: bool = True) -> WeightManifest:
+    """One holder's manifest answer (without the manifest itself unless `with_manifest`).
+    Raises PeerError, WireError, ManifestRejected."""
     with trio.fail_after(ASK_TIMEOUT):
         channel = Channel(await transport.open_stream(peer, WEIGHTS_PROTOCOL))
         try:
-            await channel.send(WeightManifestRequest(model))
+            await channel.send(WeightManifestRequest(model, with_manifest))
             answer = await channel.receive()
         finally:
             await channel.close()
@@ -158,7 +159,7 @@ class Fetcher:
 
         async def ask(peer: str) -> None:
             try:
-                answer = await ask_manifest(self.transport, peer, self.model_id)
+                answer = await ask_manifest(self.transport, peer, self.model_id, with_manifest=False)
             except (PeerError, WireError, trio.TooSlowError) as bad:
                 log.debug("weights survey: %s: %s", peer, bad)
                 return

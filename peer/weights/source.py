@@ -134,7 +134,7 @@ class WeightSource:
         if isinstance(request, WeightManifestRequest):
             if request.model not in (self.model_id, self.name):
                 return WeightRefused(f"no model {request.model!r} here (this peer holds {self.model_id})")
-            return WeightManifest(self.model_id, self.manifest_bytes, self.held_groups())
+            return WeightManifest(self.model_id, self.manifest_bytes if request.with_manifest else b"", self.held_groups())
         if not isinstance(request, WeightChunkRequest):
             raise WireError(f"expected a weights request, got {type(request).__name__}")
         if request.model_id != self.model_id:
