@@ -24,7 +24,7 @@ from tessera.peer.net.transport import Channel
 from tessera.peer.weights.bootstrap import REQUESTER_GROUPS, bootstrap_model, ensure_model, ensure_span
 from tessera.peer.weights.errors import DiskFull, ManifestRejected, WeightsUnavailable
 from tessera.peer.weights.fetcher import Fetcher, learn_manifest
-from tessera.peer.weights.source import WeightLimits, WeightSource
+from tessera.peer.weights.source import WeightLimits, WeightSource, serve_weights
 from tessera.protocol.weights import (
     WeightChunk, WeightChunkRequest, WeightManifest, WeightManifestRequest, WeightRefused,
 )
@@ -342,3 +342,17 @@ async def test_a_small_file_that_does_not_match_bans_its_sender(model, liar, tmp
         folder = await bootstrap_model(me, ["L", "H"], NAME, tmp_path / "models", out=lines.append)
     assert (folder / "tokenizer.json").read_bytes() == (model / "tokenizer.json").read_bytes()
     assert any("banned peer L" in line and "tokenizer.json" in line for line in lines), lines
+
+
+async def test_a_bare_folder_without_manifest_is_whole_and_not_served(model, tmp_path) -> None:
+    """A Hugging Face folder given by path has no manifest: nothing to fetch, nothing served."""
+    bare = tmp_path / "bare"
+    shutil.copytree(model, bare)
+    (bare / "manifest.json").unlink()
+    network = MemoryNetwork(LinkSpec(latency=0.0, bandwidth=1e12))
+    async with open_memory_transport(network, "A") as transport:
+        assert serve_weights(transport, bare, enabled=True, rate=0.0) is None
+        assert await ensure_span(transport, bare, (0, 2), []) is None
+        assert await ensure_model(str(bare), [], swarm_key=None, groups=REQUESTER_GROUPS) == bare
+        assert serve_weights(transport, model, enabled=False, rate=0.0) is None  # --no-serve-weights
+    assert not (bare / "manifest.json").exists()  # nothing was written into the user's folder

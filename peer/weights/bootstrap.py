@@ -59,8 +59,11 @@ async def ensure_span(transport: Transport, folder: Path, span: tuple[int, int],
                       on_fetched: Callable[[], None] = lambda: None) -> FetchProgress | None:
     """Make sure `folder` holds layers [start, end) (fetching from `peers` what it lacks).
 
-    None for a full folder. Raises WeightsUnavailable, DiskFull.
+    None for a full folder (or a bare one, without a manifest: only fetching writes partial
+    folders, always with one). Raises WeightsUnavailable, DiskFull.
     """
+    if not (folder / MANIFEST).exists():
+        return None
     manifest = read_manifest(folder)
     if not manifest.get("partial"):
         return None
@@ -96,8 +99,10 @@ async def _dial(transport: Transport, join: list[str], out: Callable[[str], None
 
 def _lacks(folder: Path, groups: frozenset[str]) -> bool:
     """Whether a partial folder misses some tensor of `groups` (headers only)."""
+    if not groups or not (folder / MANIFEST).exists():
+        return False  # a bare folder (no manifest) is never partial
     manifest = read_manifest(folder)
-    if not groups or not manifest.get("partial"):
+    if not manifest.get("partial"):
         return False
     wanted = {n for n, e in manifest["tensors"]["entries"].items() if e["group"] in groups}
     return not wanted <= held_tensors(folder)

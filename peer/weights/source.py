@@ -28,7 +28,7 @@ from tessera.protocol.weights import (
     WeightChunk, WeightChunkRequest, WeightManifest, WeightManifestRequest, WeightRefused,
 )
 from tessera.stages.errors import ModelFormatError
-from tessera.stages.registry import read_manifest
+from tessera.stages.registry import MANIFEST, read_manifest
 from tessera.stages.tensor_table import canonical, read_header
 
 from tessera.peer.base.errors import PeerError
@@ -188,7 +188,9 @@ def _pread(path: Path, offset: int, size: int) -> bytes:
 
 
 def serve_weights(transport: Transport, folder: Path, *, enabled: bool, rate: float) -> WeightSource | None:
-    """The peer's weight server over its model folder, or None when the volunteer turned it off."""
-    if not enabled:
+    """The peer's weight server over its model folder, or None when the volunteer turned it off
+    or the folder has no manifest (a bare Hugging Face folder given by path: nothing to check
+    chunks against until `tessera model import` writes one)."""
+    if not enabled or not (Path(folder) / MANIFEST).exists():
         return None
     return WeightSource(transport, folder, name=Path(folder).name, limits=WeightLimits(rate=rate))
