@@ -5,8 +5,9 @@
    float32, int8 and int4 (group 32), as a ratio to float32 — SmolLM2 and the synthetic
    1B shape (hidden 2048, 24 layers, 16/8 heads, MLP 5632). Pure arithmetic.
 2. Decode: SmolLM2 greedy decode tok/s of the whole model, float32 vs int8 and int4 spans
-   (which compute in bfloat16 on a CPU: torch's kernels are fast there) and dense bfloat16
-   for context; rounds alternate so that machine noise hits all alike. For the 1B shape,
+   as a CPU peer runs them by default (float32 activations, dequantized in chunks: exact
+   against the dequantized float32 model), the same with `--dtype bfloat16` (torch's int
+   kernels, fast on a CPU: `int8/bf16`, `int4/bf16`) and dense bfloat16 for context; rounds alternate so that machine noise hits all alike. For the 1B shape,
    the per-layer decode speed a peer measures and advertises (stages/speed.py), each kind
    vs float32.
 3. Aggregate decode tok/s of 1, 4 and 8 concurrent sessions on one peer (bench/batching.py).
@@ -35,7 +36,8 @@ from tessera.stages.synth import synth_spec
 from tessera.stages.tokenizer import Tokenizer
 
 KINDS = [("float32", torch.float32, NO_QUANT), ("bfloat16", torch.bfloat16, NO_QUANT),
-         ("int8", torch.bfloat16, Quant("int8")), ("int4", torch.bfloat16, Quant("int4"))]
+         ("int8", torch.float32, Quant("int8")), ("int4", torch.float32, Quant("int4")),
+         ("int8/bf16", torch.bfloat16, Quant("int8")), ("int4/bf16", torch.bfloat16, Quant("int4"))]
 SYNTH_1B = dict(hidden=2048, layers=24, heads=16, kv_heads=8, intermediate=5632)
 
 
@@ -64,7 +66,7 @@ def concurrent_sessions(args: argparse.Namespace) -> list[str]:
     figures = concurrent_sessions_figures(registry.resolve(args.model), tokens=args.tokens, rounds=args.rounds)
     return [f"concurrent sessions ({where}) vs one: "
             + ", ".join(f"{n}: {ratio:.2f}x" for n, ratio in sorted(figures[f"{where} ratio"].items()) if n != 1)
-            for where in ("stage", "server")]
+            for where in ("stage", "server", "server-peer")]
 
 
 def main() -> None:
@@ -110,7 +112,7 @@ def main() -> None:
 
     last += concurrent_sessions(args)
     print(f"threads: {args.threads}, tokens per round: {args.tokens}, rounds: {args.rounds} "
-          f"(int8/int4 compute in bfloat16; int4 group {Quant('int4').group_size})")
+          f"(int8/int4: float32 activations, the CPU default; x/bf16: --dtype bfloat16; int4 group {Quant('int4').group_size})")
     for line in last:
         print(line)
 

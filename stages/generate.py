@@ -37,10 +37,13 @@ def pick_device(name: str = "auto") -> torch.device:
 def pick_dtype(name: str, device: torch.device, quant: Quant = NO_QUANT) -> torch.dtype:
     """float32 on CPU (the fast CPU dtype without native bf16, and the reference); bf16 on accelerators.
 
-    A quantized span on a CPU computes in bf16 too: torch's int8/int4 CPU kernels have their
-    fast path for bf16 activations and a slow generic one for float32 (stages/quant.py)."""
+    A quantized span on a CPU computes in float32 too, whatever `quant`: its reference is its own
+    dequantized float32 model, and bf16 activations drift from it far enough to change answers
+    (int4 SmolLM2 on "What is the capital of France?"). `--dtype bfloat16` asks for torch's fast
+    bf16 kernels instead: a declared bf16 peer (stages/quant.py)."""
+    del quant  # the same rule for every storage; the parameter says which span the dtype is for
     if name == "auto":
-        return torch.float32 if device.type == "cpu" and not quant.active else torch.bfloat16
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
     return DTYPES[name]
 
 

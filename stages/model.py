@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.stages.errors import ContextOverflow
+from tessera.stages.errors import ContextOverflow, UnsupportedModel
 from tessera.stages.spec import ModelSpec
 
 # A layer's cache as a step sees it: [K, S, D] of one session, or one per session of a stacked step.
@@ -122,8 +122,6 @@ def rope_frequencies(spec: ModelSpec, device: torch.device | str = "cpu") -> tor
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
     elif kind not in ("default", None):
-        from tessera.stages.errors import UnsupportedModel
-
         raise UnsupportedModel(f"rope_scaling type {kind!r} is not supported (linear, llama3)")
     return inv_freq
 

@@ -17,27 +17,41 @@ quantize.py uses them:
   `_convert_weight_to_int4pack` / `_weight_int4pack_mm` on CUDA (bfloat16 activations,
   K a multiple of 16 x inner k tiles).
 
-Speed on a CPU: those kernels are fast for bfloat16 activations (AVX512-BF16) and take a
-slow generic path for float32 ones, so a quantized span on a CPU computes in bfloat16
-unless --dtype float32 asks otherwise (stages/generate.py `pick_dtype`).
+Float32 activations on a CPU (the default there: the reference is float32, and bfloat16
+activations drift far enough through 30 layers to change SmolLM2's answers under int4):
+torch's kernels take a slow generic path for float32 (measured, one thread, a 3072 x 576
+matrix: int8 12x and int4 37x a dense float32 matmul for one row, 25x and 60x for 16 rows),
+so a float32 CPU span dequantizes `DEQUANT_CHUNK_BYTES` of rows at a time and multiplies
+them with the dense float32 matmul (gpt-fast's CUDA int8 form, in bounded chunks): int8
+then decodes a SmolLM2 layer at ~0.5x float32's speed and int4 at ~0.2x (unpacking nibbles
+costs more than the matmul at one row; a 16-row prefill costs ~1x). There int4 is stored in GGUF's Q4 block layout
+(a group's low nibbles are its first half, the high nibbles its second half) as
+`w = c s + m` (code c in [0, 15], scale s and minimum m per group), so a Q4_1 GGUF
+tensor is these very integers and scales (stages/gguf_blocks.py). bfloat16 activations (`--dtype bfloat16`) use
+the kernels' fast path (AVX512-BF16): a declared bfloat16 peer, held to the bfloat16
+tolerance as any bfloat16 peer is, not token for token.
 
 The reference for a quantized span is its own dequantized float32 model: `dense_weight`
 reads back the very weights a kernel multiplies by (it runs the kernel on the identity
 matrix), so the reference is exactly what the integers and scales mean, whatever packing
-the device uses.
+the device uses; the float32 CPU forms dequantize with the very function the reference uses.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import threading
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tessera.stages.errors import StageError
+from tessera.stages.gguf_blocks import Q4_1_BLOCK, GgufQ4Source
 from tessera.stages.model import Block
 from tessera.stages.spec import ModelSpec
 from tessera.stages.weights import WeightFolder, layer_tensor_names
@@ -48,6 +62,11 @@ DEFAULT_INT4_GROUP = 32  # divides 576 (SmolLM2's width; 64 does too, 128 does n
 INT8_MAX = 127
 INT4_LEVELS = 15  # codes 0..15; torch's int4 kernels subtract 8
 CPU_INT4_ROWS = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
+# float32 weights dequantized at once by a float32 CPU span. The transient (and what glibc keeps of
+# it once freed) counts against the span's memory bound: measured on SmolLM2 layers [0, 15), RSS
+# over (weights + KV) was 0.98 int8 / 1.14 int4 at 1 MiB, 1.11 / 1.53 at 4 MiB; decode speed
+# differed by ~10% between 1, 2 and 4 MiB (int8 0.48-0.57x, int4 0.21-0.26x float32, one thread)
+DEQUANT_CHUNK_BYTES = 1 << 20
 
 
 class QuantError(StageError):
@@ -87,12 +106,15 @@ class Quant:
             return Quant("int4", int(text[5:]))
         return Quant(text, group_size or DEFAULT_INT4_GROUP)
 
-    def check_shape(self, rows: int, cols: int, device: torch.device) -> None:
-        """Raise QuantError if a [rows, cols] weight cannot be stored this way on `device`."""
+    def check_shape(self, rows: int, cols: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Raise QuantError if a [rows, cols] weight cannot be stored this way on `device` for `dtype`
+        activations (float32 on a CPU is the block layout, which takes any number of rows)."""
         if self.kind != "int4":
             return
         if cols % self.group_size:
             raise QuantError(f"int4 group size {self.group_size} does not divide a weight's {cols} inputs")
+        if dequantizes_in_chunks(device, dtype):
+            return
         if device.type == "cpu" and rows % CPU_INT4_ROWS:
             raise QuantError(f"torch's CPU int4 kernel needs outputs in multiples of {CPU_INT4_ROWS}, a weight has {rows}")
         if device.type != "cpu" and cols % (16 * inner_k_tiles(cols)):
@@ -139,6 +161,68 @@ def inner_k_tiles(cols: int) -> int:
     return next((t for t in (8, 4, 2) if cols % (16 * t) == 0), 2)
 
 
+def dequantizes_in_chunks(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a span computes by dequantizing rows (float32 on a CPU) instead of torch's int kernels."""
+    return device.type == "cpu" and dtype == torch.float32
+
+
+class Scratch(threading.local):
+    """One thread's dequantization buffers, allocated once at DEQUANT_CHUNK_BYTES and reused by
+    every chunk of every matrix: no heap churn, so a float32 span's RSS stays its weights plus
+    this (fresh temporaries per chunk left 0-7 MiB in glibc's heap, measured)."""
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat tensor of `numel` elements of this thread's buffer for `dtype` (grown when asked more)."""
+        name = f"buffer_{dtype}".replace(".", "_")
+        buf = getattr(self, name, None)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(max(numel, DEQUANT_CHUNK_BYTES // dtype.itemsize), dtype=dtype)
+            setattr(self, name, buf)
+        return buf[:numel]
+
+
+SCRATCH = Scratch()
+
+
+def chunked_matmul(rows: torch.Tensor, n_out: int,
+                   dequantize: Callable[[int, int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """rows [T, K] float32 @ W^T for W [n_out, K] produced by `dequantize(lo, hi, out)` into this
+    thread's scratch, rows [lo, hi) at a time (at most DEQUANT_CHUNK_BYTES of float32) -> [T, n_out]."""
+    k = rows.shape[-1]
+    step = max(1, DEQUANT_CHUNK_BYTES // (4 * k))
+    out = rows.new_empty(rows.shape[0], n_out)
+    for lo in range(0, n_out, step):
+        hi = min(n_out, lo + step)
+        w = dequantize(lo, hi, SCRATCH.take((hi - lo) * k, torch.float32).view(hi - lo, k))  # [hi - lo, K]
+        if hi - lo == n_out:
+            torch.matmul(rows, w.T, out=out)
+        else:
+            out[:, lo:hi] = rows @ w.T  # [T, hi - lo]
+    return out
+
+
+def int8_rows(q: torch.Tensor, scales: torch.Tensor, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Float32 rows [lo, hi) of W = q s, one scale per row (into `out` [hi - lo, K] when given).
+    The reference and the float32 forward both call this, so both multiply by the very same numbers."""
+    w = q[lo:hi].float() if out is None else out.copy_(q[lo:hi])  # [r, K]
+    return w.mul_(scales[lo:hi].float()[:, None])
+
+
+def int4_block_rows(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, lo: int, hi: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Float32 rows [lo, hi) of W = c s + m from GGUF's Q4 block layout (into `out` [hi - lo, K] when
+    given): packed uint8 [N, K/G, G/2], the low nibbles a group's first G/2 codes, the high ones its
+    last G/2; scales, mins [N, K/G]."""
+    p = packed[lo:hi]  # [r, K/G, G/2]
+    r, groups, half = p.shape
+    codes = SCRATCH.take(r * groups * 2 * half, torch.uint8).view(r, groups, 2 * half) if out is not None \
+        else torch.empty(r, groups, 2 * half, dtype=torch.uint8)
+    torch.cat((p & 15, p >> 4), dim=-1, out=codes)  # [r, K/G, G]
+    w = (torch.empty(r, groups * 2 * half) if out is None else out).view(r, groups, 2 * half)
+    w.copy_(codes).mul_(scales[lo:hi, :, None].float()).add_(mins[lo:hi, :, None].float())
+    return w.view(r, -1)  # [r, K]
+
+
 class Int8Linear(nn.Module):
     """y = x W^T (+ b) with W = q * s[:, None]: q int8 [N, K], s [N] in the activations' dtype."""
 
@@ -156,9 +240,35 @@ class Int8Linear(nn.Module):
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [T, K] -> [T, N], without the bias."""
+        if dequantizes_in_chunks(rows.device, rows.dtype):
+            return chunked_matmul(rows, self.weight.shape[0], partial(int8_rows, self.weight, self.scales))
         if rows.device.type == "cuda":  # no int8 weight-only kernel in torch for CUDA (gpt-fast's form)
             return F.linear(rows, self.weight.to(rows.dtype)) * self.scales
         return torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
+
+
+class Int4BlockLinear(nn.Module):
+    """y = x W^T (+ b) with W = c s + m per group of `group_size` inputs, stored in GGUF's Q4 block
+    layout (`int4_block_rows`); float32 activations on a CPU, dequantized in chunks."""
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.group_size = 2 * packed.shape[-1]
+        self.register_buffer("weight", packed)  # uint8 [N, K/G, G/2]
+        self.register_buffer("scales", scales)  # [N, K/G]
+        self.register_buffer("mins", mins)  # [N, K/G]
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matmul(x.reshape(-1, x.shape[-1]))  # [T, N]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [T, K] float32 -> [T, N], without the bias."""
+        return chunked_matmul(rows.float(), self.weight.shape[0],
+                              partial(int4_block_rows, self.weight, self.scales, self.mins)).to(rows.dtype)
 
 
 class Int4Linear(nn.Module):
@@ -194,7 +304,7 @@ def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, quant: Quan
     """
     device = torch.device(device)
     rows, cols = weight.shape
-    quant.check_shape(rows, cols, device)
+    quant.check_shape(rows, cols, device, dtype)
     w = weight.float()
     b = None if bias is None else bias.to(device=device, dtype=dtype)
     if quant.kind == "none":
@@ -212,6 +322,10 @@ def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None, quant: Quan
     groups = w.reshape(rows, cols // g, g)  # [N, K/G, G]
     low, high = torch.aminmax(groups, dim=-1)  # [N, K/G]
     scales = ((high - low) / INT4_LEVELS).clamp(min=torch.finfo(torch.float32).tiny).to(dtype)
+    if dequantizes_in_chunks(device, dtype):  # W = c s + m, GGUF's Q4_1 form and layout
+        codes = (groups - low[..., None]).div_(scales[..., None]).round_().clamp_(0, INT4_LEVELS).to(torch.uint8)
+        packed = codes[..., : g // 2] | codes[..., g // 2:] << 4  # [N, K/G, G/2]
+        return Int4BlockLinear(packed.contiguous(), scales, low, b)
     zeros = (low + 8 * scales.float()).to(dtype)  # so that code c means (c - 8) s + z
     lowest = zeros.float() - 8 * scales.float()  # what code 0 means once rounded
     codes = (groups - lowest[..., None]).div_(scales.float()[..., None]).round_().clamp_(0, INT4_LEVELS)
@@ -235,7 +349,9 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
     if isinstance(layer, nn.Linear):
         return layer.weight.detach().float().cpu().clone()
     if isinstance(layer, Int8Linear):
-        return layer.weight.float().cpu() * layer.scales.float().cpu()[:, None]
+        return int8_rows(layer.weight.cpu(), layer.scales.cpu(), 0, layer.weight.shape[0])
+    if isinstance(layer, Int4BlockLinear):
+        return int4_block_rows(layer.weight.cpu(), layer.scales.cpu(), layer.mins.cpu(), 0, layer.weight.shape[0])
     g, sz = layer.group_size, layer.scales_and_zeros  # [K/G, N, 2]
     groups, rows = sz.shape[0], sz.shape[1]
     unit = torch.empty_like(sz, dtype=torch.bfloat16)
@@ -257,24 +373,40 @@ BLOCK_LINEARS = {
 BLOCK_NORMS = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight"}
 
 
+def takes_gguf_blocks(quant: Quant, device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether a span stored as `quant` on `device` for `dtype` can take a GGUF's Q4_1 blocks as they
+    are (stages/gguf_blocks.py): int4 in groups of 32, in the float32 CPU block layout."""
+    return quant.kind == "int4" and quant.group_size == Q4_1_BLOCK and dequantizes_in_chunks(torch.device(device), dtype)
+
+
 def quantize_block(weights: WeightFolder, layer: int, quant: Quant, *, dtype: torch.dtype,
-                   device: torch.device | str) -> Block:
+                   device: torch.device | str, gguf: GgufQ4Source | None = None) -> Block:
     """Layer `layer` of `weights` with its matrices stored as `quant`, read ONE matrix at a time:
     the float copy of a stacked matrix is dropped once quantized, so loading a span never holds
-    more float weights than its largest matrix (gate/up: 2 I x H). Raises ModelFormatError, QuantError."""
+    more float weights than its largest matrix (gate/up: 2 I x H). With `gguf` (and
+    `takes_gguf_blocks`), a matrix whose blocks are Q4_1 there is taken as it is, with no float
+    copy at all. Raises ModelFormatError, QuantError."""
     spec = weights.spec
     shapes = layer_tensor_names(spec, layer)
     prefix = f"model.layers.{layer}."
     with torch.device("meta"):
         block = Block(spec)
+    as_is = gguf if gguf is not None and takes_gguf_blocks(quant, device, dtype) else None
     for path, parts in BLOCK_LINEARS.items():
         names = [prefix + p + ".weight" for p in parts]
-        weight = weights.read_stacked(names, shapes, torch.float32)
         bias_names = [prefix + p + ".bias" for p in parts]
         bias = weights.read_stacked(bias_names, shapes, torch.float32) if bias_names[0] in shapes else None
         owner, name = path.split(".")
-        setattr(getattr(block, owner), name, quantize_linear(weight, bias, quant, dtype=dtype, device=device))
-        del weight, bias
+        blocks = as_is.matrix(names, shapes) if as_is is not None else None
+        if blocks is not None:
+            nibbles, scales, mins = blocks
+            layer_module: nn.Module = Int4BlockLinear(nibbles, scales, mins, None if bias is None else bias.to(dtype))
+        else:
+            weight = weights.read_stacked(names, shapes, torch.float32)
+            layer_module = quantize_linear(weight, bias, quant, dtype=dtype, device=device)
+            del weight
+        setattr(getattr(block, owner), name, layer_module)
+        del bias, blocks
     norms = weights.read({prefix + hf: shapes[prefix + hf] for hf in BLOCK_NORMS.values()}, dtype)
     block.load_state_dict({ours: norms[prefix + hf].to(device) for ours, hf in BLOCK_NORMS.items()},
                           assign=True, strict=False)

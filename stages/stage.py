@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.stages.errors import SpanError, StageError
+from tessera.stages.gguf_blocks import GgufQ4Source
 from tessera.stages.model import Block, Rotary, Segment, StepContext, attention_mask
-from tessera.stages.quant import NO_QUANT, Quant, quantize_block
+from tessera.stages.quant import NO_QUANT, Quant, quantize_block, takes_gguf_blocks
 from tessera.stages.sessions import SessionState, SessionTable
 from tessera.stages.spec import ModelSpec
 from tessera.stages.weights import WeightFolder
@@ -82,7 +83,8 @@ class Stage(SessionTable):
 
         Blocks are built on the meta device and take the read tensors by assignment,
         so no memory is spent on initial values. With `quant`, each matrix is quantized
-        as it is read (the embedding and head stay in `dtype`). Raises ModelFormatError,
+        as it is read (the embedding and head stay in `dtype`); an int4 float32 CPU span takes
+        the Q4_1 blocks of the folder's source GGUF as they are (stages/gguf_blocks.py). Raises ModelFormatError,
         SpanError, QuantError.
         """
         weights = WeightFolder(folder)
@@ -91,9 +93,11 @@ class Stage(SessionTable):
         if not 0 <= start <= end <= spec.num_layers:
             raise SpanError(f"span [{start}, {end}) is outside the model's [0, {spec.num_layers})")
         blocks = []
+        # a fetched model's source GGUF, whose Q4_1 blocks an int4 span takes as they are
+        gguf = GgufQ4Source.beside(folder, spec) if takes_gguf_blocks(quant, device, dtype) and end > start else None
         for layer in range(start, end):
             if quant.active:
-                blocks.append(quantize_block(weights, layer, quant, dtype=dtype, device=device))
+                blocks.append(quantize_block(weights, layer, quant, dtype=dtype, device=device, gguf=gguf))
                 continue
             with torch.device("meta"):
                 block = Block(spec)

@@ -10,8 +10,8 @@ from tessera.stages import registry
 from tessera.stages.errors import StageError
 
 from tessera.peer.cli.options import (
-    UsageError, add_compute_options, add_policy_options, add_sampling_options, apply_threads, policy_from, quant_from,
-    sampling_from,
+    UsageError, add_accept_mixed_option, add_compute_options, add_policy_options, add_sampling_options, apply_threads,
+    policy_from, quant_from, sampling_from,
 )
 
 
@@ -35,8 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--emulate-link", default=None, metavar="SPEC",
                    help='TESTS AND BENCHMARKS ONLY: delay/pace every frame sent, e.g. "delay=40ms"')
     p.add_argument("--model", default="smollm2-135m", help="registered name or folder (default smollm2-135m)")
-    p.add_argument("--accept-mixed", action="store_true",
-                   help="through a swarm: chain peers of any quantization (default: only peers of --quant)")
+    add_accept_mixed_option(p)
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--route-wait", type=float, default=30.0, metavar="S",
                    help="how long to wait for the (allowed) peers to cover every layer (default 30)")

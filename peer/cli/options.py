@@ -43,11 +43,22 @@ def add_compute_options(p: argparse.ArgumentParser) -> None:
                    "offered defaults to the card's free memory less a reserve, and the dtype to bfloat16")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--quant", default="none", choices=QUANT_KINDS,
-                   help="store the layers' matrices as int8 (per output channel) or int4 (group-wise); "
-                   "quantized spans compute in bfloat16 unless --dtype says otherwise")
+    add_quant_options(p, help="store the layers' matrices as int8 (per output channel) or int4 (group-wise); "
+                      "on a CPU a quantized span computes in float32 (exact against its dequantized "
+                      "float32 model); --dtype bfloat16 uses torch's faster int kernels, not token-exact")
+
+
+def add_quant_options(p: argparse.ArgumentParser, *, help: str) -> None:
+    """--quant and --quant-group: the span's storage (a peer, `generate --local`) or the peers a
+    requester chains (`generate --join`, `serve`), which advertise it in their model id."""
+    p.add_argument("--quant", default="none", choices=QUANT_KINDS, help=help)
     p.add_argument("--quant-group", type=int, default=DEFAULT_INT4_GROUP, choices=INT4_GROUP_SIZES,
                    help=f"inputs per int4 scale (default {DEFAULT_INT4_GROUP})")
+
+
+def add_accept_mixed_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--accept-mixed", action="store_true",
+                   help="through a swarm: chain peers of any quantization (default: only peers of --quant)")
 
 
 def quant_from(args: argparse.Namespace) -> Quant:

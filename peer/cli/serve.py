@@ -18,7 +18,10 @@ from pathlib import Path
 import trio
 
 from tessera.peer.cli.config import add_config_options
-from tessera.peer.cli.options import add_join_options, add_policy_options, apply_threads, policy_from, read_swarm_key
+from tessera.peer.cli.options import (
+    add_accept_mixed_option, add_join_options, add_policy_options, add_quant_options, apply_threads, policy_from,
+    quant_from, read_swarm_key,
+)
 from tessera.peer.base.errors import ConfigError
 from tessera.peer.http.api import DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_TOKENS, DEFAULT_ROUTE_WAIT, Gateway
 
@@ -51,6 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads for the embedding and head")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="let browser pages from ORIGIN call the API (repeatable; '*' = any; default none)")
+    add_quant_options(p, help="route only through peers serving the model quantized so (`tessera peer --quant`; "
+                      "their model id says it; default none: unquantized peers)")
+    add_accept_mixed_option(p)
     add_policy_options(p)
     add_config_options(p)
     p.set_defaults(handler=run)
@@ -90,7 +96,8 @@ async def serve(args: argparse.Namespace) -> None:
     # without the model here: its embedding, head and tokenizer from the --join peers (peer/weights/)
     folder = await ensure_model(args.model, args.join, swarm_key=swarm_key, groups=REQUESTER_GROUPS,
                                 out=lambda line: print(line, file=sys.stderr, flush=True))
-    async with Swarm.join(args.join, model=folder, swarm_key=swarm_key, policy=args.policy) as swarm:
+    async with Swarm.join(args.join, model=folder, swarm_key=swarm_key, policy=args.policy,
+                          quant=quant_from(args), accept_mixed=args.accept_mixed) as swarm:
         gateway = Gateway(swarm, name=served_name(args.model), api_key=api_key, route_wait=args.route_wait,
                           max_concurrent=args.max_concurrent, default_max_tokens=args.default_max_tokens,
                           cors_origins=args.cors_origin)
@@ -104,8 +111,16 @@ async def serve(args: argparse.Namespace) -> None:
             print(f"gateway peer id: {swarm.peer_id}", flush=True)
             for url in binds:
                 print(f"serving {gateway.name} (OpenAI and Anthropic APIs) on {url}/v1"
-                      f"{' (API key required)' if api_key else ''}", flush=True)
+                      f"{' (API key required)' if api_key else ''}{peers_note(args)}", flush=True)
     print("stopped", flush=True)
+
+
+def peers_note(args: argparse.Namespace) -> str:
+    """What the gateway's line says of the peers it chains, when they are not the unquantized default."""
+    if args.accept_mixed:
+        return "; chaining peers of any quantization"
+    quant = quant_from(args)
+    return f"; chaining {quant.tag} peers" if quant.active else ""
 
 
 async def stop_signal() -> None:
