@@ -236,6 +236,10 @@ class Fetcher:
         for file, names in sorted(by_file.items()):
             held = await trio.to_thread.run_sync(self.parts.held, file)
             wanted += sorted(n for n in names if n not in held)
+            # a kill between the rename and the clean-up leaves part files of tensors now held
+            for name in names:
+                if name in held:
+                    self.parts.part_path(name).unlink(missing_ok=True)
         jobs: deque[tuple[str, int]] = deque()
         total = skipped = 0
         for name in wanted:
