@@ -15,7 +15,7 @@ NS = "tessera"
 
 # peer/'s layers, lowest first: a layer imports only layers of a lower rank (and itself).
 # Layers of one rank never import each other (serve/request, http/sim).
-LAYER_RANK = {"base": 0, "plan": 1, "net": 2, "serve": 3, "request": 3, "node": 4, "http": 5, "sim": 5, "cli": 6}
+LAYER_RANK = {"base": 0, "plan": 1, "net": 2, "serve": 3, "request": 3, "weights": 3, "node": 4, "http": 5, "sim": 5, "cli": 6}
 HEAVY_FOR_PLAN = ("torch", "trio", "libp2p", "numpy.random", "time", "socket", "sqlite3", "sqlite_utils")
 
 

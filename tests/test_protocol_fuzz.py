@@ -22,6 +22,7 @@ from tessera.protocol.fuzz import build_targets, random_message, run_target
 # modules are imported: import them here, so the corpora hold them whatever ran before.
 import tessera.peer.net.nat.dialback  # noqa: E402
 import tessera.peer.net.nat.links  # noqa: F401,E402
+import tessera.protocol.weights  # noqa: F401,E402
 
 CASES = 100_000
 FEWER = {"record_body": 20_000}  # signs every input first (~170 us a case); bench/fuzz.py runs it longer

@@ -55,6 +55,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"how long a batch waits for the sessions of the last one (default {MAX_BATCH_WAIT * 1000:g})")
     p.add_argument("--rebalance-interval", type=float, default=None, metavar="S",
                    help="seconds between placement checks (default 10)")
+    p.add_argument("--no-serve-weights", action="store_true",
+                   help="do not upload model weights to peers fetching them (by default a peer serves what it holds)")
+    p.add_argument("--weights-upload-mbps", type=float, default=0.0, metavar="MB/S",
+                   help="upload weights to each fetching peer at most this fast (MB/s; default 0: unlimited)")
     p.add_argument("--tui", action="store_true", help="open the operator's terminal UI")
     p.add_argument("--control-stdin", action="store_true",
                    help="read operator commands from standard input: memory GB, drain, pause, resume (see peer/cli/control.py)")
@@ -109,6 +113,8 @@ def config_from(args: argparse.Namespace) -> PeerConfig:
         raise ConfigError(f"--batch-rows {args.batch_rows!r} / --batch-wait-ms {args.batch_wait_ms!r}: {bad}") from None
     if not args.join_timeout > 0:
         raise ConfigError(f"--join-timeout wants a positive number of seconds, got {args.join_timeout!r}")
+    if not args.weights_upload_mbps >= 0:
+        raise ConfigError(f"--weights-upload-mbps wants 0 (unlimited) or a positive rate, got {args.weights_upload_mbps!r}")
     return PeerConfig(
         model=args.model, join=args.join, listen=args.listen or ["/ip4/127.0.0.1/tcp/0"],
         memory_gb=args.memory, layers=args.layers, data_dir=data_dir, name=args.name,
@@ -118,6 +124,7 @@ def config_from(args: argparse.Namespace) -> PeerConfig:
         join_timeout=args.join_timeout, allow_alone=args.allow_alone,
         **({"rebalance_interval": args.rebalance_interval} if args.rebalance_interval else {}),
         emulate_link=args.emulate_link, misbehave=args.misbehave,
+        serve_weights=not args.no_serve_weights, weights_upload_rate=args.weights_upload_mbps * 1e6,
         **({"shard": args.shard, "group": args.group} if args.shard else {}),
     )
 
@@ -145,8 +152,12 @@ async def serve_until_signalled(node: "PeerNode", *, control_stdin: bool = False
 
 def run_peer(args: argparse.Namespace) -> int:
     from tessera.peer.node.compose import build_peer  # imported here: libp2p is heavy, and other commands don't need it
+    from tessera.peer.weights.bootstrap import resolve_or_fetch
 
-    node = build_peer(config_from(args))
+    config = config_from(args)
+    # without the model here, learn it from the --join peers (its span's weights come later, peer/weights/)
+    resolve_or_fetch(config.model, config.join, swarm_key=config.swarm_key, out=lambda line: print(line, flush=True))
+    node = build_peer(config)
     if args.tui:
         from tessera.tui.app import run_with_tui
 

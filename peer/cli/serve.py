@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -88,10 +89,15 @@ async def serve(args: argparse.Namespace) -> None:
     from hypercorn.trio import serve as hypercorn_serve
 
     from tessera.peer.request.client import Swarm
+    from tessera.peer.weights.bootstrap import REQUESTER_GROUPS, ensure_model
 
     api_key = args.api_key or os.environ.get("TESSERA_API_KEY") or None
-    async with Swarm.join(args.join, model=args.model, swarm_key=read_swarm_key(args.swarm_key),
-                          policy=args.policy, quant=quant_from(args), accept_mixed=args.accept_mixed) as swarm:
+    swarm_key = read_swarm_key(args.swarm_key)
+    # without the model here: its embedding, head and tokenizer from the --join peers (peer/weights/)
+    folder = await ensure_model(args.model, args.join, swarm_key=swarm_key, groups=REQUESTER_GROUPS,
+                                out=lambda line: print(line, file=sys.stderr, flush=True))
+    async with Swarm.join(args.join, model=folder, swarm_key=swarm_key, policy=args.policy,
+                          quant=quant_from(args), accept_mixed=args.accept_mixed) as swarm:
         gateway = Gateway(swarm, name=served_name(args.model), api_key=api_key, route_wait=args.route_wait,
                           max_concurrent=args.max_concurrent, default_max_tokens=args.default_max_tokens,
                           cors_origins=args.cors_origin)

@@ -22,6 +22,7 @@ from tessera.peer.request.client import Swarm
 from tessera.peer.net.emulated import LinkEmulation
 from tessera.peer.base.errors import ConfigError
 from tessera.peer.request.decode import Speculation
+from tessera.peer.weights.bootstrap import REQUESTER_GROUPS, ensure_model
 
 
 def speculation_from(spec: str, k: int, pipeline: bool, swarm: Swarm, sampling: SamplingParams, capacity: int) -> Speculation | None:
@@ -40,7 +41,11 @@ def speculation_from(spec: str, k: int, pipeline: bool, swarm: Swarm, sampling: 
 
 async def generate_through_swarm(args: argparse.Namespace, sampling: SamplingParams) -> GenerationResult:
     emulation = LinkEmulation.parse(args.emulate_link) if args.emulate_link else None
-    async with Swarm.join(args.join, model=args.model, swarm_key=read_swarm_key(args.swarm_key),
+    swarm_key = read_swarm_key(args.swarm_key)
+    # without the model here: its embedding, head and tokenizer from the --join peers (peer/weights/)
+    folder = await ensure_model(args.model, args.join, swarm_key=swarm_key, groups=REQUESTER_GROUPS,
+                                out=lambda line: print(line, file=sys.stderr, flush=True))
+    async with Swarm.join(args.join, model=folder, swarm_key=swarm_key,
                           emulate_link=emulation, policy=args.policy, quant=quant_from(args),
                           accept_mixed=args.accept_mixed) as swarm:
         swarm.on_route_wait = lambda line: print(line, file=sys.stderr, flush=True)

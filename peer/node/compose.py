@@ -29,6 +29,7 @@ from tessera.peer.node.config import PeerConfig
 from tessera.peer.node.parts import NodeParts
 from tessera.peer.node.peer_node import PeerNode
 from tessera.peer.node.torch_compute import TorchCompute
+from tessera.peer.weights.bootstrap import FolderWeights
 
 
 @asynccontextmanager
@@ -55,6 +56,7 @@ def build_peer(config: PeerConfig, *, out: Callable[[str], None] | None = None) 
         tracer=lambda peer_id: TraceWriter(store, peer=peer_id),
         store=store,
         clock=time.time,
+        weights=FolderWeights(compute.folder, serve=config.serve_weights, upload_rate=config.weights_upload_rate),
     )
     return PeerNode(config, parts, out=out)
 

@@ -70,6 +70,8 @@ class PeerConfig:
     allow_alone: bool = False  # when no --join address answers in time: serve alone instead of exiting
     shard: tuple[int, int] = (0, 1)  # (rank, group size): a rank of a tensor-shard group (needs layers, group)
     group: str = ""  # the shard group's name
+    serve_weights: bool = True  # answer other peers' weight fetches from our model folder (peer/weights/)
+    weights_upload_rate: float = 0.0  # bytes/s of weights uploaded per fetching peer; 0 = unlimited
 
 
 def parse_layers(text: str) -> tuple[int, int]:

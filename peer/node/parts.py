@@ -131,6 +131,15 @@ class NodeWatch:
         """Its transport is about to close: it runs no more."""
 
 
+class Weights(Protocol):
+    """A volunteer's model files as the swarm sees them (peer/weights/): served to others, and
+    a claimed span fetched from them when this machine lacks it."""
+
+    def serve(self, transport: Transport) -> None: ...
+
+    async def ensure(self, transport: Transport, span: tuple[int, int], out: Callable[[str], None]) -> None: ...
+
+
 @dataclass
 class NodeParts:
     """Everything a `PeerNode` is given (see the module docstring)."""
@@ -150,6 +159,7 @@ class NodeParts:
     nat: bool = True  # reachability probes and relays (peer/net/nat/)
     reports: bool = True  # keep and forward misbehaviour reports (peer/request/reports.py)
     reap_idle: bool = True  # drop sessions idle on the wall clock (simulated requesters always close theirs)
+    weights: Weights | None = None  # None: no files to serve or fetch (the simulator's cost-model stage)
 
 
 __all__ = ["Compute", "Placement", "PlanPlacement", "Pacing", "NodeWatch", "NodeParts", "JITTER"]

@@ -160,6 +160,8 @@ class PeerNode:
                 self.gossip = Gossip(transport, self.keeper, own_record=lambda: self._own,
                                      interval=self.config.gossip_interval)
             self.pinger = Pinger(transport)
+            if parts.weights is not None:
+                parts.weights.serve(transport)
             self.out(f"listening on {transport.addrs()[0]}")
             self.tracer.emit(events.Join(addrs=transport.addrs(), model=self.model_id))
             self.watch.opened(self)
@@ -285,6 +287,8 @@ class PeerNode:
         self.stage = await self._load(*self.span)
 
     async def _load(self, start: int, end: int) -> Any:
+        if self.parts.weights is not None:  # a folder fetched from the swarm holds only some layers: this span's first
+            await self.parts.weights.ensure(self.transport, (start, end), self.out)
         return await self.compute.load(start, end)
 
     async def move_to(self, span: tuple[int, int], reason: str) -> None:
