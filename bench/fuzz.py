@@ -1,6 +1,6 @@
 """A long fuzzing campaign against every decoder in protocol/.
 
-The same seeded mutation fuzzer as tests/test_protocol_fuzz.py (`tessera.protocol.fuzz`:
+The same seeded mutation fuzzer as tests/protocol/test_protocol_fuzz.py (`tessera.protocol.fuzz`:
 bit flips, truncation, insertion, splicing, random CBOR, huge claimed lengths and
 dimensions, deep nesting, and structure-aware replacement of decoded fields), but
 for as long as you like and with a fresh seed per round, so it keeps finding new

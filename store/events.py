@@ -7,7 +7,7 @@
 An emitter constructs the class of its kind (a field the class lacks is a TypeError where
 it is written); a reader picks rows by class (``isinstance(row.event, Claim)``) and reads
 typed attributes, so a kind or a field cannot be written under one name and read under
-another. `EVENT_TYPES` lists them all; tests/test_store_events.py checks that every class
+another. `EVENT_TYPES` lists them all; tests/store/test_store_events.py checks that every class
 is emitted somewhere and that no emitter or reader names a kind by string.
 
 Storage (the ``trace`` table of store/schema.py, unchanged from before these classes): a

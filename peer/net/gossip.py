@@ -44,7 +44,7 @@ expiry (at most RECORD_TTL after its last refresh); the copies agree on that exp
 by then, since its last refresh spreads within the same bound. A peer the address
 book forgot (REDIAL_WINDOW after its record expired, dials then back off up to
 MAX_REDIAL_BACKOFF) adds that backoff to the bound; join addresses are never
-forgotten. tests/test_gossip_convergence.py checks the bound under random sequences
+forgotten. tests/net/test_gossip_convergence.py checks the bound under random sequences
 of joins, leaves, crashes, vanishings, moves, memory changes and partitions.
 """
 

@@ -69,7 +69,7 @@ class DefaultPolicy:
     (O(peers x layers)) every period is what makes a big simulation slow, and in a big
     swarm almost no single peer can lift the bottleneck by REBALANCE_MIN_GAIN. Only
     when the pre-check cannot rule a move out is `plan_move` itself asked; so the
-    answer is always plan_move's (tests/test_sim.py checks the two agree).
+    answer is always plan_move's (tests/sim/test_sim.py checks the two agree).
     """
 
     name = "default"

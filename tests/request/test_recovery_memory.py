@@ -1,5 +1,5 @@
 """Recovery edge cases, deterministic: real StageServers and the real requester on the in-memory
-transport under trio's MockClock (the multi-process kills stay in tests/test_failover.py).
+transport under trio's MockClock (the multi-process kills stay in tests/request/test_failover.py).
 
 Each answer must equal the single-process one token for token, whatever failed on the way.
 The route is four single-layer hops; routing prefers the fastest peer of each layer, so the

@@ -1,0 +1,591 @@
+"""The operator's TUI, driven by Textual's pilot over a real peer in a loopback swarm.
+
+The peer under the UI is an in-process `PeerNode` behind `tessera.tui.bridge.PeerHandle`
+(its own trio thread, as `tessera peer --tui` runs it); the rest of the swarm is a
+real `tessera peer` process; requests come from a `tessera.peer.request.client.Swarm` in another
+thread. Textual runs on asyncio, so each UI test is a plain function that runs its
+scenario with `asyncio.run` (this suite's async tests run under trio).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tessera.peer.request.client import Swarm
+from tessera.peer.cli.demo import memory_for_layers
+from tessera.peer.base.errors import NoRoute, SessionRefused
+from tessera.peer.node.config import PeerConfig
+from tessera.peer.node.compose import build_peer
+from tessera.peer.request.chain import RouteSession
+from tessera.peer.plan.routing import Hop, Route
+from tessera.stages.generate import prompt_ids
+from tessera.store.db import PeerStore
+from tessera.store.events import EVENT_TYPES, Ban, Claim, Drain, Forward, Leave, Pause, Resume
+from tessera.tui.app import TesseraApp
+from tessera.tui.bridge import PeerHandle, PeerNotRunning
+from tessera.tui.events import NOISY_KINDS, EventFilter, last_id, read_backlog
+from tessera.tui.panels import LedgerPanel, LivePanel, PeerHeader, PeerPanel, SwarmPanel
+from tessera.tui.rates import RECENT, RateHistory
+from tessera.tui.render import coverage_strip, event_line, gaps_text, span_bar, state_word
+from tessera.tui.screens import ConfirmScreen, HelpScreen, MemoryDialog, parse_gb
+
+from ..conftest import FRANCE
+from ..swarm_helpers import local_swarm
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
+STARTUP = 120.0  # a peer imports, measures a layer and loads its span (slow on a busy 2-core box)
+SETTLE = 30.0  # for the UI to show a change the peer has made (snapshots every 0.5 s)
+LEAVE_GRACE = 2.0  # the node under test gives held sessions this long when it leaves
+MAX_NEW = 12
+
+
+# -- pure parts --------------------------------------------------------------------------
+
+def test_span_bar_draws_the_claim_against_every_layer():
+    assert span_bar((0, 15), 30, 40).plain == "█" * 15 + "░" * 15  # one cell per layer when it fits
+    assert span_bar((10, 20), 30, 40).plain == "░" * 10 + "█" * 10 + "░" * 10
+    assert span_bar((0, 30), 60, 10).plain == "█" * 5 + "░" * 5  # two layers per cell when not
+    assert span_bar(None, 30, 40).plain == "░" * 30
+
+
+def test_coverage_strip_counts_peers_and_marks_gaps():
+    coverage = [1] * 10 + [2] * 5 + [0] * 3 + [1] * 2 + [12] * 10
+    text = coverage_strip(coverage, 80)
+    assert text.plain == "1" * 10 + "2" * 5 + "0" * 3 + "1" * 2 + "+" * 10
+    gap_styles = {str(span.style) for span in text.spans if text.plain[span.start:span.end].strip("0") == ""}
+    assert "bold reverse red" in gap_styles
+    assert coverage_strip([1, 1, 0, 1], 2).plain == "10"  # a cell shows its least covered layer
+    assert gaps_text([[15, 18]]).plain == "GAPS: [15, 18)"
+    assert gaps_text([]).plain == "gaps: none"
+
+
+def test_rate_history_derives_tokens_per_second_from_cumulative_counts():
+    history = RateHistory(window=4.0)
+    assert history.series(4) == [0.0] * 4 and history.current() == 0.0
+    for at, total in [(10.0, 0), (10.5, 0), (11.0, 10), (11.5, 30), (12.0, 30)]:
+        assert history.add(at, total)
+    # buckets [8, 9), [9, 10), [10, 11), [11, 12): the counter at each edge is the last sample before it
+    assert history.series(4) == [0.0, 0.0, 10.0, 20.0]
+    assert history.current(recent=1.0) == pytest.approx((30 - 10) / (12.0 - 11.0))
+    assert not history.add(12.0, 31)  # not newer: ignored
+    history.add(100.0, 40)
+    assert all(at >= 100.0 - 4.0 for at, _ in list(history.samples)[1:])  # older samples age out
+    assert history.series(2) == [0.0, 5.0]  # tokens seen late count in the bucket where they were seen
+    history.add(101.0, 0)  # a new counter (smaller): the old history is dropped
+    assert list(history.samples) == [(101.0, 0)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    burst=st.lists(st.tuples(st.floats(0.05, 3.0), st.integers(0, 400)), min_size=1, max_size=30),
+    idle=st.lists(st.floats(0.05, 40.0), min_size=1, max_size=60),
+)
+def test_peak_rate_moves_only_when_tokens_are_served(burst, idle):
+    """Samples at irregular times while tokens flow, then a still counter for minutes: the peak
+    stays put (it used to be the best of the sparkline's buckets, which slide and age out) and
+    the headline rate never rises."""
+    history, at, total = RateHistory(window=60.0), 100.0, 0
+    history.add(at, total)
+    for gap, tokens in burst:
+        at, total = at + gap, total + tokens
+        history.add(at, total)
+        assert history.peak >= history.current()  # "served X (peak Y)": Y is never below X
+    peak, rate = history.peak, history.current()
+    for gap in idle:
+        at += gap
+        assert history.add(at, total)
+        assert history.peak == peak, "the peak changed with no traffic"
+        assert history.current() <= rate + 1e-9, "the rate rose with no traffic"
+        rate = history.current()
+    if sum(idle) >= RECENT:
+        assert history.current() == 0.0
+
+
+def test_peak_rate_counts_a_burst_once():
+    history = RateHistory()
+    for at, total in [(0.0, 0), (1.0, 0), (1.5, 50), (2.0, 100), (2.5, 100)]:
+        history.add(at, total)
+    assert history.current() == pytest.approx(100 / 2.5)  # less than 5 s of samples: over what there is
+    assert history.peak == pytest.approx(100 / 2.0)  # at t=2.0: 100 tokens in the 2 s seen
+    for i in range(1, 200):
+        history.add(2.5 + i * 0.5, 100)
+    assert history.current() == 0.0 and history.peak == pytest.approx(50.0)
+    history.add(200.0, 600)  # traffic again: 500 tokens in the last 5 s
+    assert history.current() == pytest.approx(100.0) and history.peak == pytest.approx(100.0)
+
+
+def test_event_filter_parses_kinds_words_and_all():
+    default = EventFilter.parse("")
+    assert set(default.kinds) == set(EVENT_TYPES) - set(NOISY_KINDS)
+    assert EventFilter.parse("claim  ban").kinds == (Claim, Ban)
+    everything = EventFilter.parse("all x3f2")
+    assert everything.kinds == EVENT_TYPES and everything.words == ("x3f2",)
+    assert everything.keeps("10:00:00 ban peer X3F2abcd") and not everything.keeps("10:00:00 ban peer zzz")
+
+
+def test_trace_tail_is_found_without_reading_the_whole_trace(tmp_path):
+    from tessera.store.trace import TraceWriter
+
+    with PeerStore(tmp_path / "t.db") as store:
+        tracer = TraceWriter(store, peer="me")
+        for i in range(1000):
+            tracer.emit(Forward(session="5e55", step=i, span=(0, 1), duration=0.0))
+            if i % 100 == 7:
+                tracer.emit(Claim(span=(0, i + 1), throughput=1.0, capacity=i + 1))
+        tracer.close()
+        store.flush()
+        assert last_id(store, (Forward,)) == 1010  # 1000 forwards + 10 claims, the last row a forward
+        claims = last_id(store, (Claim,))
+        assert store.events(after_id=claims - 1)[0].kind == "claim"
+        assert store.events(after_id=claims, kinds=(Claim,)) == []
+        rows, tail = read_backlog(store, EventFilter.parse("claim"), keep=3)
+        assert [r.event.span[1] for r in rows] == [708, 808, 908] and tail == claims
+        assert last_id(store, (Ban,)) == 0
+        line = event_line(rows[-1])
+        assert "claim" in line and "[0, 908)" in line
+
+
+def test_memory_input_is_checked():
+    assert parse_gb(" 2.5 ") == 2.5 and parse_gb("3GB") == 3.0
+    for bad in ("abc", "0", "-1", "nan", "inf", ""):
+        with pytest.raises(ValueError):
+            parse_gb(bad)
+
+
+# -- against a real peer -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def other_peer(smol_dir):
+    """The rest of the swarm: a `tessera peer` process serving layers [10, 30)."""
+    with local_swarm([(10, 30)]) as swarm:
+        yield swarm
+
+
+def make_handle(tmp_path: Path, join: list[str], **config) -> PeerHandle:
+    settings = dict(layers=(0, 15), memory_gb=1.0, leave_grace=LEAVE_GRACE, rebalance_interval=3600.0)
+    settings.update(config)
+    node = build_peer(PeerConfig(join=join, data_dir=tmp_path / "tui-peer", threads=1, name="tui-peer", **settings))
+    handle = PeerHandle(node)
+    handle.start()
+    return handle
+
+
+def plain(widget) -> str:
+    """What a panel draws, as plain text."""
+    return widget.render().plain
+
+
+def log_text(app: TesseraApp) -> str:
+    return "\n".join(strip.text for strip in app.query_one("#event-log").lines)
+
+
+async def until(pilot, predicate, what: str, timeout: float = SETTLE) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.1)
+
+
+def my_addr(handle: PeerHandle) -> str:
+    return handle.latest()["addrs"][0]
+
+
+def generate(addrs: list[str], n: int) -> tuple[list[int], list[int], dict]:
+    """A requester in its own thread and trio loop: one greedy answer through the swarm."""
+    async def go():
+        async with Swarm.join(addrs) as swarm:
+            await swarm.wait_for_route(60)
+            ids = prompt_ids(swarm.tokenizer, FRANCE, raw=False)
+            info: dict = {}
+            tokens = [t async for t in swarm.generate_ids(ids, max_new_tokens=n, info=info)]
+            return ids, tokens, info
+
+    return trio.run(go)
+
+
+@pytest.mark.slow
+def test_main_screen_shows_span_coverage_and_live_counters(other_peer, tmp_path, local_engine, smol_tokenizer):
+    """A generation through the peer under the UI: the panels show what it served, exactly."""
+    handle = make_handle(tmp_path, other_peer.addrs)
+
+    async def scenario():
+        app = TesseraApp(handle)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: handle.ready.is_set(), "the peer to serve", STARTUP)
+            await until(pilot, lambda: app.snapshot and app.snapshot["phase"] == "serving"
+                        and not app.snapshot["gaps"], "full coverage")
+            peer_text = plain(app.query_one(PeerPanel))
+            assert "[0, 15) of 30 (forced)" in peer_text
+            assert "█" * 15 + "░" * 15 in peer_text
+            swarm_text = plain(app.query_one(SwarmPanel))
+            assert "1" * 10 + "2" * 5 + "1" * 15 in swarm_text  # [0,10) me; [10,15) both; [15,30) the other
+            assert "gaps: none" in swarm_text
+            assert "SERVING" in plain(app.query_one(PeerHeader))
+
+            ids, tokens, info = await asyncio.to_thread(generate, [my_addr(handle)], MAX_NEW)
+            mine = [h for h in info["route"] if h["peer"] == handle.latest()["peer_id"]]
+            assert len(mine) == 1 and mine[0]["start"] == 0  # only this peer serves layer 0
+            steps, served = len(tokens), len(ids) + len(tokens) - 1  # prefill + one step per later token
+            await until(pilot, lambda: app.snapshot["stats"]["steps"] == steps, "the steps to show")
+            live = app.query_one(LivePanel)
+            counters = str(live.query_one("#counters").render())
+            assert f"steps {steps}" in counters and f"tokens {served}" in counters
+            assert max(app.rates) > 0 and live.peak > 0  # the sparkline saw tokens go through
+            stats = app.snapshot["stats"]
+            assert stats["bytes_in"] > 0 and stats["bytes_out"] > 0
+            assert stats["layer_tokens"] == served * (mine[0]["end"] - mine[0]["start"])
+            await until(pilot, lambda: app.ledger and app.ledger["today"]["steps"] == steps, "the ledger")
+            ledger_text = plain(app.query_one(LedgerPanel))
+            assert f"{stats['layer_tokens']:>10}{steps:>8}" in ledger_text
+            await until(pilot, lambda: "session_close" in log_text(app), "the session in the events")
+            assert "session_open" in log_text(app) and "serving layers [0, 15) of 30" in log_text(app)
+
+            ARTIFACTS.mkdir(exist_ok=True)
+            shot = app.save_screenshot("tui-main.svg", path=str(ARTIFACTS))
+            assert "This&#160;peer" in Path(shot).read_text()  # SVG text keeps spaces as &#160;
+            await pilot.press("q")  # no sessions running: no question
+            await until(pilot, lambda: handle.finished.is_set(), "the peer to leave")
+            await pilot.pause(0.5)
+        return tokens
+
+    tokens = asyncio.run(scenario())
+    assert tokens == local_engine.generate_ids(prompt_ids(smol_tokenizer, FRANCE, raw=False), max_new_tokens=MAX_NEW)
+    handle.join(10)
+
+
+def try_sessions(addrs: list[str], me: str) -> tuple[BaseException, BaseException]:
+    """Ask the swarm for an answer (the view says we drain: no route), then ask us directly."""
+    async def go():
+        async with Swarm.join(addrs) as swarm:
+            ids = prompt_ids(swarm.tokenizer, FRANCE, raw=False)
+            with pytest.raises(NoRoute) as no_route:
+                async for _ in swarm.generate_ids(ids, max_new_tokens=2, route_wait=3.0):
+                    pass
+            with pytest.raises(SessionRefused) as refused:
+                await RouteSession(swarm.ctx, Route((Hop(me, 0, 15),), 0.0), max_length=64).open()
+            return no_route.value, refused.value
+
+    return trio.run(go)
+
+
+@pytest.mark.slow
+def test_drain_key_refuses_new_sessions_and_quit_leaves(other_peer, tmp_path):
+    handle = make_handle(tmp_path, other_peer.addrs)
+
+    async def scenario():
+        app = TesseraApp(handle)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.state == "serving", "the peer to serve", STARTUP)
+            await pilot.press("d")
+            await until(pilot, lambda: app.state == "draining" and not app.snapshot["accepting"], "draining")
+            assert "DRAINING" in plain(app.query_one(PeerHeader))
+            me = app.snapshot["peer_id"]
+            no_route, refused = await asyncio.to_thread(try_sessions, [my_addr(handle)], me)
+            assert isinstance(no_route, NoRoute)  # only a draining peer serves layers 0..9
+            assert refused.code == "draining"
+            await until(pilot, lambda: app.snapshot["stats"]["refused"] >= 1, "the refusal to be counted")
+            await pilot.press("q")
+            await until(pilot, lambda: handle.finished.is_set(), "the peer to leave")
+            await until(pilot, lambda: app.return_code is not None, "the app to exit")
+        return app.return_code
+
+    assert asyncio.run(scenario()) == 0
+    assert handle.join(10) and handle.error is None
+    assert handle.printed("left the swarm")
+    with PeerStore(handle.db_path, readonly=True) as store:
+        assert [e.kind for e in store.events(kinds=(Leave,))] == ["leave"]
+
+
+def hold_session(addrs: list[str], me: str, opened: threading.Event, release: threading.Event,
+                 out: dict) -> None:
+    """Keep one session open on our peer (in the requester's own thread) until `release`."""
+    async def go():
+        async with Swarm.join(addrs) as swarm:
+            out["requester"] = swarm.peer_id
+            session = RouteSession(swarm.ctx, Route((Hop(me, 0, 15),), 0.0), max_length=64)
+            await session.open()
+            opened.set()
+            await trio.to_thread.run_sync(release.wait)
+            with trio.move_on_after(5):
+                await session.close()  # the peer may have dropped it already by leaving
+
+    trio.run(go)
+
+
+@pytest.mark.slow
+def test_actions_that_would_drop_work_ask_first(other_peer, tmp_path):
+    """Quit and pause with a session running ask first; `n` keeps serving; leave asks, then leaves."""
+    handle = make_handle(tmp_path, other_peer.addrs)
+    opened, release, out = threading.Event(), threading.Event(), {}
+
+    async def scenario():
+        app = TesseraApp(handle)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.state == "serving", "the peer to serve", STARTUP)
+            holder = threading.Thread(target=hold_session, args=([my_addr(handle)], app.snapshot["peer_id"],
+                                                                 opened, release, out))
+            holder.start()
+            try:
+                await until(pilot, lambda: app.snapshot["active"], "the held session")
+                sessions = str(app.query_one(LivePanel).query_one("#sessions").render())
+                assert "sessions 1/16" in sessions and out["requester"][-8:] in sessions
+
+                await pilot.press("q")
+                await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the quit question")
+                assert "1 session running" in str(app.screen.question)
+                await pilot.press("n")
+                await until(pilot, lambda: not isinstance(app.screen, ConfirmScreen), "the answer")
+                await pilot.pause(1.0)
+                assert app.state == "serving" and not handle.finished.is_set() and not app.quitting
+
+                await pilot.press("p")
+                await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the pause question")
+                await pilot.press("y")
+                await until(pilot, lambda: app.state == "paused", "paused")
+                assert "PAUSED" in plain(app.query_one(PeerHeader))
+                await pilot.press("p")  # resuming drops nothing: no question
+                await until(pilot, lambda: app.state == "serving", "resumed")
+
+                await pilot.press("l")
+                await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the leave question")
+                await pilot.press("y")
+                await until(pilot, lambda: handle.finished.is_set(), "the peer to leave", LEAVE_GRACE + SETTLE)
+                await until(pilot, lambda: app.state == "left", "the header to say so")
+                assert app.return_code is None  # leaving keeps the screen open
+                assert "LEFT" in plain(app.query_one(PeerHeader))
+                await pilot.press("q")  # the peer is gone: q just closes
+                await until(pilot, lambda: app.return_code is not None, "the app to exit")
+            finally:
+                release.set()
+                await asyncio.to_thread(holder.join, 30)
+
+    asyncio.run(scenario())
+    assert handle.printed("left the swarm") and handle.error is None
+
+
+@pytest.mark.slow
+def test_memory_dialog_and_help_screen(other_peer, tmp_path):
+    """`m` checks what is typed and asks before a change that moves the span; `?` lists the keys."""
+    offered = memory_for_layers("smollm2-135m", 30)  # room for every layer: placement claims [0, 30)
+    handle = make_handle(tmp_path, other_peer.addrs, layers=None, memory_gb=offered)
+
+    async def scenario():
+        app = TesseraApp(handle)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.state == "serving", "the peer to serve", STARTUP)
+            assert app.snapshot["span"] == [0, 30]
+
+            await pilot.press("question_mark")
+            await until(pilot, lambda: isinstance(app.screen, HelpScreen), "the help")
+            shown = " ".join(str(w.render()) for w in app.screen.query(".key"))
+            for key in "dpmlq?":
+                assert f"{key}  " in shown
+            await pilot.press("escape")
+            await until(pilot, lambda: not isinstance(app.screen, HelpScreen), "the help to close")
+
+            await pilot.press("m")
+            await until(pilot, lambda: isinstance(app.screen, MemoryDialog), "the memory dialog")
+            dialog = app.screen
+            dialog.query_one("#gb").value = "lots"
+            await pilot.press("enter")
+            await until(pilot, lambda: "not a number" in str(dialog.query_one("#error").render()), "the error")
+            assert isinstance(app.screen, MemoryDialog)  # still asking
+            small = memory_for_layers("smollm2-135m", 10)
+            dialog.query_one("#gb").value = f"{small:.4f}"
+            await pilot.press("enter")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the move question")
+            assert "[0, 30) to [0, 10)" in str(app.screen.question)  # the gap nobody else serves
+            await pilot.press("n")
+            await pilot.pause(1.0)
+            assert app.snapshot["span"] == [0, 30]  # declined: nothing moved
+
+            await pilot.press("m")
+            await until(pilot, lambda: isinstance(app.screen, MemoryDialog), "the memory dialog")
+            app.screen.query_one("#gb").value = f"{small:.4f}"
+            await pilot.press("enter")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), "the move question")
+            await pilot.press("y")
+            await until(pilot, lambda: app.snapshot["span"] == [0, 10] and app.state == "serving", "the move")
+            assert "█" * 10 + "░" * 20 in plain(app.query_one(PeerPanel))
+            assert app.snapshot["memory_offered"] == int(float(f"{small:.4f}") * (1 << 30))
+            await pilot.press("q")
+            await until(pilot, lambda: handle.finished.is_set(), "the peer to leave")
+
+    asyncio.run(scenario())
+    assert handle.join(10) and handle.error is None
+
+
+def test_state_words_read_without_colour():
+    base = {"phase": "serving", "state": "serving", "paused": False, "span": [0, 1]}
+    assert state_word(base) == "serving"
+    assert state_word({**base, "paused": True}) == "paused"
+    assert state_word({**base, "phase": "starting", "span": None}) == "starting"
+    assert state_word({**base, "phase": "starting"}) == "loading"
+    assert state_word({**base, "phase": "stopped", "state": "leaving"}) == "left"
+
+
+# -- layout, the events log, typing, operator events (one peer under several UIs) ---------
+
+@pytest.fixture(scope="module")
+def ui_peer(other_peer, tmp_path_factory):
+    """One in-process peer serving [0, 15) behind a handle, shared by the UIs below (the last one drains it)."""
+    handle = make_handle(tmp_path_factory.mktemp("ui"), other_peer.addrs)
+    assert handle.wait_ready(STARTUP), handle.error
+    yield handle
+    try:
+        handle.leave()
+    except PeerNotRunning:
+        pass
+    handle.join(LEAVE_GRACE + SETTLE)
+
+
+def rows(widget) -> int:
+    return plain(widget).count("\n") + 1
+
+
+def swarm_snapshot(neighbours: int) -> dict:
+    """The keys SwarmPanel draws, for `neighbours` neighbours."""
+    return {"coverage": [1] * 30, "gaps": [], "swarm": {"serving": neighbours},
+            "neighbours": [{"peer_id": f"12D3KooWpeer{i:08d}", "name": f"n{i}", "rtt_ms": 1.5, "kind": "direct",
+                            "span": [0, 30], "state": "serving"} for i in range(neighbours)]}
+
+
+@pytest.mark.parametrize("size", [(80, 24), (100, 32)])
+def test_swarm_panel_grows_and_shrinks_with_its_rows(size):
+    """The panel's height is `auto`: a new neighbour (and nothing else changing) must lay it out
+    again; a repaint alone kept the height of the first layout ("waiting…": one line)."""
+    from textual.app import App
+
+    class OnePanel(App):
+        CSS = "SwarmPanel { height: auto; border: round white; }"
+
+        def compose(self):
+            yield SwarmPanel()
+
+    async def scenario():
+        app = OnePanel()
+        async with app.run_test(size=size) as pilot:
+            panel = app.query_one(SwarmPanel)
+            await pilot.pause()
+            assert panel.content_size.height == 1  # "waiting for the peer…"
+            for n in (0, 1, 2, 5, 1):
+                panel.snapshot = swarm_snapshot(n)
+                await pilot.pause()
+                assert panel.content_size.height == rows(panel), (n, panel.content_size.height, rows(panel))
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_panels_show_all_their_rows_at_80x24_and_100x32(ui_peer):
+    """At 100x32 the Swarm panel stayed one line high (its first layout drew "waiting…") until a resize."""
+    async def at(size: tuple[int, int]) -> None:
+        app = TesseraApp(ui_peer)
+        async with app.run_test(size=size) as pilot:
+            await until(pilot, lambda: app.snapshot and app.snapshot["neighbours"] and app.ledger, "neighbours")
+            await until(pilot, lambda: "neighbours" in plain(app.query_one(SwarmPanel)), "the swarm panel")
+            await pilot.pause()
+            for panel in (app.query_one(PeerPanel), app.query_one(SwarmPanel), app.query_one(LedgerPanel)):
+                assert panel.content_size.height >= rows(panel), \
+                    f"{type(panel).__name__} at {size}: {panel.content_size.height} of {rows(panel)} rows shown"
+            assert app.query_one("#event-log").size.height >= 2  # and the log keeps room of its own
+
+    for size in ((100, 32), (80, 24)):
+        asyncio.run(at(size))
+
+
+def test_start_up_lines_say_memory_device_and_speed(ui_peer):
+    """What `tessera peer` prints once it serves (without the UI these lines go to stdout)."""
+    node = ui_peer.node
+    weights = node.stage.weight_bytes / (1 << 30)
+    assert ui_peer.printed(f"memory: {weights:.2f} GB used by the weights of layers [0, 15) + up to 0.25 GB "
+                           "for KV caches, of 1.00 GB offered")  # make_handle offers 1 GB; a quarter is for KV
+    assert ui_peer.printed("compute: cpu float32, 1 thread; one layer decodes a token in ")
+    ms = 1000 / node.throughput
+    assert ui_peer.printed(f"in {ms:.2f} ms ({node.throughput / 15:.1f} tok/s through 15 layers)")
+
+
+def burst_of_keys(app: TesseraApp, keys: str) -> None:
+    """Keys as a fast typist sends them: all queued before the app handles the first."""
+    from textual import events
+
+    for char in keys:
+        event = events.Key("slash" if char == "/" else char, char)
+        event.set_sender(app)
+        app.post_message(event)
+
+
+def at_tail(log) -> bool:
+    return log.max_scroll_y > 0 and log.scroll_y == log.max_scroll_y
+
+
+@pytest.mark.slow
+def test_events_tail_filter_typing_and_operator_events(ui_peer):
+    """At 80x24: the log shows its newest lines (and stays put while scrolled up); "/" then fast
+    typing goes to the filter box; drain, resume, pause, resume each leave an event in the log;
+    the peer's logging shows in the log too."""
+    for i in range(40):
+        ui_peer.node.out(f"backlog line {i}")
+
+    async def scenario():
+        app = TesseraApp(ui_peer)
+        async with app.run_test(size=(80, 24)) as pilot:
+            log = app.query_one("#event-log")
+            await until(pilot, lambda: "backlog line 39" in log_text(app) and app.snapshot, "the backlog")
+            await pilot.pause()
+            assert at_tail(log), (log.scroll_y, log.max_scroll_y)
+            await pilot.resize_terminal(80, 20)  # the log gets shorter, as when the panels grow
+            await pilot.pause()
+            assert at_tail(log), (log.scroll_y, log.max_scroll_y)
+
+            log.scroll_to(y=0, animate=False)  # the operator reads further up
+            await pilot.pause()
+            ui_peer.node.out("a line while reading up")
+            await until(pilot, lambda: "a line while reading up" in log_text(app), "the new line")
+            await pilot.pause()
+            assert log.scroll_y == 0  # left where the operator is reading
+            log.scroll_end(animate=False)
+            await pilot.pause()
+            logging.getLogger("tessera.peer.net.gossip").warning("a warning while the UI runs")
+            await until(pilot, lambda: "a warning while the UI runs" in log_text(app), "the warning")
+            await pilot.pause()
+            assert at_tail(log)  # back at the end: following again
+
+            burst_of_keys(app, "/claim")
+            await pilot.pause()
+            assert len(app.screen_stack) == 1, app.screen  # no memory dialog, no leave question
+            box = app.query_one("#event-filter")
+            assert box.value == "claim" and app.focused is box
+            await until(pilot, lambda: re.search(r"\d\d:\d\d:\d\d claim\s", log_text(app))
+                        and not re.search(r"\d\d:\d\d:\d\d join\s", log_text(app)), "only claims shown")
+            await pilot.press("escape")
+            box.value = ""
+
+            for key, state in (("d", "draining"), ("p", "serving"), ("p", "paused"), ("p", "serving")):
+                await pilot.press(key)
+                await until(pilot, lambda: app.state == state, state)
+            await until(pilot, lambda: all(re.search(rf"\d\d:\d\d:\d\d {kind}\s", log_text(app))
+                                           for kind in ("drain", "pause", "resume")), "the operator's events")
+
+    asyncio.run(scenario())
+
+    def operator_events() -> list[str]:
+        with PeerStore(ui_peer.db_path, readonly=True) as store:
+            return [e.kind for e in store.events(kinds=(Drain, Pause, Resume))]
+
+    # the trace writer commits in batches: the last resume may land a moment after the UI shows it
+    deadline = time.monotonic() + 15
+    while len(kinds := operator_events()) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert kinds == ["drain", "resume", "pause", "resume"]
