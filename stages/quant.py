@@ -223,7 +223,22 @@ def int4_block_rows(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
     return w.view(r, -1)  # [r, K]
 
 
-class Int8Linear(nn.Module):
+class QuantLinear(nn.Module):
+    """A linear layer over quantized weights: `matmul` (2-D rows, no bias) is the subclass's."""
+
+    bias: torch.Tensor | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matmul(x.reshape(-1, x.shape[-1]))  # [T, N]: the kernels take 2-D input
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8Linear(QuantLinear):
     """y = x W^T (+ b) with W = q * s[:, None]: q int8 [N, K], s [N] in the activations' dtype."""
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -231,12 +246,6 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", q)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.matmul(x.reshape(-1, x.shape[-1]))  # [T, N]: the kernels take 2-D input
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [T, K] -> [T, N], without the bias."""
@@ -247,7 +256,7 @@ class Int8Linear(nn.Module):
         return torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales)
 
 
-class Int4BlockLinear(nn.Module):
+class Int4BlockLinear(QuantLinear):
     """y = x W^T (+ b) with W = c s + m per group of `group_size` inputs, stored in GGUF's Q4 block
     layout (`int4_block_rows`); float32 activations on a CPU, dequantized in chunks."""
 
@@ -259,19 +268,13 @@ class Int4BlockLinear(nn.Module):
         self.register_buffer("mins", mins)  # [N, K/G]
         self.register_buffer("bias", bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.matmul(x.reshape(-1, x.shape[-1]))  # [T, N]
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [T, K] float32 -> [T, N], without the bias."""
         return chunked_matmul(rows.float(), self.weight.shape[0],
                               partial(int4_block_rows, self.weight, self.scales, self.mins)).to(rows.dtype)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(QuantLinear):
     """y = x W^T (+ b) with W = (q - 8) s + z per group of `group_size` inputs, q packed by torch."""
 
     def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
@@ -281,12 +284,6 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight", packed)
         self.register_buffer("scales_and_zeros", scales_and_zeros)  # [K/G, N, 2]
         self.register_buffer("bias", bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.matmul(x.reshape(-1, x.shape[-1]))  # [T, N]
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [T, K] -> [T, N], without the bias."""
