@@ -13,7 +13,8 @@ one handler:
   (its first line), why (its ``Error:`` line, or the exception's type and message,
   never a traceback) — and a line repeated within `REPEAT_WINDOW` is not shown
   again: one line per event, however often libp2p retries it, and however many of
-  its layers report the same failure (`BURST`, `ECHOES`). libp2p's own
+  its layers report the same failure (`BURST`, `ECHOES`; a line naming only an address
+  is not shown within the window after one naming a peer: it is that peer's redial). libp2p's own
   WARNINGs are its internal bookkeeping ("AUTO_CONNECTOR_STATE: num_connections=0
   …" at every start): shown with ``-v``;
 - ``-v``: INFO and above from everyone, libp2p's lines as libp2p wrote them;
@@ -72,6 +73,7 @@ class OneLinePerEvent(logging.Filter):
         self.clock = clock
         self.shown: dict[tuple[str, str], tuple[float, int]] = {}  # (logger, line) -> (when shown, repeats since)
         self.burst: tuple[float, str | None] | None = None  # the last line shown: when, and the peer it names
+        self.peer_failure_at: float | None = None  # when a line naming a peer was last shown
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not (record.name == LIBP2P or record.name.startswith(LIBP2P + ".")):
@@ -103,7 +105,15 @@ class OneLinePerEvent(logging.Filter):
         peer_id = peer.group() if peer else None
         if self.burst is not None and now - self.burst[0] < BURST and peer_id in (None, self.burst[1]):
             return False  # the same failure, seen again by another layer (or the redial after it)
+        if peer_id is None and self.peer_failure_at is not None and now - self.peer_failure_at < self.window:
+            # A line naming only an address, after the host reported a peer's failure: the gossip
+            # and ping rounds redialling that peer (seen on a quiet loopback 43 s after the host's
+            # line, well past BURST). Its address cannot be tied to the peer here, and the peer's
+            # failure was already said, so it is not said again.
+            return False
         self.burst = (now, peer_id)
+        if peer_id is not None:
+            self.peer_failure_at = now
         # libp2p's ERRORs are not ours: the peer goes on serving, our own messages say what matters
         record.msg, record.args, record.exc_info, record.exc_text = line, (), None, None
         record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)

@@ -64,6 +64,7 @@ def test_a_dead_peer_reported_by_three_layers_is_one_line():
         (2.0, *redial),
         (3.0, "libp2p.host.basic_host", DUMP.replace("12D3KooWAbc", other)),  # another peer: another event
         (7.0, *redial), (60.0, *redial),  # the dead one, redialled every round
+        (300.0, redial[0], redial[1].replace("45489", "45490")),  # first redial of a second address, long after
     ]:
         now[0] = 100.0 + t
         rec = record(name, msg)
@@ -71,6 +72,8 @@ def test_a_dead_peer_reported_by_three_layers_is_one_line():
             seen.append(rec.getMessage())
     assert seen == [f"Failed to open stream to peer {dead}: failed to upgrade",
                     f"Failed to open stream to peer {other}: failed to upgrade"]
+    now[0] = 100.0 + 3.0 + flt.window + 1  # a window after the last peer's failure, an address alone is news
+    assert flt.filter(record(*redial))
 
 
 @pytest.fixture
