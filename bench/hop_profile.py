@@ -18,7 +18,6 @@ import argparse
 import cProfile
 import logging
 import pstats
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -50,20 +49,8 @@ KINDS = [
 class ProfiledSwarm(LocalSwarm):
     """LocalSwarm whose peers run under cProfile (written when a peer exits on SIGINT)."""
 
-    def spawn(self, i: int, join: list[str]) -> subprocess.Popen:
-        log = self.base_dir / f"peer{i}.log"
-        cmd = [sys.executable, "-m", "cProfile", "-o", str(self.base_dir / f"peer{i}.prof"), "-m", "tessera.peer.cli.main", "peer",
-               "--model", self.model, "--name", f"peer{i}", "--data-dir", str(self.base_dir / f"peer{i}"),
-               "--threads", str(self.threads), *self.extra_args[i]]
-        for addr in join:
-            cmd += ["--join", addr]
-        proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=self.env)
-        while len(self.procs) <= i:
-            self.procs.append(proc)
-            self.logs.append(log)
-            self.addrs.append("")
-        self.procs[i], self.logs[i] = proc, log
-        return proc
+    def launcher(self, i: int) -> list[str]:
+        return [sys.executable, "-m", "cProfile", "-o", str(self.base_dir / f"peer{i}.prof")]
 
 
 def kind_of(func: tuple[str, int, str]) -> str:

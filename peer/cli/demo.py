@@ -47,10 +47,14 @@ class LocalSwarm:
         self.addrs: list[str] = []
         self.logs: list[Path] = []
 
+    def launcher(self, i: int) -> list[str]:
+        """How peer i's Python starts (a benchmark runs it under a profiler)."""
+        return [sys.executable]
+
     def spawn(self, i: int, join: list[str]) -> subprocess.Popen:
         """Start peer i's process (not waiting for it)."""
         log = self.base_dir / f"peer{i}.log"
-        cmd = [sys.executable, "-m", "tessera.peer.cli.main", "peer", "--model", self.model, "--name", f"peer{i}",
+        cmd = [*self.launcher(i), "-m", "tessera.peer.cli.main", "peer", "--model", self.model, "--name", f"peer{i}",
                "--data-dir", str(self.base_dir / f"peer{i}"), "--threads", str(self.threads), *self.extra_args[i]]
         for addr in join:
             cmd += ["--join", addr]

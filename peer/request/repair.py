@@ -129,6 +129,13 @@ class ResilientSession:
         duration = self.swarm.bans.register_failure(peer, self.swarm.clock(), seconds=seconds)
         self.swarm.ctx.tracer.emit(events.Ban(remote=peer, reason=reason[:200], seconds=duration))
 
+    def ban_for(self, error: SessionRefused | PeerFailed) -> None:
+        """Ban the peer an open or a repair failed on: a refusal (busy, full) briefly, a failure with back-off."""
+        if isinstance(error, SessionRefused):
+            self.ban(error.peer, f"refused: {error.code}", seconds=REFUSED_BACKOFF)
+        else:
+            self.ban(error.peer, error.reason)
+
     # -- opening ----------------------------------------------------------------------
 
     async def open(self) -> None:
@@ -139,13 +146,9 @@ class ResilientSession:
             session = session_for(self.swarm.ctx, chosen, max_length=self.max_length)
             try:
                 await session.open()
-            except SessionRefused as refused:
-                self.ban(refused.peer, f"refused: {refused.code}", seconds=REFUSED_BACKOFF)
-                last_error = refused
-                continue
-            except PeerFailed as failed:
-                self.ban(failed.peer, failed.reason)
-                last_error = failed
+            except (SessionRefused, PeerFailed) as error:
+                self.ban_for(error)
+                last_error = error
                 continue
             self.current = session
             self.routes.append(chosen)
@@ -247,13 +250,9 @@ class ResilientSession:
                 session.splice(segment, replacement)
                 if through_end and replacement.replayed is not None:
                     self.rebuilt = await session.replay_after(replacement.segments, replacement.replayed)
-            except SessionRefused as refused:
-                self.ban(refused.peer, f"refused: {refused.code}", seconds=REFUSED_BACKOFF)
-                last = refused
-                continue
-            except PeerFailed as failed_peer:
-                self.ban(failed_peer.peer, failed_peer.reason)
-                last = failed_peer
+            except (SessionRefused, PeerFailed) as error:
+                self.ban_for(error)
+                last = error
                 continue
             replaced += replacement.peers
         self.failovers += 1
