@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ..conftest import FRANCE
+from ..resident import ROOT
 
 TESSERA = [sys.executable, "-m", "tessera.peer.cli.main"]
 
@@ -149,27 +150,28 @@ def test_import_sharded_folder(tiny_llama, tmp_path):
 
 
 SPAN_RSS = """
-import gc, sys, psutil, torch
+import gc, sys, torch
 from pathlib import Path
 from tessera.stages.stage import Stage
+from tests.resident import held_bytes, no_huge_pages
+no_huge_pages()
 torch.set_num_threads(1)
-me = psutil.Process()
 gc.collect()
-before = me.memory_info().rss
+before = held_bytes()
 stage = Stage.load(Path(sys.argv[1]), start=int(sys.argv[2]), end=int(sys.argv[3]))
 stage.open("s", capacity=4)
 stage.forward("s", torch.zeros(1, stage.spec.hidden_size), 0)  # every weight touched, so resident
 gc.collect()
-print(me.memory_info().rss - before, stage.weight_bytes)
+print(held_bytes() - before, stage.weight_bytes)
 """
 
 
 def test_span_load_costs_about_the_span(smol_dir):
-    """Resident memory after loading (and running) 3 of 30 layers is about those layers'
-    bytes, not the model's."""
+    """Memory held after loading (and running) 3 of 30 layers (anonymous and weight-file pages, no
+    huge pages: tests/resident.py) is about those layers' bytes, not the model's."""
     def load(start: int, end: int) -> tuple[int, int]:
         done = subprocess.run([sys.executable, "-c", SPAN_RSS, str(smol_dir), str(start), str(end)],
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert done.returncode == 0, done.stderr
         grown, weights = map(int, done.stdout.split())
         return grown, weights

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import psutil
 import pytest
 import trio
 
@@ -13,6 +12,7 @@ from tessera.store.db import PeerStore
 from tessera.store.events import Forward
 
 from ..conftest import FRANCE
+from ..resident import held_bytes, no_huge_pages
 from ..swarm_helpers import local_swarm
 
 pytestmark = pytest.mark.slow
@@ -138,23 +138,29 @@ async def test_other_swarm_shapes_match(spans, smol_dir, local_engine, smol_toke
 
 
 async def test_each_peer_loaded_only_its_span(smol_dir):
-    """Resident memory, after each peer ran a step (weights are memory-mapped until used): a
-    10-layer peer holds about 20 layers' bytes less than a 30-layer one."""
+    """Memory held (anonymous and weight-file pages, no huge pages: tests/resident.py), after each
+    peer ran a step (weights are memory-mapped until used): a 10-layer peer holds about 20 layers'
+    bytes less than a 30-layer one."""
     from tessera.peer.request.chain import RouteSession
     from tessera.peer.plan.routing import Hop, Route
     from tessera.stages.spec import ModelSpec
 
     layer = ModelSpec.from_file(smol_dir / "config.json").layer_bytes(4)
-    with local_swarm([(0, 10), (0, 30)]) as peers:
-        async with Swarm.join(peers.addrs[:1]) as swarm:
-            await swarm.wait_for_route(30)
-            for addr, end in zip(peers.addrs, (10, 30)):
-                session = RouteSession(swarm.ctx, Route((Hop(addr.split("/p2p/")[1], 0, end),), 0.0), max_length=8)
-                await session.open()
-                await session.step(swarm.head.embed([1, 2, 3]), 0)
-                await session.close()
-        small, whole = (psutil.Process(p.pid).memory_info().rss for p in peers.procs)
-    print(f"RSS: 10-layer peer {small / 2**20:.0f} MiB, 30-layer peer {whole / 2**20:.0f} MiB, "
+    no_huge_pages()  # the peer processes started now inherit it
+    try:
+        with local_swarm([(0, 10), (0, 30)]) as peers:
+            no_huge_pages(False)
+            async with Swarm.join(peers.addrs[:1]) as swarm:
+                await swarm.wait_for_route(30)
+                for addr, end in zip(peers.addrs, (10, 30)):
+                    session = RouteSession(swarm.ctx, Route((Hop(addr.split("/p2p/")[1], 0, end),), 0.0), max_length=8)
+                    await session.open()
+                    await session.step(swarm.head.embed([1, 2, 3]), 0)
+                    await session.close()
+            small, whole = (held_bytes(p.pid) for p in peers.procs)
+    finally:
+        no_huge_pages(False)
+    print(f"held: 10-layer peer {small / 2**20:.0f} MiB, 30-layer peer {whole / 2**20:.0f} MiB, "
           f"20 layers = {20 * layer / 2**20:.0f} MiB")
     assert 0.8 * 20 * layer < whole - small < 1.3 * 20 * layer
 

@@ -1,0 +1,54 @@
+"""What a process holds in memory for a model, read from /proc.
+
+Resident set size (RSS) also counts pages the kernel maps for reasons of its own:
+shared libraries' code and data that a first call touches (libtorch_cpu.so is
+~500 MB of text; its first matmul maps ~10 MiB here, more on a kernel whose page
+cache uses large folios or collapses text into huge pages), and transparent huge
+pages that round a sparsely touched region up to 2 MiB (khugepaged collapses a
+range holding a single touched page under its default `max_ptes_none`). Neither
+depends on the span a peer loaded, and both differ between machines: CI saw about
++56 MiB on every span load that this machine does not show.
+
+So the memory tests measure `held_bytes`: anonymous pages (the heap, torch's
+allocations, the KV cache) plus the pages mapped from weight files (a float
+span's tensors are views of the memory-mapped safetensors file until written),
+in processes that asked the kernel for no huge pages (`no_huge_pages`).
+
+The measuring scripts run in subprocesses with the repository root as their
+working directory (`ROOT`), so they can `import tests.resident`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WEIGHT_FILE = re.compile(r"\.(safetensors|gguf)$")
+MAPPING = re.compile(r"^[0-9a-f]+-[0-9a-f]+ ")
+KERNEL_PAGES = ("[vdso]", "[vvar]", "[vvar_vclock]", "[vsyscall]")
+PR_SET_THP_DISABLE = 41  # linux/prctl.h; inherited by children across fork and exec
+
+
+def no_huge_pages(disable: bool = True) -> None:
+    """Ask the kernel not to back this process (and the children it starts from now on) with
+    transparent huge pages. Raises OSError where the kernel refuses."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_THP_DISABLE, int(disable), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_THP_DISABLE) failed")
+
+
+def held_bytes(pid: int | str = "self") -> int:
+    """Resident bytes of the process's anonymous mappings and of its weight-file mappings."""
+    total, counting = 0, False
+    with open(f"/proc/{pid}/smaps") as smaps:
+        for line in smaps:
+            if MAPPING.match(line):
+                fields = line.split(maxsplit=5)
+                path = fields[5].strip() if len(fields) > 5 else ""
+                counting = (not path or (path.startswith("[") and path not in KERNEL_PAGES)
+                            or WEIGHT_FILE.search(path) is not None)
+            elif counting and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
