@@ -13,6 +13,7 @@ import trio
 from safetensors.torch import load_file, save_file
 
 from tessera.peer.request.client import Swarm
+from tessera.peer.request.policy import RequesterPolicy
 from tessera.peer.net.memory_stream import LinkSpec
 from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
 from tessera.peer.serve.faults import perturber
@@ -147,10 +148,11 @@ async def test_real_swarm_end_to_end(smol_dir, local_engine, smol_tokenizer):
     spans = [(0, 15), (15, 30), (15, 30), (15, 30)]
     with local_swarm(spans, per_peer=[[], ["--misbehave", "perturb:0.3"], [], []]) as peers:
         cheater = peers.addrs[1].split("/p2p/")[1]
-        async with Swarm.join(peers.addrs[:1]) as swarm:
+        # routes go through the cheater until it is caught (then it is banned and an honest
+        # peer takes over): preferred, not a short ban on the others, which a loaded machine
+        # outlasts before the answer is through
+        async with Swarm.join(peers.addrs[:1], policy=RequesterPolicy(prefer=frozenset({cheater}))) as swarm:
             await swarm.wait_for_route(30)
-            for addr in peers.addrs[2:]:
-                swarm.bans.ban_until(addr.split("/p2p/")[1], swarm.clock() + 2)
             info: dict = {}
             # complete_ids, not a stream: a perturbation may change a token before the check
             # that catches it, and then the answer is regenerated from the last right token
