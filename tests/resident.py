@@ -39,16 +39,36 @@ def no_huge_pages(disable: bool = True) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_THP_DISABLE) failed")
 
 
-def held_bytes(pid: int | str = "self") -> int:
-    """Resident bytes of the process's anonymous mappings and of its weight-file mappings."""
-    total, counting = 0, False
+def resident_parts(pid: int | str = "self") -> dict[str, int]:
+    """Resident bytes by kind of mapping: "anonymous", "weights" (weight files), "other files"
+    (libraries, the interpreter), and "huge pages" (anonymous ones, a part of "anonymous")."""
+    parts = dict.fromkeys(("anonymous", "weights", "other files", "huge pages"), 0)
+    kind = None
     with open(f"/proc/{pid}/smaps") as smaps:
         for line in smaps:
             if MAPPING.match(line):
                 fields = line.split(maxsplit=5)
                 path = fields[5].strip() if len(fields) > 5 else ""
-                counting = (not path or (path.startswith("[") and path not in KERNEL_PAGES)
-                            or WEIGHT_FILE.search(path) is not None)
-            elif counting and line.startswith("Rss:"):
-                total += int(line.split()[1]) * 1024
-    return total
+                if not path or (path.startswith("[") and path not in KERNEL_PAGES):
+                    kind = "anonymous"
+                elif WEIGHT_FILE.search(path):
+                    kind = "weights"
+                else:
+                    kind = None if path in KERNEL_PAGES else "other files"
+            elif kind is not None and line.startswith("Rss:"):
+                parts[kind] += int(line.split()[1]) * 1024
+            elif kind == "anonymous" and line.startswith("AnonHugePages:"):
+                parts["huge pages"] += int(line.split()[1]) * 1024
+    return parts
+
+
+def held_bytes(pid: int | str = "self") -> int:
+    """Resident bytes of the process's anonymous mappings and of its weight-file mappings."""
+    parts = resident_parts(pid)
+    return parts["anonymous"] + parts["weights"]
+
+
+def mib(parts: dict[str, int]) -> str:
+    """`resident_parts` as one line, for a test's output (read when a memory test fails on
+    another machine)."""
+    return ", ".join(f"{kind} {size / 2**20:.1f} MiB" for kind, size in parts.items())

@@ -153,7 +153,7 @@ SPAN_RSS = """
 import gc, sys, torch
 from pathlib import Path
 from tessera.stages.stage import Stage
-from tests.resident import held_bytes, no_huge_pages
+from tests.resident import held_bytes, mib, no_huge_pages, resident_parts
 no_huge_pages()
 torch.set_num_threads(1)
 gc.collect()
@@ -162,6 +162,7 @@ stage = Stage.load(Path(sys.argv[1]), start=int(sys.argv[2]), end=int(sys.argv[3
 stage.open("s", capacity=4)
 stage.forward("s", torch.zeros(1, stage.spec.hidden_size), 0)  # every weight touched, so resident
 gc.collect()
+print(mib(resident_parts()), file=sys.stderr)
 print(held_bytes() - before, stage.weight_bytes)
 """
 
@@ -174,6 +175,7 @@ def test_span_load_costs_about_the_span(smol_dir):
                               capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert done.returncode == 0, done.stderr
         grown, weights = map(int, done.stdout.split())
+        print(f"layers [{start}, {end}): {done.stderr.strip()}")
         return grown, weights
 
     span_grown, span_bytes = load(0, 3)

@@ -239,7 +239,7 @@ import gc, sys, torch
 from pathlib import Path
 from tessera.stages.stage import Stage
 from tessera.stages.quant import Quant
-from tests.resident import held_bytes, no_huge_pages
+from tests.resident import held_bytes, mib, no_huge_pages, resident_parts
 no_huge_pages()
 torch.set_num_threads(1)
 warm = Stage.load(Path(sys.argv[1]), start=0, end=1, quant=Quant.parse(sys.argv[2]))
@@ -253,6 +253,7 @@ def rss():
     return next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
                 if line.startswith("VmRSS:"))
 before, held_before = rss(), held_bytes()
+print('before the span:', mib(resident_parts()), file=sys.stderr)
 Path("/proc/self/clear_refs").write_text("5")  # resets the peak (VmHWM) to the current RSS
 stage = Stage.load(Path(sys.argv[1]), start=0, end=15, quant=Quant.parse(sys.argv[2]))  # float32: the CPU default
 peak = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
@@ -263,6 +264,7 @@ libraries = (rss() - before) - (held_bytes() - held_before)
 stage.open("s", capacity=64)
 stage.forward("s", torch.zeros(1, stage.spec.hidden_size), 0)  # every weight touched, so resident
 gc.collect()
+print('after the span:', mib(resident_parts()), file=sys.stderr)
 print(held_bytes() - held_before, stage.weight_bytes, stage.session_bytes(64), peak - before - libraries)
 """
 
@@ -300,7 +302,7 @@ def test_quantized_span_resident_memory(smol_dir, smol_without_gguf, scheme, sou
     float_span = 15 * ModelSpec.from_file(smol_dir / "config.json").layer_bytes(4)
     print(f"{scheme} from the {source}: +{grown / 2**20:.1f} MiB held for {weights / 2**20:.1f} MiB of weights and "
           f"{kv / 2**20:.1f} MiB of KV cache (ratio {grown / (weights + kv):.3f}); peak +{peak / 2**20:.1f} MiB "
-          f"(float32 span {float_span / 2**20:.0f} MiB)")
+          f"(float32 span {float_span / 2**20:.0f} MiB)\n{done.stderr.strip()}")
     assert grown <= 1.15 * (weights + kv)
     assert peak <= weights + kv + (GGUF_LOAD_TEMPORARIES if source == "gguf" else FLOAT_TEMPORARIES)
 

@@ -12,7 +12,7 @@ from tessera.store.db import PeerStore
 from tessera.store.events import Forward
 
 from ..conftest import FRANCE
-from ..resident import held_bytes, no_huge_pages
+from ..resident import held_bytes, mib, no_huge_pages, resident_parts
 from ..swarm_helpers import local_swarm
 
 pytestmark = pytest.mark.slow
@@ -158,6 +158,8 @@ async def test_each_peer_loaded_only_its_span(smol_dir):
                     await session.step(swarm.head.embed([1, 2, 3]), 0)
                     await session.close()
             small, whole = (held_bytes(p.pid) for p in peers.procs)
+            for p, span in zip(peers.procs, ("[0, 10)", "[0, 30)")):
+                print(f"peer of {span}: {mib(resident_parts(p.pid))}")
     finally:
         no_huge_pages(False)
     print(f"held: 10-layer peer {small / 2**20:.0f} MiB, 30-layer peer {whole / 2**20:.0f} MiB, "
