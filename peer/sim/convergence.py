@@ -36,11 +36,10 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import trio
-import trio.testing
 
 from tessera.peer.net.memory_stream import LinkSpec
 from tessera.peer.net.memory import MemoryNetwork
-from tessera.peer.sim.engine import deterministic_scheduling
+from tessera.peer.sim.schedule import run_deterministic
 from tessera.peer.sim.peer import SimPeer, memory_for
 from tessera.peer.sim.policies import get_policy
 from tessera.peer.sim.report import Recorder
@@ -285,8 +284,7 @@ def run_sequence(initial: int, events: Sequence[Event], *, seed: int = 0,
                  timings: Timings = CONVERGENCE_TIMINGS) -> Outcome:
     """Start `initial` peers, apply `events`, and measure (see the module docstring)."""
     run = _Run(initial, events, seed, timings)
-    with deterministic_scheduling(seed):
-        return trio.run(run.main, clock=trio.testing.MockClock(autojump_threshold=0))
+    return run_deterministic(run.main, seed=seed)
 
 
 __all__ = ["CONVERGENCE_TIMINGS", "EVENT_KINDS", "Event", "Outcome", "run_sequence"]

@@ -9,24 +9,20 @@ starts, a request arrives — sleeping on the mock clock in between; everything
 else is the peers' and requesters' own tasks. The run ends when every request
 has finished (or at `until`), and the report is built from what the recorder saw.
 
-Determinism: every identity, RNG and link comes from the seed; simulated time is
-trio's MockClock; and trio's scheduler, which otherwise reverses each batch of
-runnable tasks at random, is put in its deterministic mode (tasks sorted by
-creation, then shuffled by an RNG seeded from the seed) for the run —
-`deterministic_scheduling()`, the switch trio itself flips under Hypothesis.
+Determinism: every identity, RNG and link comes from the seed; the loop runs
+under peer/sim/schedule.py `run_deterministic` (trio's MockClock, its scheduler in
+deterministic mode, in a thread no signal reaches).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import trio
-import trio.testing
 
 from tessera.peer.base.ids import peer_id_text
 from tessera.peer.net.memory_stream import LinkSpec
@@ -36,6 +32,7 @@ from tessera.peer.sim.peer import SimPeer
 from tessera.peer.sim.policies import get_policy
 from tessera.peer.sim.report import Recorder
 from tessera.peer.sim.requester import SimRequester
+from tessera.peer.sim.schedule import run_deterministic
 from tessera.peer.sim.scenario import ONE_WAY_S, REGIONS, RequestPlan, Scenario
 from tessera.peer.sim.stage import sim_model_id, sim_spec
 from tessera.peer.sim.policies import VIEW_MODES
@@ -52,30 +49,6 @@ REQUESTER_LEAD_S = 1.0
 # A replay's links: measured latencies (peer/sim/replay.py), and a LAN's bandwidth — a
 # trace holds no bandwidth figure, and a loopback or LAN swarm is not bandwidth-bound.
 REPLAY_BANDWIDTH = 125e6
-
-
-@contextmanager
-def deterministic_scheduling(seed: int) -> Iterator[None]:
-    """Make trio's choice among simultaneously runnable tasks a function of `seed`.
-
-    Trio keeps this switch for Hypothesis (trio/_core/_run.py: `_ALLOW_DETERMINISTIC_SCHEDULING`
-    and the module RNG `_r`); we set both for the run and restore them after.
-    Raises RuntimeError if this trio version has no such switch.
-    """
-    try:
-        from trio._core import _run
-    except ImportError:  # pragma: no cover - trio moved its internals
-        raise RuntimeError("this trio version has no trio._core._run; simulation needs trio 0.2x") from None
-    if not hasattr(_run, "_ALLOW_DETERMINISTIC_SCHEDULING") or not hasattr(_run, "_r"):
-        raise RuntimeError(f"trio {trio.__version__} has no deterministic-scheduling switch; pin trio <= 0.35")
-    old_flag, old_state = _run._ALLOW_DETERMINISTIC_SCHEDULING, _run._r.getstate()
-    _run._ALLOW_DETERMINISTIC_SCHEDULING = True  # type: ignore[misc]
-    _run._r.seed(f"tessera-sim-scheduler:{seed}")
-    try:
-        yield
-    finally:
-        _run._ALLOW_DETERMINISTIC_SCHEDULING = old_flag  # type: ignore[misc]
-        _run._r.setstate(old_state)
 
 
 def simulate(
@@ -124,11 +97,7 @@ def simulate(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: a thread pool only adds overhead to a one-thread simulation
     try:
-        with deterministic_scheduling(seed):
-            return trio.run(
-                _run, scenario, placement, seed, timings, view, link, until, writer,
-                clock=trio.testing.MockClock(autojump_threshold=0),
-            )
+        return run_deterministic(_run, scenario, placement, seed, timings, view, link, until, writer, seed=seed)
     finally:
         torch.set_num_threads(threads)
         if writer is not None:
@@ -288,4 +257,4 @@ def _describe_links(scenario: Scenario, link: LinkSpec | None) -> dict[str, Any]
     return {"regions": list(REGIONS), "one_way_s": [list(r) for r in ONE_WAY_S]}
 
 
-__all__ = ["simulate", "deterministic_scheduling", "GOSSIP_MAX_PEERS", "LARGE_SWARM_PEERS"]
+__all__ = ["simulate", "GOSSIP_MAX_PEERS", "LARGE_SWARM_PEERS"]

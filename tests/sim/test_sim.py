@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
 
 import pytest
 
@@ -27,6 +30,30 @@ def test_the_same_scenario_and_seed_give_identical_bytes():
     assert report["settings"]["handler_errors"] == 0
     other = dumps(simulate(small_swarm(), policy="default", seed=4))
     assert other != first  # the seed drives jitter and scheduling
+
+
+def test_signals_arriving_during_a_run_change_nothing():
+    """A signal wakes trio's loop in the main thread, and the task that reads the wake-up
+    joins a batch of runnable tasks, which reorders the batch (a CI runner's signals cost an
+    advertisement in one of two runs). The run must not hear them (peer/sim/schedule.py)."""
+    scenario = synthetic(peers=4, requests=3, seed=2)
+    quiet = dumps(simulate(scenario, seed=2))
+    stop = threading.Event()
+
+    def pester() -> None:
+        while not stop.wait(0.0002):
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    old = signal.signal(signal.SIGUSR1, lambda *_: None)
+    thread = threading.Thread(target=pester, daemon=True)
+    thread.start()
+    try:
+        noisy = [dumps(simulate(scenario, seed=2)) for _ in range(3)]
+    finally:
+        stop.set()
+        thread.join()
+        signal.signal(signal.SIGUSR1, old)
+    assert all(report == quiet for report in noisy)
 
 
 def sole_server_scenario(mode: str) -> Scenario:
