@@ -8,7 +8,8 @@ TORCH  := torch==2.13.0
 MODEL  := smollm2-135m
 # Two workers, a test file each at a time (module fixtures start one swarm per file).
 # Every peer process runs torch on one thread, so two files share the 2 cores fairly.
-PYTEST_ARGS ?= -n 2 --dist loadfile
+# Short tracebacks: CI keeps only the tail of the log, and every failure should fit in it.
+PYTEST_ARGS ?= -n 2 --dist loadfile --tb=short
 
 .PHONY: install model demo test bench clean
 
