@@ -50,6 +50,7 @@ from tessera.stages.errors import StageError
 from tessera.peer.http import anthropic as http_anthropic
 from tessera.peer.http import responses as http_responses
 from tessera.peer.base.errors import NoRoute, PeerError, RouteLost, UnknownPeer
+from tessera.peer.base.threads import in_worker
 from tessera.peer.http.exchange import SSE_HEADERS, ClientGone, Exchange, Receive, Send
 from tessera.peer.http.generation import (
     Envelope, Generation, chat_chunk, chat_object, completion_chunk, completion_object, usage_chunk,
@@ -312,11 +313,11 @@ class Gateway:
         tokenizer = self.swarm.tokenizer
         if request.messages is not None:
             try:
-                return await trio.to_thread.run_sync(tokenizer.encode_chat, list(request.messages))
+                return await in_worker(lambda: tokenizer.encode_chat(list(request.messages)))
             except StageError as error:
                 raise bad("messages", str(error)) from None
         if isinstance(request.prompt, str):
-            return await trio.to_thread.run_sync(tokenizer.encode, request.prompt)
+            return await in_worker(lambda: tokenizer.encode(request.prompt))
         vocab = self.swarm.spec.vocab_size
         for t in request.prompt:
             if not 0 <= t < vocab:

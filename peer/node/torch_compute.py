@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import psutil
 import torch
-import trio
 
+from tessera.peer.base.threads import in_worker
 from tessera.stages import registry
 from tessera.stages.devices import cuda_offer, cuda_reserve, read_device_memory
 from tessera.stages.generate import pick_device, pick_dtype
@@ -69,16 +69,16 @@ class TorchCompute:
 
     async def measure(self) -> float:
         """One layer's decode speed, tokens/s (in a worker thread: it runs torch)."""
-        return await trio.to_thread.run_sync(
+        return await in_worker(
             lambda: measure_layer_throughput(self.spec, device=self.device, dtype=self.dtype, quant=self.quant)
         )
 
     async def load(self, start: int, end: int) -> Stage | ShardedStage:
         index, count = self.shard
         if count > 1:  # only this rank's slices (stages/sharded.py)
-            return await trio.to_thread.run_sync(lambda: ShardedStage.load(
+            return await in_worker(lambda: ShardedStage.load(
                 self.folder, start=start, end=end, index=index, count=count, device=self.device, dtype=self.dtype))
-        return await trio.to_thread.run_sync(
+        return await in_worker(
             lambda: Stage.load(self.folder, start=start, end=end, device=self.device, dtype=self.dtype,
                                quant=self.quant)
         )

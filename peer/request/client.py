@@ -47,6 +47,7 @@ from tessera.peer.request.decode import Speculation, plain_tokens, speculative_t
 from tessera.peer.request.reports import ReportBook
 from tessera.peer.request.verify import GUILTY_BAN, SpotChecker
 from tessera.peer.base.backoff import Backoff
+from tessera.peer.base.threads import in_worker
 from tessera.peer.request.ports import BAN_BASE, BAN_CAP, CheckPolicy
 from tessera.peer.request.repair import AnswerRewound, ResilientSession
 from tessera.peer.request.policy import RequesterPolicy, check_peer_id, explain_gaps
@@ -177,7 +178,7 @@ class Swarm:
             identity.seed, listen=listen, swarm_key=swarm_key
         ) as real_transport, emulate(real_transport, emulate_link) as transport:
             async with trio.open_nursery() as nursery:
-                swarm = await trio.to_thread.run_sync(
+                swarm = await in_worker(
                     lambda: Swarm(transport, nursery, folder=folder, identity=identity, tracer=tracer, policy=policy,
                                   quant=quant, accept_mixed=accept_mixed)
                 )
@@ -318,10 +319,10 @@ class Swarm:
     # -- generation -------------------------------------------------------------------
 
     async def _embed(self, ids: Sequence[int]) -> torch.Tensor:
-        return await trio.to_thread.run_sync(self.head.embed, list(ids))
+        return await in_worker(lambda: self.head.embed(list(ids)))
 
     async def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return await trio.to_thread.run_sync(self.head.logits, hidden)
+        return await in_worker(lambda: self.head.logits(hidden))
 
     async def generate_ids(
         self,

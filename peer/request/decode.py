@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
 import torch
-import trio
 
+from tessera.peer.base.threads import in_worker
 from tessera.stages.constrained import ConstrainedSampler
 from tessera.stages.sampling import Sampler
 from tessera.stages.speculative import AdaptiveK, Draft, Drafter, greedy_accept, sampling_accept
@@ -92,7 +92,7 @@ async def pick(sampler: Sampler, row: torch.Tensor) -> int:
     """One token from a logits row. A constrained draw judges candidates on their text, which
     can take a while for a schema the model fights: off the trio loop, which serves the network."""
     if isinstance(sampler, ConstrainedSampler):
-        return await trio.to_thread.run_sync(sampler.sample, row)
+        return await in_worker(lambda: sampler.sample(row))
     return sampler.sample(row)
 
 

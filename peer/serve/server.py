@@ -42,6 +42,7 @@ from tessera.peer.serve.limits import (
 )
 from tessera.peer.serve.batcher import BatchBudget, BatchInterrupted, StepBatcher
 from tessera.peer.base.protocols import LINK_PROTOCOL, SESSION_PROTOCOL
+from tessera.peer.base.threads import in_worker
 from tessera.peer.net.transport import Channel, Stream, Transport, receive_link_hello
 
 log = logging.getLogger(__name__)
@@ -82,8 +83,9 @@ class StageServer:
         self.stats = ServerStats()
         self.tamper: Callable[[torch.Tensor], torch.Tensor] = lambda t: t  # fault injection (tests, demos)
         # How a step's compute runs: in a worker thread, so that heartbeats and stream reads
-        # never stall. A simulation swaps in a cost model that advances trio's MockClock.
-        self.run_compute: Callable[[Callable[[], object]], Awaitable[object]] = trio.to_thread.run_sync
+        # never stall (and nothing of a step is freed there: peer/base/threads.py). A simulation
+        # swaps in a cost model that advances trio's MockClock.
+        self.run_compute: Callable[[Callable[[], object]], Awaitable[object]] = in_worker
         # Steps of different sessions queued together run as one stacked forward (peer/serve/batcher.py).
         self.batcher = StepBatcher(self._run_batch, BatchBudget(self.limits.batch_rows, self.limits.batch_wait))
         self.emptied = trio.Event()
