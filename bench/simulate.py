@@ -48,11 +48,7 @@ def main() -> None:
                          requesters=args.requesters)
     profiler = cProfile.Profile(time.process_time) if args.profile else None  # CPU time: a loaded machine skews wall time
     started, cpu_started = time.perf_counter(), time.process_time()
-    if profiler:
-        profiler.enable()
-    report = simulate(scenario, policy=args.policy, seed=args.seed)
-    if profiler:
-        profiler.disable()
+    report = simulate(scenario, policy=args.policy, seed=args.seed, profiler=profiler)  # the run has its own thread
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     print(format_summary(report))
     if profiler:

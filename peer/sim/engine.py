@@ -61,6 +61,7 @@ def simulate(
     link: LinkSpec | None = None,
     until: float | None = None,
     trace_path: Path | str | None = None,
+    profiler: Any = None,
 ) -> dict[str, Any]:
     """Run `scenario` and return its report (a dict; write it with `report.dumps`).
 
@@ -74,6 +75,7 @@ def simulate(
                 the synthetic peers' regions and bandwidths).
     until:      stop at this simulated second (default: when every request has finished).
     trace_path: also write every node's events into one trace database (`tessera trace`).
+    profiler:   a cProfile.Profile to run the simulation under (bench/simulate.py --profile).
 
     Raises UnknownPolicy or BadScenario.
     """
@@ -97,7 +99,8 @@ def simulate(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: a thread pool only adds overhead to a one-thread simulation
     try:
-        return run_deterministic(_run, scenario, placement, seed, timings, view, link, until, writer, seed=seed)
+        return run_deterministic(_run, scenario, placement, seed, timings, view, link, until, writer,
+                                 seed=seed, profiler=profiler)
     finally:
         torch.set_num_threads(threads)
         if writer is not None:

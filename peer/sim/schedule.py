@@ -31,9 +31,11 @@ import trio
 import trio.testing
 
 
-def run_deterministic(main: Callable[..., Awaitable[Any]], *args: Any, seed: int) -> Any:
+def run_deterministic(main: Callable[..., Awaitable[Any]], *args: Any, seed: int, profiler: Any = None) -> Any:
     """`trio.run(main, *args)` on a MockClock, scheduled by `seed`, out of reach of signals.
 
+    `profiler`: a cProfile.Profile to enable around the run, in the run's own thread (a
+    profiler enabled by the caller sees only the caller's thread).
     Returns what `main` returns and raises what it raises. Raises RuntimeError if this trio
     version has no deterministic-scheduling switch.
     """
@@ -56,11 +58,15 @@ def run_deterministic(main: Callable[..., Awaitable[Any]], *args: Any, seed: int
         raise KeyboardInterrupt  # only reached when the main thread cancelled the run (Ctrl-C)
 
     def body() -> None:
+        if profiler is not None:
+            profiler.enable()
         try:
             outcome["value"] = trio.run(wrapped, clock=trio.testing.MockClock(autojump_threshold=0))
         except BaseException as error:  # handed to the caller's thread below
             outcome["error"] = error
         finally:
+            if profiler is not None:
+                profiler.disable()
             started.set()
 
     old_flag, old_state = _run._ALLOW_DETERMINISTIC_SCHEDULING, _run._r.getstate()
