@@ -73,6 +73,7 @@ class PeerNode:
         self.stage: Any = None  # a tessera.stages Stage (or what the stage loader loads)
         self.keeper = parts.keeper
         self.gossip: Gossip | None = None
+        self._nursery: trio.Nursery | None = None  # where advertise() announces (while running)
         self.pinger: Pinger | None = None
         self._own: SignedRecord | None = None
         self._own_info: PeerInfo | None = None  # this peer as its latest record shows it
@@ -129,9 +130,17 @@ class PeerNode:
         self._own_info = None  # filled from the keeper's copy on merge (one decode, not two)
         return self._own
 
-    async def advertise(self) -> None:
+    async def advertise(self, *, wait: bool = False) -> None:
         """Re-sign our record; exchange with every neighbour now if what it says changed (a
-        refresh alone travels with the next gossip tick)."""
+        refresh alone travels with the next gossip tick).
+
+        The exchanges run in the background unless `wait` (leaving: tell the swarm before
+        the host closes). A neighbour that has gone silent holds its exchange for up to
+        EXCHANGE_TIMEOUT (5 s), and nothing that advertises may wait on it: the refresh loop
+        would fall behind the record's lifetime (a 7.5 s record expired in some views while
+        its owner's first refresh waited on a vanished peer), and serving, moves and operator
+        controls would stall.
+        """
         before = self.keeper.known.get(self.transport.peer_id) if self.transport else None
         signed = self.make_record()
         if signed is None:
@@ -141,7 +150,10 @@ class PeerNode:
         self._own_info = after.info if after is not None and after.signed is signed else None
         if self.gossip is not None and (before is None or after is None
                                         or material(before.record) != material(after.record)):
-            await self.gossip.announce()
+            if wait or self._nursery is None:
+                await self.gossip.announce()
+            else:
+                self._nursery.start_soon(self.gossip.announce)
         if self.tracer:
             self.tracer.emit(events.Advertise(span=self.span, state=self.state, load=self.server.load if self.server else 0.0))
 
@@ -167,6 +179,7 @@ class PeerNode:
             self.watch.opened(self)
             try:
                 async with trio.open_nursery() as nursery:
+                    self._nursery = nursery  # background announcements (advertise)
                     if parts.nat:
                         self._start_nat(nursery)
                     await self._join()
@@ -208,6 +221,7 @@ class PeerNode:
                     await self._leave()
                     nursery.cancel_scope.cancel()
             finally:
+                self._nursery = None
                 self.watch.closed(self)
                 self.tracer.close()
                 if self.store is not None:
@@ -377,7 +391,7 @@ class PeerNode:
             self.state = LEAVING if not self.server or not self.server.sessions else DRAINING
             if self.server:
                 self.server.accepting = False
-            await self.advertise()
+            await self.advertise(wait=True)
             if self.server:
                 await self.server.drain(self.config.leave_grace)
                 # Past the grace: end what is left now, while the trace is still open (closing
@@ -385,7 +399,7 @@ class PeerNode:
                 for session in list(self.server.sessions.values()):
                     self.server.drop(session, "peer left")
             self.state = LEAVING
-            await self.advertise()
+            await self.advertise(wait=True)
             if self.span and self.store is not None:
                 self.store.record_claim(self.model_id, self.span, action="release", reason="leaving")
             self.watch.left(self)
