@@ -23,9 +23,12 @@ change* is the last event, or the last time any live peer's own record changed (
 move drains, loads and serves over several seconds; a leave drains first), or the
 groups changed (a peer joined or died, or two peers on one side of a partition that
 the cut had separated from everything they knew learned of each other). The
-outcome's `worst_periods` is (first agreeing poll after the last change − last
-change) / gossip period; `agreed_throughout` says the agreement then held to the end
-(until records of dead peers expired); `stale` lists records of dead peers still
+outcome's `worst_periods` is (the poll from which the views agreed to the end − last
+change) / gossip period. Before the bound has passed, views may agree and part again: the
+observer compares what routing reads, not versions, so two copies of a record can look
+alike while one of them, older, is about to expire (a peer back from a partition). Such a
+flicker only moves the agreement later. `agreed_throughout` is False if the views parted
+once the bound had passed with nothing changed; `stale` lists records of dead peers still
 held a record-lifetime after they died (it must be empty).
 """
 
@@ -56,6 +59,11 @@ LATENCY = 0.01  # one way, seconds: a continent's worth of loopback
 CONVERGENCE_TIMINGS = Timings(record_ttl=7.5, advertise_interval=1.5, gossip_interval=1.0, ping_interval=2.5,
                               rebalance_interval=1e9, leave_grace=1.0, move_grace=1.0, load_seconds_per_layer=0.02)
 NUM_LAYERS = 30
+# The bound (peer/net/gossip.py), in gossip periods: 2 periods + 2 exchanges after the last
+# change. An exchange here: a dial (3 RTTs) + opening a stream (1) + digest / records / pull /
+# records (2); and the observer looks every POLL seconds.
+EXCHANGE_S = 6 * 2 * LATENCY
+BOUND_PERIODS = 2 + (2 * EXCHANGE_S + POLL) / CONVERGENCE_TIMINGS.gossip_interval
 
 
 @dataclass(frozen=True)
@@ -235,8 +243,9 @@ class _Run:
             if self.agree(truth):
                 if self.outcome.converged_at is None:
                     self.outcome.converged_at = now
-            elif self.outcome.converged_at is not None and now > self.outcome.last_change:
-                self.outcome.agreed_throughout = False  # agreed, then split with nothing changed
+            elif self.outcome.converged_at is not None:
+                if now > self.outcome.last_change + 2 * self.timings.gossip_interval + 2 * EXCHANGE_S + POLL:
+                    self.outcome.agreed_throughout = False  # agreed past the bound, then split with nothing changed
                 self.outcome.converged_at = None
             await trio.sleep(POLL)
 
@@ -287,4 +296,4 @@ def run_sequence(initial: int, events: Sequence[Event], *, seed: int = 0,
     return run_deterministic(run.main, seed=seed)
 
 
-__all__ = ["CONVERGENCE_TIMINGS", "EVENT_KINDS", "Event", "Outcome", "run_sequence"]
+__all__ = ["BOUND_PERIODS", "CONVERGENCE_TIMINGS", "EVENT_KINDS", "Event", "Outcome", "run_sequence"]
