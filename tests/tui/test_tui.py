@@ -558,11 +558,10 @@ def test_events_tail_filter_typing_and_operator_events(ui_peer):
         async with app.run_test(size=(80, 24)) as pilot:
             log = app.query_one("#event-log")
             await until(pilot, lambda: "backlog line 39" in log_text(app) and app.snapshot, "the backlog")
-            await pilot.pause()
-            assert at_tail(log), (log.scroll_y, log.max_scroll_y)
+            # lines keep arriving (the peer's own events), and the log scrolls after each repaint
+            await until(pilot, lambda: at_tail(log), "the log to show its tail")
             await pilot.resize_terminal(80, 20)  # the log gets shorter, as when the panels grow
-            await pilot.pause()
-            assert at_tail(log), (log.scroll_y, log.max_scroll_y)
+            await until(pilot, lambda: at_tail(log), "the shorter log to show its tail")
 
             log.scroll_to(y=0, animate=False)  # the operator reads further up
             await pilot.pause()
@@ -574,8 +573,7 @@ def test_events_tail_filter_typing_and_operator_events(ui_peer):
             await pilot.pause()
             logging.getLogger("tessera.peer.net.gossip").warning("a warning while the UI runs")
             await until(pilot, lambda: "a warning while the UI runs" in log_text(app), "the warning")
-            await pilot.pause()
-            assert at_tail(log)  # back at the end: following again
+            await until(pilot, lambda: at_tail(log), "the log to follow again")  # back at the end: following
 
             burst_of_keys(app, "/claim")
             await pilot.pause()
