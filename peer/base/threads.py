@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
+import outcome
 import trio
 
 T = TypeVar("T")
@@ -32,19 +33,10 @@ async def in_worker(call: Callable[[], T]) -> T:
     del call  # the box holds the only reference this frame had
 
     def job() -> None:
-        work = box.pop()
-        try:
-            box.append((True, work()))
-        except BaseException as error:  # handed to the caller, raised there
-            box.append((False, error))
-        finally:
-            del work
+        box.append(outcome.capture(box.pop()))  # the call leaves the box as the outcome enters it
 
     await trio.to_thread.run_sync(job)
-    ok, value = box.pop()
-    if ok:
-        return value
-    raise value
+    return box.pop().unwrap()
 
 
 __all__ = ["in_worker"]

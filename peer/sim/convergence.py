@@ -63,7 +63,14 @@ NUM_LAYERS = 30
 # change. An exchange here: a dial (3 RTTs) + opening a stream (1) + digest / records / pull /
 # records (2); and the observer looks every POLL seconds.
 EXCHANGE_S = 6 * 2 * LATENCY
-BOUND_PERIODS = 2 + (2 * EXCHANGE_S + POLL) / CONVERGENCE_TIMINGS.gossip_interval
+
+
+def bound_seconds(timings: Timings) -> float:
+    """How long after the last change the views must agree, and from when on they must stay agreed."""
+    return 2 * timings.gossip_interval + 2 * EXCHANGE_S + POLL
+
+
+BOUND_PERIODS = bound_seconds(CONVERGENCE_TIMINGS) / CONVERGENCE_TIMINGS.gossip_interval
 
 
 @dataclass(frozen=True)
@@ -244,7 +251,7 @@ class _Run:
                 if self.outcome.converged_at is None:
                     self.outcome.converged_at = now
             elif self.outcome.converged_at is not None:
-                if now > self.outcome.last_change + 2 * self.timings.gossip_interval + 2 * EXCHANGE_S + POLL:
+                if now > self.outcome.last_change + bound_seconds(self.timings):
                     self.outcome.agreed_throughout = False  # agreed past the bound, then split with nothing changed
                 self.outcome.converged_at = None
             await trio.sleep(POLL)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Awaitable, Callable
 
+import outcome
 import trio
 import trio.testing
 
@@ -46,24 +47,21 @@ def run_deterministic(main: Callable[..., Awaitable[Any]], *args: Any, seed: int
     if not hasattr(_run, "_ALLOW_DETERMINISTIC_SCHEDULING") or not hasattr(_run, "_r"):
         raise RuntimeError(f"trio {trio.__version__} has no deterministic-scheduling switch; pin trio <= 0.35")
 
-    outcome: dict[str, Any] = {}
-    started = threading.Event()
+    running: list = []  # (trio token, the run's cancel scope), once the loop runs
+    started = threading.Event()  # the loop runs, or has ended
+    result: list[outcome.Outcome] = []
 
-    async def wrapped() -> Any:
-        outcome["token"] = trio.lowlevel.current_trio_token()
+    async def cancellable() -> Any:
         with trio.CancelScope() as scope:
-            outcome["scope"] = scope
+            running.append((trio.lowlevel.current_trio_token(), scope))
             started.set()
             return await main(*args)
-        raise KeyboardInterrupt  # only reached when the main thread cancelled the run (Ctrl-C)
 
     def body() -> None:
         if profiler is not None:
             profiler.enable()
         try:
-            outcome["value"] = trio.run(wrapped, clock=trio.testing.MockClock(autojump_threshold=0))
-        except BaseException as error:  # handed to the caller's thread below
-            outcome["error"] = error
+            result.append(outcome.capture(trio.run, cancellable, clock=trio.testing.MockClock(autojump_threshold=0)))
         finally:
             if profiler is not None:
                 profiler.disable()
@@ -77,10 +75,9 @@ def run_deterministic(main: Callable[..., Awaitable[Any]], *args: Any, seed: int
         thread.start()
         try:
             thread.join()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # Ctrl-C reaches this thread: stop the run, then say so
             started.wait()
-            token, scope = outcome.get("token"), outcome.get("scope")
-            if token is not None and scope is not None:
+            for token, scope in running:
                 try:
                     token.run_sync_soon(scope.cancel)
                 except trio.RunFinishedError:
@@ -90,9 +87,7 @@ def run_deterministic(main: Callable[..., Awaitable[Any]], *args: Any, seed: int
     finally:
         _run._ALLOW_DETERMINISTIC_SCHEDULING = old_flag  # type: ignore[misc]
         _run._r.setstate(old_state)
-    if "error" in outcome:
-        raise outcome.pop("error")
-    return outcome["value"]
+    return result[0].unwrap()
 
 
 __all__ = ["run_deterministic"]
