@@ -23,9 +23,12 @@ MAX_ADDR_LEN = 256
 MAX_LAYERS = 2**16
 MAX_SHARDS = 1024
 MAX_NEIGHBOURS = 64
+MAX_HELD_SPANS = 32
+"""Layer ranges one record may list as held on disk (a peer merges touching ranges, so
+more than a few means a cache scattered by many moves; the rest go unsaid)."""
 MAX_RECORD_SIZE = 16 * 1024
 """An encoded PeerRecord at its limits (32 addresses of 256 characters, 64
-neighbours) is about 13 KiB."""
+neighbours, 32 held ranges) is 15,384 bytes."""
 
 MAX_GOSSIP_RECORDS = 256
 MAX_DIGEST_ENTRIES = 1024
@@ -48,6 +51,24 @@ class Neighbour:
 
     peer_id: bytes = wire(max_len=MAX_PEER_ID_SIZE)
     rtt_ms: float = wire(min=0.0)
+
+
+@message("layers")
+@dataclass(frozen=True)
+class LayerSpan:
+    """Layers ``[start, end)`` of the model.
+
+    Attributes:
+        start: the first layer.
+        end: one past the last layer.
+    """
+
+    start: int = wire(max=MAX_LAYERS)
+    end: int = wire(max=MAX_LAYERS)
+
+    def __post_init__(self) -> None:
+        if self.start >= self.end:
+            raise InconsistentFields(f"LayerSpan: layer range [{self.start!r}, {self.end!r}) is empty")
 
 
 @message("record")
@@ -82,6 +103,10 @@ class PeerRecord:
         device: the kind of device it computes on: "cpu", "cuda" or "mps".
         device_free: bytes free on that device when the record was made (CUDA's
             free VRAM); 0 when the device does not say (CPU, MPS).
+        held: the layers whose weights this peer has on disk, loaded or not (a whole
+            model folder: all of them; a folder fetched from the swarm: the spans it
+            fetched). A re-claim after churn prefers peers that hold what it needs: a
+            load costs seconds, a download minutes. Empty: not said (an older peer).
     """
 
     peer_id: bytes = wire(max_len=MAX_PEER_ID_SIZE)
@@ -106,6 +131,7 @@ class PeerRecord:
     shard_group: str = wire(default="", max_len=64)
     device: str = wire(default="cpu", max_len=16)
     device_free: int = wire(default=0, max=INT64_MAX)
+    held: tuple[LayerSpan, ...] = wire(default=(), max_items=MAX_HELD_SPANS)
 
     def __post_init__(self) -> None:
         if self.start >= self.end:

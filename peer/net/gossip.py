@@ -71,7 +71,7 @@ from tessera.stages.quant import base_model_id
 from tessera.peer.base.errors import PeerError
 from tessera.peer.base.protocols import GOSSIP_PROTOCOL, PING_PROTOCOL
 from tessera.peer.net.transport import Channel, Stream, Transport
-from tessera.peer.plan.view import LEAVING, PeerInfo, SwarmView
+from tessera.peer.plan.view import LEAVING, PeerInfo, SwarmView, merge_spans
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def material(record: PeerRecord | None) -> tuple | None:
     if record is None:
         return None
     return (record.start, record.end, record.state, record.free_memory, record.max_sessions, record.throughput,
-            record.addrs, record.shard_index, record.shard_count, record.shard_group, record.reachability)
+            record.addrs, record.shard_index, record.shard_count, record.shard_group, record.reachability, record.held)
 
 
 def info_from_record(record: PeerRecord) -> PeerInfo:
@@ -133,6 +133,7 @@ def info_from_record(record: PeerRecord) -> PeerInfo:
         shard_group=record.shard_group,
         device=record.device,
         device_free=record.device_free,
+        held=merge_spans((h.start, h.end) for h in record.held),
     )
 
 

@@ -70,7 +70,7 @@ class Placement(Protocol):
     moves: bool  # False: the periodic rebalance check is not run at all
 
     def claim(self, view: SwarmView, *, me: str, capacity_layers: int, throughput: float,
-              rng: random.Random) -> tuple[int, int]: ...
+              rng: random.Random, held: tuple[tuple[int, int], ...] = ()) -> tuple[int, int]: ...
 
     def rebalance(self, snapshot: SwarmView, *, own: PeerInfo | None, me: str, span: tuple[int, int],
                   capacity_layers: int, throughput: float, rng: random.Random) -> tuple[int, int] | None: ...
@@ -82,8 +82,8 @@ class PlanPlacement:
     name = "default"
     moves = True
 
-    def claim(self, view, *, me, capacity_layers, throughput, rng):
-        return choose_span(view, me=me, capacity_layers=capacity_layers, throughput=throughput)
+    def claim(self, view, *, me, capacity_layers, throughput, rng, held=()):
+        return choose_span(view, me=me, capacity_layers=capacity_layers, throughput=throughput, held=held)
 
     def rebalance(self, snapshot, *, own, me, span, capacity_layers, throughput, rng):
         # a real keeper merges the peer's own record at once: `snapshot` already holds `own`
@@ -138,6 +138,14 @@ class Weights(Protocol):
     def serve(self, transport: Transport) -> None: ...
 
     async def ensure(self, transport: Transport, span: tuple[int, int], out: Callable[[str], None]) -> None: ...
+
+    def held_layers(self) -> tuple[tuple[int, int], ...]:
+        """The layer ranges whose weights are on disk (advertised: re-claims prefer holders)."""
+        ...
+
+    def fetching(self) -> dict | None:
+        """The fetch under way (label, bytes done and total, rate, ETA), or None."""
+        ...
 
 
 @dataclass

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import trio
 
 from tessera.protocol.crypto import sign_record
-from tessera.protocol.records import Neighbour, PeerRecord, SignedRecord
+from tessera.protocol.records import MAX_HELD_SPANS, LayerSpan, Neighbour, PeerRecord, SignedRecord
 from tessera.store import events
 from tessera.store.trace import Tracer
 
@@ -100,6 +100,14 @@ class PeerNode:
         """Free and total memory of a CUDA device (for the record and the TUI); None elsewhere."""
         return self.compute.device_memory()
 
+    def held_layers(self) -> tuple[tuple[int, int], ...]:
+        """Layer ranges on disk here (empty without a model folder: the simulator's stage)."""
+        return self.parts.weights.held_layers() if self.parts.weights is not None else ()
+
+    def fetching(self) -> dict | None:
+        """The weights fetch under way for a claimed span (`Weights.fetching`), or None."""
+        return self.parts.weights.fetching() if self.parts.weights is not None else None
+
     @property
     def itemsize(self) -> int:
         return self.compute.itemsize
@@ -125,6 +133,7 @@ class PeerNode:
             issued_at=now, expires_at=now + self.config.record_ttl, seq=self.seq,
             dtype=self.compute.dtype_name,
             device=self.compute.device_type, device_free=(self.device_memory() or {}).get("free", 0),
+            held=tuple(LayerSpan(start, end) for start, end in self.held_layers()[:MAX_HELD_SPANS]),
         )
         self._own = sign_record(self.identity, record)
         self._own_info = None  # filled from the keeper's copy on merge (one decode, not two)
@@ -290,7 +299,7 @@ class PeerNode:
         else:
             start, end = self.placement.claim(self.keeper.snapshot(), me=self.transport.peer_id,
                                               capacity_layers=self.capacity, throughput=self.throughput,
-                                              rng=self.pacing.rng)
+                                              rng=self.pacing.rng, held=self.held_layers())
         self.span = (int(start), int(end))
         if self.store is not None:
             self.store.record_claim(self.model_id, self.span, action="claim", shard=self.config.shard,
@@ -355,7 +364,7 @@ class PeerNode:
             return
         view = self.keeper.snapshot().without([self.transport.peer_id])
         span = self.placement.claim(view, me=self.transport.peer_id, capacity_layers=self.capacity,
-                                    throughput=self.throughput, rng=self.pacing.rng)
+                                    throughput=self.throughput, rng=self.pacing.rng, held=self.held_layers())
         span = (int(span[0]), int(span[1]))
         if span != self.span:
             await self.move_to(span, f"memory offered changed to {gb:g} GB")
@@ -471,6 +480,8 @@ class PeerNode:
             "coverage": view.coverage(),
             "neighbours": {p: {"rtt_ms": rtt, "kind": self.transport.connection_kind(p)} for p, rtt in self.pinger.rtt_ms.items()},
             "nat": self.nat.status() if self.nat else None,
+            "held": [list(span) for span in self.held_layers()],
+            "fetch": self.fetching(),
         }
 
 

@@ -47,10 +47,18 @@ Criteria (and why)
    move, so where a peer joins and where it would move to never disagree. (Petals
    minimises the sorted capacities inside the window instead; on random profiles the
    two pick the same windows — ours states the outcome rather than the proxy.)
-3. windows whose ends sit on a capacity step (or the model's ends) — so joiners pack
+3. the most layers the peer already holds on disk (``held``) — a span it holds costs a
+   load (seconds), one it lacks a download (minutes for a big model). When the window
+   fills a gap this comes before criterion 2: while a gap lasts no route exists, so
+   the window that restores service soonest wins over a better-balanced one;
+4. windows whose ends sit on a capacity step (or the model's ends) — so joiners pack
    gaps edge to edge instead of leaving slivers, and chains need fewer hops;
-4. a rendezvous hash of ``(me, start)`` — exactly tied windows are split among peers
+5. a rendezvous hash of ``(me, start)`` — exactly tied windows are split among peers
    that join at the same moment, and each peer's choice is stable.
+
+After churn, the one peer elected to fill a gap (`gap_filler`) is, among those that
+fill the most uncovered layers, the one that holds most of its window on disk, so a
+death costs a load, not a download.
 """
 
 from __future__ import annotations
@@ -177,13 +185,16 @@ def _rendezvous(me: str, start: int) -> bytes:
 
 
 def choose_span(
-    view: SwarmView, *, me: str, capacity_layers: int, throughput: float
+    view: SwarmView, *, me: str, capacity_layers: int, throughput: float,
+    held: tuple[tuple[int, int], ...] = (),
 ) -> tuple[int, int]:
     """The span ``[start, end)`` a joining peer should claim.
 
     The window has length ``min(capacity_layers, L)``; it is chosen by the criteria in
-    the module docstring (gaps first, then the weakest layers, then clean edges, then
-    a hash of ``me``). ``me``'s own entry in the view, if any, is ignored.
+    the module docstring (gaps first, then the weakest layers, then layers held on
+    disk — before the weakest layers when filling a gap —, then clean edges, then a
+    hash of ``me``). ``held`` is ``me``'s layer ranges on disk (merged, as in
+    `PeerInfo.held`). ``me``'s own entry in the view, if any, is ignored.
 
     Raises ValueError if ``capacity_layers < 1``. A model with no layers gives (0, 0).
     """
@@ -206,6 +217,7 @@ def choose_span(
         if base[b - 1] != base[b] or hole[b - 1] != hole[b]:
             edges.add(b)
 
+    on_disk = PeerInfo(me, "", 0, 0, 0.0, held=held)
     best_key: tuple | None = None
     best_start = 0
     for start in range(num_layers - k + 1):
@@ -213,7 +225,8 @@ def choose_span(
         filled = sum(hole[start:end])
         profile = sorted(base[:start] + raised[start:end] + base[end:])
         aligned = (start in edges) + (end in edges)
-        key = (-filled, tuple(-x for x in profile), -aligned, _rendezvous(me, start))
+        have = on_disk.held_in(start, end)
+        key = (-filled, -have if filled else 0, tuple(-x for x in profile), -have, -aligned, _rendezvous(me, start))
         if best_key is None or key < best_key:
             best_key, best_start = key, start
     return (best_start, best_start + k)
@@ -226,8 +239,9 @@ def gap_filler(view: SwarmView) -> str | None:
     them opens no gap). Every peer computes the same answer from the same snapshot,
     so exactly one of them moves per view instead of all rushing into the same gap
     (and then rebalancing back out of it). Preferred, in order: the one that can
-    fill the most uncovered layers (fewest reloads), the one whose own layers stay
-    strongest without it (take from the richest), then a hash of its id. The next
+    fill the most uncovered layers (fewest reloads), the one that holds most of such
+    a window on disk (a load, not a download: `PeerInfo.held`), the one whose own
+    layers stay strongest without it (take from the richest), then a hash of its id. The next
     candidate is elected once the mover's new claim shows in the view — or once an
     elected peer that never moves ages out of the view.
     """
@@ -235,7 +249,7 @@ def gap_filler(view: SwarmView) -> str | None:
     if not summary.gaps:
         return None
     hole = [1 if c == 0 else 0 for c in summary.counts]
-    fills: dict[int, int] = {}  # window length -> most uncovered layers it can cover
+    fills: dict[int, tuple[int, list[int]]] = {}  # window length -> most uncovered layers it can cover, and where
     best: tuple | None = None
     elected = None
     for p, start, end in _claims(view):
@@ -243,10 +257,14 @@ def gap_filler(view: SwarmView) -> str | None:
             continue
         k = min(p.num_layers, view.num_layers)
         if k not in fills:
-            fills[k] = max(sum(hole[s : s + k]) for s in range(view.num_layers - k + 1))
+            filled = [sum(hole[s : s + k]) for s in range(view.num_layers - k + 1)]
+            most = max(filled)
+            fills[k] = (most, [s for s, f in enumerate(filled) if f == most])
+        most, starts = fills[k]
+        have = max(p.held_in(s, s + k) for s in starts) if p.held else 0
         per_layer = max(p.throughput, 0.0) / p.num_layers
         remaining = min(summary.capacity[layer] - per_layer for layer in range(start, end))
-        key = (-fills[k], -_quantize(remaining), _rendezvous(p.peer_id, summary.gaps[0][0]))
+        key = (-most, -have, -_quantize(remaining), _rendezvous(p.peer_id, summary.gaps[0][0]))
         if best is None or key < best:
             best, elected = key, p.peer_id
     return elected
@@ -305,7 +323,7 @@ def plan_move(
     now = coverage_summary(view.replace(replace(mine, throughput=throughput)))
     if now.uncovered and gap_filler(view) != me:
         return None
-    new = choose_span(view, me=me, capacity_layers=capacity_layers, throughput=throughput)
+    new = choose_span(view, me=me, capacity_layers=capacity_layers, throughput=throughput, held=mine.held)
     if new == mine.span:
         return None
     after = coverage_summary(view.replace(replace(mine, start=new[0], end=new[1], throughput=throughput)))

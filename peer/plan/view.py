@@ -70,6 +70,8 @@ class PeerInfo:
     shard_group:  the name of that group ("" when not sharded; see peer/plan/groups.py).
     device:       the kind of device it computes on ("cpu", "cuda", "mps").
     device_free:  bytes free on that device (CUDA's free VRAM; 0 when unknown).
+    held:         layer ranges whose weights it has on disk, loaded or not, sorted and
+                  merged (`merge_spans`); empty when it does not say.
     """
 
     peer_id: str
@@ -93,6 +95,7 @@ class PeerInfo:
     shard_group: str = ""
     device: str = "cpu"
     device_free: int = 0
+    held: tuple[tuple[int, int], ...] = ()
 
     @property
     def span(self) -> tuple[int, int]:
@@ -102,10 +105,29 @@ class PeerInfo:
     def num_layers(self) -> int:
         return self.end - self.start
 
+    def held_in(self, start: int, end: int) -> int:
+        """How many of the layers [start, end) it has on disk."""
+        return sum(max(0, min(end, e) - max(start, s)) for s, e in self.held)
+
     @property
     def routable(self) -> bool:
         """Whether a requester may open a new session here."""
         return self.state == SERVING and self.end > self.start
+
+
+def merge_spans(spans: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Half-open ranges sorted, with overlapping and touching ones merged and empty ones dropped.
+
+    >>> merge_spans([(10, 15), (0, 5), (5, 8), (12, 20), (3, 3)])
+    ((0, 8), (10, 20))
+    """
+    out: list[tuple[int, int]] = []
+    for start, end in sorted((s, e) for s, e in spans if e > s):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return tuple(out)
 
 
 _BY_ID = attrgetter("peer_id")  # a C-level sort key: a requester re-sorts its view for every route

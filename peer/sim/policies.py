@@ -50,7 +50,7 @@ class PlacementPolicy(Protocol):
     moves: bool  # whether rebalance() can ever say move (peers skip the periodic check if not)
 
     def claim(self, view: SwarmView, *, me: str, capacity_layers: int, throughput: float,
-              rng: random.Random) -> tuple[int, int]: ...
+              rng: random.Random, held: tuple[tuple[int, int], ...] = ()) -> tuple[int, int]: ...
 
     def rebalance(self, snapshot: SwarmView, *, own: PeerInfo | None, me: str, span: tuple[int, int],
                   capacity_layers: int, throughput: float, rng: random.Random) -> tuple[int, int] | None: ...
@@ -78,8 +78,8 @@ class DefaultPolicy:
     def __init__(self) -> None:
         self._shared: tuple[SwarmView, Coverage, str | None, dict[str, PeerInfo]] | None = None
 
-    def claim(self, view, *, me, capacity_layers, throughput, rng):
-        return choose_span(view, me=me, capacity_layers=capacity_layers, throughput=throughput)
+    def claim(self, view, *, me, capacity_layers, throughput, rng, held=()):
+        return choose_span(view, me=me, capacity_layers=capacity_layers, throughput=throughput, held=held)
 
     def rebalance(self, snapshot, *, own, me, span, capacity_layers, throughput, rng):
         if own is not None and self.cannot_move(snapshot, own, capacity_layers=capacity_layers,
@@ -131,7 +131,7 @@ class RandomPolicy:
     name = "random"
     moves = False
 
-    def claim(self, view, *, me, capacity_layers, throughput, rng):
+    def claim(self, view, *, me, capacity_layers, throughput, rng, held=()):
         k = min(capacity_layers, view.num_layers)
         start = rng.randrange(view.num_layers - k + 1)
         return (start, start + k)
@@ -151,7 +151,7 @@ class PetalsPolicy:
     name = "petals"
     moves = True
 
-    def claim(self, view, *, me, capacity_layers, throughput, rng):
+    def claim(self, view, *, me, capacity_layers, throughput, rng, held=()):
         k = min(capacity_layers, view.num_layers)
         start = _weakest_start(layer_capacity(view.without([me])), k)
         return (start, start + k)
@@ -211,7 +211,7 @@ class RecordedPolicy:
     name = "recorded"
     moves = False
 
-    def claim(self, view, *, me, capacity_layers, throughput, rng):
+    def claim(self, view, *, me, capacity_layers, throughput, rng, held=()):
         raise UnknownPolicy("the recorded policy takes spans from a trace; use it with `tessera replay`")
 
     def rebalance(self, snapshot, *, own, me, span, capacity_layers, throughput, rng):

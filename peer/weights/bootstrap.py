@@ -28,6 +28,7 @@ from tessera.stages.spec import ModelSpec
 from tessera.stages.tensor_table import groups_for_span
 
 from tessera.peer.base.errors import PeerError
+from tessera.peer.plan.view import merge_spans
 from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.net.transport import Transport
 from tessera.peer.weights.errors import WeightsUnavailable
@@ -57,11 +58,13 @@ def is_partial(folder: Path) -> bool:
 
 async def ensure_span(transport: Transport, folder: Path, span: tuple[int, int], peers: list[str], *,
                       out: Callable[[str], None] = lambda line: None,
-                      on_fetched: Callable[[], None] = lambda: None) -> FetchProgress | None:
+                      on_fetched: Callable[[], None] = lambda: None,
+                      on_fetcher: Callable[[Fetcher], None] = lambda fetcher: None) -> FetchProgress | None:
     """Make sure `folder` holds layers [start, end) (fetching from `peers` what it lacks).
 
     None for a full folder (or a bare one, without a manifest: only fetching writes partial
-    folders, always with one). Raises WeightsUnavailable, DiskFull.
+    folders, always with one). `on_fetcher` is handed the fetcher before it starts (its
+    `last_progress` is the live progress). Raises WeightsUnavailable, DiskFull.
     """
     if not (folder / MANIFEST).exists():
         return None
@@ -71,6 +74,7 @@ async def ensure_span(transport: Transport, folder: Path, span: tuple[int, int],
     spec = ModelSpec.from_file(folder / "config.json")
     groups = groups_for_span(span[0], span[1], spec.num_layers, tied=spec.tie_embeddings)
     fetcher = Fetcher(transport, folder, manifest, out=out)
+    on_fetcher(fetcher)
     progress = await fetcher.fetch_groups(peers, groups, label=f"layers [{span[0]}, {span[1]})")
     on_fetched()
     return progress
@@ -158,18 +162,60 @@ def resolve_or_fetch(model: str, join: list[str], *, swarm_key: bytes | None,
 
 class FolderWeights:
     """A volunteer's weights over its model folder (node/parts.py `Weights`): the chunk server
-    for the swarm (unless the volunteer turned it off) and the fetch of a claimed span the
-    folder lacks — at the first claim and at every later move."""
+    for the swarm (unless the volunteer turned it off), the fetch of a claimed span the
+    folder lacks — at the first claim and at every later move — and what it holds, for the
+    record (re-claims after churn prefer peers that hold the layers on disk)."""
 
-    def __init__(self, folder: Path, *, serve: bool, upload_rate: float) -> None:
+    def __init__(self, folder: Path, *, serve: bool, upload_rate: float,
+                 clock: Callable[[], float] = trio.current_time) -> None:
         self.folder = Path(folder)
         self.serve_enabled = serve
         self.upload_rate = upload_rate
+        self.clock = clock
         self.source: WeightSource | None = None
+        self._fetcher: Fetcher | None = None
+        self._held: tuple[tuple[int, int], ...] | None = None  # read from the headers once, then after each fetch
 
     def serve(self, transport: Transport) -> None:
         self.source = serve_weights(transport, self.folder, enabled=self.serve_enabled, rate=self.upload_rate)
 
     async def ensure(self, transport: Transport, span: tuple[int, int], out: Callable[[str], None]) -> None:
-        await ensure_span(transport, self.folder, span, transport.connected(), out=out,
-                          on_fetched=self.source.refresh if self.source is not None else lambda: None)
+        try:
+            await ensure_span(transport, self.folder, span, transport.connected(), out=out,
+                              on_fetched=self._fetched, on_fetcher=self._watch)
+        finally:
+            self._fetcher = None
+
+    def _watch(self, fetcher: Fetcher) -> None:
+        self._fetcher = fetcher
+
+    def _fetched(self) -> None:
+        self._held = None
+        if self.source is not None:
+            self.source.refresh()
+
+    def held_layers(self) -> tuple[tuple[int, int], ...]:
+        if self._held is None:
+            self._held = held_layers(self.folder)
+        return self._held
+
+    def fetching(self) -> dict | None:
+        progress = self._fetcher.last_progress if self._fetcher is not None else None
+        return progress.reading(self.clock()) if progress is not None else None
+
+
+def held_layers(folder: Path) -> tuple[tuple[int, int], ...]:
+    """The layer ranges whose every tensor is in the folder's weight files: all layers for a
+    whole folder (or a bare one, without a manifest), the fetched spans for a partial one."""
+    spec = ModelSpec.from_file(folder / "config.json")
+    if not (folder / MANIFEST).exists() or not is_partial(folder):
+        return ((0, spec.num_layers),) if spec.num_layers else ()
+    entries = read_manifest(folder)["tensors"]["entries"]
+    present = held_tensors(folder)
+    complete = [True] * spec.num_layers
+    for name, entry in entries.items():
+        group = entry["group"]
+        layer = int(group.removeprefix("layer.")) if group.startswith("layer.") else -1
+        if 0 <= layer < spec.num_layers and name not in present:
+            complete[layer] = False
+    return merge_spans((i, i + 1) for i, whole in enumerate(complete) if whole)

@@ -7,18 +7,20 @@ bench/convergence.py runs more and larger sequences (up to 30 peers) and prints 
 
 from __future__ import annotations
 
+import pytest
 import trio
 import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tessera.peer.net.gossip import Gossip, ViewKeeper
+from tessera.peer.net.gossip import Gossip, ViewKeeper, material
 from tessera.peer.net.memory_stream import LinkSpec
 from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
 from tessera.peer.sim.convergence import BOUND_PERIODS, CONVERGENCE_TIMINGS, EVENT_KINDS, Event, run_sequence
 from tessera.protocol.crypto import sign_record
 from tessera.protocol.keys import Identity
-from tessera.protocol.records import PeerRecord
+from tessera.protocol.errors import InconsistentFields
+from tessera.protocol.records import LayerSpan, PeerRecord
 
 events = st.builds(
     Event,
@@ -55,11 +57,11 @@ def test_a_crashed_peers_record_disappears_everywhere_after_it_expires() -> None
 
 
 def record(identity: Identity, *, seq: int, now: float, start: int = 0, end: int = 10, state: str = "serving",
-           ttl: float = 15.0, addrs: tuple[str, ...] = ()) -> object:
+           ttl: float = 15.0, addrs: tuple[str, ...] = (), held: tuple[LayerSpan, ...] = ()) -> object:
     return sign_record(identity, PeerRecord(
         peer_id=identity.peer_id, name="p", model_id="m", start=start, end=end, shard_index=0, shard_count=1,
         throughput=100.0, free_memory=0, load=0.0, max_sessions=16, state=state, reachability="public",
-        addrs=addrs, neighbours=(), issued_at=now, expires_at=now + ttl, seq=seq))
+        addrs=addrs, neighbours=(), issued_at=now, expires_at=now + ttl, seq=seq, held=held))
 
 
 def test_one_digest_exchange_leaves_both_sides_with_the_newer_of_every_record() -> None:
@@ -102,6 +104,29 @@ def test_a_refresh_replaces_only_an_older_record_of_the_same_peer() -> None:
         assert keeper.snapshot().peers[0].state == "leaving"
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_the_layers_a_peer_holds_on_disk_reach_the_view_merged_and_a_change_is_news() -> None:
+    me = Identity.from_seed(b"\x08" * 32)
+
+    async def main() -> None:
+        keeper = ViewKeeper(model_id="m", num_layers=30, clock=trio.current_time)
+        now = trio.current_time()
+        assert keeper.merge([record(me, seq=1, now=now)])
+        assert keeper.snapshot().peers[0].held == ()  # an older peer says nothing
+        fetched = (LayerSpan(10, 20), LayerSpan(0, 5), LayerSpan(5, 8))
+        assert keeper.merge([record(me, seq=2, now=now, held=fetched)])
+        assert keeper.snapshot().peers[0].held == ((0, 8), (10, 20))
+        assert material(record_of(keeper)) != material(PeerRecord(**{**vars(record_of(keeper)), "held": ()}))
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    with pytest.raises(InconsistentFields, match=r"\[4, 4\) is empty"):
+        LayerSpan(4, 4)
+
+
+def record_of(keeper: ViewKeeper) -> PeerRecord:
+    (known,) = keeper.known.values()
+    return known.record
 
 
 def test_a_neighbour_that_vanishes_while_the_others_start_does_not_hold_up_their_refreshes() -> None:

@@ -18,7 +18,7 @@ from tessera.peer.plan.placement import (
     layer_capacity,
     plan_move,
 )
-from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, SERVING, PeerInfo, SwarmView
+from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, SERVING, PeerInfo, SwarmView, merge_spans
 
 MODEL = "m"
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -372,3 +372,56 @@ def test_a_swarm_built_by_joins_recovers_after_a_leave(num_layers, sizes, leaver
         for p in after.peers:
             assert plan_move(after, me=p.peer_id, capacity_layers=p.num_layers, throughput=p.throughput) is None
     assert coverage_summary(after).uncovered <= coverage_summary(before_moves).uncovered
+
+
+# -- layers held on disk: a re-claim costs a load, not a download ---------------------
+
+
+def test_held_ranges_are_sorted_and_merged():
+    assert merge_spans([(10, 15), (0, 5), (5, 8), (12, 20), (3, 3)]) == ((0, 8), (10, 20))
+    assert merge_spans([]) == ()
+    info = peer("a", 0, 4, held=merge_spans([(0, 4), (6, 9)]))
+    assert [info.held_in(0, 12), info.held_in(2, 7), info.held_in(4, 6)] == [7, 3, 0]
+
+
+def test_a_gap_is_filled_by_a_peer_that_holds_its_layers_on_disk():
+    view = balanced(num_layers=12, span=4).without(["p04-0", "p04-1"])
+    fallback = gap_filler(view)
+    holder = next(p for p in ("p00-0", "p00-1", "p08-0", "p08-1") if p != fallback)
+    view = view.replace(replace(view.get(holder), held=((0, 8),)))  # it fetched [4, 8) once
+    assert gap_filler(view) == holder
+    plans = {p.peer_id: plan_move(view, me=p.peer_id, capacity_layers=4, throughput=100.0) for p in view.peers}
+    assert {pid for pid, plan in plans.items() if plan is not None} == {holder}
+    assert plans[holder] == (4, 8)
+    # holding layers elsewhere buys nothing: the filler is chosen as before
+    elsewhere = view.replace(replace(view.get(holder), held=((0, 4),)))
+    assert gap_filler(elsewhere) == fallback
+
+
+def test_filling_the_most_uncovered_layers_still_comes_first():
+    # 2-layer peers on [0, 2) and [2, 4) can fill only half of the gap [4, 8), held or not
+    view = SwarmView.of(
+        12,
+        [peer(f"a{i}", 0, 2, held=((0, 8),)) for i in range(3)]
+        + [peer(f"b{i}", 2, 4, held=((0, 8),)) for i in range(3)]
+        + [peer(f"c{i}", 8, 12) for i in range(2)],
+    )
+    assert view.gaps() == [(4, 8)] and gap_filler(view) in {"c0", "c1"}
+
+
+def test_a_peer_filling_a_gap_takes_the_window_it_holds():
+    view = SwarmView.of(30, [peer("a", 0, 20), peer("b", 25, 30)])  # gap [20, 25)
+    plain = choose_span(view, me="j", capacity_layers=10, throughput=100.0)
+    assert plain == (15, 25)
+    assert choose_span(view, me="j", capacity_layers=10, throughput=100.0, held=((20, 30),)) == (20, 30)
+    # filling the gap comes first: a window held whole that fills none is not taken
+    assert choose_span(view, me="j", capacity_layers=10, throughput=100.0, held=((0, 10),)) == plain
+
+
+def test_with_everything_covered_held_layers_only_break_ties():
+    covered = SwarmView.of(12, [peer("a", 0, 12)])
+    assert choose_span(covered, me="j", capacity_layers=4, throughput=100.0) in {(0, 4), (8, 12)}
+    assert choose_span(covered, me="j", capacity_layers=4, throughput=100.0, held=((5, 9),)) == (5, 9)
+    # layers [6, 12) are the weakest: a joiner lifts them even if it holds [0, 4) only
+    uneven = SwarmView.of(12, [peer("a", 0, 12), peer("b", 0, 6)])
+    assert choose_span(uneven, me="j", capacity_layers=4, throughput=100.0, held=((0, 4),)) in {(6, 10), (8, 12)}

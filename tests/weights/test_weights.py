@@ -21,7 +21,9 @@ from safetensors import safe_open
 from tessera.peer.base.protocols import WEIGHTS_PROTOCOL
 from tessera.peer.net.memory import LinkSpec, MemoryNetwork, open_memory_transport
 from tessera.peer.net.transport import Channel
-from tessera.peer.weights.bootstrap import REQUESTER_GROUPS, bootstrap_model, ensure_model, ensure_span
+from tessera.peer.weights.bootstrap import (
+    REQUESTER_GROUPS, FolderWeights, bootstrap_model, ensure_model, ensure_span, held_layers,
+)
 from tessera.peer.weights.errors import DiskFull, ManifestRejected, WeightsUnavailable
 from tessera.peer.weights.fetcher import Fetcher, learn_manifest
 from tessera.peer.weights.source import WeightLimits, WeightSource, serve_weights
@@ -356,3 +358,39 @@ async def test_a_bare_folder_without_manifest_is_whole_and_not_served(model, tmp
         assert await ensure_model(str(bare), [], swarm_key=None, groups=REQUESTER_GROUPS) == bare
         assert serve_weights(transport, model, enabled=False, rate=0.0) is None  # --no-serve-weights
     assert not (bare / "manifest.json").exists()  # nothing was written into the user's folder
+
+
+async def test_a_folder_says_which_layers_it_holds_and_how_its_fetch_goes(model, tmp_path) -> None:
+    """What the record advertises (re-claims prefer holders) and what the TUI's bar reads."""
+    assert held_layers(model) == ((0, 4),)
+    network = MemoryNetwork(LinkSpec(latency=0.0, bandwidth=1e12))
+    async with AsyncExitStack() as stack:
+        await holders(stack, network, {"A": model}, limits=WeightLimits(rate=500_000.0))  # ~0.6 s for 2 layers
+        me = await stack.enter_async_context(open_memory_transport(network, "C"))
+        folder = await bootstrap_model(me, ["A"], NAME, tmp_path / "models")
+        weights = FolderWeights(folder, serve=True, upload_rate=0.0)
+        weights.serve(me)
+        assert weights.held_layers() == () and weights.fetching() is None
+        readings: list[dict] = []
+
+        async def watch() -> None:
+            while True:
+                reading = weights.fetching()
+                if reading is not None:
+                    readings.append(reading)
+                await trio.sleep(0.02)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            await weights.ensure(me, (2, 4), lambda line: None)
+            nursery.cancel_scope.cancel()
+        assert weights.fetching() is None  # the fetch is over
+        assert weights.held_layers() == ((2, 4),)
+        assert weights.source is not None and {"layer.2", "layer.3"} <= set(weights.source.held_groups())
+        under_way = [r for r in readings if 0 < r["done"] < r["total"]]
+        assert under_way, readings
+        first = under_way[0]
+        assert first["label"] == "layers [2, 4)" and first["peers"] == 1 and first["rate"] > 0
+        assert first["eta_s"] is not None and first["eta_s"] > 0
+        await weights.ensure(me, (0, 1), lambda line: None)
+        assert weights.held_layers() == ((0, 1), (2, 4))

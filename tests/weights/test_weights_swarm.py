@@ -89,8 +89,11 @@ async def test_an_empty_folder_fetches_its_span_resumes_after_kill_and_serves_ex
             info: dict = {}
             ids = prompt_ids(swarm.tokenizer, PROMPT, raw=False)
             got = [t async for t in swarm.generate_ids(ids, max_new_tokens=TOKENS, info=info)]
+            held = {p.name: p.held for p in swarm.keeper.snapshot().peers}
         assert [(h["start"], h["end"]) for h in info["route"]] == [(0, 14), (14, 16), (16, 30)]
         assert got == want
+        # what each advertises on disk: re-claims after churn prefer peers that hold the layers
+        assert held["newcomer"] == (SPAN,) and set(held.values()) == {(SPAN,), ((0, 30),)}, held
     finally:
         second.send_signal(signal.SIGINT)
         try:
