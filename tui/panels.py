@@ -107,10 +107,11 @@ def _plural(n: int, word: str) -> str:
 
 
 class PeerPanel(SnapshotPanel):
-    """This peer: model, claimed span against all layers, memory, device and speed."""
+    """This peer: model, claimed span against all layers, the weights on disk and a fetch
+    under way, memory, device and speed."""
 
     SHOWN = ("model", "model_id", "device", "span", "shard", "num_layers", "forced_layers", "memory_used",
-             "memory_offered", "throughput", "vram", "quant")
+             "memory_offered", "throughput", "vram", "quant", "held", "fetch")
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -139,7 +140,32 @@ class PeerPanel(SnapshotPanel):
         vram = snap.get("vram")  # a CUDA device: its own memory, as the card reports it now
         if vram:
             lines.insert(5, Text.assemble(("VRAM ", "bold"), f"{fmt_gb(vram['free'])} free of {fmt_gb(vram['total'])}"))
+        disk = _held_words(snap.get("held"), layers)
+        if disk:
+            lines.insert(3, Text.assemble(("on disk ", "bold"), disk))
+        fetch = snap.get("fetch")  # weights coming from the swarm before this span can load
+        if fetch:
+            lines[3:3] = [Text.assemble(("fetching ", "bold"), _fetch_words(fetch)),
+                          meter(fetch["done"], fetch["total"], width)]
         return _block(lines)
+
+
+def _held_words(held: list[list[int]] | None, layers: int) -> str:
+    """'[14, 16) [20, 30)' for a folder fetched from the swarm; '' for a whole model (the
+    usual case, not worth a row at 80x24) or a peer that does not say."""
+    if not held or held == [[0, layers]]:
+        return ""
+    return " ".join(fmt_span(span) for span in held)
+
+
+def _fetch_words(fetch: dict[str, Any]) -> str:
+    """'layers [14, 16): 12.3 MB/28.0 MB (44%) · 30.1 MB/s · ETA 5s · from 2 peers'"""
+    total = fetch["total"]
+    pct = 100 * fetch["done"] / total if total else 100
+    eta = fetch["eta_s"]
+    return (f"{fetch['label']}: {fmt_bytes(fetch['done'])}/{fmt_bytes(total)} ({pct:.0f}%) · "
+            f"{fmt_bytes(fetch['rate'])}/s · ETA {'?' if eta is None else fmt_duration(eta)} · "
+            f"from {_plural(fetch['peers'], 'peer')}")
 
 
 def _speed(snap: dict[str, Any]) -> str:

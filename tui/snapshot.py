@@ -14,7 +14,9 @@ Keys (always present): ``phase`` ("starting", "serving", "stopped"), ``at``
 ``addrs``, ``model_id``, ``num_layers``, ``span``, ``state``, ``throughput``,
 ``memory_offered``, ``memory_used``, ``device``, ``vram`` (a CUDA card's ``free`` and ``total``
 bytes, else None), ``quant`` (the span's quantization), ``uptime``, ``sessions`` — a count —,
-``stats``, ``coverage``, ``neighbours``), and ``model``, ``gaps``, ``active`` (one
+``stats``, ``coverage``, ``neighbours``, ``held`` (layer ranges on disk), ``fetch`` (the
+weights fetch under way: ``label``, ``done``, ``total``, ``rate``, ``eta_s``, ``peers``; else
+None)), and ``model``, ``gaps``, ``active`` (one
 dict per running session: ``id``, ``requester``, ``span``, ``steps``, ``tokens``,
 ``idle_s``), ``paused``, ``accepting``, ``reachability``, ``swarm`` (``peers``,
 ``serving``, ``join``, ``private``), ``forced_layers``, ``max_sessions``.
@@ -108,7 +110,7 @@ def preview_memory(node: PeerNode, gb: float) -> dict[str, Any]:
     else:  # the same choice set_memory_offered makes
         me = node.transport.peer_id
         view = node.keeper.snapshot().without([me])
-        span = choose_span(view, me=me, capacity_layers=capacity, throughput=node.throughput)
+        span = choose_span(view, me=me, capacity_layers=capacity, throughput=node.throughput, held=node.held_layers())
     return {"span": list(span) if span else None, "current": list(current) if current else None,
             "moves": span != current, "capacity": capacity}
 
@@ -135,4 +137,6 @@ def _starting_status(node: PeerNode) -> dict[str, Any]:
         "stats": {},
         "coverage": node.keeper.snapshot().coverage(),
         "neighbours": {},
+        "held": [list(span) for span in node.held_layers()],
+        "fetch": node.fetching(),
     }

@@ -115,17 +115,25 @@ class FetchProgress:
     skipped: int = 0  # verified chunks found on disk (a resumed fetch)
     by_peer: dict[str, int] = field(default_factory=dict)
 
+    def reading(self, now: float) -> dict:
+        """Where the fetch stands at `now`, as plain data (the TUI's progress bar):
+        ``label``, ``done`` and ``total`` bytes, ``skipped`` (already on disk), ``rate``
+        (bytes/s over the network), ``eta_s`` (None while no rate is known), ``peers``."""
+        rate = (self.done - self.skipped) / max(now - self.started, 1e-9)
+        left = self.total - self.done
+        return {"label": self.label, "done": self.done, "total": self.total, "skipped": self.skipped,
+                "rate": rate, "eta_s": (left / rate if rate > 0 else None) if left else 0.0,
+                "peers": len(self.by_peer)}
+
     def line(self, now: float) -> str:
         """'layers [0, 15): 120.3/270.0 MB (45%), 30.1 MB/s, ETA 5 s, from 2 peers'"""
         mb = 1e6
-        fetched = self.done - self.skipped
-        rate = fetched / max(now - self.started, 1e-9)
-        left = self.total - self.done
-        eta = f"ETA {left / rate:.0f} s" if rate > 0 and left else ("done" if not left else "ETA ?")
+        r = self.reading(now)
+        eta = "done" if self.done >= self.total else ("ETA ?" if r["eta_s"] is None else f"ETA {r['eta_s']:.0f} s")
         pct = 100 * self.done / self.total if self.total else 100
         resumed = f", {self.skipped / mb:.1f} MB were already on disk" if self.skipped else ""
         return (f"fetching {self.label}: {self.done / mb:.1f}/{self.total / mb:.1f} MB ({pct:.0f}%), "
-                f"{rate / mb:.1f} MB/s, {eta}, from {len(self.by_peer)} peer{'s' if len(self.by_peer) != 1 else ''}"
+                f"{r['rate'] / mb:.1f} MB/s, {eta}, from {r['peers']} peer{'s' if r['peers'] != 1 else ''}"
                 + resumed)
 
 

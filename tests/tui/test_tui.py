@@ -441,6 +441,39 @@ def test_memory_dialog_and_help_screen(other_peer, tmp_path):
     left(handle)
 
 
+def test_this_peer_panel_shows_a_fetch_under_way_and_the_layers_on_disk():
+    from textual.app import App
+
+    class OnePanel(App):
+        def compose(self):
+            yield PeerPanel()
+
+    base = {"model": "smollm2-135m", "model_id": "abcdef0123", "device": "cpu", "span": [14, 16], "shard": None,
+            "num_layers": 30, "forced_layers": True, "memory_used": 0, "memory_offered": 1 << 30,
+            "throughput": 0.0, "quant": "none", "vram": None, "held": [[0, 30]], "fetch": None}
+    fetch = {"label": "layers [14, 16)", "done": 11 << 20, "total": 25 << 20, "skipped": 0, "rate": 3 << 20,
+             "eta_s": 4.7, "peers": 2}
+
+    async def scenario() -> list[str]:
+        app = OnePanel()
+        seen = []
+        async with app.run_test(size=(80, 24)) as pilot:
+            panel = app.query_one(PeerPanel)
+            for snap in (base, {**base, "held": [], "fetch": fetch}, {**base, "held": [[0, 8], [14, 16]]}):
+                panel.snapshot = snap
+                await pilot.pause()
+                seen.append(panel.render().plain)
+        return seen
+
+    whole, fetching, fetched = asyncio.run(scenario())
+    assert "fetching" not in whole and "on disk" not in whole  # a whole model: no row spent on it
+    assert "fetching layers [14, 16): 11.0 MB/25.0 MB (44%) · 3.0 MB/s · ETA 0:00:04 · from 2 peers" in fetching
+    lines = fetching.splitlines()
+    bar = lines[next(i for i, line in enumerate(lines) if "fetching" in line) + 1]
+    assert 0.35 < bar.count("█") / len(bar.strip()) < 0.53, bar  # 44% of the bar filled
+    assert "on disk [0, 8) [14, 16)" in fetched and "fetching" not in fetched
+
+
 def test_state_words_read_without_colour():
     base = {"phase": "serving", "state": "serving", "paused": False, "span": [0, 1]}
     assert state_word(base) == "serving"
