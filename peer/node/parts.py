@@ -167,7 +167,7 @@ class NodeParts:
     nat: bool = True  # reachability probes and relays (peer/net/nat/)
     reports: bool = True  # keep and forward misbehaviour reports (peer/request/reports.py)
     reap_idle: bool = True  # drop sessions idle on the wall clock (simulated requesters always close theirs)
-    weights: Weights | None = None  # None: no files to serve or fetch (the simulator's cost-model stage)
+    weights: Weights | None = None  # None: no files to serve or fetch (a bare test node; the simulator passes peer/sim/disk.py)
 
 
 __all__ = ["Compute", "Placement", "PlanPlacement", "Pacing", "NodeWatch", "NodeParts", "JITTER"]

@@ -66,7 +66,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, replace
 
-from tessera.peer.plan.view import LEAVING, SERVING, PeerInfo, SwarmView
+from tessera.peer.plan.view import LEAVING, SERVING, PeerInfo, SwarmView, layers_held
 
 __all__ = [
     "REBALANCE_MIN_GAIN",
@@ -217,7 +217,6 @@ def choose_span(
         if base[b - 1] != base[b] or hole[b - 1] != hole[b]:
             edges.add(b)
 
-    on_disk = PeerInfo(me, "", 0, 0, 0.0, held=held)
     best_key: tuple | None = None
     best_start = 0
     for start in range(num_layers - k + 1):
@@ -225,7 +224,7 @@ def choose_span(
         filled = sum(hole[start:end])
         profile = sorted(base[:start] + raised[start:end] + base[end:])
         aligned = (start in edges) + (end in edges)
-        have = on_disk.held_in(start, end)
+        have = layers_held(held, start, end)
         key = (-filled, -have if filled else 0, tuple(-x for x in profile), -have, -aligned, _rendezvous(me, start))
         if best_key is None or key < best_key:
             best_key, best_start = key, start

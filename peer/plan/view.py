@@ -107,7 +107,7 @@ class PeerInfo:
 
     def held_in(self, start: int, end: int) -> int:
         """How many of the layers [start, end) it has on disk."""
-        return sum(max(0, min(end, e) - max(start, s)) for s, e in self.held)
+        return layers_held(self.held, start, end)
 
     @property
     def routable(self) -> bool:
@@ -128,6 +128,11 @@ def merge_spans(spans: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]
         else:
             out.append((start, end))
     return tuple(out)
+
+
+def layers_held(held: Iterable[tuple[int, int]], start: int, end: int) -> int:
+    """How many of the layers [start, end) the merged ranges `held` cover."""
+    return sum(max(0, min(end, e) - max(start, s)) for s, e in held)
 
 
 _BY_ID = attrgetter("peer_id")  # a C-level sort key: a requester re-sorts its view for every route

@@ -12,6 +12,8 @@ What a simulation gives it instead of a volunteer's parts (peer/node/parts.py), 
 - jitter from a per-peer seeded RNG (determinism), with random first phases for pings
   and gossip so that peers started together do not act in lockstep;
 - the scenario's placement policy (peer/sim/policies.py);
+- a simulated disk (peer/sim/disk.py): the whole model, or the layers the plan says,
+  with downloads of the rest at the peer's link speed;
 - no NAT probes, misbehaviour reports or idle-session reaper (it measures idleness on
   the wall clock; simulated requesters always close their sessions).
 
@@ -32,6 +34,7 @@ from tessera.peer.node.config import KV_RESERVE_FRACTION, PeerConfig
 from tessera.peer.node.parts import NodeParts, NodeWatch, Pacing
 from tessera.peer.node.peer_node import PeerNode
 from tessera.peer.plan.view import SERVING
+from tessera.peer.sim.disk import SimDisk
 from tessera.peer.sim.scenario import PeerPlan
 from tessera.peer.sim.stage import FLOAT32_BYTES, SimCompute
 from tessera.peer.sim.world import World, node_rng
@@ -80,12 +83,13 @@ class SimPeer(NodeWatch):
         )
         compute = SimCompute(world.spec, world.model_id, plan.throughput,
                              load_seconds_per_layer=t.load_seconds_per_layer, first_load_seconds=plan.load_seconds)
+        self.disk = SimDisk(world.spec.num_layers, world.spec.layer_bytes(FLOAT32_BYTES), plan.bandwidth, plan.disk)
         self.node = PeerNode(config, NodeParts(
             open_transport=lambda: open_memory_transport(world.network, self.peer_id),
             identity=identity, compute=compute, keeper=world.new_keeper(), tracer=world.tracer,
             clock=trio.current_time, placement=world.policy, watch=self,
             pacing=SimPacing(node_rng(world.seed, "peer", plan.label), node_rng(world.seed, "gossip", plan.label)),
-            gossip=world.view_mode == "gossip", nat=False, reports=False, reap_idle=False,
+            gossip=world.view_mode == "gossip", nat=False, reports=False, reap_idle=False, weights=self.disk,
         ), out=lambda line: None)
 
     # what the engine, the recorder and the convergence checks read

@@ -59,6 +59,9 @@ class PeerPlan:
     moves:          recorded moves ((at, (start, end)), ...), replayed under `recorded`.
     region, bandwidth: where it sits (index into REGIONS) and its link speed, bytes/s.
     load_seconds:   how long loading its first span takes (a replay measures it); None: per layer.
+    disk:           layer ranges it has on disk at the start (``()``: an empty folder; it
+                    downloads what it claims beyond them at `bandwidth`, peer/sim/disk.py);
+                    None: the whole model.
     """
 
     label: str
@@ -73,6 +76,7 @@ class PeerPlan:
     region: int = 0
     bandwidth: float = 125e6
     load_seconds: float | None = None  # a replay's measured load time (default: per layer, see Timings)
+    disk: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.leave_mode not in LEAVE_MODES:

@@ -12,6 +12,7 @@ import pytest
 from tessera.peer.sim import dumps, format_summary, from_trace, simulate, synthetic
 from tessera.peer.sim.errors import BadScenario, UnknownPolicy
 from tessera.peer.sim.scenario import PeerPlan, RequestPlan, Scenario
+from tessera.peer.sim.stage import FLOAT32_BYTES, sim_spec
 from tessera.peer.sim.world import Timings
 
 TIMINGS = Timings()  # a real peer's periods (peer/node/peer_node.py)
@@ -86,6 +87,48 @@ def test_a_sole_servers_layers_are_covered_again_within_a_bound(mode, view):
     assert end - start <= bound
     assert report["coverage"][-1][2] == 0  # and the swarm is whole at the end
     assert any(m["reason"] == "rebalance" for m in report["moves"])
+
+
+UPLINK = 3.125e6  # 25 Mbit/s: ten SmolLM2-shaped float32 layers take ~45 s to download
+
+
+def fetched_disks_scenario(twin_disk: tuple[tuple[int, int], ...]) -> Scenario:
+    """`sole_server_scenario` on peers that fetched their layers from the swarm (empty folders
+    at the start, SmolLM2's shape), at home uplink speed. c goes at t=60; d duplicates a
+    third, so d and that third's first server are the two that may fill c's layers."""
+    peers = (
+        PeerPlan("a", 0.0, 100.0, 10, disk=(), bandwidth=UPLINK),
+        PeerPlan("b", 5.0, 100.0, 10, disk=(), bandwidth=UPLINK),
+        PeerPlan("c", 10.0, 300.0, 10, leave_at=60.0, leave_mode="crash", disk=(), bandwidth=UPLINK),
+        PeerPlan("d", 15.0, 100.0, 10, disk=twin_disk, bandwidth=UPLINK),
+    )
+    return Scenario("synthetic", 30, 576, None, peers, (), ())
+
+
+def test_after_a_death_the_layers_are_re_claimed_by_a_peer_that_holds_them():
+    """Records say what each peer has on disk: the gap is filled by the redundant peer that
+    holds the dead peer's layers (a load), not by one that must download them."""
+    def run(d_disk: tuple[tuple[int, int], ...]) -> tuple[dict, float]:
+        report = simulate(fetched_disks_scenario(d_disk), policy="default", seed=0, until=300.0, view="gossip")
+        assert report["coverage"][-1][2] == 0, report["summary"]  # whole again at the end
+        (gap,) = report["summary"]["coverage"]["gaps"]
+        (move,) = [m for m in report["moves"] if m["reason"] == "rebalance"]
+        return move, gap[1] - move["t"]  # the move, and how long it took to serve (drain, fetch, load)
+
+    download = 10 * sim_layer_bytes() / UPLINK
+    # Nobody holds c's layers: d's twin on its third is elected, and downloads them first.
+    fallback, slow = run(())
+    lost = tuple(fallback["to"])
+    assert fallback["peer"] != "d" and slow >= download, (fallback, slow)
+    # d fetched c's layers once before (an earlier claim, say): now d is the one that moves.
+    filler, fast = run((lost,))
+    assert filler["peer"] == "d" and tuple(filler["to"]) == lost, filler
+    assert fast <= TIMINGS.move_grace + 10 * TIMINGS.load_seconds_per_layer + 1.0, fast
+    print(f"re-claim after a death: {slow:.1f} s with a download ({download:.1f} s of it), {fast:.1f} s from disk")
+
+
+def sim_layer_bytes() -> int:
+    return sim_spec(30, 576).layer_bytes(FLOAT32_BYTES)
 
 
 def test_a_stable_swarm_makes_no_moves_for_an_hour():
