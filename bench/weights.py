@@ -6,13 +6,17 @@ and the time from join to first served token for a peer that starts with no file
    fetcher over its own libp2p host and fetches layers [0, L) (default 10, ~142 MB) into
    an empty folder from the first k holders, k = 1, 2, 3 (each run from scratch), and
    copies the same bytes with a raw read + write + fsync (the floor nothing beats).
+   Then the same with every holder's upload capped at `--uplink-mbps` (a volunteer's
+   uplink: the case that parallel fetching is for). Unlimited, on one machine, the
+   fetcher's own CPU bounds the rate and more holders cannot add much; capped, the
+   rate should grow with the holders until the fetcher's CPU binds again.
 2. Join to first token. One holder serves [0, 15); a newcomer with an empty
    TESSERA_MODELS joins it, is forced to [15, 30), fetches those layers, loads and
    serves; a requester waiting on the swarm times its first token. The goal: the
    first token within the download time + 10 s (the download time is read from the
    newcomer's last progress line).
 
-    .venv/bin/python bench/weights.py [--layers 10] [--rounds 1]
+    .venv/bin/python bench/weights.py [--layers 10] [--rounds 1] [--uplink-mbps 15]
 
 Ratios last. On a shared, loaded machine absolute MB/s mean little; the ratios, measured
 side by side in one run, are the figures. The CPU seconds each side spends per 100 MB say
@@ -109,20 +113,15 @@ async def first_token(holder: str, base: Path) -> tuple[float, float]:
         proc.wait(30)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=10, help="fetch layers [0, L) in the throughput runs")
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--skip-first-token", action="store_true")
-    args = parser.parse_args()
-    folder = registry.resolve(MODEL)
-    manifest = registry.read_manifest(folder)
-    names = [n for n, e in manifest["tensors"]["entries"].items()
-             if e["group"] in {f"layer.{i}" for i in range(args.layers)}]
-
-    swarm = LocalSwarm(3, model=MODEL, extra_args=[["--layers", f"{i}:{i + 1}"] for i in range(3)])
+def holder_runs(args: argparse.Namespace, folder: Path, names: list[str], manifest: dict, *,
+                uplink: float) -> tuple[dict[int, list[float]], list[float]]:
+    """Fetch rates from 1, 2 and 3 holders (each uploading at most `uplink` MB/s; 0: unlimited),
+    and the raw copy rates, per round."""
+    cap = ["--weights-upload-mbps", str(uplink)] if uplink > 0 else []
+    swarm = LocalSwarm(3, model=MODEL, extra_args=[["--layers", f"{i}:{i + 1}", *cap] for i in range(3)])
     rates: dict[int, list[float]] = {1: [], 2: [], 3: []}
     raw: list[float] = []
+    what = f"capped at {uplink:g} MB/s each" if uplink > 0 else "unlimited"
     try:
         swarm.start(together=True)
         for _ in range(args.rounds):
@@ -136,11 +135,30 @@ def main() -> None:
                 rates[k].append(rate)
                 mb = sum(by_peer.values()) / 1e6
                 share = ", ".join(f"{v / 1e6:.0f}" for v in by_peer.values())
-                print(f"fetch from {k} holder{'s' if k > 1 else ''}: {rate / 1e6:.1f} MB/s (MB per holder: {share}); "
-                      f"CPU per 100 MB: fetcher {100 * cpu / mb:.1f} s, holders {100 * holder_cpu / mb:.1f} s")
+                print(f"fetch from {k} holder{'s' if k > 1 else ''} ({what}): {rate / 1e6:.1f} MB/s "
+                      f"(MB per holder: {share}); CPU per 100 MB: fetcher {100 * cpu / mb:.1f} s, "
+                      f"holders {100 * holder_cpu / mb:.1f} s")
             print(f"raw copy: {raw[-1] / 1e6:.1f} MB/s")
     finally:
         swarm.stop(timeout=15)
+    return rates, raw
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=10, help="fetch layers [0, L) in the throughput runs")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--skip-first-token", action="store_true")
+    parser.add_argument("--uplink-mbps", type=float, default=15.0,
+                        help="each holder's upload cap (MB/s) in the capped runs; 0 skips them")
+    args = parser.parse_args()
+    folder = registry.resolve(MODEL)
+    manifest = registry.read_manifest(folder)
+    names = [n for n, e in manifest["tensors"]["entries"].items()
+             if e["group"] in {f"layer.{i}" for i in range(args.layers)}]
+
+    rates, raw = holder_runs(args, folder, names, manifest, uplink=0.0)
+    capped = holder_runs(args, folder, names, manifest, uplink=args.uplink_mbps)[0] if args.uplink_mbps > 0 else {}
 
     first = download = float("nan")
     if not args.skip_first_token:
@@ -159,6 +177,11 @@ def main() -> None:
     print(f"2 holders / 1 holder: {best[2] / best[1]:.2f} (goal >= 1.7)")
     print(f"3 holders / 1 holder: {best[3] / best[1]:.2f}")
     print(f"fetch from 2 holders / raw copy: {best[2] / max(raw):.2f} (goal >= 0.5)")
+    if capped:
+        top = {k: max(v) for k, v in capped.items()}
+        print(f"uplinks capped at {args.uplink_mbps:g} MB/s: 2 holders / 1 holder: {top[2] / top[1]:.2f}, "
+              f"3 holders / 1 holder: {top[3] / top[1]:.2f} ({top[1] / 1e6:.1f}, {top[2] / 1e6:.1f}, "
+              f"{top[3] / 1e6:.1f} MB/s)")
     if not args.skip_first_token:
         print(f"first token - download: {first - download:.1f} s (goal <= 10)")
 
