@@ -159,7 +159,7 @@ def _held_words(held: list[list[int]] | None, layers: int) -> str:
 
 
 def _fetch_words(fetch: dict[str, Any]) -> str:
-    """'layers [14, 16): 12.3 MB/28.0 MB (44%) · 30.1 MB/s · ETA 5s · from 2 peers'"""
+    """'layers [14, 16): 12.3 MB/28.0 MB (44%) · 30.1 MB/s · ETA 0:00:05 · from 2 peers'"""
     total = fetch["total"]
     pct = 100 * fetch["done"] / total if total else 100
     eta = fetch["eta_s"]

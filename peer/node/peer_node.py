@@ -101,7 +101,7 @@ class PeerNode:
         return self.compute.device_memory()
 
     def held_layers(self) -> tuple[tuple[int, int], ...]:
-        """Layer ranges on disk here (empty without a model folder: the simulator's stage)."""
+        """Layer ranges on disk here (`Weights.held_layers`; empty for a node without a Weights part)."""
         return self.parts.weights.held_layers() if self.parts.weights is not None else ()
 
     def fetching(self) -> dict | None:
