@@ -17,6 +17,8 @@ import argparse
 import time
 from collections import Counter
 
+import tessera.peer.net.nat.dialback  # noqa: F401  (the NAT protocols' messages join the corpus)
+import tessera.peer.net.nat.links  # noqa: F401
 from tessera.protocol.fuzz import build_targets, run_target
 
 ROUND_CASES = 5_000  # cases per target per round (a round takes about a second per target)

@@ -31,6 +31,11 @@ from typing import Any
 import cbor2
 import torch
 
+# Every protocol module that registers messages, so that the corpora hold them all whoever
+# imported what before (messages and records come with the imports below).
+import tessera.protocol.attest  # noqa: F401
+import tessera.protocol.shards  # noqa: F401
+import tessera.protocol.weights  # noqa: F401
 from tessera.protocol import schema
 from tessera.protocol.activations import clear_header, open_activations, seal_activations
 from tessera.protocol.codec import decode, encode
