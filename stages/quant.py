@@ -26,7 +26,7 @@ them with the dense float32 matmul (gpt-fast's CUDA int8 form, in bounded chunks
 converts only the codes and applies its per-row scales to the [T, N] output, since
 x (q s)^T = (x q^T) s: one pass over the matrix instead of two (SmolLM2 decode went from
 18.0 to 23.4 tok/s, against 15.7 for float32, one thread). int4 has a scale and a minimum
-per group of a row, which do not factor out of the sum: it decodes at ~0.3x float32's
+per group of a row, which do not factor out of the sum: it decodes at ~0.3-0.6x float32's
 speed (unpacking nibbles costs more than the matmul at one row; a 16-row prefill ~1x). There int4 is stored in GGUF's Q4 block layout
 (a group's low nibbles are its first half, the high nibbles its second half) as
 `w = c s + m` (code c in [0, 15], scale s and minimum m per group), so a Q4_1 GGUF

@@ -26,7 +26,6 @@ class SimDisk:
         self.layer_bytes = layer_bytes
         self.bandwidth = bandwidth
         self.held = merge_spans(held) if held is not None else ((0, num_layers),)
-        self.downloaded = 0  # bytes fetched from the swarm so far
 
     def serve(self, transport: Transport) -> None:
         pass  # uploads cost the holder nothing here: the fetcher's link is the one modelled
@@ -34,9 +33,7 @@ class SimDisk:
     async def ensure(self, transport: Transport, span: tuple[int, int], out: Callable[[str], None]) -> None:
         missing = (span[1] - span[0]) - layers_held(self.held, *span)
         if missing > 0:
-            size = missing * self.layer_bytes
-            await trio.sleep(size / self.bandwidth)
-            self.downloaded += size
+            await trio.sleep(missing * self.layer_bytes / self.bandwidth)
             self.held = merge_spans([*self.held, span])
 
     def held_layers(self) -> tuple[tuple[int, int], ...]:

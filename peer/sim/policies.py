@@ -26,10 +26,10 @@ differs from the current span). The others are baselines to compare it with:
 
 from __future__ import annotations
 
-import random
 from dataclasses import replace
 from typing import Protocol
 
+from tessera.peer.node.parts import Placement
 from tessera.peer.plan.placement import REBALANCE_MIN_GAIN, Coverage, choose_span, coverage_summary, gap_filler, layer_capacity, plan_move
 from tessera.peer.plan.view import SERVING, PeerInfo, SwarmView
 
@@ -45,15 +45,10 @@ PETALS_EPS = 1e-3
 PETALS_MAX_PASSES = 8
 
 
-class PlacementPolicy(Protocol):
+class PlacementPolicy(Placement, Protocol):
+    """A real peer's `Placement` (peer/node/parts.py), with a name for reports."""
+
     name: str
-    moves: bool  # whether rebalance() can ever say move (peers skip the periodic check if not)
-
-    def claim(self, view: SwarmView, *, me: str, capacity_layers: int, throughput: float,
-              rng: random.Random, held: tuple[tuple[int, int], ...] = ()) -> tuple[int, int]: ...
-
-    def rebalance(self, snapshot: SwarmView, *, own: PeerInfo | None, me: str, span: tuple[int, int],
-                  capacity_layers: int, throughput: float, rng: random.Random) -> tuple[int, int] | None: ...
 
 
 def with_own(snapshot: SwarmView, own: PeerInfo | None) -> SwarmView:

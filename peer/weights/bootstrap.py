@@ -58,7 +58,6 @@ def is_partial(folder: Path) -> bool:
 
 async def ensure_span(transport: Transport, folder: Path, span: tuple[int, int], peers: list[str], *,
                       out: Callable[[str], None] = lambda line: None,
-                      on_fetched: Callable[[], None] = lambda: None,
                       on_fetcher: Callable[[Fetcher], None] = lambda fetcher: None) -> FetchProgress | None:
     """Make sure `folder` holds layers [start, end) (fetching from `peers` what it lacks).
 
@@ -75,9 +74,7 @@ async def ensure_span(transport: Transport, folder: Path, span: tuple[int, int],
     groups = groups_for_span(span[0], span[1], spec.num_layers, tied=spec.tie_embeddings)
     fetcher = Fetcher(transport, folder, manifest, out=out)
     on_fetcher(fetcher)
-    progress = await fetcher.fetch_groups(peers, groups, label=f"layers [{span[0]}, {span[1]})")
-    on_fetched()
-    return progress
+    return await fetcher.fetch_groups(peers, groups, label=f"layers [{span[0]}, {span[1]})")
 
 
 # Reaching a --join address to learn the manifest: one dial (TCP + Noise + yamux, a few
@@ -166,12 +163,10 @@ class FolderWeights:
     folder lacks — at the first claim and at every later move — and what it holds, for the
     record (re-claims after churn prefer peers that hold the layers on disk)."""
 
-    def __init__(self, folder: Path, *, serve: bool, upload_rate: float,
-                 clock: Callable[[], float] = trio.current_time) -> None:
+    def __init__(self, folder: Path, *, serve: bool, upload_rate: float) -> None:
         self.folder = Path(folder)
         self.serve_enabled = serve
         self.upload_rate = upload_rate
-        self.clock = clock
         self.source: WeightSource | None = None
         self._fetcher: Fetcher | None = None
         self._held: tuple[tuple[int, int], ...] | None = None  # read from the headers once, then after each fetch
@@ -181,18 +176,17 @@ class FolderWeights:
 
     async def ensure(self, transport: Transport, span: tuple[int, int], out: Callable[[str], None]) -> None:
         try:
-            await ensure_span(transport, self.folder, span, transport.connected(), out=out,
-                              on_fetched=self._fetched, on_fetcher=self._watch)
+            fetched = await ensure_span(transport, self.folder, span, transport.connected(), out=out,
+                                        on_fetcher=self._watch)
         finally:
             self._fetcher = None
+        if fetched is not None:  # the folder holds more now: say so, and serve it
+            self._held = None
+            if self.source is not None:
+                self.source.refresh()
 
     def _watch(self, fetcher: Fetcher) -> None:
         self._fetcher = fetcher
-
-    def _fetched(self) -> None:
-        self._held = None
-        if self.source is not None:
-            self.source.refresh()
 
     def held_layers(self) -> tuple[tuple[int, int], ...]:
         if self._held is None:
@@ -200,8 +194,10 @@ class FolderWeights:
         return self._held
 
     def fetching(self) -> dict | None:
-        progress = self._fetcher.last_progress if self._fetcher is not None else None
-        return progress.reading(self.clock()) if progress is not None else None
+        fetcher = self._fetcher
+        if fetcher is None or fetcher.last_progress is None:
+            return None
+        return fetcher.last_progress.reading(fetcher.clock())
 
 
 def held_layers(folder: Path) -> tuple[tuple[int, int], ...]:
