@@ -15,8 +15,12 @@ per home network:
   NEW on the WAN side -> DROP), as most home routers do. A TCP simultaneous open
   from both sides gets through: each side's outgoing SYN opens the mapping the
   other side's SYN then matches.
-- ``reject``: nothing extra, so the router's own stack answers an unsolicited SYN
-  with a RST, which kills the other side's half of a simultaneous open.
+- ``reject``: every inbound SYN from the WAN is answered with a RST, as a NAT whose
+  firewall forbids inbound TCP opens does. An unsolicited SYN gets the router's own
+  RST (nothing listens there); a SYN that matches a mapping (the other half of a
+  simultaneous open) is refused in FORWARD. Without that second rule the variant is
+  a race: when the two SYNs cross on the wire, each matches the mapping the other
+  side's SYN just opened, and a punch sometimes succeeded (seen once in CI).
 
 The routers route everything else to pub, which does not forward: a packet for
 another network's private address vanishes (no ICMP), as on the Internet.
@@ -139,6 +143,9 @@ class NatTopology:
             if variant == "drop":
                 self.run_in(router, "iptables", "-A", "INPUT", "-i", "wan", "-p", "tcp",
                             "-m", "conntrack", "--ctstate", "NEW", "-j", "DROP")
+            else:
+                self.run_in(router, "iptables", "-A", "FORWARD", "-i", "wan", "-o", "lan", "-p", "tcp", "--syn",
+                            "-j", "REJECT", "--reject-with", "tcp-reset")
 
     def run_in(self, role: str, *argv: str) -> None:
         _sh("ip", "netns", "exec", self.ns(role), *argv)
