@@ -5,13 +5,18 @@
    relative (two float32 implementations differ in summation order only); bf16/fp16
    `tessera.protocol.fingerprint.tolerance(dtype, "float32", 30)` = 16 x roundoff x sqrt(layers),
    entrywise relative to |a| + |b| + the row's RMS (0.34 bf16, 0.043 fp16) — the bound spot
-   checks hold an honest peer of that dtype to; greedy tokens must match in float32.
+   checks hold an honest peer of that dtype to; greedy tokens must match in float32. The
+   bf16/fp16 runs are fed the oracle's tokens (teacher forcing): once a low-precision run
+   flips a near-tie, free-running logits would be over different contexts and say nothing.
 2. Decode tok/s on the GPU (bf16) against transformers on the same GPU and dtype.
 3. A 3-peer swarm on one GPU (`tessera peer --device cuda`): its tokens equal this process
    running the same GPU layers with a CPU float32 head, as a requester holds it.
 4. Quantized spans on the GPU (int8, int4 g32; bf16 activations): logits within the bf16
-   bound of their dequantized float32 model, and allocated memory <= 1.15 x (weights + KV).
-5. Batching ratios: bench/batching.py (the batched-serving work of issue 18).
+   bound of their dequantized float32 model (fed its tokens), and allocated memory
+   <= 1.15 x (weights + KV).
+5. Batching: 1, 4 and 8 sessions stacked per step (bench/batching.py's lockstep) on the GPU,
+   float32 and bf16: aggregate tok/s, ratios to one session, and each session's tokens
+   against its solo run (required in float32, reported in bf16).
 
     .venv/bin/python bench/gpu.py [--device cuda:0]
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 
 import torch
 
@@ -36,16 +42,28 @@ STEPS = 16
 FLOAT32_GPU_TOLERANCE = 1e-3
 
 
-def run_greedy(layers: Stage, head: Stage, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    """n greedy tokens and the float32 logits each was chosen from ([n, V], on the CPU)."""
+def run_greedy(layers: Stage, head: Stage, ids: list[int], n: int,
+               forced: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
+    """n greedy tokens and the float32 logits each was chosen from ([n, V], on the CPU).
+
+    With `forced` (another run's tokens), each step is fed that run's token instead of its
+    own choice (teacher forcing), so that both runs' logits are over the same context at
+    every step: a low-precision run that flips a near-tie then still compares like for like.
+    """
     layers.open("g", capacity=len(ids) + n)
     logits = [head.logits(layers.forward("g", head.embed(ids), 0)[-1:]).cpu()]
     out = [int(logits[-1][-1].argmax())]
     while len(out) < n:
-        logits.append(head.logits(layers.forward("g", head.embed(out[-1:]), len(ids) + len(out) - 1)).cpu())
+        fed = forced[len(out) - 1] if forced is not None else out[-1]
+        logits.append(head.logits(layers.forward("g", head.embed([fed]), len(ids) + len(out) - 1)).cpu())
         out.append(int(logits[-1][-1].argmax()))
     layers.close("g")
     return out, torch.cat(logits)
+
+
+def agreement(tokens: list[int], want: list[int]) -> str:
+    same = sum(a == b for a, b in zip(tokens, want))
+    return "tokens equal" if same == len(want) else f"argmax equal at {same}/{len(want)} steps"
 
 
 def worst_relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -58,12 +76,16 @@ def check_exactness(folder, device, ids, oracle_tokens, oracle_logits) -> list[s
     lines = []
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)):
         stage = Stage.load(folder, embed=True, head=True, device=device, dtype=dtype)
-        tokens, logits = run_greedy(stage, stage, ids, STEPS)
+        # float32 runs free (its tokens must be the oracle's); bf16/fp16 are fed the oracle's
+        # tokens, so their logits are compared over the same context at every step
+        forced = None if dtype == torch.float32 else oracle_tokens
+        tokens, logits = run_greedy(stage, stage, ids, STEPS, forced)
         worst = worst_relative(logits, oracle_logits)
         tol = FLOAT32_GPU_TOLERANCE if dtype == torch.float32 else tolerance(name, "float32", stage.spec.num_layers)
         ok = worst <= tol and (tokens == oracle_tokens or dtype != torch.float32)
-        lines.append(f"exactness {name}: worst relative logit difference {worst:.3g} (tolerance {tol:.3g}), "
-                     f"tokens {'equal' if tokens == oracle_tokens else 'differ'}: {'PASS' if ok else 'FAIL'}")
+        lines.append(f"exactness {name}{'' if forced is None else ' (fed the oracle tokens)'}: worst relative logit "
+                     f"difference {worst:.3g} (tolerance {tol:.3g}), {agreement(tokens, oracle_tokens)}: "
+                     f"{'PASS' if ok else 'FAIL'}")
         del stage
         torch.cuda.empty_cache()
     return lines
@@ -111,12 +133,16 @@ def check_swarm(folder, device, ids) -> list[str]:
     want, _ = run_greedy(layers, head, ids, STEPS)
     swarm = LocalSwarm(3, extra_args=[["--layers", f"{a}:{b}", "--device", str(device)] for a, b in spans])
     got: list[int] = []
+    offers: list[str] = []
     try:
         swarm.start(together=True)
 
         async def ask() -> None:
             async with Swarm.join(swarm.addrs[:1]) as requester:
                 await requester.wait_for_route(60)
+                for peer in requester.keeper.snapshot().peers:  # the VRAM-aware offer, as advertised
+                    offers.append(f"peer {peer.name} [{peer.start}, {peer.end}) {peer.dtype} on {peer.device}: "
+                                  f"offers {peer.free_memory / 2**30:.1f} GiB, device free {peer.device_free / 2**30:.1f} GiB")
                 got.extend([t async for t in requester.generate_ids(ids, max_new_tokens=STEPS)])
 
         trio.run(ask)
@@ -124,10 +150,31 @@ def check_swarm(folder, device, ids) -> list[str]:
         swarm.stop(timeout=15)
     n = min(len(got), len(want))  # generation stops at the end-of-sequence token
     ok = got[:n] == want[:n] and n > 0
-    return [f"3-peer swarm on one GPU: tokens {'equal' if ok else 'DIFFER'} ({n}): {'PASS' if ok else 'FAIL'}"]
+    return offers + [f"3-peer swarm on one GPU: tokens {'equal' if ok else 'DIFFER'} ({n}): {'PASS' if ok else 'FAIL'}"]
+
+
+def layer_decode_rate(stage: Stage, steps: int = 64) -> float:
+    """Tokens/s of one-row decode steps through every layer of `stage` (no head): what a peer
+    serving that span computes per token. Best of three timed runs after a warm-up."""
+    row = torch.randn(1, stage.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    best = 0.0
+    for attempt in range(4):
+        stage.open("r", capacity=steps + 1)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for pos in range(steps):
+            stage.forward("r", row, pos)
+        torch.cuda.synchronize()
+        if attempt:
+            best = max(best, steps / (time.perf_counter() - started))
+        stage.close("r")
+    return best
 
 
 def check_quantized(folder, device, ids) -> list[str]:
+    dense = Stage.load(folder, device=device, dtype=torch.bfloat16)
+    rates = {"bf16": layer_decode_rate(dense)}
+    del dense
     lines = []
     for scheme in ("int8", "int4"):
         torch.cuda.empty_cache()
@@ -140,16 +187,66 @@ def check_quantized(folder, device, ids) -> list[str]:
         stage.close("m")
         head = Stage.load(folder, start=0, end=0, embed=True, head=True)
         ref = Stage(stage.spec, 0, [dense_block(b, stage.spec) for b in stage.blocks])
-        tokens, logits = run_greedy(stage, head, ids, STEPS)
         want, ref_logits = run_greedy(ref, head, ids, STEPS)
+        tokens, logits = run_greedy(stage, head, ids, STEPS, forced=want)
         worst = worst_relative(logits, ref_logits)
         tol = tolerance("bfloat16", "float32", stage.spec.num_layers)
         ok = worst <= tol and used <= 1.15 * budget
         lines.append(f"quantized {scheme} on {device}: worst relative logit difference vs dequantized float32 "
-                     f"{worst:.3g} (tolerance {tol:.3g}), tokens {'equal' if tokens == want else 'differ'}; "
+                     f"{worst:.3g} (tolerance {tol:.3g}), fed its tokens: {agreement(tokens, want)}; "
                      f"allocated {used / 2**20:.1f} MiB for {budget / 2**20:.1f} MiB weights+KV: "
                      f"{'PASS' if ok else 'FAIL'}")
+        rates[scheme] = layer_decode_rate(stage)
         del stage, ref
+    lines.append(f"layer decode on {device} (30 layers, one row): " + ", ".join(
+        f"{k} {v:.0f} tok/s ({v / rates['bf16']:.2f}x bf16)" for k, v in rates.items()))
+    return lines
+
+
+QUESTIONS = (  # eight prompts of different lengths for the batching check
+    "What is the capital of France?",
+    "Name three primary colours.",
+    "Write one sentence about the sea.",
+    "Why is the sky blue? Answer briefly.",
+    "List the first five prime numbers, separated by commas.",
+    "Translate 'good morning' into Spanish, French and German.",
+    "Explain in two sentences what a hash function is and why it is useful.",
+    "A train leaves at nine and travels for three hours at sixty miles an hour. How far does it go?",
+)
+
+
+def check_batching(folder, device, tokenizer) -> list[str]:
+    """1, 4 and 8 sessions stacked per step (bench/batching.py's lockstep), each greedy from its
+    own prompt: aggregate decode tok/s and ratios to one session, and whether every stacked
+    session's tokens equal its solo run's. float32 (TF32 off) must be exact; bf16 is reported:
+    a stack of more rows may take another GEMM and round differently, and a near-tie then flips."""
+    from batching import COUNTS, lockstep  # bench/batching.py, beside this script
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    batch = [prompt_ids(tokenizer, q, raw=False) for q in QUESTIONS]
+    tokens = 32
+    lines, failed = [], False
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        stage = Stage.load(folder, embed=True, head=True, device=device, dtype=dtype)
+        solo = [lockstep(stage, [p], tokens)[0][0] for p in batch]
+        lockstep(stage, batch, tokens)  # warm-up
+        rates, equal = {}, {}
+        for c in COUNTS:
+            best = 0.0
+            for _ in range(3):
+                torch.cuda.synchronize()
+                got, spent = lockstep(stage, batch[:c], tokens)
+                best = max(best, c * (tokens - 1) / spent)
+            rates[c] = best
+            equal[c] = sum(g == s for g, s in zip(got, solo[:c]))
+        exact = all(equal[c] == c for c in COUNTS)
+        failed |= dtype == torch.float32 and not exact
+        verdict = ("PASS" if exact else "FAIL") if dtype == torch.float32 else ("all equal" if exact else "reported")
+        lines += [f"batched decode on {device} ({name}, stage): "
+                  + ", ".join(f"{c} sessions {rates[c]:.0f} tok/s ({rates[c] / rates[1]:.2f}x)" for c in COUNTS),
+                  f"batched {name}: sessions equal to their solo run: "
+                  + ", ".join(f"{equal[c]}/{c}" for c in COUNTS) + f": {verdict}"]
+        del stage
     return lines
 
 
@@ -157,25 +254,40 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--only", nargs="*", default=(), help="run only these checks (exactness speed swarm quantized batching)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print(f"bench/gpu.py: skipped, no CUDA GPU here (torch {torch.__version__}, CUDA build: {torch.version.cuda})")
         return 0
     device = torch.device(args.device)
     folder = registry.resolve(args.model)
-    ids = prompt_ids(Tokenizer.from_folder(folder), PROMPT, raw=False)
+    tokenizer = Tokenizer.from_folder(folder)
+    ids = prompt_ids(tokenizer, PROMPT, raw=False)
     oracle = Stage.load(folder, embed=True, head=True)
     oracle_tokens, oracle_logits = run_greedy(oracle, oracle, ids, STEPS)
     del oracle
-    print(f"GPU: {torch.cuda.get_device_name(device)}")
-    lines = check_exactness(folder, device, ids, oracle_tokens, oracle_logits)
-    lines += check_speed(folder, device, ids)
-    lines += check_swarm(folder, device, ids)
-    lines += check_quantized(folder, device, ids)
-    lines.append("batching ratios: bench/batching.py")
-    for line in lines:
-        print(line)
-    return 0 if not any(line.endswith("FAIL") for line in lines) else 1
+    print(f"GPU: {torch.cuda.get_device_name(device)} (torch {torch.__version__}, CUDA {torch.version.cuda})", flush=True)
+    checks = {
+        "exactness": lambda: check_exactness(folder, device, ids, oracle_tokens, oracle_logits),
+        "speed": lambda: check_speed(folder, device, ids),
+        "swarm": lambda: check_swarm(folder, device, ids),
+        "quantized": lambda: check_quantized(folder, device, ids),
+        "batching": lambda: check_batching(folder, device, tokenizer),
+    }
+    failed = False
+    for name, check in checks.items():  # one broken check does not hide the others' figures
+        if args.only and name not in args.only:
+            continue
+        try:
+            lines = check()
+        except Exception:  # noqa: BLE001 - reported, and the run fails
+            traceback.print_exc()
+            lines = [f"{name}: raised (traceback above): FAIL"]
+        for line in lines:
+            print(line, flush=True)
+        failed |= any(line.endswith("FAIL") for line in lines)
+        torch.cuda.empty_cache()
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
