@@ -9,7 +9,9 @@ the rest, and for the requester and the middle peer the share of their busy
 main-thread time per kind of work (crypto, CBOR, tensor codec, yamux/libp2p,
 trio, signing) — shares, since the machine is shared and absolute ms are noisy.
 
-    .venv/bin/python bench/hop_profile.py [--tokens 48]
+    .venv/bin/python bench/hop_profile.py [--tokens 48] [--synth-1b]
+
+`--synth-1b` runs bench/swarm.py's seeded random-weight 1B shape instead (written once).
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ from collections import Counter
 import torch
 import trio
 
+from swarm import SYNTH_1B, even_spans, synth_1b  # bench/swarm.py, beside this script
+
 from tessera.peer.request.client import Swarm
 from tessera.peer.cli.demo import LocalSwarm
+from tessera.stages import registry
+from tessera.stages.generate import LocalEngine
 from tessera.store.db import PeerStore
 from tessera.store.events import Forward
 
-SPANS = [(0, 10), (10, 20), (20, 30)]
 # what a function's file or name says about the kind of work it is (first match wins)
 KINDS = [
     ("idle (waiting on sockets)", ("epoll", "select.", "poll'", "_io_epoll")),
@@ -82,17 +87,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--dump", metavar="FILE", help="also write the requester's profile here (pstats)")
+    parser.add_argument("--synth-1b", action="store_true", help="the synthetic 1B shape of bench/swarm.py")
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
-    peers = ProfiledSwarm(3, extra_args=[["--layers", f"{a}:{b}"] for a, b in SPANS])
+    model, layers = (str(synth_1b()), SYNTH_1B["layers"]) if args.synth_1b else ("smollm2-135m", 30)
+    peers = ProfiledSwarm(3, model=model, extra_args=[["--layers", f"{a}:{b}"] for a, b in even_spans(layers, 3)])
     profile = cProfile.Profile()
     timing: dict = {}
     try:
         peers.start(together=True)
 
         async def run() -> None:
-            async with Swarm.join(peers.addrs[:1]) as swarm:
+            async with Swarm.join(peers.addrs[:1], model=model) as swarm:
                 await swarm.wait_for_route(60)
                 ids = swarm.tokenizer.encode("The history of the city begins in the year")
                 [t async for t in swarm.generate_ids(ids, max_new_tokens=4)]  # warm-up
@@ -117,6 +124,7 @@ def main() -> None:
                 swarm._embed, swarm._logits = timed_embed, timed_head  # type: ignore[method-assign]
                 started = time.perf_counter()
                 profile.enable()
+                timing["ids"] = ids
                 out = [t async for t in swarm.generate_ids(ids, max_new_tokens=args.tokens)]
                 profile.disable()
                 timing["seconds"] = time.perf_counter() - started
@@ -133,11 +141,14 @@ def main() -> None:
     peer_ms = [c / steps * 1e3 for c in compute]
     req_ms = timing["requester_compute"] / steps * 1e3
     rest = step_ms - sum(peer_ms) - req_ms
-    print(f"\none token through 3 peers: {step_ms:.1f} ms per step ({steps} steps; a loaded machine)")
+    print(f"\none token through 3 peers ({model}): {step_ms:.1f} ms per step ({steps} steps)")
     print(f"  peers' compute (forward events): {' + '.join(f'{m:.1f}' for m in peer_ms)} ms = {100 * sum(peer_ms) / step_ms:.0f}%")
     print(f"  requester embedding + head: {req_ms:.1f} ms = {100 * req_ms / step_ms:.0f}%")
     print(f"  the rest (wire work, hops, hand-offs): {rest:.1f} ms = {100 * rest / step_ms:.0f}%"
           f" -> {rest / 4:.2f} ms per hop (4 hops: requester->p0->p1->p2->requester)")
+    local_ms = local_step_ms(model, timing["ids"], min(steps, 16))
+    print(f"  for comparison, one process (LocalEngine, one thread): {local_ms:.1f} ms per step;"
+          f" the peers' compute + head above: {sum(peer_ms) + req_ms:.1f} ms")
     print_shares("requester", pstats.Stats(profile), steps)
     if args.dump:
         profile.dump_stats(args.dump)
@@ -146,6 +157,21 @@ def main() -> None:
         print_shares("middle peer (whole run, per decode step of this run)", pstats.Stats(str(middle)), steps)
     else:
         print("middle peer: no profile written (did it exit on SIGINT?)")
+
+
+def local_step_ms(model: str, ids: list[int], tokens: int) -> float:
+    """Milliseconds per decode step of the whole model in this process: a run of `tokens`
+    less a run of one (the prefill), after a warm-up."""
+    engine = LocalEngine(registry.resolve(model), device="cpu", dtype="float32")
+
+    def timed(n: int) -> tuple[float, int]:
+        started = time.perf_counter()
+        out = engine.generate_ids(ids, max_new_tokens=n)
+        return time.perf_counter() - started, len(out)
+
+    timed(2)
+    (one, _), (many, n) = timed(1), timed(tokens)
+    return (many - one) / max(n - 1, 1) * 1e3
 
 
 def last_event(peers: LocalSwarm, i: int) -> int:
