@@ -8,6 +8,11 @@ into compute (peers' forward events; the requester's embedding and head) and
 the rest, and for the requester and the middle peer the share of their busy
 main-thread time per kind of work (crypto, CBOR, tensor codec, yamux/libp2p,
 trio, signing) — shares, since the machine is shared and absolute ms are noisy.
+Beside the step, one process's step over the same prompt and tokens (prefill included in
+both). The profiled peers' main threads hold the GIL longer, and their compute threads
+run slower for it: the peers' forwards come out 20-40% above one process's, where
+unprofiled peers match it. Read the split for where the wire's time goes, not the
+peers' compute.
 
     .venv/bin/python bench/hop_profile.py [--tokens 48] [--synth-1b]
 
@@ -27,7 +32,7 @@ from collections import Counter
 import torch
 import trio
 
-from swarm import SYNTH_1B, even_spans, synth_1b  # bench/swarm.py, beside this script
+from swarm import SYNTH_1B, even_spans, local_rate, synth_1b  # bench/swarm.py, beside this script
 
 from tessera.peer.request.client import Swarm
 from tessera.peer.cli.demo import LocalSwarm
@@ -146,7 +151,10 @@ def main() -> None:
     print(f"  requester embedding + head: {req_ms:.1f} ms = {100 * req_ms / step_ms:.0f}%")
     print(f"  the rest (wire work, hops, hand-offs): {rest:.1f} ms = {100 * rest / step_ms:.0f}%"
           f" -> {rest / 4:.2f} ms per hop (4 hops: requester->p0->p1->p2->requester)")
-    local_ms = local_step_ms(model, timing["ids"], min(steps, 16))
+    # measured like the swarm's step above: the same prompt and tokens, its prefill included
+    engine = LocalEngine(registry.resolve(model), device="cpu", dtype="float32")
+    local_rate(engine, timing["ids"], 2)  # warm-up
+    local_ms = 1e3 / local_rate(engine, timing["ids"], steps)
     print(f"  for comparison, one process (LocalEngine, one thread): {local_ms:.1f} ms per step;"
           f" the peers' compute + head above: {sum(peer_ms) + req_ms:.1f} ms")
     print_shares("requester", pstats.Stats(profile), steps)
@@ -157,21 +165,6 @@ def main() -> None:
         print_shares("middle peer (whole run, per decode step of this run)", pstats.Stats(str(middle)), steps)
     else:
         print("middle peer: no profile written (did it exit on SIGINT?)")
-
-
-def local_step_ms(model: str, ids: list[int], tokens: int) -> float:
-    """Milliseconds per decode step of the whole model in this process: a run of `tokens`
-    less a run of one (the prefill), after a warm-up."""
-    engine = LocalEngine(registry.resolve(model), device="cpu", dtype="float32")
-
-    def timed(n: int) -> tuple[float, int]:
-        started = time.perf_counter()
-        out = engine.generate_ids(ids, max_new_tokens=n)
-        return time.perf_counter() - started, len(out)
-
-    timed(2)
-    (one, _), (many, n) = timed(1), timed(tokens)
-    return (many - one) / max(n - 1, 1) * 1e3
 
 
 def last_event(peers: LocalSwarm, i: int) -> int:
