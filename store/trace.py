@@ -19,7 +19,10 @@ Besides the event, a row holds its envelope:
 - ``mono_ns`` / ``wall`` — when the event happened: the writing process's monotonic clock
   (ns) and unix time (s). Taken at `emit()` unless given (a simulation passes its own
   clock). **An event with a duration is emitted when it ends**: it covers
-  ``[wall - duration, wall]``. Export orders and aligns events by ``wall``.
+  ``[wall - duration, wall]``. Export orders and aligns events by ``wall``. A **push is
+  stamped when its send starts** (`now()` before the send, passed to `emit()` after it):
+  the receiver may log the frame before the sender's send returns, and a push stamped
+  after its receive would make the clock alignment of store/timeline.py contradict itself.
 - ``peer`` — who saw it; defaults to the tracer's peer (a simulation, or a rank's audit
   log, may name another).
 """
@@ -35,6 +38,11 @@ from tessera.store.db import PeerStore
 from tessera.store.errors import BadTraceField, StoreClosed
 from tessera.store.events import Stamped, TraceEvent, Unknown, encode, stamped
 from tessera.store.writer import TRACE_COLUMNS
+
+
+def now() -> tuple[float, int]:
+    """(wall, mono_ns) as `emit()` would stamp them now: for an event emitted after it happened."""
+    return time.time(), time.monotonic_ns()
 
 
 def make_row(event: TraceEvent, peer: str, *, wall: float | None = None, mono_ns: int | None = None) -> tuple:

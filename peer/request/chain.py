@@ -28,6 +28,7 @@ import torch
 import trio
 
 from tessera.store import events
+from tessera.store.trace import now as trace_now
 from tessera.protocol.activations import open_payload, seal_activations
 from tessera.protocol.errors import WireError
 from tessera.protocol.tensors import decode_tensor
@@ -249,6 +250,9 @@ class RouteSession:
     def _on_result(self, state: HopState, msg: Result) -> None:
         """A tap or the chain's result: outputs go to the history (so the requester holds every
         span's output), the step's end to its waiting slot; the attestation is kept."""
+        # paired with the peer's push (store/timeline.py): it puts the requester's clock on the timeline
+        self.ctx.tracer.emit(events.Receive(session=self.session_id, step=msg.step, remote=state.peer,
+                                            bytes=len(msg.payload)))
         is_tap = state.tap is not None and msg.link_id == state.tap.link_id
         cipher = state.tap if is_tap else state.result
         if cipher is None or msg.link_id != cipher.link_id:
@@ -350,12 +354,13 @@ class RouteSession:
         template = Forward(self.session_id, step, first.send.link_id, 0, start_pos, n, stop_layer, b"", reply=reply)
         try:
             frame = seal_activations(first.send, template, hidden)
+            wall, mono_ns = trace_now()  # a push is stamped as its send starts (store/trace.py)
             await first.channel.send(frame)
         except PeerError as error:
             self.pending.pop(step, None)
             raise PeerFailed(first.peer, f"sending step {step}: {error}") from None
         self.ctx.tracer.emit(events.Push(session=self.session_id, step=step, remote=first.peer, bytes=len(frame.payload),
-                                         start_pos=start_pos, n_tokens=n))
+                                         start_pos=start_pos, n_tokens=n), wall=wall, mono_ns=mono_ns)
         return step, slot
 
     async def wait(self, step: int, slot: StepSlot, n: int, start_pos: int, *, hops: list[Hop] | None = None) -> torch.Tensor:

@@ -28,7 +28,7 @@ from tessera.protocol.messages import (
 from tessera.protocol.tensors import DEFAULT_LIMITS, TensorLimits
 from tessera.stages.errors import StageError
 from tessera.stages.stage import Stage
-from tessera.store.trace import NullTracer, Tracer
+from tessera.store.trace import NullTracer, Tracer, now as trace_now
 from tessera.store import events
 
 from tessera.peer.base.errors import PeerError, StreamClosed
@@ -253,6 +253,8 @@ class StageServer:
                 if session.link_sources.get(msg.link_id) != session.requester:
                     await self._error(session, BAD_FRAME, f"link {msg.link_id} does not come from the requester")
                     continue
+                self.tracer.emit(events.Receive(session=msg.session_id, step=msg.step, remote=session.requester,
+                                                bytes=len(msg.payload), span=(session.start, session.end)))
                 await session.queue_in.send(msg)
             else:
                 await self._error(session, BAD_REQUEST, f"unexpected {type(msg).__name__} on a session stream")
@@ -361,16 +363,20 @@ class StageServer:
                 try:
                     if session.next_channel is None:
                         raise StreamClosed("no link to the next peer")
+                    wall, mono_ns = trace_now()  # a push is stamped as its send starts (store/trace.py)
                     await session.next_channel.send(frame)
                     self.tracer.emit(events.Push(session=msg.session_id, step=msg.step, remote=session.next_peer,
-                                                 bytes=len(frame.payload), span=(session.start, session.end)))
+                                                 bytes=len(frame.payload), span=(session.start, session.end)),
+                                     wall=wall, mono_ns=mono_ns)
                 except PeerError as bad:
                     await self._error(session, NEXT_HOP_FAILED, f"push to {session.next_peer}: {bad}")
             else:
                 try:
+                    wall, mono_ns = trace_now()  # a push is stamped as its send starts (store/trace.py)
                     await session.control.send(frame)
                     self.tracer.emit(events.Push(session=msg.session_id, step=msg.step, remote=session.requester,
-                                                 bytes=len(frame.payload), span=(session.start, session.end)))
+                                                 bytes=len(frame.payload), span=(session.start, session.end)),
+                                     wall=wall, mono_ns=mono_ns)
                 except PeerError:
                     return  # the requester is gone; the control reader ends the session
         self.stats.bytes_out += sent

@@ -14,7 +14,7 @@ from tessera.peer.cli.main import main
 from tessera.peer.request.client import Swarm
 from tessera.protocol.keys import Identity
 from tessera.stages.generate import prompt_ids
-from tessera.store.events import Forward, Result
+from tessera.store.events import Forward, Push, Receive, Result
 from tessera.store.export import validate_perfetto
 from tessera.store.timeline import load_timeline
 from tessera.store.trace import TraceWriter
@@ -86,14 +86,21 @@ def test_a_real_run_exports_to_valid_perfetto_with_every_forward_step_in_causal_
                 assert on[a]["ts"] + on[a]["dur"] <= on[b]["ts"], (session, step, a, b)
     timeline = load_timeline(recorded.dbs)
     assert timeline.non_causal == 0 and len(timeline.pairs) > 0
-    # The requester's own events are not paired with the peers' (it logs no receive), so check
-    # it on the raw clocks: every process here shares this machine's wall clock.
-    last = {(e.event.session, e.event.step): e.wall for e in timeline.events
+    # Every frame on every link is paired, the requester's too: its pushes with the first
+    # peer's receives, the peers' taps and results with its receives. That puts the
+    # requester's clock on the timeline, and each step's hops can be read off it.
+    pushes = [e for e in timeline.events if isinstance(e.event, Push)]
+    receives = [e for e in timeline.events if isinstance(e.event, Receive)]
+    assert len(timeline.pairs) == len(pushes) == len(receives)
+    links = {(push.peer, receive.peer) for push, receive in timeline.pairs}
+    first, last_peer = recorded.live[0]["route"][0]["peer"], recorded.live[0]["route"][-1]["peer"]
+    assert (recorded.requester, first) in links and (last_peer, recorded.requester) in links
+    ends = {(e.event.session, e.event.step): e.t for e in timeline.events
             if isinstance(e.event, Forward) and f"peer {e.peer}" == chain[-1]}
     results = [e for e in timeline.events if isinstance(e.event, Result)]
-    assert len(results) == len(last)
-    for e in results:
-        assert e.wall >= last[(e.event.session, e.event.step)], (e.event.session, e.event.step)
+    assert len(results) == len(ends)
+    for e in results:  # on the aligned clock: a step's result comes after its last forward
+        assert e.t >= ends[(e.event.session, e.event.step)], (e.event.session, e.event.step)
 
 
 @pytest.mark.slow
