@@ -34,6 +34,7 @@ import torch
 # Every protocol module that registers messages, so that the corpora hold them all whoever
 # imported what before (messages and records come with the imports below).
 import tessera.protocol.attest  # noqa: F401
+import tessera.protocol.dedicated  # noqa: F401
 import tessera.protocol.shards  # noqa: F401
 import tessera.protocol.weights  # noqa: F401
 from tessera.protocol import schema

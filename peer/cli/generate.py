@@ -10,7 +10,8 @@ from tessera.stages import registry
 from tessera.stages.errors import StageError
 
 from tessera.peer.cli.options import (
-    UsageError, add_accept_mixed_option, add_compute_options, add_policy_options, add_sampling_options, apply_threads,
+    UsageError, add_accept_mixed_option, add_compute_options, add_dedicated_option, add_policy_options,
+    add_sampling_options, apply_threads,
     policy_from, quant_from, sampling_from,
 )
 
@@ -34,6 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-pipeline", action="store_true", help="do not send a block before the previous one returns")
     p.add_argument("--emulate-link", default=None, metavar="SPEC",
                    help='TESTS AND BENCHMARKS ONLY: delay/pace every frame sent, e.g. "delay=40ms"')
+    add_dedicated_option(p)
     p.add_argument("--model", default="smollm2-135m", help="registered name or folder (default smollm2-135m)")
     add_accept_mixed_option(p)
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")

@@ -119,6 +119,12 @@ def add_join_options(p: argparse.ArgumentParser, *, required: bool = False) -> N
     p.add_argument("--swarm-key", default=None, help="private swarm key: 64 hex chars or a file (default $TESSERA_SWARM_KEY)")
 
 
+def add_dedicated_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-dedicated", action="store_true",
+                   help="run sessions and links as libp2p streams only, never on connections of their own "
+                        "(peer/net/dedicated.py; for comparison and for networks that allow only the libp2p port)")
+
+
 def add_emulation_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emulate-link", type=LinkEmulation.parse, default=None, metavar="SPEC",
                    help='TESTS AND BENCHMARKS ONLY: delay/pace every frame sent, e.g. "delay=40ms,jitter=10ms,rate=100mbit"')

@@ -14,7 +14,7 @@ import trio
 
 from tessera.peer.cli.config import add_config_options
 from tessera.peer.cli.options import (
-    add_compute_options, add_emulation_option, add_join_options, quant_from, read_swarm_key,
+    add_compute_options, add_dedicated_option, add_emulation_option, add_join_options, quant_from, read_swarm_key,
 )
 from tessera.peer.base.errors import ConfigError
 from tessera.peer.net.join import JOIN_TIMEOUT
@@ -40,6 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="if no --join address is reached in time, serve alone as a new swarm instead of exiting")
     p.add_argument("--listen", action="append", default=[], metavar="MULTIADDR",
                    help="where to listen (default /ip4/127.0.0.1/tcp/0)")
+    p.add_argument("--dedicated-port", type=int, default=0, metavar="PORT",
+                   help="TCP port (on the --listen host) for sessions' and links' own connections "
+                        "(default 0: any free port; forward it beside the libp2p port behind a NAT)")
+    add_dedicated_option(p)
     p.add_argument("--memory", type=float, default=None, metavar="GB", help="memory offered (default: half of free RAM)")
     p.add_argument("--layers", type=parse_layers, default=None, metavar="A:B", help="force layers A to B-1")
     p.add_argument("--shard", type=parse_shard, default=None, metavar="I/N",
@@ -113,10 +117,13 @@ def config_from(args: argparse.Namespace) -> PeerConfig:
         raise ConfigError(f"--batch-rows {args.batch_rows!r} / --batch-wait-ms {args.batch_wait_ms!r}: {bad}") from None
     if not args.join_timeout > 0:
         raise ConfigError(f"--join-timeout wants a positive number of seconds, got {args.join_timeout!r}")
+    if not 0 <= args.dedicated_port <= 65535:
+        raise ConfigError(f"--dedicated-port wants a TCP port (0: any free one), got {args.dedicated_port!r}")
     if not args.weights_upload_mbps >= 0:
         raise ConfigError(f"--weights-upload-mbps wants 0 (unlimited) or a positive rate, got {args.weights_upload_mbps!r}")
     return PeerConfig(
         model=args.model, join=args.join, listen=args.listen or ["/ip4/127.0.0.1/tcp/0"],
+        dedicated=not args.no_dedicated, dedicated_port=args.dedicated_port,
         memory_gb=args.memory, layers=args.layers, data_dir=data_dir, name=args.name,
         threads=args.threads, device=args.device, dtype=args.dtype, quant=quant_from(args),
         swarm_key=read_swarm_key(args.swarm_key), max_sessions=args.max_sessions,

@@ -23,6 +23,7 @@ interface addresses, and the NAT policy may replace them (`advertised`).
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import socket
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -33,6 +34,7 @@ import psutil
 import trio
 from libp2p import new_host
 from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_pair
 from libp2p.custom_types import TProtocol
 from libp2p.host.basic_host import BasicHost
@@ -43,8 +45,10 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 
 from tessera.peer.base.errors import PeerUnreachable, StreamClosed
+from tessera.peer.base.protocols import DEDICATED_PROTOCOL
+from tessera.peer.net.dedicated import DedicatedStreams
 from tessera.peer.net.nat.relay import RelayStack, is_circuit_addr, is_relayed, run_relay_stack
-from tessera.peer.net.transport import DIRECT, PUNCHED, RELAYED, Handler
+from tessera.peer.net.transport import DIRECT, PUNCHED, RELAYED, Handler, Stream
 
 # How long a dial may take before we call the peer unreachable. A loopback or LAN
 # dial takes milliseconds; a relayed one a few hundred; 10 s is py-libp2p's own default.
@@ -68,6 +72,7 @@ PEERSTORE_TTL = 3600  # seconds py-libp2p keeps an address we learned
 # operator's own PY_YAMUX_RELEASE_ON_READ wins.
 YAMUX_RELEASE_ON_READ = ("PY_YAMUX_RELEASE_ON_READ", "0")
 READ_CHUNK = 1 << 16
+log = logging.getLogger(__name__)
 
 # libp2p raises a family of exceptions for a dead stream or connection; all mean the same to us.
 LIBP2P_IO_ERRORS: tuple[type[BaseException], ...] = (OSError, EOFError, trio.BrokenResourceError, trio.ClosedResourceError)
@@ -156,12 +161,17 @@ def make_host(seed: bytes, *, swarm_key: bytes | None = None, noise_only: bool =
 
 
 class Libp2pTransport:
-    """`Transport` over one running py-libp2p host (with its relay stack, if started)."""
+    """`Transport` over one running py-libp2p host (with its relay stack, if started), and
+    dedicated connections for the hot streams where they work (peer/net/dedicated.py)."""
 
-    def __init__(self, host: BasicHost, relay: RelayStack | None = None, *, swarm_key: bytes | None = None) -> None:
+    def __init__(self, host: BasicHost, relay: RelayStack | None = None, *, swarm_key: bytes | None = None,
+                 dedicated: DedicatedStreams | None = None) -> None:
         self.host = host
         self.relay = relay
         self.swarm_key = swarm_key
+        self.dedicated = dedicated
+        if dedicated is not None:
+            self.set_handler(DEDICATED_PROTOCOL, dedicated.serve_endpoint)
         self.peer_id = host.get_id().to_base58()
         self.extra_addrs: list[str] = []  # e.g. relayed addresses added by peer/net/nat/reachability.py
         # Set by the NAT policy (peer/net/nat/reachability.py): which addresses others can use. None: where we listen.
@@ -191,14 +201,23 @@ class Libp2pTransport:
     def open_probe(self) -> AbstractAsyncContextManager["Libp2pTransport"]:
         """A throwaway host (fresh identity, same swarm key) to dial someone afresh (dial-back)."""
         return open_libp2p_transport(os.urandom(32), listen=("/ip4/127.0.0.1/tcp/0",), swarm_key=self.swarm_key,
-                                     relay=False)
+                                     relay=False, dedicated=False)
 
     def set_handler(self, protocol: str, handler: Handler) -> None:
         async def wrapped(stream) -> None:
             remote = stream.muxed_conn.peer_id.to_base58()
-            await handler(Libp2pStream(stream, remote))
+            ours = Libp2pStream(stream, remote)
+            try:
+                await handler(ours)
+            except (trio.Cancelled, KeyboardInterrupt):
+                raise
+            except Exception:  # a handler bug ends its stream; py-libp2p would let it end the whole host
+                log.exception("the %s handler failed (remote %s)", protocol, remote)
+                await ours.reset()
 
         self.host.set_stream_handler(TProtocol(protocol), wrapped)
+        if self.dedicated is not None:
+            self.dedicated.set_handler(protocol, handler)  # the hot protocols are served there too
 
     async def connect(self, addr: str) -> str:
         try:
@@ -263,11 +282,24 @@ class Libp2pTransport:
             errors.append(f"gave up after {DIAL_TIMEOUT + RELAY_HEAD_START} s")
         raise PeerUnreachable(f"cannot dial {peer_id}: " + "; ".join(errors or ["no usable address"]))
 
-    async def open_stream(self, peer_id: str, protocol: str, *, addrs: Sequence[str] = ()) -> Libp2pStream:
-        pid = ID.from_base58(peer_id)
+    async def open_stream(self, peer_id: str, protocol: str, *, addrs: Sequence[str] = ()) -> Stream:
+        """A stream on a dedicated connection where one works (peer/net/dedicated.py), else a libp2p stream."""
+        await self._ensure_connected(peer_id, addrs)
+        if self.dedicated is not None:
+            stream = await self.dedicated.open(self, peer_id, protocol)
+            if stream is not None:
+                return stream
+        return await self.open_libp2p_stream(peer_id, protocol)
+
+    async def _ensure_connected(self, peer_id: str, addrs: Sequence[str]) -> None:
         if not self._connections(peer_id):
-            known = list(addrs) or [str(a) for a in self._peerstore_addrs(pid)]
+            known = list(addrs) or [str(a) for a in self._peerstore_addrs(ID.from_base58(peer_id))]
             await self.dial(peer_id, known)
+
+    async def open_libp2p_stream(self, peer_id: str, protocol: str, *, addrs: Sequence[str] = ()) -> Libp2pStream:
+        """A stream on the libp2p connection (muxed by yamux), dialling first if needed."""
+        pid = ID.from_base58(peer_id)
+        await self._ensure_connected(peer_id, addrs)
         try:
             with trio.fail_after(OPEN_STREAM_TIMEOUT):
                 stream = await self.host.new_stream(pid, [TProtocol(protocol)])
@@ -290,6 +322,19 @@ class Libp2pTransport:
             return []
         conns = conns if isinstance(conns, list) else [conns]
         return [c for c in conns if not getattr(c, "is_closed", False)]
+
+    def remote_host(self, peer_id: str) -> str | None:
+        """The IP our direct (not relayed) libp2p connection to `peer_id` reaches it at."""
+        for conn in self._connections(peer_id):
+            if is_relayed(conn):
+                continue
+            try:
+                remote = conn.muxed_conn.get_remote_address()
+            except (AttributeError, NotImplementedError):
+                continue
+            if remote:
+                return remote[0]
+        return None
 
     def connected(self) -> list[str]:
         """Peers with an open connection. py-libp2p may keep a closed or reset connection in its
@@ -334,16 +379,45 @@ async def open_libp2p_transport(
     swarm_key: bytes | None = None,
     noise_only: bool = True,
     relay: bool = True,
+    dedicated: bool = True,
+    dedicated_listen: bool = True,
+    dedicated_port: int = 0,
 ) -> AsyncIterator[Libp2pTransport]:
-    """Run a host listening on `listen` for the duration of the block (with its relay stack unless `relay=False`)."""
+    """Run a host listening on `listen` for the duration of the block, with its relay stack unless
+    `relay=False`. Hot streams get dedicated connections (peer/net/dedicated.py) unless
+    `dedicated=False`; a host that serves them listens for those on `dedicated_port` (0: any free
+    port) unless `dedicated_listen=False` (a requester dials, it serves nothing)."""
     host = make_host(seed, swarm_key=swarm_key, noise_only=noise_only)
-    async with host.run(listen_addrs=[multiaddr.Multiaddr(a) for a in listen]):
+    async with host.run(listen_addrs=[multiaddr.Multiaddr(a) for a in listen]), trio.open_nursery() as nursery:
         # py-libp2p's auto-connector dials every address in the peerstore until ~200
         # connections are open (hundreds of dials at once on a loaded machine); our
         # peers connect to the peers they need themselves (gossip, routes).
         await host.get_network().auto_connector.stop()
-        if not relay:
-            yield Libp2pTransport(host, swarm_key=swarm_key)
-            return
-        async with run_relay_stack(host) as stack:
-            yield Libp2pTransport(host, stack, swarm_key=swarm_key)
+        streams = None
+        if dedicated:
+            streams = DedicatedStreams(KeyPair(host.get_private_key(), host.get_public_key()), swarm_key=swarm_key,
+                                    nursery=nursery)
+            if dedicated_listen:
+                bind, hosts = dedicated_listen_host(listen)
+                await streams.listen(bind, dedicated_port, hosts)
+        try:
+            if not relay:
+                yield Libp2pTransport(host, swarm_key=swarm_key, dedicated=streams)
+            else:
+                async with run_relay_stack(host) as stack:
+                    yield Libp2pTransport(host, stack, swarm_key=swarm_key, dedicated=streams)
+        finally:
+            nursery.cancel_scope.cancel()  # the dedicated listener and its connections end with the host
+
+
+def dedicated_listen_host(listen: Sequence[str]) -> tuple[str, list[str]]:
+    """Where the dedicated listener binds (the host of the first TCP listen address) and the
+    addresses it is reachable at (every interface's, for a wildcard)."""
+    for addr in listen:
+        parts = addr.split("/")
+        if len(parts) > 4 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp":
+            host = parts[2]
+            if host in ("0.0.0.0", "::"):
+                return host, interface_ipv4s()
+            return host, [host]
+    return "127.0.0.1", ["127.0.0.1"]

@@ -130,6 +130,12 @@ class Channel:
         except StreamClosed:
             return None
 
+    def take_buffered(self) -> bytes:
+        """Bytes read off the stream past the last message (handing the stream on to another reader)."""
+        data = bytes(self._buffer)
+        self._buffer.clear()
+        return data
+
     async def close(self) -> None:
         await self.stream.close()
 

@@ -34,9 +34,11 @@ from tessera.peer.weights.bootstrap import FolderWeights
 
 @asynccontextmanager
 async def open_host(config: PeerConfig, identity: Identity) -> AsyncIterator[Transport]:
-    """The peer's libp2p host on --listen (private with --swarm-key), frames paced by --emulate-link."""
+    """The peer's libp2p host on --listen (private with --swarm-key), with dedicated connections for
+    the hot streams (--dedicated-port, --no-dedicated), frames paced by --emulate-link."""
     async with open_libp2p_transport(
-        identity.seed, listen=config.listen, swarm_key=config.swarm_key
+        identity.seed, listen=config.listen, swarm_key=config.swarm_key,
+        dedicated=config.dedicated, dedicated_port=config.dedicated_port,
     ) as real_transport, emulate(real_transport, config.emulate_link) as transport:
         yield transport
 

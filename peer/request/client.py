@@ -163,6 +163,7 @@ class Swarm:
         policy: RequesterPolicy | None = None,
         quant: Quant = NO_QUANT,
         accept_mixed: bool = False,
+        dedicated: bool = True,
     ) -> AsyncIterator["Swarm"]:
         """Join the swarm reachable at `addrs` as a requester (serving nothing).
 
@@ -170,12 +171,14 @@ class Swarm:
         `quant`: route only through peers serving that quantization (default: unquantized);
         `accept_mixed`: through peers of any quantization of the model.
 
+        `dedicated`: run sessions on connections of their own where a peer takes them
+        (peer/net/dedicated.py); False keeps every stream on the libp2p connection.
         `emulate_link` (benchmarks only) delays and paces every frame the requester sends.
         """
         folder = registry.resolve(model)
         identity = Identity.from_seed(seed) if seed else Identity.generate()
         async with open_libp2p_transport(
-            identity.seed, listen=listen, swarm_key=swarm_key
+            identity.seed, listen=listen, swarm_key=swarm_key, dedicated=dedicated, dedicated_listen=False,
         ) as real_transport, emulate(real_transport, emulate_link) as transport:
             async with trio.open_nursery() as nursery:
                 swarm = await in_worker(
