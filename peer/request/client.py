@@ -62,6 +62,11 @@ from tessera.peer.request.prefill import route_chunk_size
 DEFAULT_ROUTE_WAIT = 30.0
 REFRESH_INTERVAL = 2.0  # gossip and ping period of a requester
 WAIT_REPORT_INTERVAL = 1.0  # how often a requester waiting for a route says what it waits for
+# Embedding a decode step's tokens (one, or a speculative block's few) reads a few rows of
+# the table: microseconds on a CPU. A worker thread's round trip costs 0.2-0.3 ms on a
+# 2-core machine (more after the idle wait for the swarm), on every step's critical path,
+# so those run on the loop; a prompt's embedding (megabytes) still goes to a worker.
+INLINE_EMBED_TOKENS = 64
 # Positions reserved beyond the answer: a pipelined speculative block may run past
 # the last token that is finally kept.
 SPECULATION_SLACK = 32
@@ -322,6 +327,8 @@ class Swarm:
     # -- generation -------------------------------------------------------------------
 
     async def _embed(self, ids: Sequence[int]) -> torch.Tensor:
+        if len(ids) <= INLINE_EMBED_TOKENS and self.head.device.type == "cpu":
+            return self.head.embed(list(ids))  # a lookup of a few rows: no blocking work to hand off
         return await in_worker(lambda: self.head.embed(list(ids)))
 
     async def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
