@@ -342,6 +342,8 @@ class StageServer:
             code = BAD_FRAME if isinstance(bad, WireError) else COMPUTE_FAILED
             await self._error(session, code, f"step {msg.step}: {bad}")
             return
+        computed = trace_now()  # the Forward event ends here; it is emitted after the push, off the critical path
+        sent = await self._push(session, msg, frames)
         n_layers = session.end - session.start
         session.steps += 1
         session.tokens += msg.n_tokens
@@ -349,15 +351,23 @@ class StageServer:
         self.stats.tokens += msg.n_tokens
         self.stats.layer_tokens += msg.n_tokens * n_layers
         self.stats.bytes_in += len(msg.payload)
+        self.stats.bytes_out += sent
         self.tracer.emit(events.Forward(session=msg.session_id, step=msg.step, span=(session.start, session.end),
-                                        duration=seconds, start_pos=msg.start_pos, n_tokens=msg.n_tokens, batch=batch))
+                                        duration=seconds, start_pos=msg.start_pos, n_tokens=msg.n_tokens, batch=batch),
+                         wall=computed[0], mono_ns=computed[1])
+        if self.ledger is not None:
+            self.ledger(session.requester, msg.n_tokens * n_layers, len(msg.payload) + sent)
+
+    async def _push(self, session: ServedSession, msg: Forward, frames: list[object]) -> int:
+        """Send a step's frames: the onward one first, then (sealed only now) the tap. Returns the
+        payload bytes sent; stops early when the session or its requester is gone."""
         sent = 0
-        for frame in frames:  # the onward frame first; a deferred tap is sealed only after it went
+        for frame in frames:
             if isinstance(frame, DeferredTap):
                 try:
                     frame = frame.seal(self.identity)
                 except WireError:
-                    return  # the session ended meanwhile (its keys are forgotten): no one to tap
+                    return sent  # the session ended meanwhile (its keys are forgotten): no one to tap
             sent += len(frame.payload)
             if isinstance(frame, Forward):
                 try:
@@ -378,10 +388,8 @@ class StageServer:
                                                  bytes=len(frame.payload), span=(session.start, session.end)),
                                      wall=wall, mono_ns=mono_ns)
                 except PeerError:
-                    return  # the requester is gone; the control reader ends the session
-        self.stats.bytes_out += sent
-        if self.ledger is not None:
-            self.ledger(session.requester, msg.n_tokens * n_layers, len(msg.payload) + sent)
+                    return sent  # the requester is gone; the control reader ends the session
+        return sent
 
     @property
     def batching(self) -> bool:
