@@ -17,12 +17,17 @@ the swarm step less one process's step is the chain's overhead, and the slices a
 which part of a hop it is. Decode steps only (the prefill step is left out); medians over
 every step of `--rounds` answers.
 
-    .venv/bin/python bench/hop_budget.py [--tokens 32] [--rounds 3] [--synth-1b]
+Two swarms side by side, their rounds alternating: one whose sessions and links run on
+dedicated connections (peer/net/dedicated.py, the default) and one on libp2p (yamux)
+streams only (`--no-dedicated`).
+
+    .venv/bin/python bench/hop_budget.py [--tokens 32] [--rounds 3] [--synth-1b] [--dedicated-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import statistics
 import time
@@ -107,40 +112,59 @@ def slices(answer: Answer) -> list[dict[str, float]]:
     return out
 
 
-def traced_answers(model: str, spans: list[tuple[int, int]], tokens: int, rounds: int) -> list[Answer]:
-    peers = LocalSwarm(len(spans), model=model, extra_args=[["--layers", f"{a}:{b}"] for a, b in spans])
-    answers: list[Answer] = []
+STREAMS = {"dedicated": [], "libp2p streams": ["--no-dedicated"]}  # swarm kind -> extra peer flags
+
+
+def traced_answers(model: str, spans: list[tuple[int, int]], tokens: int, rounds: int,
+                   kinds: list[str]) -> dict[str, list[Answer]]:
+    """`rounds` traced answers through a swarm of each kind, the kinds' rounds alternating."""
+    swarms = {kind: LocalSwarm(len(spans), model=model,
+                               extra_args=[["--layers", f"{a}:{b}", *STREAMS[kind]] for a, b in spans])
+              for kind in kinds}
+    answers: dict[str, list[Answer]] = {kind: [] for kind in kinds}
     try:
-        peers.start(together=True)
-        dbs = [PeerStore(peers.base_dir / f"peer{i}" / "tessera.db", readonly=True) for i in range(len(spans))]
+        for peers in swarms.values():
+            peers.start(together=True)
+        dbs = {kind: [PeerStore(peers.base_dir / f"peer{i}" / "tessera.db", readonly=True) for i in range(len(spans))]
+               for kind, peers in swarms.items()}
+
+        async def answer(swarm: Swarm, tracer: MemoryTracer, kind: str, ids: list[int]) -> None:
+            await trio.sleep(0.5)
+            marks = [max((r.id for r in db.events()), default=0) for db in dbs[kind]]
+            mark = len(tracer.events)
+            info: dict = {}
+            token_ns = [time.monotonic_ns()]
+            async for _ in swarm.generate_ids(ids, max_new_tokens=tokens, info=info):
+                token_ns.append(time.monotonic_ns())
+            steps = len(token_ns) - 1
+            rows = {}
+            for _ in range(100):  # the peers' writers commit every second or so
+                await trio.sleep(0.1)
+                rows = {i: db.events(after_id=marks[i], kinds=(Receive, Forward, Push)) for i, db in enumerate(dbs[kind])}
+                if all(sum(isinstance(r.event, Forward) for r in got) >= steps for got in rows.values()):
+                    break
+            ids_of = {rs[0].peer: rs for rs in rows.values() if rs}
+            answers[kind].append(Answer([hop["peer"] for hop in info["route"]], token_ns, tracer.events[mark:], ids_of))
 
         async def run() -> None:
-            tracer = MemoryTracer(peer="requester")
-            async with Swarm.join(peers.addrs[:1], model=model, tracer=tracer) as swarm:
-                await swarm.wait_for_route(60)
-                ids = swarm.tokenizer.encode(PROMPT)[:16]
-                [t async for t in swarm.generate_ids(ids, max_new_tokens=4)]  # warm-up
+            async with contextlib.AsyncExitStack() as stack:
+                joined = {}
+                for kind in kinds:
+                    tracer = MemoryTracer(peer="requester")
+                    swarm = await stack.enter_async_context(
+                        Swarm.join(swarms[kind].addrs[:1], model=model, tracer=tracer, dedicated=kind == "dedicated"))
+                    await swarm.wait_for_route(60)
+                    ids = swarm.tokenizer.encode(PROMPT)[:16]
+                    [t async for t in swarm.generate_ids(ids, max_new_tokens=4)]  # warm-up
+                    joined[kind] = swarm, tracer, ids
                 for _ in range(rounds):
-                    await trio.sleep(0.5)
-                    marks = [max((r.id for r in db.events()), default=0) for db in dbs]
-                    mark = len(tracer.events)
-                    info: dict = {}
-                    token_ns = [time.monotonic_ns()]
-                    async for _ in swarm.generate_ids(ids, max_new_tokens=tokens, info=info):
-                        token_ns.append(time.monotonic_ns())
-                    steps = len(token_ns) - 1
-                    rows = {}
-                    for _ in range(100):  # the peers' writers commit every second or so
-                        await trio.sleep(0.1)
-                        rows = {i: db.events(after_id=marks[i], kinds=(Receive, Forward, Push)) for i, db in enumerate(dbs)}
-                        if all(sum(isinstance(r.event, Forward) for r in got) >= steps for got in rows.values()):
-                            break
-                    ids_of = {rs[0].peer: rs for rs in rows.values() if rs}
-                    answers.append(Answer([hop["peer"] for hop in info["route"]], token_ns, tracer.events[mark:], ids_of))
+                    for kind, (swarm, tracer, ids) in joined.items():
+                        await answer(swarm, tracer, kind, ids)
 
         trio.run(run)
     finally:
-        peers.stop()
+        for peers in swarms.values():
+            peers.stop()
     return answers
 
 
@@ -162,33 +186,44 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--synth-1b", action="store_true", help="the synthetic 1B shape of bench/swarm.py")
+    parser.add_argument("--dedicated-only", action="store_true",
+                        help="the default swarm only (no libp2p-streams swarm beside it)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     model = str(synth_1b()) if args.synth_1b else "smollm2-135m"
     layers = ModelSpec.from_file(registry.resolve(model) / "config.json").num_layers
-    answers = traced_answers(model, even_spans(layers, 3), args.tokens, args.rounds)
+    kinds = ["dedicated"] if args.dedicated_only else list(STREAMS)
+    answers = traced_answers(model, even_spans(layers, 3), args.tokens, args.rounds, kinds)
     local_ms = local_decode_ms(model, args.tokens, args.rounds)
-    steps = [ms for answer in answers for ms in slices(answer)]
-    median = {name: statistics.median(s[name] for s in steps) for name in steps[0]}
+    medians, overheads = {}, {}
+    for kind in kinds:
+        steps = [ms for answer in answers[kind] for ms in slices(answer)]
+        medians[kind] = {name: statistics.median(s[name] for s in steps) for name in steps[0]}
+        # per step, its time less its own compute: slices add up within a step, medians of slices do not
+        overheads[kind] = statistics.median(
+            s["step"] - sum(v for k, v in s.items() if k.endswith("compute")) - s["head, sampling"] for s in steps)
     label = "synthetic-1b" if args.synth_1b else model
-    print(f"\none decode step through 3 peers ({label}, loopback), medians over {len(steps)} steps:")
-    for name, value in median.items():
-        if name != "step":
-            print(f"  {name:32s} {value:7.2f} ms")
-    compute = sum(v for k, v in median.items() if k.endswith("compute")) + median["head, sampling"]
-    wire = [v for k, v in median.items() if k.startswith("wire")]
-    rest = [v for k, v in median.items() if k.endswith(" rest")]
-    step = median["step"]
-    print(f"  {'step':32s} {step:7.2f} ms (the slices' medians add to {sum(median.values()) - step:.2f})")
+    print(f"\none decode step through 3 peers ({label}, loopback), medians over {len(steps)} steps, in ms:")
+    print(f"  {'':32s} " + " ".join(f"{kind:>15s}" for kind in kinds))
+    for name in medians[kinds[0]]:
+        print(f"  {name:32s} " + " ".join(f"{medians[kind][name]:15.2f}" for kind in kinds))
     print("\n-- side by side --")
-    print(f"swarm decode step {step:.2f} ms, one process {local_ms:.2f} ms; the swarm's compute "
-          f"(peers' forwards + head) {compute:.2f} ms")
-    print(f"a hop: wire {statistics.mean(wire):.2f} ms (mean of {len(wire)}), in a peer besides its compute "
-          f"{statistics.mean(rest):.2f} ms (mean of {len(rest)}); requester out {median['requester out']:.2f} ms, "
-          f"in {median['requester in']:.2f} ms")
-    print(f"per-hop overhead ({label}): (swarm step - one process's) / {HOPS} = {(step - local_ms) / HOPS:.2f} ms; "
-          f"(swarm step - its compute) / {HOPS} = {(step - compute) / HOPS:.2f} ms")
+    print(f"one process's decode step: {local_ms:.2f} ms")
+    for kind in kinds:
+        median = medians[kind]
+        compute = sum(v for k, v in median.items() if k.endswith("compute")) + median["head, sampling"]
+        wire = [v for k, v in median.items() if k.startswith("wire")]
+        rest = [v for k, v in median.items() if k.endswith(" rest")]
+        step = median["step"]
+        print(f"{kind}: swarm step {step:.2f} ms, its compute (peers' forwards + head) {compute:.2f} ms; a hop: wire "
+              f"{statistics.mean(wire):.2f} ms (mean of {len(wire)}), in a peer besides its compute "
+              f"{statistics.mean(rest):.2f} ms (mean of {len(rest)}); requester out {median['requester out']:.2f} ms, "
+              f"in {median['requester in']:.2f} ms")
+    for kind in kinds:
+        step = medians[kind]["step"]
+        print(f"per-hop overhead ({label}, {kind}): (swarm step - one process's) / {HOPS} = {(step - local_ms) / HOPS:.2f} ms; "
+              f"(each step - its own compute) / {HOPS} = {overheads[kind] / HOPS:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,15 @@
    16/8 heads; compute cost does not depend on the weights). Each peer and the
    local engine get one torch thread: with one session the pipeline runs one peer
    at a time, so both sides compute on one core and the ratio shows what the
-   network, the encryption and the hops cost. Rounds alternate (local, swarm, ...).
-   Per-hop overhead = (swarm step time - local step time) / 4 network hops
-   (requester -> p0 -> p1 -> p2 -> requester).
+   network, the encryption and the hops cost. Two swarms side by side: one whose
+   sessions and links run on dedicated connections (peer/net/dedicated.py, the
+   default) and one whose every stream is a libp2p (yamux) stream (`--no-dedicated`).
+   Rounds alternate (local, dedicated, libp2p streams, ...). Per-hop overhead =
+   (swarm step time - local step time) / 4 network hops (requester -> p0 -> p1 ->
+   p2 -> requester).
+   Beside them, what this machine does to a stage that waits: one span's forward in
+   one process after an idle wait as long as a pipeline stage's, against back to
+   back (shared hosts lose a waiting core's caches; the local engine never waits).
 2. Time to first token of a long prompt (default 2,000 tokens) over 4 SmolLM2 peers
    on an emulated WAN (`--emulate-link`, as bench/wan.py: 40-75 ms a hop, 100 Mbit/s
    uplinks), the prompt sent whole vs pipelined in chunks (peer/request/prefill.py).
@@ -20,6 +26,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import statistics
 import time
@@ -33,6 +40,7 @@ from tessera.peer.cli.demo import LocalSwarm
 from tessera.stages import registry
 from tessera.stages.generate import LocalEngine
 from tessera.stages.spec import ModelSpec
+from tessera.stages.stage import Stage
 from tessera.peer.net.emulated import LinkEmulation
 
 SYNTH_1B = dict(hidden=2048, layers=24, heads=16, kv_heads=8, intermediate=5632, vocab=32000, seed=0)
@@ -72,33 +80,66 @@ WAN_REQUESTER_DELAY_MS = 25
 WAN_RATE = "100mbit"
 
 
-def measure(model: str, label: str, tokens: int, rounds: int) -> tuple[float, float]:
-    """(swarm tokens/s, local tokens/s), medians over `rounds`."""
+STREAMS = {"dedicated": [], "libp2p streams": ["--no-dedicated"]}  # swarm kind -> extra peer flags
+
+
+def measure(model: str, label: str, tokens: int, rounds: int, kinds: list[str]) -> tuple[dict[str, float], float]:
+    """({swarm kind: tokens/s}, local tokens/s), medians over `rounds`."""
     spec = ModelSpec.from_file(registry.resolve(model) / "config.json")
     engine = LocalEngine(registry.resolve(model), device="cpu", dtype="float32")
     # a prompt whose answer does not stop early: greedy continuation of a plain text
     ids = engine.tokenizer.encode("The history of the city begins in the year")[:16] or [5] * 16
-    peers = LocalSwarm(3, model=model, extra_args=[["--layers", f"{a}:{b}"] for a, b in even_spans(spec.num_layers, 3)])
-    local, swarm_rates = [], []
+    spans = even_spans(spec.num_layers, 3)
+    swarms = {kind: LocalSwarm(3, model=model, extra_args=[["--layers", f"{a}:{b}", *STREAMS[kind]] for a, b in spans])
+              for kind in kinds}
+    local: list[float] = []
+    rates: dict[str, list[float]] = {kind: [] for kind in kinds}
     try:
-        peers.start(together=True)
+        for peers in swarms.values():
+            peers.start(together=True)
 
         async def rounds_() -> None:
-            async with Swarm.join(peers.addrs[:1], model=model) as swarm:
-                await swarm.wait_for_route(60)
-                await swarm_rate(swarm, ids, 4)  # warm-up
+            async with contextlib.AsyncExitStack() as stack:
+                joined = {kind: await stack.enter_async_context(
+                    Swarm.join(swarms[kind].addrs[:1], model=model, dedicated=kind == "dedicated")) for kind in kinds}
+                for swarm in joined.values():
+                    await swarm.wait_for_route(60)
+                    await swarm_rate(swarm, ids, 4)  # warm-up
                 local_rate(engine, ids, 4)
                 for r in range(rounds):
                     local.append(local_rate(engine, ids, tokens))
-                    swarm_rates.append(await swarm_rate(swarm, ids, tokens))
-                    print(f"  {label} round {r}: local {local[-1]:.2f} tok/s, swarm {swarm_rates[-1]:.2f} tok/s")
+                    for kind, swarm in joined.items():
+                        rates[kind].append(await swarm_rate(swarm, ids, tokens))
+                    print(f"  {label} round {r}: local {local[-1]:.2f} tok/s, "
+                          + ", ".join(f"{kind} {rates[kind][-1]:.2f}" for kind in kinds))
 
         trio.run(rounds_)
     finally:
-        peers.stop()
-    a, b = statistics.median(swarm_rates), statistics.median(local)
-    print(f"{label}: swarm {a:.2f} tok/s, local {b:.2f} tok/s")
-    return a, b
+        for peers in swarms.values():
+            peers.stop()
+    medians = {kind: statistics.median(r) for kind, r in rates.items()}
+    print(f"{label}: " + ", ".join(f"swarm ({kind}) {rate:.2f} tok/s" for kind, rate in medians.items())
+          + f", local {statistics.median(local):.2f} tok/s")
+    return medians, statistics.median(local)
+
+
+def idle_penalty(model: str, idle: float, steps: int = 40) -> float:
+    """One span's decode forward (a third of the layers, one thread) after `idle` seconds of
+    waiting, as a pipeline stage waits for its next frame, over back to back: medians."""
+    folder = registry.resolve(model)
+    spec = ModelSpec.from_file(folder / "config.json")
+    start, end = even_spans(spec.num_layers, 3)[0]
+    stage = Stage.load(folder, start=start, end=end)
+    stage.open("s", capacity=16 + 2 * steps + 2, start=start, end=end)
+    stage.forward("s", torch.randn(16, spec.hidden_size), 0)
+    times: dict[float, list[float]] = {0.0: [], idle: []}
+    for i in range(2 * steps):
+        wait = idle if i % 2 else 0.0
+        time.sleep(wait)
+        began = time.perf_counter()
+        stage.forward("s", torch.randn(1, spec.hidden_size), 16 + i)
+        times[wait].append(time.perf_counter() - began)
+    return statistics.median(times[idle]) / statistics.median(times[0.0])
 
 
 async def first_token_seconds(swarm: Swarm, ids: list[int], chunk: int | None) -> float:
@@ -156,21 +197,37 @@ def main() -> None:
     parser.add_argument("--wan-rate", default=WAN_RATE, help="uplink of every emulated WAN stage (e.g. 10mbit)")
     parser.add_argument("--only-ttft", action="store_true", help="skip the decode comparisons")
     parser.add_argument("--skip-ttft", action="store_true", help="skip the time-to-first-token comparison")
+    parser.add_argument("--dedicated-only", action="store_true",
+                        help="decode through the default swarm only (no libp2p-streams swarm beside it)")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.skip_1b, args.prompt_tokens, args.tokens = 1, True, min(args.prompt_tokens, 600), 16
     torch.set_num_threads(1)
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # it logs every refused dial
-    rates = {} if args.only_ttft else {"smollm2-135m": measure("smollm2-135m", "smollm2-135m", args.tokens, args.rounds)}
-    if not args.skip_1b and not args.only_ttft:
-        rates["synthetic-1b"] = measure(str(synth_1b()), "synthetic-1b", max(8, args.tokens // 4), args.rounds)
+    kinds = ["dedicated"] if args.dedicated_only else list(STREAMS)
+    rates = {}
+    penalties = {}
+    if not args.only_ttft:
+        rates["smollm2-135m"] = measure("smollm2-135m", "smollm2-135m", args.tokens, args.rounds, kinds)
+        if not args.skip_1b:
+            rates["synthetic-1b"] = measure(str(synth_1b()), "synthetic-1b", max(8, args.tokens // 4), args.rounds, kinds)
+        for label, model in (("smollm2-135m", "smollm2-135m"), ("synthetic-1b", str(synth_1b()) if "synthetic-1b" in rates else "")):
+            if model:
+                # a stage of three waits about two thirds of a step: the swarm's step less its own compute
+                swarm_rates, local_rate_ = rates[label]
+                idle = (2 / 3) / swarm_rates[kinds[0]]
+                penalties[label] = (idle, idle_penalty(model, idle))
     ttft = None if args.skip_ttft else measure_ttft(args.prompt_tokens, args.rounds, args.wan_rate)
     print("\n-- side by side (one run; noisy on a shared machine) --")
-    for label, (swarm_rate, local_rate) in rates.items():
-        overhead_ms = (1 / swarm_rate - 1 / local_rate) / HOPS * 1e3
-        print(f"per-hop overhead ({label}, 3 peers, loopback): {overhead_ms:.2f} ms")
-    for label, (swarm_rate, local_rate) in rates.items():
-        print(f"swarm/local decode ratio ({label}, 3 peers, loopback): {swarm_rate / local_rate:.2f}")
+    for label, (idle, penalty) in penalties.items():
+        print(f"one span's forward after {idle * 1e3:.0f} ms idle / back to back ({label}, one process): {penalty:.2f}")
+    for label, (swarm_rates, local_rate_) in rates.items():
+        for kind, swarm_rate_ in swarm_rates.items():
+            overhead_ms = (1 / swarm_rate_ - 1 / local_rate_) / HOPS * 1e3
+            print(f"per-hop overhead ({label}, 3 peers, loopback, {kind}): {overhead_ms:.2f} ms")
+    for label, (swarm_rates, local_rate_) in rates.items():
+        for kind, swarm_rate_ in swarm_rates.items():
+            print(f"swarm/local decode ratio ({label}, 3 peers, loopback, {kind}): {swarm_rate_ / local_rate_:.2f}")
     if ttft is not None:
         whole, chunked, chunk = ttft
         print(f"time to first token, {args.prompt_tokens}-token prompt, 4 emulated WAN stages ({args.wan_rate}): "
