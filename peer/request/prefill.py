@@ -21,12 +21,18 @@ chunks through S stages, the first token waits about
     T(c) = (m + S - 1)(a + b·c) = n·b + (S-1)·a + n·a/c + (S-1)·b·c,
 
 minimised at c* = sqrt(n·a / ((S-1)·b)). Link latency is paid once per hop
-whatever c is (chunks stream), so it does not move c*.
+whatever c is (chunks stream), so it does not move c*. Chunks are multiples of
+`MIN_CHUNK`: of the two around c*, the one with the smaller T(c) (T rises much
+faster below c* than above it, so plain rounding picks too small a chunk).
 
 Worked example: n = 2000 tokens, S = 4 stages, a = 20 ms, b = 1 ms/token:
-c* = sqrt(2000·0.02 / (3·0.001)) = sqrt(13333) ≈ 115 → rounded to 128 (a
-multiple of `MIN_CHUNK`); 16 chunks, T ≈ (16 + 3)(0.02 + 0.128) = 2.8 s against
-4·(0.02 + 2.0) = 8.1 s unchunked.
+c* = sqrt(2000·0.02 / (3·0.001)) = sqrt(13333) ≈ 115, between 64 and 128;
+T(64) = 35·0.084 = 2.94 s, T(128) = 19·0.148 = 2.81 s: 128, 16 chunks, against 4·(0.02 + 2.0) =
+8.1 s unchunked.
+
+The route gives a and b from the slowest hop's measured decode speed: a = the
+span's decode step times `PREFILL_STEP_COST`, b = that step / `PREFILL_TOKENS_PER_STEP`
+plus a token's bytes on the link.
 """
 
 from __future__ import annotations
@@ -50,6 +56,14 @@ MIN_CHUNK = 64
 # position 256 923 ms, i.e. 14 tokens in the time of one decode step. The advertised
 # throughput is decode speed, hence this factor.
 PREFILL_TOKENS_PER_STEP = 15.0
+# A chunk step's fixed cost, in decode steps: a prefill-shaped step (masked attention over
+# its rows, a KV write of many positions) costs more than a one-token step besides its
+# per-token work. Measured on SmolLM2-135M, 8 layers, one torch thread, at position 1024:
+# 1 token 13.2 ms; 64 tokens 78 ms, 128 136 ms, 256 257 ms, 512 530 ms, i.e. a + b·c with
+# b = 0.93 ms (a decode step / 14) and a = 18.8 ms (1.4 decode steps). Taking a for one
+# decode step chose 64-token chunks for a 2,000-token prompt over bench/swarm.py's four
+# emulated WAN stages, 6.7 s to the first token; 128 took 5.6 s (256: 5.3 s).
+PREFILL_STEP_COST = 1.4
 # When no link speed was measured: 100 Mbit/s, a home uplink.
 ASSUMED_LINK_BYTES_PER_S = 100e6 / 8
 BYTES_PER_VALUE = 4  # float32 activations on the wire
@@ -64,7 +78,12 @@ def chunk_size(n_tokens: int, n_stages: int, *, step_seconds: float, token_secon
     if n_tokens < 2 * MIN_CHUNK or n_stages < 2 or token_seconds <= 0:
         return n_tokens
     best = math.sqrt(n_tokens * step_seconds / ((n_stages - 1) * token_seconds))
-    chunk = max(MIN_CHUNK, MIN_CHUNK * round(best / MIN_CHUNK))
+
+    def first_token_seconds(chunk: int) -> float:  # T(c) of the module docstring
+        return (math.ceil(n_tokens / chunk) + n_stages - 1) * (step_seconds + token_seconds * chunk)
+
+    below = max(MIN_CHUNK, MIN_CHUNK * math.floor(best / MIN_CHUNK))
+    chunk = min((below, below + MIN_CHUNK), key=first_token_seconds)
     return n_tokens if chunk * 2 > n_tokens else chunk
 
 
@@ -86,7 +105,8 @@ def route_chunk_size(
         steps.append(layers / speed)  # seconds for one decode step through the span
     slowest = max(steps) if steps else 0.0
     link = hidden_size * BYTES_PER_VALUE / link_bytes_per_s
-    return chunk_size(n_tokens, len(spans), step_seconds=slowest, token_seconds=slowest / PREFILL_TOKENS_PER_STEP + link)
+    return chunk_size(n_tokens, len(spans), step_seconds=slowest * PREFILL_STEP_COST,
+                      token_seconds=slowest / PREFILL_TOKENS_PER_STEP + link)
 
 
 def chunks(n_tokens: int, chunk: int) -> list[tuple[int, int]]:

@@ -12,6 +12,12 @@ def test_worked_example_of_the_docstring():
     assert chunk_size(2000, 4, step_seconds=0.02, token_seconds=0.001) == 128
 
 
+def test_of_the_multiples_around_the_optimum_the_faster_is_taken():
+    # c* = sqrt(2000 * 0.013 / (3 * 0.00095)) = 95.5, nearer 64 than 128; but T(64) = 2.58 s and
+    # T(128) = 2.56 s: a chunk too small costs more than one too large by as much
+    assert chunk_size(2000, 4, step_seconds=0.013, token_seconds=0.00095) == 128
+
+
 @pytest.mark.parametrize("n", [1, 37, 2 * MIN_CHUNK - 1])
 def test_short_prompts_are_never_cut(n):
     assert chunk_size(n, 4, step_seconds=0.001, token_seconds=1.0) == n
