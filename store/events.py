@@ -148,6 +148,8 @@ class SessionOpen(TraceEvent):
     route: JSONList | None = None  # the requester's route: [[peer, start, end], ...]
     segments: int | None = None
     max_length: int | None = None
+    via: str | None = None  # what carries the session stream here: "dedicated", "libp2p" (peer/net/transport.py)
+    next_via: str | None = None  # and the serving peer's link to its next hop
 
 
 @dataclass(frozen=True)

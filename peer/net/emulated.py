@@ -82,6 +82,7 @@ class EmulatedStream:
     def __init__(self, inner: Stream, uplink: _Uplink, nursery: trio.Nursery) -> None:
         self.inner = inner
         self.remote = inner.remote
+        self.via = inner.via
         self.uplink = uplink
         self.last_release = 0.0
         self.failure: str | None = None

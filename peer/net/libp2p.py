@@ -88,6 +88,8 @@ except ImportError:  # pragma: no cover - layout of other py-libp2p versions
 class Libp2pStream:
     """A py-libp2p stream behind our `Stream` interface (EOF -> b"", resets -> StreamClosed)."""
 
+    via = "libp2p"
+
     def __init__(self, stream, remote: str) -> None:
         self._stream = stream
         self.remote = remote

@@ -94,6 +94,7 @@ class MemoryStream:
     """One end of an in-memory stream (see the module docstring for its timing)."""
 
     __slots__ = ("local", "remote", "protocol", "_out", "_in", "_link", "_closed_write", "_other", "__weakref__")
+    via = "memory"
 
     def __init__(self, local: StreamEndpoint, remote: str, protocol: str, out: Pipe, into: Pipe,
                  link: Link) -> None:

@@ -456,6 +456,11 @@ class PeerNode:
 
     # -- status (CLI, TUI) --------------------------------------------------------------
 
+    def dedicated_status(self) -> dict | None:
+        """The transport's dedicated connections (peer/net/dedicated.py); None on a transport without them."""
+        dedicated = getattr(self.transport, "dedicated", None)  # only the libp2p transport has them
+        return dedicated.status() if dedicated is not None else None
+
     def status(self) -> dict:
         view = self.keeper.snapshot()
         server = self.server
@@ -480,6 +485,7 @@ class PeerNode:
             "coverage": view.coverage(),
             "neighbours": {p: {"rtt_ms": rtt, "kind": self.transport.connection_kind(p)} for p, rtt in self.pinger.rtt_ms.items()},
             "nat": self.nat.status() if self.nat else None,
+            "dedicated": self.dedicated_status(),
             "held": [list(span) for span in self.held_layers()],
             "fetch": self.fetching(),
         }

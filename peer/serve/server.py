@@ -169,8 +169,10 @@ class StageServer:
         session = await self.accept(channel, SessionOpen, self.admit, self._drop_refused)
         if session is None:
             return
+        onward = session.next_channel
         self.tracer.emit(events.SessionOpen(session=session.session_id, span=(session.start, session.end),
-                                            remote=session.requester, next=session.next_peer, capacity=session.capacity))
+                                            remote=session.requester, next=session.next_peer, capacity=session.capacity,
+                                            via=stream.via, next_via=onward.stream.via if onward is not None else None))
         reason = "requester closed"
         try:
             async with trio.open_nursery() as nursery:

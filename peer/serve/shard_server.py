@@ -166,7 +166,7 @@ class ShardServer(StageServer):
             return
         self.tracer.emit(events.SessionOpen(session=session.session_id, span=(session.start, session.end),
                                             remote=session.requester, group=self.group, rank=self.stage.index,
-                                            capacity=session.capacity))
+                                            capacity=session.capacity, via=stream.via))
         reason = "requester closed"
         try:
             async with trio.open_nursery() as nursery:

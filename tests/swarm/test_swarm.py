@@ -9,7 +9,7 @@ from tessera.peer.request.client import Swarm
 from tessera.peer.base.errors import NoRoute
 from tessera.stages.generate import prompt_ids
 from tessera.store.db import PeerStore
-from tessera.store.events import Forward
+from tessera.store.events import Forward, SessionOpen
 
 from ..conftest import FRANCE
 from ..resident import held_bytes, mib, no_huge_pages, resident_parts
@@ -41,6 +41,7 @@ def three_peers(smol_dir):
 
 
 async def test_three_peers_match_local_engine(three_peers, local_engine, smol_tokenizer):
+    before = [last_event(three_peers, i, SessionOpen) for i in range(3)]
     async with Swarm.join(three_peers.addrs[:1]) as swarm:
         await swarm.wait_for_route(30)
         for prompt, raw in PROMPTS:
@@ -48,6 +49,41 @@ async def test_three_peers_match_local_engine(three_peers, local_engine, smol_to
             got = await swarm_tokens(swarm, prompt, raw, info=info)
             assert got == reference(local_engine, smol_tokenizer, prompt, raw), prompt
             assert [(h["start"], h["end"]) for h in info["route"]] == [(0, 10), (10, 20), (20, 30)]
+        assert swarm.transport.dedicated.opened == 3 * len(PROMPTS)  # a session stream per peer per answer
+    # and every peer ran its sessions and its links to the next peer on dedicated connections
+    opened = await session_opens(three_peers, before, len(PROMPTS))
+    assert [{(e.via, e.next_via) for e in opens} for opens in opened] == [
+        {("dedicated", "dedicated")}, {("dedicated", "dedicated")}, {("dedicated", None)}]
+
+
+@pytest.mark.parametrize("case", ["middle peer without", "requester without"])
+async def test_streams_without_dedicated_connections_give_the_same_answer(case, smol_dir, local_engine,
+                                                                           smol_tokenizer):
+    """Where a peer (or the requester) takes no dedicated connections, its streams fall back to
+    libp2p and every other stream keeps its own connection; the answer is the same."""
+    per_peer = [[], ["--no-dedicated"], []] if case == "middle peer without" else None
+    with local_swarm([(0, 10), (10, 20), (20, 30)], per_peer=per_peer) as peers:
+        async with Swarm.join(peers.addrs[:1], dedicated=case != "requester without") as swarm:
+            await swarm.wait_for_route(30)
+            got = await swarm_tokens(swarm, FRANCE, False)
+        opened = await session_opens(peers, [0, 0, 0], 1)
+    assert got == reference(local_engine, smol_tokenizer, FRANCE, False)
+    kinds = [[(e.via, e.next_via) for e in opens] for opens in opened]
+    if case == "middle peer without":  # it dials none and takes none: both its links are libp2p
+        assert kinds == [[("dedicated", "libp2p")], [("libp2p", "libp2p")], [("dedicated", None)]]
+    else:  # the requester dials none; the peers' links to each other stay dedicated
+        assert kinds == [[("libp2p", "dedicated")], [("libp2p", "dedicated")], [("libp2p", None)]]
+
+
+async def session_opens(peers, before: list[int], per_peer: int) -> list[list]:
+    """Each peer's SessionOpen events after `before`, once `per_peer` of them are stored."""
+    with trio.fail_after(BATCH_SEEN_WAIT):
+        while True:
+            opened = [[e.event for e in peer_store(peers, i).events(after_id=before[i], kinds=(SessionOpen,))]
+                      for i in range(len(before))]
+            if all(len(o) >= per_peer for o in opened):
+                return opened
+            await trio.sleep(0.25)
 
 
 LONG_PROMPT = " ".join(f"{FRANCE} ({i})" for i in range(30))  # ~300 tokens (raw)
@@ -119,7 +155,11 @@ def peer_store(peers, i: int) -> PeerStore:
 
 
 def last_forward(peers, i: int) -> int:
-    events = peer_store(peers, i).events(kinds=(Forward,))
+    return last_event(peers, i, Forward)
+
+
+def last_event(peers, i: int, kind: type) -> int:
+    events = peer_store(peers, i).events(kinds=(kind,))
     return events[-1].id if events else 0
 
 
