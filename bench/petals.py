@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -26,7 +27,8 @@ import trio
 
 from tessera.peer.request.client import Swarm
 from tessera.peer.cli.demo import LocalSwarm
-from tessera.stages.generate import prompt_ids
+from tessera.stages import registry
+from tessera.stages.generate import LocalEngine, prompt_ids
 
 SPANS = [(0, 15), (15, 30)]
 PROMPT = "What is the capital of France?"
@@ -44,14 +46,31 @@ def petals_ready(root: Path) -> str | None:
     return None
 
 
+RUNS = 3  # answers per side; each side's figure is their median
+
+
 def petals_rate(run_script: Path, root: Path, tokens: int) -> float:
-    """Median decode tok/s of the Petals run script's RESULT lines."""
-    env = {**os.environ, "PETALS_ROOT": str(root), "NEW_TOKENS": str(tokens), "RUNS": "3"}
-    out = subprocess.run(["bash", str(run_script)], capture_output=True, text=True, env=env, timeout=1800).stdout
-    rates = sorted(float(m.group(1)) for m in RESULT.finditer(out))
-    if not rates:
-        raise SystemExit(f"the Petals run printed no RESULT line; its output ends:\n{out[-2000:]}")
-    return rates[len(rates) // 2]
+    """Median decode tok/s of the Petals run script's RESULT lines (one per client run)."""
+    env = {**os.environ, "PETALS_ROOT": str(root), "NEW_TOKENS": str(tokens), "RUNS": str(RUNS)}
+    run = subprocess.run(["bash", str(run_script)], capture_output=True, text=True, env=env, timeout=1800)
+    rates = [float(m.group(1)) for m in RESULT.finditer(run.stdout)]
+    print(f"  petals runs: {', '.join(f'{r:.2f}' for r in rates) or 'none'} tok/s")
+    if len(rates) < RUNS:  # a half-finished run would bias the median: say so and stop
+        raise SystemExit(f"{len(rates)} of {RUNS} Petals client runs finished; the run script's output ends:\n"
+                         f"{run.stdout[-2000:]}")
+    return statistics.median(rates)
+
+
+def local_rate(tokens: int) -> float:
+    """One process (LocalEngine, one torch thread): the ceiling of any swarm on the same compute."""
+    engine = LocalEngine(registry.resolve("smollm2-135m"), device="cpu", dtype="float32")
+    ids = prompt_ids(engine.tokenizer, PROMPT, raw=False)
+    rates = []
+    for _ in range(RUNS):
+        stamps: list[float] = []
+        engine.generate_ids(ids, max_new_tokens=tokens, on_token=lambda _: stamps.append(time.perf_counter()))
+        rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))  # steps after the first, as both swarms
+    return statistics.median(rates)
 
 
 def tessera_rate(tokens: int) -> float:
@@ -64,7 +83,7 @@ def tessera_rate(tokens: int) -> float:
             async with Swarm.join(peers.addrs[:1]) as swarm:
                 await swarm.wait_for_route(60)
                 ids = prompt_ids(swarm.tokenizer, PROMPT, raw=False)
-                for _ in range(3):
+                for _ in range(RUNS):
                     stamps = []
                     async for _token in swarm.generate_ids(ids, max_new_tokens=tokens, prefill_chunk=0):
                         stamps.append(time.perf_counter())
@@ -73,7 +92,8 @@ def tessera_rate(tokens: int) -> float:
         trio.run(run)
     finally:
         peers.stop()
-    return sorted(rates)[len(rates) // 2]
+    print(f"  tessera runs: {', '.join(f'{r:.2f}' for r in rates)} tok/s")
+    return statistics.median(rates)
 
 
 def main() -> None:
@@ -92,8 +112,12 @@ def main() -> None:
     torch.set_num_threads(1)
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     ours = tessera_rate(args.tokens)
+    one_process = local_rate(args.tokens)
     theirs = petals_rate(run_script, args.petals_root, args.tokens)
-    print(f"decode tok/s, 2 peers (0:15, 15:30), 1 thread each: tessera {ours:.2f}, petals {theirs:.2f}")
+    print(f"decode tok/s, 2 peers (0:15, 15:30), 1 thread each: tessera {ours:.2f}, petals {theirs:.2f}; "
+          f"tessera in one process {one_process:.2f}")
+    print(f"tessera one process/petals decode ratio (the most any swarm on this compute can reach): "
+          f"{one_process / theirs:.2f}")
     print(f"tessera/petals decode ratio: {ours / theirs:.2f}")
 
 
