@@ -18,7 +18,7 @@ which part of a hop it is. Decode steps only (the prefill step is left out); med
 every step of `--rounds` answers.
 
 Two swarms side by side, their rounds alternating: one whose sessions and links run on
-dedicated connections (peer/net/dedicated.py, the default) and one on libp2p (yamux)
+dedicated connections (peer/net/dedicated/, the default) and one on libp2p (yamux)
 streams only (`--no-dedicated`).
 
     .venv/bin/python bench/hop_budget.py [--tokens 32] [--rounds 3] [--synth-1b] [--dedicated-only]

@@ -4,7 +4,7 @@ An echo server runs in a second process; the client sends a 2.4 KB frame (one de
 step's hidden state of SmolLM2, sealed) and waits for it to come back, over
 
 - a libp2p stream: py-libp2p's TCP + Noise + yamux, what every stream used before
-  dedicated connections (peer/net/dedicated.py);
+  dedicated connections (peer/net/dedicated/);
 - a dedicated connection: the same TCP + Noise handshake and identities, one stream,
   no muxer (what sessions and links use now);
 - bare TCP with a length prefix: the floor, no security at all.

@@ -6,7 +6,7 @@
    local engine get one torch thread: with one session the pipeline runs one peer
    at a time, so both sides compute on one core and the ratio shows what the
    network, the encryption and the hops cost. Two swarms side by side: one whose
-   sessions and links run on dedicated connections (peer/net/dedicated.py, the
+   sessions and links run on dedicated connections (peer/net/dedicated/, the
    default) and one whose every stream is a libp2p (yamux) stream (`--no-dedicated`).
    Rounds alternate (local, dedicated, libp2p streams, ...). Per-hop overhead =
    (swarm step time - local step time) / 4 network hops (requester -> p0 -> p1 ->

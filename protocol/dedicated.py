@@ -4,7 +4,7 @@ A peer's hot streams (sessions and links: one frame per decode step each) can sk
 py-libp2p's stream muxer. The dialler opens a TCP connection of its own to the peer's
 dedicated port, secures it with libp2p's Noise handshake (the same identities as the
 libp2p connection: both ends know whom they talk to), and names the one protocol the
-connection carries; from then on it is that protocol's stream (peer/net/dedicated.py):
+connection carries; from then on it is that protocol's stream (peer/net/dedicated/):
 
     dialler                                        peer
       | -- libp2p stream /tessera/dedicated/1.0.0 ->  |

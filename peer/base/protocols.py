@@ -17,7 +17,7 @@ LINKS_PROTOCOL = "/tessera/links/1.0.0"
 DIALBACK_PROTOCOL = "/tessera/dialback/1.0.0"  # asker -> helper: please dial me back
 DIALBACK_PROBE_PROTOCOL = "/tessera/dialback-probe/1.0.0"  # helper's fresh host -> asker: the dial-back
 WEIGHTS_PROTOCOL = "/tessera/weights/1.0.0"  # fetcher -> holder: manifest and weight chunks (peer/weights/)
-DEDICATED_PROTOCOL = "/tessera/dedicated/1.0.0"  # dialler -> peer: where it takes direct connections (peer/net/dedicated.py)
+DEDICATED_PROTOCOL = "/tessera/dedicated/1.0.0"  # dialler -> peer: where it takes dedicated connections (peer/net/dedicated/)
 
 # One collective waits for every other rank's contribution: one link RTT plus the time
 # the slowest rank needs to compute up to that collective. On a decode step that is

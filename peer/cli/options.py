@@ -122,7 +122,7 @@ def add_join_options(p: argparse.ArgumentParser, *, required: bool = False) -> N
 def add_dedicated_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-dedicated", action="store_true",
                    help="run sessions and links as libp2p streams only, never on connections of their own "
-                        "(peer/net/dedicated.py; for comparison and for networks that allow only the libp2p port)")
+                        "(peer/net/dedicated/; for comparison and for networks that allow only the libp2p port)")
 
 
 def add_emulation_option(p: argparse.ArgumentParser) -> None:

@@ -18,6 +18,11 @@ otherwise hold the dial for py-libp2p's 10 s), relayed ones after a head start.
 `connection_kind` tells DIRECT, PUNCHED (a direct connection a DCUtR hole punch
 made) and RELAYED apart. A host may listen on 0.0.0.0; `addrs()` then lists the
 interface addresses, and the NAT policy may replace them (`advertised`).
+
+The hot streams (a session's, a link's) skip yamux where they can: `open_stream` gives
+them a dedicated connection of their own (peer/net/dedicated/) when the libp2p
+connection is direct and the peer takes them, else a libp2p stream; `set_handler`
+serves a hot protocol on both. `open_libp2p_stream` always opens a yamux stream.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 
 from tessera.peer.base.errors import PeerUnreachable, StreamClosed
 from tessera.peer.base.protocols import DEDICATED_PROTOCOL
-from tessera.peer.net.dedicated import DedicatedStreams
+from tessera.peer.net.dedicated.service import DedicatedStreams
 from tessera.peer.net.nat.relay import RelayStack, is_circuit_addr, is_relayed, run_relay_stack
 from tessera.peer.net.transport import DIRECT, PUNCHED, RELAYED, Handler, Stream
 
@@ -164,7 +169,7 @@ def make_host(seed: bytes, *, swarm_key: bytes | None = None, noise_only: bool =
 
 class Libp2pTransport:
     """`Transport` over one running py-libp2p host (with its relay stack, if started), and
-    dedicated connections for the hot streams where they work (peer/net/dedicated.py)."""
+    dedicated connections for the hot streams where they work (peer/net/dedicated/)."""
 
     def __init__(self, host: BasicHost, relay: RelayStack | None = None, *, swarm_key: bytes | None = None,
                  dedicated: DedicatedStreams | None = None) -> None:
@@ -285,7 +290,7 @@ class Libp2pTransport:
         raise PeerUnreachable(f"cannot dial {peer_id}: " + "; ".join(errors or ["no usable address"]))
 
     async def open_stream(self, peer_id: str, protocol: str, *, addrs: Sequence[str] = ()) -> Stream:
-        """A stream on a dedicated connection where one works (peer/net/dedicated.py), else a libp2p stream."""
+        """A stream on a dedicated connection where one works (peer/net/dedicated/), else a libp2p stream."""
         await self._ensure_connected(peer_id, addrs)
         if self.dedicated is not None:
             stream = await self.dedicated.open(self, peer_id, protocol)
@@ -369,7 +374,16 @@ class Libp2pTransport:
 
 def interface_ipv4s() -> list[str]:
     """This machine's IPv4 addresses, loopback last (what a 0.0.0.0 listener is reachable on)."""
-    found = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET]
+    return _interface_ips(socket.AF_INET)
+
+
+def interface_ipv6s() -> list[str]:
+    """This machine's IPv6 addresses (no scope suffix), loopback last."""
+    return _interface_ips(socket.AF_INET6)
+
+
+def _interface_ips(family: int) -> list[str]:
+    found = [a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == family]
     return sorted(set(found), key=lambda ip: (ipaddress.ip_address(ip).is_loopback, ip))
 
 
@@ -386,7 +400,7 @@ async def open_libp2p_transport(
     dedicated_port: int = 0,
 ) -> AsyncIterator[Libp2pTransport]:
     """Run a host listening on `listen` for the duration of the block, with its relay stack unless
-    `relay=False`. Hot streams get dedicated connections (peer/net/dedicated.py) unless
+    `relay=False`. Hot streams get dedicated connections (peer/net/dedicated/) unless
     `dedicated=False`; a host that serves them listens for those on `dedicated_port` (0: any free
     port) unless `dedicated_listen=False` (a requester dials, it serves nothing)."""
     host = make_host(seed, swarm_key=swarm_key, noise_only=noise_only)
@@ -419,7 +433,9 @@ def dedicated_listen_host(listen: Sequence[str]) -> tuple[str, list[str]]:
         parts = addr.split("/")
         if len(parts) > 4 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp":
             host = parts[2]
-            if host in ("0.0.0.0", "::"):
+            if host == "0.0.0.0":
                 return host, interface_ipv4s()
+            if host == "::":  # trio listens on IPv6 only there
+                return host, interface_ipv6s()
             return host, [host]
     return "127.0.0.1", ["127.0.0.1"]

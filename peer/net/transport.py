@@ -43,7 +43,7 @@ class Stream(Protocol):
     """A bidirectional byte stream to one remote peer."""
 
     remote: str  # the remote peer id
-    via: str  # what carries it: "libp2p" (a yamux stream), "dedicated" (peer/net/dedicated.py), "memory"
+    via: str  # what carries it: "libp2p" (a yamux stream), "dedicated" (peer/net/dedicated/), "memory"
 
     async def read(self, max_bytes: int) -> bytes:
         """Up to max_bytes; b"" at end of stream. Raises StreamClosed on reset."""

@@ -43,7 +43,7 @@ class PeerConfig:
     model: str = "smollm2-135m"
     join: list[str] = field(default_factory=list)
     listen: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
-    dedicated: bool = True  # hot streams on connections of their own where they work (peer/net/dedicated.py)
+    dedicated: bool = True  # hot streams on connections of their own where they work (peer/net/dedicated/)
     dedicated_port: int = 0  # where those are taken (0: any free port)
     memory_gb: float | None = None
     layers: tuple[int, int] | None = None

@@ -457,7 +457,7 @@ class PeerNode:
     # -- status (CLI, TUI) --------------------------------------------------------------
 
     def dedicated_status(self) -> dict | None:
-        """The transport's dedicated connections (peer/net/dedicated.py); None on a transport without them."""
+        """The transport's dedicated connections (peer/net/dedicated/); None on a transport without them."""
         dedicated = getattr(self.transport, "dedicated", None)  # only the libp2p transport has them
         return dedicated.status() if dedicated is not None else None
 

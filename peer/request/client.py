@@ -177,7 +177,7 @@ class Swarm:
         `accept_mixed`: through peers of any quantization of the model.
 
         `dedicated`: run sessions on connections of their own where a peer takes them
-        (peer/net/dedicated.py); False keeps every stream on the libp2p connection.
+        (peer/net/dedicated/); False keeps every stream on the libp2p connection.
         `emulate_link` (benchmarks only) delays and paces every frame the requester sends.
         """
         folder = registry.resolve(model)

@@ -3,7 +3,7 @@
 As trio's `check_two_way_stream` does for its streams: what the peer code relies on —
 bytes in order, a half-close, a reset, refusals, a failing handler, the remote's identity,
 streams at once — is checked the same way on the in-memory network the simulator runs,
-on real py-libp2p hosts (yamux streams), on dedicated connections (peer/net/dedicated.py)
+on real py-libp2p hosts (yamux streams), on dedicated connections (peer/net/dedicated/)
 and on the emulated slow link, so that simulation and the network cannot drift apart.
 """
 
@@ -19,7 +19,8 @@ import trio
 
 from tessera.peer.base.errors import PeerUnreachable, StreamClosed
 from tessera.peer.base.protocols import GOSSIP_PROTOCOL, LINK_PROTOCOL, SESSION_PROTOCOL
-from tessera.peer.net.dedicated import DEDICATED_PROTOCOLS, DedicatedStream
+from tessera.peer.net.dedicated.service import DEDICATED_PROTOCOLS
+from tessera.peer.net.dedicated.stream import DedicatedStream
 from tessera.peer.net.emulated import EmulatedTransport, LinkEmulation
 from tessera.peer.net.libp2p import Libp2pStream, open_libp2p_transport
 from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
