@@ -7,6 +7,8 @@ from __future__ import annotations
 import gc
 import os
 import socket
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
 
 import pytest
 import trio
@@ -19,7 +21,7 @@ from tessera.peer.base.protocols import GOSSIP_PROTOCOL, LINK_PROTOCOL, SESSION_
 from tessera.peer.net.dedicated import service, stream as stream_module
 from tessera.peer.net.dedicated.service import DedicatedLimits, DedicatedStreams
 from tessera.peer.net.dedicated.stream import DedicatedStream
-from tessera.peer.net.libp2p import Libp2pStream, open_libp2p_transport
+from tessera.peer.net.libp2p import Libp2pStream, Libp2pTransport, open_libp2p_transport
 from tessera.peer.net.transport import DIRECT, PUNCHED, RELAYED, Channel, Stream
 from tessera.protocol.codec import decode, encode
 from tessera.protocol.dedicated import DedicatedAccept, DedicatedEndpoint
@@ -57,15 +59,26 @@ def pair(**b_options):
     return open_libp2p_transport(os.urandom(32), dedicated_listen=False), open_libp2p_transport(os.urandom(32), **b_options)
 
 
+@asynccontextmanager
+async def hosts() -> AsyncIterator[tuple[Libp2pTransport, Libp2pTransport]]:
+    """`pair()`, running, with `a` connected to `b` over libp2p."""
+    one, two = pair()
+    async with one as a, two as b:
+        await a.connect(b.addrs()[0])
+        yield a, b
+
+
+def banned(transport: Libp2pTransport, peer_id: str) -> bool:
+    return transport.dedicated.avoid.is_banned(peer_id, transport.dedicated.clock())
+
+
 # -- when they are used ----------------------------------------------------------------
 
 
 async def test_hot_streams_get_their_own_connection_and_the_rest_stay_on_libp2p() -> None:
-    one, two = pair()
-    async with one as a, two as b:
+    async with hosts() as (a, b):
         b.set_handler(SESSION_PROTOCOL, echo)
         b.set_handler(GOSSIP_PROTOCOL, echo)
-        await a.connect(b.addrs()[0])
         with trio.fail_after(WAIT):
             session = await a.open_stream(b.peer_id, SESSION_PROTOCOL)
             gossip = await a.open_stream(b.peer_id, GOSSIP_PROTOCOL)
@@ -87,7 +100,7 @@ async def test_without_dedicated_connections_on_either_side_streams_are_libp2p(s
             stream = await a.open_stream(b.peer_id, SESSION_PROTOCOL)
             assert isinstance(stream, Libp2pStream) and await round_trip(stream) == b"ping"
         if a.dedicated is not None:  # it asked, learned there is nothing, and blames nobody
-            assert not a.dedicated.avoid.is_banned(b.peer_id, a.dedicated.clock())
+            assert not banned(a, b.peer_id)
             assert a.dedicated.opened == 0
 
 
@@ -108,55 +121,47 @@ async def test_a_private_swarm_keeps_its_dedicated_connections_to_itself() -> No
 
 
 async def test_a_peer_at_its_share_of_connections_sends_the_rest_to_libp2p_without_a_strike() -> None:
-    one, two = pair()
-    async with one as a, two as b:
+    async with hosts() as (a, b):
         b.dedicated.limits = DedicatedLimits(per_peer=2)
         b.set_handler(SESSION_PROTOCOL, echo)
-        await a.connect(b.addrs()[0])
         with trio.fail_after(WAIT):
             streams = [await a.open_stream(b.peer_id, SESSION_PROTOCOL) for _ in range(3)]
             assert [type(s) for s in streams] == [DedicatedStream, DedicatedStream, Libp2pStream]
             for s in streams:
                 assert await round_trip(s) == b"ping"
-        assert not a.dedicated.avoid.is_banned(b.peer_id, a.dedicated.clock())
+        assert not banned(a, b.peer_id)
 
 
 async def test_a_protocol_not_served_there_costs_no_strike_and_is_not_asked_again() -> None:
-    one, two = pair()
-    async with one as a, two as b:
+    async with hosts() as (a, b):
         b.set_handler(SESSION_PROTOCOL, echo)
-        await a.connect(b.addrs()[0])
         with trio.fail_after(WAIT):
             with pytest.raises(PeerUnreachable):
                 await a.open_stream(b.peer_id, LINK_PROTOCOL)  # b serves no links anywhere
             with pytest.raises(PeerUnreachable):
                 await a.open_stream(b.peer_id, LINK_PROTOCOL)
-            assert not a.dedicated.avoid.is_banned(b.peer_id, a.dedicated.clock())
+            assert not banned(a, b.peer_id)
             assert isinstance(await a.open_stream(b.peer_id, SESSION_PROTOCOL), DedicatedStream)
             await wait_for(lambda: b.dedicated.handshaking() == 0, "the refusal's connection to end")
         assert b.dedicated.accepted == 1  # the second link open was not even dialled
 
 
 async def test_our_own_dial_limit_sends_streams_to_libp2p_and_bans_nobody() -> None:
-    one, two = pair()
-    async with one as a, two as b:
+    async with hosts() as (a, b):
         a.dedicated.limits = DedicatedLimits(dials=1)
         b.set_handler(SESSION_PROTOCOL, echo)
-        await a.connect(b.addrs()[0])
         with trio.fail_after(WAIT):
             first, second = [await a.open_stream(b.peer_id, SESSION_PROTOCOL) for _ in range(2)]
         assert (type(first), type(second)) == (DedicatedStream, Libp2pStream)
-        assert not a.dedicated.avoid.is_banned(b.peer_id, a.dedicated.clock())
+        assert not banned(a, b.peer_id)
 
 
 # -- how a stream ends -------------------------------------------------------------------
 
 
 async def test_a_stream_dropped_without_closing_gives_its_connection_back() -> None:
-    one, two = pair()
-    async with one as a, two as b:
+    async with hosts() as (a, b):
         b.set_handler(SESSION_PROTOCOL, echo)
-        await a.connect(b.addrs()[0])
         with trio.fail_after(WAIT):
             streams = [await a.open_stream(b.peer_id, SESSION_PROTOCOL) for _ in range(5)]
             for stream in streams:
@@ -169,8 +174,7 @@ async def test_a_stream_dropped_without_closing_gives_its_connection_back() -> N
 
 async def test_a_closed_stream_still_reads_all_the_remote_sends_however_long(monkeypatch) -> None:
     monkeypatch.setattr(stream_module, "LINGER", 0.3)  # the drainer's patience: longer than this, it must not cut in
-    one, two = pair()
-    async with one as a, two as b:
+    async with hosts() as (a, b):
 
         async def ticks(stream: Stream) -> None:
             await stream.read(10)  # the request: then the answer, slowly, after the asker closed
@@ -180,7 +184,6 @@ async def test_a_closed_stream_still_reads_all_the_remote_sends_however_long(mon
             await stream.close()
 
         b.set_handler(SESSION_PROTOCOL, ticks)
-        await a.connect(b.addrs()[0])
         with trio.fail_after(WAIT):
             stream = await a.open_stream(b.peer_id, SESSION_PROTOCOL)
             await stream.write(b"go")
@@ -193,8 +196,7 @@ async def test_a_closed_stream_still_reads_all_the_remote_sends_however_long(mon
 
 
 async def test_a_closed_stream_nobody_reads_keeps_what_comes_for_a_later_read() -> None:
-    one, two = pair()
-    async with one as a, two as b:
+    async with hosts() as (a, b):
 
         async def late_answer(stream: Stream) -> None:
             await stream.read(10)
@@ -202,7 +204,6 @@ async def test_a_closed_stream_nobody_reads_keeps_what_comes_for_a_later_read() 
             await stream.close()
 
         b.set_handler(SESSION_PROTOCOL, late_answer)
-        await a.connect(b.addrs()[0])
         with trio.fail_after(WAIT):
             stream = await a.open_stream(b.peer_id, SESSION_PROTOCOL)
             await stream.write(b"question")
@@ -214,8 +215,7 @@ async def test_a_closed_stream_nobody_reads_keeps_what_comes_for_a_later_read() 
 
 async def test_a_closed_stream_whose_remote_never_closes_is_reset_after_the_linger(monkeypatch) -> None:
     monkeypatch.setattr(stream_module, "LINGER", 0.2)
-    one, two = pair()
-    async with one as a, two as b:
+    async with hosts() as (a, b):
         held = trio.Event()
 
         async def never_closes(stream: Stream) -> None:
@@ -223,7 +223,6 @@ async def test_a_closed_stream_whose_remote_never_closes_is_reset_after_the_ling
             await held.wait()
 
         b.set_handler(SESSION_PROTOCOL, never_closes)
-        await a.connect(b.addrs()[0])
         with trio.fail_after(WAIT):
             stream = await a.open_stream(b.peer_id, SESSION_PROTOCOL)
             await stream.write(b"x")
@@ -235,8 +234,7 @@ async def test_a_closed_stream_whose_remote_never_closes_is_reset_after_the_ling
 
 
 async def test_a_write_cut_short_ends_the_stream() -> None:
-    one, two = pair()
-    async with one as a, two as b:
+    async with hosts() as (a, b):
         results: list[object] = []
         reading = trio.Event()
 
@@ -250,7 +248,6 @@ async def test_a_write_cut_short_ends_the_stream() -> None:
                 results.append("reset")
 
         b.set_handler(SESSION_PROTOCOL, receive_later)
-        await a.connect(b.addrs()[0])
         with trio.fail_after(WAIT):
             stream = await a.open_stream(b.peer_id, SESSION_PROTOCOL)
             with trio.move_on_after(0.3) as waited:
@@ -264,10 +261,8 @@ async def test_a_write_cut_short_ends_the_stream() -> None:
 
 
 async def test_a_write_cancelled_before_it_began_leaves_the_stream_whole() -> None:
-    one, two = pair()
-    async with one as a, two as b:
+    async with hosts() as (a, b):
         b.set_handler(SESSION_PROTOCOL, echo)
-        await a.connect(b.addrs()[0])
         with trio.fail_after(WAIT):
             stream = await a.open_stream(b.peer_id, SESSION_PROTOCOL)
             with trio.CancelScope() as scope:
@@ -503,8 +498,7 @@ async def test_the_dialler_checks_whom_it_reached() -> None:
 
 async def test_a_hot_stream_keeps_its_frames_whole_across_the_handover() -> None:
     """DedicatedOpen/DedicatedAccept and the protocol's first frames back to back: none lost."""
-    one, two = pair()
-    async with one as a, two as b:
+    async with hosts() as (a, b):
 
         async def first_frames(stream: Stream) -> None:
             channel = Channel(stream)
@@ -513,7 +507,6 @@ async def test_a_hot_stream_keeps_its_frames_whole_across_the_handover() -> None
             await channel.close()
 
         b.set_handler(SESSION_PROTOCOL, first_frames)
-        await a.connect(b.addrs()[0])
         with trio.fail_after(WAIT):
             channel = Channel(await a.open_stream(b.peer_id, SESSION_PROTOCOL))
             assert await channel.receive() == DedicatedEndpoint(port=1, hosts=())
