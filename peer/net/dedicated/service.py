@@ -238,8 +238,10 @@ class DedicatedStreams:
         if _total(self._dialled) >= self.limits.dials:
             return None  # our own limit: nothing wrong with the peer
         host = via.remote_host(peer_id)
+        if host is None:
+            return None
         endpoint = await self._endpoint_of(via, peer_id)
-        if host is None or endpoint is None or host not in endpoint.hosts:
+        if endpoint is None or host not in endpoint.hosts:
             return None
         turn = self._dialling.setdefault(peer_id, trio.Semaphore(DIALS_PER_PEER))
         try:
