@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
-from swarm import even_spans, synth_1b  # bench/swarm.py, beside this script
+from swarm import STREAMS, even_spans, synth_1b  # bench/swarm.py, beside this script
 
 from tessera.peer.cli.demo import LocalSwarm
 from tessera.peer.request.client import Swarm
@@ -110,9 +110,6 @@ def slices(answer: Answer) -> list[dict[str, float]]:
         ms["step"] = (answer.token_ns[step] - last) / 1e6
         out.append(ms)
     return out
-
-
-STREAMS = {"dedicated": [], "libp2p streams": ["--no-dedicated"]}  # swarm kind -> extra peer flags
 
 
 def traced_answers(model: str, spans: list[tuple[int, int]], tokens: int, rounds: int,

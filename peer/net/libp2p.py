@@ -28,7 +28,6 @@ serves a hot protocol on both. `open_libp2p_stream` always opens a yamux stream.
 from __future__ import annotations
 
 import ipaddress
-import logging
 import os
 import socket
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -53,7 +52,7 @@ from tessera.peer.base.errors import PeerUnreachable, StreamClosed
 from tessera.peer.base.protocols import DEDICATED_PROTOCOL
 from tessera.peer.net.dedicated.service import DedicatedStreams
 from tessera.peer.net.nat.relay import RelayStack, is_circuit_addr, is_relayed, run_relay_stack
-from tessera.peer.net.transport import DIRECT, PUNCHED, RELAYED, Handler, Stream
+from tessera.peer.net.transport import DIRECT, PUNCHED, RELAYED, Handler, Stream, run_handler
 
 # How long a dial may take before we call the peer unreachable. A loopback or LAN
 # dial takes milliseconds; a relayed one a few hundred; 10 s is py-libp2p's own default.
@@ -77,7 +76,6 @@ PEERSTORE_TTL = 3600  # seconds py-libp2p keeps an address we learned
 # operator's own PY_YAMUX_RELEASE_ON_READ wins.
 YAMUX_RELEASE_ON_READ = ("PY_YAMUX_RELEASE_ON_READ", "0")
 READ_CHUNK = 1 << 16
-log = logging.getLogger(__name__)
 
 # libp2p raises a family of exceptions for a dead stream or connection; all mean the same to us.
 LIBP2P_IO_ERRORS: tuple[type[BaseException], ...] = (OSError, EOFError, trio.BrokenResourceError, trio.ClosedResourceError)
@@ -211,20 +209,15 @@ class Libp2pTransport:
                                      relay=False, dedicated=False)
 
     def set_handler(self, protocol: str, handler: Handler) -> None:
+        async def guarded(stream: Stream) -> None:  # py-libp2p would let a handler's failure end the whole host
+            await run_handler(handler, stream, protocol=protocol)
+
         async def wrapped(stream) -> None:
-            remote = stream.muxed_conn.peer_id.to_base58()
-            ours = Libp2pStream(stream, remote)
-            try:
-                await handler(ours)
-            except (trio.Cancelled, KeyboardInterrupt):
-                raise
-            except Exception:  # a handler bug ends its stream; py-libp2p would let it end the whole host
-                log.exception("the %s handler failed (remote %s)", protocol, remote)
-                await ours.reset()
+            await guarded(Libp2pStream(stream, stream.muxed_conn.peer_id.to_base58()))
 
         self.host.set_stream_handler(TProtocol(protocol), wrapped)
         if self.dedicated is not None:
-            self.dedicated.set_handler(protocol, handler)  # the hot protocols are served there too
+            self.dedicated.set_handler(protocol, guarded)  # the hot protocols are served there too
 
     async def connect(self, addr: str) -> str:
         try:

@@ -27,7 +27,6 @@ punching are libp2p's business, below this interface.
 
 from __future__ import annotations
 
-import logging
 import weakref
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Sequence
@@ -37,9 +36,8 @@ import trio
 from tessera.peer.base.errors import PeerUnreachable
 from tessera.peer.net.libp2p import DIAL_TIMEOUT, OPEN_STREAM_TIMEOUT
 from tessera.peer.net.memory_stream import Link, LinkModel, LinkSpec, MemoryStream, Pipe
-from tessera.peer.net.transport import DIRECT, Handler
+from tessera.peer.net.transport import DIRECT, Handler, run_handler
 
-log = logging.getLogger(__name__)
 
 # A new connection: TCP (1 RTT) + Noise XX (1.5 RTT) + muxer negotiation (~0.5 RTT).
 DIAL_RTTS = 3.0
@@ -120,15 +118,9 @@ class MemoryTransport:
 
 
 async def _run_handler(handler: Handler, stream: MemoryStream) -> None:
-    """A protocol handler, as libp2p runs it: its failure ends its stream, not the peer."""
-    try:
-        await handler(stream)
-    except (trio.Cancelled, KeyboardInterrupt):
-        raise
-    except Exception:  # a handler bug must not take the simulated process down; it is counted
+    """A protocol handler, as every transport runs it (`run_handler`); a failure is counted."""
+    if not await run_handler(handler, stream, protocol=stream.protocol):
         stream.local.network.handler_errors += 1
-        log.exception("handler for %s failed on %s", stream.protocol, stream.local.peer_id)
-        stream.abort()
 
 
 class MemoryNetwork:

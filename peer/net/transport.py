@@ -16,6 +16,8 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Awaitable, Callable, Protocol, Sequence
 
+import logging
+
 import trio
 
 from tessera.protocol.codec import decode, encode
@@ -24,6 +26,8 @@ from tessera.protocol.framing import DEFAULT_MAX_FRAME, encode_frame, read_buffe
 from tessera.protocol.messages import LinkHello
 
 from tessera.peer.base.errors import PeerUnreachable, StreamClosed
+
+log = logging.getLogger(__name__)
 
 
 class LinkKind(StrEnum):
@@ -144,6 +148,20 @@ class Channel:
         await self.stream.reset()
 
 
+async def run_handler(handler: Handler, stream: Stream, *, protocol: str) -> bool:
+    """Run a protocol handler as every transport runs it: a failure (a bug, whatever a remote
+    sent) resets its own stream and ends there, never in the host. Returns False if it failed."""
+    try:
+        await handler(stream)
+    except (trio.Cancelled, KeyboardInterrupt):
+        raise
+    except Exception:
+        log.exception("the %s handler failed (remote %s)", protocol, stream.remote)
+        await stream.reset()
+        return False
+    return True
+
+
 async def open_channel(transport: Transport, peer_id: str, protocol: str, *, addrs: Sequence[str] = ()) -> Channel:
     return Channel(await transport.open_stream(peer_id, protocol, addrs=addrs))
 
@@ -166,5 +184,6 @@ __all__ = [
     "Transport",
     "Channel",
     "open_channel",
+    "run_handler",
     "receive_link_hello",
 ]

@@ -102,7 +102,6 @@ class DedicatedStreams:
 
     def __init__(self, key_pair: KeyPair, *, swarm_key: bytes | None, nursery: trio.Nursery,
                  limits: DedicatedLimits = DedicatedLimits(), clock: Callable[[], float] = time.monotonic) -> None:
-        self.peer_id = ID.from_pubkey(key_pair.public_key)
         self._noise = NoiseTransport(key_pair, noise_privkey=create_x25519_pair().private_key)
         self._swarm_key = swarm_key.hex() if swarm_key is not None else None
         self._nursery = nursery
@@ -157,7 +156,7 @@ class DedicatedStreams:
                     await trio.sleep(0.1)
                     continue
                 address = _source(stream)
-                handshaking = sum(self._handshakes.values())
+                handshaking = self.handshaking()
                 if (handshaking >= self.limits.handshakes
                         or self._handshakes.get(address, 0) >= self.limits.handshakes_per_address
                         or handshaking + _total(self._accepted) >= self.limits.connections):
@@ -177,10 +176,9 @@ class DedicatedStreams:
             return
         stream, handler = opened
         try:
-            await handler(stream)  # the stream is the handler's now: it outlives a handler that returns
-        except Exception:  # a handler bug ends its stream, not the peer (as libp2p runs handlers)
-            log.exception("a dedicated stream's handler failed (remote %s)", stream.remote)
-            await stream.reset()
+            # the stream is the handler's now (it outlives a handler that returns); a handler's
+            # failure is its own (Libp2pTransport.set_handler gives us `run_handler`-guarded ones)
+            await handler(stream)
         except BaseException:  # cancelled: the host is closing
             with trio.CancelScope(shield=True):
                 await stream.reset()

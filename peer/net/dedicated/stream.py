@@ -79,15 +79,6 @@ class DedicatedStream:
         self._collected = weakref.finalize(self, _collected, socket_stream.socket, trio.lowlevel.current_trio_token(),
                                            on_release)
 
-    @property
-    def remote_addr(self) -> str | None:
-        """The remote end's `/ip4/A/tcp/P`."""
-        try:
-            host, port = self._socket.socket.getpeername()[:2]
-        except OSError:
-            return None
-        return f"/{'ip6' if ':' in host else 'ip4'}/{host}/tcp/{port}"
-
     # -- reading --------------------------------------------------------------------
 
     async def read(self, max_bytes: int) -> bytes:
