@@ -41,9 +41,9 @@ from swarm import STREAMS, even_spans, synth_1b  # bench/swarm.py, beside this s
 
 from tessera.peer.cli.demo import LocalSwarm
 from tessera.peer.request.client import Swarm
-from tessera.stages import registry
-from tessera.stages.generate import LocalEngine
-from tessera.stages.spec import ModelSpec
+from tessera.stages.weights import registry
+from tessera.stages.decoding.generate import LocalEngine
+from tessera.stages.families.spec import ModelSpec
 from tessera.store.db import PeerStore
 from tessera.store.events import Forward, Push, Receive, Result, Stamped
 from tessera.store.trace import MemoryTracer

@@ -27,8 +27,8 @@ import trio
 
 from tessera.peer.request.client import Swarm
 from tessera.peer.cli.demo import LocalSwarm
-from tessera.stages import registry
-from tessera.stages.generate import LocalEngine, prompt_ids
+from tessera.stages.weights import registry
+from tessera.stages.decoding.generate import LocalEngine, prompt_ids
 
 SPANS = [(0, 15), (15, 30)]
 PROMPT = "What is the capital of France?"

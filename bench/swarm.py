@@ -37,10 +37,10 @@ import trio
 
 from tessera.peer.request.client import Swarm
 from tessera.peer.cli.demo import LocalSwarm
-from tessera.stages import registry
-from tessera.stages.generate import LocalEngine
-from tessera.stages.spec import ModelSpec
-from tessera.stages.stage import Stage
+from tessera.stages.weights import registry
+from tessera.stages.decoding.generate import LocalEngine
+from tessera.stages.families.spec import ModelSpec
+from tessera.stages.engine.stage import Stage
 from tessera.peer.net.emulated import LinkEmulation
 
 SYNTH_1B = dict(hidden=2048, layers=24, heads=16, kv_heads=8, intermediate=5632, vocab=32000, seed=0)

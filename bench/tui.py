@@ -38,9 +38,9 @@ import trio  # noqa: E402
 from tessera.peer.request.client import Swarm  # noqa: E402
 from tessera.peer.node.config import PeerConfig  # noqa: E402
 from tessera.peer.node.compose import build_peer  # noqa: E402
-from tessera.stages import registry  # noqa: E402
-from tessera.stages.generate import prompt_ids  # noqa: E402
-from tessera.stages.spec import ModelSpec  # noqa: E402
+from tessera.stages.weights import registry  # noqa: E402
+from tessera.stages.decoding.generate import prompt_ids  # noqa: E402
+from tessera.stages.families.spec import ModelSpec  # noqa: E402
 from tessera.tui.app import TesseraApp  # noqa: E402
 from tessera.tui.bridge import PeerHandle  # noqa: E402
 

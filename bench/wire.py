@@ -8,7 +8,7 @@ full per-hop path of a float32 hidden-state tensor [T, H]:
     receive: frame decoder -> decode Forward -> open (authenticate, decrypt) -> decode_tensor
 
 and reports both directions in MB/s of tensor data. In the same run it times one
-Llama decoder layer (`tessera.stages.model.Block`: GQA attention with n_kv = n_heads / 2,
+Llama decoder layer (`tessera.stages.layers.model.Block`: GQA attention with n_kv = n_heads / 2,
 SwiGLU MLP of width 2.75 H, float32, random weights) on the same T tokens after a
 128-position KV history, with 1 and with 2 threads, and prints the ratio
 
@@ -36,8 +36,8 @@ from tessera.protocol.codec import decode, encode
 from tessera.protocol.framing import FrameDecoder, encode_frame
 from tessera.protocol.links import Direction, LinkCipher
 from tessera.protocol.messages import Forward
-from tessera.stages.model import Block, KVCache, Rotary, StepContext, attention_mask
-from tessera.stages.spec import ModelSpec
+from tessera.stages.layers.model import Block, KVCache, Rotary, StepContext, attention_mask
+from tessera.stages.families.spec import ModelSpec
 
 HISTORY = 128  # KV positions already cached before the timed step
 SHAPES = {576: (9, 3, 1536), 2048: (16, 8, 5632), 8192: (64, 32, 22528)}  # heads, kv heads, MLP width

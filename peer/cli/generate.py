@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from tessera.stages import registry
+from tessera.stages.weights import registry
 from tessera.stages.errors import StageError
 
 from tessera.peer.cli.options import (
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         return run_swarm_generate(args, sampling)
     if args.allow or args.deny or args.prefer:
         raise UsageError("--allow, --deny and --prefer choose peers of a swarm; they mean nothing with --local")
-    from tessera.stages.generate import LocalEngine
+    from tessera.stages.decoding.generate import LocalEngine
 
     apply_threads(args.threads)
     engine = LocalEngine(registry.resolve(args.model), device=args.device, dtype=args.dtype, quant=quant_from(args))

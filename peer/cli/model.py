@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tessera.stages import registry
+from tessera.stages.weights import registry
 
 from tessera.peer.cli.model_files import KNOWN_MODELS, fetch, import_model, synthesise
 

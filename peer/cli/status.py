@@ -8,8 +8,8 @@ from typing import Sequence
 import trio
 
 from tessera.protocol.keys import Identity
-from tessera.stages import registry
-from tessera.stages.spec import ModelSpec
+from tessera.stages.weights import registry
+from tessera.stages.families.spec import ModelSpec
 
 from tessera.peer.base.errors import PeerError
 from tessera.peer.net.gossip import Gossip, ViewKeeper

@@ -9,14 +9,14 @@ import time
 
 import trio
 
-from tessera.stages.generate import GenerationResult, prompt_ids
-from tessera.stages.sampling import SamplingParams
-from tessera.stages.tokenizer import TextStream
+from tessera.stages.decoding.generate import GenerationResult, prompt_ids
+from tessera.stages.decoding.sampling import SamplingParams
+from tessera.stages.text.tokenizer import TextStream
 
 from tessera.peer.cli.options import apply_threads, quant_from, read_swarm_key
-from tessera.stages.sampling import Sampler
-from tessera.stages.speculative import AdaptiveK, ModelDrafter, NgramDrafter
-from tessera.stages.stage import Stage
+from tessera.stages.decoding.sampling import Sampler
+from tessera.stages.decoding.speculative import AdaptiveK, ModelDrafter, NgramDrafter
+from tessera.stages.engine.stage import Stage
 
 from tessera.peer.request.client import Swarm
 from tessera.peer.net.emulated import LinkEmulation

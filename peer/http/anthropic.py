@@ -33,8 +33,8 @@ from __future__ import annotations
 import secrets
 from typing import Any, Awaitable, Callable
 
-from tessera.stages.json_prefix import Shape
-from tessera.stages.sampling import SamplingParams
+from tessera.stages.text.json_prefix import Shape
+from tessera.stages.decoding.sampling import SamplingParams
 
 from tessera.peer.http.exchange import SSE_HEADERS, Exchange
 from tessera.peer.http.generation import LENGTH, Generation

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Sequence
 
 import trio
 
-from tessera.stages.constrained import JsonConstraint
+from tessera.stages.decoding.constrained import JsonConstraint
 from tessera.stages.errors import StageError
 
 from tessera.peer.http import anthropic as http_anthropic

@@ -12,7 +12,7 @@ A parameter that would change the answer in a way we cannot honour (n > 1,
 logprobs, penalties, logit_bias, tools, echo, suffix) is refused rather than
 ignored; a field we do not know (user, metadata ...) is ignored, as OpenAI-
 compatible servers do. `response_format` (json_object, json_schema) is honoured
-by constrained decoding (stages/constrained.py); a schema keyword that is not
+by constrained decoding (stages/decoding/constrained.py); a schema keyword that is not
 implemented is refused with a 400 naming it.
 """
 
@@ -22,8 +22,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tessera.stages.json_prefix import JSON_OBJECT, Shape, UnsupportedSchema, compile_schema
-from tessera.stages.sampling import SamplingParams
+from tessera.stages.text.json_prefix import JSON_OBJECT, Shape, UnsupportedSchema, compile_schema
+from tessera.stages.decoding.sampling import SamplingParams
 
 from tessera.peer.request.policy import BadPeerId, RequesterPolicy, check_peer_id
 

@@ -27,7 +27,7 @@ import secrets
 import time
 from typing import Any, Awaitable, Callable
 
-from tessera.stages.sampling import SamplingParams
+from tessera.stages.decoding.sampling import SamplingParams
 
 from tessera.peer.http.exchange import SSE_HEADERS, Exchange
 from tessera.peer.http.generation import LENGTH, Generation

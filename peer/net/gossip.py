@@ -66,7 +66,7 @@ from tessera.protocol.records import (
     MAX_DIGEST_ENTRIES, MAX_DIGEST_FRAMES, MAX_GOSSIP_RECORDS, DigestEntry, GossipDigest, GossipPull, GossipPush,
     Heartbeat, PeerRecord, SignedRecord,
 )
-from tessera.stages.quant import base_model_id
+from tessera.stages.weights.quant import base_model_id
 
 from tessera.peer.base.errors import PeerError
 from tessera.peer.base.protocols import GOSSIP_PROTOCOL, PING_PROTOCOL
@@ -162,7 +162,7 @@ class ViewKeeper:
     `merge` is the only way in: every record is verified; records of other models
     are dropped (peers chain only on the identical model); for each peer the
     highest `seq` wins. A model id carries the span's quantization (`+int8`, ...;
-    stages/quant.py `model_tag`); `accept_mixed` keeps every quantization of the same
+    stages/weights/quant.py `model_tag`); `accept_mixed` keeps every quantization of the same
     model (a requester that accepts mixed precision). `book` remembers where every
     peer was seen (see BookEntry).
     """

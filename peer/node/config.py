@@ -9,8 +9,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tessera.stages.quant import NO_QUANT, Quant, layer_bytes
-from tessera.stages.spec import ModelSpec
+from tessera.stages.weights.quant import NO_QUANT, Quant, layer_bytes
+from tessera.stages.families.spec import ModelSpec
 
 from tessera.peer.net.emulated import LinkEmulation
 from tessera.peer.base.errors import ConfigError
@@ -52,7 +52,7 @@ class PeerConfig:
     threads: int | None = None
     device: str = "auto"
     dtype: str = "auto"
-    quant: Quant = NO_QUANT  # how the span's matrices are stored (stages/quant.py)
+    quant: Quant = NO_QUANT  # how the span's matrices are stored (stages/weights/quant.py)
     swarm_key: bytes | None = None
     max_sessions: int = 16
     max_length: int = 4096
@@ -89,7 +89,7 @@ def parse_layers(text: str) -> tuple[int, int]:
 
 def capacity_in_layers(spec: ModelSpec, memory_bytes: int, itemsize: int, quant: Quant = NO_QUANT) -> int:
     """How many layers fit in the memory offered, keeping a share for KV caches
-    (a quantized layer counts its integers and scales: stages/quant.py `layer_bytes`)."""
+    (a quantized layer counts its integers and scales: stages/weights/quant.py `layer_bytes`)."""
     usable = memory_bytes * (1 - KV_RESERVE_FRACTION)
     return max(1, min(spec.num_layers, int(usable // layer_bytes(spec, itemsize, quant))))
 

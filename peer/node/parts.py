@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncContextManager, Callable, Protocol
 
 from tessera.protocol.keys import Identity
-from tessera.stages.quant import Quant
-from tessera.stages.spec import ModelSpec
+from tessera.stages.weights.quant import Quant
+from tessera.stages.families.spec import ModelSpec
 from tessera.store.trace import Tracer
 
 from tessera.peer.net.gossip import ViewKeeper

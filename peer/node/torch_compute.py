@@ -11,14 +11,14 @@ import psutil
 import torch
 
 from tessera.peer.base.threads import in_worker
-from tessera.stages import registry
-from tessera.stages.devices import cuda_offer, cuda_reserve, read_device_memory
-from tessera.stages.generate import pick_device, pick_dtype
-from tessera.stages.quant import model_tag
-from tessera.stages.sharded import ShardedStage
-from tessera.stages.spec import ModelSpec
-from tessera.stages.speed import measure_layer_throughput
-from tessera.stages.stage import Stage
+from tessera.stages.weights import registry
+from tessera.stages.engine.devices import cuda_offer, cuda_reserve, read_device_memory
+from tessera.stages.decoding.generate import pick_device, pick_dtype
+from tessera.stages.weights.quant import model_tag
+from tessera.stages.shards.sharded import ShardedStage
+from tessera.stages.families.spec import ModelSpec
+from tessera.stages.engine.speed import measure_layer_throughput
+from tessera.stages.engine.stage import Stage
 
 from tessera.peer.node.config import DEFAULT_MEMORY_FRACTION, PeerConfig, check_memory_offer
 
@@ -75,7 +75,7 @@ class TorchCompute:
 
     async def load(self, start: int, end: int) -> Stage | ShardedStage:
         index, count = self.shard
-        if count > 1:  # only this rank's slices (stages/sharded.py)
+        if count > 1:  # only this rank's slices (stages/shards/sharded.py)
             return await in_worker(lambda: ShardedStage.load(
                 self.folder, start=start, end=end, index=index, count=count, device=self.device, dtype=self.dtype))
         return await in_worker(

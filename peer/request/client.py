@@ -27,14 +27,14 @@ import torch
 import trio
 
 from tessera.protocol.keys import Identity
-from tessera.stages import registry
-from tessera.stages.generate import GenerationResult, plan_length, prompt_ids
-from tessera.stages.constrained import ConstrainedSampler, JsonConstraint
-from tessera.stages.quant import NO_QUANT, Quant, model_tag
-from tessera.stages.sampling import Sampler, SamplingParams
-from tessera.stages.spec import ModelSpec
-from tessera.stages.stage import Stage
-from tessera.stages.tokenizer import TextStream, Tokenizer
+from tessera.stages.weights import registry
+from tessera.stages.decoding.generate import GenerationResult, plan_length, prompt_ids
+from tessera.stages.decoding.constrained import ConstrainedSampler, JsonConstraint
+from tessera.stages.weights.quant import NO_QUANT, Quant, model_tag
+from tessera.stages.decoding.sampling import Sampler, SamplingParams
+from tessera.stages.families.spec import ModelSpec
+from tessera.stages.engine.stage import Stage
+from tessera.stages.text.tokenizer import TextStream, Tokenizer
 from tessera.store.trace import NullTracer, Tracer
 
 from tessera.peer.base.ids import peer_id_text
@@ -354,7 +354,7 @@ class Swarm:
 
         With `speculation`, drafted blocks are verified in one pass each (and pipelined
         when confident); greedy output is the same as without. With `constraint`, only
-        tokens it allows are drawn (stages/constrained.py; the mask is applied here, where
+        tokens it allows are drawn (stages/decoding/constrained.py; the mask is applied here, where
         the head runs, so the answer is the local constrained one). `prefill_chunk`: the prompt
         flows down the chain in chunks of this many tokens (peer/request/prefill.py); None = chosen
         from the route's measured speeds, 0 = sent whole.

@@ -34,7 +34,7 @@ from tessera.protocol.keys import EphemeralKey, public_key_from_peer_id
 from tessera.protocol.links import Direction, LinkCipher, seal_link_key
 from tessera.protocol.messages import ErrorMsg, Forward, Result, SealedKey, SessionAccept, SessionClose
 from tessera.protocol.shards import ShardOpen, ShardPeer
-from tessera.stages.shard_layout import HIDDEN, ROUNDS_PER_LAYER
+from tessera.stages.shards.layout import HIDDEN, ROUNDS_PER_LAYER
 
 from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
 from tessera.peer.request.chain import CLOSE_TIMEOUT, OPEN_TIMEOUT, STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_FLOOR
@@ -153,7 +153,7 @@ class GroupSession:
 
     def checkable(self) -> Checkable | None:
         """None: a group is not spot-checked, for two reasons. Every column of its output is a
-        reduce-scatter of partial sums from every rank (stages/shard_layout.py), so a wrong
+        reduce-scatter of partial sums from every rank (stages/shards/layout.py), so a wrong
         output cannot be pinned on one rank, and a verdict must name one peer to ban; and its
         ranks sign no attestation of their slices (peer/serve/shard_server.py sends a bare
         Result), so no report could be verified by others. The plain hops of the same route

@@ -27,7 +27,7 @@ from tessera.protocol.messages import (
 )
 from tessera.protocol.tensors import DEFAULT_LIMITS, TensorLimits
 from tessera.stages.errors import StageError
-from tessera.stages.stage import Stage
+from tessera.stages.engine.stage import Stage
 from tessera.store.trace import NullTracer, Tracer, now as trace_now
 from tessera.store import events
 

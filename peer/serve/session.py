@@ -29,7 +29,7 @@ from tessera.protocol.messages import REPLY_FINGERPRINT, Forward, LinkHello, Res
 from tessera.protocol.tensors import TensorLimits, check_finite, decode_tensor, encode_tensor
 
 from tessera.stages.errors import SpanError, StageError
-from tessera.stages.stage import Stage
+from tessera.stages.engine.stage import Stage
 from tessera.store.trace import Tracer
 
 from tessera.peer.base.protocols import LINK_PROTOCOL

@@ -33,9 +33,9 @@ from tessera.protocol.links import Direction, LinkCipher
 from tessera.protocol.messages import Forward, LinkHello, Result, SessionOpen
 from tessera.protocol.shards import ShardOpen
 from tessera.protocol.tensors import check_finite
-from tessera.stages.collectives import Collectives
+from tessera.stages.shards.collectives import Collectives
 from tessera.stages.errors import SpanError
-from tessera.stages.sharded import ShardedStage
+from tessera.stages.shards.sharded import ShardedStage
 
 from tessera.peer.base.errors import PeerError
 from tessera.peer.net.gossip import peer_id_str

@@ -1,6 +1,6 @@
 """What a simulated peer computes: nothing, at the price its advertised speed says.
 
-`SimStage` has `tessera.stages.stage.Stage`'s interface (open / forward / rollback /
+`SimStage` has `tessera.stages.engine.stage.Stage`'s interface (open / forward / rollback /
 close / session_bytes, spec, start, end, weight_bytes) and its checks (spans,
 capacity, positions), but holds no weights: `forward` returns its input and
 counts the work — tokens x layers. `cost_model` is the `StageServer.run_compute`
@@ -25,9 +25,9 @@ import torch
 import trio
 
 from tessera.stages.errors import ContextOverflow, SpanError, UnknownSession
-from tessera.stages.quant import NO_QUANT
-from tessera.stages.sessions import check_session
-from tessera.stages.spec import ModelSpec
+from tessera.stages.weights.quant import NO_QUANT
+from tessera.stages.engine.sessions import check_session
+from tessera.stages.families.spec import ModelSpec
 
 FLOAT32_BYTES = 4
 

@@ -23,9 +23,9 @@ from typing import Callable
 import trio
 
 from tessera.stages.errors import ModelFormatError
-from tessera.stages.registry import MANIFEST, held_tensors, models_root, read_manifest, resolve, save_manifest
-from tessera.stages.spec import ModelSpec
-from tessera.stages.tensor_table import groups_for_span
+from tessera.stages.weights.registry import MANIFEST, held_tensors, models_root, read_manifest, resolve, save_manifest
+from tessera.stages.families.spec import ModelSpec
+from tessera.stages.weights.tensor_table import groups_for_span
 
 from tessera.peer.base.errors import PeerError
 from tessera.peer.plan.view import merge_spans

@@ -13,7 +13,7 @@ from libp2p.peer.id import ID
 from tessera.peer.cli.main import main
 from tessera.peer.request.client import Swarm
 from tessera.protocol.keys import Identity
-from tessera.stages.generate import prompt_ids
+from tessera.stages.decoding.generate import prompt_ids
 from tessera.store.events import Forward, Push, Receive, Result
 from tessera.store.export import validate_perfetto
 from tessera.store.timeline import load_timeline

@@ -31,10 +31,10 @@ import trio
 from tessera.peer.cli.demo import LocalSwarm
 from tessera.peer.http.exchange import MAX_BODY_BYTES
 from tessera.peer.http.generation import StopMatcher
-from tessera.stages.constrained import JsonConstraint
-from tessera.stages.generate import prompt_ids
-from tessera.stages.json_prefix import JSON_OBJECT, compile_schema
-from tessera.stages.sampling import SamplingParams
+from tessera.stages.decoding.constrained import JsonConstraint
+from tessera.stages.decoding.generate import prompt_ids
+from tessera.stages.text.json_prefix import JSON_OBJECT, compile_schema
+from tessera.stages.decoding.sampling import SamplingParams
 from tessera.store.db import PeerStore
 from tessera.store.events import SessionClose, SessionOpen, Stamped
 

@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessera.stages.constrained import ConstrainedSampler, JsonConstraint
-from tessera.stages.json_prefix import ANY, COMPLETE, INVALID, JSON_OBJECT, PREFIX, UnsupportedSchema, check, compile_schema
-from tessera.stages.sampling import SamplingParams
-from tessera.stages.tokenizer import Tokenizer
+from tessera.stages.decoding.constrained import ConstrainedSampler, JsonConstraint
+from tessera.stages.text.json_prefix import ANY, COMPLETE, INVALID, JSON_OBJECT, PREFIX, UnsupportedSchema, check, compile_schema
+from tessera.stages.decoding.sampling import SamplingParams
+from tessera.stages.text.tokenizer import Tokenizer
 
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False)

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
-from tessera.stages.folder_check import check_folder
-from tessera.stages.generate import LocalEngine
-from tessera.stages.spec import ModelSpec
-from tessera.stages.stage import Stage
-from tessera.stages.synth import CHATML, byte_tokenizer_json
+from tessera.stages.weights.folder_check import check_folder
+from tessera.stages.decoding.generate import LocalEngine
+from tessera.stages.families.spec import ModelSpec
+from tessera.stages.engine.stage import Stage
+from tessera.stages.weights.synth import CHATML, byte_tokenizer_json
 
 from ..swarm_helpers import local_swarm
 
@@ -250,7 +250,7 @@ def test_import_refuses_a_broken_folder_and_registers_nothing(folders, tmp_path,
 )
 def test_rope_reading_agrees_with_transformers(rope):
     """What `read_rope` makes of a raw config dict is what transformers 5 standardises it to."""
-    from tessera.stages.spec import read_rope
+    from tessera.stages.families.spec import read_rope
 
     raw = {"architectures": ["LlamaForCausalLM"], **SHAPE, **rope}
     theirs = dict(transformers.LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"}).rope_parameters)

@@ -1,4 +1,4 @@
-"""Quantized spans against their own dequantized float32 model (stages/quant.py).
+"""Quantized spans against their own dequantized float32 model (stages/weights/quant.py).
 
 The reference for a span stored as int8/int4 is a float32 model whose matrices are the
 dequantized values (q s, c s + m, or (q - 8) s + z) — the same model, computed without the
@@ -31,14 +31,14 @@ import torch
 
 from tessera.peer.node.config import capacity_in_layers
 from tessera.protocol.fingerprint import relative_difference, tolerance
-from tessera.stages.generate import pick_dtype, prompt_ids
-from tessera.stages.quant import (
+from tessera.stages.decoding.generate import pick_dtype, prompt_ids
+from tessera.stages.weights.quant import (
     BLOCK_LINEARS, NO_QUANT, Int4BlockLinear, Int4Linear, Int8Linear, Quant, QuantError, base_model_id, dense_block, dense_weight, layer_bytes,
     model_tag, quantize_linear,
 )
-from tessera.stages import quant as quant_module
-from tessera.stages.spec import ModelSpec
-from tessera.stages.stage import Stage
+from tessera.stages.weights.folder import quant as quant_module
+from tessera.stages.families.spec import ModelSpec
+from tessera.stages.engine.stage import Stage
 
 from ..conftest import FRANCE
 from ..resident import ROOT
@@ -237,8 +237,8 @@ def test_smollm2_bfloat16_tokens_and_logits_against_the_dequantized_model(smol_q
 QUANT_SPAN_RSS = """
 import gc, sys, torch
 from pathlib import Path
-from tessera.stages.stage import Stage
-from tessera.stages.quant import Quant
+from tessera.stages.engine.stage import Stage
+from tessera.stages.weights.quant import Quant
 from tests.resident import held_bytes, mib, no_huge_pages, resident_parts
 no_huge_pages()
 torch.set_num_threads(1)
@@ -246,7 +246,7 @@ warm = Stage.load(Path(sys.argv[1]), start=0, end=1, quant=Quant.parse(sys.argv[
 warm.open("w", capacity=4)
 warm.forward("w", torch.zeros(1, warm.spec.hidden_size), 0)  # torch's lazy kernel set-up, not the span
 del warm
-import tessera.stages.quant as quant_module
+import tessera.stages.weights.quant as quant_module
 quant_module.SCRATCH = quant_module.Scratch()  # the dequantization buffers count: a fresh one for the span
 gc.collect()
 def rss():
@@ -315,7 +315,7 @@ def test_int4_span_takes_the_gguf_blocks_without_reading_a_float_matrix(smol_dir
     is read: the folder's reader refuses here), and they are exactly what quantizing the converted
     folder gives (same integers and scales, so the same `+int4g32` model), and their dequantized
     weights ARE the folder's float32 weights: the reference model is the unquantized one."""
-    from tessera.stages.weights import WeightFolder
+    from tessera.stages.weights.folder import WeightFolder
 
     quantized = Stage.load(smol_without_gguf, start=0, end=3, quant=Quant("int4"))
     dense = Stage.load(smol_dir, start=0, end=3)
@@ -342,7 +342,7 @@ def test_int4_span_takes_the_gguf_blocks_without_reading_a_float_matrix(smol_dir
 
 def test_gguf_blocks_served_as_is_only_when_they_requantize_to_themselves(tmp_path, smol_dir):
     from tessera.stages.errors import ModelFormatError
-    from tessera.stages.gguf_blocks import GgufQ4Source, read_gguf_directory, requantizes_to_itself
+    from tessera.stages.weights.gguf_blocks import GgufQ4Source, read_gguf_directory, requantizes_to_itself
 
     source = GgufQ4Source.beside(smol_dir, ModelSpec.from_file(smol_dir / "config.json"))
     v = "model.layers.0.self_attn.v_proj.weight"

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tessera.peer.plan.audit import REQUESTER, check
-from tessera.stages.sharded import ShardError, ShardedStage
-from tessera.stages.spec import ModelSpec
-from tessera.stages.stage import Stage
+from tessera.stages.shards.sharded import ShardError, ShardedStage
+from tessera.stages.families.spec import ModelSpec
+from tessera.stages.engine.stage import Stage
 
 from ..shard_helpers import DECODE_STEPS, LOGITS_TOLERANCE, InProcessGroup, greedy_run
 

@@ -98,7 +98,7 @@ def test_a_peer_of_another_model_is_named(models, keyed_peer, tmp_path):
 def test_memory_too_small_for_one_layer_is_refused_with_the_number(models, tmp_path):
     status, output = peer(models[0], tmp_path, "--memory", "0.00001")
     assert status == 1, output
-    from tessera.stages.spec import ModelSpec
+    from tessera.stages.families.spec import ModelSpec
 
     # one float32 layer's weights over the 75% of the offer not kept for KV caches
     need = ModelSpec.from_file(models[0] / "config.json").layer_bytes(4) / 0.75 / (1 << 30)

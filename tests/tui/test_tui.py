@@ -28,7 +28,7 @@ from tessera.peer.node.config import PeerConfig
 from tessera.peer.node.compose import build_peer
 from tessera.peer.request.chain import RouteSession
 from tessera.peer.plan.routing import Hop, Route
-from tessera.stages.generate import prompt_ids
+from tessera.stages.decoding.generate import prompt_ids
 from tessera.store.db import PeerStore
 from tessera.store.events import EVENT_TYPES, Ban, Claim, Drain, Forward, Leave, Pause, Resume
 from tessera.tui.app import TesseraApp

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
-from tessera.stages.spec import ModelSpec
+from tessera.stages.families.spec import ModelSpec
 
 Progress = Callable[[int, int, str], None]
 

@@ -13,12 +13,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from tessera.stages.constrained import ConstrainedSampler, JsonConstraint
+from tessera.stages.decoding.constrained import ConstrainedSampler, JsonConstraint
 from tessera.stages.errors import ContextOverflow
-from tessera.stages.quant import NO_QUANT, Quant
-from tessera.stages.sampling import Sampler, SamplingParams
-from tessera.stages.stage import Stage
-from tessera.stages.tokenizer import TextStream, Tokenizer
+from tessera.stages.weights.quant import NO_QUANT, Quant
+from tessera.stages.decoding.sampling import Sampler, SamplingParams
+from tessera.stages.engine.stage import Stage
+from tessera.stages.text.tokenizer import TextStream, Tokenizer
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,7 +40,7 @@ def pick_dtype(name: str, device: torch.device, quant: Quant = NO_QUANT) -> torc
     A quantized span on a CPU computes in float32 too, whatever `quant`: its reference is its own
     dequantized float32 model, and bf16 activations drift from it far enough to change answers
     (int4 SmolLM2 on "What is the capital of France?"). `--dtype bfloat16` asks for torch's fast
-    bf16 kernels instead: a declared bf16 peer (stages/quant.py)."""
+    bf16 kernels instead: a declared bf16 peer (stages/weights/quant.py)."""
     del quant  # the same rule for every storage; the parameter says which span the dtype is for
     if name == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -111,7 +111,7 @@ class LocalEngine:
         constraint: JsonConstraint | None = None,
     ) -> list[int]:
         """Greedy or sampled continuation of `ids`, stopping at an end-of-sequence id
-        (with `constraint`, only tokens it allows: stages/constrained.py)."""
+        (with `constraint`, only tokens it allows: stages/decoding/constrained.py)."""
         budget = plan_length(len(ids), max_new_tokens, self.spec.max_position)
         sampler = Sampler(sampling) if constraint is None else ConstrainedSampler(sampling, constraint)
         self._sessions += 1

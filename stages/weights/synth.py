@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tessera.stages.spec import ModelSpec
-from tessera.stages.weights import layer_tensor_names
+from tessera.stages.families.spec import ModelSpec
+from tessera.stages.weights.folder import layer_tensor_names
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"

@@ -30,7 +30,7 @@ per group of a row, which do not factor out of the sum: it decodes at ~0.3-0.6x 
 speed (unpacking nibbles costs more than the matmul at one row; a 16-row prefill ~1x). There int4 is stored in GGUF's Q4 block layout
 (a group's low nibbles are its first half, the high nibbles its second half) as
 `w = c s + m` (code c in [0, 15], scale s and minimum m per group), so a Q4_1 GGUF
-tensor is these very integers and scales (stages/gguf_blocks.py). bfloat16 activations (`--dtype bfloat16`) use
+tensor is these very integers and scales (stages/weights/gguf_blocks.py). bfloat16 activations (`--dtype bfloat16`) use
 the kernels' fast path (AVX512-BF16): a declared bfloat16 peer, held to the bfloat16
 tolerance as any bfloat16 peer is, not token for token.
 
@@ -54,10 +54,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.stages.errors import StageError
-from tessera.stages.gguf_blocks import Q4_1_BLOCK, GgufQ4Source
-from tessera.stages.model import Block
-from tessera.stages.spec import ModelSpec
-from tessera.stages.weights import WeightFolder, layer_tensor_names
+from tessera.stages.weights.gguf_blocks import Q4_1_BLOCK, GgufQ4Source
+from tessera.stages.layers.model import Block
+from tessera.stages.families.spec import ModelSpec
+from tessera.stages.weights.folder import WeightFolder, layer_tensor_names
 
 QUANT_KINDS = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -136,7 +136,7 @@ NO_QUANT = Quant()
 
 
 def linear_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
-    """[rows, cols] of one block's four matrices, as tessera.stages.model.Block stacks them."""
+    """[rows, cols] of one block's four matrices, as tessera.stages.layers.model.Block stacks them."""
     h, i = spec.hidden_size, spec.intermediate_size
     return [(spec.q_size + 2 * spec.kv_size, h), (h, spec.q_size), (2 * i, h), (h, i)]
 
@@ -380,7 +380,7 @@ BLOCK_NORMS = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": 
 
 def takes_gguf_blocks(quant: Quant, device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether a span stored as `quant` on `device` for `dtype` can take a GGUF's Q4_1 blocks as they
-    are (stages/gguf_blocks.py): int4 in groups of 32, in the float32 CPU block layout."""
+    are (stages/weights/gguf_blocks.py): int4 in groups of 32, in the float32 CPU block layout."""
     return quant.kind == "int4" and quant.group_size == Q4_1_BLOCK and dequantizes_in_chunks(torch.device(device), dtype)
 
 

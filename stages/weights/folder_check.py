@@ -16,9 +16,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from safetensors import SafetensorError, safe_open
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
-from tessera.stages.spec import ModelSpec
-from tessera.stages.tokenizer import Tokenizer
-from tessera.stages.weights import WeightFolder, layer_tensor_names
+from tessera.stages.families.spec import ModelSpec
+from tessera.stages.text.tokenizer import Tokenizer
+from tessera.stages.weights.folder import WeightFolder, layer_tensor_names
 
 # safetensors dtypes the engine casts from exactly; integer tensors would be quantised weights
 FLOAT_DTYPES = ("F32", "F16", "BF16")

@@ -1,6 +1,6 @@
 """Content-addressed weights: every tensor of a model's safetensors files, hashed in chunks.
 
-The manifest (`stages/registry.py`) holds this table under "tensors":
+The manifest (`stages/weights/registry.py`) holds this table under "tensors":
 
     {"chunk_bytes": 1048576,
      "entries": {"model.layers.3.mlp.up_proj.weight":

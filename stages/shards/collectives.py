@@ -1,6 +1,6 @@
 """Collectives of a tensor-shard group, over any all-to-all exchange, with an audit trail.
 
-A group of n ranks runs one span together (`stages/sharded.py`). Every collective is
+A group of n ranks runs one span together (`stages/shards/sharded.py`). Every collective is
 ONE round of an all-to-all **exchange**: rank r hands over n tensors (one per
 destination, None for itself) and gets back one from each source (None for itself).
 The exchange is the only thing that differs between an in-process group of threads

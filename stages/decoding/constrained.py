@@ -1,7 +1,7 @@
 """Constrained sampling: only tokens that keep the answer a valid JSON prefix may be drawn.
 
 A `JsonConstraint` follows the answer's text and says which next tokens are
-allowed (stages/json_prefix.py decides on text: a token is allowed if the text
+allowed (stages/text/json_prefix.py decides on text: a token is allowed if the text
 with it is still a valid start of a document, or — for end-of-sequence — if the
 document is complete). `ConstrainedSampler` is a `Sampler` that draws under
 that mask; it runs wherever the head runs (the requester, or `LocalEngine`),
@@ -32,9 +32,9 @@ from typing import Sequence
 
 import torch
 
-from tessera.stages.json_prefix import COMPLETE, INVALID, Shape, check
-from tessera.stages.sampling import Sampler, SamplingParams, probabilities
-from tessera.stages.tokenizer import Tokenizer
+from tessera.stages.text.json_prefix import COMPLETE, INVALID, Shape, check
+from tessera.stages.decoding.sampling import Sampler, SamplingParams, probabilities
+from tessera.stages.text.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"  # what decoding a partial UTF-8 sequence yields
 # Rejected draws before a sampled step judges every candidate instead: a rejected draw costs one

@@ -22,12 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.stages.errors import SpanError, StageError
-from tessera.stages.gguf_blocks import GgufQ4Source
-from tessera.stages.model import Block, Rotary, Segment, StepContext, attention_mask
-from tessera.stages.quant import NO_QUANT, Quant, quantize_block, takes_gguf_blocks
-from tessera.stages.sessions import SessionState, SessionTable
-from tessera.stages.spec import ModelSpec
-from tessera.stages.weights import WeightFolder
+from tessera.stages.weights.gguf_blocks import GgufQ4Source
+from tessera.stages.layers.model import Block, Rotary, Segment, StepContext, attention_mask
+from tessera.stages.weights.quant import NO_QUANT, Quant, quantize_block, takes_gguf_blocks
+from tessera.stages.engine.sessions import SessionState, SessionTable
+from tessera.stages.families.spec import ModelSpec
+from tessera.stages.weights.folder import WeightFolder
 
 
 # One session's step in a stacked forward: (session, hidden states [T, H], start position).
@@ -61,7 +61,7 @@ class Stage(SessionTable):
         self.head = head
         self.device = torch.device(device)
         self.dtype = dtype
-        self.quant = quant  # how the blocks' matrices are stored (stages/quant.py)
+        self.quant = quant  # how the blocks' matrices are stored (stages/weights/quant.py)
         self.rotary = Rotary(spec, self.device)
         self.sessions: dict[Hashable, SessionState] = {}
 
@@ -84,7 +84,7 @@ class Stage(SessionTable):
         Blocks are built on the meta device and take the read tensors by assignment,
         so no memory is spent on initial values. With `quant`, each matrix is quantized
         as it is read (the embedding and head stay in `dtype`); an int4 float32 CPU span takes
-        the Q4_1 blocks of the folder's source GGUF as they are (stages/gguf_blocks.py). Raises ModelFormatError,
+        the Q4_1 blocks of the folder's source GGUF as they are (stages/weights/gguf_blocks.py). Raises ModelFormatError,
         SpanError, QuantError.
         """
         weights = WeightFolder(folder)

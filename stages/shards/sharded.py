@@ -52,13 +52,13 @@ import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 
-from tessera.stages.shard_layout import HIDDEN
-from tessera.stages.collectives import Collectives
+from tessera.stages.shards.layout import HIDDEN
+from tessera.stages.shards.collectives import Collectives
 from tessera.stages.errors import ModelFormatError, SpanError, StageError
-from tessera.stages.model import Rotary, StepContext, apply_rope, attention_mask, grouped_decode_attention
-from tessera.stages.spec import ModelSpec
-from tessera.stages.sessions import SessionState, SessionTable
-from tessera.stages.weights import WeightFolder, layer_tensor_names
+from tessera.stages.layers.model import Rotary, StepContext, apply_rope, attention_mask, grouped_decode_attention
+from tessera.stages.families.spec import ModelSpec
+from tessera.stages.engine.sessions import SessionState, SessionTable
+from tessera.stages.weights.folder import WeightFolder, layer_tensor_names
 
 
 
@@ -244,7 +244,7 @@ class ShardedStage(SessionTable):
         return (x * scale[:, None].to(x.dtype)) * weight
 
     def _attend(self, qkv: torch.Tensor, ctx: StepContext, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Attention over this rank's heads; the same kernels as `tessera.stages.model.Attention`."""
+        """Attention over this rank's heads; the same kernels as `tessera.stages.layers.model.Attention`."""
         spec = self.local_spec
         t = qkv.shape[0]
         a, k, d = spec.num_heads, spec.num_kv_heads, spec.head_dim

@@ -29,8 +29,8 @@ from typing import Protocol, Sequence
 
 import torch
 
-from tessera.stages.sampling import Sampler
-from tessera.stages.stage import Stage
+from tessera.stages.decoding.sampling import Sampler
+from tessera.stages.engine.stage import Stage
 
 # Logit gap under which two tokens count as tied for greedy acceptance: 100x the
 # float32 summation-order noise seen between a one-token step and a K+1-token pass.

@@ -3,7 +3,7 @@
 A model fetched from a GGUF keeps the file beside its converted folder (`source.gguf`). When
 the GGUF's matrices are Q4_1 — 32 weights a block, `w = d q + m` with q in [0, 15] and d, m
 fp16 — a float32 CPU span quantized `int4` (group 32) takes the blocks as they are: the codes
-are already in the layout `stages/quant.py` keeps (a block's low nibbles its first 16 codes,
+are already in the layout `stages/weights/quant.py` keeps (a block's low nibbles its first 16 codes,
 the high nibbles its last 16), d and m widen exactly to float32, and q/k rows are un-permuted
 as the converter does. Only integers are copied; no weight is ever dequantized to load it.
 
@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tessera.stages.convert import TENSOR_NAMES, unpermute_rope_rows
+from tessera.stages.weights.convert import TENSOR_NAMES, unpermute_rope_rows
 from tessera.stages.errors import ModelFormatError
-from tessera.stages.spec import ModelSpec
+from tessera.stages.families.spec import ModelSpec
 
 SOURCE_GGUF = "source.gguf"  # beside a fetched model's converted folder (peer/cli/model_files.py)
 Q4_1_BLOCK = 32  # weights per Q4_1 block

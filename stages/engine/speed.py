@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from tessera.stages.model import Block
-from tessera.stages.quant import BLOCK_LINEARS, NO_QUANT, Quant, quantize_linear
-from tessera.stages.spec import ModelSpec
-from tessera.stages.stage import Stage
+from tessera.stages.layers.model import Block
+from tessera.stages.weights.quant import BLOCK_LINEARS, NO_QUANT, Quant, quantize_linear
+from tessera.stages.families.spec import ModelSpec
+from tessera.stages.engine.stage import Stage
 
 WARMUP_STEPS = 3
 CONTEXT = 64  # positions already cached when the timed steps run

@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tessera.stages.errors import ModelFormatError
-from tessera.stages.spec import ModelSpec
+from tessera.stages.families.spec import ModelSpec
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -116,7 +116,7 @@ class WeightFolder:
         return out
 
     def block_state(self, layer: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """One layer's tensors under the engine's names (`tessera.stages.model.Block`), q/k/v and gate/up stacked."""
+        """One layer's tensors under the engine's names (`tessera.stages.layers.model.Block`), q/k/v and gate/up stacked."""
         spec = self.spec
         p = f"model.layers.{layer}."
         shapes = layer_tensor_names(spec, layer)

@@ -3,7 +3,7 @@
 Models live in ``~/.cache/tessera/models/NAME/`` (``$TESSERA_MODELS`` or
 ``$XDG_CACHE_HOME/tessera/models`` move it). Every folder carries a
 ``manifest.json`` with the sha256 and size of each file and a table of every
-tensor, hashed in chunks (`stages/tensor_table.py`); the **model id** is a hash of
+tensor, hashed in chunks (`stages/weights/tensor_table.py`); the **model id** is a hash of
 the files' hashes and that table, so two peers chain together only when they run
 the identical model, and a peer fetching only some layers from others can check
 every chunk it receives. An older manifest (files only) is upgraded the first
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from tessera.stages.errors import ModelFormatError
-from tessera.stages.tensor_table import (
+from tessera.stages.weights.tensor_table import (
     CHUNK_BYTES, MANIFEST_FORMAT, build_table, check_manifest, model_id_of, read_header, table_of_file,
 )
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.stages.errors import ContextOverflow, UnsupportedModel
-from tessera.stages.spec import ModelSpec
+from tessera.stages.families.spec import ModelSpec
 
 # A layer's cache as a step sees it: [K, S, D] of one session, or one per session of a stacked step.
 KVRows = torch.Tensor | Sequence[torch.Tensor]
@@ -185,7 +185,7 @@ class Attention(nn.Module):
     """Grouped-query attention with one stacked q/k/v projection.
 
     The projections are called as modules, so that a quantized span can hold
-    `tessera.stages.quant` linears in their place (same call, integer weights)."""
+    `tessera.stages.weights.quant` linears in their place (same call, integer weights)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()

@@ -13,8 +13,8 @@ from typing import Hashable
 import torch
 
 from tessera.stages.errors import ContextOverflow, SpanError, UnknownSession
-from tessera.stages.model import KVCache
-from tessera.stages.spec import ModelSpec
+from tessera.stages.layers.model import KVCache
+from tessera.stages.families.spec import ModelSpec
 
 
 @dataclass
