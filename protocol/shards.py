@@ -1,7 +1,7 @@
 """Messages of tensor-shard groups: opening a sharded session, and the collectives' frames.
 
 A *group* of n peers serves a span together, each holding one hidden slice (see
-`stages/sharded.py`). The requester opens the session on every member with a
+`stages/shards/sharded.py`). The requester opens the session on every member with a
 `ShardOpen`; then, on the member's session stream, it sends the member's input slice
 (a `Forward`) and receives its output slice (a `Result`), as on any session stream.
 Inside the group, rank i pushes its collective contributions to rank j on a link of
