@@ -21,7 +21,7 @@ from pathlib import Path
 import trio
 
 from tessera.stages.weights import registry
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.catalog import spec_from_file
 
 from tessera.peer.request.client import Swarm
 from tessera.peer.base.errors import PeerError
@@ -144,12 +144,12 @@ def wait_for_line(log: Path, proc: subprocess.Popen, ready: str, *, prefix: str)
 
 def memory_for_layers(model: str, layers: int) -> float:
     """GB of --memory under which placement claims about `layers` layers of `model`."""
-    spec = ModelSpec.from_file(registry.resolve(model) / "config.json")
-    return (layers + 0.5) * spec.layer_bytes(4) / (1 - KV_RESERVE_FRACTION) / 2**30
+    spec = spec_from_file(registry.resolve(model) / "config.json")
+    return (layers + 0.5) * spec.max_layer_bytes(4) / (1 - KV_RESERVE_FRACTION) / 2**30
 
 
 def run_demo(*, prompt: str, peers: int, model: str, max_tokens: int) -> int:
-    spec = ModelSpec.from_file(registry.resolve(model) / "config.json")
+    spec = spec_from_file(registry.resolve(model) / "config.json")
     share = math.ceil(spec.num_layers / peers)
     memory = f"{memory_for_layers(model, share):.4f}"
     print(f"starting {peers} peers on 127.0.0.1, each offering memory for ~{share} of {spec.num_layers} layers")

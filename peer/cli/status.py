@@ -9,7 +9,7 @@ import trio
 
 from tessera.protocol.keys import Identity
 from tessera.stages.weights import registry
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.catalog import spec_from_file
 
 from tessera.peer.base.errors import PeerError
 from tessera.peer.net.gossip import Gossip, ViewKeeper
@@ -29,7 +29,7 @@ async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | N
     `only`: report exactly what the --join peers hold (no settling, no asking the peers they
     name): how to see whether one peer's view has split from the others'."""
     folder = registry.resolve(model)
-    spec = ModelSpec.from_file(folder / "config.json")
+    spec = spec_from_file(folder / "config.json")
     # every quantization of the model (each peer's model id says which it serves)
     keeper = ViewKeeper(model_id=registry.model_id(folder), num_layers=spec.num_layers, clock=time.time,
                         accept_mixed=True)

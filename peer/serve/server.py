@@ -99,7 +99,7 @@ class StageServer:
         return len(self.sessions) / max(self.limits.max_sessions, 1)
 
     def kv_in_use(self) -> int:
-        return sum(self.stage.session_bytes(s.capacity, s.end - s.start) for s in self.sessions.values())
+        return sum(self.stage.session_bytes(s.capacity, s.start, s.end) for s in self.sessions.values())
 
     # -- admission ----------------------------------------------------------------
 
@@ -120,7 +120,7 @@ class StageServer:
         max_length = min(self.limits.max_length, self.stage.spec.max_position)
         if msg.max_length > max_length:
             raise Refused(TOO_LONG, f"max_length {msg.max_length} exceeds this peer's limit of {max_length}")
-        need = self.stage.session_bytes(msg.max_length, msg.end - msg.start)
+        need = self.stage.session_bytes(msg.max_length, msg.start, msg.end)
         if self.kv_in_use() + need > self.limits.kv_budget:
             raise Refused(TOO_LONG, f"{need} more bytes of KV cache would exceed the budget of {self.limits.kv_budget}")
         session = self.session_class(
