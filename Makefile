@@ -11,7 +11,7 @@ MODEL  := smollm2-135m
 # Short tracebacks: CI keeps only the tail of the log, and every failure should fit in it.
 PYTEST_ARGS ?= -n 2 --dist loadfile --tb=short
 
-.PHONY: install model demo test bench clean
+.PHONY: install model demo test docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,5 +31,9 @@ demo: model
 test: model
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The manual (docs/, mkdocs.yml) as a static site in site/: open site/index.html.
+docs: install
+	$(VENV)/bin/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build site *.egg-info .pytest_cache .hypothesis
