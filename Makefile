@@ -31,9 +31,9 @@ demo: model
 test: model
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The manual (docs/, mkdocs.yml) as a static site in site/: open site/index.html.
+# The manual (docs/pages/, configured by docs/mkdocs.yml) as a static site in site/: open site/index.html.
 docs: install
-	$(VENV)/bin/mkdocs build --strict
+	$(VENV)/bin/mkdocs build --strict --config-file docs/mkdocs.yml
 
 clean:
 	rm -rf $(VENV) build site *.egg-info .pytest_cache .hypothesis

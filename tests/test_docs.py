@@ -1,6 +1,6 @@
-"""The manual: docs/ builds as a MkDocs site in strict mode, and the README's links land in it.
+"""The manual: docs/pages/ builds as a MkDocs site in strict mode, and the README's links land in it.
 
-Strict mode with mkdocs.yml's `validation` turns every broken link, missing anchor and page
+Strict mode with docs/mkdocs.yml's `validation` turns every broken link, missing anchor and page
 left out of the nav into an error; the site is built once per module into a temporary folder.
 """
 
@@ -28,24 +28,23 @@ def mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("docs") / "site"
-    done = mkdocs_build(ROOT / "mkdocs.yml", out)
+    done = mkdocs_build(ROOT / "docs" / "mkdocs.yml", out)
     assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}{done.stderr}"
     return out
 
 
 def test_the_docs_build_in_strict_mode(site: Path) -> None:
-    pages = {p.stem for p in (ROOT / "docs").glob("*.md")}
+    pages = {p.stem for p in (ROOT / "docs" / "pages").glob("*.md")}
     built = {p.stem for p in site.glob("*.html")}
     assert pages <= built, f"pages not built: {sorted(pages - built)}"
 
 
 def test_a_broken_link_or_anchor_fails_the_build(tmp_path: Path) -> None:
     """The strict build can fail: a copy of the docs with one bad anchor and one bad page link."""
-    shutil.copy(ROOT / "mkdocs.yml", tmp_path / "mkdocs.yml")
     shutil.copytree(ROOT / "docs", tmp_path / "docs")
-    with open(tmp_path / "docs" / "config.md", "a") as page:
+    with open(tmp_path / "docs" / "pages" / "config.md", "a") as page:
         page.write("\n[gone](peer.md#no-such-heading) and [nowhere](no-such-page.md)\n")
-    done = mkdocs_build(tmp_path / "mkdocs.yml", tmp_path / "site")
+    done = mkdocs_build(tmp_path / "docs" / "mkdocs.yml", tmp_path / "site")
     assert done.returncode != 0
     assert "no-such-heading" in done.stderr and "no-such-page.md" in done.stderr
 
@@ -67,7 +66,7 @@ def test_every_readme_link_reaches_a_page_and_heading_of_the_site(site: Path) ->
     text = (ROOT / "README.md").read_text()
     links = re.findall(r"\]\(([^)\s]+)\)", text)
     local = [link for link in links if not re.match(r"[a-z]+://", link)]
-    assert any(link.startswith("docs/") for link in local)
+    assert any(link.startswith("docs/pages/") for link in local)
     broken = []
     for link in local:
         path, _, anchor = link.partition("#")
@@ -75,16 +74,16 @@ def test_every_readme_link_reaches_a_page_and_heading_of_the_site(site: Path) ->
             broken.append(f"{link}: no file {path}")
             continue
         if anchor:
-            assert path.startswith("docs/") and path.endswith(".md"), link
-            page = site / Path(path).relative_to("docs").with_suffix(".html")
+            assert path.startswith("docs/pages/") and path.endswith(".md"), link
+            page = site / Path(path).relative_to("docs/pages").with_suffix(".html")
             if f'id="{anchor}"' not in page.read_text():
                 broken.append(f"{link}: no heading #{anchor} in {path}")
     assert broken == []
 
 
 def test_the_architecture_page_names_every_layer_the_import_test_holds() -> None:
-    """tests/test_layers.py enforces the layers of peer/; docs/architecture.md must draw the same."""
-    page = (ROOT / "docs" / "architecture.md").read_text()
+    """tests/test_layers.py enforces the layers of peer/; docs/pages/architecture.md must draw the same."""
+    page = (ROOT / "docs" / "pages" / "architecture.md").read_text()
     assert "tests/test_layers.py" in page
     missing = [layer for layer in LAYER_RANK if not re.search(rf"^  {layer}/ ", page, re.M)]
     assert missing == []
