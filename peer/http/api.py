@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Sequence
 
 import trio
 
-from tessera.stages.constrained import JsonConstraint
+from tessera.stages.constrained import CannotClose, JsonConstraint
 from tessera.stages.errors import StageError
 
 from tessera.peer.http import anthropic as http_anthropic
@@ -345,10 +345,15 @@ class Gateway:
         """The one generation core (see module docstring); `respond` renders the answer."""
         self.check_model(request.model)
         ids = await self.prompt_ids(request)
+        budget = self.budget(request, len(ids))
         constraint = None
         if request.json_shape is not None:
             constraint = JsonConstraint(request.json_shape, self.swarm.tokenizer, self.swarm.spec.eos_token_ids)
-        gen = Generation(self.swarm, ids, max_tokens=self.budget(request, len(ids)), sampling=request.sampling,
+            try:
+                constraint.limit(budget)  # a format that cannot close in max_tokens: a 400 before any peer works
+            except CannotClose as error:
+                raise bad("max_tokens", str(error), code="max_tokens_too_small") from None
+        gen = Generation(self.swarm, ids, max_tokens=budget, sampling=request.sampling,
                          stop=request.stop, route_wait=self.route_wait, constraint=constraint,
                          policy=request.policy)
         self.stats.requests += 1

@@ -532,6 +532,17 @@ def test_response_format_json_schema_is_honoured(client, claude, local_engine):
     assert structured.content[0].text == want
 
 
+def test_a_format_that_cannot_close_in_max_tokens_is_400(url):
+    """Issue 34: the shortest CAPITAL document is ~10 tokens; 5 cannot hold it (refused before any peer works)."""
+    body = {**CHAT, "max_tokens": 5, "response_format": {"type": "json_schema",
+                                                         "json_schema": {"name": "capital", "schema": CAPITAL}}}
+    error = assert_error(post(url, "/v1/chat/completions", body), 400, param="max_tokens", code="max_tokens_too_small")
+    assert '{"country":"","capital":""}' in error["message"]
+    claude = post(url, "/v1/messages", {"model": MODEL, "max_tokens": 5, "messages": CHAT["messages"],
+                                        "output_config": {"format": {"type": "json_schema", "schema": CAPITAL}}})
+    assert claude.status_code == 400 and "max_tokens" in claude.json()["error"]["message"]
+
+
 def test_response_format_json_object_is_honoured(client, local_engine):
     prompt = "What is the capital of France? Answer in JSON."
     want = constrained_reference(local_engine, prompt, JSON_OBJECT, 40)
