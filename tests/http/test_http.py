@@ -463,7 +463,16 @@ def test_anthropic_errors_have_anthropic_shape(url, claude):
     assert "max_tokens" in missing.json()["error"]["message"]
     tools = post(url, "/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
                                        "tools": [{"name": "f", "input_schema": {}}]})
-    assert tools.status_code == 400 and "tools" in tools.json()["error"]["message"]
+    assert tools.status_code == 400 and "does not support tools" in tools.json()["error"]["message"]
+
+
+def test_tools_on_a_model_whose_template_has_none_are_400(client, url):
+    """SmolLM2's chat template never reads `tools` (tool calling itself: tests/http/test_tools.py)."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=chat_of("Hi"), tools=[weather], max_tokens=4)
+    assert raised.value.code == "tools_not_supported" and "chat template does not support tools" in str(raised.value)
+    assert_error(post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "tools": [weather]}), 400, param="tools")
 
 
 def test_responses_api_equals_local(client, local_engine):
