@@ -36,8 +36,8 @@ runs out only the plan's tokens are left — a number stops growing, a string is
 closed, the required keys are written, the brackets shut, and end-of-sequence comes
 on the last token. A format whose shortest answer does not fit the budget at all
 is refused before anything runs (`CannotClose`; HTTP answers it with a 400).
-This relies on the tokenizer writing the closing's ASCII text back as itself
-(byte-level BPE does; `limit` checks it).
+The plan is the closing's own encoding where the tokenizer writes text by
+concatenation (byte-level BPE: SmolLM2, Llama 3, Qwen), else one token per character.
 """
 
 from __future__ import annotations
@@ -102,10 +102,7 @@ class JsonConstraint:
         self.left: int | None = None  # tokens that may still be generated (end-of-sequence included)
         self.plan: list[int] = []  # tokens that close the answer from here (when a budget is set)
         self.checked = 0  # candidates judged (for tests and curiosity)
-
-    @property
-    def shape(self) -> Shape:
-        return self.forms[0].shape
+        self.concatenates = concatenates(tokenizer)
 
     def judge(self, text: str) -> tuple[str, str | None]:
         """(COMPLETE, PREFIX or INVALID, the shortest closing) of `text` over every form."""
@@ -120,7 +117,17 @@ class JsonConstraint:
         return self.opener is not None and not (self.opener.startswith(text) or text.startswith(self.opener))
 
     def closing_ids(self, tail: str) -> list[int]:
-        return self.tokenizer.encode(tail) if tail else []
+        """Tokens that write `tail` after the answer so far: its own encoding where the tokenizer
+        writes text by concatenation (byte-level BPE), else one token per character."""
+        if not tail:
+            return []
+        if self.concatenates:
+            return self.tokenizer.encode(tail)
+        ids = [self.tokenizer.token_id(ch) for ch in tail]
+        if None in ids:
+            raise StageError(f"this tokenizer has no token for {tail[ids.index(None)]!r}: a constrained answer "
+                             f"cannot be closed with it")
+        return ids
 
     def limit(self, tokens: int) -> None:
         """From now on at most `tokens` more may be generated (end-of-sequence included).
@@ -128,11 +135,8 @@ class JsonConstraint:
         if self.free:
             self.left = tokens
             return
-        verdict, tail = self.judge(self.text)
+        _, tail = self.judge(self.text)
         plan = self.closing_ids(tail or "")
-        if self.tokenizer.decode(plan) != (tail or ""):
-            raise StageError(f"this tokenizer does not write {tail!r} back as itself; a budgeted "
-                             f"constrained answer cannot be planned with it")
         if self.opener is None and len(plan) + 1 > tokens:
             raise CannotClose(len(plan) + 1, tokens, self.text + (tail or ""))
         self.left, self.plan = tokens, plan
@@ -151,7 +155,9 @@ class JsonConstraint:
         verdict, tail = self.judge(text)
         if verdict == INVALID:
             return False
-        if self.left is None or (self.plan and token == self.plan[0]):
+        if self.left is None:
+            return True
+        if self.plan and token == self.plan[0] and len(self.plan) + 1 <= self.left:
             return True  # the plan's next token keeps the rest of the plan, which fits
         # after this token, the closing and end-of-sequence must fit in what is left
         return len(self.closing_ids(tail or "")) + 1 <= self.left - 1
@@ -169,6 +175,13 @@ class JsonConstraint:
             fresh = self.closing_ids(tail or "")
             kept = self.plan[1:] if self.plan and token == self.plan[0] else None
             self.plan = kept if kept is not None and len(kept) < len(fresh) else fresh
+
+
+def concatenates(tokenizer: Tokenizer) -> bool:
+    """Whether encoding two texts apart and decoding them together gives both, as byte-level BPE
+    does (a SentencePiece tokenizer may prepend a space to each encoding)."""
+    probe = [('{"ab', 'c": 0'), ("[1", ", 2]}")]
+    return all(tokenizer.decode(tokenizer.encode(a) + tokenizer.encode(b)) == a + b for a, b in probe)
 
 
 class ConstrainedSampler(Sampler):

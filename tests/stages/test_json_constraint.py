@@ -330,3 +330,39 @@ def test_a_tool_call_form_is_forced_or_free(smol_tokenizer):
         prefix, suffix = forms[0].prefix, forms[0].suffix
         assert text.startswith(prefix) and text.endswith(suffix) and len(out) <= 80 and not sampler.constraint.free
         assert json.loads(text[len(prefix):-len(suffix)])["q"].startswith("xx")
+
+
+def test_an_opened_call_that_cannot_fit_is_not_begun(smol_tokenizer):
+    """With an opener and too small a budget for any call, the answer stays free text (never a
+    call cut short), even when the model wants the opener most."""
+    args = compile_schema({"type": "object", "required": ["q"], "properties": {"q": {"type": "string"}}})
+    forms = [Form(args, '<tool_call>\n{"name": "search", "arguments": ', "}\n</tool_call>")]
+    sampler = ConstrainedSampler(SamplingParams(), JsonConstraint(forms, smol_tokenizer, [2], opener="<tool_call>"))
+    sampler.constraint.limit(10)
+    model = StubbornModel(smol_tokenizer, "<|tool|_call|>|\n|Sure")
+    out = [sampler.sample(model.row()) for _ in range(10)]
+    assert sampler.constraint.free and not smol_tokenizer.decode(out).startswith("<tool_call>")
+
+
+def test_a_tokenizer_that_does_not_concatenate_closes_a_character_at_a_time(smol_tokenizer):
+    """Where encoding pieces apart is not the text together (SentencePiece prepends a space), the
+    plan writes the closing one character-token at a time."""
+
+    class Spaced:  # encodes as a SentencePiece tokenizer would: a space before every encoding
+        def __init__(self, inner):
+            self.inner = inner
+
+        def encode(self, text):
+            return self.inner.encode(" " + text)
+
+        def decode(self, ids, **kw):
+            return self.inner.decode(ids, **kw)
+
+        def token_id(self, token):
+            return self.inner.token_id(token)
+
+    shape = compile_schema(CITY)
+    constraint = JsonConstraint(shape, Spaced(smol_tokenizer), [2])
+    assert not constraint.concatenates
+    constraint.limit(60)
+    assert smol_tokenizer.decode(constraint.plan) == closing("", shape) and len(constraint.plan) == len(closing("", shape))
