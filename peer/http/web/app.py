@@ -161,9 +161,13 @@ class WebApp:
         source = self.source
         view = self.watch.view if self.watch.view is not None else source.view()
         rtts = source.rtt_ms()
-        return swarm_report(view, model=source.model, model_id=source.model_id, observer=source.me,
-                            role=source.role, now=self.clock(), rtt_ms=rtts, link_of=source.link_of,
-                            weights_of=lambda p: weights_estimate(source.spec, p), gone=self.watch.gone_entries())
+        report = swarm_report(view, model=source.model, model_id=source.model_id, observer=source.me,
+                              role=source.role, now=self.clock(), rtt_ms=rtts, link_of=source.link_of,
+                              weights_of=lambda p: weights_estimate(source.spec, p), gone=self.watch.gone_entries())
+        ttl = report["record_ttl_s"]
+        # the page's bound: a peer that dies is uncounted and shown gone at most this long after its last word
+        report["gone_within_s"] = round(ttl + self.watch.interval, 1) if ttl is not None else None
+        return report
 
     async def swarm(self, http: Exchange) -> None:
         self.access.check_key(http)

@@ -129,4 +129,7 @@ def swarm_report(
         "peers": [peer_entry(p, rtt_ms=rtt_ms.get(p.peer_id), link=link_of(p.peer_id), weights=weights_of(p))
                   for p in view.peers],
         "gone": list(gone),
+        # a record lives this long after its peer's last word: how late a peer that died still counts
+        "record_ttl_s": max((p.expires_at - p.issued_at for p in view.peers if math.isfinite(p.expires_at - p.issued_at)),
+                            default=None),
     }

@@ -11,6 +11,8 @@ function render(report) {
   headline.textContent = report.headline;
   headline.dataset.ok = String(report.routable);
   drawCoverage(report.coverage, L, report.gaps);
+  document.getElementById("bound").textContent = report.gone_within_s === null ? "" :
+    `A peer that stops answering is no longer counted, and is shown gone, within ${report.gone_within_s} s of its last advertisement.`;
   drawLanes(report, L);
   drawPeers(report);
   drawGroups(report);
