@@ -8,6 +8,7 @@ TUI's main screen), so the pictures in the docs are what the tests saw, not draw
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,3 +22,9 @@ def screenshot_dir() -> Path | None:
     folder = Path(where) if Path(where).is_absolute() else ROOT / where
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def offline_svg(svg: str) -> str:
+    """A Textual/Rich SVG screenshot without its web fonts: it names Fira Code on a CDN, and the
+    manual loads nothing from another host; the font falls back to a local one (and monospace)."""
+    return re.sub(r""",\s*url\("https?://[^"]*"\)\s*format\("[^"]*"\)""", "", svg)
