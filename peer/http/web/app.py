@@ -257,7 +257,8 @@ class WebApp:
                 self.watch.note(peer, f"an answer of {summary['completion_tokens']} tokens "
                                       f"({summary['prompt_tokens']} in the prompt) went through it: {outcome}")
             view = self.watch.view
-            self.source.forget({p.peer_id for p in view.peers} | set(self.watch.gone) if view is not None else set())
+            if view is not None:  # counters of peers neither in view nor recently gone go
+                self.source.forget({p.peer_id for p in view.peers} | set(self.watch.gone))
         tag = http.header(TAG_HEADER)
         if valid_tag(tag):
             self.answers.record(tag, summary)

@@ -84,7 +84,7 @@ async function ask(text) {
   history.push({ role: "user", content: text });
   message("user", text);
   const { item, body } = message("assistant", "");
-  item.setAttribute("aria-busy", "true");
+  list.setAttribute("aria-busy", "true");  // a screen reader reads the answer once it is whole
   const meta = el("div", { class: "meta" });
   item.append(meta);
   running = new AbortController();
@@ -141,7 +141,7 @@ async function ask(text) {
       history.pop();  // the question stays on the screen, not in what the next message sends
     }
   } finally {
-    item.removeAttribute("aria-busy");
+    list.removeAttribute("aria-busy");
     item.dataset.done = "true";
     running = null;
     send.disabled = false;
