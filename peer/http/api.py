@@ -103,6 +103,8 @@ class Gateway:
         self.slots = trio.Semaphore(max_concurrent)
         self.stats = GatewayStats()
         self.fingerprint = f"tessera-{swarm.model_id[:16]}"
+        # told of every answer as it ends, with how it ended (the web view's chat shows its route: peer/http/web/)
+        self.observers: list[Callable[[Exchange, Generation, str], None]] = []
         self.routes: dict[tuple[str, str], Callable[[Exchange], Awaitable[None]]] = {
             ("GET", "/health"): self.health,
             ("GET", "/v1/models"): self.models,
@@ -397,6 +399,8 @@ class Gateway:
             if http.finished and failure is None:
                 outcome = "completed"
             setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+            for observe in self.observers:
+                observe(http, gen, outcome)
         if failure is not None:
             raise failure
 
