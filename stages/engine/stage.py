@@ -27,10 +27,10 @@ from torch import nn
 
 from tessera.stages.engine.sessions import SessionState, SessionTable
 from tessera.stages.errors import SpanError, StageError
-from tessera.stages.families.spec import ModelSpec, RopeSpec
+from tessera.stages.families.spec import ModelSpec
 from tessera.stages.layers.attention import Segment, StepContext
 from tessera.stages.layers.block import Block
-from tessera.stages.layers.rope import Rotary
+from tessera.stages.layers.rope import RopeTables
 from tessera.stages.weights.folder import WeightFolder
 from tessera.stages.weights.gguf_blocks import GgufQ4Source
 from tessera.stages.weights.quant import NO_QUANT, Quant, quantize_block, takes_gguf_blocks
@@ -68,10 +68,7 @@ class Stage(SessionTable):
         self.device = torch.device(device)
         self.dtype = dtype
         self.quant = quant  # how the blocks' matrices are stored (stages/weights/quant.py)
-        # one RoPE table per distinct rotary among the layers (RopeSpec, head_dim), shared per step
-        ropes = {(layer.attention.rope, layer.attention.head_dim) for layer in spec.layers[start:self.end]}
-        self.rotaries: dict[tuple[RopeSpec, int], Rotary] = {
-            key: Rotary(*key, device=self.device) for key in sorted(ropes, key=repr)}
+        self.rope = RopeTables(spec.layers[start : self.end], self.device)  # shared by the layers per step
         self.sessions: dict[Hashable, SessionState] = {}
 
     # -- construction -------------------------------------------------------------
@@ -138,16 +135,12 @@ class Stage(SessionTable):
 
     def _run_solo(self, state: SessionState, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
         positions = torch.arange(start_pos, start_pos + hidden.shape[0], device=self.device)
-        ctx = StepContext(start_pos, self.rope_tables(positions), self.device)
+        ctx = StepContext(start_pos, self.rope.tables(positions, self.dtype), self.device)
         x = hidden.to(device=self.device, dtype=self.dtype)
         stores = state.cache.layers
         for i in range(state.start - self.start, state.end - self.start):
             x = self.blocks[i](x, ctx, stores[i - (state.start - self.start)])
         return x
-
-    def rope_tables(self, positions: torch.Tensor) -> dict[tuple[RopeSpec, int], tuple[torch.Tensor, torch.Tensor]]:
-        """cos/sin [T, 1, D] of every rotary the layers use, for rows at `positions` [T]."""
-        return {key: rotary.cos_sin(positions, self.dtype) for key, rotary in self.rotaries.items()}
 
     @torch.inference_mode()
     def forward_batch(self, steps: Sequence[BatchStep]) -> list[torch.Tensor | StageError]:
@@ -205,7 +198,7 @@ class Stage(SessionTable):
             lo += hidden.shape[0]
         positions = torch.cat([torch.arange(s.start, s.start + s.hi - s.lo, device=self.device) for s in segments])
         # RoPE tables [R, 1, D], each row at its session's position
-        ctx = StepContext(segments[0].start, self.rope_tables(positions), self.device, tuple(segments))
+        ctx = StepContext(segments[0].start, self.rope.tables(positions, self.dtype), self.device, tuple(segments))
         x = torch.cat([hidden.to(device=self.device, dtype=self.dtype) for _, hidden, _ in steps])  # [R, H]
         caches = [state.cache.layers for state, _, _ in steps]
         for i in range(start - self.start, end - self.start):

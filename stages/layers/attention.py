@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.stages.families.spec import AttentionSpec, RopeSpec
+from tessera.stages.families.spec import AttentionSpec
 from tessera.stages.layers.cache import KeyValues
 from tessera.stages.layers.norm import RMSNorm
-from tessera.stages.layers.rope import apply_rope
+from tessera.stages.layers.rope import RopeKey, apply_rope
 
 # A layer's cache as a step sees it: one session's store, or one per segment of a stacked step.
 LayerCache = KeyValues | Sequence[KeyValues]
@@ -61,7 +61,7 @@ class StepContext:
     """
 
     start: int
-    tables: dict[tuple[RopeSpec, int], tuple[torch.Tensor, torch.Tensor]]
+    tables: dict[RopeKey, tuple[torch.Tensor, torch.Tensor]]
     device: torch.device
     segments: tuple[Segment, ...] = ()
     _masks: dict[tuple[int, int, int | None], torch.Tensor | None] = field(default_factory=dict)

@@ -1,20 +1,24 @@
 """Rotary position embedding: the frequencies of a `RopeSpec`, and the rotation.
 
-A stage builds one `Rotary` per distinct (RopeSpec, head_dim) among its layers and, once per
-step, the cos/sin tables every layer of that kind shares (`StepContext.rope`), so that a
-layer's rotation is 4 kernels. A new RoPE kind (YaRN; partial rotary, which rotates only the
+A stage holds one `Rotary` per distinct (RopeSpec, head_dim) among its layers (`RopeTables`)
+and, once per step, the cos/sin tables every layer of that kind shares (`StepContext.rope`),
+so that a layer's rotation is 4 kernels. A new RoPE kind (YaRN; partial rotary, which rotates only the
 first dims of a head) is a branch of `rope_frequencies` (and, for partial, of `apply_rope`).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 from torch import nn
 
 from tessera.stages.errors import UnsupportedModel
-from tessera.stages.families.spec import RopeSpec
+from tessera.stages.families.spec import LayerSpec, RopeSpec
+
+# The key of a layer's RoPE tables: its RopeSpec and head dim (layers/attention.py's StepContext.rope).
+RopeKey = tuple[RopeSpec, int]
 
 
 class Rotary(nn.Module):
@@ -34,6 +38,18 @@ class Rotary(nn.Module):
         cos, sin = angles.cos(), angles.sin()
         cos, sin = torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
         return cos[:, None, :], sin[:, None, :]  # [T, 1, D]
+
+
+class RopeTables:
+    """One `Rotary` per distinct (RopeSpec, head_dim) among `layers`, and each step's tables."""
+
+    def __init__(self, layers: Sequence[LayerSpec], device: torch.device | str = "cpu") -> None:
+        keys = {(layer.attention.rope, layer.attention.head_dim) for layer in layers}
+        self.rotaries = {key: Rotary(*key, device=device) for key in sorted(keys, key=repr)}
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[RopeKey, tuple[torch.Tensor, torch.Tensor]]:
+        """cos/sin [T, 1, D] of every rotary, for rows at `positions` [T]."""
+        return {key: rotary.cos_sin(positions, dtype) for key, rotary in self.rotaries.items()}
 
 
 def rope_frequencies(rope: RopeSpec, head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -61,11 +61,11 @@ import torch.nn.functional as F
 from tessera.stages.engine.sessions import SessionState, SessionTable
 from tessera.stages.errors import SpanError, StageError
 from tessera.stages.families.catalog import tensors_of_layer
-from tessera.stages.families.spec import AttentionSpec, CacheSpec, ModelSpec, RopeSpec
+from tessera.stages.families.spec import AttentionSpec, CacheSpec, ModelSpec
 from tessera.stages.layers.attention import StepContext, attend, rotate_heads
 from tessera.stages.layers.cache import KeyValues
 from tessera.stages.layers.norm import RMSNorm
-from tessera.stages.layers.rope import Rotary
+from tessera.stages.layers.rope import RopeTables
 from tessera.stages.shards.collectives import Collectives
 from tessera.stages.shards.layout import HIDDEN
 from tessera.stages.weights.folder import WeightFolder
@@ -152,9 +152,7 @@ class ShardedStage(SessionTable):
         self.local: list[AttentionSpec] = [
             replace(layer.attention, num_heads=layer.attention.num_heads // count,
                     num_kv_heads=layer.attention.num_kv_heads // count) for layer in spec.layers]
-        ropes = {(layer.attention.rope, layer.attention.head_dim) for layer in spec.layers[start:self.end]}
-        self.rotaries: dict[tuple[RopeSpec, int], Rotary] = {
-            key: Rotary(*key, device=self.device) for key in sorted(ropes, key=repr)}
+        self.rope = RopeTables(spec.layers[start : self.end], self.device)
         self.sessions: dict[Hashable, SessionState] = {}
 
     # -- construction -------------------------------------------------------------------
@@ -210,8 +208,7 @@ class ShardedStage(SessionTable):
             raise ShardError(f"collectives of rank {group.rank}/{group.count} given to shard {self.index}/{self.count}")
         state.cache.reserve(start_pos, t)
         positions = torch.arange(start_pos, start_pos + t, device=self.device)
-        tables = {key: rotary.cos_sin(positions, self.dtype) for key, rotary in self.rotaries.items()}
-        ctx = StepContext(start_pos, tables, self.device)
+        ctx = StepContext(start_pos, self.rope.tables(positions, self.dtype), self.device)
         x = hidden.to(device=self.device, dtype=self.dtype)
         stores = state.cache.layers
         first = state.start - self.start
