@@ -151,3 +151,23 @@ def test_a_quantized_span_matches_its_dequantized_reference(folders, scheme):
         worst = max(worst, float((rows[0] - rows[1]).abs().max()))
     assert tokens[0] == tokens[1]
     assert worst <= 3e-4  # tests/stages/test_quant.py's float32 bound for a span against its reference
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_manifest_puts_every_expert_in_its_layer(folders, name, tmp_path):
+    """The model id covers every tensor; a peer fetching layers [1, 3) from others asks for the
+    groups of those layers, which hold their experts and routers in either layout."""
+    import shutil
+
+    from tessera.stages.weights import registry
+    from tessera.stages.weights.tensor_table import groups_for_span
+
+    folder = tmp_path / name
+    shutil.copytree(folders[name], folder)
+    manifest = registry.write_manifest(folder)
+    entries = manifest["tensors"]["entries"]
+    experts = {n: e["group"] for n, e in entries.items() if ".experts." in n or n.endswith(".gate.weight")}
+    assert experts and all(group == f"layer.{n.split('.')[2]}" for n, group in experts.items())
+    wanted = groups_for_span(1, 3, 3, tied=False)
+    assert {e["group"] for n, e in entries.items() if n.startswith(("model.layers.1.", "model.layers.2."))} <= wanted
+    assert registry.model_id(folder) == manifest["model_id"] and registry.verify(folder) == []
