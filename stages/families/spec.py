@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tessera.stages.errors import ModelFormatError
+from tessera.stages.families.shipped import ShippedFormat
 
 ATTENTION_KINDS = ("gqa",)  # grouped-query attention (multi-head and multi-query included)
 MLP_KINDS = ("dense", "moe")  # SwiGLU; a sparse mixture of SwiGLU experts
@@ -243,6 +244,9 @@ class ModelSpec:
     max_position:   the longest context the model was trained for.
     tie_embeddings: the head reuses the embedding matrix.
     bos_token_id, eos_token_ids: special ids from the config.
+    shipped:        how the checkpoint stores its matrices when not as floats (fp8 blocks, mxfp4,
+                    GGUF blocks: families/shipped.py), else None. The arithmetic is the same; the
+                    bytes a span holds are the shipped ones.
     """
 
     family: str
@@ -254,6 +258,7 @@ class ModelSpec:
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    shipped: ShippedFormat | None = None
 
     def __post_init__(self) -> None:
         _check(len(self.layers) > 0, "num_hidden_layers", len(self.layers))

@@ -45,9 +45,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import threading
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Callable
 
 import torch
@@ -56,7 +57,8 @@ from torch import nn
 
 from tessera.stages.errors import StageError
 from tessera.stages.families.catalog import tensors_of_layer
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.tensors import Choices
+from tessera.stages.families.spec import LayerSpec, ModelSpec
 from tessera.stages.layers.block import Block, linear_paths
 from tessera.stages.weights.folder import WeightFolder
 from tessera.stages.weights.gguf_blocks import Q4_1_BLOCK, GgufQ4Source
@@ -144,6 +146,8 @@ def layer_bytes(spec: ModelSpec, itemsize: int, quant: Quant = NO_QUANT, *, laye
         if not spec.uniform:
             raise ValueError(f"the layers of this {spec.family} model differ: name the layer")
         layer = 0
+    if spec.shipped is not None:
+        return shipped_layer_bytes(spec, layer, itemsize)
     shape = spec.layers[layer]
     matrices = shape.matrices(spec.hidden_size)
     stored = sum(quant.linear_bytes(r, c, itemsize) for r, c in matrices)
@@ -151,9 +155,38 @@ def layer_bytes(spec: ModelSpec, itemsize: int, quant: Quant = NO_QUANT, *, laye
     return stored + rest * itemsize
 
 
+def shipped_layer_bytes(spec: ModelSpec, layer: int, itemsize: int) -> int:
+    """Bytes of decoder layer `layer` of a model that ships quantized, held as it ships: each matrix's
+    stored bytes (families/shipped.py `stored_bytes`), its norms, biases and router in `itemsize`."""
+    assert spec.shipped is not None, "a model that ships quantized"
+    matrices = {path + ".weight" for path in matrix_paths(spec, spec.layers[layer])}
+    total = 0
+    for ours, choices in tensors_of_layer(spec, layer).items():
+        source = choices[0]  # the published layout (a fused one holds the same values)
+        if ours in matrices:
+            total += sum(spec.shipped.stored_bytes(name, source.part_shape(i)) for i, name in enumerate(source.names))
+        else:
+            total += math.prod(source.shape) * itemsize
+    return total
+
+
+@lru_cache(maxsize=64)
+def matrix_paths(spec: ModelSpec, layer: LayerSpec) -> tuple[str, ...]:
+    """The linear modules of a layer shaped `layer` (`linear_paths` of its Block, built on the meta device)."""
+    with torch.device("meta"):
+        return tuple(linear_paths(Block(spec, layer)))
+
+
 def span_bytes(spec: ModelSpec, start: int, end: int, itemsize: int, quant: Quant = NO_QUANT) -> int:
     """Bytes of layers [start, end) stored with `quant`, each per its own shape."""
     return sum(layer_bytes(spec, itemsize, quant, layer=i) for i in range(start, end))
+
+
+def check_quant_for(spec: ModelSpec, quant: Quant) -> None:
+    """Raise QuantError when `quant` asks to quantize a model that ships quantized already (its
+    matrices are computed as stored: stages/weights/formats/)."""
+    if quant.active and spec.shipped is not None:
+        raise QuantError(f"this model ships as {spec.shipped.tag}: --quant {quant.tag} applies to float weights only")
 
 
 def model_tag(model_id: str, quant: Quant) -> str:
@@ -240,7 +273,8 @@ def int4_block_rows(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
 
 
 class QuantLinear(nn.Module):
-    """A linear layer over quantized weights: `matmul` (2-D rows, no bias) is the subclass's."""
+    """A linear layer over quantized weights: `matmul` (2-D rows, no bias) is the subclass's, and so
+    is `dequantized` for a shipped format's (stages/weights/formats/)."""
 
     bias: torch.Tensor | None
 
@@ -251,6 +285,10 @@ class QuantLinear(nn.Module):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [N, K] the stored values mean (the reference model's)."""
         raise NotImplementedError
 
 
@@ -365,6 +403,8 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
         return int8_rows(layer.weight.cpu(), layer.scales.cpu(), 0, layer.weight.shape[0])
     if isinstance(layer, Int4BlockLinear):
         return int4_block_rows(layer.weight.cpu(), layer.scales.cpu(), layer.mins.cpu(), 0, layer.weight.shape[0])
+    if not isinstance(layer, Int4Linear):  # a shipped format's: fp8, mxfp4, GGUF blocks (stages/weights/formats/)
+        return layer.dequantized()
     g, sz = layer.group_size, layer.scales_and_zeros  # [K/G, N, 2]
     groups, rows = sz.shape[0], sz.shape[1]
     unit = torch.empty_like(sz, dtype=torch.bfloat16)
@@ -411,7 +451,15 @@ def quantize_block(weights: WeightFolder, layer: int, quant: Quant, *, dtype: to
         owner, _, name = path.rpartition(".")
         setattr(block.get_submodule(owner), name, layer_module)
         del bias, blocks
-    # the rest (norms, a router) in the stage's dtype, each one tensor of the checkpoint
+    load_rest(weights, block, tensors, paths, dtype=dtype, device=device)
+    release_freed_memory()
+    return block.requires_grad_(False)
+
+
+def load_rest(weights: WeightFolder, block: Block, tensors: dict[str, Choices], paths: list[str], *,
+              dtype: torch.dtype, device: torch.device | str) -> None:
+    """Load the tensors of `block` that are not its matrices (`paths`): norms, a router, each one
+    tensor of the checkpoint, in the stage's dtype."""
     rest = {ours: weights.choose(choices) for ours, choices in tensors.items() if ours.rpartition(".")[0] not in paths}
     read = weights.read({s.names[0]: s.shapes[0] for s in rest.values()}, dtype)
     # Copies, not views of the memory-mapped file: a view keeps the whole file mapped, and the page
@@ -419,8 +467,6 @@ def quantize_block(weights: WeightFolder, layer: int, quant: Quant, *, dtype: to
     # held a quantized span 23.6 MiB of float weights it does not use once the file had been read whole.
     block.load_state_dict({ours: read[s.names[0]].to(device, copy=True) for ours, s in rest.items()},
                           assign=True, strict=False)
-    release_freed_memory()
-    return block.requires_grad_(False)
 
 
 def _libc_trim():  # glibc's malloc_trim, or None on another C library
@@ -445,8 +491,8 @@ def dense_block(block: Block, spec: ModelSpec) -> Block:
     with torch.device("meta"):
         dense = Block(spec, block.layer)
     paths = linear_paths(dense)
-    state = {name: t.detach().float().cpu() for name, t in block.state_dict().items()
-             if name.rpartition(".")[0] not in paths}
+    owners = tuple(path + "." for path in paths)  # a matrix's own tensors, its parts' included
+    state = {name: t.detach().float().cpu() for name, t in block.state_dict().items() if not name.startswith(owners)}
     for path in paths:
         layer = block.get_submodule(path)
         state[path + ".weight"] = dense_weight(layer)
