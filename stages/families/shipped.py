@@ -119,8 +119,10 @@ class ShippedFormat:
         """The tensors the checkpoint MATRIX `name` of logical `shape` ([..., N, K]) is stored as:
         {stored name: (shape, safetensors dtypes it may have)}. Raises ModelFormatError when the
         shape cannot be stored so (K not a whole number of blocks)."""
-        *lead, rows, cols = shape
         form = self.form_of(name)
+        if form == "float" or (form in GGML_TYPES and GGML_TYPES[form].is_float):
+            return {name: (shape, FLOAT_DTYPES if form == "float" else (form,))}
+        *lead, rows, cols = shape
         if form == "fp8":
             bn, bk = self.block
             return {name: (shape, (FP8_DTYPE,)), name + "_scale_inv": ((*lead, -(-rows // bn), -(-cols // bk)), FP8_SCALE_DTYPES)}
@@ -129,11 +131,7 @@ class ShippedFormat:
             groups = cols // MXFP4_GROUP
             return {name + "_blocks": ((*lead, rows, groups, MXFP4_BLOCK_BYTES), ("U8",)),
                     name + "_scales": ((*lead, rows, groups), ("U8",))}
-        if form == "float":
-            return {name: (shape, FLOAT_DTYPES)}
         kind = GGML_TYPES[form]
-        if kind.is_float:
-            return {name: (shape, (form,))}
         _whole(name, cols, kind.block, form)
         return {name: ((*lead, rows, cols // kind.block * kind.nbytes), ("U8",))}
 
