@@ -75,17 +75,22 @@ def stored_matrix(weights: WeightFolder, shipped: ShippedFormat, source: Stacked
     lead = 0 if index is None else 1  # a fused tensor's expert dimension, taken by `index`
     read = {n: weights.read_stored(n, shape, dtypes, index=index).to(device, copy=True)
             for n, (shape, dtypes) in stored.items()}
+    return stored_linear(shipped, name, read, cols=source.shapes[i][lead + 1])
+
+
+def stored_linear(shipped: ShippedFormat, name: str, stored: dict[str, torch.Tensor], *, cols: int) -> ShippedLinear:
+    """The linear module (no bias) of checkpoint matrix `name` from its stored tensors (by stored
+    name: families/shipped.py `stored_tensors`), `cols` its inputs. Raises ModelFormatError (fp8 NaN codes)."""
     form = shipped.form_of(name)
-    rows, cols = source.shapes[i][lead:]
     if form == "fp8":
-        codes, scale_inv = read[name], read[name + "_scale_inv"]
+        codes, scale_inv = stored[name], stored[name + "_scale_inv"]
         check_codes(codes, name)
         return Fp8BlockLinear(codes, scale_inv.float(), shipped.block, None)
     if form == "mxfp4":
-        return Mxfp4Linear(read[name + "_blocks"], read[name + "_scales"], None)
+        return Mxfp4Linear(stored[name + "_blocks"], stored[name + "_scales"], None)
     if form == "float" or GGML_TYPES[form].is_float:
-        return FloatLinear(read[name], None)
-    return GgmlLinear(read[name], GGML_TYPES[form], cols, None)
+        return FloatLinear(stored[name], None)
+    return GgmlLinear(stored[name], GGML_TYPES[form], cols, None)
 
 
 def edge_tensor(weights: WeightFolder, name: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
