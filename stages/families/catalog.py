@@ -96,6 +96,7 @@ def to_config(spec: ModelSpec) -> dict[str, Any]:
     config = FAMILIES[spec.family].to_config(spec)
     if spec.shipped is not None:
         config["quantization_config"] = spec.shipped.to_config()
+        config["dtype"] = spec.shipped.float_dtype  # what its float tensors are stored in
     return config
 
 

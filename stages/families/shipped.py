@@ -106,6 +106,11 @@ class ShippedFormat:
         """What a peer shows of it ("fp8", "mxfp4", "gguf")."""
         return self.method
 
+    @property
+    def float_dtype(self) -> str:
+        """The config's dtype for `float_bytes`."""
+        return next(name for name, size in FLOAT_ITEMSIZE.items() if size == self.float_bytes and name != "float16")
+
     def form_of(self, name: str) -> str:
         """How the checkpoint MATRIX `name` (`x.weight`, or a fused expert tensor) is stored:
         "fp8", "mxfp4", a ggml type name ("Q4_K" ...; "F32"/"F16"/"BF16" for a float one in a

@@ -219,7 +219,9 @@ class Scratch(threading.local):
         """A flat tensor of `numel` elements of this thread's buffer for `dtype` (grown when asked more)."""
         name = f"buffer_{dtype}".replace(".", "_")
         buf = getattr(self, name, None)
-        if buf is None or buf.numel() < numel:
+        # a buffer made under inference_mode (a Stage's forward) cannot be written outside it
+        stale = buf is not None and buf.is_inference() and not torch.is_inference_mode_enabled()
+        if buf is None or buf.numel() < numel or stale:
             buf = torch.empty(max(numel, DEQUANT_CHUNK_BYTES // dtype.itemsize), dtype=dtype)
             setattr(self, name, buf)
         return buf[:numel]
