@@ -38,6 +38,7 @@ from tessera.protocol.records import (
     SignedRecord,
 )
 from tessera.protocol.schema import INT64_MAX, wire
+from tessera.protocol.tensors import WIRE_FORMS
 
 __all__ = [
     "MAX_MESSAGE_SIZE",
@@ -128,6 +129,9 @@ class SessionOpen:
             in_key link; None if the requester itself feeds this peer.
         inject_key: optional key of a link from the requester straight to this
             peer (used to replay inputs into a replacement, or to spot-check it).
+        wire: the form this peer sends its activations in (`tessera.protocol.tensors.WIRE_FORMS`):
+            "" its compute dtype (exact, the default), or a compact one the requester asked
+            for ("bfloat16", "fp8": lossy, see docs/pages/quantization.md).
     """
 
     session_id: bytes = wire(size=SESSION_ID_SIZE)
@@ -143,10 +147,13 @@ class SessionOpen:
     tap_key: SealedKey | None = None
     prev_peer: bytes | None = wire(default=None, max_len=MAX_PEER_ID_SIZE)
     inject_key: SealedKey | None = None
+    wire: str = wire(default="", max_len=16)
 
     def __post_init__(self) -> None:
         if self.start >= self.end:
             raise InconsistentFields(f"SessionOpen: layer range [{self.start!r}, {self.end!r}) is empty")
+        if self.wire not in WIRE_FORMS:
+            raise InconsistentFields(f"SessionOpen: wire form {self.wire!r} is not one of {list(WIRE_FORMS)}")
 
 
 @message("accept")

@@ -125,7 +125,7 @@ class StageServer:
             raise Refused(TOO_LONG, f"{need} more bytes of KV cache would exceed the budget of {self.limits.kv_budget}")
         session = self.session_class(
             session_id=msg.session_id, requester=requester, start=msg.start, end=msg.end,
-            capacity=msg.max_length, control=channel, ephemeral_public=msg.ephemeral_public,
+            capacity=msg.max_length, control=channel, ephemeral_public=msg.ephemeral_public, wire=msg.wire,
         )
         try:
             prev = peer_id_str(msg.prev_peer) if msg.prev_peer is not None else requester

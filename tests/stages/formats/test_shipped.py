@@ -30,62 +30,14 @@ from tessera.stages.families.shipped import GGML_TYPES
 from tessera.stages.weights.folder_check import check_folder
 from tessera.stages.weights.quant import Quant, QuantError, dense_block, span_bytes
 
-from ..families.conformance import PROMPT, SHAPE, build
+from ..families.conformance import PROMPT
 from . import checkpoints as ck
+from .conftest import NAMES
 
 transformers = pytest.importorskip("transformers")
 
 TOLERANCE = 1e-4  # float32 logits, max abs: the shipped span against its dequantized float32 reference
 DECODE_STEPS = 8
-WIDE = {**SHAPE, "hidden_size": 256, "head_dim": 64}  # k-quant blocks are 256 inputs
-LLAMA = dict(intermediate_size=512)
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, intermediate_size=512, norm_topk_prob=True)
-K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
-EVERY_BLOCK_TYPE = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1")
-
-
-def cycling(kinds: tuple[str, ...]):
-    """A GGUF type per matrix, every kind used (by the matrix's name, so stable across runs)."""
-    return lambda name: kinds[sum(name.encode()) % len(kinds)]
-
-
-@pytest.fixture(scope="module")
-def sources(tmp_path_factory):
-    root = tmp_path_factory.mktemp("float")
-    return {"llama": build(root, "llama", transformers.LlamaConfig(**WIDE, **LLAMA), seed=41),
-            "moe": build(root, "moe", transformers.Qwen3MoeConfig(**WIDE, **MOE), seed=42)}
-
-
-@pytest.fixture(scope="module")
-def shipped(sources, tmp_path_factory):
-    """name -> (shipped folder, its reference float folder)."""
-    root = tmp_path_factory.mktemp("shipped")
-    out = {}
-    for name, write in {
-        "fp8-llama": lambda o: ck.fp8_folder(sources["llama"], o),
-        "fp8-moe": lambda o: ck.fp8_folder(sources["moe"], o),
-        "fp8-llama-ragged-blocks": lambda o: ck.fp8_folder(sources["llama"], o, block=(96, 160)),
-        "mxfp4-moe": lambda o: ck.mxfp4_folder(sources["moe"], o),
-        "mxfp4-moe-fused": lambda o: ck.mxfp4_folder(sources["moe"], o, fused=True),
-        "mxfp4-llama-every-matrix": lambda o: ck.mxfp4_folder(sources["llama"], o, not_converted=["lm_head"]),
-    }.items():
-        folder = write(root / name)
-        out[name] = (folder, ck.reference_folder(folder, root / f"{name}-reference"))
-    from tessera.stages.weights.convert import convert_gguf
-
-    gguf = {f"gguf-llama-{kind}": ("llama", (kind,), "Q8_0") for kind in K_QUANTS}
-    gguf["gguf-moe-every-type"] = ("moe", EVERY_BLOCK_TYPE, "Q6_K")
-    for name, (source, kinds, edge) in gguf.items():
-        path = ck.gguf_file(sources[source], root / f"{name}.gguf", cycling(kinds), edge_type=edge)
-        convert_gguf(path, root / name, keep_blocks=True)
-        out[name] = (root / name, ck.gguf_reference_folder(path, root / f"{name}-reference"))
-    return out
-
-
-NAMES = ["fp8-llama", "fp8-moe", "fp8-llama-ragged-blocks", "mxfp4-moe", "mxfp4-moe-fused", "mxfp4-llama-every-matrix",
-         *(f"gguf-llama-{kind}" for kind in K_QUANTS), "gguf-moe-every-type"]
-
-
 def run(folder: Path, feed: list[int] | None = None) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens and the logits of every step (fed `feed`'s tokens when given, else its own)."""
     stage = Stage.load(folder, embed=True, head=True)
