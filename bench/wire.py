@@ -109,6 +109,7 @@ def layer_time(spec: ModelSpec, tokens: int, *, threads: int, min_time: float) -
                 bound = 1.0 / math.sqrt(p.shape[-1])
                 p.uniform_(-bound, bound)
     cache = KVCache(1, spec, HISTORY + tokens)
+    cache.reserve(0, HISTORY + tokens)
     cache.keys.normal_()
     cache.values.normal_()
     positions = torch.arange(HISTORY, HISTORY + tokens)

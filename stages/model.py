@@ -10,7 +10,7 @@ its own cache, so every session keeps its own length and position pointer.
 Two fusions pay on a CPU, where a 135M model's decode is dominated by per-op
 overhead rather than arithmetic: q, k and v come from ONE matmul against a
 stacked weight, and so do the MLP's gate and up projections. The KV cache is
-preallocated per session and written in place at the positions given; its
+allocated per session in chunks as it fills and written in place at the positions given; its
 `length` is the position pointer, so rolling back is moving that pointer and the
 next write overwrites what lay beyond it.
 """
@@ -32,12 +32,27 @@ from tessera.stages.spec import ModelSpec
 KVRows = torch.Tensor | Sequence[torch.Tensor]
 
 
+KV_CHUNK = 256
+"""Positions a session's cache grows by. A cache is not allocated for its whole capacity
+up front: a session that stops after 40 tokens of a 4,096 capacity holds 256 positions,
+not 4,096 (SmolLM2-135M, 30 layers: 11.8 MB, not 189 MB). Growing copies what the
+cache holds, once per chunk: a 2,048-token answer copies 8 times, each at most its
+current size (a memcpy of a few MB to a few dozen, against 256 decode steps)."""
+
+
+def kv_positions(need: int, capacity: int) -> int:
+    """Positions a cache that must hold `need` of them allocates: whole chunks, at most `capacity`
+    (the one rule both the cache and a server's memory accounting follow)."""
+    return min(capacity, -(-need // KV_CHUNK) * KV_CHUNK)
+
+
 class KVCache:
     """Keys and values of one session for a run of consecutive layers.
 
-    keys, values: [layers, K, capacity, D], preallocated. `length` is the position
-    pointer: positions [0, length) are valid; a write at position p first moves the
-    pointer to p (a rollback), then past what it wrote.
+    keys, values: [layers, K, allocated, D], grown in chunks of KV_CHUNK positions as
+    writes reach them, up to `capacity` (what the session may ever hold). `length` is the
+    position pointer: positions [0, length) are valid; a write at position p first moves
+    the pointer to p (a rollback), then past what it wrote.
     """
 
     def __init__(
@@ -49,14 +64,20 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (num_layers, spec.num_kv_heads, capacity, spec.head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.shape = (num_layers, spec.num_kv_heads, 0, spec.head_dim)
+        self.keys = torch.zeros(self.shape, dtype=dtype, device=device)
+        self.values = torch.zeros(self.shape, dtype=dtype, device=device)
         self.capacity = capacity
         self.length = 0
 
+    @property
+    def allocated(self) -> int:
+        """Positions the cache holds memory for now."""
+        return self.keys.shape[2]
+
     def reserve(self, start: int, n_tokens: int) -> None:
-        """Check that positions [start, start + n_tokens) can be written, and move the pointer there."""
+        """Check that positions [start, start + n_tokens) can be written, grow the cache to hold
+        them, and move the pointer there."""
         if start < 0 or start > self.length:
             raise ContextOverflow(
                 f"write at position {start!r} but the cache holds positions [0, {self.length})"
@@ -65,7 +86,18 @@ class KVCache:
             raise ContextOverflow(
                 f"positions up to {start + n_tokens} exceed this session's capacity of {self.capacity}"
             )
+        if start + n_tokens > self.allocated:
+            self._grow(kv_positions(start + n_tokens, self.capacity), keep=start)
         self.length = start + n_tokens
+
+    def _grow(self, positions: int, *, keep: int) -> None:
+        """Reallocate for `positions`, copying the valid positions [0, keep)."""
+        layers, heads, _, dim = self.shape
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = torch.zeros((layers, heads, positions, dim), dtype=old.dtype, device=old.device)
+            new[:, :, :keep] = old[:, :, :keep]  # [layers, K, S, D]
+            setattr(self, name, new)
 
     def rollback(self, position: int) -> None:
         """Forget every position >= `position` (a pointer move; nothing is erased)."""

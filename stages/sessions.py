@@ -51,7 +51,8 @@ class SessionTable:
     sessions: dict[Hashable, SessionState]
 
     def open(self, session: Hashable, *, capacity: int, start: int | None = None, end: int | None = None) -> None:
-        """Allocate a session's KV cache for `capacity` positions over layers [start, end)."""
+        """Open a session over layers [start, end) whose KV cache may grow to `capacity` positions
+        (it is allocated in chunks as steps reach them: stages/model.py `KVCache`)."""
         start, end = check_session((self.start, self.end), start, end, capacity, self.spec.max_position)
         with torch.inference_mode():
             cache = KVCache(end - start, self.cache_spec, capacity, dtype=self.dtype, device=self.device)
@@ -67,7 +68,7 @@ class SessionTable:
         self._session(session).cache.rollback(position)
 
     def session_bytes(self, capacity: int, num_layers: int | None = None) -> int:
-        """KV bytes a session of `capacity` positions costs (to check limits before allocating)."""
+        """KV bytes `capacity` positions of a session cost (to check limits before allocating)."""
         layers = self.end - self.start if num_layers is None else num_layers
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return self.cache_spec.kv_bytes_per_token(layers, itemsize) * capacity
