@@ -11,10 +11,12 @@ something too, or a few identities opening idle sessions lock everyone else out
 2. **Idle sessions give way under pressure.** A session is *protected* until
    `IDLE_GRACE` after its last step (a Forward received, or one computed); while a
    step of it is queued or running it is always protected. Until its first step, a
-   session has the *grace of its requester*: `IDLE_GRACE` from an open, granted again
-   only after that requester has stepped a session here. So cycling sessions (close
-   and reopen) earns one identity no more protection than holding one, and a new
-   grace needs a step (real use) or a new identity (a proof of work). When a
+   session has the *grace of its requester*: `IDLE_GRACE` from an open, for a requester
+   with a proof of work, granted again only after that requester has stepped a session
+   here. So cycling sessions (close and reopen) earns one identity no more protection
+   than holding one, a new grace needs a step (real use) or a new identity with work,
+   and an identity without work has no grace at all (its unstepped sessions give way
+   to anyone who needs the room). When a
    requester needs a slot or memory that is not free, the unprotected sessions are
    reclaimed, the one idle longest first; its requester is told `reclaimed` (and may
    reopen, here or elsewhere, and replay). Nothing is reclaimed without pressure
@@ -196,7 +198,7 @@ class Admission:
         record.sessions += 1
         record.last_admitted = now
         record.waiting_since = None
-        if record.earned_grace:
+        if record.earned_grace and record.work:
             record.grace_until = now + self.limits.idle_grace
             record.earned_grace = False
         session.last_active = now

@@ -240,17 +240,18 @@ class StageServer:
 
     async def end_stream(self, session: ServedSession) -> None:
         """Close a session's stream; an evicted session's requester is told why first (and
-        when to come back), then its stream is reset: nothing more of it is read."""
-        if session.evicted is None:
-            await session.control.close()
-            return
-        code, why, retry_after = session.evicted
-        with trio.move_on_after(EVICT_NOTICE_TIMEOUT):
-            try:
-                await session.control.send(ErrorMsg(code, why[:1000], session.session_id, retry_after))
-            except PeerError:
-                pass  # the requester is gone; nothing left to tell it
-        await session.control.reset()
+        when to come back). A notice that cannot be sent in time resets the stream."""
+        if session.evicted is not None:
+            code, why, retry_after = session.evicted
+            with trio.move_on_after(EVICT_NOTICE_TIMEOUT) as notice:
+                try:
+                    await session.control.send(ErrorMsg(code, why[:1000], session.session_id, retry_after))
+                except PeerError:
+                    pass  # the requester is gone; nothing left to tell it
+            if notice.cancelled_caught:
+                await session.control.reset()  # a requester that does not read: no graceful end
+                return
+        await session.control.close()
 
     async def accept(self, channel: Channel, kind: type, admit: Callable, forget: Callable[..., Awaitable[None]]):
         """Read the opening message (of type `kind`), wait for room, admit it, connect the next
