@@ -261,7 +261,16 @@ class StageServer:
         retry_after = None
         try:
             with trio.fail_after(OPEN_TIMEOUT):
-                msg = await channel.receive()
+                try:
+                    msg = await channel.receive()
+                except WireError as bad:
+                    # not an open request (too big, not framed, not CBOR): nothing we say would be
+                    # read, and a stream closed politely would still take what the sender pushes
+                    # until its window runs out (py-libp2p buffers it); reset it unread
+                    log.debug("session stream from %s refused: %s", channel.remote, bad)
+                    self.stats.refused += 1
+                    await channel.reset()
+                    return None
                 if not isinstance(msg, kind):
                     raise Refused(BAD_REQUEST, f"expected {kind.__name__}, got {type(msg).__name__}")
                 await self.make_room(msg, channel)
