@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from tessera.peer.cli.config import add_config_options
+from tessera.peer.cli.memory import return_freed_memory
 from tessera.peer.cli.options import (
     add_compute_options, add_dedicated_option, add_emulation_option, add_join_options, quant_from, read_swarm_key,
 )
@@ -161,6 +162,7 @@ def run_peer(args: argparse.Namespace) -> int:
     from tessera.peer.node.compose import build_peer  # imported here: libp2p is heavy, and other commands don't need it
     from tessera.peer.weights.bootstrap import resolve_or_fetch
 
+    return_freed_memory()  # before the first big allocation (peer/cli/memory.py)
     config = config_from(args)
     # without the model here, learn it from the --join peers (its span's weights come later, peer/weights/)
     resolve_or_fetch(config.model, config.join, swarm_key=config.swarm_key, out=lambda line: print(line, flush=True))

@@ -61,6 +61,15 @@ REVOKED = "revoked by the requester"
 EVICT_NOTICE_TIMEOUT = 2.0
 
 
+async def close_quietly(channel: Channel) -> None:
+    """Close a stream we are done with; one the other side already reset (or a stalled one) is let go."""
+    with trio.CancelScope(shield=True), trio.move_on_after(EVICT_NOTICE_TIMEOUT):
+        try:
+            await channel.close()
+        except PeerError:
+            pass  # already gone
+
+
 class StageServer:
     """Serves `stage` to sessions over `transport`."""
 
@@ -239,8 +248,12 @@ class StageServer:
                 await self.end_stream(session)
 
     async def end_stream(self, session: ServedSession) -> None:
-        """Close a session's stream; an evicted session's requester is told why first (and
-        when to come back). A notice that cannot be sent in time resets the stream."""
+        """Close a session's streams: the link onward, and the requester's stream (an evicted
+        session's requester is told why first, and when to come back; a notice that cannot
+        be sent in time resets the stream)."""
+        if session.next_channel is not None:
+            await close_quietly(session.next_channel)
+            session.next_channel = None
         if session.evicted is not None:
             code, why, retry_after = session.evicted
             with trio.move_on_after(EVICT_NOTICE_TIMEOUT) as notice:
@@ -366,7 +379,7 @@ class StageServer:
                 try:
                     msg = await channel.receive()
                 except StreamClosed:
-                    return  # the previous peer left; the requester will relink us
+                    break  # the previous peer left (or ended the session); the requester relinks us if need be
                 except WireError as bad:
                     await self._error(session, BAD_FRAME, f"from {stream.remote}: {bad}")
                     await channel.reset()
@@ -378,6 +391,7 @@ class StageServer:
                 self.tracer.emit(events.Receive(session=msg.session_id, step=msg.step, remote=stream.remote,
                                                 bytes=len(msg.payload), span=(session.start, session.end)))
                 await self._queue_step(session, msg)
+        await close_quietly(channel)  # the link is over: a stream left open stays in its connection's tables
 
     async def _wait_for_link(self, hello: LinkHello) -> ServedSession:
         while True:
