@@ -255,9 +255,9 @@ def test_bad_parameter_is_400(url, field, value, param):
 def test_bad_completion_prompt_is_400(url):
     for prompt in (None, 5, ["a", "b"], [1, "x"]):
         assert_error(post(url, "/v1/completions", {"prompt": prompt}), 400, param="prompt")
-    error = assert_error(post(url, "/v1/completions", {"prompt": [1, 10**9]}), 400, param="prompt")
+    error = assert_error(post(url, "/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}), 400, param="prompt")
     assert "vocabulary" in error["message"]
-    assert_error(post(url, "/v1/completions", {"prompt": ""}), 400, param="prompt")
+    assert_error(post(url, "/v1/completions", {"model": MODEL, "prompt": ""}), 400, param="prompt")
 
 
 def test_prompt_too_long_is_400(url):
