@@ -21,14 +21,16 @@ something too, or a few identities opening idle sessions lock everyone else out
    reclaimed, the one idle longest first; its requester is told `reclaimed` (and may
    reopen, here or elsewhere, and replay). Nothing is reclaimed without pressure
    (a backstop reaper still drops sessions idle for `ServerLimits.idle_timeout`).
-3. **Slots are shared fairly.** An open that finds no room waits here, up to
-   `ADMIT_WAIT`, in a queue ordered by: identities with a proof of work first; then
+3. **Slots are shared fairly.** An open that finds no room waits here — up to
+   `ADMIT_WAIT` when an idle session will become reclaimable meanwhile, else only
+   `SHORT_WAIT` (a close on its way), so that a requester that could use another peer
+   is not held — in a queue ordered by: identities with a proof of work first; then
    the requester holding the fewest sessions here; then the one admitted least
    recently (never admitted: first); then the one that first asked earliest (kept
    across its retries). Only the head of the queue may take a freed slot or reclaim
    one, so an honest newcomer is not overtaken by identities made after it asked.
-   A requester at `max_sessions_per_requester` waits for its own sessions to end.
-4. **"Busy" says when.** An open still without room after `ADMIT_WAIT` is refused
+   A requester at `max_sessions_per_requester` is refused at once.
+4. **"Busy" says when.** An open still without room after its wait is refused
    `busy` with `retry_after`: when the first protected session's protection ends (or
    `IDLE_GRACE`, if every session is stepping), plus a grace per `max_sessions`
    requesters ahead of it in the queue.
@@ -63,10 +65,17 @@ from tessera.protocol.error_codes import BUSY
 # (its wait for a route), and a session reclaimed then is reopened and replayed like any lost
 # one. 5 s keeps an honest newcomer's wait short under a full-slot attack.
 IDLE_GRACE = 5.0
-# Seconds an open waits here for room before it is refused busy: longer than IDLE_GRACE, so that
-# a newcomer at the head of the queue is admitted in the same open when the slots are held idle;
-# shorter than the requester's whole open timeout (peer/request/chain.py OPEN_TIMEOUT, 10 s).
+# Seconds an open waits here for room before it is refused busy, when an idle session will become
+# reclaimable meanwhile: longer than IDLE_GRACE, so that a newcomer at the head of the queue is
+# admitted in the same open when the slots are held idle; shorter than the requester's whole open
+# timeout (peer/request/chain.py OPEN_TIMEOUT, 10 s).
 ADMIT_WAIT = 6.0
+# Seconds it waits when every session is in use (a step in flight, or one within IDLE_HINT): enough
+# for a close already on its way (a requester's answer just ended, its next one is asking), short
+# enough that a requester that could go to another peer loses little by asking here first.
+SHORT_WAIT = 0.5
+# A session without a step for this long, and none in flight, counts as idle for the choice above.
+IDLE_HINT = 0.5
 # The least retry_after a refusal names: a requester does not come back sooner than this.
 RETRY_MIN = 1.0
 # Opens waiting at once. Each holds a stream whose first frame was read (at most
@@ -247,6 +256,13 @@ class Admission:
                 return True
         return False
 
+    def idle_release(self, now: float) -> float:
+        """When the first *idle* session (no step in flight, none for IDLE_HINT) becomes
+        reclaimable (inf: no session is idle)."""
+        idle = [self.protected_until(s) for s in self.host.sessions.values()
+                if not s.closed and not s.inflight and now - s.last_active >= IDLE_HINT]
+        return min(idle, default=math.inf)
+
     def next_release(self, now: float) -> float:
         """When the next protected session stops being protected (inf: none will, on its own)."""
         ends = [self.protected_until(s) for s in self.host.sessions.values() if not s.closed]
@@ -282,10 +298,15 @@ class Admission:
     async def wait_for_room(self, requester: str, need: int, *, work: bool) -> None:
         """Return when a new session of `requester` charging `need` KV bytes may be admitted
         (room was free, or was made by reclaiming idle sessions); the caller admits it before
-        its next checkpoint. Raises Refused(BUSY, retry_after=...) after ADMIT_WAIT."""
+        its next checkpoint. Raises Refused(BUSY, retry_after=...): at once for a requester at
+        its own limit, after ADMIT_WAIT when an idle session becomes reclaimable within it,
+        else after SHORT_WAIT."""
         record = self.requester(requester)
         record.work = record.work or work
-        now = self.clock()
+        now = arrival = self.clock()
+        if not self._eligible(record):
+            raise self._busy(record, f"this requester has {record.sessions} sessions here, the limit is "
+                                     f"{self.limits.max_sessions_per_requester}")
         if record.waiting_since is None:
             record.waiting_since = now
         waiter = _Waiter(record, need)
@@ -297,18 +318,22 @@ class Admission:
             self.waiting.remove(worst)
             self._notify()
         self.waiting.append(waiter)
+        long = False  # whether an idle session will be reclaimable within ADMIT_WAIT
         try:
-            with trio.move_on_after(self.limits.admit_wait):
-                while not waiter.bumped:
-                    wake = math.inf
-                    if self._head() is waiter:
-                        now = self.clock()
-                        if self.make_room(need, now=now):
-                            return
-                        wake = self.next_release(now)
-                    changed = self._changed
-                    with trio.move_on_at(wake):
-                        await changed.wait()
+            while not waiter.bumped:
+                now = self.clock()
+                wake = math.inf
+                if self._head() is waiter:
+                    if self.make_room(need, now=now):
+                        return
+                    wake = self.next_release(now)
+                long = long or self.idle_release(now) <= arrival + self.limits.admit_wait  # once seen, kept
+                until = arrival + (self.limits.admit_wait if long else SHORT_WAIT)
+                if now >= until:
+                    break
+                changed = self._changed
+                with trio.move_on_at(min(wake, until, now + IDLE_HINT if not long else math.inf)):
+                    await changed.wait()
         finally:
             if waiter in self.waiting:
                 self.waiting.remove(waiter)
