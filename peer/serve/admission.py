@@ -16,11 +16,11 @@ something too, or a few identities opening idle sessions lock everyone else out
    here. So cycling sessions (close and reopen) earns one identity no more protection
    than holding one, a new grace needs a step (real use) or a new identity with work,
    and an identity without work has no grace at all (its unstepped sessions give way
-   to anyone who needs the room). When a
-   requester needs a slot or memory that is not free, the unprotected sessions are
-   reclaimed, the one idle longest first; its requester is told `reclaimed` (and may
-   reopen, here or elsewhere, and replay). Nothing is reclaimed without pressure
-   (a backstop reaper still drops sessions idle for `ServerLimits.idle_timeout`).
+   to anyone who needs the room). When a requester needs a slot or memory that is not
+   free, the unprotected sessions of *other* requesters are reclaimed, the one idle
+   longest first; its requester is told `reclaimed` (and may reopen, here or
+   elsewhere, and replay). Nothing is reclaimed without pressure (a backstop reaper
+   still drops sessions idle for `ServerLimits.idle_timeout`).
 3. **Slots are shared fairly.** An open that finds no room waits here — up to
    `ADMIT_WAIT` when an idle session will become reclaimable meanwhile, else only
    `SHORT_WAIT` (a close on its way), so that a requester that could use another peer
@@ -194,10 +194,12 @@ class Admission:
         record = self.requesters.get(session.requester)
         return record.grace_until if record is not None else -math.inf
 
-    def reclaimable(self, now: float, *, spare: Admitted | None = None) -> list[Admitted]:
-        """Sessions that may be reclaimed now, the one idle longest first (never `spare`)."""
+    def reclaimable(self, now: float, *, spare: Admitted | None = None, asker: str | None = None) -> list[Admitted]:
+        """Sessions that may be reclaimed now, the one idle longest first (never `spare`, nor a
+        session of `asker`: a requester's new session does not end one of its own, which may be
+        an answer waiting for a repair elsewhere)."""
         found = [s for s in self.host.sessions.values()
-                 if s is not spare and not s.closed and self.protected_until(s) <= now]
+                 if s is not spare and s.requester != asker and not s.closed and self.protected_until(s) <= now]
         return sorted(found, key=lambda s: s.last_active)
 
     def opened(self, session: Admitted) -> None:
@@ -235,7 +237,8 @@ class Admission:
         kv = self.host.kv_in_use() - sum(s.kv_bytes for s in freed)
         return sessions < self.limits.max_sessions and kv + need <= self.limits.kv_budget
 
-    def make_room(self, need: int, *, now: float, slot: bool = True, spare: Admitted | None = None) -> bool:
+    def make_room(self, need: int, *, now: float, slot: bool = True, spare: Admitted | None = None,
+                  asker: str | None = None) -> bool:
         """Room for a new session (`slot`) or for `need` more bytes of KV (a growing session,
         `spare`, which is never reclaimed): free already, or made by reclaiming idle sessions,
         the one idle longest first. Returns False, reclaiming nothing, if even that is not enough."""
@@ -247,7 +250,7 @@ class Admission:
         victims: list[Admitted] = []
         if fits(victims):
             return True
-        for session in self.reclaimable(now, spare=spare):
+        for session in self.reclaimable(now, spare=spare, asker=asker):
             victims.append(session)
             if fits(victims):
                 for victim in victims:
@@ -256,11 +259,11 @@ class Admission:
                 return True
         return False
 
-    def idle_release(self, now: float) -> float:
-        """When the first *idle* session (no step in flight, none for IDLE_HINT) becomes
-        reclaimable (inf: no session is idle)."""
+    def idle_release(self, now: float, *, asker: str | None = None) -> float:
+        """When the first *idle* session (no step in flight, none for IDLE_HINT) not of `asker`
+        becomes reclaimable (inf: no such session is idle)."""
         idle = [self.protected_until(s) for s in self.host.sessions.values()
-                if not s.closed and not s.inflight and now - s.last_active >= IDLE_HINT]
+                if not s.closed and not s.inflight and s.requester != asker and now - s.last_active >= IDLE_HINT]
         return min(idle, default=math.inf)
 
     def next_release(self, now: float) -> float:
@@ -324,10 +327,10 @@ class Admission:
                 now = self.clock()
                 wake = math.inf
                 if self._head() is waiter:
-                    if self.make_room(need, now=now):
+                    if self.make_room(need, now=now, asker=requester):
                         return
                     wake = self.next_release(now)
-                long = long or self.idle_release(now) <= arrival + self.limits.admit_wait  # once seen, kept
+                long = long or self.idle_release(now, asker=requester) <= arrival + self.limits.admit_wait  # kept
                 until = arrival + (self.limits.admit_wait if long else SHORT_WAIT)
                 if now >= until:
                     break

@@ -456,7 +456,8 @@ class StageServer:
             return
         positions = kv_positions(need, session.capacity)
         extra = self.stage.session_bytes(positions, session.end - session.start) - session.kv_bytes
-        if not self.admission.make_room(extra, now=self.admission.clock(), slot=False, spare=session):
+        if not self.admission.make_room(extra, now=self.admission.clock(), slot=False, spare=session,
+                                        asker=session.requester):
             raise Refused(BUSY, f"{extra} more bytes of KV cache would exceed the budget of {self.limits.kv_budget} "
                                 f"({self.kv_in_use()} in use) and no session here is idle",
                           retry_after=self.admission.retry_after(self.admission.requester(session.requester),
