@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from tessera.peer.cli.config import add_config_options
+from tessera.peer.cli.memory import return_freed_memory
 from tessera.peer.cli.options import (
     add_compute_options, add_dedicated_option, add_emulation_option, add_join_options, quant_from, read_swarm_key,
 )
@@ -170,6 +171,7 @@ def run_peer(args: argparse.Namespace) -> int:
     from tessera.peer.node.compose import build_peer  # imported here: libp2p is heavy, and other commands don't need it
     from tessera.peer.weights.bootstrap import resolve_or_fetch
 
+    return_freed_memory()  # before the first big allocation (peer/cli/memory.py)
     config = config_from(args)
     if args.web is not None and not 0 <= args.web <= 65535:
         raise ConfigError(f"--web wants a TCP port (0: any free one), got {args.web!r}")

@@ -24,7 +24,10 @@ from tessera.peer.cli.options import (
     quant_from, read_swarm_key,
 )
 from tessera.peer.base.errors import ConfigError
-from tessera.peer.http.api import DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_TOKENS, DEFAULT_ROUTE_WAIT, Gateway
+from tessera.peer.http.api import (
+    DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_TOKENS, DEFAULT_QUEUE_WAIT, DEFAULT_ROUTE_WAIT, Gateway,
+)
+from tessera.peer.http.exchange import BODY_TIMEOUT
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,7 +52,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"how long a request waits for the swarm to cover every layer before a 503 "
                         f"(default {DEFAULT_ROUTE_WAIT:g})")
     p.add_argument("--max-concurrent", type=int, default=DEFAULT_MAX_CONCURRENT, metavar="N",
-                   help=f"requests running on the swarm at once; more wait (default {DEFAULT_MAX_CONCURRENT})")
+                   help="requests running on the swarm at once, at most (they follow the sessions the swarm can "
+                        f"hold for this gateway; more wait) (default {DEFAULT_MAX_CONCURRENT})")
+    p.add_argument("--queue-wait", type=float, default=DEFAULT_QUEUE_WAIT, metavar="S",
+                   help="how long a request keeps trying while every layer is served but the peers are busy, "
+                        f"before a 503 swarm_busy (default {DEFAULT_QUEUE_WAIT:g})")
+    p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT, metavar="S",
+                   help=f"seconds a client has to send its request body, or a 408 (default {BODY_TIMEOUT:g})")
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                    help=f"max_tokens when a request gives none (default {DEFAULT_MAX_TOKENS})")
     p.add_argument("--threads", type=int, default=None, help="torch threads for the embedding and head")
@@ -77,8 +86,11 @@ def run(args: argparse.Namespace) -> int:
     for name in ("max_concurrent", "default_max_tokens"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)!r}")
-    if not args.route_wait > 0:
-        raise ConfigError(f"--route-wait must be > 0, got {args.route_wait!r}")
+    for name in ("route_wait", "body_timeout"):
+        if not getattr(args, name) > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)!r}")
+    if not args.queue_wait >= 0:
+        raise ConfigError(f"--queue-wait must be >= 0, got {args.queue_wait!r}")
     args.policy = policy_from(args)  # a bad id or an unreadable @FILE fails here, before joining
     apply_threads(args.threads)
     trio.run(serve, args)
@@ -102,7 +114,7 @@ async def serve(args: argparse.Namespace) -> None:
                           quant=quant_from(args), accept_mixed=args.accept_mixed) as swarm:
         gateway = Gateway(swarm, name=served_name(args.model), api_key=api_key, route_wait=args.route_wait,
                           max_concurrent=args.max_concurrent, default_max_tokens=args.default_max_tokens,
-                          cors_origins=args.cors_origin)
+                          cors_origins=args.cors_origin, queue_wait=args.queue_wait, body_timeout=args.body_timeout)
         web = WebApp.for_gateway(gateway)  # the pages at /, the API behind them (peer/http/web/)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(web.run)
