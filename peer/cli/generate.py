@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         '  tessera generate "Hi" --join /ip4/127.0.0.1/tcp/4001/p2p/12D3KooW... --json',
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("prompt")
+    p.add_argument("prompt", help="the question or text (a chat message; --raw: plain text to continue)")
     p.add_argument("--local", action="store_true", help="run the whole model on this machine")
     p.add_argument("--join", action="append", default=[], metavar="MULTIADDR", help="a peer of the swarm to use")
     p.add_argument("--swarm-key", default=None, help="private swarm key: 64 hex chars or a file")

@@ -15,15 +15,18 @@ import sys
 from functools import partial
 from pathlib import Path
 
-import trio
-
 from tessera.peer.cli.config import add_config_options
 from tessera.peer.cli.options import (
     add_accept_mixed_option, add_join_options, add_policy_options, add_quant_options, apply_threads, policy_from,
     quant_from, read_swarm_key,
 )
 from tessera.peer.base.errors import ConfigError
-from tessera.peer.http.api import DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_TOKENS, DEFAULT_ROUTE_WAIT, Gateway
+
+# peer/http/api.py's Gateway defaults, repeated so that `--help` imports no torch (peer/cli/options.py);
+# tests/cli/test_cli_help.py checks that they agree.
+DEFAULT_ROUTE_WAIT = 10.0
+DEFAULT_MAX_CONCURRENT = 8
+DEFAULT_MAX_TOKENS = 512
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -80,14 +83,18 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--route-wait must be > 0, got {args.route_wait!r}")
     args.policy = policy_from(args)  # a bad id or an unreadable @FILE fails here, before joining
     apply_threads(args.threads)
+    import trio
+
     trio.run(serve, args)
     return 0
 
 
 async def serve(args: argparse.Namespace) -> None:
+    import trio
     from hypercorn.config import Config
     from hypercorn.trio import serve as hypercorn_serve
 
+    from tessera.peer.http.api import Gateway
     from tessera.peer.request.client import Swarm
     from tessera.peer.weights.bootstrap import REQUESTER_GROUPS, ensure_model
 
@@ -125,6 +132,8 @@ def peers_note(args: argparse.Namespace) -> str:
 
 async def stop_signal() -> None:
     """Returns on SIGINT or SIGTERM (hypercorn then shuts down gracefully)."""
+    import trio
+
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for _ in signals:
             return

@@ -12,10 +12,10 @@ import argparse
 import json
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tessera.store.events import Audit
-
-from tessera.peer.plan.audit import StepLog, load_events
+if TYPE_CHECKING:
+    from tessera.peer.plan.audit import StepLog
 
 DEFAULT_DATA_DIR = Path.home() / ".local" / "share" / "tessera" / "peer"  # `tessera peer`'s default
 DB_NAME = "tessera.db"
@@ -51,8 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EXPORT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("dbs", nargs="+", type=Path, metavar="DB", help="peer databases, or folders holding them")
-    p.add_argument("--format", choices=("jsonl", "perfetto"), required=True)
-    p.add_argument("-o", "--out", type=Path, required=True, metavar="OUT")
+    p.add_argument("--format", choices=("jsonl", "perfetto"), required=True,
+                   help="jsonl: one event per line; perfetto: Chrome trace-event JSON (opens in ui.perfetto.dev)")
+    p.add_argument("-o", "--out", type=Path, required=True, metavar="OUT", help="the file to write")
     p.set_defaults(handler=run_export)
 
     p = tsub.add_parser(
@@ -60,8 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=PLOT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("dbs", nargs="+", type=Path, metavar="DB", help="peer databases, or folders holding them")
-    p.add_argument("-o", "--out", type=Path, required=True, metavar="timeline.png")
-    p.add_argument("--title", default=None)
+    p.add_argument("-o", "--out", type=Path, required=True, metavar="timeline.png", help="the PNG to write")
+    p.add_argument("--title", default=None, help="the plot's title (default: what was drawn)")
     p.set_defaults(handler=run_plot)
 
 
@@ -148,9 +149,12 @@ def run_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_audit_logs(path: Path | str) -> list[StepLog]:
+def load_audit_logs(path: Path | str) -> list["StepLog"]:
     """Every tensor-shard audit log in one peer's database (read-only; the peer may still be running)."""
     from tessera.store.db import PeerStore
+    from tessera.store.events import Audit
+
+    from tessera.peer.plan.audit import load_events
 
     store = PeerStore(path, readonly=True)
     try:
