@@ -168,6 +168,9 @@ class NodeParts:
     reports: bool = True  # keep and forward misbehaviour reports (peer/request/reports.py)
     reap_idle: bool = True  # drop sessions idle on the wall clock (simulated requesters always close theirs)
     weights: Weights | None = None  # None: no files to serve or fetch (a bare test node; the simulator passes peer/sim/disk.py)
+    # The lock on the data dir the identity and store come from (peer/node/data_dir.py `DataDirLock`),
+    # released when the node stops; None: nothing on disk to guard (a simulated peer)
+    data_dir_lock: Any = None
 
 
 __all__ = ["Compute", "Placement", "PlanPlacement", "Pacing", "NodeWatch", "NodeParts", "JITTER"]

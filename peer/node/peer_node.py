@@ -32,6 +32,7 @@ from tessera.store.trace import Tracer
 
 from tessera.peer.base.ids import peer_id_bytes
 from tessera.peer.base.errors import ConfigError
+from tessera.peer.net.addresses import describe_addrs
 from tessera.peer.net.gossip import Gossip, Pinger, material
 from tessera.peer.node.config import KV_RESERVE_FRACTION, PeerConfig, capacity_in_layers
 from tessera.peer.node.parts import NodeParts
@@ -169,6 +170,13 @@ class PeerNode:
     # -- lifecycle --------------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await self._run(task_status)
+        finally:
+            if self.parts.data_dir_lock is not None:
+                self.parts.data_dir_lock.release()  # the data dir is free for the next peer (a restart)
+
+    async def _run(self, task_status) -> None:
         parts = self.parts
         self.compute.prepare()
         async with parts.open_transport() as transport:
@@ -183,7 +191,8 @@ class PeerNode:
             self.pinger = Pinger(transport)
             if parts.weights is not None:
                 parts.weights.serve(transport)
-            self.out(f"listening on {transport.addrs()[0]}")
+            for line in describe_addrs(transport.addrs()):  # "listening on ADDR (LAN: ...)", best first
+                self.out(line)
             self.tracer.emit(events.Join(addrs=transport.addrs(), model=self.model_id))
             self.watch.opened(self)
             try:

@@ -172,7 +172,8 @@ def other_peer(smol_dir):
 
 
 def make_handle(tmp_path: Path, join: list[str], **config) -> PeerHandle:
-    settings = dict(layers=(0, 15), memory_gb=1.0, leave_grace=LEAVE_GRACE, rebalance_interval=3600.0)
+    settings = dict(layers=(0, 15), memory_gb=1.0, leave_grace=LEAVE_GRACE, rebalance_interval=3600.0,
+                    listen=["/ip4/127.0.0.1/tcp/0"])
     settings.update(config)
     node = build_peer(PeerConfig(join=join, data_dir=tmp_path / "tui-peer", threads=1, name="tui-peer", **settings))
     handle = PeerHandle(node)

@@ -48,6 +48,7 @@ from tessera.store.trace import NullTracer, Tracer
 from tessera.store import events
 
 from tessera.peer.base.errors import PeerError
+from tessera.peer.net.addresses import PUBLIC as PUBLIC_SCOPE, scope
 from tessera.peer.net.gossip import ViewKeeper
 from tessera.peer.net.libp2p import Libp2pTransport
 from tessera.peer.net.nat.dialback import DialBack, DialBackOutcome
@@ -212,6 +213,9 @@ class NatService:
             self.verdict, self.public_addrs = verdict, reached
             where = ", ".join(reached) if reached else "no dial-back got through"
             self.out(f"reachability: {verdict} ({where}; asked {', '.join(o.helper[-8:] for o in conclusive)})")
+            for addr in reached:  # dialled back at a public IP: the address to give people elsewhere
+                if scope(addr) == PUBLIC_SCOPE:
+                    self.out(f"reachable from the internet at {addr} (others anywhere can --join it)")
             self.tracer.emit(events.Advertise(reachability=verdict, addrs=reached))
             self._apply_verdict()
             self._mark_changed()
