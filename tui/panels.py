@@ -237,7 +237,7 @@ class LivePanel(Vertical):
 class SwarmPanel(SnapshotPanel):
     """Swarm: how many peers serve every layer (gaps marked), and neighbours with RTTs."""
 
-    SHOWN = ("coverage", "gaps", "swarm", "neighbours")
+    SHOWN = ("coverage", "gaps", "serving", "swarm", "neighbours")
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -250,7 +250,7 @@ class SwarmPanel(SnapshotPanel):
         width = max(8, self.content_size.width)
         neighbours = snap["neighbours"]
         lines = [
-            Text.assemble(("peers per layer", "bold"), f" (of {snap['swarm']['serving'] + 1} serving)"),
+            Text.assemble(("peers per layer", "bold"), f" (of {snap['serving']} serving)"),
             coverage_strip(snap["coverage"], width),
             gaps_text(snap["gaps"]),
             Text.assemble(("neighbours ", "bold"), str(len(neighbours)) if neighbours else "none yet"),

@@ -19,6 +19,7 @@ period, close.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from functools import lru_cache, partial
 from typing import Any, Callable
@@ -44,6 +45,7 @@ from tessera.peer.serve.limits import ServerLimits
 from tessera.peer.serve.server import StageServer
 from tessera.peer.serve.shard_server import ShardServer
 from tessera.peer.net.transport import Transport
+from tessera.peer.plan.coverage import SwarmCoverage, swarm_coverage
 from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, SERVING, PeerInfo, Reachability
 
 
@@ -470,9 +472,19 @@ class PeerNode:
         dedicated = getattr(self.transport, "dedicated", None)  # only the libp2p transport has them
         return dedicated.status() if dedicated is not None else None
 
-    def status(self) -> dict:
+    def coverage(self) -> SwarmCoverage:
+        """The swarm's coverage as routing sees it (peer/plan/coverage.py), with this peer in the
+        state it is in now: its record in the view may say "serving" a moment after a drain."""
         view = self.keeper.snapshot()
+        me = self.transport.peer_id if self.transport else None
+        own = (view.get(me) or self._own_info) if me else None
+        if own is not None:
+            own = dataclasses.replace(own, state=self.state)
+        return swarm_coverage(view, own=own)
+
+    def status(self) -> dict:
         server = self.server
+        coverage = self.coverage()
         return {
             "peer_id": self.transport.peer_id if self.transport else None,
             "name": self.config.name,
@@ -491,7 +503,9 @@ class PeerNode:
             "uptime": self.clock() - self.started,
             "sessions": len(server.sessions) if server else 0,
             "stats": vars(server.stats) if server else {},
-            "coverage": view.coverage(),
+            "coverage": list(coverage.replicas),  # per layer: replicas a new session can use now
+            "gaps": [list(gap) for gap in coverage.gaps],
+            "serving": coverage.serving,  # peers taking sessions (this one included, if it does)
             "neighbours": {p: {"rtt_ms": rtt, "kind": self.transport.connection_kind(p)} for p, rtt in self.pinger.rtt_ms.items()},
             "nat": self.nat.status() if self.nat else None,
             "dedicated": self.dedicated_status(),

@@ -377,6 +377,8 @@ def test_actions_that_would_drop_work_ask_first(other_peer, tmp_path):
                 await pilot.press("y")
                 await until(pilot, lambda: handle.finished.is_set(), "the peer to leave", LEAVE_GRACE + SETTLE, peer=handle)
                 await until(pilot, lambda: app.state == "left", "the header to say so")
+                swarm = plain(app.query_one(SwarmPanel))  # a peer that left serves nothing (issue 34, item 3)
+                assert "(of 1 serving)" in swarm and "GAPS: [0, 10)" in swarm, swarm
                 assert app.return_code is None  # leaving keeps the screen open
                 assert "LEFT" in plain(app.query_one(PeerHeader))
                 await pilot.press("q")  # the peer is gone: q just closes
@@ -505,7 +507,7 @@ def rows(widget) -> int:
 
 def swarm_snapshot(neighbours: int) -> dict:
     """The keys SwarmPanel draws, for `neighbours` neighbours."""
-    return {"coverage": [1] * 30, "gaps": [], "swarm": {"serving": neighbours},
+    return {"coverage": [1] * 30, "gaps": [], "serving": neighbours + 1, "swarm": {"peers": neighbours},
             "neighbours": [{"peer_id": f"12D3KooWpeer{i:08d}", "name": f"n{i}", "rtt_ms": 1.5, "kind": "direct",
                             "span": [0, 30], "state": "serving"} for i in range(neighbours)]}
 
@@ -563,6 +565,27 @@ def test_start_up_lines_say_memory_device_and_speed(ui_peer):
     assert ui_peer.printed("compute: cpu float32, 1 thread; one layer decodes a token in ")
     ms = 1000 / node.throughput
     assert ui_peer.printed(f"in {ms:.2f} ms ({node.throughput / 15:.1f} tok/s through 15 layers)")
+
+
+@pytest.mark.slow
+def test_a_draining_peer_shows_the_gap_routing_sees(ui_peer):
+    """Issue 34, item 3: draining, the TUI said "gaps: none" while `swarm status` and every
+    requester saw [0, 10) uncovered. Both now read peer/plan/coverage.py, with this peer as it is now."""
+    async def scenario():
+        app = TesseraApp(ui_peer)
+        async with app.run_test(size=(100, 32)) as pilot:
+            await until(pilot, lambda: app.state == "serving" and app.snapshot["serving"] == 2, "two serving")
+            swarm = app.query_one(SwarmPanel)
+            assert "gaps: none" in plain(swarm) and "(of 2 serving)" in plain(swarm)
+            await pilot.press("d")
+            await until(pilot, lambda: app.state == "draining", "draining")
+            await until(pilot, lambda: "GAPS: [0, 10)" in plain(swarm), "the gap the drain opens", peer=ui_peer)
+            assert "(of 1 serving)" in plain(swarm)
+            assert app.snapshot["coverage"] == [0] * 10 + [1] * 20  # the other peer's [10, 30) only
+            await pilot.press("p")  # resume
+            await until(pilot, lambda: app.state == "serving" and "gaps: none" in plain(swarm), "covered again")
+
+    asyncio.run(scenario())
 
 
 def burst_of_keys(app: TesseraApp, keys: str) -> None:
