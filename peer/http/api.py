@@ -47,6 +47,7 @@ import trio
 from tessera.stages.constrained import JsonConstraint
 from tessera.stages.errors import StageError
 
+from tessera.peer.plan.coverage import swarm_coverage
 from tessera.peer.http import anthropic as http_anthropic
 from tessera.peer.http import responses as http_responses
 from tessera.peer.base.errors import NoRoute, PeerError, RouteLost, UnknownPeer
@@ -240,11 +241,12 @@ class Gateway:
     # -- the swarm, as these endpoints show it --------------------------------------------
 
     def coverage(self) -> dict:
+        """What a new request can get through now: routing's definition (peer/plan/coverage.py)."""
         view = self.swarm.keeper.snapshot()
-        counts = view.coverage()
-        return {"layers": view.num_layers, "complete": min(counts, default=0) > 0,
-                "missing": [list(gap) for gap in view.gaps()], "peers": len(view.peers),
-                "min_replicas": min(counts, default=0)}
+        coverage = swarm_coverage(view)
+        return {"layers": view.num_layers, "complete": coverage.complete,
+                "missing": [list(gap) for gap in coverage.gaps], "peers": coverage.peers,
+                "min_replicas": min(coverage.replicas, default=0)}
 
     def model_card(self) -> dict:
         return {"id": self.name, "object": "model", "created": int(self.stats.started), "owned_by": "tessera",
