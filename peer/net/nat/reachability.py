@@ -54,7 +54,7 @@ from tessera.peer.net.libp2p import Libp2pTransport
 from tessera.peer.net.nat.dialback import DialBack, DialBackOutcome
 from tessera.peer.net.nat.links import serve_links
 from tessera.peer.net.nat.relay import RELAY_LIMITS, is_circuit_addr
-from tessera.peer.net.transport import RELAYED
+from tessera.peer.net.transport import DIRECT, RELAYED
 from tessera.peer.plan.view import LEAVING, Reachability
 
 log = logging.getLogger(__name__)
@@ -340,7 +340,13 @@ class NatService:
         for peer_id, kind in now.items():
             old = self.links.get(peer_id)
             if kind != old:
-                self.out(f"link {peer_id}: {old + ' -> ' if old else ''}{kind}")
+                line = f"link {peer_id}: {old + ' -> ' if old else ''}{kind}"
+                if old is None and kind == DIRECT:
+                    # a plain direct connection (every requester, every `swarm status`) is news to no
+                    # operator: -v shows it; the trace keeps it either way
+                    log.info(line)
+                else:
+                    self.out(line)  # behind NAT: relayed, punched, a link changing kind
                 self.tracer.emit(events.Connect(remote=peer_id, link=kind))
         for peer_id in set(self.links) - set(now):
             self.tracer.emit(events.Disconnect(remote=peer_id))
