@@ -1,5 +1,6 @@
-"""A peer that left gracefully is not re-dialled twice a second (issue 34, item 6): a join address
-whose peer said it was leaving backs off (doubling, capped); any other leaving peer is let go."""
+"""Quiet by default (issue 34, item 6): a peer that left gracefully is not re-dialled twice a second
+(a join address whose peer said it was leaving backs off, doubling, capped; any other leaving peer
+is let go), and a plain direct link is no line on stdout."""
 
 from __future__ import annotations
 
@@ -43,3 +44,27 @@ def test_a_join_address_that_left_backs_off_and_comes_back_when_it_advertises_ag
     assert other_id not in keeper.book  # its record expired: forgotten
     keeper.merge([record(seed, "serving", now[0], 3)])  # it restarted and advertises again
     assert any(pid == seed_id for pid, _ in keeper.dial_targets("me", []))
+
+
+async def test_a_plain_direct_link_is_said_only_with_v(caplog):
+    """Issue 34, item 6: every requester and `swarm status` printed `link ...: direct` on every
+    peer it touched. A new direct link is an INFO record now (-v); the trace keeps it."""
+    import logging
+
+    from tessera.peer.net.libp2p import open_libp2p_transport
+    from tessera.peer.net.nat.reachability import NatService
+    from tessera.store.events import Connect
+    from tessera.store.trace import MemoryTracer
+
+    async with open_libp2p_transport(Identity.generate().seed) as a, \
+            open_libp2p_transport(Identity.generate().seed) as b:
+        lines: list[str] = []
+        tracer = MemoryTracer()
+        nat = NatService(a, ViewKeeper(model_id="m", num_layers=4, clock=lambda: 0.0), out=lines.append,
+                         tracer=tracer)
+        await b.connect(a.addrs()[0])
+        with caplog.at_level(logging.INFO, logger="tessera.peer.net.nat.reachability"):
+            nat.poll_links()
+        assert not [line for line in lines if line.startswith("link ")], lines
+        assert f"link {b.peer_id}: direct" in caplog.text
+        assert [(e.event.remote, e.event.link) for e in tracer.of_kind(Connect)] == [(b.peer_id, "direct")]
