@@ -157,6 +157,12 @@ def link_emulation(text: str) -> "LinkEmulation":
     return LinkEmulation.parse(text)
 
 
+def add_record_trace_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--record-trace", type=Path, default=None, metavar="FILE",
+                   help="record this requester's trace (sessions, steps, routes, failovers) in the sqlite FILE, "
+                        "for `tessera trace export/plot` and `tessera replay` beside the peers' databases")
+
+
 def add_emulation_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emulate-link", type=link_emulation, default=None, metavar="SPEC",
                    help='TESTS AND BENCHMARKS ONLY: delay/pace every frame sent, e.g. "delay=40ms,jitter=10ms,rate=100mbit"')

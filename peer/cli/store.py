@@ -29,8 +29,11 @@ EXPORT_EXAMPLES = """examples:
       # then open https://ui.perfetto.dev and drop swarm.json on it
   tessera trace export /tmp/tessera-swarm-abc123/ --format jsonl -o events.jsonl
 """
-PLOT_EXAMPLES = """example:
+PLOT_EXAMPLES = """examples:
   tessera trace plot peer0/tessera.db peer1/tessera.db peer2/tessera.db requester.db -o timeline.png
+  tessera trace plot /tmp/tessera-swarm-abc123/ requester.db --since 14:03 --until 14:05 -o two-minutes.png
+  tessera trace plot peer*/tessera.db requester.db --session 3f2a9c01 -o one-answer.png
+      # times: seconds on the plot's axis (12.5), a clock time today (14:03:20) or ISO (2026-12-05T14:03)
 """
 
 
@@ -63,6 +66,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("dbs", nargs="+", type=Path, metavar="DB", help="peer databases, or folders holding them")
     p.add_argument("-o", "--out", type=Path, required=True, metavar="timeline.png", help="the PNG to write")
     p.add_argument("--title", default=None, help="the plot's title (default: what was drawn)")
+    p.add_argument("--since", default=None, metavar="TIME",
+                   help="draw from TIME: seconds since the first event (as on the axis), HH:MM[:SS] today, or ISO")
+    p.add_argument("--until", default=None, metavar="TIME", help="draw up to TIME (as --since)")
+    p.add_argument("--session", action="append", default=[], metavar="ID",
+                   help="only this session's events (an id or its first hex digits, as the TUI and Perfetto show "
+                        "them; repeatable)")
     p.set_defaults(handler=run_plot)
 
 
@@ -100,7 +109,7 @@ def format_ledger(peer: str | None, db: Path, summary: dict) -> str:
     if summary["by_requester"]:
         lines.append("by requester (largest first):")
         for requester, sums in summary["by_requester"].items():
-            last = datetime.fromtimestamp(sums["last_hour"]).strftime("%Y-%m-%d %H:00")
+            last = datetime.fromtimestamp(sums["last"]).strftime("%Y-%m-%d %H:%M:%S")
             lines.append(row(requester[-24:], sums) + f"   last {last}")
     else:
         lines.append("nothing served yet")
@@ -141,10 +150,14 @@ def run_export(args: argparse.Namespace) -> int:
 
 def run_plot(args: argparse.Namespace) -> int:
     from tessera.store.plot import plot_timeline
+    from tessera.store.timeline import parse_when
 
     dbs = _databases(args.dbs)
-    drawn = plot_timeline(dbs, args.out, title=args.title)
-    print(f"{drawn['forward_steps']} forward steps on {len(drawn['peers'])} peers, "
+    since = parse_when(args.since) if args.since is not None else None  # a bad time fails before reading
+    until = parse_when(args.until) if args.until is not None else None
+    drawn = plot_timeline(dbs, args.out, title=args.title, since=since, until=until, sessions=args.session)
+    window = f" between {drawn['window'][0]:.3f} and {drawn['window'][1]:.3f} s" if drawn["window"] else ""
+    print(f"{drawn['forward_steps']} forward steps on {len(drawn['peers'])} peers{window}, "
           f"{drawn['pushes']} pushes -> {args.out}")
     return 0
 

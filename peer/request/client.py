@@ -146,6 +146,7 @@ class Swarm:
             num_layers=self.spec.num_layers, hidden_size=self.spec.hidden_size, tracer=tracer or NullTracer(),
         )
         self.peer_id = transport.peer_id
+        self.ctx.tracer.bind(self.peer_id)  # a TraceWriter made before this requester had an id
         self.clock: Callable[[], float] = ban_clock  # what `bans` measures time on
         self.bans = Backoff(BAN_BASE, BAN_CAP)  # strikes survive from one answer to the next
         self.reports = ReportBook(transport, model_id=self.model_id, on_accept=self._avoid_accused) if reports else None
