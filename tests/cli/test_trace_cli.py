@@ -231,3 +231,18 @@ def test_bad_input_is_one_clean_error_line(tmp_path, capsys):
     code, text = cli(capsys, "trace", "export", str(tmp_path / "empty-dir-that-is-missing"), "--format", "jsonl",
                      "-o", str(tmp_path / "x.jsonl"))
     assert code == 1 and text.startswith("error:")
+
+
+def test_the_ledgers_last_time_is_the_last_contribution(tmp_path, capsys):
+    """It said the start of the hour ("last 14:00" for a step at 14:58): issue 34."""
+    from datetime import datetime
+
+    from tessera.store.db import PeerStore
+
+    at = datetime(2026, 12, 5, 14, 58, 31).timestamp()
+    with PeerStore(tmp_path / "tessera.db") as store:
+        store.record_identity("12D3KooWpeer")
+        store.add_ledger("12D3KooWrequester", 30, at=at - 600)
+        store.add_ledger("12D3KooWrequester", 30, at=at)
+    code, text = cli(capsys, "ledger", "--data-dir", str(tmp_path))
+    assert code == 0 and "last 2026-12-05 14:58:31" in text, text
