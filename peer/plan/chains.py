@@ -202,17 +202,30 @@ class _Search:
         # highest allowed, cost paid when entered (inf: not yet), entered at, cost at its end if run there].
         # An exit at b costs `cost in + (b - entered at) * per layer`: route_cost's arithmetic.
         rec: dict[str, list] = {}
+        bounded = bool(bounds)
         for c in self.candidates:
             lo, hi = bounds.get(c.pid, (c.lo, c.hi))
             rec[c.pid] = [c.per_layer, c.hi, c.stops_early, lo, hi, inf, 0, inf]
-        path: dict[str, tuple[int, tuple[str, ...], tuple[int, ...], tuple[int, ...]]] = {}  # hops, ids, -entries, entries
+        # How each candidate was entered: (hops, node), a node being (peer, entered at, the node
+        # before it or None) — shared and never changed, so a chain costs one small tuple a hop and
+        # its ids are spelled out only where a tie or the answer needs them (`spelled`).
+        path: dict[str, tuple[int, tuple]] = {}
+
+        def spelled(n: int, node: tuple) -> tuple[int, tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+            ids, entries = [], []
+            while node is not None:
+                ids.append(node[0])
+                entries.append(node[1])
+                node = node[2]
+            ids.reverse()
+            entries.reverse()
+            return n, tuple(ids), tuple(-e for e in entries), tuple(entries)
 
         def label_of(q: str, at: int) -> Label:
             x = rec[q]
-            n, ids, neg, entries = path[q]
-            return (x[5] + (at - x[6]) * x[0], n, ids, neg, entries)
+            return (x[5] + (at - x[6]) * x[0], *spelled(*path[q]))
 
-        def cheapest(ranked: list[tuple[float, str]], measured: Mapping[str, float], at: int) -> Label | None:
+        def cheapest(ranked: list[tuple[float, str]], measured: Mapping[str, float], at: int) -> tuple[float, str] | None:
             """The best of the exits `ranked` ((cost, peer), sorted) without a measured link to the
             peer being entered; exact ties go by the chains' order."""
             low, tied = inf, []
@@ -224,7 +237,10 @@ class _Search:
                     tied.append(q)
             if not tied:
                 return None
-            return label_of(tied[0], at) if len(tied) == 1 else min(label_of(q, at) for q in tied)
+            if len(tied) == 1:
+                return low, tied[0]
+            best = min(label_of(q, at) for q in tied)
+            return best[0], best[2][-1]
 
         def offer(r: str, at: int, cost_in: float, q: str | None) -> None:
             """`r` entered at `at` after the chain ending with `q` (None: the source), `cost_in` paid so far."""
@@ -235,11 +251,11 @@ class _Search:
             if key > x[7]:
                 return  # the usual case, decided without building a chain
             if q is None:
-                new = (1, (r,), (-at,), (at,))
+                new = (1, (r, at, None))
             else:
-                n, ids, neg, entries = path[q]
-                new = (n + 1, ids + (r,), neg + (-at,), entries + (at,))
-            if key < x[7] or new < path[r]:
+                n, node = path[q]
+                new = (n + 1, (r, at, node))
+            if key < x[7] or spelled(*new) < spelled(*path[r]):  # an exact tie: the chains' order decides
                 x[5], x[6], x[7] = cost_in, at, key
                 path[r] = new
 
@@ -259,54 +275,68 @@ class _Search:
                 for r in starting:
                     offer(r, b, self.from_source(r), None)
             elif b not in no_cut and (tails or starting):
-                # One pass over the peers running across b: (heads) what leaving here costs them, for
-                # the peers starting at b; (tails) taking over where the tails end. A peer's exit cost
-                # is read before a take-over here replaces its entry.
-                leaving = dict(tails) if starting else {}
-                heads_here = heads and bool(starting)
-                base, first_id, ranked_tails = inf, "", []
-                if tails:
-                    ranked_tails = sorted((cost, q) for q, cost in tails.items())
-                    first = cheapest(ranked_tails, nothing, b)
-                    first_id, base = first[2][-1], first[0] + default
-                for pid, x in open_.items():
-                    cost_in = x[5]
-                    if cost_in != inf:
-                        if heads_here and x[6] < b <= x[4] and x[2]:
-                            leaving[pid] = cost_in + (b - x[6]) * x[0]
-                        if base + (x[1] - b) * x[0] > x[7]:
-                            continue  # cannot beat its entry even from the cheapest tail
-                    elif not tails:
-                        continue
-                    measured = pairs.get(pid, nothing)
-                    if first_id not in measured:
-                        offer(pid, b, base, first_id)
-                    else:
-                        label = cheapest(ranked_tails, measured, b)
-                        if label is not None:
-                            offer(pid, b, label[0] + default, label[2][-1])
-                for q, cost in tails.items():
-                    for r, rtt in tail_out.get(q, ()):
-                        x = open_.get(r)
-                        if x is not None and cost + rtt + (x[1] - b) * x[0] <= x[7]:
-                            offer(r, b, cost + rtt, q)
-                if starting:  # entered at their first layer: from a tail, or (heads) anyone leaving early
-                    ranked: list[tuple[float, str]] = []  # sorted only if the best has a measured link
-                    low = min(((cost, q) for q, cost in leaving.items()), default=None)
-                    alone = low is not None and list(leaving.values()).count(low[0]) == 1
+                if starting:
+                    # First the peers starting at b (nothing here changes a running peer's entry, which
+                    # their links read): entered from a tail, or (heads) from anyone running across b.
+                    def leaving_cost(q: str) -> float | None:
+                        if q in tails:
+                            return tails[q]
+                        x = open_.get(q)
+                        if heads and x is not None and x[5] != inf and x[6] < b <= x[4] and x[2]:
+                            return x[5] + (b - x[6]) * x[0]
+                        return None
+
+                    low, low_id, ties = inf, "", 0
+                    for q, cost in tails.items():
+                        if cost < low:
+                            low, low_id, ties = cost, q, 0
+                        elif cost == low:
+                            ties += 1
+                    if heads:
+                        for pid, x in open_.items():
+                            if x[5] != inf and x[6] < b <= x[4] and x[2]:
+                                cost = x[5] + (b - x[6]) * x[0]
+                                if cost < low:
+                                    low, low_id, ties = cost, pid, 0
+                                elif cost == low:
+                                    ties += 1
+                    ranked: list[tuple[float, str]] = []  # every candidate, sorted: only for a tie or a measured best
                     for r in starting:
                         measured = pairs.get(r, nothing)
-                        if alone and low[1] not in measured:
-                            label = label_of(low[1], b)  # the best, and no tie to settle
+                        if low < inf and not ties and low_id not in measured:
+                            best: tuple[float, str] | None = (low, low_id)
                         else:
-                            ranked = ranked or sorted((cost, q) for q, cost in leaving.items())
-                            label = cheapest(ranked, measured, b)
-                        if label is not None:
-                            offer(r, b, label[0] + default, label[2][-1])
+                            ranked = ranked or sorted(
+                                (cost, q) for q in [*tails, *open_] if (cost := leaving_cost(q)) is not None)
+                            best = cheapest(ranked, measured, b)
+                        if best is not None:
+                            offer(r, b, best[0] + default, best[1])
                         x = rec[r]
                         for q, rtt in head_in.get(r, ()):
-                            cost = leaving.get(q)
+                            cost = leaving_cost(q)
                             if cost is not None and cost + rtt + (x[1] - b) * x[0] <= x[7]:
+                                offer(r, b, cost + rtt, q)
+                if tails:
+                    # Then the peers whose span goes on past b take over where the tails end.
+                    ranked_tails = sorted((cost, q) for q, cost in tails.items())
+                    cost, first_id = cheapest(ranked_tails, nothing, b)
+                    base = cost + default
+                    for pid, x in open_.items():
+                        if base + (x[1] - b) * x[0] > x[7]:
+                            continue  # cannot beat its entry even from the cheapest tail
+                        if bounded and not x[3] <= b < x[4]:
+                            continue
+                        measured = pairs.get(pid, nothing)
+                        if first_id not in measured:
+                            offer(pid, b, base, first_id)
+                        else:
+                            best = cheapest(ranked_tails, measured, b)
+                            if best is not None:
+                                offer(pid, b, best[0] + default, best[1])
+                    for q, cost in tails.items():
+                        for r, rtt in tail_out.get(q, ()):
+                            x = open_.get(r)
+                            if x is not None and cost + rtt + (x[1] - b) * x[0] <= x[7]:
                                 offer(r, b, cost + rtt, q)
             for c in self.starts_at.get(b, ()):
                 open_[c.pid] = rec[c.pid]
