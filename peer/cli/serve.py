@@ -10,24 +10,26 @@ answers get hypercorn's grace period, then every swarm session is closed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
 from functools import partial
 from pathlib import Path
-
-import trio
+from typing import TYPE_CHECKING
 
 from tessera.peer.cli.config import add_config_options
 from tessera.peer.cli.options import (
-    add_accept_mixed_option, add_join_options, add_policy_options, add_quant_options, apply_threads, policy_from,
-    quant_from, read_swarm_key,
+    add_accept_mixed_option, add_join_options, add_policy_options, add_quant_options, add_record_trace_option,
+    apply_threads, policy_from, quant_from, read_swarm_key,
 )
 from tessera.peer.base.errors import ConfigError
-from tessera.peer.http.api import (
-    DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_TOKENS, DEFAULT_QUEUE_WAIT, DEFAULT_ROUTE_WAIT, Gateway,
+from tessera.peer.http.defaults import (
+    BODY_TIMEOUT, DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_TOKENS, DEFAULT_QUEUE_WAIT, DEFAULT_ROUTE_WAIT,
 )
-from tessera.peer.http.exchange import BODY_TIMEOUT
+
+if TYPE_CHECKING:
+    from tessera.store.trace import Tracer
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -67,6 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_quant_options(p, help="route only through peers serving the model quantized so (`tessera peer --quant`; "
                       "their model id says it; default none: unquantized peers)")
     add_accept_mixed_option(p)
+    add_record_trace_option(p)
     add_policy_options(p)
     add_config_options(p)
     p.set_defaults(handler=run)
@@ -93,16 +96,14 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--queue-wait must be >= 0, got {args.queue_wait!r}")
     args.policy = policy_from(args)  # a bad id or an unreadable @FILE fails here, before joining
     apply_threads(args.threads)
+    import trio
+
     trio.run(serve, args)
     return 0
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from hypercorn.trio import serve as hypercorn_serve
-
-    from tessera.peer.http.web.app import WebApp
-    from tessera.peer.http.web.server import hypercorn_config
-    from tessera.peer.request.client import Swarm
+    from tessera.store.trace import TraceWriter
     from tessera.peer.weights.bootstrap import REQUESTER_GROUPS, ensure_model
 
     api_key = args.api_key or os.environ.get("TESSERA_API_KEY") or None
@@ -110,7 +111,24 @@ async def serve(args: argparse.Namespace) -> None:
     # without the model here: its embedding, head and tokenizer from the --join peers (peer/weights/)
     folder = await ensure_model(args.model, args.join, swarm_key=swarm_key, groups=REQUESTER_GROUPS,
                                 out=lambda line: print(line, file=sys.stderr, flush=True))
-    async with Swarm.join(args.join, model=folder, swarm_key=swarm_key, policy=args.policy,
+    with contextlib.ExitStack() as stack:
+        # every request's trace, when asked (--record-trace): the gateway's id is bound as it joins
+        tracer = stack.enter_context(TraceWriter(args.record_trace)) if args.record_trace else None
+        await _serve(args, folder, swarm_key, api_key, tracer)
+    print("stopped", flush=True)
+
+
+async def _serve(args: argparse.Namespace, folder: Path, swarm_key: bytes | None, api_key: str | None,
+                 tracer: "Tracer | None") -> None:
+    import trio
+    from hypercorn.trio import serve as hypercorn_serve
+
+    from tessera.peer.http.api import Gateway
+    from tessera.peer.http.web.app import WebApp
+    from tessera.peer.http.web.server import hypercorn_config
+    from tessera.peer.request.client import Swarm
+
+    async with Swarm.join(args.join, model=folder, swarm_key=swarm_key, policy=args.policy, tracer=tracer,
                           quant=quant_from(args), accept_mixed=args.accept_mixed) as swarm:
         gateway = Gateway(swarm, name=served_name(args.model), api_key=api_key, route_wait=args.route_wait,
                           max_concurrent=args.max_concurrent, default_max_tokens=args.default_max_tokens,
@@ -127,7 +145,6 @@ async def serve(args: argparse.Namespace) -> None:
                           f"{' (API key required)' if api_key else ''}{peers_note(args)}", flush=True)
                     print(f"web view: {url}/ (swarm, chat, peer)", flush=True)
             nursery.cancel_scope.cancel()  # the server has stopped: so does the web view's sampler
-    print("stopped", flush=True)
 
 
 def peers_note(args: argparse.Namespace) -> str:
@@ -140,6 +157,8 @@ def peers_note(args: argparse.Namespace) -> str:
 
 async def stop_signal() -> None:
     """Returns on SIGINT or SIGTERM (hypercorn then shuts down gracefully)."""
+    import trio
+
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for _ in signals:
             return

@@ -55,13 +55,17 @@ import trio
 from tessera.stages.decoding.constrained import CannotClose, JsonConstraint
 from tessera.stages.errors import StageError
 
+from tessera.peer.plan.coverage import swarm_coverage
 from tessera.peer.http import anthropic as http_anthropic
 from tessera.peer.http import responses as http_responses
 from tessera.peer.http import tools as http_tools
 from tessera.peer.base.errors import NoRoute, PeerError, RouteLost, UnknownPeer
 from tessera.peer.base.threads import in_worker
 from tessera.peer.http.capacity import covered, session_capacity
-from tessera.peer.http.exchange import BODY_TIMEOUT, SSE_HEADERS, ClientGone, Exchange, Receive, Send
+from tessera.peer.http.defaults import (
+    BODY_TIMEOUT, DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_TOKENS, DEFAULT_QUEUE_WAIT, DEFAULT_ROUTE_WAIT,
+)
+from tessera.peer.http.exchange import SSE_HEADERS, ClientGone, Exchange, Receive, Send
 from tessera.peer.http.generation import (
     Envelope, Generation, chat_chunk, chat_object, completion_chunk, completion_object, usage_chunk,
 )
@@ -75,15 +79,8 @@ Respond = Callable[[Exchange, Generation, GenerationRequest], Awaitable[None]]
 if TYPE_CHECKING:
     from tessera.peer.request.client import Swarm
 
-DEFAULT_MAX_TOKENS = 512  # when a request gives no max_tokens (clamped to the context)
-# How long a request waits for the swarm to cover every layer before it gets a 503.
-DEFAULT_ROUTE_WAIT = 10.0
-DEFAULT_MAX_CONCURRENT = 8  # a cap on top of what the swarm holds (peer/http/capacity.py)
 # Sessions of one requester a peer takes at most (not advertised: the peers' default).
 PER_REQUESTER = ServerLimits.max_sessions_per_requester
-# How long a request whose session cannot be opened on a covered swarm (busy peers) keeps
-# trying before a 503: a minute of queueing is what an API client's default timeout allows.
-DEFAULT_QUEUE_WAIT = 60.0
 # Between tries of such a request: until a slot of ours is released or the view changes, at most this.
 RETRY_WAIT = 1.0
 RETRY_AFTER = 10  # seconds a busy 503 tells the client to wait (Retry-After)
@@ -282,11 +279,12 @@ class Gateway:
     # -- the swarm, as these endpoints show it --------------------------------------------
 
     def coverage(self) -> dict:
+        """What a new request can get through now: routing's definition (peer/plan/coverage.py)."""
         view = self.swarm.keeper.snapshot()
-        counts = view.coverage()
-        return {"layers": view.num_layers, "complete": min(counts, default=0) > 0,
-                "missing": [list(gap) for gap in view.gaps()], "peers": len(view.peers),
-                "min_replicas": min(counts, default=0)}
+        coverage = swarm_coverage(view)
+        return {"layers": view.num_layers, "complete": coverage.complete,
+                "missing": [list(gap) for gap in coverage.gaps], "peers": coverage.peers,
+                "min_replicas": min(coverage.replicas, default=0)}
 
     def model_card(self) -> dict:
         return {"id": self.name, "object": "model", "created": int(self.stats.started), "owned_by": "tessera",

@@ -14,14 +14,10 @@ from typing import Awaitable, Callable, Sequence
 
 import trio
 
+from tessera.peer.http.defaults import BODY_TIMEOUT
 from tessera.peer.http.requests import ApiError
 
 MAX_BODY_BYTES = 4 << 20  # a request body past this is refused (413) before it is parsed
-# Seconds a client has to send its whole request body. A 4 MiB body crosses even a slow
-# uplink (1 Mbit/s) in ~35 s; a chat request of a few KiB takes milliseconds. A client that
-# announces a body and sends it slower than that (or not at all) holds a connection and a
-# buffer for nothing: it gets a 408.
-BODY_TIMEOUT = 30.0
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]

@@ -435,8 +435,12 @@ class RouteSession:
         down = hops[j + 1] if j + 1 < len(hops) else None
         dead = [h.peer for h in hops[i : j + 1]]
         reasons = "; ".join(f"{h.peer}: {h.failure}" for h in hops[i : j + 1] if h.failure) or "failed"
+        # every peer of this session stays out of the replacement, not only the dead: a peer runs one
+        # hop of a session (its id is the session's), so one already in the route cannot take another
+        # piece ("session ... is already open here" failed simulated answers beside full coverage)
         chosen = await repair.reroute(
-            a, b, source=up.peer if up else None, sink=down.peer if down else None, exclude=dead,
+            a, b, source=up.peer if up else None, sink=down.peer if down else None,
+            exclude=dead + [h.peer for h in hops if h.peer not in dead],
             groups=False,  # replacements are chained peer to peer; groups need the requester
             why=reasons,
         )
