@@ -15,10 +15,12 @@ Kinds (CACHE_KINDS):
              see `CacheSpec`); a one-token step reads only the last `window` positions, and
              a longer step's mask (layers/attention.py) hides the rest.
 
-A new kind (MLA's "latent": the compressed kv and the rope key per position, [capacity,
-kv_lora_rank + rope_dim]; DSA's index keys beside it) is a store class here with the
-interface its attention kind calls — for `KeyValues`, `write_and_read` — registered in
-STORES, and its `CacheSpec.bytes_per_position` (what admission budgets).
+- "latent":  `LatentRows` [capacity, kv_lora_rank + rope_dim]: MLA's compressed kv and rotated
+             rope key per position, one row for all heads (layers/mla.py expands or absorbs it).
+
+A new kind (DSA's index keys beside the latent) is a store class here with the interface
+its attention kind calls — for `KeyValues`, `write_and_read` — registered in STORES, and
+its spec's `bytes_per_position` (what admission budgets).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Sequence
 import torch
 
 from tessera.stages.errors import ContextOverflow, UnsupportedModel
-from tessera.stages.families.spec import CacheSpec
+from tessera.stages.families.spec import CacheSpec, LatentCacheSpec
 
 
 class KeyValues:
@@ -56,21 +58,41 @@ class KeyValues:
         return self.keys.nbytes + self.values.nbytes
 
 
-STORES = {"full": KeyValues, "sliding": KeyValues}
+class LatentRows:
+    """One MLA layer's cache of one session: [capacity, latent + rope dims], written in place."""
+
+    def __init__(self, spec: LatentCacheSpec, capacity: int, *, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        self.rows = torch.zeros((capacity, spec.width), dtype=dtype, device=device)
+
+    def write_and_read(self, rows: torch.Tensor, start: int) -> torch.Tensor:
+        """Write rows [T, C + Dr] at positions [start, start + T); return positions [0, start + T)."""
+        end = start + rows.shape[0]
+        self.rows[start:end] = rows
+        return self.rows[:end]
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes
 
 
-def layer_store(spec: CacheSpec, capacity: int, *, dtype: torch.dtype, device: torch.device | str) -> KeyValues:
+LayerStore = KeyValues | LatentRows
+STORES = {"full": KeyValues, "sliding": KeyValues, "latent": LatentRows}
+
+
+def layer_store(spec: CacheSpec | LatentCacheSpec, capacity: int, *, dtype: torch.dtype,
+                device: torch.device | str) -> LayerStore:
     """An empty store of `spec`'s kind (UnsupportedModel for a kind without a store here)."""
     store = STORES.get(spec.kind)
     if store is None:
         raise UnsupportedModel(f"cache kind {spec.kind!r} has no store in this engine ({sorted(STORES)})")
-    return store(spec, capacity, dtype=dtype, device=device)
+    return store(spec, capacity, dtype=dtype, device=device)  # type: ignore[arg-type]
 
 
 class SessionCache:
     """Every layer's store for one session over a run of consecutive layers, and the pointer."""
 
-    def __init__(self, layers: Sequence[CacheSpec], capacity: int, *, dtype: torch.dtype = torch.float32,
+    def __init__(self, layers: Sequence[CacheSpec | LatentCacheSpec], capacity: int, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
         self.layers = [layer_store(spec, capacity, dtype=dtype, device=device) for spec in layers]
         self.capacity = capacity
@@ -101,6 +123,6 @@ class SessionCache:
         return sum(store.nbytes for store in self.layers)
 
 
-def session_bytes(layers: Sequence[CacheSpec], capacity: int, itemsize: int) -> int:
+def session_bytes(layers: Sequence[CacheSpec | LatentCacheSpec], capacity: int, itemsize: int) -> int:
     """Bytes a `SessionCache` of these layers and `capacity` positions allocates (checked first)."""
     return sum(spec.bytes(capacity, itemsize) for spec in layers)

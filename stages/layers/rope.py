@@ -24,7 +24,8 @@ from torch import nn
 from tessera.stages.errors import UnsupportedModel
 from tessera.stages.families.spec import LayerSpec, RopeSpec
 
-# The key of a layer's RoPE tables: its RopeSpec and head dim (layers/attention.py's StepContext.rope).
+# The key of a layer's RoPE tables: its RopeSpec and the dims it turns (layers/attention.py's StepContext.rope):
+# the head dim, the first dims of a head under partial rotary (GLM), MLA's rope head.
 RopeKey = tuple[RopeSpec, int]
 
 
@@ -51,10 +52,10 @@ class Rotary(nn.Module):
 
 
 class RopeTables:
-    """One `Rotary` per distinct (RopeSpec, head_dim) among `layers`, and each step's tables."""
+    """One `Rotary` per distinct (RopeSpec, dims turned) among `layers`, and each step's tables."""
 
     def __init__(self, layers: Sequence[LayerSpec], device: torch.device | str = "cpu") -> None:
-        keys = {(layer.attention.rope, layer.attention.head_dim) for layer in layers}
+        keys = {(layer.attention.rope, layer.attention.rope_dim) for layer in layers}
         self.rotaries = {key: Rotary(*key, device=device) for key in sorted(keys, key=repr)}
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[RopeKey, tuple[torch.Tensor, torch.Tensor]]:
@@ -128,7 +129,11 @@ def attention_scaling(rope: RopeSpec) -> float:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate [T, heads, D] by `Rotary.cos_sin`'s tables (the half-split layout Hugging Face uses):
-    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), the same products and sums as the reference."""
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), the same products and sums as the reference.
+    Tables narrower than D (partial rotary) turn the first dims and pass the rest through."""
+    turned = cos.shape[-1]
+    if turned < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :turned], cos, sin), x[..., turned:]), dim=-1)
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (x2, x1)
     return x * cos + swapped * sin
