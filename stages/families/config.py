@@ -133,9 +133,31 @@ class ConfigReader:
     def rope(self, *, default_theta: float = DEFAULT_ROPE_THETA) -> RopeSpec:
         """The RoPE block, whichever form it came in (see `read_rope`); `default_theta`: the
         family's base when the config names none (transformers' `default_theta`)."""
-        self.read.update({"rope_scaling", "rope_parameters", "rope_theta", "original_max_position_embeddings"})
         self.expect("partial_rotary_factor", (1, 1.0), default=1.0)
-        theta, scaling = read_rope(self.config, default_theta=default_theta)
+        return self._rope_of(self.config, default_theta)
+
+    def partial_rope(self, *, default_fraction: float, default_theta: float = DEFAULT_ROPE_THETA
+                     ) -> tuple[RopeSpec, float]:
+        """The RoPE block (as `rope`) and the fraction of each head it turns: the block's
+        `partial_rotary_factor`, else the top-level key, else `default_fraction` (the family's, as
+        transformers 5 resolves it). ModelFormatError unless 0 < fraction <= 1."""
+        self.read.add("partial_rotary_factor")
+        where = "rope_scaling" if self.config.get("rope_scaling") else "rope_parameters"
+        whole = {k: v for k, v in self.config.items() if k != "partial_rotary_factor"}
+        block, fraction = self.config.get(where), None
+        if isinstance(block, dict) and block.get("partial_rotary_factor") is not None:
+            fraction = block["partial_rotary_factor"]
+            whole[where] = {k: v for k, v in block.items() if k != "partial_rotary_factor"}
+        if fraction is None:
+            fraction = self.config.get("partial_rotary_factor")
+        fraction = default_fraction if fraction is None else fraction
+        if not _positive(fraction) or fraction > 1:
+            raise ModelFormatError(f"config field partial_rotary_factor has an impossible value {fraction!r}")
+        return self._rope_of(whole, default_theta), float(fraction)
+
+    def _rope_of(self, config: dict[str, Any], default_theta: float) -> RopeSpec:
+        self.read.update({"rope_scaling", "rope_parameters", "rope_theta", "original_max_position_embeddings"})
+        theta, scaling = read_rope(config, default_theta=default_theta)
         if scaling is None:
             return RopeSpec("default", theta)
         params = tuple(sorted((k, v) for k, v in scaling.items() if k != "rope_type"))
