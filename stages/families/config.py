@@ -39,6 +39,9 @@ IGNORED_KEYS = frozenset({
 })
 
 _REQUIRED = object()
+# The largest count or size a config may give: no model comes near it, and a larger one would
+# overflow the sizes torch takes (a config saying hidden_size 1e308 is refused here, not there).
+MAX_CONFIG_INT = 2**31 - 1
 
 # RoPE types we compute, each with the parameters it needs (transformers' modeling_rope_utils names)
 ROPE_PARAMETERS: dict[str, frozenset[str]] = {
@@ -88,7 +91,8 @@ class ConfigReader:
         value = self.value(key, default)
         if value is default and default is not _REQUIRED:
             return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < minimum:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or value != int(value) or not minimum <= value <= MAX_CONFIG_INT:
             raise ModelFormatError(f"config field {key} has an impossible value {value!r}")
         return int(value)
 
