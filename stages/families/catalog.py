@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
-from tessera.stages.families import llama, mixtral, qwen3
+from tessera.stages.families import deepseek, glm, llama, mixtral, qwen3
 from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.shipped import read_shipped
 from tessera.stages.families.spec import ModelSpec
@@ -47,6 +47,8 @@ FAMILIES = {f.name: f for f in (
     Family("qwen3", qwen3.ARCHITECTURES["qwen3"], qwen3.read_qwen3, qwen3.to_config),
     Family("qwen3_moe", qwen3.ARCHITECTURES["qwen3_moe"], qwen3.read_qwen3_moe, qwen3.to_config),
     Family("mixtral", mixtral.ARCHITECTURES["mixtral"], mixtral.read, mixtral.to_config, MIXTRAL_EXPERTS),
+    Family("deepseek_v3", deepseek.ARCHITECTURES["deepseek_v3"], deepseek.read, deepseek.to_config),
+    Family("glm4_moe", glm.ARCHITECTURES["glm4_moe"], glm.read, glm.to_config),
 )}
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES.values()}
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.stages.families.spec import AttentionSpec
+from tessera.stages.families.spec import AttentionSpec, MlaSpec
 from tessera.stages.layers.cache import KeyValues
 from tessera.stages.layers.norm import RMSNorm
 from tessera.stages.layers.rope import RopeKey, apply_rope
@@ -56,7 +56,7 @@ class StepContext:
 
     start:    position of the step's first token (a solo step; a stacked step's are in
               `segments`).
-    tables:   RoPE cos/sin [rows, 1, D] per (RopeSpec, head_dim), each row at its own position.
+    tables:   RoPE cos/sin [rows, 1, D] per (RopeSpec, dims turned), each row at its own position.
     segments: a stacked step's sessions, in row order; empty for one session's step.
     """
 
@@ -66,8 +66,8 @@ class StepContext:
     segments: tuple[Segment, ...] = ()
     _masks: dict[tuple[int, int, int | None], torch.Tensor | None] = field(default_factory=dict)
 
-    def rope(self, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.tables[(spec.rope, spec.head_dim)]
+    def rope(self, spec: AttentionSpec | MlaSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tables[(spec.rope, spec.rope_dim)]
 
     def mask(self, start: int, n_tokens: int, window: int | None) -> torch.Tensor | None:
         """`attention_mask` for these rows, built once per step for all layers alike."""
