@@ -40,23 +40,23 @@ def expected_tensors(spec: ModelSpec, held: set[str]) -> dict[str, Stored]:
     shipped = spec.shipped
     out: dict[str, Stored] = {}
     for name, shape in edge_tensors(spec).items():
-        out.update(_edge(spec, name, shape, held))
+        out.update(_dense(spec, name, shape, held))
     for layer in range(spec.num_layers):
         matrices = {p + ".weight" for p in matrix_paths(spec, spec.layers[layer])} if shipped is not None else set()
         for ours, choices in tensors_of_layer(spec, layer).items():
             def stored(source: Stacked) -> dict[str, Stored]:
                 if shipped is None or ours not in matrices:
-                    return {n: (shape, FLOAT_DTYPES) for n, shape in zip(source.names, source.shapes)}
+                    return {k: v for n, shape in zip(source.names, source.shapes) for k, v in _dense(spec, n, shape, held).items()}
                 return {k: v for i, n in enumerate(source.names) for k, v in shipped.stored_tensors(n, source.shapes[i]).items()}
             out.update(next((found for found in map(stored, choices) if set(found) <= held), stored(choices[0])))
     return out
 
 
-def _edge(spec: ModelSpec, name: str, shape: tuple[int, ...], held: set[str]) -> dict[str, Stored]:
-    """An embedding, head or final norm as stored: float, unless the folder holds it quantized
-    (stages/weights/formats/load.py `edge_tensor` reads whichever form it finds)."""
+def _dense(spec: ModelSpec, name: str, shape: tuple[int, ...], held: set[str]) -> dict[str, Stored]:
+    """A tensor a span holds dense (embedding, head, norm, router, MLA's wkv_b) as stored: float, unless
+    the folder holds it quantized (stages/weights/formats/load.py `dense_tensor` reads whichever form it finds)."""
     shipped = spec.shipped
-    if shipped is not None:
+    if shipped is not None and len(shape) >= 2:
         if name + "_scale_inv" in held:
             return ShippedFormat("fp8", block=shipped.block).stored_tensors(name, shape)
         if name + "_blocks" in held:

@@ -57,7 +57,6 @@ from torch import nn
 
 from tessera.stages.errors import StageError
 from tessera.stages.families.catalog import tensors_of_layer
-from tessera.stages.families.tensors import Choices
 from tessera.stages.families.spec import LayerSpec, ModelSpec
 from tessera.stages.layers.block import Block, linear_paths
 from tessera.stages.weights.folder import WeightFolder
@@ -453,15 +452,7 @@ def quantize_block(weights: WeightFolder, layer: int, quant: Quant, *, dtype: to
         owner, _, name = path.rpartition(".")
         setattr(block.get_submodule(owner), name, layer_module)
         del bias, blocks
-    load_rest(weights, block, tensors, paths, dtype=dtype, device=device)
-    release_freed_memory()
-    return block.requires_grad_(False)
-
-
-def load_rest(weights: WeightFolder, block: Block, tensors: dict[str, Choices], paths: list[str], *,
-              dtype: torch.dtype, device: torch.device | str) -> None:
-    """Load the tensors of `block` that are not its matrices (`paths`): norms, a router, each one
-    tensor of the checkpoint, in the stage's dtype."""
+    # the rest (norms, a router) in the stage's dtype, each one tensor of the checkpoint
     rest = {ours: weights.choose(choices) for ours, choices in tensors.items() if ours.rpartition(".")[0] not in paths}
     read = weights.read({s.names[0]: s.shapes[0] for s in rest.values()}, dtype)
     # Copies, not views of the memory-mapped file: a view keeps the whole file mapped, and the page
@@ -469,6 +460,8 @@ def load_rest(weights: WeightFolder, block: Block, tensors: dict[str, Choices], 
     # held a quantized span 23.6 MiB of float weights it does not use once the file had been read whole.
     block.load_state_dict({ours: read[s.names[0]].to(device, copy=True) for ours, s in rest.items()},
                           assign=True, strict=False)
+    release_freed_memory()
+    return block.requires_grad_(False)
 
 
 def _libc_trim():  # glibc's malloc_trim, or None on another C library

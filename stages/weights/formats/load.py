@@ -4,10 +4,11 @@ The model's spec says how its matrices are stored (`ModelSpec.shipped`, families
 `shipped_block` builds a layer on the meta device and gives each of its linear modules
 (stages/layers/block.py `linear_paths`) the stored tensors of its checkpoint matrices, read
 from the memory-mapped files one matrix at a time and copied out (a view would keep the
-file's neighbouring pages mapped: see stages/weights/quant.py `load_rest`), never widened:
+file's neighbouring pages mapped: see stages/weights/quant.py `quantize_block`), never widened:
 the span holds what it would on disk, plus its norms and routers in the compute dtype.
-`edge_tensor` gives the embedding and the head — which a requester holds in float anyway —
-dequantized, whichever form the checkpoint stores them in.
+`dense_tensor` gives what a span holds dense — the embedding and the head (a requester holds
+them in float anyway), norms, routers, MLA's `wkv_b` parameter — dequantized, whichever form
+the checkpoint stores them in.
 
 A layout of an engine matrix (families/tensors.py: experts one tensor each, or fused) is
 taken when the folder holds every stored tensor of its parts, so a gpt-oss-style fused
@@ -28,7 +29,7 @@ from tessera.stages.weights.formats.fp8 import Fp8BlockLinear, check_codes, fp8_
 from tessera.stages.weights.formats.ggml import GgmlLinear, ggml_rows
 from tessera.stages.weights.formats.linear import FloatLinear, RowStack, ShippedLinear
 from tessera.stages.weights.formats.mxfp4 import Mxfp4Linear, mxfp4_dense
-from tessera.stages.weights.quant import QuantLinear, load_rest, release_freed_memory
+from tessera.stages.weights.quant import QuantLinear, release_freed_memory
 
 
 def shipped_block(weights: WeightFolder, layer: int, *, dtype: torch.dtype, device: torch.device | str) -> Block:
@@ -50,7 +51,10 @@ def shipped_block(weights: WeightFolder, layer: int, *, dtype: torch.dtype, devi
         module.bias = bias
         owner, _, name = path.rpartition(".")
         setattr(block.get_submodule(owner), name, module)
-    load_rest(weights, block, tensors, paths, dtype=dtype, device=device)
+    # the rest (norms, a router, MLA's wkv_b parameter) dense in the stage's dtype, dequantized if stored so
+    rest = {ours: weights.choose(choices) for ours, choices in tensors.items() if ours.rpartition(".")[0] not in paths}
+    block.load_state_dict({ours: dense_tensor(weights, s.names[0], s.shapes[0], dtype).to(device, copy=True)
+                           for ours, s in rest.items()}, assign=True, strict=False)
     release_freed_memory()
     return block.requires_grad_(False)
 
@@ -93,9 +97,10 @@ def stored_linear(shipped: ShippedFormat, name: str, stored: dict[str, torch.Ten
     return GgmlLinear(stored[name], GGML_TYPES[form], cols, None)
 
 
-def edge_tensor(weights: WeightFolder, name: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    """The embedding or head matrix `name` dequantized to `dtype`, whichever form the checkpoint holds
-    it in (an fp8 head with its scales, MXFP4 blocks, GGUF blocks, or float)."""
+def dense_tensor(weights: WeightFolder, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Tensor `name` that a span holds dense (the embedding, the head, a norm, a router, MLA's wkv_b)
+    dequantized to `dtype`, whichever form the checkpoint holds it in (fp8 with its scales, MXFP4
+    blocks, GGUF blocks, or float): the checkpoint says which."""
     shipped = weights.spec.shipped
     assert shipped is not None, "a folder whose config names a quantization_config"
     if weights.has(name + "_scale_inv"):
@@ -107,7 +112,7 @@ def edge_tensor(weights: WeightFolder, name: str, shape: tuple[int, int], dtype:
         stored = ShippedFormat("mxfp4").stored_tensors(name, shape)
         blocks, scales = (weights.read_stored(n, s, d) for n, (s, d) in stored.items())
         return mxfp4_dense(blocks, scales).to(dtype)
-    form = shipped.form_of(name) if shipped.method == "gguf" else "float"
+    form = shipped.form_of(name) if shipped.method == "gguf" and len(shape) == 2 else "float"
     if form == "float" or GGML_TYPES[form].is_float:
         return weights.read_stored(name, shape, FLOAT_DTYPES if form == "float" else (form,)).to(dtype)
     ((stored_name, (stored_shape, dtypes)),) = shipped.stored_tensors(name, shape).items()
@@ -124,7 +129,7 @@ def read_embedding(weights: WeightFolder, dtype: torch.dtype) -> torch.Tensor:
     spec = weights.spec
     if spec.shipped is None:
         return weights.embedding(dtype)
-    return edge_tensor(weights, EMBEDDING, (spec.vocab_size, spec.hidden_size), dtype)
+    return dense_tensor(weights, EMBEDDING, (spec.vocab_size, spec.hidden_size), dtype)
 
 
 def read_head(weights: WeightFolder, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,4 +139,4 @@ def read_head(weights: WeightFolder, dtype: torch.dtype) -> tuple[torch.Tensor, 
         return weights.head(dtype)
     norm = weights.read({FINAL_NORM: (spec.hidden_size,)}, dtype)[FINAL_NORM]
     name = EMBEDDING if spec.tie_embeddings else HEAD
-    return norm, edge_tensor(weights, name, (spec.vocab_size, spec.hidden_size), dtype)
+    return norm, dense_tensor(weights, name, (spec.vocab_size, spec.hidden_size), dtype)

@@ -23,8 +23,15 @@ def cycling(kinds: tuple[str, ...]):
 def sources(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("float")
+    from ..families import test_deepseek_v3 as deepseek, test_glm4_moe as glm
+
     return {"llama": build(root, "llama", transformers.LlamaConfig(**WIDE, **LLAMA), seed=41),
-            "moe": build(root, "moe", transformers.Qwen3MoeConfig(**WIDE, **MOE), seed=42)}
+            "moe": build(root, "moe", transformers.Qwen3MoeConfig(**WIDE, **MOE), seed=42),
+            # the MLA families' first configurations (low-rank q, dense first layer, groups, a shared expert; qk norm)
+            "deepseek_v3": build(root, "deepseek_v3", transformers.DeepseekV3Config(
+                **deepseek.SHAPE, **next(iter(deepseek.CONFIGS.values()))[0]), seed=43),
+            "glm4_moe": build(root, "glm4_moe", transformers.Glm4MoeConfig(
+                **{**glm.SHAPE, **next(iter(glm.CONFIGS.values()))[0]}), seed=44)}
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +43,10 @@ def shipped(sources, tmp_path_factory):
         "fp8-llama": lambda o: ck.fp8_folder(sources["llama"], o),
         "fp8-moe": lambda o: ck.fp8_folder(sources["moe"], o),
         "fp8-llama-ragged-blocks": lambda o: ck.fp8_folder(sources["llama"], o, block=(96, 160)),
+        # MLA's kv_b_proj (a parameter the engine holds dense: dequantized at load) and its other
+        # projections, shared experts, routers with a correction bias; blocks of 16 for their small shapes
+        "fp8-deepseek_v3": lambda o: ck.fp8_folder(sources["deepseek_v3"], o, block=(16, 16)),
+        "fp8-glm4_moe": lambda o: ck.fp8_folder(sources["glm4_moe"], o, block=(16, 16)),
         "mxfp4-moe": lambda o: ck.mxfp4_folder(sources["moe"], o),
         "mxfp4-moe-fused": lambda o: ck.mxfp4_folder(sources["moe"], o, fused=True),
         "mxfp4-llama-every-matrix": lambda o: ck.mxfp4_folder(sources["llama"], o, not_converted=["lm_head"]),
@@ -54,7 +65,7 @@ def shipped(sources, tmp_path_factory):
     return out
 
 
-NAMES = ["fp8-llama", "fp8-moe", "fp8-llama-ragged-blocks", "mxfp4-moe", "mxfp4-moe-fused", "mxfp4-llama-every-matrix",
+NAMES = ["fp8-llama", "fp8-moe", "fp8-llama-ragged-blocks", "fp8-deepseek_v3", "fp8-glm4_moe", "mxfp4-moe", "mxfp4-moe-fused", "mxfp4-llama-every-matrix",
          *(f"gguf-llama-{kind}" for kind in K_QUANTS), "gguf-llama-every-k-quant", "gguf-moe-every-type"]
 
 

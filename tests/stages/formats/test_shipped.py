@@ -14,6 +14,7 @@ reference's over a prefill and a greedy decode, and its greedy tokens are the re
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -91,7 +92,8 @@ def test_the_dense_reference_of_a_span_is_the_oracles(shipped, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_placement_and_the_fetch_count_the_shipped_bytes(shipped, name, tmp_path):
     """A span holds its matrices as stored: its bytes are what placement counts (span_bytes) and what
-    the manifest lists for its layers (what a peer fetching the span downloads and the model id hashes)."""
+    the manifest lists for its layers (what a peer fetching the span downloads and the model id hashes),
+    but for what it holds dense: MLA's wkv_b, a parameter, widened to float32 from its fp8 blocks."""
     from tessera.stages.weights import registry
     from tessera.stages.weights.tensor_table import groups_for_span
 
@@ -104,7 +106,10 @@ def test_placement_and_the_fetch_count_the_shipped_bytes(shipped, name, tmp_path
         stage = Stage.load(folder, start=start, end=end)
         layers = {f"layer.{i}" for i in range(start, end)}
         on_disk = sum(e["end"] - e["begin"] for e in entries.values() if e["group"] in layers)
-        assert stage.weight_bytes == span_bytes(spec, start, end, 4) == on_disk  # float tensors here are F32
+        widened = sum(4 * math.prod(e["shape"]) - (e["end"] - e["begin"]) for n, e in entries.items()
+                      if e["group"] in layers and n.endswith("kv_b_proj.weight")) + sum(
+            -(e["end"] - e["begin"]) for n, e in entries.items() if e["group"] in layers and n.endswith("kv_b_proj.weight_scale_inv"))
+        assert stage.weight_bytes == span_bytes(spec, start, end, 4) == on_disk + widened  # float tensors here are F32
         assert layers <= groups_for_span(start, end, spec.num_layers, tied=spec.tie_embeddings)
     assert registry.verify(folder) == []
 
