@@ -214,9 +214,10 @@ class Scratch(threading.local):
     every chunk of every matrix: no heap churn, so a float32 span's RSS stays its weights plus
     this (fresh temporaries per chunk left 0-7 MiB in glibc's heap, measured)."""
 
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A flat tensor of `numel` elements of this thread's buffer for `dtype` (grown when asked more)."""
-        name = f"buffer_{dtype}".replace(".", "_")
+    def take(self, numel: int, dtype: torch.dtype, slot: str = "") -> torch.Tensor:
+        """A flat tensor of `numel` elements of this thread's buffer for `dtype` (grown when asked more);
+        another `slot` is another buffer of that dtype (a dequantizer holding two at once)."""
+        name = f"buffer_{dtype}{slot}".replace(".", "_")
         buf = getattr(self, name, None)
         # a buffer made under inference_mode (a Stage's forward) cannot be written outside it
         stale = buf is not None and buf.is_inference() and not torch.is_inference_mode_enabled()

@@ -29,7 +29,7 @@ import torch
 
 from tessera.stages.families.shipped import GGML_TYPES, GgmlType
 from tessera.stages.weights.formats.linear import ShippedLinear
-from tessera.stages.weights.quant import SCRATCH
+from tessera.stages.weights.quant import SCRATCH, chunked_matmul
 
 K_SCALE_BYTES = 12  # Q4_K/Q5_K: 8 six-bit scales and 8 six-bit mins
 QK_K = 256
@@ -150,50 +150,61 @@ def _scratch_codes(shape: tuple[int, ...]) -> torch.Tensor:
     return SCRATCH.take(math.prod(shape), torch.uint8).view(shape)
 
 
-def q8_0_into(raw: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+# Each type's per-block scales ("header", computed once per matmul for the whole matrix: small
+# tensors, whose per-op cost would otherwise recur in every chunk), then its codes ("body", per chunk).
+Header = tuple[torch.Tensor, ...]
+
+
+def q8_0_header(raw: torch.Tensor) -> Header:
+    return (_f16(raw, 0),)
+
+
+def q8_0_body(raw: torch.Tensor, header: Header, out: torch.Tensor) -> torch.Tensor:
     r, nb, _ = raw.shape
     w = out.view(r, nb, 32)
     w.copy_(raw[..., 2:].view(torch.int8))
-    return w.mul_(_f16(raw, 0))
+    return w.mul_(header[0])
 
 
-def q4_0_into(raw: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def q4_0_body(raw: torch.Tensor, header: Header, out: torch.Tensor) -> torch.Tensor:
     r, nb, _ = raw.shape
     codes = _scratch_codes((r, nb, 2, 16))
     _split_nibbles(raw[..., 2:], codes)
     w = out.view(r, nb, 32)
     w.copy_(codes.view(torch.int8).sub_(8).view(r, nb, 32))
-    return w.mul_(_f16(raw, 0))
+    return w.mul_(header[0])
 
 
-def q4_1_into(raw: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def q4_1_header(raw: torch.Tensor) -> Header:
+    return _f16(raw, 0), _f16(raw, 2)
+
+
+def q4_1_body(raw: torch.Tensor, header: Header, out: torch.Tensor) -> torch.Tensor:
     r, nb, _ = raw.shape
     codes = _scratch_codes((r, nb, 2, 16))
     _split_nibbles(raw[..., 4:], codes)
     w = out.view(r, nb, 32)
     w.copy_(codes.view(torch.int8).view(r, nb, 32))  # int8 -> float32 is vectorised, uint8's is not
-    return w.mul_(_f16(raw, 0)).add_(_f16(raw, 2))
+    return w.mul_(header[0]).add_(header[1])
 
 
-def _k_header(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def k_header(raw: torch.Tensor) -> Header:
     """Q4_K/Q5_K: (d * scale, dmin * min) per sub-block of 32, float32 [r, nb, 8, 1]."""
     sc, mins = k_scales(raw[..., 4 : 4 + K_SCALE_BYTES])
     return (_f16(raw, 0) * sc.float())[..., None], (_f16(raw, 2) * mins.float())[..., None]
 
 
-def q4_k_into(raw: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def q4_k_body(raw: torch.Tensor, header: Header, out: torch.Tensor) -> torch.Tensor:
     r, nb, _ = raw.shape
-    scale, low = _k_header(raw)
     codes = _scratch_codes((r, nb, 4, 2, 32))
     _split_nibbles(raw[..., 16:].view(r, nb, 4, 32), codes)
     w = out.view(r, nb, 8, 32)
     w.copy_(codes.view(torch.int8).view(r, nb, 8, 32))
-    return w.mul_(scale).sub_(low)
+    return w.mul_(header[0]).sub_(header[1])
 
 
-def q5_k_into(raw: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def q5_k_body(raw: torch.Tensor, header: Header, out: torch.Tensor) -> torch.Tensor:
     r, nb, _ = raw.shape
-    scale, low = _k_header(raw)
     codes = _scratch_codes((r, nb, 4, 2, 32))
     _split_nibbles(raw[..., 48:].view(r, nb, 4, 32), codes)
     high = SCRATCH.take(r * nb * 8 * 32, torch.int16).view(torch.uint8)[: r * nb * 8 * 32].view(r, nb, 8, 32)
@@ -202,12 +213,15 @@ def q5_k_into(raw: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     q = codes.view(r, nb, 8, 32).bitwise_or_(high)
     w = out.view(r, nb, 8, 32)
     w.copy_(q.view(torch.int8))
-    return w.mul_(scale).sub_(low)
+    return w.mul_(header[0]).sub_(header[1])
 
 
-def q6_k_into(raw: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def q6_k_header(raw: torch.Tensor) -> Header:
+    return ((_f16(raw, 208) * raw[..., 192:208].view(torch.int8).float())[..., None],)  # [r, nb, 16, 1]
+
+
+def q6_k_body(raw: torch.Tensor, header: Header, out: torch.Tensor) -> torch.Tensor:
     r, nb, _ = raw.shape
-    scale = (_f16(raw, 208) * raw[..., 192:208].view(torch.int8).float())[..., None]  # [r, nb, 16, 1]
     codes = _scratch_codes((r, nb, 2, 2, 64))
     _split_nibbles(raw[..., 0:128].view(r, nb, 2, 64), codes)
     high = SCRATCH.take(r * nb * 256, torch.int16).view(torch.uint8)[: r * nb * 256].view(r, nb, 2, 4, 32)
@@ -216,7 +230,7 @@ def q6_k_into(raw: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     q = codes.view(r, nb, 2, 4, 32).bitwise_or_(high).view(torch.int8).sub_(32)
     w = out.view(r, nb, 16, 16)
     w.copy_(q.view(r, nb, 16, 16))
-    return w.mul_(scale)
+    return w.mul_(header[0])
 
 
 def _shifts(count: int, step: int, device: torch.device) -> torch.Tensor:
@@ -224,15 +238,18 @@ def _shifts(count: int, step: int, device: torch.device) -> torch.Tensor:
     return torch.arange(0, count * step, step, dtype=torch.uint8, device=device)[:, None]
 
 
-DEQUANTIZE_INTO: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "Q8_0": q8_0_into, "Q4_0": q4_0_into, "Q4_1": q4_1_into, "Q4_K": q4_k_into, "Q5_K": q5_k_into, "Q6_K": q6_k_into,
+FAST: dict[str, tuple[Callable[[torch.Tensor], Header], Callable[[torch.Tensor, Header, torch.Tensor], torch.Tensor]]] = {
+    "Q8_0": (q8_0_header, q8_0_body), "Q4_0": (q8_0_header, q4_0_body), "Q4_1": (q4_1_header, q4_1_body),
+    "Q4_K": (k_header, q4_k_body), "Q5_K": (k_header, q5_k_body), "Q6_K": (q6_k_header, q6_k_body),
 }
-assert set(DEQUANTIZE_INTO) == set(DEQUANTIZE), "every block type has its fast dequantizer"
+assert set(FAST) == set(DEQUANTIZE), "every block type has its fast dequantizer"
 
 
 def ggml_rows_into(raw: torch.Tensor, kind: GgmlType, out: torch.Tensor) -> torch.Tensor:
     """`ggml_rows` into `out` [r, K] float32 (a CPU chunk of this thread's scratch), for speed."""
-    DEQUANTIZE_INTO[kind.name](raw.view(raw.shape[0], -1, kind.nbytes), out)
+    header, body = FAST[kind.name]
+    blocks = raw.view(raw.shape[0], -1, kind.nbytes)
+    body(blocks, header(blocks), out)
     return out
 
 
@@ -246,6 +263,20 @@ class GgmlLinear(ShippedLinear):
         self.out_features, self.in_features = raw.shape[0], in_features
         self.register_buffer("weight", raw)
         self.register_buffer("bias", bias)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [T, K] -> [T, N]: on a CPU, the scales of the whole matrix once, its codes a chunk at a time."""
+        if rows.device.type != "cpu":
+            return super().matmul(rows)
+        header_of, body = FAST[self.kind.name]
+        blocks = self.weight.view(self.out_features, -1, self.kind.nbytes)
+        header = header_of(blocks)
+
+        def rows_of(lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+            body(blocks[lo:hi], tuple(h[lo:hi] for h in header), out)
+            return out  # [hi - lo, K]
+
+        return chunked_matmul(rows.float(), self.out_features, rows_of).to(rows.dtype)
 
     def rows_into(self, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
         return ggml_rows_into(self.weight[lo:hi], self.kind, out)

@@ -12,8 +12,8 @@ even input — and `x_scales` uint8 [N, K/32], a power-of-two exponent per 32 in
 At compute time a table lookup is slow on a CPU (an index per weight), so the codes widen
 through float16 as fp8's do: a code's magnitude bits shifted to float16's top mantissa bit
 and exponent (bits 9..11), its sign to bit 15, are the float16 of FP4[code] * 2^-14 —
-e2m1's subnormal 0.5 included — and the scale 2^(e - 127 + 14) is built from its exponent
-bits in float32 and multiplies each group of 32. The same value, bit for bit.
+e2m1's subnormal 0.5 included — and the scale 2^(e - 127 + 14), built once per matmul from
+its exponent bits in float32, multiplies each group of 32. The same value, bit for bit.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from tessera.stages.weights.formats.linear import ShippedLinear
-from tessera.stages.weights.quant import SCRATCH
+from tessera.stages.weights.quant import SCRATCH, chunked_matmul
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 GROUP = 32  # inputs per scale
@@ -41,21 +41,37 @@ def mxfp4_dense(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return out.view(rows, groups * 2 * half)
 
 
-def widen_groups(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Rows of `blocks` [r, G, 16] / `scales` [r, G] as float32 into `out` [r, 32 G] (module docstring)."""
-    r, groups, half = blocks.shape
-    codes = SCRATCH.take(r * groups * 2 * half, torch.uint8).view(r, groups, half, 2)
-    torch.bitwise_and(blocks, 0x0F, out=codes[..., 0])
-    torch.bitwise_right_shift(blocks, 4, out=codes[..., 1])
-    bits = SCRATCH.take(codes.numel(), torch.int16).view(codes.shape)
-    bits.copy_(codes)
-    sign = (bits & 8).bitwise_left_shift_(12)
-    bits.bitwise_and_(7).bitwise_left_shift_(9).bitwise_or_(sign)
-    w = out.view(r, groups, 2 * half)
-    w.copy_(bits.view(r, groups, 2 * half).view(torch.float16))
-    # 2^(e - 127 + 14) from its float32 exponent bits, clamped to the finite exponents
+# A byte's two codes -> the int32 holding both float16s (the low nibble's in the low half, as
+# little-endian float16 pairs lie: the even input first). Magnitudes: bits 0-2 and 4-6 times
+# 2^9 + 2^21 land on 9-11 and 25-27 (and, harmlessly, 13-15 and 21-23, masked off); signs:
+# bits 3 and 7 times 2^12 + 2^24 land on 15 and 31 (and on 19 and 27, masked off).
+MAGNITUDES, MAGNITUDE_SPREAD, MAGNITUDE_MASK = 0x77, (1 << 9) + (1 << 21), 0x0E000E00
+SIGNS, SIGN_SPREAD, SIGN_MASK = 0x88, (1 << 12) + (1 << 24), -0x7FFF8000  # int32 0x80008000
+
+
+def group_scales(scales: torch.Tensor) -> torch.Tensor:
+    """uint8 exponents [r, G] -> float32 2^(e - 127 + 14) [r, G, 1] (built from its exponent bits,
+    clamped to the finite exponents): what the float16 trick's values are multiplied by."""
     exponent = (scales.int() - (E8M0_BIAS - CODE_EXPONENT) + 127).clamp_(1, 254)
-    return w.mul_(exponent.bitwise_left_shift_(FLOAT32_EXPONENT_BITS).view(torch.float32)[..., None]).view(r, -1)
+    return exponent.bitwise_left_shift_(FLOAT32_EXPONENT_BITS).view(torch.float32)[..., None]
+
+
+def widen_groups(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+                 factors: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of `blocks` [r, G, 16] / `scales` [r, G] as float32 into `out` [r, 32 G] (module
+    docstring); `factors`, their `group_scales` when already computed. Each byte becomes the int32
+    of its two float16s in a few whole-word operations (MAGNITUDES, SIGNS above)."""
+    r, groups, half = blocks.shape
+    byte = SCRATCH.take(r * groups * half, torch.int32, "bytes").view(r, groups, half)
+    byte.copy_(blocks.view(torch.int8))
+    pair = SCRATCH.take(r * groups * half, torch.int32, "pairs").view(r, groups, half)
+    torch.bitwise_and(byte, MAGNITUDES, out=pair).mul_(MAGNITUDE_SPREAD).bitwise_and_(MAGNITUDE_MASK)
+    byte.bitwise_and_(SIGNS).mul_(SIGN_SPREAD).bitwise_and_(SIGN_MASK)
+    pair.bitwise_or_(byte)
+    w = out.view(r, groups, 2 * half)
+    w.copy_(pair.view(torch.float16).view(r, groups, 2 * half))
+    w.mul_(group_scales(scales) if factors is None else factors)
+    return out
 
 
 class Mxfp4Linear(ShippedLinear):
@@ -68,6 +84,14 @@ class Mxfp4Linear(ShippedLinear):
         self.register_buffer("blocks", blocks)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", bias)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [T, K] -> [T, N]: on a CPU, the whole matrix's scales once, its codes a chunk at a time."""
+        if rows.device.type != "cpu":
+            return super().matmul(rows)
+        factors = group_scales(self.scales)
+        return chunked_matmul(rows.float(), self.out_features, lambda lo, hi, out: widen_groups(
+            self.blocks[lo:hi], self.scales[lo:hi], out, factors[lo:hi])).to(rows.dtype)
 
     def rows_into(self, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
         return widen_groups(self.blocks[lo:hi], self.scales[lo:hi], out)
