@@ -11,13 +11,13 @@ weights are never all in memory: a matrix is copied from the file as stored.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -25,51 +25,15 @@ from tessera.stages.families.catalog import spec_from_file, tensors_of_layer, to
 from tessera.stages.families.shipped import ShippedFormat
 from tessera.stages.weights.formats.encode import encode_matrix
 from tessera.stages.weights.quant import matrix_paths
-from tessera.stages.weights.tensor_table import read_header
 
-from ...resident import ROOT
+from ...resident import ROOT, SPAN_RSS, span_on_disk
 
 SPAN = (0, 15)
-
-SPAN_RSS = """
-import gc, sys, torch
-from pathlib import Path
-from tessera.stages.engine.stage import Stage
-from tests.resident import held_bytes, mib, no_huge_pages, resident_parts
-no_huge_pages()
-torch.set_num_threads(1)
-folder, start, end = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-warm = Stage.load(folder, start=start, end=start + 1)
-warm.open("w", capacity=4)
-warm.forward("w", torch.zeros(1, warm.spec.hidden_size), 0)  # torch's lazy kernel set-up, not the span
-del warm
-import tessera.stages.weights.quant as quant_module
-quant_module.SCRATCH = quant_module.Scratch()  # the dequantization buffers count: fresh ones for the span
-import tessera.stages.weights.formats.fp8, tessera.stages.weights.formats.mxfp4, tessera.stages.weights.formats.ggml
-for module in (tessera.stages.weights.formats.fp8, tessera.stages.weights.formats.mxfp4, tessera.stages.weights.formats.ggml):
-    module.SCRATCH = quant_module.SCRATCH
-gc.collect()
-held_before = held_bytes()
-stage = Stage.load(folder, start=start, end=end)
-stage.open("s", capacity=64)
-stage.forward("s", torch.zeros(1, stage.spec.hidden_size), 0)  # every weight touched, the scratch grown
-gc.collect()
-print('after the span:', mib(resident_parts()), file=sys.stderr)
-print(held_bytes() - held_before, stage.weight_bytes, stage.session_bytes(64))
-"""
-
-
-def span_on_disk(folder: Path, start: int, end: int) -> int:
-    """Bytes the tensors of layers [start, end) take in the folder's file (its safetensors header)."""
-    _, header = read_header(folder / "model.safetensors")
-    prefixes = tuple(f"model.layers.{i}." for i in range(start, end))
-    return sum(e["data_offsets"][1] - e["data_offsets"][0] for n, e in header.items() if n.startswith(prefixes))
-
 
 def write_span(smol: Path, out: Path, shipped: ShippedFormat) -> Path:
     """SmolLM2's layers SPAN in `shipped`'s form (the other layers are not written: a span reads only its own)."""
     spec = replace(spec_from_file(smol / "config.json"), shipped=shipped)
-    state, gen = {}, __import__("torch").Generator().manual_seed(0)
+    state, gen = {}, torch.Generator().manual_seed(0)
     with safe_open(smol / "model.safetensors", framework="pt") as f:
         for layer in range(*SPAN):
             matrices = {p + ".weight" for p in matrix_paths(spec, spec.layers[layer])}
