@@ -26,7 +26,8 @@ from tessera.stages.families.tensors import Choices, Stacked
 from tessera.stages.layers.block import Block, linear_paths
 from tessera.stages.weights.folder import WeightFolder
 from tessera.stages.weights.formats.fp8 import Fp8BlockLinear, check_codes, fp8_dense
-from tessera.stages.weights.formats.ggml import GgmlLinear, ggml_rows
+from tessera.stages.weights.formats.ggml import ggml_rows
+from tessera.stages.weights.formats.ggml_linear import GgmlLinear
 from tessera.stages.weights.formats.linear import FloatLinear, RowStack, ShippedLinear
 from tessera.stages.weights.formats.mxfp4 import Mxfp4Linear, mxfp4_dense
 from tessera.stages.weights.quant import QuantLinear, release_freed_memory

@@ -37,7 +37,8 @@ from .conftest import NAMES
 
 transformers = pytest.importorskip("transformers")
 
-TOLERANCE = 1e-4  # float32 logits, max abs: the shipped span against its dequantized float32 reference
+TOLERANCE = 3e-4  # float32 logits, max abs, against the dequantized reference: tests/stages/test_quant.py's bound
+# for a span whose chunked or permuted matmul blocks its sums differently (measured here: up to 1.2e-4 of logits ~12)
 DECODE_STEPS = 8
 def run(folder: Path, feed: list[int] | None = None) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens and the logits of every step (fed `feed`'s tokens when given, else its own)."""
@@ -167,7 +168,8 @@ def test_ggml_blocks_match_the_gguf_package(kind, rows, rnd):
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from tessera.stages.weights.formats.ggml import ggml_rows, ggml_rows_into
+    from tessera.stages.weights.formats.ggml import ggml_rows
+    from tessera.stages.weights.formats.ggml_linear import split_weight
 
     t = GGML_TYPES[kind]
     raw = np.frombuffer(rnd.randbytes(rows * 2 * t.nbytes), dtype=np.uint8).reshape(rows * 2, t.nbytes).copy()
@@ -177,7 +179,7 @@ def test_ggml_blocks_match_the_gguf_package(kind, rows, rnd):
     raw = raw.reshape(rows, 2 * t.nbytes)
     want = dequantize(raw, GGMLQuantizationType[kind]).reshape(rows, -1)
     assert np.array_equal(ggml_rows(torch.from_numpy(raw), t).numpy(), want)
-    assert np.array_equal(ggml_rows_into(torch.from_numpy(raw), t, torch.empty(rows, 2 * t.block)).numpy(), want)
+    assert np.array_equal(split_weight(torch.from_numpy(raw), t).numpy(), want)
 
 
 # -- what is refused, with one line ------------------------------------------------------------------
