@@ -44,7 +44,11 @@ from tessera.stages.errors import ModelFormatError
 
 ATTENTION_KINDS = ("gqa",)  # grouped-query attention (multi-head and multi-query included)
 MLP_KINDS = ("dense", "moe")  # SwiGLU; a sparse mixture of SwiGLU experts
-ROUTER_KINDS = ("softmax_topk",)  # softmax over experts, top-k, optionally renormalised
+ROUTER_KINDS = (
+    "softmax_topk",  # softmax over experts, top-k, optionally renormalised
+    "topk_softmax",  # top-k of the logits, softmax over those k (gpt-oss)
+)
+GLU_KINDS = ("silu", "clamped_swiglu")  # silu(gate) * up; gpt-oss's clamped form (GluSpec)
 CACHE_KINDS = ("full", "sliding")  # keys and values of every position; only the window is read
 ROPE_KINDS = ("default", "linear", "llama3")
 
@@ -119,6 +123,8 @@ class AttentionSpec:
     qkv_bias: q, k and v projections carry a bias (Qwen2; Qwen3 with attention_bias).
     o_bias:   the output projection carries one (Qwen3 with attention_bias).
     qk_norm:  q and k get an RMSNorm over each head's D before RoPE (Qwen3).
+    sinks:    each head has a learned logit that joins its softmax's denominator and no value
+              (gpt-oss's attention sinks): the weights of a row sum to less than one.
     """
 
     num_heads: int
@@ -130,6 +136,7 @@ class AttentionSpec:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         _check(self.kind in ATTENTION_KINDS, "attention kind", self.kind)
@@ -159,22 +166,47 @@ class AttentionSpec:
     def param_count(self, hidden: int) -> int:
         bias = (self.q_size + 2 * self.kv_size if self.qkv_bias else 0) + (hidden if self.o_bias else 0)
         norms = 2 * self.head_dim if self.qk_norm else 0
-        return sum(r * c for r, c in self.matrices(hidden)) + bias + norms
+        sinks = self.num_heads if self.sinks else 0
+        return sum(r * c for r, c in self.matrices(hidden)) + bias + norms + sinks
 
 
 @dataclass(frozen=True)
 class RouterSpec:
     """How a token picks its experts. kind "softmax_topk": softmax over the router's logits
     (float32), the `top_k` largest, divided by their sum when `renormalize` (Mixtral always;
-    Qwen3-MoE when `norm_topk_prob`)."""
+    Qwen3-MoE when `norm_topk_prob`). kind "topk_softmax": the `top_k` largest logits, their
+    softmax the weights (gpt-oss; `renormalize` is moot: they sum to one).
+    bias: the router's logits carry a learned bias (gpt-oss)."""
 
     kind: str = "softmax_topk"
     top_k: int = 2
     renormalize: bool = True
+    bias: bool = False
 
     def __post_init__(self) -> None:
         _check(self.kind in ROUTER_KINDS, "router kind", self.kind)
         _check(self.top_k > 0, "num_experts_per_tok", self.top_k)
+
+
+@dataclass(frozen=True)
+class GluSpec:
+    """The gated activation of a SwiGLU, between its gate/up and its down projection.
+
+    kind "silu":           silu(gate) * up.
+    kind "clamped_swiglu": gpt-oss's: gate clamped above at `limit`, up to [-limit, limit],
+                           then gate * sigmoid(alpha * gate) * (up + 1).
+    """
+
+    kind: str = "silu"
+    alpha: float | None = None
+    limit: float | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.kind in GLU_KINDS, "activation", self.kind)
+        clamped = self.kind == "clamped_swiglu"
+        _check(not clamped or (self.alpha is not None and self.alpha > 0), "swiglu_alpha", self.alpha)
+        _check(not clamped or (self.limit is not None and self.limit > 0), "swiglu_limit", self.limit)
+        _check(clamped or (self.alpha is None and self.limit is None), "swiglu_alpha", self.alpha)
 
 
 @dataclass(frozen=True)
@@ -185,12 +217,16 @@ class MlpSpec:
     kind "moe":   `num_experts` SwiGLU experts of `width` each (the expert intermediate
                   size), `router` choosing `router.top_k` of them per token, their outputs
                   summed with the router's weights.
+    glu:  the gated activation of the SwiGLU (each expert's).
+    bias: the gate/up and down projections (each expert's) carry biases (gpt-oss).
     """
 
     width: int
     kind: str = "dense"
     num_experts: int = 0
     router: RouterSpec | None = None
+    glu: GluSpec = GluSpec()
+    bias: bool = False
 
     def __post_init__(self) -> None:
         _check(self.kind in MLP_KINDS, "MLP kind", self.kind)
@@ -209,7 +245,9 @@ class MlpSpec:
 
     def param_count(self, hidden: int) -> int:
         router = self.num_experts * hidden  # the router's [E, H] (kept in float: it picks the experts)
-        return sum(r * c for r, c in self.matrices(hidden)) + router
+        router += self.num_experts if self.router is not None and self.router.bias else 0
+        biases = (2 * self.width + hidden) * max(self.num_experts, 1) if self.bias else 0
+        return sum(r * c for r, c in self.matrices(hidden)) + router + biases
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,13 @@ from torch import nn
 from tessera.stages.errors import UnsupportedModel
 from tessera.stages.families.spec import AttentionSpec, LayerSpec, MlpSpec, ModelSpec
 from tessera.stages.layers.attention import Attention, LayerCache, StepContext
-from tessera.stages.layers.mlp import SwiGLU
+from tessera.stages.layers.mlp import glu_mlp
 from tessera.stages.layers.moe import MoE
 from tessera.stages.layers.norm import RMSNorm
 
 ATTENTIONS: dict[str, Callable[[int, AttentionSpec, float], nn.Module]] = {"gqa": Attention}
 MLPS: dict[str, Callable[[int, MlpSpec], nn.Module]] = {
-    "dense": lambda hidden, spec: SwiGLU(hidden, spec.width),
+    "dense": glu_mlp,
     "moe": MoE,
 }
 

@@ -17,18 +17,19 @@ import torch
 from torch import nn
 
 from tessera.stages.families.spec import MlpSpec
-from tessera.stages.layers.mlp import SwiGLU
+from tessera.stages.layers.mlp import glu_mlp
 from tessera.stages.layers.routers import build_router
 
 
 class MoE(nn.Module):
-    """`spec.num_experts` SwiGLU experts of `spec.width` and the router of `spec.router`."""
+    """`spec.num_experts` SwiGLU experts of `spec.width` (each `glu_mlp`: its `spec.glu`, biased when
+    `spec.bias`) and the router of `spec.router`."""
 
     def __init__(self, hidden: int, spec: MlpSpec) -> None:
         super().__init__()
         assert spec.router is not None, "a sparse MLP has a router"
         self.router = build_router(hidden, spec.num_experts, spec.router)
-        self.experts = nn.ModuleList(SwiGLU(hidden, spec.width) for _ in range(spec.num_experts))
+        self.experts = nn.ModuleList(glu_mlp(hidden, spec) for _ in range(spec.num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""

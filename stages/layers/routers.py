@@ -8,6 +8,9 @@ Float32 reference semantics of "softmax_topk" (Mixtral; Qwen3-MoE): p = softmax(
 float32, the k largest (torch.topk: ties to the lower index, as transformers), divided by
 their sum when `renormalize`.
 
+Of "topk_softmax" (gpt-oss): logits = x Wᵀ + b (with `RouterSpec.bias`, engine name
+`mlp.router.bias`), the k largest (torch.topk), their softmax the weights (float32).
+
 A new router (DeepSeek-V3 / GLM: sigmoid scores plus a learned correction bias used only to
 choose, top-k within the best `topk_group` of `n_group` expert groups, weights from the
 uncorrected scores, renormalised and times `routed_scaling_factor`) is a module here with
@@ -30,6 +33,8 @@ class SoftmaxTopK(nn.Module):
 
     def __init__(self, hidden: int, num_experts: int, spec: RouterSpec) -> None:
         super().__init__()
+        if spec.bias:
+            raise UnsupportedModel("a biased softmax_topk router has no module in this engine")
         self.spec = spec
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
 
@@ -41,7 +46,22 @@ class SoftmaxTopK(nn.Module):
         return weights, experts
 
 
-ROUTERS = {"softmax_topk": SoftmaxTopK}
+class TopKSoftmax(nn.Module):
+    """Kind "topk_softmax" (module docstring), its logits biased when `spec.bias`."""
+
+    def __init__(self, hidden: int, num_experts: int, spec: RouterSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if spec.bias else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight, self.bias).float()  # [T, E]
+        top, experts = logits.topk(self.spec.top_k, dim=-1)  # [T, k] each
+        return top.softmax(-1), experts
+
+
+ROUTERS = {"softmax_topk": SoftmaxTopK, "topk_softmax": TopKSoftmax}
 
 
 def build_router(hidden: int, num_experts: int, spec: RouterSpec) -> nn.Module:
