@@ -45,6 +45,12 @@ ROPE_PARAMETERS: dict[str, frozenset[str]] = {
     "default": frozenset(),
     "linear": frozenset({"factor"}),
     "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+    "yarn": frozenset({"factor", "original_max_position_embeddings"}),
+}
+# ... and those it may leave out (transformers' defaults apply: layers/rope.py). YaRN's
+# `mscale`/`mscale_all_dim` also set DeepSeek's softmax scale (layers/mla.py).
+ROPE_OPTIONAL: dict[str, frozenset[str]] = {
+    "yarn": frozenset({"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"}),
 }
 # keys of a RoPE block that name the type and base rather than parameters of the type
 ROPE_NAMING_KEYS = ("rope_type", "type", "rope_theta")
@@ -153,8 +159,9 @@ def read_rope(config: dict[str, Any], *, default_theta: float = DEFAULT_ROPE_THE
     Follows transformers 5 (`RotaryEmbeddingConfigMixin.convert_rope_params_to_dict`):
     the block is `rope_scaling` when that is set, else `rope_parameters`; the base is
     the block's `rope_theta`, else the top-level `rope_theta`, else `default_theta`; the type is
-    `rope_type` (or the older `type`), else "default"; llama3's
-    `original_max_position_embeddings` falls back to the top-level keys.
+    `rope_type` (or the older `type`), else "default"; llama3's and yarn's
+    `original_max_position_embeddings` falls back to the top-level keys. A parameter set to
+    null counts as absent.
     Raises UnsupportedModel for a RoPE type or parameter the engine does not compute,
     ModelFormatError for a missing or impossible value.
     """
@@ -172,22 +179,33 @@ def read_rope(config: dict[str, Any], *, default_theta: float = DEFAULT_ROPE_THE
             f"config {where}.rope_type {kind!r} is not supported (tessera computes {sorted(ROPE_PARAMETERS)})"
         )
     theta = block.get("rope_theta", config.get("rope_theta", default_theta))
-    params = {k: v for k, v in block.items() if k not in ROPE_NAMING_KEYS}
+    params = {k: v for k, v in block.items() if k not in ROPE_NAMING_KEYS and v is not None}
+    if kind == "yarn" and "truncate" in block and block["truncate"] is None:
+        params["truncate"] = False  # transformers tests `if truncate:`, so null does not truncate
     if params.get("partial_rotary_factor", 1.0) not in (1, 1.0):
         raise UnsupportedModel(f"config {where}.partial_rotary_factor {params['partial_rotary_factor']!r} is not supported (only 1.0)")
     params.pop("partial_rotary_factor", None)
-    if kind == "llama3" and "original_max_position_embeddings" not in params:
+    if kind in ("llama3", "yarn") and "original_max_position_embeddings" not in params:
         params["original_max_position_embeddings"] = config.get(
             "original_max_position_embeddings", config.get("max_position_embeddings")
         )
-    unknown = sorted(set(params) - ROPE_PARAMETERS[kind])
+    optional = ROPE_OPTIONAL.get(kind, frozenset())
+    unknown = sorted(set(params) - ROPE_PARAMETERS[kind] - optional)
     if unknown:
         raise UnsupportedModel(
             f"config {where}.{unknown[0]} {params[unknown[0]]!r} is not supported with rope_type {kind!r}"
         )
     for key in ("rope_theta", *sorted(ROPE_PARAMETERS[kind])):
         value = theta if key == "rope_theta" else params.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        if not _positive(value):
+            raise ModelFormatError(f"config {where}.{key} has an impossible value {value!r}")
+    for key in sorted(optional & set(params)):
+        value = params[key]
+        if key == "truncate":
+            fine = isinstance(value, bool)
+        else:  # attention_factor > 0; a beta or an mscale >= 0 (0: the default, as transformers reads it)
+            fine = _positive(value) or (key != "attention_factor" and not isinstance(value, bool) and value == 0)
+        if not fine:
             raise ModelFormatError(f"config {where}.{key} has an impossible value {value!r}")
     if kind == "llama3" and params["high_freq_factor"] <= params["low_freq_factor"]:
         raise ModelFormatError(
@@ -196,3 +214,8 @@ def read_rope(config: dict[str, Any], *, default_theta: float = DEFAULT_ROPE_THE
         )
     scaling = None if kind == "default" else {"rope_type": kind, **{k: params[k] for k in sorted(params)}}
     return float(theta), scaling
+
+
+def _positive(value: Any) -> bool:
+    """A finite number > 0 (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0

@@ -50,7 +50,7 @@ ROUTER_KINDS = (
 )
 GLU_KINDS = ("silu", "clamped_swiglu")  # silu(gate) * up; gpt-oss's clamped form (GluSpec)
 CACHE_KINDS = ("full", "sliding")  # keys and values of every position; only the window is read
-ROPE_KINDS = ("default", "linear", "llama3")
+ROPE_KINDS = ("default", "linear", "llama3", "yarn")
 
 
 def _check(ok: bool, name: str, value: object) -> None:
@@ -62,11 +62,14 @@ def _check(ok: bool, name: str, value: object) -> None:
 class RopeSpec:
     """Rotary position embedding of one attention kind.
 
-    kind:   "default" (plain RoPE), "linear" or "llama3" (scaled frequencies).
+    kind:   "default" (plain RoPE), "linear", "llama3" or "yarn" (scaled frequencies; yarn also
+            scales cos and sin: layers/rope.py's `attention_scaling`).
     theta:  the base frequency.
     params: the kind's parameters as sorted (name, value) pairs (hashable: the stage keeps
             one table of cos/sin per distinct RoPE): linear's `factor`; llama3's `factor`,
-            `low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`.
+            `low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`; yarn's
+            `factor` and `original_max_position_embeddings`, and those of `attention_factor`,
+            `beta_fast`, `beta_slow`, `mscale`, `mscale_all_dim`, `truncate` the config sets.
     """
 
     kind: str = "default"
@@ -79,6 +82,10 @@ class RopeSpec:
 
     def param(self, name: str) -> float:
         return float(dict(self.params)[name])
+
+    def optional(self, name: str) -> Any:
+        """A parameter the config may leave out (None when it did)."""
+        return dict(self.params).get(name)
 
 
 @dataclass(frozen=True)
