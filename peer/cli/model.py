@@ -6,9 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from tessera.stages.families.shapes import SHAPES
 from tessera.stages.weights import registry
+from tessera.stages.weights.synth import SYNTH_DTYPES
 
-from tessera.peer.cli.model_files import KNOWN_MODELS, available, fetch, import_model, synthesise
+from tessera.peer.cli.model_files import KNOWN_MODELS, available, fetch, import_model, synthesise, synthesise_shape
 
 
 def progress_printer(stream=sys.stderr):
@@ -54,16 +56,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_import)
 
     p = msub.add_parser(
-        "synth", help="write a seeded random-weight model of a given shape",
-        epilog="example: tessera model synth --hidden 2048 --layers 24 --heads 16 --kv-heads 8 "
+        "synth", help="write a seeded random-weight model: a published shape (--shape) or a Llama-block one",
+        description="Write a model folder with random weights drawn from --seed: a published model's shape "
+        "(--shape, its config as published; --layers keeps the first N layers, --experts N experts per "
+        "sparse layer) or a Llama-block shape from --hidden, --layers, --heads, --kv-heads and "
+        "--intermediate. Compute does not depend on the weights, so benches at real shapes measure what "
+        "the real model would. The folder has a byte-level tokenizer and is registered as any model is.",
+        epilog="examples: tessera model synth --shape qwen3-30b-a3b --layers 4 --seed 0 --out /tmp/qwen3-moe; "
+        "tessera model synth --shape gpt-oss-120b --layers 2 --experts 16 --vocab 32000 --dtype bfloat16 "
+        "--seed 0 --out /tmp/gpt-oss; tessera model synth --hidden 2048 --layers 24 --heads 16 --kv-heads 8 "
         "--intermediate 5632 --seed 0 --out /tmp/synth-1b",
     )
-    for flag in ("--hidden", "--layers", "--heads", "--kv-heads", "--intermediate"):
-        p.add_argument(flag, type=int, required=True)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seed", type=int, required=True)
-    p.add_argument("--arch", choices=("llama", "mistral", "qwen2"), default="llama")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--shape", choices=sorted(SHAPES), metavar="NAME",
+                   help=f"a published model's shape: {', '.join(sorted(SHAPES))} (DeepSeek-V3 and GLM-4.5 are "
+                   "refused until their families run)")
+    p.add_argument("--layers", type=int, help="layers: with --shape, keep the first N (default: all); "
+                   "otherwise required")
+    for flag, what in (("--hidden", "hidden size"), ("--heads", "attention heads"), ("--kv-heads", "key/value heads"),
+                       ("--intermediate", "MLP width")):
+        p.add_argument(flag, type=int, help=f"{what} of a Llama-block shape (required without --shape)")
+    p.add_argument("--experts", type=int, help="with --shape: keep N experts per sparse layer (each token still "
+                   "picks as many as the model does, at most N); default: all")
+    p.add_argument("--vocab", type=int, help="vocabulary size (default: the shape's, or 32000; at least 259)")
+    p.add_argument("--arch", choices=("llama", "mistral", "qwen2"), default="llama",
+                   help="family of a Llama-block shape (default: llama)")
+    p.add_argument("--dtype", choices=sorted(SYNTH_DTYPES), default="float32",
+                   help="how the weights are stored (default: float32; peers compute in their own dtype)")
+    p.add_argument("--seed", type=int, required=True, help="seed of the random weights (same seed, same model id)")
+    p.add_argument("--out", type=Path, required=True, help="the folder to write")
     p.set_defaults(handler=_synth)
 
     p = msub.add_parser("list", help="list registered models (with --available: what can be fetched)",
@@ -79,9 +99,32 @@ def _import(args: argparse.Namespace) -> None:
 
 
 def _synth(args: argparse.Namespace) -> None:
+    try:
+        _write_synth(args)
+    except ValueError as bad:  # a size the byte tokenizer or the shape cannot take
+        raise SystemExit(f"tessera model synth: {bad}") from None
+
+
+def _write_synth(args: argparse.Namespace) -> None:
+    dims = {"--hidden": args.hidden, "--heads": args.heads, "--kv-heads": args.kv_heads,
+            "--intermediate": args.intermediate}
+    if args.shape is not None:
+        given = [flag for flag, value in dims.items() if value is not None]
+        if given:
+            raise SystemExit(f"tessera model synth: {given[0]} is for a Llama-block shape, not with --shape")
+        out = synthesise_shape(args.out, args.shape, layers=args.layers, experts=args.experts, vocab=args.vocab,
+                               seed=args.seed, dtype=SYNTH_DTYPES[args.dtype])
+        print(out)
+        return
+    missing = [flag for flag, value in {**dims, "--layers": args.layers}.items() if value is None]
+    if missing:
+        raise SystemExit(f"tessera model synth: give --shape, or {missing[0]} (and every Llama-block size)")
+    if args.experts is not None:
+        raise SystemExit("tessera model synth: --experts is for a --shape with sparse layers")
     out = synthesise(
         args.out, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-        intermediate=args.intermediate, vocab=args.vocab, seed=args.seed, architecture=args.arch,
+        intermediate=args.intermediate, vocab=args.vocab or 32000, seed=args.seed, architecture=args.arch,
+        dtype=SYNTH_DTYPES[args.dtype],
     )
     print(out)
 

@@ -68,7 +68,8 @@ def read(config: ConfigReader) -> ModelSpec:
         heads, config.int("num_key_value_heads", heads), config.int("head_dim", 64),
         config.rope(default_theta=DEFAULT_THETA), qkv_bias=bias, o_bias=bias, sinks=True,
     )
-    window = config.int("sliding_window", 128)
+    # absent: GptOssConfig's 128; null: no window (transformers keeps None), which no sliding layer may have
+    window = config.int("sliding_window", None if "sliding_window" in config.config else 128)
     kinds = config.value("layer_types", None)
     if kinds is None:  # GptOssConfig.__post_init__'s default: sliding, full, sliding, ...
         kinds = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
