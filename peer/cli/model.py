@@ -102,7 +102,7 @@ def _synth(args: argparse.Namespace) -> None:
     try:
         _write_synth(args)
     except ValueError as bad:  # a size the byte tokenizer or the shape cannot take
-        raise SystemExit(f"tessera model synth: {bad}") from None
+        raise SystemExit(f"error: {bad}") from None
 
 
 def _write_synth(args: argparse.Namespace) -> None:
@@ -111,16 +111,16 @@ def _write_synth(args: argparse.Namespace) -> None:
     if args.shape is not None:
         given = [flag for flag, value in dims.items() if value is not None]
         if given:
-            raise SystemExit(f"tessera model synth: {given[0]} is for a Llama-block shape, not with --shape")
+            raise SystemExit(f"error: {given[0]} is for a Llama-block shape, not with --shape")
         out = synthesise_shape(args.out, args.shape, layers=args.layers, experts=args.experts, vocab=args.vocab,
                                seed=args.seed, dtype=SYNTH_DTYPES[args.dtype])
         print(out)
         return
     missing = [flag for flag, value in {**dims, "--layers": args.layers}.items() if value is None]
     if missing:
-        raise SystemExit(f"tessera model synth: give --shape, or {missing[0]} (and every Llama-block size)")
+        raise SystemExit(f"error: give --shape, or {missing[0]} (and every Llama-block size)")
     if args.experts is not None:
-        raise SystemExit("tessera model synth: --experts is for a --shape with sparse layers")
+        raise SystemExit("error: --experts is for a --shape with sparse layers")
     out = synthesise(
         args.out, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
         intermediate=args.intermediate, vocab=args.vocab or 32000, seed=args.seed, architecture=args.arch,
