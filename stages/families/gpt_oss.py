@@ -63,6 +63,7 @@ def read(config: ConfigReader) -> ModelSpec:
     hidden, heads = config.int("hidden_size", 2880), config.int("num_attention_heads", 64)
     bias = config.bool("attention_bias", True)
     if not (config.has("rope_parameters") or config.has("rope_scaling")):
+        # GptOssConfig fills in its YaRN block when a config names no RoPE: read it as if written
         config.config = {**config.config, "rope_parameters": DEFAULT_ROPE}
     attention = AttentionSpec(
         heads, config.int("num_key_value_heads", heads), config.int("head_dim", 64),
