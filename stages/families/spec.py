@@ -193,6 +193,7 @@ class RouterSpec:
     def __post_init__(self) -> None:
         _check(self.kind in ROUTER_KINDS, "router kind", self.kind)
         _check(self.top_k > 0, "num_experts_per_tok", self.top_k)
+        _check(not self.bias or self.kind == "topk_softmax", "router bias", self.bias)
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,6 @@ class SoftmaxTopK(nn.Module):
 
     def __init__(self, hidden: int, num_experts: int, spec: RouterSpec) -> None:
         super().__init__()
-        if spec.bias:
-            raise UnsupportedModel("a biased softmax_topk router has no module in this engine")
         self.spec = spec
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
 
