@@ -25,10 +25,12 @@ Expert e's engine tensors are the per-expert names every MoE family uses
 transposed and its interleaved rows regrouped (`Stacked.transposed`, `.interleaved`).
 The published checkpoints ship the expert matrices as MXFP4 instead
 (`gate_up_proj_blocks` [E, 2I, H/32, 16] uint8 with `gate_up_proj_scales` [E, 2I, H/32];
-`down_proj_blocks` [E, H, I/32, 16] with `down_proj_scales` [E, H, I/32]): stored [out, in]
-already, so expert e's engine matrix is row e of blocks and scales, with its rows regrouped
-as above (rows are independent in MXFP4: its blocks run along the input), not transposed.
-Both layouts carry the same `*_bias` tensors, and map to the same engine tensors.
+`down_proj_blocks` [E, H, I/32, 16] with `down_proj_scales` [E, H, I/32]): the same
+checkpoint matrices (`mlp.experts.gate_up_proj`, `down_proj`) stored [out, in], of the
+logical shape `Stacked.matrix_shape` gives ([E, 2I, H], [E, H, I]), so expert e's engine
+matrix is row e of blocks and scales with its rows regrouped as above (rows are independent
+in MXFP4: its blocks run along the input), not transposed. Both layouts carry the same
+`*_bias` tensors, and map to the same engine tensors.
 
 Refused (one line naming the key): `layer_types` other than sliding/full or sliding without
 a window, `num_experts` or `experts_per_token` disagreeing with their twins, RoPE types the

@@ -54,6 +54,14 @@ class Stacked:
         shape = self.shapes[i][1:] if self.index is not None else self.shapes[i]
         return (*shape[:-2], shape[-1], shape[-2]) if self.transposed else shape
 
+    def matrix_shape(self, i: int) -> Shape:
+        """Part i's tensor with each matrix [out, in] (a fused tensor's expert dimension kept): the
+        logical shape of the part as a form that stores every matrix so holds it (MXFP4's blocks,
+        fp8's codes: gpt-oss ships `gate_up_proj_blocks` [E, 2I, H/32, 16], the float tensor
+        [E, H, 2I] transposed). Such a form applies `interleaved` to its rows, never `transposed`."""
+        shape = self.shapes[i]
+        return (*shape[:-2], shape[-1], shape[-2]) if self.transposed else shape
+
     @property
     def shape(self) -> Shape:
         parts = [self.part_shape(i) for i in range(len(self.names))]

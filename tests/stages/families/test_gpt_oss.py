@@ -89,6 +89,16 @@ def test_fused_experts_are_regrouped_per_expert(folders):
     assert torch.equal(state[f"mlp.experts.{e}.w_gate_up.bias"], torch.cat((gate_up_bias[e][0::2], gate_up_bias[e][1::2])))
     assert torch.equal(state[f"mlp.experts.{e}.w_down.weight"], down[e].T)
     assert torch.equal(state["attn.sinks"], sinks) and state["mlp.router.bias"].shape == (8,)
+    # the published MXFP4 form stores the same matrices [out, in]: what it means for expert e, regrouped
+    # as `interleaved` says (and not transposed), is the same engine matrix
+    from tessera.stages.families.catalog import tensors_of_layer
+
+    spec = WeightFolder(folder).spec
+    source = tensors_of_layer(spec, 2)[f"mlp.experts.{e}.w_gate_up.weight"][0]
+    assert source.matrix_shape(0) == (8, 64, 64) and source.part_shape(0) == (64, 64)
+    assert tensors_of_layer(spec, 2)[f"mlp.experts.{e}.w_down.weight"][0].matrix_shape(0) == (8, 64, 32)
+    published = gate_up.transpose(1, 2)  # [E, 2I, H]: what transformers' MXFP4 dequantization gives before its transpose
+    assert torch.equal(torch.cat((published[e][0::2], published[e][1::2])), state[f"mlp.experts.{e}.w_gate_up.weight"])
 
 
 def test_a_span_holds_the_bytes_placement_counts(folders):
