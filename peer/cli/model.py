@@ -8,9 +8,10 @@ from pathlib import Path
 
 from tessera.stages.families.shapes import SHAPES
 from tessera.stages.weights import registry
-from tessera.stages.weights.synth import SYNTH_DTYPES
 
 from tessera.peer.cli.model_files import KNOWN_MODELS, available, fetch, import_model, synthesise, synthesise_shape
+
+SYNTH_DTYPES = ("float32", "bfloat16", "float16")  # stages/weights/synth.py's, by name (no torch to print --help)
 
 
 def progress_printer(stream=sys.stderr):
@@ -80,7 +81,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vocab", type=int, help="vocabulary size (default: the shape's, or 32000; at least 259)")
     p.add_argument("--arch", choices=("llama", "mistral", "qwen2"), default="llama",
                    help="family of a Llama-block shape (default: llama)")
-    p.add_argument("--dtype", choices=sorted(SYNTH_DTYPES), default="float32",
+    p.add_argument("--dtype", choices=SYNTH_DTYPES, default="float32",
                    help="how the weights are stored (default: float32; peers compute in their own dtype)")
     p.add_argument("--seed", type=int, required=True, help="seed of the random weights (same seed, same model id)")
     p.add_argument("--out", type=Path, required=True, help="the folder to write")
@@ -113,7 +114,7 @@ def _write_synth(args: argparse.Namespace) -> None:
         if given:
             raise SystemExit(f"error: {given[0]} is for a Llama-block shape, not with --shape")
         out = synthesise_shape(args.out, args.shape, layers=args.layers, experts=args.experts, vocab=args.vocab,
-                               seed=args.seed, dtype=SYNTH_DTYPES[args.dtype])
+                               seed=args.seed, dtype=args.dtype)
         print(out)
         return
     missing = [flag for flag, value in {**dims, "--layers": args.layers}.items() if value is None]
@@ -124,7 +125,7 @@ def _write_synth(args: argparse.Namespace) -> None:
     out = synthesise(
         args.out, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
         intermediate=args.intermediate, vocab=args.vocab or 32000, seed=args.seed, architecture=args.arch,
-        dtype=SYNTH_DTYPES[args.dtype],
+        dtype=args.dtype,
     )
     print(out)
 
