@@ -114,6 +114,7 @@ def layer_time(spec: ModelSpec, tokens: int, *, threads: int, min_time: float) -
                 bound = 1.0 / math.sqrt(p.shape[-1])
                 p.uniform_(-bound, bound)
     cache = SessionCache([layer.cache], HISTORY + tokens)
+    cache.reserve(0, HISTORY + tokens)
     cache.layers[0].keys.normal_()
     cache.layers[0].values.normal_()
     positions = torch.arange(HISTORY, HISTORY + tokens)

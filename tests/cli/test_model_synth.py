@@ -133,9 +133,14 @@ def test_bad_flags_are_one_error_line(tmp_path, capsys, args, needle):
     """Run in this process (the command's own code; no interpreter start-up per case)."""
     from tessera.peer.cli.main import main
 
-    try:
-        code, said = main(["model", "synth", *args, "--seed", "0", "--out", str(tmp_path / "m")]), capsys.readouterr().err
-    except SystemExit as stop:  # a usage error: the message is the exit code, printed by the interpreter
-        code, said = 1, f"{stop.code}\n"
+    code = main(["model", "synth", *args, "--seed", "0", "--out", str(tmp_path / "m")])
+    said = capsys.readouterr().err
     assert code == 1 and said.startswith(needle) and said.count("\n") == 1, said
     assert not (tmp_path / "m").exists()
+
+
+def test_the_dtypes_named_for_a_light_help_are_synths():
+    from tessera.peer.cli import model as cli_model
+    from tessera.stages.weights import synth
+
+    assert cli_model.SYNTH_DTYPES == tuple(synth.SYNTH_DTYPES)
