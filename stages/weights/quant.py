@@ -187,7 +187,10 @@ class Scratch(threading.local):
         name = f"buffer_{dtype}".replace(".", "_")
         buf = getattr(self, name, None)
         if buf is None or buf.numel() < numel:
-            buf = torch.empty(max(numel, DEQUANT_CHUNK_BYTES // dtype.itemsize), dtype=dtype)
+            # a normal tensor even when first asked for under inference_mode: an inference tensor
+            # could not be written by a later forward outside it (the same thread serves both)
+            with torch.inference_mode(False):
+                buf = torch.empty(max(numel, DEQUANT_CHUNK_BYTES // dtype.itemsize), dtype=dtype)
             setattr(self, name, buf)
         return buf[:numel]
 
