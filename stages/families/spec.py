@@ -48,7 +48,12 @@ from tessera.stages.families.shipped import ShippedFormat
 
 ATTENTION_KINDS = ("gqa", "mla")  # grouped-query attention (multi-head and multi-query included); multi-head latent
 MLP_KINDS = ("dense", "moe")  # SwiGLU; a sparse mixture of SwiGLU experts
-ROUTER_KINDS = ("softmax_topk", "sigmoid_group_topk")  # softmax, top-k; DeepSeek's sigmoid, group-limited top-k
+ROUTER_KINDS = (
+    "softmax_topk",  # softmax over experts, top-k, optionally renormalised
+    "topk_softmax",  # top-k of the logits, softmax over those k (gpt-oss)
+    "sigmoid_group_topk",  # DeepSeek's sigmoid, group-limited top-k
+)
+GLU_KINDS = ("silu", "clamped_swiglu")  # silu(gate) * up; gpt-oss's clamped form (GluSpec)
 CACHE_KINDS = ("full", "sliding", "latent")  # keys and values of every position (only the window is read); MLA's latent
 ROPE_KINDS = ("default", "linear", "llama3", "yarn")
 
@@ -132,6 +137,8 @@ class AttentionSpec:
     qk_norm:  q and k get an RMSNorm over each head's D before RoPE (Qwen3).
     rotary_dim: RoPE turns only the first `rotary_dim` dims of each head (GLM's partial rotary,
               `partial_rotary_factor`), the rest pass unrotated; None: all D.
+    sinks:    each head has a learned logit that joins its softmax's denominator and no value
+              (gpt-oss's attention sinks): the weights of a row sum to less than one.
     """
 
     num_heads: int
@@ -144,6 +151,7 @@ class AttentionSpec:
     o_bias: bool = False
     qk_norm: bool = False
     rotary_dim: int | None = None
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         _check(self.kind in ATTENTION_KINDS, "attention kind", self.kind)
@@ -180,7 +188,8 @@ class AttentionSpec:
     def param_count(self, hidden: int) -> int:
         bias = (self.q_size + 2 * self.kv_size if self.qkv_bias else 0) + (hidden if self.o_bias else 0)
         norms = 2 * self.head_dim if self.qk_norm else 0
-        return sum(r * c for r, c in self.matrices(hidden)) + bias + norms
+        sinks = self.num_heads if self.sinks else 0
+        return sum(r * c for r, c in self.matrices(hidden)) + bias + norms + sinks
 
 
 @dataclass(frozen=True)
@@ -296,11 +305,14 @@ class RouterSpec:
 
     kind "softmax_topk": softmax over the router's logits (float32), the `top_k` largest, divided
     by their sum when `renormalize` (Mixtral always; Qwen3-MoE when `norm_topk_prob`).
+    kind "topk_softmax": the `top_k` largest logits, their softmax the weights (gpt-oss;
+    `renormalize` is moot: they sum to one).
     kind "sigmoid_group_topk" (DeepSeek-V3, GLM-4.5): sigmoid scores (float32); a learned
     correction bias added to them only to choose; the experts split into `num_groups` groups
     (`n_group`), each ranked by its two best corrected scores, and the top `top_k` chosen
     within the best `topk_groups` groups; weighted by their uncorrected scores, divided by
     their sum when `renormalize`, times `scale` (`routed_scaling_factor`).
+    bias: the router's logits carry a learned bias (gpt-oss).
     """
 
     kind: str = "softmax_topk"
@@ -309,18 +321,42 @@ class RouterSpec:
     num_groups: int = 1
     topk_groups: int = 1
     scale: float = 1.0
+    bias: bool = False
 
     def __post_init__(self) -> None:
         _check(self.kind in ROUTER_KINDS, "router kind", self.kind)
         _check(self.top_k > 0, "num_experts_per_tok", self.top_k)
         _check(0 < self.topk_groups <= self.num_groups, "topk_group", self.topk_groups)
         _check(self.scale > 0, "routed_scaling_factor", self.scale)
-        if self.kind == "softmax_topk":
+        if self.kind != "sigmoid_group_topk":
             _check(self.num_groups == 1 and self.scale == 1.0, "n_group", self.num_groups)
+        _check(not self.bias or self.kind == "topk_softmax", "router bias", self.bias)
 
     def param_count(self, hidden: int, num_experts: int) -> int:
-        """The [E, H] logit projection, and the sigmoid router's correction bias [E]."""
-        return num_experts * hidden + (num_experts if self.kind == "sigmoid_group_topk" else 0)
+        """The [E, H] logit projection, and the sigmoid router's correction bias or the logits' bias [E]."""
+        extra = num_experts if self.kind == "sigmoid_group_topk" or self.bias else 0
+        return num_experts * hidden + extra
+
+
+@dataclass(frozen=True)
+class GluSpec:
+    """The gated activation of a SwiGLU, between its gate/up and its down projection.
+
+    kind "silu":           silu(gate) * up.
+    kind "clamped_swiglu": gpt-oss's: gate clamped above at `limit`, up to [-limit, limit],
+                           then gate * sigmoid(alpha * gate) * (up + 1).
+    """
+
+    kind: str = "silu"
+    alpha: float | None = None
+    limit: float | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.kind in GLU_KINDS, "activation", self.kind)
+        clamped = self.kind == "clamped_swiglu"
+        _check(not clamped or (self.alpha is not None and self.alpha > 0), "swiglu_alpha", self.alpha)
+        _check(not clamped or (self.limit is not None and self.limit > 0), "swiglu_limit", self.limit)
+        _check(clamped or (self.alpha is None and self.limit is None), "swiglu_alpha", self.alpha)
 
 
 @dataclass(frozen=True)
@@ -333,6 +369,8 @@ class MlpSpec:
                   summed with the router's weights; plus, when `shared_width`, one SwiGLU of
                   that width every token goes through (DeepSeek's `n_shared_experts` shared
                   experts, n x `moe_intermediate_size`), added unweighted.
+    glu:  the gated activation of the SwiGLU (each expert's).
+    bias: the gate/up and down projections (each expert's) carry biases (gpt-oss).
     """
 
     width: int
@@ -340,6 +378,8 @@ class MlpSpec:
     num_experts: int = 0
     router: RouterSpec | None = None
     shared_width: int = 0
+    glu: GluSpec = GluSpec()
+    bias: bool = False
 
     def __post_init__(self) -> None:
         _check(self.kind in MLP_KINDS, "MLP kind", self.kind)
@@ -367,9 +407,10 @@ class MlpSpec:
         return one if self.kind == "dense" else one * self.num_experts + shared
 
     def param_count(self, hidden: int) -> int:
-        # the router's [E, H] (and correction bias), kept in float: it picks the experts
+        # the router's [E, H] (and correction bias or logits' bias), kept in float: it picks the experts
         router = self.router.param_count(hidden, self.num_experts) if self.router is not None else 0
-        return sum(r * c for r, c in self.matrices(hidden)) + router
+        biases = (2 * self.width + hidden) * max(self.num_experts, 1) if self.bias else 0
+        return sum(r * c for r, c in self.matrices(hidden)) + router + biases
 
 
 @dataclass(frozen=True)
@@ -396,7 +437,7 @@ class ModelSpec:
     """Everything the engine needs to know about a model's shape.
 
     family:         the config's `model_type` ("llama", "mistral", "qwen2", "qwen3",
-                    "qwen3_moe", "mixtral"); stages/families/catalog.py reads each.
+                    "qwen3_moe", "mixtral", "gpt_oss"); stages/families/catalog.py reads each.
     vocab_size:     rows of the embedding matrix; hidden_size (H): width of the residual stream.
     layers:         one LayerSpec per decoder layer (L = len(layers)).
     rms_norm_eps:   epsilon of every RMSNorm.

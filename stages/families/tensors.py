@@ -37,15 +37,33 @@ Shape = tuple[int, ...]
 @dataclass(frozen=True)
 class Stacked:
     """An engine tensor: checkpoint tensors `names` (shapes `shapes`, as stored) stacked along
-    dim 0 — of each, only row `index` when set (one expert of a fused [E, ...] tensor)."""
+    dim 0 — of each, only row `index` when set (one expert of a fused [E, ...] tensor).
+
+    Two rearrangements, for checkpoints that store a matrix otherwise than the engine does
+    (gpt-oss's experts as transformers holds them: `gate_up_proj` [E, H, 2I], gate and up
+    interleaved): `transposed`, a part (its row `index`) is stored [in, out] and the engine
+    takes its transpose; `interleaved`, the part's rows (once transposed) alternate two
+    halves, gate and up, and the engine takes the even rows, then the odd ones.
+    """
 
     names: tuple[str, ...]
     shapes: tuple[Shape, ...]
     index: int | None = None
+    transposed: bool = False
+    interleaved: bool = False
 
     def part_shape(self, i: int) -> Shape:
-        """The shape part i contributes (its row `index` when set)."""
-        return self.shapes[i][1:] if self.index is not None else self.shapes[i]
+        """The shape part i contributes (its row `index` when set, transposed when `transposed`)."""
+        shape = self.shapes[i][1:] if self.index is not None else self.shapes[i]
+        return (*shape[:-2], shape[-1], shape[-2]) if self.transposed else shape
+
+    def matrix_shape(self, i: int) -> Shape:
+        """Part i's tensor with each matrix [out, in] (a fused tensor's expert dimension kept): the
+        logical shape of the part as a form that stores every matrix so holds it (MXFP4's blocks,
+        fp8's codes: gpt-oss ships `gate_up_proj_blocks` [E, 2I, H/32, 16], the float tensor
+        [E, H, 2I] transposed). Such a form applies `interleaved` to its rows, never `transposed`."""
+        shape = self.shapes[i]
+        return (*shape[:-2], shape[-1], shape[-2]) if self.transposed else shape
 
     @property
     def shape(self) -> Shape:

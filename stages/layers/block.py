@@ -19,14 +19,14 @@ from tessera.stages.errors import UnsupportedModel
 from tessera.stages.families.spec import LayerSpec, MlpSpec, ModelSpec
 from tessera.stages.layers.attention import Attention, LayerCache, StepContext
 from tessera.stages.layers.mla import LatentAttention, LatentCache
-from tessera.stages.layers.mlp import SwiGLU
+from tessera.stages.layers.mlp import glu_mlp
 from tessera.stages.layers.moe import MoE
 from tessera.stages.layers.norm import RMSNorm
 
 # kind -> constructor(hidden, its kind's spec: AttentionSpec or MlaSpec, rms_norm_eps)
 ATTENTIONS: dict[str, Callable[[int, Any, float], nn.Module]] = {"gqa": Attention, "mla": LatentAttention}
 MLPS: dict[str, Callable[[int, MlpSpec], nn.Module]] = {
-    "dense": lambda hidden, spec: SwiGLU(hidden, spec.width),
+    "dense": glu_mlp,
     "moe": MoE,
 }
 

@@ -20,19 +20,20 @@ import torch
 from torch import nn
 
 from tessera.stages.families.spec import MlpSpec
-from tessera.stages.layers.mlp import SwiGLU
+from tessera.stages.layers.mlp import SwiGLU, glu_mlp
 from tessera.stages.layers.routers import build_router
 
 
 class MoE(nn.Module):
-    """`spec.num_experts` SwiGLU experts of `spec.width` and the router of `spec.router` (and the shared
-    experts as one SwiGLU of `spec.shared_width`, when it has them)."""
+    """`spec.num_experts` SwiGLU experts of `spec.width` (each `glu_mlp`: its `spec.glu`, biased when
+    `spec.bias`) and the router of `spec.router` (and the shared experts as one SwiGLU of
+    `spec.shared_width`, when it has them)."""
 
     def __init__(self, hidden: int, spec: MlpSpec) -> None:
         super().__init__()
         assert spec.router is not None, "a sparse MLP has a router"
         self.router = build_router(hidden, spec.num_experts, spec.router)
-        self.experts = nn.ModuleList(SwiGLU(hidden, spec.width) for _ in range(spec.num_experts))
+        self.experts = nn.ModuleList(glu_mlp(hidden, spec) for _ in range(spec.num_experts))
         self.shared = SwiGLU(hidden, spec.shared_width) if spec.shared_width else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

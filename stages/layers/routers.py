@@ -17,6 +17,9 @@ by its UNcorrected score s, divided by their sum (+ 1e-20) when `renormalize`, t
 (`routed_scaling_factor`). With G = 1, or every group kept, the group step changes nothing and
 is skipped.
 
+Of "topk_softmax" (gpt-oss): logits = x Wᵀ + b (with `RouterSpec.bias`, engine name
+`mlp.router.bias`), the k largest (torch.topk), their softmax the weights (float32).
+
 A new router is a module here with its own parameters, named in ROUTERS, with its tensors
 mapped in families/tensors.py.
 """
@@ -45,6 +48,22 @@ class SoftmaxTopK(nn.Module):
         if self.spec.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
         return weights, experts
+
+
+class TopKSoftmax(nn.Module):
+    """Kind "topk_softmax" (module docstring), its logits biased when `spec.bias`."""
+
+    def __init__(self, hidden: int, num_experts: int, spec: RouterSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if spec.bias else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight, self.bias).float()  # [T, E]
+        top, experts = logits.topk(self.spec.top_k, dim=-1)  # [T, k] each
+        return top.softmax(-1), experts
+
 
 
 class SigmoidGroupTopK(nn.Module):
@@ -81,7 +100,7 @@ def kept_groups(choice: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
     return keep[:, :, None].expand_as(grouped).reshape(t, e)
 
 
-ROUTERS = {"softmax_topk": SoftmaxTopK, "sigmoid_group_topk": SigmoidGroupTopK}
+ROUTERS = {"softmax_topk": SoftmaxTopK, "topk_softmax": TopKSoftmax, "sigmoid_group_topk": SigmoidGroupTopK}
 
 
 def build_router(hidden: int, num_experts: int, spec: RouterSpec) -> nn.Module:

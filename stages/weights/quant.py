@@ -219,10 +219,11 @@ class Scratch(threading.local):
         another `slot` is another buffer of that dtype (a dequantizer holding two at once)."""
         name = f"buffer_{dtype}{slot}".replace(".", "_")
         buf = getattr(self, name, None)
-        # a buffer made under inference_mode (a Stage's forward) cannot be written outside it
-        stale = buf is not None and buf.is_inference() and not torch.is_inference_mode_enabled()
-        if buf is None or buf.numel() < numel or stale:
-            buf = torch.empty(max(numel, DEQUANT_CHUNK_BYTES // dtype.itemsize), dtype=dtype)
+        if buf is None or buf.numel() < numel:
+            # a normal tensor even when first asked for under inference_mode: an inference tensor
+            # could not be written by a later forward outside it (the same thread serves both)
+            with torch.inference_mode(False):
+                buf = torch.empty(max(numel, DEQUANT_CHUNK_BYTES // dtype.itemsize), dtype=dtype)
             setattr(self, name, buf)
         return buf[:numel]
 
