@@ -40,6 +40,14 @@ class KeyValues:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.window = spec.window
 
+    @classmethod
+    def over(cls, keys: torch.Tensor, values: torch.Tensor, window: int | None) -> "KeyValues":
+        """A store over buffers allocated elsewhere, [K, capacity, D] each: a compiled decode step's
+        view of a session's store (engine/compiled/), or a slot of a static pool (CUDA graphs)."""
+        store = cls.__new__(cls)
+        store.keys, store.values, store.window = keys, values, window
+        return store
+
     def write_and_read(self, k: torch.Tensor, v: torch.Tensor, start: int
                        ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Write k, v [T, K, D] at positions [start, start + T); return what the step attends to:
@@ -75,6 +83,13 @@ class SessionCache:
         self.layers = [layer_store(spec, capacity, dtype=dtype, device=device) for spec in layers]
         self.capacity = capacity
         self.length = 0
+
+    @classmethod
+    def over(cls, stores: Sequence[KeyValues], capacity: int) -> "SessionCache":
+        """A session's cache over stores allocated elsewhere (a CUDA-graph step's static slot)."""
+        cache = cls.__new__(cls)
+        cache.layers, cache.capacity, cache.length = list(stores), capacity, 0
+        return cache
 
     def reserve(self, start: int, n_tokens: int) -> None:
         """Check that positions [start, start + n_tokens) can be written, and move the pointer there."""
