@@ -57,9 +57,13 @@ class SessionTable:
     def open(self, session: Hashable, *, capacity: int, start: int | None = None, end: int | None = None) -> None:
         """Allocate a session's KV cache for `capacity` positions over layers [start, end)."""
         start, end = check_session((self.start, self.end), start, end, capacity, self.spec.max_position)
+        self.close(session)  # a session opened again starts afresh (and gives back what it held)
         with torch.inference_mode():
-            cache = SessionCache(self.cache_specs(start, end), capacity, dtype=self.dtype, device=self.device)
+            cache = self._new_cache(start, end, capacity)
         self.sessions[session] = SessionState(cache, start, end)
+
+    def _new_cache(self, start: int, end: int, capacity: int) -> SessionCache:
+        return SessionCache(self.cache_specs(start, end), capacity, dtype=self.dtype, device=self.device)
 
     def close(self, session: Hashable) -> None:
         self.sessions.pop(session, None)
