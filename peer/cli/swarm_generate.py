@@ -47,7 +47,8 @@ async def generate_through_swarm(args: argparse.Namespace, sampling: SamplingPar
                                 out=lambda line: print(line, file=sys.stderr, flush=True))
     async with Swarm.join(args.join, model=folder, swarm_key=swarm_key,
                           emulate_link=emulation, policy=args.policy, quant=quant_from(args),
-                          accept_mixed=args.accept_mixed, dedicated=not args.no_dedicated) as swarm:
+                          accept_mixed=args.accept_mixed, dedicated=not args.no_dedicated,
+                          compile=args.compile) as swarm:
         swarm.on_route_wait = lambda line: print(line, file=sys.stderr, flush=True)
         ids = prompt_ids(swarm.tokenizer, args.prompt, raw=args.raw)
         speculation = speculation_from(args.speculate, args.draft_k, not args.no_pipeline, swarm, sampling,

@@ -46,7 +46,7 @@ async def open_host(config: PeerConfig, identity: Identity) -> AsyncIterator[Tra
 def build_peer(config: PeerConfig, *, out: Callable[[str], None] | None = None) -> PeerNode:
     """A volunteer's peer for `config`. Raises ConfigError (e.g. a memory offer too small for
     one layer) before anything is created on disk."""
-    compute = TorchCompute(config)
+    compute = TorchCompute(config, out=out)
     config.data_dir.mkdir(parents=True, exist_ok=True)
     identity = Identity.from_seed(load_or_create_key(config.data_dir / "identity.key"))
     store = PeerStore(config.data_dir / "tessera.db")

@@ -33,6 +33,9 @@ LEAVE_GRACE = 10.0  # seconds running sessions get to finish when the peer stops
 # judging the same view do not all move at once.
 REBALANCE_INTERVAL = 10.0
 MOVE_GRACE = 5.0  # seconds running sessions get to finish before a peer moves its span
+# --compile's default (stages/engine/compiled/modes.py). TESSERA_COMPILE sets it for every peer a
+# process starts: the test suite's peers are many and short-lived, and set it to off.
+DEFAULT_COMPILE = os.environ.get("TESSERA_COMPILE", "auto")
 KV_RESERVE_FRACTION = 0.25  # of the memory offered, kept for sessions' KV caches
 DEFAULT_MEMORY_FRACTION = 0.5  # of available RAM, when --memory is not given
 
@@ -54,6 +57,7 @@ class PeerConfig:
     device: str = "auto"
     dtype: str = "auto"
     quant: Quant = NO_QUANT  # how the span's matrices are stored (stages/weights/quant.py)
+    compile: str = DEFAULT_COMPILE  # how decode steps run: auto, off, inductor, cuda-graphs
     swarm_key: bytes | None = None
     max_sessions: int = 16
     max_length: int = 4096

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import trio
 
 from tessera.stages.engine.compiled.build import compile_decode
 from tessera.stages.engine.compiled.cuda_graphs import GraphDecode, group_halves
@@ -20,7 +21,8 @@ from tessera.stages.engine.compiled.inductor import HEAD, InductorDecode
 from tessera.stages.engine.compiled.modes import CompileChoiceError, plan_compile
 from tessera.stages.engine.stage import Stage
 
-from .families.conformance import PROMPT, SHAPE, TOLERANCE, VOCAB, build, reference_run, until_eos
+from ..swarm_helpers import local_swarm
+from .families.conformance import DECODE_STEPS, PROMPT, SHAPE, TOLERANCE, VOCAB, build, reference_run, until_eos
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,7 +35,8 @@ FAMILIES = {
     "mixtral": lambda: transformers.MixtralConfig(**SHAPE, num_local_experts=8, num_experts_per_tok=2,
                                                   intermediate_size=32, sliding_window=8),
 }
-BUCKETS = {"llama": (1, 4), "qwen3": (1,), "qwen3_moe": (1,), "mixtral": (1,)}  # llama also pads 3 rows to 4
+# llama also pads 3 rows to 4, and compiles what the swarm's peers (--batch-rows 2) ask for: from the disk cache
+BUCKETS = {"llama": (1, 2, 4), "qwen3": (1,), "qwen3_moe": (1,), "mixtral": (1,)}
 STACKED = [PROMPT, PROMPT[:5], PROMPT[:9]]  # three sessions at different positions
 STEPS = 8
 CLOSE = 2e-5  # compiled vs eager logits, relative to the row's largest: only the order of summation differs
@@ -238,3 +241,50 @@ def test_compile_modes():
         plan_compile("cuda-graphs", "cpu")
     with pytest.raises(CompileChoiceError, match="'fast' is not one of"):
         plan_compile("fast", "cpu")
+
+
+@pytest.mark.slow
+async def test_compiled_peers_serve_exact_answers(folders, compiled):
+    """Peers that compile their spans (--compile inductor, --batch-rows 2: row buckets 1 and 2), every
+    layer held twice (one peer, and two that split it): a plain answer, two answers at once (stacked in one compiled step on each peer),
+    a speculative one (draft blocks rolled back on every peer) and one whose first peer is killed
+    mid-answer (its inputs replayed on the other copy) are each transformers' greedy tokens."""
+    from tessera.peer.request.client import Swarm
+    from tessera.peer.request.decode import Speculation
+    from tessera.stages.decoding.speculative import AdaptiveK, ModelDrafter
+
+    folder = folders["llama"]
+    want = until_eos(reference_run(folder)[0])
+    spans = [(0, 3), (0, 1), (1, 3)]
+    with local_swarm(spans, model=str(folder), extra=["--compile", "inductor", "--batch-rows", "2"]) as peers:
+        for i in range(len(spans)):
+            assert "decode steps: inductor" in peers.log(i), peers.log(i)[-2000:]
+        async with Swarm.join(peers.addrs[:1], model=folder) as swarm:
+            await swarm.wait_for_route(60)
+            assert [t async for t in swarm.generate_ids(PROMPT, max_new_tokens=DECODE_STEPS)] == want
+            together: list[list[int]] = [[], []]
+
+            async def answer(i: int) -> None:
+                together[i] = [t async for t in swarm.generate_ids(PROMPT, max_new_tokens=DECODE_STEPS)]
+
+            async with trio.open_nursery() as nursery:
+                for i in range(2):
+                    nursery.start_soon(answer, i)
+            assert together == [want, want]
+            draft = Stage.load(folder, start=0, end=1, embed=True, head=True)
+            speculation = Speculation(ModelDrafter(draft, capacity=64), k=AdaptiveK(3, backoff_after=10**9),
+                                      pipeline=False)
+            assert [t async for t in swarm.generate_ids(PROMPT, max_new_tokens=DECODE_STEPS,
+                                                        speculation=speculation)] == want
+            assert speculation.proposed > 0
+            info: dict = {}
+            tokens: list[int] = []
+            async for token in swarm.generate_ids(PROMPT, max_new_tokens=DECODE_STEPS, info=info):
+                tokens.append(token)
+                if len(tokens) == 5:
+                    (session,) = swarm.active
+                    first = session.current.hops[0].peer
+                    peers.kill(next(i for i, addr in enumerate(peers.addrs) if addr.endswith(first)))
+            assert tokens == want and info["failovers"] == 1
+        for i in range(len(spans)):  # every step of every peer ran compiled: none fell back
+            assert "decodes eagerly" not in peers.log(i), peers.log(i)[-2000:]

@@ -15,6 +15,12 @@ from tessera.stages.engine.compiled.modes import CUDA_GRAPHS, CompilePlan, plan_
 from tessera.stages.engine.stage import Stage
 
 
+def row_buckets(max_rows: int) -> tuple[int, ...]:
+    """The row buckets worth compiling when stacked steps hold at most `max_rows` rows (a peer's
+    --batch-rows): those of ROW_BUCKETS up to it (1 always)."""
+    return tuple(b for b in ROW_BUCKETS if b <= max(1, max_rows))
+
+
 def compile_decode(stage: Stage, mode: str = "auto", *, say: Callable[[str], None] | None = None,
                    buckets: Sequence[int] = ROW_BUCKETS) -> CompilePlan:
     """Compile `stage`'s decode steps as `mode` asks (modes.py); returns what it chose and why.

@@ -170,6 +170,9 @@ class InductorDecode:
             return None
         stage, rows = self.stage, len(states)
         pad = bucket - rows
+        # the graphs were built over inference tensors (warm-up ran in inference mode); a row that
+        # arrived from the network is a plain one, which dynamo's guards tell apart: a copy (one row)
+        x = x if x.is_inference() else x.clone()
         pos = torch.tensor(positions + [0] * pad, dtype=torch.long, device=stage.device)
         tables = stage.rope.tables(pos, stage.dtype)
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x
@@ -204,6 +207,7 @@ class InductorDecode:
             return None
         pad = bucket - hidden.shape[0]
         x = hidden.to(stage.device, stage.dtype)
+        x = x if x.is_inference() else x.clone()  # as in `run`
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
