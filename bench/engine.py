@@ -22,6 +22,7 @@ bound's own measurement leaves out too. The last line reads
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Callable
@@ -122,10 +123,10 @@ def main() -> None:
         "compiled": lambda: ours_decode(compiled, ids, args.tokens, clock),
     }
     if not args.no_transformers:
+        os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF conversion bar
         import transformers
 
         transformers.logging.set_verbosity_error()
-        transformers.logging.disable_progress_bar()
         gguf = folder / "source.gguf"
         kwargs = {"gguf_file": gguf.name} if gguf.exists() else {}
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kwargs)

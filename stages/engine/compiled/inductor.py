@@ -89,6 +89,8 @@ class InductorDecode:
     def __init__(self, stage: Stage, *, buckets: Sequence[int] = ROW_BUCKETS, say: Say | None = None) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError(f"row buckets must be positive, got {tuple(buckets)!r}")
+        # before the first torch.compile of the process, which fixes inductor's cache directory
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
         self.stage = stage
         self.buckets = tuple(sorted(set(buckets)))
         self.say: Say = say or (lambda line: None)
@@ -104,7 +106,6 @@ class InductorDecode:
 
     def compile(self) -> None:
         """Compile every layer kind of the span for every bucket (and the head), saying how far it got."""
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
         stage = self.stage
         kinds = list(dict.fromkeys(stage.spec.layers[stage.start : stage.end]))
         jobs = len(kinds) * len(self.buckets) + (len(self.buckets) if stage.head is not None else 0)
