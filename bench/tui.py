@@ -109,7 +109,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tessera-bench-tui-") as tmp:
         spec = spec_from_file(registry.resolve(args.model) / "config.json")
         node = build_peer(PeerConfig(model=args.model, layers=(0, spec.num_layers), data_dir=Path(tmp),
-                                   threads=args.threads, name="bench"))
+                                   threads=args.threads, name="bench", listen=["/ip4/127.0.0.1/tcp/0"]))
         handle = PeerHandle(node)
         handle.start()
         try:

@@ -114,10 +114,11 @@ def layer_time(spec: ModelSpec, tokens: int, *, threads: int, min_time: float) -
                 bound = 1.0 / math.sqrt(p.shape[-1])
                 p.uniform_(-bound, bound)
     cache = SessionCache([layer.cache], HISTORY + tokens)
+    cache.reserve(0, HISTORY + tokens)
     cache.layers[0].keys.normal_()
     cache.layers[0].values.normal_()
     positions = torch.arange(HISTORY, HISTORY + tokens)
-    rope = (layer.attention.rope, layer.attention.head_dim)
+    rope = (layer.attention.rope, layer.attention.rope_dim)
     ctx = StepContext(HISTORY, {rope: Rotary(*rope).cos_sin(positions)}, torch.device("cpu"))
     x = torch.randn(tokens, spec.hidden_size)
 

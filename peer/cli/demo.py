@@ -30,10 +30,12 @@ from tessera.peer.node.config import KV_RESERVE_FRACTION
 # one peer: import torch, measure a layer, load its span, and compile its decode steps (--compile: up to a
 # minute or two per span on a 2-core machine when inductor's disk cache is cold, seconds once it is warm)
 STARTUP_TIMEOUT = 300.0
+LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"  # a local swarm stays on this machine
 
 
 class LocalSwarm:
-    """N peer processes on loopback (also used by tests and benchmarks)."""
+    """N peer processes on loopback (also used by tests and benchmarks): each is given
+    `--listen /ip4/127.0.0.1/tcp/0`, since a peer listens on every interface by default."""
 
     def __init__(self, n: int, *, model: str = "smollm2-135m", extra_args: list[list[str]] | None = None,
                  base_dir: Path | None = None, threads: int = 1, env: dict | None = None,
@@ -57,7 +59,8 @@ class LocalSwarm:
         """Start peer i's process (not waiting for it)."""
         log = self.base_dir / f"peer{i}.log"
         cmd = [*self.launcher(i), "-m", "tessera.peer.cli.main", "peer", "--model", self.model, "--name", f"peer{i}",
-               "--data-dir", str(self.base_dir / f"peer{i}"), "--threads", str(self.threads), *self.extra_args[i]]
+               "--data-dir", str(self.base_dir / f"peer{i}"), "--threads", str(self.threads),
+               "--listen", LOOPBACK_LISTEN, *self.extra_args[i]]
         for addr in join:
             cmd += ["--join", addr]
         if self.control:
@@ -130,13 +133,15 @@ class LocalSwarm:
 
 
 def wait_for_line(log: Path, proc: subprocess.Popen, ready: str, *, prefix: str) -> str:
-    """Wait until `ready` appears in the log; return the text after `prefix` on its line."""
+    """Wait until `ready` appears in the log; return the word after `prefix` on its line
+    ("listening on ADDR  (loopback: ...)" -> ADDR)."""
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while time.monotonic() < deadline:
         text = log.read_text() if log.exists() else ""
         if ready in text:
             line = next(l for l in text.splitlines() if l.startswith(prefix))
-            return line[len(prefix):].strip()
+            rest = line[len(prefix):].split()
+            return rest[0] if rest else ""
         if proc.poll() is not None:
             raise PeerError(f"peer exited with status {proc.returncode}:\n{text[-2000:]}")
         time.sleep(0.1)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tessera.stages.weights.quant import NO_QUANT, Quant, span_bytes
 from tessera.stages.families.spec import ModelSpec
+from tessera.stages.engine.compiled.modes import DEFAULT_COMPILE
 
 from tessera.peer.net.emulated import LinkEmulation
 from tessera.peer.base.errors import ConfigError
@@ -33,9 +34,6 @@ LEAVE_GRACE = 10.0  # seconds running sessions get to finish when the peer stops
 # judging the same view do not all move at once.
 REBALANCE_INTERVAL = 10.0
 MOVE_GRACE = 5.0  # seconds running sessions get to finish before a peer moves its span
-# --compile's default (stages/engine/compiled/modes.py). TESSERA_COMPILE sets it for every peer a
-# process starts: the test suite's peers are many and short-lived, and set it to off.
-DEFAULT_COMPILE = os.environ.get("TESSERA_COMPILE", "auto")
 KV_RESERVE_FRACTION = 0.25  # of the memory offered, kept for sessions' KV caches
 DEFAULT_MEMORY_FRACTION = 0.5  # of available RAM, when --memory is not given
 
@@ -46,7 +44,9 @@ class PeerConfig:
 
     model: str = "smollm2-135m"
     join: list[str] = field(default_factory=list)
-    listen: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    # where to listen; empty: every interface at port 4001, or a free port if that is taken
+    # (peer/net/addresses.py `default_listen`: a volunteer is there to be reached from other machines)
+    listen: list[str] = field(default_factory=list)
     dedicated: bool = True  # hot streams on connections of their own where they work (peer/net/dedicated/)
     dedicated_port: int = 0  # where those are taken (0: any free port)
     memory_gb: float | None = None
@@ -79,17 +79,6 @@ class PeerConfig:
     group: str = ""  # the shard group's name
     serve_weights: bool = True  # answer other peers' weight fetches from our model folder (peer/weights/)
     weights_upload_rate: float = 0.0  # bytes/s of weights uploaded per fetching peer; 0 = unlimited
-
-
-def parse_layers(text: str) -> tuple[int, int]:
-    """'A:B' -> (A, B), layers A to B-1."""
-    try:
-        a, b = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise ConfigError(f"--layers wants A:B (layers A to B-1), got {text!r}") from None
-    if not 0 <= a < b:
-        raise ConfigError(f"--layers {text!r} is empty or negative")
-    return a, b
 
 
 def capacity_in_layers(spec: ModelSpec, memory_bytes: int, itemsize: int, quant: Quant = NO_QUANT) -> int:

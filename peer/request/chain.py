@@ -29,9 +29,9 @@ import trio
 
 from tessera.store import events
 from tessera.store.trace import now as trace_now
-from tessera.protocol.activations import open_payload, seal_activations
+from tessera.protocol.activations import open_payload, seal_payload
 from tessera.protocol.errors import WireError
-from tessera.protocol.tensors import decode_tensor
+from tessera.protocol.tensors import decode_tensor, encode_wire
 from tessera.protocol.keys import EphemeralKey, public_key_from_peer_id
 from tessera.protocol.links import Direction, LinkCipher, seal_link_key
 from tessera.protocol.error_codes import NEXT_HOP_FAILED
@@ -177,7 +177,8 @@ class RouteSession:
                 next_addrs=self.ctx.keeper.addrs(next_peer) if next_peer is not None else (),
                 tap_key=self.seal(tap, hop.peer_id) if tap else None,
                 prev_peer=peer_bytes(prev_peer) if prev_peer is not None else None,
-                inject_key=self.seal(inject, hop.peer_id) if inject else None,
+                inject_key=self.seal(inject, hop.peer_id) if inject else None, work=self.ctx.work,
+                wire_form=self.ctx.wire,
             )
             links = {
                 "send": self.cipher(inject) if inject else (self.cipher(into[0]) if i == 0 else None),
@@ -218,7 +219,7 @@ class RouteSession:
             reply = await channel.receive()
         if isinstance(reply, ErrorMsg):
             await channel.close()
-            raise SessionRefused(hop.peer_id, reply.code, reply.message)
+            raise SessionRefused(hop.peer_id, reply.code, reply.message, retry_after=reply.retry_after)
         if not isinstance(reply, SessionAccept) or reply.session_id != self.session_id:
             await channel.reset()
             raise PeerFailed(hop.peer_id, f"answered SessionOpen with {type(reply).__name__}")
@@ -353,7 +354,7 @@ class RouteSession:
         assert first.send is not None, "the requester feeds only the first hop or an injected one"
         template = Forward(self.session_id, step, first.send.link_id, 0, start_pos, n, stop_layer, b"", reply=reply)
         try:
-            frame = seal_activations(first.send, template, hidden)
+            frame = seal_payload(first.send, template, encode_wire(hidden, self.ctx.wire)[0])
             wall, mono_ns = trace_now()  # a push is stamped as its send starts (store/trace.py)
             await first.channel.send(frame)
         except PeerError as error:
@@ -435,8 +436,12 @@ class RouteSession:
         down = hops[j + 1] if j + 1 < len(hops) else None
         dead = [h.peer for h in hops[i : j + 1]]
         reasons = "; ".join(f"{h.peer}: {h.failure}" for h in hops[i : j + 1] if h.failure) or "failed"
+        # every peer of this session stays out of the replacement, not only the dead: a peer runs one
+        # hop of a session (its id is the session's), so one already in the route cannot take another
+        # piece ("session ... is already open here" failed simulated answers beside full coverage)
         chosen = await repair.reroute(
-            a, b, source=up.peer if up else None, sink=down.peer if down else None, exclude=dead,
+            a, b, source=up.peer if up else None, sink=down.peer if down else None,
+            exclude=dead + [h.peer for h in hops if h.peer not in dead],
             groups=False,  # replacements are chained peer to peer; groups need the requester
             why=reasons,
         )

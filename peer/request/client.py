@@ -17,6 +17,7 @@ trio's clock, with a weightless model and one shared view (peer/sim/requester.py
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import torch
 import trio
 
 from tessera.protocol.keys import Identity
+from tessera.protocol.tensors import WIRE_FORMS
 from tessera.stages.weights import registry
 from tessera.stages.decoding.generate import GenerationResult, plan_length, prompt_ids
 from tessera.stages.decoding.constrained import ConstrainedSampler, JsonConstraint
@@ -54,10 +56,12 @@ from tessera.peer.request.repair import AnswerRewound, ResilientSession
 from tessera.peer.request.policy import RequesterPolicy, check_peer_id, explain_gaps
 from tessera.peer.request.chain_state import RequesterContext
 from tessera.peer.request.chain import route_summary
-from tessera.peer.plan.routing import Route, route, why_no_route
+from tessera.peer.plan.routing import Route, route, why_no_route, why_not_preferred
 from tessera.peer.net.transport import Transport
 from tessera.peer.plan.view import PeerInfo, SwarmView
 from tessera.peer.request.prefill import route_chunk_size
+
+log = logging.getLogger(__name__)
 
 # How long a requester waits for the swarm to cover every layer before it gives up.
 DEFAULT_ROUTE_WAIT = 30.0
@@ -123,10 +127,14 @@ class Swarm:
         quant: Quant = NO_QUANT,
         accept_mixed: bool = False,
         compile: str = "off",
+        wire: str = "",
     ) -> None:
         """`model`, or the one in `folder` (loaded here, its head compiled as `compile` says); `clock` dates the view's records,
         `ban_clock` the bans. `keeper`: a view fed from elsewhere (then `gossip=False`: a
-        simulation's shared view); `reports`: keep and pull misbehaviour reports."""
+        simulation's shared view); `reports`: keep and pull misbehaviour reports. `wire`: the form
+        activations cross the wire in (protocol/tensors.py WIRE_FORMS; "" exact, the default)."""
+        if wire not in WIRE_FORMS:
+            raise ValueError(f"activation wire form {wire!r} is not one of {list(WIRE_FORMS)}")
         self.folder = folder
         # who may compute this requester's answers (peer/request/policy.py); a revocation adds to `deny`
         self.policy = policy or RequesterPolicy()
@@ -145,8 +153,10 @@ class Swarm:
         self.ctx = RequesterContext(
             transport=transport, identity=identity, keeper=self.keeper, nursery=nursery,
             num_layers=self.spec.num_layers, hidden_size=self.spec.hidden_size, tracer=tracer or NullTracer(),
+            wire=wire,
         )
         self.peer_id = transport.peer_id
+        self.ctx.tracer.bind(self.peer_id)  # a TraceWriter made before this requester had an id
         self.clock: Callable[[], float] = ban_clock  # what `bans` measures time on
         self.bans = Backoff(BAN_BASE, BAN_CAP)  # strikes survive from one answer to the next
         self.reports = ReportBook(transport, model_id=self.model_id, on_accept=self._avoid_accused) if reports else None
@@ -174,12 +184,15 @@ class Swarm:
         accept_mixed: bool = False,
         dedicated: bool = True,
         compile: str = "off",
+        wire: str = "",
     ) -> AsyncIterator["Swarm"]:
         """Join the swarm reachable at `addrs` as a requester (serving nothing).
 
         `policy` says which peers may compute its answers (every answer; a request may narrow it).
         `quant`: route only through peers serving that quantization (default: unquantized);
         `accept_mixed`: through peers of any quantization of the model.
+        `wire`: activations between peers in a compact form, "bfloat16" or "fp8" (a scale per row):
+        fewer bytes, NOT exact (docs/pages/quantization.md states the error); "" exact (the default).
 
         `dedicated`: run sessions on connections of their own where a peer takes them
         (peer/net/dedicated/); False keeps every stream on the libp2p connection.
@@ -195,7 +208,7 @@ class Swarm:
             async with trio.open_nursery() as nursery:
                 swarm = await in_worker(
                     lambda: Swarm(transport, nursery, folder=folder, identity=identity, tracer=tracer, policy=policy,
-                                  quant=quant, accept_mixed=accept_mixed, compile=compile)
+                                  quant=quant, accept_mixed=accept_mixed, compile=compile, wire=wire)
                 )
                 await swarm.connect(addrs, swarm_key_given=swarm_key is not None)
                 nursery.start_soon(swarm.refresh_forever)
@@ -289,6 +302,10 @@ class Swarm:
             chosen = self._memo[key] = route(view, start=start, end=end, source=source or self.peer_id,
                                              sink=sink or self.peer_id, exclude=frozenset(banned) | frozenset(exclude),
                                              groups=groups)
+            if policy.prefer and log.isEnabledFor(logging.INFO):  # `-v`: why the cost model chose a peer not preferred
+                for line in why_not_preferred(view, chosen, prefer=policy.prefer, source=source or self.peer_id,
+                                              sink=sink or self.peer_id, exclude=frozenset(banned) | frozenset(exclude)):
+                    log.info("route: %s", line)
         return chosen
 
     def why_no_route(self, *, start: int = 0, end: int | None = None, exclude: Sequence[str] = (),
@@ -376,6 +393,9 @@ class Swarm:
         capacity = min(len(ids) + budget + SPECULATION_SLACK, self.spec.max_position)
         session = ResilientSession(self, max_length=capacity, route_wait=route_wait, policy=policy)
         await session.open()
+        if spot_check is not None and spot_check.rate > 0 and self.ctx.wire:
+            # a check compares outputs at float32 tolerances; a compact form rounds them far beyond
+            raise ValueError(f"spot checks need exact activations on the wire, not {self.ctx.wire!r}")
         if spot_check is not None and spot_check.rate > 0:
             session.checker = SpotChecker(self, session, spot_check)
         self.active.add(session)

@@ -55,7 +55,8 @@ class SessionTable:
         return [self.spec.layers[i].cache for i in range(start, end)]
 
     def open(self, session: Hashable, *, capacity: int, start: int | None = None, end: int | None = None) -> None:
-        """Allocate a session's KV cache for `capacity` positions over layers [start, end)."""
+        """Open a session over layers [start, end) whose KV cache may grow to `capacity` positions
+        (it is allocated in chunks as steps reach them: layers/cache.py `SessionCache`)."""
         start, end = check_session((self.start, self.end), start, end, capacity, self.spec.max_position)
         self.close(session)  # a session opened again starts afresh (and gives back what it held)
         with torch.inference_mode():

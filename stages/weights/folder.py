@@ -94,13 +94,18 @@ class WeightFolder:
     def read_stacked(self, source: Stacked, dtype: torch.dtype) -> torch.Tensor:
         """The parts of `source` concatenated along dim 0, read one at a time straight into one
         buffer (so that loading never holds a piece and the stacked copy of a whole layer at once);
-        of a fused tensor only row `source.index` is read. A tensor taken whole is as `read` gives it."""
-        if len(source.names) == 1 and source.index is None:
+        of a fused tensor only row `source.index` is read, transposed and its interleaved rows
+        regrouped as `source` says. A tensor taken whole is as `read` gives it."""
+        if len(source.names) == 1 and source.index is None and not (source.transposed or source.interleaved):
             return self.read({source.names[0]: source.shapes[0]}, dtype)[source.names[0]]
         out = torch.empty(source.shape, dtype=dtype)
         at = 0
         for i, name in enumerate(source.names):
             piece = self.read_part(name, source.shapes[i], source.index, dtype)
+            if source.transposed:
+                piece = piece.transpose(-1, -2)
+            if source.interleaved:  # rows gate0, up0, gate1, up1, ... -> all gates, then all ups
+                piece = torch.cat((piece[0::2], piece[1::2]))
             out[at : at + piece.shape[0]] = piece
             at += piece.shape[0]
             del piece
@@ -125,6 +130,25 @@ class WeightFolder:
         except (SafetensorError, OSError) as bad:
             raise ModelFormatError(f"cannot read {str(path)!r}: {bad}") from None
         return tensor.to(dtype).contiguous()
+
+    def read_stored(self, name: str, shape: tuple[int, ...], dtypes: tuple[str, ...], *,
+                    index: int | None = None) -> torch.Tensor:
+        """Tensor `name` exactly as stored (a shipped format's codes, blocks or scales: no cast),
+        checked to have `shape` and one of the safetensors `dtypes`; of it only row `index` when
+        given (one expert of a fused tensor). Whole, it is a view of the memory-mapped file."""
+        if name not in self._where:
+            raise ModelFormatError(f"tensor {name!r} is missing from {str(self.folder)!r}")
+        path = self._where[name]
+        try:
+            with safe_open(path, framework="pt") as f:
+                sl = f.get_slice(name)
+                if tuple(sl.get_shape()) != shape:
+                    raise ModelFormatError(f"tensor {name!r} has shape {tuple(sl.get_shape())!r}, expected {shape!r}")
+                if sl.get_dtype() not in dtypes:
+                    raise ModelFormatError(f"tensor {name!r} is {sl.get_dtype()}, expected {' or '.join(dtypes)}")
+                return f.get_tensor(name) if index is None else sl[index]
+        except (SafetensorError, OSError, TypeError) as bad:  # TypeError: a dtype this torch cannot hold
+            raise ModelFormatError(f"cannot read {name!r} from {str(path)!r}: {bad}") from None
 
     def layer_state(self, layer: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Every tensor of layer `layer` under the engine's names (`tessera.stages.layers.block.Block`),

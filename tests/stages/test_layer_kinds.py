@@ -80,7 +80,8 @@ def random_stage(spec: ModelSpec) -> Stage:
 
 def test_what_admission_budgets_is_what_a_session_allocates():
     """Per layer of its cache kind (here full and sliding, 2 and 4 KV heads), for the session's
-    own sub-span: the bytes checked before allocating are the bytes allocated."""
+    own sub-span: the bytes checked before allocating are the bytes allocated (a cache grows as
+    steps reach positions: reserving all 20 allocates them all)."""
     full = AttentionSpec(4, 2, 8)
     sliding = AttentionSpec(8, 4, 8, window=4)
     dense, sparse = MlpSpec(24), MlpSpec(8, "moe", 4, RouterSpec(top_k=2))
@@ -89,6 +90,8 @@ def test_what_admission_budgets_is_what_a_session_allocates():
     stage = random_stage(spec)
     for start, end in ((0, 3), (1, 3), (0, 1)):
         stage.open((start, end), capacity=20, start=start, end=end)
+        assert stage.sessions[(start, end)].cache.nbytes == 0
+        stage.sessions[(start, end)].cache.reserve(0, 20)
         assert stage.sessions[(start, end)].cache.nbytes == stage.session_bytes(20, start, end)
         assert stage.session_bytes(20, start, end) == 20 * spec.kv_bytes_per_position(start, end)
     assert spec.kv_bytes_per_position(1, 2) == 2 * spec.kv_bytes_per_position(0, 1)  # twice the KV heads

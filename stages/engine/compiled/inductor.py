@@ -45,6 +45,8 @@ from tessera.stages.layers.attention import Segment, StepContext
 from tessera.stages.layers.cache import KeyValues, SessionCache
 
 ROW_BUCKETS = (1, 2, 4, 8)
+# attention kinds whose cache rows.py's op meets (KeyValues); MLA's latent rows run eagerly
+COMPILED_ATTENTION = ("gqa",)
 # A pad row's store. Two positions, not one: a store's capacity is a size symbol of the
 # compiled graph, and torch specialises sizes 0 and 1, so a capacity of 1 would not match it.
 SCRATCH_CAPACITY = 2
@@ -112,6 +114,10 @@ class InductorDecode:
         done, began = 0, time.perf_counter()
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), torch.inference_mode():
             for kind in kinds:
+                if kind.attention.kind not in COMPILED_ATTENTION:
+                    self._fall_back(kind, f"no compiled step for {kind.attention.kind} attention's cache yet")
+                    done += len(self.buckets)
+                    continue
                 try:
                     for rows in self.buckets:
                         self._warm_layer(kind, rows)
@@ -142,7 +148,7 @@ class InductorDecode:
             torch._dynamo.mark_dynamic(store.values, 1)
             stores.append(store)
         positions = torch.ones(rows, dtype=torch.long, device=stage.device)
-        cos, sin = stage.rope.tables(positions, stage.dtype)[(kind.attention.rope, kind.attention.head_dim)]
+        cos, sin = stage.rope.tables(positions, stage.dtype)[(kind.attention.rope, kind.attention.rope_dim)]
         x = torch.zeros(rows, stage.spec.hidden_size, dtype=stage.dtype, device=stage.device)
         self.layer_fn(self.forms[layer], x, cos, sin, positions, [s.keys for s in stores], [s.values for s in stores])
 
@@ -184,7 +190,7 @@ class InductorDecode:
                 stores = [state.cache.layers[i - (state.start - stage.start)] for state in states]
                 if kind in self.compiled:
                     stores += [self._scratch_store(kind.cache)] * pad
-                    cos, sin = tables[(kind.attention.rope, kind.attention.head_dim)]
+                    cos, sin = tables[(kind.attention.rope, kind.attention.rope_dim)]
                     try:
                         x = self.layer_fn(self.forms[i], x, cos, sin, pos, [s.keys for s in stores],
                                           [s.values for s in stores])

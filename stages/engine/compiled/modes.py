@@ -11,9 +11,13 @@ chunked dequantization (stages/weights/quant.py), which inductor would only wrap
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 COMPILE_MODES = ("auto", "off", "inductor", "cuda-graphs")
+# a peer's --compile default. TESSERA_COMPILE sets it for every peer a process starts: the test
+# suite's peers are many and short-lived, and set it to off.
+DEFAULT_COMPILE = os.environ.get("TESSERA_COMPILE", "auto")
 INDUCTOR = "inductor"
 CUDA_GRAPHS = "cuda-graphs"
 

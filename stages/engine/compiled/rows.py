@@ -10,7 +10,7 @@ The position arrives as a tensor, so no step's position is baked into a graph.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence  # Optional: custom_op reads the annotations
 
 import torch
 from torch import Tensor
@@ -24,17 +24,17 @@ NO_WINDOW = -1  # `window` of decode_attend for a layer that attends to every po
 
 @torch.library.custom_op("tessera::decode_attend", mutates_args=("keys", "values"))
 def decode_attend(qk: Tensor, v: Tensor, keys: Tensor, values: Tensor, position: Tensor, num_heads: int,
-                  window: int, scale: float) -> Tensor:
+                  window: int, scale: float, sinks: Optional[Tensor]) -> Tensor:
     """One session's next token: write its k, v [1, K, D] at `position` (a 0-d long tensor) of its
-    store (keys, values [K, capacity, D]) and attend over its window. qk [1, A + K, D] (rotated).
-    Returns [1, A D]."""
+    store (keys, values [K, capacity, D]) and attend over its window. qk [1, A + K, D] (rotated);
+    sinks [A] or None (layers/attention.py `attend`). Returns [1, A D]."""
     store = KeyValues.over(keys, values, None if window == NO_WINDOW else window)
-    return attend(qk, v, num_heads, store, int(position), None, scale)
+    return attend(qk, v, num_heads, store, int(position), None, scale, sinks)
 
 
 @decode_attend.register_fake
 def _decode_attend_shape(qk: Tensor, v: Tensor, keys: Tensor, values: Tensor, position: Tensor, num_heads: int,
-                         window: int, scale: float) -> Tensor:
+                         window: int, scale: float, sinks: Optional[Tensor]) -> Tensor:
     return qk.new_empty(qk.shape[0], num_heads * qk.shape[2])
 
 
@@ -49,9 +49,9 @@ class RowsStep:
         return self.cos, self.sin  # one layer kind per compiled function: one RoPE
 
     def attend(self, qk: Tensor, v: Tensor, num_heads: int, cache: Sequence[tuple[Tensor, Tensor]],
-               window: int | None, scale: float) -> Tensor:
+               window: int | None, scale: float, sinks: Tensor | None = None) -> Tensor:
         w = NO_WINDOW if window is None else window
         return torch.cat([  # [R, A D]
-            decode_attend(qk[i : i + 1], v[i : i + 1], keys, values, self.positions[i], num_heads, w, scale)
+            decode_attend(qk[i : i + 1], v[i : i + 1], keys, values, self.positions[i], num_heads, w, scale, sinks)
             for i, (keys, values) in enumerate(cache)
         ])

@@ -75,10 +75,10 @@ class SlotStep:
         self.tables, self.positions, self.slots, self.length = tables, positions, slots, length
 
     def rope(self, spec: AttentionSpec) -> tuple[Tensor, Tensor]:
-        return self.tables[(spec.rope, spec.head_dim)]
+        return self.tables[(spec.rope, spec.rope_dim)]
 
     def attend(self, qk: Tensor, v: Tensor, num_heads: int, cache: tuple[Tensor, Tensor], window: int | None,
-               scale: float) -> Tensor:
+               scale: float, sinks: Tensor | None = None) -> Tensor:
         keys, values = cache  # [S, K, C, D]
         r, a, d = qk.shape[0], num_heads, qk.shape[2]
         kv = keys.shape[1]
@@ -95,4 +95,9 @@ class SlotStep:
         if window is not None:
             allowed &= where > self.positions[:, None] - window
         scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
-        return torch.matmul(scores.softmax(-1), v_rows).reshape(r, a * d)  # [R, A D]
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:  # each head's sink logit joins the denominator (gpt-oss; layers/attention.py)
+            sink = sinks.to(scores.dtype).view(1, kv, a // kv, 1).expand(r, kv, a // kv, 1)
+            probs = torch.cat((scores, sink), -1).softmax(-1)[..., : self.length]
+        return torch.matmul(probs, v_rows).reshape(r, a * d)  # [R, A D]

@@ -70,14 +70,16 @@ def test_an_unknown_key_is_refused_by_name(family):
         ("mixtral", {"hidden_act": "relu"}, "hidden_act 'relu'"),
         ("qwen3", {"layer_types": ["full_attention"] * 3 + ["chunked_attention"]}, "layer_types"),
         ("qwen3", {"use_sliding_window": False, "layer_types": ["sliding_attention"] * 4}, "layer_types"),
-        ("qwen3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "yarn"),
+        ("qwen3", {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e6}}, "dynamic"),
         ("qwen3_moe", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
         ("qwen3_moe", {"num_experts": 16}, r"num_local_experts 8 .* differs from num_experts \(16\)"),
         # keys of other MoE families, which compute what this engine does not
         ("qwen3_moe", {"shared_expert_intermediate_size": 64}, "'shared_expert_intermediate_size'"),
         ("qwen3_moe", {"n_group": 8}, "'n_group'"),
         ("mixtral", {"routed_scaling_factor": 2.5}, "'routed_scaling_factor'"),
-        ("mixtral", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config 'fp8'"),
+        ("mixtral", {"quantization_config": {"quant_method": "awq"}}, "quant_method 'awq'"),
+        ("mixtral", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                             "activation_scheme": "static"}}, "activation_scheme 'static'"),
         ("mixtral", {"is_encoder_decoder": True}, "is_encoder_decoder True"),
         ("llama", {"attention_bias": True}, "attention_bias True"),
         ("llama", {"sliding_window": 8}, "'sliding_window'"),  # Llama has none: not silently dropped
@@ -108,6 +110,6 @@ def test_impossible_values_are_format_errors(family, change, words):
 
 
 def test_other_architectures_are_refused_by_name():
-    for arch in ("DeepseekV3ForCausalLM", "GptOssForCausalLM", "Glm4MoeForCausalLM"):
+    for arch in ("GlmMoeDsaForCausalLM",):
         with pytest.raises(UnsupportedModel, match=f"unknown architecture \\['{arch}'\\]"):
             spec_from_config({**config_of("llama"), "architectures": [arch]})
