@@ -1,7 +1,8 @@
 """Compiled decode steps (stages/engine/compiled/) against the eager path and transformers, on CPU.
 
 For every family the engine runs (llama, qwen3 with windows, biases and qk-norm, qwen3_moe with a
-dense and a sparse layer kind, mixtral), a tiny random model saved by transformers: the compiled
+dense and a sparse layer kind, mixtral, gpt_oss with sinks; deepseek_v3's MLA layers stay eager
+inside the compiled step, said so), a tiny random model saved by transformers: the compiled
 span's float32 logits within 1e-4 of transformers' and of the eager span's, greedy tokens
 identical; sessions stacked in one compiled step (padded to a row bucket) against their solo
 runs; draft blocks (eager) cut short and rolled back between compiled steps. The CUDA-graph runner's
@@ -34,9 +35,18 @@ FAMILIES = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SHAPE, **MOE, mlp_only_layers=[0], norm_topk_prob=True),
     "mixtral": lambda: transformers.MixtralConfig(**SHAPE, num_local_experts=8, num_experts_per_tok=2,
                                                   intermediate_size=32, sliding_window=8),
+    # attention sinks, biased attention and experts, alternating sliding / full layers, YaRN
+    "gpt_oss": lambda: transformers.GptOssConfig(**SHAPE, num_local_experts=8, num_experts_per_tok=2,
+                                                 intermediate_size=32, sliding_window=8),
+    # MLA: its layers decode eagerly inside the compiled step (no compiled step for the latent cache)
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **{k: v for k, v in SHAPE.items() if k not in ("head_dim", "num_key_value_heads")}, intermediate_size=96, moe_intermediate_size=32, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=1, n_routed_experts=8, n_group=2, topk_group=1,
+        num_experts_per_tok=2, n_shared_experts=1),
 }
+EAGER_ATTENTION = {"deepseek_v3"}  # families whose layer kinds all stay eager (MLA)
 # llama also pads 3 rows to 4, and compiles what the swarm's peers (--batch-rows 2) ask for: from the disk cache
-BUCKETS = {"llama": (1, 2, 4), "qwen3": (1,), "qwen3_moe": (1,), "mixtral": (1,)}
+BUCKETS = {"llama": (1, 2, 4), "qwen3": (1,), "qwen3_moe": (1,), "mixtral": (1,), "gpt_oss": (1, 4), "deepseek_v3": (1,)}
 STACKED = [PROMPT, PROMPT[:5], PROMPT[:9]]  # three sessions at different positions
 STEPS = 8
 CLOSE = 2e-5  # compiled vs eager logits, relative to the row's largest: only the order of summation differs
@@ -79,9 +89,13 @@ def test_compiled_matches_eager_and_transformers(folders, compiled, name):
     stage, plan, said = compiled[name]
     runner = stage.decode
     assert plan.backend == "inductor" and isinstance(runner, InductorDecode)
-    assert not runner.eager, said  # every layer kind and the head compiled
     kinds = set(stage.spec.layers)
-    assert runner.compiled == kinds | {HEAD}
+    if name in EAGER_ATTENTION:  # said once per kind, with the reason; the head still compiled
+        assert runner.compiled == {HEAD} and set(runner.eager) == kinds, said
+        assert all("mla attention" in why for why in runner.eager.values())
+    else:
+        assert not runner.eager, said  # every layer kind and the head compiled
+        assert runner.compiled == kinds | {HEAD}
     tokens, ref = reference_run(folders[name])
     eager = Stage.load(folders[name], embed=True, head=True)
     before = runner.steps
@@ -130,7 +144,7 @@ def stacked_tokens(stage: Stage, prompts: list[list[int]], n: int, capacity: int
     return tokens, logits
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "gpt_oss"])
 def test_stacked_compiled_steps_equal_solo_runs(folders, compiled, name):
     stage, _, _ = compiled[name]
     eager = Stage.load(folders[name], embed=True, head=True)
@@ -199,7 +213,7 @@ def test_a_kind_that_fails_to_compile_runs_eagerly_and_says_so_once(folders, mon
     assert sum("another compile" in line for line in said) == 1  # the dense kind, said once
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe", "gpt_oss"])
 def test_slot_step_matches_eager(folders, name):
     """The CUDA-graph runner's step, uncaptured: slots of a static pool, positions as tensors, a
     length bucket, 3 sessions padded to 4 rows, a sparse MLP between the graph pieces."""

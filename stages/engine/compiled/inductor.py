@@ -244,7 +244,8 @@ def eager_context(positions: list[int], tables: dict, device: torch.device) -> S
 
 def describe_kind(kind: LayerSpec) -> str:
     """'gqa + dense' / 'gqa + moe (window 4096)': a layer kind in a few words."""
-    window = f" (window {kind.attention.window})" if kind.attention.window is not None else ""
+    window = getattr(kind.attention, "window", None)  # MlaSpec has none
+    window = f" (window {window})" if window is not None else ""
     return f"{kind.attention.kind} + {kind.mlp.kind}{window}"
 
 
