@@ -21,7 +21,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Callable, Sequence
+from typing import AsyncIterator, Callable, Literal, Sequence
 
 import torch
 import trio
@@ -35,6 +35,7 @@ from tessera.stages.decoding.sampling import Sampler, SamplingParams
 from tessera.stages.families.spec import ModelSpec
 from tessera.stages.engine.stage import Stage
 from tessera.stages.text.tokenizer import TextStream, Tokenizer
+from tessera.store import events
 from tessera.store.trace import NullTracer, Tracer
 
 from tessera.peer.base.ids import peer_id_text
@@ -45,10 +46,11 @@ from tessera.peer.net.emulated import LinkEmulation, emulate
 from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.request.decode import Speculation, plain_tokens, speculative_tokens
 from tessera.peer.request.reports import ReportBook
-from tessera.peer.request.verify import GUILTY_BAN, SpotChecker
-from tessera.peer.base.backoff import Backoff
+from tessera.peer.request.verify import DEFAULT_SPOT_CHECKS, SpotChecker
+from tessera.peer.base.backoff import COMEBACK, PROBE_INTERVAL, ROUTE_WAIT, Bans
 from tessera.peer.base.threads import in_worker
-from tessera.peer.request.ports import BAN_BASE, BAN_CAP, CheckPolicy
+from tessera.peer.request.ports import CheckPolicy
+from tessera.peer.request.probe import answers
 from tessera.peer.request.repair import AnswerRewound, ResilientSession
 from tessera.peer.request.policy import RequesterPolicy, check_peer_id, explain_gaps
 from tessera.peer.request.chain_state import RequesterContext
@@ -58,8 +60,9 @@ from tessera.peer.net.transport import Transport
 from tessera.peer.plan.view import PeerInfo, SwarmView
 from tessera.peer.request.prefill import route_chunk_size
 
-# How long a requester waits for the swarm to cover every layer before it gives up.
-DEFAULT_ROUTE_WAIT = 30.0
+# How long a requester waits for the swarm to cover every layer before it gives up: one
+# policy with the bans (peer/base/backoff.py says why 30 s).
+DEFAULT_ROUTE_WAIT = ROUTE_WAIT
 REFRESH_INTERVAL = 2.0  # gossip and ping period of a requester
 WAIT_REPORT_INTERVAL = 1.0  # how often a requester waiting for a route says what it waits for
 # Embedding a decode step's tokens (one, or a speculative block's few) reads a few rows of
@@ -119,13 +122,17 @@ class Swarm:
         policy: RequesterPolicy | None = None,
         quant: Quant = NO_QUANT,
         accept_mixed: bool = False,
+        spot_check: CheckPolicy | None = DEFAULT_SPOT_CHECKS,
     ) -> None:
         """`model`, or the one in `folder` (loaded here); `clock` dates the view's records,
         `ban_clock` the bans. `keeper`: a view fed from elsewhere (then `gossip=False`: a
-        simulation's shared view); `reports`: keep and pull misbehaviour reports."""
+        simulation's shared view); `reports`: keep and pull misbehaviour reports.
+        `spot_check`: how every answer is checked unless it says otherwise (None: not at all)."""
         self.folder = folder
         # who may compute this requester's answers (peer/request/policy.py); a revocation adds to `deny`
         self.policy = policy or RequesterPolicy()
+        # spot checks of every answer (peer/request/verify.py); off when None or at rate 0
+        self.spot_check = spot_check if spot_check is not None and spot_check.rate > 0 else None
         model = model or RequesterModel.load(folder, quant)
         self.head = model.head
         self.spec = model.spec
@@ -144,7 +151,7 @@ class Swarm:
         )
         self.peer_id = transport.peer_id
         self.clock: Callable[[], float] = ban_clock  # what `bans` measures time on
-        self.bans = Backoff(BAN_BASE, BAN_CAP)  # strikes survive from one answer to the next
+        self.bans = Bans()  # who is avoided, why and until when; strikes survive from one answer to the next
         self.reports = ReportBook(transport, model_id=self.model_id, on_accept=self._avoid_accused) if reports else None
         # routes memoised per (view snapshot, bans, exclusions, RTTs, policy): routing is a pure
         # function of them, and where snapshots are shared (a simulation) a route costs milliseconds
@@ -169,6 +176,7 @@ class Swarm:
         quant: Quant = NO_QUANT,
         accept_mixed: bool = False,
         dedicated: bool = True,
+        spot_check: CheckPolicy | None = DEFAULT_SPOT_CHECKS,
     ) -> AsyncIterator["Swarm"]:
         """Join the swarm reachable at `addrs` as a requester (serving nothing).
 
@@ -179,6 +187,7 @@ class Swarm:
         `dedicated`: run sessions on connections of their own where a peer takes them
         (peer/net/dedicated/); False keeps every stream on the libp2p connection.
         `emulate_link` (benchmarks only) delays and paces every frame the requester sends.
+        `spot_check`: how answers are checked (peer/request/verify.py; None: not at all).
         """
         folder = registry.resolve(model)
         identity = Identity.from_seed(seed) if seed else Identity.generate()
@@ -188,7 +197,7 @@ class Swarm:
             async with trio.open_nursery() as nursery:
                 swarm = await in_worker(
                     lambda: Swarm(transport, nursery, folder=folder, identity=identity, tracer=tracer, policy=policy,
-                                  quant=quant, accept_mixed=accept_mixed)
+                                  quant=quant, accept_mixed=accept_mixed, spot_check=spot_check)
                 )
                 await swarm.connect(addrs, swarm_key_given=swarm_key is not None)
                 nursery.start_soon(swarm.refresh_forever)
@@ -243,7 +252,7 @@ class Swarm:
     def _avoid_accused(self, body) -> None:
         """A verified misbehaviour report: stop using the accused."""
         accused = peer_id_text(body.accused.peer_id)
-        self.bans.ban_until(accused, self.clock() + GUILTY_BAN)
+        self.bans.prove_guilty(accused, self.clock())
 
     async def publish_report(self, report) -> int:
         """Record a report we made and share it with every connected peer (0: reports are not kept)."""
@@ -251,6 +260,51 @@ class Swarm:
 
     def is_banned(self, peer: str) -> bool:
         return self.bans.is_banned(peer, self.clock())
+
+    def _awaited_comebacks(self, *, start: int = 0, end: int | None = None, exclude: Sequence[str] = (),
+                           policy: RequesterPolicy | None = None, **_: object) -> list[str]:
+        """Banned peers that dropped or timed out, admitted by the policy, whose latest record
+        serves some layer of [start, end): those whose return would give a route."""
+        end = self.spec.num_layers if end is None else end
+        now = self.clock()
+        policy = self.policy.narrowed(policy)
+        view = self.keeper.snapshot()
+        out = []
+        for peer in self.bans.banned(now):
+            avoided = self.bans.why.get(peer)
+            info = view.get(peer)
+            if (avoided is not None and avoided.failure in COMEBACK and info is not None and info.routable
+                    and info.start < end and start < info.end and peer not in exclude and policy.admits(peer)):
+                out.append(peer)
+        return out
+
+    async def probe_comebacks(self, **plan_args) -> bool:
+        """Probe the awaited comebacks (`_awaited_comebacks`) that have signed a new record since
+        they failed — a restarted peer advertises again, a resumed one re-signs its record —
+        and were not probed in the last PROBE_INTERVAL; parole those that answer (their bans
+        end, their strikes stay: peer/base/backoff.py). Returns whether any was paroled."""
+        now = self.clock()
+        view = self.keeper.snapshot()
+        fresh = [p for p in self._awaited_comebacks(**plan_args)
+                 if view.get(p).issued_at > self.bans.why[p].mark]
+        due = self.bans.comeback_candidates(now, fresh)
+        if not due:
+            return False
+        back: list[str] = []
+
+        async def probe(peer: str) -> None:
+            if await answers(self.transport, peer, addrs=self.keeper.addrs(peer)):
+                back.append(peer)
+
+        for peer in due:
+            self.bans.probed(peer, now)
+        async with trio.open_nursery() as nursery:
+            for peer in due:
+                nursery.start_soon(probe, peer)
+        for peer in sorted(back):
+            if self.bans.parole(peer, self.clock()):
+                self.ctx.tracer.emit(events.Parole(remote=peer, failure=self.bans.why[peer].failure.value))
+        return bool(back)
 
     def plan(
         self,
@@ -300,9 +354,10 @@ class Swarm:
     async def wait_for_route(self, timeout: float = DEFAULT_ROUTE_WAIT, **plan_args) -> Route:
         """A route, waiting up to `timeout` s for the swarm to cover the layers. Raises NoRoute
         naming the uncovered layers and the peers that are there but not usable, and why.
-        It re-plans whenever the view changes, refreshing the view after each wake (and at
-        least every `refresh_interval`). While it waits, `on_route_wait` (if set) hears what
-        it waits for once a second."""
+        It re-plans whenever the view changes, a ban or skip ends, or a banned peer that
+        dropped or timed out answers a probe (`probe_comebacks`), refreshing the view after
+        each wake (and at least every `refresh_interval`). While it waits, `on_route_wait`
+        (if set) hears what it waits for once a second."""
         began = trio.current_time()
         next_report = began + WAIT_REPORT_INTERVAL
         with trio.move_on_after(timeout):
@@ -310,7 +365,15 @@ class Swarm:
                 chosen = self.plan(**plan_args)
                 if chosen.ok:
                     return chosen
+                if await self.probe_comebacks(**plan_args):
+                    continue  # someone is back: plan again at once
                 wake = self.refresh_interval
+                now = self.clock()
+                ban_ends = self.bans.next_end(now)
+                if ban_ends is not None:
+                    wake = min(wake, ban_ends - now)
+                if self._awaited_comebacks(**plan_args):
+                    wake = min(wake, PROBE_INTERVAL)
                 if self.on_route_wait is not None:
                     now = trio.current_time()
                     if now >= next_report:
@@ -342,7 +405,7 @@ class Swarm:
         sampling: SamplingParams = SamplingParams(),
         route_wait: float = DEFAULT_ROUTE_WAIT,
         speculation: Speculation | None = None,
-        spot_check: CheckPolicy | None = None,
+        spot_check: CheckPolicy | None | Literal["swarm"] = "swarm",
         info: dict | None = None,
         constraint: JsonConstraint | None = None,
         policy: RequesterPolicy | None = None,
@@ -358,7 +421,14 @@ class Swarm:
         the head runs, so the answer is the local constrained one). `prefill_chunk`: the prompt
         flows down the chain in chunks of this many tokens (peer/request/prefill.py); None = chosen
         from the route's measured speeds, 0 = sent whole.
+
+        `spot_check`: how this answer is checked (peer/request/verify.py); "swarm" (the default)
+        means as the requester was told (`Swarm.spot_check`: on at DEFAULT_SPOT_CHECKS' rate
+        unless turned off), None means not at all. A constrained answer is not checked by
+        default: a check's rewind compares unmasked tokens (and asking for both is an error).
         """
+        if spot_check == "swarm":
+            spot_check = self.spot_check if constraint is None else None
         if constraint is not None and (speculation is not None or spot_check is not None):
             # drafts are accepted against unmasked rows, and a spot check's rewind compares them
             raise ValueError("constrained decoding does not combine with speculation or spot checks")
