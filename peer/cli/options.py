@@ -85,6 +85,26 @@ def policy_from(args: argparse.Namespace):
     )
 
 
+def add_spot_check_option(p: argparse.ArgumentParser) -> None:
+    """--spot-check RATE: the fraction of steps at which one hop is recomputed by another peer."""
+    from tessera.peer.request.verify import DEFAULT_SPOT_CHECKS
+
+    p.add_argument("--spot-check", type=float, default=DEFAULT_SPOT_CHECKS.rate, metavar="RATE",
+                   help="fraction of steps at which another peer holding the same layers recomputes one hop, to "
+                        f"catch a peer returning wrong activations (default {DEFAULT_SPOT_CHECKS.rate:g}; 0 = off)")
+
+
+def spot_check_from(args: argparse.Namespace):
+    """The CheckPolicy --spot-check asks for (None: off). Raises ConfigError outside [0, 1]."""
+    from tessera.peer.request.ports import CheckPolicy
+    from tessera.peer.request.verify import DEFAULT_SPOT_CHECKS
+
+    rate = args.spot_check
+    if not 0.0 <= rate <= 1.0:
+        raise ConfigError(f"--spot-check must lie in [0, 1] (a fraction of steps), got {rate!r}")
+    return CheckPolicy(rate=rate, final_check=DEFAULT_SPOT_CHECKS.final_check) if rate > 0 else None
+
+
 def apply_threads(threads: int | None) -> None:
     if threads:
         torch.set_num_threads(threads)

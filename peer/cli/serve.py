@@ -19,8 +19,8 @@ import trio
 
 from tessera.peer.cli.config import add_config_options
 from tessera.peer.cli.options import (
-    add_accept_mixed_option, add_join_options, add_policy_options, add_quant_options, apply_threads, policy_from,
-    quant_from, read_swarm_key,
+    add_accept_mixed_option, add_join_options, add_policy_options, add_quant_options, add_spot_check_option,
+    apply_threads, policy_from, quant_from, read_swarm_key, spot_check_from,
 )
 from tessera.peer.base.errors import ConfigError
 from tessera.peer.http.api import DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_TOKENS, DEFAULT_ROUTE_WAIT, Gateway
@@ -57,6 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_quant_options(p, help="route only through peers serving the model quantized so (`tessera peer --quant`; "
                       "their model id says it; default none: unquantized peers)")
     add_accept_mixed_option(p)
+    add_spot_check_option(p)
     add_policy_options(p)
     add_config_options(p)
     p.set_defaults(handler=run)
@@ -79,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.route_wait > 0:
         raise ConfigError(f"--route-wait must be > 0, got {args.route_wait!r}")
     args.policy = policy_from(args)  # a bad id or an unreadable @FILE fails here, before joining
+    args.checks = spot_check_from(args)
     apply_threads(args.threads)
     trio.run(serve, args)
     return 0
@@ -97,7 +99,7 @@ async def serve(args: argparse.Namespace) -> None:
     folder = await ensure_model(args.model, args.join, swarm_key=swarm_key, groups=REQUESTER_GROUPS,
                                 out=lambda line: print(line, file=sys.stderr, flush=True))
     async with Swarm.join(args.join, model=folder, swarm_key=swarm_key, policy=args.policy,
-                          quant=quant_from(args), accept_mixed=args.accept_mixed) as swarm:
+                          quant=quant_from(args), accept_mixed=args.accept_mixed, spot_check=args.checks) as swarm:
         gateway = Gateway(swarm, name=served_name(args.model), api_key=api_key, route_wait=args.route_wait,
                           max_concurrent=args.max_concurrent, default_max_tokens=args.default_max_tokens,
                           cors_origins=args.cors_origin)

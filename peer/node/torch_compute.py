@@ -2,7 +2,8 @@
 
 The `Compute` (peer/node/parts.py) that peer/node/compose.py gives a `PeerNode`: it resolves
 the model, refuses a memory offer that cannot hold one layer (before anything starts),
-measures one layer's decode speed and loads only the claimed span's weights.
+measures one layer's decode speed and loads only the claimed span's weights — checked against
+the model's manifest as they are read (peer/weights/verify.py): a span that differs is refused.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tessera.stages.engine.speed import measure_layer_throughput
 from tessera.stages.engine.stage import Stage
 
 from tessera.peer.node.config import DEFAULT_MEMORY_FRACTION, PeerConfig, check_memory_offer
+from tessera.peer.weights.verify import WeightCheck
 
 
 class TorchCompute:
@@ -29,6 +31,9 @@ class TorchCompute:
     def __init__(self, config: PeerConfig) -> None:
         self.folder = registry.resolve(config.model)
         self.spec = ModelSpec.from_file(self.folder / "config.json")
+        # the manifest must hash to its model id (raises ModelFormatError); what was checked is
+        # remembered in the data dir, so an untouched file is not hashed again at every start
+        self.weight_check = WeightCheck.for_peer(self.folder, config.data_dir)
         self.quant = config.quant
         self.shard = config.shard
         # the advertised id carries the quantization: requesters chain only what they accept
@@ -44,6 +49,7 @@ class TorchCompute:
                                layers=config.layers, quant=self.quant)
         self.threads = config.threads
         self._vram_offer: int | None = None
+        self.last_check: str | None = None  # what the last load's weight check did (a line for the log)
 
     def prepare(self) -> None:
         """--threads, set in the thread the peer runs in (torch's setting is per process, OpenMP's per thread)."""
@@ -74,14 +80,25 @@ class TorchCompute:
         )
 
     async def load(self, start: int, end: int) -> Stage | ShardedStage:
+        """The span's stage, its weights checked against the manifest. Raises WeightsMismatch."""
+        return await in_worker(lambda: self._load_checked(start, end))
+
+    def _load_checked(self, start: int, end: int) -> Stage | ShardedStage:
+        check = self.weight_check.begin()
         index, count = self.shard
-        if count > 1:  # only this rank's slices (stages/shards/sharded.py)
-            return await in_worker(lambda: ShardedStage.load(
-                self.folder, start=start, end=end, index=index, count=count, device=self.device, dtype=self.dtype))
-        return await in_worker(
-            lambda: Stage.load(self.folder, start=start, end=end, device=self.device, dtype=self.dtype,
-                               quant=self.quant)
-        )
+        if count > 1:  # only this rank's slices (stages/shards/sharded.py): hashed from the files first
+            if check is not None:
+                layers = {f"layer.{i}" for i in range(start, end)}
+                check.verify_files(n for n, e in check.entries.items() if e["group"] in layers)
+            stage = ShardedStage.load(self.folder, start=start, end=end, index=index, count=count,
+                                      device=self.device, dtype=self.dtype)
+        else:
+            stage = Stage.load(self.folder, start=start, end=end, device=self.device, dtype=self.dtype,
+                               quant=self.quant, check=check)
+        if check is not None:
+            check.commit()
+            self.last_check = check.summary()
+        return stage
 
     def serve_with(self, server) -> None:
         """A real server computes in worker threads (its default `run_compute`)."""

@@ -27,7 +27,7 @@ from tessera.stages.layers.model import Block, Rotary, Segment, StepContext, att
 from tessera.stages.weights.quant import NO_QUANT, Quant, quantize_block, takes_gguf_blocks
 from tessera.stages.engine.sessions import SessionState, SessionTable
 from tessera.stages.families.spec import ModelSpec
-from tessera.stages.weights.folder import WeightFolder
+from tessera.stages.weights.folder import TensorCheck, WeightFolder
 
 
 # One session's step in a stacked forward: (session, hidden states [T, H], start position).
@@ -78,16 +78,19 @@ class Stage(SessionTable):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         quant: Quant = NO_QUANT,
+        check: TensorCheck | None = None,
     ) -> "Stage":
         """Load layers [start, end) (and the embedding / head if asked) — and nothing else.
 
         Blocks are built on the meta device and take the read tensors by assignment,
         so no memory is spent on initial values. With `quant`, each matrix is quantized
         as it is read (the embedding and head stay in `dtype`); an int4 float32 CPU span takes
-        the Q4_1 blocks of the folder's source GGUF as they are (stages/weights/gguf_blocks.py). Raises ModelFormatError,
-        SpanError, QuantError.
+        the Q4_1 blocks of the folder's source GGUF as they are (stages/weights/gguf_blocks.py).
+        `check` is handed every tensor read from the safetensors files, as stored, and may raise
+        to refuse it (a peer's manifest check). Raises ModelFormatError, SpanError, QuantError,
+        and whatever `check` raises.
         """
-        weights = WeightFolder(folder)
+        weights = WeightFolder(folder, check=check)  # `check` sees every tensor read (stages/weights/folder.py)
         spec = weights.spec
         end = spec.num_layers if end is None else end
         if not 0 <= start <= end <= spec.num_layers:

@@ -4,13 +4,16 @@ A folder holds `config.json` and either `model.safetensors` or several shards
 listed by `model.safetensors.index.json`. `WeightFolder` maps tensor names to
 files and opens them memory-mapped, so asking for layers 10..19 of a 30-layer
 model reads those layers' bytes and nothing else. Every tensor's shape is checked
-against the `ModelSpec` before it is used.
+against the `ModelSpec` before it is used, and — when the folder is given a `check` —
+its bytes, as stored, are handed to it before they are cast or used (a peer hashes
+its span against the model's manifest in that same read: peer/weights/verify.py).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -44,12 +47,18 @@ def layer_tensor_names(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]
     return names
 
 
+# Called with each tensor as it is read (its name, and the tensor in its stored dtype);
+# raises to refuse it.
+TensorCheck = Callable[[str, torch.Tensor], None]
+
+
 class WeightFolder:
     """Tensors of one model folder, opened lazily and memory-mapped."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *, check: TensorCheck | None = None) -> None:
         self.folder = Path(folder)
         self.spec = ModelSpec.from_file(self.folder / "config.json")
+        self.check = check
         self._where = self._index()
 
     def _index(self) -> dict[str, Path]:
@@ -97,6 +106,8 @@ class WeightFolder:
                             raise ModelFormatError(
                                 f"tensor {name!r} has shape {tuple(tensor.shape)!r}, expected {wanted[name]!r}"
                             )
+                        if self.check is not None:
+                            self.check(name, tensor)  # the bytes as stored, before any cast
                         out[name] = tensor.to(dtype)
             except (SafetensorError, OSError) as bad:
                 raise ModelFormatError(f"cannot read {str(path)!r}: {bad}") from None
