@@ -221,7 +221,8 @@ class RouteSession:
         if isinstance(reply, ErrorMsg):
             await channel.close()
             # a busy peer may say when to come back (None where it does not)
-            raise SessionRefused(hop.peer_id, reply.code, reply.message, retry_after=getattr(reply, "retry_after", None))
+            raise SessionRefused(hop.peer_id, reply.code, reply.message,
+                                 retry_after=getattr(reply, "retry_after", None))
         if not isinstance(reply, SessionAccept) or reply.session_id != self.session_id:
             await channel.reset()
             raise PeerFailed(hop.peer_id, f"answered SessionOpen with {type(reply).__name__}", Failure.BROKE)

@@ -47,7 +47,7 @@ from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.request.decode import Speculation, plain_tokens, speculative_tokens
 from tessera.peer.request.reports import ReportBook
 from tessera.peer.request.verify import DEFAULT_SPOT_CHECKS, SpotChecker
-from tessera.peer.base.backoff import COMEBACK, PROBE_INTERVAL, ROUTE_WAIT, Bans
+from tessera.peer.base.backoff import COMEBACK, PROBE_INTERVAL, ROUTE_WAIT, Bans, Failure
 from tessera.peer.base.threads import in_worker
 from tessera.peer.request.ports import CheckPolicy
 from tessera.peer.request.probe import answers
@@ -342,14 +342,26 @@ class Swarm:
                      policy: RequesterPolicy | None = None, **_: object) -> tuple[list[tuple[int, int]], str]:
         """The uncovered layers, and a sentence saying what blocks a route: layers only peers
         the policy excludes cover (request/policy.py `explain_gaps`), else routing.why_no_route."""
-        banned = set(self.bans.banned(self.clock()))
+        now = self.clock()
+        banned = {peer: self._avoided_words(peer, now) for peer in self.bans.banned(now)}
         view = self.keeper.snapshot()
         policy = self.policy.narrowed(policy)
         if policy.restricts:
-            gaps, why = explain_gaps(view.without(banned | set(exclude)), policy)
+            gaps, why = explain_gaps(view.without(set(banned) | set(exclude)), policy)
             if gaps:
                 return gaps, why
-        return why_no_route(view, start=start, end=end, banned=banned, unreachable=set(exclude) - banned)
+        # the other peers excluded hold this session already (a repair's live neighbours)
+        held = {p: "in this session" for p in exclude if p not in banned}
+        return why_no_route(view, start=start, end=end, banned=banned | held)
+
+    def _avoided_words(self, peer: str, now: float) -> str:
+        """Why `peer` is avoided, for a person: 'refused a session: skipped for 3 s more',
+        'banned (timed-out) for 25 s more'."""
+        left = max(0.0, self.bans.until(peer) - now)
+        failure = self.bans.failure(peer)
+        if failure is Failure.REFUSED:
+            return f"refused a session: skipped for {left:.0f} s more"
+        return f"banned ({failure.value if failure else 'failed'}) for {left:.0f} s more"
 
     async def wait_for_route(self, timeout: float = DEFAULT_ROUTE_WAIT, **plan_args) -> Route:
         """A route, waiting up to `timeout` s for the swarm to cover the layers. Raises NoRoute

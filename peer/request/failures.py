@@ -7,7 +7,8 @@ before its ban ends, so each is named where it is seen:
   the context, a span it no longer serves — the peer is doing its job: REFUSED (skipped
   for its retry-after, no strike); a malformed exchange: BROKE;
 - an error a peer reports mid-session: its compute or our frame failed: BROKE (a
-  "next hop failed" report blames the next peer, which dropped: DROPPED);
+  "next hop failed" report blames the next peer, which dropped: DROPPED; a session it
+  reclaimed after it sat idle, or declined as above: REFUSED);
 - an exception while talking to it: a reset or closed stream, a failed dial: DROPPED; a
   deadline that ran out: TIMED_OUT; bytes that do not decode: BROKE.
 """
@@ -23,6 +24,10 @@ from tessera.peer.base.backoff import Failure
 
 # Codes with which a live, honest peer declines a session it cannot take now.
 DECLINED = frozenset({BUSY, DRAINING, TOO_LONG, BAD_SPAN})
+# The code of a session a peer took back under memory pressure after it sat idle (the
+# admission half of this work names it protocol/error_codes.py RECLAIMED): the peer is
+# honest and alive, so its session is opened again — there or elsewhere — as after a refusal.
+RECLAIMED = "reclaimed"
 
 
 def refusal_failure(code: str) -> Failure:
@@ -38,6 +43,8 @@ def reported_failure(code: str | None) -> Failure:
     """The kind of an error a peer reported mid-session (None: the stream itself failed)."""
     if code is None or code == NEXT_HOP_FAILED:
         return Failure.DROPPED
+    if code == RECLAIMED or code in DECLINED:
+        return Failure.REFUSED
     return Failure.BROKE
 
 

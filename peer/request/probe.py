@@ -24,7 +24,8 @@ from tessera.peer.net.transport import Channel, Transport
 _seq = itertools.count(1)
 
 
-async def answers(transport: Transport, peer: str, *, addrs: Sequence[str] = (), timeout: float = PROBE_TIMEOUT) -> bool:
+async def answers(transport: Transport, peer: str, *, addrs: Sequence[str] = (),
+                  timeout: float = PROBE_TIMEOUT) -> bool:
     """Whether `peer` echoes a heartbeat within `timeout` seconds."""
     seq = next(_seq)
     try:
