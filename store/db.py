@@ -236,3 +236,14 @@ class PeerStore(Reputation):
             params += [cls.kind for cls in kinds]
         tail = f"LIMIT {int(limit)}" if limit is not None else ""
         return [stamped(row) for row in self._query(f"SELECT * FROM trace {where} ORDER BY id {tail}", tuple(params))]
+
+    def recent_events(self, *, kinds: tuple[type[TraceEvent], ...] | None = None, limit: int = 50) -> list[Stamped]:
+        """The newest `limit` trace events of the classes `kinds` (all when None), oldest first: a
+        status page's tail. Read backwards by id, so it costs the rows since the `limit`-th newest
+        match, not the whole trace a long-lived peer keeps."""
+        where, params = "", []
+        if kinds:
+            where = "WHERE kind IN ({})".format(", ".join("?" * len(kinds)))
+            params = [cls.kind for cls in kinds]
+        rows = self._query(f"SELECT * FROM trace {where} ORDER BY id DESC LIMIT {int(limit)}", tuple(params))
+        return [stamped(row) for row in reversed(rows)]

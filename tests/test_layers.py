@@ -1,4 +1,4 @@
-"""The import rules of the architecture (README, "Architecture"), checked over the source.
+"""The import rules of the architecture (docs/pages/architecture.md), checked over the source.
 
 An AST walk over every module of the project: imports at module level, inside functions and
 under `if TYPE_CHECKING:` all count, because a deferred import is still a dependency.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tessera.stages.weights import registry
 
-from tessera.peer.cli.model_files import KNOWN_MODELS, fetch, import_model, synthesise
+from tessera.peer.cli.model_files import KNOWN_MODELS, available, fetch, import_model, synthesise
 
 
 def progress_printer(stream=sys.stderr):
@@ -30,11 +30,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     msub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
 
     p = msub.add_parser(
-        "fetch", help="download and convert a known model",
-        epilog="example: tessera model fetch smollm2-135m",
+        "fetch", help="download a model: a built-in name, or ORG/NAME[@REVISION] from a Hugging Face hub",
+        epilog="examples: tessera model fetch smollm2-135m; tessera model fetch Qwen/Qwen2.5-0.5B-Instruct@main "
+        "(from $HF_ENDPOINT, https://huggingface.co by default; resumes an interrupted download; "
+        "`tessera model list --available` says what can be fetched)",
     )
-    p.add_argument("name", choices=sorted(KNOWN_MODELS))
-    p.set_defaults(handler=lambda a: fetch(a.name, progress=progress_printer()) and None)
+    p.add_argument("name", help=f"a built-in model ({', '.join(sorted(KNOWN_MODELS))}) or ORG/NAME[@REVISION] "
+                   "of a hub repository with safetensors weights")
+    p.add_argument("--name", dest="register_as", metavar="AS",
+                   help="register a hub model under this name (default: the repository's NAME)")
+    p.set_defaults(handler=lambda a: print(fetch(a.name, register_as=a.register_as, progress=progress_printer())))
 
     p = msub.add_parser("path", help="print a model's folder", epilog="example: tessera model path smollm2-135m")
     p.add_argument("name")
@@ -61,7 +66,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(handler=_synth)
 
-    p = msub.add_parser("list", help="list registered models", epilog="example: tessera model list")
+    p = msub.add_parser("list", help="list registered models (with --available: what can be fetched)",
+                        epilog="example: tessera model list --available")
+    p.add_argument("--available", action="store_true",
+                   help="list what `tessera model fetch` can download instead of what is registered")
     p.set_defaults(handler=_list)
 
 
@@ -79,6 +87,12 @@ def _synth(args: argparse.Namespace) -> None:
 
 
 def _list(args: argparse.Namespace) -> None:
+    if args.available:
+        for name, where in available():
+            print(f"{name}\t{where}")
+        print("(without a hub to ask, this cannot list repositories: any ORG/NAME of a family above works, "
+              "e.g. Qwen/Qwen2.5-0.5B-Instruct)")
+        return
     root = registry.models_root()
     for folder in sorted(root.iterdir()) if root.exists() else []:
         if (folder / "config.json").exists():

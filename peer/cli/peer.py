@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from functools import partial
@@ -64,6 +65,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--weights-upload-mbps", type=float, default=0.0, metavar="MB/S",
                    help="upload weights to each fetching peer at most this fast (MB/s; default 0: unlimited)")
     p.add_argument("--tui", action="store_true", help="open the operator's terminal UI")
+    p.add_argument("--web", type=int, default=None, metavar="PORT",
+                   help="serve the web view (the swarm's coverage, this peer's sessions and events) on PORT "
+                        "(0: any free port; default: off)")
+    p.add_argument("--web-host", default="127.0.0.1", metavar="HOST",
+                   help="address the web view listens on (default 127.0.0.1: this machine only)")
+    p.add_argument("--web-api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' for the web view's data (default $TESSERA_API_KEY; "
+                        "none = open); drain, pause and resume are answered from this machine only")
     p.add_argument("--control-stdin", action="store_true",
                    help="read operator commands from standard input: memory GB, drain, pause, resume (see peer/cli/control.py)")
     add_emulation_option(p)
@@ -162,9 +171,16 @@ def run_peer(args: argparse.Namespace) -> int:
     from tessera.peer.weights.bootstrap import resolve_or_fetch
 
     config = config_from(args)
+    if args.web is not None and not 0 <= args.web <= 65535:
+        raise ConfigError(f"--web wants a TCP port (0: any free one), got {args.web!r}")
     # without the model here, learn it from the --join peers (its span's weights come later, peer/weights/)
     resolve_or_fetch(config.model, config.join, swarm_key=config.swarm_key, out=lambda line: print(line, flush=True))
     node = build_peer(config)
+    if args.web is not None:
+        from tessera.peer.http.web.server import serve_node_web  # imported here: hypercorn only when asked for
+
+        api_key = args.web_api_key or os.environ.get("TESSERA_API_KEY") or None
+        node.parts.services.append(partial(serve_node_web, host=args.web_host, port=args.web, api_key=api_key))
     if args.tui:
         from tessera.tui.app import run_with_tui
 

@@ -1,7 +1,8 @@
-"""`tessera serve`: an OpenAI- and Anthropic-compatible HTTP gateway to a swarm.
+"""`tessera serve`: an OpenAI- and Anthropic-compatible HTTP gateway to a swarm, and its web view.
 
 One trio loop runs both the requester (`Swarm`, joined once for the gateway's
-life) and hypercorn's trio worker serving `Gateway` (peer/http/api.py).
+life) and hypercorn's trio worker serving `Gateway` (peer/http/api.py) behind the
+web view's pages (`WebApp`, peer/http/web/: Swarm, Chat and Peer at /).
 SIGINT or SIGTERM shut it down gracefully: no new connections, running
 answers get hypercorn's grace period, then every swarm session is closed.
 """
@@ -87,9 +88,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from hypercorn.config import Config
     from hypercorn.trio import serve as hypercorn_serve
 
+    from tessera.peer.http.web.app import WebApp
+    from tessera.peer.http.web.server import hypercorn_config
     from tessera.peer.request.client import Swarm
     from tessera.peer.weights.bootstrap import REQUESTER_GROUPS, ensure_model
 
@@ -103,17 +105,18 @@ async def serve(args: argparse.Namespace) -> None:
         gateway = Gateway(swarm, name=served_name(args.model), api_key=api_key, route_wait=args.route_wait,
                           max_concurrent=args.max_concurrent, default_max_tokens=args.default_max_tokens,
                           cors_origins=args.cors_origin)
-        config = Config()
-        host = f"[{args.host}]" if ":" in args.host else args.host
-        config.bind = [f"{host}:{args.port}"]
-        config.loglevel = "WARNING"  # hypercorn's errors still reach stderr; its "Running on" line is ours
+        web = WebApp.for_gateway(gateway)  # the pages at /, the API behind them (peer/http/web/)
         async with trio.open_nursery() as nursery:
-            binds = await nursery.start(partial(hypercorn_serve, gateway, config, mode="asgi",
-                                                shutdown_trigger=stop_signal))
-            print(f"gateway peer id: {swarm.peer_id}", flush=True)
-            for url in binds:
-                print(f"serving {gateway.name} (OpenAI and Anthropic APIs) on {url}/v1"
-                      f"{' (API key required)' if api_key else ''}{peers_note(args)}", flush=True)
+            nursery.start_soon(web.run)
+            async with trio.open_nursery() as server:
+                binds = await server.start(partial(hypercorn_serve, web, hypercorn_config(args.host, args.port),
+                                                   mode="asgi", shutdown_trigger=stop_signal))
+                print(f"gateway peer id: {swarm.peer_id}", flush=True)
+                for url in binds:
+                    print(f"serving {gateway.name} (OpenAI and Anthropic APIs) on {url}/v1"
+                          f"{' (API key required)' if api_key else ''}{peers_note(args)}", flush=True)
+                    print(f"web view: {url}/ (swarm, chat, peer)", flush=True)
+            nursery.cancel_scope.cancel()  # the server has stopped: so does the web view's sampler
     print("stopped", flush=True)
 
 

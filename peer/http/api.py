@@ -39,16 +39,17 @@ import ipaddress
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Sequence
 
 import trio
 
-from tessera.stages.decoding.constrained import JsonConstraint
+from tessera.stages.decoding.constrained import CannotClose, JsonConstraint
 from tessera.stages.errors import StageError
 
 from tessera.peer.http import anthropic as http_anthropic
 from tessera.peer.http import responses as http_responses
+from tessera.peer.http import tools as http_tools
 from tessera.peer.base.errors import NoRoute, PeerError, RouteLost, UnknownPeer
 from tessera.peer.base.threads import in_worker
 from tessera.peer.http.exchange import SSE_HEADERS, ClientGone, Exchange, Receive, Send
@@ -102,6 +103,8 @@ class Gateway:
         self.slots = trio.Semaphore(max_concurrent)
         self.stats = GatewayStats()
         self.fingerprint = f"tessera-{swarm.model_id[:16]}"
+        # told of every answer as it ends, with how it ended (the web view's chat shows its route: peer/http/web/)
+        self.observers: list[Callable[[Exchange, Generation, str], None]] = []
         self.routes: dict[tuple[str, str], Callable[[Exchange], Awaitable[None]]] = {
             ("GET", "/health"): self.health,
             ("GET", "/v1/models"): self.models,
@@ -283,7 +286,9 @@ class Gateway:
     # -- generation -----------------------------------------------------------------------
 
     async def chat(self, http: Exchange) -> None:
-        await self.openai(http, parse_chat(decode_body(await http.body())), chat=True)
+        data = decode_body(await http.body())
+        request = replace(parse_chat(data), tools=http_tools.openai_tools(data))
+        await self.openai(http, request, chat=True)
 
     async def completions(self, http: Exchange) -> None:
         await self.openai(http, parse_completion(decode_body(await http.body())), chat=False)
@@ -292,7 +297,9 @@ class Gateway:
         env = Envelope.new("chatcmpl" if chat else "cmpl", request.model or self.name, self.fingerprint)
 
         async def respond(http: Exchange, gen: Generation, request: GenerationRequest) -> None:
-            if request.stream:
+            if request.tools is not None:
+                await http_tools.openai_answer(http, gen, env, request, http_tools.tool_format(self.swarm.tokenizer))
+            elif request.stream:
                 await self.stream(http, gen, env, request, chat=chat)
             else:
                 text = await gen.text()
@@ -302,7 +309,7 @@ class Gateway:
 
     async def messages(self, http: Exchange) -> None:
         request = http_anthropic.parse_messages(decode_body(await http.body()))
-        await self.generate(http, request, http_anthropic.responder(request.model or self.name))
+        await self.generate(http, request, http_anthropic.responder(request.model or self.name, self.swarm.tokenizer))
 
     async def responses(self, http: Exchange) -> None:
         data = decode_body(await http.body())
@@ -312,8 +319,9 @@ class Gateway:
     async def prompt_ids(self, request: GenerationRequest) -> list[int]:
         tokenizer = self.swarm.tokenizer
         if request.messages is not None:
+            tools = request.tools.schemas() if request.tools is not None else None
             try:
-                return await in_worker(lambda: tokenizer.encode_chat(list(request.messages)))
+                return await in_worker(lambda: tokenizer.encode_chat(list(request.messages), tools=tools))
             except StageError as error:
                 raise bad("messages", str(error)) from None
         if isinstance(request.prompt, str):
@@ -344,11 +352,23 @@ class Gateway:
     async def generate(self, http: Exchange, request: GenerationRequest, respond: Respond) -> None:
         """The one generation core (see module docstring); `respond` renders the answer."""
         self.check_model(request.model)
-        ids = await self.prompt_ids(request)
+        tokenizer, eos = self.swarm.tokenizer, self.swarm.spec.eos_token_ids
         constraint = None
-        if request.json_shape is not None:
-            constraint = JsonConstraint(request.json_shape, self.swarm.tokenizer, self.swarm.spec.eos_token_ids)
-        gen = Generation(self.swarm, ids, max_tokens=self.budget(request, len(ids)), sampling=request.sampling,
+        if request.tools is not None:  # a template without tools is a 400 before anything runs
+            constraint = http_tools.constraint(request.tools, http_tools.tool_format(tokenizer), tokenizer, eos)
+            if request.json_shape is not None and constraint is not None:
+                raise bad("response_format", "a JSON response_format does not combine with tools here "
+                          "(send tool_choice: none, or no tools)")
+        if request.json_shape is not None and constraint is None:
+            constraint = JsonConstraint(request.json_shape, tokenizer, eos)
+        ids = await self.prompt_ids(request)
+        budget = self.budget(request, len(ids))
+        if constraint is not None:
+            try:
+                constraint.limit(budget)  # a format that cannot close in max_tokens: a 400 before any peer works
+            except CannotClose as error:
+                raise bad("max_tokens", str(error), code="max_tokens_too_small") from None
+        gen = Generation(self.swarm, ids, max_tokens=budget, sampling=request.sampling,
                          stop=request.stop, route_wait=self.route_wait, constraint=constraint,
                          policy=request.policy)
         self.stats.requests += 1
@@ -379,6 +399,8 @@ class Gateway:
             if http.finished and failure is None:
                 outcome = "completed"
             setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+            for observe in self.observers:
+                observe(http, gen, outcome)
         if failure is not None:
             raise failure
 

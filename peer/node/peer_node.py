@@ -189,6 +189,8 @@ class PeerNode:
             try:
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery  # background announcements (advertise)
+                    for service in parts.services:
+                        nursery.start_soon(service, self)
                     if parts.nat:
                         self._start_nat(nursery)
                     await self._join()

@@ -445,6 +445,8 @@ class Swarm:
             # drafts are accepted against unmasked rows, and a spot check's rewind compares them
             raise ValueError("constrained decoding does not combine with speculation or spot checks")
         budget = plan_length(len(ids), max_new_tokens, self.spec.max_position)
+        if constraint is not None:
+            constraint.limit(budget)  # it closes within the budget, or CannotClose before any session opens
         sampler = Sampler(sampling) if constraint is None else ConstrainedSampler(sampling, constraint)
         capacity = min(len(ids) + budget + SPECULATION_SLACK, self.spec.max_position)
         session = ResilientSession(self, max_length=capacity, route_wait=route_wait, policy=policy)

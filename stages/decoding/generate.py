@@ -113,6 +113,8 @@ class LocalEngine:
         """Greedy or sampled continuation of `ids`, stopping at an end-of-sequence id
         (with `constraint`, only tokens it allows: stages/decoding/constrained.py)."""
         budget = plan_length(len(ids), max_new_tokens, self.spec.max_position)
+        if constraint is not None:
+            constraint.limit(budget)  # it closes within the budget, or CannotClose now
         sampler = Sampler(sampling) if constraint is None else ConstrainedSampler(sampling, constraint)
         self._sessions += 1
         session = ("local", self._sessions)

@@ -105,7 +105,11 @@ def compile_schema(schema: Any, path: str = "schema") -> Shape:
 
 
 class _Incomplete(Exception):
-    """The text ended where more is needed: a valid prefix so far."""
+    """The text ended where more is needed: a valid prefix so far. `tail` is the shortest text
+    that closes everything open (None until the innermost construct that knows it fills it in)."""
+
+    def __init__(self, tail: str | None = None) -> None:
+        self.tail = tail
 
 
 class _Invalid(Exception):
@@ -114,17 +118,79 @@ class _Invalid(Exception):
 
 def check(text: str, shape: Shape) -> str:
     """COMPLETE, PREFIX or INVALID (see module docstring)."""
-    parser = _Parser(text)
+    return parse(text, shape)[0]
+
+
+def closing(text: str, shape: Shape) -> str | None:
+    """The shortest text that makes `text` a complete document of `shape` ("" if it is one already;
+    None if nothing does). Required keys come in the schema's order, each with its shortest value.
+
+    >>> shape = compile_schema({"type": "object", "required": ["n", "tags"], "additionalProperties": False,
+    ...                         "properties": {"n": {"type": "integer"}, "tags": {"type": "array"}}})
+    >>> closing('', shape), closing('{"n": 12', shape), closing('{"n":-', shape)
+    ('{"n":0,"tags":[]}', ',"tags":[]}', '0,"tags":[]}')
+    """
+    return parse(text, shape)[1]
+
+
+def parse(text: str, shape: Shape, *, prefix: str = "", suffix: str = "") -> tuple[str, str | None]:
+    """(check's verdict, closing's text) from one pass over `text`, which must be `prefix`, then a
+    document of `shape`, then `suffix` (literal texts around it: a tool call's markers)."""
+    if len(text) < len(prefix) or not text.startswith(prefix):
+        if prefix.startswith(text):
+            return PREFIX, prefix[len(text):] + minimal(shape) + suffix
+        return INVALID, None
+    body = text[len(prefix):]
+    parser = _Parser(body)
     try:
         end = parser.value(0, shape)
-    except _Incomplete:
+    except _Incomplete as incomplete:
+        tail = incomplete.tail if incomplete.tail is not None else minimal(shape)
         numeric = shape.literals is None and shape.types & {"number", "integer"}
-        if numeric and (INTEGER if "number" not in shape.types else NUMBER).match(text):
-            return COMPLETE  # a bare number may end here (or go on)
-        return PREFIX
+        if numeric and not suffix and (INTEGER if "number" not in shape.types else NUMBER).match(body):
+            return COMPLETE, ""  # a bare number may end here (or go on)
+        return PREFIX, tail + suffix
     except _Invalid:
-        return INVALID
-    return COMPLETE if end == len(text) else INVALID
+        return INVALID, None
+    after = body[end:]
+    if after == suffix:
+        return COMPLETE, ""
+    return (PREFIX, suffix[len(after):]) if suffix.startswith(after) else (INVALID, None)
+
+
+def minimal(shape: Shape) -> str:
+    """The shortest JSON text of `shape` (ties: the first of literals in order, then TYPES' order)."""
+    if shape.literals is not None:
+        return min(shape.literals, key=len)
+    options = {"object": lambda: "{" + ",".join(_member(shape, k) for k in _required(shape)) + "}",
+               "array": lambda: "[]", "string": lambda: '""', "integer": lambda: "0", "number": lambda: "0",
+               "boolean": lambda: "true", "null": lambda: "null"}
+    return min((options[t]() for t in TYPES if t in shape.types), key=len)
+
+
+def _required(shape: Shape, seen: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """The required keys still to write, in the schema's order."""
+    return [k for k in shape.properties if k in shape.required and k not in seen]
+
+
+def _value_shape(shape: Shape, key: str) -> Shape:
+    return shape.properties.get(key) or shape.additional or ANY
+
+
+def _member(shape: Shape, key: str) -> str:
+    """`"key":value` with the value's shortest text."""
+    return json.dumps(key, ensure_ascii=False) + ":" + minimal(_value_shape(shape, key))
+
+
+def _object_rest(shape: Shape, seen: set[str]) -> str:
+    """What closes an object after a complete member: the required keys not yet written, then `}`."""
+    return "".join("," + _member(shape, k) for k in _required(shape, seen)) + "}"
+
+
+def _escape_bodies(ch: str) -> list[str]:
+    """The ways to write `ch` after a backslash in a JSON string."""
+    short = {'"': '"', "\\": "\\", "/": "/", "\b": "b", "\f": "f", "\n": "n", "\r": "r", "\t": "t"}.get(ch)
+    return ([short] if short else []) + ([f"u{ord(ch):04x}", f"u{ord(ch):04X}"] if ord(ch) < 0x10000 else [])
 
 
 class _Parser:
@@ -145,8 +211,10 @@ class _Parser:
         return i
 
     def word(self, i: int, word: str) -> int:
-        for ch in word:
-            if self.at(i) != ch:
+        for k, ch in enumerate(word):
+            if i >= len(self.text):
+                raise _Incomplete(word[k:])
+            if self.text[i] != ch:
                 raise _Invalid()
             i += 1
         return i
@@ -154,7 +222,9 @@ class _Parser:
     def value(self, i: int, shape: Shape) -> int:
         if shape.literals is not None:
             return self.literal(i, shape.literals)
-        ch = self.at(i)
+        if i >= len(self.text):
+            raise _Incomplete(minimal(shape))
+        ch = self.text[i]
         kind = {"{": "object", "[": "array", '"': "string", "t": "boolean", "f": "boolean", "n": "null"}.get(ch)
         if kind is None and (ch == "-" or ch.isdigit()):
             kind = "number" if "number" in shape.types else "integer"
@@ -177,8 +247,9 @@ class _Parser:
         for lit in sorted(literals, key=len, reverse=True):  # "ab" before "a": the longest that fits
             if rest.startswith(lit):
                 return i + len(lit)
-        if any(lit.startswith(rest) for lit in literals):
-            raise _Incomplete()
+        started = [lit for lit in literals if lit.startswith(rest)]
+        if started:
+            raise _Incomplete(min(started, key=len)[len(rest):])
         raise _Invalid()
 
     def number(self, i: int, *, integer: bool) -> int:
@@ -188,9 +259,10 @@ class _Parser:
         token = self.text[i:j]
         pattern = INTEGER if integer else NUMBER
         if j == len(self.text):  # may go on: valid if some completion of `token` matches
-            if not _number_prefix(token, integer=integer):
+            tail = _number_tail(token, integer=integer)
+            if tail is None:
                 raise _Invalid()
-            raise _Incomplete()
+            raise _Incomplete(tail)
         if not pattern.match(token):
             raise _Invalid()
         return j
@@ -201,13 +273,17 @@ class _Parser:
         while True:
             if keys is not None and not keys.may_start("".join(out)):  # every character of a key counts
                 raise _Invalid()
-            ch = self.at(i)
+            if i >= len(self.text):
+                raise _Incomplete('"') if keys is None else _PartialKey("".join(out), None)
+            ch = self.text[i]
             if ch == '"':
                 return "".join(out), i + 1
             if ch == "\\":
                 if keys is not None and not keys.may_escape("".join(out)):
                     raise _Invalid()  # a known key is written plainly where it can be
-                esc = self.at(i + 1)
+                if i + 1 >= len(self.text):
+                    raise _Incomplete('n"') if keys is None else _PartialKey("".join(out), "")
+                esc = self.text[i + 1]
                 if esc not in ESCAPES:
                     raise _Invalid()
                 if esc == "u":
@@ -215,7 +291,9 @@ class _Parser:
                     if any(d not in HEX for d in digits):
                         raise _Invalid()
                     if len(digits) < 4:
-                        raise _Incomplete()
+                        if keys is None:
+                            raise _Incomplete("0" * (4 - len(digits)) + '"')
+                        raise _PartialKey("".join(out), "u" + digits)
                     out.append(chr(int(digits, 16)))
                     i += 6
                 else:
@@ -228,45 +306,134 @@ class _Parser:
             i += 1
 
     def array(self, i: int, shape: Shape) -> int:
-        i = self.ws(i + 1)
-        if self.at(i) == "]":
-            return i + 1
-        while True:
-            i = self.ws(self.value(i, shape.items or ANY))
-            ch = self.at(i)
-            if ch == "]":
-                return i + 1
-            if ch != ",":
-                raise _Invalid()
+        items = shape.items or ANY
+        phase = "open"  # what closes the array if the text ends here (see `_array_tail`)
+        try:
             i = self.ws(i + 1)
+            if self.at(i) == "]":
+                return i + 1
+            while True:
+                phase = "value"
+                i = self.value(i, items)
+                phase = "after"
+                i = self.ws(i)
+                ch = self.at(i)
+                if ch == "]":
+                    return i + 1
+                if ch != ",":
+                    raise _Invalid()
+                phase = "next"
+                i = self.ws(i + 1)
+        except _Incomplete as incomplete:
+            inner = incomplete.tail if incomplete.tail is not None else minimal(items)
+            incomplete.tail = {"open": "]", "value": inner + "]", "after": "]", "next": minimal(items) + "]"}[phase]
+            raise
 
     def object(self, i: int, shape: Shape) -> int:
         seen: set[str] = set()
-        i = self.ws(i + 1)
-        if self.at(i) == "}":
-            if shape.required:
-                raise _Invalid()
-            return i + 1
-        while True:
-            if self.at(i) != '"':
-                raise _Invalid()
-            keys = _KeyFilter(shape, seen)
-            key, i = self.string(i, keys)
-            if not keys.allows(key):
-                raise _Invalid()
-            seen.add(key)
-            i = self.ws(i)
-            if self.at(i) != ":":
-                raise _Invalid()
-            i = self.ws(self.value(self.ws(i + 1), shape.properties.get(key) or shape.additional or ANY))
-            ch = self.at(i)
-            if ch == "}":
-                if not shape.required <= seen:
+        key = ""
+        phase = "open"  # what closes the object if the text ends here (see `_object_tail`)
+        try:
+            i = self.ws(i + 1)
+            if self.at(i) == "}":
+                if shape.required:
                     raise _Invalid()
                 return i + 1
-            if ch != "," or not _KeyFilter(shape, seen).any_left():
-                raise _Invalid()
-            i = self.ws(i + 1)
+            while True:
+                if self.at(i) != '"':
+                    raise _Invalid()
+                phase = "key"
+                keys = _KeyFilter(shape, seen)
+                key, i = self.string(i, keys)
+                if not keys.allows(key):
+                    raise _Invalid()
+                seen.add(key)
+                phase = "colon"
+                i = self.ws(i)
+                if self.at(i) != ":":
+                    raise _Invalid()
+                phase = "value"
+                i = self.value(self.ws(i + 1), _value_shape(shape, key))
+                phase = "after"
+                i = self.ws(i)
+                ch = self.at(i)
+                if ch == "}":
+                    if not shape.required <= seen:
+                        raise _Invalid()
+                    return i + 1
+                if ch != "," or not _KeyFilter(shape, seen).any_left():
+                    raise _Invalid()
+                phase = "next"
+                i = self.ws(i + 1)
+        except _PartialKey as partial:
+            raise _Incomplete(_key_tail(shape, seen, partial)) from None
+        except _Incomplete as incomplete:
+            incomplete.tail = _object_tail(shape, seen, key, phase, incomplete.tail)
+            raise
+
+
+class _PartialKey(Exception):
+    """The text ended inside an object key: `partial` is the key so far (decoded), `escape` the
+    text after a trailing backslash (None: not inside an escape)."""
+
+    def __init__(self, partial: str, escape: str | None) -> None:
+        self.partial, self.escape = partial, escape
+
+
+def _object_tail(shape: Shape, seen: set[str], key: str, phase: str, inner: str | None) -> str:
+    """What closes an object whose text ended in `phase` (`key`: the member being written)."""
+    if phase == "open":  # after `{`: the required members, or just `}`
+        return ",".join(_member(shape, k) for k in _required(shape)) + "}"
+    if phase == "colon":
+        return ":" + minimal(_value_shape(shape, key)) + _object_rest(shape, seen)
+    if phase == "value":
+        return (inner if inner is not None else minimal(_value_shape(shape, key))) + _object_rest(shape, seen)
+    if phase == "after":
+        return _object_rest(shape, seen)
+    # "next": after a comma another member must come: the required ones, or the shortest one allowed
+    left = _required(shape, seen)
+    if left:
+        return ",".join(_member(shape, k) for k in left) + "}"
+    options = [_member(shape, k) for k in shape.properties if k not in seen]
+    if shape.additional is not None:
+        options.append(_member(shape, _fresh_key(seen | set(shape.properties))))
+    return min(options, key=len) + "}"
+
+
+def _fresh_key(taken: set[str]) -> str:
+    """A shortest key not in `taken` ("", then "0", "1" ...)."""
+    key, n = "", 0
+    while key in taken:
+        key, n = str(n), n + 1
+    return key
+
+
+def _key_tail(shape: Shape, seen: set[str], partial: _PartialKey) -> str:
+    """What closes an object whose text ended inside a key: the shortest way over every key the
+    text may still become (a known one, or — with additional keys allowed — the key written so far)."""
+    options = []
+    for key in shape.properties:
+        if key in seen or not key.startswith(partial.partial) or len(key) == len(partial.partial) and partial.escape is not None:
+            continue
+        rest = key[len(partial.partial):]
+        if partial.escape is None:
+            written = json.dumps(rest, ensure_ascii=False)[1:]
+        else:
+            bodies = [b for b in _escape_bodies(rest[0]) if b.startswith(partial.escape)]
+            if not bodies:
+                continue
+            written = bodies[0][len(partial.escape):] + json.dumps(rest[1:], ensure_ascii=False)[1:]
+        options.append(written + ":" + minimal(_value_shape(shape, key)) + _object_rest(shape, seen | {key}))
+    if shape.additional is not None:  # end the key here (a pending escape finished the shortest way)
+        escape = partial.escape
+        finish = "" if escape is None else "n" if escape == "" else "0" * (5 - len(escape))  # `\n`, `\u..00`
+        key = partial.partial if escape is None else partial.partial + json.loads(f'"\\{escape}{finish}"')
+        taken = {k[len(key):] for k in seen | set(shape.properties) if k.startswith(key)}
+        more = _fresh_key(taken)  # the key so far may be taken: go on to the shortest one free
+        options.append(finish + more + '":' + minimal(shape.additional) + _object_rest(shape, seen | {key + more}))
+    if not options:  # _KeyFilter let the text through, so some key completes it
+        raise _Invalid()
+    return min(options, key=len)
 
 
 @dataclass
@@ -295,9 +462,9 @@ class _KeyFilter:
         return self.shape.additional is not None or any(k not in self.seen for k in self.shape.properties)
 
 
-def _number_prefix(token: str, *, integer: bool) -> bool:
-    """Whether some continuation of `token` is a JSON number (an integer if `integer`)."""
+def _number_tail(token: str, *, integer: bool) -> str | None:
+    """The shortest continuation of `token` that is a JSON number (an integer if `integer`), or None."""
     for tail in ("", "0", "1", "e1", "0e1"):
         if (INTEGER if integer else NUMBER).match(token + tail):
-            return True
-    return False
+            return tail
+    return None

@@ -25,6 +25,11 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 @dataclass
 class Tokenizer:
     """A model folder's tokenizer and chat template."""
@@ -65,21 +70,26 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    def render_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str:
-        """The chat template applied to `messages` (a list of {"role", "content"})."""
+    def render_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+                    tools: Sequence[dict] | None = None) -> str:
+        """The chat template applied to `messages` (a list of {"role", "content"}, and the
+        `tool_calls` / `tool_call_id` of tool use), with `tools` (JSON schemas of functions,
+        as Hugging Face passes them) when given."""
         if not self.chat_template:
             raise ModelFormatError("this model has no chat template; use raw mode")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_exception
+        env.filters["tojson"] = _tojson  # as transformers renders it: no HTML escaping, key order kept
+        extra = {"tools": list(tools)} if tools else {}
         try:
             return env.from_string(self.chat_template).render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special
+                messages=list(messages), add_generation_prompt=add_generation_prompt, **extra, **self.special
             )
         except TemplateError as bad:
             raise ModelFormatError(f"chat template failed: {bad}") from None
 
-    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
-        return self.encode(self.render_chat(messages))
+    def encode_chat(self, messages: Sequence[Message], *, tools: Sequence[dict] | None = None) -> list[int]:
+        return self.encode(self.render_chat(messages, tools=tools))
 
 
 class TextStream:

@@ -40,6 +40,7 @@ from tessera.tui.render import coverage_strip, event_line, gaps_text, span_bar, 
 from tessera.tui.screens import ConfirmScreen, HelpScreen, MemoryDialog, parse_gb
 
 from ..conftest import FRANCE
+from ..screenshots import offline_svg, screenshot_dir
 from ..swarm_helpers import local_swarm
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
@@ -268,6 +269,8 @@ def test_main_screen_shows_span_coverage_and_live_counters(other_peer, tmp_path,
             ARTIFACTS.mkdir(exist_ok=True)
             shot = app.save_screenshot("tui-main.svg", path=str(ARTIFACTS))
             assert "This&#160;peer" in Path(shot).read_text()  # SVG text keeps spaces as &#160;
+            if (folder := screenshot_dir()) is not None:  # make screenshots: the manual's picture of the TUI
+                (folder / "tui.svg").write_text(offline_svg(app.export_screenshot()))
             await pilot.press("q")  # no sessions running: no question
             await until(pilot, lambda: handle.finished.is_set(), "the peer to leave", LEAVE_GRACE + SETTLE, peer=handle)
             await pilot.pause(0.5)
