@@ -45,7 +45,7 @@ from tessera.peer.request.chain_state import AttestedStep, HopState
 from tessera.peer.request.chain import RouteSession
 from tessera.peer.request.ports import CheckPolicy, Checkable, RepairPort, SwarmPort
 from tessera.peer.plan.routing import route
-from tessera.peer.plan.view import SwarmView
+from tessera.peer.plan.view import PeerInfo, SwarmView
 
 # Every swarm answer is spot-checked unless its requester turns checks off (`tessera generate
 # --spot-check 0`): at each step, with probability 1/20, one hop of the route is recomputed by
@@ -141,26 +141,40 @@ class SpotChecker:
         info = self.swarm.keeper.snapshot().get(peer)
         return info.dtype if info else "float32"
 
-    async def shadow_for(self, start: int, end: int, suspect: str, *, exclude: set[str] = frozenset()) -> Shadow | None:
-        """A checker session over [start, end): a route avoiding the suspect, at its precision or better."""
+    def candidates(self, view: SwarmView, start: int, end: int, suspect: str, *,
+                   exclude: set[str] = frozenset()) -> list[PeerInfo]:
+        """Peers that could check `suspect` over [start, end): each holds the whole span (its
+        attestation then covers exactly the suspect's), at the suspect's precision or better."""
         want = PRECISION.get(self.view_dtype(suspect), 1)
-        suspect_info = self.swarm.keeper.snapshot().get(suspect)
+        suspect_info = view.get(suspect)
         # a quantized span is checked only by peers holding the same integers (same model id):
         # a float checker's honest difference from it is the quantization error, not roundoff
         model = suspect_info.model_id if suspect_info else self.swarm.model_id
-        for key, shadow in self.shadows.items():
-            if key[:2] == (start, end) and shadow.checker not in exclude | {suspect}:
-                return shadow
-        # one peer holding the whole span: its attestation then covers exactly the suspect's span
-        view = self.swarm.view()
         banned = set(self.swarm.bans.banned(self.swarm.clock()))
-        candidates = [
+        return [
             p for p in view.peers
             if p.routable and p.shard_count == 1 and p.start <= start and end <= p.end
             and p.peer_id not in {suspect, *exclude, *banned} and PRECISION.get(p.dtype, 1) >= want
             and self.resilient.policy.admits(p.peer_id)  # a checker sees the activations too
             and p.model_id == model
         ]
+
+    def checkable_now(self, hop: HopState) -> bool:
+        """Whether a check of `hop` could run now: a shadow over its span, or a peer to open one on
+        (no wait for taps, no session opened, where no other peer serves the span: checks are on
+        by default, and most spans of a small swarm have no second peer)."""
+        start, end = hop.hop.start, hop.hop.end
+        if any(key[:2] == (start, end) and shadow.checker != hop.peer for key, shadow in self.shadows.items()):
+            return True
+        return bool(self.candidates(self.swarm.view(), start, end, hop.peer))
+
+    async def shadow_for(self, start: int, end: int, suspect: str, *, exclude: set[str] = frozenset()) -> Shadow | None:
+        """A checker session over [start, end): a route avoiding the suspect, at its precision or better."""
+        for key, shadow in self.shadows.items():
+            if key[:2] == (start, end) and shadow.checker not in exclude | {suspect}:
+                return shadow
+        view = self.swarm.view()
+        candidates = self.candidates(view, start, end, suspect, exclude=exclude)
         if not candidates:
             return None
         me = view.get(self.swarm.peer_id)
@@ -192,6 +206,8 @@ class SpotChecker:
         """Compare `hop`'s outputs up to `end_pos` with a checker's; False if it could not be checked.
         `session`: the chain of plain hops `hop` belongs to (its history holds both ends)."""
         start, end = hop.hop.start, hop.hop.end
+        if not self.checkable_now(hop):
+            return False  # no independent peer serves this span now
         if not (await session.wait_known(start, end_pos) and await session.wait_known(end, end_pos)):
             return False  # the taps to compare with never came; the failover machinery deals with that peer
         shadow = await self.shadow_for(start, end, hop.peer)
