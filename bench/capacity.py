@@ -30,6 +30,7 @@ from tessera.peer.node.config import KV_RESERVE_FRACTION
 from tessera.stages.weights import registry
 from tessera.stages.weights.quant import NO_QUANT, Quant, layer_bytes
 from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.catalog import spec_from_file
 from tessera.stages.engine.speed import measure_layer_throughput
 from tessera.stages.engine.stage import Stage
 from tessera.stages.weights.synth import synth_spec
@@ -81,7 +82,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     budget = int(args.budget_gb * (1 << 30))
     folder = registry.resolve(args.model)
-    smol = ModelSpec.from_file(folder / "config.json")
+    smol = spec_from_file(folder / "config.json")
     shapes = {"smollm2": smol, "synth-1b": synth_spec(**SYNTH_1B)}
     last: list[str] = []
     for name, spec in shapes.items():

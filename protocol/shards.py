@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tessera.protocol.admission import WORK_NONCE_SIZE
 from tessera.protocol.codec import message
 from tessera.protocol.errors import InconsistentFields
 from tessera.protocol.messages import (
@@ -69,6 +70,7 @@ class ShardOpen:
         in_key: key of the link requester -> this rank (its input slices).
         out_key: key of the link this rank -> requester (its output slices).
         others: every other rank, in rank order (the recipient's place skipped).
+        work: the requester's proof of work for its identity (as in SessionOpen).
     """
 
     session_id: bytes = wire(size=SESSION_ID_SIZE)
@@ -82,6 +84,7 @@ class ShardOpen:
     in_key: SealedKey
     out_key: SealedKey
     others: tuple[ShardPeer, ...] = wire(max_items=MAX_GROUP - 1)
+    work: bytes = wire(default=b"", max_len=WORK_NONCE_SIZE)
 
     def __post_init__(self) -> None:
         if self.start >= self.end:

@@ -30,8 +30,8 @@ class RouteLost(NoRoute):
 
 
 class SessionRefused(PeerError):
-    """A peer answered a session request with an error message (code says why; `retry_after`,
-    when the peer said it, is how many seconds until it expects to take one)."""
+    """A peer answered a session request with an error message (code says why; for "busy",
+    `retry_after` says in how many seconds it expects room, when it says)."""
 
     def __init__(self, peer: str, code: str, message: str, *, retry_after: float | None = None) -> None:
         super().__init__(f"peer {peer} refused: {code}: {message}")

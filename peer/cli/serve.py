@@ -10,21 +10,26 @@ answers get hypercorn's grace period, then every swarm session is closed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
 from functools import partial
 from pathlib import Path
-
-import trio
+from typing import TYPE_CHECKING
 
 from tessera.peer.cli.config import add_config_options
 from tessera.peer.cli.options import (
-    add_accept_mixed_option, add_join_options, add_policy_options, add_quant_options, add_spot_check_option,
-    apply_threads, policy_from, quant_from, read_swarm_key, spot_check_from,
+    add_accept_mixed_option, add_join_options, add_policy_options, add_quant_options, add_record_trace_option,
+    add_spot_check_option, apply_threads, policy_from, quant_from, read_swarm_key, spot_check_from,
 )
 from tessera.peer.base.errors import ConfigError
-from tessera.peer.http.api import DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_TOKENS, DEFAULT_ROUTE_WAIT, Gateway
+from tessera.peer.http.defaults import (
+    BODY_TIMEOUT, DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_TOKENS, DEFAULT_QUEUE_WAIT, DEFAULT_ROUTE_WAIT,
+)
+
+if TYPE_CHECKING:
+    from tessera.store.trace import Tracer
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,7 +54,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"how long a request waits for the swarm to cover every layer before a 503 "
                         f"(default {DEFAULT_ROUTE_WAIT:g})")
     p.add_argument("--max-concurrent", type=int, default=DEFAULT_MAX_CONCURRENT, metavar="N",
-                   help=f"requests running on the swarm at once; more wait (default {DEFAULT_MAX_CONCURRENT})")
+                   help="requests running on the swarm at once, at most (they follow the sessions the swarm can "
+                        f"hold for this gateway; more wait) (default {DEFAULT_MAX_CONCURRENT})")
+    p.add_argument("--queue-wait", type=float, default=DEFAULT_QUEUE_WAIT, metavar="S",
+                   help="how long a request keeps trying while every layer is served but the peers are busy, "
+                        f"before a 503 swarm_busy (default {DEFAULT_QUEUE_WAIT:g})")
+    p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT, metavar="S",
+                   help=f"seconds a client has to send its request body, or a 408 (default {BODY_TIMEOUT:g})")
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                    help=f"max_tokens when a request gives none (default {DEFAULT_MAX_TOKENS})")
     p.add_argument("--threads", type=int, default=None, help="torch threads for the embedding and head")
@@ -59,6 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                       "their model id says it; default none: unquantized peers)")
     add_accept_mixed_option(p)
     add_spot_check_option(p)
+    add_record_trace_option(p)
     add_policy_options(p)
     add_config_options(p)
     p.set_defaults(handler=run)
@@ -78,21 +90,22 @@ def run(args: argparse.Namespace) -> int:
     for name in ("max_concurrent", "default_max_tokens"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)!r}")
-    if not args.route_wait > 0:
-        raise ConfigError(f"--route-wait must be > 0, got {args.route_wait!r}")
+    for name in ("route_wait", "body_timeout"):
+        if not getattr(args, name) > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)!r}")
+    if not args.queue_wait >= 0:
+        raise ConfigError(f"--queue-wait must be >= 0, got {args.queue_wait!r}")
     args.policy = policy_from(args)  # a bad id or an unreadable @FILE fails here, before joining
     args.checks = spot_check_from(args)
     apply_threads(args.threads)
+    import trio
+
     trio.run(serve, args)
     return 0
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from hypercorn.trio import serve as hypercorn_serve
-
-    from tessera.peer.http.web.app import WebApp
-    from tessera.peer.http.web.server import hypercorn_config
-    from tessera.peer.request.client import Swarm
+    from tessera.store.trace import TraceWriter
     from tessera.peer.weights.bootstrap import REQUESTER_GROUPS, ensure_model
 
     api_key = args.api_key or os.environ.get("TESSERA_API_KEY") or None
@@ -100,11 +113,28 @@ async def serve(args: argparse.Namespace) -> None:
     # without the model here: its embedding, head and tokenizer from the --join peers (peer/weights/)
     folder = await ensure_model(args.model, args.join, swarm_key=swarm_key, groups=REQUESTER_GROUPS,
                                 out=lambda line: print(line, file=sys.stderr, flush=True))
-    async with Swarm.join(args.join, model=folder, swarm_key=swarm_key, policy=args.policy,
+    with contextlib.ExitStack() as stack:
+        # every request's trace, when asked (--record-trace): the gateway's id is bound as it joins
+        tracer = stack.enter_context(TraceWriter(args.record_trace)) if args.record_trace else None
+        await _serve(args, folder, swarm_key, api_key, tracer)
+    print("stopped", flush=True)
+
+
+async def _serve(args: argparse.Namespace, folder: Path, swarm_key: bytes | None, api_key: str | None,
+                 tracer: "Tracer | None") -> None:
+    import trio
+    from hypercorn.trio import serve as hypercorn_serve
+
+    from tessera.peer.http.api import Gateway
+    from tessera.peer.http.web.app import WebApp
+    from tessera.peer.http.web.server import hypercorn_config
+    from tessera.peer.request.client import Swarm
+
+    async with Swarm.join(args.join, model=folder, swarm_key=swarm_key, policy=args.policy, tracer=tracer,
                           quant=quant_from(args), accept_mixed=args.accept_mixed, spot_check=args.checks) as swarm:
         gateway = Gateway(swarm, name=served_name(args.model), api_key=api_key, route_wait=args.route_wait,
                           max_concurrent=args.max_concurrent, default_max_tokens=args.default_max_tokens,
-                          cors_origins=args.cors_origin)
+                          cors_origins=args.cors_origin, queue_wait=args.queue_wait, body_timeout=args.body_timeout)
         web = WebApp.for_gateway(gateway)  # the pages at /, the API behind them (peer/http/web/)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(web.run)
@@ -117,7 +147,6 @@ async def serve(args: argparse.Namespace) -> None:
                           f"{' (API key required)' if api_key else ''}{peers_note(args)}", flush=True)
                     print(f"web view: {url}/ (swarm, chat, peer)", flush=True)
             nursery.cancel_scope.cancel()  # the server has stopped: so does the web view's sampler
-    print("stopped", flush=True)
 
 
 def peers_note(args: argparse.Namespace) -> str:
@@ -130,6 +159,8 @@ def peers_note(args: argparse.Namespace) -> str:
 
 async def stop_signal() -> None:
     """Returns on SIGINT or SIGTERM (hypercorn then shuts down gracefully)."""
+    import trio
+
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for _ in signals:
             return

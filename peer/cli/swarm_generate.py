@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -12,6 +13,7 @@ import trio
 from tessera.stages.decoding.generate import GenerationResult, prompt_ids
 from tessera.stages.decoding.sampling import SamplingParams
 from tessera.stages.text.tokenizer import TextStream
+from tessera.store.trace import TraceWriter
 
 from tessera.peer.cli.options import apply_threads, quant_from, read_swarm_key
 from tessera.stages.decoding.sampling import Sampler
@@ -46,7 +48,15 @@ async def generate_through_swarm(args: argparse.Namespace, sampling: SamplingPar
     # without the model here: its embedding, head and tokenizer from the --join peers (peer/weights/)
     folder = await ensure_model(args.model, args.join, swarm_key=swarm_key, groups=REQUESTER_GROUPS,
                                 out=lambda line: print(line, file=sys.stderr, flush=True))
-    async with Swarm.join(args.join, model=folder, swarm_key=swarm_key,
+    with contextlib.ExitStack() as stack:
+        # the requester's own trace (--record-trace): the id it records is bound as it joins
+        tracer = stack.enter_context(TraceWriter(args.record_trace)) if args.record_trace else None
+        return await _generate(args, sampling, folder, swarm_key, emulation, tracer)
+
+
+async def _generate(args: argparse.Namespace, sampling: SamplingParams, folder, swarm_key, emulation,
+                    tracer: TraceWriter | None) -> GenerationResult:
+    async with Swarm.join(args.join, model=folder, swarm_key=swarm_key, tracer=tracer,
                           emulate_link=emulation, policy=args.policy, quant=quant_from(args),
                           accept_mixed=args.accept_mixed, dedicated=not args.no_dedicated,
                           spot_check=getattr(args, "checks", None)) as swarm:

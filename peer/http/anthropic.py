@@ -42,7 +42,7 @@ from tessera.peer.http import tools as http_tools
 from tessera.peer.http.exchange import SSE_HEADERS, Exchange
 from tessera.peer.http.generation import LENGTH, Generation
 from tessera.peer.http.requests import (
-    ApiError, GenerationRequest, _bool, _number, _optional_int, bad, json_shape,
+    ApiError, GenerationRequest, _bool, _number, _optional_int, bad, json_shape, required_model,
 )
 
 MAX_STOP_SEQUENCES = 16  # Anthropic sets no small limit; this keeps matching cheap
@@ -79,9 +79,7 @@ def parse_messages(data: dict) -> GenerationRequest:
     for name, allowed in UNSUPPORTED_UNLESS.items():
         if name in data and data[name] not in allowed and not (name == "thinking" and _thinking_off(data[name])):
             raise bad(name, f"{name} is not supported by this server")
-    model = data.get("model")
-    if not isinstance(model, str):
-        raise bad("model", f"model: a string is required, got {model!r}")
+    model = required_model(data)
     max_tokens = _optional_int(data, "max_tokens", low=1)
     if max_tokens is None:
         raise bad("max_tokens", "max_tokens: Field required")

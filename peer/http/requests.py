@@ -49,6 +49,9 @@ SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 # who may compute this answer, within what the gateway's own --allow/--deny permit.
 POLICY_FIELDS = ("allow", "deny", "prefer")
 MAX_POLICY_IDS = 1024  # per list: far more peers than a requester would name one by one
+# Arrays and objects nested deeper than this are refused: a request (messages of content parts,
+# a JSON schema) nests a handful of levels; each level costs the parsers behind us a stack frame.
+MAX_JSON_DEPTH = 64
 
 
 class ApiError(Exception):
@@ -87,14 +90,30 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def json_depth_over(data: Any, limit: int) -> bool:
+    """Whether arrays and objects nest deeper than `limit` in `data` (walked without recursion)."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return False
+
+
 def decode_body(body: bytes) -> dict:
-    """The request body as a JSON object. Raises ApiError(400)."""
+    """The request body as a JSON object nested at most MAX_JSON_DEPTH deep. Raises ApiError(400)."""
     try:
         data = json.loads(body, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as error:
         raise ApiError(400, f"We could not parse the JSON body of your request: {error}") from None
+    except RecursionError:  # nested past the interpreter's stack, before our own limit could say so
+        raise ApiError(400, f"the JSON body nests arrays or objects deeper than {MAX_JSON_DEPTH}") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    if json_depth_over(data, MAX_JSON_DEPTH):
+        raise ApiError(400, f"the JSON body nests arrays or objects deeper than {MAX_JSON_DEPTH}")
     return data
 
 
@@ -217,11 +236,17 @@ def _refuse_unsupported(data: dict) -> None:
                       f"(accepted: {', '.join(repr(a) for a in allowed)})")
 
 
+def required_model(data: dict) -> str:
+    """The `model` field: required, a string (which model it names is the gateway's to check)."""
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", f"model is required: the name of the model to use, got {model!r}"[:500])
+    return model
+
+
 def _common(data: dict) -> dict:
     _refuse_unsupported(data)
-    model = data.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad("model", f"model must be a string, got {model!r}")
+    model = required_model(data)
     max_tokens = _optional_int(data, "max_tokens", low=1)
     if max_tokens is None:  # the chat API's newer name for the same limit
         max_tokens = _optional_int(data, "max_completion_tokens", low=1)

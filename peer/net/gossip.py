@@ -44,7 +44,8 @@ expiry (at most RECORD_TTL after its last refresh); the copies agree on that exp
 by then, since its last refresh spreads within the same bound. A peer the address
 book forgot (REDIAL_WINDOW after its record expired, dials then back off up to
 MAX_REDIAL_BACKOFF) adds that backoff to the bound; join addresses are never
-forgotten. tests/net/test_gossip_convergence.py checks the bound under random sequences
+forgotten. A peer that said it was leaving is not re-dialled at all, but for a join address,
+retried with that doubling backoff until its peer advertises again. tests/net/test_gossip_convergence.py checks the bound under random sequences
 of joins, leaves, crashes, vanishings, moves, memory changes and partitions.
 """
 
@@ -150,7 +151,7 @@ class BookEntry:
 
     addrs: tuple[str, ...]
     expires_at: float  # of the newest record seen; inf for a join address
-    leaving: bool = False  # it said it was going: not re-dialled once its record expired
+    leaving: bool = False  # it said it was going: not re-dialled (a join address: with a doubling backoff)
     seed: bool = False  # a join address: re-dialled whenever we are not connected, never forgotten
     next_dial: float = 0.0
     backoff: float = 0.0
@@ -211,6 +212,9 @@ class ViewKeeper:
             seed = self.book.get(pid)
             if seed is not None and seed.seed:
                 seed.addrs = tuple(dict.fromkeys(seed.addrs + tuple(record.addrs)))
+                seed.leaving = record.state == LEAVING
+                if not seed.leaving:  # back (a restart): dialled as usual again
+                    seed.backoff, seed.next_dial = 0.0, 0.0
             elif record.addrs:
                 self.book[pid] = BookEntry(tuple(record.addrs), record.expires_at, leaving=record.state == LEAVING)
             updated.append(pid)
@@ -288,10 +292,22 @@ class ViewKeeper:
         for pid, entry in list(self.book.items()):
             if pid in skip or not entry.addrs:
                 continue
+            if entry.leaving:
+                # It said it was going (a graceful leave): not re-dialled every tick (it was, at
+                # twice a second across the gossip and ping rounds, for as long as the peer ran).
+                # A join address is tried again with a doubling backoff (its peer may come back);
+                # any other entry is dropped once its record has expired.
+                if entry.seed and now >= entry.next_dial:
+                    entry.backoff = min(MAX_REDIAL_BACKOFF, max(entry.backoff * 2, GOSSIP_INTERVAL))
+                    entry.next_dial = now + entry.backoff
+                    out.append((pid, entry.addrs))
+                elif not entry.seed and entry.expires_at <= now:
+                    del self.book[pid]
+                continue
             if entry.expires_at > now:
                 out.append((pid, entry.addrs))
                 continue
-            if entry.leaving or now - entry.expires_at > FORGET_AFTER:
+            if now - entry.expires_at > FORGET_AFTER:
                 del self.book[pid]
                 continue
             if now < entry.next_dial:

@@ -171,6 +171,9 @@ class NodeParts:
     # Tasks run beside the peer from the moment its transport is up until it stops, each given the
     # node (`tessera peer --web`: the web view, peer/http/web/); cancelled when the peer has left.
     services: list[Callable[[Any], Awaitable[None]]] = field(default_factory=list)
+    # The lock on the data dir the identity and store come from (peer/node/data_dir.py `DataDirLock`),
+    # released when the node stops; None: nothing on disk to guard (a simulated peer)
+    data_dir_lock: Any = None
 
 
 __all__ = ["Compute", "Placement", "PlanPlacement", "Pacing", "NodeWatch", "NodeParts", "JITTER"]

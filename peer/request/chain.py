@@ -179,7 +179,7 @@ class RouteSession:
                 next_addrs=self.ctx.keeper.addrs(next_peer) if next_peer is not None else (),
                 tap_key=self.seal(tap, hop.peer_id) if tap else None,
                 prev_peer=peer_bytes(prev_peer) if prev_peer is not None else None,
-                inject_key=self.seal(inject, hop.peer_id) if inject else None,
+                inject_key=self.seal(inject, hop.peer_id) if inject else None, work=self.ctx.work,
             )
             links = {
                 "send": self.cipher(inject) if inject else (self.cipher(into[0]) if i == 0 else None),
@@ -220,9 +220,7 @@ class RouteSession:
             reply = await channel.receive()
         if isinstance(reply, ErrorMsg):
             await channel.close()
-            # a busy peer may say when to come back (None where it does not)
-            raise SessionRefused(hop.peer_id, reply.code, reply.message,
-                                 retry_after=getattr(reply, "retry_after", None))
+            raise SessionRefused(hop.peer_id, reply.code, reply.message, retry_after=reply.retry_after)
         if not isinstance(reply, SessionAccept) or reply.session_id != self.session_id:
             await channel.reset()
             raise PeerFailed(hop.peer_id, f"answered SessionOpen with {type(reply).__name__}", Failure.BROKE)
@@ -448,7 +446,9 @@ class RouteSession:
                 repair.ban(state.peer, state.failure, failure=state.failed_as)
         reasons = "; ".join(f"{h.peer}: {h.failure}" for h in dead if h.failure) or "failed"
         # The dead are banned (or revoked), so routing passes them by unless one came back
-        # (peer/base/backoff.py); the live hops of this chain hold this session already.
+        # (peer/base/backoff.py). The live peers of this session stay out: a peer runs one hop
+        # of a session (its id is the session's), so one already in the route cannot take
+        # another piece ("session ... is already open here" failed simulated answers).
         live = [h.peer for h in hops if h not in dead]
         chosen = await repair.reroute(
             a, b, source=up.peer if up else None, sink=down.peer if down else None, exclude=live,

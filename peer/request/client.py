@@ -17,6 +17,7 @@ trio's clock, with a weightless model and one shared view (peer/sim/requester.py
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -55,10 +56,12 @@ from tessera.peer.request.repair import AnswerRewound, ResilientSession
 from tessera.peer.request.policy import RequesterPolicy, check_peer_id, explain_gaps
 from tessera.peer.request.chain_state import RequesterContext
 from tessera.peer.request.chain import route_summary
-from tessera.peer.plan.routing import Route, route, why_no_route
+from tessera.peer.plan.routing import Route, route, why_no_route, why_not_preferred
 from tessera.peer.net.transport import Transport
 from tessera.peer.plan.view import PeerInfo, SwarmView
 from tessera.peer.request.prefill import route_chunk_size
+
+log = logging.getLogger(__name__)
 
 # How long a requester waits for the swarm to cover every layer before it gives up: one
 # policy with the bans (peer/base/backoff.py says why 30 s).
@@ -150,6 +153,7 @@ class Swarm:
             num_layers=self.spec.num_layers, hidden_size=self.spec.hidden_size, tracer=tracer or NullTracer(),
         )
         self.peer_id = transport.peer_id
+        self.ctx.tracer.bind(self.peer_id)  # a TraceWriter made before this requester had an id
         self.clock: Callable[[], float] = ban_clock  # what `bans` measures time on
         self.bans = Bans()  # who is avoided, why and until when; strikes survive from one answer to the next
         self.reports = ReportBook(transport, model_id=self.model_id, on_accept=self._avoid_accused) if reports else None
@@ -336,6 +340,10 @@ class Swarm:
             chosen = self._memo[key] = route(view, start=start, end=end, source=source or self.peer_id,
                                              sink=sink or self.peer_id, exclude=frozenset(banned) | frozenset(exclude),
                                              groups=groups)
+            if policy.prefer and log.isEnabledFor(logging.INFO):  # `-v`: why the cost model chose a peer not preferred
+                for line in why_not_preferred(view, chosen, prefer=policy.prefer, source=source or self.peer_id,
+                                              sink=sink or self.peer_id, exclude=frozenset(banned) | frozenset(exclude)):
+                    log.info("route: %s", line)
         return chosen
 
     def why_no_route(self, *, start: int = 0, end: int | None = None, exclude: Sequence[str] = (),

@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import trio
 
-from tessera.protocol.error_codes import BAD_SPAN, BUSY, DRAINING, NEXT_HOP_FAILED, TOO_LONG
+from tessera.protocol.error_codes import BAD_SPAN, BUSY, DRAINING, NEXT_HOP_FAILED, RECLAIMED, TOO_LONG
 from tessera.protocol.errors import WireError
 
 from tessera.peer.base.backoff import Failure
 
 # Codes with which a live, honest peer declines a session it cannot take now.
 DECLINED = frozenset({BUSY, DRAINING, TOO_LONG, BAD_SPAN})
-# The code of a session a peer took back under memory pressure after it sat idle (the
-# admission half of this work names it protocol/error_codes.py RECLAIMED): the peer is
-# honest and alive, so its session is opened again — there or elsewhere — as after a refusal.
-RECLAIMED = "reclaimed"
+# RECLAIMED (a session a peer took back under memory pressure after it sat idle) comes from
+# an honest, live peer: the session is opened again — there or elsewhere — as after a refusal.
 
 
 def refusal_failure(code: str) -> Failure:

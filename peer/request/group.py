@@ -194,7 +194,7 @@ class GroupSession:
                 session_id=self.session_id, start=self.hop.start, end=self.hop.end, max_length=self.max_length,
                 requester=self.ctx.identity.peer_id, ephemeral_public=self.ephemeral.public,
                 group=self.hop.group, shard_index=i, in_key=self._seal(into[i], peer), out_key=self._seal(out[i], peer),
-                others=others,
+                others=others, work=self.ctx.work,
             ))
         results: list[RankState | BaseException | None] = [None] * n
 
@@ -239,7 +239,7 @@ class GroupSession:
             reply = await channel.receive()
         if isinstance(reply, ErrorMsg):
             await channel.close()
-            raise SessionRefused(peer, reply.code, reply.message, retry_after=getattr(reply, "retry_after", None))
+            raise SessionRefused(peer, reply.code, reply.message, retry_after=reply.retry_after)
         if not isinstance(reply, SessionAccept) or reply.session_id != self.session_id:
             await channel.reset()
             raise PeerFailed(peer, f"answered ShardOpen with {type(reply).__name__}", Failure.BROKE)

@@ -27,6 +27,7 @@ import trio
 from tessera.stages.errors import ContextOverflow, SpanError, UnknownSession
 from tessera.stages.weights.quant import NO_QUANT
 from tessera.stages.engine.sessions import check_session
+from tessera.stages.families.llama import llama_spec
 from tessera.stages.families.spec import ModelSpec
 
 FLOAT32_BYTES = 4
@@ -36,8 +37,8 @@ def sim_spec(num_layers: int = 30, hidden_size: int = 576, *, max_position: int 
     """A model shape for simulation (by default SmolLM2-135M's: 30 layers, hidden 576)."""
     heads = max(1, hidden_size // 64)
     kv_heads = 3 if heads % 3 == 0 else 1
-    return ModelSpec(
-        architecture="llama", vocab_size=49152, hidden_size=hidden_size,
+    return llama_spec(
+        vocab_size=49152, hidden_size=hidden_size,
         intermediate_size=hidden_size * 8 // 3, num_layers=num_layers, num_heads=heads,
         num_kv_heads=kv_heads, head_dim=max(2, hidden_size // heads) // 2 * 2, max_position=max_position,
     )
@@ -92,9 +93,10 @@ class SimStage:
             raise ContextOverflow(f"cannot roll back to {position!r}: the cache holds positions [0, {state.length})")
         state.length = position
 
-    def session_bytes(self, capacity: int, num_layers: int | None = None) -> int:
-        layers = self.end - self.start if num_layers is None else num_layers
-        return self.spec.kv_bytes_per_token(layers, FLOAT32_BYTES) * capacity
+    def session_bytes(self, capacity: int, start: int | None = None, end: int | None = None) -> int:
+        start = self.start if start is None else start
+        end = self.end if end is None else end
+        return self.spec.kv_bytes_per_position(start, end, FLOAT32_BYTES) * capacity
 
     def forward(self, session: Hashable, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
         """Check like Stage.forward, count tokens x layers, return the input unchanged."""

@@ -164,6 +164,9 @@ class SimTracer:
     def close(self) -> None:
         pass
 
+    def bind(self, peer: str) -> None:
+        pass  # made with its node's id already
+
     def __enter__(self) -> "SimTracer":
         return self
 

@@ -24,7 +24,7 @@ import trio
 
 from tessera.stages.errors import ModelFormatError
 from tessera.stages.weights.registry import MANIFEST, held_tensors, models_root, read_manifest, resolve, save_manifest
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.catalog import spec_from_file
 from tessera.stages.weights.tensor_table import groups_for_span
 
 from tessera.peer.base.errors import PeerError
@@ -73,7 +73,7 @@ async def ensure_span(transport: Transport, folder: Path, span: tuple[int, int],
     manifest = read_manifest(folder)
     if not manifest.get("partial"):
         return None
-    spec = ModelSpec.from_file(folder / "config.json")
+    spec = spec_from_file(folder / "config.json")
     groups = groups_for_span(span[0], span[1], spec.num_layers, tied=spec.tie_embeddings)
     fetcher = Fetcher(transport, folder, manifest, out=out, check=check)
     on_fetcher(fetcher)
@@ -207,7 +207,7 @@ class FolderWeights:
 def held_layers(folder: Path) -> tuple[tuple[int, int], ...]:
     """The layer ranges whose every tensor is in the folder's weight files: all layers for a
     whole folder (or a bare one, without a manifest), the fetched spans for a partial one."""
-    spec = ModelSpec.from_file(folder / "config.json")
+    spec = spec_from_file(folder / "config.json")
     if not (folder / MANIFEST).exists() or not is_partial(folder):
         return ((0, spec.num_layers),) if spec.num_layers else ()
     entries = read_manifest(folder)["tensors"]["entries"]

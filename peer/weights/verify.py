@@ -13,7 +13,8 @@ not recomputed — and serves wrong activations. So a peer checks what it loads:
   before casting it, and its bytes are hashed chunk by chunk (`chunk_bytes`, 1 MiB) against
   the manifest. The bytes come from the disk once; the hash reads them from memory. A
   mismatch raises `WeightsMismatch` naming the tensor, the chunk and the file: the peer
-  refuses to serve, and says to re-fetch or re-import the model.
+  refuses to serve, and says to re-fetch or re-import the model. A tensor the loader reads
+  only part of (a fused checkpoint tensor's rows) is hashed from its file, once.
 
 What is not checked this way, and why: a tensor-shard rank reads only its slices
 (stages/shards/sharded.py), so its span's tensors are hashed from the files before it loads
@@ -187,24 +188,38 @@ class SpanCheck:
         self.stamps: dict[str, Stamp | None] = {f: stamp_of(folder / f) for f in files}  # as the load began
         self.trusted = {f: cache.trusted(folder / f, self.digest, self.stamps[f]) for f in files}
         self.stats = CheckStats()
+        self.done: set[str] = set()  # checked in this load (hashed, or vouched for by the cache)
 
-    def __call__(self, name: str, tensor: torch.Tensor) -> None:
+    def __call__(self, name: str, tensor: torch.Tensor | None) -> None:
+        """The loader read `tensor` (None: only a part of it, which it cannot hash: read here)."""
+        if name in self.done:
+            return  # a fused tensor read row by row: checked once
+        if tensor is None:
+            self.verify_files([name])
+            return
         entry = self._entry(name)
         size = entry["end"] - entry["begin"]
-        if name in self.trusted[entry["file"]]:
-            self.stats.trusted += 1
-            self.stats.trusted_bytes += size
+        if self._trusted(name, entry):
             return
         raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)  # the stored bytes, little-endian
         if raw.numel() != size:
             raise self._mismatch(name, entry, f"it holds {raw.numel()} bytes, the manifest {size}")
         self._compare(name, entry, memoryview(raw.numpy()))
 
+    def _trusted(self, name: str, entry: dict) -> bool:
+        """Whether the cache vouches for `name` (then it counts as checked, unread)."""
+        if name not in self.trusted[entry["file"]]:
+            return False
+        self.stats.trusted += 1
+        self.stats.trusted_bytes += entry["end"] - entry["begin"]
+        self.done.add(name)
+        return True
+
     def verify_files(self, names: Iterable[str]) -> None:
-        """Hash `names` straight from their files (a loader that reads slices, not whole tensors:
-        a tensor-shard rank); the same check, from a read of its own."""
+        """Hash `names` straight from their files (a loader that reads parts, not whole tensors:
+        a tensor-shard rank, a fused tensor's rows); the same check, from a read of its own."""
         by_file: dict[str, list[str]] = {}
-        for name in sorted(set(names)):
+        for name in sorted(set(names) - self.done):
             by_file.setdefault(self._entry(name)["file"], []).append(name)
         for file, tensors in sorted(by_file.items()):
             path = self.folder / file
@@ -212,9 +227,7 @@ class SpanCheck:
             with open(path, "rb") as f:
                 for name in tensors:
                     entry = self.entries[name]
-                    if name in self.trusted[file]:
-                        self.stats.trusted += 1
-                        self.stats.trusted_bytes += entry["end"] - entry["begin"]
+                    if self._trusted(name, entry):
                         continue
                     info = header.get(name)
                     if not isinstance(info, dict) or "data_offsets" not in info:
@@ -245,6 +258,7 @@ class SpanCheck:
         self.stats.hashed += 1
         self.stats.hashed_bytes += size
         self.stats.files.setdefault(entry["file"], set()).add(name)
+        self.done.add(name)
 
     def _mismatch(self, name: str, entry: dict, what: str) -> WeightsMismatch:
         return WeightsMismatch(

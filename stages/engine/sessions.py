@@ -1,8 +1,9 @@
-"""A stage's sessions: one KV cache per session, over a sub-span of the stage's layers.
+"""A stage's sessions: one `SessionCache` per session, over a sub-span of the stage's layers.
 
 Shared by `Stage` (whole heads) and `ShardedStage` (its rank's heads): a session may
 use a sub-span of the stage, which is what lets a requester route around a dead peer
-with different cut points. Its checks come before any allocation.
+with different cut points. Each layer's store is of the layer's cache kind
+(`cache_specs`), and its checks come before any allocation.
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ from typing import Hashable
 import torch
 
 from tessera.stages.errors import ContextOverflow, SpanError, UnknownSession
-from tessera.stages.layers.model import KVCache
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec import CacheSpec, ModelSpec
+from tessera.stages.layers.cache import SessionCache, session_bytes
 
 
 @dataclass
 class SessionState:
     """One session's cache and the sub-span [start, end) of layers it runs."""
 
-    cache: KVCache
+    cache: SessionCache
     start: int
     end: int
 
@@ -40,21 +41,25 @@ def check_session(stage: tuple[int, int], start: int | None, end: int | None, ca
 
 class SessionTable:
     """Session bookkeeping for a stage class with `start`, `end`, `spec`, `dtype`, `device`,
-    `sessions` and `cache_spec` (the attention shape its KV cache holds)."""
+    `sessions` and `cache_specs` (what its sessions' caches hold per layer)."""
 
     start: int
     end: int
     spec: ModelSpec
-    cache_spec: ModelSpec
     dtype: torch.dtype
     device: torch.device
     sessions: dict[Hashable, SessionState]
 
+    def cache_specs(self, start: int, end: int) -> list[CacheSpec]:
+        """The cache of each layer of [start, end) as this stage keeps it (a shard: its own heads)."""
+        return [self.spec.layers[i].cache for i in range(start, end)]
+
     def open(self, session: Hashable, *, capacity: int, start: int | None = None, end: int | None = None) -> None:
-        """Allocate a session's KV cache for `capacity` positions over layers [start, end)."""
+        """Open a session over layers [start, end) whose KV cache may grow to `capacity` positions
+        (it is allocated in chunks as steps reach them: layers/cache.py `SessionCache`)."""
         start, end = check_session((self.start, self.end), start, end, capacity, self.spec.max_position)
         with torch.inference_mode():
-            cache = KVCache(end - start, self.cache_spec, capacity, dtype=self.dtype, device=self.device)
+            cache = SessionCache(self.cache_specs(start, end), capacity, dtype=self.dtype, device=self.device)
         self.sessions[session] = SessionState(cache, start, end)
 
     def close(self, session: Hashable) -> None:
@@ -66,11 +71,13 @@ class SessionTable:
     def rollback(self, session: Hashable, position: int) -> None:
         self._session(session).cache.rollback(position)
 
-    def session_bytes(self, capacity: int, num_layers: int | None = None) -> int:
-        """KV bytes a session of `capacity` positions costs (to check limits before allocating)."""
-        layers = self.end - self.start if num_layers is None else num_layers
+    def session_bytes(self, capacity: int, start: int | None = None, end: int | None = None) -> int:
+        """KV bytes a session of `capacity` positions over layers [start, end) (default: the whole
+        stage) costs, each layer per its cache kind (to check limits before allocating)."""
+        start = self.start if start is None else start
+        end = self.end if end is None else end
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return self.cache_spec.kv_bytes_per_token(layers, itemsize) * capacity
+        return session_bytes(self.cache_specs(start, end), capacity, itemsize)
 
     def _session(self, session: Hashable) -> SessionState:
         try:

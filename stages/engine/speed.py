@@ -3,7 +3,11 @@
 Compute cost does not depend on the weights' values, so the benchmark builds one
 block of the model's shape with random weights, warms it up, and times decode
 steps against a short cache. The result is tokens per second through ONE layer
-(a span of n layers runs a token in n / throughput seconds).
+(a span of n layers runs a token in n / throughput seconds). Where layers differ
+(Qwen3-MoE's dense and sparse ones), the layer timed is the model's most common
+kind: the throughput is one number per peer, and the most common kind is what most
+spans are made of. A sparse layer's random router picks random experts, as a real
+one spreads tokens over them.
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ import time
 
 import torch
 
-from tessera.stages.layers.model import Block
-from tessera.stages.weights.quant import BLOCK_LINEARS, NO_QUANT, Quant, quantize_linear
-from tessera.stages.families.spec import ModelSpec
+from collections import Counter
+
 from tessera.stages.engine.stage import Stage
+from tessera.stages.families.spec import LayerSpec, ModelSpec
+from tessera.stages.layers.block import Block, linear_paths
+from tessera.stages.weights.quant import NO_QUANT, Quant, quantize_linear
 
 WARMUP_STEPS = 3
 CONTEXT = 64  # positions already cached when the timed steps run
@@ -33,17 +39,18 @@ def measure_layer_throughput(
     """Decode tokens/s through one layer of `spec` on this machine (median of timed steps),
     its matrices stored as `quant`."""
     gen = torch.Generator().manual_seed(0)
-    block = Block(spec)
+    layer = typical_layer(spec)
+    block = Block(spec, spec.layers[layer])
     with torch.no_grad():
         for p in block.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     block = block.to(device=device, dtype=dtype).requires_grad_(False)
-    for path in BLOCK_LINEARS if quant.active else ():
-        owner, name = path.split(".")
-        dense = getattr(getattr(block, owner), name)
-        setattr(getattr(block, owner), name, quantize_linear(
+    for path in linear_paths(block) if quant.active else ():
+        owner, _, name = path.rpartition(".")
+        dense = block.get_submodule(path)
+        setattr(block.get_submodule(owner), name, quantize_linear(
             dense.weight.cpu(), None if dense.bias is None else dense.bias.cpu(), quant, dtype=dtype, device=device))
-    stage = Stage(spec, 0, [block], device=device, dtype=dtype)
+    stage = Stage(spec, layer, [block], device=device, dtype=dtype)
     stage.open("speed", capacity=CONTEXT + WARMUP_STEPS + max_steps + 1)
     x = torch.randn(CONTEXT, spec.hidden_size, generator=gen).to(device=device, dtype=dtype)
     stage.forward("speed", x, 0)
@@ -61,3 +68,10 @@ def measure_layer_throughput(
         pos += 1
     times.sort()
     return 1.0 / times[len(times) // 2]
+
+
+def typical_layer(spec: ModelSpec) -> int:
+    """The first layer of the model's most common kind of layer (the first kind on a tie)."""
+    counts: Counter[LayerSpec] = Counter(spec.layers)
+    kind = max(counts, key=lambda k: (counts[k], -spec.layers.index(k)))
+    return spec.layers.index(kind)

@@ -1,5 +1,9 @@
 """A `Stage`: a span of decoder layers serving many sessions.
 
+Its layers are `Block`s built from the model's `LayerSpec`s (stages/layers/block.py), so
+one Stage runs every family; layers of a span may differ (dense and MoE, full and
+sliding), each with its own cache kind per session (stages/layers/cache.py).
+
 A peer holds one stage (its claimed span); the requester holds one too, with no
 layers, for the embedding and the head; the local engine holds one with
 everything. Each session owns a KV cache for the layers it uses — a session may
@@ -21,13 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.stages.errors import SpanError, StageError
-from tessera.stages.weights.gguf_blocks import GgufQ4Source
-from tessera.stages.layers.model import Block, Rotary, Segment, StepContext, attention_mask
-from tessera.stages.weights.quant import NO_QUANT, Quant, quantize_block, takes_gguf_blocks
 from tessera.stages.engine.sessions import SessionState, SessionTable
+from tessera.stages.errors import SpanError, StageError
 from tessera.stages.families.spec import ModelSpec
+from tessera.stages.layers.attention import Segment, StepContext
+from tessera.stages.layers.block import Block
+from tessera.stages.layers.rope import RopeTables
 from tessera.stages.weights.folder import TensorCheck, WeightFolder
+from tessera.stages.weights.gguf_blocks import GgufQ4Source
+from tessera.stages.weights.quant import NO_QUANT, Quant, quantize_block, takes_gguf_blocks
 
 
 # One session's step in a stacked forward: (session, hidden states [T, H], start position).
@@ -62,7 +68,7 @@ class Stage(SessionTable):
         self.device = torch.device(device)
         self.dtype = dtype
         self.quant = quant  # how the blocks' matrices are stored (stages/weights/quant.py)
-        self.rotary = Rotary(spec, self.device)
+        self.rope = RopeTables(spec.layers[start : self.end], self.device)  # shared by the layers per step
         self.sessions: dict[Hashable, SessionState] = {}
 
     # -- construction -------------------------------------------------------------
@@ -103,8 +109,8 @@ class Stage(SessionTable):
                 blocks.append(quantize_block(weights, layer, quant, dtype=dtype, device=device, gguf=gguf))
                 continue
             with torch.device("meta"):
-                block = Block(spec)
-            state = {k: v.to(device) for k, v in weights.block_state(layer, dtype).items()}
+                block = Block(spec, spec.layers[layer])
+            state = {k: v.to(device) for k, v in weights.layer_state(layer, dtype).items()}
             block.load_state_dict(state, assign=True, strict=True)
             blocks.append(block.requires_grad_(False))
         embedding = weights.embedding(dtype).to(device) if embed else None
@@ -117,12 +123,6 @@ class Stage(SessionTable):
             spec, start, blocks, embedding=embedding, norm=norm, head=head_weight, device=device, dtype=dtype,
             quant=quant,
         )
-
-    # -- sessions (SessionTable) ---------------------------------------------------
-
-    @property
-    def cache_spec(self) -> ModelSpec:
-        return self.spec
 
     # -- compute ------------------------------------------------------------------
 
@@ -137,16 +137,12 @@ class Stage(SessionTable):
         return self._run_solo(self._reserve(session, hidden, start_pos), hidden, start_pos)
 
     def _run_solo(self, state: SessionState, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
-        t = hidden.shape[0]
-        positions = torch.arange(start_pos, start_pos + t, device=self.device)
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        mask = attention_mask(start_pos, t, self.spec.sliding_window, self.device)
-        ctx = StepContext(start_pos, cos, sin, mask)
+        positions = torch.arange(start_pos, start_pos + hidden.shape[0], device=self.device)
+        ctx = StepContext(start_pos, self.rope.tables(positions, self.dtype), self.device)
         x = hidden.to(device=self.device, dtype=self.dtype)
-        cache = state.cache
+        stores = state.cache.layers
         for i in range(state.start - self.start, state.end - self.start):
-            j = i - (state.start - self.start)
-            x = self.blocks[i](x, ctx, cache.keys[j], cache.values[j])
+            x = self.blocks[i](x, ctx, stores[i - (state.start - self.start)])
         return x
 
     @torch.inference_mode()
@@ -201,18 +197,16 @@ class Stage(SessionTable):
         """Layers [start, end) over the stacked rows of reserved steps; each one's output rows."""
         segments, lo = [], 0
         for _, hidden, start_pos in steps:
-            t = hidden.shape[0]
-            segments.append(Segment(lo, lo + t, start_pos,
-                                    attention_mask(start_pos, t, self.spec.sliding_window, self.device)))
-            lo += t
+            segments.append(Segment(lo, lo + hidden.shape[0], start_pos))
+            lo += hidden.shape[0]
         positions = torch.cat([torch.arange(s.start, s.start + s.hi - s.lo, device=self.device) for s in segments])
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [R, 1, D], each row at its session's position
-        ctx = StepContext(segments[0].start, cos, sin, None, tuple(segments))
+        # RoPE tables [R, 1, D], each row at its session's position
+        ctx = StepContext(segments[0].start, self.rope.tables(positions, self.dtype), self.device, tuple(segments))
         x = torch.cat([hidden.to(device=self.device, dtype=self.dtype) for _, hidden, _ in steps])  # [R, H]
-        caches = [state.cache for state, _, _ in steps]
+        caches = [state.cache.layers for state, _, _ in steps]
         for i in range(start - self.start, end - self.start):
             j = i - (start - self.start)
-            x = self.blocks[i](x, ctx, [c.keys[j] for c in caches], [c.values[j] for c in caches])
+            x = self.blocks[i](x, ctx, [stores[j] for stores in caches])
         return [x[s.lo : s.hi] for s in segments]
 
     @torch.inference_mode()

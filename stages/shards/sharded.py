@@ -36,6 +36,13 @@ logits agree to well under 5e-4. n must divide the KV heads (and so the query
 heads), the hidden size and the MLP width: SmolLM2 (9 heads / 3 KV, hidden 576, MLP
 1536) runs as a group of 3.
 
+Families: any whose layers are all grouped-query attention with a dense SwiGLU — the Llama
+block and Qwen3 (its per-head q/k norms are local to the heads a rank owns; an output bias is
+added to the reduced slice it belongs to), sliding windows included. A sparse (MoE) layer is
+refused by `check_shardable`: its experts would be split by expert across ranks, with the
+router's picks exchanged, which this module does not do; a peer refuses `--shard` for such a
+model at start.
+
 `gather_full=True` builds a deliberately BROKEN variant, for the audit's tests only:
 before the MLP norm it all-gathers the residual, so every rank holds the full hidden
 state. Its output is still right; only the audit can tell.
@@ -50,16 +57,18 @@ from typing import Hashable
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
 
-from tessera.stages.shards.layout import HIDDEN
-from tessera.stages.shards.collectives import Collectives
-from tessera.stages.errors import ModelFormatError, SpanError, StageError
-from tessera.stages.layers.model import Rotary, StepContext, apply_rope, attention_mask, grouped_decode_attention
-from tessera.stages.families.spec import ModelSpec
 from tessera.stages.engine.sessions import SessionState, SessionTable
-from tessera.stages.weights.folder import WeightFolder, layer_tensor_names
-
+from tessera.stages.errors import SpanError, StageError
+from tessera.stages.families.catalog import tensors_of_layer
+from tessera.stages.families.spec import AttentionSpec, CacheSpec, ModelSpec
+from tessera.stages.layers.attention import StepContext, attend, rotate_heads
+from tessera.stages.layers.cache import KeyValues
+from tessera.stages.layers.norm import RMSNorm
+from tessera.stages.layers.rope import RopeTables
+from tessera.stages.shards.collectives import Collectives
+from tessera.stages.shards.layout import HIDDEN
+from tessera.stages.weights.folder import WeightFolder
 
 
 class ShardError(StageError):
@@ -70,13 +79,20 @@ def check_shardable(spec: ModelSpec, count: int, index: int = 0) -> None:
     """Raise ShardError unless `count` ranks can split `spec` (and `index` is one of them)."""
     if count < 1 or not 0 <= index < count:
         raise ShardError(f"shard {index!r} of {count!r}: need 0 <= index < count")
+    for i, layer in enumerate(spec.layers):
+        if layer.mlp.kind != "dense" or layer.attention.kind != "gqa":
+            kind = layer.mlp.kind if layer.mlp.kind != "dense" else layer.attention.kind
+            raise ShardError(f"tensor shards of {spec.family} are not supported: layer {i} is {kind!r}, and only "
+                             "grouped-query attention with a dense MLP is split across ranks (serve it as layer spans)")
     for name, value in (
-        ("key/value heads", spec.num_kv_heads),
+        ("key/value heads", spec.layers[0].attention.num_kv_heads),
         ("hidden size", spec.hidden_size),
-        ("MLP width", spec.intermediate_size),
+        ("MLP width", spec.layers[0].mlp.width),
     ):
         if value % count:
             raise ShardError(f"a group of {count} cannot split this model: its {name} ({value}) is not divisible by {count}")
+    if len({(l.attention.num_kv_heads, l.mlp.width) for l in spec.layers}) != 1:
+        raise ShardError(f"tensor shards of {spec.family} are not supported: its layers differ in heads or widths")
 
 
 @dataclass
@@ -90,9 +106,17 @@ class ShardLayer:
     mlp_norm: torch.Tensor  # [H/n]
     w_gate_up: torch.Tensor  # [2 I, H/n], rows rank-major: gate_s, up_s for s = 0..n-1
     w_down: torch.Tensor  # [H, I / n]
+    b_o: torch.Tensor | None = None  # [H/n], the output bias of this rank's hidden slice
+    q_norm: RMSNorm | None = None  # over each head's D: every rank holds all of it (D values)
+    k_norm: RMSNorm | None = None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in vars(self).values() if t is not None]
+        out = [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
+        return out + [n.weight for n in (self.q_norm, self.k_norm) if n is not None]
+
+    def to(self, device: torch.device | str) -> "ShardLayer":
+        moved = {k: v.to(device) if v is not None else None for k, v in vars(self).items()}
+        return ShardLayer(**moved)
 
 
 class ShardedStage(SessionTable):
@@ -124,11 +148,11 @@ class ShardedStage(SessionTable):
         self.gather_full = gather_full
         self.width = spec.hidden_size // count
         self.cols = (index * self.width, (index + 1) * self.width)  # this rank's hidden slice
-        # this rank's heads: its own attention shape, and its KV cache's
-        self.local_spec = replace(spec, num_heads=spec.num_heads // count, num_kv_heads=spec.num_kv_heads // count)
-        self.cache_spec = self.local_spec  # the KV cache holds this rank's KV heads only
-        self.rotary = Rotary(spec, self.device)
-        self.scale = 1.0 / math.sqrt(spec.head_dim)
+        # this rank's heads, per layer: its own attention shape, and its KV cache's
+        self.local: list[AttentionSpec] = [
+            replace(layer.attention, num_heads=layer.attention.num_heads // count,
+                    num_kv_heads=layer.attention.num_kv_heads // count) for layer in spec.layers]
+        self.rope = RopeTables(spec.layers[start : self.end], self.device)
         self.sessions: dict[Hashable, SessionState] = {}
 
     # -- construction -------------------------------------------------------------------
@@ -154,15 +178,17 @@ class ShardedStage(SessionTable):
         check_shardable(spec, count, index)
         if not 0 <= start < end <= spec.num_layers:
             raise SpanError(f"span [{start}, {end}) is outside the model's [0, {spec.num_layers})")
-        reader = _SliceReader(weights, dtype)
-        layers = [_load_layer(reader, spec, layer, index, count) for layer in range(start, end)]
-        layers = [ShardLayer(**{k: (v.to(device) if v is not None else None) for k, v in vars(l).items()}) for l in layers]
+        layers = [_load_layer(weights, dtype, layer, index, count).to(device) for layer in range(start, end)]
         return ShardedStage(spec, start, layers, index=index, count=count, device=device, dtype=dtype,
                             gather_full=gather_full)
 
     @property
     def weight_bytes(self) -> int:
         return sum(t.nbytes for layer in self.layers for t in layer.tensors())
+
+    def cache_specs(self, start: int, end: int) -> list[CacheSpec]:
+        """The KV cache holds this rank's KV heads only."""
+        return [self.local[i].cache for i in range(start, end)]
 
     # -- compute ------------------------------------------------------------------------
 
@@ -182,39 +208,42 @@ class ShardedStage(SessionTable):
             raise ShardError(f"collectives of rank {group.rank}/{group.count} given to shard {self.index}/{self.count}")
         state.cache.reserve(start_pos, t)
         positions = torch.arange(start_pos, start_pos + t, device=self.device)
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        ctx = StepContext(start_pos, cos, sin, attention_mask(start_pos, t, self.spec.sliding_window, self.device))
+        ctx = StepContext(start_pos, self.rope.tables(positions, self.dtype), self.device)
         x = hidden.to(device=self.device, dtype=self.dtype)
-        cache = state.cache
+        stores = state.cache.layers
         first = state.start - self.start
         for i in range(first, state.end - self.start):
             group.layer = self.start + i
-            x = self._layer(self.layers[i], x, ctx, cache.keys[i - first], cache.values[i - first], group)
+            x = self._layer(i, x, ctx, stores[i - first], group)
         return x
 
-    def _layer(
-        self, w: ShardLayer, x: torch.Tensor, ctx: StepContext, keys: torch.Tensor, values: torch.Tensor,
-        group: Collectives,
-    ) -> torch.Tensor:
+    def _layer(self, i: int, x: torch.Tensor, ctx: StepContext, store: KeyValues, group: Collectives) -> torch.Tensor:
+        w, local = self.layers[i], self.local[self.start + i]
         spec, t, h = self.spec, x.shape[0], self.spec.hidden_size
         group.held("residual_in", HIDDEN, self.cols, h, t)
         qkv = self._norm_project(x, w.attn_norm, w.w_qkv, group, "attn_norm", "qkv", "qkv")  # [T, (a + 2k) D]
         if w.b_qkv is not None:
             qkv = qkv + w.b_qkv
-        heads = self._attend(qkv, ctx, keys, values)  # [T, a D]
-        a = self.local_spec.num_heads * spec.head_dim
-        group.held("attn", "heads", (self.index * a, (self.index + 1) * a), spec.q_size, t)
-        x = x + group.reduce_scatter(F.linear(heads, w.w_o), op="o_proj", space=HIDDEN)  # [T, H/n]
+        # attention over this rank's heads: the same kernels as `tessera.stages.layers.attention.Attention`
+        cos, sin = ctx.rope(local)
+        qk, v = rotate_heads(qkv, local.num_heads, local.num_kv_heads, local.head_dim, cos, sin, w.q_norm, w.k_norm)
+        heads = attend(qk, v, local.num_heads, store, ctx.start, ctx.mask(ctx.start, t, local.window),
+                       1.0 / math.sqrt(local.head_dim))  # [T, a D]
+        a = local.q_size
+        group.held("attn", "heads", (self.index * a, (self.index + 1) * a), a * self.count, t)
+        out = group.reduce_scatter(F.linear(heads, w.w_o), op="o_proj", space=HIDDEN)  # [T, H/n]
+        x = x + (out if w.b_o is None else out + w.b_o)
         group.held("residual_mid", HIDDEN, self.cols, h, t)
         if self.gather_full:
             normed = self._broken_norm(x, w.mlp_norm, group)
             gate_up = group.reduce_scatter(F.linear(normed, w.w_gate_up), op="gate_up", space="mlp")
         else:
             gate_up = self._norm_project(x, w.mlp_norm, w.w_gate_up, group, "mlp_norm", "gate_up", "mlp")
-        i = spec.intermediate_size // self.count
-        gate, up = gate_up.split(i, dim=-1)  # [T, I/n] each
+        width = spec.layers[self.start + i].mlp.width
+        part = width // self.count
+        gate, up = gate_up.split(part, dim=-1)  # [T, I/n] each
         inner = F.silu(gate) * up
-        group.held("swiglu", "ffn", (self.index * i, (self.index + 1) * i), spec.intermediate_size, t)
+        group.held("swiglu", "ffn", (self.index * part, (self.index + 1) * part), width, t)
         x = x + group.reduce_scatter(F.linear(inner, w.w_down), op="down", space=HIDDEN)  # [T, H/n]
         group.held("residual_out", HIDDEN, self.cols, h, t)
         return x
@@ -243,89 +272,46 @@ class ShardedStage(SessionTable):
         scale = torch.rsqrt(full.float().square().mean(-1) + self.spec.rms_norm_eps)
         return (x * scale[:, None].to(x.dtype)) * weight
 
-    def _attend(self, qkv: torch.Tensor, ctx: StepContext, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Attention over this rank's heads; the same kernels as `tessera.stages.layers.model.Attention`."""
-        spec = self.local_spec
-        t = qkv.shape[0]
-        a, k, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        qk = apply_rope(qkv[:, : (a + k) * d].reshape(t, a + k, d), ctx.cos, ctx.sin)  # [T, a + k, D]
-        end = ctx.start + t
-        keys[:, ctx.start : end] = qk[:, a:].transpose(0, 1)  # cache [k, S, D]
-        values[:, ctx.start : end] = qkv[:, (a + k) * d :].reshape(t, k, d).transpose(0, 1)
-        if t == 1:
-            lo = 0 if spec.sliding_window is None else max(0, end - spec.sliding_window)
-            return grouped_decode_attention(qk[:, :a], keys[:, lo:end], values[:, lo:end], self.scale)
-        g = a // k
-        q = qk[None, :, :a].transpose(1, 2)  # [1, a, T, D]
-        return F.scaled_dot_product_attention(
-            q,
-            keys[None, :, :end].repeat_interleave(g, dim=1),  # [1, a, S, D]
-            values[None, :, :end].repeat_interleave(g, dim=1),
-            attn_mask=ctx.mask,
-            is_causal=ctx.mask is None,
-        )[0].transpose(0, 1).reshape(t, a * d)  # [T, a D]
-
-
 # -- loading only a rank's slices ------------------------------------------------------------
 
 
-class _SliceReader:
-    """Reads row/column ranges of named tensors straight from the safetensors files."""
-
-    def __init__(self, weights: WeightFolder, dtype: torch.dtype) -> None:
-        self.weights = weights
-        self.dtype = dtype
-
-    def read(self, name: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None,
-             cols: tuple[int, int] | None = None) -> torch.Tensor:
-        if not self.weights.has(name):
-            raise ModelFormatError(f"tensor {name!r} is missing from {str(self.weights.folder)!r}")
-        path = self.weights._where[name]  # the folder's own index (name -> file)
-        try:
-            with safe_open(path, framework="pt") as f:
-                sl = f.get_slice(name)
-                if tuple(sl.get_shape()) != shape:
-                    raise ModelFormatError(f"tensor {name!r} has shape {tuple(sl.get_shape())!r}, expected {shape!r}")
-                r0, r1 = rows if rows is not None else (0, shape[0])
-                if len(shape) == 1:
-                    tensor = sl[r0:r1]
-                else:
-                    c0, c1 = cols if cols is not None else (0, shape[1])
-                    tensor = sl[r0:r1, c0:c1]
-        except (SafetensorError, OSError) as bad:
-            raise ModelFormatError(f"cannot read {str(path)!r}: {bad}") from None
-        return tensor.to(self.dtype).contiguous()
-
-
-def _load_layer(reader: _SliceReader, spec: ModelSpec, layer: int, r: int, n: int) -> ShardLayer:
-    """Rank r's slices of one layer (module docstring): 1/n of every matrix."""
-    shapes = layer_tensor_names(spec, layer)
-    p = f"model.layers.{layer}."
-    d, hs, i = spec.head_dim, spec.hidden_size // n, spec.intermediate_size // n
-    qh, kh = spec.num_heads // n * d, spec.num_kv_heads // n * d  # rows of q (and of k, v) per rank
+def _load_layer(weights: WeightFolder, dtype: torch.dtype, layer: int, r: int, n: int) -> ShardLayer:
+    """Rank r's slices of one layer (module docstring): 1/n of every matrix; the per-head q/k norms
+    whole. The checkpoint's tensors are those the family maps (stages/families/tensors.py)."""
+    spec = weights.spec
+    at = spec.layers[layer].attention
+    d, hs, i = at.head_dim, spec.hidden_size // n, spec.layers[layer].mlp.width // n
+    qh, kh = at.num_heads // n * d, at.num_kv_heads // n * d  # rows of q (and of k, v) per rank
     cols = (r * hs, (r + 1) * hs)
+    tensors = tensors_of_layer(spec, layer)
 
-    def read(name: str, **where: tuple[int, int]) -> torch.Tensor:
-        return reader.read(p + name, shapes[p + name], **where)
+    def parts(name: str, **where: tuple[int, int]) -> list[torch.Tensor]:
+        """Each checkpoint tensor stacked into engine tensor `name`, sliced as `where` says."""
+        source = weights.choose(tensors[name])
+        return [weights.read_part(part, source.shapes[j], source.index, dtype, **where)
+                for j, part in enumerate(source.names)]
 
-    q, k, v = (read(f"self_attn.{x}_proj.weight", cols=cols) for x in "qkv")  # [rows, H/n]
+    q, k, v = parts("attn.wqkv.weight", cols=cols)  # [rows, H/n]
     w_qkv = torch.cat([part for s in range(n) for part in (q[s * qh : (s + 1) * qh], k[s * kh : (s + 1) * kh],
                                                             v[s * kh : (s + 1) * kh])])
     b_qkv = None
-    if spec.attention_bias:
-        b_qkv = torch.cat([
-            read("self_attn.q_proj.bias", rows=(r * qh, (r + 1) * qh)),
-            read("self_attn.k_proj.bias", rows=(r * kh, (r + 1) * kh)),
-            read("self_attn.v_proj.bias", rows=(r * kh, (r + 1) * kh)),
-        ])
-    gate, up = (read(f"mlp.{x}_proj.weight", cols=cols) for x in ("gate", "up"))  # [I, H/n]
+    if at.qkv_bias:
+        q_b, k_b, v_b = parts("attn.wqkv.bias")
+        b_qkv = torch.cat([q_b[r * qh : (r + 1) * qh], k_b[r * kh : (r + 1) * kh], v_b[r * kh : (r + 1) * kh]])
+    gate, up = parts("mlp.w_gate_up.weight", cols=cols)  # [I, H/n]
     w_gate_up = torch.cat([part for s in range(n) for part in (gate[s * i : (s + 1) * i], up[s * i : (s + 1) * i])])
+    norms = {}
+    for which in ("q_norm", "k_norm") if at.qk_norm else ():
+        norms[which] = RMSNorm(d, spec.rms_norm_eps).requires_grad_(False)
+        norms[which].weight.data = parts(f"attn.{which}.weight")[0]
     return ShardLayer(
-        attn_norm=read("input_layernorm.weight", rows=cols),
+        attn_norm=parts("attn_norm.weight", rows=cols)[0],
         w_qkv=w_qkv,
         b_qkv=b_qkv,
-        w_o=read("self_attn.o_proj.weight", cols=(r * qh, (r + 1) * qh)),
-        mlp_norm=read("post_attention_layernorm.weight", rows=cols),
+        w_o=parts("attn.wo.weight", cols=(r * qh, (r + 1) * qh))[0],
+        mlp_norm=parts("mlp_norm.weight", rows=cols)[0],
         w_gate_up=w_gate_up,
-        w_down=read("mlp.down_proj.weight", cols=(r * i, (r + 1) * i)),
+        w_down=parts("mlp.w_down.weight", cols=(r * i, (r + 1) * i))[0],
+        b_o=parts("attn.wo.bias", rows=cols)[0] if at.o_bias else None,
+        **norms,
     )

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
+from tessera.stages.families.catalog import spec_from_config, to_config
 from tessera.stages.families.spec import ModelSpec
 
 Progress = Callable[[int, int, str], None]
@@ -100,7 +101,7 @@ def spec_from_gguf(reader: Any) -> ModelSpec:
         "eos_token_id": eos,
         "hidden_act": "silu",
     }
-    return ModelSpec.from_config(config)
+    return spec_from_config(config)
 
 
 def gguf_tokenizer_files(reader: Any) -> dict[str, str]:
@@ -166,15 +167,16 @@ def convert_gguf(path: Path, out: Path, *, progress: Progress | None = None) -> 
             raise ModelFormatError(f"GGUF tensor {t.name!r} has no Hugging Face counterpart")
         weight = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         weight = weight.reshape([int(d) for d in reversed(t.shape)])
+        heads = spec.layers[0].attention  # a Llama-block model: every layer alike
         if permute and name.endswith("q_proj.weight"):
-            weight = unpermute_rope_rows(weight, spec.num_heads)
+            weight = unpermute_rope_rows(weight, heads.num_heads)
         elif permute and name.endswith("k_proj.weight"):
-            weight = unpermute_rope_rows(weight, spec.num_kv_heads)
+            weight = unpermute_rope_rows(weight, heads.num_kv_heads)
         state[name] = torch.from_numpy(np.require(weight, requirements=["C", "W"]))
         if progress:
             progress(n + 1, total, "dequantising")
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(spec.to_config(), indent=2))
+    (out / "config.json").write_text(json.dumps(to_config(spec), indent=2))
     written = ["config.json", "model.safetensors"]
     for fname, text in gguf_tokenizer_files(reader).items():
         (out / fname).write_text(text)

@@ -7,6 +7,8 @@ model reads those layers' bytes and nothing else. Every tensor's shape is checke
 against the `ModelSpec` before it is used, and — when the folder is given a `check` —
 its bytes, as stored, are handed to it before they are cast or used (a peer hashes
 its span against the model's manifest in that same read: peer/weights/verify.py).
+Which checkpoint tensors make each of the engine's is the family's mapping
+(stages/families/tensors.py); this module only reads.
 """
 
 from __future__ import annotations
@@ -19,37 +21,17 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tessera.stages.errors import ModelFormatError
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.catalog import spec_from_file, tensors_of_layer
+from tessera.stages.families.tensors import Choices, Stacked
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
-def layer_tensor_names(spec: ModelSpec, layer: int) -> dict[str, tuple[int, ...]]:
-    """Hugging Face names of one layer's tensors, with the shape each must have."""
-    h, i = spec.hidden_size, spec.intermediate_size
-    p = f"model.layers.{layer}."
-    names = {
-        p + "input_layernorm.weight": (h,),
-        p + "self_attn.q_proj.weight": (spec.q_size, h),
-        p + "self_attn.k_proj.weight": (spec.kv_size, h),
-        p + "self_attn.v_proj.weight": (spec.kv_size, h),
-        p + "self_attn.o_proj.weight": (h, spec.q_size),
-        p + "post_attention_layernorm.weight": (h,),
-        p + "mlp.gate_proj.weight": (i, h),
-        p + "mlp.up_proj.weight": (i, h),
-        p + "mlp.down_proj.weight": (h, i),
-    }
-    if spec.attention_bias:
-        names[p + "self_attn.q_proj.bias"] = (spec.q_size,)
-        names[p + "self_attn.k_proj.bias"] = (spec.kv_size,)
-        names[p + "self_attn.v_proj.bias"] = (spec.kv_size,)
-    return names
-
-
-# Called with each tensor as it is read (its name, and the tensor in its stored dtype);
-# raises to refuse it.
-TensorCheck = Callable[[str, torch.Tensor], None]
+# Called with each tensor as it is read: its name, and the whole tensor in its stored dtype —
+# or None when only part of it is read (a fused tensor's row, a rank's slices), for the check
+# to read the rest itself; raises to refuse it.
+TensorCheck = Callable[[str, torch.Tensor | None], None]
 
 
 class WeightFolder:
@@ -57,7 +39,7 @@ class WeightFolder:
 
     def __init__(self, folder: Path, *, check: TensorCheck | None = None) -> None:
         self.folder = Path(folder)
-        self.spec = ModelSpec.from_file(self.folder / "config.json")
+        self.spec = spec_from_file(self.folder / "config.json")
         self.check = check
         self._where = self._index()
 
@@ -113,38 +95,58 @@ class WeightFolder:
                 raise ModelFormatError(f"cannot read {str(path)!r}: {bad}") from None
         return out
 
-    def read_stacked(self, names: list[str], shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> torch.Tensor:
-        """Tensors concatenated along dim 0, read one at a time straight into one buffer
-        (so that loading never holds a piece and the stacked copy of a whole layer at once)."""
-        rows = sum(shapes[n][0] for n in names)
-        out = torch.empty((rows, *shapes[names[0]][1:]), dtype=dtype)
+    def choose(self, choices: Choices) -> Stacked:
+        """The first layout of an engine tensor that the folder holds completely (ModelFormatError
+        naming a missing tensor of the first layout when it holds none)."""
+        for source in choices:
+            if all(name in self._where for name in source.names):
+                return source
+        missing = next(n for n in choices[0].names if n not in self._where)
+        raise ModelFormatError(f"tensor {missing!r} is missing from {str(self.folder)!r}")
+
+    def read_stacked(self, source: Stacked, dtype: torch.dtype) -> torch.Tensor:
+        """The parts of `source` concatenated along dim 0, read one at a time straight into one
+        buffer (so that loading never holds a piece and the stacked copy of a whole layer at once);
+        of a fused tensor only row `source.index` is read. A tensor taken whole is as `read` gives it."""
+        if len(source.names) == 1 and source.index is None:
+            return self.read({source.names[0]: source.shapes[0]}, dtype)[source.names[0]]
+        out = torch.empty(source.shape, dtype=dtype)
         at = 0
-        for name in names:
-            piece = self.read({name: shapes[name]}, dtype)[name]
+        for i, name in enumerate(source.names):
+            piece = self.read_part(name, source.shapes[i], source.index, dtype)
             out[at : at + piece.shape[0]] = piece
             at += piece.shape[0]
             del piece
         return out
 
-    def block_state(self, layer: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """One layer's tensors under the engine's names (`tessera.stages.layers.model.Block`), q/k/v and gate/up stacked."""
-        spec = self.spec
-        p = f"model.layers.{layer}."
-        shapes = layer_tensor_names(spec, layer)
-        single = [p + "input_layernorm.weight", p + "self_attn.o_proj.weight",
-                  p + "post_attention_layernorm.weight", p + "mlp.down_proj.weight"]
-        t = self.read({n: shapes[n] for n in single}, dtype)
-        state = {
-            "attn_norm.weight": t[single[0]],
-            "attn.wqkv.weight": self.read_stacked([p + f"self_attn.{x}_proj.weight" for x in "qkv"], shapes, dtype),
-            "attn.wo.weight": t[single[1]],
-            "mlp_norm.weight": t[single[2]],
-            "mlp.w_gate_up.weight": self.read_stacked([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], shapes, dtype),
-            "mlp.w_down.weight": t[single[3]],
-        }
-        if spec.attention_bias:
-            state["attn.wqkv.bias"] = self.read_stacked([p + f"self_attn.{x}_proj.bias" for x in "qkv"], shapes, dtype)
-        return state
+    def read_part(self, name: str, shape: tuple[int, ...], index: int | None, dtype: torch.dtype,
+                  *, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor `name` (checked to have `shape`) — its row `index` when given — cast to `dtype`;
+        of that, only `rows` and `cols` ([lo, hi)) when given (a tensor-shard rank's slices)."""
+        if name not in self._where:
+            raise ModelFormatError(f"tensor {name!r} is missing from {str(self.folder)!r}")
+        path = self._where[name]
+        try:
+            with safe_open(path, framework="pt") as f:
+                sl = f.get_slice(name)
+                if tuple(sl.get_shape()) != shape:
+                    raise ModelFormatError(f"tensor {name!r} has shape {tuple(sl.get_shape())!r}, expected {shape!r}")
+                inner = shape[1:] if index is not None else shape
+                r0, r1 = rows if rows is not None else (0, inner[0])
+                window = [slice(r0, r1)] if len(inner) == 1 else [slice(r0, r1), slice(*(cols or (0, inner[1])))]
+                tensor = sl[tuple([index, *window] if index is not None else window)]
+        except (SafetensorError, OSError) as bad:
+            raise ModelFormatError(f"cannot read {str(path)!r}: {bad}") from None
+        if self.check is not None:
+            whole = index is None and rows is None and cols is None
+            self.check(name, tensor if whole else None)  # the bytes as stored; a part: the check reads the rest
+        return tensor.to(dtype).contiguous()
+
+    def layer_state(self, layer: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Every tensor of layer `layer` under the engine's names (`tessera.stages.layers.block.Block`),
+        q/k/v and gate/up stacked."""
+        return {name: self.read_stacked(self.choose(choices), dtype)
+                for name, choices in tensors_of_layer(self.spec, layer).items()}
 
     def embedding(self, dtype: torch.dtype) -> torch.Tensor:
         name = "model.embed_tokens.weight"

@@ -1,10 +1,11 @@
 """Check a whole model folder before it is registered: one clear error, and nothing half-made.
 
-`check_folder` reads only headers and small files: the config (through `ModelSpec`,
-which refuses settings the engine does not implement), the tokenizer and its chat
-template, and every weight file's tensor table — names, shapes and dtypes — against
-what the spec says the model holds. No tensor data is read, so checking a 70B folder
-costs what its headers cost.
+`check_folder` reads only headers and small files: the config (through its family's
+reader, which refuses settings the engine does not implement), the tokenizer and its
+chat template, and every weight file's tensor table — names, shapes and dtypes — against
+what the spec says the model holds (in any layout the family accepts: MoE experts one
+tensor each as published, or fused as transformers 5 can write them). No tensor data is
+read, so checking a 70B folder costs what its headers cost.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from safetensors import SafetensorError, safe_open
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
+from tessera.stages.families.catalog import tensors_of_layer
 from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.tensors import edge_tensors
 from tessera.stages.text.tokenizer import Tokenizer
-from tessera.stages.weights.folder import WeightFolder, layer_tensor_names
+from tessera.stages.weights.folder import WeightFolder
 
 # safetensors dtypes the engine casts from exactly; integer tensors would be quantised weights
 FLOAT_DTYPES = ("F32", "F16", "BF16")
@@ -26,14 +29,14 @@ FLOAT_DTYPES = ("F32", "F16", "BF16")
 RECOMPUTED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)
 
 
-def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every tensor name a folder for `spec` must hold, with its shape."""
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, spec.hidden_size)}
+def expected_tensors(spec: ModelSpec, held: set[str]) -> dict[str, tuple[int, ...]]:
+    """Every tensor name a folder for `spec` holding tensors `held` must hold, with its shape: of
+    each engine tensor's layouts, the first `held` has completely (else the first, to be missing)."""
+    shapes = dict(edge_tensors(spec))
     for layer in range(spec.num_layers):
-        shapes.update(layer_tensor_names(spec, layer))
-    shapes["model.norm.weight"] = (spec.hidden_size,)
-    if not spec.tie_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
+        for choices in tensors_of_layer(spec, layer).values():
+            source = next((c for c in choices if set(c.names) <= held), choices[0])
+            shapes.update(zip(source.names, source.shapes))
     return shapes
 
 
@@ -53,8 +56,8 @@ def tensor_table(weights: WeightFolder) -> dict[str, tuple[tuple[int, ...], str]
 
 def check_tensors(spec: ModelSpec, weights: WeightFolder) -> None:
     """Raise ModelFormatError for a missing, unexpected or misshapen tensor (UnsupportedModel for int weights)."""
-    expected = expected_tensors(spec)
     table = tensor_table(weights)
+    expected = expected_tensors(spec, set(table))
     listed_elsewhere = sorted(weights.names() - set(table))
     if listed_elsewhere:
         raise ModelFormatError(
@@ -70,7 +73,7 @@ def check_tensors(spec: ModelSpec, weights: WeightFolder) -> None:
     )
     if unexpected:
         raise UnsupportedModel(
-            f"tensor {unexpected[0]!r} is not part of a {spec.architecture} model as configured "
+            f"tensor {unexpected[0]!r} is not part of a {spec.family} model as configured "
             f"({len(unexpected)} unexpected in all)"
         )
     for name, shape in sorted(expected.items()):

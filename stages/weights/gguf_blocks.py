@@ -197,7 +197,8 @@ class GgufQ4Source:
             fields = q4_1_fields(raw)  # copies: the map is dropped below
             del raw
             if self.permute and name.endswith(("q_proj.weight", "k_proj.weight")):
-                heads = self.spec.num_heads if name.endswith("q_proj.weight") else self.spec.num_kv_heads
+                layer_heads = self.spec.layers[int(layer)].attention
+                heads = layer_heads.num_heads if name.endswith("q_proj.weight") else layer_heads.num_kv_heads
                 fields = tuple(np.ascontiguousarray(unpermute_rope_rows(f, heads)) for f in fields)
             if not requantizes_to_itself(*fields):
                 return None

@@ -1,7 +1,8 @@
 """Weight-only quantized linear layers: int8 per output channel, int4 group-wise.
 
-A quantized span keeps its norms (and q/k/v biases) in the stage's dtype and its four
-matrices per layer (wqkv, wo, w_gate_up, w_down) as integers plus scales; activations
+A quantized span keeps its norms, biases and routers in the stage's dtype and every
+matrix of a layer (wqkv, wo, w_gate_up, w_down; each expert's w_gate_up and w_down:
+`layers/block.py`'s `linear_paths`) as integers plus scales; activations
 stay in the stage's dtype. The matmuls are torch's own kernels, as gpt-fast's
 quantize.py uses them:
 
@@ -54,10 +55,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.stages.errors import StageError
-from tessera.stages.weights.gguf_blocks import Q4_1_BLOCK, GgufQ4Source
-from tessera.stages.layers.model import Block
+from tessera.stages.families.catalog import tensors_of_layer
 from tessera.stages.families.spec import ModelSpec
-from tessera.stages.weights.folder import WeightFolder, layer_tensor_names
+from tessera.stages.layers.block import Block, linear_paths
+from tessera.stages.weights.folder import WeightFolder
+from tessera.stages.weights.gguf_blocks import Q4_1_BLOCK, GgufQ4Source
 
 QUANT_KINDS = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -135,17 +137,23 @@ class Quant:
 NO_QUANT = Quant()
 
 
-def linear_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
-    """[rows, cols] of one block's four matrices, as tessera.stages.layers.model.Block stacks them."""
-    h, i = spec.hidden_size, spec.intermediate_size
-    return [(spec.q_size + 2 * spec.kv_size, h), (h, spec.q_size), (2 * i, h), (h, i)]
+def layer_bytes(spec: ModelSpec, itemsize: int, quant: Quant = NO_QUANT, *, layer: int | None = None) -> int:
+    """Bytes of decoder layer `layer` stored with `quant` (what placement counts per layer); with no
+    `layer`, of any layer of a model whose layers are all alike (ValueError otherwise)."""
+    if layer is None:
+        if not spec.uniform:
+            raise ValueError(f"the layers of this {spec.family} model differ: name the layer")
+        layer = 0
+    shape = spec.layers[layer]
+    matrices = shape.matrices(spec.hidden_size)
+    stored = sum(quant.linear_bytes(r, c, itemsize) for r, c in matrices)
+    rest = spec.layer_param_count(layer) - sum(r * c for r, c in matrices)  # norms, biases, routers
+    return stored + rest * itemsize
 
 
-def layer_bytes(spec: ModelSpec, itemsize: int, quant: Quant = NO_QUANT) -> int:
-    """Bytes of one decoder block stored with `quant` (what placement counts per layer)."""
-    matrices = sum(quant.linear_bytes(r, c, itemsize) for r, c in linear_shapes(spec))
-    dense = spec.layer_param_count() - sum(r * c for r, c in linear_shapes(spec))  # norms, biases
-    return matrices + dense * itemsize
+def span_bytes(spec: ModelSpec, start: int, end: int, itemsize: int, quant: Quant = NO_QUANT) -> int:
+    """Bytes of layers [start, end) stored with `quant`, each per its own shape."""
+    return sum(layer_bytes(spec, itemsize, quant, layer=i) for i in range(start, end))
 
 
 def model_tag(model_id: str, quant: Quant) -> str:
@@ -368,16 +376,6 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
     return ((codes - 8) * scales + zeros).reshape(rows, groups * g)
 
 
-# The block's four matrices: engine name -> the Hugging Face projections stacked into it, in order.
-BLOCK_LINEARS = {
-    "attn.wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "attn.wo": ("self_attn.o_proj",),
-    "mlp.w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.w_down": ("mlp.down_proj",),
-}
-BLOCK_NORMS = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight"}
-
-
 def takes_gguf_blocks(quant: Quant, device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether a span stored as `quant` on `device` for `dtype` can take a GGUF's Q4_1 blocks as they
     are (stages/weights/gguf_blocks.py): int4 in groups of 32, in the float32 CPU block layout."""
@@ -392,31 +390,34 @@ def quantize_block(weights: WeightFolder, layer: int, quant: Quant, *, dtype: to
     `takes_gguf_blocks`), a matrix whose blocks are Q4_1 there is taken as it is, with no float
     copy at all. Raises ModelFormatError, QuantError."""
     spec = weights.spec
-    shapes = layer_tensor_names(spec, layer)
-    prefix = f"model.layers.{layer}."
+    tensors = tensors_of_layer(spec, layer)
     with torch.device("meta"):
-        block = Block(spec)
+        block = Block(spec, spec.layers[layer])
     as_is = gguf if gguf is not None and takes_gguf_blocks(quant, device, dtype) else None
-    for path, parts in BLOCK_LINEARS.items():
-        names = [prefix + p + ".weight" for p in parts]
-        bias_names = [prefix + p + ".bias" for p in parts]
-        bias = weights.read_stacked(bias_names, shapes, torch.float32) if bias_names[0] in shapes else None
-        owner, name = path.split(".")
-        blocks = as_is.matrix(names, shapes) if as_is is not None else None
+    paths = linear_paths(block)
+    for path in paths:
+        source = weights.choose(tensors[path + ".weight"])
+        bias = weights.read_stacked(weights.choose(tensors[path + ".bias"]), torch.float32) \
+            if path + ".bias" in tensors else None
+        blocks = as_is.matrix(list(source.names), dict(zip(source.names, source.shapes))) \
+            if as_is is not None and source.index is None else None
         if blocks is not None:
             nibbles, scales, mins = blocks
             layer_module: nn.Module = Int4BlockLinear(nibbles, scales, mins, None if bias is None else bias.to(dtype))
         else:
-            weight = weights.read_stacked(names, shapes, torch.float32)
+            weight = weights.read_stacked(source, torch.float32)
             layer_module = quantize_linear(weight, bias, quant, dtype=dtype, device=device)
             del weight
-        setattr(getattr(block, owner), name, layer_module)
+        owner, _, name = path.rpartition(".")
+        setattr(block.get_submodule(owner), name, layer_module)
         del bias, blocks
-    norms = weights.read({prefix + hf: shapes[prefix + hf] for hf in BLOCK_NORMS.values()}, dtype)
+    # the rest (norms, a router) in the stage's dtype, each one tensor of the checkpoint
+    rest = {ours: weights.choose(choices) for ours, choices in tensors.items() if ours.rpartition(".")[0] not in paths}
+    read = weights.read({s.names[0]: s.shapes[0] for s in rest.values()}, dtype)
     # Copies, not views of the memory-mapped file: a view keeps the whole file mapped, and the page
     # cache maps a 2 KiB norm's neighbours in with it (large folios: 128 KiB to 4 MiB each), which
     # held a quantized span 23.6 MiB of float weights it does not use once the file had been read whole.
-    block.load_state_dict({ours: norms[prefix + hf].to(device, copy=True) for ours, hf in BLOCK_NORMS.items()},
+    block.load_state_dict({ours: read[s.names[0]].to(device, copy=True) for ours, s in rest.items()},
                           assign=True, strict=False)
     release_freed_memory()
     return block.requires_grad_(False)
@@ -442,12 +443,12 @@ def release_freed_memory() -> None:
 def dense_block(block: Block, spec: ModelSpec) -> Block:
     """A float32 copy of `block` whose matrices are the dequantized ones: the reference model."""
     with torch.device("meta"):
-        dense = Block(spec)
-    state = {name: t.detach().float().cpu() for name, t in block.state_dict().items() if name in
-             ("attn_norm.weight", "mlp_norm.weight")}
-    for path in BLOCK_LINEARS:
-        owner, name = path.split(".")
-        layer = getattr(getattr(block, owner), name)
+        dense = Block(spec, block.layer)
+    paths = linear_paths(dense)
+    state = {name: t.detach().float().cpu() for name, t in block.state_dict().items()
+             if name.rpartition(".")[0] not in paths}
+    for path in paths:
+        layer = block.get_submodule(path)
         state[path + ".weight"] = dense_weight(layer)
         if layer.bias is not None:
             state[path + ".bias"] = layer.bias.detach().float().cpu()

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from tessera.stages.families.catalog import model_tensors, to_config
+from tessera.stages.families.llama import llama_spec
 from tessera.stages.families.spec import ModelSpec
-from tessera.stages.weights.folder import layer_tensor_names
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
@@ -37,8 +38,9 @@ def synth_spec(
     tie_embeddings: bool = False,
     max_position: int = 4096,
 ) -> ModelSpec:
-    return ModelSpec(
-        architecture=architecture,
+    """A Llama-block shape (`architecture`: llama, mistral or qwen2)."""
+    return llama_spec(
+        family=architecture,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate,
@@ -47,27 +49,18 @@ def synth_spec(
         num_kv_heads=kv_heads,
         head_dim=hidden // heads,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
         max_position=max_position,
         tie_embeddings=tie_embeddings,
-        attention_bias=architecture == "qwen2",
-        sliding_window=None,
-        bos_token_id=None,
         eos_token_ids=(2,),
     )
 
 
 def synth_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
-    """Random weights for every tensor of `spec`, drawn in a fixed order from `seed`."""
+    """Random weights for every tensor of `spec` (any family, in its published layout), drawn in a
+    fixed order from `seed`."""
     gen = torch.Generator().manual_seed(seed)
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, spec.hidden_size)}
-    for layer in range(spec.num_layers):
-        shapes.update(layer_tensor_names(spec, layer))
-    shapes["model.norm.weight"] = (spec.hidden_size,)
-    if not spec.tie_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
     state = {}
-    for name, shape in shapes.items():
+    for name, shape in model_tensors(spec).items():
         if name.endswith("norm.weight"):
             state[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
         else:
@@ -96,7 +89,7 @@ def write_synth(spec: ModelSpec, out: Path, *, seed: int) -> list[str]:
         raise ValueError(f"vocab {spec.vocab_size!r} is too small for the byte tokenizer (need >= 259)")
     out.mkdir(parents=True, exist_ok=True)
     save_file(synth_state(spec, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps({**spec.to_config(), "tessera_synth_seed": seed}, indent=2))
+    (out / "config.json").write_text(json.dumps({**to_config(spec), "tessera_synth_seed": seed}, indent=2))
     (out / "tokenizer.json").write_text(byte_tokenizer_json(spec.vocab_size))
     config = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))

@@ -255,19 +255,19 @@ def test_bad_parameter_is_400(url, field, value, param):
 def test_bad_completion_prompt_is_400(url):
     for prompt in (None, 5, ["a", "b"], [1, "x"]):
         assert_error(post(url, "/v1/completions", {"prompt": prompt}), 400, param="prompt")
-    error = assert_error(post(url, "/v1/completions", {"prompt": [1, 10**9]}), 400, param="prompt")
+    error = assert_error(post(url, "/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}), 400, param="prompt")
     assert "vocabulary" in error["message"]
-    assert_error(post(url, "/v1/completions", {"prompt": ""}), 400, param="prompt")
+    assert_error(post(url, "/v1/completions", {"model": MODEL, "prompt": ""}), 400, param="prompt")
 
 
 def test_prompt_too_long_is_400(url):
     long_prompt = "hello " * 9000  # ~9000 tokens; the context is 8192
-    error = assert_error(post(url, "/v1/completions", {"prompt": long_prompt, "max_tokens": 4}), 400,
+    error = assert_error(post(url, "/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 4}), 400,
                          param="prompt", code="context_length_exceeded")
     assert "8192" in error["message"]
     chat = {**CHAT, "messages": chat_of(long_prompt)}
     assert_error(post(url, "/v1/chat/completions", chat), 400, param="messages", code="context_length_exceeded")
-    assert_error(post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 8192}), 400,
+    assert_error(post(url, "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 8192}), 400,
                  param="max_tokens", code="context_length_exceeded")
 
 

@@ -21,7 +21,7 @@ import torch
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.weights.folder_check import check_folder
 from tessera.stages.decoding.generate import LocalEngine
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.catalog import spec_from_config, spec_from_file
 from tessera.stages.engine.stage import Stage
 from tessera.stages.weights.synth import CHATML, byte_tokenizer_json
 
@@ -128,7 +128,7 @@ def until_eos(tokens: list[int]) -> list[int]:
 def test_matches_transformers(folders, name, form):
     folder = folders[(name, form)]
     spec = check_folder(folder)  # what `tessera model import` checks accepts it
-    assert spec == ModelSpec.from_file(folders[(name, FORMS[0])] / "config.json")  # both forms read alike
+    assert spec == spec_from_file(folders[(name, FORMS[0])] / "config.json")  # both forms read alike
     tokens, ref = reference_run(folder)
     ours = our_run(folder, tokens)
     worst = max(float((a - b).abs().max()) for a, b in zip(ref, ours))
@@ -180,14 +180,14 @@ def test_unsupported_settings_are_refused_by_name(folders, change, key):
     config = json.loads((folders[("llama", FORMS[0])] / "config.json").read_text())
     config.update(change)
     with pytest.raises(UnsupportedModel, match=key):
-        ModelSpec.from_config(config)
+        spec_from_config(config)
 
 
 def test_impossible_rope_values_are_refused(folders):
     config = json.loads((folders[("llama3-tied", FORMS[0])] / "config.json").read_text())
     config["rope_parameters"] = {**config["rope_parameters"], "factor": "eight"}
     with pytest.raises(ModelFormatError, match="factor"):
-        ModelSpec.from_config(config)
+        spec_from_config(config)
 
 
 def test_import_refuses_a_broken_folder_and_registers_nothing(folders, tmp_path, monkeypatch):
@@ -250,7 +250,7 @@ def test_import_refuses_a_broken_folder_and_registers_nothing(folders, tmp_path,
 )
 def test_rope_reading_agrees_with_transformers(rope):
     """What `read_rope` makes of a raw config dict is what transformers 5 standardises it to."""
-    from tessera.stages.families.spec import read_rope
+    from tessera.stages.families.config import read_rope
 
     raw = {"architectures": ["LlamaForCausalLM"], **SHAPE, **rope}
     theirs = dict(transformers.LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"}).rope_parameters)

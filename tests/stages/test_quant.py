@@ -33,12 +33,13 @@ from tessera.peer.node.config import capacity_in_layers
 from tessera.protocol.fingerprint import relative_difference, tolerance
 from tessera.stages.decoding.generate import pick_dtype, prompt_ids
 from tessera.stages.weights.quant import (
-    BLOCK_LINEARS, NO_QUANT, Int4BlockLinear, Int4Linear, Int8Linear, Quant, QuantError, base_model_id, dense_block, dense_weight, layer_bytes,
+    NO_QUANT, Int4BlockLinear, Int4Linear, Int8Linear, Quant, QuantError, base_model_id, dense_block, dense_weight, layer_bytes,
     model_tag, quantize_linear,
 )
-from tessera.stages.weights.folder import quant as quant_module
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.weights import quant as quant_module
+from tessera.stages.families.catalog import spec_from_file
 from tessera.stages.engine.stage import Stage
+from tessera.stages.layers.block import linear_paths
 
 from ..conftest import FRANCE
 from ..resident import ROOT
@@ -108,7 +109,7 @@ def test_kernel_multiplies_by_the_dequantized_weight(scheme):
 
 
 def test_placement_counts_quantized_bytes(smol_dir):
-    spec = ModelSpec.from_file(smol_dir / "config.json")
+    spec = spec_from_file(smol_dir / "config.json")
     f32 = layer_bytes(spec, 4)
     assert f32 == spec.layer_bytes(4)
     int8, int4 = layer_bytes(spec, 2, Quant("int8")), layer_bytes(spec, 2, Quant("int4"))
@@ -299,7 +300,7 @@ def test_quantized_span_resident_memory(smol_dir, smol_without_gguf, scheme, sou
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     grown, weights, kv, peak = map(int, done.stdout.split())
-    float_span = 15 * ModelSpec.from_file(smol_dir / "config.json").layer_bytes(4)
+    float_span = 15 * spec_from_file(smol_dir / "config.json").layer_bytes(4)
     print(f"{scheme} from the {source}: +{grown / 2**20:.1f} MiB held for {weights / 2**20:.1f} MiB of weights and "
           f"{kv / 2**20:.1f} MiB of KV cache (ratio {grown / (weights + kv):.3f}); peak +{peak / 2**20:.1f} MiB "
           f"(float32 span {float_span / 2**20:.0f} MiB)\n{done.stderr.strip()}")
@@ -320,20 +321,19 @@ def test_int4_span_takes_the_gguf_blocks_without_reading_a_float_matrix(smol_dir
     quantized = Stage.load(smol_without_gguf, start=0, end=3, quant=Quant("int4"))
     dense = Stage.load(smol_dir, start=0, end=3)
 
-    def no_float_matrices(self, names, shapes, dtype):
-        raise AssertionError(f"a float matrix was read: {names}")
+    def no_float_matrices(self, source, dtype):
+        raise AssertionError(f"a float matrix was read: {source.names}")
 
     monkeypatch.setattr(WeightFolder, "read_stacked", no_float_matrices)
     as_is = Stage.load(smol_dir, start=0, end=3, quant=Quant("int4"))
     monkeypatch.undo()
     for ours, theirs, floats in zip(as_is.blocks, quantized.blocks, dense.blocks):
-        for path in BLOCK_LINEARS:
-            owner, name = path.split(".")
-            layer = getattr(getattr(ours, owner), name)
+        for path in linear_paths(floats):
+            layer = ours.get_submodule(path)
             assert isinstance(layer, Int4BlockLinear)
             for buffer in ("weight", "scales", "mins"):
-                assert torch.equal(getattr(layer, buffer), getattr(getattr(getattr(theirs, owner), name), buffer)), path
-            assert torch.equal(dense_weight(layer), getattr(getattr(floats, owner), name).weight), path
+                assert torch.equal(getattr(layer, buffer), getattr(theirs.get_submodule(path), buffer)), path
+            assert torch.equal(dense_weight(layer), floats.get_submodule(path).weight), path
     # bf16 activations use torch's kernels, whose packing is not GGUF's: quantized from the folder
     with pytest.raises(AssertionError, match="a float matrix was read"):
         monkeypatch.setattr(WeightFolder, "read_stacked", no_float_matrices)
@@ -344,7 +344,7 @@ def test_gguf_blocks_served_as_is_only_when_they_requantize_to_themselves(tmp_pa
     from tessera.stages.errors import ModelFormatError
     from tessera.stages.weights.gguf_blocks import GgufQ4Source, read_gguf_directory, requantizes_to_itself
 
-    source = GgufQ4Source.beside(smol_dir, ModelSpec.from_file(smol_dir / "config.json"))
+    source = GgufQ4Source.beside(smol_dir, spec_from_file(smol_dir / "config.json"))
     v = "model.layers.0.self_attn.v_proj.weight"
     nibbles, d, m = source.matrix([v], {v: (192, 576)})
     assert nibbles.shape == (192, 18, 16) and d.shape == m.shape == (192, 18) and d.dtype == torch.float32

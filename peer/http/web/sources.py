@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING, Mapping
 
 from tessera.stages.families.spec import ModelSpec
-from tessera.stages.weights.quant import Quant, QuantError, layer_bytes
+from tessera.stages.weights.quant import Quant, QuantError, span_bytes
 from tessera.store.db import PeerStore
 from tessera.store.events import Advertise, Audit, Forward, Push, Receive, Result, Stamped, TraceEvent, EVENT_TYPES
 
@@ -42,13 +42,14 @@ RECENT_EVENTS = 50  # a peer's events a page shows
 
 def weights_estimate(spec: ModelSpec, p: PeerInfo) -> int:
     """Bytes the weights of `p`'s span take, from the model's shapes, its dtype and quantization
-    (a record says what a peer still offers, not what it uses); a tensor-shard rank holds 1/n."""
+    (a record says what a peer still offers, not what it uses), each layer at its own bytes (a
+    sparse layer holds all its experts); a tensor-shard rank holds 1/n."""
     try:
         quant = Quant.parse(quant_of(p.model_id))
     except QuantError:
         return 0
-    per_layer = layer_bytes(spec, ITEMSIZE.get(p.dtype, 4), quant)
-    return max(0, p.end - p.start) * per_layer // max(1, p.shard_count)
+    start, end = max(0, p.start), min(p.end, spec.num_layers)
+    return span_bytes(spec, start, max(start, end), ITEMSIZE.get(p.dtype, 4), quant) // max(1, p.shard_count)
 
 
 class GatewaySource:
