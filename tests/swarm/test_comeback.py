@@ -24,8 +24,10 @@ TOKENS = 32
 SPANS = [(0, 10), (10, 20), (20, 30)]
 MIDDLE = 1
 AWAY = 2.0  # seconds the killed peer stays down before it is started again
-STOPPED = 12.0  # seconds the stopped peer stays stopped: well past a step's deadline (5 s floor)
+# The stopped peer stays stopped this long past the step's deadline (derived from the speeds
+# the peers measured and advertise: chain.py step_timeout), so that the step surely times out.
 # Both are well inside the route wait (peer/base/backoff.py ROUTE_WAIT, 30 s) that follows the failure.
+STOPPED_PAST_DEADLINE = 6.0
 AFTER = 4  # tokens out before the middle peer goes
 
 
@@ -41,7 +43,7 @@ def expected(local_engine, smol_tokenizer):
 
 
 async def answer(peers, disturb) -> tuple[list[int], dict]:
-    """Generate through the swarm; after AFTER tokens, run `disturb(nursery)`."""
+    """Generate through the swarm; after AFTER tokens, run `disturb(nursery, session)`."""
     async with Swarm.join(peers.addrs[:1], spot_check=None) as swarm:
         await swarm.wait_for_route(30)
         ids = prompt_ids(swarm.tokenizer, PROMPT, raw=False)
@@ -53,7 +55,7 @@ async def answer(peers, disturb) -> tuple[list[int], dict]:
                 if len(tokens) == AFTER:
                     (session,) = swarm.active
                     assert [h.peer for h in session.current.hops][MIDDLE] in peers.addrs[MIDDLE]
-                    disturb(nursery)
+                    disturb(nursery, session)
         return tokens, info
 
 
@@ -62,7 +64,7 @@ def middle_peer_id(peers) -> str:
 
 
 async def test_the_sole_peer_killed_and_restarted_resumes_the_answer(peers, expected):
-    def kill_and_restart(nursery: trio.Nursery) -> None:
+    def kill_and_restart(nursery: trio.Nursery, session) -> None:
         peers.kill(MIDDLE)
 
         async def restart() -> None:
@@ -80,11 +82,12 @@ async def test_the_sole_peer_killed_and_restarted_resumes_the_answer(peers, expe
 async def test_the_sole_peer_stopped_and_resumed_resumes_the_answer(peers, expected):
     pid = peers.procs[MIDDLE].pid
 
-    def stop_and_resume(nursery: trio.Nursery) -> None:
+    def stop_and_resume(nursery: trio.Nursery, session) -> None:
+        stopped = session.current.step_timeout(1) + STOPPED_PAST_DEADLINE
         os.kill(pid, signal.SIGSTOP)
 
         async def resume() -> None:
-            await trio.sleep(STOPPED)
+            await trio.sleep(stopped)
             os.kill(pid, signal.SIGCONT)
 
         nursery.start_soon(resume)
