@@ -34,7 +34,7 @@ import trio
 
 from tessera.peer.cli.demo import LocalSwarm
 from tessera.peer.request.client import Swarm
-from tessera.stages import registry
+from tessera.stages.weights import registry
 from tessera.stages.decoding.generate import LocalEngine, prompt_ids
 
 SPANS = [(0, 15), (15, 30), (0, 30)]

@@ -118,7 +118,7 @@ def layer_time(spec: ModelSpec, tokens: int, *, threads: int, min_time: float) -
     cache.layers[0].keys.normal_()
     cache.layers[0].values.normal_()
     positions = torch.arange(HISTORY, HISTORY + tokens)
-    rope = (layer.attention.rope, layer.attention.head_dim)
+    rope = (layer.attention.rope, layer.attention.rope_dim)
     ctx = StepContext(HISTORY, {rope: Rotary(*rope).cos_sin(positions)}, torch.device("cpu"))
     x = torch.randn(tokens, spec.hidden_size)
 

@@ -10,7 +10,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from tessera.stages.families.shapes import SHAPES
 from tessera.stages.weights import registry
+
+from tessera.peer.cli.options import UsageError
+
+SYNTH_DTYPES = ("float32", "bfloat16", "float16")  # stages/weights/synth.py's, by name (no torch to print --help)
 
 
 def progress_printer(stream=sys.stderr):
@@ -56,20 +61,36 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_import)
 
     p = msub.add_parser(
-        "synth", help="write a seeded random-weight model of a given shape",
-        epilog="example: tessera model synth --hidden 2048 --layers 24 --heads 16 --kv-heads 8 "
+        "synth", help="write a seeded random-weight model: a published shape (--shape) or a Llama-block one",
+        description="Write a model folder with random weights drawn from --seed: a published model's shape "
+        "(--shape, its config as published; --layers keeps the first N layers, --experts N experts per "
+        "sparse layer) or a Llama-block shape from --hidden, --layers, --heads, --kv-heads and "
+        "--intermediate. Compute does not depend on the weights, so benches at real shapes measure what "
+        "the real model would. The folder has a byte-level tokenizer and is registered as any model is.",
+        epilog="examples: tessera model synth --shape qwen3-30b-a3b --layers 4 --seed 0 --out /tmp/qwen3-moe; "
+        "tessera model synth --shape gpt-oss-120b --layers 2 --experts 16 --vocab 32000 --dtype bfloat16 "
+        "--seed 0 --out /tmp/gpt-oss; tessera model synth --hidden 2048 --layers 24 --heads 16 --kv-heads 8 "
         "--intermediate 5632 --seed 0 --out /tmp/synth-1b",
     )
-    shape = (("--hidden", "the hidden size (model width)"), ("--layers", "decoder layers"),
+    p.add_argument("--shape", choices=sorted(SHAPES), metavar="NAME",
+                   help=f"a published model's shape: {', '.join(sorted(SHAPES))}")
+    p.add_argument("--layers", type=int, metavar="N", help="decoder layers: with --shape, keep the first N "
+                   "(default: all); otherwise required")
+    shape = (("--hidden", "the hidden size (model width)"),
              ("--heads", "attention (query) heads; --hidden must divide by it"),
              ("--kv-heads", "key/value heads (grouped-query attention); --heads must divide by it"),
              ("--intermediate", "the MLP's inner width"))
     for flag, what in shape:
-        p.add_argument(flag, type=int, required=True, metavar="N", help=what)
-    p.add_argument("--vocab", type=int, default=32000, metavar="N", help="vocabulary size (default 32000)")
-    p.add_argument("--seed", type=int, required=True, help="the random weights' seed: one seed, one model id")
+        p.add_argument(flag, type=int, metavar="N", help=f"{what}: of a Llama-block shape (required without --shape)")
+    p.add_argument("--experts", type=int, metavar="N", help="with --shape: keep N experts per sparse layer (each "
+                   "token still picks as many as the model does, at most N); default: all")
+    p.add_argument("--vocab", type=int, metavar="N",
+                   help="vocabulary size (default: the shape's, or 32000; at least 259)")
     p.add_argument("--arch", choices=("llama", "mistral", "qwen2"), default="llama",
-                   help="the family its config.json names (default llama)")
+                   help="the family a Llama-block shape's config.json names (default llama)")
+    p.add_argument("--dtype", choices=SYNTH_DTYPES, default="float32",
+                   help="how the weights are stored (default float32; peers compute in their own dtype)")
+    p.add_argument("--seed", type=int, required=True, help="the random weights' seed: one seed, one model id")
     p.add_argument("--out", type=Path, required=True, metavar="DIR", help="the model folder to write")
     p.set_defaults(handler=_synth)
 
@@ -94,12 +115,30 @@ def _import(args: argparse.Namespace) -> None:
 
 
 def _synth(args: argparse.Namespace) -> None:
-    from tessera.peer.cli.model_files import synthesise
+    from tessera.peer.cli.model_files import synthesise, synthesise_shape
 
-    out = synthesise(
-        args.out, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-        intermediate=args.intermediate, vocab=args.vocab, seed=args.seed, architecture=args.arch,
-    )
+    dims = {"--hidden": args.hidden, "--heads": args.heads, "--kv-heads": args.kv_heads,
+            "--intermediate": args.intermediate}
+    try:
+        if args.shape is not None:
+            given = [flag for flag, value in dims.items() if value is not None]
+            if given:
+                raise UsageError(f"{given[0]} is for a Llama-block shape, not with --shape")
+            out = synthesise_shape(args.out, args.shape, layers=args.layers, experts=args.experts, vocab=args.vocab,
+                                   seed=args.seed, dtype=args.dtype)
+        else:
+            missing = [flag for flag, value in {**dims, "--layers": args.layers}.items() if value is None]
+            if missing:
+                raise UsageError(f"give --shape, or {missing[0]} (and every Llama-block size)")
+            if args.experts is not None:
+                raise UsageError("--experts is for a --shape with sparse layers")
+            out = synthesise(
+                args.out, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                intermediate=args.intermediate, vocab=args.vocab or 32000, seed=args.seed, architecture=args.arch,
+                dtype=args.dtype,
+            )
+    except ValueError as bad:  # a vocabulary the byte tokenizer cannot take
+        raise UsageError(str(bad)) from None
     print(out)
 
 

@@ -31,7 +31,8 @@ from tessera.stages.weights.convert import convert_gguf
 from tessera.stages.errors import ModelFormatError, StageError
 from tessera.stages.weights.folder_check import check_folder
 from tessera.stages.families.catalog import BY_ARCHITECTURE, spec_from_file
-from tessera.stages.weights.synth import synth_spec, write_synth
+from tessera.stages.families.shapes import shape_spec
+from tessera.stages.weights.synth import SYNTH_DTYPES, synth_ids, synth_spec, write_synth
 
 Progress = Callable[[int, int, str], None]
 SOURCE_GGUF = "source.gguf"
@@ -235,13 +236,28 @@ def synthesise(
     vocab: int,
     seed: int,
     architecture: str = "llama",
+    dtype: str = "float32",
 ) -> Path:
-    """Write a seeded random-weight model folder (with a manifest) at `out`."""
+    """Write a seeded random-weight model folder (with a manifest) at `out`, its weights stored as
+    `dtype` (a name of `SYNTH_DTYPES`)."""
     spec = synth_spec(
         hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
         vocab=vocab, architecture=architecture,
     )
     out = Path(out)
-    write_synth(spec, out, seed=seed)
+    write_synth(spec, out, seed=seed, dtype=SYNTH_DTYPES[dtype])
     registry.write_manifest(out, source={"synth_seed": seed})
+    return out
+
+
+def synthesise_shape(out: Path, shape: str, *, seed: int, layers: int | None = None, experts: int | None = None,
+                     vocab: int | None = None, dtype: str = "float32") -> Path:
+    """Write a seeded random-weight model of published shape `shape` (stages/families/shapes.py), trimmed
+    to `layers`, `experts` and `vocab`, with the byte tokenizer's special ids, and its manifest. Raises
+    UnsupportedModel for a shape whose family the engine does not run, ModelFormatError for a trim it cannot
+    take, ValueError for a vocabulary too small for the byte tokenizer."""
+    spec = synth_ids(shape_spec(shape, layers=layers, experts=experts, vocab=vocab))
+    out = Path(out)
+    write_synth(spec, out, seed=seed, dtype=SYNTH_DTYPES[dtype])
+    registry.write_manifest(out, source={"synth_seed": seed, "synth_shape": shape})
     return out

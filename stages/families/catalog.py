@@ -7,7 +7,8 @@ class), else its `model_type`; its reader turns the config into a `ModelSpec`
 Adding a family on existing operators is a reader and a line here: a module with
 `read(ConfigReader) -> ModelSpec` (expanding the config into its LayerSpecs) and
 `to_config(ModelSpec) -> dict` (what synth writes; `read(to_config(spec)) == spec` is
-tested for every family), and an `ExpertNames` if its experts are named otherwise.
+tested for every family), and an `ExpertNames` if its experts are named otherwise (or, for
+tensors laid out otherwise, its own `tensors` mapping: gpt-oss's).
 A family needing a new operator first gets the operator's kind (families/spec.py).
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
-from tessera.stages.families import llama, mixtral, qwen3
+from tessera.stages.families import deepseek, glm, gpt_oss, llama, mixtral, qwen3
 from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.spec import ModelSpec
 from tessera.stages.families.tensors import (
@@ -30,13 +31,14 @@ from tessera.stages.families.tensors import (
 @dataclass(frozen=True)
 class Family:
     """One `model_type`: its architecture name, how its config is read and written, and how
-    its checkpoints name experts."""
+    its checkpoints name experts (or, with `tensors`, name every tensor of a layer)."""
 
     name: str
     architecture: str
     read: Callable[[ConfigReader], ModelSpec]
     to_config: Callable[[ModelSpec], dict[str, Any]]
     experts: ExpertNames = QWEN_EXPERTS
+    tensors: Callable[[ModelSpec, int], dict[str, Choices]] | None = None
 
 
 FAMILIES = {f.name: f for f in (
@@ -46,6 +48,10 @@ FAMILIES = {f.name: f for f in (
     Family("qwen3", qwen3.ARCHITECTURES["qwen3"], qwen3.read_qwen3, qwen3.to_config),
     Family("qwen3_moe", qwen3.ARCHITECTURES["qwen3_moe"], qwen3.read_qwen3_moe, qwen3.to_config),
     Family("mixtral", mixtral.ARCHITECTURES["mixtral"], mixtral.read, mixtral.to_config, MIXTRAL_EXPERTS),
+    Family("deepseek_v3", deepseek.ARCHITECTURES["deepseek_v3"], deepseek.read, deepseek.to_config),
+    Family("glm4_moe", glm.ARCHITECTURES["glm4_moe"], glm.read, glm.to_config),
+    Family("gpt_oss", gpt_oss.ARCHITECTURES["gpt_oss"], gpt_oss.read, gpt_oss.to_config,
+           tensors=gpt_oss.layer_tensors),
 )}
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES.values()}
 
@@ -96,7 +102,8 @@ def to_config(spec: ModelSpec) -> dict[str, Any]:
 
 def tensors_of_layer(spec: ModelSpec, layer: int) -> dict[str, Choices]:
     """Engine name -> checkpoint layouts for every tensor of layer `layer` (families/tensors.py)."""
-    return layer_tensors(spec, layer, FAMILIES[spec.family].experts)
+    family = FAMILIES[spec.family]
+    return family.tensors(spec, layer) if family.tensors else layer_tensors(spec, layer, family.experts)
 
 
 def model_tensors(spec: ModelSpec) -> dict[str, Shape]:

@@ -39,12 +39,21 @@ IGNORED_KEYS = frozenset({
 })
 
 _REQUIRED = object()
+# The largest count or size a config may give: no model comes near it, and a larger one would
+# overflow the sizes torch takes (a config saying hidden_size 1e308 is refused here, not there).
+MAX_CONFIG_INT = 2**31 - 1
 
 # RoPE types we compute, each with the parameters it needs (transformers' modeling_rope_utils names)
 ROPE_PARAMETERS: dict[str, frozenset[str]] = {
     "default": frozenset(),
     "linear": frozenset({"factor"}),
     "llama3": frozenset({"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}),
+    "yarn": frozenset({"factor", "original_max_position_embeddings"}),
+}
+# ... and those it may leave out (transformers' defaults apply: layers/rope.py). YaRN's
+# `mscale`/`mscale_all_dim` also set DeepSeek's softmax scale (layers/mla.py).
+ROPE_OPTIONAL: dict[str, frozenset[str]] = {
+    "yarn": frozenset({"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"}),
 }
 # keys of a RoPE block that name the type and base rather than parameters of the type
 ROPE_NAMING_KEYS = ("rope_type", "type", "rope_theta")
@@ -82,7 +91,8 @@ class ConfigReader:
         value = self.value(key, default)
         if value is default and default is not _REQUIRED:
             return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < minimum:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or value != int(value) or not minimum <= value <= MAX_CONFIG_INT:
             raise ModelFormatError(f"config field {key} has an impossible value {value!r}")
         return int(value)
 
@@ -127,9 +137,31 @@ class ConfigReader:
     def rope(self, *, default_theta: float = DEFAULT_ROPE_THETA) -> RopeSpec:
         """The RoPE block, whichever form it came in (see `read_rope`); `default_theta`: the
         family's base when the config names none (transformers' `default_theta`)."""
-        self.read.update({"rope_scaling", "rope_parameters", "rope_theta", "original_max_position_embeddings"})
         self.expect("partial_rotary_factor", (1, 1.0), default=1.0)
-        theta, scaling = read_rope(self.config, default_theta=default_theta)
+        return self._rope_of(self.config, default_theta)
+
+    def partial_rope(self, *, default_fraction: float, default_theta: float = DEFAULT_ROPE_THETA
+                     ) -> tuple[RopeSpec, float]:
+        """The RoPE block (as `rope`) and the fraction of each head it turns: the block's
+        `partial_rotary_factor`, else the top-level key, else `default_fraction` (the family's, as
+        transformers 5 resolves it). ModelFormatError unless 0 < fraction <= 1."""
+        self.read.add("partial_rotary_factor")
+        where = "rope_scaling" if self.config.get("rope_scaling") else "rope_parameters"
+        whole = {k: v for k, v in self.config.items() if k != "partial_rotary_factor"}
+        block, fraction = self.config.get(where), None
+        if isinstance(block, dict) and block.get("partial_rotary_factor") is not None:
+            fraction = block["partial_rotary_factor"]
+            whole[where] = {k: v for k, v in block.items() if k != "partial_rotary_factor"}
+        if fraction is None:
+            fraction = self.config.get("partial_rotary_factor")
+        fraction = default_fraction if fraction is None else fraction
+        if not _positive(fraction) or fraction > 1:
+            raise ModelFormatError(f"config field partial_rotary_factor has an impossible value {fraction!r}")
+        return self._rope_of(whole, default_theta), float(fraction)
+
+    def _rope_of(self, config: dict[str, Any], default_theta: float) -> RopeSpec:
+        self.read.update({"rope_scaling", "rope_parameters", "rope_theta", "original_max_position_embeddings"})
+        theta, scaling = read_rope(config, default_theta=default_theta)
         if scaling is None:
             return RopeSpec("default", theta)
         params = tuple(sorted((k, v) for k, v in scaling.items() if k != "rope_type"))
@@ -153,8 +185,9 @@ def read_rope(config: dict[str, Any], *, default_theta: float = DEFAULT_ROPE_THE
     Follows transformers 5 (`RotaryEmbeddingConfigMixin.convert_rope_params_to_dict`):
     the block is `rope_scaling` when that is set, else `rope_parameters`; the base is
     the block's `rope_theta`, else the top-level `rope_theta`, else `default_theta`; the type is
-    `rope_type` (or the older `type`), else "default"; llama3's
-    `original_max_position_embeddings` falls back to the top-level keys.
+    `rope_type` (or the older `type`), else "default"; llama3's and yarn's
+    `original_max_position_embeddings` falls back to the top-level keys. A parameter set to
+    null counts as absent.
     Raises UnsupportedModel for a RoPE type or parameter the engine does not compute,
     ModelFormatError for a missing or impossible value.
     """
@@ -172,22 +205,33 @@ def read_rope(config: dict[str, Any], *, default_theta: float = DEFAULT_ROPE_THE
             f"config {where}.rope_type {kind!r} is not supported (tessera computes {sorted(ROPE_PARAMETERS)})"
         )
     theta = block.get("rope_theta", config.get("rope_theta", default_theta))
-    params = {k: v for k, v in block.items() if k not in ROPE_NAMING_KEYS}
+    params = {k: v for k, v in block.items() if k not in ROPE_NAMING_KEYS and v is not None}
+    if kind == "yarn" and "truncate" in block and block["truncate"] is None:
+        params["truncate"] = False  # transformers tests `if truncate:`, so null does not truncate
     if params.get("partial_rotary_factor", 1.0) not in (1, 1.0):
         raise UnsupportedModel(f"config {where}.partial_rotary_factor {params['partial_rotary_factor']!r} is not supported (only 1.0)")
     params.pop("partial_rotary_factor", None)
-    if kind == "llama3" and "original_max_position_embeddings" not in params:
+    if kind in ("llama3", "yarn") and "original_max_position_embeddings" not in params:
         params["original_max_position_embeddings"] = config.get(
             "original_max_position_embeddings", config.get("max_position_embeddings")
         )
-    unknown = sorted(set(params) - ROPE_PARAMETERS[kind])
+    optional = ROPE_OPTIONAL.get(kind, frozenset())
+    unknown = sorted(set(params) - ROPE_PARAMETERS[kind] - optional)
     if unknown:
         raise UnsupportedModel(
             f"config {where}.{unknown[0]} {params[unknown[0]]!r} is not supported with rope_type {kind!r}"
         )
     for key in ("rope_theta", *sorted(ROPE_PARAMETERS[kind])):
         value = theta if key == "rope_theta" else params.get(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        if not _positive(value):
+            raise ModelFormatError(f"config {where}.{key} has an impossible value {value!r}")
+    for key in sorted(optional & set(params)):
+        value = params[key]
+        if key == "truncate":
+            fine = isinstance(value, bool)
+        else:  # attention_factor > 0; a beta or an mscale >= 0 (0: the default, as transformers reads it)
+            fine = _positive(value) or (key != "attention_factor" and not isinstance(value, bool) and value == 0)
+        if not fine:
             raise ModelFormatError(f"config {where}.{key} has an impossible value {value!r}")
     if kind == "llama3" and params["high_freq_factor"] <= params["low_freq_factor"]:
         raise ModelFormatError(
@@ -196,3 +240,8 @@ def read_rope(config: dict[str, Any], *, default_theta: float = DEFAULT_ROPE_THE
         )
     scaling = None if kind == "default" else {"rope_type": kind, **{k: params[k] for k in sorted(params)}}
     return float(theta), scaling
+
+
+def _positive(value: Any) -> bool:
+    """A finite number > 0 (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0

@@ -9,6 +9,7 @@ its own cache, so every session keeps its own length and position pointer.
 Float32 reference semantics (what `transformers` computes): q, k, v = x Wqkv (+ bias); with
 `qk_norm`, an RMSNorm over each head's D of q and of k; RoPE on q and k; softmax(q kᵀ / √D
 + causal mask, limited to the last `window` positions for a sliding layer) v; then Wo (+ bias).
+With `sinks` (gpt-oss), each head's learned sink logit joins the softmax's denominator.
 Prefill and multi-token steps use the same SDPA kernel as the reference, so logits agree
 closely; a one-token step uses a grouped bmm that never repeats K/V.
 
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.stages.families.spec import AttentionSpec
+from tessera.stages.families.spec import AttentionSpec, MlaSpec
 from tessera.stages.layers.cache import KeyValues
 from tessera.stages.layers.norm import RMSNorm
 from tessera.stages.layers.rope import RopeKey, apply_rope
@@ -56,7 +57,7 @@ class StepContext:
 
     start:    position of the step's first token (a solo step; a stacked step's are in
               `segments`).
-    tables:   RoPE cos/sin [rows, 1, D] per (RopeSpec, head_dim), each row at its own position.
+    tables:   RoPE cos/sin [rows, 1, D] per (RopeSpec, dims turned), each row at its own position.
     segments: a stacked step's sessions, in row order; empty for one session's step.
     """
 
@@ -66,8 +67,8 @@ class StepContext:
     segments: tuple[Segment, ...] = ()
     _masks: dict[tuple[int, int, int | None], torch.Tensor | None] = field(default_factory=dict)
 
-    def rope(self, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.tables[(spec.rope, spec.head_dim)]
+    def rope(self, spec: AttentionSpec | MlaSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tables[(spec.rope, spec.rope_dim)]
 
     def mask(self, start: int, n_tokens: int, window: int | None) -> torch.Tensor | None:
         """`attention_mask` for these rows, built once per step for all layers alike."""
@@ -110,14 +111,17 @@ def rotate_heads(
 
 def attend(
     qk: torch.Tensor, v: torch.Tensor, num_heads: int, store: KeyValues, start: int, mask: torch.Tensor | None,
-    scale: float,
+    scale: float, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One session's rows: write k, v at [start, start + T) of its store, then attend.
-    qk [T, A + K, D] (rotated), v [T, K, D]; `mask` as `attention_mask`. Returns [T, A D]."""
+    qk [T, A + K, D] (rotated), v [T, K, D]; `mask` as `attention_mask`; `sinks` [A]: each head's
+    sink logit (AttentionSpec.sinks), or None. Returns [T, A D]."""
     t, a, d = qk.shape[0], num_heads, qk.shape[2]
     keys, values, _ = store.write_and_read(qk[:, a:], v, start)  # [K, S, D]
     if t == 1:
-        return grouped_decode_attention(qk[:, :a], keys, values, scale)
+        return grouped_decode_attention(qk[:, :a], keys, values, scale, sinks)
+    if sinks is not None:
+        return sink_attention(qk[:, :a], keys, values, mask, scale, sinks)
     # prefill and multi-token steps: the same kernel the reference uses, so logits agree closely
     g = a // keys.shape[0]
     q = qk[None, :, :a].transpose(1, 2)  # [1, A, T, D]
@@ -131,18 +135,45 @@ def attend(
 
 
 def grouped_decode_attention(
-    q_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+    q_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query position, grouped-query attention without repeating K/V.
 
     q_rows [1, A, D]; keys, values [K, S, D]. The G = A / K query heads that share a
-    KV head are stacked as rows, so one bmm per KV head does the work. Returns [1, A D].
+    KV head are stacked as rows, so one bmm per KV head does the work. With `sinks` [A],
+    each head's sink logit joins its softmax as one more column, then is dropped (it has
+    no value). Returns [1, A D].
     """
-    k, _, d = keys.shape
+    k, s, d = keys.shape
     a = q_rows.shape[1]
     q = q_rows.reshape(k, a // k, d)  # [K, G, D] (heads h = kv * G + g)
     scores = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)  # [K, G, S]
-    return torch.bmm(scores.softmax(-1), values).reshape(1, a * d)  # [1, A D]
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:
+        probs = torch.cat((scores, sinks.to(scores.dtype).view(k, a // k, 1)), -1).softmax(-1)[..., :s]
+    return torch.bmm(probs, values).reshape(1, a * d)  # [1, A D]
+
+
+def sink_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """Attention with a sink logit per head (gpt-oss), for a step of T > 1 rows: the reference's
+    eager form (transformers runs gpt-oss only so), softmax(cat(q kᵀ scale masked, sink)) without
+    the sink's column, times v. q [T, A, D]; keys, values [K, S, D], the S = start + T positions
+    up to the step's last; `mask` as `attention_mask` (None: plain causal). Returns [T, A D]."""
+    t, a, d = q.shape
+    s = keys.shape[1]
+    g = a // keys.shape[0]
+    scores = torch.matmul(q.transpose(0, 1), keys.repeat_interleave(g, dim=0).transpose(1, 2)).mul_(scale)  # [A, T, S]
+    allowed = mask if mask is not None else torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    sink = sinks.to(scores.dtype).view(a, 1, 1).expand(a, t, 1)
+    probs = torch.cat((scores, sink), -1).softmax(-1)[..., :s]  # [A, T, S]
+    out = torch.matmul(probs, values.repeat_interleave(g, dim=0))  # [A, T, D]
+    return out.transpose(0, 1).reshape(t, a * d)
 
 
 class Attention(nn.Module):
@@ -158,6 +189,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(spec.q_size, hidden, bias=spec.o_bias)
         self.q_norm = RMSNorm(spec.head_dim, eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, eps) if spec.qk_norm else None
+        # each head's sink logit (gpt-oss), engine name `attn.sinks`
+        self.sinks = nn.Parameter(torch.empty(spec.num_heads)) if spec.sinks else None
         self.scale = 1.0 / math.sqrt(spec.head_dim)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: LayerCache) -> torch.Tensor:
@@ -170,12 +203,12 @@ class Attention(nn.Module):
         if not ctx.segments:
             assert isinstance(cache, KeyValues), "one session: one store"
             mask = ctx.mask(ctx.start, x.shape[0], spec.window)
-            out = attend(qk, v, spec.num_heads, cache, ctx.start, mask, self.scale)
+            out = attend(qk, v, spec.num_heads, cache, ctx.start, mask, self.scale, self.sinks)
         else:
             assert not isinstance(cache, KeyValues) and len(cache) == len(ctx.segments), "one store per segment"
             out = torch.cat([  # [T, A D], each session over its own cache
                 attend(qk[s.lo : s.hi], v[s.lo : s.hi], spec.num_heads, store, s.start,
-                       ctx.mask(s.start, s.hi - s.lo, spec.window), self.scale)
+                       ctx.mask(s.start, s.hi - s.lo, spec.window), self.scale, self.sinks)
                 for s, store in zip(ctx.segments, cache)
             ])
         return self.wo.forward(out)

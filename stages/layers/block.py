@@ -10,21 +10,23 @@ copy of this file.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from tessera.stages.errors import UnsupportedModel
-from tessera.stages.families.spec import AttentionSpec, LayerSpec, MlpSpec, ModelSpec
+from tessera.stages.families.spec import LayerSpec, MlpSpec, ModelSpec
 from tessera.stages.layers.attention import Attention, LayerCache, StepContext
-from tessera.stages.layers.mlp import SwiGLU
+from tessera.stages.layers.mla import LatentAttention, LatentCache
+from tessera.stages.layers.mlp import glu_mlp
 from tessera.stages.layers.moe import MoE
 from tessera.stages.layers.norm import RMSNorm
 
-ATTENTIONS: dict[str, Callable[[int, AttentionSpec, float], nn.Module]] = {"gqa": Attention}
+# kind -> constructor(hidden, its kind's spec: AttentionSpec or MlaSpec, rms_norm_eps)
+ATTENTIONS: dict[str, Callable[[int, Any, float], nn.Module]] = {"gqa": Attention, "mla": LatentAttention}
 MLPS: dict[str, Callable[[int, MlpSpec], nn.Module]] = {
-    "dense": lambda hidden, spec: SwiGLU(hidden, spec.width),
+    "dense": glu_mlp,
     "moe": MoE,
 }
 
@@ -45,7 +47,7 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(h, eps)
         self.mlp = MLPS[layer.mlp.kind](h, layer.mlp)
 
-    def forward(self, x: torch.Tensor, ctx: StepContext, cache: LayerCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StepContext, cache: LayerCache | LatentCache) -> torch.Tensor:
         # `.forward` directly: nn.Module.__call__'s hook machinery costs more than the
         # small ops of a one-token step (no hooks are ever registered on these modules)
         x = x + self.attn.forward(self.attn_norm.forward(x), ctx, cache)

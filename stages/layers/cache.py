@@ -21,10 +21,12 @@ Kinds (CACHE_KINDS):
              see `CacheSpec`); a one-token step reads only the last `window` positions, and
              a longer step's mask (layers/attention.py) hides the rest.
 
-A new kind (MLA's "latent": the compressed kv and the rope key per position, [capacity,
-kv_lora_rank + rope_dim]; DSA's index keys beside it) is a store class here with the
-interface its attention kind calls — for `KeyValues`, `write_and_read` — plus `grow` and
-`nbytes`, registered in STORES, and its `CacheSpec.bytes_per_position` (what admission budgets).
+- "latent":  `LatentRows` [allocated, kv_lora_rank + rope_dim]: MLA's compressed kv and rotated
+             rope key per position, one row for all heads (layers/mla.py expands or absorbs it).
+
+A new kind (DSA's index keys beside the latent) is a store class here with the interface
+its attention kind calls — for `KeyValues`, `write_and_read` — plus `grow` and `nbytes`,
+registered in STORES, and its spec's `bytes_per_position` (what admission budgets).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Sequence
 import torch
 
 from tessera.stages.errors import ContextOverflow, UnsupportedModel
-from tessera.stages.families.spec import CacheSpec
+from tessera.stages.families.spec import CacheSpec, LatentCacheSpec
 
 KV_CHUNK = 256  # positions a session's stores grow by (see the module docstring)
 
@@ -78,21 +80,47 @@ class KeyValues:
         return self.keys.nbytes + self.values.nbytes
 
 
-STORES = {"full": KeyValues, "sliding": KeyValues}
+class LatentRows:
+    """One MLA layer's cache of one session: [allocated, latent + rope dims], written in place."""
+
+    def __init__(self, spec: LatentCacheSpec, positions: int, *, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        self.rows = torch.zeros((positions, spec.width), dtype=dtype, device=device)
+
+    def grow(self, positions: int, *, keep: int) -> None:
+        """Reallocate for `positions`, copying the valid positions [0, keep)."""
+        new = self.rows.new_zeros((positions, self.rows.shape[1]))  # [S, C + Dr]
+        new[:keep] = self.rows[:keep]
+        self.rows = new
+
+    def write_and_read(self, rows: torch.Tensor, start: int) -> torch.Tensor:
+        """Write rows [T, C + Dr] at positions [start, start + T); return positions [0, start + T)."""
+        end = start + rows.shape[0]
+        self.rows[start:end] = rows
+        return self.rows[:end]
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes
 
 
-def layer_store(spec: CacheSpec, positions: int, *, dtype: torch.dtype, device: torch.device | str) -> KeyValues:
+LayerStore = KeyValues | LatentRows
+STORES = {"full": KeyValues, "sliding": KeyValues, "latent": LatentRows}
+
+
+def layer_store(spec: CacheSpec | LatentCacheSpec, positions: int, *, dtype: torch.dtype,
+                device: torch.device | str) -> LayerStore:
     """An empty store of `spec`'s kind for `positions` (UnsupportedModel for a kind without a store here)."""
     store = STORES.get(spec.kind)
     if store is None:
         raise UnsupportedModel(f"cache kind {spec.kind!r} has no store in this engine ({sorted(STORES)})")
-    return store(spec, positions, dtype=dtype, device=device)
+    return store(spec, positions, dtype=dtype, device=device)  # type: ignore[arg-type]
 
 
 class SessionCache:
     """Every layer's store for one session over a run of consecutive layers, and the pointer."""
 
-    def __init__(self, layers: Sequence[CacheSpec], capacity: int, *, dtype: torch.dtype = torch.float32,
+    def __init__(self, layers: Sequence[CacheSpec | LatentCacheSpec], capacity: int, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
         self.layers = [layer_store(spec, 0, dtype=dtype, device=device) for spec in layers]
         self.capacity = capacity
@@ -129,6 +157,6 @@ class SessionCache:
         return sum(store.nbytes for store in self.layers)
 
 
-def session_bytes(layers: Sequence[CacheSpec], positions: int, itemsize: int) -> int:
+def session_bytes(layers: Sequence[CacheSpec | LatentCacheSpec], positions: int, itemsize: int) -> int:
     """Bytes a `SessionCache` of these layers allocates for `positions` (checked before growing)."""
     return sum(spec.bytes(positions, itemsize) for spec in layers)

@@ -84,6 +84,10 @@ def check_shardable(spec: ModelSpec, count: int, index: int = 0) -> None:
             kind = layer.mlp.kind if layer.mlp.kind != "dense" else layer.attention.kind
             raise ShardError(f"tensor shards of {spec.family} are not supported: layer {i} is {kind!r}, and only "
                              "grouped-query attention with a dense MLP is split across ranks (serve it as layer spans)")
+        if getattr(layer.attention, "rotary_dim", None) is not None:
+            raise ShardError(f"tensor shards of {spec.family} are not supported: layer {i} turns only "
+                             f"{layer.attention.rope_dim} of its {layer.attention.head_dim} head dims (partial rotary), "
+                             "which the ranks do not compute (serve it as layer spans)")
     for name, value in (
         ("key/value heads", spec.layers[0].attention.num_kv_heads),
         ("hidden size", spec.hidden_size),

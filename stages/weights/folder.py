@@ -107,13 +107,18 @@ class WeightFolder:
     def read_stacked(self, source: Stacked, dtype: torch.dtype) -> torch.Tensor:
         """The parts of `source` concatenated along dim 0, read one at a time straight into one
         buffer (so that loading never holds a piece and the stacked copy of a whole layer at once);
-        of a fused tensor only row `source.index` is read. A tensor taken whole is as `read` gives it."""
-        if len(source.names) == 1 and source.index is None:
+        of a fused tensor only row `source.index` is read, transposed and its interleaved rows
+        regrouped as `source` says. A tensor taken whole is as `read` gives it."""
+        if len(source.names) == 1 and source.index is None and not (source.transposed or source.interleaved):
             return self.read({source.names[0]: source.shapes[0]}, dtype)[source.names[0]]
         out = torch.empty(source.shape, dtype=dtype)
         at = 0
         for i, name in enumerate(source.names):
             piece = self.read_part(name, source.shapes[i], source.index, dtype)
+            if source.transposed:
+                piece = piece.transpose(-1, -2)
+            if source.interleaved:  # rows gate0, up0, gate1, up1, ... -> all gates, then all ups
+                piece = torch.cat((piece[0::2], piece[1::2]))
             out[at : at + piece.shape[0]] = piece
             at += piece.shape[0]
             del piece

@@ -68,8 +68,11 @@ def check_tensors(spec: ModelSpec, weights: WeightFolder) -> None:
         raise ModelFormatError(f"tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
     # a tied model may still carry lm_head.weight; transformers ignores it and so do we
     ignorable = {"lm_head.weight"} if spec.tie_embeddings else set()
+    # multi-token-prediction modules after the decoder layers (DeepSeek-V3, GLM-4.5): not run
+    not_run = tuple(f"model.layers.{i}." for i in range(spec.num_layers, spec.num_layers + spec.mtp_layers))
     unexpected = sorted(
-        n for n in set(table) - set(expected) - ignorable if not n.endswith(RECOMPUTED_SUFFIXES)
+        n for n in set(table) - set(expected) - ignorable
+        if not n.endswith(RECOMPUTED_SUFFIXES) and not n.startswith(not_run) and not empty(table[n][0])
     )
     if unexpected:
         raise UnsupportedModel(
@@ -82,6 +85,12 @@ def check_tensors(spec: ModelSpec, weights: WeightFolder) -> None:
             raise ModelFormatError(f"tensor {name!r} has shape {actual!r}, expected {shape!r}")
         if dtype not in FLOAT_DTYPES:
             raise UnsupportedModel(f"tensor {name!r} has dtype {dtype!r} (float weights only: {FLOAT_DTYPES})")
+
+
+def empty(shape: tuple[int, ...]) -> bool:
+    """A tensor with no elements computes nothing: transformers saves DeepSeek's and GLM's shared
+    experts as [0, H] and [H, 0] when `n_shared_experts` is 0 (the spec then has none)."""
+    return 0 in shape
 
 
 def check_tokenizer(spec: ModelSpec, folder: Path) -> None:

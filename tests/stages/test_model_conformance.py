@@ -163,7 +163,8 @@ async def test_a_two_peer_swarm_matches_transformers(folders, name):
 @pytest.mark.parametrize(
     "change, key",
     [
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "yarn"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "beta_gamma": 2.0}},
+         "beta_gamma"),
         ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "dynamic"),
         ({"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}, "longrope"),
         ({"rope_parameters": {**LLAMA3, "rope_theta": 1e4, "attention_factor": 2.0}}, "attention_factor"),
@@ -216,17 +217,17 @@ def test_import_refuses_a_broken_folder_and_registers_nothing(folders, tmp_path,
     save_file({**state, "model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}, str(extra / "model.safetensors"))
     misshapen = broken("misshapen")
     save_file({**state, "model.norm.weight": torch.ones(63)}, str(misshapen / "model.safetensors"))
-    yarn = broken("yarn")
-    config = json.loads((yarn / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
-    (yarn / "config.json").write_text(json.dumps(config))
+    dynamic = broken("dynamic")
+    config = json.loads((dynamic / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}
+    (dynamic / "config.json").write_text(json.dumps(config))
     cases = [
         (no_tokenizer, ModelFormatError, "tokenizer.json"),
         (bad_template, ModelFormatError, "chat template"),
         (missing, ModelFormatError, "model.layers.1.mlp.up_proj.weight"),
         (extra, UnsupportedModel, "o_proj.bias"),
         (misshapen, ModelFormatError, r"model.norm.weight.*\(63,\)"),
-        (yarn, UnsupportedModel, "yarn"),
+        (dynamic, UnsupportedModel, "dynamic"),
     ]
     for folder, error, words in cases:
         with pytest.raises(error, match=words):

@@ -6,7 +6,7 @@ example shows `/ip4/…`). Before issue 34 the peers of such an example shared o
 one identity — and listened on loopback only. Each must now have its own peer id, listen on
 every interface, and the answer must be exactly the single-process one.
 
-`EXAMPLE` is the text the manual shows (docs/, being written); keep the two identical.
+`EXAMPLE` is read from the manual (docs/pages/peer.md, "A swarm on one machine").
 """
 
 from __future__ import annotations
@@ -22,22 +22,21 @@ from pathlib import Path
 
 import pytest
 
-from tessera.stages import registry
+from tessera.stages.weights import registry
 from tessera.stages.decoding.generate import prompt_ids
 
 from ..conftest import FRANCE
 
-EXAMPLE = """\
-```sh
-# one machine, three terminals: each peer gets its own --name (and with it its own
-# identity and data dir, ~/.local/share/tessera/NAME) and a third of the model
-tessera peer --model smollm2-135m --name a --layers 0:10      # prints "listening on /ip4/…"
-tessera peer --model smollm2-135m --name b --layers 10:20 --join /ip4/…/tcp/4001/p2p/12D3KooW…
-tessera peer --model smollm2-135m --name c --layers 20:30 --join /ip4/…/tcp/4001/p2p/12D3KooW…
-# a fourth terminal: ask the swarm
-tessera generate "What is the capital of France?" --join /ip4/…/tcp/4001/p2p/12D3KooW…
-```
-"""
+DOCS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "pages" / "peer.md"
+
+
+def manual_example(page: Path = DOCS_PAGE) -> str:
+    """The code block under the page's "A swarm on one machine" heading."""
+    section = page.read_text().split("## A swarm on one machine", 1)[1]
+    return "```sh" + section.split("```sh", 1)[1].split("```", 1)[0] + "```\n"
+
+
+EXAMPLE = manual_example()
 PLACEHOLDER = "/ip4/…/tcp/4001/p2p/12D3KooW…"
 STARTUP = 180.0  # three peers import torch, measure and load on a shared 2-core box
 TESSERA = str(Path(sys.executable).with_name("tessera"))

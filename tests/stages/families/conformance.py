@@ -50,6 +50,10 @@ def build(root: Path, name: str, config: Any, *, seed: int, fused: bool = False)
     with torch.no_grad():
         for pname, p in model.named_parameters():  # transformers zeroes biases at init: draw them all
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in pname else WEIGHT_STD * torch.randn_like(p))
+        saved = model.state_dict()
+        for bname, b in model.named_buffers():  # and the buffers it saves (DeepSeek's router correction bias)
+            if bname in saved and b.is_floating_point():
+                b.copy_(WEIGHT_STD * torch.randn_like(b))
     folder = root / name
     model.save_pretrained(folder, save_original_format=not fused)
     (folder / "tokenizer.json").write_text(byte_tokenizer_json(VOCAB))
