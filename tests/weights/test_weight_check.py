@@ -176,3 +176,27 @@ def test_the_peer_with_an_altered_tensor_refuses_to_serve(smol_dir, tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     assert "model.layers.5.mlp.down_proj.weight" in done.stderr and "refusing to serve" in done.stderr
     assert "serving layers" not in done.stdout
+
+
+def test_fused_experts_read_row_by_row_are_hashed_whole_once(tmp_path):
+    """gpt-oss keeps its experts fused ([E, H, 2I], one tensor): the loader reads one expert's row
+    at a time, which the check cannot hash, so it hashes the tensor from its file — once — and
+    a change in any expert is refused like any other."""
+    transformers = pytest.importorskip("transformers")
+    from ..stages.families.conformance import SHAPE, build
+
+    from tessera.stages.weights.registry import write_manifest
+
+    config = transformers.GptOssConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                                       sliding_window=8)
+    folder = build(tmp_path, "gpt-oss", config, seed=3, fused=True)
+    write_manifest(folder)
+    check = WeightCheck(folder, VerifiedCache(tmp_path / CACHE_FILE))
+    layer0 = {n for n, e in check.manifest["tensors"]["entries"].items() if e["group"] == "layer.0"}
+    fused = next(n for n in layer0 if "experts" in n and "gate_up" in n)
+    span = check.begin()
+    Stage.load(folder, start=0, end=1, check=span)
+    assert span.done == layer0 and span.stats.hashed == len(layer0)  # every tensor, each once
+    scale_in_place(folder, fused, 1.5)
+    with pytest.raises(WeightsMismatch, match=fused):
+        Stage.load(folder, start=0, end=1, check=WeightCheck(folder, VerifiedCache(None)).begin())
