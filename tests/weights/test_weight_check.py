@@ -200,3 +200,47 @@ def test_fused_experts_read_row_by_row_are_hashed_whole_once(tmp_path):
     scale_in_place(folder, fused, 1.5)
     with pytest.raises(WeightsMismatch, match=fused):
         Stage.load(folder, start=0, end=1, check=WeightCheck(folder, VerifiedCache(None)).begin())
+
+
+def flip_a_byte(folder: Path, name: str) -> None:
+    """Change one stored byte of tensor `name` in model.safetensors (any dtype), in place."""
+    path = folder / "model.safetensors"
+    data_at, header = read_header(path)
+    begin, _ = header[name]["data_offsets"]
+    with open(path, "r+b") as f:
+        f.seek(data_at + begin)
+        byte = f.read(1)[0]
+        f.seek(data_at + begin)
+        f.write(bytes([byte ^ 0x01]))
+
+
+@pytest.mark.parametrize("form", ["fp8", "mxfp4-fused"])
+def test_a_checkpoint_that_ships_quantized_is_checked_as_stored(tmp_path, form):
+    """fp8 codes and scales, MXFP4 blocks (one expert's row at a time when fused) are read as
+    stored, without a cast (stages/weights/formats/): each is hashed all the same, and one
+    changed byte of a code tensor is refused."""
+    transformers = pytest.importorskip("transformers")
+    from ..stages.families.conformance import SHAPE, build
+    from ..stages.formats import checkpoints as ck
+
+    from tessera.stages.weights.registry import write_manifest
+
+    if form == "fp8":
+        source = build(tmp_path, "llama", transformers.LlamaConfig(**SHAPE, intermediate_size=128), seed=5)
+        folder = ck.fp8_folder(source, tmp_path / "shipped", block=(16, 16))
+    else:
+        config = transformers.Qwen3MoeConfig(**SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                             intermediate_size=128)
+        folder = ck.mxfp4_folder(build(tmp_path, "moe", config, seed=5), tmp_path / "shipped", fused=True)
+    write_manifest(folder)
+    check = WeightCheck(folder, VerifiedCache(None))
+    layer0 = {n for n, e in check.manifest["tensors"]["entries"].items() if e["group"] == "layer.0"}
+    stored = sorted(n for n in layer0 if n.endswith(("_scale_inv", "_blocks")))
+    assert stored  # the layer holds the shipped form's tensors
+    span = check.begin()
+    Stage.load(folder, start=0, end=1, check=span)
+    assert span.done == layer0 and span.stats.hashed == len(layer0)
+    altered = next(n for n in sorted(layer0) if n.endswith("_blocks") or n + "_scale_inv" in layer0)
+    flip_a_byte(folder, altered)
+    with pytest.raises(WeightsMismatch, match=altered):
+        Stage.load(folder, start=0, end=1, check=WeightCheck(folder, VerifiedCache(None)).begin())
