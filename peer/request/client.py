@@ -132,7 +132,8 @@ class Swarm:
         """`model`, or the one in `folder` (loaded here); `clock` dates the view's records,
         `ban_clock` the bans. `keeper`: a view fed from elsewhere (then `gossip=False`: a
         simulation's shared view); `reports`: keep and pull misbehaviour reports.
-        `spot_check`: how every answer is checked unless it says otherwise (None: not at all).
+        `spot_check`: how every answer is checked unless it says otherwise (None: not at all; the
+        default is off with a compact `wire`, and another policy with one is a ValueError).
         `wire`: the form activations cross the wire in (protocol/tensors.py WIRE_FORMS; "" exact,
         the default)."""
         if wire not in WIRE_FORMS:
@@ -140,7 +141,13 @@ class Swarm:
         self.folder = folder
         # who may compute this requester's answers (peer/request/policy.py); a revocation adds to `deny`
         self.policy = policy or RequesterPolicy()
-        # spot checks of every answer (peer/request/verify.py); off when None or at rate 0
+        # spot checks of every answer (peer/request/verify.py); off when None or at rate 0, and the
+        # default is off with a compact wire form (a check compares at float32 tolerances: an
+        # honest peer's rounded activations would fail it), which an explicit policy cannot ask for
+        if wire and spot_check is DEFAULT_SPOT_CHECKS:
+            spot_check = None
+        if wire and spot_check is not None and spot_check.rate > 0:
+            raise ValueError(f"spot checks need exact activations on the wire, not {wire!r}")
         self.spot_check = spot_check if spot_check is not None and spot_check.rate > 0 else None
         model = model or RequesterModel.load(folder, quant)
         self.head = model.head

@@ -27,6 +27,17 @@ def test_checks_are_on_by_default_and_zero_turns_them_off(command):
         spot_check_from(parser.parse_args([*command, "--spot-check", "1.5"]))
 
 
+def test_a_compact_wire_form_turns_the_default_off_and_refuses_a_rate():
+    """A check compares activations at float32 tolerances: bfloat16 or fp8 on the wire would make
+    an honest peer fail it. So --wire turns the default off, and asking for both is an error."""
+    parser = build_parser()
+    command = ["generate", "Hi", "--join", JOIN, "--wire", "bfloat16"]
+    assert spot_check_from(parser.parse_args(command)) is None
+    assert spot_check_from(parser.parse_args([*command, "--spot-check", "0"])) is None
+    with pytest.raises(ConfigError, match="exact activations on the wire"):
+        spot_check_from(parser.parse_args([*command, "--spot-check", "0.05"]))
+
+
 def test_a_bad_rate_fails_before_joining():
     done = subprocess.run([sys.executable, "-m", "tessera.peer.cli.main", "generate", "Hi", "--join", JOIN,
                            "--spot-check", "-0.1"], capture_output=True, text=True, timeout=120)
