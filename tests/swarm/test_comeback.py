@@ -77,6 +77,8 @@ async def test_the_sole_peer_killed_and_restarted_resumes_the_answer(peers, expe
     assert tokens == expected
     assert info["failovers"] == 1
     assert [h["peer"] for h in info["route"]][MIDDLE] == middle_peer_id(peers)  # the same peer (same identity)
+    # its weights, checked at its first start, were vouched for by the cache (same data dir, files untouched)
+    assert "weights checked against the manifest: 0 tensors hashed (0 MiB), 90 unchanged" in peers.log(MIDDLE)
 
 
 async def test_the_sole_peer_stopped_and_resumed_resumes_the_answer(peers, expected):
