@@ -32,7 +32,7 @@ load of an untouched file — same four numbers, same manifest — skips hashing
 tensors. Any write through the file system changes the mtime; replacing the file changes
 the inode. What the cache cannot see is a write to the same inode that keeps the size and
 then sets the mtime back (``os.utime``): deliberate tampering by someone who can write the
-model folder. Spot checks catch a peer serving such weights (tests/request/test_weight_check.py
+model folder. Spot checks catch a peer serving such weights (tests/request/test_weight_check_swarm.py
 does exactly that). Weights fetched from peers were checked chunk by chunk as they arrived
 (peer/weights/fetcher.py): the assembled file is recorded here as it is written, so the
 load after a fetch does not hash them again.
