@@ -48,6 +48,7 @@ class Compute(Protocol):
     dtype_name: str  # "float32", ... (advertised)
     device_type: str  # "cpu", "cuda", "mps" (advertised)
     device_name: str  # for status and the start-up lines
+    last_check: str | None  # what the last load's weight check did (peer/weights/verify.py), for the log
 
     def prepare(self) -> None: ...
 

@@ -325,7 +325,10 @@ class PeerNode:
     async def _load(self, start: int, end: int) -> Any:
         if self.parts.weights is not None:  # a folder fetched from the swarm holds only some layers: this span's first
             await self.parts.weights.ensure(self.transport, (start, end), self.out)
-        return await self.compute.load(start, end)
+        stage = await self.compute.load(start, end)
+        if self.compute.last_check is not None:
+            self.out(self.compute.last_check)  # hashed now, or vouched for by the cache of an earlier check
+        return stage
 
     async def move_to(self, span: tuple[int, int], reason: str) -> None:
         """Serve another span: drain (no new sessions, a grace for running ones), load, serve.
