@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tessera.peer.sim.convergence import BOUND_PERIODS, CONVERGENCE_TIMINGS, EVENT_KINDS, Event, run_sequence  # noqa: E402
+from tessera.peer.sim.convergence import CONVERGENCE_TIMINGS, bound_periods, EVENT_KINDS, Event, run_sequence  # noqa: E402
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
         events = [Event(rng.choice(EVENT_KINDS), rng.uniform(0, 3 * CONVERGENCE_TIMINGS.gossip_interval),
                         rng.randrange(1000), rng.randrange(1000)) for _ in range(rng.randint(1, args.events))]
         outcome = run_sequence(n, events, seed=rng.randrange(2**16))
-        ok = (outcome.worst_periods is not None and outcome.worst_periods <= BOUND_PERIODS
+        ok = (outcome.worst_periods is not None and outcome.worst_periods <= bound_periods(outcome.peers)
               and outcome.agreed_throughout and not outcome.stale)
         peers.append(outcome.peers)
         if outcome.worst_periods is not None:

@@ -92,6 +92,10 @@ class Transport(Protocol):
         """DIRECT, PUNCHED or RELAYED for a connected peer; None if not connected."""
         ...
 
+    def stream_count(self, peer_id: str) -> int:
+        """Streams open with `peer_id` now, either side's (0: its connection is idle, or there is none)."""
+        ...
+
     async def disconnect(self, peer_id: str) -> None: ...
 
 

@@ -154,10 +154,15 @@ class SwarmView:
         return SwarmView(num_layers, tuple(sorted(peers, key=_BY_ID)))
 
     def get(self, peer_id: str) -> PeerInfo | None:
-        for p in self.peers:
-            if p.peer_id == peer_id:
-                return p
-        return None
+        """The peer's info (the first, if listed twice). A dict built on the first call: every step
+        of a route session prices its hops with `get`, and a view may hold thousands of peers."""
+        index = self.__dict__.get("_index")
+        if index is None:
+            index = {}
+            for p in self.peers:
+                index.setdefault(p.peer_id, p)
+            object.__setattr__(self, "_index", index)  # a cache of a frozen value, not a change to it
+        return index.get(peer_id)
 
     def without(self, peer_ids: Iterable[str]) -> "SwarmView":
         drop = set(peer_ids)
