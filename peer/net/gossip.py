@@ -32,10 +32,10 @@ same entries within
     B(N) = D + (ceil(log2 N) + 2) * P
 
 where D is the time for a death to be reported: a crashed neighbour's dropped connection is
-seen at the next tick and its probe fails at once (D <= P + a few RTTs); a vanished one
-(silent) is found by a neighbour's exchange with it (each neighbour picks one of its own
-~12 at random each period), which waits TURN_TIMEOUT, then a probe of PROBE_TIMEOUT
-(D <= 2P + TURN_TIMEOUT + PROBE_TIMEOUT). Why log2 N: push-pull anti-entropy with random
+seen at the next tick and its probe fails at once (a few RTTs); a vanished one (silent) is
+found by a neighbour's pinger within a ping period, or sooner by a neighbour's exchange with
+it (each picks one of its ~12 neighbours at random each period), and a probe confirms it
+(`detection_seconds`: D <= ping period + 2 PING_TIMEOUT + PROBE_TIMEOUT + P). Why log2 N: push-pull anti-entropy with random
 partners spreads one change to all N in log3 N + O(ln ln N) rounds (Karp, Schindelhauer,
 Shenker & Vöcking, 2000); partners drawn from a random sparse overlay rather than the
 whole swarm, and one exchange per peer per period, make it slower by a constant, and
@@ -77,7 +77,10 @@ from tessera.peer.base.ids import peer_id_bytes
 from tessera.peer.base.protocols import GOSSIP_PROTOCOL
 from tessera.peer.net import record_set as rs
 from tessera.peer.net.membership import PROBE_TIMEOUT, Membership
-from tessera.peer.net.reconcile import MAX_TURNS, TurnOut, answer, frames, opening
+from tessera.peer.net.pinger import PING_TIMEOUT
+from tessera.peer.net.reconcile import (
+    JOIN_SAMPLE, MAX_TURNS, PULL_RANGES, TurnOut, answer, frames, opening, pull_ranges,
+)
 from tessera.peer.net.transport import Channel, Stream, Transport
 from tessera.peer.plan.view import LEAVING, PeerInfo, SwarmView, merge_spans
 
@@ -93,6 +96,9 @@ EXCHANGE_TIMEOUT = TURN_TIMEOUT  # (the name older callers use for one exchange'
 DEPARTURE_TTL = 600.0
 """How long a departure is kept: far longer than it takes to reach everyone (B(N) is about a
 minute at ten thousand peers), so no stale copy of the dead record outlives it."""
+SLICES_PER_PULL = 4  # a newcomer's pull: 64 exchanges of 4 slices each (reconcile.PULL_RANGES)
+PULL_CONCURRENCY = 16
+PULL_TIMEOUT = 30.0  # one slice pull: a few turns, up to 1/64 of the view
 MAX_VIEW_ENTRIES = 1 << 16
 """Entries one exchange may bring (a whole view): a swarm of 65,536 peers."""
 REDIAL_WINDOW = 1800.0
@@ -105,15 +111,18 @@ VERIFIED_CACHE = 1 << 17
 verified once. Also what lets a simulation verify each record once for all its peers."""
 
 
-def detection_seconds(interval: float) -> float:
-    """D in the bound: how long a death may take to be reported by a neighbour (a vanished
-    peer: a neighbour's exchange with it within two periods, a turn's timeout, a probe)."""
-    return 2 * interval + TURN_TIMEOUT + PROBE_TIMEOUT
+def detection_seconds(interval: float, ping_interval: float) -> float:
+    """D in the bound: how long a death may take to be reported by a neighbour. A vanished
+    peer is probed by every neighbour's pinger within a ping period (a round of pings waits
+    out PING_TIMEOUT before the next begins), the failed ping sets off a probe, and the
+    report starts with the next tick (peer/net/pinger.py `on_failure`, `Gossip.suspect`)."""
+    return ping_interval + 2 * PING_TIMEOUT + PROBE_TIMEOUT + interval
 
 
-def bound_seconds(n: int, interval: float = GOSSIP_INTERVAL) -> float:
-    """B(N): after the last change, how soon any two live peers in touch agree (see the docstring)."""
-    return detection_seconds(interval) + (math.ceil(math.log2(max(n, 2))) + 2) * interval
+def bound_seconds(n: int, interval: float = GOSSIP_INTERVAL, ping_interval: float = 5.0) -> float:
+    """B(N): after the last change, how soon any two live peers in touch agree (see the docstring);
+    `ping_interval` is the peers' (peer/node/config.py PING_INTERVAL: 5 s)."""
+    return detection_seconds(interval, ping_interval) + (math.ceil(math.log2(max(n, 2))) + 2) * interval
 
 
 @lru_cache(maxsize=1 << 16)
@@ -281,7 +290,7 @@ class ViewKeeper:
         root = self.root
         updated = []
         for d in departures:
-            if not now < d.gone_until <= now + MAX_DEPARTURE_TTL + MAX_CLOCK_SKEW:
+            if not now < d.gone_until <= now + MAX_DEPARTURE_TTL + MAX_CLOCK_SKEW + 60.0:
                 self.rejected += 1
                 continue
             try:
@@ -305,7 +314,10 @@ class ViewKeeper:
         entry = rs.get(self.root, peer_id_bytes(peer_id))
         if entry is None or entry.dead:
             return None
-        departure = Departure(entry.peer_id, entry.seq, self.clock() + DEPARTURE_TTL)
+        # on a one-minute grid: the neighbours that each see the peer go within the same
+        # minute report the same departure, which then spreads once, not once per reporter
+        until = math.ceil((self.clock() + DEPARTURE_TTL) / 60.0) * 60.0
+        departure = Departure(entry.peer_id, entry.seq, until)
         self.depart([departure])
         return departure
 
@@ -486,9 +498,11 @@ class Gossip:
     async def _receive(self, channel: Channel, budget: list[int]) -> tuple[TurnOut, int]:
         """One turn (its frames until `more` is unset) and the first frame's link field."""
         turn, link, first = TurnOut(), LINK_NONE, True
+        deadline = trio.current_time() + TURN_TIMEOUT  # each frame of a turn within it of the last
         while True:
-            with trio.fail_after(TURN_TIMEOUT):
+            with trio.fail_at(deadline):
                 frame = await channel.receive()
+            deadline = trio.current_time() + TURN_TIMEOUT
             if not isinstance(frame, ViewTurn):
                 raise WireError(f"expected ViewTurn, got {type(frame).__name__}")
             if first:
@@ -511,7 +525,7 @@ class Gossip:
             self._take(received)
             if received.empty:
                 return
-            reply = answer(self.keeper.root, received)
+            reply = answer(self.keeper.root, received, salt=rs.key_of(channel.remote.encode()))
             await self._send(channel, reply)
             if reply.empty:
                 return
@@ -520,7 +534,7 @@ class Gossip:
 
     async def handle(self, stream: Stream) -> None:
         """The responder's side of an exchange."""
-        channel = Channel(stream)
+        channel = Channel(stream, memo=True)
         try:
             with trio.fail_after(TURN_TIMEOUT):
                 first = await channel.receive()
@@ -541,7 +555,7 @@ class Gossip:
                 reply_link = self.membership.answer(stream.remote, first.link)
                 self._take(turn)
                 if not turn.empty:
-                    reply = answer(self.keeper.root, turn)
+                    reply = answer(self.keeper.root, turn, salt=rs.key_of(stream.remote.encode()))
                     await self._send(channel, reply, link=reply_link)
                     if not reply.empty:
                         await self._converse(channel, None, budget)
@@ -560,7 +574,9 @@ class Gossip:
         `link`, or None if the exchange failed."""
         try:
             with trio.fail_after(timeout):
-                channel = Channel(await self.transport.open_stream(peer_id, GOSSIP_PROTOCOL))
+                with trio.fail_after(TURN_TIMEOUT):  # a silent peer's stream never opens
+                    stream = await self.transport.open_stream(peer_id, GOSSIP_PROTOCOL)
+                channel = Channel(stream, memo=True)
                 try:
                     self._with_own()
                     budget = [MAX_VIEW_ENTRIES]
@@ -568,8 +584,11 @@ class Gossip:
                     received, answer_link = await self._receive(channel, budget)
                     await self._converse(channel, received, budget)
                     await channel.close()
-                    while await channel.receive_or_none() is not None:  # their close; nothing more is expected
-                        raise WireError("gossip: unexpected frame after the exchange")
+                    with trio.move_on_after(TURN_TIMEOUT) as waiting:  # their close (a vanished peer never sends it)
+                        while await channel.receive_or_none() is not None:
+                            raise WireError("gossip: unexpected frame after the exchange")
+                    if waiting.cancelled_caught:
+                        await channel.reset()
                 except BaseException:
                     await channel.reset()
                     raise
@@ -582,19 +601,52 @@ class Gossip:
     async def _link(self, peer_id: str, link: int, timeout: float) -> int | None:
         return await self._run(peer_id, link=link, timeout=timeout)
 
-    async def exchange(self, peer_id: str) -> bool:
+    async def exchange(self, peer_id: str, *, whole_from_it: bool = False) -> bool:
         """One exchange with `peer_id` (connected); False if it failed (the peer may be gone).
-        A connection we gossip over and that is no neighbour's (a join address, a status
-        check) is membership's to close once idle."""
+
+        A newcomer (nothing held) gets a sample from it and then pulls the view from random
+        peers (`pull_view`); `whole_from_it` pulls all of it from `peer_id` instead (to see
+        exactly what one peer holds). A connection we gossip over and that is no neighbour's
+        (a join address, a status check) is membership's to close once idle."""
         if peer_id in self._exchanging:
             return True  # one is running; it will bring what this one would
         if peer_id not in self.membership.outbound and peer_id not in self.membership.inbound:
             self.membership.opened.setdefault(peer_id, trio.current_time())
+        newcomer = self.keeper.root is None
         self._exchanging.add(peer_id)
         try:
-            return await self._run(peer_id) is not None
+            push = pull_ranges(self.keeper.root, range(PULL_RANGES)) if whole_from_it else None
+            if await self._run(peer_id, push=push) is None:
+                return False
         finally:
             self._exchanging.discard(peer_id)
+        if newcomer and not whole_from_it and self.keeper.root is not None and self.keeper.root.count >= JOIN_SAMPLE:
+            await self.pull_view()
+        return True
+
+    async def pull_view(self) -> None:
+        """Pull the whole view in slices, each from a random peer of what we hold (a newcomer
+        holding a sample), PULL_CONCURRENCY at a time; a slice whose peer fails is asked of another."""
+        me = self.transport.peer_id
+        limit = trio.CapacityLimiter(PULL_CONCURRENCY)
+
+        async def one(slices: list[int]) -> None:
+            async with limit:
+                for _ in range(3):
+                    peer_id = self.keeper.sample(self.rng, lambda p: p != me)
+                    if peer_id is None:
+                        return
+                    if not await self.membership.dial(peer_id):
+                        continue
+                    done = await self._run(peer_id, push=pull_ranges(self.keeper.root, slices),
+                                           timeout=PULL_TIMEOUT) is not None
+                    await self.membership.release(peer_id)
+                    if done:
+                        return
+
+        async with trio.open_nursery() as nursery:
+            for first in range(0, PULL_RANGES, SLICES_PER_PULL):
+                nursery.start_soon(one, list(range(first, first + SLICES_PER_PULL)))
 
     # -- pushing changes ---------------------------------------------------------------------
 
@@ -631,13 +683,27 @@ class Gossip:
             nursery.start_soon(self._periodic, partner)
 
     async def _periodic(self, peer_id: str) -> None:
-        if not await self.exchange(peer_id) and self._nursery is not None:
+        if not await self.exchange(peer_id):
+            self.suspect(peer_id)
+
+    def suspect(self, peer_id: str) -> None:
+        """Something we sent `peer_id` went unanswered (an exchange, a ping): if it is a
+        neighbour, probe it, and report it gone if the probe fails too."""
+        if self._nursery is not None:
             self.membership.exchange_failed(peer_id, self._nursery)
+
+    async def settle_join(self) -> None:
+        """After joining: draw our first neighbours now, then close the join connections that
+        did not become neighbours' (a join address would otherwise hold one per newcomer)."""
+        await self.round()
+        for peer_id in list(self.membership.opened):
+            await self.membership.release(peer_id)
 
     async def round(self) -> None:
         """One tick, awaited (a requester's refresh, a test)."""
         async with trio.open_nursery() as nursery:
             self.tick(nursery)
+        self._nursery = None  # closed: a report of a peer gone is pushed by its own tick
 
     async def run(self) -> None:
         """Tick every `interval`, until cancelled."""

@@ -24,10 +24,8 @@ of inbound ones). A peer
   that dialled closes; a connection somebody else opened (a session, a relay
   reservation) is theirs to close.
 
-The bound. Membership holds at most OUTBOUND + MAX_INBOUND = MAX_NEIGHBOURS
-connections per peer, plus the few it has just opened (at most OUTBOUND links being
-asked, a probe per lost neighbour, one grave probe) until IDLE_CLOSE passes —
-whatever the swarm's size. With peers drawing uniformly, a peer's inbound count is
+The bound. Membership holds at most MAX_CONNECTIONS = MAX_NEIGHBOURS + 2 = 26 connections
+per peer in a steady swarm, whatever the swarm's size (see MAX_CONNECTIONS). With peers drawing uniformly, a peer's inbound count is
 about Poisson(OUTBOUND): mean 6, and above 18 for about one peer in 100,000.
 Sessions add their own connections (a route's neighbours, a requester), bounded by
 the session limits (peer/serve/limits.py).
@@ -55,6 +53,12 @@ MAX_INBOUND = int(os.environ.get("TESSERA_GOSSIP_INBOUND", str(3 * OUTBOUND)))
 """Neighbours a peer accepts: three times the mean in-degree (OUTBOUND), so an ask is rarely
 refused, and no peer — a popular join address included — holds more."""
 MAX_NEIGHBOURS = OUTBOUND + MAX_INBOUND
+MAX_CONNECTIONS = MAX_NEIGHBOURS + 2
+"""Connections membership holds at once in a steady swarm: its neighbours (dialled ones and
+the asks in flight together at most OUTBOUND), one dropped by the sample's refresh until it
+closes at the next tick, one probe of a peer reported gone. A newcomer holds up to
+PULL_CONCURRENCY (gossip.py) more while it pulls the view, and a join address's connection
+until its first neighbours answer."""
 REFRESH_PERIODS = 10
 """Every this many gossip periods the oldest outbound neighbour is replaced by a new draw."""
 IDLE_CLOSE = 30.0
@@ -169,6 +173,17 @@ class Membership:
         for peer_id in [p for p, until in self.avoid.items() if until <= now]:
             del self.avoid[peer_id]
 
+    async def release(self, peer_id: str) -> None:
+        """We are done with a connection we opened (a pull, a refused ask): closed now if idle and
+        no neighbour's, else left for `maintain` to close once it is."""
+        if peer_id in self.outbound or peer_id in self.inbound or peer_id in self.pending or self.protected(peer_id):
+            return
+        if self.transport.stream_count(peer_id) == 0 and peer_id in self.transport.connected():
+            self.opened.pop(peer_id, None)
+            await self.transport.disconnect(peer_id)
+        else:
+            self.opened[peer_id] = trio.current_time() - IDLE_CLOSE
+
     def exchange_failed(self, peer_id: str, nursery: trio.Nursery) -> None:
         """A neighbour's exchange failed: probe it (it may be gone)."""
         if (peer_id in self.outbound or peer_id in self.inbound) and peer_id not in self.pending:
@@ -198,7 +213,7 @@ class Membership:
         while len(self.avoid) > MAX_AVOID:
             del self.avoid[next(iter(self.avoid))]
 
-    async def _dial(self, peer_id: str) -> bool:
+    async def dial(self, peer_id: str) -> bool:
         """Connect to `peer_id` if we are not; True if connected."""
         if peer_id in self.transport.connected():
             return True
@@ -216,7 +231,7 @@ class Membership:
 
     async def _ask(self, peer_id: str) -> None:
         try:
-            answer = await self.link(peer_id, LINK_ASK, PROBE_TIMEOUT) if await self._dial(peer_id) else None
+            answer = await self.link(peer_id, LINK_ASK, PROBE_TIMEOUT) if await self.dial(peer_id) else None
             if answer == LINK_ACCEPT:
                 self.outbound[peer_id] = trio.current_time()
                 self.opened.pop(peer_id, None)
@@ -224,13 +239,15 @@ class Membership:
                 self._refuse(peer_id)
         finally:
             self.pending.discard(peer_id)
+        if peer_id not in self.outbound:
+            await self.release(peer_id)
 
     async def _probe(self, peer_id: str, was_outbound: bool) -> None:
         """A neighbour went quiet or its connection dropped: link again (an inbound one: just
         look), or report it gone."""
         try:
             ask = LINK_ASK if was_outbound else LINK_NONE
-            answer = await self.link(peer_id, ask, PROBE_TIMEOUT) if await self._dial(peer_id) else None
+            answer = await self.link(peer_id, ask, PROBE_TIMEOUT) if await self.dial(peer_id) else None
             if answer == LINK_ACCEPT:
                 self.outbound[peer_id] = trio.current_time()
                 self.opened.pop(peer_id, None)
@@ -254,11 +271,11 @@ class Membership:
     async def _probe_grave(self, peer_id: str) -> None:
         """Dial a peer reported gone; if it answers, an exchange shows it the report (it refutes)."""
         try:
-            alive = await self._dial(peer_id) and await self.link(peer_id, LINK_NONE, PROBE_TIMEOUT) is not None
+            alive = await self.dial(peer_id) and await self.link(peer_id, LINK_NONE, PROBE_TIMEOUT) is not None
             self.keeper.grave_probed(peer_id, alive, trio.current_time())
         finally:
             self.pending.discard(peer_id)
 
 
-__all__ = ["Membership", "OUTBOUND", "MAX_INBOUND", "MAX_NEIGHBOURS", "REFRESH_PERIODS", "IDLE_CLOSE",
+__all__ = ["Membership", "OUTBOUND", "MAX_INBOUND", "MAX_NEIGHBOURS", "MAX_CONNECTIONS", "REFRESH_PERIODS", "IDLE_CLOSE",
            "CONNECT_TIMEOUT", "PROBE_TIMEOUT", "GRAVE_PROBE_PERIODS"]

@@ -2,7 +2,8 @@
 
 Records carry the RTTs to a peer's neighbours (routing prices links with them); the
 TUI shows them. Only connected peers are probed, so the work is bounded by a peer's
-connections (peer/net/membership.py), not by the swarm.
+connections (peer/net/membership.py), not by the swarm. A failed probe is also the
+quickest sign that a neighbour vanished: `on_failure` hands it to gossip's membership.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ RTT_SMOOTHING = 0.3  # weight of a new sample in the moving average
 class Pinger:
     """Measures RTTs to neighbours (moving average), and answers their probes."""
 
-    def __init__(self, transport: Transport, *, clock: Callable[[], float] = trio.current_time) -> None:
+    def __init__(self, transport: Transport, *, clock: Callable[[], float] = trio.current_time,
+                 on_failure: Callable[[str], None] = lambda peer_id: None) -> None:
         self.transport = transport
         self.clock = clock
+        self.on_failure = on_failure  # told of a peer whose probe failed (gossip's membership looks closer)
         self.rtt_ms: dict[str, float] = {}
         self._seq = 0
         transport.set_handler(PING_PROTOCOL, self.handle)
@@ -68,8 +71,12 @@ class Pinger:
         return rtt
 
     async def ping_all(self) -> None:
+        async def one(peer_id: str) -> None:
+            if await self.ping(peer_id) is None:
+                self.on_failure(peer_id)
+
         async with trio.open_nursery() as nursery:
             for peer_id in self.transport.connected():
-                nursery.start_soon(self.ping, peer_id)
+                nursery.start_soon(one, peer_id)
         for gone in set(self.rtt_ms) - set(self.transport.connected()):
             del self.rtt_ms[gone]

@@ -19,8 +19,9 @@ difference is found in at most MAX_DEPTH + 2 turns, and in about log_16(N / LEAF
 paths to the differences (16 hashes a level) and the entries that differ. Two sets
 that agree cost one digest each way.
 
-A set with nothing in a range (a newcomer's empty view) gets everything in it at
-once: a joiner's first exchange is a pull of the whole view.
+A set with nothing in a range gets everything in it at once — except a set with nothing
+at all (a newcomer), which gets a sample (JOIN_SAMPLE) and then pulls the view in
+PULL_RANGES slices, each from another random peer.
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ from tessera.peer.net import record_set as rs
 WHOLE_RANGE = 2 * rs.LEAF_SIZE
 """A range with this few entries is listed rather than split: listing 16 entries costs about
 what one level of 16 sub-range digests does, and ends the descent there."""
+JOIN_SAMPLE = 32
+"""What a peer that holds nothing gets from the first peer it asks: this many records from
+across the key space (addresses enough to find others), not the whole view, which it pulls
+next in PULL_RANGES slices from random peers (`pull_ranges`, gossip.py `pull_view`): no peer —
+a join address least of all — sends a whole view per newcomer."""
+PULL_DEPTH = 2
+PULL_RANGES = rs.FANOUT ** PULL_DEPTH  # 256 slices: at 10,000 peers about 40 records each
 MAX_TURNS = 2 * rs.MAX_DEPTH + 6
 """Turns one exchange may take (each descends a level; a few more for pushes and wants)."""
 FRAME_ITEMS = 6000
@@ -69,6 +77,25 @@ def opening(root: rs.Node | None) -> TurnOut:
     return TurnOut(ranges=[_digest_of(root, 0, 0)])
 
 
+def pull_ranges(root: rs.Node | None, slices: range | list[int]) -> TurnOut:
+    """An opening that compares the given slices (ranges at PULL_DEPTH) instead of the whole set:
+    a newcomer's pull of part of the view (where it holds nothing, everything there is sent)."""
+    return TurnOut(ranges=[_digest_of(root, PULL_DEPTH, prefix) for prefix in slices])
+
+
+def _sample(root: rs.Node | None, k: int, salt: int) -> list[rs.Entry]:
+    """Up to k distinct live records spread over the key space (where depends on `salt`)."""
+    out: dict[bytes, rs.Entry] = {}
+    step = (1 << rs.KEY_BITS) // k
+    for i in range(4 * k):
+        entry = rs.sample(root, (salt + i * step + (i // k) * (step // 4)) % (1 << rs.KEY_BITS))
+        if entry is not None and not entry.dead:
+            out.setdefault(entry.peer_id, entry)
+        if len(out) >= k:
+            break
+    return list(out.values())
+
+
 def _digest_of(root: rs.Node | None, depth: int, prefix: int) -> RangeDigest:
     digest, count, _ = rs.digest(root, depth, prefix)
     return RangeDigest(depth=depth, prefix=prefix, count=count, hash=digest)
@@ -83,8 +110,9 @@ def _version(v: Version) -> tuple[int, bool, float]:
     return (v.seq, v.gone_until > 0.0, v.gone_until)
 
 
-def answer(root: rs.Node | None, received: ViewTurn | TurnOut) -> TurnOut:
-    """Our reply to the other side's turn, given our set after merging what it pushed."""
+def answer(root: rs.Node | None, received: ViewTurn | TurnOut, *, salt: int = 0) -> TurnOut:
+    """Our reply to the other side's turn, given our set after merging what it pushed.
+    `salt` picks which records a newcomer's sample holds (the asker's key: each gets others)."""
     out = TurnOut()
     for peer_id in dict.fromkeys(received.want):
         entry = rs.get(root, peer_id)
@@ -104,7 +132,8 @@ def answer(root: rs.Node | None, received: ViewTurn | TurnOut) -> TurnOut:
         elif digest == theirs.hash:
             continue
         elif theirs.count == 0:
-            for entry in rs.range_entries(held):
+            sample = theirs.depth == 0 and count > JOIN_SAMPLE  # a newcomer: a sample, not the view
+            for entry in _sample(root, JOIN_SAMPLE, salt) if sample else rs.range_entries(held):
                 out.push(entry)
         elif count <= WHOLE_RANGE or theirs.depth >= rs.MAX_DEPTH:
             out.ranges.append(_listing(theirs.depth, theirs.prefix, digest, rs.range_entries(held)))
@@ -143,4 +172,5 @@ def frames(turn: TurnOut, *, link: int = 0) -> Iterator[ViewTurn]:
             return
 
 
-__all__ = ["TurnOut", "opening", "answer", "frames", "WHOLE_RANGE", "MAX_TURNS"]
+__all__ = ["TurnOut", "opening", "pull_ranges", "answer", "frames", "WHOLE_RANGE", "MAX_TURNS", "JOIN_SAMPLE",
+           "PULL_RANGES", "PULL_DEPTH"]

@@ -214,7 +214,8 @@ class PeerNode:
                 self.gossip = Gossip(transport, self.keeper, own_record=lambda: self._own,
                                      interval=self.config.gossip_interval, rng=self.pacing.gossip_rng,
                                      refute=self._refute, on_connect=self._connected, protected=self._protected)
-            self.pinger = Pinger(transport)
+            # a neighbour that stops answering pings is looked at by membership (it may have vanished)
+            self.pinger = Pinger(transport, on_failure=self.gossip.suspect if self.gossip is not None else _ignore)
             if parts.weights is not None:
                 parts.weights.serve(transport)
             self.out(f"listening on {transport.addrs()[0]}")
@@ -315,7 +316,7 @@ class PeerNode:
         return None
 
     async def _connect_known(self) -> None:
-        await self.gossip.round()  # draw our first neighbours now, not a period from now
+        await self.gossip.settle_join()  # our first neighbours now, not a period from now
 
     def _connected(self, peer_id: str) -> None:
         self.tracer.emit(events.Connect(remote=peer_id, link=self.transport.connection_kind(peer_id) or "direct"))
@@ -523,6 +524,10 @@ class PeerNode:
             "held": [list(span) for span in self.held_layers()],
             "fetch": self.fetching(),
         }
+
+
+def _ignore(peer_id: str) -> None:
+    pass
 
 
 @lru_cache(maxsize=1 << 14)

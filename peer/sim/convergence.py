@@ -67,7 +67,7 @@ NUM_LAYERS = 30
 def bound_seconds(n: int, timings: Timings) -> float:
     """How long after the last change `n` peers' views must agree, and from when on they must
     stay agreed: B(N) of peer/net/gossip.py, and the observer's poll."""
-    return gossip_bound(n, timings.gossip_interval) + POLL
+    return gossip_bound(n, timings.gossip_interval, timings.ping_interval) + POLL
 
 
 def bound_periods(n: int, timings: Timings = CONVERGENCE_TIMINGS) -> float:

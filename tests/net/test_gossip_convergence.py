@@ -1,8 +1,9 @@
 """The swarm view converges: random sequences of joins, leaves, crashes, moves, memory changes
 and partitions over simulated peers running the real gossip (peer/sim/convergence.py), and the
-bound stated in peer/net/gossip.py checked after the last change.
+bound stated in peer/net/gossip.py — B(N), a function of the swarm's size — checked after the
+last change, at 3 to 64 peers.
 
-bench/convergence.py runs more and larger sequences (up to 30 peers) and prints the figures.
+bench/convergence.py runs more sequences and prints the figures; bench/scale.py goes to 10,000.
 """
 
 from __future__ import annotations
@@ -33,9 +34,21 @@ events = st.builds(
 
 @settings(max_examples=8, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(peers=st.integers(3, 12), sequence=st.lists(events, min_size=1, max_size=8), seed=st.integers(0, 2**16))
+@given(peers=st.integers(3, 16), sequence=st.lists(events, min_size=1, max_size=8), seed=st.integers(0, 2**16))
 def test_every_sequence_converges_within_the_bound(peers: int, sequence: list[Event], seed: int) -> None:
-    outcome = run_sequence(peers, sequence, seed=seed)
+    check(run_sequence(peers, sequence, seed=seed))
+
+
+@settings(max_examples=3, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(peers=st.integers(17, 64), sequence=st.lists(events, min_size=1, max_size=6), seed=st.integers(0, 2**16))
+def test_every_sequence_converges_within_the_bound_in_a_bigger_swarm(peers: int, sequence: list[Event],
+                                                                     seed: int) -> None:
+    """The bound grows with log2 N; the views of up to 64 peers still agree within it."""
+    check(run_sequence(peers, sequence, seed=seed))
+
+
+def check(outcome) -> None:
     assert outcome.worst_periods is not None, outcome
     assert outcome.worst_periods <= bound_periods(outcome.peers), outcome
     assert outcome.agreed_throughout, outcome
