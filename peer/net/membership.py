@@ -65,8 +65,11 @@ IDLE_CLOSE = 30.0
 """Seconds a connection membership opened may sit idle (no stream) before it is closed."""
 CONNECT_TIMEOUT = 2.0
 """A dial to a peer of the view (a few RTTs on a live address; it may be gone)."""
-PROBE_TIMEOUT = 2.0
-"""A probe's exchange: one digest each way on a connection that should be up."""
+PROBE_TIMEOUT = 5.0
+"""A probe's exchange: one digest each way on a connection that should be up. As long as a
+turn's timeout: a peer reported gone vanishes from every view until it refutes it, so a
+loaded peer (a CPU peer computing, two processes to a core) must not be taken for a dead one;
+a crashed peer's probe fails at once anyway (connection refused)."""
 REFUSED_BACKOFF = 60.0
 """A peer that refused us (full), or that we could not reach, is not drawn again for this long."""
 GRAVE_PROBE_PERIODS = 4
