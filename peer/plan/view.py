@@ -12,6 +12,7 @@ Spans are half-open everywhere: a peer with ``start=4, end=10`` serves layers
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from enum import StrEnum
 
 from dataclasses import dataclass, field
@@ -169,8 +170,11 @@ class SwarmView:
         return SwarmView(self.num_layers, tuple(p for p in self.peers if p.peer_id not in drop))
 
     def replace(self, info: PeerInfo) -> "SwarmView":
+        """The view with `info` in place of its peer's entry (added if absent), still sorted:
+        an insertion, not a sort (a requester adds itself to a view of thousands every route)."""
         rest = [p for p in self.peers if p.peer_id != info.peer_id]
-        return SwarmView.of(self.num_layers, [*rest, info])
+        rest.insert(bisect_left(rest, info.peer_id, key=_BY_ID), info)
+        return SwarmView(self.num_layers, tuple(rest))
 
     def live(self, now: float) -> "SwarmView":
         """The peers whose advertisement has not expired at `now`."""
