@@ -58,14 +58,13 @@ import math
 import os
 import random
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import partial
 from typing import Callable, Iterable, Iterator, Mapping
 
 import trio
-from libp2p.peer.id import ID
 
-from tessera.protocol.crypto import MAX_CLOCK_SKEW, verify_record
-from tessera.protocol.errors import ExpiredRecord, RecordFromFuture, WireError
+from tessera.protocol.crypto import MAX_CLOCK_SKEW
+from tessera.protocol.errors import WireError
 from tessera.protocol.records import (
     LINK_ASK, LINK_NONE, MAX_DEPARTURE_TTL, MAX_GOSSIP_RECORDS, Departure, GossipPush, PeerRecord,
     SignedRecord, ViewTurn,
@@ -78,11 +77,12 @@ from tessera.peer.base.protocols import GOSSIP_PROTOCOL
 from tessera.peer.net import record_set as rs
 from tessera.peer.net.membership import PROBE_TIMEOUT, Membership
 from tessera.peer.net.pinger import PING_TIMEOUT
+from tessera.peer.net.verified import Known, peer_id_str, verified_entry
 from tessera.peer.net.reconcile import (
     JOIN_SAMPLE, MAX_TURNS, PULL_RANGES, TurnOut, answer, frames, opening, pull_ranges,
 )
 from tessera.peer.net.transport import Channel, Stream, Transport
-from tessera.peer.plan.view import LEAVING, PeerInfo, SwarmView, merge_spans
+from tessera.peer.plan.view import LEAVING, PeerInfo, SwarmView
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +106,6 @@ REDIAL_WINDOW = 1800.0
 shorter than this heals by itself."""
 MAX_GRAVES = 64  # peers reported gone whose addresses are kept for that (the most recent)
 MAX_FOREIGN_MODELS = 256  # other-model peers remembered for the join message; more says nothing new
-VERIFIED_CACHE = 1 << 17
-"""Verified records kept (by their bytes): the same record, brought by several neighbours, is
-verified once. Also what lets a simulation verify each record once for all its peers."""
 
 
 def detection_seconds(interval: float, ping_interval: float) -> float:
@@ -125,11 +122,6 @@ def bound_seconds(n: int, interval: float = GOSSIP_INTERVAL, ping_interval: floa
     return detection_seconds(interval, ping_interval) + (math.ceil(math.log2(max(n, 2))) + 2) * interval
 
 
-@lru_cache(maxsize=1 << 16)
-def peer_id_str(raw: bytes) -> str:
-    return ID(raw).to_base58()  # base58 is slow in Python, and every record names a peer
-
-
 def material(record: PeerRecord | None) -> tuple | None:
     """What placement and routing read from a record: a change here is re-signed and announced
     at once. The rest (load, RTTs, device memory) travels with the next re-signing — except
@@ -139,63 +131,6 @@ def material(record: PeerRecord | None) -> tuple | None:
     return (record.start, record.end, record.state, record.free_memory, record.max_sessions, record.throughput,
             record.addrs, record.shard_index, record.shard_count, record.shard_group, record.reachability, record.held,
             record.load >= 1.0)
-
-
-def info_from_record(record: PeerRecord) -> PeerInfo:
-    return PeerInfo(
-        peer_id=peer_id_str(record.peer_id),
-        model_id=record.model_id,
-        start=record.start,
-        end=record.end,
-        throughput=record.throughput,
-        name=record.name,
-        free_memory=record.free_memory,
-        load=record.load,
-        max_sessions=record.max_sessions,
-        state=record.state,
-        reachability=record.reachability,
-        addrs=tuple(record.addrs),
-        rtt_ms={peer_id_str(n.peer_id): n.rtt_ms for n in record.neighbours},
-        expires_at=record.expires_at,
-        issued_at=record.issued_at,
-        dtype=record.dtype,
-        shard_index=record.shard_index,
-        shard_count=record.shard_count,
-        shard_group=record.shard_group,
-        device=record.device,
-        device_free=record.device_free,
-        held=merge_spans((h.start, h.end) for h in record.held),
-    )
-
-
-@dataclass(frozen=True)
-class Known:
-    signed: SignedRecord
-    record: PeerRecord
-    info: PeerInfo
-
-
-_VERIFIED: dict[tuple[bytes, bytes, bytes], rs.Entry] = {}
-
-
-def verified_entry(signed: SignedRecord, now: float) -> rs.Entry:
-    """The entry of a signed record, verified (once per distinct record). Raises WireError."""
-    key = (signed.signature, signed.public_key, signed.record)
-    entry = _VERIFIED.get(key)
-    if entry is None:
-        record = verify_record(signed, now=now)
-        entry = rs.Entry(record.peer_id, record.seq, dead=False, gone_until=0.0, ends=record.expires_at,
-                         value=Known(signed, record, info_from_record(record)), tag=signed.signature[:8])
-        _VERIFIED[key] = entry
-        if len(_VERIFIED) > VERIFIED_CACHE:
-            del _VERIFIED[next(iter(_VERIFIED))]  # the oldest
-        return entry
-    record = entry.value.record
-    if now >= record.expires_at:
-        raise ExpiredRecord(f"record of {record.peer_id.hex()!r} expired at {record.expires_at!r}; now is {now!r}")
-    if record.issued_at > now + MAX_CLOCK_SKEW:
-        raise RecordFromFuture(f"record of {record.peer_id.hex()!r} issued_at {record.issued_at!r} is in the future")
-    return entry
 
 
 @dataclass

@@ -521,6 +521,8 @@ class PeerNode:
             "neighbours": {p: {"rtt_ms": rtt, "kind": self.transport.connection_kind(p)} for p, rtt in self.pinger.rtt_ms.items()},
             "nat": self.nat.status() if self.nat else None,
             "dedicated": self.dedicated_status(),
+            # neighbours dialled and accepted, connections gossip opened, exchanges, bytes sent
+            "gossip": self.gossip.status() if self.gossip is not None else None,
             "held": [list(span) for span in self.held_layers()],
             "fetch": self.fetching(),
         }

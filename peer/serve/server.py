@@ -32,7 +32,7 @@ from tessera.store.trace import NullTracer, Tracer, now as trace_now
 from tessera.store import events
 
 from tessera.peer.base.errors import PeerError, StreamClosed
-from tessera.peer.net.gossip import peer_id_str
+from tessera.peer.net.verified import peer_id_str
 from tessera.peer.serve.session import DeferredTap, ServedSession, compute_batch
 from tessera.protocol.error_codes import (
     BAD_FRAME, BAD_REQUEST, BAD_SPAN, BUSY, COMPUTE_FAILED, DRAINING, NEXT_HOP_FAILED, TOO_LONG,

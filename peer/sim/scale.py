@@ -181,7 +181,7 @@ class _Scale:
     # -- the run -----------------------------------------------------------------------------------
 
     async def main(self) -> ScaleResult:
-        t, period = self.timings, self.timings.gossip_interval
+        period = self.timings.gossip_interval
         res = self.result
         async with trio.open_nursery() as nursery:
             first = [self.new_peer(nursery, joins=False) for _ in range(self.n)]

@@ -32,7 +32,7 @@ from tessera.peer.base.ids import peer_id_text
 from tessera.peer.request.client import DEFAULT_ROUTE_WAIT, REFRESH_INTERVAL
 from tessera.peer.net.gossip import GOSSIP_INTERVAL, ViewKeeper
 from tessera.peer.node.config import ADVERTISE_INTERVAL, LEAVE_GRACE, MOVE_GRACE, PING_INTERVAL, REBALANCE_INTERVAL
-from tessera.peer.plan.view import PeerInfo, SwarmView
+from tessera.peer.plan.view import SwarmView
 from tessera.peer.sim.policies import VIEW_MODES
 
 # Unix time that simulated time 0 is written as, in a simulation's own trace
