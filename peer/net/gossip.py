@@ -397,7 +397,7 @@ class Gossip:
         self.interval = interval
         self.refute = refute
         self.rng = rng or random.Random()
-        self.membership = Membership(transport, keeper, link=self._link, rng=self.rng, interval=interval,
+        self.membership = Membership(transport, keeper, link=self._link, rng=self.rng,
                                      report_gone=self._report_gone, on_connect=on_connect, protected=protected)
         self._exchanging: set[str] = set()  # peers with an exchange of ours running (one at a time)
         self._nursery: trio.Nursery | None = None  # where run() starts pushes and probes

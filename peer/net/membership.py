@@ -25,17 +25,18 @@ of inbound ones). A peer
   reservation) is theirs to close.
 
 The bound. Membership holds at most MAX_CONNECTIONS = MAX_NEIGHBOURS + 2 = 26 connections
-per peer in a steady swarm, whatever the swarm's size (see MAX_CONNECTIONS). With peers drawing uniformly, a peer's inbound count is
-about Poisson(OUTBOUND): mean 6, and above 18 for about one peer in 100,000.
-Sessions add their own connections (a route's neighbours, a requester), bounded by
-the session limits (peer/serve/limits.py).
+per peer in a steady swarm, whatever the swarm's size (see MAX_CONNECTIONS). With peers
+drawing uniformly, a peer's inbound count is about Poisson(OUTBOUND): mean 6, and above 18
+for about one peer in 100,000. Sessions add their own connections (a route's neighbours, a
+requester), bounded by the session limits (peer/serve/limits.py); libp2p keeps those until
+their owners close them.
 """
 
 from __future__ import annotations
 
 import os
 import random
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, Protocol, Sequence
 
 import trio
 
@@ -79,18 +80,35 @@ MAX_AVOID = 256  # peers remembered as refusing or unreachable (bounded: the swa
 Link = Callable[[str, int, float], Awaitable[int | None]]  # (peer, link ask, timeout) -> its answer, None: failed
 
 
+class MemberView(Protocol):
+    """What membership reads of a peer's view (gossip.py's ViewKeeper)."""
+
+    seeds: dict[str, tuple[str, ...]]  # join addresses, by peer id
+
+    def sample(self, rng: random.Random, fits: Callable[[str], bool]) -> str | None:
+        """A random live peer of the view that `fits`, or None."""
+        ...
+
+    def addrs(self, peer_id: str) -> tuple[str, ...]: ...
+
+    def grave_to_probe(self, now: float) -> str | None:
+        """A peer reported gone that is due to be dialled again, or None."""
+        ...
+
+    def grave_probed(self, peer_id: str, alive: bool, now: float) -> None: ...
+
+
 class Membership:
     """The neighbour set of one peer (see the module docstring). `link(peer, ask, timeout)`
     runs a gossip exchange carrying a link ask and returns the answer (None if it failed)."""
 
-    def __init__(self, transport: Transport, keeper, *, link: Link, rng: random.Random, interval: float,
+    def __init__(self, transport: Transport, keeper: MemberView, *, link: Link, rng: random.Random,
                  report_gone: Callable[[str], None], on_connect: Callable[[str], None] = lambda peer_id: None,
                  protected: Callable[[str], bool] = lambda peer_id: False) -> None:
         self.transport = transport
         self.keeper = keeper
         self.link = link
         self.rng = rng
-        self.interval = interval
         self.report_gone = report_gone
         self.on_connect = on_connect
         self.protected = protected  # connections never closed here (a relay reservation's)
@@ -114,7 +132,7 @@ class Membership:
 
     def status(self) -> dict:
         return {"outbound": sorted(self.outbound), "inbound": sorted(self.inbound), "opened": sorted(self.opened),
-                "bound": MAX_NEIGHBOURS}
+                "bound": MAX_CONNECTIONS}
 
     # -- the responder's side of a link ---------------------------------------------------
 
@@ -280,5 +298,5 @@ class Membership:
             self.pending.discard(peer_id)
 
 
-__all__ = ["Membership", "OUTBOUND", "MAX_INBOUND", "MAX_NEIGHBOURS", "MAX_CONNECTIONS", "REFRESH_PERIODS", "IDLE_CLOSE",
+__all__ = ["Membership", "MemberView", "OUTBOUND", "MAX_INBOUND", "MAX_NEIGHBOURS", "MAX_CONNECTIONS", "REFRESH_PERIODS", "IDLE_CLOSE",
            "CONNECT_TIMEOUT", "PROBE_TIMEOUT", "GRAVE_PROBE_PERIODS"]

@@ -39,7 +39,7 @@ def test_every_sequence_converges_within_the_bound(peers: int, sequence: list[Ev
     check(run_sequence(peers, sequence, seed=seed))
 
 
-@settings(max_examples=3, deadline=None, derandomize=True,
+@settings(max_examples=2, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(peers=st.integers(17, 64), sequence=st.lists(events, min_size=1, max_size=6), seed=st.integers(0, 2**16))
 def test_every_sequence_converges_within_the_bound_in_a_bigger_swarm(peers: int, sequence: list[Event],
