@@ -11,7 +11,7 @@ MODEL  := smollm2-135m
 # Short tracebacks: CI keeps only the tail of the log, and every failure should fit in it.
 PYTEST_ARGS ?= -n 2 --dist loadfile --tb=short
 
-.PHONY: install model demo test bench clean
+.PHONY: install model demo test docs screenshots bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,5 +31,15 @@ demo: model
 test: model
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The manual (docs/pages/, configured by docs/mkdocs.yml) as a static site in site/: open site/index.html.
+docs: install
+	$(VENV)/bin/mkdocs build --strict --config-file docs/mkdocs.yml
+
+# The manual's screenshots (docs/pages/images/), taken by the tests that drive the web view in chromium
+# and the TUI in Textual's pilot: what the docs show is what the tests saw.
+screenshots: model
+	TESSERA_SCREENSHOTS=docs/pages/images $(PY) -m pytest -p no:randomly -n 0 -q tests/web/test_web_browser.py \
+		tests/tui/test_tui.py::test_main_screen_shows_span_coverage_and_live_counters
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build site *.egg-info .pytest_cache .hypothesis

@@ -41,8 +41,8 @@ import torch
 import trio
 
 from tessera.peer.serve.batcher import MAX_BATCH_WAIT
-from tessera.stages import registry
-from tessera.stages.stage import Stage
+from tessera.stages.weights import registry
+from tessera.stages.engine.stage import Stage
 
 COUNTS = (1, 4, 8)
 KINDS = ("stage", "server", "server-peer")

@@ -8,7 +8,7 @@
    as a CPU peer runs them by default (float32 activations, dequantized in chunks: exact
    against the dequantized float32 model), the same with `--dtype bfloat16` (torch's int
    kernels, fast on a CPU: `int8/bf16`, `int4/bf16`) and dense bfloat16 for context; rounds alternate so that machine noise hits all alike. For the 1B shape,
-   the per-layer decode speed a peer measures and advertises (stages/speed.py), each kind
+   the per-layer decode speed a peer measures and advertises (stages/engine/speed.py), each kind
    vs float32.
 3. Aggregate decode tok/s of 1, 4 and 8 concurrent sessions on one peer (bench/batching.py).
 
@@ -27,13 +27,14 @@ import torch
 from batching import concurrent_sessions_figures  # bench/batching.py, beside this script
 
 from tessera.peer.node.config import KV_RESERVE_FRACTION
-from tessera.stages import registry
-from tessera.stages.quant import NO_QUANT, Quant, layer_bytes
-from tessera.stages.spec import ModelSpec
-from tessera.stages.speed import measure_layer_throughput
-from tessera.stages.stage import Stage
-from tessera.stages.synth import synth_spec
-from tessera.stages.tokenizer import Tokenizer
+from tessera.stages.weights import registry
+from tessera.stages.weights.quant import NO_QUANT, Quant, layer_bytes
+from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.catalog import spec_from_file
+from tessera.stages.engine.speed import measure_layer_throughput
+from tessera.stages.engine.stage import Stage
+from tessera.stages.weights.synth import synth_spec
+from tessera.stages.text.tokenizer import Tokenizer
 
 KINDS = [("float32", torch.float32, NO_QUANT), ("bfloat16", torch.bfloat16, NO_QUANT),
          ("int8", torch.float32, Quant("int8")), ("int4", torch.float32, Quant("int4")),
@@ -81,7 +82,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     budget = int(args.budget_gb * (1 << 30))
     folder = registry.resolve(args.model)
-    smol = ModelSpec.from_file(folder / "config.json")
+    smol = spec_from_file(folder / "config.json")
     shapes = {"smollm2": smol, "synth-1b": synth_spec(**SYNTH_1B)}
     last: list[str] = []
     for name, spec in shapes.items():

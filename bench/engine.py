@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from tessera.stages import registry
-from tessera.stages.stage import Stage
-from tessera.stages.tokenizer import Tokenizer
+from tessera.stages.weights import registry
+from tessera.stages.engine.stage import Stage
+from tessera.stages.text.tokenizer import Tokenizer
 
 
 def ours_decode(stage: Stage, ids: list[int], n: int) -> float:

@@ -31,11 +31,11 @@ import traceback
 import torch
 
 from tessera.protocol.fingerprint import relative_difference, tolerance
-from tessera.stages import registry
-from tessera.stages.generate import prompt_ids
-from tessera.stages.quant import Quant, dense_block
-from tessera.stages.stage import Stage
-from tessera.stages.tokenizer import Tokenizer
+from tessera.stages.weights import registry
+from tessera.stages.decoding.generate import prompt_ids
+from tessera.stages.weights.quant import Quant, dense_block
+from tessera.stages.engine.stage import Stage
+from tessera.stages.text.tokenizer import Tokenizer
 
 PROMPT = "What is the capital of France?"
 STEPS = 16

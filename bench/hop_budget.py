@@ -41,9 +41,9 @@ from swarm import STREAMS, even_spans, synth_1b  # bench/swarm.py, beside this s
 
 from tessera.peer.cli.demo import LocalSwarm
 from tessera.peer.request.client import Swarm
-from tessera.stages import registry
-from tessera.stages.generate import LocalEngine
-from tessera.stages.spec import ModelSpec
+from tessera.stages.weights import registry
+from tessera.stages.decoding.generate import LocalEngine
+from tessera.stages.families.catalog import spec_from_file
 from tessera.store.db import PeerStore
 from tessera.store.events import Forward, Push, Receive, Result, Stamped
 from tessera.store.trace import MemoryTracer
@@ -189,7 +189,7 @@ def main() -> None:
     torch.set_num_threads(1)
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     model = str(synth_1b()) if args.synth_1b else "smollm2-135m"
-    layers = ModelSpec.from_file(registry.resolve(model) / "config.json").num_layers
+    layers = spec_from_file(registry.resolve(model) / "config.json").num_layers
     kinds = ["dedicated"] if args.dedicated_only else list(STREAMS)
     answers = traced_answers(model, even_spans(layers, 3), args.tokens, args.rounds, kinds)
     local_ms = local_decode_ms(model, args.tokens, args.rounds)

@@ -36,8 +36,8 @@ from swarm import SYNTH_1B, even_spans, local_rate, synth_1b  # bench/swarm.py, 
 
 from tessera.peer.request.client import Swarm
 from tessera.peer.cli.demo import LocalSwarm
-from tessera.stages import registry
-from tessera.stages.generate import LocalEngine
+from tessera.stages.weights import registry
+from tessera.stages.decoding.generate import LocalEngine
 from tessera.store.db import PeerStore
 from tessera.store.events import Forward
 

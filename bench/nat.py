@@ -133,7 +133,7 @@ async def requester(args: argparse.Namespace) -> dict:
 
     from tessera.peer.request.client import Swarm
     from tessera.peer.net.transport import RELAYED
-    from tessera.stages.generate import prompt_ids
+    from tessera.stages.decoding.generate import prompt_ids
     from tests.netns import PUB_IP
 
     pairs = {"punched": args.punched.split(","), "relayed": args.relayed.split(",")}

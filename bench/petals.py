@@ -4,7 +4,7 @@ Two peers each (layers 0:15 and 15:30 of SmolLM2-135M-Instruct, one torch thread
 each), greedy decoding of the same chat prompt, decode tokens/s (steps after the
 first). Petals 2.2.0.post1 runs from its own venv (it pins old transformers and a
 hivemind that builds from an sdist): build it once with the script in
-bench/README.md ("Petals"), which also writes the run script this bench calls.
+docs/pages/benchmarks.md ("Petals"), which also writes the run script this bench calls.
 Without it, this bench says so and exits 0.
 
     .venv/bin/python bench/petals.py [--tokens 48] [--petals-root ~/.cache/petals-bench]
@@ -27,8 +27,8 @@ import trio
 
 from tessera.peer.request.client import Swarm
 from tessera.peer.cli.demo import LocalSwarm
-from tessera.stages import registry
-from tessera.stages.generate import LocalEngine, prompt_ids
+from tessera.stages.weights import registry
+from tessera.stages.decoding.generate import LocalEngine, prompt_ids
 
 SPANS = [(0, 15), (15, 30)]
 PROMPT = "What is the capital of France?"
@@ -107,7 +107,7 @@ def main() -> None:
     if missing is None and not run_script.exists():
         missing = f"no Petals run script at {run_script}"
     if missing is not None:
-        print(f"SKIPPED: Petals is not installed ({missing}). See bench/README.md, 'Petals', to build it.")
+        print(f"SKIPPED: Petals is not installed ({missing}). See docs/pages/benchmarks.md, 'Petals', to build it.")
         sys.exit(0)
     torch.set_num_threads(1)
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)

@@ -65,8 +65,8 @@ def main() -> None:
     recoveries, gaps = [], []
     try:
         peers.start(together=True)
-        from tessera.stages.tokenizer import Tokenizer
-        from tessera.stages import registry
+        from tessera.stages.text.tokenizer import Tokenizer
+        from tessera.stages.weights import registry
 
         ids = Tokenizer.from_folder(registry.resolve("smollm2-135m")).encode("The history of the city begins in the year")
         for r in range(args.rounds):

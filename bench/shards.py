@@ -29,7 +29,7 @@ from tessera.peer.cli.store import load_audit_logs
 from tessera.peer.plan.audit import check
 from tessera.peer.plan.groups import group_hop_id
 from tessera.peer.request.group import GroupSession
-from tessera.stages.shard_layout import ROUNDS_PER_LAYER
+from tessera.stages.shards.layout import ROUNDS_PER_LAYER
 
 PROMPT = [1, 504, 3458, 282, 4649, 30, 216, 10]
 

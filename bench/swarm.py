@@ -37,10 +37,10 @@ import trio
 
 from tessera.peer.request.client import Swarm
 from tessera.peer.cli.demo import LocalSwarm
-from tessera.stages import registry
-from tessera.stages.generate import LocalEngine
-from tessera.stages.spec import ModelSpec
-from tessera.stages.stage import Stage
+from tessera.stages.weights import registry
+from tessera.stages.decoding.generate import LocalEngine
+from tessera.stages.families.catalog import spec_from_file
+from tessera.stages.engine.stage import Stage
 from tessera.peer.net.emulated import LinkEmulation
 
 SYNTH_1B = dict(hidden=2048, layers=24, heads=16, kv_heads=8, intermediate=5632, vocab=32000, seed=0)
@@ -85,7 +85,7 @@ STREAMS = {"dedicated": [], "libp2p streams": ["--no-dedicated"]}  # swarm kind 
 
 def measure(model: str, label: str, tokens: int, rounds: int, kinds: list[str]) -> tuple[dict[str, float], float]:
     """({swarm kind: tokens/s}, local tokens/s), medians over `rounds`."""
-    spec = ModelSpec.from_file(registry.resolve(model) / "config.json")
+    spec = spec_from_file(registry.resolve(model) / "config.json")
     engine = LocalEngine(registry.resolve(model), device="cpu", dtype="float32")
     # a prompt whose answer does not stop early: greedy continuation of a plain text
     ids = engine.tokenizer.encode("The history of the city begins in the year")[:16] or [5] * 16
@@ -127,7 +127,7 @@ def idle_penalty(model: str, idle: float, steps: int = 40) -> float:
     """One span's decode forward (a third of the layers, one thread) after `idle` seconds of
     waiting, as a pipeline stage waits for its next frame, over back to back: medians."""
     folder = registry.resolve(model)
-    spec = ModelSpec.from_file(folder / "config.json")
+    spec = spec_from_file(folder / "config.json")
     start, end = even_spans(spec.num_layers, 3)[0]
     stage = Stage.load(folder, start=start, end=end)
     stage.open("s", capacity=16 + 2 * steps + 2, start=start, end=end)

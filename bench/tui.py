@@ -38,9 +38,9 @@ import trio  # noqa: E402
 from tessera.peer.request.client import Swarm  # noqa: E402
 from tessera.peer.node.config import PeerConfig  # noqa: E402
 from tessera.peer.node.compose import build_peer  # noqa: E402
-from tessera.stages import registry  # noqa: E402
-from tessera.stages.generate import prompt_ids  # noqa: E402
-from tessera.stages.spec import ModelSpec  # noqa: E402
+from tessera.stages.weights import registry  # noqa: E402
+from tessera.stages.decoding.generate import prompt_ids  # noqa: E402
+from tessera.stages.families.catalog import spec_from_file  # noqa: E402
 from tessera.tui.app import TesseraApp  # noqa: E402
 from tessera.tui.bridge import PeerHandle  # noqa: E402
 
@@ -107,9 +107,9 @@ def main() -> None:
     size = tuple(int(x) for x in args.size.lower().split("x"))
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="tessera-bench-tui-") as tmp:
-        spec = ModelSpec.from_file(registry.resolve(args.model) / "config.json")
+        spec = spec_from_file(registry.resolve(args.model) / "config.json")
         node = build_peer(PeerConfig(model=args.model, layers=(0, spec.num_layers), data_dir=Path(tmp),
-                                   threads=args.threads, name="bench"))
+                                   threads=args.threads, name="bench", listen=["/ip4/127.0.0.1/tcp/0"]))
         handle = PeerHandle(node)
         handle.start()
         try:

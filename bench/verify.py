@@ -21,7 +21,7 @@ from tessera.peer.request.client import Swarm
 from tessera.peer.cli.demo import LocalSwarm
 from tessera.peer.request.ports import CheckPolicy
 from tessera.protocol.fingerprint import fingerprint_bytes
-from tessera.stages.generate import prompt_ids
+from tessera.stages.decoding.generate import prompt_ids
 
 SPANS = [(0, 15), (15, 30), (0, 15), (15, 30)]
 RATES = [0.0, 0.01, 0.05, 0.10]

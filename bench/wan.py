@@ -29,8 +29,8 @@ from tessera.peer.request.client import Swarm
 from tessera.peer.cli.demo import LocalSwarm
 from tessera.peer.net.emulated import LinkEmulation
 from tessera.peer.request.decode import Speculation
-from tessera.stages.generate import prompt_ids
-from tessera.stages.speculative import AdaptiveK, NgramDrafter
+from tessera.stages.decoding.generate import prompt_ids
+from tessera.stages.decoding.speculative import AdaptiveK, NgramDrafter
 
 SPANS = [(0, 8), (8, 15), (15, 23), (23, 30)]
 PEER_DELAYS_MS = [40, 60, 75, 50]

@@ -44,8 +44,8 @@ from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.request.client import Swarm
 from tessera.peer.weights.bootstrap import bootstrap_model
 from tessera.peer.weights.fetcher import Fetcher
-from tessera.stages import registry
-from tessera.stages.generate import prompt_ids
+from tessera.stages.weights import registry
+from tessera.stages.decoding.generate import prompt_ids
 
 MODEL = "smollm2-135m"
 

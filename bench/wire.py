@@ -8,7 +8,7 @@ full per-hop path of a float32 hidden-state tensor [T, H]:
     receive: frame decoder -> decode Forward -> open (authenticate, decrypt) -> decode_tensor
 
 and reports both directions in MB/s of tensor data. In the same run it times one
-Llama decoder layer (`tessera.stages.model.Block`: GQA attention with n_kv = n_heads / 2,
+Llama decoder layer (`tessera.stages.layers.block.Block`: GQA attention with n_kv = n_heads / 2,
 SwiGLU MLP of width 2.75 H, float32, random weights) on the same T tokens after a
 128-position KV history, with 1 and with 2 threads, and prints the ratio
 
@@ -36,8 +36,12 @@ from tessera.protocol.codec import decode, encode
 from tessera.protocol.framing import FrameDecoder, encode_frame
 from tessera.protocol.links import Direction, LinkCipher
 from tessera.protocol.messages import Forward
-from tessera.stages.model import Block, KVCache, Rotary, StepContext, attention_mask
-from tessera.stages.spec import ModelSpec
+from tessera.stages.families.llama import llama_spec
+from tessera.stages.families.spec import ModelSpec
+from tessera.stages.layers.attention import StepContext
+from tessera.stages.layers.block import Block
+from tessera.stages.layers.cache import SessionCache
+from tessera.stages.layers.rope import Rotary
 
 HISTORY = 128  # KV positions already cached before the timed step
 SHAPES = {576: (9, 3, 1536), 2048: (16, 8, 5632), 8192: (64, 32, 22528)}  # heads, kv heads, MLP width
@@ -45,8 +49,8 @@ SHAPES = {576: (9, 3, 1536), 2048: (16, 8, 5632), 8192: (64, 32, 22528)}  # head
 
 def spec_for(hidden: int) -> ModelSpec:
     heads, kv_heads, width = SHAPES.get(hidden, (hidden // 128, hidden // 256, round(2.75 * hidden / 64) * 64))
-    return ModelSpec(
-        architecture="llama", vocab_size=32000, hidden_size=hidden, intermediate_size=width, num_layers=1,
+    return llama_spec(
+        vocab_size=32000, hidden_size=hidden, intermediate_size=width, num_layers=1,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=hidden // heads,
     )
 
@@ -98,8 +102,9 @@ def wire_times(hidden: torch.Tensor, *, min_time: float) -> tuple[float, float]:
 
 def layer_time(spec: ModelSpec, tokens: int, *, threads: int, min_time: float) -> float:
     torch.set_num_threads(threads)
+    layer = spec.layers[0]
     with torch.device("meta"):
-        block = Block(spec)
+        block = Block(spec, layer)
     block = block.to_empty(device="cpu").train(False)
     with torch.no_grad():
         for name, p in block.named_parameters():
@@ -108,17 +113,18 @@ def layer_time(spec: ModelSpec, tokens: int, *, threads: int, min_time: float) -
             else:
                 bound = 1.0 / math.sqrt(p.shape[-1])
                 p.uniform_(-bound, bound)
-    cache = KVCache(1, spec, HISTORY + tokens)
-    cache.keys.normal_()
-    cache.values.normal_()
+    cache = SessionCache([layer.cache], HISTORY + tokens)
+    cache.reserve(0, HISTORY + tokens)
+    cache.layers[0].keys.normal_()
+    cache.layers[0].values.normal_()
     positions = torch.arange(HISTORY, HISTORY + tokens)
-    cos, sin = Rotary(spec).cos_sin(positions)
-    ctx = StepContext(HISTORY, cos, sin, attention_mask(HISTORY, tokens, None, torch.device("cpu")))
+    rope = (layer.attention.rope, layer.attention.rope_dim)
+    ctx = StepContext(HISTORY, {rope: Rotary(*rope).cos_sin(positions)}, torch.device("cpu"))
     x = torch.randn(tokens, spec.hidden_size)
 
     def run() -> None:
         with torch.inference_mode():
-            block(x, ctx, cache.keys[0], cache.values[0])
+            block(x, ctx, cache.layers[0])
 
     seconds = median_time(run, min_time=min_time)
     return seconds

@@ -12,7 +12,7 @@ from enum import StrEnum
 class ErrorCode(StrEnum):
     """A code's value is what travels (a plain string on the wire: schema.Str.dump converts)."""
 
-    BUSY = "busy"  # too many sessions; try another peer
+    BUSY = "busy"  # no room now (sessions or KV memory); ErrorMsg.retry_after says when to ask again
     DRAINING = "draining"  # this peer is leaving or draining
     TOO_LONG = "too-long"  # the context or KV memory asked for exceeds the limits
     BAD_SPAN = "bad-span"  # the layers asked for are not served here
@@ -20,6 +20,9 @@ class ErrorCode(StrEnum):
     BAD_FRAME = "bad-frame"  # a frame failed to decrypt, decode or validate
     COMPUTE_FAILED = "compute-failed"  # the stage rejected the input (shape, NaN/Inf, context)
     NEXT_HOP_FAILED = "next-hop-failed"  # our push to the next peer failed
+    # an idle session was dropped to make room for another requester (peer/serve/admission.py):
+    # no fault of the peer's; reopen (here after retry_after, or elsewhere) and replay
+    RECLAIMED = "reclaimed"
 
 
 # The members under their short names, as the server and the requester use them.
@@ -31,3 +34,4 @@ BAD_REQUEST = ErrorCode.BAD_REQUEST
 BAD_FRAME = ErrorCode.BAD_FRAME
 COMPUTE_FAILED = ErrorCode.COMPUTE_FAILED
 NEXT_HOP_FAILED = ErrorCode.NEXT_HOP_FAILED
+RECLAIMED = ErrorCode.RECLAIMED

@@ -38,6 +38,7 @@ import tessera.protocol.dedicated  # noqa: F401
 import tessera.protocol.shards  # noqa: F401
 import tessera.protocol.weights  # noqa: F401
 from tessera.protocol import schema
+from tessera.protocol.admission import OPEN_FRAME_LIMIT, has_work, session_frame_limit, solve_work
 from tessera.protocol.activations import clear_header, open_activations, seal_activations
 from tessera.protocol.codec import decode, encode
 from tessera.protocol.crypto import RECORD_CONTEXT, sign_record, verify_record
@@ -45,7 +46,8 @@ from tessera.protocol.errors import EndOfStream, InconsistentFields, WireError
 from tessera.protocol.framing import FrameDecoder, encode_frame, read_frame
 from tessera.protocol.keys import EphemeralKey, Identity
 from tessera.protocol.links import Direction, LinkCipher, open_link_key, seal_link_key
-from tessera.protocol.messages import Forward, SealedKey
+from tessera.protocol.messages import Forward, SealedKey, SessionOpen
+from tessera.protocol.shards import ShardOpen
 from tessera.protocol.records import PeerRecord, SignedRecord
 from tessera.protocol.tensors import DTYPES, decode_tensor, encode_tensor
 
@@ -262,7 +264,8 @@ def _draw(rng: random.Random, node: schema.Node) -> Any:
         return rng.choice((node.lo, node.hi, min(node.lo + 1, node.hi), rng.randint(node.lo, min(node.hi, node.lo + 4096))))
     if isinstance(node, schema.Float):
         lo = 0.0 if node.lo is None else node.lo
-        return rng.choice((lo, lo + 0.5, lo + 2.0, lo + 1e3, rng.uniform(lo, lo + 1e4)))
+        hi = lo + 1e4 if node.hi is None else node.hi
+        return min(hi, rng.choice((lo, lo + 0.5, lo + 2.0, lo + 1e3, rng.uniform(lo, hi))))
     if isinstance(node, schema.Bool):
         return rng.random() < 0.5
     if isinstance(node, schema.Bytes):
@@ -322,6 +325,21 @@ def build_targets(seed: int = 0) -> list[Target]:
         forwards.append(encode(seal_activations(sending, template, decode_tensor(blob))))
     ciphertexts = tuple(decode(f).payload for f in forwards[:1])
 
+    # What a stage server reads first on a session stream: one frame of at most OPEN_FRAME_LIMIT,
+    # an open request whose work it checks and whose declared length sets its frame limit.
+    opener = Identity.from_seed(rng.randbytes(32))
+    opens = [dataclasses.replace(random_message(rng, cls), requester=opener.peer_id, work=solve_work(opener.peer_id, bits=8))
+             for cls in (SessionOpen, ShardOpen) for _ in range(4)]
+    open_requests = tuple(encode_frame(encode(m), max_size=OPEN_FRAME_LIMIT) for m in opens)
+
+    def run_open_request(data: bytes) -> None:
+        frames = FrameDecoder(max_size=OPEN_FRAME_LIMIT).feed(data)
+        for payload in frames[:1]:
+            msg = decode(payload, max_size=OPEN_FRAME_LIMIT)
+            if isinstance(msg, (SessionOpen, ShardOpen)):
+                has_work(msg.requester, msg.work, bits=8)
+                session_frame_limit(msg.max_length, 576)
+
     def run_frames(data: bytes) -> None:
         decoder = FrameDecoder(max_size=FRAME_LIMIT)
         n = len(data)  # split into pieces at input-dependent points, some one byte long
@@ -354,6 +372,7 @@ def build_targets(seed: int = 0) -> list[Target]:
         Target("message", decode, message_corpus),
         Target("tensor", decode_tensor, tuple(tensors)),
         Target("frame", run_frames, frames),
+        Target("open_request", run_open_request, open_requests),
         Target("record", run_record, tuple(records)),
         Target("record_body", run_record_body, tuple(decode(r).record for r in records)),
         Target("link_key", run_link_key, sealed),

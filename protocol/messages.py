@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tessera.protocol.admission import WORK_NONCE_SIZE
 from tessera.protocol.codec import MAX_MESSAGE_SIZE, PROTOCOL_VERSION, decode, encode, message
 from tessera.protocol.errors import InconsistentFields
 from tessera.protocol.records import (
@@ -87,6 +88,8 @@ MAX_PAYLOAD = MAX_MESSAGE_SIZE - 4096
 """Largest encrypted activation payload: a full frame less room for the header."""
 
 MAX_TEXT = 1024
+MAX_RETRY_AFTER = 3600.0
+"""Seconds a refusal may ask a requester to wait at most."""
 
 
 @message("sealed")
@@ -130,6 +133,9 @@ class SessionOpen:
             in_key link; None if the requester itself feeds this peer.
         inject_key: optional key of a link from the requester straight to this
             peer (used to replay inputs into a replacement, or to spot-check it).
+        work: the requester's proof of work for its identity (see
+            `tessera.protocol.admission`); empty: none (such a requester waits behind
+            every requester with work when the peer is full).
     """
 
     session_id: bytes = wire(size=SESSION_ID_SIZE)
@@ -145,6 +151,7 @@ class SessionOpen:
     tap_key: SealedKey | None = None
     prev_peer: bytes | None = wire(default=None, max_len=MAX_PEER_ID_SIZE)
     inject_key: SealedKey | None = None
+    work: bytes = wire(default=b"", max_len=WORK_NONCE_SIZE)
 
     def __post_init__(self) -> None:
         if self.start >= self.end:
@@ -324,8 +331,11 @@ class ErrorMsg:
         code: a short machine-readable code (e.g. "overloaded", "bad-frame").
         message: a human-readable explanation.
         session_id: the session concerned, if any.
+        retry_after: for a refusal that passes ("busy"): the seconds after which the
+            peer expects to have room for the asker; None: not said.
     """
 
     code: str = wire(max_len=64)
     message: str = wire(max_len=MAX_TEXT)
     session_id: bytes | None = wire(default=None, size=SESSION_ID_SIZE)
+    retry_after: float | None = wire(default=None, min=0.0, max=MAX_RETRY_AFTER)

@@ -1,7 +1,7 @@
 """Messages of tensor-shard groups: opening a sharded session, and the collectives' frames.
 
 A *group* of n peers serves a span together, each holding one hidden slice (see
-`stages/sharded.py`). The requester opens the session on every member with a
+`stages/shards/sharded.py`). The requester opens the session on every member with a
 `ShardOpen`; then, on the member's session stream, it sends the member's input slice
 (a `Forward`) and receives its output slice (a `Result`), as on any session stream.
 Inside the group, rank i pushes its collective contributions to rank j on a link of
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tessera.protocol.admission import WORK_NONCE_SIZE
 from tessera.protocol.codec import message
 from tessera.protocol.errors import InconsistentFields
 from tessera.protocol.messages import (
@@ -69,6 +70,7 @@ class ShardOpen:
         in_key: key of the link requester -> this rank (its input slices).
         out_key: key of the link this rank -> requester (its output slices).
         others: every other rank, in rank order (the recipient's place skipped).
+        work: the requester's proof of work for its identity (as in SessionOpen).
     """
 
     session_id: bytes = wire(size=SESSION_ID_SIZE)
@@ -82,6 +84,7 @@ class ShardOpen:
     in_key: SealedKey
     out_key: SealedKey
     others: tuple[ShardPeer, ...] = wire(max_items=MAX_GROUP - 1)
+    work: bytes = wire(default=b"", max_len=WORK_NONCE_SIZE)
 
     def __post_init__(self) -> None:
         if self.start >= self.end:

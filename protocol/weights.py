@@ -6,7 +6,7 @@
       | -- WeightChunkRequest(id, name, i) ->  |   any number, one at a time on a stream
       | <- WeightChunk(id, name, i, data) ---  |   (or WeightRefused, then the stream closes)
 
-The manifest travels as its canonical JSON (`stages/tensor_table.py`): the fetcher
+The manifest travels as its canonical JSON (`stages/weights/tensor_table.py`): the fetcher
 checks that it hashes to the model id before trusting a byte of it, and every chunk
 against the sha256 the manifest lists. `name` is a tensor name, or a small file's
 name (config.json, tokenizer.json, ...) when `is_file` is set.

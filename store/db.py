@@ -179,11 +179,13 @@ class PeerStore(Reputation):
         self, requester: str, layer_tokens: int, *, steps: int = 1, bytes: int = 0, at: float | None = None
     ) -> None:
         """Add one contribution (layer_tokens = tokens x layers computed) to this hour's row."""
-        key = (check_text("requester", requester), hour_bucket(timestamp(at)))
+        at = timestamp(at)
+        key = (check_text("requester", requester), hour_bucket(at))
         values = (
             check_int("layer_tokens", layer_tokens),
             check_int("steps", steps),
             check_int("bytes", bytes),
+            at,
         )
         if self._closed:
             raise StoreClosed(f"{str(self.path)!r} is closed")
@@ -200,7 +202,8 @@ class PeerStore(Reputation):
 
         ``today`` sums the hours that began at or after `day_start` (default: local midnight
         of `now`); ``total`` sums everything; ``by_requester`` maps each requester to its
-        sums plus ``last_hour``, largest contribution first. Each sum is
+        sums plus ``last`` (unix time of its latest contribution; the start of its hour for
+        rows written before the ledger kept it), largest contribution first. Each sum is
         ``{"layer_tokens", "steps", "bytes"}``.
         """
         if day_start is None:
@@ -213,7 +216,7 @@ class PeerStore(Reputation):
         total = self._query(f"SELECT {sums} FROM ledger")[0]
         today = self._query(f"SELECT {sums} FROM ledger WHERE hour >= ?", (math.floor(day_start),))[0]
         rows = self._query(
-            f"SELECT requester, {sums}, max(hour) AS last_hour FROM ledger"
+            f"SELECT requester, {sums}, max(coalesce(last, hour)) AS last FROM ledger"
             " GROUP BY requester ORDER BY layer_tokens DESC, requester"
         )
         by_requester = {r.pop("requester"): r for r in rows}
@@ -236,3 +239,14 @@ class PeerStore(Reputation):
             params += [cls.kind for cls in kinds]
         tail = f"LIMIT {int(limit)}" if limit is not None else ""
         return [stamped(row) for row in self._query(f"SELECT * FROM trace {where} ORDER BY id {tail}", tuple(params))]
+
+    def recent_events(self, *, kinds: tuple[type[TraceEvent], ...] | None = None, limit: int = 50) -> list[Stamped]:
+        """The newest `limit` trace events of the classes `kinds` (all when None), oldest first: a
+        status page's tail. Read backwards by id, so it costs the rows since the `limit`-th newest
+        match, not the whole trace a long-lived peer keeps."""
+        where, params = "", []
+        if kinds:
+            where = "WHERE kind IN ({})".format(", ".join("?" * len(kinds)))
+            params = [cls.kind for cls in kinds]
+        rows = self._query(f"SELECT * FROM trace {where} ORDER BY id DESC LIMIT {int(limit)}", tuple(params))
+        return [stamped(row) for row in reversed(rows)]

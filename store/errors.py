@@ -67,3 +67,7 @@ class NotATraceDatabase(StoreError):
 
 class BadTraceRow(NotATraceDatabase):
     """A stored trace row has no usable time or peer id, so it cannot be placed on a timeline."""
+
+
+class BadTimeWindow(StoreError, ValueError):
+    """A --since/--until/--session window that names no time or selects nothing."""

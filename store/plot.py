@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tessera.store.events import Ban, Error, Failover, Forward, Join, Leave, Misbehaviour, Move, Result, TraceEvent
-from tessera.store.timeline import Event, Timeline, load_timeline
+from tessera.store.timeline import Event, Timeline, When, load_timeline
 
 # Events drawn as markers on their peer's row: event class -> (marker, colour).
 MARKERS: dict[type[TraceEvent], tuple[str, str]] = {
@@ -70,9 +70,13 @@ def _lanes(intervals: list[tuple[float, float]]) -> tuple[list[int], int]:
 
 
 def plot_timeline(
-    db_paths: Sequence[Path | str], out_png: Path | str, *, title: str | None = None
+    db_paths: Sequence[Path | str], out_png: Path | str, *, title: str | None = None,
+    since: When | None = None, until: When | None = None, sessions: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Draw the merged timeline of `db_paths` into `out_png`; return what was drawn."""
+    """Draw the merged timeline of `db_paths` into `out_png`; return what was drawn.
+
+    `since`, `until`, `sessions`: draw only that window (`Timeline.window`), on the whole
+    timeline's axis (its seconds are the ones `--since 12.5` names). Raises BadTimeWindow."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,10 +84,19 @@ def plot_timeline(
     from matplotlib.patches import Patch
 
     timeline: Timeline = load_timeline(db_paths)
+    windowed = since is not None or until is not None or bool(sessions)
+    if windowed:
+        timeline = timeline.window(since, until, sessions)
     peers = timeline.peers
     row = {peer: i for i, peer in enumerate(peers)}
     sessions: dict[str | None, int] = {}
-    span = max((e.t for e in timeline.events), default=1.0) or 1.0
+    left = min((e.start for e in timeline.events), default=0.0) if windowed else 0.0
+    right = max((e.t for e in timeline.events), default=1.0) or 1.0
+    if since is not None:
+        left = since.on(timeline)
+    if until is not None:
+        right = until.on(timeline)
+    span = max(right - left, 1e-6)
     fig_h = 1.6 + 0.75 * max(len(peers), 1)
     fig, ax = plt.subplots(figsize=(12, fig_h), dpi=110)
     forwards = [e for e in timeline.events if isinstance(e.event, Forward)]
@@ -139,7 +152,7 @@ def plot_timeline(
             drawn_markers.add(e.kind)
     ax.set_yticks(range(len(peers)), [_row_label(p, timeline.events) for p in peers], fontsize=9)
     ax.set_ylim(len(peers) - 0.45, -0.75)  # first peer on top
-    ax.set_xlim(0, span * 1.02)
+    ax.set_xlim(left, left + span * 1.02)
     ax.set_xlabel("seconds since the first event (clocks aligned across peers)")
     ax.grid(axis="x", color="#e0e0e0", linewidth=0.6)
     ax.set_axisbelow(True)
@@ -166,6 +179,7 @@ def plot_timeline(
     fig.savefig(out_png)
     plt.close(fig)
     return {
+        "window": [left, right] if windowed else None,
         "peers": peers,
         "forward_steps": len(forwards),
         "pushes": len(timeline.pairs),

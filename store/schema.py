@@ -173,7 +173,13 @@ def _migration_1(db: Database) -> None:
         db.execute(sql)
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [_migration_1]
+def _migration_2(db: Database) -> None:
+    """The ledger keeps when each requester's row was last added to: the hour alone made
+    `tessera ledger` say "last 14:00" for work done at 14:58. Older rows keep NULL (their hour)."""
+    db.execute("ALTER TABLE ledger ADD COLUMN last REAL")
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [_migration_1, _migration_2]
 
 
 def current_version() -> int:

@@ -34,10 +34,11 @@ import math
 import sqlite3
 from collections import defaultdict
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from tessera.store.errors import BadTraceRow, NotATraceDatabase
+from tessera.store.errors import BadTimeWindow, BadTraceRow, NotATraceDatabase
 from tessera.store.events import Push, Receive, TraceEvent, Unknown, stamped
 from tessera.store.writer import TRACE_COLUMNS
 
@@ -97,6 +98,69 @@ class Timeline:
         for event in self.events:
             seen.setdefault(event.peer, None)
         return list(seen)
+
+    def window(self, since: "When | None" = None, until: "When | None" = None,
+               sessions: Sequence[str] = ()) -> "Timeline":
+        """The events overlapping [since, until] (either open), of the sessions whose id starts
+        with one of `sessions` (none given: every event), and the push/receive pairs with both
+        ends kept; times stay on this timeline's axis. Raises BadTimeWindow for an empty window
+        or one that keeps no event."""
+        lo = -math.inf if since is None else since.on(self)
+        hi = math.inf if until is None else until.on(self)
+        if lo > hi:
+            raise BadTimeWindow(f"--since ({lo:.3f} s) is after --until ({hi:.3f} s) on this timeline")
+        wanted = tuple(s.lower() for s in sessions)
+
+        def kept(e: Event) -> bool:
+            if e.t < lo or e.start > hi:
+                return False
+            session = getattr(e.event, "session", None)
+            return not wanted or (isinstance(session, str) and session.lower().startswith(wanted))
+
+        events = [e for e in self.events if kept(e)]
+        if not events:
+            what = f"sessions {', '.join(sessions)}" if sessions else "events"
+            raise BadTimeWindow(f"no {what} between {lo:.3f} s and {hi:.3f} s of this timeline "
+                                f"(it spans 0 to {max((e.t for e in self.events), default=0.0):.3f} s)")
+        ids = {id(e) for e in events}
+        pairs = [(p, r) for p, r in self.pairs if id(p) in ids and id(r) in ids]
+        return Timeline(self.paths, events, self.offsets, self.reference, self.origin, pairs,
+                        sum(1 for p, r in pairs if r.t <= p.t))
+
+
+@dataclass(frozen=True)
+class When:
+    """A point on a timeline: `seconds` since its first event, or a `wall` clock time (unix s,
+    placed on the reference clock: `Timeline.origin`)."""
+
+    seconds: float | None = None
+    wall: float | None = None
+
+    def on(self, timeline: Timeline) -> float:
+        return self.seconds if self.seconds is not None else float(self.wall) - timeline.origin
+
+
+def parse_when(text: str, *, today: datetime | None = None) -> When:
+    """'12.5' (seconds since the first event), '2026-12-05T14:03:00' or '14:03[:00]' (local
+    time; today's). Raises BadTimeWindow naming the text."""
+    text = text.strip()
+    try:
+        return When(seconds=float(text))
+    except ValueError:
+        pass
+    try:
+        return When(wall=datetime.fromisoformat(text).timestamp())
+    except ValueError:
+        pass
+    for form in ("%H:%M:%S", "%H:%M"):
+        try:
+            clock = datetime.strptime(text, form).time()
+        except ValueError:
+            continue
+        day = (today or datetime.now()).date()
+        return When(wall=datetime.combine(day, clock).timestamp())
+    raise BadTimeWindow(f"{text!r} is not a time: give seconds since the first event (12.5), "
+                        "a clock time (14:03 or 14:03:20, today) or an ISO date and time (2026-12-05T14:03:00)")
 
 
 def read_events(path: Path, db: int = 0) -> list[Event]:

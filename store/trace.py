@@ -1,6 +1,7 @@
 """The trace: one row per event a peer (or requester) saw, written off the hot path.
 
     tracer = TraceWriter(DATA_DIR / "tessera.db", peer=my_peer_id)
+    tracer = TraceWriter("requester.db")   # the peer id bound later: `Swarm.join(..., tracer=tracer)` binds its own
     t0 = time.perf_counter()
     out = stage.forward(...)
     tracer.emit(Forward(session=sid, step=7, span=(0, 10), duration=time.perf_counter() - t0))
@@ -24,7 +25,9 @@ Besides the event, a row holds its envelope:
   the receiver may log the frame before the sender's send returns, and a push stamped
   after its receive would make the clock alignment of store/timeline.py contradict itself.
 - ``peer`` — who saw it; defaults to the tracer's peer (a simulation, or a rank's audit
-  log, may name another).
+  log, may name another). A tracer made before its owner has a peer id (a requester's id
+  exists only once `Swarm.join` has made its key) is given it by `bind(peer)`; emitting
+  before that is a `BadTraceField`.
 """
 
 from __future__ import annotations
@@ -79,32 +82,48 @@ class Tracer(Protocol):
         """Flush and stop; idempotent."""
         ...
 
+    def bind(self, peer: str) -> None:
+        """Take `peer` as the default peer of every event, unless one was given when the tracer
+        was made (a requester binds its id as it joins; a test's named tracer keeps its name)."""
+        ...
+
     def __enter__(self) -> "Tracer": ...
 
     def __exit__(self, *exc: object) -> None: ...
 
 
 class _Closing:
+    """The context manager, and the late `bind` of the peer id, of every tracer."""
+
+    peer: str | None
+
     def __enter__(self):  # type: ignore[no-untyped-def]
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()  # type: ignore[attr-defined]
 
+    def bind(self, peer: str) -> None:
+        if not isinstance(peer, str) or not peer:
+            raise BadTraceField(f"peer must be a non-empty str, got {peer!r}")
+        if self.peer is None:
+            self.peer = peer
+
 
 class TraceWriter(_Closing):
     """Writes events to a peer database through its background writer thread.
 
     `store_or_path` is an open `PeerStore` (shared: `close()` then only flushes) or a path
-    (the tracer opens the store and closes it on `close()`). `flush_interval` applies to a
+    (the tracer opens the store and closes it on `close()`). `peer`: whose events these are;
+    None until `bind` gives it (see the module docstring). `flush_interval` applies to a
     store the tracer opens; given with a shared store, the store's writer takes the shorter
     of its own interval and this one.
     """
 
     def __init__(
-        self, store_or_path: PeerStore | Path | str, *, peer: str, flush_interval: float | None = None
+        self, store_or_path: PeerStore | Path | str, *, peer: str | None = None, flush_interval: float | None = None
     ) -> None:
-        if not isinstance(peer, str) or not peer:
+        if peer is not None and (not isinstance(peer, str) or not peer):
             raise BadTraceField(f"peer must be a non-empty str, got {peer!r}")
         self.peer = peer
         if isinstance(store_or_path, PeerStore):
@@ -123,7 +142,11 @@ class TraceWriter(_Closing):
     ) -> None:
         if self._closed:
             raise StoreClosed(f"tracer for {self.peer!r} is closed; cannot emit {event.kind!r}")
-        self._writer.submit(("trace", make_row(event, peer or self.peer, wall=wall, mono_ns=mono_ns)))
+        peer = peer or self.peer
+        if peer is None:
+            raise BadTraceField(f"{event.kind} event: this tracer has no peer id yet: make it with peer=..., "
+                                "or hand it to Swarm.join, which binds the requester's")
+        self._writer.submit(("trace", make_row(event, peer, wall=wall, mono_ns=mono_ns)))
 
     def flush(self, timeout: float | None = None) -> None:
         if self._closed:

@@ -10,8 +10,9 @@ batch survives kill -9, so a crash loses at most the last interval of events.
 An item is one of:
 
 - ``("trace", row)`` — a tuple in `TRACE_INSERT` column order (built by store/trace.py);
-- ``("ledger", (requester, hour), (layer_tokens, steps, bytes))`` — summed per key within
-  a batch, then upsert-accumulated, so a step on the hot path costs one queue append;
+- ``("ledger", (requester, hour), (layer_tokens, steps, bytes, at))`` — the counts summed per
+  key within a batch, then upsert-accumulated, and the latest `at` kept (the row's ``last``),
+  so a step on the hot path costs one queue append;
 - ``("op", fn, label)`` — ``fn(db)`` runs inside the batch's transaction (rare writes:
   identity, claims, reports).
 
@@ -73,10 +74,11 @@ TRACE_INSERT = "INSERT INTO trace ({}) VALUES ({})".format(
     ", ".join(TRACE_COLUMNS), ", ".join("?" * len(TRACE_COLUMNS))
 )
 LEDGER_UPSERT = (
-    "INSERT INTO ledger (requester, hour, layer_tokens, steps, bytes) VALUES (?, ?, ?, ?, ?)"
+    "INSERT INTO ledger (requester, hour, layer_tokens, steps, bytes, last) VALUES (?, ?, ?, ?, ?, ?)"
     " ON CONFLICT (requester, hour) DO UPDATE SET"
     " layer_tokens = layer_tokens + excluded.layer_tokens,"
-    " steps = steps + excluded.steps, bytes = bytes + excluded.bytes"
+    " steps = steps + excluded.steps, bytes = bytes + excluded.bytes,"
+    " last = max(coalesce(last, excluded.last), excluded.last)"
 )
 
 Item = tuple[Any, ...]
@@ -101,9 +103,12 @@ def apply_items(db: Database, items: list[Item]) -> None:
         if tag == "trace":
             rows.append(item[1])
         elif tag == "ledger":
-            total = ledger.setdefault(item[1], [0, 0, 0])
-            for i, value in enumerate(item[2]):
-                total[i] += value
+            total = ledger.setdefault(item[1], [0, 0, 0, 0.0])
+            layer_tokens, steps, nbytes, at = item[2]
+            total[0] += layer_tokens
+            total[1] += steps
+            total[2] += nbytes
+            total[3] = max(total[3], at)
         else:
             item[1](db)
     if ledger:

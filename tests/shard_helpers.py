@@ -8,10 +8,10 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 from tessera.peer.plan.audit import REQUESTER, SHARD, StepLog
-from tessera.stages.shard_layout import HIDDEN
-from tessera.stages.collectives import Collectives, ThreadGroup
-from tessera.stages.sharded import ShardedStage
-from tessera.stages.stage import Stage
+from tessera.stages.shards.layout import HIDDEN
+from tessera.stages.shards.collectives import Collectives, ThreadGroup
+from tessera.stages.shards.sharded import ShardedStage
+from tessera.stages.engine.stage import Stage
 
 DECODE_STEPS = 32
 LOGITS_TOLERANCE = 5e-4  # float32; only the order of summation differs

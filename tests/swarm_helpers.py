@@ -6,7 +6,7 @@ from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 from tessera.peer.cli.demo import LocalSwarm
-from tessera.stages.generate import prompt_ids
+from tessera.stages.decoding.generate import prompt_ids
 
 
 def layer_args(spans: Sequence[tuple[int, int]], extra: Sequence[str] = ()) -> list[list[str]]:

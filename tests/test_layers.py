@@ -1,4 +1,4 @@
-"""The import rules of the architecture (README, "Architecture"), checked over the source.
+"""The import rules of the architecture (docs/pages/architecture.md), checked over the source.
 
 An AST walk over every module of the project: imports at module level, inside functions and
 under `if TYPE_CHECKING:` all count, because a deferred import is still a dependency.
@@ -17,6 +17,10 @@ NS = "tessera"
 # Layers of one rank never import each other (serve/request, http/sim).
 LAYER_RANK = {"base": 0, "plan": 1, "net": 2, "serve": 3, "request": 3, "weights": 3, "node": 4, "http": 5, "sim": 5, "cli": 6}
 HEAVY_FOR_PLAN = ("torch", "trio", "libp2p", "numpy.random", "time", "socket", "sqlite3", "sqlite_utils")
+# stages/'s subpackages, lowest first (stages/__init__.py): the same rule as peer/'s layers.
+STAGES_RANK = {"errors": 0, "families": 1, "text": 1, "layers": 2, "weights": 3, "engine": 4, "shards": 5,
+               "decoding": 5}
+PURE_STAGES = ("families", "text")  # no torch: what a model is, and text
 
 
 def project_modules(root: Path = ROOT) -> dict[str, Path]:
@@ -62,6 +66,12 @@ def layer_of(module: str) -> str | None:
     """`tessera.peer.request.client` -> "request"; None outside peer/ (or for peer/__init__)."""
     parts = module.split(".")
     return parts[2] if len(parts) > 2 and parts[1] == "peer" else None
+
+
+def stages_part(module: str) -> str | None:
+    """`tessera.stages.layers.moe` -> "layers"; `tessera.stages.errors` -> "errors"; None outside stages/."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == [NS, "stages"] else None
 
 
 def top_of(module: str) -> str:
@@ -121,6 +131,8 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
         top, layer = top_of(module), layer_of(module)
         if top == "peer" and module != f"{NS}.peer" and layer not in LAYER_RANK:
             bad.append(f"{module}: not in any layer of peer/ ({sorted(LAYER_RANK)})")
+        if top == "stages" and module != f"{NS}.stages" and stages_part(module) not in STAGES_RANK:
+            bad.append(f"{module}: not in any subpackage of stages/ ({sorted(STAGES_RANK)})")
         for target in sorted(targets):
             target_top, target_layer = top_of(target), layer_of(target)
             is_ours = target.startswith(f"{NS}.")
@@ -139,6 +151,12 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
             if top == "peer" and target_top == "peer" and layer in LAYER_RANK and target_layer in LAYER_RANK:
                 if target_layer != layer and LAYER_RANK[target_layer] >= LAYER_RANK[layer]:
                     bad.append(f"{module} imports {target}: layer {layer} may not import layer {target_layer}")
+            part, target_part = stages_part(module), stages_part(target)
+            if part in STAGES_RANK and target_part in STAGES_RANK and target_part != part:
+                if STAGES_RANK[target_part] >= STAGES_RANK[part]:
+                    bad.append(f"{module} imports {target}: stages/{part} may not import stages/{target_part}")
+            if part in PURE_STAGES and target.split(".")[0] == "torch":
+                bad.append(f"{module} imports {target}: stages/{part}/ is pure (no torch)")
     for component in cycles(graph):
         bad.append(f"import cycle: {' -> '.join(component)}")
     return bad
@@ -157,6 +175,8 @@ def test_the_rules_catch_what_they_forbid() -> None:
     bad["tessera.peer.node.peer_node"] |= {"tessera.tui.app", "libp2p.peer.id"}
     bad["tessera.protocol.codec"].add("tessera.peer.base.errors")
     bad["tessera.peer.request.client"].add(".".join(("peer", "request", "client")))  # not tessera.-qualified
+    bad["tessera.stages.layers.moe"].add("tessera.stages.engine.stage")
+    bad["tessera.stages.families.spec"].add("torch")
     found = "\n".join(violations(bad))
     assert "plan.routing imports torch" in found
     assert "layer plan may not import layer request" in found
@@ -166,6 +186,8 @@ def test_the_rules_catch_what_they_forbid() -> None:
     assert "protocol/ never imports peer/" in found
     assert "import project modules as tessera." in found
     assert "import cycle:" in found  # plan.routing -> request.client -> ... -> plan.routing
+    assert "stages/layers may not import stages/engine" in found
+    assert "stages/families/ is pure (no torch)" in found
 
 
 def test_deferred_and_type_checking_imports_count(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid
+from textual.css.query import NoMatches
 from textual.reactive import var
 from textual.widgets import Footer, Input, RichLog
 from textual.worker import get_current_worker
@@ -64,7 +65,7 @@ class TesseraApp(App[int]):
     TITLE = "tessera"
     ENABLE_COMMAND_PALETTE = False
     AUTO_FOCUS = "#event-log"  # not the filter box: letters there would be typed, not obeyed
-    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (160, "-wide")]
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-medium"), (160, "-wide")]
     BINDINGS = [
         Binding("d", "drain", "drain"),
         Binding("p", "toggle_pause", "pause/resume"),
@@ -281,12 +282,25 @@ class TesseraApp(App[int]):
         except PeerNotRunning:
             self._peer_ended()
 
+    def notify(self, message: str, *, title: str = "", severity: str = "information", timeout: float | None = None,
+               markup: bool = True) -> None:
+        """A note from the UI ("drain: done") is a line of the Events log, which a toast would
+        cover at 80x24; an error is both, its toast at the top (app.tcss), over the panels."""
+        try:
+            self.query_one(EventsPanel).note(f"{title}: {message}" if title else message)
+        except NoMatches:
+            pass  # not composed yet, or gone: the toast alone says it
+        if severity == "error":
+            super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
+
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
 
     def action_filter(self) -> None:
         # focus now, not via Widget.focus() (which waits for the queue): the next key goes to the box
-        self.set_focus(self.query_one("#event-filter", Input))
+        box = self.query_one("#event-filter", Input)
+        box.display = True  # hidden while not in use (tui/event_log.py)
+        self.set_focus(box)
 
     def action_focus_log(self) -> None:
         self.query_one("#event-log", RichLog).focus()

@@ -5,10 +5,16 @@ Reading the trace is sqlite work, so it runs in a thread worker (one at a time,
 flight, a filter change starts one that replaces any in flight, and every result
 carries the filter generation it was read for — a result read for an older filter
 is dropped rather than shown under the new one.
+
+The filter box takes a row only while it is typed in or holds a filter (the Events
+title says what filters the log); rows are scarce at 80x24. Long lines wrap rather than
+being cut at the edge. The UI's own notes ("drain: done") are lines of this log, beside
+what the peer printed, not toasts over it.
 """
 
 from __future__ import annotations
 
+import time
 from datetime import datetime
 from typing import Callable
 
@@ -31,8 +37,8 @@ KEPT_LINES = 1000  # lines the log keeps for scrolling back
 PeerLines = Callable[[int], tuple[list[tuple[float, str]], int]]  # PeerHandle.lines_since
 
 
-def peer_line(wall: float, line: str) -> str:
-    return f"{datetime.fromtimestamp(wall).strftime('%H:%M:%S')} {'(peer)':<13} {shorten_ids(line)}"
+def peer_line(wall: float, line: str, source: str = "(peer)") -> str:
+    return f"{datetime.fromtimestamp(wall).strftime('%H:%M:%S')} {source:<13} {shorten_ids(line)}"
 
 
 class TailLog(RichLog):
@@ -76,13 +82,38 @@ class EventsPanel(Vertical):
         self.lines_seen = 0
         self._inflight: Worker | None = None
         self.last_error: str | None = None  # shown once, not every poll
+        self.notes: list[tuple[float, str]] = []  # the UI's own (wall, line), kept for a filter change
 
     def compose(self) -> ComposeResult:
-        yield Input(placeholder="/ filter: kinds (claim session_open …), 'all', or any text", id="event-filter")
-        yield TailLog(id="event-log", max_lines=KEPT_LINES, wrap=False, markup=False)
+        yield Input(placeholder="filter: kinds (claim session_open …), 'peer', 'all', or any text; Enter",
+                    id="event-filter")
+        yield TailLog(id="event-log", max_lines=KEPT_LINES, wrap=True, markup=False)
+
+    def note(self, text: str) -> None:
+        """A line of the UI's own ("drain: done"), shown wherever the peer's printed lines are."""
+        wall = time.time()
+        self.notes.append((wall, text))
+        del self.notes[:-KEPT_LINES]
+        if self.event_filter.printed:
+            line = peer_line(wall, text, "(tui)")
+            if self.event_filter.keeps(line):
+                self.query_one(RichLog).write(line)
+
+    def on_descendant_focus(self) -> None:
+        self.show_filter_box()
+
+    def on_descendant_blur(self) -> None:
+        self.show_filter_box()
+
+    def show_filter_box(self) -> None:
+        """The box is shown while focused or holding a filter; the title names the filter."""
+        box = self.query_one(Input)
+        box.display = box.has_focus or bool(self.filter_text)
+        self.border_title = f"Events — filter: {self.filter_text}" if self.filter_text else "Events"
 
     def on_mount(self) -> None:
         self.set_interval(POLL_INTERVAL, self.poll)
+        self.show_filter_box()
         self.restart()
 
     @property
@@ -94,6 +125,7 @@ class EventsPanel(Vertical):
         self.filter_text = event.value
 
     def watch_filter_text(self) -> None:
+        self.show_filter_box()
         self.restart()
 
     def restart(self) -> None:
@@ -123,7 +155,10 @@ class EventsPanel(Vertical):
             rows, tail, error = [], after_id, f"(cannot read the trace: {failed})"
         entries = [(row.wall, event_line(row)) for row in rows]
         printed, lines_seen = self.peer_lines(lines_seen)
-        entries += [(wall, peer_line(wall, line)) for wall, line in printed]
+        if flt.printed:  # asked for some kinds only: their events, not every line the peer printed
+            entries += [(wall, peer_line(wall, line)) for wall, line in printed]
+            if after_id is None:  # a fresh read (a new filter): the UI's notes so far, too
+                entries += [(wall, peer_line(wall, line, "(tui)")) for wall, line in list(self.notes)]
         entries.sort(key=lambda entry: entry[0])
         shown = [text for _, text in entries if flt.keeps(text)]
         if not worker.is_cancelled:

@@ -7,9 +7,11 @@ ledger stay readable after the peer has left.
 
 The events panel tails the trace. Its filter is what the operator types:
 
-- nothing: every kind but the per-step ones (`NOISY_KINDS`: one per token per hop);
-- words naming event kinds (``claim session_open ban``): only those kinds;
-- ``all``: every kind, per-step ones included;
+- nothing: every kind but the per-step ones (`NOISY_KINDS`: one per token per hop), and the
+  lines the peer printed and logged (and the UI's own notes);
+- words naming event kinds (``claim session_open ban``): only those kinds — add ``peer`` for
+  the printed lines too;
+- ``all``: every kind, per-step ones included, and the printed lines;
 - any other word: only lines containing it (case-insensitive), e.g. a peer id's tail.
 """
 
@@ -25,6 +27,7 @@ from tessera.store.events import BY_KIND, EVENT_TYPES, Advertise, Audit, Forward
 
 NOISY_KINDS: tuple[type[TraceEvent], ...] = (Forward, Push, Receive, Advertise, Result, Audit)
 QUIET_KINDS = tuple(k for k in EVENT_TYPES if k not in NOISY_KINDS)
+PRINTED = "peer"  # the filter word for the lines the peer printed (shown as "(peer)" in the log)
 BACKLOG = 200  # events shown from before the UI opened (or the filter changed)
 PAGE = 500  # trace rows per read; a busy peer catches up in a few ticks
 
@@ -35,15 +38,16 @@ class EventFilter:
 
     kinds: tuple[type[TraceEvent], ...]
     words: tuple[str, ...] = ()
+    printed: bool = True  # the peer's printed and logged lines: not when only some kinds were asked for
 
     @staticmethod
     def parse(text: str) -> "EventFilter":
         tokens = text.lower().split()
         kinds = [BY_KIND[t] for t in tokens if t in BY_KIND]
-        words = tuple(t for t in tokens if t not in BY_KIND and t != "all")
+        words = tuple(t for t in tokens if t not in BY_KIND and t not in ("all", PRINTED))
         if "all" in tokens:
             return EventFilter(EVENT_TYPES, words)
-        return EventFilter(tuple(dict.fromkeys(kinds)) or QUIET_KINDS, words)
+        return EventFilter(tuple(dict.fromkeys(kinds)) or QUIET_KINDS, words, printed=not kinds or PRINTED in tokens)
 
     def keeps(self, line: str) -> bool:
         lowered = line.lower()

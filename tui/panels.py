@@ -31,16 +31,33 @@ SHORT_LIST, LONG_LIST, TALL_SCREEN = 2, 8, 40
 def list_room(widget: Widget) -> int:
     return LONG_LIST if widget.app.size.height >= TALL_SCREEN else SHORT_LIST
 
-def _swarm_words(snapshot: dict[str, Any]) -> str:
-    """'3 peers, joined 127.0.0.1:4001' (this one included) or '1 peer, new swarm'."""
+def _swarm_words(snapshot: dict[str, Any]) -> tuple[str, str]:
+    """('3 peers', 'joined 127.0.0.1:4001') (this one included), or ('1 peer', 'new swarm')."""
     swarm = snapshot["swarm"]
     size = _plural(swarm["peers"] + 1, "peer")
     private = "private " if swarm["private"] else ""
     if not swarm["join"]:
-        return f"{size}, new {private}swarm"
+        return size, f"new {private}swarm"
     addr = swarm["join"][0].split("/")
     host = f"{addr[2]}:{addr[4]}" if len(addr) > 4 else swarm["join"][0]
-    return f"{size}, joined {private}{host}"
+    return size, f"joined {private}{host}"
+
+
+def fit_header(state: str, who: str, parts: list[str], width: int) -> Text:
+    """The header's line within `width` cells: the state, then `who`, then `parts` in order of
+    importance; what does not fit goes from the end first (the join address), then `who` is
+    shortened — never the state, uptime, reachability or swarm size (they were cut at 80x24)."""
+    head = Text(f" {state.upper()} ", style="bold reverse")
+    room = width - head.cell_len
+    shown = list(parts)
+    while len(shown) > 3 and len(" " + who) + sum(len(" │ " + p) for p in shown) > room:
+        shown.pop()  # the least important part: the join address
+    tail = "".join(f" │ {p}" for p in shown)
+    if len(" " + who) + len(tail) > room:
+        tail = "".join(f" {p}" for p in shown)  # narrower separators before a shorter name
+    keep = max(8, room - len(tail) - 1)
+    text = head.append(" " + (who if len(who) <= keep else who[: keep - 1] + "…"), style="bold")
+    return text.append(tail)
 
 
 class SnapshotPanel(Widget):
@@ -79,11 +96,10 @@ class PeerHeader(SnapshotPanel):
         snap = self.snapshot
         if snap is None:
             return Text(" STARTING  tessera peer", style="bold")
-        text = Text(f" {state_word(snap).upper()} ", style="bold reverse")
-        text.append(f" {snap['name'] or 'peer'} {short_id(snap['peer_id'])}", style="bold")
-        # the longest part last: a narrow terminal cuts it, not the uptime or reachability
-        text.append(f" │ up {fmt_duration(snap['uptime'])} │ reach: {snap['reachability']} │ {_swarm_words(snap)}")
-        return text
+        size, joined = _swarm_words(snap)
+        parts = [f"up {fmt_duration(snap['uptime'])}", f"reach: {snap['reachability']}", size, joined]
+        return fit_header(state_word(snap), f"{snap['name'] or 'peer'} {short_id(snap['peer_id'])}", parts,
+                          self.content_size.width or self.app.size.width)
 
 
 def _update(static: Static, text: Text) -> None:
@@ -132,14 +148,12 @@ class PeerPanel(SnapshotPanel):
                           + (f" ({snap['quant']})" if snap.get("quant", "none") != "none" else "")),
             Text.assemble(("layers ", "bold"), f"{fmt_span(span)} of {layers}{forced}"),
             span_bar(span, layers, width),
-            Text.assemble(("memory ", "bold"),
-                          f"{fmt_gb(snap['memory_used'])} used of {fmt_gb(snap['memory_offered'])}"),
-            meter(snap["memory_used"], snap["memory_offered"], min(width, max(layers, 8))),
+            _memory_line(snap, width),
             Text.assemble(("speed ", "bold"), _speed(snap)),
         ]
         vram = snap.get("vram")  # a CUDA device: its own memory, as the card reports it now
         if vram:
-            lines.insert(5, Text.assemble(("VRAM ", "bold"), f"{fmt_gb(vram['free'])} free of {fmt_gb(vram['total'])}"))
+            lines.insert(4, Text.assemble(("VRAM ", "bold"), f"{fmt_gb(vram['free'])} free of {fmt_gb(vram['total'])}"))
         disk = _held_words(snap.get("held"), layers)
         if disk:
             lines.insert(3, Text.assemble(("on disk ", "bold"), disk))
@@ -148,6 +162,17 @@ class PeerPanel(SnapshotPanel):
             lines[3:3] = [Text.assemble(("fetching ", "bold"), _fetch_words(fetch)),
                           meter(fetch["done"], fetch["total"], width)]
         return _block(lines)
+
+
+def _memory_line(snap: dict[str, Any], width: int) -> Text:
+    """'memory 0.40 of 1.00 GB ████░░░░' — the meter on the same row when it fits (rows are
+    scarce at 80x24: the Events log had three), else on the next."""
+    used, offered = snap["memory_used"], snap["memory_offered"]
+    words = Text.assemble(("memory ", "bold"), f"{used / (1 << 30):.2f} of {fmt_gb(offered)} ")
+    room = width - words.cell_len
+    if room >= 8:
+        return words.append_text(meter(used, offered, min(room, 30)))
+    return Text("\n").join([words, meter(used, offered, width)])
 
 
 def _held_words(held: list[list[int]] | None, layers: int) -> str:
@@ -237,7 +262,7 @@ class LivePanel(Vertical):
 class SwarmPanel(SnapshotPanel):
     """Swarm: how many peers serve every layer (gaps marked), and neighbours with RTTs."""
 
-    SHOWN = ("coverage", "gaps", "swarm", "neighbours")
+    SHOWN = ("coverage", "gaps", "serving", "swarm", "neighbours")
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -250,7 +275,7 @@ class SwarmPanel(SnapshotPanel):
         width = max(8, self.content_size.width)
         neighbours = snap["neighbours"]
         lines = [
-            Text.assemble(("peers per layer", "bold"), f" (of {snap['swarm']['serving'] + 1} serving)"),
+            Text.assemble(("peers per layer", "bold"), f" (of {snap['serving']} serving)"),
             coverage_strip(snap["coverage"], width),
             gaps_text(snap["gaps"]),
             Text.assemble(("neighbours ", "bold"), str(len(neighbours)) if neighbours else "none yet"),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import math
 
 WINDOW = 300.0  # seconds the sparkline spans: "the last minutes"
 RECENT = 5.0  # seconds the headline rate averages over: steadier than one interval
@@ -66,13 +67,17 @@ class RateHistory:
     def series(self, buckets: int) -> list[float]:
         """Average rates over the last `window` seconds in `buckets` equal buckets, oldest first.
 
-        Anchored to the newest sample, so the right edge of a sparkline is always "now"
-        and the left edge `window` seconds ago; buckets before the first sample are 0.
+        The bucket edges sit on a fixed grid (multiples of the bucket's width), the last one
+        at or just after the newest sample, so a counter that stands still gives the same
+        series until the grid moves on a bucket (it scrolls once a bucket, 5 s, not at every
+        snapshot: edges anchored to the newest sample slid over the samples twice a second and
+        redrew an idle sparkline as often); buckets before the first sample are 0.
         """
         if len(self.samples) < 2 or buckets < 1:
             return [0.0] * max(buckets, 0)
         times = [at for at, _ in self.samples]
-        end, width = times[-1], self.window / buckets
+        width = self.window / buckets
+        end = math.ceil(times[-1] / width) * width
         # the counter at each bucket edge: the last sample taken at or before it (or the first)
         totals = [self.samples[max(0, bisect.bisect_right(times, end - self.window + i * width) - 1)][1]
                   for i in range(buckets + 1)]

@@ -14,12 +14,14 @@ Keys (always present): ``phase`` ("starting", "serving", "stopped"), ``at``
 ``addrs``, ``model_id``, ``num_layers``, ``span``, ``state``, ``throughput``,
 ``memory_offered``, ``memory_used``, ``device``, ``vram`` (a CUDA card's ``free`` and ``total``
 bytes, else None), ``quant`` (the span's quantization), ``uptime``, ``sessions`` — a count —,
-``stats``, ``coverage``, ``neighbours``, ``held`` (layer ranges on disk), ``fetch`` (the
+``stats``, ``coverage`` and ``gaps`` (`PeerNode.coverage`: routing's definition, this peer
+in its current state), ``serving`` (peers taking sessions, this one included if it does),
+``neighbours``, ``held`` (layer ranges on disk), ``fetch`` (the
 weights fetch under way: ``label``, ``done``, ``total``, ``rate``, ``eta_s``, ``peers``; else
-None)), and ``model``, ``gaps``, ``active`` (one
+None)), and ``model``, ``active`` (one
 dict per running session: ``id``, ``requester``, ``span``, ``steps``, ``tokens``,
 ``idle_s``), ``paused``, ``accepting``, ``reachability``, ``swarm`` (``peers``,
-``serving``, ``join``, ``private``), ``forced_layers``, ``max_sessions``.
+``join``, ``private``), ``forced_layers``, ``max_sessions``.
 """
 
 from __future__ import annotations
@@ -70,14 +72,12 @@ def read_snapshot(node: PeerNode) -> dict[str, Any]:
         "at": now,
         "stats": {**ZERO_STATS, **base["stats"]},  # a copy: status() hands out the live counters
         "model": node.config.model if isinstance(node.config.model, str) else str(node.config.model),
-        "gaps": [list(g) for g in view.gaps()],
         "neighbours": neighbours,
         "active": active,
         "paused": server is not None and not server.running.is_set(),
         "accepting": server is not None and server.accepting,
         "reachability": nat.get("reachability") or (own.reachability if own else "unknown"),
-        "swarm": {"peers": len(others), "serving": sum(1 for p in others if p.state == SERVING),
-                  "join": list(node.config.join), "private": node.config.swarm_key is not None},
+        "swarm": {"peers": len(others), "join": list(node.config.join), "private": node.config.swarm_key is not None},
         "forced_layers": node.config.layers is not None,
         "max_sessions": node.config.max_sessions,
     }
@@ -118,6 +118,7 @@ def preview_memory(node: PeerNode, gb: float) -> dict[str, Any]:
 def _starting_status(node: PeerNode) -> dict[str, Any]:
     """`PeerNode.status()`'s keys before the peer serves (its server and pinger do not exist yet)."""
     transport = node.transport
+    coverage = node.coverage()
     return {
         "peer_id": transport.peer_id if transport else None,
         "name": node.config.name,
@@ -135,7 +136,9 @@ def _starting_status(node: PeerNode) -> dict[str, Any]:
         "uptime": time.time() - node.started,
         "sessions": 0,
         "stats": {},
-        "coverage": node.keeper.snapshot().coverage(),
+        "coverage": list(coverage.replicas),
+        "gaps": [list(gap) for gap in coverage.gaps],
+        "serving": coverage.serving,
         "neighbours": {},
         "held": [list(span) for span in node.held_layers()],
         "fetch": node.fetching(),

@@ -28,12 +28,14 @@ class RouteLost(NoRoute):
 
 
 class SessionRefused(PeerError):
-    """A peer answered a session request with an error message (code says why)."""
+    """A peer answered a session request with an error message (code says why; for "busy",
+    `retry_after` says in how many seconds it expects room, when it says)."""
 
-    def __init__(self, peer: str, code: str, message: str) -> None:
+    def __init__(self, peer: str, code: str, message: str, *, retry_after: float | None = None) -> None:
         super().__init__(f"peer {peer} refused: {code}: {message}")
         self.peer = peer
         self.code = code
+        self.retry_after = retry_after
 
 
 class PeerFailed(PeerError):

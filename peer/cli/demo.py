@@ -20,18 +20,20 @@ from pathlib import Path
 
 import trio
 
-from tessera.stages import registry
-from tessera.stages.spec import ModelSpec
+from tessera.stages.weights import registry
+from tessera.stages.families.catalog import spec_from_file
 
 from tessera.peer.request.client import Swarm
 from tessera.peer.base.errors import PeerError
 from tessera.peer.node.config import KV_RESERVE_FRACTION
 
 STARTUP_TIMEOUT = 120.0  # one peer: import torch, measure a layer, load its span
+LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"  # a local swarm stays on this machine
 
 
 class LocalSwarm:
-    """N peer processes on loopback (also used by tests and benchmarks)."""
+    """N peer processes on loopback (also used by tests and benchmarks): each is given
+    `--listen /ip4/127.0.0.1/tcp/0`, since a peer listens on every interface by default."""
 
     def __init__(self, n: int, *, model: str = "smollm2-135m", extra_args: list[list[str]] | None = None,
                  base_dir: Path | None = None, threads: int = 1, env: dict | None = None,
@@ -55,7 +57,8 @@ class LocalSwarm:
         """Start peer i's process (not waiting for it)."""
         log = self.base_dir / f"peer{i}.log"
         cmd = [*self.launcher(i), "-m", "tessera.peer.cli.main", "peer", "--model", self.model, "--name", f"peer{i}",
-               "--data-dir", str(self.base_dir / f"peer{i}"), "--threads", str(self.threads), *self.extra_args[i]]
+               "--data-dir", str(self.base_dir / f"peer{i}"), "--threads", str(self.threads),
+               "--listen", LOOPBACK_LISTEN, *self.extra_args[i]]
         for addr in join:
             cmd += ["--join", addr]
         if self.control:
@@ -128,13 +131,15 @@ class LocalSwarm:
 
 
 def wait_for_line(log: Path, proc: subprocess.Popen, ready: str, *, prefix: str) -> str:
-    """Wait until `ready` appears in the log; return the text after `prefix` on its line."""
+    """Wait until `ready` appears in the log; return the word after `prefix` on its line
+    ("listening on ADDR  (loopback: ...)" -> ADDR)."""
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while time.monotonic() < deadline:
         text = log.read_text() if log.exists() else ""
         if ready in text:
             line = next(l for l in text.splitlines() if l.startswith(prefix))
-            return line[len(prefix):].strip()
+            rest = line[len(prefix):].split()
+            return rest[0] if rest else ""
         if proc.poll() is not None:
             raise PeerError(f"peer exited with status {proc.returncode}:\n{text[-2000:]}")
         time.sleep(0.1)
@@ -144,12 +149,12 @@ def wait_for_line(log: Path, proc: subprocess.Popen, ready: str, *, prefix: str)
 
 def memory_for_layers(model: str, layers: int) -> float:
     """GB of --memory under which placement claims about `layers` layers of `model`."""
-    spec = ModelSpec.from_file(registry.resolve(model) / "config.json")
-    return (layers + 0.5) * spec.layer_bytes(4) / (1 - KV_RESERVE_FRACTION) / 2**30
+    spec = spec_from_file(registry.resolve(model) / "config.json")
+    return (layers + 0.5) * spec.max_layer_bytes(4) / (1 - KV_RESERVE_FRACTION) / 2**30
 
 
 def run_demo(*, prompt: str, peers: int, model: str, max_tokens: int) -> int:
-    spec = ModelSpec.from_file(registry.resolve(model) / "config.json")
+    spec = spec_from_file(registry.resolve(model) / "config.json")
     share = math.ceil(spec.num_layers / peers)
     memory = f"{memory_for_layers(model, share):.4f}"
     print(f"starting {peers} peers on 127.0.0.1, each offering memory for ~{share} of {spec.num_layers} layers")

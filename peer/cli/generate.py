@@ -6,12 +6,12 @@ import argparse
 import json
 import sys
 
-from tessera.stages import registry
+from tessera.stages.weights import registry
 from tessera.stages.errors import StageError
 
 from tessera.peer.cli.options import (
     UsageError, add_accept_mixed_option, add_compute_options, add_dedicated_option, add_policy_options,
-    add_sampling_options, apply_threads,
+    add_record_trace_option, add_sampling_options, apply_threads,
     policy_from, quant_from, sampling_from,
 )
 
@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         '  tessera generate "Hi" --join /ip4/127.0.0.1/tcp/4001/p2p/12D3KooW... --json',
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("prompt")
+    p.add_argument("prompt", help="the question or text (a chat message; --raw: plain text to continue)")
     p.add_argument("--local", action="store_true", help="run the whole model on this machine")
     p.add_argument("--join", action="append", default=[], metavar="MULTIADDR", help="a peer of the swarm to use")
     p.add_argument("--swarm-key", default=None, help="private swarm key: 64 hex chars or a file")
@@ -41,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--route-wait", type=float, default=30.0, metavar="S",
                    help="how long to wait for the (allowed) peers to cover every layer (default 30)")
+    add_record_trace_option(p)
     add_sampling_options(p)
     add_policy_options(p)
     add_compute_options(p)
@@ -63,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
         return run_swarm_generate(args, sampling)
     if args.allow or args.deny or args.prefer:
         raise UsageError("--allow, --deny and --prefer choose peers of a swarm; they mean nothing with --local")
-    from tessera.stages.generate import LocalEngine
+    if args.record_trace:
+        raise UsageError("--record-trace records a requester of a swarm (--join); --local runs no sessions to trace")
+    from tessera.stages.decoding.generate import LocalEngine
 
     apply_threads(args.threads)
     engine = LocalEngine(registry.resolve(args.model), device=args.device, dtype=args.dtype, quant=quant_from(args))

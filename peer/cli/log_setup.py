@@ -14,7 +14,9 @@ one handler:
   never a traceback) — and a line repeated within `REPEAT_WINDOW` is not shown
   again: one line per event, however often libp2p retries it, and however many of
   its layers report the same failure (`BURST`, `ECHOES`; a line naming only an address
-  is not shown within the window after one naming a peer: it is that peer's redial). libp2p's own
+  is not shown within the window after one naming a peer: it is that peer's redial); a
+  failure that only says the other end had gone (`GONE`: a requester that got its answer
+  and exited, a peer that left) is not shown at all. libp2p's own
   WARNINGs are its internal bookkeeping ("AUTO_CONNECTOR_STATE: num_connections=0
   …" at every start): shown with ``-v``;
 - ``-v``: INFO and above from everyone, libp2p's lines as libp2p wrote them;
@@ -47,6 +49,12 @@ DATE_FORMAT = "%H:%M:%S"
 # same event. (Seen on loopback: 2 s from the first line to the redial's.)
 BURST = 5.0
 PEER_ID = re.compile(r"\b(?:12D3KooW|Qm)[1-9A-HJ-NP-Za-km-z]{20,}")
+# Why a stream could not open when the other end had just closed its connection: a requester
+# that finished its answer and exited, a peer that left. Our own code already acts on it (the
+# stream fails, the peer is dropped from the view when its record goes); libp2p's line about it
+# is a normal exit seen from the other side, shown only with -v.
+GONE = re.compile(r"handshake read failed|fail to read from multiselect|connection (?:is |was )?closed|"
+                  r"stream (?:is )?(?:reset|closed)|\bEOF\b", re.IGNORECASE)
 # Loggers whose failures libp2p reports again one layer up, with the peer named: the
 # protocol negotiation's "MultiselectClient handshake: read failed" precedes the host's
 # "Failed to open stream to peer X: handshake read failed".
@@ -90,6 +98,8 @@ class OneLinePerEvent(logging.Filter):
         if record.name.startswith(ECHOES):
             return False
         line = fold(record)
+        if GONE.search(line):
+            return False  # the other end went away as we spoke to it: a departure, not a failure
         key, now = (record.name, line), self.clock()
         last = self.shown.get(key)
         if last is not None and now - last[0] < self.window:

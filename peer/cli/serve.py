@@ -1,7 +1,8 @@
-"""`tessera serve`: an OpenAI- and Anthropic-compatible HTTP gateway to a swarm.
+"""`tessera serve`: an OpenAI- and Anthropic-compatible HTTP gateway to a swarm, and its web view.
 
 One trio loop runs both the requester (`Swarm`, joined once for the gateway's
-life) and hypercorn's trio worker serving `Gateway` (peer/http/api.py).
+life) and hypercorn's trio worker serving `Gateway` (peer/http/api.py) behind the
+web view's pages (`WebApp`, peer/http/web/: Swarm, Chat and Peer at /).
 SIGINT or SIGTERM shut it down gracefully: no new connections, running
 answers get hypercorn's grace period, then every swarm session is closed.
 """
@@ -9,21 +10,26 @@ answers get hypercorn's grace period, then every swarm session is closed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
 from functools import partial
 from pathlib import Path
-
-import trio
+from typing import TYPE_CHECKING
 
 from tessera.peer.cli.config import add_config_options
 from tessera.peer.cli.options import (
-    add_accept_mixed_option, add_join_options, add_policy_options, add_quant_options, apply_threads, policy_from,
-    quant_from, read_swarm_key,
+    add_accept_mixed_option, add_join_options, add_policy_options, add_quant_options, add_record_trace_option,
+    apply_threads, policy_from, quant_from, read_swarm_key,
 )
 from tessera.peer.base.errors import ConfigError
-from tessera.peer.http.api import DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_TOKENS, DEFAULT_ROUTE_WAIT, Gateway
+from tessera.peer.http.defaults import (
+    BODY_TIMEOUT, DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_TOKENS, DEFAULT_QUEUE_WAIT, DEFAULT_ROUTE_WAIT,
+)
+
+if TYPE_CHECKING:
+    from tessera.store.trace import Tracer
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -48,7 +54,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"how long a request waits for the swarm to cover every layer before a 503 "
                         f"(default {DEFAULT_ROUTE_WAIT:g})")
     p.add_argument("--max-concurrent", type=int, default=DEFAULT_MAX_CONCURRENT, metavar="N",
-                   help=f"requests running on the swarm at once; more wait (default {DEFAULT_MAX_CONCURRENT})")
+                   help="requests running on the swarm at once, at most (they follow the sessions the swarm can "
+                        f"hold for this gateway; more wait) (default {DEFAULT_MAX_CONCURRENT})")
+    p.add_argument("--queue-wait", type=float, default=DEFAULT_QUEUE_WAIT, metavar="S",
+                   help="how long a request keeps trying while every layer is served but the peers are busy, "
+                        f"before a 503 swarm_busy (default {DEFAULT_QUEUE_WAIT:g})")
+    p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT, metavar="S",
+                   help=f"seconds a client has to send its request body, or a 408 (default {BODY_TIMEOUT:g})")
     p.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                    help=f"max_tokens when a request gives none (default {DEFAULT_MAX_TOKENS})")
     p.add_argument("--threads", type=int, default=None, help="torch threads for the embedding and head")
@@ -57,6 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_quant_options(p, help="route only through peers serving the model quantized so (`tessera peer --quant`; "
                       "their model id says it; default none: unquantized peers)")
     add_accept_mixed_option(p)
+    add_record_trace_option(p)
     add_policy_options(p)
     add_config_options(p)
     p.set_defaults(handler=run)
@@ -76,19 +89,21 @@ def run(args: argparse.Namespace) -> int:
     for name in ("max_concurrent", "default_max_tokens"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)!r}")
-    if not args.route_wait > 0:
-        raise ConfigError(f"--route-wait must be > 0, got {args.route_wait!r}")
+    for name in ("route_wait", "body_timeout"):
+        if not getattr(args, name) > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)!r}")
+    if not args.queue_wait >= 0:
+        raise ConfigError(f"--queue-wait must be >= 0, got {args.queue_wait!r}")
     args.policy = policy_from(args)  # a bad id or an unreadable @FILE fails here, before joining
     apply_threads(args.threads)
+    import trio
+
     trio.run(serve, args)
     return 0
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from hypercorn.config import Config
-    from hypercorn.trio import serve as hypercorn_serve
-
-    from tessera.peer.request.client import Swarm
+    from tessera.store.trace import TraceWriter
     from tessera.peer.weights.bootstrap import REQUESTER_GROUPS, ensure_model
 
     api_key = args.api_key or os.environ.get("TESSERA_API_KEY") or None
@@ -96,23 +111,40 @@ async def serve(args: argparse.Namespace) -> None:
     # without the model here: its embedding, head and tokenizer from the --join peers (peer/weights/)
     folder = await ensure_model(args.model, args.join, swarm_key=swarm_key, groups=REQUESTER_GROUPS,
                                 out=lambda line: print(line, file=sys.stderr, flush=True))
-    async with Swarm.join(args.join, model=folder, swarm_key=swarm_key, policy=args.policy,
+    with contextlib.ExitStack() as stack:
+        # every request's trace, when asked (--record-trace): the gateway's id is bound as it joins
+        tracer = stack.enter_context(TraceWriter(args.record_trace)) if args.record_trace else None
+        await _serve(args, folder, swarm_key, api_key, tracer)
+    print("stopped", flush=True)
+
+
+async def _serve(args: argparse.Namespace, folder: Path, swarm_key: bytes | None, api_key: str | None,
+                 tracer: "Tracer | None") -> None:
+    import trio
+    from hypercorn.trio import serve as hypercorn_serve
+
+    from tessera.peer.http.api import Gateway
+    from tessera.peer.http.web.app import WebApp
+    from tessera.peer.http.web.server import hypercorn_config
+    from tessera.peer.request.client import Swarm
+
+    async with Swarm.join(args.join, model=folder, swarm_key=swarm_key, policy=args.policy, tracer=tracer,
                           quant=quant_from(args), accept_mixed=args.accept_mixed) as swarm:
         gateway = Gateway(swarm, name=served_name(args.model), api_key=api_key, route_wait=args.route_wait,
                           max_concurrent=args.max_concurrent, default_max_tokens=args.default_max_tokens,
-                          cors_origins=args.cors_origin)
-        config = Config()
-        host = f"[{args.host}]" if ":" in args.host else args.host
-        config.bind = [f"{host}:{args.port}"]
-        config.loglevel = "WARNING"  # hypercorn's errors still reach stderr; its "Running on" line is ours
+                          cors_origins=args.cors_origin, queue_wait=args.queue_wait, body_timeout=args.body_timeout)
+        web = WebApp.for_gateway(gateway)  # the pages at /, the API behind them (peer/http/web/)
         async with trio.open_nursery() as nursery:
-            binds = await nursery.start(partial(hypercorn_serve, gateway, config, mode="asgi",
-                                                shutdown_trigger=stop_signal))
-            print(f"gateway peer id: {swarm.peer_id}", flush=True)
-            for url in binds:
-                print(f"serving {gateway.name} (OpenAI and Anthropic APIs) on {url}/v1"
-                      f"{' (API key required)' if api_key else ''}{peers_note(args)}", flush=True)
-    print("stopped", flush=True)
+            nursery.start_soon(web.run)
+            async with trio.open_nursery() as server:
+                binds = await server.start(partial(hypercorn_serve, web, hypercorn_config(args.host, args.port),
+                                                   mode="asgi", shutdown_trigger=stop_signal))
+                print(f"gateway peer id: {swarm.peer_id}", flush=True)
+                for url in binds:
+                    print(f"serving {gateway.name} (OpenAI and Anthropic APIs) on {url}/v1"
+                          f"{' (API key required)' if api_key else ''}{peers_note(args)}", flush=True)
+                    print(f"web view: {url}/ (swarm, chat, peer)", flush=True)
+            nursery.cancel_scope.cancel()  # the server has stopped: so does the web view's sampler
 
 
 def peers_note(args: argparse.Namespace) -> str:
@@ -125,6 +157,8 @@ def peers_note(args: argparse.Namespace) -> str:
 
 async def stop_signal() -> None:
     """Returns on SIGINT or SIGTERM (hypercorn then shuts down gracefully)."""
+    import trio
+
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for _ in signals:
             return

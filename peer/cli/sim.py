@@ -12,7 +12,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from tessera.peer.sim.policies import POLICIES, VIEW_MODES
+# peer/sim/policies.py's POLICIES (names) and VIEW_MODES, repeated so that `--help` imports
+# no torch (peer/cli/options.py); tests/cli/test_cli_help.py checks that they agree.
+POLICY_NAMES = ("default", "petals", "random", "recorded")
+VIEW_MODES = ("shared", "gossip")
 
 REPLAY_EXAMPLES = """examples:
   tessera replay ~/.local/share/tessera/                       # every *.db under a folder
@@ -27,7 +30,7 @@ SIMULATE_EXAMPLES = """examples:
 
 
 def _common(p: argparse.ArgumentParser, *, default_policy: str) -> None:
-    p.add_argument("--policy", default=default_policy, choices=sorted(POLICIES),
+    p.add_argument("--policy", default=default_policy, choices=POLICY_NAMES,
                    help=f"placement policy (default {default_policy})")
     p.add_argument("--seed", type=int, default=0, help="identities, jitter and scheduling (default 0)")
     p.add_argument("--until", type=float, default=None, metavar="T",
@@ -60,8 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "replaced per simulated minute (half drain and leave, a quarter are killed, a quarter vanish).",
         epilog=SIMULATE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--peers", type=int, required=True)
-    p.add_argument("--requests", type=int, required=True)
+    p.add_argument("--peers", type=int, required=True, metavar="N", help="peers that join the simulated swarm")
+    p.add_argument("--requests", type=int, required=True, metavar="M", help="requests to answer through it")
     p.add_argument("--churn", type=float, default=0.0, metavar="RATE",
                    help="fraction of the swarm replaced per simulated minute (default 0)")
     p.add_argument("--layers", type=int, default=30, help="model layers (default 30)")

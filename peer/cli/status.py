@@ -8,16 +8,16 @@ from typing import Sequence
 import trio
 
 from tessera.protocol.keys import Identity
-from tessera.stages import registry
-from tessera.stages.spec import ModelSpec
+from tessera.stages.weights import registry
+from tessera.stages.families.catalog import spec_from_file
 
 from tessera.peer.base.errors import PeerError
 from tessera.peer.net.gossip import Gossip, ViewKeeper
 from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.net.nat.links import ask_links
+from tessera.peer.plan.coverage import swarm_coverage
 from tessera.peer.plan.groups import group_report, replica_coverage
-from tessera.peer.plan.routing import routable_view, unusable_reason
-from tessera.peer.plan.view import SwarmView
+from tessera.peer.plan.routing import unusable_reason
 
 SETTLE = 1.5  # seconds to let a second gossip round bring in peers the first one named
 
@@ -29,7 +29,7 @@ async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | N
     `only`: report exactly what the --join peers hold (no settling, no asking the peers they
     name): how to see whether one peer's view has split from the others'."""
     folder = registry.resolve(model)
-    spec = ModelSpec.from_file(folder / "config.json")
+    spec = spec_from_file(folder / "config.json")
     # every quantization of the model (each peer's model id says which it serves)
     keeper = ViewKeeper(model_id=registry.model_id(folder), num_layers=spec.num_layers, clock=time.time,
                         accept_mixed=True)
@@ -59,7 +59,7 @@ async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | N
         links = {p.peer_id: await ask_links(transport, p.peer_id) for p in view.peers if kinds[p.peer_id]}
         links = {p: {q: k for q, k in (found or {}).items() if q != transport.peer_id} for p, found in links.items()}
     now = time.time()
-    coverage = routable_coverage(view)
+    coverage = swarm_coverage(view)  # the TUI's and routing's definition (peer/plan/coverage.py)
     return {
         "model_id": keeper.model_id,
         "num_layers": spec.num_layers,
@@ -79,28 +79,12 @@ async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | N
         ],
         # what routing can use: per layer, the peers that accept sessions (a complete shard group
         # once); a draining, paused, leaving, loading or full peer is listed, but not counted
-        "coverage": coverage,
-        "gaps": gaps_of(coverage),
-        "claimed": view.coverage(),  # every claim but a leaving peer's, as before
+        "coverage": list(coverage.replicas),
+        "gaps": [list(gap) for gap in coverage.gaps],
+        "claimed": list(coverage.claimed),  # every claim but a leaving peer's, as before
         "groups": group_report(view),  # tensor-shard groups: span, size, who holds each rank
         "replicas": replica_coverage(view),  # per layer: unsharded peers + complete groups
     }
-
-
-def routable_coverage(view: SwarmView) -> list[int]:
-    """Per layer, how many replicas a route could use now (routing.unusable_reason decides)."""
-    return replica_coverage(routable_view(view))
-
-
-def gaps_of(coverage: list[int]) -> list[list[int]]:
-    out: list[list[int]] = []
-    for layer, count in enumerate(coverage):
-        if count == 0:
-            if out and out[-1][1] == layer:
-                out[-1][1] = layer + 1
-            else:
-                out.append([layer, layer + 1])
-    return out
 
 
 def format_status(report: dict) -> str:

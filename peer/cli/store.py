@@ -12,10 +12,10 @@ import argparse
 import json
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tessera.store.events import Audit
-
-from tessera.peer.plan.audit import StepLog, load_events
+if TYPE_CHECKING:
+    from tessera.peer.plan.audit import StepLog
 
 DEFAULT_DATA_DIR = Path.home() / ".local" / "share" / "tessera" / "peer"  # `tessera peer`'s default
 DB_NAME = "tessera.db"
@@ -29,8 +29,11 @@ EXPORT_EXAMPLES = """examples:
       # then open https://ui.perfetto.dev and drop swarm.json on it
   tessera trace export /tmp/tessera-swarm-abc123/ --format jsonl -o events.jsonl
 """
-PLOT_EXAMPLES = """example:
+PLOT_EXAMPLES = """examples:
   tessera trace plot peer0/tessera.db peer1/tessera.db peer2/tessera.db requester.db -o timeline.png
+  tessera trace plot /tmp/tessera-swarm-abc123/ requester.db --since 14:03 --until 14:05 -o two-minutes.png
+  tessera trace plot peer*/tessera.db requester.db --session 3f2a9c01 -o one-answer.png
+      # times: seconds on the plot's axis (12.5), a clock time today (14:03:20) or ISO (2026-12-05T14:03)
 """
 
 
@@ -51,8 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EXPORT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("dbs", nargs="+", type=Path, metavar="DB", help="peer databases, or folders holding them")
-    p.add_argument("--format", choices=("jsonl", "perfetto"), required=True)
-    p.add_argument("-o", "--out", type=Path, required=True, metavar="OUT")
+    p.add_argument("--format", choices=("jsonl", "perfetto"), required=True,
+                   help="jsonl: one event per line; perfetto: Chrome trace-event JSON (opens in ui.perfetto.dev)")
+    p.add_argument("-o", "--out", type=Path, required=True, metavar="OUT", help="the file to write")
     p.set_defaults(handler=run_export)
 
     p = tsub.add_parser(
@@ -60,8 +64,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=PLOT_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("dbs", nargs="+", type=Path, metavar="DB", help="peer databases, or folders holding them")
-    p.add_argument("-o", "--out", type=Path, required=True, metavar="timeline.png")
-    p.add_argument("--title", default=None)
+    p.add_argument("-o", "--out", type=Path, required=True, metavar="timeline.png", help="the PNG to write")
+    p.add_argument("--title", default=None, help="the plot's title (default: what was drawn)")
+    p.add_argument("--since", default=None, metavar="TIME",
+                   help="draw from TIME: seconds since the first event (as on the axis), HH:MM[:SS] today, or ISO")
+    p.add_argument("--until", default=None, metavar="TIME", help="draw up to TIME (as --since)")
+    p.add_argument("--session", action="append", default=[], metavar="ID",
+                   help="only this session's events (an id or its first hex digits, as the TUI and Perfetto show "
+                        "them; repeatable)")
     p.set_defaults(handler=run_plot)
 
 
@@ -99,7 +109,7 @@ def format_ledger(peer: str | None, db: Path, summary: dict) -> str:
     if summary["by_requester"]:
         lines.append("by requester (largest first):")
         for requester, sums in summary["by_requester"].items():
-            last = datetime.fromtimestamp(sums["last_hour"]).strftime("%Y-%m-%d %H:00")
+            last = datetime.fromtimestamp(sums["last"]).strftime("%Y-%m-%d %H:%M:%S")
             lines.append(row(requester[-24:], sums) + f"   last {last}")
     else:
         lines.append("nothing served yet")
@@ -140,17 +150,24 @@ def run_export(args: argparse.Namespace) -> int:
 
 def run_plot(args: argparse.Namespace) -> int:
     from tessera.store.plot import plot_timeline
+    from tessera.store.timeline import parse_when
 
     dbs = _databases(args.dbs)
-    drawn = plot_timeline(dbs, args.out, title=args.title)
-    print(f"{drawn['forward_steps']} forward steps on {len(drawn['peers'])} peers, "
+    since = parse_when(args.since) if args.since is not None else None  # a bad time fails before reading
+    until = parse_when(args.until) if args.until is not None else None
+    drawn = plot_timeline(dbs, args.out, title=args.title, since=since, until=until, sessions=args.session)
+    window = f" between {drawn['window'][0]:.3f} and {drawn['window'][1]:.3f} s" if drawn["window"] else ""
+    print(f"{drawn['forward_steps']} forward steps on {len(drawn['peers'])} peers{window}, "
           f"{drawn['pushes']} pushes -> {args.out}")
     return 0
 
 
-def load_audit_logs(path: Path | str) -> list[StepLog]:
+def load_audit_logs(path: Path | str) -> list["StepLog"]:
     """Every tensor-shard audit log in one peer's database (read-only; the peer may still be running)."""
     from tessera.store.db import PeerStore
+    from tessera.store.events import Audit
+
+    from tessera.peer.plan.audit import load_events
 
     store = PeerStore(path, readonly=True)
     try:

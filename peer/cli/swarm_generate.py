@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
 
 import trio
 
-from tessera.stages.generate import GenerationResult, prompt_ids
-from tessera.stages.sampling import SamplingParams
-from tessera.stages.tokenizer import TextStream
+from tessera.stages.decoding.generate import GenerationResult, prompt_ids
+from tessera.stages.decoding.sampling import SamplingParams
+from tessera.stages.text.tokenizer import TextStream
+from tessera.store.trace import TraceWriter
 
 from tessera.peer.cli.options import apply_threads, quant_from, read_swarm_key
-from tessera.stages.sampling import Sampler
-from tessera.stages.speculative import AdaptiveK, ModelDrafter, NgramDrafter
-from tessera.stages.stage import Stage
+from tessera.stages.decoding.sampling import Sampler
+from tessera.stages.decoding.speculative import AdaptiveK, ModelDrafter, NgramDrafter
+from tessera.stages.engine.stage import Stage
 
 from tessera.peer.request.client import Swarm
 from tessera.peer.net.emulated import LinkEmulation
@@ -45,7 +47,15 @@ async def generate_through_swarm(args: argparse.Namespace, sampling: SamplingPar
     # without the model here: its embedding, head and tokenizer from the --join peers (peer/weights/)
     folder = await ensure_model(args.model, args.join, swarm_key=swarm_key, groups=REQUESTER_GROUPS,
                                 out=lambda line: print(line, file=sys.stderr, flush=True))
-    async with Swarm.join(args.join, model=folder, swarm_key=swarm_key,
+    with contextlib.ExitStack() as stack:
+        # the requester's own trace (--record-trace): the id it records is bound as it joins
+        tracer = stack.enter_context(TraceWriter(args.record_trace)) if args.record_trace else None
+        return await _generate(args, sampling, folder, swarm_key, emulation, tracer)
+
+
+async def _generate(args: argparse.Namespace, sampling: SamplingParams, folder, swarm_key, emulation,
+                    tracer: TraceWriter | None) -> GenerationResult:
+    async with Swarm.join(args.join, model=folder, swarm_key=swarm_key, tracer=tracer,
                           emulate_link=emulation, policy=args.policy, quant=quant_from(args),
                           accept_mixed=args.accept_mixed, dedicated=not args.no_dedicated) as swarm:
         swarm.on_route_wait = lambda line: print(line, file=sys.stderr, flush=True)

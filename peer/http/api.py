@@ -21,10 +21,18 @@ thing a framework would add — request parsing — is dialect-specific anyway
 (peer/http/requests.py). It runs under hypercorn's trio worker, so the swarm
 client and the HTTP server share one trio loop (peer/cli/serve.py).
 
-Every request is its own swarm session. At most `max_concurrent` run at once;
-more wait for a slot — a peer refuses a requester's sessions past its
-per-requester limit (8 by default, `ServerLimits`) and a refusal makes this
-gateway skip that peer for a while, which would fail everyone's requests.
+Every request is its own swarm session. As many run at once as the swarm can hold
+sessions of one requester (peer/http/capacity.py: with one `--max-sessions 4` peer,
+4), at most `max_concurrent`; the rest wait for a slot, in order, and the number
+follows the swarm's view as peers come and go. A request whose session cannot be
+opened while every layer is served (the peers are busy with other requesters, or
+this requester avoids them for a while) waits and tries again, up to `queue_wait`
+seconds; 503 comes only when a layer has no serving peer (naming it), or when the
+swarm stayed full for the whole wait (`swarm_busy`, with a Retry-After).
+
+Bad input is a 4xx: a body announced or sent past 4 MiB is a 413 before it is read,
+one that does not arrive within `body_timeout` a 408; JSON nested past 64 levels,
+a missing or null `model`, or one this gateway does not serve, a 400.
 
 A client that disconnects (mid-stream, or while waiting for a whole answer)
 cancels its request: a watcher task sees ASGI's `http.disconnect` and cancels
@@ -39,24 +47,31 @@ import ipaddress
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Sequence
 
 import trio
 
-from tessera.stages.constrained import JsonConstraint
+from tessera.stages.decoding.constrained import CannotClose, JsonConstraint
 from tessera.stages.errors import StageError
 
+from tessera.peer.plan.coverage import swarm_coverage
 from tessera.peer.http import anthropic as http_anthropic
 from tessera.peer.http import responses as http_responses
+from tessera.peer.http import tools as http_tools
 from tessera.peer.base.errors import NoRoute, PeerError, RouteLost, UnknownPeer
 from tessera.peer.base.threads import in_worker
+from tessera.peer.http.capacity import covered, session_capacity
+from tessera.peer.http.defaults import (
+    BODY_TIMEOUT, DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_TOKENS, DEFAULT_QUEUE_WAIT, DEFAULT_ROUTE_WAIT,
+)
 from tessera.peer.http.exchange import SSE_HEADERS, ClientGone, Exchange, Receive, Send
 from tessera.peer.http.generation import (
     Envelope, Generation, chat_chunk, chat_object, completion_chunk, completion_object, usage_chunk,
 )
 from tessera.peer.http.requests import ApiError, GenerationRequest, bad, decode_body, parse_chat, parse_completion
 from tessera.peer.request.policy import BadPeerId
+from tessera.peer.serve.limits import ServerLimits
 
 # Renders one answer in a dialect: the whole object, or its stream (after `gen.start()`).
 Respond = Callable[[Exchange, Generation, GenerationRequest], Awaitable[None]]
@@ -64,10 +79,11 @@ Respond = Callable[[Exchange, Generation, GenerationRequest], Awaitable[None]]
 if TYPE_CHECKING:
     from tessera.peer.request.client import Swarm
 
-DEFAULT_MAX_TOKENS = 512  # when a request gives no max_tokens (clamped to the context)
-# How long a request waits for the swarm to cover every layer before it gets a 503.
-DEFAULT_ROUTE_WAIT = 10.0
-DEFAULT_MAX_CONCURRENT = 8  # = the peers' default sessions per requester (ServerLimits)
+# Sessions of one requester a peer takes at most (not advertised: the peers' default).
+PER_REQUESTER = ServerLimits.max_sessions_per_requester
+# Between tries of such a request: until a slot of ours is released or the view changes, at most this.
+RETRY_WAIT = 1.0
+RETRY_AFTER = 10  # seconds a busy 503 tells the client to wait (Retry-After)
 CORS_MAX_AGE = b"600"  # seconds a browser may cache a preflight answer
 # What a browser may send on a cross-origin request (when the page asks for none in particular).
 CORS_HEADERS = b"authorization, content-type, x-api-key, anthropic-version, openai-organization"
@@ -84,6 +100,7 @@ class GatewayStats:
     failed: int = 0  # ended with an error (no route, a peer failed ...)
     active: int = 0  # running on the swarm now
     queued: int = 0  # waiting for a slot
+    retried: int = 0  # opens tried again after the swarm was busy
 
 
 class Gateway:
@@ -91,17 +108,23 @@ class Gateway:
 
     def __init__(self, swarm: "Swarm", *, name: str, api_key: str | None = None,
                  route_wait: float = DEFAULT_ROUTE_WAIT, max_concurrent: int = DEFAULT_MAX_CONCURRENT,
-                 default_max_tokens: int = DEFAULT_MAX_TOKENS, cors_origins: Sequence[str] = ()) -> None:
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS, cors_origins: Sequence[str] = (),
+                 queue_wait: float = DEFAULT_QUEUE_WAIT, body_timeout: float = BODY_TIMEOUT) -> None:
         self.swarm = swarm
         self.name = name
         self.api_key = api_key
         self.route_wait = route_wait
         self.default_max_tokens = default_max_tokens
         self.max_concurrent = max_concurrent
+        self.queue_wait = queue_wait
+        self.body_timeout = body_timeout
         self.cors_origins = frozenset(cors_origins)  # browser origins allowed ("*": any); empty: CORS off
-        self.slots = trio.Semaphore(max_concurrent)
+        self.slots = trio.CapacityLimiter(max_concurrent)  # its total follows the swarm (follow_capacity)
+        self.released = trio.Event()  # set (and replaced) whenever a request gives its slot back
         self.stats = GatewayStats()
         self.fingerprint = f"tessera-{swarm.model_id[:16]}"
+        # told of every answer as it ends, with how it ended (the web view's chat shows its route: peer/http/web/)
+        self.observers: list[Callable[[Exchange, Generation, str], None]] = []
         self.routes: dict[tuple[str, str], Callable[[Exchange], Awaitable[None]]] = {
             ("GET", "/health"): self.health,
             ("GET", "/v1/models"): self.models,
@@ -118,7 +141,7 @@ class Gateway:
             return
         if scope["type"] != "http":
             return  # websockets: not served
-        http = Exchange(scope, receive, send)
+        http = Exchange(scope, receive, send, body_timeout=self.body_timeout)
         try:
             if await self.cors(http):
                 return
@@ -170,13 +193,29 @@ class Gateway:
         return True
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._follow_capacity)
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    nursery.cancel_scope.cancel()
+                    return
+
+    def follow_capacity(self) -> int:
+        """Set how many answers run at once from the swarm's view (peer/http/capacity.py); returns it."""
+        held = session_capacity(self.swarm.keeper.snapshot(), per_requester=PER_REQUESTER)
+        total = max(1, min(self.max_concurrent, held))  # 0 held: one request finds the real reason
+        if self.slots.total_tokens != total:
+            self.slots.total_tokens = total
+        return total
+
+    async def _follow_capacity(self) -> None:
         while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+            self.follow_capacity()
+            await self.swarm.keeper.wait_changed()
 
     async def dispatch(self, http: Exchange) -> None:
         method, path = http.scope["method"], http.scope["path"].rstrip("/") or "/"
@@ -240,11 +279,12 @@ class Gateway:
     # -- the swarm, as these endpoints show it --------------------------------------------
 
     def coverage(self) -> dict:
+        """What a new request can get through now: routing's definition (peer/plan/coverage.py)."""
         view = self.swarm.keeper.snapshot()
-        counts = view.coverage()
-        return {"layers": view.num_layers, "complete": min(counts, default=0) > 0,
-                "missing": [list(gap) for gap in view.gaps()], "peers": len(view.peers),
-                "min_replicas": min(counts, default=0)}
+        coverage = swarm_coverage(view)
+        return {"layers": view.num_layers, "complete": coverage.complete,
+                "missing": [list(gap) for gap in coverage.gaps], "peers": coverage.peers,
+                "min_replicas": min(coverage.replicas, default=0)}
 
     def model_card(self) -> dict:
         return {"id": self.name, "object": "model", "created": int(self.stats.started), "owned_by": "tessera",
@@ -269,21 +309,27 @@ class Gateway:
             "status": "ok" if routable else "unavailable",
             "model": self.name, "model_id": self.swarm.model_id, "swarm": {**coverage, "routable": routable},
             "gateway": {"peer_id": self.swarm.peer_id, "uptime_s": round(time.time() - stats.started, 1),
-                        "max_concurrent": self.max_concurrent, "active": stats.active, "queued": stats.queued,
+                        "max_concurrent": self.max_concurrent, "concurrency": self.follow_capacity(),
+                        "active": stats.active, "queued": stats.queued, "retried": stats.retried,
                         "requests": stats.requests, "completed": stats.completed, "cancelled": stats.cancelled,
                         "failed": stats.failed},
         }
         await http.json(200 if routable else 503, body)
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.name, self.swarm.model_id):
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, f"model is required: the name of the model to use, got {name!r}"[:500],
+                           param="model")
+        if name not in (self.name, self.swarm.model_id):
             raise ApiError(400, f"the model {name!r} does not exist here; this gateway "
                            f"serves {self.name!r}", param="model", code="model_not_found")
 
     # -- generation -----------------------------------------------------------------------
 
     async def chat(self, http: Exchange) -> None:
-        await self.openai(http, parse_chat(decode_body(await http.body())), chat=True)
+        data = decode_body(await http.body())
+        request = replace(parse_chat(data), tools=http_tools.openai_tools(data))
+        await self.openai(http, request, chat=True)
 
     async def completions(self, http: Exchange) -> None:
         await self.openai(http, parse_completion(decode_body(await http.body())), chat=False)
@@ -292,7 +338,9 @@ class Gateway:
         env = Envelope.new("chatcmpl" if chat else "cmpl", request.model or self.name, self.fingerprint)
 
         async def respond(http: Exchange, gen: Generation, request: GenerationRequest) -> None:
-            if request.stream:
+            if request.tools is not None:
+                await http_tools.openai_answer(http, gen, env, request, http_tools.tool_format(self.swarm.tokenizer))
+            elif request.stream:
                 await self.stream(http, gen, env, request, chat=chat)
             else:
                 text = await gen.text()
@@ -302,7 +350,7 @@ class Gateway:
 
     async def messages(self, http: Exchange) -> None:
         request = http_anthropic.parse_messages(decode_body(await http.body()))
-        await self.generate(http, request, http_anthropic.responder(request.model or self.name))
+        await self.generate(http, request, http_anthropic.responder(request.model or self.name, self.swarm.tokenizer))
 
     async def responses(self, http: Exchange) -> None:
         data = decode_body(await http.body())
@@ -312,8 +360,9 @@ class Gateway:
     async def prompt_ids(self, request: GenerationRequest) -> list[int]:
         tokenizer = self.swarm.tokenizer
         if request.messages is not None:
+            tools = request.tools.schemas() if request.tools is not None else None
             try:
-                return await in_worker(lambda: tokenizer.encode_chat(list(request.messages)))
+                return await in_worker(lambda: tokenizer.encode_chat(list(request.messages), tools=tools))
             except StageError as error:
                 raise bad("messages", str(error)) from None
         if isinstance(request.prompt, str):
@@ -344,13 +393,29 @@ class Gateway:
     async def generate(self, http: Exchange, request: GenerationRequest, respond: Respond) -> None:
         """The one generation core (see module docstring); `respond` renders the answer."""
         self.check_model(request.model)
-        ids = await self.prompt_ids(request)
+        tokenizer, eos = self.swarm.tokenizer, self.swarm.spec.eos_token_ids
         constraint = None
-        if request.json_shape is not None:
-            constraint = JsonConstraint(request.json_shape, self.swarm.tokenizer, self.swarm.spec.eos_token_ids)
-        gen = Generation(self.swarm, ids, max_tokens=self.budget(request, len(ids)), sampling=request.sampling,
-                         stop=request.stop, route_wait=self.route_wait, constraint=constraint,
-                         policy=request.policy)
+        if request.tools is not None:  # a template without tools is a 400 before anything runs
+            constraint = http_tools.constraint(request.tools, http_tools.tool_format(tokenizer), tokenizer, eos)
+            if request.json_shape is not None and constraint is not None:
+                raise bad("response_format", "a JSON response_format does not combine with tools here "
+                          "(send tool_choice: none, or no tools)")
+        if request.json_shape is not None and constraint is None:
+            constraint = JsonConstraint(request.json_shape, tokenizer, eos)
+        ids = await self.prompt_ids(request)
+        budget = self.budget(request, len(ids))
+        if constraint is not None:
+            try:
+                constraint.limit(budget)  # a format that cannot close in max_tokens: a 400 before any peer works
+            except CannotClose as error:
+                raise bad("max_tokens", str(error), code="max_tokens_too_small") from None
+
+        def new_generation() -> Generation:
+            # a retry comes only before the first token (see the loop below), so the constraint is unused
+            return Generation(self.swarm, ids, max_tokens=budget, sampling=request.sampling, stop=request.stop,
+                              route_wait=self.route_wait, constraint=constraint, policy=request.policy)
+
+        gen = new_generation()
         self.stats.requests += 1
         outcome, failure = "cancelled", None
         try:
@@ -358,15 +423,24 @@ class Gateway:
                 nursery.start_soon(http.watch_disconnect, nursery.cancel_scope)
                 try:
                     async with self.slot():
-                        await respond(http, gen, request)
+                        deadline = trio.current_time() + self.queue_wait
+                        while True:
+                            try:
+                                await respond(http, gen, request)
+                                break
+                            except NoRoute as error:
+                                if isinstance(error, RouteLost) or http.started or not self.worth_waiting(deadline):
+                                    raise
+                            await gen.close()  # busy: wait for room, then try again (queue, don't fail)
+                            await self.wait_for_room(deadline)
+                            self.stats.retried += 1
+                            gen = new_generation()
                 except RouteLost as error:  # the swarm failed mid-way: not "no route" at the start
                     outcome, failure = "failed", ApiError(502, f"the swarm failed this request: {error}",
                                                           type="upstream_error", code="swarm_error",
                                                           extra={"missing": [list(g) for g in error.missing]})
                 except NoRoute as error:
-                    outcome, failure = "failed", ApiError(503, str(error), type="service_unavailable",
-                                                          code="no_route",
-                                                          extra={"missing": [list(g) for g in error.missing]})
+                    outcome, failure = "failed", self.unavailable(error)
                 except PeerError as error:
                     outcome, failure = "failed", ApiError(502, f"the swarm failed this request: {error}",
                                                           type="upstream_error", code="swarm_error")
@@ -379,11 +453,43 @@ class Gateway:
             if http.finished and failure is None:
                 outcome = "completed"
             setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+            for observe in self.observers:
+                observe(http, gen, outcome)
         if failure is not None:
             raise failure
 
+    def worth_waiting(self, deadline: float) -> bool:
+        """Whether a request that found no route should wait and try again: serving peers claim
+        every layer (they are busy, or avoided for a while), and its queue time is not up."""
+        return covered(self.swarm.keeper.snapshot()) and trio.current_time() < deadline
+
+    async def wait_for_room(self, deadline: float) -> None:
+        """Until a request of ours gives its slot back or the view changes (at most RETRY_WAIT, and
+        not past `deadline`)."""
+        released = self.released
+        with trio.move_on_at(min(deadline, trio.current_time() + RETRY_WAIT)):
+            async with trio.open_nursery() as nursery:
+                async def first(wait) -> None:
+                    await wait()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(first, released.wait)
+                nursery.start_soon(first, self.swarm.keeper.wait_changed)
+
+    def unavailable(self, error: NoRoute) -> ApiError:
+        """The 503 for a request that found no route: a layer nobody serves (named), or a swarm
+        that stayed busy for the whole queue wait."""
+        missing = {"missing": [list(g) for g in error.missing]}
+        if covered(self.swarm.keeper.snapshot()):
+            return ApiError(503, f"the swarm is busy: every layer is served, but no route had room for this "
+                                 f"request within {self.queue_wait:g} s ({error})", type="service_unavailable",
+                            code="swarm_busy", extra=missing, headers=[(b"retry-after", b"%d" % RETRY_AFTER)])
+        return ApiError(503, str(error), type="service_unavailable", code="no_route", extra=missing)
+
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
+        """One of the answers that run at once (the rest wait here, in order)."""
+        self.follow_capacity()
         self.stats.queued += 1
         try:
             await self.slots.acquire()
@@ -395,6 +501,8 @@ class Gateway:
         finally:
             self.stats.active -= 1
             self.slots.release()
+            self.released.set()
+            self.released = trio.Event()
 
     async def stream(self, http: Exchange, gen: Generation, env: Envelope, request: GenerationRequest,
                      *, chat: bool) -> None:

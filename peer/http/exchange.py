@@ -14,6 +14,7 @@ from typing import Awaitable, Callable, Sequence
 
 import trio
 
+from tessera.peer.http.defaults import BODY_TIMEOUT
 from tessera.peer.http.requests import ApiError
 
 MAX_BODY_BYTES = 4 << 20  # a request body past this is refused (413) before it is parsed
@@ -32,8 +33,9 @@ class ClientGone(Exception):
 class Exchange:
     """One HTTP request/response over ASGI."""
 
-    def __init__(self, scope: dict, receive: Receive, send: Send) -> None:
+    def __init__(self, scope: dict, receive: Receive, send: Send, *, body_timeout: float = BODY_TIMEOUT) -> None:
         self.scope, self.receive, self.send = scope, receive, send
+        self.body_timeout = body_timeout
         self.started = False  # response headers sent
         self.finished = False  # the last body part is being or has been sent
         self.disconnected = False
@@ -46,6 +48,20 @@ class Exchange:
         return None
 
     async def body(self) -> bytes:
+        """The request body, whole. Raises ApiError: 413 past MAX_BODY_BYTES (announced or
+        sent), 408 when it does not arrive within `body_timeout` seconds, 400 for a bad
+        content-length; ClientGone when the client leaves."""
+        announced = self.header(b"content-length")
+        if announced is not None:
+            if not announced.strip().isdigit():
+                raise ApiError(400, f"the content-length header must be a number of bytes, got {announced!r}")
+            if int(announced) > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body ({int(announced)} bytes announced) exceeds {MAX_BODY_BYTES} bytes")
+        with trio.move_on_after(self.body_timeout):
+            return await self._read_body()
+        raise ApiError(408, f"the request body did not arrive within {self.body_timeout:g} s", code="request_timeout")
+
+    async def _read_body(self) -> bytes:
         chunks, size = [], 0
         while True:
             message = await self.receive()

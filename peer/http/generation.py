@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 import trio
 
-from tessera.stages.constrained import JsonConstraint
-from tessera.stages.sampling import SamplingParams
-from tessera.stages.tokenizer import TextStream
+from tessera.stages.decoding.constrained import JsonConstraint
+from tessera.stages.decoding.sampling import SamplingParams
+from tessera.stages.text.tokenizer import TextStream
 
 if TYPE_CHECKING:
     from tessera.peer.request.client import Swarm

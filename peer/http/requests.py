@@ -9,10 +9,10 @@ and repeating the bad value, in OpenAI's error shape:
 
 Defaults follow OpenAI's, not `tessera generate`'s: temperature 1.0, top_p 1.0.
 A parameter that would change the answer in a way we cannot honour (n > 1,
-logprobs, penalties, logit_bias, tools, echo, suffix) is refused rather than
-ignored; a field we do not know (user, metadata ...) is ignored, as OpenAI-
+logprobs, penalties, logit_bias, the legacy `functions`, echo, suffix) is refused
+rather than ignored (`tools` are peer/http/tools.py's); a field we do not know (user, metadata ...) is ignored, as OpenAI-
 compatible servers do. `response_format` (json_object, json_schema) is honoured
-by constrained decoding (stages/constrained.py); a schema keyword that is not
+by constrained decoding (stages/decoding/constrained.py); a schema keyword that is not
 implemented is refused with a 400 naming it.
 """
 
@@ -22,9 +22,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tessera.stages.json_prefix import JSON_OBJECT, Shape, UnsupportedSchema, compile_schema
-from tessera.stages.sampling import SamplingParams
+from tessera.stages.text.json_prefix import JSON_OBJECT, Shape, UnsupportedSchema, compile_schema
+from tessera.stages.decoding.sampling import SamplingParams
 
+from tessera.peer.http.tool_request import ToolRequest
 from tessera.peer.request.policy import BadPeerId, RequesterPolicy, check_peer_id
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
@@ -41,14 +42,16 @@ UNSUPPORTED_UNLESS = {
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "functions": (None, []),
+    "functions": (None, []),  # the old name of tools: send `tools` (peer/http/tools.py)
 }
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 # The extension field `"tessera": {"allow": [...], "deny": [...], "prefer": [...]}` (peer ids):
 # who may compute this answer, within what the gateway's own --allow/--deny permit.
 POLICY_FIELDS = ("allow", "deny", "prefer")
 MAX_POLICY_IDS = 1024  # per list: far more peers than a requester would name one by one
+# Arrays and objects nested deeper than this are refused: a request (messages of content parts,
+# a JSON schema) nests a handful of levels; each level costs the parsers behind us a stack frame.
+MAX_JSON_DEPTH = 64
 
 
 class ApiError(Exception):
@@ -87,14 +90,30 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def json_depth_over(data: Any, limit: int) -> bool:
+    """Whether arrays and objects nest deeper than `limit` in `data` (walked without recursion)."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return False
+
+
 def decode_body(body: bytes) -> dict:
-    """The request body as a JSON object. Raises ApiError(400)."""
+    """The request body as a JSON object nested at most MAX_JSON_DEPTH deep. Raises ApiError(400)."""
     try:
         data = json.loads(body, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as error:
         raise ApiError(400, f"We could not parse the JSON body of your request: {error}") from None
+    except RecursionError:  # nested past the interpreter's stack, before our own limit could say so
+        raise ApiError(400, f"the JSON body nests arrays or objects deeper than {MAX_JSON_DEPTH}") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    if json_depth_over(data, MAX_JSON_DEPTH):
+        raise ApiError(400, f"the JSON body nests arrays or objects deeper than {MAX_JSON_DEPTH}")
     return data
 
 
@@ -112,6 +131,7 @@ class GenerationRequest:
     include_usage: with `stream`, send a last chunk carrying `usage` (stream_options).
     json_shape: the answer must be JSON of this shape (response_format; constrained decoding), or None.
     policy:     who may compute it (the `tessera` extension field); None: the gateway's policy.
+    tools:      the tools the model may call and how (`tools`, `tool_choice`), or None.
     """
 
     messages: tuple[dict, ...] | None
@@ -124,6 +144,7 @@ class GenerationRequest:
     include_usage: bool
     json_shape: Shape | None = None
     policy: RequesterPolicy | None = None
+    tools: ToolRequest | None = None
 
 
 def _is_int(value: Any) -> bool:
@@ -215,11 +236,17 @@ def _refuse_unsupported(data: dict) -> None:
                       f"(accepted: {', '.join(repr(a) for a in allowed)})")
 
 
+def required_model(data: dict) -> str:
+    """The `model` field: required, a string (which model it names is the gateway's to check)."""
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", f"model is required: the name of the model to use, got {model!r}"[:500])
+    return model
+
+
 def _common(data: dict) -> dict:
     _refuse_unsupported(data)
-    model = data.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad("model", f"model must be a string, got {model!r}")
+    model = required_model(data)
     max_tokens = _optional_int(data, "max_tokens", low=1)
     if max_tokens is None:  # the chat API's newer name for the same limit
         max_tokens = _optional_int(data, "max_completion_tokens", low=1)
@@ -291,8 +318,38 @@ def parse_chat(data: dict) -> GenerationRequest:
         role = message.get("role")
         if role not in ROLES:
             raise bad(f"messages[{i}].role", f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        clean.append({"role": role, "content": _message_text(message.get("content"), i)})
+        clean.append(_chat_message(message, role, i))
     return GenerationRequest(messages=tuple(clean), prompt=None, **_common(data))
+
+
+def _chat_message(message: dict, role: str, i: int) -> dict:
+    """A message as chat templates take it: the text, and tool use — an assistant's `tool_calls`
+    (their `arguments` parsed from JSON text into an object, as templates write them) and a tool
+    result's `tool_call_id`."""
+    calls = message.get("tool_calls") if role == "assistant" else None
+    content = message.get("content")
+    out = {"role": role, "content": "" if content is None and calls else _message_text(content, i)}
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise bad(f"messages[{i}].tool_calls", f"tool_calls must be a list, got {calls!r}"[:300])
+        out["tool_calls"] = [_tool_call(call, f"messages[{i}].tool_calls[{k}]") for k, call in enumerate(calls)]
+    if role == "tool":
+        if not isinstance(message.get("tool_call_id"), str):
+            raise bad(f"messages[{i}].tool_call_id", "a tool message needs the tool_call_id it answers")
+        out["tool_call_id"] = message["tool_call_id"]
+    return out
+
+
+def _tool_call(call: Any, where: str) -> dict:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+        raise bad(where, f"{where} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                  f"\"arguments\": JSON text}}}}, got {call!r}"[:300])
+    try:
+        arguments = json.loads(fn["arguments"])
+    except ValueError:
+        raise bad(where, f"{where}.function.arguments is not JSON: {fn['arguments']!r}"[:300]) from None
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": arguments}}
 
 
 def parse_completion(data: dict) -> GenerationRequest:
@@ -305,4 +362,6 @@ def parse_completion(data: dict) -> GenerationRequest:
         raise bad("prompt", "prompt must be one string or one list of token ids (batches are not supported)")
     elif not isinstance(prompt, str):
         raise bad("prompt", f"prompt must be a string or a list of token ids, got {prompt!r}")
+    if data.get("tools") not in (None, []):
+        raise bad("tools", "tools are taken by /v1/chat/completions and /v1/messages, not by completions")
     return GenerationRequest(messages=None, prompt=prompt, **_common(data))

@@ -27,12 +27,12 @@ import secrets
 import time
 from typing import Any, Awaitable, Callable
 
-from tessera.stages.sampling import SamplingParams
+from tessera.stages.decoding.sampling import SamplingParams
 
 from tessera.peer.http.exchange import SSE_HEADERS, Exchange
 from tessera.peer.http.generation import LENGTH, Generation
 from tessera.peer.http.requests import (
-    ROLES, SEED_RANGE, GenerationRequest, _bool, _number, _optional_int, bad, json_shape,
+    ROLES, SEED_RANGE, GenerationRequest, _bool, _number, _optional_int, bad, json_shape, required_model,
 )
 
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -92,9 +92,7 @@ def parse_responses(data: dict) -> GenerationRequest:
     for name, allowed in UNSUPPORTED_UNLESS.items():
         if name in data and data[name] not in allowed:
             raise bad(name, f"{name}={data[name]!r} is not supported by this server")
-    model = data.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad("model", f"model must be a string, got {model!r}")
+    model = required_model(data)
     shape, _ = _format(data)
     sampling = SamplingParams(
         temperature=_number(data, "temperature", 1.0, low=0.0, high=2.0),

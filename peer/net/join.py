@@ -13,6 +13,11 @@ The reasons, told apart by what the address did:
                      private-network key the two sides cannot even agree on
                      encryption, so "wrong or missing swarm key?" is the likely cause;
   different model    the peer answers, but its advertisement names another model id.
+
+An address that answered once with a reason (a different model) keeps that reason when a
+later attempt at it fails without one (cut by the join time, or refused: a peer of another
+model may drop us after the first exchange): the exit line then names what was learnt,
+not a guess about the swarm key.
 """
 
 from __future__ import annotations
@@ -101,6 +106,7 @@ async def join_swarm(
     delays = delays or backoff()
     deadline = trio.current_time() + timeout
     last: list[Attempt] = []
+    learnt: dict[str, str] = {}  # address -> the reason it gave when it answered (e.g. a different model)
     n = 0
     while True:
         n += 1
@@ -108,14 +114,20 @@ async def join_swarm(
         for addr in addrs:
             remaining = deadline - trio.current_time()
             reason: str | None = "no answer within the join time"
+            answered = False
             with trio.move_on_after(max(0.0, remaining)):
                 try:
                     reason = await try_one(addr)
+                    answered = True
                 except PeerError:
                     reason = "unreachable"
                 if reason is None:
                     return True
-            if reason.startswith(("unreachable", "no answer")):
+            if answered and not reason.startswith("unreachable"):
+                learnt[addr] = reason
+            elif addr in learnt:
+                reason = learnt[addr]  # it answered before: what it said then is the reason
+            elif not answered:
                 reason = handshake_reason(swarm_key_given) if await tcp_answers(addr) else (
                     "unreachable: nothing answers at this address (is the peer running, and the address right?)")
             last.append(Attempt(addr, reason))

@@ -73,6 +73,10 @@ loaded peer (a CPU peer computing, two processes to a core) must not be taken fo
 a crashed peer's probe fails at once anyway (connection refused)."""
 REFUSED_BACKOFF = 60.0
 """A peer that refused us (full), or that we could not reach, is not drawn again for this long."""
+MAX_SEED_BACKOFF = 300.0
+"""A join address that does not answer (its peer left, or is restarting) is tried again after
+REFUSED_BACKOFF, doubling up to this: a peer alone does not dial a gone one every minute for
+hours, each a libp2p failure line, yet finds it within five minutes of its return."""
 GRAVE_PROBE_PERIODS = 4
 """Every this many periods, one peer reported gone is dialled again (partitions heal)."""
 MAX_AVOID = 256  # peers remembered as refusing or unreachable (bounded: the swarm may be huge)
@@ -117,6 +121,7 @@ class Membership:
         self.pending: set[str] = set()  # links being asked, probes running
         self.opened: dict[str, float] = {}  # connections we opened that are no neighbour's -> since
         self.avoid: dict[str, float] = {}  # peer -> not drawn before this time
+        self.seed_backoff: dict[str, float] = {}  # join address -> its current backoff (see MAX_SEED_BACKOFF)
         self.byes: set[str] = set()  # neighbours that said goodbye (their connection may close)
         self.ticks = 0
 
@@ -230,7 +235,10 @@ class Membership:
         return None
 
     def _refuse(self, peer_id: str) -> None:
-        self.avoid[peer_id] = trio.current_time() + REFUSED_BACKOFF
+        backoff = REFUSED_BACKOFF
+        if peer_id in self.keeper.seeds:
+            backoff = self.seed_backoff[peer_id] = min(MAX_SEED_BACKOFF, 2 * self.seed_backoff.get(peer_id, backoff / 2))
+        self.avoid[peer_id] = trio.current_time() + backoff
         while len(self.avoid) > MAX_AVOID:
             del self.avoid[next(iter(self.avoid))]
 
@@ -256,6 +264,7 @@ class Membership:
             if answer == LINK_ACCEPT:
                 self.outbound[peer_id] = trio.current_time()
                 self.opened.pop(peer_id, None)
+                self.seed_backoff.pop(peer_id, None)
             else:
                 self._refuse(peer_id)
         finally:
@@ -299,4 +308,4 @@ class Membership:
 
 
 __all__ = ["Membership", "MemberView", "OUTBOUND", "MAX_INBOUND", "MAX_NEIGHBOURS", "MAX_CONNECTIONS", "REFRESH_PERIODS", "IDLE_CLOSE",
-           "CONNECT_TIMEOUT", "PROBE_TIMEOUT", "GRAVE_PROBE_PERIODS"]
+           "CONNECT_TIMEOUT", "PROBE_TIMEOUT", "GRAVE_PROBE_PERIODS", "MAX_SEED_BACKOFF"]

@@ -5,8 +5,9 @@
 
 Everything a volunteer's peer stands on is chosen here, and only here (`tessera peer`,
 the TUI and the benches build their peers with it): the data dir (identity key, sqlite
-store, trace), the libp2p host (with --emulate-link's pacing), the model's weights
-on this machine's device, the wall clock. The simulator gives the same `PeerNode`
+store, trace; locked while the peer runs, peer/node/data_dir.py), the libp2p host (on
+--listen, or every interface at port 4001 or a free one: peer/net/addresses.py; with
+--emulate-link's pacing), the model's weights on this machine's device, the wall clock. The simulator gives the same `PeerNode`
 other parts (peer/sim/peer.py).
 """
 
@@ -21,11 +22,13 @@ from tessera.store.db import PeerStore
 from tessera.store.keyfile import load_or_create_key
 from tessera.store.trace import TraceWriter
 
+from tessera.peer.net.addresses import default_listen
 from tessera.peer.net.emulated import emulate
 from tessera.peer.net.gossip import ViewKeeper
 from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.net.transport import Transport
 from tessera.peer.node.config import PeerConfig
+from tessera.peer.node.data_dir import DataDirLock
 from tessera.peer.node.parts import NodeParts
 from tessera.peer.node.peer_node import PeerNode
 from tessera.peer.node.torch_compute import TorchCompute
@@ -33,11 +36,18 @@ from tessera.peer.weights.bootstrap import FolderWeights
 
 
 @asynccontextmanager
-async def open_host(config: PeerConfig, identity: Identity) -> AsyncIterator[Transport]:
+async def open_host(config: PeerConfig, identity: Identity,
+                    out: Callable[[str], None] = print) -> AsyncIterator[Transport]:
     """The peer's libp2p host on --listen (private with --swarm-key), with dedicated connections for
-    the hot streams (--dedicated-port, --no-dedicated), frames paced by --emulate-link."""
+    the hot streams (--dedicated-port, --no-dedicated), frames paced by --emulate-link. Without
+    --listen: every interface, port 4001 or (said on `out`) a free one."""
+    listen = config.listen
+    if not listen:
+        listen, note = default_listen()
+        if note:
+            out(note)
     async with open_libp2p_transport(
-        identity.seed, listen=config.listen, swarm_key=config.swarm_key,
+        identity.seed, listen=listen, swarm_key=config.swarm_key,
         dedicated=config.dedicated, dedicated_port=config.dedicated_port,
     ) as real_transport, emulate(real_transport, config.emulate_link) as transport:
         yield transport
@@ -45,13 +55,19 @@ async def open_host(config: PeerConfig, identity: Identity) -> AsyncIterator[Tra
 
 def build_peer(config: PeerConfig, *, out: Callable[[str], None] | None = None) -> PeerNode:
     """A volunteer's peer for `config`. Raises ConfigError (e.g. a memory offer too small for
-    one layer) before anything is created on disk."""
+    one layer) before anything is created on disk, and DataDirInUse (a ConfigError) when
+    another running peer holds the data dir — before its key or store is opened."""
     compute = TorchCompute(config)
-    config.data_dir.mkdir(parents=True, exist_ok=True)
-    identity = Identity.from_seed(load_or_create_key(config.data_dir / "identity.key"))
-    store = PeerStore(config.data_dir / "tessera.db")
+    lock = DataDirLock.acquire(config.data_dir)  # held until the node stops (PeerNode.run)
+    try:
+        identity = Identity.from_seed(load_or_create_key(config.data_dir / "identity.key"))
+        store = PeerStore(config.data_dir / "tessera.db")
+    except BaseException:
+        lock.release()
+        raise
+    node: PeerNode | None = None  # the node's own `out` says where the host listens (set below)
     parts = NodeParts(
-        open_transport=lambda: open_host(config, identity),
+        open_transport=lambda: open_host(config, identity, out=node.out),
         identity=identity,
         compute=compute,
         keeper=ViewKeeper(model_id=compute.model_id, num_layers=compute.spec.num_layers, clock=time.time),
@@ -59,8 +75,10 @@ def build_peer(config: PeerConfig, *, out: Callable[[str], None] | None = None) 
         store=store,
         clock=time.time,
         weights=FolderWeights(compute.folder, serve=config.serve_weights, upload_rate=config.weights_upload_rate),
+        data_dir_lock=lock,
     )
-    return PeerNode(config, parts, out=out)
+    node = PeerNode(config, parts, out=out)
+    return node
 
 
 __all__ = ["build_peer", "open_host"]

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 
-from tessera.stages.quant import NO_QUANT, Quant, layer_bytes
-from tessera.stages.spec import ModelSpec
+from tessera.stages.weights.quant import NO_QUANT, Quant, span_bytes
+from tessera.stages.families.spec import ModelSpec
 
 from tessera.peer.net.emulated import LinkEmulation
 from tessera.peer.base.errors import ConfigError
@@ -49,7 +50,9 @@ class PeerConfig:
 
     model: str = "smollm2-135m"
     join: list[str] = field(default_factory=list)
-    listen: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    # where to listen; empty: every interface at port 4001, or a free port if that is taken
+    # (peer/net/addresses.py `default_listen`: a volunteer is there to be reached from other machines)
+    listen: list[str] = field(default_factory=list)
     dedicated: bool = True  # hot streams on connections of their own where they work (peer/net/dedicated/)
     dedicated_port: int = 0  # where those are taken (0: any free port)
     memory_gb: float | None = None
@@ -59,7 +62,7 @@ class PeerConfig:
     threads: int | None = None
     device: str = "auto"
     dtype: str = "auto"
-    quant: Quant = NO_QUANT  # how the span's matrices are stored (stages/quant.py)
+    quant: Quant = NO_QUANT  # how the span's matrices are stored (stages/weights/quant.py)
     swarm_key: bytes | None = None
     max_sessions: int = 16
     max_length: int = 4096
@@ -83,30 +86,30 @@ class PeerConfig:
     weights_upload_rate: float = 0.0  # bytes/s of weights uploaded per fetching peer; 0 = unlimited
 
 
-def parse_layers(text: str) -> tuple[int, int]:
-    """'A:B' -> (A, B), layers A to B-1."""
-    try:
-        a, b = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise ConfigError(f"--layers wants A:B (layers A to B-1), got {text!r}") from None
-    if not 0 <= a < b:
-        raise ConfigError(f"--layers {text!r} is empty or negative")
-    return a, b
-
-
 def capacity_in_layers(spec: ModelSpec, memory_bytes: int, itemsize: int, quant: Quant = NO_QUANT) -> int:
-    """How many layers fit in the memory offered, keeping a share for KV caches
-    (a quantized layer counts its integers and scales: stages/quant.py `layer_bytes`)."""
+    """How many layers fit in the memory offered, keeping a share for KV caches: the longest k such
+    that EVERY run of k consecutive layers fits, each layer counted at its own bytes (a quantized
+    layer its integers and scales: stages/weights/quant.py `layer_bytes`; a sparse layer all its
+    experts, a dense one of the same model far less). Placement may claim any window of that
+    length, so none may overflow the memory; a window of lighter layers could hold a few more,
+    which placement does not yet use. At least 1."""
     usable = memory_bytes * (1 - KV_RESERVE_FRACTION)
-    return max(1, min(spec.num_layers, int(usable // layer_bytes(spec, itemsize, quant))))
+    ends = list(accumulate((span_bytes(spec, i, i + 1, itemsize, quant) for i in range(spec.num_layers)), initial=0))
+    k = 0  # ends[s + k] - ends[s]: the bytes of layers [s, s + k)
+    while k < spec.num_layers and max(ends[s + k + 1] - ends[s] for s in range(spec.num_layers - k)) <= usable:
+        k += 1
+    return max(1, k)
 
 
 def check_memory_offer(spec: ModelSpec, memory_gb: float, itemsize: int, dtype: str,
                        *, layers: tuple[int, int] | None = None, quant: Quant = NO_QUANT) -> None:
-    """Raise ConfigError when `memory_gb` cannot hold one layer (or the forced span) plus the
-    KV share, saying how many GB it needs — before a peer loads weights that do not fit."""
+    """Raise ConfigError when `memory_gb` cannot hold one layer (its largest: any span holds at least
+    one) or the forced span, plus the KV share, saying how many GB it needs — before a peer loads
+    weights that do not fit."""
     count = (layers[1] - layers[0]) if layers else 1
-    need = count * layer_bytes(spec, itemsize, quant) / (1 - KV_RESERVE_FRACTION)
+    weights = span_bytes(spec, layers[0], min(layers[1], spec.num_layers), itemsize, quant) if layers else max(
+        span_bytes(spec, i, i + 1, itemsize, quant) for i in range(spec.num_layers))
+    need = weights / (1 - KV_RESERVE_FRACTION)
     if not memory_gb > 0 or memory_gb * (1 << 30) < need:
         what = f"{count} layers" if layers else "one layer"
         raise ConfigError(

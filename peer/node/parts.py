@@ -21,11 +21,11 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncContextManager, Callable, Protocol
+from typing import Any, AsyncContextManager, Awaitable, Callable, Protocol
 
 from tessera.protocol.keys import Identity
-from tessera.stages.quant import Quant
-from tessera.stages.spec import ModelSpec
+from tessera.stages.weights.quant import Quant
+from tessera.stages.families.spec import ModelSpec
 from tessera.store.trace import Tracer
 
 from tessera.peer.net.gossip import ViewKeeper
@@ -169,6 +169,12 @@ class NodeParts:
     reports: bool = True  # keep and forward misbehaviour reports (peer/request/reports.py)
     reap_idle: bool = True  # drop sessions idle on the wall clock (simulated requesters always close theirs)
     weights: Weights | None = None  # None: no files to serve or fetch (a bare test node; the simulator passes peer/sim/disk.py)
+    # Tasks run beside the peer from the moment its transport is up until it stops, each given the
+    # node (`tessera peer --web`: the web view, peer/http/web/); cancelled when the peer has left.
+    services: list[Callable[[Any], Awaitable[None]]] = field(default_factory=list)
+    # The lock on the data dir the identity and store come from (peer/node/data_dir.py `DataDirLock`),
+    # released when the node stops; None: nothing on disk to guard (a simulated peer)
+    data_dir_lock: Any = None
 
 
 __all__ = ["Compute", "Placement", "PlanPlacement", "Pacing", "NodeWatch", "NodeParts", "JITTER"]

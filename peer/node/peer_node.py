@@ -19,6 +19,7 @@ period, close.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from functools import lru_cache, partial
 from typing import Any, Callable
@@ -32,6 +33,7 @@ from tessera.store.trace import Tracer
 
 from tessera.peer.base.ids import peer_id_bytes
 from tessera.peer.base.errors import ConfigError
+from tessera.peer.net.addresses import describe_addrs
 from tessera.peer.net.gossip import Gossip, material
 from tessera.peer.net.pinger import Pinger
 from tessera.peer.node.config import (
@@ -46,6 +48,7 @@ from tessera.peer.serve.limits import ServerLimits
 from tessera.peer.serve.server import StageServer
 from tessera.peer.serve.shard_server import ShardServer
 from tessera.peer.net.transport import Transport
+from tessera.peer.plan.coverage import SwarmCoverage, swarm_coverage
 from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, SERVING, PeerInfo, Reachability
 
 
@@ -202,6 +205,13 @@ class PeerNode:
     # -- lifecycle --------------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await self._run(task_status)
+        finally:
+            if self.parts.data_dir_lock is not None:
+                self.parts.data_dir_lock.release()  # the data dir is free for the next peer (a restart)
+
+    async def _run(self, task_status) -> None:
         parts = self.parts
         self.compute.prepare()
         async with parts.open_transport() as transport:
@@ -218,12 +228,15 @@ class PeerNode:
             self.pinger = Pinger(transport, on_failure=self.gossip.suspect if self.gossip is not None else _ignore)
             if parts.weights is not None:
                 parts.weights.serve(transport)
-            self.out(f"listening on {transport.addrs()[0]}")
+            for line in describe_addrs(transport.addrs()):  # "listening on ADDR (LAN: ...)", best first
+                self.out(line)
             self.tracer.emit(events.Join(addrs=transport.addrs(), model=self.model_id))
             self.watch.opened(self)
             try:
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery  # background announcements (advertise)
+                    for service in parts.services:
+                        nursery.start_soon(service, self)
                     if parts.nat:
                         self._start_nat(nursery)
                     await self._join()
@@ -496,9 +509,19 @@ class PeerNode:
         dedicated = getattr(self.transport, "dedicated", None)  # only the libp2p transport has them
         return dedicated.status() if dedicated is not None else None
 
-    def status(self) -> dict:
+    def coverage(self) -> SwarmCoverage:
+        """The swarm's coverage as routing sees it (peer/plan/coverage.py), with this peer in the
+        state it is in now: its record in the view may say "serving" a moment after a drain."""
         view = self.keeper.snapshot()
+        me = self.transport.peer_id if self.transport else None
+        own = (view.get(me) or self._own_info) if me else None
+        if own is not None:
+            own = dataclasses.replace(own, state=self.state)
+        return swarm_coverage(view, own=own)
+
+    def status(self) -> dict:
         server = self.server
+        coverage = self.coverage()
         return {
             "peer_id": self.transport.peer_id if self.transport else None,
             "name": self.config.name,
@@ -517,7 +540,9 @@ class PeerNode:
             "uptime": self.clock() - self.started,
             "sessions": len(server.sessions) if server else 0,
             "stats": vars(server.stats) if server else {},
-            "coverage": view.coverage(),
+            "coverage": list(coverage.replicas),  # per layer: replicas a new session can use now
+            "gaps": [list(gap) for gap in coverage.gaps],
+            "serving": coverage.serving,  # peers taking sessions (this one included, if it does)
             "neighbours": {p: {"rtt_ms": rtt, "kind": self.transport.connection_kind(p)} for p, rtt in self.pinger.rtt_ms.items()},
             "nat": self.nat.status() if self.nat else None,
             "dedicated": self.dedicated_status(),

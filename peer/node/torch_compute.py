@@ -1,7 +1,8 @@
 """A real peer's stage loader: the model's files, torch, the device and dtype it computes in.
 
 The `Compute` (peer/node/parts.py) that peer/node/compose.py gives a `PeerNode`: it resolves
-the model, refuses a memory offer that cannot hold one layer (before anything starts),
+the model, refuses a memory offer that cannot hold one layer and a tensor-shard rank of a
+model its group cannot split (a MoE family: ShardError, one line) before anything starts,
 measures one layer's decode speed and loads only the claimed span's weights.
 """
 
@@ -11,14 +12,14 @@ import psutil
 import torch
 
 from tessera.peer.base.threads import in_worker
-from tessera.stages import registry
-from tessera.stages.devices import cuda_offer, cuda_reserve, read_device_memory
-from tessera.stages.generate import pick_device, pick_dtype
-from tessera.stages.quant import model_tag
-from tessera.stages.sharded import ShardedStage
-from tessera.stages.spec import ModelSpec
-from tessera.stages.speed import measure_layer_throughput
-from tessera.stages.stage import Stage
+from tessera.stages.weights import registry
+from tessera.stages.engine.devices import cuda_offer, cuda_reserve, read_device_memory
+from tessera.stages.decoding.generate import pick_device, pick_dtype
+from tessera.stages.weights.quant import model_tag
+from tessera.stages.shards.sharded import ShardedStage, check_shardable
+from tessera.stages.families.catalog import spec_from_file
+from tessera.stages.engine.speed import measure_layer_throughput
+from tessera.stages.engine.stage import Stage
 
 from tessera.peer.node.config import DEFAULT_MEMORY_FRACTION, PeerConfig, check_memory_offer
 
@@ -28,9 +29,11 @@ class TorchCompute:
 
     def __init__(self, config: PeerConfig) -> None:
         self.folder = registry.resolve(config.model)
-        self.spec = ModelSpec.from_file(self.folder / "config.json")
+        self.spec = spec_from_file(self.folder / "config.json")
         self.quant = config.quant
         self.shard = config.shard
+        if self.shard[1] > 1:  # a model whose layers a group cannot split is refused before anything starts
+            check_shardable(self.spec, self.shard[1], self.shard[0])
         # the advertised id carries the quantization: requesters chain only what they accept
         self.model_id = model_tag(registry.model_id(self.folder), self.quant)
         self.device = pick_device(config.device)
@@ -75,7 +78,7 @@ class TorchCompute:
 
     async def load(self, start: int, end: int) -> Stage | ShardedStage:
         index, count = self.shard
-        if count > 1:  # only this rank's slices (stages/sharded.py)
+        if count > 1:  # only this rank's slices (stages/shards/sharded.py)
             return await in_worker(lambda: ShardedStage.load(
                 self.folder, start=start, end=end, index=index, count=count, device=self.device, dtype=self.dtype))
         return await in_worker(

@@ -1,7 +1,7 @@
 """The shard audit: proof from the logs that a sharded span never held the full hidden state.
 
 Every rank of a tensor-shard group logs, per step, what it held and every collective
-it took part in (`stages/collectives.py`, `stages/sharded.py`); a peer writes one
+it took part in (`stages/shards/collectives.py`, `stages/shards/sharded.py`); a peer writes one
 trace event `Audit` (store/events.py) per step (`peer/serve/shard_server.py`), and so does the
 requester for the slices it scattered into the group and the output it gathered.
 `check(logs)` reads them back and, step by step, proves:
@@ -40,7 +40,7 @@ from typing import Iterable
 
 import numpy as np
 
-from tessera.stages.shard_layout import HIDDEN, LAYER_AUDIT_OPS
+from tessera.stages.shards.layout import HIDDEN, LAYER_AUDIT_OPS
 from tessera.store.events import Audit, Stamped
 
 SHARD = "shard"  # a log written by a rank of the group

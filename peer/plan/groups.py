@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Mapping
 
 from tessera.peer.plan.cost import rtt_ms
 from tessera.peer.plan.view import LEAVING, PeerInfo, SwarmView
-from tessera.stages.shard_layout import ROUNDS_PER_LAYER  # exchanges per layer, each a round trip between the ranks
+from tessera.stages.shards.layout import ROUNDS_PER_LAYER  # exchanges per layer, each a round trip between the ranks
 
 GROUP_PREFIX = "group:"
 

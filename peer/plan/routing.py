@@ -15,10 +15,14 @@ where ``prev`` is ``source`` for the first hop; plus ``rtt(last, sink)`` at the 
 ``rtt(a, b)`` is a's measured ``rtt_ms[b]`` or b's ``rtt_ms[a]`` (their mean if both),
 else ``default_rtt_ms``. Sending to oneself costs nothing.
 
-A peer serving ``[s, e)`` may be entered at any boundary ``b`` with ``s <= b < e`` and
-then runs ``[b, min(e, end))``: a chain may use the tail of a span, which is what a
-requester needs to re-route a failed span ``[a, b)`` over replacements with other cut
-points (``route(view, start=a, end=b, source=<peer before>, sink=<peer after>)``).
+A peer serving ``[s, e)`` computes any sub-span of it (stages/sessions.py), so a chain
+may enter it at any layer it holds and leave it before its end: a hand-over happens
+where the peer before it ends (it runs the tail of its span: what a requester needs to
+re-route a failed span ``[a, b)`` over replacements with other cut points,
+``route(view, start=a, end=b, source=<peer before>, sink=<peer after>)``) or where the
+peer after it starts (it runs the head of its span: what lets ``--prefer`` keep a
+non-preferred peer to the layers no preferred peer holds). A chain never uses a peer
+twice. Exact ties go to fewer hops, then to smaller peer ids, then to later cuts.
 
 A worked example (L = 4, default RTT 100 ms, no load)::
 
@@ -32,36 +36,27 @@ A worked example (L = 4, default RTT 100 ms, no load)::
     r -> c -> r        100 + 200 + 100                  = 400 ms   -> route = a, b
 
 If a has also measured b at 10 ms, a -> b costs 10 and the chain 60 ms. Excluding
-a gives ``r -> c -> r``; excluding c too leaves layers [0, 2) uncovered and the answer
+a gives ``r -> c[0, 2) -> b -> r`` = 100 + 100 + 100 + 20 + 5 = 325 ms: c runs only the
+layers b does not hold and hands over at b's first layer; excluding b as well gives
+``r -> c -> r`` (400 ms); excluding a and c leaves layers [0, 2) uncovered and the answer
 is ``Route((), inf)``, whose ``ok`` is False.
 
 The search
 ----------
-States are (layer boundary, last peer). Because a peer entered at ``b`` always runs to
-its own end, the state after a hop is (exit of p, p) — one per peer — and every edge
-goes to a strictly later boundary. The graph is a DAG, so Dijkstra's priority queue
-is unnecessary: settling states in boundary order is the same shortest-path search.
-For a peer q exiting at e, each entry boundary b contributes::
-
-    min over peers p exiting at b of  dist(p) + rtt(p, q)   (+ q's compute from b to e)
-
-Peers without a measured RTT to q all pay the same ``default_rtt_ms``, so the best of
-them is the first of b's arrivals sorted by distance; the measured pairs are looked
-up one by one. A call costs O(sum of span lengths + measured RTT entries), not
-O(peers²). Measured on a shared 2-core box (where a bare 20,000-step Python loop
-takes 1.2 ms): 1,000 peers, 30-100 layers, 20 measured neighbours each — 4-6 ms
-per call, 11-12 ms when the measured-link index must be rebuilt (see
-`_measured_links`).
+`peer/plan/chains.py`: a sweep over the boundaries where spans start or end, pricing
+every tail and head hand-over (unmeasured links at the default RTT from the best exit,
+measured ones one by one: O(sum of span lengths + measured RTT entries) a pass, not
+O(peers²)), and a branch-and-bound over it for the rare relaxed chain that would use a
+peer twice. `bench/routing.py` times a call at 1,000 peers against the tail-only search.
 """
 
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
+from tessera.peer.plan.chains import Candidate, Links, cheapest_chain, links_between
 from tessera.peer.plan.cost import DEFAULT_RTT_MS, FULL_LOAD, LOAD_PENALTY, ms_per_layer, hop_compute_ms, rtt_ms
 from tessera.peer.plan.groups import ShardGroup, replica_coverage, with_group_peers
 from tessera.peer.plan.view import SERVING, PeerInfo, SwarmView
@@ -217,6 +212,60 @@ def why_no_route(
     return gaps, text
 
 
+def why_not_preferred(
+    view: SwarmView,
+    chosen: Route,
+    *,
+    prefer: frozenset[str] | set[str],
+    source: str,
+    sink: str | None = None,
+    exclude: frozenset[str] = frozenset(),
+    **prices: float,
+) -> list[str]:
+    """Why each hop of `chosen` on a peer outside `prefer` is there, in the cost model's terms;
+    one sentence per such hop (none when every hop is preferred, or nothing is). Pass the view
+    `chosen` was routed on (a policy's priced view) and the same `source`, `sink`, `exclude` and
+    prices (`default_rtt_ms`, `load_penalty`). The reasons, first that applies:
+
+    - no preferred peer holds (some of) its layers: '... no preferred peer holds [0, 10)';
+    - the preferred peers holding them take no sessions now ('... b1c2d3e4 draining');
+    - they could, but no chain through them is cheaper: the cheapest without this peer costs
+      more, or would need a peer twice ('a chain avoiding it costs 40,310 ms against 10,250 ms').
+    """
+    if not prefer:
+        return []
+    out = []
+    for hop in chosen.hops:
+        if hop.peer_id in prefer or hop.group:
+            continue
+        what = f"layers [{hop.start}, {hop.end}) on {hop.peer_id[-8:]} (not preferred)"
+        holders = [p for p in view.peers if p.peer_id in prefer and p.start < hop.end and hop.start < p.end]
+        usable = [p for p in holders if unusable_reason(p, exclude) is None and p.shard_count == 1]
+        bare = [layer for layer in range(hop.start, hop.end) if not any(p.start <= layer < p.end for p in usable)]
+        if bare:
+            merged: list[tuple[int, int]] = []
+            for layer in bare:
+                if merged and merged[-1][1] == layer:
+                    merged[-1] = (merged[-1][0], layer + 1)
+                else:
+                    merged.append((layer, layer + 1))
+            where = ", ".join(f"[{a}, {b})" for a, b in merged)
+            idle = [f"{p.peer_id[-8:]} {unusable_reason(p, exclude) or 'a shard rank'}" for p in holders if p not in usable]
+            out.append(f"{what}: no preferred peer takes sessions for {where}"
+                       + (f" (preferred but not taking sessions: {', '.join(idle)})" if idle else
+                          " (no preferred peer holds them)"))
+            continue
+        without = route(view, start=chosen.hops[0].start, end=chosen.hops[-1].end, source=source, sink=sink,
+                        exclude=frozenset(exclude) | {hop.peer_id}, **prices)
+        if without.ok:
+            out.append(f"{what}: preferred peers hold them, but the cheapest chain avoiding it costs "
+                       f"{without.cost_ms:,.0f} ms against {chosen.cost_ms:,.0f} ms")
+        else:
+            out.append(f"{what}: preferred peers hold them, but no chain of distinct peers avoids it "
+                       "(each peer runs one piece of a route)")
+    return out
+
+
 def route(
     view: SwarmView,
     *,
@@ -228,6 +277,7 @@ def route(
     default_rtt_ms: float = DEFAULT_RTT_MS,
     load_penalty: float = LOAD_PENALTY,
     groups: bool = False,
+    head_handovers: bool = True,
 ) -> Route:
     """The cheapest chain from ``source`` through layers ``[start, end)`` to ``sink``.
 
@@ -244,9 +294,14 @@ def route(
     in the view (a requester usually is not; it may add itself with an empty span
     to contribute its own RTT measurements).
 
+    A hop may be any sub-span of its peer's span, handed over where the peer before it ends
+    or where the next one starts; a peer is in a chain at most once (see the module
+    docstring). ``head_handovers=False`` keeps every hop running to its peer's end (the
+    chains of before; a baseline for bench/routing.py).
+
     Exact ties go to the chain with fewer hops, then to the smaller sequence of peer
-    ids. Returns ``Route((), inf)`` when no chain covers the range, and
-    ``Route((), 0.0)`` for an empty range.
+    ids, then to later cut points. Returns ``Route((), inf)`` when no chain covers the
+    range, and ``Route((), 0.0)`` for an empty range.
 
     Raises ValueError unless ``0 <= start <= end <= num_layers``.
     """
@@ -266,78 +321,34 @@ def route(
             usable=lambda p: unusable_reason(p, exclude) is None,
         )
 
-    # The usable peers, in peer-id order, grouped by the boundary where they exit.
-    exits: dict[int, list[tuple[str, int, float]]] = defaultdict(list)
-    span_of: dict[str, tuple[int, int]] = {}  # the layers each usable peer would run
+    # The usable peers, in peer-id order, with the layers of [start, end) they could run.
+    candidates: list[Candidate] = []
+    span_of: dict[str, tuple[int, int]] = {}
     for pid in sorted(peers):
         p = peers[pid]
         if p.shard_count != 1 or unusable_reason(p, exclude) is not None:
             continue
         lo, hi = max(p.start, start), min(p.end, end)
         if lo < hi:
-            exits[hi].append((pid, lo, ms_per_layer(p, load_penalty)))
+            # a tensor-shard group runs its span to the end (its ranks stop where the group does)
+            candidates.append(Candidate(pid, lo, hi, ms_per_layer(p, load_penalty), stops_early=pid not in group_of))
             span_of[pid] = (lo, hi)
 
-    into = _measured_links(peers, span_of)
-    # rtt_ms(peers, source, q) and rtt_ms(peers, q, sink) for many q: the source's and the
-    # sink's own maps looked up once (the same arithmetic as cost.rtt_ms; see _rtt_from)
-    from_source = _rtt_from(peers, source, default_rtt_ms)
-    to_sink = _rtt_from(peers, sink, default_rtt_ms)
-
-    # label[pid] = (cost, hops, peer ids) of the best chain ending with pid;
-    # arrivals[b] = (cost, hops, ids, pid) of the peers exiting at b, best first, and
-    # via_default[b] = the best of them's cost + default_rtt_ms (what an unmeasured
-    # link from it costs before compute). Candidates compare as (cost, hops, ids).
-    # `reached` lists, in order, the boundaries someone exits at: only those can be
-    # entered from (at any other b, via_default[b] is inf and nothing is priced).
-    inf = math.inf
-    label: dict[str, tuple[float, int, tuple[str, ...]]] = {}
-    arrivals: list[list[tuple[float, int, tuple[str, ...], str]]] = [[] for _ in range(end + 1)]
-    via_default = [inf] * (end + 1)
-    reached: list[int] = []
-    nothing: dict[str, tuple[float, int]] = {}
-    for e in sorted(exits):
-        for qid, lo, per_layer in exits[e]:
-            measured = into.get(qid, nothing)
-            best_cost, best_n, best_ids = inf, 0, ()
-            if lo == start:  # entered straight from the source
-                best_cost, best_n = from_source(qid) + (e - start) * per_layer, 1
-            for b in reached[bisect_left(reached, lo):]:  # b < e: reached holds exits before e only
-                c = via_default[b] + (e - b) * per_layer
-                if c > best_cost or c == inf:
-                    continue  # nobody there beats best (sorted)
-                arr = arrivals[b]
-                cost, n, ids, pid = arr[0]
-                if pid in measured:  # its link is priced below; take the best unmeasured one
-                    cost, n, ids, pid = next((x for x in arr if x[3] not in measured), (inf, 0, (), ""))
-                    c = cost + default_rtt_ms + (e - b) * per_layer
-                if c < best_cost or (c == best_cost and (n + 1, ids) < (best_n, best_ids)):
-                    best_cost, best_n, best_ids = c, n + 1, ids
-            for pid, (rtt, b) in measured.items():
-                if pid in label:
-                    cost, n, ids = label[pid]
-                    c = cost + rtt + (e - b) * per_layer
-                    if c < best_cost or (c == best_cost and (n + 1, ids) < (best_n, best_ids)):
-                        best_cost, best_n, best_ids = c, n + 1, ids
-            if best_cost < inf:
-                label[qid] = (best_cost, best_n, best_ids + (qid,))
-        if e == end:  # the last boundary: only the final choice below reads it, and min needs no order
-            arrivals[e] = [(*label[qid], qid) for qid, _, _ in exits[e] if qid in label]
-            continue
-        arrivals[e] = sorted((*label[qid], qid) for qid, _, _ in exits[e] if qid in label)
-        if arrivals[e]:
-            via_default[e] = arrivals[e][0][0] + default_rtt_ms
-            reached.append(e)
-
-    finals = [(cost + to_sink(ids[-1]), n, ids) for cost, n, ids, _ in arrivals[end]]
-    if not finals:
+    best = cheapest_chain(
+        candidates, start=start, end=end, links=_measured_links(peers, span_of), default_rtt_ms=default_rtt_ms,
+        # rtt_ms(peers, source, q) and rtt_ms(peers, q, sink) for many q: the source's and the
+        # sink's own maps looked up once (the same arithmetic as cost.rtt_ms; see _rtt_from)
+        from_source=_rtt_from(peers, source, default_rtt_ms), to_sink=_rtt_from(peers, sink, default_rtt_ms),
+        heads=head_handovers,
+    )
+    if best is None:
         return NO_ROUTE
-    cost, _, ids = min(finals)
-    hops, at = [], start
-    for pid in ids:
+    cost, _, ids, _, entries = best
+    hops = []
+    for i, pid in enumerate(ids):
+        until = entries[i + 1] if i + 1 < len(ids) else end
         g = group_of.get(pid)
-        hops.append(Hop(pid, at, span_of[pid][1], group=g.name, members=g.member_ids) if g else Hop(pid, at, span_of[pid][1]))
-        at = span_of[pid][1]
+        hops.append(Hop(pid, entries[i], until, group=g.name, members=g.member_ids) if g else Hop(pid, entries[i], until))
     return Route(tuple(hops), cost)
 
 
@@ -371,31 +382,29 @@ def _rtt_from(peers: Mapping[str, PeerInfo], a: str, default_rtt_ms: float) -> C
 # Python's identity shortcut making the usual case cheap), so the memo changes no
 # result — provided a PeerInfo's rtt_ms mapping is not mutated after it is built,
 # which a frozen snapshot promises anyway.
-_links_memo: tuple[tuple, dict[str, dict[str, tuple[float, int]]]] | None = None
+_links_memo: tuple[tuple, Links] | None = None
 
 
-def _measured_links(
-    peers: Mapping[str, PeerInfo], span_of: Mapping[str, tuple[int, int]]
-) -> dict[str, dict[str, tuple[float, int]]]:
-    """Measured links p -> q between usable peers where p can hand over to q (q can be
-    entered where p exits): ``into[q] = {p: (resolved rtt, where p exits)}``."""
+def _measured_links(peers: Mapping[str, PeerInfo], span_of: Mapping[str, tuple[int, int]]) -> Links:
+    """Measured links between usable peers that could hand over to each other (their run
+    spans overlap or touch): ``pairs[q][p] = pairs[p][q] =`` the resolved RTT (cost.rtt_ms),
+    indexed by where each could carry a hand-over (chains.links_between)."""
     global _links_memo
     key = tuple((pid, lo, hi, peers[pid].rtt_ms) for pid, (lo, hi) in span_of.items())
     memo = _links_memo
     if memo is not None and memo[0] == key:
         return memo[1]
-    into: dict[str, dict[str, tuple[float, int]]] = {}
+    pairs: dict[str, dict[str, float]] = {}
     for a, (ia, ea) in span_of.items():
         mine = peers[a].rtt_ms
         for b in mine.keys() & span_of.keys():
             ib, eb = span_of[b]
-            if ib <= ea < eb:
-                src, dst, at = a, b, ea
-            elif ia <= eb < ea:
-                src, dst, at = b, a, eb
-            else:
-                continue
+            if b == a or ib > ea or ia > eb:
+                continue  # no layer boundary where one could hand over to the other
             back = peers[b].rtt_ms.get(a)
-            into.setdefault(dst, {})[src] = (mine[b] if back is None else (mine[b] + back) / 2.0, at)
-    _links_memo = (key, into)
-    return into
+            rtt = mine[b] if back is None else (mine[b] + back) / 2.0
+            pairs.setdefault(a, {})[b] = rtt
+            pairs.setdefault(b, {})[a] = rtt
+    links = links_between(span_of, pairs)
+    _links_memo = (key, links)
+    return links

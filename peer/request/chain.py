@@ -177,7 +177,7 @@ class RouteSession:
                 next_addrs=self.ctx.keeper.addrs(next_peer) if next_peer is not None else (),
                 tap_key=self.seal(tap, hop.peer_id) if tap else None,
                 prev_peer=peer_bytes(prev_peer) if prev_peer is not None else None,
-                inject_key=self.seal(inject, hop.peer_id) if inject else None,
+                inject_key=self.seal(inject, hop.peer_id) if inject else None, work=self.ctx.work,
             )
             links = {
                 "send": self.cipher(inject) if inject else (self.cipher(into[0]) if i == 0 else None),
@@ -218,7 +218,7 @@ class RouteSession:
             reply = await channel.receive()
         if isinstance(reply, ErrorMsg):
             await channel.close()
-            raise SessionRefused(hop.peer_id, reply.code, reply.message)
+            raise SessionRefused(hop.peer_id, reply.code, reply.message, retry_after=reply.retry_after)
         if not isinstance(reply, SessionAccept) or reply.session_id != self.session_id:
             await channel.reset()
             raise PeerFailed(hop.peer_id, f"answered SessionOpen with {type(reply).__name__}")
@@ -435,8 +435,12 @@ class RouteSession:
         down = hops[j + 1] if j + 1 < len(hops) else None
         dead = [h.peer for h in hops[i : j + 1]]
         reasons = "; ".join(f"{h.peer}: {h.failure}" for h in hops[i : j + 1] if h.failure) or "failed"
+        # every peer of this session stays out of the replacement, not only the dead: a peer runs one
+        # hop of a session (its id is the session's), so one already in the route cannot take another
+        # piece ("session ... is already open here" failed simulated answers beside full coverage)
         chosen = await repair.reroute(
-            a, b, source=up.peer if up else None, sink=down.peer if down else None, exclude=dead,
+            a, b, source=up.peer if up else None, sink=down.peer if down else None,
+            exclude=dead + [h.peer for h in hops if h.peer not in dead],
             groups=False,  # replacements are chained peer to peer; groups need the requester
             why=reasons,
         )

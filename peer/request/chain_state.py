@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import trio
 
+from tessera.protocol.admission import solve_work
 from tessera.protocol.keys import Identity
 from tessera.protocol.links import LinkCipher
 from tessera.protocol.messages import Result
@@ -30,6 +32,13 @@ class RequesterContext:
     num_layers: int
     hidden_size: int
     tracer: Tracer = field(default_factory=NullTracer)
+
+    @cached_property
+    def work(self) -> bytes:
+        """This identity's proof of work, shown in every session open (protocol/admission.py):
+        solved at the first open, once per identity (~0.1 s, on the loop: a thread would let a
+        simulation's MockClock jump while it runs)."""
+        return solve_work(self.identity.peer_id)
 
 
 def peer_bytes(peer_id: str) -> bytes:

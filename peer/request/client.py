@@ -17,6 +17,7 @@ trio's clock, with a weightless model and one shared view (peer/sim/requester.py
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -27,14 +28,14 @@ import torch
 import trio
 
 from tessera.protocol.keys import Identity
-from tessera.stages import registry
-from tessera.stages.generate import GenerationResult, plan_length, prompt_ids
-from tessera.stages.constrained import ConstrainedSampler, JsonConstraint
-from tessera.stages.quant import NO_QUANT, Quant, model_tag
-from tessera.stages.sampling import Sampler, SamplingParams
-from tessera.stages.spec import ModelSpec
-from tessera.stages.stage import Stage
-from tessera.stages.tokenizer import TextStream, Tokenizer
+from tessera.stages.weights import registry
+from tessera.stages.decoding.generate import GenerationResult, plan_length, prompt_ids
+from tessera.stages.decoding.constrained import ConstrainedSampler, JsonConstraint
+from tessera.stages.weights.quant import NO_QUANT, Quant, model_tag
+from tessera.stages.decoding.sampling import Sampler, SamplingParams
+from tessera.stages.families.spec import ModelSpec
+from tessera.stages.engine.stage import Stage
+from tessera.stages.text.tokenizer import TextStream, Tokenizer
 from tessera.store.trace import NullTracer, Tracer
 
 from tessera.peer.base.ids import peer_id_text
@@ -54,10 +55,12 @@ from tessera.peer.request.repair import AnswerRewound, ResilientSession
 from tessera.peer.request.policy import RequesterPolicy, check_peer_id, explain_gaps
 from tessera.peer.request.chain_state import RequesterContext
 from tessera.peer.request.chain import route_summary
-from tessera.peer.plan.routing import Route, route, why_no_route
+from tessera.peer.plan.routing import Route, route, why_no_route, why_not_preferred
 from tessera.peer.net.transport import Transport
 from tessera.peer.plan.view import PeerInfo, SwarmView
 from tessera.peer.request.prefill import route_chunk_size
+
+log = logging.getLogger(__name__)
 
 # How long a requester waits for the swarm to cover every layer before it gives up.
 DEFAULT_ROUTE_WAIT = 30.0
@@ -144,6 +147,7 @@ class Swarm:
             num_layers=self.spec.num_layers, hidden_size=self.spec.hidden_size, tracer=tracer or NullTracer(),
         )
         self.peer_id = transport.peer_id
+        self.ctx.tracer.bind(self.peer_id)  # a TraceWriter made before this requester had an id
         self.clock: Callable[[], float] = ban_clock  # what `bans` measures time on
         self.bans = Backoff(BAN_BASE, BAN_CAP)  # strikes survive from one answer to the next
         self.reports = ReportBook(transport, model_id=self.model_id, on_accept=self._avoid_accused) if reports else None
@@ -283,6 +287,10 @@ class Swarm:
             chosen = self._memo[key] = route(view, start=start, end=end, source=source or self.peer_id,
                                              sink=sink or self.peer_id, exclude=frozenset(banned) | frozenset(exclude),
                                              groups=groups)
+            if policy.prefer and log.isEnabledFor(logging.INFO):  # `-v`: why the cost model chose a peer not preferred
+                for line in why_not_preferred(view, chosen, prefer=policy.prefer, source=source or self.peer_id,
+                                              sink=sink or self.peer_id, exclude=frozenset(banned) | frozenset(exclude)):
+                    log.info("route: %s", line)
         return chosen
 
     def why_no_route(self, *, start: int = 0, end: int | None = None, exclude: Sequence[str] = (),
@@ -355,7 +363,7 @@ class Swarm:
 
         With `speculation`, drafted blocks are verified in one pass each (and pipelined
         when confident); greedy output is the same as without. With `constraint`, only
-        tokens it allows are drawn (stages/constrained.py; the mask is applied here, where
+        tokens it allows are drawn (stages/decoding/constrained.py; the mask is applied here, where
         the head runs, so the answer is the local constrained one). `prefill_chunk`: the prompt
         flows down the chain in chunks of this many tokens (peer/request/prefill.py); None = chosen
         from the route's measured speeds, 0 = sent whole.
@@ -364,6 +372,8 @@ class Swarm:
             # drafts are accepted against unmasked rows, and a spot check's rewind compares them
             raise ValueError("constrained decoding does not combine with speculation or spot checks")
         budget = plan_length(len(ids), max_new_tokens, self.spec.max_position)
+        if constraint is not None:
+            constraint.limit(budget)  # it closes within the budget, or CannotClose before any session opens
         sampler = Sampler(sampling) if constraint is None else ConstrainedSampler(sampling, constraint)
         capacity = min(len(ids) + budget + SPECULATION_SLACK, self.spec.max_position)
         session = ResilientSession(self, max_length=capacity, route_wait=route_wait, policy=policy)

@@ -3,7 +3,7 @@
 Plain: feed the last token, get one logits row, sample, repeat — one trip
 around the ring per token.
 
-Speculative (`Speculation`): a drafter (stages/speculative.py) proposes K
+Speculative (`Speculation`): a drafter (stages/decoding/speculative.py) proposes K
 tokens; [last token, d1..dK] travel the ring as ONE step at positions
 [P, P+K]; the acceptance rule keeps a prefix and adds one model token; a
 rejected tail is rolled back by starting the next step at the accepted
@@ -16,7 +16,7 @@ that the model's bonus token is the drafter's next one. If the guess fails,
 the later block is cancelled down the chain and the loop redrafts; if it
 holds, a whole round trip was hidden.
 
-Speculation never costs: K adapts to what drafts earn (stages/speculative.py
+Speculation never costs: K adapts to what drafts earn (stages/decoding/speculative.py
 `AdaptiveK`): each block's tokens per second of wall time, drafting included,
 are weighed against plain one-token steps; after a few blocks that earn less,
 K drops to 0 and the loop runs plain steps (an empty draft is exactly a plain
@@ -33,9 +33,9 @@ from typing import AsyncIterator, Awaitable, Callable, Sequence
 import torch
 
 from tessera.peer.base.threads import in_worker
-from tessera.stages.constrained import ConstrainedSampler
-from tessera.stages.sampling import Sampler
-from tessera.stages.speculative import AdaptiveK, Draft, Drafter, greedy_accept, sampling_accept
+from tessera.stages.decoding.constrained import ConstrainedSampler
+from tessera.stages.decoding.sampling import Sampler
+from tessera.stages.decoding.speculative import AdaptiveK, Draft, Drafter, greedy_accept, sampling_accept
 
 from tessera.peer.request.prefill import pipelined_prefill
 from tessera.peer.request.repair import AnswerRewound, Pending, ResilientSession, Superseded

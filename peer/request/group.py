@@ -34,7 +34,7 @@ from tessera.protocol.keys import EphemeralKey, public_key_from_peer_id
 from tessera.protocol.links import Direction, LinkCipher, seal_link_key
 from tessera.protocol.messages import ErrorMsg, Forward, Result, SealedKey, SessionAccept, SessionClose
 from tessera.protocol.shards import ShardOpen, ShardPeer
-from tessera.stages.shard_layout import HIDDEN, ROUNDS_PER_LAYER
+from tessera.stages.shards.layout import HIDDEN, ROUNDS_PER_LAYER
 
 from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
 from tessera.peer.request.chain import CLOSE_TIMEOUT, OPEN_TIMEOUT, STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_FLOOR
@@ -153,7 +153,7 @@ class GroupSession:
 
     def checkable(self) -> Checkable | None:
         """None: a group is not spot-checked, for two reasons. Every column of its output is a
-        reduce-scatter of partial sums from every rank (stages/shard_layout.py), so a wrong
+        reduce-scatter of partial sums from every rank (stages/shards/layout.py), so a wrong
         output cannot be pinned on one rank, and a verdict must name one peer to ban; and its
         ranks sign no attestation of their slices (peer/serve/shard_server.py sends a bare
         Result), so no report could be verified by others. The plain hops of the same route
@@ -191,7 +191,7 @@ class GroupSession:
                 session_id=self.session_id, start=self.hop.start, end=self.hop.end, max_length=self.max_length,
                 requester=self.ctx.identity.peer_id, ephemeral_public=self.ephemeral.public,
                 group=self.hop.group, shard_index=i, in_key=self._seal(into[i], peer), out_key=self._seal(out[i], peer),
-                others=others,
+                others=others, work=self.ctx.work,
             ))
         results: list[RankState | BaseException | None] = [None] * n
 
@@ -233,7 +233,7 @@ class GroupSession:
             reply = await channel.receive()
         if isinstance(reply, ErrorMsg):
             await channel.close()
-            raise SessionRefused(peer, reply.code, reply.message)
+            raise SessionRefused(peer, reply.code, reply.message, retry_after=reply.retry_after)
         if not isinstance(reply, SessionAccept) or reply.session_id != self.session_id:
             await channel.reset()
             raise PeerFailed(peer, f"answered ShardOpen with {type(reply).__name__}")

@@ -24,7 +24,7 @@ import torch
 
 from tessera.peer.base.backoff import Backoff
 from tessera.protocol.attest import MisbehaviourReport
-from tessera.stages.spec import ModelSpec
+from tessera.stages.families.spec import ModelSpec
 
 from tessera.peer.base.errors import PeerFailed
 from tessera.peer.net.gossip import ViewKeeper

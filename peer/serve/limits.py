@@ -1,7 +1,8 @@
 """What a stage server promises and refuses: timeouts, limits, counters.
 
 The error codes it answers with live in protocol/error_codes.py. Limits are checked
-before anything is allocated.
+before anything is allocated; who is admitted when the peer is full is
+peer/serve/admission.py's.
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ class ServerLimits:
     max_sessions: int = 16
     max_sessions_per_requester: int = 8
     max_length: int = 4096  # tokens per session (clamped to the model's context)
-    kv_budget: int = 2 << 30  # bytes of KV cache across sessions
-    idle_timeout: float = 300.0  # seconds without a frame before a session is dropped
+    kv_budget: int = 2 << 30  # bytes of KV cache across sessions (charged as they grow: peer/serve/admission.py)
+    # seconds without a step before a session is dropped even when nobody needs its room (a
+    # backstop for requesters that vanished; under pressure idle sessions give way after
+    # admission.IDLE_GRACE)
+    idle_timeout: float = 300.0
     batch_rows: int = MAX_BATCH_ROWS  # rows of one stacked forward of several sessions' steps; 1: no stacking
     batch_wait: float = MAX_BATCH_WAIT  # seconds a batch waits for the sessions of the last one
 
@@ -44,9 +48,5 @@ class ServerStats:
     sessions_opened: int = 0
     refused: int = 0
     errors: int = 0
-
-
-class Refused(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+    reclaimed: int = 0  # idle sessions dropped to make room (peer/serve/admission.py)
+    unadmitted_refused: int = 0  # streams reset unread: too many not yet admitted

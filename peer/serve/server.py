@@ -4,22 +4,29 @@ Two protocols: `SESSION_PROTOCOL`, a stream the requester opens for each session
 (open, control, inputs when we are first, results when we are last, taps), and
 `LINK_PROTOCOL`, a stream the previous peer of a chain opens to push its output
 to us. Limits are explicit and checked before anything is allocated: sessions
-at once, sessions per requester, context length, KV-cache bytes, rows and wait of a
-batch of steps (peer/serve/batcher.py: the steps of sessions that arrive together run
-as one stacked forward). A peer that
-sends garbage gets an error message and loses its stream; every other session
-goes on.
+at once, sessions per requester, context length, KV-cache bytes (charged as a session
+grows), rows and wait of a batch of steps (peer/serve/batcher.py: the steps of sessions
+that arrive together run as one stacked forward). Who is admitted when the peer is
+full, and whose idle session gives way, is peer/serve/admission.py's.
+
+Bounded before admitted: a stream's first frame is read with a small limit
+(protocol/admission.py `OPEN_FRAME_LIMIT`: an open request or a link hello), and only
+once its session is admitted do its streams read frames up to what the session's
+declared `max_length` allows a step to carry. Streams not admitted yet are counted per
+remote peer and in all (`UnadmittedStreams`); past the count a new one is reset unread.
+A peer that sends garbage gets an error message and loses its stream; every other
+session goes on.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Awaitable, Callable
 
 import torch
 import trio
 
+from tessera.protocol.admission import OPEN_FRAME_LIMIT, has_work, session_frame_limit
 from tessera.protocol.errors import WireError
 from tessera.protocol.keys import Identity
 from tessera.protocol.messages import (
@@ -27,19 +34,20 @@ from tessera.protocol.messages import (
 )
 from tessera.protocol.tensors import DEFAULT_LIMITS, TensorLimits
 from tessera.stages.errors import StageError
-from tessera.stages.stage import Stage
+from tessera.stages.engine.stage import Stage
+from tessera.stages.layers.cache import kv_positions
 from tessera.store.trace import NullTracer, Tracer, now as trace_now
 from tessera.store import events
 
 from tessera.peer.base.errors import PeerError, StreamClosed
+from tessera.peer.base.ids import peer_id_bytes
 from tessera.peer.net.verified import peer_id_str
 from tessera.peer.serve.session import DeferredTap, ServedSession, compute_batch
 from tessera.protocol.error_codes import (
-    BAD_FRAME, BAD_REQUEST, BAD_SPAN, BUSY, COMPUTE_FAILED, DRAINING, NEXT_HOP_FAILED, TOO_LONG,
+    BAD_FRAME, BAD_REQUEST, BAD_SPAN, BUSY, COMPUTE_FAILED, DRAINING, NEXT_HOP_FAILED, RECLAIMED, TOO_LONG,
 )
-from tessera.peer.serve.limits import (
-    LINK_WAIT, OPEN_TIMEOUT, REAPER_INTERVAL, Refused, ServerLimits, ServerStats,
-)
+from tessera.peer.serve.admission import Admission, Limits, Refused, UnadmittedStreams
+from tessera.peer.serve.limits import LINK_WAIT, OPEN_TIMEOUT, REAPER_INTERVAL, ServerLimits, ServerStats
 from tessera.peer.serve.batcher import BatchBudget, BatchInterrupted, StepBatcher
 from tessera.peer.base.protocols import LINK_PROTOCOL, SESSION_PROTOCOL
 from tessera.peer.base.threads import in_worker
@@ -49,6 +57,17 @@ log = logging.getLogger(__name__)
 
 # Why a session ended when its requester revoked this peer from it (SessionRevoke).
 REVOKED = "revoked by the requester"
+# How long telling an evicted session's requester why may take (it may be gone or stalled).
+EVICT_NOTICE_TIMEOUT = 2.0
+
+
+async def close_quietly(channel: Channel) -> None:
+    """Close a stream we are done with; one the other side already reset (or a stalled one) is let go."""
+    with trio.CancelScope(shield=True), trio.move_on_after(EVICT_NOTICE_TIMEOUT):
+        try:
+            await channel.close()
+        except PeerError:
+            pass  # already gone
 
 
 class StageServer:
@@ -91,6 +110,11 @@ class StageServer:
         self.emptied = trio.Event()
         self.running = trio.Event()  # cleared while the operator has paused compute
         self.running.set()
+        self.admission = Admission(self, Limits(
+            max_sessions=self.limits.max_sessions, max_sessions_per_requester=self.limits.max_sessions_per_requester,
+            kv_budget=self.limits.kv_budget,
+        ))
+        self.unadmitted = UnadmittedStreams()
         transport.set_handler(SESSION_PROTOCOL, self.handle_session)
         transport.set_handler(LINK_PROTOCOL, self.handle_link)
 
@@ -99,30 +123,50 @@ class StageServer:
         return len(self.sessions) / max(self.limits.max_sessions, 1)
 
     def kv_in_use(self) -> int:
-        return sum(self.stage.session_bytes(s.capacity, s.end - s.start) for s in self.sessions.values())
+        """KV bytes charged to the open sessions: what their caches have grown to."""
+        return sum(s.kv_bytes for s in self.sessions.values())
 
     # -- admission ----------------------------------------------------------------
 
-    def admit(self, msg: SessionOpen, channel: Channel) -> ServedSession:
-        """Check limits and keys, allocate the KV cache. Raises Refused."""
-        requester = channel.remote
+    def first_charge(self, msg: SessionOpen) -> int:
+        """KV bytes a session is charged when admitted: its first chunk of positions."""
+        return self.stage.session_bytes(kv_positions(1, msg.max_length), msg.start, msg.end)
+
+    def check_open(self, msg: SessionOpen) -> None:
+        """What an open asks, against what this peer serves, before any wait or allocation. Raises Refused."""
         if not self.accepting:
             raise Refused(DRAINING, "this peer is draining and takes no new sessions")
         if msg.session_id in self.sessions:
             raise Refused(BAD_REQUEST, f"session {msg.session_id.hex()} is already open here")
-        if len(self.sessions) >= self.limits.max_sessions:
-            raise Refused(BUSY, f"{len(self.sessions)} sessions open, the limit is {self.limits.max_sessions}")
-        mine = sum(1 for s in self.sessions.values() if s.requester == requester)
-        if mine >= self.limits.max_sessions_per_requester:
-            raise Refused(BUSY, f"requester has {mine} sessions here, the limit is {self.limits.max_sessions_per_requester}")
         if not self.stage.start <= msg.start < msg.end <= self.stage.end:
             raise Refused(BAD_SPAN, f"layers [{msg.start}, {msg.end}) asked, this peer serves [{self.stage.start}, {self.stage.end})")
         max_length = min(self.limits.max_length, self.stage.spec.max_position)
         if msg.max_length > max_length:
             raise Refused(TOO_LONG, f"max_length {msg.max_length} exceeds this peer's limit of {max_length}")
-        need = self.stage.session_bytes(msg.max_length, msg.end - msg.start)
-        if self.kv_in_use() + need > self.limits.kv_budget:
-            raise Refused(TOO_LONG, f"{need} more bytes of KV cache would exceed the budget of {self.limits.kv_budget}")
+        if self.first_charge(msg) > self.limits.kv_budget:
+            raise Refused(TOO_LONG, f"{self.first_charge(msg)} bytes of KV cache exceed the budget of "
+                                    f"{self.limits.kv_budget}")
+
+    async def make_room(self, msg: SessionOpen, channel: Channel) -> None:
+        """Wait (a bounded time) until the open's requester may have a session here; the
+        caller admits it before its next checkpoint. Raises Refused."""
+        self.check_open(msg)
+        try:
+            work = has_work(peer_id_bytes(channel.remote), msg.work)
+        except ValueError:
+            work = False  # a remote id that is not base58 (a test transport's name) proves nothing
+        await self.admission.wait_for_room(channel.remote, self.first_charge(msg), work=work)
+
+    def admit(self, msg: SessionOpen, channel: Channel) -> ServedSession:
+        """Check limits and keys, open the session on the stage, charge its first KV chunk.
+        Raises Refused. Room was made by `make_room` just before."""
+        requester = channel.remote
+        self.check_open(msg)
+        mine = sum(1 for s in self.sessions.values() if s.requester == requester)
+        if len(self.sessions) >= self.limits.max_sessions or mine >= self.limits.max_sessions_per_requester:
+            raise Refused(BUSY, f"no room: {len(self.sessions)} sessions open here, {mine} of them this "
+                                f"requester's", retry_after=self.admission.retry_after(
+                                    self.admission.requester(requester), self.admission.clock()))
         session = self.session_class(
             session_id=msg.session_id, requester=requester, start=msg.start, end=msg.end,
             capacity=msg.max_length, control=channel, ephemeral_public=msg.ephemeral_public,
@@ -140,7 +184,12 @@ class StageServer:
         session.next_peer = peer_id_str(msg.next_peer) if msg.next_peer is not None else None
         session.next_addrs = tuple(msg.next_addrs)
         self.stage.open(msg.session_id, capacity=msg.max_length, start=msg.start, end=msg.end)
+        session.kv_positions = kv_positions(1, msg.max_length)
+        session.kv_bytes = self.first_charge(msg)
+        session.frame_limit = session_frame_limit(msg.max_length, self.stage.spec.hidden_size)
+        channel.max_frame = session.frame_limit  # admitted: its steps may come now
         self.sessions[msg.session_id] = session
+        self.admission.opened(session)
         self.session_added.set()
         self.session_added = trio.Event()
         self.stats.sessions_opened += 1
@@ -156,6 +205,7 @@ class StageServer:
         self.stage.close(session.session_id)
         self.batcher.forget(session.session_id)
         self.sessions.pop(session.session_id, None)
+        self.admission.closed(session)
         if not self.sessions:
             self.emptied.set()
             self.emptied = trio.Event()
@@ -165,8 +215,15 @@ class StageServer:
     # -- the requester's stream ---------------------------------------------------
 
     async def handle_session(self, stream: Stream) -> None:
-        channel = Channel(stream)
-        session = await self.accept(channel, SessionOpen, self.admit, self._drop_refused)
+        if not self.unadmitted.enter(stream.remote):
+            self.stats.unadmitted_refused += 1
+            await stream.reset()  # too many streams of this remote (or in all) not admitted yet
+            return
+        channel = Channel(stream, max_frame=OPEN_FRAME_LIMIT)
+        try:
+            session = await self.accept(channel, SessionOpen, self.admit, self._drop_refused)
+        finally:
+            self.unadmitted.leave(stream.remote)
         if session is None:
             return
         onward = session.next_channel
@@ -175,40 +232,73 @@ class StageServer:
                                             via=stream.via, next_via=onward.stream.via if onward is not None else None))
         reason = "requester closed"
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._work, session)
-                reason = await self._read_control(session)
-                nursery.cancel_scope.cancel()
+            with session.scope:  # cancelled by `evict`
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._work, session)
+                    reason = await self._read_control(session)
+                    nursery.cancel_scope.cancel()
         finally:
+            if session.evicted is not None:
+                reason = session.evicted[1]
             self.drop(session, reason)
             if session.revoked:  # the confirmation: KV cache and keys are gone, nothing more is read
                 self.tracer.emit(events.SessionRevoked(session=session.session_id, span=(session.start, session.end),
                                                        remote=session.requester, steps=session.steps, tokens=session.tokens))
             with trio.CancelScope(shield=True):
-                await channel.close()
+                await self.end_stream(session)
+
+    async def end_stream(self, session: ServedSession) -> None:
+        """Close a session's streams: the link onward, and the requester's stream (an evicted
+        session's requester is told why first, and when to come back; a notice that cannot
+        be sent in time resets the stream)."""
+        if session.next_channel is not None:
+            await close_quietly(session.next_channel)
+            session.next_channel = None
+        if session.evicted is not None:
+            code, why, retry_after = session.evicted
+            with trio.move_on_after(EVICT_NOTICE_TIMEOUT) as notice:
+                try:
+                    await session.control.send(ErrorMsg(code, why[:1000], session.session_id, retry_after))
+                except PeerError:
+                    pass  # the requester is gone; nothing left to tell it
+            if notice.cancelled_caught:
+                await session.control.reset()  # a requester that does not read: no graceful end
+                return
+        await session.control.close()
 
     async def accept(self, channel: Channel, kind: type, admit: Callable, forget: Callable[..., Awaitable[None]]):
-        """Read the opening message (of type `kind`), admit it, connect the next hop and
-        answer SessionAccept; or refuse with a code, `forget` what was set up, and return None.
-        (Shared by plain sessions and tensor-shard sessions, peer/serve/shard_server.py.)"""
+        """Read the opening message (of type `kind`), wait for room, admit it, connect the next
+        hop and answer SessionAccept; or refuse with a code, `forget` what was set up, and
+        return None. (Shared by plain sessions and tensor-shard sessions, peer/serve/shard_server.py.)"""
         session = None
+        retry_after = None
         try:
             with trio.fail_after(OPEN_TIMEOUT):
-                msg = await channel.receive()
+                try:
+                    msg = await channel.receive()
+                except WireError as bad:
+                    # not an open request (too big, not framed, not CBOR): nothing we say would be
+                    # read, and a stream closed politely would still take what the sender pushes
+                    # until its window runs out (py-libp2p buffers it); reset it unread
+                    log.debug("session stream from %s refused: %s", channel.remote, bad)
+                    self.stats.refused += 1
+                    await channel.reset()
+                    return None
                 if not isinstance(msg, kind):
                     raise Refused(BAD_REQUEST, f"expected {kind.__name__}, got {type(msg).__name__}")
+                await self.make_room(msg, channel)
                 session = admit(msg, channel)
                 await session.connect_next(self)
                 await channel.send(SessionAccept(msg.session_id, msg.max_length))
             return session
         except Refused as refusal:
-            code, message = refusal.code, str(refusal)
+            code, message, retry_after = refusal.code, str(refusal), refusal.retry_after
         except (trio.TooSlowError, PeerError, WireError, StageError) as bad:
             # admitted, then failed: the next hop could not be reached
             code = NEXT_HOP_FAILED if session is not None else BAD_REQUEST
             message = f"{type(bad).__name__}: {bad}"
         self.stats.refused += 1
-        await self._refuse(channel, code, message, getattr(session, "session_id", None))
+        await self._refuse(channel, code, message, getattr(session, "session_id", None), retry_after=retry_after)
         await forget(session, code)
         return None
 
@@ -216,10 +306,11 @@ class StageServer:
         if session is not None:
             self.drop(session, reason)
 
-    async def _refuse(self, channel: Channel, code: str, message: str, session_id: bytes | None) -> None:
+    async def _refuse(self, channel: Channel, code: str, message: str, session_id: bytes | None,
+                      *, retry_after: float | None = None) -> None:
         try:
             with trio.move_on_after(OPEN_TIMEOUT):
-                await channel.send(ErrorMsg(code, message[:1000], session_id))
+                await channel.send(ErrorMsg(code, message[:1000], session_id, retry_after))
                 await channel.close()
         except PeerError:
             pass  # the requester is gone; nothing left to tell it
@@ -234,7 +325,6 @@ class StageServer:
                 return "requester stream ended"
             except WireError as bad:
                 return f"bad frame from requester: {bad}"
-            session.last_active = time.monotonic()
             if isinstance(msg, SessionClose):
                 return msg.reason or "closed"
             if isinstance(msg, SessionRevoke):
@@ -257,14 +347,18 @@ class StageServer:
                     continue
                 self.tracer.emit(events.Receive(session=msg.session_id, step=msg.step, remote=session.requester,
                                                 bytes=len(msg.payload), span=(session.start, session.end)))
-                await session.queue_in.send(msg)
+                await self._queue_step(session, msg)
             else:
                 await self._error(session, BAD_REQUEST, f"unexpected {type(msg).__name__} on a session stream")
 
     # -- the previous peer's stream -----------------------------------------------
 
     async def handle_link(self, stream: Stream) -> None:
-        channel = Channel(stream)
+        if not self.unadmitted.enter(stream.remote):
+            self.stats.unadmitted_refused += 1
+            await stream.reset()  # too many streams of this remote (or in all) not placed yet
+            return
+        channel = Channel(stream, max_frame=OPEN_FRAME_LIMIT)
         try:
             with trio.fail_after(LINK_WAIT):
                 hello = await receive_link_hello(channel)
@@ -273,16 +367,19 @@ class StageServer:
             log.debug("link from %s refused: %s", stream.remote, bad)
             await channel.reset()  # a link we cannot place carries nothing we could use
             return
+        finally:
+            self.unadmitted.leave(stream.remote)
         if session.link_sources.get(hello.link_id) != stream.remote:
             await channel.reset()  # only the peer the requester named may feed this link
             return
+        channel.max_frame = session.frame_limit  # placed: the session's steps may come now
         with trio.CancelScope() as reading:  # cancelled when the session is dropped (see drop)
             session.link_scopes.append(reading)
             while not session.closed:
                 try:
                     msg = await channel.receive()
                 except StreamClosed:
-                    return  # the previous peer left; the requester will relink us
+                    break  # the previous peer left (or ended the session); the requester relinks us if need be
                 except WireError as bad:
                     await self._error(session, BAD_FRAME, f"from {stream.remote}: {bad}")
                     await channel.reset()
@@ -291,10 +388,10 @@ class StageServer:
                     await self._error(session, BAD_FRAME, f"unexpected {type(msg).__name__} on link {hello.link_id}")
                     await channel.reset()
                     return
-                session.last_active = time.monotonic()
                 self.tracer.emit(events.Receive(session=msg.session_id, step=msg.step, remote=stream.remote,
                                                 bytes=len(msg.payload), span=(session.start, session.end)))
-                await session.queue_in.send(msg)
+                await self._queue_step(session, msg)
+        await close_quietly(channel)  # the link is over: a stream left open stays in its connection's tables
 
     async def _wait_for_link(self, hello: LinkHello) -> ServedSession:
         while True:
@@ -306,15 +403,26 @@ class StageServer:
 
     # -- the work -----------------------------------------------------------------
 
+    async def _queue_step(self, session: ServedSession, msg: Forward) -> None:
+        """A step arrived: the session is in use (only steps count: control frames do not keep a
+        session from being reclaimed) and stays protected until the step has run."""
+        session.inflight += 1
+        self.admission.stepped(session)
+        await session.queue_in.send(msg)
+
     async def _work(self, session: ServedSession) -> None:
         async for msg in session.queue_out:
             if isinstance(msg, Relink):
                 await self._relink(session, msg)
             elif isinstance(msg, Forward):
-                if msg.step in session.cancelled:
-                    session.cancelled.discard(msg.step)
-                    continue
-                await self._step(session, msg)
+                try:
+                    if msg.step in session.cancelled:
+                        session.cancelled.discard(msg.step)
+                        continue
+                    await self._step(session, msg)
+                finally:
+                    session.inflight -= 1
+                    self.admission.stepped(session)
 
     async def _relink(self, session: ServedSession, msg: Relink) -> None:
         try:
@@ -332,6 +440,32 @@ class StageServer:
         if msg.link_id not in session.inbound:
             await self._error(session, BAD_FRAME, f"step {msg.step} on unknown link {msg.link_id}")
             return
+        try:
+            self._grow(session, msg.start_pos + msg.n_tokens)
+        except Refused as refusal:
+            await self._error(session, refusal.code, f"step {msg.step}: {refusal}", retry_after=refusal.retry_after)
+            return
+        await self._compute_step(session, msg)
+
+    def _grow(self, session: ServedSession, need: int) -> None:
+        """Charge the KV chunks a step reaching position `need` needs (the cache grows by the same
+        rule: stages/layers/cache.py `kv_positions`), reclaiming idle sessions if memory is short.
+        Raises Refused (busy) when even that leaves too little; a step past the session's
+        capacity is the stage's to refuse."""
+        if need <= session.kv_positions or need > session.capacity:
+            return
+        positions = kv_positions(need, session.capacity)
+        extra = self.stage.session_bytes(positions, session.start, session.end) - session.kv_bytes
+        if not self.admission.make_room(extra, now=self.admission.clock(), slot=False, spare=session,
+                                        asker=session.requester):
+            raise Refused(BUSY, f"{extra} more bytes of KV cache would exceed the budget of {self.limits.kv_budget} "
+                                f"({self.kv_in_use()} in use) and no session here is idle",
+                          retry_after=self.admission.retry_after(self.admission.requester(session.requester),
+                                                                 self.admission.clock()))
+        session.kv_positions = positions
+        session.kv_bytes += extra
+
+    async def _compute_step(self, session: ServedSession, msg: Forward) -> None:
         await self.running.wait()
         try:
             if self.batching:
@@ -406,25 +540,43 @@ class StageServer:
             outcomes, seconds = await self.run_compute(lambda: compute_batch(self, jobs))
         return [o if isinstance(o, Exception) else (o, seconds, len(jobs)) for o in outcomes]
 
-    async def _error(self, session: ServedSession, code: str, message: str) -> None:
+    async def _error(self, session: ServedSession, code: str, message: str, *,
+                     retry_after: float | None = None) -> None:
         self.stats.errors += 1
         self.tracer.emit(events.Error(session=session.session_id, code=code, message=message[:500]))
         try:
-            await session.control.send(ErrorMsg(code, message[:1000], session.session_id))
+            await session.control.send(ErrorMsg(code, message[:1000], session.session_id, retry_after))
         except PeerError:
             pass  # the requester is gone; its session ends when the control reader notices
+
+    # -- eviction -----------------------------------------------------------------
+
+    def evict(self, session: ServedSession, code: str, why: str, *, retry_after: float | None = None) -> None:
+        """End `session` now: its KV cache and slot are freed at once, and its serving task
+        tells the requester (`code`, `why`) and resets the stream (handle_session)."""
+        if session.closed:
+            return
+        session.evicted = (code, why, retry_after)
+        self.tracer.emit(events.Error(session=session.session_id, code=code, message=why[:500]))
+        self.drop(session, why)
+        session.scope.cancel()
+
+    def reclaim(self, session: ServedSession) -> None:
+        """Admission's pressure valve: an idle session gives its room to another requester."""
+        self.stats.reclaimed += 1
+        self.evict(session, RECLAIMED, "reclaimed: idle while another requester needed its room",
+                   retry_after=self.admission.limits.idle_grace)
 
     # -- housekeeping -------------------------------------------------------------
 
     async def reap_idle(self) -> None:
-        """Drop sessions idle past the limit (a requester that vanished without closing)."""
+        """Drop sessions idle past `idle_timeout` even without pressure (a requester that
+        vanished without closing); under pressure admission reclaims them much sooner."""
         while True:
             await trio.sleep(REAPER_INTERVAL)
-            cutoff = time.monotonic() - self.limits.idle_timeout
-            for session in [s for s in self.sessions.values() if s.last_active < cutoff]:
-                await self._error(session, BAD_REQUEST, "idle timeout")
-                self.drop(session, "idle timeout")
-                await session.control.reset()
+            cutoff = self.admission.clock() - self.limits.idle_timeout
+            for session in [s for s in self.sessions.values() if not s.inflight and s.last_active < cutoff]:
+                self.evict(session, BAD_REQUEST, "idle timeout")
 
     def pause(self) -> None:
         """Hold every step and take no new sessions (running sessions' requesters will fail over)."""

@@ -29,7 +29,7 @@ from tessera.protocol.messages import REPLY_FINGERPRINT, Forward, LinkHello, Res
 from tessera.protocol.tensors import TensorLimits, check_finite, decode_tensor, encode_tensor
 
 from tessera.stages.errors import SpanError, StageError
-from tessera.stages.stage import Stage
+from tessera.stages.engine.stage import Stage
 from tessera.store.trace import Tracer
 
 from tessera.peer.base.protocols import LINK_PROTOCOL
@@ -68,7 +68,16 @@ class ServedSession:
     next_addrs: tuple[str, ...] = ()
     next_channel: Channel | None = None
     tap: LinkCipher | None = None
-    last_active: float = field(default_factory=time.monotonic)
+    # admission (peer/serve/admission.py): when it last stepped (on trio's clock; set when
+    # admitted), whether it ever did, steps queued or running, the KV charged to it
+    last_active: float = 0.0
+    stepped: bool = False
+    inflight: int = 0
+    kv_positions: int = 0
+    kv_bytes: int = 0
+    frame_limit: int = 0  # largest frame its streams may carry (protocol/admission.py session_frame_limit)
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)  # its serving; cancelled to evict it
+    evicted: tuple[str, str, float | None] | None = None  # (code, why, retry_after) when the peer ended it
     steps: int = 0
     tokens: int = 0
     cancelled: set[int] = field(default_factory=set)

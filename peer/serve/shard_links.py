@@ -32,7 +32,7 @@ from tessera.protocol.links import LinkCipher
 from tessera.protocol.messages import LinkHello
 from tessera.protocol.shards import Collective
 from tessera.protocol.tensors import DEFAULT_LIMITS, TensorLimits
-from tessera.stages.collectives import CollectiveError, Exchange
+from tessera.stages.shards.collectives import CollectiveError, Exchange
 
 from tessera.peer.base.protocols import COLLECTIVE_TIMEOUT, SHARD_LINK_PROTOCOL
 from tessera.peer.base.errors import PeerError, StreamClosed

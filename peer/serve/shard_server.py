@@ -28,20 +28,22 @@ import trio
 
 from tessera.store import events
 from tessera.protocol.activations import open_activations, seal_activations
+from tessera.protocol.admission import OPEN_FRAME_LIMIT, SHARD_OPEN_FRAME_LIMIT
 from tessera.protocol.errors import WireError
 from tessera.protocol.links import Direction, LinkCipher
 from tessera.protocol.messages import Forward, LinkHello, Result, SessionOpen
 from tessera.protocol.shards import ShardOpen
 from tessera.protocol.tensors import check_finite
-from tessera.stages.collectives import Collectives
+from tessera.stages.shards.collectives import Collectives
 from tessera.stages.errors import SpanError
-from tessera.stages.sharded import ShardedStage
+from tessera.stages.shards.sharded import ShardedStage
 
 from tessera.peer.base.errors import PeerError
 from tessera.peer.net.verified import peer_id_str
 from tessera.peer.serve.session import ComputeContext, ServedSession
 from tessera.protocol.error_codes import BAD_REQUEST, BAD_SPAN
-from tessera.peer.serve.limits import LINK_WAIT, Refused
+from tessera.peer.serve.admission import Refused
+from tessera.peer.serve.limits import LINK_WAIT
 from tessera.peer.serve.server import StageServer
 from tessera.peer.plan.audit import SHARD, StepLog
 from tessera.peer.base.protocols import SHARD_LINK_PROTOCOL, SHARD_SESSION_PROTOCOL
@@ -155,13 +157,20 @@ class ShardServer(StageServer):
     async def refuse_plain(self, stream: Stream) -> None:
         stage = self.stage
         assert isinstance(stage, ShardedStage)
-        await self._refuse(Channel(stream), BAD_SPAN, f"this peer is rank {stage.index}/{stage.count} of group "
+        await self._refuse(Channel(stream, max_frame=OPEN_FRAME_LIMIT), BAD_SPAN, f"this peer is rank {stage.index}/{stage.count} of group "
                            f"{self.group!r}: it runs its span only with its group (ShardOpen)", None)
 
     async def handle_shard_session(self, stream: Stream) -> None:
         """As `StageServer.handle_session`, for a ShardOpen."""
-        channel = Channel(stream)
-        session = await self.accept(channel, ShardOpen, self.admit_shard, self._forget)
+        if not self.unadmitted.enter(stream.remote):
+            self.stats.unadmitted_refused += 1
+            await stream.reset()  # too many streams of this remote (or in all) not admitted yet
+            return
+        channel = Channel(stream, max_frame=SHARD_OPEN_FRAME_LIMIT)
+        try:
+            session = await self.accept(channel, ShardOpen, self.admit_shard, self._forget)
+        finally:
+            self.unadmitted.leave(stream.remote)
         if session is None:
             return
         self.tracer.emit(events.SessionOpen(session=session.session_id, span=(session.start, session.end),
@@ -169,17 +178,20 @@ class ShardServer(StageServer):
                                             capacity=session.capacity, via=stream.via))
         reason = "requester closed"
         try:
-            async with trio.open_nursery() as nursery:
-                assert session.links is not None
-                for j, link in session.links.dialed():  # the streams to higher ranks carry both ways
-                    nursery.start_soon(session.links.read_from, j, link)
-                nursery.start_soon(self._work, session)
-                reason = await self._read_control(session)
-                nursery.cancel_scope.cancel()
+            with session.scope:  # cancelled by `evict`
+                async with trio.open_nursery() as nursery:
+                    assert session.links is not None
+                    for j, link in session.links.dialed():  # the streams to higher ranks carry both ways
+                        nursery.start_soon(session.links.read_from, j, link)
+                    nursery.start_soon(self._work, session)
+                    reason = await self._read_control(session)
+                    nursery.cancel_scope.cancel()
         finally:
+            if session.evicted is not None:
+                reason = session.evicted[1]
             with trio.CancelScope(shield=True):
                 await self._forget(session, reason)
-                await channel.close()
+                await self.end_stream(session)
 
     async def _forget(self, session: ShardServedSession | None, reason: str) -> None:
         if session is None:
@@ -191,7 +203,11 @@ class ShardServer(StageServer):
     # -- the other ranks' links -----------------------------------------------------------
 
     async def handle_shard_link(self, stream: Stream) -> None:
-        channel = Channel(stream)
+        if not self.unadmitted.enter(stream.remote):
+            self.stats.unadmitted_refused += 1
+            await stream.reset()  # too many streams of this remote (or in all) not placed yet
+            return
+        channel = Channel(stream, max_frame=OPEN_FRAME_LIMIT)
         try:
             with trio.fail_after(LINK_WAIT):
                 hello = await receive_link_hello(channel)
@@ -200,10 +216,13 @@ class ShardServer(StageServer):
             log.debug("shard link from %s refused: %s", stream.remote, bad)
             await channel.reset()  # a link we cannot place carries nothing we could use
             return
+        finally:
+            self.unadmitted.leave(stream.remote)
         assert session.links is not None
         if session.links.members[rank] != stream.remote or rank > session.links.rank:
             await channel.reset()  # only the lower rank the requester named may open this link
             return
+        channel.max_frame = session.frame_limit  # placed: the session's collectives may come now
         await session.links.accept(rank, channel)
 
     async def _wait_for_rank(self, hello: LinkHello) -> tuple[ShardServedSession, int]:

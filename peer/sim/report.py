@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -93,6 +94,7 @@ class Recorder:
         self._serving: dict[str, tuple[int, int, float]] = {}
         self._counts = [0] * num_layers
         self._caps = [0.0] * num_layers
+        self._failed_at: dict[int, float] = {}  # request id -> when it failed (to hold it against coverage)
         self.closed = False
 
     # -- peers ----------------------------------------------------------------------------
@@ -157,6 +159,8 @@ class Recorder:
     def request_finished(self, outcome: RequestOutcome) -> None:
         if outcome.error is None and not outcome.completed:
             outcome.error = "cut off: the simulation ended first"
+        if outcome.error is not None:
+            self._failed_at[outcome.id] = self.clock()
 
     # -- the report ---------------------------------------------------------------------------
 
@@ -167,6 +171,9 @@ class Recorder:
             "requests": len(requests),
             "completed": len(done),
             "failed": len(requests) - len(done),
+            # failures while every layer was served: capacity (busy peers), a requester's bans, a
+            # repair that found no free replica — not coverage, which the coverage line reports
+            "failed_while_covered": self._failed_while_covered(),
             "errors": _count(r["error"].split(":")[0] for r in requests if r["error"]),
             "latency_s": _stats(r["latency"] for r in done),
             "ttft_s": _stats(r["ttft"] for r in requests if r["ttft"] is not None),
@@ -193,6 +200,14 @@ class Recorder:
             "moves": self.moves,
             "peers": peers,
         }
+
+    def _failed_while_covered(self) -> int:
+        times = [point[0] for point in self.coverage]
+        count = 0
+        for at in self._failed_at.values():
+            i = bisect_right(times, at) - 1
+            count += i >= 0 and self.coverage[i][2] == 0
+        return count
 
     def _coverage_summary(self, end: float) -> dict[str, Any]:
         """Time with every layer served, counted from the first moment the swarm was whole."""
@@ -282,7 +297,9 @@ def format_summary(report: dict[str, Any]) -> str:
 
     lines = [
         f"requests: {s['completed']}/{s['requests']} completed, {s['failed']} failed"
-        + (f" ({', '.join(f'{k} {v}' for k, v in s['errors'].items())})" if s["errors"] else ""),
+        + (f" ({', '.join(f'{k} {v}' for k, v in s['errors'].items())})" if s["errors"] else "")
+        + (f"; {s['failed_while_covered']} of them while every layer was served (busy or banned peers, "
+           "or no free replica for a repair: capacity, not coverage)" if s.get("failed_while_covered") else ""),
         f"latency s: p50 {q(lat, 'p50')}  p90 {q(lat, 'p90')}  p99 {q(lat, 'p99')}  max {q(lat, 'max')}",
         f"first token s: p50 {q(ttft, 'p50')}  p90 {q(ttft, 'p90')}",
         f"failovers: {s['failovers']} (in {s['requests_with_failover']} requests); "

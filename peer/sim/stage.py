@@ -1,6 +1,6 @@
 """What a simulated peer computes: nothing, at the price its advertised speed says.
 
-`SimStage` has `tessera.stages.stage.Stage`'s interface (open / forward / rollback /
+`SimStage` has `tessera.stages.engine.stage.Stage`'s interface (open / forward / rollback /
 close / session_bytes, spec, start, end, weight_bytes) and its checks (spans,
 capacity, positions), but holds no weights: `forward` returns its input and
 counts the work — tokens x layers. `cost_model` is the `StageServer.run_compute`
@@ -25,9 +25,10 @@ import torch
 import trio
 
 from tessera.stages.errors import ContextOverflow, SpanError, UnknownSession
-from tessera.stages.quant import NO_QUANT
-from tessera.stages.sessions import check_session
-from tessera.stages.spec import ModelSpec
+from tessera.stages.weights.quant import NO_QUANT
+from tessera.stages.engine.sessions import check_session
+from tessera.stages.families.llama import llama_spec
+from tessera.stages.families.spec import ModelSpec
 
 FLOAT32_BYTES = 4
 
@@ -36,8 +37,8 @@ def sim_spec(num_layers: int = 30, hidden_size: int = 576, *, max_position: int 
     """A model shape for simulation (by default SmolLM2-135M's: 30 layers, hidden 576)."""
     heads = max(1, hidden_size // 64)
     kv_heads = 3 if heads % 3 == 0 else 1
-    return ModelSpec(
-        architecture="llama", vocab_size=49152, hidden_size=hidden_size,
+    return llama_spec(
+        vocab_size=49152, hidden_size=hidden_size,
         intermediate_size=hidden_size * 8 // 3, num_layers=num_layers, num_heads=heads,
         num_kv_heads=kv_heads, head_dim=max(2, hidden_size // heads) // 2 * 2, max_position=max_position,
     )
@@ -92,9 +93,10 @@ class SimStage:
             raise ContextOverflow(f"cannot roll back to {position!r}: the cache holds positions [0, {state.length})")
         state.length = position
 
-    def session_bytes(self, capacity: int, num_layers: int | None = None) -> int:
-        layers = self.end - self.start if num_layers is None else num_layers
-        return self.spec.kv_bytes_per_token(layers, FLOAT32_BYTES) * capacity
+    def session_bytes(self, capacity: int, start: int | None = None, end: int | None = None) -> int:
+        start = self.start if start is None else start
+        end = self.end if end is None else end
+        return self.spec.kv_bytes_per_position(start, end, FLOAT32_BYTES) * capacity
 
     def forward(self, session: Hashable, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
         """Check like Stage.forward, count tokens x layers, return the input unchanged."""
@@ -146,7 +148,8 @@ def cost_model(stage_of: Callable[[], SimStage], throughput: float) -> Callable[
 
 class SimCompute:
     """A simulated peer's stage loader (peer/node/parts.py `Compute`): weightless `SimStage`s,
-    "loaded" in a modelled delay, computed at `throughput` by the cost model.
+    "loaded" in a modelled delay, computed by the cost model at `compute_throughput` (default:
+    `throughput`, what `measure` reports and the peer advertises).
 
     It advertises what a default record says (float32 on a CPU, no device memory), and
     measures nothing: the peer's speed is the scenario's.
@@ -159,10 +162,11 @@ class SimCompute:
     device_name = "simulated"
 
     def __init__(self, spec: ModelSpec, model_id: str, throughput: float, *, load_seconds_per_layer: float,
-                 first_load_seconds: float | None = None) -> None:
+                 first_load_seconds: float | None = None, compute_throughput: float | None = None) -> None:
         self.spec = spec
         self.model_id = model_id
         self.throughput = throughput
+        self.compute_throughput = compute_throughput or throughput
         self.load_seconds_per_layer = load_seconds_per_layer
         self._first_load = first_load_seconds  # the scenario's time for the first span, if it says
 
@@ -184,10 +188,11 @@ class SimCompute:
         return SimStage(self.spec, start, end)
 
     def serve_with(self, server) -> None:
-        server.run_compute = cost_model(lambda: server.stage, self.throughput)
+        server.run_compute = cost_model(lambda: server.stage, self.compute_throughput)
 
     def describe(self) -> str:
-        return f"simulated at {self.throughput:g} tokens/s per layer"
+        return (f"simulated at {self.compute_throughput:g} tokens/s per layer"
+                + (f" (advertising {self.throughput:g})" if self.compute_throughput != self.throughput else ""))
 
 
 __all__ = ["SimStage", "SimCompute", "sim_spec", "sim_model_id", "cost_model"]

@@ -19,13 +19,14 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
 from tessera.protocol.keys import Identity
-from tessera.stages.spec import ModelSpec
+from tessera.stages.families.spec import ModelSpec
 from tessera.store.events import TraceEvent
 
 from tessera.peer.base.ids import peer_id_text
@@ -137,6 +138,9 @@ class SimTracer:
     def close(self) -> None:
         pass
 
+    def bind(self, peer: str) -> None:
+        pass  # made with its node's id already
+
     def __enter__(self) -> "SimTracer":
         return self
 
@@ -188,6 +192,15 @@ class World:
 
     def label(self, peer_id: str) -> str:
         return self.labels.get(peer_id, peer_id)
+
+    def in_labels(self, text: str) -> str:
+        """`text` (an error) with every simulated node's peer id replaced by its label: the ids
+        are the simulation's own (`assign_identities`), the report names nodes by label. One pass:
+        a replay's labels are peer ids too, and one may be another node's simulated id."""
+        if not self.labels:
+            return text
+        ids = re.compile("|".join(re.escape(peer_id) for peer_id in sorted(self.labels, key=len, reverse=True)))
+        return ids.sub(lambda m: self.labels[m.group(0)], text)
 
     def new_keeper(self) -> ViewKeeper:
         """The keeper a new node uses: the shared one, or its own (real gossip)."""

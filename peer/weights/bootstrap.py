@@ -23,9 +23,9 @@ from typing import Callable
 import trio
 
 from tessera.stages.errors import ModelFormatError
-from tessera.stages.registry import MANIFEST, held_tensors, models_root, read_manifest, resolve, save_manifest
-from tessera.stages.spec import ModelSpec
-from tessera.stages.tensor_table import groups_for_span
+from tessera.stages.weights.registry import MANIFEST, held_tensors, models_root, read_manifest, resolve, save_manifest
+from tessera.stages.families.catalog import spec_from_file
+from tessera.stages.weights.tensor_table import groups_for_span
 
 from tessera.peer.base.errors import PeerError
 from tessera.peer.plan.view import merge_spans
@@ -70,7 +70,7 @@ async def ensure_span(transport: Transport, folder: Path, span: tuple[int, int],
     manifest = read_manifest(folder)
     if not manifest.get("partial"):
         return None
-    spec = ModelSpec.from_file(folder / "config.json")
+    spec = spec_from_file(folder / "config.json")
     groups = groups_for_span(span[0], span[1], spec.num_layers, tied=spec.tie_embeddings)
     fetcher = Fetcher(transport, folder, manifest, out=out)
     on_fetcher(fetcher)
@@ -203,7 +203,7 @@ class FolderWeights:
 def held_layers(folder: Path) -> tuple[tuple[int, int], ...]:
     """The layer ranges whose every tensor is in the folder's weight files: all layers for a
     whole folder (or a bare one, without a manifest), the fetched spans for a partial one."""
-    spec = ModelSpec.from_file(folder / "config.json")
+    spec = spec_from_file(folder / "config.json")
     if not (folder / MANIFEST).exists() or not is_partial(folder):
         return ((0, spec.num_layers),) if spec.num_layers else ()
     entries = read_manifest(folder)["tensors"]["entries"]

@@ -32,7 +32,7 @@ from tessera.protocol.weights import (
     WeightChunk, WeightChunkRequest, WeightManifest, WeightManifestRequest, WeightRefused,
 )
 from tessera.stages.errors import ModelFormatError
-from tessera.stages.tensor_table import check_manifest
+from tessera.stages.weights.tensor_table import check_manifest
 
 from tessera.peer.base.errors import PeerError
 from tessera.peer.base.protocols import WEIGHTS_PROTOCOL

@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from tessera.stages.tensor_table import read_header
+from tessera.stages.weights.tensor_table import read_header
 
 from tessera.peer.weights.errors import DiskFull
 

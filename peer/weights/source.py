@@ -28,8 +28,8 @@ from tessera.protocol.weights import (
     WeightChunk, WeightChunkRequest, WeightManifest, WeightManifestRequest, WeightRefused,
 )
 from tessera.stages.errors import ModelFormatError
-from tessera.stages.registry import MANIFEST, read_manifest
-from tessera.stages.tensor_table import canonical, read_header
+from tessera.stages.weights.registry import MANIFEST, read_manifest
+from tessera.stages.weights.tensor_table import canonical, read_header
 
 from tessera.peer.base.errors import PeerError
 from tessera.peer.base.protocols import WEIGHTS_PROTOCOL

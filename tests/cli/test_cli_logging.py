@@ -169,3 +169,13 @@ def test_the_ui_draws_on_the_terminal_when_stderr_is_a_file(tmp_path):
         signal.signal(signal.SIGTSTP, handlers[0])
         signal.signal(signal.SIGCONT, handlers[1])
         os.close(master)
+
+
+def test_a_peer_that_went_away_as_we_spoke_is_no_warning():
+    """Issue 34, item 6: after every answer, each peer of the route logged a libp2p WARNING about
+    the requester, which had exited normally. Quiet by default; -v still shows it."""
+    flt = OneLinePerEvent(window=600.0, clock=lambda: 0.0)
+    gone = ("Failed to open stream to peer 12D3KooWEzj8GqHLh3bctQ11fm7MqFEmr5a6JJRR3iKD1QAAk5RH:\n"
+            "  Error: handshake read failed: fail to read from multiselect communicator")
+    assert not flt.filter(record("libp2p.host.basic_host", gone))
+    assert flt.filter(record("libp2p.host.basic_host", DUMP))  # a real failure still says so, once

@@ -125,7 +125,7 @@ def test_import_sharded_folder(tiny_llama, tmp_path):
     """A Hugging Face folder with its weights in several shards and an index."""
     from safetensors.torch import load_file, save_file
 
-    from tessera.stages.stage import Stage
+    from tessera.stages.engine.stage import Stage
 
     folder = tmp_path / "sharded"
     folder.mkdir()
@@ -152,7 +152,7 @@ def test_import_sharded_folder(tiny_llama, tmp_path):
 SPAN_RSS = """
 import gc, sys, torch
 from pathlib import Path
-from tessera.stages.stage import Stage
+from tessera.stages.engine.stage import Stage
 from tests.resident import held_bytes, mib, no_huge_pages, resident_parts
 no_huge_pages()
 torch.set_num_threads(1)

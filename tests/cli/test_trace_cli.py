@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -13,7 +15,7 @@ from libp2p.peer.id import ID
 from tessera.peer.cli.main import main
 from tessera.peer.request.client import Swarm
 from tessera.protocol.keys import Identity
-from tessera.stages.generate import prompt_ids
+from tessera.stages.decoding.generate import prompt_ids
 from tessera.store.events import Forward, Push, Receive, Result
 from tessera.store.export import validate_perfetto
 from tessera.store.timeline import load_timeline
@@ -36,7 +38,8 @@ def recorded(tmp_path_factory, smol_dir):
     live: list[dict] = []
 
     async def ask(addrs: list[str]) -> None:
-        with TraceWriter(out / "requester.db", peer=requester) as tracer:
+        # made before the requester has an id: Swarm.join binds its own (issue 34, item 8)
+        with TraceWriter(out / "requester.db") as tracer:
             async with Swarm.join(addrs[:1], seed=REQUESTER_SEED, tracer=tracer) as swarm:
                 await swarm.wait_for_route(30)
                 for prompt in PROMPTS:
@@ -147,6 +150,43 @@ def test_trace_plot_draws_the_run(recorded, tmp_path, capsys):
     assert f"{steps} forward steps on 4 peers" in text
 
 
+@pytest.mark.slow
+def test_generate_records_a_trace_that_replays(tmp_path, smol_dir, capsys):
+    """Issue 34, item 8: `generate` (and `serve`, the same option) could not record a requester trace."""
+    recording = tmp_path / "generate.db"
+    with local_swarm([(0, 30)]) as swarm:
+        done = subprocess.run([sys.executable, "-m", "tessera.peer.cli.main", "generate", FRANCE, "--join",
+                               swarm.addrs[0], "--max-tokens", str(NEW_TOKENS), "--threads", "1", "--json",
+                               "--record-trace", str(recording)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        peer_db = swarm.base_dir / "peer0" / "tessera.db"
+    run = json.loads(done.stdout)
+    report = tmp_path / "r.json"
+    code, text = cli(capsys, "replay", str(peer_db), str(recording), "--report", str(report))
+    assert code == 0, text
+    (request,) = json.loads(report.read_text())["requests"]
+    assert request["recorded_route"] == [[h["peer"], h["start"], h["end"]] for h in run["route"]]
+    assert request["new_tokens"] == len(run["tokens"]) and request["completed"]
+
+
+@pytest.mark.slow
+def test_trace_plot_draws_a_window_and_a_session(recorded, tmp_path, capsys):
+    out = tmp_path / "window.png"
+    whole = load_timeline(recorded.dbs)
+    forwards = [e for e in whole.events if isinstance(e.event, Forward)]
+    sessions = sorted({e.event.session for e in forwards}, key=lambda s: min(e.t for e in forwards if e.event.session == s))
+    first = [e for e in forwards if e.event.session == sessions[0]]
+    code, text = cli(capsys, "trace", "plot", *recorded.dbs, "--session", sessions[0][:8], "-o", str(out))
+    assert code == 0 and f"{len(first)} forward steps" in text, text
+    end = max(e.t for e in first)
+    code, text = cli(capsys, "trace", "plot", *recorded.dbs, "--until", f"{end:.6f}", "-o", str(out))
+    assert code == 0 and f"{len(first)} forward steps" in text and out.read_bytes()[:4] == b"\x89PNG", text
+    code, text = cli(capsys, "trace", "plot", *recorded.dbs, "--since", "99:99", "-o", str(out))
+    assert code == 1 and text.startswith("error: '99:99' is not a time")
+    code, text = cli(capsys, "trace", "plot", *recorded.dbs, "--since", "1e9", "-o", str(out))
+    assert code == 1 and text.startswith("error: no events between")
+
+
 def test_simulate_writes_the_same_report_twice(tmp_path, capsys):
     reports = []
     for name in ("a.json", "b.json"):
@@ -191,3 +231,18 @@ def test_bad_input_is_one_clean_error_line(tmp_path, capsys):
     code, text = cli(capsys, "trace", "export", str(tmp_path / "empty-dir-that-is-missing"), "--format", "jsonl",
                      "-o", str(tmp_path / "x.jsonl"))
     assert code == 1 and text.startswith("error:")
+
+
+def test_the_ledgers_last_time_is_the_last_contribution(tmp_path, capsys):
+    """It said the start of the hour ("last 14:00" for a step at 14:58): issue 34."""
+    from datetime import datetime
+
+    from tessera.store.db import PeerStore
+
+    at = datetime(2026, 12, 5, 14, 58, 31).timestamp()
+    with PeerStore(tmp_path / "tessera.db") as store:
+        store.record_identity("12D3KooWpeer")
+        store.add_ledger("12D3KooWrequester", 30, at=at - 600)
+        store.add_ledger("12D3KooWrequester", 30, at=at)
+    code, text = cli(capsys, "ledger", "--data-dir", str(tmp_path))
+    assert code == 0 and "last 2026-12-05 14:58:31" in text, text

@@ -31,10 +31,10 @@ import trio
 from tessera.peer.cli.demo import LocalSwarm
 from tessera.peer.http.exchange import MAX_BODY_BYTES
 from tessera.peer.http.generation import StopMatcher
-from tessera.stages.constrained import JsonConstraint
-from tessera.stages.generate import prompt_ids
-from tessera.stages.json_prefix import JSON_OBJECT, compile_schema
-from tessera.stages.sampling import SamplingParams
+from tessera.stages.decoding.constrained import JsonConstraint
+from tessera.stages.decoding.generate import prompt_ids
+from tessera.stages.text.json_prefix import JSON_OBJECT, compile_schema
+from tessera.stages.decoding.sampling import SamplingParams
 from tessera.store.db import PeerStore
 from tessera.store.events import SessionClose, SessionOpen, Stamped
 
@@ -255,19 +255,19 @@ def test_bad_parameter_is_400(url, field, value, param):
 def test_bad_completion_prompt_is_400(url):
     for prompt in (None, 5, ["a", "b"], [1, "x"]):
         assert_error(post(url, "/v1/completions", {"prompt": prompt}), 400, param="prompt")
-    error = assert_error(post(url, "/v1/completions", {"prompt": [1, 10**9]}), 400, param="prompt")
+    error = assert_error(post(url, "/v1/completions", {"model": MODEL, "prompt": [1, 10**9]}), 400, param="prompt")
     assert "vocabulary" in error["message"]
-    assert_error(post(url, "/v1/completions", {"prompt": ""}), 400, param="prompt")
+    assert_error(post(url, "/v1/completions", {"model": MODEL, "prompt": ""}), 400, param="prompt")
 
 
 def test_prompt_too_long_is_400(url):
     long_prompt = "hello " * 9000  # ~9000 tokens; the context is 8192
-    error = assert_error(post(url, "/v1/completions", {"prompt": long_prompt, "max_tokens": 4}), 400,
+    error = assert_error(post(url, "/v1/completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 4}), 400,
                          param="prompt", code="context_length_exceeded")
     assert "8192" in error["message"]
     chat = {**CHAT, "messages": chat_of(long_prompt)}
     assert_error(post(url, "/v1/chat/completions", chat), 400, param="messages", code="context_length_exceeded")
-    assert_error(post(url, "/v1/completions", {"prompt": "hello", "max_tokens": 8192}), 400,
+    assert_error(post(url, "/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 8192}), 400,
                  param="max_tokens", code="context_length_exceeded")
 
 
@@ -463,7 +463,16 @@ def test_anthropic_errors_have_anthropic_shape(url, claude):
     assert "max_tokens" in missing.json()["error"]["message"]
     tools = post(url, "/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
                                        "tools": [{"name": "f", "input_schema": {}}]})
-    assert tools.status_code == 400 and "tools" in tools.json()["error"]["message"]
+    assert tools.status_code == 400 and "does not support tools" in tools.json()["error"]["message"]
+
+
+def test_tools_on_a_model_whose_template_has_none_are_400(client, url):
+    """SmolLM2's chat template never reads `tools` (tool calling itself: tests/http/test_tools.py)."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=chat_of("Hi"), tools=[weather], max_tokens=4)
+    assert raised.value.code == "tools_not_supported" and "chat template does not support tools" in str(raised.value)
+    assert_error(post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "tools": [weather]}), 400, param="tools")
 
 
 def test_responses_api_equals_local(client, local_engine):
@@ -530,6 +539,17 @@ def test_response_format_json_schema_is_honoured(client, claude, local_engine):
                                         extra_body=GREEDY, output_config={"format": {"type": "json_schema",
                                                                                      "schema": CAPITAL}})
     assert structured.content[0].text == want
+
+
+def test_a_format_that_cannot_close_in_max_tokens_is_400(url):
+    """Issue 34: the shortest CAPITAL document is ~10 tokens; 5 cannot hold it (refused before any peer works)."""
+    body = {**CHAT, "max_tokens": 5, "response_format": {"type": "json_schema",
+                                                         "json_schema": {"name": "capital", "schema": CAPITAL}}}
+    error = assert_error(post(url, "/v1/chat/completions", body), 400, param="max_tokens", code="max_tokens_too_small")
+    assert '{"country":"","capital":""}' in error["message"]
+    claude = post(url, "/v1/messages", {"model": MODEL, "max_tokens": 5, "messages": CHAT["messages"],
+                                        "output_config": {"format": {"type": "json_schema", "schema": CAPITAL}}})
+    assert claude.status_code == 400 and "max_tokens" in claude.json()["error"]["message"]
 
 
 def test_response_format_json_object_is_honoured(client, local_engine):

@@ -41,7 +41,7 @@ from tessera.protocol.crypto import sign_record
 from tessera.protocol.errors import WireError
 from tessera.protocol.keys import Identity
 from tessera.protocol.records import PeerRecord
-from tessera.stages.generate import prompt_ids
+from tessera.stages.decoding.generate import prompt_ids
 from tessera.store.events import Connect
 from tessera.store.trace import MemoryTracer
 

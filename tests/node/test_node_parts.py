@@ -23,7 +23,7 @@ from ..test_layers import import_graph
 from ..waiting import await_until
 
 HEAVY = ("torch", "libp2p", "sqlite3", "sqlite_utils", "psutil", "tessera.store.db", "tessera.store.keyfile",
-         "tessera.peer.net.libp2p", "tessera.stages.registry", "tessera.stages.stage", "tessera.stages.speed")
+         "tessera.peer.net.libp2p", "tessera.stages.weights.registry", "tessera.stages.engine.stage", "tessera.stages.engine.speed")
 
 
 def test_only_the_composition_root_wires_libp2p_sqlite_and_torch() -> None:
@@ -35,7 +35,7 @@ def test_only_the_composition_root_wires_libp2p_sqlite_and_torch() -> None:
     assert heavy("tessera.peer.node.peer_node") == set()
     assert heavy("tessera.peer.node.parts") == set()
     assert {"tessera.peer.net.libp2p", "tessera.store.db", "tessera.store.keyfile"} <= heavy("tessera.peer.node.compose")
-    assert {"torch", "tessera.stages.stage", "tessera.stages.speed"} <= heavy("tessera.peer.node.torch_compute")
+    assert {"torch", "tessera.stages.engine.stage", "tessera.stages.engine.speed"} <= heavy("tessera.peer.node.torch_compute")
 
 
 def test_a_simulated_peer_and_requester_are_the_real_classes_on_simulated_parts() -> None:

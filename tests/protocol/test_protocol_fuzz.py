@@ -32,7 +32,7 @@ TARGETS = build_targets(SEED)
 
 def test_there_is_a_target_for_every_decoder() -> None:
     assert {t.name for t in TARGETS} == {
-        "message", "tensor", "frame", "record", "record_body", "link_key", "activations", "cipher"
+        "message", "tensor", "frame", "open_request", "record", "record_body", "link_key", "activations", "cipher"
     }
 
 

@@ -1,6 +1,6 @@
 """A requester and real StageServers on the in-memory transport, for recovery tests under MockClock.
 
-The model is a tiny seeded one (stages/synth.py) whose embedding and head are scaled up so
+The model is a tiny seeded one (stages/weights/synth.py) whose embedding and head are scaled up so
 that greedy choices have wide margins: a replayed cache (one prefill-shaped step instead
 of the original token-by-token steps) rounds differently in the last bits, and the answer
 must not hinge on that. Compute runs inline (no worker threads): under trio's MockClock a
@@ -26,10 +26,10 @@ from tessera.peer.serve.shard_server import ShardServer
 from tessera.protocol.crypto import sign_record
 from tessera.protocol.keys import Identity
 from tessera.protocol.records import PeerRecord
-from tessera.stages import registry
-from tessera.stages.sharded import ShardedStage
-from tessera.stages.stage import Stage
-from tessera.stages.synth import synth_spec, write_synth
+from tessera.stages.weights import registry
+from tessera.stages.shards.sharded import ShardedStage
+from tessera.stages.engine.stage import Stage
+from tessera.stages.weights.synth import synth_spec, write_synth
 from tessera.store.trace import MemoryTracer
 
 LAYERS = 4

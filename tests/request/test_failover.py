@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from tessera.peer.request.client import Swarm
-from tessera.stages.generate import prompt_ids
+from tessera.stages.decoding.generate import prompt_ids
 
 from ..swarm_helpers import local_swarm, reference_answer
 from ..waiting import await_until

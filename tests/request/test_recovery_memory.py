@@ -14,7 +14,7 @@ import pytest
 
 from tessera.peer.net.memory_stream import LinkSpec
 from tessera.peer.request.chain import TAP_WAIT
-from tessera.stages.generate import LocalEngine
+from tessera.stages.decoding.generate import LocalEngine
 from tessera.store import events
 
 from .memory_swarm import PeerPlan, crash_at_first_compute, decisive_model, memory_swarm

@@ -23,7 +23,7 @@ from tessera.peer.request.client import Swarm
 from tessera.peer.base.errors import UnknownPeer
 from tessera.peer.request.policy import BadPeerId
 from tessera.protocol.keys import Identity
-from tessera.stages.generate import prompt_ids
+from tessera.stages.decoding.generate import prompt_ids
 from tessera.store.db import PeerStore
 from tessera.store.events import Forward, Stamped
 

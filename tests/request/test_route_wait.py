@@ -15,7 +15,8 @@ from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
 from tessera.peer.plan.cost import FULL_LOAD
 from tessera.peer.plan.routing import route, unusable_reason, why_no_route
 from tessera.peer.sim.stage import sim_spec
-from tessera.peer.cli.status import format_status, gaps_of, routable_coverage
+from tessera.peer.cli.status import format_status
+from tessera.peer.plan.coverage import swarm_coverage
 from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, SERVING, PeerInfo, SwarmView
 from tessera.protocol.crypto import sign_record
 from tessera.protocol.keys import Identity
@@ -39,13 +40,13 @@ def test_each_reason_a_peer_takes_no_sessions() -> None:
 @pytest.mark.parametrize("state", [DRAINING, LEAVING, LOADING])
 def test_status_gaps_are_the_layers_routing_cannot_cover(state: str) -> None:
     view = SwarmView.of(30, [peer("a", 0, 15), peer("b", 15, 30, state=state), peer("c", 10, 20)])
-    coverage = routable_coverage(view)
-    assert coverage == [1] * 10 + [2] * 5 + [1] * 5 + [0] * 10
-    assert gaps_of(coverage) == [[20, 30]]
+    coverage = swarm_coverage(view)
+    assert coverage.replicas == (1,) * 10 + (2,) * 5 + (1,) * 5 + (0,) * 10
+    assert coverage.gaps == ((20, 30),) and coverage.aside == (("b", state),)
     assert not route(view, source="r").ok  # routing agrees: nothing through [20, 30)
     assert view.coverage()[25] == (0 if state == LEAVING else 1)  # the claim is still there
     whole = SwarmView.of(30, [peer("a", 0, 15), peer("b", 15, 30), peer("c", 10, 20)])
-    assert gaps_of(routable_coverage(whole)) == [] and route(whole, source="r").ok
+    assert swarm_coverage(whole).gaps == () and route(whole, source="r").ok
 
 
 def test_status_lists_the_peers_it_does_not_count() -> None:

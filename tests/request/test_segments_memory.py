@@ -15,7 +15,7 @@ import pytest
 from tessera.peer.request.ports import CheckPolicy
 from tessera.peer.request.verify import GROUP_UNCHECKED
 from tessera.peer.serve.faults import perturber
-from tessera.stages.generate import LocalEngine
+from tessera.stages.decoding.generate import LocalEngine
 from tessera.store import events
 
 from .memory_swarm import PeerPlan, decisive_model, memory_swarm

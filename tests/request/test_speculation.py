@@ -13,12 +13,12 @@ from tessera.peer.request.client import Swarm
 from tessera.peer.net.emulated import LinkEmulation
 from tessera.peer.request.decode import Speculation, plain_tokens, speculative_tokens
 from tessera.peer.request.repair import Pending
-from tessera.stages.generate import prompt_ids
-from tessera.stages.sampling import Sampler, SamplingParams
-from tessera.stages.speculative import (
+from tessera.stages.decoding.generate import prompt_ids
+from tessera.stages.decoding.sampling import Sampler, SamplingParams
+from tessera.stages.decoding.speculative import (
     BACKOFF_MISSES, K_PROBE, REPROBE_EVERY, AdaptiveK, Draft, ModelDrafter, NgramDrafter, greedy_accept,
 )
-from tessera.stages.stage import Stage
+from tessera.stages.engine.stage import Stage
 from tessera.store.events import Push, Result
 from tessera.store.trace import MemoryTracer
 

@@ -27,9 +27,9 @@ from tessera.protocol.errors import WireError
 from tessera.protocol.fingerprint import fingerprint_bytes, full_rows_agree, rows_agree, tolerance
 from tessera.protocol.keys import Identity
 from tessera.protocol.records import PeerRecord
-from tessera.stages import registry
-from tessera.stages.generate import LocalEngine, prompt_ids
-from tessera.stages.stage import Stage
+from tessera.stages.weights import registry
+from tessera.stages.decoding.generate import LocalEngine, prompt_ids
+from tessera.stages.engine.stage import Stage
 
 from ..swarm_helpers import local_swarm
 

@@ -25,7 +25,7 @@ from tessera.peer.serve.limits import ServerLimits
 from tessera.peer.serve.batcher import BatchBudget, BatchInterrupted, StepBatcher
 from tessera.protocol.keys import Identity
 from tessera.stages.errors import ContextOverflow, SpanError, UnknownSession
-from tessera.stages.stage import Stage
+from tessera.stages.engine.stage import Stage
 from tessera.store.events import Error, Forward
 from tessera.store.trace import MemoryTracer
 

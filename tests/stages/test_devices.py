@@ -1,4 +1,4 @@
-"""VRAM-aware offers (stages/devices.py) and what a peer advertises and shows about its device.
+"""VRAM-aware offers (stages/engine/devices.py) and what a peer advertises and shows about its device.
 
 No GPU here: the CUDA arithmetic is a pure function of (free, total, reserve), tested with
 those numbers; the one torch.cuda call sits in `read_device_memory`."""
@@ -15,8 +15,8 @@ from textual.app import App, ComposeResult
 from tessera.peer.cli.options import device_arg
 from tessera.protocol.codec import decode, encode
 from tessera.protocol.records import PeerRecord
-from tessera.stages.devices import CUDA_RESERVE_MIN, cuda_offer, cuda_reserve, read_device_memory
-from tessera.stages.generate import pick_dtype
+from tessera.stages.engine.devices import CUDA_RESERVE_MIN, cuda_offer, cuda_reserve, read_device_memory
+from tessera.stages.decoding.generate import pick_dtype
 from tessera.tui.panels import PeerPanel
 
 GIB = 1 << 30

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tessera.stages.errors import ContextOverflow, SpanError, UnknownSession
-from tessera.stages.generate import plan_length
-from tessera.stages.sampling import Sampler, SamplingParams, top_p_filter
-from tessera.stages.stage import Stage
+from tessera.stages.decoding.generate import plan_length
+from tessera.stages.decoding.sampling import Sampler, SamplingParams, top_p_filter
+from tessera.stages.engine.stage import Stage
 
 CUTS = [(0, 7), (7, 8), (8, 21), (21, 30)]
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018]

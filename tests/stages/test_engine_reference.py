@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.stages.stage import Stage
+from tessera.stages.engine.stage import Stage
 
 from ..conftest import FRANCE
 
@@ -54,7 +54,7 @@ def test_logits_match_transformers_over_prefill_and_decode(hf_smol, smol_stage, 
     ],
 )
 def test_greedy_tokens_match_transformers(hf_smol, local_engine, smol_tokenizer, prompt, raw):
-    from tessera.stages.generate import prompt_ids
+    from tessera.stages.decoding.generate import prompt_ids
 
     ids = prompt_ids(smol_tokenizer, prompt, raw=raw)
     ours = local_engine.generate_ids(ids, max_new_tokens=24)

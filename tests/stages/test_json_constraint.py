@@ -1,5 +1,6 @@
-"""JSON-constrained decoding: the prefix checker against `json`, schema shapes, and the lazy mask
-against a full-vocabulary mask on the real tokenizer."""
+"""JSON-constrained decoding: the prefix checker against `json`, schema shapes, the lazy mask
+against a full-vocabulary mask on the real tokenizer, and answers that always close within their
+token budget (the shortest closing, forced as the budget runs out)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessera.stages.constrained import ConstrainedSampler, JsonConstraint
-from tessera.stages.json_prefix import ANY, COMPLETE, INVALID, JSON_OBJECT, PREFIX, UnsupportedSchema, check, compile_schema
-from tessera.stages.sampling import SamplingParams
-from tessera.stages.tokenizer import Tokenizer
+from tessera.stages.decoding.constrained import CannotClose, ConstrainedSampler, Form, JsonConstraint
+from tessera.stages.decoding.generate import prompt_ids
+from tessera.stages.text.json_prefix import (
+    ANY, COMPLETE, INVALID, JSON_OBJECT, PREFIX, UnsupportedSchema, check, closing, compile_schema, parse,
+)
+from tessera.stages.decoding.sampling import SamplingParams
+from tessera.stages.text.tokenizer import Tokenizer
 
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False)
@@ -147,3 +151,218 @@ def test_sampling_under_the_mask_draws_from_the_conditional_distribution(tokeniz
     assert set(draws) == {brace, brace_quote}
     share = draws.count(brace) / len(draws)
     assert abs(share - 1 / (1 + 2.718281828)) < 0.06, share  # 0.269; 4.4 standard deviations of 600 draws
+
+
+# -- the shortest closing, and answers that always close -----------------------------------------
+
+def assert_closes(prefix: str, shape) -> str:
+    tail = closing(prefix, shape)
+    assert tail is not None and check(prefix + tail, shape) == COMPLETE, (prefix, tail)
+    json.loads(prefix + tail)
+    for k in range(len(tail)):  # a shortest closing is one along the way, too (what the plan relies on)
+        assert len(closing(prefix + tail[:k], shape)) == len(tail) - k, (prefix, tail, k)
+    return tail
+
+
+@settings(max_examples=100, deadline=None)
+@given(JSON_VALUES, st.sampled_from([None, 2]))
+def test_every_prefix_closes(value, indent):
+    text = json.dumps(value, indent=indent, ensure_ascii=False)
+    for cut in range(len(text) + 1):
+        assert_closes(text[:cut], ANY)
+    assert closing(text + "x", ANY) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.fixed_dictionaries({"name": st.text(max_size=6), "age": st.integers(-99, 10**9)},
+                             optional={"tags": st.lists(st.sampled_from(["a", "bc"]), max_size=3),
+                                       "ok": st.booleans(), "score": st.none() | st.floats(-1e3, 1e3)}),
+       st.sampled_from([None, 1]))
+def test_every_prefix_of_a_schema_document_closes(value, indent):
+    text = json.dumps(value, indent=indent)
+    shape = compile_schema(SCHEMA)
+    for cut in range(len(text) + 1):
+        assert_closes(text[:cut], shape)
+
+
+def shortest_by_search(prefix: str, shape, alphabet: str, longest: int) -> int:
+    """The length of the shortest closing found by trying every string over `alphabet`."""
+    frontier = [""]
+    for length in range(longest + 1):
+        if any(check(prefix + t, shape) == COMPLETE for t in frontier):
+            return length
+        frontier = [t + ch for t in frontier for ch in alphabet if check(prefix + t + ch, shape) != INVALID]
+    return longest + 1
+
+
+@pytest.mark.parametrize("prefix, schema", [
+    ('{"a": [1, {"b": "x', {}), ('{"a": -', {}), ('{"a": 1.5e', {}), ('[tr', {}), ('{"x\\u00', {}),
+    ('{', {"type": "object", "required": ["n"], "properties": {"n": {"type": ["null", "integer"]}}}),
+    ('{"k": ', {"type": "object", "properties": {"k": {"enum": ["long", "ab", 7]}}}),
+    ('[{"b', {"type": "array", "items": {"type": "object", "additionalProperties": False,
+                                          "properties": {"bc": {"type": "boolean"}, "b": {"type": "array"}}}}),
+])
+def test_the_closing_is_the_shortest(prefix, schema):
+    """No string over the closing's own characters and a few others closes the text sooner."""
+    tail = assert_closes(prefix, compile_schema(schema))
+    assert len(tail) <= 6
+    alphabet = "".join(sorted(set(tail + '"0}]a')))
+    assert shortest_by_search(prefix, compile_schema(schema), alphabet, len(tail)) == len(tail)
+
+
+def test_a_framed_document_closes_with_its_markers():
+    shape = compile_schema({"type": "object", "required": ["q"], "properties": {"q": {"type": "string"}}})
+    assert parse("<call>", shape, prefix="<call>\n", suffix="\n</call>") == (PREFIX, '\n{"q":""}\n</call>')
+    assert parse('<call>\n{"q":"a"}\n</', shape, prefix="<call>\n", suffix="\n</call>") == (PREFIX, "call>")
+    assert parse('<call>\n{"q":"a"}\n</call>', shape, prefix="<call>\n", suffix="\n</call>")[0] == COMPLETE
+    assert parse('<call>\n{"q":"a"} ', shape, prefix="<call>\n", suffix="\n</call>")[0] == INVALID
+
+
+class StubbornModel:
+    """Logits that never want to close anything: a fixed ranking of the tokens that keep a number
+    growing, a string going, an array or an object opening another level."""
+
+    def __init__(self, tokenizer: Tokenizer, favourites: str) -> None:
+        self.logits = torch.full((49152,), -10.0)
+        for rank, piece in enumerate(favourites.split("|")):
+            for token in tokenizer.encode(piece)[:1]:
+                self.logits[token] = max(float(self.logits[token]), 100.0 - rank)
+
+    def row(self) -> torch.Tensor:
+        return self.logits
+
+
+STUBBORN = [
+    ({"type": "integer"}, "1|2|9"),
+    ({"type": "object", "required": ["city", "population"], "additionalProperties": False,
+      "properties": {"city": {"type": "string"}, "population": {"type": "integer"}}}, '{"|city|": "|aaaa|a|,|1|9|"'),
+    ({"type": "array", "items": {"type": "array", "items": {"type": "string"}}}, '[[|[|"|ab|,|"'),
+    ({"type": "object", "required": ["a"], "properties": {"a": {"type": "object", "required": ["b", "c"],
+      "properties": {"b": {"type": "array", "items": {"type": "integer"}}, "c": {"type": "string"}}}}},
+     '{"|a|":|{"|b|[|1|,|"|x'),
+    ({}, '{"|[|{|"a|":|[1|,'),  # any value: objects and arrays nest without end
+]
+
+
+@pytest.mark.parametrize("schema, favourites", STUBBORN)
+def test_a_stubborn_greedy_answer_closes_in_every_budget(smol_tokenizer, schema, favourites):
+    """Whatever the budget (from the least that fits up), the greedy answer is a whole document
+    ending with end-of-sequence within it; a budget one short is refused up front."""
+    shape, eos = compile_schema(schema), [2]
+    model = StubbornModel(smol_tokenizer, favourites)
+    least = len(smol_tokenizer.encode(closing("", shape))) + 1
+    with pytest.raises(CannotClose) as refused:
+        JsonConstraint(shape, smol_tokenizer, eos).limit(least - 1)
+    assert refused.value.needed == least and "max_tokens" in str(refused.value)
+    longest = ""
+    for budget in [least, least + 2, least + 12]:
+        sampler = ConstrainedSampler(SamplingParams(), JsonConstraint(shape, smol_tokenizer, eos))
+        sampler.constraint.limit(budget)
+        out = []
+        while not out or out[-1] not in eos:
+            assert len(out) < budget, (budget, smol_tokenizer.decode(out))
+            out.append(sampler.sample(model.row()))
+        text = smol_tokenizer.decode(out)
+        assert check(text, shape) == COMPLETE, (budget, text)
+        json.loads(text)
+        longest = max(longest, text, key=len)
+    unbounded = ConstrainedSampler(SamplingParams(), JsonConstraint(shape, smol_tokenizer, eos))
+    run = [unbounded.sample(model.row()) for _ in range(least + 20)]
+    if schema != {"type": "integer"}:  # (a bare number is whole after its first digit)
+        assert 2 not in run and len(smol_tokenizer.decode(run)) > len(longest)  # without a budget it never ends
+
+
+def test_sampled_answers_close_too(smol_tokenizer):
+    shape = compile_schema(STUBBORN[1][0])
+    model = StubbornModel(smol_tokenizer, STUBBORN[1][1])
+    for seed in range(3):
+        sampler = ConstrainedSampler(SamplingParams(temperature=1.0, seed=seed), JsonConstraint(shape, smol_tokenizer, [2]))
+        sampler.constraint.limit(20)
+        out = [sampler.sample(model.row()) for _ in range(20)]
+        assert 2 in out and check(smol_tokenizer.decode(out[: out.index(2)]), shape) == COMPLETE
+
+
+CITY = {"type": "object", "additionalProperties": False, "required": ["city", "country", "population"],
+        "properties": {"city": {"type": "string"}, "country": {"type": "string"}, "population": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("budget", [16, 40])
+def test_the_city_schema_closes_on_the_real_model(local_engine, budget):
+    """Issue 34: greedy SmolLM2 ran the population to max_tokens (`"population": 1111111111111111`)."""
+    tokenizer = local_engine.tokenizer
+    constraint = JsonConstraint(compile_schema(CITY), tokenizer, local_engine.spec.eos_token_ids)
+    ids = local_engine.generate_ids(prompt_ids(tokenizer, "Give the city, country and population of Paris as JSON.",
+                                              raw=False), max_new_tokens=budget, constraint=constraint)
+    value = json.loads(tokenizer.decode(ids))
+    assert ids[-1] in local_engine.spec.eos_token_ids and len(ids) <= budget
+    assert value["city"].startswith("Paris"[: len(value["city"])]) and isinstance(value["population"], int)
+    with pytest.raises(CannotClose):
+        local_engine.generate_ids([1, 2, 3], max_new_tokens=5, constraint=JsonConstraint(
+            compile_schema(CITY), tokenizer, local_engine.spec.eos_token_ids))
+
+
+def test_a_tool_call_form_is_forced_or_free(smol_tokenizer):
+    """With an opener, an answer that starts otherwise is free text; one that starts the opener is held
+    to the forms (one per tool) and closes. Without one, the form is forced from the first token."""
+    args = compile_schema({"type": "object", "required": ["q"], "properties": {"q": {"type": "string"}},
+                           "additionalProperties": False})
+    forms = [Form(args, '<tool_call>\n{"name": "search", "arguments": ', "}\n</tool_call>")]
+    free = JsonConstraint(forms, smol_tokenizer, [2], opener="<tool_call>")
+    free.limit(30)
+    for token in smol_tokenizer.encode("Sure"):
+        assert free.allows(token)
+        free.advance(token)
+    assert free.free and free.allows(2) and free.allows(smol_tokenizer.encode(" }")[0])
+
+    stubborn = StubbornModel(smol_tokenizer, "x|<")
+    for opener in ("<tool_call>", None):
+        sampler = ConstrainedSampler(SamplingParams(), JsonConstraint(forms, smol_tokenizer, [2], opener=opener))
+        sampler.constraint.limit(80)  # room for the stubborn "x"s (the rest is written a character at a time)
+        out: list[int] = []
+        while not out or out[-1] != 2:
+            text = sampler.constraint.text
+            started = opener is not None and len(text) < len(opener)  # the model begins a call by itself
+            row = stubborn.row().clone()
+            if started:
+                row[smol_tokenizer.encode(opener[len(text):])[0]] = 1000.0
+            out.append(sampler.sample(row))
+        text = smol_tokenizer.decode(out)
+        prefix, suffix = forms[0].prefix, forms[0].suffix
+        assert text.startswith(prefix) and text.endswith(suffix) and len(out) <= 80 and not sampler.constraint.free
+        assert json.loads(text[len(prefix):-len(suffix)])["q"].startswith("xx")
+
+
+def test_an_opened_call_that_cannot_fit_is_not_begun(smol_tokenizer):
+    """With an opener and too small a budget for any call, the answer stays free text (never a
+    call cut short), even when the model wants the opener most."""
+    args = compile_schema({"type": "object", "required": ["q"], "properties": {"q": {"type": "string"}}})
+    forms = [Form(args, '<tool_call>\n{"name": "search", "arguments": ', "}\n</tool_call>")]
+    sampler = ConstrainedSampler(SamplingParams(), JsonConstraint(forms, smol_tokenizer, [2], opener="<tool_call>"))
+    sampler.constraint.limit(10)
+    model = StubbornModel(smol_tokenizer, "<|tool|_call|>|\n|Sure")
+    out = [sampler.sample(model.row()) for _ in range(10)]
+    assert sampler.constraint.free and not smol_tokenizer.decode(out).startswith("<tool_call>")
+
+
+def test_a_tokenizer_that_does_not_concatenate_closes_a_character_at_a_time(smol_tokenizer):
+    """Where encoding pieces apart is not the text together (SentencePiece prepends a space), the
+    plan writes the closing one character-token at a time."""
+
+    class Spaced:  # encodes as a SentencePiece tokenizer would: a space before every encoding
+        def __init__(self, inner):
+            self.inner = inner
+
+        def encode(self, text):
+            return self.inner.encode(" " + text)
+
+        def decode(self, ids, **kw):
+            return self.inner.decode(ids, **kw)
+
+        def token_id(self, token):
+            return self.inner.token_id(token)
+
+    shape = compile_schema(CITY)
+    constraint = JsonConstraint(shape, Spaced(smol_tokenizer), [2])
+    assert not constraint.concatenates
+    constraint.limit(60)
+    assert smol_tokenizer.decode(constraint.plan) == closing("", shape) and len(constraint.plan) == len(closing("", shape))

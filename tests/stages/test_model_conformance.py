@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
-from tessera.stages.folder_check import check_folder
-from tessera.stages.generate import LocalEngine
-from tessera.stages.spec import ModelSpec
-from tessera.stages.stage import Stage
-from tessera.stages.synth import CHATML, byte_tokenizer_json
+from tessera.stages.weights.folder_check import check_folder
+from tessera.stages.decoding.generate import LocalEngine
+from tessera.stages.families.catalog import spec_from_config, spec_from_file
+from tessera.stages.engine.stage import Stage
+from tessera.stages.weights.synth import CHATML, byte_tokenizer_json
 
 from ..swarm_helpers import local_swarm
 
@@ -128,7 +128,7 @@ def until_eos(tokens: list[int]) -> list[int]:
 def test_matches_transformers(folders, name, form):
     folder = folders[(name, form)]
     spec = check_folder(folder)  # what `tessera model import` checks accepts it
-    assert spec == ModelSpec.from_file(folders[(name, FORMS[0])] / "config.json")  # both forms read alike
+    assert spec == spec_from_file(folders[(name, FORMS[0])] / "config.json")  # both forms read alike
     tokens, ref = reference_run(folder)
     ours = our_run(folder, tokens)
     worst = max(float((a - b).abs().max()) for a, b in zip(ref, ours))
@@ -163,7 +163,8 @@ async def test_a_two_peer_swarm_matches_transformers(folders, name):
 @pytest.mark.parametrize(
     "change, key",
     [
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "yarn"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "beta_gamma": 2.0}},
+         "beta_gamma"),
         ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "dynamic"),
         ({"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}, "longrope"),
         ({"rope_parameters": {**LLAMA3, "rope_theta": 1e4, "attention_factor": 2.0}}, "attention_factor"),
@@ -180,14 +181,14 @@ def test_unsupported_settings_are_refused_by_name(folders, change, key):
     config = json.loads((folders[("llama", FORMS[0])] / "config.json").read_text())
     config.update(change)
     with pytest.raises(UnsupportedModel, match=key):
-        ModelSpec.from_config(config)
+        spec_from_config(config)
 
 
 def test_impossible_rope_values_are_refused(folders):
     config = json.loads((folders[("llama3-tied", FORMS[0])] / "config.json").read_text())
     config["rope_parameters"] = {**config["rope_parameters"], "factor": "eight"}
     with pytest.raises(ModelFormatError, match="factor"):
-        ModelSpec.from_config(config)
+        spec_from_config(config)
 
 
 def test_import_refuses_a_broken_folder_and_registers_nothing(folders, tmp_path, monkeypatch):
@@ -216,17 +217,17 @@ def test_import_refuses_a_broken_folder_and_registers_nothing(folders, tmp_path,
     save_file({**state, "model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}, str(extra / "model.safetensors"))
     misshapen = broken("misshapen")
     save_file({**state, "model.norm.weight": torch.ones(63)}, str(misshapen / "model.safetensors"))
-    yarn = broken("yarn")
-    config = json.loads((yarn / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
-    (yarn / "config.json").write_text(json.dumps(config))
+    dynamic = broken("dynamic")
+    config = json.loads((dynamic / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}
+    (dynamic / "config.json").write_text(json.dumps(config))
     cases = [
         (no_tokenizer, ModelFormatError, "tokenizer.json"),
         (bad_template, ModelFormatError, "chat template"),
         (missing, ModelFormatError, "model.layers.1.mlp.up_proj.weight"),
         (extra, UnsupportedModel, "o_proj.bias"),
         (misshapen, ModelFormatError, r"model.norm.weight.*\(63,\)"),
-        (yarn, UnsupportedModel, "yarn"),
+        (dynamic, UnsupportedModel, "dynamic"),
     ]
     for folder, error, words in cases:
         with pytest.raises(error, match=words):
@@ -250,7 +251,7 @@ def test_import_refuses_a_broken_folder_and_registers_nothing(folders, tmp_path,
 )
 def test_rope_reading_agrees_with_transformers(rope):
     """What `read_rope` makes of a raw config dict is what transformers 5 standardises it to."""
-    from tessera.stages.spec import read_rope
+    from tessera.stages.families.config import read_rope
 
     raw = {"architectures": ["LlamaForCausalLM"], **SHAPE, **rope}
     theirs = dict(transformers.LlamaConfig(**{k: v for k, v in raw.items() if k != "architectures"}).rope_parameters)

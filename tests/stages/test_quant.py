@@ -1,4 +1,4 @@
-"""Quantized spans against their own dequantized float32 model (stages/quant.py).
+"""Quantized spans against their own dequantized float32 model (stages/weights/quant.py).
 
 The reference for a span stored as int8/int4 is a float32 model whose matrices are the
 dequantized values (q s, c s + m, or (q - 8) s + z) — the same model, computed without the
@@ -31,14 +31,15 @@ import torch
 
 from tessera.peer.node.config import capacity_in_layers
 from tessera.protocol.fingerprint import relative_difference, tolerance
-from tessera.stages.generate import pick_dtype, prompt_ids
-from tessera.stages.quant import (
-    BLOCK_LINEARS, NO_QUANT, Int4BlockLinear, Int4Linear, Int8Linear, Quant, QuantError, base_model_id, dense_block, dense_weight, layer_bytes,
+from tessera.stages.decoding.generate import pick_dtype, prompt_ids
+from tessera.stages.weights.quant import (
+    NO_QUANT, Int4BlockLinear, Int4Linear, Int8Linear, Quant, QuantError, base_model_id, dense_block, dense_weight, layer_bytes,
     model_tag, quantize_linear,
 )
-from tessera.stages import quant as quant_module
-from tessera.stages.spec import ModelSpec
-from tessera.stages.stage import Stage
+from tessera.stages.weights import quant as quant_module
+from tessera.stages.families.catalog import spec_from_file
+from tessera.stages.engine.stage import Stage
+from tessera.stages.layers.block import linear_paths
 
 from ..conftest import FRANCE
 from ..resident import ROOT
@@ -108,7 +109,7 @@ def test_kernel_multiplies_by_the_dequantized_weight(scheme):
 
 
 def test_placement_counts_quantized_bytes(smol_dir):
-    spec = ModelSpec.from_file(smol_dir / "config.json")
+    spec = spec_from_file(smol_dir / "config.json")
     f32 = layer_bytes(spec, 4)
     assert f32 == spec.layer_bytes(4)
     int8, int4 = layer_bytes(spec, 2, Quant("int8")), layer_bytes(spec, 2, Quant("int4"))
@@ -146,6 +147,20 @@ def test_float32_cpu_form_dequantizes_in_bounded_chunks(scheme, monkeypatch):
         codes = torch.cat((layer.weight & 15, layer.weight >> 4), -1).float()  # [N, K/G, G]
         assert torch.equal(dense_weight(layer), (codes * layer.scales[..., None] + layer.mins[..., None]).reshape(80, 256))
         assert int(codes[0, 0, half]) == int(layer.weight[0, 0, 0] >> 4)
+
+
+def test_a_forward_outside_inference_mode_after_one_inside_it():
+    """The dequantization scratch is per thread and reused: a peer's worker runs forwards under
+    inference_mode, a test or a tool the same layer without it. A buffer first made inside
+    inference_mode could not be written outside it (this failed CI in a run-order-dependent way)."""
+    gen = torch.Generator().manual_seed(3)
+    w, x = torch.randn(48, 128, generator=gen) * 0.02, torch.randn(2, 128, generator=gen)
+    for scheme in SCHEMES:
+        quant_module.SCRATCH.__dict__.clear()  # this thread's buffers: made anew below, inside inference_mode
+        layer = quantize_linear(w, None, Quant.parse(scheme), dtype=torch.float32, device="cpu")
+        with torch.inference_mode():
+            inside = layer(x)
+        assert torch.equal(layer(x), inside), scheme
 
 
 # -- a tiny synthetic model, float32 activations --------------------------------------------
@@ -237,8 +252,8 @@ def test_smollm2_bfloat16_tokens_and_logits_against_the_dequantized_model(smol_q
 QUANT_SPAN_RSS = """
 import gc, sys, torch
 from pathlib import Path
-from tessera.stages.stage import Stage
-from tessera.stages.quant import Quant
+from tessera.stages.engine.stage import Stage
+from tessera.stages.weights.quant import Quant
 from tests.resident import held_bytes, mib, no_huge_pages, resident_parts
 no_huge_pages()
 torch.set_num_threads(1)
@@ -246,7 +261,7 @@ warm = Stage.load(Path(sys.argv[1]), start=0, end=1, quant=Quant.parse(sys.argv[
 warm.open("w", capacity=4)
 warm.forward("w", torch.zeros(1, warm.spec.hidden_size), 0)  # torch's lazy kernel set-up, not the span
 del warm
-import tessera.stages.quant as quant_module
+import tessera.stages.weights.quant as quant_module
 quant_module.SCRATCH = quant_module.Scratch()  # the dequantization buffers count: a fresh one for the span
 gc.collect()
 def rss():
@@ -299,7 +314,7 @@ def test_quantized_span_resident_memory(smol_dir, smol_without_gguf, scheme, sou
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     grown, weights, kv, peak = map(int, done.stdout.split())
-    float_span = 15 * ModelSpec.from_file(smol_dir / "config.json").layer_bytes(4)
+    float_span = 15 * spec_from_file(smol_dir / "config.json").layer_bytes(4)
     print(f"{scheme} from the {source}: +{grown / 2**20:.1f} MiB held for {weights / 2**20:.1f} MiB of weights and "
           f"{kv / 2**20:.1f} MiB of KV cache (ratio {grown / (weights + kv):.3f}); peak +{peak / 2**20:.1f} MiB "
           f"(float32 span {float_span / 2**20:.0f} MiB)\n{done.stderr.strip()}")
@@ -315,25 +330,24 @@ def test_int4_span_takes_the_gguf_blocks_without_reading_a_float_matrix(smol_dir
     is read: the folder's reader refuses here), and they are exactly what quantizing the converted
     folder gives (same integers and scales, so the same `+int4g32` model), and their dequantized
     weights ARE the folder's float32 weights: the reference model is the unquantized one."""
-    from tessera.stages.weights import WeightFolder
+    from tessera.stages.weights.folder import WeightFolder
 
     quantized = Stage.load(smol_without_gguf, start=0, end=3, quant=Quant("int4"))
     dense = Stage.load(smol_dir, start=0, end=3)
 
-    def no_float_matrices(self, names, shapes, dtype):
-        raise AssertionError(f"a float matrix was read: {names}")
+    def no_float_matrices(self, source, dtype):
+        raise AssertionError(f"a float matrix was read: {source.names}")
 
     monkeypatch.setattr(WeightFolder, "read_stacked", no_float_matrices)
     as_is = Stage.load(smol_dir, start=0, end=3, quant=Quant("int4"))
     monkeypatch.undo()
     for ours, theirs, floats in zip(as_is.blocks, quantized.blocks, dense.blocks):
-        for path in BLOCK_LINEARS:
-            owner, name = path.split(".")
-            layer = getattr(getattr(ours, owner), name)
+        for path in linear_paths(floats):
+            layer = ours.get_submodule(path)
             assert isinstance(layer, Int4BlockLinear)
             for buffer in ("weight", "scales", "mins"):
-                assert torch.equal(getattr(layer, buffer), getattr(getattr(getattr(theirs, owner), name), buffer)), path
-            assert torch.equal(dense_weight(layer), getattr(getattr(floats, owner), name).weight), path
+                assert torch.equal(getattr(layer, buffer), getattr(theirs.get_submodule(path), buffer)), path
+            assert torch.equal(dense_weight(layer), floats.get_submodule(path).weight), path
     # bf16 activations use torch's kernels, whose packing is not GGUF's: quantized from the folder
     with pytest.raises(AssertionError, match="a float matrix was read"):
         monkeypatch.setattr(WeightFolder, "read_stacked", no_float_matrices)
@@ -342,9 +356,9 @@ def test_int4_span_takes_the_gguf_blocks_without_reading_a_float_matrix(smol_dir
 
 def test_gguf_blocks_served_as_is_only_when_they_requantize_to_themselves(tmp_path, smol_dir):
     from tessera.stages.errors import ModelFormatError
-    from tessera.stages.gguf_blocks import GgufQ4Source, read_gguf_directory, requantizes_to_itself
+    from tessera.stages.weights.gguf_blocks import GgufQ4Source, read_gguf_directory, requantizes_to_itself
 
-    source = GgufQ4Source.beside(smol_dir, ModelSpec.from_file(smol_dir / "config.json"))
+    source = GgufQ4Source.beside(smol_dir, spec_from_file(smol_dir / "config.json"))
     v = "model.layers.0.self_attn.v_proj.weight"
     nibbles, d, m = source.matrix([v], {v: (192, 576)})
     assert nibbles.shape == (192, 18, 16) and d.shape == m.shape == (192, 18) and d.dtype == torch.float32

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from tessera.peer.plan.audit import REQUESTER, check
-from tessera.stages.sharded import ShardError, ShardedStage
-from tessera.stages.spec import ModelSpec
-from tessera.stages.stage import Stage
+from tessera.stages.shards.sharded import ShardError, ShardedStage
+from tessera.stages.families.catalog import spec_from_file
+from tessera.stages.engine.stage import Stage
 
 from ..shard_helpers import DECODE_STEPS, LOGITS_TOLERANCE, InProcessGroup, greedy_run
 
@@ -66,7 +66,7 @@ def test_synthetic_groups_match_between_unsharded_spans(synth_models, arch, coun
 
 
 def test_each_rank_holds_one_nth_of_the_weights(smol_dir):
-    spec = ModelSpec.from_file(smol_dir / "config.json")
+    spec = spec_from_file(smol_dir / "config.json")
     rank = ShardedStage.load(smol_dir, start=4, end=6, index=1, count=3)
     assert rank.weight_bytes * 3 == 2 * spec.layer_bytes(4)
     assert rank.cols == (192, 384)

@@ -101,8 +101,13 @@ def test_ledger_accumulates_per_requester_per_hour(store):
         "layer_tokens": 120,
         "steps": 4,
         "bytes": 2010,
-        "last_hour": base + 3600,
+        "last": base + 3600,
     }
+    # the latest contribution, not the start of its hour (issue 34: "last 14:00" for work at 14:58)
+    store.add_ledger("alice", 1, at=base + 3600 + 3500.25)
+    store.add_ledger("alice", 1, at=base + 3600 + 10)  # an older one arriving later changes nothing
+    store.flush()
+    assert store.ledger_summary(base + 8000)["by_requester"]["alice"]["last"] == base + 3600 + 3500.25
     assert hour_bucket(base + 3599.9) == base
     with pytest.raises(BadRecord):
         store.add_ledger("alice", -1)
@@ -178,29 +183,48 @@ def test_readonly_store_reads_and_refuses_writes(tmp_path):
             ro.record_identity("12D3KooWW")
 
 
-def _migration_2(db):
+def _migration_2(db):  # a next migration, whatever the current version is
     db.execute("ALTER TABLE claims ADD COLUMN note TEXT")
     db.execute("UPDATE claims SET note = 'from v1'")
 
 
+NEXT = schema.current_version() + 1
+
+
+def test_a_ledger_written_before_it_kept_last_times_migrates(tmp_path, monkeypatch):
+    """Schema 2 (issue 34): the ledger keeps each row's latest contribution."""
+    path = tmp_path / "t.db"
+    monkeypatch.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:1])
+    PeerStore(path).close()
+    with sqlite3.connect(path) as conn:  # a row as schema 1 wrote it
+        conn.execute("INSERT INTO ledger (requester, hour, layer_tokens, steps, bytes) VALUES ('old', 7200, 5, 1, 0)")
+    monkeypatch.undo()
+    with PeerStore(path) as s:
+        s.add_ledger("old", 5, at=7200 + 61.5)
+        s.add_ledger("new", 5, at=10_000.0)
+        s.flush()
+        by = s.ledger_summary(20_000.0)["by_requester"]
+    assert by["old"]["last"] == 7200 + 61.5 and by["old"]["layer_tokens"] == 10 and by["new"]["last"] == 10_000.0
+
+
 def test_old_database_migrates_forward(tmp_path, monkeypatch):
     path = tmp_path / "t.db"
-    with PeerStore(path) as s:  # written at version 1
+    with PeerStore(path) as s:  # written at the current version
         s.record_claim("m1", (0, 4), at=1.0)
         s.record_identity("12D3KooWKept")
     monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS, _migration_2])
     with pytest.raises(SchemaMismatch):
         PeerStore(path, readonly=True)  # a reader must not migrate, and cannot read an old schema
     with PeerStore(path) as s:
-        assert schema.db_version(s._reader) == 2
+        assert schema.db_version(s._reader) == NEXT
         assert s.claims()[0]["note"] == "from v1"
         assert s.identity() == "12D3KooWKept"
     with PeerStore(path) as s:  # reopening does not migrate twice
-        assert schema.db_version(s._reader) == 2
+        assert schema.db_version(s._reader) == NEXT
     versions = [
         r[0] for r in sqlite3.connect(path).execute("SELECT version FROM schema_version ORDER BY version")
     ]
-    assert versions == [1, 2]
+    assert versions == list(range(1, NEXT + 1))
 
 
 def test_newer_database_is_refused(tmp_path, monkeypatch):
@@ -208,7 +232,7 @@ def test_newer_database_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(schema, "MIGRATIONS", [*schema.MIGRATIONS, _migration_2])
     PeerStore(path).close()
     monkeypatch.undo()
-    with pytest.raises(SchemaTooNew, match="version 2"):
+    with pytest.raises(SchemaTooNew, match=f"version {NEXT}"):
         PeerStore(path)
 
 
@@ -224,5 +248,5 @@ def test_a_failing_migration_leaves_the_old_version(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError):
         PeerStore(path)
     conn = sqlite3.connect(path)
-    assert conn.execute("SELECT max(version) FROM schema_version").fetchone()[0] == 1
+    assert conn.execute("SELECT max(version) FROM schema_version").fetchone()[0] == NEXT - 1
     assert "half" not in {r[1] for r in conn.execute("PRAGMA table_info(claims)")}

@@ -247,3 +247,52 @@ def test_kill_9_loses_at_most_the_last_second(tmp_path):
     with PeerStore(path) as store:  # and the peer can reopen it and carry on
         store.record_identity("12D3KooWAfterCrash")
         assert store.identity() == "12D3KooWAfterCrash"
+
+
+def test_a_tracer_made_before_its_peer_id_is_bound_later(tmp_path):
+    """The manual's `TraceWriter("requester.db")` for `Swarm.join(..., tracer=...)`: the requester's
+    id exists only once it joins, and it binds it (issue 34, item 8)."""
+    import pytest
+
+    from tessera.store.db import PeerStore
+    from tessera.store.errors import BadTraceField
+    from tessera.store.events import Claim
+    from tessera.store.trace import TraceWriter
+
+    with TraceWriter(tmp_path / "requester.db") as tracer:
+        with pytest.raises(BadTraceField, match="no peer id yet"):
+            tracer.emit(Claim(span=(0, 1), throughput=1.0, capacity=1))
+        tracer.bind("12D3KooWrequester")
+        tracer.bind("12D3KooWsomeone-else")  # the first binding stays
+        tracer.emit(Claim(span=(0, 1), throughput=1.0, capacity=1))
+    with PeerStore(tmp_path / "requester.db", readonly=True) as store:
+        assert [e.peer for e in store.events()] == ["12D3KooWrequester"]
+
+
+def test_a_timeline_window_keeps_what_overlaps_it():
+    from datetime import datetime
+
+    import pytest
+
+    from tessera.store.errors import BadTimeWindow
+    from tessera.store.events import Forward
+    from tessera.store.timeline import Event, Timeline, When, parse_when
+
+    events = [Event(0, i, 0, 100.0 + i, "p", Forward(session=s, step=i, span=(0, 1), duration=0.5), t=float(i))
+              for i, s in enumerate(["aa01", "aa01", "bb02", "bb02"])]
+    timeline = Timeline([], events, {0: 0.0}, 0, 100.0)
+    # each event ends at t and lasted 0.5 s: [0.8, 2.0] overlaps 1 ([0.5, 1]) and 2 ([1.5, 2]), not 3 ([2.5, 3])
+    assert [e.id for e in timeline.window(When(seconds=0.8), When(seconds=2.0)).events] == [1, 2]
+    assert [e.id for e in timeline.window(When(seconds=1.2), When(seconds=2.0)).events] == [2]
+    assert [e.id for e in timeline.window(sessions=["BB"]).events] == [2, 3]
+    assert [e.id for e in timeline.window(When(wall=102.6)).events] == [3]  # on the reference clock: t = 2.6
+    with pytest.raises(BadTimeWindow, match="no sessions cc"):
+        timeline.window(sessions=["cc"])
+    with pytest.raises(BadTimeWindow, match="after --until"):
+        timeline.window(When(seconds=3), When(seconds=1))
+    assert parse_when("12.5") == When(seconds=12.5)
+    day = datetime(2026, 12, 5, 9, 0)
+    assert parse_when("14:03", today=day) == When(wall=datetime(2026, 12, 5, 14, 3).timestamp())
+    assert parse_when("2026-12-05T14:03:20") == When(wall=datetime(2026, 12, 5, 14, 3, 20).timestamp())
+    with pytest.raises(BadTimeWindow, match="not a time"):
+        parse_when("soon")

@@ -13,7 +13,7 @@ import trio
 from tessera.peer.request.client import Swarm
 from tessera.peer.cli.demo import LocalSwarm, memory_for_layers
 from tessera.peer.base.errors import NoRoute
-from tessera.stages.generate import prompt_ids
+from tessera.stages.decoding.generate import prompt_ids
 
 from ..swarm_helpers import local_swarm
 

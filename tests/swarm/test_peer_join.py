@@ -98,9 +98,9 @@ def test_a_peer_of_another_model_is_named(models, keyed_peer, tmp_path):
 def test_memory_too_small_for_one_layer_is_refused_with_the_number(models, tmp_path):
     status, output = peer(models[0], tmp_path, "--memory", "0.00001")
     assert status == 1, output
-    from tessera.stages.spec import ModelSpec
+    from tessera.stages.families.catalog import spec_from_file
 
     # one float32 layer's weights over the 75% of the offer not kept for KV caches
-    need = ModelSpec.from_file(models[0] / "config.json").layer_bytes(4) / 0.75 / (1 << 30)
+    need = spec_from_file(models[0] / "config.json").layer_bytes(4) / 0.75 / (1 << 30)
     assert f"--memory 1e-05 GB is too small: one layer of this model in float32 needs {need:.3g} GB" in output
     assert "listening on" not in output  # refused before the host started

@@ -9,8 +9,8 @@ import pytest
 import httpx
 
 from tessera.peer.request.client import Swarm
-from tessera.stages.generate import LocalEngine, prompt_ids
-from tessera.stages.quant import Quant
+from tessera.stages.decoding.generate import LocalEngine, prompt_ids
+from tessera.stages.weights.quant import Quant
 
 from ..conftest import FRANCE
 from ..swarm_helpers import local_swarm

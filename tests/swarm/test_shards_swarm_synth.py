@@ -12,8 +12,8 @@ from tessera.peer.request.chain import RouteSession
 from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.plan.audit import check
 from tessera.peer.request.segmented import SegmentedSession
-from tessera.stages.generate import LocalEngine
-from tessera.stages.stage import Stage
+from tessera.stages.decoding.generate import LocalEngine
+from tessera.stages.engine.stage import Stage
 from tessera.store.trace import MemoryTracer
 
 from ..shard_helpers import (

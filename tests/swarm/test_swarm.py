@@ -7,7 +7,7 @@ import trio
 
 from tessera.peer.request.client import Swarm
 from tessera.peer.base.errors import NoRoute
-from tessera.stages.generate import prompt_ids
+from tessera.stages.decoding.generate import prompt_ids
 from tessera.store.db import PeerStore
 from tessera.store.events import Forward, SessionOpen
 
@@ -183,9 +183,9 @@ async def test_each_peer_loaded_only_its_span(smol_dir):
     bytes less than a 30-layer one."""
     from tessera.peer.request.chain import RouteSession
     from tessera.peer.plan.routing import Hop, Route
-    from tessera.stages.spec import ModelSpec
+    from tessera.stages.families.catalog import spec_from_file
 
-    layer = ModelSpec.from_file(smol_dir / "config.json").layer_bytes(4)
+    layer = spec_from_file(smol_dir / "config.json").layer_bytes(4)
     no_huge_pages()  # the peer processes started now inherit it
     try:
         with local_swarm([(0, 10), (0, 30)]) as peers:

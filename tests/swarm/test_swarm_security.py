@@ -25,7 +25,7 @@ from tessera.protocol.codec import encode
 from tessera.protocol.crypto import RECORD_CONTEXT, sign_record
 from tessera.protocol.keys import Identity
 from tessera.protocol.records import GossipPush, PeerRecord, SignedRecord
-from tessera.stages import registry
+from tessera.stages.weights import registry
 
 from ..conftest import FRANCE
 from ..swarm_helpers import local_swarm

@@ -28,7 +28,7 @@ from tessera.peer.node.config import PeerConfig
 from tessera.peer.node.compose import build_peer
 from tessera.peer.request.chain import RouteSession
 from tessera.peer.plan.routing import Hop, Route
-from tessera.stages.generate import prompt_ids
+from tessera.stages.decoding.generate import prompt_ids
 from tessera.store.db import PeerStore
 from tessera.store.events import EVENT_TYPES, Ban, Claim, Drain, Forward, Leave, Pause, Resume
 from tessera.tui.app import TesseraApp
@@ -40,6 +40,7 @@ from tessera.tui.render import coverage_strip, event_line, gaps_text, span_bar, 
 from tessera.tui.screens import ConfirmScreen, HelpScreen, MemoryDialog, parse_gb
 
 from ..conftest import FRANCE
+from ..screenshots import offline_svg, screenshot_dir
 from ..swarm_helpers import local_swarm
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
@@ -172,7 +173,8 @@ def other_peer(smol_dir):
 
 
 def make_handle(tmp_path: Path, join: list[str], **config) -> PeerHandle:
-    settings = dict(layers=(0, 15), memory_gb=1.0, leave_grace=LEAVE_GRACE, rebalance_interval=3600.0)
+    settings = dict(layers=(0, 15), memory_gb=1.0, leave_grace=LEAVE_GRACE, rebalance_interval=3600.0,
+                    listen=["/ip4/127.0.0.1/tcp/0"])
     settings.update(config)
     node = build_peer(PeerConfig(join=join, data_dir=tmp_path / "tui-peer", threads=1, name="tui-peer", **settings))
     handle = PeerHandle(node)
@@ -268,6 +270,8 @@ def test_main_screen_shows_span_coverage_and_live_counters(other_peer, tmp_path,
             ARTIFACTS.mkdir(exist_ok=True)
             shot = app.save_screenshot("tui-main.svg", path=str(ARTIFACTS))
             assert "This&#160;peer" in Path(shot).read_text()  # SVG text keeps spaces as &#160;
+            if (folder := screenshot_dir()) is not None:  # make screenshots: the manual's picture of the TUI
+                (folder / "tui.svg").write_text(offline_svg(app.export_screenshot()))
             await pilot.press("q")  # no sessions running: no question
             await until(pilot, lambda: handle.finished.is_set(), "the peer to leave", LEAVE_GRACE + SETTLE, peer=handle)
             await pilot.pause(0.5)
@@ -376,6 +380,8 @@ def test_actions_that_would_drop_work_ask_first(other_peer, tmp_path):
                 await pilot.press("y")
                 await until(pilot, lambda: handle.finished.is_set(), "the peer to leave", LEAVE_GRACE + SETTLE, peer=handle)
                 await until(pilot, lambda: app.state == "left", "the header to say so")
+                swarm = plain(app.query_one(SwarmPanel))  # a peer that left serves nothing (issue 34, item 3)
+                assert "(of 1 serving)" in swarm and "GAPS: [0, 10)" in swarm, swarm
                 assert app.return_code is None  # leaving keeps the screen open
                 assert "LEFT" in plain(app.query_one(PeerHeader))
                 await pilot.press("q")  # the peer is gone: q just closes
@@ -504,7 +510,7 @@ def rows(widget) -> int:
 
 def swarm_snapshot(neighbours: int) -> dict:
     """The keys SwarmPanel draws, for `neighbours` neighbours."""
-    return {"coverage": [1] * 30, "gaps": [], "swarm": {"serving": neighbours},
+    return {"coverage": [1] * 30, "gaps": [], "serving": neighbours + 1, "swarm": {"peers": neighbours},
             "neighbours": [{"peer_id": f"12D3KooWpeer{i:08d}", "name": f"n{i}", "rtt_ms": 1.5, "kind": "direct",
                             "span": [0, 30], "state": "serving"} for i in range(neighbours)]}
 
@@ -564,6 +570,27 @@ def test_start_up_lines_say_memory_device_and_speed(ui_peer):
     assert ui_peer.printed(f"in {ms:.2f} ms ({node.throughput / 15:.1f} tok/s through 15 layers)")
 
 
+@pytest.mark.slow
+def test_a_draining_peer_shows_the_gap_routing_sees(ui_peer):
+    """Issue 34, item 3: draining, the TUI said "gaps: none" while `swarm status` and every
+    requester saw [0, 10) uncovered. Both now read peer/plan/coverage.py, with this peer as it is now."""
+    async def scenario():
+        app = TesseraApp(ui_peer)
+        async with app.run_test(size=(100, 32)) as pilot:
+            await until(pilot, lambda: app.state == "serving" and app.snapshot["serving"] == 2, "two serving")
+            swarm = app.query_one(SwarmPanel)
+            assert "gaps: none" in plain(swarm) and "(of 2 serving)" in plain(swarm)
+            await pilot.press("d")
+            await until(pilot, lambda: app.state == "draining", "draining")
+            await until(pilot, lambda: "GAPS: [0, 10)" in plain(swarm), "the gap the drain opens", peer=ui_peer)
+            assert "(of 1 serving)" in plain(swarm)
+            assert app.snapshot["coverage"] == [0] * 10 + [1] * 20  # the other peer's [10, 30) only
+            await pilot.press("p")  # resume
+            await until(pilot, lambda: app.state == "serving" and "gaps: none" in plain(swarm), "covered again")
+
+    asyncio.run(scenario())
+
+
 def burst_of_keys(app: TesseraApp, keys: str) -> None:
     """Keys as a fast typist sends them: all queued before the app handles the first."""
     from textual import events
@@ -586,6 +613,13 @@ def test_events_tail_filter_typing_and_operator_events(ui_peer):
     for i in range(40):
         ui_peer.node.out(f"backlog line {i}")
 
+    # the peer is shared with other tests: theirs are the events stamped before this one began
+    since = time.time()
+
+    def operator_events() -> list[str]:
+        with PeerStore(ui_peer.db_path, readonly=True) as store:
+            return [e.kind for e in store.events(kinds=(Drain, Pause, Resume)) if e.wall >= since]
+
     async def scenario():
         app = TesseraApp(ui_peer)
         async with app.run_test(size=(80, 24)) as pilot:
@@ -605,7 +639,8 @@ def test_events_tail_filter_typing_and_operator_events(ui_peer):
             log.scroll_end(animate=False)
             await pilot.pause()
             logging.getLogger("tessera.peer.net.gossip").warning("a warning while the UI runs")
-            await until(pilot, lambda: "a warning while the UI runs" in log_text(app), "the warning")
+            # a logged line is long: the log wraps it (issue 34) over two rows
+            await until(pilot, lambda: "a warning while the UI runs" in " ".join(log_text(app).split()), "the warning")
             await until(pilot, lambda: at_tail(log), "the log to follow again")  # back at the end: following
 
             burst_of_keys(app, "/claim")
@@ -625,10 +660,6 @@ def test_events_tail_filter_typing_and_operator_events(ui_peer):
                                            for kind in ("drain", "pause", "resume")), "the operator's events")
 
     asyncio.run(scenario())
-
-    def operator_events() -> list[str]:
-        with PeerStore(ui_peer.db_path, readonly=True) as store:
-            return [e.kind for e in store.events(kinds=(Drain, Pause, Resume))]
 
     # the trace writer commits in batches: the last resume may land a moment after the UI shows it
     deadline = time.monotonic() + 15

@@ -30,12 +30,12 @@ from tessera.peer.weights.source import WeightLimits, WeightSource, serve_weight
 from tessera.protocol.weights import (
     WeightChunk, WeightChunkRequest, WeightManifest, WeightManifestRequest, WeightRefused,
 )
-from tessera.stages import registry
+from tessera.stages.weights import registry
 from tessera.stages.errors import ModelFormatError
-from tessera.stages.registry import held_tensors
-from tessera.stages.stage import Stage
-from tessera.stages.tokenizer import Tokenizer
-from tessera.stages.tensor_table import check_manifest, groups_for_span, table_digest
+from tessera.stages.weights.registry import held_tensors
+from tessera.stages.engine.stage import Stage
+from tessera.stages.text.tokenizer import Tokenizer
+from tessera.stages.weights.tensor_table import check_manifest, groups_for_span, table_digest
 
 CHUNK = 4096
 NAME = "tiny"

@@ -18,7 +18,7 @@ import pytest
 
 from tessera.peer.cli.demo import wait_for_line
 from tessera.peer.request.client import Swarm
-from tessera.stages.generate import prompt_ids
+from tessera.stages.decoding.generate import prompt_ids
 
 from ..swarm_helpers import local_swarm, reference_answer
 

@@ -48,12 +48,13 @@ from tessera.store.trace import NullTracer, Tracer
 from tessera.store import events
 
 from tessera.peer.base.errors import PeerError
+from tessera.peer.net.addresses import PUBLIC as PUBLIC_SCOPE, scope
 from tessera.peer.net.gossip import ViewKeeper
 from tessera.peer.net.libp2p import Libp2pTransport
 from tessera.peer.net.nat.dialback import DialBack, DialBackOutcome
 from tessera.peer.net.nat.links import serve_links
 from tessera.peer.net.nat.relay import RELAY_LIMITS, is_circuit_addr
-from tessera.peer.net.transport import RELAYED
+from tessera.peer.net.transport import DIRECT, RELAYED
 from tessera.peer.plan.view import LEAVING, Reachability
 
 log = logging.getLogger(__name__)
@@ -212,6 +213,9 @@ class NatService:
             self.verdict, self.public_addrs = verdict, reached
             where = ", ".join(reached) if reached else "no dial-back got through"
             self.out(f"reachability: {verdict} ({where}; asked {', '.join(o.helper[-8:] for o in conclusive)})")
+            for addr in reached:  # dialled back at a public IP: the address to give people elsewhere
+                if scope(addr) == PUBLIC_SCOPE:
+                    self.out(f"reachable from the internet at {addr} (others anywhere can --join it)")
             self.tracer.emit(events.Advertise(reachability=verdict, addrs=reached))
             self._apply_verdict()
             self._mark_changed()
@@ -336,7 +340,13 @@ class NatService:
         for peer_id, kind in now.items():
             old = self.links.get(peer_id)
             if kind != old:
-                self.out(f"link {peer_id}: {old + ' -> ' if old else ''}{kind}")
+                line = f"link {peer_id}: {old + ' -> ' if old else ''}{kind}"
+                if old is None and kind == DIRECT:
+                    # a plain direct connection (every requester, every `swarm status`) is news to no
+                    # operator: -v shows it; the trace keeps it either way
+                    log.info(line)
+                else:
+                    self.out(line)  # behind NAT: relayed, punched, a link changing kind
                 self.tracer.emit(events.Connect(remote=peer_id, link=kind))
         for peer_id in set(self.links) - set(now):
             self.tracer.emit(events.Disconnect(remote=peer_id))

@@ -1,0 +1,347 @@
+"""The search behind `routing.route`: the cheapest chain of distinct peers through [start, end).
+
+Pure: no I/O, no clock, no randomness; candidates come sorted by peer id and every
+tie is broken by (hops, peer ids, later cut points), so one input gives one answer.
+
+Which chains there are
+----------------------
+A peer that loaded layers [s, e) computes any sub-span of them (stages/engine/sessions.py), so
+a chain is a sequence of distinct peers p1..pk and cut points
+``start = c0 < c1 < ... < ck = end`` with ``s(pi) <= c(i-1)`` and ``ci <= e(pi)``. The
+cost (routing.py's docstring) is linear in each cut point for a fixed sequence of peers,
+so a cheapest chain puts every cut at an end of its feasible range: where the peer before
+it ends (a *tail* hand-over: the next peer is entered mid-span, as routing always could)
+or where the peer after it starts (a *head* hand-over: the one before leaves early). The
+search takes exactly those chains — every cut is ``e(p_i)`` or ``s(p_i+1)`` — which is
+what lets ``--prefer`` work: a non-preferred peer whose span starts earlier runs only the
+layers no preferred peer holds, then hands over at the preferred peer's first layer.
+(The linear argument leaves out only chains that squeeze a hop to one layer between two
+others, cheaper solely through RTTs that break the triangle inequality.) A
+tensor-shard group runs to the end of its span: it is never left early.
+
+The search
+----------
+A sweep over the boundaries where something starts or ends. Each peer keeps its best
+*entry* (cost so far including the link into it, where it was entered); every exit from
+it at b costs that plus (b - entry) layers of its compute — one slope per peer, so the
+best entry is the best at every exit. At each boundary b: the peers ending there exit
+(tail), every peer that has been entered may exit early if some peer starts at b (head),
+and entries are priced from those exits: unmeasured links at the default RTT from the
+best exit, measured ones (``pairs``) one by one. That is O(sum of span lengths +
+measured pairs) per pass, as before head hand-overs.
+
+A chain must not use a peer twice (a requester opens one session per peer and route).
+The sweep cannot see that — a peer left early at b may be entered again later — so its
+answer is a lower bound, and a branch-and-bound over it finds the cheapest chain of
+distinct peers: when the best relaxed chain uses peer q at [x1, y1) and again at
+[x2, y2), every chain of distinct peers either keeps q within [.., x2), or within
+[y1, ..), or runs q across the whole of [y1, x2] (then no cut lies in [y1, x2]); each
+branch excludes the relaxed chain, so the branches' bounds only rise, and the first
+chain of distinct peers taken from the queue is the cheapest. In the swarms we see a
+relaxed chain almost never repeats a peer (it pays two extra round trips to do so),
+and one pass is the whole search. After MAX_BRANCHES passes the best chain of distinct
+peers found so far wins against the tail-only chain (which never repeats a peer).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+# Relaxed passes one search may run before settling for the best chain of distinct peers
+# found so far. Each pass costs about what a whole route() cost before head hand-overs
+# (a few ms at 1,000 peers); a revisit needs a peer nested in another's span that is
+# cheaper by more than two round trips, and each branch removes one such nesting.
+MAX_BRANCHES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A usable peer as the search sees it: the layers [lo, hi) it could run in this range
+    (its span clipped to it), its ms per layer, and whether it may be left before hi."""
+
+    pid: str
+    lo: int
+    hi: int
+    per_layer: float
+    stops_early: bool = True
+
+
+# A chain so far: (cost in ms, hops, peer ids, negated entry boundaries, entry boundaries).
+# Tuples compare in tie-break order: cost, then fewer hops, then peer ids, then later cuts.
+Label = tuple[float, int, tuple[str, ...], tuple[int, ...], tuple[int, ...]]
+Bounds = dict[str, tuple[int, int]]
+
+
+def cheapest_chain(
+    candidates: Sequence[Candidate],
+    *,
+    start: int,
+    end: int,
+    from_source: Callable[[str], float],
+    to_sink: Callable[[str], float],
+    links: Links,
+    default_rtt_ms: float,
+    max_branches: int = MAX_BRANCHES,
+    heads: bool = True,
+) -> Label | None:
+    """The cheapest chain of distinct candidates through [start, end) (see the module
+    docstring): ``(cost, hops, ids, -entries, entries)``, or None when none exists.
+    `links`: the measured RTTs between candidates (`links_between`). `heads=False`: only tail
+    hand-overs (every hop runs to its peer's end; what routing did before, and never repeats a
+    peer): a baseline for bench/routing.py."""
+    search = _Search(candidates, start, end, from_source, to_sink, links, default_rtt_ms)
+    if not heads:
+        return search.solve({}, frozenset(), heads=False)
+    root = search.solve({}, frozenset(), heads=True)
+    if root is None:
+        return None
+    queue: list[tuple[Label, int, Bounds, frozenset[int]]] = [(root, 0, {}, frozenset())]
+    found: Label | None = None  # the best chain of distinct peers seen (not yet proven cheapest)
+    pushed = passes = 0
+    while queue and passes < max_branches:
+        label, _, bounds, no_cut = heapq.heappop(queue)
+        repeat = _first_repeat(label, end)
+        if repeat is None:
+            return label
+        passes += 1
+        pid, (x1, y1), (x2, _y2) = repeat
+        lo, hi = bounds.get(pid, search.span(pid))
+        for child_bounds, child_no_cut in (
+            ({**bounds, pid: (lo, min(hi, x2))}, no_cut),  # q stays before its second piece
+            ({**bounds, pid: (max(lo, y1), hi)}, no_cut),  # q stays after its first piece
+            (bounds, no_cut | set(range(y1, x2 + 1))),  # q runs across [y1, x2]: nobody hands over there
+        ):
+            child = search.solve(child_bounds, child_no_cut, heads=True)
+            if child is None:
+                continue
+            if _first_repeat(child, end) is None and (found is None or child < found):
+                found = child
+            pushed += 1
+            heapq.heappush(queue, (child, pushed, child_bounds, child_no_cut))
+    tail_only = search.solve({}, frozenset(), heads=False)  # never repeats a peer
+    return min(x for x in (found, tail_only) if x is not None) if (found or tail_only) else None
+
+
+def _first_repeat(label: Label, end: int) -> tuple[str, tuple[int, int], tuple[int, int]] | None:
+    """The first peer a chain uses twice, with the layers of its first two pieces."""
+    ids, entries = label[2], label[4]
+    seen: dict[str, int] = {}
+    for j, pid in enumerate(ids):
+        if pid in seen:
+            i = seen[pid]
+            exit_j = entries[j + 1] if j + 1 < len(ids) else end
+            return pid, (entries[i], entries[i + 1]), (entries[j], exit_j)
+        seen[pid] = j
+    return None
+
+
+@dataclass(frozen=True)
+class Links:
+    """Measured RTTs between candidates, and where each could carry a hand-over.
+
+    pairs[q][p]:  the RTT between p and q (symmetric), for any two that could hand over;
+    tail_out[q]:  (r, rtt) for every r that q's end falls strictly inside (r entered mid-span there);
+    head_in[r]:   (q, rtt) for every q running across or ending at r's first layer (lo_q < lo_r <= hi_q).
+    """
+
+    pairs: Mapping[str, Mapping[str, float]]
+    tail_out: Mapping[str, tuple[tuple[str, float], ...]]
+    head_in: Mapping[str, tuple[tuple[str, float], ...]]
+
+
+def links_between(spans: Mapping[str, tuple[int, int]], pairs: Mapping[str, Mapping[str, float]]) -> Links:
+    """`Links` for candidates running `spans` (peer -> [lo, hi)) with measured RTTs `pairs`."""
+    tail_out: dict[str, list[tuple[str, float]]] = defaultdict(list)
+    head_in: dict[str, list[tuple[str, float]]] = defaultdict(list)
+    for q, theirs in pairs.items():
+        lo_q, hi_q = spans[q]
+        for r, rtt in sorted(theirs.items()):
+            lo_r, hi_r = spans[r]
+            if lo_r < hi_q < hi_r:
+                tail_out[q].append((r, rtt))
+            if lo_q < lo_r <= hi_q:
+                head_in[r].append((q, rtt))
+    return Links(pairs, {q: tuple(v) for q, v in tail_out.items()}, {r: tuple(v) for r, v in head_in.items()})
+
+
+class _Search:
+    """One range's candidates and prices; `solve` runs one relaxed pass under given limits."""
+
+    def __init__(self, candidates: Sequence[Candidate], start: int, end: int, from_source: Callable[[str], float],
+                 to_sink: Callable[[str], float], links: Links, default_rtt_ms: float) -> None:
+        self.candidates = candidates
+        self.by_id = {c.pid: c for c in candidates}
+        self.spans = {c.pid: (c.lo, c.hi) for c in candidates}
+        self.start, self.end = start, end
+        self.from_source, self.to_sink = from_source, to_sink
+        self.links = links
+        self.default = default_rtt_ms
+        self.boundaries = sorted({start, end} | {c.lo for c in candidates} | {c.hi for c in candidates})
+        self.starts_at: dict[int, list[Candidate]] = defaultdict(list)
+        self.ends_at: dict[int, list[Candidate]] = defaultdict(list)
+        for c in candidates:
+            self.starts_at[c.lo].append(c)
+            self.ends_at[c.hi].append(c)
+
+    def span(self, pid: str) -> tuple[int, int]:
+        return self.spans[pid]
+
+    def solve(self, bounds: Bounds, no_cut: frozenset[int], *, heads: bool) -> Label | None:
+        """The cheapest chain (peers may repeat) where each candidate computes only layers
+        within `bounds` (default: its span), nobody hands over at a boundary in `no_cut`, and,
+        unless `heads`, every hop runs to its peer's end (the tail-only chains)."""
+        start, end, default, inf = self.start, self.end, self.default, math.inf
+        pairs, tail_out, head_in = self.links.pairs, self.links.tail_out, self.links.head_in
+        nothing: Mapping[str, float] = {}
+        # Per candidate, the numbers the sweep reads at every boundary, in one list (the hot loop
+        # reads no dict but this one): [ms per layer, end, may leave early, lowest layer allowed,
+        # highest allowed, cost paid when entered (inf: not yet), entered at, cost at its end if run there].
+        # An exit at b costs `cost in + (b - entered at) * per layer`: route_cost's arithmetic.
+        rec: dict[str, list] = {}
+        bounded = bool(bounds)
+        for c in self.candidates:
+            lo, hi = bounds.get(c.pid, (c.lo, c.hi))
+            rec[c.pid] = [c.per_layer, c.hi, c.stops_early, lo, hi, inf, 0, inf]
+        # How each candidate was entered: (hops, node), a node being (peer, entered at, the node
+        # before it or None) — shared and never changed, so a chain costs one small tuple a hop and
+        # its ids are spelled out only where a tie or the answer needs them (`spelled`).
+        path: dict[str, tuple[int, tuple]] = {}
+
+        def spelled(n: int, node: tuple) -> tuple[int, tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+            ids, entries = [], []
+            while node is not None:
+                ids.append(node[0])
+                entries.append(node[1])
+                node = node[2]
+            ids.reverse()
+            entries.reverse()
+            return n, tuple(ids), tuple(-e for e in entries), tuple(entries)
+
+        def label_of(q: str, at: int) -> Label:
+            x = rec[q]
+            return (x[5] + (at - x[6]) * x[0], *spelled(*path[q]))
+
+        def cheapest(ranked: list[tuple[float, str]], measured: Mapping[str, float], at: int) -> tuple[float, str] | None:
+            """The best of the exits `ranked` ((cost, peer), sorted) without a measured link to the
+            peer being entered; exact ties go by the chains' order."""
+            low, tied = inf, []
+            for cost, q in ranked:
+                if cost > low:
+                    break
+                if q not in measured:
+                    low = cost
+                    tied.append(q)
+            if not tied:
+                return None
+            if len(tied) == 1:
+                return low, tied[0]
+            best = min(label_of(q, at) for q in tied)
+            return best[0], best[2][-1]
+
+        def offer(r: str, at: int, cost_in: float, q: str | None) -> None:
+            """`r` entered at `at` after the chain ending with `q` (None: the source), `cost_in` paid so far."""
+            x = rec[r]
+            if not x[3] <= at < x[4]:
+                return
+            key = cost_in + (x[1] - at) * x[0]
+            if key > x[7]:
+                return  # the usual case, decided without building a chain
+            if q is None:
+                new = (1, (r, at, None))
+            else:
+                n, node = path[q]
+                new = (n + 1, (r, at, node))
+            if key < x[7] or spelled(*new) < spelled(*path[r]):  # an exact tie: the chains' order decides
+                x[5], x[6], x[7] = cost_in, at, key
+                path[r] = new
+
+        open_: dict[str, list] = {}  # the records of the peers running across b (lo < b < hi)
+        finals: list[Label] = []
+        for b in self.boundaries:
+            tails: dict[str, float] = {}  # peers ending at b -> their exit cost there
+            for c in self.ends_at.get(b, ()):
+                x = open_.pop(c.pid, None) or rec[c.pid]
+                if x[5] != inf and b <= x[4]:
+                    tails[c.pid] = x[5] + (b - x[6]) * x[0]
+            if b == end:
+                finals = [label_of(q, b) for q in tails]
+                break
+            starting = [c.pid for c in self.starts_at.get(b, ()) if rec[c.pid][3] <= b < rec[c.pid][4]]
+            if b == start:
+                for r in starting:
+                    offer(r, b, self.from_source(r), None)
+            elif b not in no_cut and (tails or starting):
+                if starting:
+                    # First the peers starting at b (nothing here changes a running peer's entry, which
+                    # their links read): entered from a tail, or (heads) from anyone running across b.
+                    def leaving_cost(q: str) -> float | None:
+                        if q in tails:
+                            return tails[q]
+                        x = open_.get(q)
+                        if heads and x is not None and x[5] != inf and x[6] < b <= x[4] and x[2]:
+                            return x[5] + (b - x[6]) * x[0]
+                        return None
+
+                    low, low_id, ties = inf, "", 0
+                    for q, cost in tails.items():
+                        if cost < low:
+                            low, low_id, ties = cost, q, 0
+                        elif cost == low:
+                            ties += 1
+                    if heads:
+                        for pid, x in open_.items():
+                            if x[5] != inf and x[6] < b <= x[4] and x[2]:
+                                cost = x[5] + (b - x[6]) * x[0]
+                                if cost < low:
+                                    low, low_id, ties = cost, pid, 0
+                                elif cost == low:
+                                    ties += 1
+                    ranked: list[tuple[float, str]] = []  # every candidate, sorted: only for a tie or a measured best
+                    for r in starting:
+                        measured = pairs.get(r, nothing)
+                        if low < inf and not ties and low_id not in measured:
+                            best: tuple[float, str] | None = (low, low_id)
+                        else:
+                            ranked = ranked or sorted(
+                                (cost, q) for q in [*tails, *open_] if (cost := leaving_cost(q)) is not None)
+                            best = cheapest(ranked, measured, b)
+                        if best is not None:
+                            offer(r, b, best[0] + default, best[1])
+                        x = rec[r]
+                        for q, rtt in head_in.get(r, ()):
+                            cost = leaving_cost(q)
+                            if cost is not None and cost + rtt + (x[1] - b) * x[0] <= x[7]:
+                                offer(r, b, cost + rtt, q)
+                if tails:
+                    # Then the peers whose span goes on past b take over where the tails end.
+                    ranked_tails = sorted((cost, q) for q, cost in tails.items())
+                    cost, first_id = cheapest(ranked_tails, nothing, b)
+                    base = cost + default
+                    for pid, x in open_.items():
+                        if base + (x[1] - b) * x[0] > x[7]:
+                            continue  # cannot beat its entry even from the cheapest tail
+                        if bounded and not x[3] <= b < x[4]:
+                            continue
+                        measured = pairs.get(pid, nothing)
+                        if first_id not in measured:
+                            offer(pid, b, base, first_id)
+                        else:
+                            best = cheapest(ranked_tails, measured, b)
+                            if best is not None:
+                                offer(pid, b, best[0] + default, best[1])
+                    for q, cost in tails.items():
+                        for r, rtt in tail_out.get(q, ()):
+                            x = open_.get(r)
+                            if x is not None and cost + rtt + (x[1] - b) * x[0] <= x[7]:
+                                offer(r, b, cost + rtt, q)
+            for c in self.starts_at.get(b, ()):
+                open_[c.pid] = rec[c.pid]
+        best = min(((label[0] + self.to_sink(label[2][-1]), *label[1:]) for label in finals), default=None)
+        return best if best is not None and math.isfinite(best[0]) else None
+
+
+__all__ = ["Candidate", "Label", "Links", "links_between", "cheapest_chain", "MAX_BRANCHES"]

@@ -1,0 +1,378 @@
+"""Who gets a session slot, and whose idle session gives one up: admission against exhaustion.
+
+A peer has `max_sessions` slots and a KV budget. Identities cost a requester nothing
+but a small proof of work (protocol/admission.py), so holding slots must cost
+something too, or a few identities opening idle sessions lock everyone else out
+(observed: three identities held every slot until a 300 s idle timeout). The rules:
+
+1. **Memory follows use.** A session is charged the KV it has grown to (whole chunks
+   of `stages.model.KV_CHUNK` positions), not its `max_length`: one chunk at
+   admission, more as its steps reach them (`StageServer._grow`).
+2. **Idle sessions give way under pressure.** A session is *protected* until
+   `IDLE_GRACE` after its last step (a Forward received, or one computed); while a
+   step of it is queued or running it is always protected. Until its first step, a
+   session has the *grace of its requester*: `IDLE_GRACE` from an open, for a requester
+   with a proof of work, granted again only after that requester has stepped a session
+   here. So cycling sessions (close and reopen) earns one identity no more protection
+   than holding one, a new grace needs a step (real use) or a new identity with work,
+   and an identity without work has no grace at all (its unstepped sessions give way
+   to anyone who needs the room). When a requester needs a slot or memory that is not
+   free, the unprotected sessions of *other* requesters are reclaimed, the one idle
+   longest first; its requester is told `reclaimed` (and may reopen, here or
+   elsewhere, and replay). Nothing is reclaimed without pressure (a backstop reaper
+   still drops sessions idle for `ServerLimits.idle_timeout`).
+3. **Slots are shared fairly.** An open that finds no room waits here — up to
+   `ADMIT_WAIT` when an idle session will become reclaimable meanwhile, else only
+   `SHORT_WAIT` (a close on its way), so that a requester that could use another peer
+   is not held — in a queue ordered by: identities with a proof of work first; then
+   the requester holding the fewest sessions here; then the one admitted least
+   recently (never admitted: first); then the one that first asked earliest (kept
+   across its retries). Only the head of the queue may take a freed slot or reclaim
+   one, so an honest newcomer is not overtaken by identities made after it asked.
+   A requester at `max_sessions_per_requester` is refused at once.
+4. **"Busy" says when.** An open still without room after its wait is refused
+   `busy` with `retry_after`: when the first protected session's protection ends (or
+   `IDLE_GRACE`, if every session is stepping), plus a grace per `max_sessions`
+   requesters ahead of it in the queue.
+
+The guarantee. With every slot held by idle sessions of any number K of hostile
+identities (each admitted at most `IDLE_GRACE` ago), an honest requester with a proof
+of work that opens a session is admitted within IDLE_GRACE (5 s) of asking, in one
+open (ADMIT_WAIT, 6 s, outlasts the grace) — provided no more than J other
+identities with work, never admitted here, asked before it did; each of those can
+take a slot ahead of it for one grace, so in general it is admitted within
+IDLE_GRACE x (1 + ceil(J / max_sessions)). Each such identity costs its maker a
+proof of work and is spent once admitted (no second grace without a step). Hostile
+sessions that *step* (one token every few seconds) are not idle: they are users,
+and the queue's fairness (fewest sessions first) bounds them to their share of the
+slots as they end; they are not preempted. Tested in tests/serve/test_admission.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol
+
+import trio
+
+from tessera.protocol.error_codes import BUSY
+
+# Seconds an admitted session may go without a step before another requester that needs its
+# slot or memory may reclaim it. A requester's steps follow each other within a step's time
+# (milliseconds to a second on a CPU); longer pauses come from a repair elsewhere in the chain
+# (its wait for a route), and a session reclaimed then is reopened and replayed like any lost
+# one. 5 s keeps an honest newcomer's wait short under a full-slot attack.
+IDLE_GRACE = 5.0
+# Seconds an open waits here for room before it is refused busy, when an idle session will become
+# reclaimable meanwhile: longer than IDLE_GRACE, so that a newcomer at the head of the queue is
+# admitted in the same open when the slots are held idle; shorter than the requester's whole open
+# timeout (peer/request/chain.py OPEN_TIMEOUT, 10 s).
+ADMIT_WAIT = 6.0
+# Seconds it waits when every session is in use (a step in flight, or one within IDLE_HINT): enough
+# for a close already on its way (a requester's answer just ended, its next one is asking), short
+# enough that a requester that could go to another peer loses little by asking here first.
+SHORT_WAIT = 0.5
+# A session without a step for this long, and none in flight, counts as idle for the choice above.
+IDLE_HINT = 0.5
+# The least retry_after a refusal names: a requester does not come back sooner than this.
+RETRY_MIN = 1.0
+# Opens waiting at once. Each holds a stream whose first frame was read (at most
+# OPEN_FRAME_LIMIT), so this bounds their memory; when it is full, a better-placed newcomer
+# takes the place of the worst-placed waiter.
+MAX_WAITING = 64
+# Identities remembered (their grace, when they were admitted, since when they ask). Those
+# with sessions or waiting are always kept; the least recently seen others are forgotten.
+IDENTITY_MEMORY = 4096
+# Streams that have not been admitted (a session stream before its SessionAccept, a link
+# stream before its session is found): at most this many per remote peer (a requester opens
+# one per session it sets up, a previous hop one link per session) and in all. Each buffers
+# at most one opening frame and one read (OPEN_FRAME_LIMIT + framing.READ_CHUNK, 80 KiB).
+MAX_UNADMITTED_PER_REMOTE = 16
+MAX_UNADMITTED = 128
+
+
+class Refused(Exception):
+    """An open or a step refused with an ErrorMsg code (and, for busy, when to retry)."""
+
+    def __init__(self, code: str, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retry_after = retry_after
+
+
+class Admitted(Protocol):
+    """What admission reads of a served session (peer/serve/session.py `ServedSession`)."""
+
+    requester: str
+    kv_bytes: int
+    last_active: float
+    stepped: bool
+    inflight: int
+    closed: bool
+
+
+class Host(Protocol):
+    """What admission needs of the server it admits for."""
+
+    sessions: dict
+
+    def kv_in_use(self) -> int: ...
+
+    def reclaim(self, session: Admitted) -> None:
+        """Drop `session` now to make room (its requester is told `reclaimed`)."""
+        ...
+
+
+@dataclass
+class Requester:
+    """What a peer remembers of one requester identity."""
+
+    peer_id: str
+    sessions: int = 0  # open here now
+    work: bool = False  # showed a valid proof of work
+    last_admitted: float = -math.inf
+    waiting_since: float | None = None  # first asked and not admitted since (kept across retries)
+    grace_until: float = -math.inf  # its sessions without a step are protected until then
+    earned_grace: bool = True  # stepped since its last grace: its next open earns a new one
+
+
+@dataclass(eq=False)
+class _Waiter:
+    requester: Requester
+    need: int  # KV bytes its admission charges
+    bumped: bool = False  # pushed out of a full queue by a better-placed waiter
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_sessions: int
+    max_sessions_per_requester: int
+    kv_budget: int
+    idle_grace: float = IDLE_GRACE
+    admit_wait: float = ADMIT_WAIT
+
+
+class Admission:
+    """The waiting room and the reclaim policy of one stage server (see module docstring)."""
+
+    def __init__(self, host: Host, limits: Limits, *, clock: Callable[[], float] = trio.current_time) -> None:
+        self.host = host
+        self.limits = limits
+        self.clock = clock
+        self.requesters: OrderedDict[str, Requester] = OrderedDict()
+        self.waiting: list[_Waiter] = []
+        self.reclaimed = 0  # sessions reclaimed under pressure
+        self._changed = trio.Event()
+
+    # -- identities ---------------------------------------------------------------------
+
+    def requester(self, peer_id: str) -> Requester:
+        """The record of `peer_id` (made if new), now the most recently seen."""
+        record = self.requesters.get(peer_id)
+        if record is None:
+            record = self.requesters[peer_id] = Requester(peer_id)
+            self._forget_old()
+        self.requesters.move_to_end(peer_id)
+        return record
+
+    def _forget_old(self) -> None:
+        waiting = {w.requester.peer_id for w in self.waiting}
+        excess = len(self.requesters) - IDENTITY_MEMORY
+        for peer_id in [p for p, r in self.requesters.items() if not r.sessions and p not in waiting][:max(0, excess)]:
+            del self.requesters[peer_id]
+
+    # -- protection ---------------------------------------------------------------------
+
+    def protected_until(self, session: Admitted) -> float:
+        """When `session` stops being protected from reclaim (inf while a step of it is in flight)."""
+        if session.inflight:
+            return math.inf
+        if session.stepped:
+            return session.last_active + self.limits.idle_grace
+        record = self.requesters.get(session.requester)
+        return record.grace_until if record is not None else -math.inf
+
+    def reclaimable(self, now: float, *, spare: Admitted | None = None, asker: str | None = None) -> list[Admitted]:
+        """Sessions that may be reclaimed now, the one idle longest first (never `spare`, nor a
+        session of `asker`: a requester's new session does not end one of its own, which may be
+        an answer waiting for a repair elsewhere)."""
+        found = [s for s in self.host.sessions.values()
+                 if s is not spare and s.requester != asker and not s.closed and self.protected_until(s) <= now]
+        return sorted(found, key=lambda s: s.last_active)
+
+    def opened(self, session: Admitted) -> None:
+        """`session` was admitted: count it, and give its requester's grace (if it earned one)."""
+        record = self.requester(session.requester)
+        now = self.clock()
+        record.sessions += 1
+        record.last_admitted = now
+        record.waiting_since = None
+        if record.earned_grace and record.work:
+            record.grace_until = now + self.limits.idle_grace
+            record.earned_grace = False
+        session.last_active = now
+
+    def stepped(self, session: Admitted) -> None:
+        """A step of `session` arrived or ended: it is in use."""
+        session.last_active = self.clock()
+        if not session.stepped:
+            session.stepped = True
+        record = self.requesters.get(session.requester)
+        if record is not None:
+            record.earned_grace = True
+
+    def closed(self, session: Admitted) -> None:
+        record = self.requesters.get(session.requester)
+        if record is not None and record.sessions > 0:
+            record.sessions -= 1
+        self._notify()
+
+    # -- room -----------------------------------------------------------------------------
+
+    def _fits(self, need: int, freed: Iterable[Admitted] = ()) -> bool:
+        freed = list(freed)
+        sessions = len(self.host.sessions) - len(freed)
+        kv = self.host.kv_in_use() - sum(s.kv_bytes for s in freed)
+        return sessions < self.limits.max_sessions and kv + need <= self.limits.kv_budget
+
+    def make_room(self, need: int, *, now: float, slot: bool = True, spare: Admitted | None = None,
+                  asker: str | None = None) -> bool:
+        """Room for a new session (`slot`) or for `need` more bytes of KV (a growing session,
+        `spare`, which is never reclaimed): free already, or made by reclaiming idle sessions,
+        the one idle longest first. Returns False, reclaiming nothing, if even that is not enough."""
+        def fits(freed: list[Admitted]) -> bool:
+            if slot:
+                return self._fits(need, freed)
+            return self.host.kv_in_use() - sum(s.kv_bytes for s in freed) + need <= self.limits.kv_budget
+
+        victims: list[Admitted] = []
+        if fits(victims):
+            return True
+        for session in self.reclaimable(now, spare=spare, asker=asker):
+            victims.append(session)
+            if fits(victims):
+                for victim in victims:
+                    self.reclaimed += 1
+                    self.host.reclaim(victim)
+                return True
+        return False
+
+    def idle_release(self, now: float, *, asker: str | None = None) -> float:
+        """When the first *idle* session (no step in flight, none for IDLE_HINT) not of `asker`
+        becomes reclaimable (inf: no such session is idle)."""
+        idle = [self.protected_until(s) for s in self.host.sessions.values()
+                if not s.closed and not s.inflight and s.requester != asker and now - s.last_active >= IDLE_HINT]
+        return min(idle, default=math.inf)
+
+    def next_release(self, now: float) -> float:
+        """When the next protected session stops being protected (inf: none will, on its own)."""
+        ends = [self.protected_until(s) for s in self.host.sessions.values() if not s.closed]
+        later = [t for t in ends if t > now]
+        return min(later, default=math.inf)
+
+    def retry_after(self, record: Requester, now: float) -> float:
+        """What a refusal tells `record`: when room may come, plus a grace per full round of
+        requesters ahead of it."""
+        release = self.next_release(now)
+        wait = self.limits.idle_grace if math.isinf(release) else release - now
+        ahead = sum(1 for w in self.waiting if self._order(w.requester) < self._order(record))
+        wait += (ahead // max(self.limits.max_sessions, 1)) * self.limits.idle_grace
+        return round(max(RETRY_MIN, wait), 3)
+
+    # -- the queue ------------------------------------------------------------------------
+
+    def _order(self, record: Requester) -> tuple:
+        since = record.waiting_since if record.waiting_since is not None else math.inf
+        return (not record.work, record.sessions, record.last_admitted, since, record.peer_id)
+
+    def _eligible(self, record: Requester) -> bool:
+        return record.sessions < self.limits.max_sessions_per_requester
+
+    def _head(self) -> _Waiter | None:
+        eligible = [w for w in self.waiting if self._eligible(w.requester)]
+        return min(eligible, key=lambda w: self._order(w.requester), default=None)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_for_room(self, requester: str, need: int, *, work: bool) -> None:
+        """Return when a new session of `requester` charging `need` KV bytes may be admitted
+        (room was free, or was made by reclaiming idle sessions); the caller admits it before
+        its next checkpoint. Raises Refused(BUSY, retry_after=...): at once for a requester at
+        its own limit, after ADMIT_WAIT when an idle session becomes reclaimable within it,
+        else after SHORT_WAIT."""
+        record = self.requester(requester)
+        record.work = record.work or work
+        now = arrival = self.clock()
+        if not self._eligible(record):
+            raise self._busy(record, f"this requester has {record.sessions} sessions here, the limit is "
+                                     f"{self.limits.max_sessions_per_requester}")
+        if record.waiting_since is None:
+            record.waiting_since = now
+        waiter = _Waiter(record, need)
+        if len(self.waiting) >= MAX_WAITING:
+            worst = max([*self.waiting, waiter], key=lambda w: self._order(w.requester))
+            if worst is waiter:
+                raise self._busy(record, f"{len(self.waiting)} opens are waiting here already")
+            worst.bumped = True
+            self.waiting.remove(worst)
+            self._notify()
+        self.waiting.append(waiter)
+        long = False  # whether an idle session will be reclaimable within ADMIT_WAIT
+        try:
+            while not waiter.bumped:
+                now = self.clock()
+                wake = math.inf
+                if self._head() is waiter:
+                    if self.make_room(need, now=now, asker=requester):
+                        return
+                    wake = self.next_release(now)
+                long = long or self.idle_release(now, asker=requester) <= arrival + self.limits.admit_wait  # kept
+                until = arrival + (self.limits.admit_wait if long else SHORT_WAIT)
+                if now >= until:
+                    break
+                changed = self._changed
+                with trio.move_on_at(min(wake, until, now + IDLE_HINT if not long else math.inf)):
+                    await changed.wait()
+        finally:
+            if waiter in self.waiting:
+                self.waiting.remove(waiter)
+            self._notify()  # the next waiter may be the head now
+        mine = record.sessions >= self.limits.max_sessions_per_requester
+        why = (f"this requester has {record.sessions} sessions here, the limit is "
+               f"{self.limits.max_sessions_per_requester}" if mine else
+               f"{len(self.host.sessions)} sessions open (the limit is {self.limits.max_sessions}) and "
+               f"no idle one to reclaim within {self.limits.admit_wait:g} s")
+        raise self._busy(record, why)
+
+    def _busy(self, record: Requester, why: str) -> Refused:
+        return Refused(BUSY, why, retry_after=self.retry_after(record, self.clock()))
+
+
+class UnadmittedStreams:
+    """Counts streams not admitted yet, per remote peer and in all (see MAX_UNADMITTED*)."""
+
+    def __init__(self, *, per_remote: int = MAX_UNADMITTED_PER_REMOTE, total: int = MAX_UNADMITTED) -> None:
+        self.per_remote = per_remote
+        self.total = total
+        self.counts: Counter[str] = Counter()
+        self.refused = 0
+
+    def enter(self, remote: str) -> bool:
+        """Count one more stream from `remote`; False (and counted nothing) when over a limit."""
+        if self.counts[remote] >= self.per_remote or sum(self.counts.values()) >= self.total:
+            self.refused += 1
+            return False
+        self.counts[remote] += 1
+        return True
+
+    def leave(self, remote: str) -> None:
+        self.counts[remote] -= 1
+        if self.counts[remote] <= 0:
+            del self.counts[remote]
+
+
+__all__ = ["Admission", "Limits", "Refused", "Requester", "UnadmittedStreams", "IDLE_GRACE", "ADMIT_WAIT"]

@@ -1,0 +1,232 @@
+"""A `Stage`: a span of decoder layers serving many sessions.
+
+Its layers are `Block`s built from the model's `LayerSpec`s (stages/layers/block.py), so
+one Stage runs every family; layers of a span may differ (dense and MoE, full and
+sliding), each with its own cache kind per session (stages/layers/cache.py).
+
+A peer holds one stage (its claimed span); the requester holds one too, with no
+layers, for the embedding and the head; the local engine holds one with
+everything. Each session owns a KV cache for the layers it uses — a session may
+use a sub-span of the stage, which is what lets a requester route around a dead
+peer with different cut points.
+
+A Stage is not thread-safe: a server runs one `forward` at a time (in a worker
+thread) and serialises the rest. `forward_batch` runs the steps of several
+sessions as one forward over their stacked rows (one pass over the weights for
+all of them), which is how a peer serves many requesters at once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Hashable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.stages.engine.sessions import SessionState, SessionTable
+from tessera.stages.errors import SpanError, StageError
+from tessera.stages.families.spec import ModelSpec
+from tessera.stages.layers.attention import Segment, StepContext
+from tessera.stages.layers.block import Block
+from tessera.stages.layers.rope import RopeTables
+from tessera.stages.weights.folder import WeightFolder
+from tessera.stages.weights.gguf_blocks import GgufQ4Source
+from tessera.stages.weights.quant import NO_QUANT, Quant, quantize_block, takes_gguf_blocks
+
+
+# One session's step in a stacked forward: (session, hidden states [T, H], start position).
+BatchStep = tuple[Hashable, torch.Tensor, int]
+
+
+class Stage(SessionTable):
+    """Layers [start, end) of one model, plus the embedding and/or head when asked for."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        start: int,
+        blocks: Sequence[Block],
+        *,
+        embedding: torch.Tensor | None = None,
+        norm: torch.Tensor | None = None,
+        head: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        quant: Quant = NO_QUANT,
+    ) -> None:
+        if not 0 <= start <= start + len(blocks) <= spec.num_layers:
+            raise SpanError(f"span [{start}, {start + len(blocks)}) is outside [0, {spec.num_layers})")
+        self.spec = spec
+        self.start = start
+        self.end = start + len(blocks)
+        self.blocks = nn.ModuleList(blocks)
+        self.embedding = embedding
+        self.norm = norm
+        self.head = head
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.quant = quant  # how the blocks' matrices are stored (stages/weights/quant.py)
+        self.rope = RopeTables(spec.layers[start : self.end], self.device)  # shared by the layers per step
+        self.sessions: dict[Hashable, SessionState] = {}
+
+    # -- construction -------------------------------------------------------------
+
+    @staticmethod
+    def load(
+        folder: Path,
+        *,
+        start: int = 0,
+        end: int | None = None,
+        embed: bool = False,
+        head: bool = False,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        quant: Quant = NO_QUANT,
+    ) -> "Stage":
+        """Load layers [start, end) (and the embedding / head if asked) — and nothing else.
+
+        Blocks are built on the meta device and take the read tensors by assignment,
+        so no memory is spent on initial values. With `quant`, each matrix is quantized
+        as it is read (the embedding and head stay in `dtype`); an int4 float32 CPU span takes
+        the Q4_1 blocks of the folder's source GGUF as they are (stages/weights/gguf_blocks.py). Raises ModelFormatError,
+        SpanError, QuantError.
+        """
+        weights = WeightFolder(folder)
+        spec = weights.spec
+        end = spec.num_layers if end is None else end
+        if not 0 <= start <= end <= spec.num_layers:
+            raise SpanError(f"span [{start}, {end}) is outside the model's [0, {spec.num_layers})")
+        blocks = []
+        # a fetched model's source GGUF, whose Q4_1 blocks an int4 span takes as they are
+        gguf = GgufQ4Source.beside(folder, spec) if takes_gguf_blocks(quant, device, dtype) and end > start else None
+        for layer in range(start, end):
+            if quant.active:
+                blocks.append(quantize_block(weights, layer, quant, dtype=dtype, device=device, gguf=gguf))
+                continue
+            with torch.device("meta"):
+                block = Block(spec, spec.layers[layer])
+            state = {k: v.to(device) for k, v in weights.layer_state(layer, dtype).items()}
+            block.load_state_dict(state, assign=True, strict=True)
+            blocks.append(block.requires_grad_(False))
+        embedding = weights.embedding(dtype).to(device) if embed else None
+        norm = head_weight = None
+        if head:
+            norm, head_weight = (t.to(device) for t in weights.head(dtype))
+            if embedding is not None and spec.tie_embeddings:
+                head_weight = embedding  # one copy of a tied matrix
+        return Stage(
+            spec, start, blocks, embedding=embedding, norm=norm, head=head_weight, device=device, dtype=dtype,
+            quant=quant,
+        )
+
+    # -- compute ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, session: Hashable, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Run the session's layers on hidden states [T, H] at positions [start_pos, start_pos + T).
+
+        Writing at `start_pos` first rolls the cache back to it, so re-sending a step
+        after a failure, or verifying a new draft after a rejected one, needs no
+        separate rollback.
+        """
+        return self._run_solo(self._reserve(session, hidden, start_pos), hidden, start_pos)
+
+    def _run_solo(self, state: SessionState, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
+        positions = torch.arange(start_pos, start_pos + hidden.shape[0], device=self.device)
+        ctx = StepContext(start_pos, self.rope.tables(positions, self.dtype), self.device)
+        x = hidden.to(device=self.device, dtype=self.dtype)
+        stores = state.cache.layers
+        for i in range(state.start - self.start, state.end - self.start):
+            x = self.blocks[i](x, ctx, stores[i - (state.start - self.start)])
+        return x
+
+    @torch.inference_mode()
+    def forward_batch(self, steps: Sequence[BatchStep]) -> list[torch.Tensor | StageError]:
+        """Several sessions' steps as one stacked forward (each as `forward` would run it).
+
+        Entry i of the answer is step i's output [T_i, H], or the StageError that step
+        raised: a bad step (unknown session, wrong shape, past its context) fails alone and
+        moves no pointer, and the others run. Sessions may sit at different positions
+        and hold different lengths; those over different sub-spans of this stage run as
+        separate stacks, and a stack of one is exactly `forward`. A stacked step's outputs
+        equal solo steps' up to the rounding of matmuls over more rows (float32 logits:
+        a few 1e-6 of the largest).
+        """
+        results: list[torch.Tensor | StageError | None] = [None] * len(steps)
+        # sub-span -> its steps (index, session state): the states are held, so that a session
+        # closed meanwhile (on another thread) cannot fail the stack
+        stacks: dict[tuple[int, int], list[tuple[int, SessionState]]] = {}
+        seen: set[Hashable] = set()
+        for i, (session, hidden, start_pos) in enumerate(steps):
+            try:
+                if session in seen:
+                    raise SpanError(f"session {session!r} has two steps in one stacked forward")
+                state = self._reserve(session, hidden, start_pos)
+            except StageError as bad:
+                results[i] = bad
+                continue
+            seen.add(session)
+            stacks.setdefault((state.start, state.end), []).append((i, state))
+        for (start, end), members in stacks.items():
+            if len(members) == 1:
+                (i, state), = members
+                results[i] = self._run_solo(state, steps[i][1], steps[i][2])
+                continue
+            outputs = self._run_stacked(start, end, [(state, *steps[i][1:]) for i, state in members])
+            for (i, _), output in zip(members, outputs):
+                results[i] = output
+        assert all(r is not None for r in results), "every step has an output or an error"
+        return results  # type: ignore[return-value]
+
+    def _reserve(self, session: Hashable, hidden: torch.Tensor, start_pos: int) -> SessionState:
+        """Check a step (session, shape, context) and move the session's pointer past it."""
+        state = self._session(session)
+        if hidden.dim() != 2 or hidden.shape[1] != self.spec.hidden_size:
+            raise SpanError(f"hidden states have shape {tuple(hidden.shape)!r}, expected [T, {self.spec.hidden_size}]")
+        state.cache.reserve(start_pos, hidden.shape[0])
+        return state
+
+    def _run_stacked(
+        self, start: int, end: int, steps: Sequence[tuple[SessionState, torch.Tensor, int]]
+    ) -> list[torch.Tensor]:
+        """Layers [start, end) over the stacked rows of reserved steps; each one's output rows."""
+        segments, lo = [], 0
+        for _, hidden, start_pos in steps:
+            segments.append(Segment(lo, lo + hidden.shape[0], start_pos))
+            lo += hidden.shape[0]
+        positions = torch.cat([torch.arange(s.start, s.start + s.hi - s.lo, device=self.device) for s in segments])
+        # RoPE tables [R, 1, D], each row at its session's position
+        ctx = StepContext(segments[0].start, self.rope.tables(positions, self.dtype), self.device, tuple(segments))
+        x = torch.cat([hidden.to(device=self.device, dtype=self.dtype) for _, hidden, _ in steps])  # [R, H]
+        caches = [state.cache.layers for state, _, _ in steps]
+        for i in range(start - self.start, end - self.start):
+            j = i - (start - self.start)
+            x = self.blocks[i](x, ctx, [stores[j] for stores in caches])
+        return [x[s.lo : s.hi] for s in segments]
+
+    @torch.inference_mode()
+    def embed(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Token ids [T] -> hidden states [T, H]."""
+        if self.embedding is None:
+            raise SpanError("this stage holds no embedding")
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size):
+            raise SpanError(f"token ids must lie in [0, {self.spec.vocab_size})")
+        return F.embedding(ids, self.embedding)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, H] after the last layer -> float32 logits [T, V]."""
+        if self.head is None or self.norm is None:
+            raise SpanError("this stage holds no head")
+        x = F.rms_norm(hidden.to(self.device, self.dtype), self.norm.shape, self.norm, self.spec.rms_norm_eps)
+        return F.linear(x, self.head).float()
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights held (a tied head and embedding count once; quantized matrices are buffers)."""
+        extra = {id(t): t for t in (self.embedding, self.norm, self.head) if t is not None}
+        blocks = sum(p.nbytes for p in self.blocks.parameters()) + sum(b.nbytes for b in self.blocks.buffers())
+        return blocks + sum(t.nbytes for t in extra.values())

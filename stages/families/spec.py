@@ -1,0 +1,501 @@
+"""What a model is, as plain data: `ModelSpec` and the `LayerSpec` of each of its layers.
+
+A family module (`llama.py`, `qwen3.py`, `mixtral.py`) reads a Hugging Face `config.json`
+into these frozen dataclasses, and nothing else in stages/ reads a config: the layers
+(`stages/layers/`) are built from a `LayerSpec`, the weights (`stages/weights/`) are
+named and shaped from it, a session's KV cache is laid out from each layer's
+`CacheSpec`, and a peer prices a span from `ModelSpec.layer_bytes`. No torch here: the
+planner and the weight fetcher read specs without loading the engine.
+
+A model is a list of layers, each pre-norm:
+
+    x = x + attention(rms_norm(x))      LayerSpec.attention: AttentionSpec (its `kind`)
+    x = x + mlp(rms_norm(x))            LayerSpec.mlp: MlpSpec (its `kind`)
+
+and layers may differ (Qwen3-MoE's dense layers among sparse ones, Qwen3's sliding-window
+layers among full ones): `ModelSpec.layers` holds one `LayerSpec` per layer, equal ones
+shared. Every sub-spec names its kind from a closed set below; whoever reads a kind
+(layers/block.py builds modules, layers/cache.py allocates caches) refuses one it does not
+know, so a kind added here without its module fails loudly, never silently.
+
+Extending (the kinds are the extension points):
+
+- an attention kind: add it to ATTENTION_KINDS with a dataclass of its own sizes (as
+  `MlaSpec` sits beside `AttentionSpec`, with `rope`, `rope_dim`, `matrices`, `param_count`
+  and `cache`), its module in layers/ (registered in layers/block.py), and its cache kind.
+  DeepSeek sparse attention (DSA, GLM-5) is MLA plus an indexer that picks each query's
+  top-k keys: a `DsaSpec` holding an `MlaSpec` and the indexer's sizes, a module built on
+  layers/mla.py's `project` and `attend_latent` over the picked rows;
+- a cache kind: add it to CACHE_KINDS with a spec of its sizes and `bytes_per_position` /
+  `bytes` (as `LatentCacheSpec`: MLA's compressed kv + rope key per position), and its
+  store in layers/cache.py. Peers budget sessions with `bytes(capacity)`, so a smaller
+  cache is seen by admission and placement with no change in peer/. DSA's would hold the
+  latent rows and the indexer's keys per position;
+- an MLP or router kind: fields on `MlpSpec` / `RouterSpec` (as `shared_width` and the
+  sigmoid router's groups and scale), the kind in MLP_KINDS / ROUTER_KINDS, its module in
+  layers/routers.py;
+- RoPE variants: a `RopeSpec.kind` with its parameters, computed in layers/rope.py (YaRN);
+  partial rotary is `AttentionSpec.rotary_dim`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tessera.stages.errors import ModelFormatError
+
+ATTENTION_KINDS = ("gqa", "mla")  # grouped-query attention (multi-head and multi-query included); multi-head latent
+MLP_KINDS = ("dense", "moe")  # SwiGLU; a sparse mixture of SwiGLU experts
+ROUTER_KINDS = (
+    "softmax_topk",  # softmax over experts, top-k, optionally renormalised
+    "topk_softmax",  # top-k of the logits, softmax over those k (gpt-oss)
+    "sigmoid_group_topk",  # DeepSeek's sigmoid, group-limited top-k
+)
+GLU_KINDS = ("silu", "clamped_swiglu")  # silu(gate) * up; gpt-oss's clamped form (GluSpec)
+CACHE_KINDS = ("full", "sliding", "latent")  # keys and values of every position (only the window is read); MLA's latent
+ROPE_KINDS = ("default", "linear", "llama3", "yarn")
+
+
+def _check(ok: bool, name: str, value: object) -> None:
+    if not ok:
+        raise ModelFormatError(f"config field {name} has an impossible value {value!r}")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary position embedding of one attention kind.
+
+    kind:   "default" (plain RoPE), "linear", "llama3" or "yarn" (scaled frequencies; yarn also
+            scales cos and sin: layers/rope.py's `attention_scaling`).
+    theta:  the base frequency.
+    params: the kind's parameters as sorted (name, value) pairs (hashable: the stage keeps
+            one table of cos/sin per distinct RoPE): linear's `factor`; llama3's `factor`,
+            `low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`; yarn's
+            `factor` and `original_max_position_embeddings`, and those of `attention_factor`,
+            `beta_fast`, `beta_slow`, `mscale`, `mscale_all_dim`, `truncate` the config sets.
+    """
+
+    kind: str = "default"
+    theta: float = 10000.0
+    params: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(self.kind in ROPE_KINDS, "rope_type", self.kind)
+        _check(self.theta > 0, "rope_theta", self.theta)
+
+    def param(self, name: str) -> float:
+        return float(dict(self.params)[name])
+
+    def optional(self, name: str) -> Any:
+        """A parameter the config may leave out (None when it did)."""
+        return dict(self.params).get(name)
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What one layer keeps per session and position.
+
+    kind:         "full" or "sliding" (CACHE_KINDS).
+    num_kv_heads, head_dim: the keys' and values' shape per position.
+    window:       for "sliding", the positions a query reads (its own and the W - 1 before).
+
+    A sliding layer keeps every position too: a write at position p rolls the cache back to
+    p (speculation, a step re-sent after a repair, the chunks of a prefill re-sent after one),
+    and the requester may rewrite from any earlier position, so a ring of W positions (plus
+    any slack) could not honour every rollback it is sent. What the window saves is reading:
+    decode reads W positions, not the whole context.
+    """
+
+    kind: str
+    num_kv_heads: int
+    head_dim: int
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.kind in CACHE_KINDS, "cache kind", self.kind)
+        _check((self.kind == "sliding") == (self.window is not None), "sliding_window", self.window)
+
+    def bytes_per_position(self, itemsize: int) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * itemsize
+
+    def bytes(self, capacity: int, itemsize: int) -> int:
+        """Bytes a session of `capacity` positions costs in this layer (checked before allocating)."""
+        return self.bytes_per_position(itemsize) * capacity
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One layer's attention. kind "gqa": grouped-query attention.
+
+    num_heads (A) query heads share num_kv_heads (K) key/value heads, A % K == 0; head_dim (D).
+    rope:     the rotary embedding of q and k.
+    window:   attend only to the last `window` positions (sliding), or None (all of them).
+    qkv_bias: q, k and v projections carry a bias (Qwen2; Qwen3 with attention_bias).
+    o_bias:   the output projection carries one (Qwen3 with attention_bias).
+    qk_norm:  q and k get an RMSNorm over each head's D before RoPE (Qwen3).
+    rotary_dim: RoPE turns only the first `rotary_dim` dims of each head (GLM's partial rotary,
+              `partial_rotary_factor`), the rest pass unrotated; None: all D.
+    sinks:    each head has a learned logit that joins its softmax's denominator and no value
+              (gpt-oss's attention sinks): the weights of a row sum to less than one.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: RopeSpec = RopeSpec()
+    kind: str = "gqa"
+    window: int | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    rotary_dim: int | None = None
+    sinks: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.kind in ATTENTION_KINDS, "attention kind", self.kind)
+        _check(self.num_heads > 0, "num_attention_heads", self.num_heads)
+        _check(self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0, "num_key_value_heads",
+               self.num_kv_heads)
+        _check(self.head_dim > 0 and self.head_dim % 2 == 0, "head_dim", self.head_dim)
+        _check(self.window is None or self.window > 0, "sliding_window", self.window)
+        _check(self.rotary_dim is None or (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0),
+               "partial_rotary_factor", self.rotary_dim)
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each head RoPE turns (its tables' width: layers/rope.py)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def cache(self) -> CacheSpec:
+        kind = "full" if self.window is None else "sliding"
+        return CacheSpec(kind, self.num_kv_heads, self.head_dim, self.window)
+
+    def matrices(self, hidden: int) -> list[tuple[int, int]]:
+        """[rows, cols] of its weight matrices as the engine stacks them: wqkv, wo."""
+        return [(self.q_size + 2 * self.kv_size, hidden), (hidden, self.q_size)]
+
+    def param_count(self, hidden: int) -> int:
+        bias = (self.q_size + 2 * self.kv_size if self.qkv_bias else 0) + (hidden if self.o_bias else 0)
+        norms = 2 * self.head_dim if self.qk_norm else 0
+        sinks = self.num_heads if self.sinks else 0
+        return sum(r * c for r, c in self.matrices(hidden)) + bias + norms + sinks
+
+
+@dataclass(frozen=True)
+class LatentCacheSpec:
+    """What an MLA layer keeps per session and position (kind "latent"): the compressed key/value
+    `latent_dim` wide (kv_lora_rank, after its norm) and the rotated RoPE key `rope_dim` wide,
+    one row shared by every head — not K and V per head. DeepSeek-V3: 512 + 64 values a
+    position, against 2 x 128 heads x 192/128 for the keys and values they expand to.
+
+    A sparse-attention layer (DSA, GLM-5) keeps its indexer's keys beside these: a kind of its
+    own (e.g. "latent_indexed", with the index key width added to `bytes_per_position`) and a
+    store that holds both (layers/cache.py).
+    """
+
+    latent_dim: int
+    rope_dim: int
+    kind: str = "latent"
+
+    def __post_init__(self) -> None:
+        _check(self.kind == "latent", "cache kind", self.kind)
+        _check(self.latent_dim > 0, "kv_lora_rank", self.latent_dim)
+        _check(self.rope_dim > 0, "qk_rope_head_dim", self.rope_dim)
+
+    @property
+    def width(self) -> int:
+        return self.latent_dim + self.rope_dim
+
+    def bytes_per_position(self, itemsize: int) -> int:
+        return self.width * itemsize
+
+    def bytes(self, capacity: int, itemsize: int) -> int:
+        """Bytes a session of `capacity` positions costs in this layer (checked before allocating)."""
+        return self.bytes_per_position(itemsize) * capacity
+
+
+@dataclass(frozen=True)
+class MlaSpec:
+    """One layer's multi-head latent attention (kind "mla": DeepSeek-V2/V3, GLM-5).
+
+    num_heads (A) query heads. Queries: x Wq, or low-rank x Wq_a (`q_lora_rank` wide), RMSNorm,
+    Wq_b; each head's `qk_nope_head_dim` (Dn) dims then `qk_rope_head_dim` (Dr) dims. Keys and
+    values from one latent: x Wkv_a gives the compressed kv (`kv_lora_rank`, C, then RMSNorm) and
+    ONE rope key (Dr) shared by all heads; Wkv_b expands the latent to each head's key (Dn) and
+    value (`v_head_dim`, Dv). A head's key is its Dn expanded dims then the shared rope key.
+    RoPE turns only the Dr dims of q and of the rope key (interleaved pairs when
+    `rope_interleave`: DeepSeek's layout). Scores are scaled by (Dn + Dr)^-1/2, times
+    yarn_mscale(factor, mscale_all_dim)^2 when the RoPE is YaRN with `mscale_all_dim`.
+    bias:     Wq_a, Wkv_a and the output projection carry a bias (`attention_bias`).
+    norm_eps: epsilon of the q and kv latent RMSNorms (transformers builds them with its default,
+              1e-6, not the model's rms_norm_eps).
+
+    The cache holds the latent and the rope key (`LatentCacheSpec`); layers/mla.py attends
+    either by expanding keys and values from it, or in latent space (Wkv_b absorbed into q and
+    into the output), whichever costs less for the step.
+    """
+
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    rope: RopeSpec = RopeSpec()
+    rope_interleave: bool = False
+    bias: bool = False
+    norm_eps: float = 1e-6
+    kind: str = "mla"
+
+    def __post_init__(self) -> None:
+        _check(self.kind == "mla", "attention kind", self.kind)
+        for name, value in (("num_attention_heads", self.num_heads), ("kv_lora_rank", self.kv_lora_rank),
+                            ("qk_nope_head_dim", self.qk_nope_head_dim), ("v_head_dim", self.v_head_dim)):
+            _check(value > 0, name, value)
+        _check(self.qk_rope_head_dim > 0 and self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim",
+               self.qk_rope_head_dim)
+        _check(self.q_lora_rank is None or self.q_lora_rank > 0, "q_lora_rank", self.q_lora_rank)
+
+    @property
+    def rope_dim(self) -> int:
+        return self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache(self) -> LatentCacheSpec:
+        return LatentCacheSpec(self.kv_lora_rank, self.qk_rope_head_dim)
+
+    @property
+    def kv_b_shape(self) -> tuple[int, int]:
+        """Wkv_b [A (Dn + Dv), C]: kept in float (not a matrix quantization stores), since absorbed
+        decode reads it as a matrix per head rather than calling it as a linear."""
+        return (self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
+
+    def matrices(self, hidden: int) -> list[tuple[int, int]]:
+        """[rows, cols] of the matrices quantization stores: Wq (or Wq_a, Wq_b), Wkv_a, Wo."""
+        q = self.num_heads * self.qk_head_dim
+        queries = [(q, hidden)] if self.q_lora_rank is None else [(self.q_lora_rank, hidden), (q, self.q_lora_rank)]
+        return [*queries, (self.kv_lora_rank + self.qk_rope_head_dim, hidden),
+                (hidden, self.num_heads * self.v_head_dim)]
+
+    def param_count(self, hidden: int) -> int:
+        kv_b = self.kv_b_shape[0] * self.kv_b_shape[1]
+        norms = self.kv_lora_rank + (self.q_lora_rank or 0)
+        bias = (self.q_lora_rank or 0) + self.kv_lora_rank + self.qk_rope_head_dim + hidden if self.bias else 0
+        return sum(r * c for r, c in self.matrices(hidden)) + kv_b + norms + bias
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """How a token picks its experts.
+
+    kind "softmax_topk": softmax over the router's logits (float32), the `top_k` largest, divided
+    by their sum when `renormalize` (Mixtral always; Qwen3-MoE when `norm_topk_prob`).
+    kind "topk_softmax": the `top_k` largest logits, their softmax the weights (gpt-oss;
+    `renormalize` is moot: they sum to one).
+    kind "sigmoid_group_topk" (DeepSeek-V3, GLM-4.5): sigmoid scores (float32); a learned
+    correction bias added to them only to choose; the experts split into `num_groups` groups
+    (`n_group`), each ranked by its two best corrected scores, and the top `top_k` chosen
+    within the best `topk_groups` groups; weighted by their uncorrected scores, divided by
+    their sum when `renormalize`, times `scale` (`routed_scaling_factor`).
+    bias: the router's logits carry a learned bias (gpt-oss).
+    """
+
+    kind: str = "softmax_topk"
+    top_k: int = 2
+    renormalize: bool = True
+    num_groups: int = 1
+    topk_groups: int = 1
+    scale: float = 1.0
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.kind in ROUTER_KINDS, "router kind", self.kind)
+        _check(self.top_k > 0, "num_experts_per_tok", self.top_k)
+        _check(0 < self.topk_groups <= self.num_groups, "topk_group", self.topk_groups)
+        _check(self.scale > 0, "routed_scaling_factor", self.scale)
+        if self.kind != "sigmoid_group_topk":
+            _check(self.num_groups == 1 and self.scale == 1.0, "n_group", self.num_groups)
+        _check(not self.bias or self.kind == "topk_softmax", "router bias", self.bias)
+
+    def param_count(self, hidden: int, num_experts: int) -> int:
+        """The [E, H] logit projection, and the sigmoid router's correction bias or the logits' bias [E]."""
+        extra = num_experts if self.kind == "sigmoid_group_topk" or self.bias else 0
+        return num_experts * hidden + extra
+
+
+@dataclass(frozen=True)
+class GluSpec:
+    """The gated activation of a SwiGLU, between its gate/up and its down projection.
+
+    kind "silu":           silu(gate) * up.
+    kind "clamped_swiglu": gpt-oss's: gate clamped above at `limit`, up to [-limit, limit],
+                           then gate * sigmoid(alpha * gate) * (up + 1).
+    """
+
+    kind: str = "silu"
+    alpha: float | None = None
+    limit: float | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.kind in GLU_KINDS, "activation", self.kind)
+        clamped = self.kind == "clamped_swiglu"
+        _check(not clamped or (self.alpha is not None and self.alpha > 0), "swiglu_alpha", self.alpha)
+        _check(not clamped or (self.limit is not None and self.limit > 0), "swiglu_limit", self.limit)
+        _check(clamped or (self.alpha is None and self.limit is None), "swiglu_alpha", self.alpha)
+
+
+@dataclass(frozen=True)
+class MlpSpec:
+    """One layer's MLP.
+
+    kind "dense": SwiGLU of `width` (the intermediate size).
+    kind "moe":   `num_experts` SwiGLU experts of `width` each (the expert intermediate
+                  size), `router` choosing `router.top_k` of them per token, their outputs
+                  summed with the router's weights; plus, when `shared_width`, one SwiGLU of
+                  that width every token goes through (DeepSeek's `n_shared_experts` shared
+                  experts, n x `moe_intermediate_size`), added unweighted.
+    glu:  the gated activation of the SwiGLU (each expert's).
+    bias: the gate/up and down projections (each expert's) carry biases (gpt-oss).
+    """
+
+    width: int
+    kind: str = "dense"
+    num_experts: int = 0
+    router: RouterSpec | None = None
+    shared_width: int = 0
+    glu: GluSpec = GluSpec()
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.kind in MLP_KINDS, "MLP kind", self.kind)
+        _check(self.width > 0, "intermediate_size", self.width)
+        if self.kind == "moe":
+            _check(self.num_experts > 0, "num_experts", self.num_experts)
+            _check(self.router is not None and self.router.top_k <= self.num_experts, "num_experts_per_tok",
+                   self.router and self.router.top_k)
+            assert self.router is not None
+            groups, per_group = self.router.num_groups, self.num_experts // self.router.num_groups
+            _check(self.num_experts % groups == 0, "n_group", groups)
+            # a group is ranked by its two best scores; the chosen groups must hold top_k experts
+            _check(groups == 1 or per_group >= 2, "n_group", groups)
+            _check(self.router.top_k <= self.router.topk_groups * per_group, "num_experts_per_tok", self.router.top_k)
+            _check(self.shared_width >= 0, "n_shared_experts", self.shared_width)
+        else:
+            _check(self.num_experts == 0 and self.router is None and self.shared_width == 0, "num_experts",
+                   self.num_experts)
+
+    def matrices(self, hidden: int) -> list[tuple[int, int]]:
+        """[rows, cols] of its weight matrices as the engine stacks them: (gate+up, down) per expert,
+        then the shared experts' (gate+up, down)."""
+        one = [(2 * self.width, hidden), (hidden, self.width)]
+        shared = [(2 * self.shared_width, hidden), (hidden, self.shared_width)] if self.shared_width else []
+        return one if self.kind == "dense" else one * self.num_experts + shared
+
+    def param_count(self, hidden: int) -> int:
+        # the router's [E, H] (and correction bias or logits' bias), kept in float: it picks the experts
+        router = self.router.param_count(hidden, self.num_experts) if self.router is not None else 0
+        biases = (2 * self.width + hidden) * max(self.num_experts, 1) if self.bias else 0
+        return sum(r * c for r, c in self.matrices(hidden)) + router + biases
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer: its attention and its MLP (each pre-normed, RMSNorm, residual)."""
+
+    attention: AttentionSpec | MlaSpec
+    mlp: MlpSpec
+
+    @property
+    def cache(self) -> CacheSpec | LatentCacheSpec:
+        return self.attention.cache
+
+    def matrices(self, hidden: int) -> list[tuple[int, int]]:
+        """Every weight matrix of the layer (what quantization stores as integers)."""
+        return self.attention.matrices(hidden) + self.mlp.matrices(hidden)
+
+    def param_count(self, hidden: int) -> int:
+        return self.attention.param_count(hidden) + self.mlp.param_count(hidden) + 2 * hidden  # + the two norms
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the engine needs to know about a model's shape.
+
+    family:         the config's `model_type` ("llama", "mistral", "qwen2", "qwen3",
+                    "qwen3_moe", "mixtral", "gpt_oss"); stages/families/catalog.py reads each.
+    vocab_size:     rows of the embedding matrix; hidden_size (H): width of the residual stream.
+    layers:         one LayerSpec per decoder layer (L = len(layers)).
+    rms_norm_eps:   epsilon of every RMSNorm.
+    max_position:   the longest context the model was trained for.
+    tie_embeddings: the head reuses the embedding matrix.
+    bos_token_id, eos_token_ids: special ids from the config.
+    mtp_layers:     multi-token-prediction modules a checkpoint holds after the decoder layers
+                    (DeepSeek-V3's and GLM-4.5's `num_nextn_predict_layers`, as layers L, L+1...):
+                    not run (transformers does not run them either); their tensors are accepted
+                    in a folder and never read.
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    layers: tuple[LayerSpec, ...]
+    rms_norm_eps: float = 1e-5
+    max_position: int = 4096
+    tie_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    mtp_layers: int = 0
+
+    def __post_init__(self) -> None:
+        _check(len(self.layers) > 0, "num_hidden_layers", len(self.layers))
+        _check(self.hidden_size > 0, "hidden_size", self.hidden_size)
+        _check(self.vocab_size > 0, "vocab_size", self.vocab_size)
+        _check(self.max_position > 0, "max_position_embeddings", self.max_position)
+        _check(self.mtp_layers >= 0, "num_nextn_predict_layers", self.mtp_layers)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every layer has the same shape (the Llama block; not Qwen3-MoE's dense-first)."""
+        return len(set(self.layers)) == 1
+
+    def layer_param_count(self, layer: int | None = None) -> int:
+        """Parameters in decoder layer `layer` (None: any layer of a uniform model)."""
+        if layer is None:
+            if not self.uniform:
+                raise ValueError(f"the layers of this {self.family} model differ: name the layer")
+            layer = 0
+        return self.layers[layer].param_count(self.hidden_size)
+
+    def layer_bytes(self, itemsize: int = 4, *, layer: int | None = None) -> int:
+        """Bytes of layer `layer`'s weights in a float of `itemsize` bytes (None: any layer of a
+        uniform model; ValueError where layers differ)."""
+        return self.layer_param_count(layer) * itemsize
+
+    def max_layer_bytes(self, itemsize: int = 4) -> int:
+        """Bytes of the largest layer."""
+        return max(self.layer_bytes(itemsize, layer=i) for i in range(self.num_layers))
+
+    def kv_bytes_per_position(self, start: int, end: int, itemsize: int = 4) -> int:
+        """KV bytes one position costs a session over layers [start, end), each per its cache kind."""
+        return sum(self.layers[i].cache.bytes_per_position(itemsize) for i in range(start, end))
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

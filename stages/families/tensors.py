@@ -1,0 +1,191 @@
+"""Where each of the engine's tensors lies in a Hugging Face checkpoint: names and shapes only.
+
+The engine names a layer's tensors after its own modules (stages/layers/block.py):
+
+    attn_norm.weight          attn.wqkv.weight (.bias)   attn.wo.weight (.bias)
+    attn.q_norm.weight        attn.k_norm.weight         mlp_norm.weight
+    dense MLP:  mlp.w_gate_up.weight   mlp.w_down.weight
+    MoE:        mlp.router.weight      mlp.experts.{e}.w_gate_up.weight   mlp.experts.{e}.w_down.weight
+                mlp.router.correction_bias (sigmoid router)    mlp.shared.w_gate_up.weight  mlp.shared.w_down.weight
+    MLA:        attn.wq.weight, or attn.wq_a.weight  attn.q_norm.weight  attn.wq_b.weight
+                attn.wkv_a.weight   attn.kv_norm.weight   attn.wkv_b   attn.wo.weight  (biases: wq_a, wkv_a, wo)
+
+and stacks what a checkpoint keeps apart (q, k and v into wqkv; gate and up into w_gate_up),
+so that each is one matmul. `layer_tensors` maps every engine tensor to the checkpoint
+tensors it is made of (a `Stacked`), in the order they are stacked. Where checkpoints come in
+more than one layout, an engine tensor lists each as an alternative, and a folder is read
+with the first alternative it holds completely: MoE experts are published one tensor per
+expert (`model.layers.3.mlp.experts.7.gate_proj.weight`, Mixtral's
+`block_sparse_moe.experts.7.w1.weight`), and transformers 5 keeps them fused in memory and
+writes them so with `save_pretrained(save_original_format=False)`
+(`mlp.experts.gate_up_proj` [E, 2I, H], gate rows first; `mlp.experts.down_proj` [E, H, I];
+the router as `mlp.gate.weight`): expert e is row e of those (`Stacked.index`).
+
+A family names only what differs (`ExpertNames`); a family with other layer tensors (MLA's
+low-rank projections) adds its own entries here, keyed by the engine names its modules use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.stages.families.spec import LayerSpec, MlaSpec, ModelSpec
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """An engine tensor: checkpoint tensors `names` (shapes `shapes`, as stored) stacked along
+    dim 0 — of each, only row `index` when set (one expert of a fused [E, ...] tensor).
+
+    Two rearrangements, for checkpoints that store a matrix otherwise than the engine does
+    (gpt-oss's experts as transformers holds them: `gate_up_proj` [E, H, 2I], gate and up
+    interleaved): `transposed`, a part (its row `index`) is stored [in, out] and the engine
+    takes its transpose; `interleaved`, the part's rows (once transposed) alternate two
+    halves, gate and up, and the engine takes the even rows, then the odd ones.
+    """
+
+    names: tuple[str, ...]
+    shapes: tuple[Shape, ...]
+    index: int | None = None
+    transposed: bool = False
+    interleaved: bool = False
+
+    def part_shape(self, i: int) -> Shape:
+        """The shape part i contributes (its row `index` when set, transposed when `transposed`)."""
+        shape = self.shapes[i][1:] if self.index is not None else self.shapes[i]
+        return (*shape[:-2], shape[-1], shape[-2]) if self.transposed else shape
+
+    def matrix_shape(self, i: int) -> Shape:
+        """Part i's tensor with each matrix [out, in] (a fused tensor's expert dimension kept): the
+        logical shape of the part as a form that stores every matrix so holds it (MXFP4's blocks,
+        fp8's codes: gpt-oss ships `gate_up_proj_blocks` [E, 2I, H/32, 16], the float tensor
+        [E, H, 2I] transposed). Such a form applies `interleaved` to its rows, never `transposed`."""
+        shape = self.shapes[i]
+        return (*shape[:-2], shape[-1], shape[-2]) if self.transposed else shape
+
+    @property
+    def shape(self) -> Shape:
+        parts = [self.part_shape(i) for i in range(len(self.names))]
+        return (sum(p[0] for p in parts), *parts[0][1:])
+
+
+# An engine tensor's layouts, in order of preference: a folder is read with the first it holds.
+Choices = tuple[Stacked, ...]
+
+
+def one(name: str, shape: Shape) -> Choices:
+    return (Stacked((name,), (shape,)),)
+
+
+def stacked(names: list[str], shapes: list[Shape]) -> Choices:
+    return (Stacked(tuple(names), tuple(shapes)),)
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """How a family's published checkpoints name a sparse MLP under `model.layers.{i}.`:
+    `{block}.gate.weight` (the router) and `{block}.experts.{e}.{gate|up|down}.weight`."""
+
+    block: str = "mlp"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+
+QWEN_EXPERTS = ExpertNames()
+MIXTRAL_EXPERTS = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
+
+
+def layer_tensors(spec: ModelSpec, layer: int, experts: ExpertNames = QWEN_EXPERTS) -> dict[str, Choices]:
+    """Engine name -> its checkpoint layouts, for every tensor of decoder layer `layer`."""
+    ls: LayerSpec = spec.layers[layer]
+    h, at = spec.hidden_size, ls.attention
+    p = f"model.layers.{layer}."
+    if isinstance(at, MlaSpec):
+        return {**mla_tensors(p, at, h), **mlp_tensors(p, ls, h, experts)}
+    qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
+    out: dict[str, Choices] = {
+        "attn_norm.weight": one(p + "input_layernorm.weight", (h,)),
+        "attn.wqkv.weight": stacked([n + ".weight" for n in qkv], [(at.q_size, h), (at.kv_size, h), (at.kv_size, h)]),
+        "attn.wo.weight": one(p + "self_attn.o_proj.weight", (h, at.q_size)),
+        **mlp_tensors(p, ls, h, experts),
+    }
+    # the optional ones last (the order synth draws random weights in, kept from the Llama block's)
+    if at.qkv_bias:
+        out["attn.wqkv.bias"] = stacked([n + ".bias" for n in qkv], [(at.q_size,), (at.kv_size,), (at.kv_size,)])
+    if at.o_bias:
+        out["attn.wo.bias"] = one(p + "self_attn.o_proj.bias", (h,))
+    if at.qk_norm:
+        out["attn.q_norm.weight"] = one(p + "self_attn.q_norm.weight", (at.head_dim,))
+        out["attn.k_norm.weight"] = one(p + "self_attn.k_norm.weight", (at.head_dim,))
+    return out
+
+
+def mlp_tensors(p: str, ls: LayerSpec, h: int, experts: ExpertNames) -> dict[str, Choices]:
+    """The MLP's norm and tensors under prefix `p`: dense, or a router and experts (and the sigmoid
+    router's correction bias, and shared experts, where the layer has them)."""
+    mlp, i = ls.mlp, ls.mlp.width
+    out = {"mlp_norm.weight": one(p + "post_attention_layernorm.weight", (h,))}
+    if mlp.kind == "dense":
+        out["mlp.w_gate_up.weight"] = stacked([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [(i, h), (i, h)])
+        out["mlp.w_down.weight"] = one(p + "mlp.down_proj.weight", (h, i))
+        return out
+    out.update(expert_tensors(p, mlp.num_experts, i, h, experts))
+    if mlp.router is not None and mlp.router.kind == "sigmoid_group_topk":
+        out["mlp.router.correction_bias"] = one(f"{p}{experts.block}.gate.e_score_correction_bias", (mlp.num_experts,))
+    if mlp.shared_width:
+        x, w = f"{p}{experts.block}.shared_experts.", mlp.shared_width
+        out["mlp.shared.w_gate_up.weight"] = stacked([x + "gate_proj.weight", x + "up_proj.weight"], [(w, h), (w, h)])
+        out["mlp.shared.w_down.weight"] = one(x + "down_proj.weight", (h, w))
+    return out
+
+
+def mla_tensors(p: str, at: MlaSpec, h: int) -> dict[str, Choices]:
+    """An MLA layer's attention norm and attention tensors under prefix `p` (DeepSeek's names)."""
+    a = p + "self_attn."
+    q_size, latent = at.num_heads * at.qk_head_dim, at.kv_lora_rank + at.qk_rope_head_dim
+    out: dict[str, Choices] = {"attn_norm.weight": one(p + "input_layernorm.weight", (h,))}
+    if at.q_lora_rank is None:
+        out["attn.wq.weight"] = one(a + "q_proj.weight", (q_size, h))
+    else:
+        out["attn.wq_a.weight"] = one(a + "q_a_proj.weight", (at.q_lora_rank, h))
+        out["attn.q_norm.weight"] = one(a + "q_a_layernorm.weight", (at.q_lora_rank,))
+        out["attn.wq_b.weight"] = one(a + "q_b_proj.weight", (q_size, at.q_lora_rank))
+    out["attn.wkv_a.weight"] = one(a + "kv_a_proj_with_mqa.weight", (latent, h))
+    out["attn.kv_norm.weight"] = one(a + "kv_a_layernorm.weight", (at.kv_lora_rank,))
+    out["attn.wkv_b"] = one(a + "kv_b_proj.weight", at.kv_b_shape)
+    out["attn.wo.weight"] = one(a + "o_proj.weight", (h, at.num_heads * at.v_head_dim))
+    if at.bias:
+        if at.q_lora_rank is not None:
+            out["attn.wq_a.bias"] = one(a + "q_a_proj.bias", (at.q_lora_rank,))
+        out["attn.wkv_a.bias"] = one(a + "kv_a_proj_with_mqa.bias", (latent,))
+        out["attn.wo.bias"] = one(a + "o_proj.bias", (h,))
+    return out
+
+
+def expert_tensors(p: str, e_count: int, i: int, h: int, experts: ExpertNames) -> dict[str, Choices]:
+    """A sparse MLP's router and experts under prefix `p` (module docstring: both layouts)."""
+    out: dict[str, Choices] = {}
+    b = p + experts.block
+    out["mlp.router.weight"] = (*one(b + ".gate.weight", (e_count, h)), *one(p + "mlp.gate.weight", (e_count, h)))
+    fused_gate_up = Stacked((p + "mlp.experts.gate_up_proj",), ((e_count, 2 * i, h),))
+    fused_down = Stacked((p + "mlp.experts.down_proj",), ((e_count, h, i),))
+    for e in range(e_count):
+        x = f"{b}.experts.{e}."
+        out[f"mlp.experts.{e}.w_gate_up.weight"] = (
+            *stacked([x + experts.gate + ".weight", x + experts.up + ".weight"], [(i, h), (i, h)]),
+            Stacked(fused_gate_up.names, fused_gate_up.shapes, e),
+        )
+        out[f"mlp.experts.{e}.w_down.weight"] = (
+            *one(x + experts.down + ".weight", (h, i)), Stacked(fused_down.names, fused_down.shapes, e))
+    return out
+
+
+def edge_tensors(spec: ModelSpec) -> dict[str, Shape]:
+    """The tensors outside the layers: embedding, final norm, and the head unless tied."""
+    shapes = {"model.embed_tokens.weight": (spec.vocab_size, spec.hidden_size), "model.norm.weight": (spec.hidden_size,)}
+    if not spec.tie_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
+    return shapes

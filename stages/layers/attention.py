@@ -1,0 +1,214 @@
+"""Attention: what one step shares (`StepContext`), and grouped-query attention (`Attention`).
+
+Shapes: T = tokens in this step, S = positions attended, H = hidden size, A = query heads,
+K = key/value heads, D = head dim. There is no batch dimension: the residual stream is
+[T, H]. A step of several sessions stacks their rows (T = the sum of theirs) and names each
+one's rows in a `Segment`: projections run once over the stack, attention per session over
+its own cache, so every session keeps its own length and position pointer.
+
+Float32 reference semantics (what `transformers` computes): q, k, v = x Wqkv (+ bias); with
+`qk_norm`, an RMSNorm over each head's D of q and of k; RoPE on q and k; softmax(q kᵀ / √D
++ causal mask, limited to the last `window` positions for a sliding layer) v; then Wo (+ bias).
+With `sinks` (gpt-oss), each head's learned sink logit joins the softmax's denominator.
+Prefill and multi-token steps use the same SDPA kernel as the reference, so logits agree
+closely; a one-token step uses a grouped bmm that never repeats K/V.
+
+A new attention kind (MLA, DSA) is a module with the same `forward(x, ctx, cache)` over its
+own cache store (layers/cache.py), registered in layers/block.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.stages.families.spec import AttentionSpec, MlaSpec
+from tessera.stages.layers.cache import KeyValues
+from tessera.stages.layers.norm import RMSNorm
+from tessera.stages.layers.rope import RopeKey, apply_rope
+
+# A layer's cache as a step sees it: one session's store, or one per segment of a stacked step.
+LayerCache = KeyValues | Sequence[KeyValues]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One session's rows [lo, hi) in a stacked step, at positions [start, start + hi - lo).
+
+    Sessions at different positions and of different lengths share a step's weight passes
+    (the projections and the MLP run once over all rows); attention stays per session,
+    over its own cache (ragged: each attends to its own length), with the same kernel a
+    solo step uses.
+    """
+
+    lo: int
+    hi: int
+    start: int
+
+
+@dataclass
+class StepContext:
+    """What every layer of one forward step shares.
+
+    start:    position of the step's first token (a solo step; a stacked step's are in
+              `segments`).
+    tables:   RoPE cos/sin [rows, 1, D] per (RopeSpec, dims turned), each row at its own position.
+    segments: a stacked step's sessions, in row order; empty for one session's step.
+    """
+
+    start: int
+    tables: dict[RopeKey, tuple[torch.Tensor, torch.Tensor]]
+    device: torch.device
+    segments: tuple[Segment, ...] = ()
+    _masks: dict[tuple[int, int, int | None], torch.Tensor | None] = field(default_factory=dict)
+
+    def rope(self, spec: AttentionSpec | MlaSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tables[(spec.rope, spec.rope_dim)]
+
+    def mask(self, start: int, n_tokens: int, window: int | None) -> torch.Tensor | None:
+        """`attention_mask` for these rows, built once per step for all layers alike."""
+        key = (start, n_tokens, window)
+        if key not in self._masks:
+            self._masks[key] = attention_mask(start, n_tokens, window, self.device)
+        return self._masks[key]
+
+
+def attention_mask(start: int, n_tokens: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Causal mask [T, S] for queries at [start, start + T) over keys [0, start + T).
+
+    None when plain causal attention over the whole cache is right: a single query
+    with no window in reach, or a prefill from position 0 without a window.
+    """
+    total = start + n_tokens
+    if window is None or total <= window:
+        if n_tokens == 1 or start == 0:
+            return None
+    query = torch.arange(start, total, device=device)[:, None]
+    key = torch.arange(total, device=device)[None, :]
+    allowed = key <= query
+    if window is not None:
+        allowed &= key > query - window
+    return allowed
+
+
+def rotate_heads(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+    q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv [T, (A + 2K) D] -> (q and k, normed per head if asked and rotated [T, A + K, D]; v [T, K, D]).
+    q and k rotate together: one RoPE over both."""
+    t, a, k, d = qkv.shape[0], num_heads, num_kv_heads, head_dim
+    qk = qkv[:, : (a + k) * d].view(t, a + k, d)
+    if q_norm is not None and k_norm is not None:  # an RMSNorm over each head's D (Qwen3)
+        qk = torch.cat((q_norm.forward(qk[:, :a]), k_norm.forward(qk[:, a:])), dim=1)
+    return apply_rope(qk, cos, sin), qkv[:, (a + k) * d :].view(t, k, d)
+
+
+def attend(
+    qk: torch.Tensor, v: torch.Tensor, num_heads: int, store: KeyValues, start: int, mask: torch.Tensor | None,
+    scale: float, sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One session's rows: write k, v at [start, start + T) of its store, then attend.
+    qk [T, A + K, D] (rotated), v [T, K, D]; `mask` as `attention_mask`; `sinks` [A]: each head's
+    sink logit (AttentionSpec.sinks), or None. Returns [T, A D]."""
+    t, a, d = qk.shape[0], num_heads, qk.shape[2]
+    keys, values, _ = store.write_and_read(qk[:, a:], v, start)  # [K, S, D]
+    if t == 1:
+        return grouped_decode_attention(qk[:, :a], keys, values, scale, sinks)
+    if sinks is not None:
+        return sink_attention(qk[:, :a], keys, values, mask, scale, sinks)
+    # prefill and multi-token steps: the same kernel the reference uses, so logits agree closely
+    g = a // keys.shape[0]
+    q = qk[None, :, :a].transpose(1, 2)  # [1, A, T, D]
+    return F.scaled_dot_product_attention(
+        q,
+        keys[None].repeat_interleave(g, dim=1),  # [1, A, S, D]
+        values[None].repeat_interleave(g, dim=1),
+        attn_mask=mask,
+        is_causal=mask is None,
+    )[0].transpose(0, 1).reshape(t, a * d)  # [T, A D]
+
+
+def grouped_decode_attention(
+    q_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query position, grouped-query attention without repeating K/V.
+
+    q_rows [1, A, D]; keys, values [K, S, D]. The G = A / K query heads that share a
+    KV head are stacked as rows, so one bmm per KV head does the work. With `sinks` [A],
+    each head's sink logit joins its softmax as one more column, then is dropped (it has
+    no value). Returns [1, A D].
+    """
+    k, s, d = keys.shape
+    a = q_rows.shape[1]
+    q = q_rows.reshape(k, a // k, d)  # [K, G, D] (heads h = kv * G + g)
+    scores = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)  # [K, G, S]
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:
+        probs = torch.cat((scores, sinks.to(scores.dtype).view(k, a // k, 1)), -1).softmax(-1)[..., :s]
+    return torch.bmm(probs, values).reshape(1, a * d)  # [1, A D]
+
+
+def sink_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """Attention with a sink logit per head (gpt-oss), for a step of T > 1 rows: the reference's
+    eager form (transformers runs gpt-oss only so), softmax(cat(q kᵀ scale masked, sink)) without
+    the sink's column, times v. q [T, A, D]; keys, values [K, S, D], the S = start + T positions
+    up to the step's last; `mask` as `attention_mask` (None: plain causal). Returns [T, A D]."""
+    t, a, d = q.shape
+    s = keys.shape[1]
+    g = a // keys.shape[0]
+    scores = torch.matmul(q.transpose(0, 1), keys.repeat_interleave(g, dim=0).transpose(1, 2)).mul_(scale)  # [A, T, S]
+    allowed = mask if mask is not None else torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    sink = sinks.to(scores.dtype).view(a, 1, 1).expand(a, t, 1)
+    probs = torch.cat((scores, sink), -1).softmax(-1)[..., :s]  # [A, T, S]
+    out = torch.matmul(probs, values.repeat_interleave(g, dim=0))  # [A, T, D]
+    return out.transpose(0, 1).reshape(t, a * d)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention (kind "gqa") with one stacked q/k/v projection.
+
+    The projections are called as modules, so that a quantized span can hold
+    `tessera.stages.weights.quant` linears in their place (same call, integer weights)."""
+
+    def __init__(self, hidden: int, spec: AttentionSpec, eps: float) -> None:
+        super().__init__()
+        self.spec = spec
+        self.wqkv = nn.Linear(hidden, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
+        self.wo = nn.Linear(spec.q_size, hidden, bias=spec.o_bias)
+        self.q_norm = RMSNorm(spec.head_dim, eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, eps) if spec.qk_norm else None
+        # each head's sink logit (gpt-oss), engine name `attn.sinks`
+        self.sinks = nn.Parameter(torch.empty(spec.num_heads)) if spec.sinks else None
+        self.scale = 1.0 / math.sqrt(spec.head_dim)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext, cache: LayerCache) -> torch.Tensor:
+        """x [T, H] -> [T, H]. cache: the layer's store — or, for a stacked step
+        (`ctx.segments`), one store per segment."""
+        spec = self.spec
+        cos, sin = ctx.rope(spec)
+        qk, v = rotate_heads(self.wqkv.forward(x), spec.num_heads, spec.num_kv_heads, spec.head_dim, cos, sin,
+                             self.q_norm, self.k_norm)  # [T, A + K, D], [T, K, D]
+        if not ctx.segments:
+            assert isinstance(cache, KeyValues), "one session: one store"
+            mask = ctx.mask(ctx.start, x.shape[0], spec.window)
+            out = attend(qk, v, spec.num_heads, cache, ctx.start, mask, self.scale, self.sinks)
+        else:
+            assert not isinstance(cache, KeyValues) and len(cache) == len(ctx.segments), "one store per segment"
+            out = torch.cat([  # [T, A D], each session over its own cache
+                attend(qk[s.lo : s.hi], v[s.lo : s.hi], spec.num_heads, store, s.start,
+                       ctx.mask(s.start, s.hi - s.lo, spec.window), self.scale, self.sinks)
+                for s, store in zip(ctx.segments, cache)
+            ])
+        return self.wo.forward(out)

@@ -1,0 +1,61 @@
+"""A sparse mixture of experts: a router picks k of E SwiGLU experts per token.
+
+Float32 reference semantics (transformers' `...Experts.forward`): for each token, the sum over
+its k picked experts of weight * expert(x), the experts added in increasing index order.
+
+Shared experts (DeepSeek-V3, GLM-4.5; `MlpSpec.shared_width`) are one SwiGLU every token goes
+through, added to the picked experts' sum with weight 1.
+
+Only the experts some token picked run, each ONCE, over the rows that picked it: the
+(token, slot) pairs are sorted by expert (one argsort), and each active expert takes its rows
+as one gathered matrix — one matmul per active expert, reading only that expert's weights.
+A decode step of one token reads k experts, not E. In a stacked step of several sessions
+(layers/attention.py's `Segment`) the rows of all sessions go through one router call and
+each expert's matmul covers every session that picked it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.stages.families.spec import MlpSpec
+from tessera.stages.layers.mlp import SwiGLU, glu_mlp
+from tessera.stages.layers.routers import build_router
+
+
+class MoE(nn.Module):
+    """`spec.num_experts` SwiGLU experts of `spec.width` (each `glu_mlp`: its `spec.glu`, biased when
+    `spec.bias`) and the router of `spec.router` (and the shared experts as one SwiGLU of
+    `spec.shared_width`, when it has them)."""
+
+    def __init__(self, hidden: int, spec: MlpSpec) -> None:
+        super().__init__()
+        assert spec.router is not None, "a sparse MLP has a router"
+        self.router = build_router(hidden, spec.num_experts, spec.router)
+        self.experts = nn.ModuleList(glu_mlp(hidden, spec) for _ in range(spec.num_experts))
+        self.shared = SwiGLU(hidden, spec.shared_width) if spec.shared_width else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        weights, picks = self.router.forward(x)  # [T, k] each
+        out = dispatch(x, weights, picks, self.experts)
+        return out if self.shared is None else out + self.shared.forward(x)
+
+
+def dispatch(x: torch.Tensor, weights: torch.Tensor, picks: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+    """sum_j weights[t, j] * experts[picks[t, j]](x[t]) for every row t: each picked expert runs once,
+    over the rows that picked it, in increasing expert order (the reference's order of addition)."""
+    k = picks.shape[1]
+    flat = picks.reshape(-1)  # [T k]: entry t k + j is token t's j-th pick
+    order = torch.argsort(flat, stable=True)  # entries grouped by expert, tokens ascending within
+    rows = order // k  # the token of each entry
+    scale = weights.reshape(-1)[order].to(x.dtype)[:, None]  # [T k, 1]
+    out = torch.zeros_like(x)
+    at = 0
+    for expert, count in enumerate(torch.bincount(flat, minlength=len(experts)).tolist()):
+        if count:
+            took = rows[at : at + count]  # [n]
+            out.index_add_(0, took, experts[expert].forward(x[took]) * scale[at : at + count])  # [n, H]
+            at += count
+    return out

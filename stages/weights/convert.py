@@ -1,0 +1,184 @@
+"""GGUF -> a Hugging Face-style model folder.
+
+A GGUF file holds quantised tensors under llama.cpp's names plus the tokenizer
+and chat template as metadata. We dequantise every tensor to float32 (the `gguf`
+package does the arithmetic), rename it, undo llama.cpp's RoPE row permutation
+of q/k for Llama-architecture files, and write `config.json`, `model.safetensors`,
+`tokenizer.json`, `tokenizer_config.json` and `chat_template.jinja`.
+
+Only byte-level BPE ("gpt2") tokenizers are converted; SentencePiece GGUFs are
+refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from tessera.stages.errors import ModelFormatError, UnsupportedModel
+from tessera.stages.families.catalog import spec_from_config, to_config
+from tessera.stages.families.spec import ModelSpec
+
+Progress = Callable[[int, int, str], None]
+
+# llama.cpp tensor names -> Hugging Face names ({i} = layer)
+TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+# GGUF token types (llama.cpp): 3 = control token, 4 = user-defined
+SPECIAL_TOKEN_TYPES = (3, 4)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
+        pattern = "blk.{i}." + ".".join(parts[2:])
+        target = TENSOR_NAMES.get(pattern)
+        return target.replace("{i}", parts[1]) if target else None
+    return TENSOR_NAMES.get(gguf_name)
+
+
+def unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved -> half-split RoPE layout)."""
+    half = weight.shape[0] // n_heads // 2
+    w = weight.reshape(n_heads, half, 2, *weight.shape[1:])
+    return w.swapaxes(1, 2).reshape(weight.shape)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def spec_from_gguf(reader: Any) -> ModelSpec:
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModel(f"GGUF architecture {arch!r} is not supported ({sorted(GGUF_ARCHITECTURES)})")
+    names = {t.name for t in reader.tensors}
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    config = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens))),
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos,
+        "hidden_act": "silu",
+    }
+    return spec_from_config(config)
+
+
+def gguf_tokenizer_files(reader: Any) -> dict[str, str]:
+    """tokenizer.json, tokenizer_config.json and chat_template.jinja from GGUF metadata."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise UnsupportedModel(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
+    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    types = list(_field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges") or []]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)]
+    if _field(reader, "tokenizer.ggml.pre") == "smollm":
+        # SmolLM's own tokenizer splits every digit apart before the byte-level regex
+        steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tok.decoder = decoders.ByteLevel()
+    special = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t in SPECIAL_TOKEN_TYPES]
+    tok.add_special_tokens(special)
+
+    def token(key: str) -> str | None:
+        idx = _field(reader, key)
+        return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
+
+    template = _field(reader, "tokenizer.chat_template")
+    config = {
+        "bos_token": token("tokenizer.ggml.bos_token_id"),
+        "eos_token": token("tokenizer.ggml.eos_token_id"),
+        "pad_token": token("tokenizer.ggml.padding_token_id"),
+        "unk_token": token("tokenizer.ggml.unknown_token_id"),
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+    }
+    files = {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config, indent=2)}
+    if template:
+        files["chat_template.jinja"] = template
+    return files
+
+
+def convert_gguf(path: Path, out: Path, *, progress: Progress | None = None) -> list[str]:
+    """Write a model folder for the GGUF at `path` into `out`; return the files written.
+
+    Raises ModelFormatError (unreadable file, unknown tensor) or UnsupportedModel.
+    """
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(str(path))
+    except (OSError, ValueError, KeyError) as bad:
+        raise ModelFormatError(f"{str(path)!r} is not a readable GGUF file: {bad}") from None
+    spec = spec_from_gguf(reader)
+    permute = _field(reader, "general.architecture") == "llama"
+    out.mkdir(parents=True, exist_ok=True)
+    state: dict[str, torch.Tensor] = {}
+    total = len(reader.tensors)
+    for n, t in enumerate(reader.tensors):
+        name = hf_name(t.name)
+        if name is None:
+            if t.name.startswith("rope_freqs"):
+                continue  # llama.cpp's precomputed RoPE factors; we compute them from the config
+            raise ModelFormatError(f"GGUF tensor {t.name!r} has no Hugging Face counterpart")
+        weight = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        weight = weight.reshape([int(d) for d in reversed(t.shape)])
+        heads = spec.layers[0].attention  # a Llama-block model: every layer alike
+        if permute and name.endswith("q_proj.weight"):
+            weight = unpermute_rope_rows(weight, heads.num_heads)
+        elif permute and name.endswith("k_proj.weight"):
+            weight = unpermute_rope_rows(weight, heads.num_kv_heads)
+        state[name] = torch.from_numpy(np.require(weight, requirements=["C", "W"]))
+        if progress:
+            progress(n + 1, total, "dequantising")
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(to_config(spec), indent=2))
+    written = ["config.json", "model.safetensors"]
+    for fname, text in gguf_tokenizer_files(reader).items():
+        (out / fname).write_text(text)
+        written.append(fname)
+    return written

@@ -1,0 +1,154 @@
+"""Reading weights from a Hugging Face-style folder: only the tensors a span needs.
+
+A folder holds `config.json` and either `model.safetensors` or several shards
+listed by `model.safetensors.index.json`. `WeightFolder` maps tensor names to
+files and opens them memory-mapped, so asking for layers 10..19 of a 30-layer
+model reads those layers' bytes and nothing else. Every tensor's shape is checked
+against the `ModelSpec` before it is used. Which checkpoint tensors make each of the
+engine's is the family's mapping (stages/families/tensors.py); this module only reads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from tessera.stages.errors import ModelFormatError
+from tessera.stages.families.catalog import spec_from_file, tensors_of_layer
+from tessera.stages.families.tensors import Choices, Stacked
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class WeightFolder:
+    """Tensors of one model folder, opened lazily and memory-mapped."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self.spec = spec_from_file(self.folder / "config.json")
+        self._where = self._index()
+
+    def _index(self) -> dict[str, Path]:
+        index = self.folder / INDEX_FILE
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as bad:
+                raise ModelFormatError(f"{str(index)!r} is not a safetensors index: {bad}") from None
+            return {name: self.folder / file for name, file in weight_map.items()}
+        single = self.folder / SINGLE_FILE
+        if not single.exists():
+            raise ModelFormatError(f"no {SINGLE_FILE} or {INDEX_FILE} in {str(self.folder)!r}")
+        try:
+            with safe_open(single, framework="pt") as f:
+                return {name: single for name in f.keys()}
+        except (SafetensorError, OSError) as bad:
+            raise ModelFormatError(f"{str(single)!r} is not a readable safetensors file: {bad}") from None
+
+    def files(self) -> list[Path]:
+        """The files the folder's tensors live in (as the index names them), sorted."""
+        return sorted(set(self._where.values()))
+
+    def names(self) -> set[str]:
+        """Every tensor name the folder lists."""
+        return set(self._where)
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def read(self, wanted: dict[str, tuple[int, ...]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Read the named tensors (each checked against its expected shape), cast to `dtype`."""
+        out: dict[str, torch.Tensor] = {}
+        by_file: dict[Path, list[str]] = {}
+        for name in wanted:
+            if name not in self._where:
+                raise ModelFormatError(f"tensor {name!r} is missing from {str(self.folder)!r}")
+            by_file.setdefault(self._where[name], []).append(name)
+        for path, names in sorted(by_file.items()):
+            try:
+                with safe_open(path, framework="pt") as f:
+                    for name in names:
+                        tensor = f.get_tensor(name)
+                        if tuple(tensor.shape) != wanted[name]:
+                            raise ModelFormatError(
+                                f"tensor {name!r} has shape {tuple(tensor.shape)!r}, expected {wanted[name]!r}"
+                            )
+                        out[name] = tensor.to(dtype)
+            except (SafetensorError, OSError) as bad:
+                raise ModelFormatError(f"cannot read {str(path)!r}: {bad}") from None
+        return out
+
+    def choose(self, choices: Choices) -> Stacked:
+        """The first layout of an engine tensor that the folder holds completely (ModelFormatError
+        naming a missing tensor of the first layout when it holds none)."""
+        for source in choices:
+            if all(name in self._where for name in source.names):
+                return source
+        missing = next(n for n in choices[0].names if n not in self._where)
+        raise ModelFormatError(f"tensor {missing!r} is missing from {str(self.folder)!r}")
+
+    def read_stacked(self, source: Stacked, dtype: torch.dtype) -> torch.Tensor:
+        """The parts of `source` concatenated along dim 0, read one at a time straight into one
+        buffer (so that loading never holds a piece and the stacked copy of a whole layer at once);
+        of a fused tensor only row `source.index` is read, transposed and its interleaved rows
+        regrouped as `source` says. A tensor taken whole is as `read` gives it."""
+        if len(source.names) == 1 and source.index is None and not (source.transposed or source.interleaved):
+            return self.read({source.names[0]: source.shapes[0]}, dtype)[source.names[0]]
+        out = torch.empty(source.shape, dtype=dtype)
+        at = 0
+        for i, name in enumerate(source.names):
+            piece = self.read_part(name, source.shapes[i], source.index, dtype)
+            if source.transposed:
+                piece = piece.transpose(-1, -2)
+            if source.interleaved:  # rows gate0, up0, gate1, up1, ... -> all gates, then all ups
+                piece = torch.cat((piece[0::2], piece[1::2]))
+            out[at : at + piece.shape[0]] = piece
+            at += piece.shape[0]
+            del piece
+        return out
+
+    def read_part(self, name: str, shape: tuple[int, ...], index: int | None, dtype: torch.dtype,
+                  *, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor `name` (checked to have `shape`) — its row `index` when given — cast to `dtype`;
+        of that, only `rows` and `cols` ([lo, hi)) when given (a tensor-shard rank's slices)."""
+        if name not in self._where:
+            raise ModelFormatError(f"tensor {name!r} is missing from {str(self.folder)!r}")
+        path = self._where[name]
+        try:
+            with safe_open(path, framework="pt") as f:
+                sl = f.get_slice(name)
+                if tuple(sl.get_shape()) != shape:
+                    raise ModelFormatError(f"tensor {name!r} has shape {tuple(sl.get_shape())!r}, expected {shape!r}")
+                inner = shape[1:] if index is not None else shape
+                r0, r1 = rows if rows is not None else (0, inner[0])
+                window = [slice(r0, r1)] if len(inner) == 1 else [slice(r0, r1), slice(*(cols or (0, inner[1])))]
+                tensor = sl[tuple([index, *window] if index is not None else window)]
+        except (SafetensorError, OSError) as bad:
+            raise ModelFormatError(f"cannot read {str(path)!r}: {bad}") from None
+        return tensor.to(dtype).contiguous()
+
+    def layer_state(self, layer: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Every tensor of layer `layer` under the engine's names (`tessera.stages.layers.block.Block`),
+        q/k/v and gate/up stacked."""
+        return {name: self.read_stacked(self.choose(choices), dtype)
+                for name, choices in tensors_of_layer(self.spec, layer).items()}
+
+    def embedding(self, dtype: torch.dtype) -> torch.Tensor:
+        name = "model.embed_tokens.weight"
+        return self.read({name: (self.spec.vocab_size, self.spec.hidden_size)}, dtype)[name]
+
+    def head(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final norm weight, lm_head weight); the embedding when the model ties them."""
+        spec = self.spec
+        # untied without lm_head.weight: `read` refuses it (transformers would draw a random head)
+        head_name = "model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight"
+        t = self.read(
+            {"model.norm.weight": (spec.hidden_size,), head_name: (spec.vocab_size, spec.hidden_size)},
+            dtype,
+        )
+        return t["model.norm.weight"], t[head_name]
+

@@ -1,0 +1,238 @@
+"""Admission against exhaustion (peer/serve/admission.py) on a real StageServer over the
+in-memory transport, under trio's MockClock: hostile identities holding and cycling idle
+sessions, KV charged as sessions grow, busy refusals that say when, and streams bounded
+before they are admitted."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import AsyncIterator
+
+import pytest
+import torch
+import trio
+from libp2p.peer.id import ID
+
+from tessera.peer.base.errors import PeerError, SessionRefused, StreamClosed
+from tessera.peer.base.protocols import SESSION_PROTOCOL
+from tessera.peer.net.gossip import ViewKeeper
+from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
+from tessera.peer.net.memory_stream import LinkSpec
+from tessera.peer.net.transport import Channel
+from tessera.peer.plan.routing import Hop, Route
+from tessera.peer.request.chain import RouteSession
+from tessera.peer.request.chain_state import RequesterContext
+from tessera.peer.serve.admission import ADMIT_WAIT, IDLE_GRACE, MAX_UNADMITTED_PER_REMOTE, SHORT_WAIT
+from tessera.peer.serve.limits import ServerLimits
+from tessera.peer.serve.server import StageServer
+from tessera.protocol.admission import OPEN_FRAME_LIMIT
+from tessera.protocol.error_codes import BUSY, RECLAIMED
+from tessera.protocol.keys import Identity
+from tessera.stages.engine.stage import Stage
+from tessera.stages.layers.cache import KV_CHUNK
+
+from functools import partial
+
+from ..waiting import await_until
+
+SLOTS = 4
+HOSTILE = 8  # identities, each holding (or waiting for) one idle session at a time
+STEPS = 6  # the honest answer: a prompt and five decode steps
+
+
+def pid(identity: Identity) -> str:
+    return ID(identity.peer_id).to_base58()
+
+
+async def inline(fn):
+    return fn()
+
+
+class Requesters:
+    """Requester identities on one memory network, each with its own transport (opened by the
+    task that uses it: `requester`)."""
+
+    def __init__(self, network: MemoryNetwork, server_id: str, spec) -> None:
+        self.network = network
+        self.route = Route((Hop(server_id, 0, spec.num_layers),), 0.0)
+        self.spec = spec
+
+    @asynccontextmanager
+    async def requester(self, identity: Identity, *, work: bool = True) -> AsyncIterator[RequesterContext]:
+        async with open_memory_transport(self.network, pid(identity)) as transport, trio.open_nursery() as nursery:
+            keeper = ViewKeeper(model_id="m", num_layers=self.spec.num_layers, clock=trio.current_time)
+            ctx = RequesterContext(transport=transport, identity=identity, keeper=keeper, nursery=nursery,
+                                   num_layers=self.spec.num_layers, hidden_size=self.spec.hidden_size)
+            if not work:
+                ctx.work = b""  # shows no proof of work
+            yield ctx
+            nursery.cancel_scope.cancel()
+
+
+async def hold_idle(people: Requesters, identity: Identity, stats: dict, *, work: bool = True) -> None:
+    """A hostile identity: open a session and never step it; when it is reclaimed, open again
+    at once (cycling); when refused, come back when told."""
+    async with people.requester(identity, work=work) as ctx:
+        while True:
+            session = RouteSession(ctx, people.route, max_length=4096)
+            try:
+                await session.open()
+            except SessionRefused as refused:
+                stats["refused"] += 1
+                assert refused.code == BUSY and refused.retry_after is not None and refused.retry_after >= 1.0
+                await trio.sleep(refused.retry_after)
+                continue
+            stats["admitted"] += 1
+            await await_until(lambda: any(h.failure for h in session.hops), 10_000, "a reclaim", interval=0.25)
+            assert any(RECLAIMED in (h.failure or "") for h in session.hops), [h.failure for h in session.hops]
+            stats["reclaimed"] += 1
+            await session.close()
+
+
+async def test_hostile_identities_holding_idle_sessions_do_not_lock_out_an_honest_requester(tiny_llama, autojump_clock):
+    """The guarantee of peer/serve/admission.py: every slot held by idle sessions of hostile
+    identities that reopen as soon as they lose one, and a stream of fresh identities (some
+    with a proof of work) asking all the while; an honest requester's open is admitted
+    within IDLE_GRACE of asking, in one open, and its answer is exact. (Before: refused
+    busy until the 300 s idle timeout.)"""
+    stage = Stage.load(tiny_llama)
+    spec = stage.spec
+    network = MemoryNetwork(LinkSpec(latency=0.001, bandwidth=1e9))
+    peer = Identity.from_seed(b"\x01" * 32)
+    stats = {"admitted": 0, "refused": 0, "reclaimed": 0}
+    async with AsyncExitStack() as transports:
+        tp = await transports.enter_async_context(open_memory_transport(network, pid(peer)))
+        server = StageServer(tp, peer, stage, limits=ServerLimits(max_sessions=SLOTS, max_sessions_per_requester=1,
+                                                                  batch_rows=1))
+        server.run_compute = inline
+        async with trio.open_nursery() as nursery:
+            people = Requesters(network, pid(peer), spec)
+            for i in range(HOSTILE):
+                nursery.start_soon(hold_idle, people, Identity.from_seed(bytes([100 + i]) * 32), stats)
+
+            async def flood() -> None:  # a new identity every half second, one in four with work
+                for i in range(10_000):
+                    nursery.start_soon(partial(hold_idle, people, Identity.from_seed(i.to_bytes(4, "big") * 8), stats,
+                                               work=i % 4 == 0))
+                    await trio.sleep(0.5)
+
+            nursery.start_soon(flood)
+            await trio.sleep(30.0)  # the attack in its steady state: every slot held, queue full
+            assert len(server.sessions) == SLOTS
+            assert all(s.requester != pid(peer) for s in server.sessions.values())
+
+            inputs = torch.randn(STEPS + 3, spec.hidden_size, generator=torch.Generator().manual_seed(1))
+            answers, waits = [], []
+            async with people.requester(Identity.from_seed(b"\x07" * 32)) as honest:
+                for _ in range(2):  # two answers in a row: the second open is as quick
+                    session = RouteSession(honest, people.route, max_length=64)
+                    asked = trio.current_time()
+                    await session.open()
+                    waits.append(trio.current_time() - asked)
+                    outputs = [await session.step(inputs[:4], 0)]
+                    for pos in range(4, 4 + STEPS - 1):
+                        outputs.append(await session.step(inputs[pos : pos + 1], pos))
+                    await session.close()
+                    answers.append(torch.cat(outputs))
+            nursery.cancel_scope.cancel()
+    assert max(waits) <= IDLE_GRACE + 0.5, waits
+    solo = Stage.load(tiny_llama)
+    solo.open("ref", capacity=64)
+    expected = torch.cat([solo.forward("ref", inputs[:4], 0)]
+                         + [solo.forward("ref", inputs[pos : pos + 1], pos) for pos in range(4, 4 + STEPS - 1)])
+    for answer in answers:
+        torch.testing.assert_close(answer, expected, rtol=0, atol=1e-5)
+    # the attack ran: hostile sessions were admitted and reclaimed again and again, refusals said when
+    assert stats["reclaimed"] >= HOSTILE and stats["refused"] > 0 and server.stats.reclaimed >= HOSTILE
+
+
+async def test_kv_is_charged_as_sessions_grow_and_idle_ones_give_way(tiny_llama, autojump_clock):
+    """A session of max_length 4096 is charged one chunk, then what its steps reach; a step
+    that needs memory held by an idle session reclaims it; with no idle session the step is
+    refused busy with a retry_after, and its session is not charged."""
+    stage = Stage.load(tiny_llama)
+    spec = stage.spec
+    chunk = stage.session_bytes(KV_CHUNK)
+    network = MemoryNetwork(LinkSpec(latency=0.001, bandwidth=1e9))
+    peer = Identity.from_seed(b"\x02" * 32)
+    async with AsyncExitStack() as transports:
+        tp = await transports.enter_async_context(open_memory_transport(network, pid(peer)))
+        server = StageServer(tp, peer, stage, limits=ServerLimits(max_sessions=8, batch_rows=1, kv_budget=3 * chunk))
+        server.run_compute = inline
+        people = Requesters(network, pid(peer), spec)
+        async with AsyncExitStack() as requesters:
+            ctx = [await requesters.enter_async_context(people.requester(Identity.from_seed(bytes([10 + i]) * 32)))
+                   for i in range(2)]
+            a, b = (RouteSession(x, people.route, max_length=4096) for x in ctx)
+            await a.open()
+            await b.open()
+            assert server.kv_in_use() == 2 * chunk  # not 2 x 4096 positions
+            await a.step(torch.randn(3, spec.hidden_size), 0)
+            await trio.sleep(IDLE_GRACE + 1)  # a goes idle
+            await b.step(torch.randn(2 * KV_CHUNK + 10, spec.hidden_size), 0)  # b needs two more chunks: a's too
+            assert server.kv_in_use() == 3 * chunk and list(server.sessions) == [b.session_id]
+            assert server.stats.reclaimed == 1
+            await await_until(lambda: any(RECLAIMED in (h.failure or "") for h in a.hops), 10, "a told")
+            assert stage.sessions[b.session_id].cache.allocated == 3 * KV_CHUNK
+            with pytest.raises(PeerError, match="busy"):  # a fourth chunk: nobody else to reclaim
+                await b.step(torch.randn(KV_CHUNK, spec.hidden_size), 2 * KV_CHUNK + 10)
+            assert server.kv_in_use() == 3 * chunk
+
+
+async def test_a_full_peer_refuses_busy_with_a_retry_after(tiny_llama, autojump_clock):
+    """Every slot held by a session that steps: an open waits only SHORT_WAIT (nothing idle will
+    free), then is refused busy, told when to come back; nobody stepping is reclaimed."""
+    stage = Stage.load(tiny_llama)
+    spec = stage.spec
+    network = MemoryNetwork(LinkSpec(latency=0.001, bandwidth=1e9))
+    peer = Identity.from_seed(b"\x03" * 32)
+    async with AsyncExitStack() as transports:
+        tp = await transports.enter_async_context(open_memory_transport(network, pid(peer)))
+        server = StageServer(tp, peer, stage, limits=ServerLimits(max_sessions=1, batch_rows=1))
+        server.run_compute = inline
+        people = Requesters(network, pid(peer), spec)
+        async with people.requester(Identity.from_seed(b"\x0d" * 32)) as first, \
+                people.requester(Identity.from_seed(b"\x0e" * 32)) as second, trio.open_nursery() as nursery:
+            busy = RouteSession(first, people.route, max_length=4096)
+            await busy.open()
+
+            async def keep_stepping() -> None:
+                for pos in range(1000):
+                    await busy.step(torch.randn(1, spec.hidden_size), pos)
+                    await trio.sleep(0.1)
+
+            nursery.start_soon(keep_stepping)
+            late = RouteSession(second, people.route, max_length=64)
+            asked = trio.current_time()
+            with pytest.raises(SessionRefused) as refused:
+                await late.open()
+            assert refused.value.code == BUSY and 1.0 <= refused.value.retry_after <= IDLE_GRACE
+            assert SHORT_WAIT <= trio.current_time() - asked < ADMIT_WAIT and server.stats.reclaimed == 0
+            nursery.cancel_scope.cancel()
+
+
+async def test_streams_are_bounded_before_they_are_admitted(tiny_llama):
+    """A first frame bigger than an open request is refused at its length prefix; past the
+    per-remote count of unadmitted streams a new stream is reset unread."""
+    stage = Stage.load(tiny_llama)
+    network = MemoryNetwork(LinkSpec(latency=0.0, bandwidth=1e12))
+    peer, other = Identity.from_seed(b"\x04" * 32), Identity.from_seed(b"\x05" * 32)
+    async with AsyncExitStack() as transports:
+        tp = await transports.enter_async_context(open_memory_transport(network, pid(peer)))
+        tr = await transports.enter_async_context(open_memory_transport(network, pid(other)))
+        server = StageServer(tp, peer, stage)
+        big = await tr.open_stream(pid(peer), SESSION_PROTOCOL)
+        await big.write(b"\x80\x80\x80\x1e")  # a prefix claiming 60 MiB: reset before any body is read
+        with pytest.raises(StreamClosed):
+            await Channel(big).receive()
+        assert server.stats.refused == 1 and OPEN_FRAME_LIMIT < 60 << 20
+        held = [await tr.open_stream(pid(peer), SESSION_PROTOCOL) for _ in range(MAX_UNADMITTED_PER_REMOTE)]
+        await await_until(lambda: sum(server.unadmitted.counts.values()) == MAX_UNADMITTED_PER_REMOTE, 10,
+                          "the streams counted")
+        extra = Channel(await tr.open_stream(pid(peer), SESSION_PROTOCOL))
+        with pytest.raises(StreamClosed):
+            await extra.receive()
+        assert server.stats.unadmitted_refused == 1
+        for stream in held:
+            await stream.reset()
+        await await_until(lambda: not server.unadmitted.counts, 10, "the streams forgotten")

@@ -1,0 +1,201 @@
+"""The checks every model family runs against `transformers`, on tiny random models it saves itself.
+
+A family's test file builds a few configurations (`build`), then for each: float32 logits
+within 1e-4 of transformers over a prefill and greedy decode, and greedy tokens identical
+(`check_matches_transformers`); 8 sessions stacked in one forward, each equal to its solo run
+(`check_stacked_sessions`); decoding by draft blocks verified in one pass, cut short and rolled
+back by pointer, giving the same tokens (`check_rollback`); and, for one configuration per
+family, a real 2-peer swarm split mid-model, plain and speculative (`check_swarm`).
+Sequences run past the sliding windows configured (8 positions), so windows change the
+numbers compared.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tessera.stages.decoding.generate import LocalEngine
+from tessera.stages.decoding.speculative import greedy_accept
+from tessera.stages.engine.stage import Stage
+from tessera.stages.weights.folder_check import check_folder
+from tessera.stages.weights.synth import CHATML, byte_tokenizer_json
+
+TOLERANCE = 1e-4  # float32 logits, max abs (the charter's bound)
+# A session in a stacked step against its solo step, relative to the row's largest logit: only
+# the matmuls differ (more rows take other kernel paths); tests/serve/test_batching.py measures it.
+STACKED_RTOL = 2e-5
+VOCAB = 320  # the byte tokenizer needs >= 259 ids
+EOS = 2
+PROMPT = [5, 17, 260, 42, 99, 3, 250, 7, 300, 12, 64, 128]
+DECODE_STEPS = 14  # 12 + 14 = 26 positions: past the windows (8)
+WEIGHT_STD = 0.2  # large enough that greedy picks (and expert picks) are far from ties in float32
+SHAPE: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, bos_token_id=1,
+                             eos_token_id=EOS)
+STACKED_PROMPTS = [list(range(7 + 11 * i, 7 + 11 * i + 3 + 5 * i)) for i in range(8)]  # 3 .. 38 tokens
+STACKED_STEPS = 5
+
+
+def build(root: Path, name: str, config: Any, *, seed: int, fused: bool = False) -> Path:
+    """Save a seeded random `transformers` model of `config` with a tokenizer, as published
+    (experts one tensor each) or, with `fused`, as transformers 5 holds them in memory."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():  # transformers zeroes biases at init: draw them all
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in pname else WEIGHT_STD * torch.randn_like(p))
+        saved = model.state_dict()
+        for bname, b in model.named_buffers():  # and the buffers it saves (DeepSeek's router correction bias)
+            if bname in saved and b.is_floating_point():
+                b.copy_(WEIGHT_STD * torch.randn_like(b))
+    folder = root / name
+    model.save_pretrained(folder, save_original_format=not fused)
+    (folder / "tokenizer.json").write_text(byte_tokenizer_json(VOCAB))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": None}))
+    (folder / "chat_template.jinja").write_text(CHATML)
+    return folder
+
+
+def reference_run(folder: Path) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy tokens and float32 logits per step, loading `folder` as a user would."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokens, logits, cache, step = [], [], None, PROMPT
+    with torch.inference_mode():
+        for _ in range(DECODE_STEPS):
+            out = model(torch.tensor([step]), cache=cache, use_cache=True)
+            cache = out.cache
+            logits.append(out.logits[0])
+            step = [int(out.logits[0, -1].argmax())]
+            tokens.append(step[0])
+    return tokens, logits
+
+
+def until_eos(tokens: list[int]) -> list[int]:
+    return tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens
+
+
+def check_matches_transformers(folder: Path, reference: tuple[list[int], list[torch.Tensor]]) -> None:
+    """Our float32 logits (fed the reference's tokens) within TOLERANCE of `reference_run`'s, and
+    greedy tokens identical."""
+    check_folder(folder)  # what `tessera model import` checks accepts it
+    tokens, ref = reference
+    stage = Stage.load(folder, embed=True, head=True)
+    stage.open("c", capacity=len(PROMPT) + DECODE_STEPS)
+    ours, step, pos = [], PROMPT, 0
+    for token in tokens:
+        ours.append(stage.logits(stage.forward("c", stage.embed(step), pos)))
+        pos, step = pos + len(step), [token]
+    worst = max(float((a - b).abs().max()) for a, b in zip(ref, ours))
+    assert worst <= TOLERANCE, f"{folder.name}: max |logits diff| {worst:.3g}"
+    greedy = LocalEngine(folder, device="cpu", dtype="float32").generate_ids(PROMPT, max_new_tokens=DECODE_STEPS)
+    assert greedy == until_eos(tokens)
+
+
+def relative_gap(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def solo_run(stage: Stage, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and the logits that chose them, one session alone."""
+    stage.open("solo", capacity=64)
+    hidden = stage.forward("solo", stage.embed(prompt), 0)
+    tokens, logits = [], []
+    for _ in range(n):
+        row = stage.logits(hidden[-1:])
+        logits.append(row)
+        tokens.append(int(row.argmax()))
+        hidden = stage.forward("solo", stage.embed(tokens[-1:]), len(prompt) + len(tokens) - 1)
+    stage.close("solo")
+    return tokens, logits
+
+
+def check_stacked_sessions(folder: Path) -> None:
+    """8 sessions of different lengths join two at a time, so every stacked step mixes prefills
+    with decodes at different positions (and, in a sparse layer, every expert's matmul takes
+    the rows of every session that picked it); each session's logits and tokens are its solo run's."""
+    stage = Stage.load(folder, embed=True, head=True)
+    solo = [solo_run(stage, prompt, STACKED_STEPS) for prompt in STACKED_PROMPTS]
+    for i in range(len(STACKED_PROMPTS)):
+        stage.open(("s", i), capacity=64)
+    tokens: list[list[int]] = [[] for _ in STACKED_PROMPTS]
+    pending: dict[int, torch.Tensor] = {}
+    worst, stacked = 0.0, 0
+    for step in range(STACKED_STEPS + len(STACKED_PROMPTS) // 2):
+        for i in (2 * step, 2 * step + 1):
+            if i < len(STACKED_PROMPTS):
+                pending[i] = stage.embed(STACKED_PROMPTS[i])
+        order = sorted(pending)
+        starts = [0 if not tokens[i] else len(STACKED_PROMPTS[i]) + len(tokens[i]) - 1 for i in order]
+        outs = stage.forward_batch([(("s", i), pending[i], start) for i, start in zip(order, starts)])
+        stacked = max(stacked, len(order))
+        for i, out in zip(order, outs):
+            assert isinstance(out, torch.Tensor), out
+            row = stage.logits(out[-1:])
+            worst = max(worst, relative_gap(row, solo[i][1][len(tokens[i])]))
+            tokens[i].append(int(row.argmax()))
+            if len(tokens[i]) < STACKED_STEPS:
+                pending[i] = stage.embed(tokens[i][-1:])
+            else:
+                del pending[i]
+    assert stacked == 8
+    assert tokens == [t for t, _ in solo]
+    assert worst <= STACKED_RTOL, f"{folder.name}: stacked vs solo {worst:.3g}"
+
+
+def check_rollback(folder: Path, reference: list[int], *, k: int = 3) -> None:
+    """Greedy decoding by blocks of k drafts verified in one pass (speculation's verification):
+    the drafts are the reference's next tokens, every other block with its last one wrong, so
+    blocks are kept whole and cut short; a cut block's cache positions are rolled back by the
+    next write (a pointer move). The tokens are the reference's."""
+    want = until_eos(reference)
+    stage = Stage.load(folder, embed=True, head=True)
+    stage.open("spec", capacity=len(PROMPT) + len(want) + k + 1)
+    seq = PROMPT + [int(stage.logits(stage.forward("spec", stage.embed(PROMPT), 0))[-1].argmax())]
+    blocks = cuts = 0
+    while len(seq) - len(PROMPT) < len(want):
+        done = len(seq) - len(PROMPT)
+        draft = list(want[done : done + k])
+        if blocks % 2:
+            draft[-1] = (draft[-1] + 1) % VOCAB
+        at = len(seq) - 1  # the block is [last token, drafts...] at its positions: writing there rolls back
+        rows = stage.logits(stage.forward("spec", stage.embed([seq[-1], *draft]), at))
+        kept, token = greedy_accept(rows, draft)
+        if token is None:  # a near-tie: a one-token step decides, as decoding without drafts would
+            inputs = [seq[-1], *draft][kept]
+            token = int(stage.logits(stage.forward("spec", stage.embed([inputs]), at + kept))[-1].argmax())
+        cuts += kept < len(draft)
+        blocks += 1
+        seq += draft[:kept] + [token]
+        assert stage.position("spec") >= len(seq) - 1
+    assert seq[len(PROMPT):][: len(want)] == want
+    assert cuts > 0, "no block was cut: nothing was rolled back"
+    stage.rollback("spec", len(PROMPT))  # and the explicit rollback: the pointer, nothing else
+    assert stage.position("spec") == len(PROMPT)
+    again = stage.logits(stage.forward("spec", stage.embed(want[:1]), len(PROMPT)))[-1]
+    assert int(again.argmax()) == want[1]
+
+
+async def check_swarm(swarm_procs: Any, folder: Path, reference: list[int]) -> None:
+    """Through a real swarm: greedy tokens are the reference's, and so are speculative ones (a draft
+    model of the first layer, every rejected block rolled back on every peer)."""
+    from tessera.peer.request.client import Swarm
+    from tessera.peer.request.decode import Speculation
+    from tessera.stages.decoding.speculative import AdaptiveK, ModelDrafter
+
+    draft = Stage.load(folder, start=0, end=1, embed=True, head=True)
+    async with Swarm.join(swarm_procs.addrs[:1], model=folder) as swarm:
+        plain = [t async for t in swarm.generate_ids(PROMPT, max_new_tokens=DECODE_STEPS)]
+        speculation = Speculation(ModelDrafter(draft, capacity=64), k=AdaptiveK(3, backoff_after=10**9),
+                                  pipeline=False)
+        drafted = [t async for t in swarm.generate_ids(PROMPT, max_new_tokens=DECODE_STEPS, speculation=speculation)]
+    assert plain == until_eos(reference)
+    assert drafted == until_eos(reference)
+    assert speculation.proposed > 0

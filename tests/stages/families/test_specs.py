@@ -1,0 +1,113 @@
+"""Reading config.json per family: each accepted config reads back from what we write, and every key
+or value the engine does not compute is refused with one line naming it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tessera.stages.errors import ModelFormatError, UnsupportedModel
+from tessera.stages.families.catalog import FAMILIES, spec_from_config, to_config
+
+transformers = pytest.importorskip("transformers")
+
+SHAPE = dict(vocab_size=320, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, intermediate_size=96)
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+# family -> a config as transformers 5 writes it (its `to_dict`, as save_pretrained does)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**SHAPE),
+    "mistral": lambda: transformers.MistralConfig(**SHAPE, sliding_window=8),
+    "qwen2": lambda: transformers.Qwen2Config(**SHAPE),
+    "qwen3": lambda: transformers.Qwen3Config(**SHAPE, use_sliding_window=True, sliding_window=8, max_window_layers=2),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SHAPE, **MOE, mlp_only_layers=[0], decoder_sparse_step=1,
+                                                   norm_topk_prob=True),
+    "mixtral": lambda: transformers.MixtralConfig(**SHAPE, num_local_experts=8, sliding_window=8),
+}
+
+
+def config_of(family: str, **change) -> dict:
+    config = CONFIGS[family]().to_dict()
+    config["architectures"] = [FAMILIES[family].architecture]
+    return {**json.loads(json.dumps(config)), **change}
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_what_we_write_reads_back(family):
+    spec = spec_from_config(config_of(family))
+    assert spec.family == family and spec.num_layers == 4
+    assert spec_from_config(to_config(spec)) == spec
+
+
+def test_each_family_expands_into_its_layers():
+    qwen3 = spec_from_config(config_of("qwen3")).layers
+    assert [(l.attention.window, l.attention.qk_norm) for l in qwen3] == [(None, True)] * 2 + [(8, True)] * 2
+    moe = spec_from_config(config_of("qwen3_moe")).layers
+    assert [l.mlp.kind for l in moe] == ["dense", "moe", "moe", "moe"]
+    assert (moe[1].mlp.num_experts, moe[1].mlp.width, moe[1].mlp.router.top_k) == (8, 32, 2)
+    assert moe[0].mlp.width == 96
+    step = spec_from_config(config_of("qwen3_moe", mlp_only_layers=[], decoder_sparse_step=2)).layers
+    assert [l.mlp.kind for l in step] == ["dense", "moe", "dense", "moe"]
+    mixtral = spec_from_config(config_of("mixtral")).layers
+    assert {(l.mlp.kind, l.mlp.router.renormalize, l.attention.window, l.attention.qk_norm) for l in mixtral} == {
+        ("moe", True, 8, False)}
+    assert spec_from_config(config_of("mixtral", rope_parameters=None)).layers[0].attention.rope.theta == 1e6
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_an_unknown_key_is_refused_by_name(family):
+    with pytest.raises(UnsupportedModel, match=r"config key 'moe_layer_freq' \(value 2\) is not one tessera knows") as e:
+        spec_from_config(config_of(family, moe_layer_freq=2))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "family, change, words",
+    [
+        ("qwen3", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ("qwen3_moe", {"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh'"),
+        ("mixtral", {"hidden_act": "relu"}, "hidden_act 'relu'"),
+        ("qwen3", {"layer_types": ["full_attention"] * 3 + ["chunked_attention"]}, "layer_types"),
+        ("qwen3", {"use_sliding_window": False, "layer_types": ["sliding_attention"] * 4}, "layer_types"),
+        ("qwen3", {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e6}}, "dynamic"),
+        ("qwen3_moe", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ("qwen3_moe", {"num_experts": 16}, r"num_local_experts 8 .* differs from num_experts \(16\)"),
+        # keys of other MoE families, which compute what this engine does not
+        ("qwen3_moe", {"shared_expert_intermediate_size": 64}, "'shared_expert_intermediate_size'"),
+        ("qwen3_moe", {"n_group": 8}, "'n_group'"),
+        ("mixtral", {"routed_scaling_factor": 2.5}, "'routed_scaling_factor'"),
+        ("mixtral", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config 'fp8'"),
+        ("mixtral", {"is_encoder_decoder": True}, "is_encoder_decoder True"),
+        ("llama", {"attention_bias": True}, "attention_bias True"),
+        ("llama", {"sliding_window": 8}, "'sliding_window'"),  # Llama has none: not silently dropped
+        ("qwen2", {"use_sliding_window": True}, "use_sliding_window True"),
+    ],
+)
+def test_values_the_engine_does_not_compute_are_refused_by_name(family, change, words):
+    with pytest.raises(UnsupportedModel, match=words) as e:
+        spec_from_config(config_of(family, **change))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "family, change, words",
+    [
+        ("qwen3_moe", {"num_experts_per_tok": 0}, "num_experts_per_tok"),
+        ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
+        ("qwen3_moe", {"mlp_only_layers": "0"}, "mlp_only_layers"),
+        ("qwen3_moe", {"norm_topk_prob": "yes"}, "norm_topk_prob"),
+        ("mixtral", {"num_local_experts": -1}, "num_local_experts"),
+        ("qwen3", {"sliding_window": 0}, "sliding_window"),
+        ("qwen3", {"hidden_size": None}, "hidden_size"),
+    ],
+)
+def test_impossible_values_are_format_errors(family, change, words):
+    with pytest.raises(ModelFormatError, match=words):
+        spec_from_config(config_of(family, **change))
+
+
+def test_other_architectures_are_refused_by_name():
+    for arch in ("GlmMoeDsaForCausalLM",):
+        with pytest.raises(UnsupportedModel, match=f"unknown architecture \\['{arch}'\\]"):
+            spec_from_config({**config_of("llama"), "architectures": [arch]})
