@@ -66,6 +66,12 @@ IDLE_CLOSE = 30.0
 """Seconds a connection membership opened may sit idle (no stream) before it is closed."""
 CONNECT_TIMEOUT = 2.0
 """A dial to a peer of the view (a few RTTs on a live address; it may be gone)."""
+RELAYED_CONNECT_TIMEOUT = 10.0
+"""A dial to a peer that advertises only relayed addresses (behind NAT): a reservation's relay
+opens a hop and a stop stream, and the two ends run Noise over them, each a round trip
+through the relay; measured 2-4 s on a loaded machine (tests/net/test_nat.py), as long as
+the transport's own dial allows (peer/net/libp2p.py DIAL_TIMEOUT). Cut at 2 s, the dial
+failed and the peer was not drawn again for REFUSED_BACKOFF."""
 PROBE_TIMEOUT = 5.0
 """A probe's exchange: one digest each way on a connection that should be up. As long as a
 turn's timeout: a peer reported gone vanishes from every view until it refutes it, so a
@@ -120,7 +126,8 @@ class Membership:
         self.inbound: dict[str, float] = {}
         self.pending: set[str] = set()  # links being asked, probes running
         self.opened: dict[str, float] = {}  # connections we opened that are no neighbour's -> since
-        self.avoid: dict[str, float] = {}  # peer -> not drawn before this time
+        # peer -> (not drawn before this time, unless its addresses are no longer these)
+        self.avoid: dict[str, tuple[float, tuple[str, ...]]] = {}
         self.seed_backoff: dict[str, float] = {}  # join address -> its current backoff (see MAX_SEED_BACKOFF)
         self.byes: set[str] = set()  # neighbours that said goodbye (their connection may close)
         self.ticks = 0
@@ -196,7 +203,7 @@ class Membership:
                   and self.transport.stream_count(peer_id) == 0):
                 del self.opened[peer_id]
                 nursery.start_soon(self.transport.disconnect, peer_id)
-        for peer_id in [p for p, until in self.avoid.items() if until <= now]:
+        for peer_id in [p for p, (until, _) in self.avoid.items() if until <= now]:
             del self.avoid[peer_id]
 
     async def release(self, peer_id: str) -> None:
@@ -224,7 +231,7 @@ class Membership:
         taken = self.outbound.keys() | self.pending
 
         def fits(peer_id: str) -> bool:
-            return peer_id != me and peer_id not in taken and peer_id not in self.avoid
+            return peer_id != me and peer_id not in taken and not self._avoided(peer_id)
 
         known = self.keeper.sample(self.rng, fits)
         if known is not None:
@@ -234,11 +241,17 @@ class Membership:
             return self.rng.choice(seeds) if seeds else None
         return None
 
+    def _avoided(self, peer_id: str) -> bool:
+        """Refused or unreachable lately, at the addresses it still advertises (a peer behind NAT
+        first lists its LAN addresses, then its relayed one: that one is tried at once)."""
+        avoided = self.avoid.get(peer_id)
+        return avoided is not None and avoided[1] == self.keeper.addrs(peer_id)
+
     def _refuse(self, peer_id: str) -> None:
         backoff = REFUSED_BACKOFF
         if peer_id in self.keeper.seeds:
             backoff = self.seed_backoff[peer_id] = min(MAX_SEED_BACKOFF, 2 * self.seed_backoff.get(peer_id, backoff / 2))
-        self.avoid[peer_id] = trio.current_time() + backoff
+        self.avoid[peer_id] = (trio.current_time() + backoff, self.keeper.addrs(peer_id))
         while len(self.avoid) > MAX_AVOID:
             del self.avoid[next(iter(self.avoid))]
 
@@ -247,7 +260,8 @@ class Membership:
         if peer_id in self.transport.connected():
             return True
         addrs: Sequence[str] = self.keeper.addrs(peer_id)
-        with trio.move_on_after(CONNECT_TIMEOUT):
+        relayed = any("/p2p-circuit" in a for a in addrs[:4])  # (peer/net/nat/relay.py is_circuit_addr)
+        with trio.move_on_after(RELAYED_CONNECT_TIMEOUT if relayed else CONNECT_TIMEOUT):
             for addr in addrs[:4]:  # a peer lists its interfaces; the first usually works
                 try:
                     if await self.transport.connect(addr) == peer_id:
@@ -308,4 +322,4 @@ class Membership:
 
 
 __all__ = ["Membership", "MemberView", "OUTBOUND", "MAX_INBOUND", "MAX_NEIGHBOURS", "MAX_CONNECTIONS", "REFRESH_PERIODS", "IDLE_CLOSE",
-           "CONNECT_TIMEOUT", "PROBE_TIMEOUT", "GRAVE_PROBE_PERIODS", "MAX_SEED_BACKOFF"]
+           "CONNECT_TIMEOUT", "RELAYED_CONNECT_TIMEOUT", "PROBE_TIMEOUT", "GRAVE_PROBE_PERIODS", "MAX_SEED_BACKOFF"]

@@ -12,7 +12,7 @@ from contextlib import AsyncExitStack
 
 import pytest
 
-from tessera.stages.generate import LocalEngine
+from tessera.stages.decoding.generate import LocalEngine
 
 from tests.request.memory_swarm import PeerPlan, decisive_model, memory_swarm
 
