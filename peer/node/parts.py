@@ -95,8 +95,9 @@ class PlanPlacement:
 class Pacing:
     """When a peer's periodic tasks run: jittered periods, first phases, and the RNG of both."""
 
-    def __init__(self, rng: random.Random | None = None) -> None:
+    def __init__(self, rng: random.Random | None = None, gossip_rng: random.Random | None = None) -> None:
         self.rng = rng or random.Random()
+        self.gossip_rng = gossip_rng or random.Random()  # who gossip draws as neighbours and partners
 
     def jittered(self, period: float) -> float:
         return period * self.rng.uniform(1 - JITTER, 1 + JITTER)

@@ -43,7 +43,8 @@ from tessera.store.trace import NullTracer, Tracer
 
 from tessera.peer.base.ids import peer_id_text
 from tessera.peer.base.errors import NoRoute, PeerError, PeerUnreachable, UnknownPeer
-from tessera.peer.net.gossip import Gossip, Pinger, ViewKeeper
+from tessera.peer.net.gossip import Gossip, ViewKeeper
+from tessera.peer.net.pinger import Pinger
 from tessera.peer.net.join import handshake_reason, tcp_answers
 from tessera.peer.net.emulated import LinkEmulation, emulate
 from tessera.peer.net.libp2p import open_libp2p_transport
