@@ -155,6 +155,16 @@ class Gateway:
             await self.report(http, ApiError(500, f"internal error: {type(error).__name__}", type="server_error"))
 
     async def report(self, http: Exchange, error: ApiError) -> None:
+        try:
+            await self._report(http, error)
+        except (trio.BusyResourceError, trio.BrokenResourceError, trio.ClosedResourceError) as gone:
+            # The socket could not take the error response: the client closed it, or the server's
+            # own reader is answering on it at the same moment (hypercorn, when a refused request's
+            # unread body arrives as the 413 goes out). Nothing more can reach this client.
+            log.debug("%s %s: the %d response could not be sent (%s)", http.scope["method"], http.scope["path"],
+                      error.status, type(gone).__name__)
+
+    async def _report(self, http: Exchange, error: ApiError) -> None:
         if http.disconnected or http.finished:
             return
         anthropic = http.scope["path"].rstrip("/") == "/v1/messages"
