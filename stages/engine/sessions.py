@@ -58,6 +58,7 @@ class SessionTable:
         """Open a session over layers [start, end) whose KV cache may grow to `capacity` positions
         (it is allocated in chunks as steps reach them: layers/cache.py `SessionCache`)."""
         start, end = check_session((self.start, self.end), start, end, capacity, self.spec.max_position)
+        self.spec.check_span_start(start, end)
         with torch.inference_mode():
             cache = SessionCache(self.cache_specs(start, end), capacity, dtype=self.dtype, device=self.device)
         self.sessions[session] = SessionState(cache, start, end)

@@ -565,6 +565,7 @@ class ModelSpec:
         _check(self.vocab_size > 0, "vocab_size", self.vocab_size)
         _check(self.max_position > 0, "max_position_embeddings", self.max_position)
         _check(self.mtp_layers >= 0, "num_nextn_predict_layers", self.mtp_layers)
+        _check(0 in self.span_starts, "indexer_types", "shared at layer 0")
 
     @property
     def num_layers(self) -> int:
@@ -597,14 +598,15 @@ class ModelSpec:
         """The layers a span may start at (and L): every layer but those that reuse a selection made
         before them (`DsaSpec.shared`). A step carries a DSA selection from layer to layer in one
         stage, never between peers, and a layer that reuses it cannot recompute it: that needs the
-        selecting layer's weights, its input and its cache of index keys. So a span (a peer's, a
-        session's sub-span, a hop of a route) starts only here, and placement ends spans here."""
+        selecting layer's weights, its input and its cache of index keys. So a stage's span and a
+        session's sub-span start only here (`Stage.load`, `SessionTable.open` refuse others)."""
         shared = {i for i, layer in enumerate(self.layers) if getattr(layer.attention, "shared", False)}
         return tuple(i for i in range(self.num_layers + 1) if i not in shared)
 
-    def check_span_start(self, start: int) -> None:
-        """SpanError unless a span may start at layer `start` (`span_starts`)."""
-        if start not in self.span_starts:
+    def check_span_start(self, start: int, end: int) -> None:
+        """SpanError unless a span [start, end) may start at layer `start` (`span_starts`; an empty
+        span may start anywhere)."""
+        if start < end and start not in self.span_starts:
             selecting = max(i for i in self.span_starts if i < start)
             raise SpanError(f"a span cannot start at layer {start} of this {self.family} model: it reuses the "
                             f"sparse-attention selection of layer {selecting}, which is not sent between peers "
