@@ -74,6 +74,8 @@ def read(config: ConfigReader) -> ModelSpec:
     layer_types = config.value("layer_types", None)
     if layer_types is not None and layer_types != ["indexed_attention"] * num_layers:
         raise config.refuse("layer_types", "every layer of this family is indexed_attention")
+    if "q_lora_rank" in config.config and config.config["q_lora_rank"] is None:  # DeepSeek-V3's plain q: no indexer query
+        raise ModelFormatError("config field q_lora_rank has an impossible value None (the indexer reads its latent)")
     mla = MlaSpec(
         heads, config.int("kv_lora_rank", 512), config.int("qk_nope_head_dim", 192),
         config.int("qk_rope_head_dim", 64), config.int("v_head_dim", 256), q_lora_rank=config.int("q_lora_rank", 2048),
