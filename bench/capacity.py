@@ -11,10 +11,13 @@
    the per-layer decode speed a peer measures and advertises (stages/engine/speed.py), each kind
    vs float32.
 3. Aggregate decode tok/s of 1, 4 and 8 concurrent sessions on one peer (bench/batching.py).
+4. Weights in the form they ship (bench/shipped.py): layers in the budget for FP8, MXFP4 and GGUF
+   blocks against bf16, SmolLM2 and 1B-layer decode tok/s of each against float32, and a span's
+   resident bytes over its on-disk bytes.
 
 Prints the ratios last.
 
-    .venv/bin/python bench/capacity.py [--threads 1] [--tokens 32] [--rounds 3] [--budget-gb 2] [--no-1b]
+    .venv/bin/python bench/capacity.py [--threads 1] [--tokens 32] [--rounds 3] [--budget-gb 2] [--no-1b] [--no-shipped]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import time
 
 import torch
 from batching import concurrent_sessions_figures  # bench/batching.py, beside this script
+from shipped import shipped_figures  # bench/shipped.py, beside this script
 
 from tessera.peer.node.config import KV_RESERVE_FRACTION
 from tessera.stages.weights import registry
@@ -78,6 +82,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--budget-gb", type=float, default=2.0)
     parser.add_argument("--no-1b", action="store_true", help="skip the synthetic 1B shape's per-layer speed")
+    parser.add_argument("--no-shipped", action="store_true", help="skip the shipped forms (fp8, MXFP4, GGUF blocks)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     budget = int(args.budget_gb * (1 << 30))
@@ -112,6 +117,9 @@ def main() -> None:
                     + ", ".join(f"{k} {per_layer[k] / per_layer['float32']:.2f}x" for k in per_layer if k != "float32"))
 
     last += concurrent_sessions(args)
+    if not args.no_shipped:
+        last += shipped_figures(model=args.model, tokens=args.tokens, rounds=args.rounds, budget_gb=args.budget_gb,
+                                one_b=not args.no_1b)
     print(f"threads: {args.threads}, tokens per round: {args.tokens}, rounds: {args.rounds} "
           f"(int8/int4: float32 activations, the CPU default; x/bf16: --dtype bfloat16; int4 group {Quant('int4').group_size})")
     for line in last:

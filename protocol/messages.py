@@ -39,6 +39,7 @@ from tessera.protocol.records import (
     SignedRecord,
 )
 from tessera.protocol.schema import INT64_MAX, wire
+from tessera.protocol.tensors import WIRE_FORMS
 
 __all__ = [
     "MAX_MESSAGE_SIZE",
@@ -134,6 +135,9 @@ class SessionOpen:
         work: the requester's proof of work for its identity (see
             `tessera.protocol.admission`); empty: none (such a requester waits behind
             every requester with work when the peer is full).
+        wire_form: the form this peer sends its activations in (`tessera.protocol.tensors.WIRE_FORMS`):
+            "" its compute dtype (exact, the default), or a compact one the requester asked
+            for ("bfloat16", "fp8": lossy, see docs/pages/quantization.md).
     """
 
     session_id: bytes = wire(size=SESSION_ID_SIZE)
@@ -150,10 +154,13 @@ class SessionOpen:
     prev_peer: bytes | None = wire(default=None, max_len=MAX_PEER_ID_SIZE)
     inject_key: SealedKey | None = None
     work: bytes = wire(default=b"", max_len=WORK_NONCE_SIZE)
+    wire_form: str = wire(default="", max_len=16)
 
     def __post_init__(self) -> None:
         if self.start >= self.end:
             raise InconsistentFields(f"SessionOpen: layer range [{self.start!r}, {self.end!r}) is empty")
+        if self.wire_form not in WIRE_FORMS:
+            raise InconsistentFields(f"SessionOpen: wire form {self.wire_form!r} is not one of {list(WIRE_FORMS)}")
 
 
 @message("accept")

@@ -56,6 +56,18 @@ DTYPES: dict[str, torch.dtype] = {
 """Every dtype the codec knows, by wire name. Anything else cannot be encoded."""
 
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+ROW_SCALED_FP8 = "f8e4m3/rows"
+"""A float tensor [..., H] as float8_e4m3fn codes with one float32 scale per row (the last
+dimension a row): data = the R scales (little-endian float32), then the R x H codes; it decodes
+to float32 codes * scale. Lossy (3 mantissa bits): an activation form a requester may ask for
+(`encode_wire`), never what a tensor is by default."""
+
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn: a row's largest |value| is coded as it
+
+WIRE_FORMS = ("", "bfloat16", "fp8")
+"""How activations cross the wire: "" in the sender's compute dtype (exact, the default);
+"bfloat16" (half the bytes of float32, ~3 significant digits); "fp8" (ROW_SCALED_FP8, a quarter)."""
 _ALIGN = 8
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
@@ -72,7 +84,7 @@ class TensorLimits:
         max_bytes: largest data size, prod(shape) * itemsize.
     """
 
-    dtypes: frozenset[str] = frozenset(DTYPES)
+    dtypes: frozenset[str] = frozenset(DTYPES) | {ROW_SCALED_FP8}
     max_rank: int = 8
     max_dim: int = 2**24
     max_bytes: int = 64 * 1024 * 1024
@@ -95,6 +107,38 @@ def encode_tensor(t: torch.Tensor) -> bytes:
         t = _swap_bytes(t)
     data = t.reshape(-1).view(torch.uint8).numpy()  # a view: no copy until the join
     return b"".join((_head(name, tuple(t.shape), data.nbytes), data))
+
+
+def encode_wire(t: torch.Tensor, form: str) -> tuple[bytes, torch.Tensor]:
+    """Activations `t` [..., H] in wire form `form` (WIRE_FORMS): (the encoding, the tensor the receiver
+    will decode from it). A sender fingerprints and attests the second, so that what it signs is
+    what the next hop computes on. Raises UnsupportedDtype for an unknown form."""
+    if form == "":
+        return encode_tensor(t), t
+    if form == "bfloat16":
+        narrow = t.to(torch.bfloat16)
+        return encode_tensor(narrow), narrow
+    if form == "fp8":
+        rows = t.detach().to("cpu", torch.float32).reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
+        scales = (rows.abs().amax(dim=1) / FP8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)  # [R]
+        codes = (rows / scales[:, None]).to(torch.float8_e4m3fn)  # |rows / scale| <= 448: no overflow
+        little = scales if _LITTLE_ENDIAN else _swap_bytes(scales)
+        data = torch.cat((little.view(torch.uint8), codes.view(torch.uint8).reshape(-1)))
+        return (b"".join((_head(ROW_SCALED_FP8, tuple(t.shape), data.numel()), data.numpy())),
+                (codes.float() * scales[:, None]).view(t.shape))
+    raise UnsupportedDtype(f"activation wire form {show(form)} is unknown, expected one of {list(WIRE_FORMS)}")
+
+
+def _decode_row_scaled_fp8(view: memoryview, pos: int, shape: tuple[int, ...], numel: int) -> torch.Tensor:
+    """ROW_SCALED_FP8's data at `pos` (its size already checked) -> float32 of `shape`."""
+    if numel == 0:
+        return torch.empty(shape)
+    rows = numel // shape[-1]
+    scales = torch.frombuffer(bytearray(view[pos : pos + 4 * rows]), dtype=torch.float32)
+    if not _LITTLE_ENDIAN:
+        scales = _swap_bytes(scales)
+    codes = torch.frombuffer(bytearray(view[pos + 4 * rows :]), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    return (codes.view(rows, -1).float() * scales[:, None]).view(shape)
 
 
 @lru_cache(maxsize=1024)
@@ -139,21 +183,28 @@ def decode_tensor(
         raise BadTensor(f"tensor encoding is an array of {count!r} items, expected 4 [dtype, shape, pad, data]")
     dtype, pos = _read_dtype(view, pos, limits)
     shape, pos = _read_shape(view, pos, limits)
-    itemsize = dtype.itemsize
+    scaled = dtype is None  # ROW_SCALED_FP8: decodes to float32
+    if scaled and not shape:
+        raise BadTensor(f"a {ROW_SCALED_FP8} tensor has rows: its shape is empty")
+    itemsize = 4 if scaled else dtype.itemsize
     numel = 1
     for d in shape:
         numel *= d
     if numel * itemsize > limits.max_bytes:
-        raise TensorTooLarge(f"tensor shape {shape!r} of {dtype} needs {numel * itemsize!r} bytes, limit {limits.max_bytes!r}")
+        raise TensorTooLarge(f"tensor shape {shape!r} of {dtype or ROW_SCALED_FP8} needs {numel * itemsize!r} bytes, "
+                             f"limit {limits.max_bytes!r}")
     pad, pos = _expect(view, pos, BYTES, "pad")
     if pad >= _ALIGN:
         raise BadTensor(f"tensor pad is {pad!r} bytes, expected fewer than {_ALIGN}")
     nbytes, pos = _expect(view, pos + pad, BYTES, "data")
-    if nbytes != numel * itemsize or pos + nbytes != len(view):
+    want = (numel + 4 * (numel // shape[-1] if shape[-1] else 0)) if scaled else numel * itemsize
+    if nbytes != want or pos + nbytes != len(view):
         raise TensorSizeMismatch(
             f"tensor data holds {len(view) - pos!r} bytes and claims {nbytes!r}; "
-            f"shape {shape!r} of {dtype} needs {numel * itemsize!r}"
+            f"shape {shape!r} of {dtype or ROW_SCALED_FP8} needs {want!r}"
         )
+    if scaled:
+        return _decode_row_scaled_fp8(view, pos, shape, numel)
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     if dtype is torch.bool and int(_frombuffer(view, torch.uint8, numel, pos).max()) > 1:
@@ -217,14 +268,16 @@ def _expect(view: memoryview, pos: int, major: int, what: str) -> tuple[int, int
     return arg, pos
 
 
-def _read_dtype(view: memoryview, pos: int, limits: TensorLimits) -> tuple[torch.dtype, int]:
+def _read_dtype(view: memoryview, pos: int, limits: TensorLimits) -> tuple[torch.dtype | None, int]:
+    """The dtype named at `pos` (None for ROW_SCALED_FP8) and the position after it."""
     length, pos = _expect(view, pos, TEXT, "dtype")
     if pos + length > len(view):
         raise BadTensor(f"tensor dtype name claims {length!r} bytes, only {len(view) - pos!r} remain")
     name = bytes(view[pos : pos + min(length, 16)]).decode("ascii", errors="replace")
-    if length > 16 or name not in DTYPES or name not in limits.dtypes:
-        raise UnsupportedDtype(f"tensor dtype {show(name)}, expected one of {sorted(limits.dtypes & DTYPES.keys())}")
-    return DTYPES[name], pos + length
+    known = DTYPES.keys() | {ROW_SCALED_FP8}
+    if length > 16 or name not in known or name not in limits.dtypes:
+        raise UnsupportedDtype(f"tensor dtype {show(name)}, expected one of {sorted(limits.dtypes & known)}")
+    return DTYPES.get(name), pos + length
 
 
 def _read_shape(view: memoryview, pos: int, limits: TensorLimits) -> tuple[tuple[int, ...], int]:

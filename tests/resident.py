@@ -72,3 +72,42 @@ def mib(parts: dict[str, int]) -> str:
     """`resident_parts` as one line, for a test's output (read when a memory test fails on
     another machine)."""
     return ", ".join(f"{kind} {size / 2**20:.1f} MiB" for kind, size in parts.items())
+
+
+# A span of a model folder (argv: folder, start, end) loaded and run in a fresh process: prints the bytes
+# it then holds (held_bytes growth), the weights it says it holds, and its KV cache for 64 positions.
+SPAN_RSS = """
+import gc, sys, torch
+from pathlib import Path
+from tessera.stages.engine.stage import Stage
+from tests.resident import held_bytes, mib, no_huge_pages, resident_parts
+no_huge_pages()
+torch.set_num_threads(1)
+folder, start, end = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+warm = Stage.load(folder, start=start, end=start + 1)
+warm.open("w", capacity=4)
+warm.forward("w", torch.zeros(1, warm.spec.hidden_size), 0)  # torch's lazy kernel set-up, not the span
+del warm
+import tessera.stages.weights.quant as quant_module
+quant_module.SCRATCH = quant_module.Scratch()  # the dequantization buffers count: fresh ones for the span
+import tessera.stages.weights.formats.fp8, tessera.stages.weights.formats.mxfp4, tessera.stages.weights.formats.ggml
+for module in (tessera.stages.weights.formats.fp8, tessera.stages.weights.formats.mxfp4, tessera.stages.weights.formats.ggml):
+    module.SCRATCH = quant_module.SCRATCH
+gc.collect()
+held_before = held_bytes()
+stage = Stage.load(folder, start=start, end=end)
+stage.open("s", capacity=64)
+stage.forward("s", torch.zeros(1, stage.spec.hidden_size), 0)  # every weight touched, the scratch grown
+gc.collect()
+print('after the span:', mib(resident_parts()), file=sys.stderr)
+print(held_bytes() - held_before, stage.weight_bytes, stage.session_bytes(64))
+"""
+
+
+def span_on_disk(folder: Path, start: int, end: int) -> int:
+    """Bytes the tensors of layers [start, end) take in the folder's file (its safetensors header)."""
+    from tessera.stages.weights.tensor_table import read_header
+
+    _, header = read_header(folder / "model.safetensors")
+    prefixes = tuple(f"model.layers.{i}." for i in range(start, end))
+    return sum(e["data_offsets"][1] - e["data_offsets"][0] for n, e in header.items() if n.startswith(prefixes))

@@ -38,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_dedicated_option(p)
     p.add_argument("--model", default="smollm2-135m", help="registered name or folder (default smollm2-135m)")
     add_accept_mixed_option(p)
+    p.add_argument("--wire", default="", choices=("bfloat16", "fp8"),
+                   help="through a swarm: activations between peers in a compact form, NOT exact "
+                        "(bfloat16 half, fp8 with a scale per row a quarter of float32's bytes); default exact")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--route-wait", type=float, default=30.0, metavar="S",
                    help="how long to wait for the (allowed) peers to cover every layer (default 30)")

@@ -53,11 +53,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=lambda a: print(registry.resolve(a.name)))
 
     p = msub.add_parser(
-        "import", help="register a .gguf file or a Hugging Face Llama-family folder",
-        epilog="example: tessera model import ~/models/Qwen2-0.5B --name qwen2-0.5b",
+        "import", help="register a .gguf file (its blocks kept as they are) or a Hugging Face folder",
+        epilog="example: tessera model import ~/models/Qwen3-8B-Q4_K_M.gguf --name qwen3-8b-q4km",
     )
     p.add_argument("path", type=Path, metavar="PATH", help="a .gguf file or a Hugging Face model folder")
     p.add_argument("--name", help="registry name (default: the file or folder name)")
+    p.add_argument("--dequantize", action="store_true",
+                   help="a .gguf: write float32 weights instead of keeping its blocks (4-8x the size)")
     p.set_defaults(handler=_import)
 
     p = msub.add_parser(
@@ -110,7 +112,7 @@ def _fetch(args: argparse.Namespace) -> None:
 def _import(args: argparse.Namespace) -> None:
     from tessera.peer.cli.model_files import import_model
 
-    folder = import_model(args.path, name=args.name, progress=progress_printer())
+    folder = import_model(args.path, name=args.name, dequantize=args.dequantize, progress=progress_printer())
     print(folder)
 
 

@@ -204,8 +204,9 @@ def available() -> list[tuple[str, str]]:
 
 
 def import_model(path: Path, *, name: str | None = None, progress: Progress | None = None,
-                 source: dict | None = None) -> Path:
-    """Register a `.gguf` file (converted) or a Hugging Face Llama-family folder (linked)."""
+                 source: dict | None = None, dequantize: bool = False) -> Path:
+    """Register a `.gguf` file (its blocks kept as they are; float32 with `dequantize`) or a Hugging
+    Face folder of a supported family (linked; float, or fp8/mxfp4 as it ships)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelFormatError(f"nothing at {str(path)!r}")
@@ -215,7 +216,7 @@ def import_model(path: Path, *, name: str | None = None, progress: Progress | No
     with tempfile.TemporaryDirectory(dir=root, prefix=".import-") as tmp:
         staging = Path(tmp) / name
         if path.is_file():
-            convert_gguf(path, staging, progress=progress)
+            convert_gguf(path, staging, keep_blocks=not dequantize, progress=progress)
         else:
             registry.link_folder(path, staging)
         # the whole folder (config, tokenizer, every tensor's shape) before anything is registered

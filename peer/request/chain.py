@@ -29,9 +29,9 @@ import trio
 
 from tessera.store import events
 from tessera.store.trace import now as trace_now
-from tessera.protocol.activations import open_payload, seal_activations
+from tessera.protocol.activations import open_payload, seal_payload
 from tessera.protocol.errors import WireError
-from tessera.protocol.tensors import decode_tensor
+from tessera.protocol.tensors import decode_tensor, encode_wire
 from tessera.protocol.keys import EphemeralKey, public_key_from_peer_id
 from tessera.protocol.links import Direction, LinkCipher, seal_link_key
 from tessera.protocol.error_codes import NEXT_HOP_FAILED
@@ -178,6 +178,7 @@ class RouteSession:
                 tap_key=self.seal(tap, hop.peer_id) if tap else None,
                 prev_peer=peer_bytes(prev_peer) if prev_peer is not None else None,
                 inject_key=self.seal(inject, hop.peer_id) if inject else None, work=self.ctx.work,
+                wire_form=self.ctx.wire,
             )
             links = {
                 "send": self.cipher(inject) if inject else (self.cipher(into[0]) if i == 0 else None),
@@ -353,7 +354,7 @@ class RouteSession:
         assert first.send is not None, "the requester feeds only the first hop or an injected one"
         template = Forward(self.session_id, step, first.send.link_id, 0, start_pos, n, stop_layer, b"", reply=reply)
         try:
-            frame = seal_activations(first.send, template, hidden)
+            frame = seal_payload(first.send, template, encode_wire(hidden, self.ctx.wire)[0])
             wall, mono_ns = trace_now()  # a push is stamped as its send starts (store/trace.py)
             await first.channel.send(frame)
         except PeerError as error:

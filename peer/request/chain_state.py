@@ -32,6 +32,7 @@ class RequesterContext:
     num_layers: int
     hidden_size: int
     tracer: Tracer = field(default_factory=NullTracer)
+    wire: str = ""  # the activations' wire form the requester asks its peers for (protocol/tensors.py WIRE_FORMS)
 
     @cached_property
     def work(self) -> bytes:

@@ -28,6 +28,7 @@ import torch
 import trio
 
 from tessera.protocol.keys import Identity
+from tessera.protocol.tensors import WIRE_FORMS
 from tessera.stages.weights import registry
 from tessera.stages.decoding.generate import GenerationResult, plan_length, prompt_ids
 from tessera.stages.decoding.constrained import ConstrainedSampler, JsonConstraint
@@ -122,10 +123,14 @@ class Swarm:
         policy: RequesterPolicy | None = None,
         quant: Quant = NO_QUANT,
         accept_mixed: bool = False,
+        wire: str = "",
     ) -> None:
         """`model`, or the one in `folder` (loaded here); `clock` dates the view's records,
         `ban_clock` the bans. `keeper`: a view fed from elsewhere (then `gossip=False`: a
-        simulation's shared view); `reports`: keep and pull misbehaviour reports."""
+        simulation's shared view); `reports`: keep and pull misbehaviour reports. `wire`: the form
+        activations cross the wire in (protocol/tensors.py WIRE_FORMS; "" exact, the default)."""
+        if wire not in WIRE_FORMS:
+            raise ValueError(f"activation wire form {wire!r} is not one of {list(WIRE_FORMS)}")
         self.folder = folder
         # who may compute this requester's answers (peer/request/policy.py); a revocation adds to `deny`
         self.policy = policy or RequesterPolicy()
@@ -144,6 +149,7 @@ class Swarm:
         self.ctx = RequesterContext(
             transport=transport, identity=identity, keeper=self.keeper, nursery=nursery,
             num_layers=self.spec.num_layers, hidden_size=self.spec.hidden_size, tracer=tracer or NullTracer(),
+            wire=wire,
         )
         self.peer_id = transport.peer_id
         self.ctx.tracer.bind(self.peer_id)  # a TraceWriter made before this requester had an id
@@ -173,12 +179,15 @@ class Swarm:
         quant: Quant = NO_QUANT,
         accept_mixed: bool = False,
         dedicated: bool = True,
+        wire: str = "",
     ) -> AsyncIterator["Swarm"]:
         """Join the swarm reachable at `addrs` as a requester (serving nothing).
 
         `policy` says which peers may compute its answers (every answer; a request may narrow it).
         `quant`: route only through peers serving that quantization (default: unquantized);
         `accept_mixed`: through peers of any quantization of the model.
+        `wire`: activations between peers in a compact form, "bfloat16" or "fp8" (a scale per row):
+        fewer bytes, NOT exact (docs/pages/quantization.md states the error); "" exact (the default).
 
         `dedicated`: run sessions on connections of their own where a peer takes them
         (peer/net/dedicated/); False keeps every stream on the libp2p connection.
@@ -192,7 +201,7 @@ class Swarm:
             async with trio.open_nursery() as nursery:
                 swarm = await in_worker(
                     lambda: Swarm(transport, nursery, folder=folder, identity=identity, tracer=tracer, policy=policy,
-                                  quant=quant, accept_mixed=accept_mixed)
+                                  quant=quant, accept_mixed=accept_mixed, wire=wire)
                 )
                 await swarm.connect(addrs, swarm_key_given=swarm_key is not None)
                 nursery.start_soon(swarm.refresh_forever)
@@ -377,6 +386,9 @@ class Swarm:
         capacity = min(len(ids) + budget + SPECULATION_SLACK, self.spec.max_position)
         session = ResilientSession(self, max_length=capacity, route_wait=route_wait, policy=policy)
         await session.open()
+        if spot_check is not None and spot_check.rate > 0 and self.ctx.wire:
+            # a check compares outputs at float32 tolerances; a compact form rounds them far beyond
+            raise ValueError(f"spot checks need exact activations on the wire, not {self.ctx.wire!r}")
         if spot_check is not None and spot_check.rate > 0:
             session.checker = SpotChecker(self, session, spot_check)
         self.active.add(session)

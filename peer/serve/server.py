@@ -169,7 +169,7 @@ class StageServer:
                                     self.admission.requester(requester), self.admission.clock()))
         session = self.session_class(
             session_id=msg.session_id, requester=requester, start=msg.start, end=msg.end,
-            capacity=msg.max_length, control=channel, ephemeral_public=msg.ephemeral_public,
+            capacity=msg.max_length, control=channel, ephemeral_public=msg.ephemeral_public, wire=msg.wire_form,
         )
         try:
             prev = peer_id_str(msg.prev_peer) if msg.prev_peer is not None else requester

@@ -26,7 +26,7 @@ from tessera.protocol.fingerprint import fingerprint_bytes
 from tessera.protocol.keys import Identity
 from tessera.protocol.links import Direction, LinkCipher, open_link_key
 from tessera.protocol.messages import REPLY_FINGERPRINT, Forward, LinkHello, Result, SealedKey
-from tessera.protocol.tensors import TensorLimits, check_finite, decode_tensor, encode_tensor
+from tessera.protocol.tensors import TensorLimits, check_finite, decode_tensor, encode_wire
 
 from tessera.stages.errors import SpanError, StageError
 from tessera.stages.engine.stage import Stage
@@ -85,6 +85,7 @@ class ServedSession:
     link_scopes: list[trio.CancelScope] = field(default_factory=list)  # readers of its link streams
     closed: bool = False
     revoked: bool = False  # the requester revoked this peer from the session (SessionRevoke)
+    wire: str = ""  # the form its activations go out in (protocol/tensors.py WIRE_FORMS): the requester's choice
 
     def __post_init__(self) -> None:
         self.queue_in, self.queue_out = trio.open_memory_channel[object](QUEUE_DEPTH)
@@ -191,7 +192,9 @@ class ServedSession:
         frames: list[object] = []
         last_hop = self.next_peer is None
         stops_here = last_hop or msg.stop_layer <= self.end
-        encoded = encode_tensor(output)  # once, for both the onward frame and the tap
+        # once, for both the onward frame and the tap; in a compact form, what is fingerprinted and
+        # attested is what the receivers decode
+        encoded, output = encode_wire(output, self.wire)
         if not stops_here:
             template = Forward(
                 self.session_id, msg.step, self.out.link_id, 0, msg.start_pos, msg.n_tokens, msg.stop_layer, b"",

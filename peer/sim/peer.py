@@ -82,7 +82,8 @@ class SimPeer(NodeWatch):
             allow_alone=True,  # bootstrap peers that all just left: serve (as the first peer does)
         )
         compute = SimCompute(world.spec, world.model_id, plan.throughput,
-                             load_seconds_per_layer=t.load_seconds_per_layer, first_load_seconds=plan.load_seconds)
+                             load_seconds_per_layer=t.load_seconds_per_layer, first_load_seconds=plan.load_seconds,
+                             compute_throughput=plan.compute_throughput)
         self.disk = SimDisk(world.spec.num_layers, world.spec.layer_bytes(FLOAT32_BYTES), plan.bandwidth, plan.disk)
         self.node = PeerNode(config, NodeParts(
             open_transport=lambda: open_memory_transport(world.network, self.peer_id),

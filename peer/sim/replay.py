@@ -9,8 +9,16 @@ replay is the first recorded event. What is taken from them, per event class
 
 - `Join` (peer): when the peer started; its ``model`` is the model id.
 - `Claim` (peer): the span claimed, ``throughput`` (tokens/s per layer) and
-  ``capacity`` (layers its memory holds) — what placement needs. The time from
+  ``capacity`` (layers its memory holds) — what placement needs, and what the
+  replayed peer advertises (so routing weighs it as live routing did). The time from
   the claim to its first `Advertise` as serving is how long its load took.
+- `Forward` (peer): how fast it computed. A replayed peer's steps run at its recorded
+  forwards' layer-tokens over their compute seconds (a batch's seconds shared among
+  its members), not at the claim's throughput: that is one measurement at start-up,
+  and peers started together on one machine measure while the others import and load
+  (a loopback swarm claimed 61 tokens/s per layer and computed at 999). At the claim,
+  a replayed answer took many times its live time and ran into the peers' recorded
+  leaves, which come only seconds after a test's last answer.
 - `Move` (peer): span changes, re-applied at their times by the ``recorded`` policy.
 - `Leave` (peer): a graceful leave. A peer that falls silent for longer than
   `SILENT_GONE_S` before the trace ends, without a leave, is replayed as killed.
@@ -33,7 +41,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from tessera.store.events import Advertise, Claim, Failover, Join, Leave, Move, Push, Result, SessionClose, SessionOpen
+from tessera.store.events import (
+    Advertise, Claim, Failover, Forward, Join, Leave, Move, Push, Result, SessionClose, SessionOpen,
+)
 from tessera.store.timeline import Event, load_timeline
 
 from tessera.peer.sim.errors import TraceTooThin
@@ -77,6 +87,7 @@ def from_trace(paths: Sequence[Path | str], *, until: float | None = None) -> Sc
             by_session[e.event.session].append(e)
     end = max((e.t for e in events), default=0.0)
     model_id = next((e.event.model for e in events if isinstance(e.event, Join) and e.event.model), None)
+    computed = compute_throughputs(events)
 
     peers = []
     for label, evs in by_peer.items():
@@ -98,7 +109,8 @@ def from_trace(paths: Sequence[Path | str], *, until: float | None = None) -> Sc
                         and e.event.state == "serving"), None)
         peers.append(PeerPlan(label=label, join_at=join, throughput=throughput if throughput > 0 else 1.0,
                               capacity_layers=max(1, capacity), leave_at=leave, leave_mode=mode, span=span,
-                              moves=moves, load_seconds=None if serving is None else serving - claim_at))
+                              moves=moves, load_seconds=None if serving is None else serving - claim_at,
+                              compute_throughput=computed.get(label)))
     if not peers:
         raise TraceTooThin(f"no peer claimed a span in {[str(p) for p in dbs]}; nothing to replay")
 
@@ -132,13 +144,29 @@ def from_trace(paths: Sequence[Path | str], *, until: float | None = None) -> Sc
     hidden = hidden_size(events)
     meta = {"databases": [str(p) for p in dbs], "trace_end_s": end, "clock_offsets_s": dict(
         sorted((str(timeline.paths[i]), off) for i, off in timeline.offsets.items())),
-        "hidden_size_inferred": hidden is not None, "until": until}
+        "hidden_size_inferred": hidden is not None, "until": until,
+        "compute_throughput": {p.label: round(p.compute_throughput, 3) for p in sorted(peers, key=lambda p: p.label)
+                               if p.compute_throughput is not None}}
     return Scenario(
         "replay", num_layers, hidden or DEFAULT_HIDDEN, model_id, tuple(sorted(peers, key=lambda p: p.join_at)),
         tuple(requests), tuple(requesters), meta=meta,
         link_latency=latencies,
         default_latency=statistics.median(latencies.values()) if latencies else DEFAULT_LATENCY_S,
     )
+
+
+def compute_throughputs(events: Iterable[Event]) -> dict[str, float]:
+    """Per peer, the tokens/s through one layer its recorded forward steps ran at: their
+    n_tokens x layers over their compute seconds, a batch's seconds shared equally among the
+    steps it held (each of them records the whole batch's). Peers with no timed step are absent."""
+    work: dict[str, float] = defaultdict(float)
+    seconds: dict[str, float] = defaultdict(float)
+    for e in events:
+        step = e.event
+        if isinstance(step, Forward) and step.n_tokens and step.duration > 0:
+            work[e.peer] += step.n_tokens * (step.span[1] - step.span[0])
+            seconds[e.peer] += step.duration / max(1, step.batch or 1)
+    return {peer: work[peer] / seconds[peer] for peer in work if work[peer] > 0}
 
 
 def link_latencies(pairs: Iterable[tuple[Event, Event]]) -> dict[tuple[str, str], float]:
@@ -165,4 +193,4 @@ def hidden_size(events: Iterable[Event]) -> int | None:
     return hidden if hidden > 0 and rest == 0 else None
 
 
-__all__ = ["from_trace", "find_databases", "link_latencies", "hidden_size", "TraceTooThin"]
+__all__ = ["from_trace", "find_databases", "compute_throughputs", "link_latencies", "hidden_size", "TraceTooThin"]

@@ -73,7 +73,7 @@ class SimRequester:
                     await session.step(self.hidden(1), request.prompt_tokens + produced - 1)
                     outcome.token_at(trio.current_time())
         except PeerError as error:
-            outcome.error = f"{type(error).__name__}: {error}"
+            outcome.error = world.in_labels(f"{type(error).__name__}: {error}")
         except trio.TooSlowError:
             outcome.error = f"timeout: still running after {world.timings.request_timeout:g} s"
         finally:

@@ -52,7 +52,8 @@ class PeerPlan:
 
     label:          its name in reports (a replay: the recorded peer id).
     join_at:        when it starts.
-    throughput:     tokens/s through one layer (what it advertises, and how fast it computes).
+    throughput:     tokens/s through one layer: what it advertises (placement and routing see it),
+                    and how fast it computes unless `compute_throughput` says otherwise.
     capacity_layers: how many layers its memory holds.
     leave_at, leave_mode: when and how it goes (None: it stays to the end).
     span:           a forced span (replay's `recorded` policy); None: placement chooses.
@@ -62,6 +63,10 @@ class PeerPlan:
     disk:           layer ranges it has on disk at the start (``()``: an empty folder; it
                     downloads what it claims beyond them at `bandwidth`, peer/sim/disk.py);
                     None: the whole model.
+    compute_throughput: tokens/s through one layer its steps take (None: `throughput`). A replay
+                    gives the speed its recorded forward steps ran at: the advertised one is a
+                    start-up measurement, which on a busy machine (peers starting beside it) can
+                    be many times slower than what the peer then computed.
     """
 
     label: str
@@ -77,12 +82,15 @@ class PeerPlan:
     bandwidth: float = 125e6
     load_seconds: float | None = None  # a replay's measured load time (default: per layer, see Timings)
     disk: tuple[tuple[int, int], ...] | None = None
+    compute_throughput: float | None = None
 
     def __post_init__(self) -> None:
         if self.leave_mode not in LEAVE_MODES:
             raise BadScenario(f"leave_mode must be one of {LEAVE_MODES!r}, got {self.leave_mode!r}")
         if not self.throughput > 0:
             raise BadScenario(f"peer {self.label}: throughput must be > 0, got {self.throughput!r}")
+        if self.compute_throughput is not None and not self.compute_throughput > 0:
+            raise BadScenario(f"peer {self.label}: compute_throughput must be > 0, got {self.compute_throughput!r}")
         if self.capacity_layers < 1:
             raise BadScenario(f"peer {self.label}: capacity_layers must be >= 1, got {self.capacity_layers!r}")
         if self.leave_at is not None and self.leave_at < self.join_at:

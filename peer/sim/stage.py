@@ -148,7 +148,8 @@ def cost_model(stage_of: Callable[[], SimStage], throughput: float) -> Callable[
 
 class SimCompute:
     """A simulated peer's stage loader (peer/node/parts.py `Compute`): weightless `SimStage`s,
-    "loaded" in a modelled delay, computed at `throughput` by the cost model.
+    "loaded" in a modelled delay, computed by the cost model at `compute_throughput` (default:
+    `throughput`, what `measure` reports and the peer advertises).
 
     It advertises what a default record says (float32 on a CPU, no device memory), and
     measures nothing: the peer's speed is the scenario's.
@@ -161,10 +162,11 @@ class SimCompute:
     device_name = "simulated"
 
     def __init__(self, spec: ModelSpec, model_id: str, throughput: float, *, load_seconds_per_layer: float,
-                 first_load_seconds: float | None = None) -> None:
+                 first_load_seconds: float | None = None, compute_throughput: float | None = None) -> None:
         self.spec = spec
         self.model_id = model_id
         self.throughput = throughput
+        self.compute_throughput = compute_throughput or throughput
         self.load_seconds_per_layer = load_seconds_per_layer
         self._first_load = first_load_seconds  # the scenario's time for the first span, if it says
 
@@ -186,10 +188,11 @@ class SimCompute:
         return SimStage(self.spec, start, end)
 
     def serve_with(self, server) -> None:
-        server.run_compute = cost_model(lambda: server.stage, self.throughput)
+        server.run_compute = cost_model(lambda: server.stage, self.compute_throughput)
 
     def describe(self) -> str:
-        return f"simulated at {self.throughput:g} tokens/s per layer"
+        return (f"simulated at {self.compute_throughput:g} tokens/s per layer"
+                + (f" (advertising {self.throughput:g})" if self.compute_throughput != self.throughput else ""))
 
 
 __all__ = ["SimStage", "SimCompute", "sim_spec", "sim_model_id", "cost_model"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,6 +219,15 @@ class World:
 
     def label(self, peer_id: str) -> str:
         return self.labels.get(peer_id, peer_id)
+
+    def in_labels(self, text: str) -> str:
+        """`text` (an error) with every simulated node's peer id replaced by its label: the ids
+        are the simulation's own (`assign_identities`), the report names nodes by label. One pass:
+        a replay's labels are peer ids too, and one may be another node's simulated id."""
+        if not self.labels:
+            return text
+        ids = re.compile("|".join(re.escape(peer_id) for peer_id in sorted(self.labels, key=len, reverse=True)))
+        return ids.sub(lambda m: self.labels[m.group(0)], text)
 
     def new_keeper(self) -> ViewKeeper:
         """The keeper a new node uses: the shared one, or its own (real gossip)."""

@@ -19,8 +19,10 @@ import torch
 from collections import Counter
 
 from tessera.stages.engine.stage import Stage
+from tessera.stages.families.catalog import tensors_of_layer
 from tessera.stages.families.spec import LayerSpec, ModelSpec
 from tessera.stages.layers.block import Block, linear_paths
+from tessera.stages.weights.formats.encode import encoded_linear
 from tessera.stages.weights.quant import NO_QUANT, Quant, quantize_linear
 
 WARMUP_STEPS = 3
@@ -37,7 +39,7 @@ def measure_layer_throughput(
     max_steps: int = 200,
 ) -> float:
     """Decode tokens/s through one layer of `spec` on this machine (median of timed steps),
-    its matrices stored as `quant`."""
+    its matrices stored as `quant`, or as the model ships them (`spec.shipped`)."""
     gen = torch.Generator().manual_seed(0)
     layer = typical_layer(spec)
     block = Block(spec, spec.layers[layer])
@@ -45,11 +47,17 @@ def measure_layer_throughput(
         for p in block.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     block = block.to(device=device, dtype=dtype).requires_grad_(False)
-    for path in linear_paths(block) if quant.active else ():
+    tensors = tensors_of_layer(spec, layer)
+    for path in linear_paths(block) if quant.active or spec.shipped is not None else ():
         owner, _, name = path.rpartition(".")
         dense = block.get_submodule(path)
-        setattr(block.get_submodule(owner), name, quantize_linear(
-            dense.weight.cpu(), None if dense.bias is None else dense.bias.cpu(), quant, dtype=dtype, device=device))
+        bias = None if dense.bias is None else dense.bias.cpu()
+        if spec.shipped is not None:  # the form the model ships in (stages/weights/formats/)
+            module = encoded_linear(spec.shipped, tensors[path + ".weight"][0], dense.weight.cpu(), std=0.02, gen=gen)
+            module.bias = bias
+        else:
+            module = quantize_linear(dense.weight.cpu(), bias, quant, dtype=dtype, device=device)
+        setattr(block.get_submodule(owner), name, module.to(device))
     stage = Stage(spec, layer, [block], device=device, dtype=dtype)
     stage.open("speed", capacity=CONTEXT + WARMUP_STEPS + max_steps + 1)
     x = torch.randn(CONTEXT, spec.hidden_size, generator=gen).to(device=device, dtype=dtype)

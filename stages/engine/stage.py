@@ -32,8 +32,9 @@ from tessera.stages.layers.attention import Segment, StepContext
 from tessera.stages.layers.block import Block
 from tessera.stages.layers.rope import RopeTables
 from tessera.stages.weights.folder import WeightFolder
+from tessera.stages.weights.formats.load import read_embedding, read_head, shipped_block
 from tessera.stages.weights.gguf_blocks import GgufQ4Source
-from tessera.stages.weights.quant import NO_QUANT, Quant, quantize_block, takes_gguf_blocks
+from tessera.stages.weights.quant import NO_QUANT, Quant, check_quant_for, quantize_block, takes_gguf_blocks
 
 
 # One session's step in a stacked forward: (session, hidden states [T, H], start position).
@@ -90,11 +91,13 @@ class Stage(SessionTable):
         Blocks are built on the meta device and take the read tensors by assignment,
         so no memory is spent on initial values. With `quant`, each matrix is quantized
         as it is read (the embedding and head stay in `dtype`); an int4 float32 CPU span takes
-        the Q4_1 blocks of the folder's source GGUF as they are (stages/weights/gguf_blocks.py). Raises ModelFormatError,
-        SpanError, QuantError.
+        the Q4_1 blocks of the folder's source GGUF as they are (stages/weights/gguf_blocks.py).
+        A folder that ships quantized (fp8 blocks, MXFP4, GGUF blocks: `spec.shipped`) keeps its
+        matrices as stored (stages/weights/formats/). Raises ModelFormatError, SpanError, QuantError.
         """
         weights = WeightFolder(folder)
         spec = weights.spec
+        check_quant_for(spec, quant)
         end = spec.num_layers if end is None else end
         if not 0 <= start <= end <= spec.num_layers:
             raise SpanError(f"span [{start}, {end}) is outside the model's [0, {spec.num_layers})")
@@ -103,6 +106,9 @@ class Stage(SessionTable):
         # a fetched model's source GGUF, whose Q4_1 blocks an int4 span takes as they are
         gguf = GgufQ4Source.beside(folder, spec) if takes_gguf_blocks(quant, device, dtype) and end > start else None
         for layer in range(start, end):
+            if spec.shipped is not None:
+                blocks.append(shipped_block(weights, layer, dtype=dtype, device=device))
+                continue
             if quant.active:
                 blocks.append(quantize_block(weights, layer, quant, dtype=dtype, device=device, gguf=gguf))
                 continue
@@ -111,10 +117,10 @@ class Stage(SessionTable):
             state = {k: v.to(device) for k, v in weights.layer_state(layer, dtype).items()}
             block.load_state_dict(state, assign=True, strict=True)
             blocks.append(block.requires_grad_(False))
-        embedding = weights.embedding(dtype).to(device) if embed else None
+        embedding = read_embedding(weights, dtype).to(device) if embed else None
         norm = head_weight = None
         if head:
-            norm, head_weight = (t.to(device) for t in weights.head(dtype))
+            norm, head_weight = (t.to(device) for t in read_head(weights, dtype))
             if embedding is not None and spec.tie_embeddings:
                 head_weight = embedding  # one copy of a tied matrix
         return Stage(

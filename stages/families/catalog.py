@@ -15,13 +15,14 @@ A family needing a new operator first gets the operator's kind (families/spec.py
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families import deepseek, glm, glm5, gpt_oss, llama, mixtral, qwen3
 from tessera.stages.families.config import ConfigReader
+from tessera.stages.families.shipped import read_shipped
 from tessera.stages.families.spec import ModelSpec
 from tessera.stages.families.tensors import (
     MIXTRAL_EXPERTS, QWEN_EXPERTS, Choices, ExpertNames, Shape, edge_tensors, layer_tensors,
@@ -77,10 +78,11 @@ def spec_from_config(config: dict[str, Any]) -> ModelSpec:
     if not isinstance(config, dict):
         raise ModelFormatError("config.json does not hold a JSON object")
     family = family_of(config)
+    shipped = read_shipped(config)  # fp8 / mxfp4 / GGUF blocks as they ship; any other form refused here
     reader = ConfigReader(config, family.name)
     spec = family.read(reader)
     reader.finish()
-    return spec
+    return replace(spec, shipped=shipped) if shipped is not None else spec
 
 
 def spec_from_file(path: Path) -> ModelSpec:
@@ -97,8 +99,12 @@ def spec_from_file(path: Path) -> ModelSpec:
 
 
 def to_config(spec: ModelSpec) -> dict[str, Any]:
-    """The config.json dict of `spec` (its family's form)."""
-    return FAMILIES[spec.family].to_config(spec)
+    """The config.json dict of `spec` (its family's form, with its `quantization_config` when shipped quantized)."""
+    config = FAMILIES[spec.family].to_config(spec)
+    if spec.shipped is not None:
+        config["quantization_config"] = spec.shipped.to_config()
+        config["dtype"] = spec.shipped.float_dtype  # what its float tensors are stored in
+    return config
 
 
 def tensors_of_layer(spec: ModelSpec, layer: int) -> dict[str, Choices]:

@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tessera.stages.errors import ModelFormatError, SpanError
+from tessera.stages.families.shipped import ShippedFormat
 
 # grouped-query attention (multi-head and multi-query included); multi-head latent; MLA with DeepSeek's sparse attention
 ATTENTION_KINDS = ("gqa", "mla", "dsa")
@@ -546,6 +547,9 @@ class ModelSpec:
                     (DeepSeek-V3's and GLM-4.5's `num_nextn_predict_layers`, as layers L, L+1...):
                     not run (transformers does not run them either); their tensors are accepted
                     in a folder and never read.
+    shipped:        how the checkpoint stores its matrices when not as floats (fp8 blocks, mxfp4,
+                    GGUF blocks: families/shipped.py), else None. The arithmetic is the same; the
+                    bytes a span holds are the shipped ones.
     """
 
     family: str
@@ -558,6 +562,7 @@ class ModelSpec:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     mtp_layers: int = 0
+    shipped: ShippedFormat | None = None
 
     def __post_init__(self) -> None:
         _check(len(self.layers) > 0, "num_hidden_layers", len(self.layers))

@@ -1,18 +1,30 @@
-"""GGUF -> a Hugging Face-style model folder.
+"""GGUF -> a Hugging Face-style model folder, its blocks kept as they are or dequantised.
 
-A GGUF file holds quantised tensors under llama.cpp's names plus the tokenizer
-and chat template as metadata. We dequantise every tensor to float32 (the `gguf`
-package does the arithmetic), rename it, undo llama.cpp's RoPE row permutation
-of q/k for Llama-architecture files, and write `config.json`, `model.safetensors`,
-`tokenizer.json`, `tokenizer_config.json` and `chat_template.jinja`.
+A GGUF file holds tensors under llama.cpp's names plus the tokenizer and chat template as
+metadata. Each tensor is renamed, llama.cpp's RoPE row permutation of q/k is undone for
+Llama-architecture files (rows of blocks move as rows of weights do), a sparse layer's
+experts, stacked on one tensor (`blk.N.ffn_gate_exps` [E, I, H] ...), are cut into one
+tensor per expert as Hugging Face checkpoints publish them, and `config.json`,
+`model.safetensors`, `tokenizer.json`, `tokenizer_config.json` and `chat_template.jinja`
+are written. Two forms:
 
-Only byte-level BPE ("gpt2") tokenizers are converted; SentencePiece GGUFs are
-refused with a clear error.
+- kept (`tessera model import FILE.gguf`): every tensor's bytes as the file holds them, a
+  block-quantised one as uint8 [rows, row bytes], its ggml type in the config's
+  `quantization_config` (families/shipped.py "gguf"); a span computes them as stored
+  (stages/weights/formats/ggml.py) and holds the file's bytes, not floats.
+- dequantised (`--dequantize`; how the built-in SmolLM2 is fetched): every tensor to float32
+  by the `gguf` package's own dequantizers.
+
+Families: llama (Mixtral when it has experts), qwen2, qwen3, qwen3moe. A ggml type outside
+families/shipped.py GGML_TYPES is refused when kept (the `gguf` package dequantises more).
+Only byte-level BPE ("gpt2") tokenizers are converted; SentencePiece GGUFs are refused with a
+clear error.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,8 +33,10 @@ import torch
 from safetensors.torch import save_file
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
-from tessera.stages.families.catalog import spec_from_config, to_config
+from tessera.stages.families.catalog import FAMILIES, spec_from_config, to_config
+from tessera.stages.families.shipped import ShippedFormat, ggml_type_of
 from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.tensors import ExpertNames
 
 Progress = Callable[[int, int, str], None]
 
@@ -45,7 +59,18 @@ TENSOR_NAMES = {
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
 
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# llama.cpp's names of Qwen3's per-head q/k norms
+TENSOR_NAMES.update({
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+})
+# a sparse MLP's tensors in llama.cpp: the router, and the experts stacked on dim 0 ([E, rows, cols])
+ROUTER_TENSOR = "ffn_gate_inp"
+EXPERT_TENSORS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "qwen3moe": "Qwen3MoeForCausalLM"}
+MIXTRAL = "MixtralForCausalLM"  # a llama-architecture GGUF with experts
 
 # GGUF token types (llama.cpp): 3 = control token, 4 = user-defined
 SPECIAL_TOKEN_TYPES = (3, 4)
@@ -58,6 +83,21 @@ def hf_name(gguf_name: str) -> str | None:
         target = TENSOR_NAMES.get(pattern)
         return target.replace("{i}", parts[1]) if target else None
     return TENSOR_NAMES.get(gguf_name)
+
+
+def hf_tensors(gguf_name: str, experts: ExpertNames, num_experts: int) -> list[tuple[str, int | None]]:
+    """The checkpoint tensors a GGUF tensor becomes: [(name, None)] for one of TENSOR_NAMES or a
+    router; [(expert e's name, e)] for a stacked expert tensor; [] if it has no counterpart."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[1].isdigit() and parts[3] == "weight":
+        prefix = f"model.layers.{parts[1]}.{experts.block}."
+        if parts[2] == ROUTER_TENSOR:
+            return [(prefix + "gate.weight", None)]
+        if parts[2] in EXPERT_TENSORS:
+            which = getattr(experts, EXPERT_TENSORS[parts[2]])
+            return [(f"{prefix}experts.{e}.{which}.weight", e) for e in range(num_experts)]
+    name = hf_name(gguf_name)
+    return [(name, None)] if name else []
 
 
 def unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -75,6 +115,11 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 
 def spec_from_gguf(reader: Any) -> ModelSpec:
+    return spec_from_config(gguf_config(reader))
+
+
+def gguf_config(reader: Any) -> dict[str, Any]:
+    """The Hugging Face config.json a GGUF's metadata describes (UnsupportedModel for another architecture)."""
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModel(f"GGUF architecture {arch!r} is not supported ({sorted(GGUF_ARCHITECTURES)})")
@@ -83,8 +128,10 @@ def spec_from_gguf(reader: Any) -> ModelSpec:
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    architecture = MIXTRAL if arch == "llama" and experts else GGUF_ARCHITECTURES[arch]
     config = {
-        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "architectures": [architecture],
         "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens))),
         "hidden_size": hidden,
         "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
@@ -96,12 +143,20 @@ def spec_from_gguf(reader: Any) -> ModelSpec:
         "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": "blk.0.attn_q.bias" in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos,
         "hidden_act": "silu",
     }
-    return spec_from_config(config)
+    if architecture != MIXTRAL:
+        config["attention_bias"] = "blk.0.attn_q.bias" in names
+    if experts:
+        used = int(_field(reader, f"{arch}.expert_used_count"))
+        if architecture == MIXTRAL:
+            config.update(num_local_experts=experts, num_experts_per_tok=used)
+        else:  # qwen3moe: every layer sparse, the top-k weights renormalised (llama.cpp always does for it)
+            config.update(num_experts=experts, num_experts_per_tok=used, norm_topk_prob=True, decoder_sparse_step=1,
+                          mlp_only_layers=[], moe_intermediate_size=int(_field(reader, f"{arch}.expert_feed_forward_length")))
+    return config
 
 
 def gguf_tokenizer_files(reader: Any) -> dict[str, str]:
@@ -142,8 +197,10 @@ def gguf_tokenizer_files(reader: Any) -> dict[str, str]:
     return files
 
 
-def convert_gguf(path: Path, out: Path, *, progress: Progress | None = None) -> list[str]:
-    """Write a model folder for the GGUF at `path` into `out`; return the files written.
+def convert_gguf(path: Path, out: Path, *, keep_blocks: bool = False, progress: Progress | None = None) -> list[str]:
+    """Write a model folder for the GGUF at `path` into `out`; return the files written. With
+    `keep_blocks`, every tensor keeps the file's bytes (module docstring); otherwise each is
+    dequantised to float32.
 
     Raises ModelFormatError (unreadable file, unknown tensor) or UnsupportedModel.
     """
@@ -154,27 +211,45 @@ def convert_gguf(path: Path, out: Path, *, progress: Progress | None = None) -> 
         reader = GGUFReader(str(path))
     except (OSError, ValueError, KeyError) as bad:
         raise ModelFormatError(f"{str(path)!r} is not a readable GGUF file: {bad}") from None
-    spec = spec_from_gguf(reader)
+    config = gguf_config(reader)
+    spec = spec_from_config(config)
+    experts = FAMILIES[spec.family].experts
+    num_experts = max((layer.mlp.num_experts for layer in spec.layers), default=0)
     permute = _field(reader, "general.architecture") == "llama"
     out.mkdir(parents=True, exist_ok=True)
     state: dict[str, torch.Tensor] = {}
+    types: dict[str, str] = {}
     total = len(reader.tensors)
     for n, t in enumerate(reader.tensors):
-        name = hf_name(t.name)
-        if name is None:
+        targets = hf_tensors(t.name, experts, num_experts)
+        if not targets:
             if t.name.startswith("rope_freqs"):
                 continue  # llama.cpp's precomputed RoPE factors; we compute them from the config
             raise ModelFormatError(f"GGUF tensor {t.name!r} has no Hugging Face counterpart")
-        weight = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        weight = weight.reshape([int(d) for d in reversed(t.shape)])
-        heads = spec.layers[0].attention  # a Llama-block model: every layer alike
-        if permute and name.endswith("q_proj.weight"):
-            weight = unpermute_rope_rows(weight, heads.num_heads)
-        elif permute and name.endswith("k_proj.weight"):
-            weight = unpermute_rope_rows(weight, heads.num_kv_heads)
-        state[name] = torch.from_numpy(np.require(weight, requirements=["C", "W"]))
+        dims = [int(d) for d in reversed(t.shape)]  # GGUF lists the innermost first
+        if keep_blocks:
+            kind = ggml_type_of(int(t.tensor_type), f"GGUF tensor {t.name!r}")
+            values = np.asarray(t.data)  # a block type: uint8 [..., rows, row bytes]; a float one: its values
+            values = values.reshape([*dims[:-1], values.shape[-1]] if not kind.is_float else dims)
+            if kind.name == "BF16":  # numpy has no bfloat16: the reader gives its bits
+                values = values.view(np.int16)
+        else:
+            values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(dims)
+        for name, expert in targets:
+            tensor = values if expert is None else values[expert]
+            layer = spec.layers[int(name.split(".")[2])] if name.startswith("model.layers.") else None
+            if permute and layer is not None and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = layer.attention.num_heads if name.endswith("q_proj.weight") else layer.attention.num_kv_heads
+                tensor = unpermute_rope_rows(tensor, heads)
+            state[name] = torch.from_numpy(np.require(tensor, requirements=["C", "W"]))
+            if keep_blocks and kind.name == "BF16":
+                state[name] = state[name].view(torch.bfloat16)
+            if keep_blocks:
+                types[name] = kind.name
         if progress:
-            progress(n + 1, total, "dequantising")
+            progress(n + 1, total, "copying blocks" if keep_blocks else "dequantising")
+    if keep_blocks:
+        spec = replace(spec, shipped=ShippedFormat("gguf", tensor_types=tuple(sorted(types.items()))))
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(to_config(spec), indent=2))
     written = ["config.json", "model.safetensors"]

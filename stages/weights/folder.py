@@ -131,6 +131,25 @@ class WeightFolder:
             raise ModelFormatError(f"cannot read {str(path)!r}: {bad}") from None
         return tensor.to(dtype).contiguous()
 
+    def read_stored(self, name: str, shape: tuple[int, ...], dtypes: tuple[str, ...], *,
+                    index: int | None = None) -> torch.Tensor:
+        """Tensor `name` exactly as stored (a shipped format's codes, blocks or scales: no cast),
+        checked to have `shape` and one of the safetensors `dtypes`; of it only row `index` when
+        given (one expert of a fused tensor). Whole, it is a view of the memory-mapped file."""
+        if name not in self._where:
+            raise ModelFormatError(f"tensor {name!r} is missing from {str(self.folder)!r}")
+        path = self._where[name]
+        try:
+            with safe_open(path, framework="pt") as f:
+                sl = f.get_slice(name)
+                if tuple(sl.get_shape()) != shape:
+                    raise ModelFormatError(f"tensor {name!r} has shape {tuple(sl.get_shape())!r}, expected {shape!r}")
+                if sl.get_dtype() not in dtypes:
+                    raise ModelFormatError(f"tensor {name!r} is {sl.get_dtype()}, expected {' or '.join(dtypes)}")
+                return f.get_tensor(name) if index is None else sl[index]
+        except (SafetensorError, OSError, TypeError) as bad:  # TypeError: a dtype this torch cannot hold
+            raise ModelFormatError(f"cannot read {name!r} from {str(path)!r}: {bad}") from None
+
     def layer_state(self, layer: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Every tensor of layer `layer` under the engine's names (`tessera.stages.layers.block.Block`),
         q/k/v and gate/up stacked."""

@@ -18,26 +18,52 @@ from safetensors import SafetensorError, safe_open
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.catalog import tensors_of_layer
+from tessera.stages.families.shipped import FLOAT_DTYPES, ShippedFormat
 from tessera.stages.families.spec import ModelSpec
-from tessera.stages.families.tensors import edge_tensors
+from tessera.stages.families.tensors import Stacked, edge_tensors
 from tessera.stages.text.tokenizer import Tokenizer
 from tessera.stages.weights.folder import WeightFolder
+from tessera.stages.weights.quant import matrix_paths
 
-# safetensors dtypes the engine casts from exactly; integer tensors would be quantised weights
-FLOAT_DTYPES = ("F32", "F16", "BF16")
 # tensors older checkpoints carry that the engine recomputes from the config instead
 RECOMPUTED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)
 
+# a stored tensor: its shape and the safetensors dtypes it may have
+Stored = tuple[tuple[int, ...], tuple[str, ...]]
 
-def expected_tensors(spec: ModelSpec, held: set[str]) -> dict[str, tuple[int, ...]]:
-    """Every tensor name a folder for `spec` holding tensors `held` must hold, with its shape: of
-    each engine tensor's layouts, the first `held` has completely (else the first, to be missing)."""
-    shapes = dict(edge_tensors(spec))
+
+def expected_tensors(spec: ModelSpec, held: set[str]) -> dict[str, Stored]:
+    """Every tensor a folder for `spec` holding tensors `held` must hold, with its shape and dtypes:
+    of each engine tensor's layouts, the first `held` has completely (else the first, to be
+    missing). A model that ships quantized (families/shipped.py) holds each matrix of its layers
+    in its stored form; float tensors are F32, F16 or BF16."""
+    shipped = spec.shipped
+    out: dict[str, Stored] = {}
+    for name, shape in edge_tensors(spec).items():
+        out.update(_dense(spec, name, shape, held))
     for layer in range(spec.num_layers):
-        for choices in tensors_of_layer(spec, layer).values():
-            source = next((c for c in choices if set(c.names) <= held), choices[0])
-            shapes.update(zip(source.names, source.shapes))
-    return shapes
+        matrices = {p + ".weight" for p in matrix_paths(spec, spec.layers[layer])} if shipped is not None else set()
+        for ours, choices in tensors_of_layer(spec, layer).items():
+            def stored(source: Stacked) -> dict[str, Stored]:
+                if shipped is None or ours not in matrices:
+                    return {k: v for n, shape in zip(source.names, source.shapes) for k, v in _dense(spec, n, shape, held).items()}
+                return {k: v for i, n in enumerate(source.names) for k, v in shipped.stored_tensors(n, source.shapes[i]).items()}
+            out.update(next((found for found in map(stored, choices) if set(found) <= held), stored(choices[0])))
+    return out
+
+
+def _dense(spec: ModelSpec, name: str, shape: tuple[int, ...], held: set[str]) -> dict[str, Stored]:
+    """A tensor a span holds dense (embedding, head, norm, router, MLA's wkv_b) as stored: float, unless
+    the folder holds it quantized (stages/weights/formats/load.py `dense_tensor` reads whichever form it finds)."""
+    shipped = spec.shipped
+    if shipped is not None and len(shape) >= 2:
+        if name + "_scale_inv" in held:
+            return ShippedFormat("fp8", block=shipped.block).stored_tensors(name, shape)
+        if name + "_blocks" in held:
+            return ShippedFormat("mxfp4").stored_tensors(name, shape)
+        if shipped.method == "gguf":
+            return shipped.stored_tensors(name, shape)
+    return {name: (shape, FLOAT_DTYPES)}
 
 
 def tensor_table(weights: WeightFolder) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -55,7 +81,8 @@ def tensor_table(weights: WeightFolder) -> dict[str, tuple[tuple[int, ...], str]
 
 
 def check_tensors(spec: ModelSpec, weights: WeightFolder) -> None:
-    """Raise ModelFormatError for a missing, unexpected or misshapen tensor (UnsupportedModel for int weights)."""
+    """Raise ModelFormatError for a missing, unexpected or misshapen tensor (UnsupportedModel for a
+    dtype the model's form does not store there: integer weights without a quantization_config)."""
     table = tensor_table(weights)
     expected = expected_tensors(spec, set(table))
     listed_elsewhere = sorted(weights.names() - set(table))
@@ -79,12 +106,13 @@ def check_tensors(spec: ModelSpec, weights: WeightFolder) -> None:
             f"tensor {unexpected[0]!r} is not part of a {spec.family} model as configured "
             f"({len(unexpected)} unexpected in all)"
         )
-    for name, shape in sorted(expected.items()):
+    for name, (shape, dtypes) in sorted(expected.items()):
         actual, dtype = table[name]
         if actual != shape:
             raise ModelFormatError(f"tensor {name!r} has shape {actual!r}, expected {shape!r}")
-        if dtype not in FLOAT_DTYPES:
-            raise UnsupportedModel(f"tensor {name!r} has dtype {dtype!r} (float weights only: {FLOAT_DTYPES})")
+        if dtype not in dtypes:
+            form = f"as {spec.shipped.method} ships it" if spec.shipped is not None else "float weights only"
+            raise UnsupportedModel(f"tensor {name!r} has dtype {dtype!r} ({form}: {' or '.join(dtypes)})")
 
 
 def empty(shape: tuple[int, ...]) -> bool:

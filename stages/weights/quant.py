@@ -45,9 +45,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import threading
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Callable
 
 import torch
@@ -56,7 +57,7 @@ from torch import nn
 
 from tessera.stages.errors import StageError
 from tessera.stages.families.catalog import tensors_of_layer
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec import LayerSpec, ModelSpec
 from tessera.stages.layers.block import Block, linear_paths
 from tessera.stages.weights.folder import WeightFolder
 from tessera.stages.weights.gguf_blocks import Q4_1_BLOCK, GgufQ4Source
@@ -144,6 +145,8 @@ def layer_bytes(spec: ModelSpec, itemsize: int, quant: Quant = NO_QUANT, *, laye
         if not spec.uniform:
             raise ValueError(f"the layers of this {spec.family} model differ: name the layer")
         layer = 0
+    if spec.shipped is not None:
+        return shipped_layer_bytes(spec, layer, itemsize)
     shape = spec.layers[layer]
     matrices = shape.matrices(spec.hidden_size)
     stored = sum(quant.linear_bytes(r, c, itemsize) for r, c in matrices)
@@ -151,9 +154,38 @@ def layer_bytes(spec: ModelSpec, itemsize: int, quant: Quant = NO_QUANT, *, laye
     return stored + rest * itemsize
 
 
+def shipped_layer_bytes(spec: ModelSpec, layer: int, itemsize: int) -> int:
+    """Bytes of decoder layer `layer` of a model that ships quantized, held as it ships: each matrix's
+    stored bytes (families/shipped.py `stored_bytes`), its norms, biases and router in `itemsize`."""
+    assert spec.shipped is not None, "a model that ships quantized"
+    matrices = {path + ".weight" for path in matrix_paths(spec, spec.layers[layer])}
+    total = 0
+    for ours, choices in tensors_of_layer(spec, layer).items():
+        source = choices[0]  # the published layout (a fused one holds the same values)
+        if ours in matrices:
+            total += sum(spec.shipped.stored_bytes(name, source.part_shape(i)) for i, name in enumerate(source.names))
+        else:
+            total += math.prod(source.shape) * itemsize
+    return total
+
+
+@lru_cache(maxsize=64)
+def matrix_paths(spec: ModelSpec, layer: LayerSpec) -> tuple[str, ...]:
+    """The linear modules of a layer shaped `layer` (`linear_paths` of its Block, built on the meta device)."""
+    with torch.device("meta"):
+        return tuple(linear_paths(Block(spec, layer)))
+
+
 def span_bytes(spec: ModelSpec, start: int, end: int, itemsize: int, quant: Quant = NO_QUANT) -> int:
     """Bytes of layers [start, end) stored with `quant`, each per its own shape."""
     return sum(layer_bytes(spec, itemsize, quant, layer=i) for i in range(start, end))
+
+
+def check_quant_for(spec: ModelSpec, quant: Quant) -> None:
+    """Raise QuantError when `quant` asks to quantize a model that ships quantized already (its
+    matrices are computed as stored: stages/weights/formats/)."""
+    if quant.active and spec.shipped is not None:
+        raise QuantError(f"this model ships as {spec.shipped.tag}: --quant {quant.tag} applies to float weights only")
 
 
 def model_tag(model_id: str, quant: Quant) -> str:
@@ -182,12 +214,16 @@ class Scratch(threading.local):
     every chunk of every matrix: no heap churn, so a float32 span's RSS stays its weights plus
     this (fresh temporaries per chunk left 0-7 MiB in glibc's heap, measured)."""
 
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A flat tensor of `numel` elements of this thread's buffer for `dtype` (grown when asked more)."""
-        name = f"buffer_{dtype}".replace(".", "_")
+    def take(self, numel: int, dtype: torch.dtype, slot: str = "") -> torch.Tensor:
+        """A flat tensor of `numel` elements of this thread's buffer for `dtype` (grown when asked more);
+        another `slot` is another buffer of that dtype (a dequantizer holding two at once)."""
+        name = f"buffer_{dtype}{slot}".replace(".", "_")
         buf = getattr(self, name, None)
         if buf is None or buf.numel() < numel:
-            buf = torch.empty(max(numel, DEQUANT_CHUNK_BYTES // dtype.itemsize), dtype=dtype)
+            # a normal tensor even when first asked for under inference_mode: an inference tensor
+            # could not be written by a later forward outside it (the same thread serves both)
+            with torch.inference_mode(False):
+                buf = torch.empty(max(numel, DEQUANT_CHUNK_BYTES // dtype.itemsize), dtype=dtype)
             setattr(self, name, buf)
         return buf[:numel]
 
@@ -240,7 +276,8 @@ def int4_block_rows(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
 
 
 class QuantLinear(nn.Module):
-    """A linear layer over quantized weights: `matmul` (2-D rows, no bias) is the subclass's."""
+    """A linear layer over quantized weights: `matmul` (2-D rows, no bias) is the subclass's, and so
+    is `dequantized` for a shipped format's (stages/weights/formats/)."""
 
     bias: torch.Tensor | None
 
@@ -251,6 +288,10 @@ class QuantLinear(nn.Module):
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [N, K] the stored values mean (the reference model's)."""
         raise NotImplementedError
 
 
@@ -365,6 +406,8 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
         return int8_rows(layer.weight.cpu(), layer.scales.cpu(), 0, layer.weight.shape[0])
     if isinstance(layer, Int4BlockLinear):
         return int4_block_rows(layer.weight.cpu(), layer.scales.cpu(), layer.mins.cpu(), 0, layer.weight.shape[0])
+    if not isinstance(layer, Int4Linear):  # a shipped format's: fp8, mxfp4, GGUF blocks (stages/weights/formats/)
+        return layer.dequantized()
     g, sz = layer.group_size, layer.scales_and_zeros  # [K/G, N, 2]
     groups, rows = sz.shape[0], sz.shape[1]
     unit = torch.empty_like(sz, dtype=torch.bfloat16)
@@ -445,8 +488,8 @@ def dense_block(block: Block, spec: ModelSpec) -> Block:
     with torch.device("meta"):
         dense = Block(spec, block.layer)
     paths = linear_paths(dense)
-    state = {name: t.detach().float().cpu() for name, t in block.state_dict().items()
-             if name.rpartition(".")[0] not in paths}
+    owners = tuple(path + "." for path in paths)  # a matrix's own tensors, its parts' included
+    state = {name: t.detach().float().cpu() for name, t in block.state_dict().items() if not name.startswith(owners)}
     for path in paths:
         layer = block.get_submodule(path)
         state[path + ".weight"] = dense_weight(layer)

@@ -19,10 +19,13 @@ from typing import Iterator
 import torch
 from safetensors.torch import save_file
 
-from tessera.stages.families.catalog import model_tensors, to_config
+from tessera.stages.families.catalog import model_tensors, tensors_of_layer, to_config
 from tessera.stages.families.llama import llama_spec
+from tessera.stages.families.shipped import ShippedFormat
 from tessera.stages.families.spec import ModelSpec
 from tessera.stages.weights.folder import INDEX_FILE, SINGLE_FILE
+from tessera.stages.weights.formats.encode import encode_matrix
+from tessera.stages.weights.quant import matrix_paths
 from tessera.stages.weights.tensor_table import group_of
 
 CHATML = (
@@ -93,6 +96,30 @@ def synth_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     return dict(synth_tensors(spec, seed))
 
 
+def shipped_state(spec: ModelSpec, state: dict[str, torch.Tensor], *, seed: int) -> dict[str, torch.Tensor]:
+    """`state` (float, every tensor in its published layout) with each layer matrix in the form
+    `spec.shipped` stores it (stages/weights/formats/encode.py: fp8 and MXFP4 encode the values,
+    GGUF block types are random blocks of the same size)."""
+    assert spec.shipped is not None, "a spec that ships quantized"
+    gen = torch.Generator().manual_seed(seed)
+    out = dict(state)
+    for layer in range(spec.num_layers):
+        matrices = {path + ".weight" for path in matrix_paths(spec, spec.layers[layer])}
+        for ours, choices in tensors_of_layer(spec, layer).items():
+            if ours in matrices:
+                for name in choices[0].names:
+                    out.update(encode_matrix(spec.shipped, name, out.pop(name), std=INIT_STD, gen=gen))
+    return out
+
+
+def gguf_form(spec: ModelSpec, kind: str) -> ShippedFormat:
+    """Every layer matrix of `spec` as GGUF blocks of `kind` (the embedding and head stay float)."""
+    names = [name for layer in range(spec.num_layers)
+             for ours, choices in tensors_of_layer(spec, layer).items()
+             if ours.rpartition(".")[0] in matrix_paths(spec, spec.layers[layer]) for name in choices[0].names]
+    return ShippedFormat("gguf", tensor_types=tuple(sorted((name, kind) for name in names)))
+
+
 def byte_tokenizer_json(vocab: int) -> str:
     """A byte-level tokenizer: 256 byte tokens, the ChatML specials, fillers up to `vocab`."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -138,7 +165,12 @@ def write_synth(spec: ModelSpec, out: Path, *, seed: int, dtype: torch.dtype = t
     if spec.vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab {spec.vocab_size!r} is too small for the byte tokenizer (need >= 259)")
     out.mkdir(parents=True, exist_ok=True)
-    weights = write_weights(spec, out, seed=seed, dtype=dtype)
+    if spec.shipped is not None:  # drawn in float32 and encoded whole: a test's or a bench's model
+        save_file(shipped_state(spec, synth_state(spec, seed), seed=seed), str(out / SINGLE_FILE),
+                  metadata={"format": "pt"})
+        weights = [SINGLE_FILE]
+    else:
+        weights = write_weights(spec, out, seed=seed, dtype=dtype)
     (out / "config.json").write_text(json.dumps({**to_config(spec), "tessera_synth_seed": seed}, indent=2))
     (out / "tokenizer.json").write_text(byte_tokenizer_json(spec.vocab_size))
     config = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos_token": False}

@@ -115,10 +115,18 @@ def test_import_folder_and_gguf(smol_dir, tmp_path):
     manifest = json.loads((linked / "manifest.json").read_text())
     original = json.loads((smol_dir / "manifest.json").read_text())
     assert manifest["model_id"] == original["model_id"]  # same config + weights = same model id
-    done = tessera("model", "import", str(smol_dir / "source.gguf"), "--name", "from-gguf", env=env)
+    done = tessera("model", "import", str(smol_dir / "source.gguf"), "--name", "from-gguf", "--dequantize", env=env)
     assert done.returncode == 0, done.stderr
     converted = json.loads((Path(done.stdout.strip()) / "manifest.json").read_text())
-    assert converted["model_id"] == original["model_id"]
+    assert converted["model_id"] == original["model_id"]  # dequantised: the same floats, the same id
+    done = tessera("model", "import", str(smol_dir / "source.gguf"), "--name", "as-shipped", env=env)
+    assert done.returncode == 0, done.stderr
+    kept = Path(done.stdout.strip())
+    config = json.loads((kept / "config.json").read_text())
+    assert config["quantization_config"]["tensor_types"]["model.layers.0.mlp.up_proj.weight"] == "Q4_1"
+    # the file's blocks, not floats: the folder is the GGUF's size, and its own model id
+    assert (kept / "model.safetensors").stat().st_size < 1.1 * (smol_dir / "source.gguf").stat().st_size
+    assert json.loads((kept / "manifest.json").read_text())["model_id"] != original["model_id"]
 
 
 def test_import_sharded_folder(tiny_llama, tmp_path):

@@ -157,3 +157,35 @@ def test_check_finite_reports_nan_and_inf(bad: float, dtype: torch.dtype) -> Non
     with pytest.raises(NonFiniteTensor, match=f"activations: 1 of 12 values are NaN or infinite; first at flat index 6 = {bad!r}"):
         check_finite(decode_tensor(encode_tensor(t)), what="activations")
     check_finite(torch.tensor([1, 2]))  # integers are always finite
+
+
+# -- activations in a compact wire form (what a requester may ask its peers for) ---------------------
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 70), st.integers(0, 2**31 - 1), st.sampled_from(["", "bfloat16", "fp8"]))
+def test_a_wire_form_decodes_to_what_its_sender_attests(rows: int, width: int, seed: int, form: str) -> None:
+    """`encode_wire` returns the very tensor the receiver decodes (a sender fingerprints that one),
+    within the form's rounding of the original: bfloat16 2^-8 of each value, fp8 a scale per row
+    and 3 mantissa bits (2^-4 of each value, plus its row's subnormal step)."""
+    from tessera.protocol.tensors import FP8_MAX, encode_wire
+
+    t = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)) * 10 ** (seed % 7 - 3)
+    data, sent = encode_wire(t, form)
+    got = decode_tensor(data)
+    assert torch.equal(got, sent)
+    bound = {"": 0.0, "bfloat16": 2.0**-8, "fp8": 2.0**-4}[form]
+    step = t.abs().amax(dim=1, keepdim=True) / FP8_MAX * 2.0**-9 if form == "fp8" else 0.0  # e4m3's subnormal step
+    assert bool(((got.float() - t).abs() <= bound * t.abs() + step + 1e-30).all())
+    assert len(data) < {"": 5, "bfloat16": 2.6, "fp8": 1.4}[form] * rows * width + 64
+
+
+def test_a_malformed_fp8_rows_tensor_gets_a_typed_error() -> None:
+    from tessera.protocol.tensors import ROW_SCALED_FP8, encode_wire
+
+    data, _ = encode_wire(torch.ones(3, 8), "fp8")
+    with pytest.raises(TensorSizeMismatch):
+        decode_tensor(data[:-1])
+    with pytest.raises(UnsupportedDtype, match=ROW_SCALED_FP8):
+        decode_tensor(data, limits=TensorLimits(dtypes=frozenset({"float32"})))
+    with pytest.raises(UnsupportedDtype, match="wire form"):
+        encode_wire(torch.ones(2, 2), "int4")

@@ -248,3 +248,41 @@ def test_a_generation_routed_through_a_freshly_crashed_peer_routes_around_it():
     scenario = Scenario("replay", 30, 64, None, peers, (request,), ("r",), link_latency={}, default_latency=0.01)
     (outcome,) = simulate(scenario, policy="recorded", seed=0)["requests"]
     assert outcome["completed"], outcome["error"]
+
+
+def test_a_replayed_peer_computes_at_its_recorded_steps_speed_and_advertises_its_claim(tmp_path):
+    """A claim's throughput is one measurement at start-up: peers started together on a busy
+    machine measure while the others import and load (tests/cli/test_trace_cli.py's run claimed
+    61 tokens/s per layer and computed at 999), and a replay at it ran answers many times their
+    live length, into the peers' recorded leaves. The steps' own times say how fast it computed;
+    the claim is still what it advertises, so routing weighs peers as live routing did."""
+    db = tmp_path / "live.db"
+    peers = (
+        PeerPlan("a", 0.0, 50.0, 30, span=(0, 15), compute_throughput=2000.0),
+        PeerPlan("b", 0.0, 40.0, 30, span=(15, 30), compute_throughput=1000.0),
+    )
+    requests = (RequestPlan(0, 10.0, "r", prompt_tokens=40, new_tokens=4),
+                RequestPlan(1, 10.5, "r", prompt_tokens=20, new_tokens=3))  # arrives while the first runs
+    scenario = Scenario("replay", 30, 64, None, peers, requests, ("r",), link_latency={}, default_latency=0.01)
+    live = simulate(scenario, policy="recorded", seed=0, trace_path=db)
+    assert live["summary"]["completed"] == 2
+    replayed = from_trace([db])
+    speeds = sorted((p.span, p.throughput, p.compute_throughput) for p in replayed.peers)
+    assert speeds == [((0, 15), 50.0, pytest.approx(2000.0)), ((15, 30), 40.0, pytest.approx(1000.0))]
+    again = simulate(replayed, policy="recorded", seed=0)
+    assert again["summary"]["completed"] == 2
+    for run, request in zip(live["requests"], again["requests"]):
+        assert request["latency"] == pytest.approx(run["latency"], rel=0.1), (run, request)
+        assert request["ttft"] == pytest.approx(run["ttft"], rel=0.1)
+    assert sorted(p["throughput"] for p in again["peers"].values()) == [40.0, 50.0]  # as advertised live
+
+
+def test_a_failed_requests_error_names_peers_as_the_report_does():
+    """The simulation gives nodes identities of its own; an error names the peer by its label."""
+    peers = (PeerPlan("a", 0.0, 100.0, 15, span=(0, 15), leave_at=11.0),  # drains, then drops the answer
+             PeerPlan("b", 0.0, 100.0, 15, span=(15, 30)))
+    request = RequestPlan(0, 10.0, "r", prompt_tokens=8, new_tokens=100)
+    scenario = Scenario("replay", 30, 64, None, peers, (request,), ("r",), link_latency={}, default_latency=0.01)
+    (outcome,) = simulate(scenario, policy="recorded", seed=0)["requests"]
+    assert not outcome["completed"]
+    assert "(a: " in outcome["error"] and "12D3KooW" not in outcome["error"], outcome["error"]

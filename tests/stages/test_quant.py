@@ -149,6 +149,20 @@ def test_float32_cpu_form_dequantizes_in_bounded_chunks(scheme, monkeypatch):
         assert int(codes[0, 0, half]) == int(layer.weight[0, 0, 0] >> 4)
 
 
+def test_a_forward_outside_inference_mode_after_one_inside_it():
+    """The dequantization scratch is per thread and reused: a peer's worker runs forwards under
+    inference_mode, a test or a tool the same layer without it. A buffer first made inside
+    inference_mode could not be written outside it (this failed CI in a run-order-dependent way)."""
+    gen = torch.Generator().manual_seed(3)
+    w, x = torch.randn(48, 128, generator=gen) * 0.02, torch.randn(2, 128, generator=gen)
+    for scheme in SCHEMES:
+        quant_module.SCRATCH.__dict__.clear()  # this thread's buffers: made anew below, inside inference_mode
+        layer = quantize_linear(w, None, Quant.parse(scheme), dtype=torch.float32, device="cpu")
+        with torch.inference_mode():
+            inside = layer(x)
+        assert torch.equal(layer(x), inside), scheme
+
+
 # -- a tiny synthetic model, float32 activations --------------------------------------------
 
 

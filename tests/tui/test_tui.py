@@ -613,6 +613,13 @@ def test_events_tail_filter_typing_and_operator_events(ui_peer):
     for i in range(40):
         ui_peer.node.out(f"backlog line {i}")
 
+    # the peer is shared with other tests: theirs are the events stamped before this one began
+    since = time.time()
+
+    def operator_events() -> list[str]:
+        with PeerStore(ui_peer.db_path, readonly=True) as store:
+            return [e.kind for e in store.events(kinds=(Drain, Pause, Resume)) if e.wall >= since]
+
     async def scenario():
         app = TesseraApp(ui_peer)
         async with app.run_test(size=(80, 24)) as pilot:
@@ -653,10 +660,6 @@ def test_events_tail_filter_typing_and_operator_events(ui_peer):
                                            for kind in ("drain", "pause", "resume")), "the operator's events")
 
     asyncio.run(scenario())
-
-    def operator_events() -> list[str]:
-        with PeerStore(ui_peer.db_path, readonly=True) as store:
-            return [e.kind for e in store.events(kinds=(Drain, Pause, Resume))]
 
     # the trace writer commits in batches: the last resume may land a moment after the UI shows it
     deadline = time.monotonic() + 15

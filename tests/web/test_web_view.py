@@ -1,8 +1,8 @@
 """The web view's parts without a browser: the coverage it shows, what it remembers, who may read it.
 
-The Swarm page must show the truth `tessera swarm status` prints: `report.routable_counts`
-is checked against status.py's own functions on random views (hypothesis), shard groups
-and unroutable states included. The ASGI app is called directly (no server, no swarm)
+The Swarm page must show the truth `tessera swarm status` prints: its coverage is checked
+against routing's own definition (replicas of the routable view) on random views
+(hypothesis), shard groups and unroutable states included. The ASGI app is called directly (no server, no swarm)
 for its rules: the pages need no key, the data does; a file outside the static table is a
 404 whatever the path says; admin calls come from loopback only.
 """
@@ -17,13 +17,14 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessera.peer.cli.status import gaps_of, routable_coverage
 from tessera.peer.http.web.access import KeyAccess
 from tessera.peer.http.web.answers import AnswerBook
 from tessera.peer.http.web.app import PAGES, WebApp
-from tessera.peer.http.web.report import gaps_in, headline, routable_counts, swarm_report
+from tessera.peer.http.web.report import headline, swarm_report
 from tessera.peer.http.web.static import STATIC_DIR, load_static
 from tessera.peer.http.web.watch import GONE_KEPT, RateSeries, SwarmWatch, changes
+from tessera.peer.plan.groups import replica_coverage
+from tessera.peer.plan.routing import routable_view
 from tessera.peer.plan.view import STATES, PeerInfo, SwarmView
 
 MODEL = "m" * 16
@@ -50,11 +51,11 @@ def views(draw) -> SwarmView:
 @settings(max_examples=300, deadline=None)
 @given(views())
 def test_coverage_is_what_swarm_status_counts(view):
-    counts = routable_counts(view)
-    assert counts == routable_coverage(view)  # peer/cli/status.py: what `tessera swarm status` prints
-    assert gaps_in(counts) == gaps_of(counts)
+    counts = replica_coverage(routable_view(view))  # routing's view: what a requester can use
     report = report_of(view)
     assert report["coverage"] == counts and report["routable"] == (min(counts) > 0)
+    zero = [layer for layer, c in enumerate(counts) if c == 0]
+    assert [layer for a, b in report["gaps"] for layer in range(a, b)] == zero
     assert {p["peer_id"] for p in report["peers"]} == {p.peer_id for p in view.peers}  # listed, counted or not
     json.dumps(report, allow_nan=False)  # what the page gets parses in a browser
 
@@ -76,7 +77,7 @@ def test_a_peer_not_taking_sessions_is_listed_and_not_counted():
     assert (a["link"], a["rtt_ms"], a["weights"], a["token_ms"]) == ("direct", 1.23, 10_000, 100.0)
     whole = report_of(SwarmView.of(30, [peer("a", 0, 30), peer("b", 0, 30)]))
     assert whole["headline"] == "routable: every layer is served (2 replicas at the thinnest)"
-    assert headline([1, 0, 0, 1, 0], gaps_in([1, 0, 0, 1, 0])) == "no route: layers [1, 3) and [4, 5) missing"
+    assert headline([1, 0, 0, 1, 0], [[1, 3], [4, 5]]) == "no route: layers [1, 3) and [4, 5) missing"
 
 
 def test_changes_between_views_name_what_happened():

@@ -9,7 +9,8 @@ Coverage is **routable** coverage, the truth `tessera swarm status` prints: a la
 a peer only while a requester could open a session there (serving, measured, not full;
 `routing.unusable_reason`), a complete tensor-shard group once, an incomplete one not
 at all. A draining, paused, loading, leaving or full peer is listed with the reason it
-is not counted. `routable_counts` is the ONE place the web view asks for it.
+is not counted. It is `peer/plan/coverage.py`'s `swarm_coverage`, the one definition
+`swarm status` and the TUI read too.
 
 A worked example (L = 30): a serves [0, 10), b [10, 20), c [20, 30), all serving ->
 coverage [1] * 30, no gaps, "routable: every layer is served (1 replica at the thinnest)".
@@ -22,32 +23,10 @@ from __future__ import annotations
 import math
 from typing import Callable, Mapping, Sequence
 
+from tessera.peer.plan.coverage import swarm_coverage
 from tessera.peer.plan.groups import group_report, replica_coverage
-from tessera.peer.plan.routing import routable_view, unusable_reason
+from tessera.peer.plan.routing import unusable_reason
 from tessera.peer.plan.view import PeerInfo, SwarmView
-
-
-def routable_counts(view: SwarmView) -> list[int]:
-    """Per layer, the replicas a route could use now.
-
-    The one call site of the coverage truth for the web view: exactly what `tessera swarm
-    status` counts today (peer/cli/status.py `routable_coverage`: replica coverage of the
-    routable view). When the shared coverage function of peer/plan/ lands, only this body
-    changes."""
-    return replica_coverage(routable_view(view))
-
-
-def gaps_in(counts: Sequence[int]) -> list[list[int]]:
-    """Half-open ranges of the layers counted 0, in order: [[20, 30)] as [[20, 30]]."""
-    out: list[list[int]] = []
-    for layer, count in enumerate(counts):
-        if count > 0:
-            continue
-        if out and out[-1][1] == layer:
-            out[-1][1] = layer + 1
-        else:
-            out.append([layer, layer + 1])
-    return out
 
 
 def headline(counts: Sequence[int], gaps: Sequence[Sequence[int]]) -> str:
@@ -113,8 +92,8 @@ def swarm_report(
     whose view this is, `rtt_ms` its measured RTTs, `link_of` its connection kind to a peer,
     `weights_of` a peer's estimated weight bytes, `gone` the peers seen before and gone now
     (`watch.SwarmWatch`)."""
-    counts = routable_counts(view)
-    gaps = gaps_in(counts)
+    coverage = swarm_coverage(view)  # what `swarm status` and the TUI say (peer/plan/coverage.py)
+    counts, gaps = list(coverage.replicas), [list(gap) for gap in coverage.gaps]
     return {
         "model": model, "model_id": model_id, "num_layers": view.num_layers,
         "observer": {"peer_id": observer, "role": role},

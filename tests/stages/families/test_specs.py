@@ -77,7 +77,9 @@ def test_an_unknown_key_is_refused_by_name(family):
         ("qwen3_moe", {"shared_expert_intermediate_size": 64}, "'shared_expert_intermediate_size'"),
         ("qwen3_moe", {"n_group": 8}, "'n_group'"),
         ("mixtral", {"routed_scaling_factor": 2.5}, "'routed_scaling_factor'"),
-        ("mixtral", {"quantization_config": {"quant_method": "fp8"}}, "quantization_config 'fp8'"),
+        ("mixtral", {"quantization_config": {"quant_method": "awq"}}, "quant_method 'awq'"),
+        ("mixtral", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                             "activation_scheme": "static"}}, "activation_scheme 'static'"),
         ("mixtral", {"is_encoder_decoder": True}, "is_encoder_decoder True"),
         ("llama", {"attention_bias": True}, "attention_bias True"),
         ("llama", {"sliding_window": 8}, "'sliding_window'"),  # Llama has none: not silently dropped

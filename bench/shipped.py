@@ -1,0 +1,185 @@
+"""Weights in the form they ship (fp8 blocks, MXFP4, GGUF blocks): capacity, decode speed, resident bytes.
+
+Used by bench/capacity.py (whose last lines print these figures); runnable alone:
+
+    .venv/bin/python bench/shipped.py [--threads 1] [--tokens 32] [--rounds 3] [--budget-gb 2] [--no-1b]
+
+1. Layers in a fixed budget (the peer's rule, `layer_bytes` of the form as shipped; norms in
+   bf16) against bf16: SmolLM2, the synthetic 1B shape and a Qwen3-30B-A3B-shaped MoE. FP8 stores
+   every linear (goal >= 1.9x bf16); MXFP4 every linear of a dense model, and of the MoE only the
+   experts (gpt-oss's `modules_to_not_convert`: attention and router stay bf16) (goal >= 3.5x);
+   GGUF types for context. Pure arithmetic.
+2. Decode tok/s of SmolLM2 as a CPU peer runs each form (float32 activations, the stored matrices
+   widened a chunk at a time), against float32, rounds alternating: fp8 and MXFP4 written from
+   SmolLM2's own weights, its GGUF (Q4_1 layers) imported as it is, and the k-quants and Q8_0 as
+   random blocks of SmolLM2's shape where its widths take them (Q8_0: 576 is not a multiple of a
+   k-quant's 256; decode time does not depend on the values) (goal >= 0.9x).
+   For the 1B shape, the per-layer speed a peer advertises, each form against float32.
+3. Resident bytes / on-disk bytes of a span (SmolLM2's layers [0, 15) loaded and run in a fresh
+   process, as tests/stages/formats/test_shipped_memory.py measures it) (goal <= 1.15).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tessera.peer.node.config import KV_RESERVE_FRACTION
+from tessera.stages.engine.speed import measure_layer_throughput
+from tessera.stages.engine.stage import Stage
+from tessera.stages.families.catalog import spec_from_config, spec_from_file, to_config
+from tessera.stages.families.shipped import GGML_TYPES, ShippedFormat
+from tessera.stages.families.spec import ModelSpec
+from tessera.stages.text.tokenizer import Tokenizer
+from tessera.stages.weights import registry
+from tessera.stages.weights.convert import convert_gguf
+from tessera.stages.weights.quant import layer_bytes
+from tessera.stages.weights.synth import gguf_form, shipped_state, synth_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+SYNTH_1B = dict(hidden=2048, layers=24, heads=16, kv_heads=8, intermediate=5632)
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                 "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+                 "num_experts_per_tok": 8, "norm_topk_prob": True, "rope_theta": 1e6}
+GPT_OSS_SKIP = ("model.layers.*.self_attn", "model.layers.*.mlp.gate", "model.embed_tokens", "lm_head")
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
+SPAN = (0, 15)
+
+
+def forms(spec: ModelSpec, *, moe: bool) -> dict[str, ShippedFormat]:
+    """The shipped forms measured for `spec` (bf16 floats where a form leaves a matrix out)."""
+    out = {"fp8": ShippedFormat("fp8"),
+           "mxfp4": ShippedFormat("mxfp4", not_converted=GPT_OSS_SKIP if moe else ("lm_head",))}
+    inputs = {c for layer in spec.layers for _, c in layer.matrices(spec.hidden_size)}
+    # a k-quant block is 256 inputs: SmolLM2's 576 takes none (llama.cpp falls back to Q8_0/Q5_0 there)
+    out.update({f"gguf {kind}": gguf_form(spec, kind) for kind in K_QUANTS
+                if all(c % GGML_TYPES[kind].block == 0 for c in inputs)})
+    return out
+
+
+def capacity_lines(budget: int, smol: ModelSpec) -> list[str]:
+    shapes = {"smollm2": (smol, False), "synth-1b": (synth_spec(**SYNTH_1B), False),
+              "qwen3-30b-a3b shape": (spec_from_config(QWEN3_30B_A3B), True)}
+    last = []
+    for name, (spec, moe) in shapes.items():
+        usable = budget * (1 - KV_RESERVE_FRACTION)
+        per_layer = {"bf16": max(layer_bytes(spec, 2, layer=i) for i in range(spec.num_layers))}
+        for form, shipped in forms(spec, moe=moe).items():
+            shaped = replace(spec, shipped=shipped)
+            per_layer[form] = max(layer_bytes(shaped, 2, layer=i) for i in range(spec.num_layers))
+        fits = {k: usable / v for k, v in per_layer.items()}
+        print(f"{name}: MiB per layer " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in per_layer.items()))
+        last.append(f"{name} layers in budget vs bf16: "
+                    + ", ".join(f"{k} {fits[k] / fits['bf16']:.2f}x" for k in fits if k != "bf16"))
+    return last
+
+
+def write_form(folder: Path, out: Path, shipped: ShippedFormat) -> Path:
+    """SmolLM2 (`folder`) with its layers' matrices in `shipped`'s form."""
+    spec = replace(spec_from_file(folder / "config.json"), shipped=shipped)
+    state = shipped_state(spec, load_file(str(folder / "model.safetensors")), seed=0)
+    out.mkdir(parents=True)
+    save_file(state, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(to_config(spec)))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (folder / name).exists():
+            shutil.copy(folder / name, out / name)
+    return out
+
+
+def decode_rate(stage: Stage, head: Stage, ids: list[int], n: int) -> float:
+    stage.open("bench", capacity=len(ids) + n + 1)
+    token = int(head.logits(stage.forward("bench", head.embed(ids), 0)[-1:]).argmax())
+    pos = len(ids)
+    started = time.perf_counter()
+    for _ in range(n):
+        token = int(head.logits(stage.forward("bench", head.embed([token]), pos)).argmax())
+        pos += 1
+    elapsed = time.perf_counter() - started
+    stage.close("bench")
+    return n / elapsed
+
+
+def resident_ratio(folder: Path) -> float:
+    """Held bytes of SmolLM2's span SPAN in a fresh process over its on-disk bytes plus its KV cache."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from tests.resident import SPAN_RSS, span_on_disk  # the measurement tests/stages/formats/test_shipped_memory.py makes
+
+    done = subprocess.run([sys.executable, "-c", SPAN_RSS, str(folder), *map(str, SPAN)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-2000:])
+    grown, _, kv = map(int, done.stdout.split())
+    return grown / (span_on_disk(folder, *SPAN) + kv)
+
+
+def shipped_figures(*, model: str = "smollm2-135m", tokens: int = 32, rounds: int = 3, budget_gb: float = 2.0,
+                    one_b: bool = True) -> list[str]:
+    """Every figure above; returns the lines to print last."""
+    folder = registry.resolve(model)
+    smol = spec_from_file(folder / "config.json")
+    last = capacity_lines(int(budget_gb * (1 << 30)), smol)
+    with tempfile.TemporaryDirectory(prefix="tessera-shipped-") as tmp:
+        root = Path(tmp)
+        folders = {form: write_form(folder, root / form.replace(" ", "-"), shipped)
+                   for form, shipped in forms(smol, moe=False).items()}
+        convert_gguf(folder / "source.gguf", root / "gguf-q4_1", keep_blocks=True)
+        folders["gguf Q4_1 (SmolLM2's file)"] = root / "gguf-q4_1"
+        ids = Tokenizer.from_folder(folder).encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+        head = Stage.load(folder, start=0, end=0, embed=True, head=True)
+        stages = {"float32": Stage.load(folder), **{form: Stage.load(f) for form, f in folders.items()}}
+        for stage in stages.values():
+            decode_rate(stage, head, ids, 4)  # warm-up
+        rates: dict[str, list[float]] = {k: [] for k in stages}
+        for r in range(rounds):
+            for k, stage in stages.items():
+                rates[k].append(decode_rate(stage, head, ids, tokens))
+            print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in rates.items()) + " tok/s")
+        med = {k: statistics.median(v) for k, v in rates.items()}
+        last.append("smollm2 decode vs float32 (as shipped): "
+                    + ", ".join(f"{k} {med[k] / med['float32']:.2f}x" for k in med if k != "float32"))
+        del stages
+        ratios = {form: resident_ratio(f) for form, f in folders.items()}
+        last.append(f"smollm2 layers [{SPAN[0]}, {SPAN[1]}) resident / on-disk: "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+    if one_b:
+        spec = synth_spec(**SYNTH_1B)
+        per_layer = {"float32": measure_layer_throughput(spec, seconds=1.0)}
+        for form, shipped in forms(spec, moe=False).items():
+            per_layer[form] = measure_layer_throughput(replace(spec, shipped=shipped), seconds=1.0)
+        print("synth-1b one layer: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in per_layer.items()))
+        last.append("synth-1b layer decode vs float32 (as shipped): "
+                    + ", ".join(f"{k} {per_layer[k] / per_layer['float32']:.2f}x" for k in per_layer if k != "float32"))
+    return last
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--budget-gb", type=float, default=2.0)
+    parser.add_argument("--no-1b", action="store_true", help="skip the synthetic 1B shape's per-layer speed")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    for line in shipped_figures(model=args.model, tokens=args.tokens, rounds=args.rounds, budget_gb=args.budget_gb,
+                                one_b=not args.no_1b):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

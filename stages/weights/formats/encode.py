@@ -1,0 +1,100 @@
+"""Float matrices written in a shipped form: for synthetic models and a peer's speed benchmark.
+
+A peer advertises the decode speed of one layer in the form it serves (stages/engine/speed.py),
+and `tessera model synth` writes random-weight models of real shapes; both need matrices in
+fp8 blocks, MXFP4 or GGUF blocks without a checkpoint to take them from. Compute cost does not
+depend on the values, so these encoders are plain:
+
+- fp8: per block of the format's `block`, scale_inv = amax / 448 and q = w / scale_inv rounded
+  to float8_e4m3fn (transformers' `Fp8Quantize`);
+- MXFP4: per 32 inputs, the exponent that brings the largest |w| into [4, 8) (OCP's rule, as the
+  gguf package's quantizer computes it) and each value's nearest e2m1 code, saturating at 6;
+- GGUF block types: random codes under a float16 scale that gives weights of about `std`
+  (no k-quant quantizer is needed to time or to fill a synthetic model).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.stages.families.shipped import GGML_TYPES, GgmlType, ShippedFormat
+from tessera.stages.families.tensors import Stacked
+from tessera.stages.weights.formats.fp8 import FP8_MAX
+from tessera.stages.weights.formats.linear import RowStack
+from tessera.stages.weights.formats.load import stored_linear
+from tessera.stages.weights.formats.mxfp4 import E8M0_BIAS, GROUP
+from tessera.stages.weights.quant import QuantLinear
+
+E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between the magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6
+E2M1_TOP_EXPONENT = 2  # 6 = 1.5 * 2^2: the largest magnitude's exponent
+# where each block type keeps its float16 scales (and the typical |code| they multiply)
+GGML_SCALES = {"Q8_0": ((0,), 64), "Q4_0": ((0,), 4), "Q4_1": ((0, 2), 8), "Q4_K": ((0, 2), 8 * 32),
+               "Q5_K": ((0, 2), 16 * 32), "Q6_K": ((208,), 16 * 32)}
+
+
+def fp8_encode(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (float8_e4m3fn codes [N, K], float32 scale_inv [ceil(N/bn), ceil(K/bk)])."""
+    (rows, cols), (bn, bk) = w.shape, block
+    nb, kb = -(-rows // bn), -(-cols // bk)
+    padded = torch.zeros(nb * bn, kb * bk)
+    padded[:rows, :cols] = w
+    tiles = padded.view(nb, bn, kb, bk)
+    scale_inv = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = (tiles / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.view(nb * bn, kb * bk)[:rows, :cols].contiguous(), scale_inv
+
+
+def mxfp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float (K a multiple of 32) -> (blocks uint8 [N, K/32, 16], scales uint8 [N, K/32])."""
+    rows, cols = w.shape
+    groups = w.float().reshape(rows, cols // GROUP, GROUP)
+    amax = groups.abs().amax(-1).clamp(min=torch.finfo(torch.float32).tiny)
+    exponent = (torch.floor(torch.log2(amax)) - E2M1_TOP_EXPONENT).clamp(-E8M0_BIAS, E8M0_BIAS)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    magnitude = torch.bucketize(scaled.abs(), torch.tensor(E2M1_MIDPOINTS)).to(torch.uint8)  # 0..7
+    codes = magnitude | ((scaled < 0).to(torch.uint8) << 3)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exponent + E8M0_BIAS).to(torch.uint8)
+
+
+def random_ggml(kind: GgmlType, rows: int, cols: int, *, std: float, gen: torch.Generator) -> torch.Tensor:
+    """Random ggml blocks of `kind` for a [rows, cols] matrix of weights about `std` in size."""
+    blocks = torch.randint(0, 256, (rows, cols // kind.block, kind.nbytes), dtype=torch.uint8, generator=gen)
+    offsets, typical = GGML_SCALES[kind.name]
+    scale = torch.full((rows, cols // kind.block), std / typical, dtype=torch.float16).view(torch.uint8)
+    for at in offsets:
+        blocks[..., at : at + 2] = scale.view(rows, -1, 2)
+    if kind.name in ("Q4_K", "Q5_K"):  # six-bit sub-block scales and mins: small, so the weights stay near std
+        blocks[..., 4:16] &= 0x3F
+    return blocks.view(rows, -1)
+
+
+def encode_matrix(shipped: ShippedFormat, name: str, w: torch.Tensor, *, std: float,
+                  gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """The stored tensors of checkpoint matrix `name` holding `w` [N, K] in `shipped`'s form (by stored name)."""
+    form = shipped.form_of(name)
+    if form == "fp8":
+        codes, scale_inv = fp8_encode(w, shipped.block)
+        return {name: codes, name + "_scale_inv": scale_inv}
+    if form == "mxfp4":
+        blocks, scales = mxfp4_encode(w)
+        return {name + "_blocks": blocks, name + "_scales": scales}
+    if form == "float":
+        return {name: w.to(torch.bfloat16 if shipped.float_bytes == 2 else torch.float32)}
+    kind = GGML_TYPES[form]
+    if kind.is_float:
+        return {name: w.to({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[form])}
+    return {name: random_ggml(kind, *w.shape, std=std, gen=gen)}
+
+
+def encoded_linear(shipped: ShippedFormat, source: Stacked, weight: torch.Tensor, *, std: float,
+                   gen: torch.Generator) -> QuantLinear:
+    """An engine matrix holding `weight` (its parts stacked as `source` lists them) in `shipped`'s
+    form, as a span loading such a checkpoint would hold it (no bias)."""
+    parts, at = [], 0
+    for i, name in enumerate(source.names):
+        rows = source.part_shape(i)[0]
+        stored = encode_matrix(shipped, name, weight[at : at + rows].float(), std=std, gen=gen)
+        parts.append(stored_linear(shipped, name, stored, cols=weight.shape[1]))
+        at += rows
+    return parts[0] if len(parts) == 1 else RowStack(parts, None)

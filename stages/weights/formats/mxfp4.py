@@ -1,0 +1,103 @@
+"""MXFP4 matrices as gpt-oss ships its experts (OCP microscaling: e2m1 values, e8m0 scales).
+
+A weight [N, K] is `x_blocks` uint8 [N, K/32, 16] — two e2m1 codes a byte, the low nibble the
+even input — and `x_scales` uint8 [N, K/32], a power-of-two exponent per 32 inputs:
+
+    w[r, 32 g + i] = FP4[code] * 2^(scale[r, g] - 127)
+    FP4 = (0, .5, 1, 1.5, 2, 3, 4, 6, -0, -.5, -1, -1.5, -2, -3, -4, -6)
+
+`mxfp4_dense` is the reference, computed as transformers' `convert_moe_packed_tensors` does
+(a table lookup, then ldexp). Each value is exact in float32 (two mantissa bits).
+
+At compute time a table lookup is slow on a CPU (an index per weight), so the codes widen
+through float16 as fp8's do: a code's magnitude bits shifted to float16's top mantissa bit
+and exponent (bits 9..11), its sign to bit 15, are the float16 of FP4[code] * 2^-14 —
+e2m1's subnormal 0.5 included — and the scale 2^(e - 127 + 14), built once per matmul from
+its exponent bits in float32, multiplies each group of 32. The same value, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.stages.weights.formats.linear import ShippedLinear
+from tessera.stages.weights.quant import SCRATCH, chunked_matmul
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+GROUP = 32  # inputs per scale
+E8M0_BIAS = 127
+CODE_EXPONENT = 14  # the float16 trick reads FP4[code] * 2^-14
+FLOAT32_EXPONENT_BITS = 23
+
+
+def mxfp4_dense(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] of `blocks` [N, K/32, 16] and `scales` [N, K/32] (transformers' formula)."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    rows, groups, half = blocks.shape
+    out = torch.empty(rows, groups, 2 * half, device=blocks.device)
+    out[..., 0::2] = lut[(blocks & 0x0F).int()]
+    out[..., 1::2] = lut[(blocks >> 4).int()]
+    torch.ldexp(out, (scales.int() - E8M0_BIAS)[..., None], out=out)
+    return out.view(rows, groups * 2 * half)
+
+
+# A byte's two codes -> the int32 holding both float16s (the low nibble's in the low half, as
+# little-endian float16 pairs lie: the even input first). Magnitudes: bits 0-2 and 4-6 times
+# 2^9 + 2^21 land on 9-11 and 25-27 (and, harmlessly, 13-15 and 21-23, masked off); signs:
+# bits 3 and 7 times 2^12 + 2^24 land on 15 and 31 (and on 19 and 27, masked off).
+MAGNITUDES, MAGNITUDE_SPREAD, MAGNITUDE_MASK = 0x77, (1 << 9) + (1 << 21), 0x0E000E00
+SIGNS, SIGN_SPREAD, SIGN_MASK = 0x88, (1 << 12) + (1 << 24), -0x7FFF8000  # int32 0x80008000
+
+
+def group_scales(scales: torch.Tensor) -> torch.Tensor:
+    """uint8 exponents [r, G] -> float32 2^(e - 127 + 14) [r, G, 1] (built from its exponent bits,
+    clamped to the finite exponents): what the float16 trick's values are multiplied by."""
+    exponent = (scales.int() - (E8M0_BIAS - CODE_EXPONENT) + 127).clamp_(1, 254)
+    return exponent.bitwise_left_shift_(FLOAT32_EXPONENT_BITS).view(torch.float32)[..., None]
+
+
+def widen_groups(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+                 factors: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of `blocks` [r, G, 16] / `scales` [r, G] as float32 into `out` [r, 32 G] (module
+    docstring); `factors`, their `group_scales` when already computed. Each byte becomes the int32
+    of its two float16s in a few whole-word operations (MAGNITUDES, SIGNS above)."""
+    r, groups, half = blocks.shape
+    byte = SCRATCH.take(r * groups * half, torch.int32, "bytes").view(r, groups, half)
+    byte.copy_(blocks.view(torch.int8))
+    pair = SCRATCH.take(r * groups * half, torch.int32, "pairs").view(r, groups, half)
+    torch.bitwise_and(byte, MAGNITUDES, out=pair).mul_(MAGNITUDE_SPREAD).bitwise_and_(MAGNITUDE_MASK)
+    byte.bitwise_and_(SIGNS).mul_(SIGN_SPREAD).bitwise_and_(SIGN_MASK)
+    pair.bitwise_or_(byte)
+    w = out.view(r, groups, 2 * half)
+    w.copy_(pair.view(torch.float16).view(r, groups, 2 * half))
+    w.mul_(group_scales(scales) if factors is None else factors)
+    return out
+
+
+class Mxfp4Linear(ShippedLinear):
+    """y = x W^T for W stored as MXFP4 `blocks` [N, K/32, 16] and `scales` [N, K/32] (module docstring)."""
+
+    def __init__(self, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        rows, groups, half = blocks.shape
+        self.out_features, self.in_features = rows, groups * 2 * half
+        self.register_buffer("blocks", blocks)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", bias)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [T, K] -> [T, N]: on a CPU, the whole matrix's scales once, its codes a chunk at a time."""
+        if rows.device.type != "cpu":
+            return super().matmul(rows)
+        factors = group_scales(self.scales)
+        return chunked_matmul(rows.float(), self.out_features, lambda lo, hi, out: widen_groups(
+            self.blocks[lo:hi], self.scales[lo:hi], out, factors[lo:hi])).to(rows.dtype)
+
+    def rows_into(self, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+        return widen_groups(self.blocks[lo:hi], self.scales[lo:hi], out)
+
+    def dequantized(self) -> torch.Tensor:
+        return mxfp4_dense(self.blocks.cpu(), self.scales.cpu())
+
+    def dequantized_on(self, device: torch.device) -> torch.Tensor:
+        return mxfp4_dense(self.blocks.to(device), self.scales.to(device))

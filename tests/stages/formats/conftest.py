@@ -1,0 +1,76 @@
+"""The checkpoints every test here reads, written once per session (checkpoints.py says how)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ..families.conformance import SHAPE, build
+from . import checkpoints as ck
+
+WIDE = {**SHAPE, "hidden_size": 256, "head_dim": 64}  # k-quant blocks are 256 inputs
+LLAMA = dict(intermediate_size=512)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, intermediate_size=512, norm_topk_prob=True)
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
+EVERY_BLOCK_TYPE = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1")
+
+
+def cycling(kinds: tuple[str, ...]):
+    """A GGUF type per matrix, every kind used (by the matrix's name, so stable across runs)."""
+    return lambda name: kinds[sum(name.encode()) % len(kinds)]
+
+
+@pytest.fixture(scope="session")
+def sources(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("float")
+    from ..families import test_deepseek_v3 as deepseek, test_glm4_moe as glm, test_glm_moe_dsa as glm5
+
+    return {"llama": build(root, "llama", transformers.LlamaConfig(**WIDE, **LLAMA), seed=41),
+            "moe": build(root, "moe", transformers.Qwen3MoeConfig(**WIDE, **MOE), seed=42),
+            # the MLA families' first configurations (low-rank q, dense first layer, groups, a shared expert; qk norm)
+            "deepseek_v3": build(root, "deepseek_v3", transformers.DeepseekV3Config(
+                **deepseek.SHAPE, **next(iter(deepseek.CONFIGS.values()))[0]), seed=43),
+            "glm4_moe": build(root, "glm4_moe", transformers.Glm4MoeConfig(
+                **{**glm.SHAPE, **next(iter(glm.CONFIGS.values()))[0]}), seed=44),
+            # DSA with an indexer in every layer (its matrices ship fp8 too, and are held dense)
+            "glm_moe_dsa": build(root, "glm_moe_dsa", transformers.GlmMoeDsaConfig(
+                **glm5.SHAPE, **glm5.CONFIGS["full-raw-bias-fused"][0]), seed=45)}
+
+
+@pytest.fixture(scope="session")
+def shipped(sources, tmp_path_factory):
+    """name -> (shipped folder, its reference float folder)."""
+    root = tmp_path_factory.mktemp("shipped")
+    out = {}
+    for name, write in {
+        "fp8-llama": lambda o: ck.fp8_folder(sources["llama"], o),
+        "fp8-moe": lambda o: ck.fp8_folder(sources["moe"], o),
+        "fp8-llama-ragged-blocks": lambda o: ck.fp8_folder(sources["llama"], o, block=(96, 160)),
+        # MLA's kv_b_proj (a parameter the engine holds dense: dequantized at load) and its other
+        # projections, shared experts, routers with a correction bias; blocks of 16 for their small shapes
+        "fp8-deepseek_v3": lambda o: ck.fp8_folder(sources["deepseek_v3"], o, block=(16, 16)),
+        "fp8-glm4_moe": lambda o: ck.fp8_folder(sources["glm4_moe"], o, block=(16, 16)),
+        "fp8-glm_moe_dsa": lambda o: ck.fp8_folder(sources["glm_moe_dsa"], o, block=(16, 16)),
+        "mxfp4-moe": lambda o: ck.mxfp4_folder(sources["moe"], o),
+        "mxfp4-moe-fused": lambda o: ck.mxfp4_folder(sources["moe"], o, fused=True),
+        "mxfp4-llama-every-matrix": lambda o: ck.mxfp4_folder(sources["llama"], o, not_converted=["lm_head"]),
+    }.items():
+        folder = write(root / name)
+        out[name] = (folder, ck.reference_folder(folder, root / f"{name}-reference"))
+    from tessera.stages.weights.convert import convert_gguf
+
+    gguf = {f"gguf-llama-{kind}": ("llama", (kind,), "Q8_0") for kind in K_QUANTS}
+    gguf["gguf-llama-every-k-quant"] = ("llama", K_QUANTS, "Q6_K")
+    gguf["gguf-moe-every-type"] = ("moe", EVERY_BLOCK_TYPE, "Q6_K")
+    for name, (source, kinds, edge) in gguf.items():
+        path = ck.gguf_file(sources[source], root / f"{name}.gguf", cycling(kinds), edge_type=edge)
+        convert_gguf(path, root / name, keep_blocks=True)
+        out[name] = (root / name, ck.gguf_reference_folder(path, root / f"{name}-reference"))
+    return out
+
+
+NAMES = ["fp8-llama", "fp8-moe", "fp8-llama-ragged-blocks", "fp8-deepseek_v3", "fp8-glm4_moe", "fp8-glm_moe_dsa",
+         "mxfp4-moe", "mxfp4-moe-fused", "mxfp4-llama-every-matrix",
+         *(f"gguf-llama-{kind}" for kind in K_QUANTS), "gguf-llama-every-k-quant", "gguf-moe-every-type"]
+
+

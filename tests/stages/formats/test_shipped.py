@@ -1,0 +1,278 @@
+"""Weights in the form they ship: FP8 blocks, MXFP4 and GGUF k-quants, each against its dequantized reference.
+
+Every checkpoint here is written by the test from a float model transformers built
+(checkpoints.py): a Llama block and a Qwen3-MoE (every layer sparse), FP8 with the published
+128x128 blocks and (Llama) with blocks that do not divide the matrices, MXFP4 on the experts (gpt-oss's
+`modules_to_not_convert`, experts one tensor each and fused) and on every matrix, a GGUF of each
+k-quant type and Q8_0 for the Llama block, and one mixing every block type for the MoE. Its
+reference is the float model the stored values mean, dequantized by the independent oracle
+(transformers' arithmetic, the gguf package's dequantizers) and run by tessera's float engine
+(itself held to transformers). The shipped span's float32 logits are within TOLERANCE of the
+reference's over a prefill and a greedy decode, and its greedy tokens are the reference's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tessera.stages.engine.stage import Stage
+from tessera.stages.errors import ModelFormatError, UnsupportedModel
+from tessera.stages.families.catalog import spec_from_config, spec_from_file, to_config
+from tessera.stages.families.shipped import GGML_TYPES
+from tessera.stages.weights.folder_check import check_folder
+from tessera.stages.weights.quant import Quant, QuantError, dense_block, span_bytes
+
+from ..families.conformance import PROMPT
+from . import checkpoints as ck
+from .conftest import NAMES
+
+transformers = pytest.importorskip("transformers")
+
+TOLERANCE = 3e-4  # float32 logits, max abs, against the dequantized reference: tests/stages/test_quant.py's bound
+# for a span whose chunked or permuted matmul blocks its sums differently (measured here: up to 1.2e-4 of logits ~12)
+DECODE_STEPS = 8
+def run(folder: Path, feed: list[int] | None = None) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and the logits of every step (fed `feed`'s tokens when given, else its own)."""
+    stage = Stage.load(folder, embed=True, head=True)
+    stage.open("s", capacity=len(PROMPT) + DECODE_STEPS + 1)
+    step, pos, tokens, logits = PROMPT, 0, [], []
+    for i in range(DECODE_STEPS):
+        rows = stage.logits(stage.forward("s", stage.embed(step), pos))
+        logits.append(rows)
+        tokens.append(int(rows[-1].argmax()))
+        pos += len(step)
+        step = [feed[i] if feed is not None else tokens[-1]]
+    return tokens, logits
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_shipped_checkpoint_computes_its_dequantized_reference(shipped, name):
+    folder, reference = shipped[name]
+    spec = check_folder(folder)  # what `tessera model import` checks accepts it as shipped
+    assert spec.shipped is not None and spec.shipped.method == name.split("-")[0]
+    want, ref_logits = run(reference)
+    got, logits = run(folder, feed=want)
+    worst = max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits))
+    assert worst <= TOLERANCE, f"{name}: max |logits diff| {worst:.3g}"
+    assert got == want
+    assert run(folder)[0] == want  # and decoding on its own, greedy, the same tokens
+
+
+@pytest.mark.parametrize("name", ["fp8-llama", "fp8-moe"])
+def test_transformers_reads_the_fp8_checkpoint_as_the_reference_does(shipped, name):
+    """The reference is what transformers itself makes of the FP8 folder (it dequantizes on a CPU, where
+    the blocks divide the matrices: its CPU path refuses ragged edges, which its GPU kernels take)."""
+    folder, reference = shipped[name]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        theirs = model(torch.tensor([PROMPT])).logits[0]
+    ours = run(reference)[1][0]
+    assert float((theirs - ours).abs().max()) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["fp8-llama-ragged-blocks", "mxfp4-moe-fused", "gguf-moe-every-type"])
+def test_the_dense_reference_of_a_span_is_the_oracles(shipped, name):
+    """`dense_block` (each module's `dequantized`) gives the very weights the oracle's dequantization does."""
+    folder, reference = shipped[name]
+    stage, ref = Stage.load(folder), Stage.load(reference)
+    for ours, theirs in zip(stage.blocks, ref.blocks):
+        dense = dense_block(ours, stage.spec).state_dict()
+        for key, value in theirs.state_dict().items():
+            assert torch.equal(dense[key], value), (name, key)
+
+
+# matrices a span holds as float parameters whatever the checkpoint ships (MLA's wkv_b, DSA's indexers)
+HELD_DENSE = ("kv_b_proj.weight", "indexer.wq_b.weight", "indexer.wk.weight", "indexer.weights_proj.weight")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_placement_and_the_fetch_count_the_shipped_bytes(shipped, name, tmp_path):
+    """A span holds its matrices as stored: its bytes are what placement counts (span_bytes) and what
+    the manifest lists for its layers (what a peer fetching the span downloads and the model id hashes),
+    but for what it holds dense: MLA's wkv_b and DSA's indexer matrices, parameters, widened to float32
+    from their fp8 blocks."""
+    from tessera.stages.weights import registry
+    from tessera.stages.weights.tensor_table import groups_for_span
+
+    folder = tmp_path / name
+    shutil.copytree(shipped[name][0], folder)
+    spec = spec_from_file(folder / "config.json")
+    manifest = registry.write_manifest(folder)
+    entries = manifest["tensors"]["entries"]
+    for start, end in ((0, 1), (1, 3)):
+        stage = Stage.load(folder, start=start, end=end)
+        layers = {f"layer.{i}" for i in range(start, end)}
+        on_disk = sum(e["end"] - e["begin"] for e in entries.values() if e["group"] in layers)
+        widened = sum(4 * math.prod(e["shape"]) - (e["end"] - e["begin"]) for n, e in entries.items()
+                      if e["group"] in layers and n.endswith(HELD_DENSE)) + sum(
+            -(e["end"] - e["begin"]) for n, e in entries.items()
+            if e["group"] in layers and n.endswith(tuple(m + "_scale_inv" for m in HELD_DENSE)))
+        assert stage.weight_bytes == span_bytes(spec, start, end, 4) == on_disk + widened  # float tensors here are F32
+        assert layers <= groups_for_span(start, end, spec.num_layers, tied=spec.tie_embeddings)
+    assert registry.verify(folder) == []
+
+
+def test_the_model_id_covers_the_shipped_bytes(shipped, tmp_path):
+    """One fp8 scale changed is another model: peers chain only on the identical checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    from tessera.stages.weights import registry
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(shipped["fp8-llama"][0], a)
+    shutil.copytree(shipped["fp8-llama"][0], b)
+    state = load_file(str(b / "model.safetensors"))
+    state["model.layers.1.mlp.down_proj.weight_scale_inv"] *= 2
+    save_file(state, str(b / "model.safetensors"))
+    assert registry.write_manifest(a)["model_id"] != registry.write_manifest(b)["model_id"]
+
+
+def test_a_quantization_config_round_trips_through_the_spec(shipped):
+    for name in ("fp8-llama-ragged-blocks", "mxfp4-moe", "gguf-moe-every-type"):
+        spec = spec_from_file(shipped[name][0] / "config.json")
+        assert spec_from_config(to_config(spec)) == spec
+
+
+# -- the arithmetic, against the oracles' ----------------------------------------------------------
+
+def test_fp8_codes_widen_exactly():
+    """Every finite e4m3 code through the float16 trick is torch's own conversion (times 2^-8)."""
+    from tessera.stages.weights.formats.fp8 import widen_codes
+
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    codes = codes[(torch.arange(256) & 0x7F) != 0x7F].reshape(2, -1)
+    assert torch.equal(widen_codes(codes, torch.empty(codes.shape)) * 256, codes.float())
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.binary(min_size=16 * 17, max_size=16 * 17))
+def test_mxfp4_matches_transformers(data):
+    from tessera.stages.weights.formats.mxfp4 import mxfp4_dense, widen_groups
+
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    blocks, scales = raw[: 16 * 16].view(4, 4, 16), (raw[16 * 16:].view(4, 4) % 64 + 100).to(torch.uint8)
+    want = ck.mxfp4_dequantize(blocks, scales)
+    assert torch.equal(mxfp4_dense(blocks, scales), want)
+    assert torch.equal(widen_groups(blocks, scales, torch.empty(4, 128)), want)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.sampled_from(sorted(k for k, t in GGML_TYPES.items() if not t.is_float)), st.integers(1, 3),
+       st.randoms(use_true_random=False))
+def test_ggml_blocks_match_the_gguf_package(kind, rows, rnd):
+    """Any bytes (scales made finite) dequantize as the gguf package's numpy dequantizers do, to the bit,
+    in the reference's arithmetic and the fast one's."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from tessera.stages.weights.formats.ggml import ggml_rows
+    from tessera.stages.weights.formats.ggml_linear import split_weight
+
+    t = GGML_TYPES[kind]
+    raw = np.frombuffer(rnd.randbytes(rows * 2 * t.nbytes), dtype=np.uint8).reshape(rows * 2, t.nbytes).copy()
+    offsets = {"Q6_K": (208,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2)}.get(kind, (0,))
+    for at in offsets:
+        raw[:, at : at + 2] = np.array([rnd.uniform(-4, 4) for _ in range(rows * 2)], np.float16).view(np.uint8).reshape(-1, 2)
+    raw = raw.reshape(rows, 2 * t.nbytes)
+    want = dequantize(raw, GGMLQuantizationType[kind]).reshape(rows, -1)
+    assert np.array_equal(ggml_rows(torch.from_numpy(raw), t).numpy(), want)
+    assert np.array_equal(split_weight(torch.from_numpy(raw), t).numpy(), want)
+
+
+# -- what is refused, with one line ------------------------------------------------------------------
+
+@pytest.mark.parametrize("quantization, words", [
+    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
+    ({"quant_method": "awq"}, "quant_method 'awq'"),
+    ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
+    ({"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors'"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "activation_scheme 'static'"),
+    ({"quant_method": "fp8", "weight_block_size": None}, "weight_block_size null"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp4"}, "expert_dtype 'fp4'"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"}, "fmt 'e5m2'"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "kv_cache_scheme": "fp8"}, "kv_cache_scheme"),
+    ({"quant_method": "mxfp4", "dequantize": True}, "dequantize True"),
+    ({"quant_method": "gguf", "tensor_types": {"model.layers.0.mlp.up_proj.weight": "Q2_K"}}, "'Q2_K'"),
+])
+def test_another_quantization_is_refused_by_name(sources, quantization, words):
+    config = json.loads((sources["llama"] / "config.json").read_text())
+    with pytest.raises(UnsupportedModel, match=words) as refused:
+        spec_from_config({**config, "quantization_config": quantization})
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q2_K", "IQ4_NL"])
+def test_a_gguf_of_another_type_is_refused_naming_it(sources, tmp_path, kind):
+    """A tensor of a ggml type tessera does not compute as stored: the import names it (and
+    --dequantize still converts what the gguf package dequantizes)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from tessera.stages.weights.convert import convert_gguf
+
+    def types(name: str) -> str:
+        return kind if name.endswith("mlp.down_proj.weight") else "Q8_0"
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+
+    def quantize(w: np.ndarray, k: str) -> np.ndarray:  # the gguf package quantizes Q5_0; the others: random blocks
+        if k != kind or kind == "Q5_0":
+            return ck.ggml_quantize(w, k)
+        return np.random.default_rng(0).integers(0, 256, (w.shape[0], w.shape[1] // block * size), dtype=np.uint8)
+
+    path = ck.gguf_file(sources["llama"], tmp_path / "other.gguf", types, quantize=quantize)
+    with pytest.raises(UnsupportedModel, match=f"blk.0.ffn_down.weight' is {kind}") as refused:
+        convert_gguf(path, tmp_path / "kept", keep_blocks=True)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_shipped_model_is_not_quantized_again(shipped):
+    with pytest.raises(QuantError, match="ships as fp8: --quant int8 applies to float weights"):
+        Stage.load(shipped["fp8-llama"][0], quant=Quant("int8"))
+
+
+def test_a_broken_shipped_tensor_is_refused_naming_it(shipped, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "nan"
+    shutil.copytree(shipped["fp8-llama"][0], folder)
+    state = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.2.self_attn.o_proj.weight"
+    codes = state[name].view(torch.uint8).clone()
+    codes[3, 5] = 0x7F  # e4m3's NaN
+    state[name] = codes.view(torch.float8_e4m3fn)
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(ModelFormatError, match=f"{name}' holds float8 NaN codes"):
+        Stage.load(folder, start=2, end=3)
+    del state[name + "_scale_inv"]
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(ModelFormatError, match=f"{name}_scale_inv' \\(fp8\\) is missing"):
+        Stage.load(folder, start=2, end=3)
+    with pytest.raises(ModelFormatError, match=f"{name}_scale_inv' is missing"):
+        check_folder(folder)
+
+
+# -- a device's own kernel ---------------------------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="torch's blockwise fp8 scaled_mm needs a CUDA device of capability 9.0 (H100/H200)")
+def test_fp8_takes_torchs_scaled_mm_on_sm90():  # not run on this project's CI (no GPU)
+    from tessera.stages.weights.formats.encode import fp8_encode
+    from tessera.stages.weights.formats.fp8 import Fp8BlockLinear
+
+    w = torch.randn(512, 1024) * 0.02
+    codes, scale_inv = fp8_encode(w, (128, 128))
+    layer = Fp8BlockLinear(codes.cuda(), scale_inv.cuda(), (128, 128), None)
+    x = torch.randn(5, 1024, device="cuda", dtype=torch.bfloat16)
+    got = layer(x).float()
+    assert layer._kernel_ok, "scaled_mm ran and agreed with the dequantized weight"
+    want = x.float() @ layer.dequantized().cuda().T
+    assert float((got - want).abs().max()) <= 0.05 * float(want.abs().max())
