@@ -608,6 +608,20 @@ class ModelSpec:
         shared = {i for i, layer in enumerate(self.layers) if getattr(layer.attention, "shared", False)}
         return tuple(i for i in range(self.num_layers + 1) if i not in shared)
 
+    def aligned_span(self, start: int, end: int) -> tuple[int, int]:
+        """The span nearest [start, end) whose ends are `span_starts` (L among them): the largest such
+        span inside it; where none is, the smallest one from the start moved down (a layer and those
+        reusing its selection are served together, even past the length asked). What a peer claims
+        where placement chose [start, end); any span of a model without reusing layers is itself."""
+        starts = self.span_starts
+        if len(starts) == self.num_layers + 1:
+            return start, end
+        inner = [i for i in starts if start <= i <= end]
+        if len(inner) >= 2:
+            return inner[0], inner[-1]
+        first = max(i for i in starts if i <= start)
+        return first, min(i for i in starts if i > first)
+
     def check_span_start(self, start: int, end: int) -> None:
         """SpanError unless a span [start, end) may start at layer `start` (`span_starts`; an empty
         span may start anywhere)."""

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 from tessera.stages.errors import ModelFormatError, SpanError, UnsupportedModel
 from tessera.stages.families.catalog import spec_from_config, spec_from_file, to_config
@@ -161,6 +162,25 @@ def test_a_span_never_starts_on_a_layer_that_reuses_a_selection(folders):
         stage.open("s", capacity=16, start=3)
     stage.open("tail", capacity=16, start=2)  # a session may start at the next indexer layer
     Stage.load(folders[SWARM], start=2, end=4)
+
+
+@given(st.integers(0, 7), st.integers(1, 8), st.lists(st.booleans(), min_size=8, max_size=8))
+def test_a_claimed_span_is_aligned_where_sparse_attention_lets_a_span_start(start, length, shared):
+    """What a peer claims where placement chose [start, end): ends at span starts; inside the window when
+    a span fits in it, else the one indexer layer's group the start falls in; unchanged without reusing layers."""
+    end = min(start + length, 8)
+    config = {k: v for k, v in CONFIG_AS_SAVED.items() if k != "layer_types"}
+    spec = spec_from_config({**config, "num_hidden_layers": 8, "mlp_layer_types": ["dense"] * 8,
+                             "indexer_types": ["full"] + ["shared" if s else "full" for s in shared[1:]]})
+    a, b = spec.aligned_span(start, end)
+    assert a < b and a in spec.span_starts and b in spec.span_starts
+    fits = [i for i in spec.span_starts if start <= i <= end]
+    if len(fits) >= 2:
+        assert (a, b) == (fits[0], fits[-1])
+    else:
+        assert a <= start and not any(a < i < b for i in spec.span_starts)
+    if not any(shared[1:]):
+        assert (a, b) == (start, end)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
