@@ -82,7 +82,7 @@ class Indexer(nn.Module):
         rotated = apply_rope(deinterleave(torch.cat((q[..., :dr], k[..., :dr]), dim=1)), cos, sin)  # [T, Hi + 1, Dr]
         q = torch.cat((rotated[:, :hi], q[..., dr:]), dim=-1)
         k = torch.cat((rotated[:, hi:], k[..., dr:]), dim=-1)[:, 0]
-        weights = F.linear(x, self.w_heads).float() * hi ** -0.5
+        weights = F.linear(x.float(), self.w_heads.float()) * hi ** -0.5  # float32, as the reference
         return q, k, weights
 
     def scores(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
