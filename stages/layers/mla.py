@@ -34,6 +34,10 @@ transformers). Wkv_b is read as a matrix by the absorbed form, so it is a plain 
 kept in the stage's dtype, not a linear that quantization replaces (families/spec.py's
 `MlaSpec.kv_b_shape`). The absorptions of a stacked step run once over the rows of every
 session that absorbs, reading Wkv_b once.
+
+Both forms take the positions each query may read (`allowed`, [T, S]) in place of the causal
+mask: DSA (layers/dsa.py) attends through `attend` over the rows its indexer picked, and a
+one-token step absorbs over those rows only.
 """
 
 from __future__ import annotations
