@@ -17,8 +17,18 @@
 5. Batching: 1, 4 and 8 sessions stacked per step (bench/batching.py's lockstep) on the GPU,
    float32 and bf16: aggregate tok/s, ratios to one session, and each session's tokens
    against its solo run (required in float32, reported in bf16).
+6. CUDA graphs (stages/engine/compiled/cuda_graphs.py) on SmolLM2: float32 (TF32 off) graphs
+   against eager on the GPU and the CPU oracle (tokens equal, logits to 1e-3), bf16 graphs
+   against the oracle (fed its tokens, the bf16 bound); decode tok/s eager vs graphs (one
+   session, head included), and 1 vs 8 sessions stacked with graphs (each session's tokens
+   against its solo run).
+7. Realistic spans (bench/gpu_shapes.py): 8 layers of a Llama-3-8B and 4 of a Qwen3-30B-A3B
+   shape, bf16, batch 1 and 8: tok/s eager, graphs and transformers on the same layers, each
+   as a fraction of the HBM bound.
 
-    .venv/bin/python bench/gpu.py [--device cuda:0]
+Sized to finish within 6 minutes on one H200, graph capture included.
+
+    .venv/bin/python bench/gpu.py [--device cuda:0] [--only graphs shapes ...]
 """
 
 from __future__ import annotations
@@ -127,8 +137,11 @@ def check_swarm(folder, device, ids) -> list[str]:
     from tessera.peer.request.client import Swarm
     from tessera.peer.cli.demo import LocalSwarm
 
+    from tessera.stages.engine.compiled.build import compile_decode
+
     spans = [(0, 10), (10, 20), (20, 30)]
     layers = Stage.load(folder, device=device, dtype=torch.bfloat16)
+    compile_decode(layers, "auto")  # as the peers do theirs (--compile auto: CUDA graphs): the same kernels
     head = Stage.load(folder, start=0, end=0, embed=True, head=True)
     want, _ = run_greedy(layers, head, ids, STEPS)
     swarm = LocalSwarm(3, extra_args=[["--layers", f"{a}:{b}", "--device", str(device)] for a, b in spans])
@@ -250,11 +263,89 @@ def check_batching(folder, device, tokenizer) -> list[str]:
     return lines
 
 
+def timed_greedy(layers: Stage, head: Stage, ids: list[int], n: int) -> float:
+    """Decode tok/s of one greedy session (head and argmax included), the device synchronised."""
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    run_greedy(layers, head, ids, n)
+    torch.cuda.synchronize()
+    return (n - 1) / (time.perf_counter() - started)
+
+
+def check_graphs(folder, device, ids, oracle_tokens, oracle_logits, tokenizer) -> list[str]:
+    """CUDA graphs on SmolLM2 (module docstring, check 6)."""
+    from batching import lockstep  # bench/batching.py, beside this script
+
+    from tessera.stages.engine.compiled.build import compile_decode
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    lines = []
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        stage = Stage.load(folder, embed=True, head=True, device=device, dtype=dtype)
+        began = time.perf_counter()
+        plan = compile_decode(stage, "cuda-graphs")
+        runner = stage.decode
+        lines.append(f"graphs {name}: {plan.backend} ({plan.reason}), {len(runner.compiled) if runner else 0} "
+                     f"buckets captured in {time.perf_counter() - began:.1f} s"
+                     + (f"; eager: {runner.eager}" if runner is not None and runner.eager else ""))
+        forced = None if dtype == torch.float32 else oracle_tokens
+        tokens, logits = run_greedy(stage, stage, ids, STEPS, forced)
+        stage.decode = None
+        eager_tokens, eager_logits = run_greedy(stage, stage, ids, STEPS, forced)
+        stage.decode = runner
+        vs_oracle, vs_eager = worst_relative(logits, oracle_logits), worst_relative(logits, eager_logits)
+        if dtype == torch.float32:
+            ok = vs_oracle <= FLOAT32_GPU_TOLERANCE and vs_eager <= FLOAT32_GPU_TOLERANCE and \
+                tokens == oracle_tokens == eager_tokens
+        else:
+            ok = vs_oracle <= tolerance(name, "float32", stage.spec.num_layers)
+        lines.append(f"graphs {name}{'' if forced is None else ' (fed the oracle tokens)'}: worst relative logit "
+                     f"difference {vs_oracle:.3g} vs the CPU oracle, {vs_eager:.3g} vs eager on {device}, "
+                     f"{agreement(tokens, oracle_tokens)}: {'PASS' if ok else 'FAIL'}")
+        if dtype == torch.bfloat16:
+            stage.decode = None
+            timed_greedy(stage, stage, ids, 16)  # warm-up
+            eager = max(timed_greedy(stage, stage, ids, 64) for _ in range(3))
+            stage.decode = runner
+            timed_greedy(stage, stage, ids, 16)
+            graphs = max(timed_greedy(stage, stage, ids, 64) for _ in range(3))
+            lines.append(f"decode on {device} (bf16, one session, head included): eager {eager:.0f} tok/s, "
+                         f"graphs {graphs:.0f} tok/s, graphs/eager {graphs / eager:.2f}x")
+            batch = [prompt_ids(tokenizer, q, raw=False) for q in QUESTIONS]
+            rates, equal = {}, {}
+            solo = [lockstep(stage, [p], 32)[0][0] for p in batch]
+            for c in (1, 8):
+                lockstep(stage, batch[:c], 8)  # warm-up
+                best = 0.0
+                for _ in range(3):
+                    torch.cuda.synchronize()
+                    started = time.perf_counter()
+                    got, _ = lockstep(stage, batch[:c], 32)
+                    torch.cuda.synchronize()
+                    best = max(best, c * 31 / (time.perf_counter() - started))
+                rates[c] = best
+                equal[c] = sum(g == s for g, s in zip(got, solo[:c]))
+            lines.append(f"graphs, sessions stacked (bf16, heads included): 1 session {rates[1]:.0f} tok/s, "
+                         f"8 sessions {rates[8]:.0f} tok/s ({rates[8] / rates[1]:.2f}x); equal to their solo run: "
+                         f"{equal[1]}/1, {equal[8]}/8 (bf16: reported)")
+        del stage, runner
+        torch.cuda.empty_cache()
+    return lines
+
+
+def check_shapes(device) -> list[str]:
+    from gpu_shapes import check_shapes as shapes  # bench/gpu_shapes.py, beside this script
+
+    return shapes(device)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--only", nargs="*", default=(), help="run only these checks (exactness speed swarm quantized batching)")
+    parser.add_argument("--only", nargs="*", default=(),
+                        help="run only these checks (exactness speed swarm quantized batching graphs shapes)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print(f"bench/gpu.py: skipped, no CUDA GPU here (torch {torch.__version__}, CUDA build: {torch.version.cuda})")
@@ -273,6 +364,8 @@ def main() -> int:
         "swarm": lambda: check_swarm(folder, device, ids),
         "quantized": lambda: check_quantized(folder, device, ids),
         "batching": lambda: check_batching(folder, device, tokenizer),
+        "graphs": lambda: check_graphs(folder, device, ids, oracle_tokens, oracle_logits, tokenizer),
+        "shapes": lambda: check_shapes(device),
     }
     failed = False
     for name, check in checks.items():  # one broken check does not hide the others' figures

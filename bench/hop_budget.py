@@ -19,9 +19,10 @@ every step of `--rounds` answers.
 
 Two swarms side by side, their rounds alternating: one whose sessions and links run on
 dedicated connections (peer/net/dedicated/, the default) and one on libp2p (yamux)
-streams only (`--no-dedicated`).
+streams only (`--no-dedicated`). Peers, requesters' heads and the one process decode as
+`--compile` says (default auto: compiled on a CPU).
 
-    .venv/bin/python bench/hop_budget.py [--tokens 32] [--rounds 3] [--synth-1b] [--dedicated-only]
+    .venv/bin/python bench/hop_budget.py [--tokens 32] [--rounds 3] [--synth-1b] [--dedicated-only] [--compile auto|off]
 """
 
 from __future__ import annotations
@@ -113,10 +114,11 @@ def slices(answer: Answer) -> list[dict[str, float]]:
 
 
 def traced_answers(model: str, spans: list[tuple[int, int]], tokens: int, rounds: int,
-                   kinds: list[str]) -> dict[str, list[Answer]]:
+                   kinds: list[str], compile: str) -> dict[str, list[Answer]]:
     """`rounds` traced answers through a swarm of each kind, the kinds' rounds alternating."""
     swarms = {kind: LocalSwarm(len(spans), model=model,
-                               extra_args=[["--layers", f"{a}:{b}", *STREAMS[kind]] for a, b in spans])
+                               extra_args=[["--layers", f"{a}:{b}", "--compile", compile, *STREAMS[kind]]
+                                           for a, b in spans])
               for kind in kinds}
     answers: dict[str, list[Answer]] = {kind: [] for kind in kinds}
     try:
@@ -149,7 +151,8 @@ def traced_answers(model: str, spans: list[tuple[int, int]], tokens: int, rounds
                 for kind in kinds:
                     tracer = MemoryTracer(peer="requester")
                     swarm = await stack.enter_async_context(
-                        Swarm.join(swarms[kind].addrs[:1], model=model, tracer=tracer, dedicated=kind == "dedicated"))
+                        Swarm.join(swarms[kind].addrs[:1], model=model, tracer=tracer, dedicated=kind == "dedicated",
+                                   compile=compile))
                     await swarm.wait_for_route(60)
                     ids = swarm.tokenizer.encode(PROMPT)[:16]
                     [t async for t in swarm.generate_ids(ids, max_new_tokens=4)]  # warm-up
@@ -165,9 +168,9 @@ def traced_answers(model: str, spans: list[tuple[int, int]], tokens: int, rounds
     return answers
 
 
-def local_decode_ms(model: str, tokens: int, rounds: int) -> float:
+def local_decode_ms(model: str, tokens: int, rounds: int, compile: str) -> float:
     """One process's decode step (median over `rounds` answers; the prefill step left out)."""
-    engine = LocalEngine(registry.resolve(model), device="cpu", dtype="float32")
+    engine = LocalEngine(registry.resolve(model), device="cpu", dtype="float32", compile=compile)
     ids = engine.tokenizer.encode(PROMPT)[:16]
     engine.generate_ids(ids, max_new_tokens=4)  # warm-up
     steps: list[float] = []
@@ -185,14 +188,16 @@ def main() -> None:
     parser.add_argument("--synth-1b", action="store_true", help="the synthetic 1B shape of bench/swarm.py")
     parser.add_argument("--dedicated-only", action="store_true",
                         help="the default swarm only (no libp2p-streams swarm beside it)")
+    parser.add_argument("--compile", default="auto", choices=("auto", "off"),
+                        help="peers, requester heads and the one process (default auto)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     model = str(synth_1b()) if args.synth_1b else "smollm2-135m"
     layers = spec_from_file(registry.resolve(model) / "config.json").num_layers
     kinds = ["dedicated"] if args.dedicated_only else list(STREAMS)
-    answers = traced_answers(model, even_spans(layers, 3), args.tokens, args.rounds, kinds)
-    local_ms = local_decode_ms(model, args.tokens, args.rounds)
+    answers = traced_answers(model, even_spans(layers, 3), args.tokens, args.rounds, kinds, args.compile)
+    local_ms = local_decode_ms(model, args.tokens, args.rounds, args.compile)
     medians, overheads = {}, {}
     for kind in kinds:
         steps = [ms for answer in answers[kind] for ms in slices(answer)]

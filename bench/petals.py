@@ -2,12 +2,14 @@
 
 Two peers each (layers 0:15 and 15:30 of SmolLM2-135M-Instruct, one torch thread
 each), greedy decoding of the same chat prompt, decode tokens/s (steps after the
-first). Petals 2.2.0.post1 runs from its own venv (it pins old transformers and a
-hivemind that builds from an sdist): build it once with the script in
+first). Tessera's peers, its requester's head and its one-process engine decode as
+`--compile` says (default auto: compiled on a CPU; stages/engine/compiled/). Petals
+2.2.0.post1 runs from its own venv (it pins old transformers and a hivemind that
+builds from an sdist): build it once with the script in
 docs/pages/benchmarks.md ("Petals"), which also writes the run script this bench calls.
 Without it, this bench says so and exits 0.
 
-    .venv/bin/python bench/petals.py [--tokens 48] [--petals-root ~/.cache/petals-bench]
+    .venv/bin/python bench/petals.py [--tokens 48] [--compile auto|off] [--petals-root ~/.cache/petals-bench]
 """
 
 from __future__ import annotations
@@ -61,9 +63,9 @@ def petals_rate(run_script: Path, root: Path, tokens: int) -> float:
     return statistics.median(rates)
 
 
-def local_rate(tokens: int) -> float:
+def local_rate(tokens: int, compile: str) -> float:
     """One process (LocalEngine, one torch thread): the ceiling of any swarm on the same compute."""
-    engine = LocalEngine(registry.resolve("smollm2-135m"), device="cpu", dtype="float32")
+    engine = LocalEngine(registry.resolve("smollm2-135m"), device="cpu", dtype="float32", compile=compile)
     ids = prompt_ids(engine.tokenizer, PROMPT, raw=False)
     rates = []
     for _ in range(RUNS):
@@ -73,14 +75,14 @@ def local_rate(tokens: int) -> float:
     return statistics.median(rates)
 
 
-def tessera_rate(tokens: int) -> float:
-    peers = LocalSwarm(len(SPANS), extra_args=[["--layers", f"{a}:{b}"] for a, b in SPANS])
+def tessera_rate(tokens: int, compile: str) -> float:
+    peers = LocalSwarm(len(SPANS), extra_args=[["--layers", f"{a}:{b}", "--compile", compile] for a, b in SPANS])
     rates: list[float] = []
     try:
         peers.start(together=True)
 
         async def run() -> None:
-            async with Swarm.join(peers.addrs[:1]) as swarm:
+            async with Swarm.join(peers.addrs[:1], compile=compile) as swarm:
                 await swarm.wait_for_route(60)
                 ids = prompt_ids(swarm.tokenizer, PROMPT, raw=False)
                 for _ in range(RUNS):
@@ -99,6 +101,8 @@ def tessera_rate(tokens: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--compile", default="auto", choices=("auto", "off", "inductor"),
+                        help="Tessera's decode steps: peers, requester head, one process (default auto)")
     parser.add_argument("--petals-root", type=Path, default=Path(os.environ.get("PETALS_ROOT", Path.home() / ".cache/petals-bench")))
     parser.add_argument("--run-script", type=Path, default=None, help="default: PETALS_ROOT/run_p3.sh")
     args = parser.parse_args()
@@ -111,10 +115,11 @@ def main() -> None:
         sys.exit(0)
     torch.set_num_threads(1)
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
-    ours = tessera_rate(args.tokens)
-    one_process = local_rate(args.tokens)
+    ours = tessera_rate(args.tokens, args.compile)
+    one_process = local_rate(args.tokens, args.compile)
     theirs = petals_rate(run_script, args.petals_root, args.tokens)
-    print(f"decode tok/s, 2 peers (0:15, 15:30), 1 thread each: tessera {ours:.2f}, petals {theirs:.2f}; "
+    print(f"decode tok/s, 2 peers (0:15, 15:30), 1 thread each, tessera --compile {args.compile}: "
+          f"tessera {ours:.2f}, petals {theirs:.2f}; "
           f"tessera in one process {one_process:.2f}")
     print(f"tessera one process/petals decode ratio (the most any swarm on this compute can reach): "
           f"{one_process / theirs:.2f}")

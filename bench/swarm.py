@@ -10,7 +10,8 @@
    default) and one whose every stream is a libp2p (yamux) stream (`--no-dedicated`).
    Rounds alternate (local, dedicated, libp2p streams, ...). Per-hop overhead =
    (swarm step time - local step time) / 4 network hops (requester -> p0 -> p1 ->
-   p2 -> requester).
+   p2 -> requester). Peers, the requesters' heads and the local engine decode as `--compile`
+   says (default auto: compiled on a CPU; `--compile off` for the eager figures).
    Beside them, what this machine does to a stage that waits: one span's forward in
    one process after an idle wait as long as a pipeline stage's, against back to
    back (shared hosts lose a waiting core's caches; the local engine never waits).
@@ -18,7 +19,7 @@
    on an emulated WAN (`--emulate-link`, as bench/wan.py: 40-75 ms a hop, 100 Mbit/s
    uplinks), the prompt sent whole vs pipelined in chunks (peer/request/prefill.py).
 
-    .venv/bin/python bench/swarm.py [--tokens 32] [--rounds 3] [--skip-1b] [--prompt-tokens 2000]
+    .venv/bin/python bench/swarm.py [--tokens 32] [--rounds 3] [--skip-1b] [--prompt-tokens 2000] [--compile auto|off]
     .venv/bin/python bench/swarm.py --quick     # 1 round, SmolLM2 only, a 600-token prompt
     .venv/bin/python bench/swarm.py --skip-1b --skip-ttft   # SmolLM2 decode only (before/after a change)
 """
@@ -40,6 +41,7 @@ from tessera.peer.cli.demo import LocalSwarm
 from tessera.stages.weights import registry
 from tessera.stages.decoding.generate import LocalEngine
 from tessera.stages.families.catalog import spec_from_file
+from tessera.stages.engine.compiled.build import compile_decode
 from tessera.stages.engine.stage import Stage
 from tessera.peer.net.emulated import LinkEmulation
 
@@ -83,14 +85,16 @@ WAN_RATE = "100mbit"
 STREAMS = {"dedicated": [], "libp2p streams": ["--no-dedicated"]}  # swarm kind -> extra peer flags
 
 
-def measure(model: str, label: str, tokens: int, rounds: int, kinds: list[str]) -> tuple[dict[str, float], float]:
+def measure(model: str, label: str, tokens: int, rounds: int, kinds: list[str], compile: str
+            ) -> tuple[dict[str, float], float]:
     """({swarm kind: tokens/s}, local tokens/s), medians over `rounds`."""
     spec = spec_from_file(registry.resolve(model) / "config.json")
-    engine = LocalEngine(registry.resolve(model), device="cpu", dtype="float32")
+    engine = LocalEngine(registry.resolve(model), device="cpu", dtype="float32", compile=compile)
     # a prompt whose answer does not stop early: greedy continuation of a plain text
     ids = engine.tokenizer.encode("The history of the city begins in the year")[:16] or [5] * 16
     spans = even_spans(spec.num_layers, 3)
-    swarms = {kind: LocalSwarm(3, model=model, extra_args=[["--layers", f"{a}:{b}", *STREAMS[kind]] for a, b in spans])
+    swarms = {kind: LocalSwarm(3, model=model, extra_args=[["--layers", f"{a}:{b}", "--compile", compile, *STREAMS[kind]]
+                                                          for a, b in spans])
               for kind in kinds}
     local: list[float] = []
     rates: dict[str, list[float]] = {kind: [] for kind in kinds}
@@ -101,7 +105,8 @@ def measure(model: str, label: str, tokens: int, rounds: int, kinds: list[str]) 
         async def rounds_() -> None:
             async with contextlib.AsyncExitStack() as stack:
                 joined = {kind: await stack.enter_async_context(
-                    Swarm.join(swarms[kind].addrs[:1], model=model, dedicated=kind == "dedicated")) for kind in kinds}
+                    Swarm.join(swarms[kind].addrs[:1], model=model, dedicated=kind == "dedicated", compile=compile))
+                    for kind in kinds}
                 for swarm in joined.values():
                     await swarm.wait_for_route(60)
                     await swarm_rate(swarm, ids, 4)  # warm-up
@@ -123,13 +128,14 @@ def measure(model: str, label: str, tokens: int, rounds: int, kinds: list[str]) 
     return medians, statistics.median(local)
 
 
-def idle_penalty(model: str, idle: float, steps: int = 40) -> float:
+def idle_penalty(model: str, idle: float, compile: str, steps: int = 40) -> float:
     """One span's decode forward (a third of the layers, one thread) after `idle` seconds of
     waiting, as a pipeline stage waits for its next frame, over back to back: medians."""
     folder = registry.resolve(model)
     spec = spec_from_file(folder / "config.json")
     start, end = even_spans(spec.num_layers, 3)[0]
     stage = Stage.load(folder, start=start, end=end)
+    compile_decode(stage, compile, buckets=(1,))
     stage.open("s", capacity=16 + 2 * steps + 2, start=start, end=end)
     stage.forward("s", torch.randn(16, spec.hidden_size), 0)
     times: dict[float, list[float]] = {0.0: [], idle: []}
@@ -199,6 +205,8 @@ def main() -> None:
     parser.add_argument("--skip-ttft", action="store_true", help="skip the time-to-first-token comparison")
     parser.add_argument("--dedicated-only", action="store_true",
                         help="decode through the default swarm only (no libp2p-streams swarm beside it)")
+    parser.add_argument("--compile", default="auto", choices=("auto", "off"),
+                        help="peers, requester heads and the local engine (default auto)")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.skip_1b, args.prompt_tokens, args.tokens = 1, True, min(args.prompt_tokens, 600), 16
@@ -208,15 +216,16 @@ def main() -> None:
     rates = {}
     penalties = {}
     if not args.only_ttft:
-        rates["smollm2-135m"] = measure("smollm2-135m", "smollm2-135m", args.tokens, args.rounds, kinds)
+        rates["smollm2-135m"] = measure("smollm2-135m", "smollm2-135m", args.tokens, args.rounds, kinds, args.compile)
         if not args.skip_1b:
-            rates["synthetic-1b"] = measure(str(synth_1b()), "synthetic-1b", max(8, args.tokens // 4), args.rounds, kinds)
+            rates["synthetic-1b"] = measure(str(synth_1b()), "synthetic-1b", max(8, args.tokens // 4), args.rounds,
+                                            kinds, args.compile)
         for label, model in (("smollm2-135m", "smollm2-135m"), ("synthetic-1b", str(synth_1b()) if "synthetic-1b" in rates else "")):
             if model:
                 # a stage of three waits about two thirds of a step: the swarm's step less its own compute
                 swarm_rates, local_rate_ = rates[label]
                 idle = (2 / 3) / swarm_rates[kinds[0]]
-                penalties[label] = (idle, idle_penalty(model, idle))
+                penalties[label] = (idle, idle_penalty(model, idle, args.compile))
     ttft = None if args.skip_ttft else measure_ttft(args.prompt_tokens, args.rounds, args.wan_rate)
     print("\n-- side by side (one run; noisy on a shared machine) --")
     for label, (idle, penalty) in penalties.items():

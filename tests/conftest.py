@@ -11,6 +11,10 @@ import torch
 # Tests share 2 cores with the peer processes they start: one torch thread each.
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Peers started by tests decode eagerly (--compile's default, read by peer/node/config.py and inherited by
+# every peer process): compiling costs each peer start seconds to a minute, and the tests of the compiled
+# steps (tests/stages/test_compiled.py) ask for it themselves.
+os.environ.setdefault("TESSERA_COMPILE", "off")
 
 MODEL = "smollm2-135m"
 FRANCE = "What is the capital of France?"
@@ -21,7 +25,7 @@ FRANCE = "What is the capital of France?"
 LONGEST_FILES = [
     "test_churn.py", "test_verify.py", "test_speculation.py", "test_swarm.py", "test_failover.py",
     "test_engine_cli.py", "test_nat.py", "test_http.py", "test_quant.py", "test_quant_swarm.py", "test_engine_reference.py", "test_shards_swarm.py",
-    "test_shards_swarm_whole.py", "test_model_conformance.py", "test_qwen3_moe.py", "test_mixtral.py", "test_gpt_oss.py", "test_qwen3.py",
+    "test_shards_swarm_whole.py", "test_model_conformance.py", "test_compiled.py", "test_qwen3_moe.py", "test_mixtral.py", "test_gpt_oss.py", "test_qwen3.py",
     "test_peer_join.py", "test_tui.py", "test_swarm_security.py", "test_shards_swarm_synth.py",
     "test_revoke.py", "test_web_browser.py",
     "test_swarm_view.py", "test_gossip_convergence.py", "test_weights_swarm.py",

@@ -27,7 +27,9 @@ from tessera.peer.request.client import Swarm
 from tessera.peer.base.errors import PeerError
 from tessera.peer.node.config import KV_RESERVE_FRACTION
 
-STARTUP_TIMEOUT = 120.0  # one peer: import torch, measure a layer, load its span
+# one peer: import torch, measure a layer, load its span, and compile its decode steps (--compile: up to a
+# minute or two per span on a 2-core machine when inductor's disk cache is cold, seconds once it is warm)
+STARTUP_TIMEOUT = 300.0
 LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"  # a local swarm stays on this machine
 
 
@@ -158,7 +160,8 @@ def run_demo(*, prompt: str, peers: int, model: str, max_tokens: int) -> int:
     share = math.ceil(spec.num_layers / peers)
     memory = f"{memory_for_layers(model, share):.4f}"
     print(f"starting {peers} peers on 127.0.0.1, each offering memory for ~{share} of {spec.num_layers} layers")
-    swarm = LocalSwarm(peers, model=model, extra_args=[["--memory", memory] for _ in range(peers)])
+    # the demo answers one prompt: compiling each peer's decode steps would take longer than it saves
+    swarm = LocalSwarm(peers, model=model, extra_args=[["--memory", memory, "--compile", "off"] for _ in range(peers)])
     try:
         for i in range(peers):
             addr = swarm.start_peer(i, swarm.addrs[:1])

@@ -10,7 +10,7 @@ from tessera.stages.weights import registry
 from tessera.stages.errors import StageError
 
 from tessera.peer.cli.options import (
-    UsageError, add_accept_mixed_option, add_compute_options, add_dedicated_option, add_policy_options,
+    UsageError, add_accept_mixed_option, add_compile_option, add_compute_options, add_dedicated_option, add_policy_options,
     add_record_trace_option, add_sampling_options, apply_threads,
     policy_from, quant_from, sampling_from,
 )
@@ -48,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_sampling_options(p)
     add_policy_options(p)
     add_compute_options(p)
+    add_compile_option(p, default="off", what="the local model (--local) or the requester's head (--join)")
     p.set_defaults(handler=run)
 
 
@@ -72,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     from tessera.stages.decoding.generate import LocalEngine
 
     apply_threads(args.threads)
-    engine = LocalEngine(registry.resolve(args.model), device=args.device, dtype=args.dtype, quant=quant_from(args))
+    engine = LocalEngine(registry.resolve(args.model), device=args.device, dtype=args.dtype, quant=quant_from(args),
+                         compile=args.compile, say=lambda line: print(line, file=sys.stderr))
     on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = engine.generate(
         args.prompt, raw=args.raw, max_new_tokens=args.max_tokens, sampling=sampling, on_text=on_text

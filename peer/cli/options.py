@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tessera.stages.errors import StageError
+from tessera.stages.engine.compiled.modes import COMPILE_MODES  # torch-free, like this module
 
 from tessera.peer.base.errors import ConfigError
 
@@ -53,6 +54,13 @@ def device_arg(text: str) -> str:
     if kind not in ("auto", "cpu", "cuda", "mps") or (colon and (kind != "cuda" or not index.isdigit())):
         raise argparse.ArgumentTypeError(f"--device wants auto, cpu, cuda, cuda:N or mps, got {text!r}")
     return text
+
+
+def add_compile_option(p: argparse.ArgumentParser, *, default: str, what: str) -> None:
+    """--compile: whether decode steps run compiled (stages/engine/compiled/modes.py)."""
+    p.add_argument("--compile", default=default, choices=COMPILE_MODES,
+                   help=f"compile {what}'s decode steps: auto = torch.compile on a CPU float span, CUDA graphs "
+                        f"on CUDA; once per load, at start-up, cached on disk (default {default})")
 
 
 def add_compute_options(p: argparse.ArgumentParser) -> None:

@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING
 from tessera.peer.cli.config import add_config_options
 from tessera.peer.cli.memory import return_freed_memory
 from tessera.peer.cli.options import (
-    add_compute_options, add_dedicated_option, add_emulation_option, add_join_options, quant_from, read_swarm_key,
+    add_compile_option, add_compute_options, add_dedicated_option, add_emulation_option, add_join_options, quant_from, read_swarm_key,
 )
 from tessera.peer.base.errors import ConfigError
 from tessera.peer.net.addresses import DEFAULT_LISTEN, DEFAULT_PORT
 from tessera.peer.net.join import JOIN_TIMEOUT
+from tessera.stages.engine.compiled.modes import DEFAULT_COMPILE
 from tessera.peer.serve.batcher import MAX_BATCH_ROWS, MAX_BATCH_WAIT, BatchBudget
 
 if TYPE_CHECKING:
@@ -92,6 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--misbehave", default=None, metavar="MODE",
                    help="FAULT INJECTION for tests and demos: perturb:P (a fraction P of steps) or wrong-weights")
     add_compute_options(p)
+    add_compile_option(p, default=DEFAULT_COMPILE, what="the span")
     add_config_options(p)
     p.set_defaults(handler=run_peer)
 
@@ -163,7 +165,7 @@ def config_from(args: argparse.Namespace) -> "PeerConfig":
         model=args.model, join=args.join, listen=args.listen,
         dedicated=not args.no_dedicated, dedicated_port=args.dedicated_port,
         memory_gb=args.memory, layers=args.layers, data_dir=data_dir, name=args.name,
-        threads=args.threads, device=args.device, dtype=args.dtype, quant=quant_from(args),
+        threads=args.threads, device=args.device, dtype=args.dtype, quant=quant_from(args), compile=args.compile,
         swarm_key=read_swarm_key(args.swarm_key), max_sessions=args.max_sessions,
         batch_rows=budget.max_rows, batch_wait=budget.max_wait,
         join_timeout=args.join_timeout, allow_alone=args.allow_alone,

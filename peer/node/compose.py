@@ -57,7 +57,7 @@ def build_peer(config: PeerConfig, *, out: Callable[[str], None] | None = None) 
     """A volunteer's peer for `config`. Raises ConfigError (e.g. a memory offer too small for
     one layer) before anything is created on disk, and DataDirInUse (a ConfigError) when
     another running peer holds the data dir — before its key or store is opened."""
-    compute = TorchCompute(config)
+    compute = TorchCompute(config, out=out)
     lock = DataDirLock.acquire(config.data_dir)  # held until the node stops (PeerNode.run)
     try:
         identity = Identity.from_seed(load_or_create_key(config.data_dir / "identity.key"))

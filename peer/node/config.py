@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tessera.stages.weights.quant import NO_QUANT, Quant, span_bytes
 from tessera.stages.families.spec import ModelSpec
+from tessera.stages.engine.compiled.modes import DEFAULT_COMPILE
 
 from tessera.peer.net.emulated import LinkEmulation
 from tessera.peer.base.errors import ConfigError
@@ -56,6 +57,7 @@ class PeerConfig:
     device: str = "auto"
     dtype: str = "auto"
     quant: Quant = NO_QUANT  # how the span's matrices are stored (stages/weights/quant.py)
+    compile: str = DEFAULT_COMPILE  # how decode steps run: auto, off, inductor, cuda-graphs
     swarm_key: bytes | None = None
     max_sessions: int = 16
     max_length: int = 4096

@@ -1,16 +1,21 @@
 """A real peer's stage loader: the model's files, torch, the device and dtype it computes in.
 
 The `Compute` (peer/node/parts.py) that peer/node/compose.py gives a `PeerNode`: it resolves
-the model, refuses a memory offer that cannot hold one layer and a tensor-shard rank of a
-model its group cannot split (a MoE family: ShardError, one line) before anything starts,
-measures one layer's decode speed and loads only the claimed span's weights.
+the model, refuses a memory offer that cannot hold one layer, a tensor-shard rank of a
+model its group cannot split (a MoE family: ShardError, one line) and a --compile mode the
+device cannot run before anything starts, measures one layer's decode speed, loads only the
+claimed span's weights and compiles its decode steps (stages/engine/compiled/; a tensor-shard
+rank's steps run eagerly), saying what runs eagerly and why.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import psutil
 import torch
 
+from tessera.peer.base.errors import ConfigError
 from tessera.peer.base.threads import in_worker
 from tessera.stages.weights import registry
 from tessera.stages.engine.devices import cuda_offer, cuda_reserve, read_device_memory
@@ -18,6 +23,8 @@ from tessera.stages.decoding.generate import pick_device, pick_dtype
 from tessera.stages.weights.quant import model_tag
 from tessera.stages.shards.sharded import ShardedStage, check_shardable
 from tessera.stages.families.catalog import spec_from_file
+from tessera.stages.engine.compiled.build import compile_decode, row_buckets
+from tessera.stages.engine.compiled.modes import CompileChoiceError, plan_compile
 from tessera.stages.engine.speed import measure_layer_throughput
 from tessera.stages.engine.stage import Stage
 
@@ -27,7 +34,8 @@ from tessera.peer.node.config import DEFAULT_MEMORY_FRACTION, PeerConfig, check_
 class TorchCompute:
     """Layers of a model on this machine's device (see the module docstring)."""
 
-    def __init__(self, config: PeerConfig) -> None:
+    def __init__(self, config: PeerConfig, *, out: Callable[[str], None] | None = None) -> None:
+        self.out = out or (lambda line: print(line, flush=True))  # as PeerNode's lines (compile progress)
         self.folder = registry.resolve(config.model)
         self.spec = spec_from_file(self.folder / "config.json")
         self.quant = config.quant
@@ -46,6 +54,12 @@ class TorchCompute:
             check_memory_offer(self.spec, config.memory_gb, self.itemsize, self.dtype_name,
                                layers=config.layers, quant=self.quant)
         self.threads = config.threads
+        self.compile = config.compile
+        self.compile_rows = row_buckets(config.batch_rows)  # a peer that never stacks more compiles no more
+        try:  # a mode this device cannot run is refused before anything starts
+            plan_compile(self.compile, self.device.type, quantized=self.quant.active)
+        except CompileChoiceError as bad:
+            raise ConfigError(str(bad)) from None
         self._vram_offer: int | None = None
 
     def prepare(self) -> None:
@@ -78,13 +92,18 @@ class TorchCompute:
 
     async def load(self, start: int, end: int) -> Stage | ShardedStage:
         index, count = self.shard
-        if count > 1:  # only this rank's slices (stages/shards/sharded.py)
+        if count > 1:  # only this rank's slices (stages/shards/sharded.py), decoded eagerly
+            if self.compile != "off":
+                self.out("decode steps: eager (a tensor-shard rank's steps have no compiled form)")
             return await in_worker(lambda: ShardedStage.load(
                 self.folder, start=start, end=end, index=index, count=count, device=self.device, dtype=self.dtype))
-        return await in_worker(
+        stage = await in_worker(
             lambda: Stage.load(self.folder, start=start, end=end, device=self.device, dtype=self.dtype,
                                quant=self.quant)
         )
+        plan = await in_worker(lambda: compile_decode(stage, self.compile, say=self.out, buckets=self.compile_rows))
+        self.out(f"decode steps: {plan.backend or 'eager'} ({plan.reason})")
+        return stage
 
     def serve_with(self, server) -> None:
         """A real server computes in worker threads (its default `run_compute`)."""

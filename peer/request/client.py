@@ -35,6 +35,7 @@ from tessera.stages.decoding.constrained import ConstrainedSampler, JsonConstrai
 from tessera.stages.weights.quant import NO_QUANT, Quant, model_tag
 from tessera.stages.decoding.sampling import Sampler, SamplingParams
 from tessera.stages.families.spec import ModelSpec
+from tessera.stages.engine.compiled.build import compile_decode
 from tessera.stages.engine.stage import Stage
 from tessera.stages.text.tokenizer import TextStream, Tokenizer
 from tessera.store.trace import NullTracer, Tracer
@@ -87,9 +88,11 @@ class RequesterModel:
     tokenizer: Tokenizer | None = None
 
     @staticmethod
-    def load(folder: Path, quant: Quant = NO_QUANT) -> "RequesterModel":
-        """The model in `folder`: its embedding and head (a few hundred MB for a small model) and tokenizer."""
+    def load(folder: Path, quant: Quant = NO_QUANT, *, compile: str = "off") -> "RequesterModel":
+        """The model in `folder`: its embedding and head (a few hundred MB for a small model) and tokenizer;
+        `compile` (--compile) compiles the head's few-row steps (stages/engine/compiled/)."""
         head = Stage.load(folder, start=0, end=0, embed=True, head=True)
+        compile_decode(head, compile)
         return RequesterModel(head.spec, model_tag(registry.model_id(folder), quant), head,
                               Tokenizer.from_folder(folder))
 
@@ -123,9 +126,10 @@ class Swarm:
         policy: RequesterPolicy | None = None,
         quant: Quant = NO_QUANT,
         accept_mixed: bool = False,
+        compile: str = "off",
         wire: str = "",
     ) -> None:
-        """`model`, or the one in `folder` (loaded here); `clock` dates the view's records,
+        """`model`, or the one in `folder` (loaded here, its head compiled as `compile` says); `clock` dates the view's records,
         `ban_clock` the bans. `keeper`: a view fed from elsewhere (then `gossip=False`: a
         simulation's shared view); `reports`: keep and pull misbehaviour reports. `wire`: the form
         activations cross the wire in (protocol/tensors.py WIRE_FORMS; "" exact, the default)."""
@@ -134,7 +138,7 @@ class Swarm:
         self.folder = folder
         # who may compute this requester's answers (peer/request/policy.py); a revocation adds to `deny`
         self.policy = policy or RequesterPolicy()
-        model = model or RequesterModel.load(folder, quant)
+        model = model or RequesterModel.load(folder, quant, compile=compile)
         self.head = model.head
         self.spec = model.spec
         self.tokenizer = model.tokenizer
@@ -179,6 +183,7 @@ class Swarm:
         quant: Quant = NO_QUANT,
         accept_mixed: bool = False,
         dedicated: bool = True,
+        compile: str = "off",
         wire: str = "",
     ) -> AsyncIterator["Swarm"]:
         """Join the swarm reachable at `addrs` as a requester (serving nothing).
@@ -192,6 +197,8 @@ class Swarm:
         `dedicated`: run sessions on connections of their own where a peer takes them
         (peer/net/dedicated/); False keeps every stream on the libp2p connection.
         `emulate_link` (benchmarks only) delays and paces every frame the requester sends.
+        `compile`: --compile for the requester's head (off by default: a one-answer requester would
+        spend longer compiling than it saves).
         """
         folder = registry.resolve(model)
         identity = Identity.from_seed(seed) if seed else Identity.generate()
@@ -201,7 +208,7 @@ class Swarm:
             async with trio.open_nursery() as nursery:
                 swarm = await in_worker(
                     lambda: Swarm(transport, nursery, folder=folder, identity=identity, tracer=tracer, policy=policy,
-                                  quant=quant, accept_mixed=accept_mixed, wire=wire)
+                                  quant=quant, accept_mixed=accept_mixed, compile=compile, wire=wire)
                 )
                 await swarm.connect(addrs, swarm_key_given=swarm_key is not None)
                 nursery.start_soon(swarm.refresh_forever)

@@ -17,6 +17,7 @@ from tessera.stages.decoding.constrained import ConstrainedSampler, JsonConstrai
 from tessera.stages.errors import ContextOverflow
 from tessera.stages.weights.quant import NO_QUANT, Quant
 from tessera.stages.decoding.sampling import Sampler, SamplingParams
+from tessera.stages.engine.compiled.build import compile_decode
 from tessera.stages.engine.stage import Stage
 from tessera.stages.text.tokenizer import TextStream, Tokenizer
 
@@ -88,7 +89,10 @@ class GenerationResult:
 class LocalEngine:
     """The whole model on this machine."""
 
-    def __init__(self, folder: Path, *, device: str = "auto", dtype: str = "auto", quant: Quant = NO_QUANT) -> None:
+    def __init__(self, folder: Path, *, device: str = "auto", dtype: str = "auto", quant: Quant = NO_QUANT,
+                 compile: str = "off", say: Callable[[str], None] | None = None) -> None:
+        """`compile`: the decode steps' --compile mode (stages/engine/compiled/; compiled here, once);
+        `say` hears what it compiles and what runs eagerly."""
         dev = pick_device(device)
         if quant.active:
             # as through a swarm: the quantized layers here, the embedding and head in float32 as a
@@ -97,6 +101,8 @@ class LocalEngine:
             self.head = Stage.load(folder, start=0, end=0, embed=True, head=True)
         else:
             self.stage = self.head = Stage.load(folder, embed=True, head=True, device=dev, dtype=pick_dtype(dtype, dev))
+        for stage in dict.fromkeys((self.stage, self.head)):  # the layers, and a separate head
+            compile_decode(stage, compile, say=say)
         self.tokenizer = Tokenizer.from_folder(folder)
         self.spec = self.stage.spec
         self._sessions = 0

@@ -59,9 +59,13 @@ class SessionTable:
         (it is allocated in chunks as steps reach them: layers/cache.py `SessionCache`)."""
         start, end = check_session((self.start, self.end), start, end, capacity, self.spec.max_position)
         self.spec.check_span_start(start, end)
+        self.close(session)  # a session opened again starts afresh (and gives back what it held)
         with torch.inference_mode():
-            cache = SessionCache(self.cache_specs(start, end), capacity, dtype=self.dtype, device=self.device)
+            cache = self._new_cache(start, end, capacity)
         self.sessions[session] = SessionState(cache, start, end)
+
+    def _new_cache(self, start: int, end: int, capacity: int) -> SessionCache:
+        return SessionCache(self.cache_specs(start, end), capacity, dtype=self.dtype, device=self.device)
 
     def close(self, session: Hashable) -> None:
         self.sessions.pop(session, None)

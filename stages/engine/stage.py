@@ -19,17 +19,19 @@ all of them), which is how a peer serves many requesters at once.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Hashable, Sequence
+from typing import Hashable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.stages.engine.residency import settle, settled
 from tessera.stages.engine.sessions import SessionState, SessionTable
 from tessera.stages.errors import SpanError, StageError
 from tessera.stages.families.spec import ModelSpec
 from tessera.stages.layers.attention import Segment, StepContext
 from tessera.stages.layers.block import Block
+from tessera.stages.layers.cache import SessionCache
 from tessera.stages.layers.rope import RopeTables
 from tessera.stages.weights.folder import WeightFolder
 from tessera.stages.weights.formats.load import read_embedding, read_head, shipped_block
@@ -39,6 +41,23 @@ from tessera.stages.weights.quant import NO_QUANT, Quant, check_quant_for, quant
 
 # One session's step in a stacked forward: (session, hidden states [T, H], start position).
 BatchStep = tuple[Hashable, torch.Tensor, int]
+
+
+class DecodeRunner(Protocol):
+    """A compiled decode step attached to a Stage (stages/engine/compiled/): `forward` and
+    `forward_batch` hand it their steps of one token per session, `logits` its few rows; each
+    answers None for what it has no compiled form of, and the eager path runs that."""
+
+    backend: str
+
+    def run(self, first: int, last: int, x: torch.Tensor, positions: list[int],
+            states: Sequence[SessionState]) -> torch.Tensor | None: ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None: ...
+
+    def session_cache(self, start: int, end: int, capacity: int) -> SessionCache | None: ...
+
+    def closed(self, cache: SessionCache) -> None: ...
 
 
 class Stage(SessionTable):
@@ -71,6 +90,7 @@ class Stage(SessionTable):
         self.quant = quant  # how the blocks' matrices are stored (stages/weights/quant.py)
         self.rope = RopeTables(spec.layers[start : self.end], self.device)  # shared by the layers per step
         self.sessions: dict[Hashable, SessionState] = {}
+        self.decode: DecodeRunner | None = None  # set by engine/compiled/build.py's compile_decode
 
     # -- construction -------------------------------------------------------------
 
@@ -116,6 +136,8 @@ class Stage(SessionTable):
                 block = Block(spec, spec.layers[layer])
             state = {k: v.to(device) for k, v in weights.layer_state(layer, dtype).items()}
             block.load_state_dict(state, assign=True, strict=True)
+            if torch.device(device).type == "cpu":
+                settle(block)  # in huge pages, where the OS gives them (engine/residency.py)
             blocks.append(block.requires_grad_(False))
         embedding = read_embedding(weights, dtype).to(device) if embed else None
         norm = head_weight = None
@@ -123,6 +145,11 @@ class Stage(SessionTable):
             norm, head_weight = (t.to(device) for t in read_head(weights, dtype))
             if embedding is not None and spec.tie_embeddings:
                 head_weight = embedding  # one copy of a tied matrix
+        if torch.device(device).type == "cpu":  # the edges in huge pages too: the head is a step's largest matrix
+            tied = head_weight is not None and head_weight is embedding
+            embedding, head_weight = (None if t is None else settled([t])[0]
+                                      for t in (embedding, None if tied else head_weight))
+            head_weight = embedding if tied else head_weight
         return Stage(
             spec, start, blocks, embedding=embedding, norm=norm, head=head_weight, device=device, dtype=dtype,
             quant=quant,
@@ -141,9 +168,13 @@ class Stage(SessionTable):
         return self._run_solo(self._reserve(session, hidden, start_pos), hidden, start_pos)
 
     def _run_solo(self, state: SessionState, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
+        x = hidden.to(device=self.device, dtype=self.dtype)
+        if hidden.shape[0] == 1 and self.decode is not None:
+            out = self.decode.run(state.start - self.start, state.end - self.start, x, [start_pos], [state])
+            if out is not None:
+                return out
         positions = torch.arange(start_pos, start_pos + hidden.shape[0], device=self.device)
         ctx = StepContext(start_pos, self.rope.tables(positions, self.dtype), self.device)
-        x = hidden.to(device=self.device, dtype=self.dtype)
         stores = state.cache.layers
         for i in range(state.start - self.start, state.end - self.start):
             x = self.blocks[i](x, ctx, stores[i - (state.start - self.start)])
@@ -181,7 +212,9 @@ class Stage(SessionTable):
                 (i, state), = members
                 results[i] = self._run_solo(state, steps[i][1], steps[i][2])
                 continue
-            outputs = self._run_stacked(start, end, [(state, *steps[i][1:]) for i, state in members])
+            outputs = self._run_decode(start, end, [(state, *steps[i][1:]) for i, state in members])
+            if outputs is None:
+                outputs = self._run_stacked(start, end, [(state, *steps[i][1:]) for i, state in members])
             for (i, _), output in zip(members, outputs):
                 results[i] = output
         assert all(r is not None for r in results), "every step has an output or an error"
@@ -194,6 +227,17 @@ class Stage(SessionTable):
             raise SpanError(f"hidden states have shape {tuple(hidden.shape)!r}, expected [T, {self.spec.hidden_size}]")
         state.cache.reserve(start_pos, hidden.shape[0])
         return state
+
+    def _run_decode(
+        self, start: int, end: int, steps: Sequence[tuple[SessionState, torch.Tensor, int]]
+    ) -> list[torch.Tensor] | None:
+        """A stacked step of one token per session through the compiled decode step, if it takes it."""
+        if self.decode is None or any(hidden.shape[0] != 1 for _, hidden, _ in steps):
+            return None
+        x = torch.cat([hidden.to(device=self.device, dtype=self.dtype) for _, hidden, _ in steps])  # [R, H]
+        out = self.decode.run(start - self.start, end - self.start, x, [p for _, _, p in steps],
+                              [state for state, _, _ in steps])
+        return None if out is None else list(out.split(1))
 
     def _run_stacked(
         self, start: int, end: int, steps: Sequence[tuple[SessionState, torch.Tensor, int]]
@@ -228,8 +272,20 @@ class Stage(SessionTable):
         """Hidden states [T, H] after the last layer -> float32 logits [T, V]."""
         if self.head is None or self.norm is None:
             raise SpanError("this stage holds no head")
+        if self.decode is not None and (logits := self.decode.logits(hidden)) is not None:
+            return logits
         x = F.rms_norm(hidden.to(self.device, self.dtype), self.norm.shape, self.norm, self.spec.rms_norm_eps)
         return F.linear(x, self.head).float()
+
+    def _new_cache(self, start: int, end: int, capacity: int) -> SessionCache:
+        """A session's cache: a slot of the compiled step's static pool where it keeps one (CUDA graphs)."""
+        pooled = self.decode.session_cache(start, end, capacity) if self.decode is not None else None
+        return pooled if pooled is not None else super()._new_cache(start, end, capacity)
+
+    def close(self, session: Hashable) -> None:
+        state = self.sessions.pop(session, None)
+        if state is not None and self.decode is not None:
+            self.decode.closed(state.cache)
 
     @property
     def weight_bytes(self) -> int:

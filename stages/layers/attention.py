@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,19 @@ from tessera.stages.layers.rope import RopeKey, apply_rope
 
 # A layer's cache as a step sees it: one session's store, or one per segment of a stacked step.
 LayerCache = KeyValues | Sequence[KeyValues]
+
+
+class StepRows(Protocol):
+    """What a layer asks of the step it runs in: the RoPE tables of its rows, and each row's
+    attention over its own session's cache. `StepContext` is the eager one (any rows: prefill,
+    drafts, stacked sessions); engine/compiled/ has those of a compiled decode step, which meet
+    the caches through one opaque op per row (torch.compile) or through static slots (CUDA
+    graphs). An attention kind over another cache kind adds its cache access here and there."""
+
+    def rope(self, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def attend(self, qk: torch.Tensor, v: torch.Tensor, num_heads: int, cache: Any, window: int | None,
+               scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,21 @@ class StepContext:
 
     def rope(self, spec: AttentionSpec | MlaSpec) -> tuple[torch.Tensor, torch.Tensor]:
         return self.tables[(spec.rope, spec.rope_dim)]
+
+    def attend(self, qk: torch.Tensor, v: torch.Tensor, num_heads: int, cache: LayerCache, window: int | None,
+               scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Each session's rows of the step against its own store (`attend`): [T, A D]. `cache` is the
+        layer's store, or one store per segment of a stacked step; `sinks` as `attend`'s."""
+        if not self.segments:
+            assert isinstance(cache, KeyValues), "one session: one store"
+            return attend(qk, v, num_heads, cache, self.start, self.mask(self.start, qk.shape[0], window), scale,
+                          sinks)
+        assert not isinstance(cache, KeyValues) and len(cache) == len(self.segments), "one store per segment"
+        return torch.cat([  # [T, A D], each session over its own cache
+            attend(qk[s.lo : s.hi], v[s.lo : s.hi], num_heads, store, s.start,
+                   self.mask(s.start, s.hi - s.lo, window), scale, sinks)
+            for s, store in zip(self.segments, cache)
+        ])
 
     def mask(self, start: int, n_tokens: int, window: int | None) -> torch.Tensor | None:
         """`attention_mask` for these rows, built once per step for all layers alike."""
@@ -198,22 +226,11 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(spec.num_heads)) if spec.sinks else None
         self.scale = 1.0 / math.sqrt(spec.head_dim)
 
-    def forward(self, x: torch.Tensor, ctx: StepContext, cache: LayerCache) -> torch.Tensor:
-        """x [T, H] -> [T, H]. cache: the layer's store — or, for a stacked step
-        (`ctx.segments`), one store per segment."""
+    def forward(self, x: torch.Tensor, ctx: StepRows, cache: LayerCache) -> torch.Tensor:
+        """x [T, H] -> [T, H]. cache: the layer's store — or, for a stacked step, one store per
+        session (the step's `attend` knows which rows are whose)."""
         spec = self.spec
         cos, sin = ctx.rope(spec)
         qk, v = rotate_heads(self.wqkv.forward(x), spec.num_heads, spec.num_kv_heads, spec.head_dim, cos, sin,
                              self.q_norm, self.k_norm)  # [T, A + K, D], [T, K, D]
-        if not ctx.segments:
-            assert isinstance(cache, KeyValues), "one session: one store"
-            mask = ctx.mask(ctx.start, x.shape[0], spec.window)
-            out = attend(qk, v, spec.num_heads, cache, ctx.start, mask, self.scale, self.sinks)
-        else:
-            assert not isinstance(cache, KeyValues) and len(cache) == len(ctx.segments), "one store per segment"
-            out = torch.cat([  # [T, A D], each session over its own cache
-                attend(qk[s.lo : s.hi], v[s.lo : s.hi], spec.num_heads, store, s.start,
-                       ctx.mask(s.start, s.hi - s.lo, spec.window), self.scale, self.sinks)
-                for s, store in zip(ctx.segments, cache)
-            ])
-        return self.wo.forward(out)
+        return self.wo.forward(ctx.attend(qk, v, spec.num_heads, cache, spec.window, self.scale, self.sinks))

@@ -17,7 +17,7 @@ from torch import nn
 
 from tessera.stages.errors import UnsupportedModel
 from tessera.stages.families.spec import LayerSpec, MlpSpec, ModelSpec
-from tessera.stages.layers.attention import Attention, LayerCache, StepContext
+from tessera.stages.layers.attention import Attention, LayerCache, StepRows
 from tessera.stages.layers.dsa import SparseLatentAttention
 from tessera.stages.layers.mla import LatentAttention, LatentCache
 from tessera.stages.layers.mlp import glu_mlp
@@ -50,10 +50,17 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(h, eps)
         self.mlp = MLPS[layer.mlp.kind](h, layer.mlp)
 
-    def forward(self, x: torch.Tensor, ctx: StepContext, cache: LayerCache | LatentCache) -> torch.Tensor:
-        # `.forward` directly: nn.Module.__call__'s hook machinery costs more than the
-        # small ops of a one-token step (no hooks are ever registered on these modules)
-        x = x + self.attn.forward(self.attn_norm.forward(x), ctx, cache)
+    def forward(self, x: torch.Tensor, ctx: StepRows, cache: LayerCache | LatentCache) -> torch.Tensor:
+        return self.with_mlp(self.with_attention(x, ctx, cache))
+
+    # The two residual halves, also called apart: a CUDA-graph step captures the halves it can
+    # (engine/compiled/cuda_graphs.py) and runs a sparse MLP's data-dependent dispatch between them.
+    # `.forward` directly: nn.Module.__call__'s hook machinery costs more than the small ops of a
+    # one-token step (no hooks are ever registered on these modules).
+    def with_attention(self, x: torch.Tensor, ctx: StepRows, cache: LayerCache | LatentCache) -> torch.Tensor:
+        return x + self.attn.forward(self.attn_norm.forward(x), ctx, cache)
+
+    def with_mlp(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp.forward(self.mlp_norm.forward(x))
 
 

@@ -60,6 +60,14 @@ class KeyValues:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.window = spec.window
 
+    @classmethod
+    def over(cls, keys: torch.Tensor, values: torch.Tensor, window: int | None) -> "KeyValues":
+        """A store over buffers allocated elsewhere, [K, capacity, D] each: a compiled decode step's
+        view of a session's store (engine/compiled/), or a slot of a static pool (CUDA graphs)."""
+        store = cls.__new__(cls)
+        store.keys, store.values, store.window = keys, values, window
+        return store
+
     def grow(self, positions: int, *, keep: int) -> None:
         """Reallocate for `positions`, copying the valid positions [0, keep)."""
         for name in ("keys", "values"):
@@ -157,6 +165,14 @@ class SessionCache:
         self.capacity = capacity
         self.allocated = 0  # positions every store holds memory for now
         self.length = 0
+
+    @classmethod
+    def over(cls, stores: Sequence[KeyValues], capacity: int) -> "SessionCache":
+        """A session's cache over stores allocated elsewhere (a CUDA-graph step's static slot)."""
+        cache = cls.__new__(cls)
+        cache.layers, cache.capacity, cache.length = list(stores), capacity, 0
+        cache.allocated = capacity  # the slot holds every position already: it never grows
+        return cache
 
     def reserve(self, start: int, n_tokens: int) -> None:
         """Check that positions [start, start + n_tokens) can be written, grow the stores to hold

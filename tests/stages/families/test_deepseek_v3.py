@@ -253,7 +253,9 @@ def test_multi_token_prediction_tensors_are_accepted_and_empty_shared_experts_ig
     ({"hidden_act": "gelu"}, UnsupportedModel, "hidden_act 'gelu'"),
     ({"partial_rotary_factor": 0.5}, UnsupportedModel, "partial_rotary_factor"),
     ({"rope_parameters": {**YARN, "rope_type": "longrope"}}, UnsupportedModel, "longrope"),
-    ({"quantization_config": {"quant_method": "awq"}}, UnsupportedModel, "quant_method 'awq'"),  # fp8 loads
+    # fp8 loads block-scaled (stages/families/shipped.py); one scale per tensor does not
+    ({"quantization_config": {"quant_method": "fp8"}}, UnsupportedModel, "weight_block_size null"),
+    ({"quantization_config": {"quant_method": "awq"}}, UnsupportedModel, "quant_method 'awq'"),
     ({"use_qk_norm": True}, UnsupportedModel, "'use_qk_norm'"),  # GLM's key: not one DeepSeek-V3 computes
     ({"num_local_experts": 7}, UnsupportedModel, r"num_local_experts 7 .* differs from n_routed_experts \(16\)"),
     ({"n_group": 3}, ModelFormatError, "n_group"),  # 16 experts do not split into 3 groups

@@ -116,7 +116,9 @@ def test_a_tensor_shard_rank_is_refused_at_start_with_one_line(folders):
     ({"q_lora_rank": 16}, UnsupportedModel, "'q_lora_rank'"),
     ({"n_group": 3}, ModelFormatError, "n_group"),
     ({"use_qk_norm": 1}, ModelFormatError, "use_qk_norm"),
-    ({"quantization_config": {"quant_method": "awq"}}, UnsupportedModel, "quant_method 'awq'"),  # fp8 loads
+    # fp8 loads block-scaled (stages/families/shipped.py); one scale per tensor does not
+    ({"quantization_config": {"quant_method": "fp8"}}, UnsupportedModel, "weight_block_size null"),
+    ({"quantization_config": {"quant_method": "awq"}}, UnsupportedModel, "quant_method 'awq'"),
 ])
 def test_what_the_engine_does_not_compute_is_refused_by_name(folders, change, error, words):
     config = json.loads((folders[SWARM] / "config.json").read_text())

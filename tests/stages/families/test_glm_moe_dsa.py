@@ -259,7 +259,9 @@ CONFIG_AS_SAVED = {**json.loads(json.dumps(transformers.GlmMoeDsaConfig(**SHAPE,
     ({"hidden_act": "gelu"}, UnsupportedModel, "hidden_act 'gelu'"),
     ({"rope_interleave": False}, UnsupportedModel, "'rope_interleave'"),  # DeepSeek's key: GLM-5 always interleaves
     ({"rope_parameters": {**YARN, "rope_type": "longrope"}}, UnsupportedModel, "longrope"),
-    ({"quantization_config": {"quant_method": "awq"}}, UnsupportedModel, "quant_method 'awq'"),  # fp8 loads
+    # fp8 loads block-scaled (stages/families/shipped.py); one scale per tensor does not
+    ({"quantization_config": {"quant_method": "fp8"}}, UnsupportedModel, "weight_block_size null"),
+    ({"quantization_config": {"quant_method": "awq"}}, UnsupportedModel, "quant_method 'awq'"),
 ])
 def test_what_the_engine_does_not_compute_is_refused_by_name(change, error, words):
     with pytest.raises(error, match=words) as refused:

@@ -161,7 +161,8 @@ def test_a_quantized_span_matches_its_dequantized_reference(folders, scheme):
 def test_the_published_config_reads():
     """gpt-oss-120b's config.json as published (both top-k keys, the pretraining context note, RoPE in
     rope_scaling with a top-level base) reads into 36 alternating layers of 128 experts; its MXFP4
-    quantization_config reads as the shipped form."""
+    MXFP4 quantization_config reads as the shipped form the peers load (stages/families/shipped.py)
+    and any other method is refused by name."""
     from tessera.stages.families.catalog import spec_from_config, to_config
     from tessera.stages.families.shapes import SHAPES
 
@@ -175,7 +176,9 @@ def test_the_published_config_reads():
     defaults = {k: v for k, v in published.items() if k not in ("rope_scaling", "rope_theta", "layer_types")}
     assert spec_from_config(defaults).layers[0].attention.rope == layer.attention.rope  # GptOssConfig's default RoPE
     shipped = spec_from_config({**published, "quantization_config": {"quant_method": "mxfp4"}}).shipped
-    assert shipped is not None and shipped.method == "mxfp4"  # the published MXFP4 experts load as they ship
+    assert shipped is not None and shipped.method == "mxfp4"
+    with pytest.raises(UnsupportedModel, match="quant_method 'awq'"):
+        spec_from_config({**published, "quantization_config": {"quant_method": "awq"}})
 
 
 @pytest.mark.parametrize(
