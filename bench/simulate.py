@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/simulate.py                     # the full size
     .venv/bin/python bench/simulate.py --peers 200 --requests 2000 --profile
+    .venv/bin/python bench/simulate.py --report a.json; .venv/bin/python bench/simulate.py --report b.json; cmp a.json b.json
 
 Every simulated peer runs the real peer code (placement, advertisement records
 signed and verified, the stage server, route sessions, failover) over the
@@ -24,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tessera.peer.sim.engine import simulate  # noqa: E402
-from tessera.peer.sim.report import format_summary  # noqa: E402
+from tessera.peer.sim.report import dumps, format_summary  # noqa: E402
 from tessera.peer.sim.scenario import synthetic  # noqa: E402
 
 
@@ -39,6 +40,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=20.0, help="requests per simulated second")
     parser.add_argument("--requesters", type=int, default=8)
     parser.add_argument("--profile", action="store_true", help="print the 30 costliest functions")
+    parser.add_argument("--report", type=Path, help="write the report's bytes here (two runs of one seed: identical)")
     args = parser.parse_args()
 
     # Requests are short (a chat turn's first tokens), so that the run exercises opening,
@@ -51,6 +53,8 @@ def main() -> None:
     report = simulate(scenario, policy=args.policy, seed=args.seed, profiler=profiler)  # the run has its own thread
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     print(format_summary(report))
+    if args.report is not None:
+        args.report.write_bytes(dumps(report))
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     s = report["summary"]

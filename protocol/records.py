@@ -31,12 +31,21 @@ MAX_RECORD_SIZE = 16 * 1024
 neighbours, 32 held ranges) is 15,384 bytes."""
 
 MAX_GOSSIP_RECORDS = 256
-MAX_DIGEST_ENTRIES = 1024
-"""Entries in one GossipDigest frame (about 60 bytes each: ~60 KiB); more peers take more frames."""
-MAX_DIGEST_FRAMES = 16
-"""Digest frames one exchange may send: a view of at most 16,384 peers, far above a real swarm's."""
-MAX_RECORD_TTL = 3600.0
-"""Seconds a record may claim to stay valid; peers re-advertise well within it."""
+"""Records (or departures, wants) in one gossip frame; a turn that carries more takes more frames."""
+MAX_TURN_RANGES = 256
+"""Range digests in one gossip frame (16 sub-ranges each of 16 ranges being compared)."""
+MAX_RANGE_VERSIONS = 64
+"""Versions listed in one range digest: a range is listed whole only when it is this small."""
+MAX_RECORD_TTL = 2 * 86400.0
+"""Seconds a record may claim to stay valid. Records live long (a day by default,
+peer/node/config.py): a peer re-signs when what it says changes, and a dead peer's record is
+removed by a `Departure`, not by waiting out its lifetime — so that nobody has to hear every
+peer re-sign every few seconds (peer/net/gossip.py, "Traffic")."""
+MAX_DEPARTURE_TTL = 3600.0
+"""Seconds a departure may be kept (it must outlive the gossip that spreads it, not the record)."""
+RANGE_HASH_SIZE = 16
+MAX_RANGE_DEPTH = 16
+"""Ranges split the 64-bit key space 16 ways per level (peer/net/record_set.py)."""
 
 
 @message("nbr")
@@ -189,54 +198,98 @@ class GossipPush:
     records: tuple[SignedRecord, ...] = wire(max_items=MAX_GOSSIP_RECORDS)
 
 
-@message("dent")
+@message("ver")
 @dataclass(frozen=True)
-class DigestEntry:
-    """Which version of one peer's record the sender holds.
+class Version:
+    """Which version of one peer's entry the sender holds (listed when a range is small).
 
     Attributes:
-        peer_id: the record's peer id.
-        seq: the record's sequence number (a higher one replaces a lower one).
-        expires_at: the record's expiry (the sender's copy; shown to the other side so
-            that an expired entry is never pulled).
+        peer_id: the peer.
+        seq: its record's sequence number (a departure: the seq of the record that died).
+        gone_until: 0 for a live record; for a departure, when it is forgotten.
     """
 
     peer_id: bytes = wire(max_len=MAX_PEER_ID_SIZE)
     seq: int = wire(max=INT64_MAX)
-    expires_at: float = wire()
+    gone_until: float = wire(default=0.0, min=0.0)
 
 
-@message("digest")
+@message("range")
 @dataclass(frozen=True)
-class GossipDigest:
-    """Anti-entropy, first move: every live record the sender holds, as (peer, seq, expiry).
-
-    A view larger than MAX_DIGEST_ENTRIES goes in several frames, `more` set on all but
-    the last (at most MAX_DIGEST_FRAMES).
+class RangeDigest:
+    """One range of the key space as the sender holds it (peer/net/record_set.py).
 
     Attributes:
-        entries: one per peer whose unexpired record the sender holds.
-        more: another digest frame follows.
+        depth: how many 4-bit steps down the range is (0: the whole key space).
+        prefix: the top `4 * depth` bits the range's keys share.
+        count: how many entries the sender holds in it.
+        hash: the range's hash (16 zero bytes when empty).
+        whole: `versions` lists every entry of the range (sent when the range is small).
+        versions: those entries, when `whole`.
     """
 
-    entries: tuple[DigestEntry, ...] = wire(max_items=MAX_DIGEST_ENTRIES)
-    more: bool = wire(default=False)
+    depth: int = wire(max=MAX_RANGE_DEPTH)
+    prefix: int = wire(max=2**64 - 1)
+    count: int = wire(max=INT64_MAX)
+    hash: bytes = wire(size=RANGE_HASH_SIZE)
+    whole: bool = wire(default=False)
+    versions: tuple[Version, ...] = wire(default=(), max_items=MAX_RANGE_VERSIONS)
+
+    def __post_init__(self) -> None:
+        if self.prefix >> (4 * self.depth):
+            raise InconsistentFields(f"RangeDigest: prefix {self.prefix!r} has more than {4 * self.depth} bits")
+        if self.versions and not self.whole:
+            raise InconsistentFields("RangeDigest: versions are listed only in a whole range")
 
 
-@message("pull")
+@message("departed")
 @dataclass(frozen=True)
-class GossipPull:
-    """Anti-entropy, answer to a digest: send me these peers' records (you hold newer ones).
-
-    Sent after the records the digest showed the other side lacks (as GossipPush frames);
-    the frame with `more` unset ends the answer.
+class Departure:
+    """A peer found gone: its record `seq` is dead (a departure beats that record, and a
+    record with a higher seq — the peer, still alive, answering it — beats the departure).
 
     Attributes:
-        peer_ids: the peers whose records are wanted (each named in the digest).
-        more: another pull frame follows.
+        peer_id: the peer that is gone.
+        seq: the seq of its record that is dead.
+        gone_until: when receivers forget the departure (at most MAX_DEPARTURE_TTL ahead).
     """
 
-    peer_ids: tuple[bytes, ...] = wire(max_items=MAX_GOSSIP_RECORDS, max_len=MAX_PEER_ID_SIZE)
+    peer_id: bytes = wire(max_len=MAX_PEER_ID_SIZE)
+    seq: int = wire(max=INT64_MAX)
+    gone_until: float = wire(min=0.0)
+
+
+LINK_NONE = 0
+LINK_ASK = 1
+LINK_ACCEPT = 2
+LINK_REFUSE = 3
+LINK_BYE = 4
+
+
+@message("turn")
+@dataclass(frozen=True)
+class ViewTurn:
+    """One side's turn in a view exchange (peer/net/gossip.py): what it pushes, what it
+    wants, and the ranges it asks the other side to compare. A turn larger than a frame
+    takes several, `more` set on all but the last; an empty turn ends the exchange.
+
+    Attributes:
+        ranges: range digests for the other side to compare with its own.
+        want: peers whose entries the sender wants (the other side showed newer ones).
+        records: signed records the receiver lacks, holds older, or wanted.
+        departures: departures the receiver lacks, holds older, or wanted.
+        more: another frame of this turn follows.
+        link: the first frame only: ask to be neighbours (LINK_ASK), the answer
+            (LINK_ACCEPT, LINK_REFUSE), or stop being neighbours (LINK_BYE).
+    """
+
+    ranges: tuple[RangeDigest, ...] = wire(default=(), max_items=MAX_TURN_RANGES)
+    want: tuple[bytes, ...] = wire(default=(), max_items=MAX_GOSSIP_RECORDS, max_len=MAX_PEER_ID_SIZE)
+    records: tuple[SignedRecord, ...] = wire(default=(), max_items=MAX_GOSSIP_RECORDS)
+    departures: tuple[Departure, ...] = wire(default=(), max_items=MAX_GOSSIP_RECORDS)
     more: bool = wire(default=False)
+    link: int = wire(default=LINK_NONE, max=LINK_BYE)
 
-
+    @property
+    def empty(self) -> bool:
+        return not (self.ranges or self.want or self.records or self.departures)

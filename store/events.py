@@ -248,12 +248,24 @@ class Failover(TraceEvent):
 
 @dataclass(frozen=True)
 class Ban(TraceEvent):
-    """The requester banned `remote` for `seconds`."""
+    """The requester banned `remote` for `seconds` (`failure`: the kind that decided how long,
+    peer/base/backoff.py `Failure`)."""
 
     kind: ClassVar[str] = "ban"
     remote: str
     reason: str
     seconds: float
+    failure: str | None = None
+
+
+@dataclass(frozen=True)
+class Parole(TraceEvent):
+    """The requester lifted its ban on `remote` (banned after `failure`: a drop or a timeout):
+    it answered a probe and had advertised again since it failed (peer/base/backoff.py)."""
+
+    kind: ClassVar[str] = "parole"
+    remote: str
+    failure: str
 
 
 @dataclass(frozen=True)
@@ -349,7 +361,7 @@ class Unknown(TraceEvent):
 
 EVENT_TYPES: tuple[type[TraceEvent], ...] = (
     Join, Advertise, Claim, Move, Connect, Disconnect, SessionOpen, SessionClose, SessionRevoked, Forward,
-    Push, Receive, Result, Failover, Ban, Misbehaviour, Error, Leave, Drain, Pause, Resume, Audit,
+    Push, Receive, Result, Failover, Ban, Parole, Misbehaviour, Error, Leave, Drain, Pause, Resume, Audit,
 )
 BY_KIND: dict[str, type[TraceEvent]] = {cls.kind: cls for cls in EVENT_TYPES}
 

@@ -1,21 +1,94 @@
-"""One keyed back-off/ban policy: who is avoided until when, doubling per repeat.
+"""Who a requester avoids, for how long, and how long it waits for a route: one policy.
 
-A failure of `key` bans it for `base` seconds, doubling with each further failure
-(strikes) up to `cap`. Strikes are kept: a peer that failed before is avoided longer when
-it fails again, however well it served in between (`cap` bounds the ban). Pure: every call
-takes `now` (whatever clock the owner runs on: time.monotonic in a live requester, trio's
-MockClock in the simulator), so the same object serves both and tests need no clock.
-The requester's `Swarm` owns one (the simulator's requesters are `Swarm`s too), so strikes
-survive from one answer to the next.
+Why a peer failed decides how long it is avoided and whether it may come back sooner:
+
+    failure     what the requester saw                            avoided for               comes back
+    ---------   -----------------------------------------------   -----------------------   ------------------
+    LIED        a spot check proved it returned wrong             GUILTY_BAN (24 h)         never (a proof)
+                activations (peer/request/verify.py)
+    BROKE       it answered, with an error or garbage (bad        BAN_BASE x 2^(k-1),       when the ban ends
+                frame, failed compute, a wrong reply)             at most BAN_CAP
+    DROPPED     its connection or stream reset; it could          BAN_BASE x 2^(k-1),       re-probed while no
+                not be dialled (a killed process)                 at most BAN_CAP           route exists
+    TIMED_OUT   no answer within a step's deadline (a hung        BAN_BASE x 2^(k-1),       re-probed while no
+                or stopped process, a vanished machine)           at most BAN_CAP           route exists
+    REFUSED     it declined a session (busy, draining, no         its retry-after, else     when the skip ends
+                memory for it): not a failure                     REFUSED_SKIP; no strike
+
+k counts the peer's strikes, kept from one answer to the next (however well it served in
+between): a peer that keeps failing is avoided longer. A refusal is a peer doing its job.
+
+The numbers, and why:
+
+- ROUTE_WAIT = 30 s: how long a request waits for some peer to cover its layers (at the
+  start, and again after a failure) before it fails naming the layers. A restarted peer of
+  a small model is serving again in 5-10 s (process start, measuring one layer, loading
+  its span), then announces itself within an advertisement and a gossip round (3 s + 2 s):
+  it fits, with room for a slower disk. Waiting longer holds a user on a swarm that lost
+  a span for good.
+- BAN_BASE = 30 s (doubling to BAN_CAP = 1 h): while another peer serves the span, a
+  peer that just failed is avoided for at least a route wait, so that routes do not flap
+  back onto it. Strikes double it; the cap lets a peer that was unlucky for a day serve
+  again within the hour.
+- A ban does NOT outlast a comeback: a DROPPED or TIMED_OUT peer covering layers that no
+  usable peer covers is probed (a ping) every PROBE_INTERVAL while a route is awaited, and
+  paroled — its ban lifted, its strikes kept — as soon as it answers AND has signed a new
+  advertisement since it failed (so it is known to be back, and to serve what the new record
+  says: a restarted peer still loading advertises LOADING and is not routed to yet). So a
+  killed and restarted peer, or a stopped and resumed one, is used again within
+  PROBE_INTERVAL of its return (PROBE_INTERVAL = 2 s: the requester's own gossip period),
+  however long its ban. Before this policy the ban (30 s) and the route wait (30 s) were
+  two unrelated constants of equal length: a peer that came back after 5 s was still
+  banned when the wait gave up.
+- PROBE_TIMEOUT = 2 s: a ping is a stream and one round trip (1 ms on loopback, under
+  0.5 s across continents even when it must dial: 3 round trips); a peer that cannot
+  answer in 2 s is not one to route a step through.
+- REFUSED_SKIP = 5 s: a peer that refused without saying when to retry is skipped this
+  long (other peers are tried meanwhile); a retry-after it gives is used instead, up to
+  ROUTE_WAIT.
+
+`Bans` holds them, keyed by peer id. Pure: every call takes `now` (whatever clock the owner
+runs on: time.monotonic in a live requester, trio's MockClock in the simulator), so the same
+object serves both and tests need no clock. The requester's `Swarm` owns one, so strikes
+survive from one answer to the next. `Backoff` is the plain keyed doubling it is built on
+(also used where a connection, not a peer's answers, is avoided: peer/net/dedicated/).
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Iterable, Iterator
+
+
+class Failure(StrEnum):
+    """Why a peer is avoided (the table in the module docstring); the value is what traces carry."""
+
+    LIED = "lied"
+    BROKE = "broke"
+    DROPPED = "dropped"
+    TIMED_OUT = "timed-out"
+    REFUSED = "refused"
+
+
+ROUTE_WAIT = 30.0
+BAN_BASE = 30.0
+BAN_CAP = 3600.0
+GUILTY_BAN = 24 * 3600.0
+PROBE_INTERVAL = 2.0
+PROBE_TIMEOUT = 2.0
+REFUSED_SKIP = 5.0
+
+# The failures after which a peer may come back before its ban ends (it was gone, not wrong).
+COMEBACK = frozenset({Failure.DROPPED, Failure.TIMED_OUT})
 
 
 class Backoff:
-    """Bans keyed by peer id: `until(key)` is when the ban on `key` ends (0.0: never banned)."""
+    """Bans keyed by peer id: `until(key)` is when the ban on `key` ends (0.0: never banned).
+
+    A failure of `key` bans it for `base` seconds, doubling with each further failure
+    (strikes) up to `cap`. Strikes are kept; `cap` bounds the ban.
+    """
 
     def __init__(self, base: float, cap: float) -> None:
         if not 0 < base <= cap:
@@ -30,12 +103,17 @@ class Backoff:
         given, for base * 2 ** (strikes - 1) capped at `cap`. Returns the ban's length."""
         strikes = self._strikes[key] = self._strikes.get(key, 0) + 1
         duration = seconds if seconds is not None else min(self.cap, self.base * 2 ** (strikes - 1))
-        self._until[key] = now + duration
+        self._until[key] = max(self._until.get(key, 0.0), now + duration)
         return duration
 
     def ban_until(self, key: str, until: float) -> None:
         """Avoid `key` until at least `until` (no strike: a ban for what others proved)."""
         self._until[key] = max(self._until.get(key, 0.0), until)
+
+    def lift(self, key: str, now: float) -> None:
+        """End the ban on `key` now (its strikes stay)."""
+        if self._until.get(key, 0.0) > now:
+            self._until[key] = now
 
     def is_banned(self, key: str, now: float) -> bool:
         return self._until.get(key, 0.0) > now
@@ -50,7 +128,97 @@ class Backoff:
         """The keys banned at `now`, in the order they were first banned."""
         return (key for key, until in self._until.items() if until > now)
 
+    def next_end(self, now: float) -> float | None:
+        """When the earliest ban running at `now` ends (None: none runs)."""
+        return min((until for until in self._until.values() if until > now), default=None)
+
     def clear(self) -> None:
         """Forget every ban and strike."""
         self._strikes.clear()
         self._until.clear()
+
+
+@dataclass(frozen=True)
+class Avoided:
+    """Why and since when a peer is avoided; `mark` is what proves a comeback (the issue time
+    of the peer's advertisement when it failed: a newer one says it is back)."""
+
+    failure: Failure
+    since: float
+    mark: float = 0.0
+
+
+class Bans(Backoff):
+    """The requester's bans and skips, by failure (see the module docstring).
+
+    `register(peer, now, failure)` avoids a peer as its failure says; `comeback_candidates`
+    lists those that may be probed now, and `parole` lifts a ban after a probe answered.
+    Also answers `Backoff`'s questions (is_banned, banned, until, strikes).
+    """
+
+    def __init__(self, base: float = BAN_BASE, cap: float = BAN_CAP) -> None:
+        super().__init__(base, cap)
+        self.why: dict[str, Avoided] = {}
+        self._probed: dict[str, float] = {}  # peer -> when it was last probed
+
+    def register(self, key: str, now: float, failure: Failure, *, seconds: float | None = None,
+                 mark: float = 0.0) -> float:
+        """Avoid `key` after `failure`; returns for how long. REFUSED: skipped for `seconds`
+        (its retry-after, at most ROUTE_WAIT) or REFUSED_SKIP, with no strike; LIED: GUILTY_BAN;
+        the others: the doubling ban (or `seconds`, when given)."""
+        if failure is Failure.REFUSED:
+            duration = min(seconds, ROUTE_WAIT) if seconds is not None and seconds > 0 else REFUSED_SKIP
+            if not self.is_banned(key, now) or self.failure(key) is Failure.REFUSED:
+                self.why[key] = Avoided(failure, now, mark)  # a skip never hides a ban's reason
+            self.ban_until(key, now + duration)
+            return duration
+        if failure is Failure.LIED:
+            seconds = GUILTY_BAN
+        duration = self.register_failure(key, now, seconds=seconds)
+        previous = self.why.get(key)
+        if previous is None or previous.failure is not Failure.LIED:  # a proven liar stays one
+            self.why[key] = Avoided(failure, now, mark)
+        self._probed.pop(key, None)
+        return duration
+
+    def prove_guilty(self, key: str, now: float) -> None:
+        """Avoid `key` for GUILTY_BAN on others' proof (a verified report), with no strike."""
+        self.ban_until(key, now + GUILTY_BAN)
+        self.why[key] = Avoided(Failure.LIED, now)
+
+    def failure(self, key: str) -> Failure | None:
+        """Why `key` was last avoided (None: never)."""
+        avoided = self.why.get(key)
+        return avoided.failure if avoided is not None else None
+
+    def comeback_candidates(self, now: float, peers: Iterable[str]) -> list[str]:
+        """Those of `peers` banned now after a DROPPED or TIMED_OUT failure, not probed in the
+        last PROBE_INTERVAL (sorted, so that probes go out in a reproducible order)."""
+        out = []
+        for key in sorted(set(peers)):
+            avoided = self.why.get(key)
+            if (avoided is not None and avoided.failure in COMEBACK and self.is_banned(key, now)
+                    and now - self._probed.get(key, -PROBE_INTERVAL) >= PROBE_INTERVAL):
+                out.append(key)
+        return out
+
+    def probed(self, key: str, now: float) -> None:
+        self._probed[key] = now
+
+    def parole(self, key: str, now: float) -> bool:
+        """Lift the ban on `key` (a DROPPED or TIMED_OUT peer that answered a probe); its strikes
+        stay. False (nothing changes) for a peer banned for anything else."""
+        avoided = self.why.get(key)
+        if avoided is None or avoided.failure not in COMEBACK:
+            return False
+        self.lift(key, now)
+        return True
+
+    def clear(self) -> None:
+        super().clear()
+        self.why.clear()
+        self._probed.clear()
+
+
+__all__ = ["Failure", "Backoff", "Bans", "Avoided", "ROUTE_WAIT", "BAN_BASE", "BAN_CAP", "GUILTY_BAN",
+           "PROBE_INTERVAL", "PROBE_TIMEOUT", "REFUSED_SKIP", "COMEBACK"]

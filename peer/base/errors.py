@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tessera.peer.base.backoff import Failure
+
 
 class PeerError(Exception):
     """Base of every error peer/ raises on purpose."""
@@ -39,12 +41,16 @@ class SessionRefused(PeerError):
 
 
 class PeerFailed(PeerError):
-    """A peer of a running session stopped answering, reset its stream or sent garbage."""
+    """A peer of a running session stopped answering, reset its stream or sent garbage.
 
-    def __init__(self, peer: str, reason: str) -> None:
+    `failure` says which (peer/base/backoff.py: it decides how long the peer is avoided,
+    and whether it may come back sooner)."""
+
+    def __init__(self, peer: str, reason: str, failure: Failure = Failure.DROPPED) -> None:
         super().__init__(f"peer {peer} failed: {reason}")
         self.peer = peer
         self.reason = reason
+        self.failure = failure
 
 
 class ModelMismatch(PeerError):

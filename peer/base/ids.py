@@ -9,9 +9,9 @@ from functools import lru_cache
 
 from libp2p.peer.id import ID
 
-# base58 is slow in pure Python, and the same few thousand peers are named in every record,
-# session open and route: each id is converted once (both functions are pure).
-ID_CACHE = 8192
+# base58 is slow in pure Python, and the same peers (tens of thousands in a big simulation) are
+# named in every record, session open and route: each id is converted once (both functions are pure).
+ID_CACHE = 1 << 16
 
 
 @lru_cache(maxsize=ID_CACHE)

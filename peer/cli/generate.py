@@ -11,8 +11,8 @@ from tessera.stages.errors import StageError
 
 from tessera.peer.cli.options import (
     UsageError, add_accept_mixed_option, add_compile_option, add_compute_options, add_dedicated_option, add_policy_options,
-    add_record_trace_option, add_sampling_options, apply_threads,
-    policy_from, quant_from, sampling_from,
+    add_record_trace_option, add_sampling_options, add_spot_check_option, apply_threads,
+    policy_from, quant_from, sampling_from, spot_check_from,
 )
 
 
@@ -44,6 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--route-wait", type=float, default=30.0, metavar="S",
                    help="how long to wait for the (allowed) peers to cover every layer (default 30)")
+    add_spot_check_option(p)
     add_record_trace_option(p)
     add_sampling_options(p)
     add_policy_options(p)
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.route_wait > 0:
             raise UsageError(f"--route-wait must be > 0, got {args.route_wait!r}")
         args.policy = policy_from(args)  # a bad id or an unreadable @FILE fails here, before joining
+        args.checks = spot_check_from(args)
 
         return run_swarm_generate(args, sampling)
     if args.allow or args.deny or args.prefer:

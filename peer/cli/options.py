@@ -114,6 +114,34 @@ def policy_from(args: argparse.Namespace) -> "RequesterPolicy":
     )
 
 
+def add_spot_check_option(p: argparse.ArgumentParser) -> None:
+    """--spot-check RATE: the fraction of steps at which one hop is recomputed by another peer."""
+    from tessera.peer.request.verify import DEFAULT_SPOT_CHECKS
+
+    p.add_argument("--spot-check", type=float, default=None, metavar="RATE",
+                   help="fraction of steps at which another peer holding the same layers recomputes one hop, to "
+                        f"catch a peer returning wrong activations (default {DEFAULT_SPOT_CHECKS.rate:g}, off with "
+                        "a compact --wire; 0 = off)")
+
+
+def spot_check_from(args: argparse.Namespace):
+    """The CheckPolicy --spot-check asks for (None: off). Raises ConfigError outside [0, 1], or
+    for a rate above 0 with a compact --wire form. Not given, the default rate — but no checks
+    with a compact wire form: a check compares activations at float32 tolerances, which
+    bfloat16 or fp8 on the wire round far beyond (an honest peer would be judged a liar)."""
+    from tessera.peer.request.ports import CheckPolicy
+    from tessera.peer.request.verify import DEFAULT_SPOT_CHECKS
+
+    rate, wire = args.spot_check, getattr(args, "wire", "")
+    if rate is None:
+        rate = 0.0 if wire else DEFAULT_SPOT_CHECKS.rate
+    if not 0.0 <= rate <= 1.0:
+        raise ConfigError(f"--spot-check must lie in [0, 1] (a fraction of steps), got {rate!r}")
+    if rate > 0 and wire:
+        raise ConfigError(f"--spot-check needs exact activations on the wire, not --wire {wire}")
+    return CheckPolicy(rate=rate, final_check=DEFAULT_SPOT_CHECKS.final_check) if rate > 0 else None
+
+
 def apply_threads(threads: int | None) -> None:
     if threads:
         import torch  # only when a command runs (see the module docstring)

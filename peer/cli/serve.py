@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from tessera.peer.cli.config import add_config_options
 from tessera.peer.cli.options import (
     add_accept_mixed_option, add_join_options, add_policy_options, add_quant_options, add_record_trace_option,
-    apply_threads, policy_from, quant_from, read_swarm_key,
+    add_spot_check_option, apply_threads, policy_from, quant_from, read_swarm_key, spot_check_from,
 )
 from tessera.peer.base.errors import ConfigError
 from tessera.peer.http.defaults import (
@@ -69,6 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_quant_options(p, help="route only through peers serving the model quantized so (`tessera peer --quant`; "
                       "their model id says it; default none: unquantized peers)")
     add_accept_mixed_option(p)
+    add_spot_check_option(p)
     add_record_trace_option(p)
     add_policy_options(p)
     add_config_options(p)
@@ -95,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.queue_wait >= 0:
         raise ConfigError(f"--queue-wait must be >= 0, got {args.queue_wait!r}")
     args.policy = policy_from(args)  # a bad id or an unreadable @FILE fails here, before joining
+    args.checks = spot_check_from(args)
     apply_threads(args.threads)
     import trio
 
@@ -129,7 +131,7 @@ async def _serve(args: argparse.Namespace, folder: Path, swarm_key: bytes | None
     from tessera.peer.request.client import Swarm
 
     async with Swarm.join(args.join, model=folder, swarm_key=swarm_key, policy=args.policy, tracer=tracer,
-                          quant=quant_from(args), accept_mixed=args.accept_mixed) as swarm:
+                          quant=quant_from(args), accept_mixed=args.accept_mixed, spot_check=args.checks) as swarm:
         gateway = Gateway(swarm, name=served_name(args.model), api_key=api_key, route_wait=args.route_wait,
                           max_concurrent=args.max_concurrent, default_max_tokens=args.default_max_tokens,
                           cors_origins=args.cors_origin, queue_wait=args.queue_wait, body_timeout=args.body_timeout)

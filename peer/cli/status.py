@@ -39,7 +39,7 @@ async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | N
         reached = 0
         for addr in join:
             try:
-                await gossip.exchange(await transport.connect(addr))
+                await gossip.exchange(await transport.connect(addr), whole_from_it=only)
                 reached += 1
             except PeerError as error:
                 print(f"warning: {addr}: {error}")

@@ -20,7 +20,8 @@ from tessera.stages.decoding.sampling import Sampler
 from tessera.stages.decoding.speculative import AdaptiveK, ModelDrafter, NgramDrafter
 from tessera.stages.engine.stage import Stage
 
-from tessera.peer.request.client import Swarm
+from tessera.peer.request.client import Swarm, merge_infos
+from tessera.peer.request.repair import AnswerRewound
 from tessera.peer.net.emulated import LinkEmulation
 from tessera.peer.base.errors import ConfigError
 from tessera.peer.request.decode import Speculation
@@ -58,21 +59,39 @@ async def _generate(args: argparse.Namespace, sampling: SamplingParams, folder, 
     async with Swarm.join(args.join, model=folder, swarm_key=swarm_key, tracer=tracer,
                           emulate_link=emulation, policy=args.policy, quant=quant_from(args),
                           accept_mixed=args.accept_mixed, dedicated=not args.no_dedicated,
-                          compile=args.compile, wire=args.wire) as swarm:
+                          compile=args.compile, spot_check=getattr(args, "checks", None),
+                          wire=args.wire) as swarm:
         swarm.on_route_wait = lambda line: print(line, file=sys.stderr, flush=True)
         ids = prompt_ids(swarm.tokenizer, args.prompt, raw=args.raw)
         speculation = speculation_from(args.speculate, args.draft_k, not args.no_pipeline, swarm, sampling,
                                        len(ids) + args.max_tokens + 64)
         stream = TextStream(swarm.tokenizer)
-        info: dict = {}
-        tokens = []
+        attempts: list[dict] = []
+        tokens: list[int] = []
         started = time.perf_counter()
-        async for token in swarm.generate_ids(ids, max_new_tokens=args.max_tokens, sampling=sampling,
-                                              speculation=speculation, info=info, route_wait=args.route_wait):
-            tokens.append(token)
-            if not args.json:
-                sys.stdout.write(stream.push(token))
-                sys.stdout.flush()
+        while True:
+            start = len(tokens)
+            attempts.append({})
+            try:
+                async for token in swarm.generate_ids([*ids, *tokens], max_new_tokens=args.max_tokens - len(tokens),
+                                                      sampling=sampling, speculation=speculation, info=attempts[-1],
+                                                      route_wait=args.route_wait):
+                    tokens.append(token)
+                    if not args.json:
+                        sys.stdout.write(stream.push(token))
+                        sys.stdout.flush()
+                break
+            except AnswerRewound as rewound:
+                # a spot check caught a peer after tokens computed from its activations were
+                # printed: the answer goes on from the last right one, printed afresh below
+                del tokens[start + rewound.valid :]
+                print(f"\n[a peer was caught returning wrong activations: the answer after token {len(tokens)} "
+                      "is computed again]", file=sys.stderr, flush=True)
+                if not args.json:
+                    stream = TextStream(swarm.tokenizer)
+                    sys.stdout.write("\n" + "".join(stream.push(t) for t in tokens))
+                    sys.stdout.flush()
+        info = merge_infos(attempts)
         seconds = time.perf_counter() - started
         if not args.json:
             sys.stdout.write(stream.flush() + "\n")

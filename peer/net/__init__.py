@@ -1,1 +1,2 @@
-"""Net layer: the transport interface and its implementations, gossip, NAT."""
+"""Net layer: the transport interface and its implementations, gossip (record_set, reconcile, membership,
+verified, pinger), NAT."""

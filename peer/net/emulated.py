@@ -159,6 +159,9 @@ class EmulatedTransport:
     def connection_kind(self, peer_id: str) -> str | None:
         return self.inner.connection_kind(peer_id)
 
+    def stream_count(self, peer_id: str) -> int:
+        return self.inner.stream_count(peer_id)
+
     async def disconnect(self, peer_id: str) -> None:
         await self.inner.disconnect(peer_id)
 

@@ -358,6 +358,11 @@ class Libp2pTransport:
             return PUNCHED
         return DIRECT
 
+    def stream_count(self, peer_id: str) -> int:
+        """Yamux streams on the peer's connections, and dedicated connections (one stream each)."""
+        muxed = sum(len(c.get_streams()) for c in self._connections(peer_id) if hasattr(c, "get_streams"))
+        return muxed + (self.dedicated.live(peer_id) if self.dedicated is not None else 0)
+
     async def disconnect(self, peer_id: str) -> None:
         try:
             await self.host.disconnect(ID.from_base58(peer_id))

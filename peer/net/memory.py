@@ -113,6 +113,10 @@ class MemoryTransport:
     def connection_kind(self, peer_id: str) -> str | None:
         return DIRECT if peer_id in self.conns else None
 
+    def stream_count(self, peer_id: str) -> int:
+        return sum(1 for end in list(self.network.streams.get(self.peer_id, ()))
+                   if end.local is self and end.remote == peer_id)
+
     async def disconnect(self, peer_id: str) -> None:
         self.network._disconnect(self.peer_id, peer_id)
 

@@ -92,18 +92,40 @@ class Transport(Protocol):
         """DIRECT, PUNCHED or RELAYED for a connected peer; None if not connected."""
         ...
 
+    def stream_count(self, peer_id: str) -> int:
+        """Streams open with `peer_id` now, either side's (0: its connection is idle, or there is none)."""
+        ...
+
     async def disconnect(self, peer_id: str) -> None: ...
+
+
+MEMO_MAX_BYTES = 512
+MEMO_ENTRIES = 4096
+# Small messages that recur byte for byte — a gossip digest of a view many peers share, an
+# empty gossip turn — are encoded and decoded once (`Channel(memo=True)`): both are pure
+# functions, and a decoded message is frozen, so one copy serves every receiver. A simulation
+# of thousands of peers that agree sends the same digest thousands of times a period.
+_ENCODED: dict[object, bytes] = {}
+_DECODED: dict[bytes, object] = {}
+
+
+def _remember(memo: dict, key: object, value: object) -> None:
+    memo[key] = value
+    if len(memo) > MEMO_ENTRIES:
+        del memo[next(iter(memo))]  # the oldest
 
 
 class Channel:
     """Whole messages over a stream: one frame, one CBOR message, limits checked first.
 
     Sends are serialised by a lock, so several tasks may share one channel; one
-    task at a time should receive.
+    task at a time should receive. `memo`: small messages are encoded and decoded once
+    per process (see MEMO_MAX_BYTES).
     """
 
-    def __init__(self, stream: Stream, *, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+    def __init__(self, stream: Stream, *, max_frame: int = DEFAULT_MAX_FRAME, memo: bool = False) -> None:
         self.stream = stream
+        self.memo = memo
         self.max_frame = max_frame
         self.remote = stream.remote
         self._send_lock = trio.Lock()
@@ -113,7 +135,12 @@ class Channel:
 
     async def send(self, msg: object) -> int:
         """Send one message; returns the bytes written. Raises StreamClosed."""
-        frame = encode_frame(encode(msg), max_size=self.max_frame)
+        payload = _ENCODED.get(msg) if self.memo else None
+        if payload is None:
+            payload = encode(msg)
+            if self.memo and len(payload) <= MEMO_MAX_BYTES:
+                _remember(_ENCODED, msg, payload)
+        frame = encode_frame(payload, max_size=self.max_frame)
         async with self._send_lock:
             await self.stream.write(frame)
         self.bytes_out += len(frame)
@@ -126,6 +153,13 @@ class Channel:
         except EndOfStream:
             raise StreamClosed(f"stream from {self.remote} ended") from None
         self.bytes_in += len(payload)
+        if self.memo and len(payload) <= MEMO_MAX_BYTES:
+            key = bytes(payload)
+            msg = _DECODED.get(key)
+            if msg is None:
+                msg = decode(key, max_size=self.max_frame)
+                _remember(_DECODED, key, msg)
+            return msg
         return decode(payload, max_size=self.max_frame)
 
     async def receive_or_none(self) -> object | None:

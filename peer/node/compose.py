@@ -74,7 +74,8 @@ def build_peer(config: PeerConfig, *, out: Callable[[str], None] | None = None) 
         tracer=lambda peer_id: TraceWriter(store, peer=peer_id),
         store=store,
         clock=time.time,
-        weights=FolderWeights(compute.folder, serve=config.serve_weights, upload_rate=config.weights_upload_rate),
+        weights=FolderWeights(compute.folder, serve=config.serve_weights, upload_rate=config.weights_upload_rate,
+                              check=compute.weight_check),
         data_dir_lock=lock,
     )
     node = PeerNode(config, parts, out=out)

@@ -20,12 +20,19 @@ from tessera.peer.serve.batcher import MAX_BATCH_ROWS, MAX_BATCH_WAIT
 from tessera.peer.net.gossip import GOSSIP_INTERVAL
 from tessera.peer.net.join import JOIN_TIMEOUT
 
-# An advertisement is valid this long; re-advertised (re-signed, a later expiry) every
-# ADVERTISE_INTERVAL, at most a fifth of it, so several refreshes in a row may be lost before
-# it expires. TESSERA_RECORD_TTL (tests only) shortens both, to cover idle periods longer
-# than a TTL in seconds.
-RECORD_TTL = float(os.environ.get("TESSERA_RECORD_TTL", "15.0"))
+# An advertisement is valid this long. A peer re-signs it when what it says changes (checked
+# every ADVERTISE_INTERVAL) and when RENEW_AFTER of its lifetime is gone; a dead peer's record
+# is removed by its neighbours' departure reports, not by expiry (peer/net/gossip.py). A day:
+# at ten thousand peers every peer then hears about seven renewals a minute, where a
+# 15-second lifetime re-signed every 3 s made it hear 3,300 a second. TESSERA_RECORD_TTL
+# (tests only) shortens it, to cover idle periods longer than a lifetime in seconds.
+RECORD_TTL = float(os.environ.get("TESSERA_RECORD_TTL", "86400.0"))
 ADVERTISE_INTERVAL = min(3.0, RECORD_TTL / 5)
+RENEW_AFTER = 0.5  # of a record's lifetime: re-signed then even if nothing changed
+# A leaving peer's last record lives this long (or RECORD_TTL, if shorter): long enough to
+# reach everyone (B(N) in peer/net/gossip.py is about a minute at 10,000 peers), short enough
+# that it does not linger where no neighbour reported the peer gone.
+LEAVE_RECORD_TTL = 120.0
 PING_INTERVAL = 5.0
 LEAVE_GRACE = 10.0  # seconds running sessions get to finish when the peer stops
 # How often a peer reconsiders its span. Petals checks every ~2 minutes; a small

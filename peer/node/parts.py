@@ -48,6 +48,7 @@ class Compute(Protocol):
     dtype_name: str  # "float32", ... (advertised)
     device_type: str  # "cpu", "cuda", "mps" (advertised)
     device_name: str  # for status and the start-up lines
+    last_check: str | None  # what the last load's weight check did (peer/weights/verify.py), for the log
 
     def prepare(self) -> None: ...
 
@@ -94,8 +95,9 @@ class PlanPlacement:
 class Pacing:
     """When a peer's periodic tasks run: jittered periods, first phases, and the RNG of both."""
 
-    def __init__(self, rng: random.Random | None = None) -> None:
+    def __init__(self, rng: random.Random | None = None, gossip_rng: random.Random | None = None) -> None:
         self.rng = rng or random.Random()
+        self.gossip_rng = gossip_rng or random.Random()  # who gossip draws as neighbours and partners
 
     def jittered(self, period: float) -> float:
         return period * self.rng.uniform(1 - JITTER, 1 + JITTER)

@@ -34,8 +34,11 @@ from tessera.store.trace import Tracer
 from tessera.peer.base.ids import peer_id_bytes
 from tessera.peer.base.errors import ConfigError
 from tessera.peer.net.addresses import describe_addrs
-from tessera.peer.net.gossip import Gossip, Pinger, material
-from tessera.peer.node.config import KV_RESERVE_FRACTION, PeerConfig, capacity_in_layers
+from tessera.peer.net.gossip import Gossip, material
+from tessera.peer.net.pinger import Pinger
+from tessera.peer.node.config import (
+    KV_RESERVE_FRACTION, LEAVE_RECORD_TTL, RENEW_AFTER, PeerConfig, capacity_in_layers,
+)
 from tessera.peer.node.parts import NodeParts
 from tessera.peer.net.join import join_swarm
 from tessera.peer.net.nat.reachability import NatService
@@ -117,14 +120,14 @@ class PeerNode:
 
     # -- advertising ------------------------------------------------------------------
 
-    def make_record(self) -> SignedRecord | None:
-        if self.span is None or self.transport is None:
-            return None
-        now = self.clock()
-        self.seq = max(self.seq + 1, int(now * 1000))  # survives restarts: newer beats older
+    def _record(self, now: float, seq: int) -> PeerRecord:
+        """What we would advertise now (unsigned)."""
         used = self.stage.weight_bytes if self.stage else 0
         server = self.server
-        record = PeerRecord(
+        # a leaving peer's last word is short-lived: it is gone from every view soon after,
+        # even where no neighbour saw it go (the others' departure reports usually come first)
+        ttl = min(self.config.record_ttl, LEAVE_RECORD_TTL) if self.state == LEAVING else self.config.record_ttl
+        return PeerRecord(
             peer_id=self.identity.peer_id, name=self.config.name[:64], model_id=self.model_id,
             start=self.span[0], end=self.span[1], shard_index=self.config.shard[0], shard_count=self.config.shard[1],
             shard_group=self.config.group,
@@ -133,41 +136,71 @@ class PeerNode:
             state=self.state, reachability=self.nat.reachability if self.nat else Reachability.PUBLIC,
             addrs=tuple(self.transport.addrs()[:16]),
             neighbours=tuple(Neighbour(_peer_bytes(p), rtt) for p, rtt in sorted(self.pinger.rtt_ms.items())[:64]),
-            issued_at=now, expires_at=now + self.config.record_ttl, seq=self.seq,
+            issued_at=now, expires_at=now + ttl, seq=seq,
             dtype=self.compute.dtype_name,
             device=self.compute.device_type, device_free=(self.device_memory() or {}).get("free", 0),
             held=tuple(LayerSpan(start, end) for start, end in self.held_layers()[:MAX_HELD_SPANS]),
         )
-        self._own = sign_record(self.identity, record)
+
+    def make_record(self) -> SignedRecord | None:
+        if self.span is None or self.transport is None:
+            return None
+        now = self.clock()
+        self.seq = max(self.seq + 1, int(now * 1000))  # survives restarts: newer beats older
+        self._own = sign_record(self.identity, self._record(now, self.seq))
         self._own_info = None  # filled from the keeper's copy on merge (one decode, not two)
         return self._own
 
-    async def advertise(self, *, wait: bool = False) -> None:
-        """Re-sign our record; exchange with every neighbour now if what it says changed (a
-        refresh alone travels with the next gossip tick).
+    def _renewal_due(self, now: float) -> bool:
+        """Half our record's lifetime is gone (then it is re-signed even if nothing changed)."""
+        record = self._own_record
+        return record is None or now >= record.issued_at + RENEW_AFTER * (record.expires_at - record.issued_at)
 
-        The exchanges run in the background unless `wait` (leaving: tell the swarm before
-        the host closes). A neighbour that has gone silent holds its exchange for up to
-        EXCHANGE_TIMEOUT (5 s), and nothing that advertises may wait on it: the refresh loop
-        would fall behind the record's lifetime (a 7.5 s record expired in some views while
-        its owner's first refresh waited on a vanished peer), and serving, moves and operator
+    @property
+    def _own_record(self) -> PeerRecord | None:
+        known = self.keeper.get(self.transport.peer_id) if self.transport is not None else None
+        own = self._own
+        return known.record if known is not None and own is not None and known.signed.signature == own.signature else None
+
+    async def advertise(self, *, wait: bool = False, force: bool = False) -> None:
+        """Re-sign our record if what placement and routing read changed (`material`), half its
+        lifetime is gone, or `force`, and push it to our neighbours at once (the periodic
+        exchanges take it further). Checked every advertise period.
+
+        The announcement runs in the background unless `wait` (leaving: tell the swarm before
+        the host closes). A neighbour that has gone silent holds its push for up to a turn's
+        timeout, and nothing that advertises may wait on it: serving, moves and operator
         controls would stall.
         """
-        before = self.keeper.known.get(self.transport.peer_id) if self.transport else None
-        signed = self.make_record()
-        if signed is None:
+        if self.span is None or self.transport is None:
             return
+        now = self.clock()
+        before = self._own_record
+        changed = before is None or material(before) != material(self._record(now, self.seq))
+        if not (changed or force or self._renewal_due(now)):
+            return
+        signed = self.make_record()
         self.keeper.merge([signed])
-        after = self.keeper.known.get(self.transport.peer_id)
-        self._own_info = after.info if after is not None and after.signed is signed else None
-        if self.gossip is not None and (before is None or after is None
-                                        or material(before.record) != material(after.record)):
+        after = self.keeper.get(self.transport.peer_id)
+        self._own_info = after.info if after is not None and after.signed.signature == signed.signature else None
+        if self.gossip is not None:  # a renewal too: it must reach everyone well before the old one expires
             if wait or self._nursery is None:
                 await self.gossip.announce()
             else:
                 self._nursery.start_soon(self.gossip.announce)
         if self.tracer:
             self.tracer.emit(events.Advertise(span=self.span, state=self.state, load=self.server.load if self.server else 0.0))
+
+    def _refute(self, seq: int) -> None:
+        """A departure of our own record came back to us (a false report, a healed partition):
+        answer it with a newer record."""
+        self.seq = max(self.seq, seq)
+        if self._nursery is not None:
+            self._nursery.start_soon(partial(self.advertise, force=True))
+
+    def _protected(self, peer_id: str) -> bool:
+        """Connections gossip must not close: our relay reservations'."""
+        return self.nat is not None and peer_id in self.nat.relay_addrs
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -189,8 +222,10 @@ class PeerNode:
             self.tracer = parts.tracer(peer_id)
             if parts.gossip:
                 self.gossip = Gossip(transport, self.keeper, own_record=lambda: self._own,
-                                     interval=self.config.gossip_interval)
-            self.pinger = Pinger(transport)
+                                     interval=self.config.gossip_interval, rng=self.pacing.gossip_rng,
+                                     refute=self._refute, on_connect=self._connected, protected=self._protected)
+            # a neighbour that stops answering pings is looked at by membership (it may have vanished)
+            self.pinger = Pinger(transport, on_failure=self.gossip.suspect if self.gossip is not None else _ignore)
             if parts.weights is not None:
                 parts.weights.serve(transport)
             for line in describe_addrs(transport.addrs()):  # "listening on ADDR (LAN: ...)", best first
@@ -282,7 +317,7 @@ class PeerNode:
         await self._connect_known()
 
     async def _try_join(self, addr: str) -> str | None:
-        """Connect to `addr` and gossip once: None when joined, else why not (raises PeerError if unreachable)."""
+        """Connect to `addr` and pull the view: None when joined, else why not (raises PeerError if unreachable)."""
         peer = await self.transport.connect(addr)
         self.tracer.emit(events.Connect(remote=peer, link=self.transport.connection_kind(peer) or "direct"))
         if not await self.gossip.exchange(peer):
@@ -294,7 +329,7 @@ class PeerNode:
         return None
 
     async def _connect_known(self) -> None:
-        await self.gossip.connect_known(self._connected)
+        await self.gossip.settle_join()  # our first neighbours now, not a period from now
 
     def _connected(self, peer_id: str) -> None:
         self.tracer.emit(events.Connect(remote=peer_id, link=self.transport.connection_kind(peer_id) or "direct"))
@@ -325,7 +360,10 @@ class PeerNode:
     async def _load(self, start: int, end: int) -> Any:
         if self.parts.weights is not None:  # a folder fetched from the swarm holds only some layers: this span's first
             await self.parts.weights.ensure(self.transport, (start, end), self.out)
-        return await self.compute.load(start, end)
+        stage = await self.compute.load(start, end)
+        if self.compute.last_check is not None:
+            self.out(self.compute.last_check)  # hashed now, or vouched for by the cache of an earlier check
+        return stage
 
     async def move_to(self, span: tuple[int, int], reason: str) -> None:
         """Serve another span: drain (no new sessions, a grace for running ones), load, serve.
@@ -437,7 +475,7 @@ class PeerNode:
 
     async def _gossip_forever(self) -> None:
         await trio.sleep(self.pacing.first_gossip(self.gossip.interval))
-        await self.gossip.run(self._connected)
+        await self.gossip.run()
 
     async def _ping_forever(self) -> None:
         interval = self.config.ping_interval
@@ -512,9 +550,15 @@ class PeerNode:
             "neighbours": {p: {"rtt_ms": rtt, "kind": self.transport.connection_kind(p)} for p, rtt in self.pinger.rtt_ms.items()},
             "nat": self.nat.status() if self.nat else None,
             "dedicated": self.dedicated_status(),
+            # neighbours dialled and accepted, connections gossip opened, exchanges, bytes sent
+            "gossip": self.gossip.status() if self.gossip is not None else None,
             "held": [list(span) for span in self.held_layers()],
             "fetch": self.fetching(),
         }
+
+
+def _ignore(peer_id: str) -> None:
+    pass
 
 
 @lru_cache(maxsize=1 << 14)

@@ -4,8 +4,9 @@ The `Compute` (peer/node/parts.py) that peer/node/compose.py gives a `PeerNode`:
 the model, refuses a memory offer that cannot hold one layer, a tensor-shard rank of a
 model its group cannot split (a MoE family: ShardError, one line) and a --compile mode the
 device cannot run before anything starts, measures one layer's decode speed, loads only the
-claimed span's weights and compiles its decode steps (stages/engine/compiled/; a tensor-shard
-rank's steps run eagerly), saying what runs eagerly and why.
+claimed span's weights — checked against the model's manifest as they are read
+(peer/weights/verify.py): a span that differs is refused — and compiles its decode steps
+(stages/engine/compiled/; a tensor-shard rank's steps run eagerly), saying what runs eagerly and why.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tessera.stages.engine.speed import measure_layer_throughput
 from tessera.stages.engine.stage import Stage
 
 from tessera.peer.node.config import DEFAULT_MEMORY_FRACTION, PeerConfig, check_memory_offer
+from tessera.peer.weights.verify import WeightCheck
 
 
 class TorchCompute:
@@ -38,6 +40,9 @@ class TorchCompute:
         self.out = out or (lambda line: print(line, flush=True))  # as PeerNode's lines (compile progress)
         self.folder = registry.resolve(config.model)
         self.spec = spec_from_file(self.folder / "config.json")
+        # the manifest must hash to its model id (raises ModelFormatError); what was checked is
+        # remembered in the data dir, so an untouched file is not hashed again at every start
+        self.weight_check = WeightCheck.for_peer(self.folder, config.data_dir)
         self.quant = config.quant
         self.shard = config.shard
         if self.shard[1] > 1:  # a model whose layers a group cannot split is refused before anything starts
@@ -61,6 +66,7 @@ class TorchCompute:
         except CompileChoiceError as bad:
             raise ConfigError(str(bad)) from None
         self._vram_offer: int | None = None
+        self.last_check: str | None = None  # what the last load's weight check did (a line for the log)
 
     def prepare(self) -> None:
         """--threads, set in the thread the peer runs in (torch's setting is per process, OpenMP's per thread)."""
@@ -91,18 +97,29 @@ class TorchCompute:
         )
 
     async def load(self, start: int, end: int) -> Stage | ShardedStage:
+        """The span's stage, its weights checked against the manifest. Raises WeightsMismatch."""
+        return await in_worker(lambda: self._load_checked(start, end))
+
+    def _load_checked(self, start: int, end: int) -> Stage | ShardedStage:
+        check = self.weight_check.begin()
         index, count = self.shard
-        if count > 1:  # only this rank's slices (stages/shards/sharded.py), decoded eagerly
-            if self.compile != "off":
+        if count > 1:  # only this rank's slices (stages/shards/sharded.py): hashed from the files first
+            if check is not None:
+                layers = {f"layer.{i}" for i in range(start, end)}
+                check.verify_files(n for n, e in check.entries.items() if e["group"] in layers)
+            stage = ShardedStage.load(self.folder, start=start, end=end, index=index, count=count,
+                                      device=self.device, dtype=self.dtype)
+            if self.compile != "off":  # decoded eagerly
                 self.out("decode steps: eager (a tensor-shard rank's steps have no compiled form)")
-            return await in_worker(lambda: ShardedStage.load(
-                self.folder, start=start, end=end, index=index, count=count, device=self.device, dtype=self.dtype))
-        stage = await in_worker(
-            lambda: Stage.load(self.folder, start=start, end=end, device=self.device, dtype=self.dtype,
-                               quant=self.quant)
-        )
-        plan = await in_worker(lambda: compile_decode(stage, self.compile, say=self.out, buckets=self.compile_rows))
-        self.out(f"decode steps: {plan.backend or 'eager'} ({plan.reason})")
+        else:
+            stage = Stage.load(self.folder, start=start, end=end, device=self.device, dtype=self.dtype,
+                               quant=self.quant, check=check)
+        if check is not None:
+            check.commit()
+            self.last_check = check.summary()
+        if count == 1:  # compiled once the weights are known good
+            plan = compile_decode(stage, self.compile, say=self.out, buckets=self.compile_rows)
+            self.out(f"decode steps: {plan.backend or 'eager'} ({plan.reason})")
         return stage
 
     def serve_with(self, server) -> None:

@@ -174,17 +174,20 @@ def why_no_route(
     *,
     start: int = 0,
     end: int | None = None,
-    banned: frozenset[str] | set[str] = frozenset(),
+    banned: frozenset[str] | set[str] | Mapping[str, str] = frozenset(),
     unreachable: frozenset[str] | set[str] = frozenset(),
 ) -> tuple[list[tuple[int, int]], str]:
     """What stands between a requester and a route over [start, end): the layer ranges no
     usable peer covers, and a sentence naming them and, for each peer that claims a layer
     there (every peer not taking sessions, when nothing is uncovered), why it is not used:
-    its `unusable_reason`, "banned" (this requester's ban) or "unreachable" (a failed dial)."""
+    its `unusable_reason`, "banned" (this requester's ban; `banned` may map each peer to
+    its own words, e.g. "busy: skipped for 5 s") or "unreachable" (a failed dial)."""
     end = view.num_layers if end is None else end
     reasons: dict[str, str] = {}
     for p in view.peers:
-        why = "banned" if p.peer_id in banned else "unreachable" if p.peer_id in unreachable else unusable_reason(p)
+        said = banned.get(p.peer_id) if isinstance(banned, Mapping) else None
+        why = (said or "banned" if p.peer_id in banned else "unreachable" if p.peer_id in unreachable
+               else unusable_reason(p))
         if why is not None:
             reasons[p.peer_id] = why
     usable = SwarmView(view.num_layers, tuple(p for p in view.peers if p.peer_id not in reasons))

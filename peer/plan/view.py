@@ -12,6 +12,7 @@ Spans are half-open everywhere: a peer with ``start=4, end=10`` serves layers
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from enum import StrEnum
 
 from dataclasses import dataclass, field
@@ -154,18 +155,26 @@ class SwarmView:
         return SwarmView(num_layers, tuple(sorted(peers, key=_BY_ID)))
 
     def get(self, peer_id: str) -> PeerInfo | None:
-        for p in self.peers:
-            if p.peer_id == peer_id:
-                return p
-        return None
+        """The peer's info (the first, if listed twice). A dict built on the first call: every step
+        of a route session prices its hops with `get`, and a view may hold thousands of peers."""
+        index = self.__dict__.get("_index")
+        if index is None:
+            index = {}
+            for p in self.peers:
+                index.setdefault(p.peer_id, p)
+            object.__setattr__(self, "_index", index)  # a cache of a frozen value, not a change to it
+        return index.get(peer_id)
 
     def without(self, peer_ids: Iterable[str]) -> "SwarmView":
         drop = set(peer_ids)
         return SwarmView(self.num_layers, tuple(p for p in self.peers if p.peer_id not in drop))
 
     def replace(self, info: PeerInfo) -> "SwarmView":
+        """The view with `info` in place of its peer's entry (added if absent), still sorted:
+        an insertion, not a sort (a requester adds itself to a view of thousands every route)."""
         rest = [p for p in self.peers if p.peer_id != info.peer_id]
-        return SwarmView.of(self.num_layers, [*rest, info])
+        rest.insert(bisect_left(rest, info.peer_id, key=_BY_ID), info)
+        return SwarmView(self.num_layers, tuple(rest))
 
     def live(self, now: float) -> "SwarmView":
         """The peers whose advertisement has not expired at `now`."""

@@ -40,7 +40,9 @@ from tessera.protocol.messages import (
     SessionOpen, SessionRevoke,
 )
 
+from tessera.peer.base.backoff import Failure
 from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
+from tessera.peer.request.failures import error_failure, reported_failure
 from tessera.peer.request.history import RouteHistory
 from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.request.chain_state import AttestedStep, HopState, RequesterContext, StepSlot, peer_bytes
@@ -208,7 +210,7 @@ class RouteSession:
                 raise error
             # anything else (unreachable, a stream that closed, a bad frame, a timeout) is
             # this hop failing: the caller bans it and routes around it
-            raise PeerFailed(hop.peer_id, f"opening the session: {type(error).__name__}: {error}")
+            raise PeerFailed(hop.peer_id, f"opening the session: {type(error).__name__}: {error}", error_failure(error))
         return opened, into[0], out_last
 
     async def _open_hop(self, hop: Hop, msg: SessionOpen, **links: LinkCipher | None) -> HopState:
@@ -222,7 +224,7 @@ class RouteSession:
             raise SessionRefused(hop.peer_id, reply.code, reply.message, retry_after=reply.retry_after)
         if not isinstance(reply, SessionAccept) or reply.session_id != self.session_id:
             await channel.reset()
-            raise PeerFailed(hop.peer_id, f"answered SessionOpen with {type(reply).__name__}")
+            raise PeerFailed(hop.peer_id, f"answered SessionOpen with {type(reply).__name__}", Failure.BROKE)
         state = HopState(hop, channel, **links)
         self.ctx.nursery.start_soon(self._read, state)
         return state
@@ -246,7 +248,7 @@ class RouteSession:
                         raise WireError(f"unexpected {type(msg).__name__} from a stage peer")
             except (PeerError, WireError) as error:
                 if not self.closed:
-                    self._fail(state, f"{type(error).__name__}: {error}")
+                    self._fail(state, f"{type(error).__name__}: {error}", failure=error_failure(error))
 
     def _on_result(self, state: HopState, msg: Result) -> None:
         """A tap or the chain's result: outputs go to the history (so the requester holds every
@@ -275,12 +277,14 @@ class RouteSession:
         if ends_step:
             slot.complete(hidden)
 
-    def _fail(self, state: HopState, reason: str, *, code: str | None = None) -> None:
-        """Mark a hop failed and wake every waiting step with the error.
+    def _fail(self, state: HopState, reason: str, *, code: str | None = None, failure: Failure | None = None) -> None:
+        """Mark a hop failed and wake every waiting step with the error (`failure`: its kind,
+        else the kind `code`, the error the peer reported, says).
 
         A peer reporting that its push to the next peer failed is alive; the next peer
         is the one to blame.
         """
+        failure = failure or reported_failure(code)
         if code == NEXT_HOP_FAILED and state in self.hops:
             index = self.hops.index(state)
             if index + 1 < len(self.hops):
@@ -288,9 +292,10 @@ class RouteSession:
                 reason = f"unreachable from the previous peer: {reason}"
         if state.failure is None:
             state.failure = reason
+            state.failed_as = failure
         state.acked.set()  # wake a relink waiting on this peer; it checks `failure`
         self.ctx.tracer.emit(events.Error(session=self.session_id, remote=state.peer, reason=reason[:300]))
-        error = PeerFailed(state.peer, reason)
+        error = PeerFailed(state.peer, reason, failure)
         for slot in self.pending.values():
             slot.fail(error)
 
@@ -323,7 +328,7 @@ class RouteSession:
             self.history.at(first.hop.start).write(start_pos, hidden)
         failed = next((h for h in self.hops if h.failure), None)
         if failed is not None:
-            raise PeerFailed(failed.peer, failed.failure or "failed")
+            raise PeerFailed(failed.peer, failed.failure or "failed", failed.failed_as)
         return await self.send(first, hidden, start_pos, stop_layer=self.ctx.num_layers)
 
     async def run(
@@ -371,7 +376,7 @@ class RouteSession:
             with trio.move_on_after(self.step_timeout(n, hops)) as waited:
                 await slot.done.wait()
             if waited.cancelled_caught:
-                raise PeerFailed(self.suspect(start_pos + n), f"step {step} timed out")
+                raise PeerFailed(self.suspect(start_pos + n), f"step {step} timed out", Failure.TIMED_OUT)
             if slot.error is not None:
                 raise slot.error
             self.ctx.tracer.emit(events.Result(session=self.session_id, step=step, duration=time.perf_counter() - slot.sent_at,
@@ -423,8 +428,9 @@ class RouteSession:
         if await self.wait_known(self.hops[i].hop.start, position):
             return None
         upstream = self.hops[i - 1]
-        upstream.failure = upstream.failure or "its taps stopped arriving"
-        return PeerFailed(upstream.peer, upstream.failure)
+        if upstream.failure is None:
+            upstream.failure, upstream.failed_as = "its taps stopped arriving", Failure.TIMED_OUT
+        return PeerFailed(upstream.peer, upstream.failure, upstream.failed_as)
 
     async def replace(self, i: int, j: int, position: int, repair: SegmentRepair, *,
                       through_end: bool = False) -> Replacement:
@@ -434,17 +440,27 @@ class RouteSession:
         a, b = hops[i].hop.start, hops[j].hop.end
         up = hops[i - 1] if i > 0 else None
         down = hops[j + 1] if j + 1 < len(hops) else None
-        dead = [h.peer for h in hops[i : j + 1]]
-        reasons = "; ".join(f"{h.peer}: {h.failure}" for h in hops[i : j + 1] if h.failure) or "failed"
-        # every peer of this session stays out of the replacement, not only the dead: a peer runs one
-        # hop of a session (its id is the session's), so one already in the route cannot take another
-        # piece ("session ... is already open here" failed simulated answers beside full coverage)
+        dead = hops[i : j + 1]
+        for state in dead:
+            if state.failure and not repair.swarm.is_banned(state.peer):
+                # failed with the one being repaired (two at once): avoided as its own failure says
+                repair.ban(state.peer, state.failure, failure=state.failed_as)
+        reasons = "; ".join(f"{h.peer}: {h.failure}" for h in dead if h.failure) or "failed"
+        # The dead are banned (or revoked), so routing passes them by unless one came back
+        # (peer/base/backoff.py). The live peers of this session stay out: a peer runs one hop
+        # of a session (its id is the session's), so one already in the route cannot take
+        # another piece ("session ... is already open here" failed simulated answers).
+        live = [h.peer for h in hops if h not in dead]
         chosen = await repair.reroute(
-            a, b, source=up.peer if up else None, sink=down.peer if down else None,
-            exclude=dead + [h.peer for h in hops if h.peer not in dead],
+            a, b, source=up.peer if up else None, sink=down.peer if down else None, exclude=live,
             groups=False,  # replacements are chained peer to peer; groups need the requester
             why=reasons,
         )
+        # A peer coming back takes the span again as a replacement would, from the history;
+        # its old session (still open on a stopped-then-resumed process) is closed first.
+        returning = [state for state in dead if state.peer in chosen.peer_ids]
+        for state in returning:
+            await self.close_hop(state, "failed; reopened after its comeback")
         new, into, out = await self.open_hops(
             list(chosen.hops), prev=up.peer if up else None, next_=down.peer if down else None
         )
@@ -473,12 +489,12 @@ class RouteSession:
             for state in new:
                 self.ctx.nursery.start_soon(self.close_hop, state, "replacement abandoned")
             raise
-        old = hops[i : j + 1]
-        self.retired_attestations += [a for state in old for a in state.attested]
+        self.retired_attestations += [a for state in dead for a in state.attested]
         self.hops[i : j + 1] = new
-        for state in old:
-            # in the background: a dead peer's stream may take a while to give up
-            self.ctx.nursery.start_soon(self.close_hop, state, "replaced after a failure")
+        for state in dead:
+            if state not in returning:
+                # in the background: a dead peer's stream may take a while to give up
+                self.ctx.nursery.start_soon(self.close_hop, state, "replaced after a failure")
         return Replacement([self], [h.peer for h in new], replayed)
 
     async def relink_up(self, up: HopState, new: list[HopState], into: tuple[int, bytes]) -> None:
@@ -496,8 +512,10 @@ class RouteSession:
             raise PeerFailed(state.peer, f"relink: {error}") from None
         with trio.move_on_after(RELINK_TIMEOUT):
             await acked.wait()
-        if state.failure is not None or not acked.is_set():
-            raise PeerFailed(state.peer, f"relink not acknowledged: {state.failure or 'timeout'}")
+        if state.failure is not None:
+            raise PeerFailed(state.peer, f"relink not acknowledged: {state.failure}", state.failed_as)
+        if not acked.is_set():
+            raise PeerFailed(state.peer, "relink not acknowledged: timeout", Failure.TIMED_OUT)
 
     # -- closing --------------------------------------------------------------------
 
@@ -569,4 +587,4 @@ def blame(failed: list[tuple[Hop, BaseException]], hops: list[Hop], next_: str |
     culprit = hops[index + 1].peer_id if index + 1 < len(hops) else next_
     if culprit is None:
         return hop, error
-    return hop, PeerFailed(culprit, f"unreachable from the previous peer: {error}")
+    return hop, PeerFailed(culprit, f"unreachable from the previous peer: {error}", Failure.DROPPED)

@@ -14,6 +14,7 @@ from tessera.protocol.links import LinkCipher
 from tessera.protocol.messages import Result
 from tessera.store.trace import NullTracer, Tracer
 
+from tessera.peer.base.backoff import Failure
 from tessera.peer.base.ids import peer_id_bytes
 from tessera.peer.base.errors import PeerError
 from tessera.peer.net.gossip import ViewKeeper
@@ -56,6 +57,7 @@ class HopState:
     tap: LinkCipher | None = None  # this peer -> requester, copy of its output
     result: LinkCipher | None = None  # last hop -> requester
     failure: str | None = None
+    failed_as: Failure = Failure.DROPPED  # the kind of `failure` (peer/base/backoff.py)
     revoked: bool = False  # the requester took this peer out of the session (RouteSession.revoke_hop)
     attested: list[AttestedStep] = field(default_factory=list)
     acked: trio.Event = field(default_factory=trio.Event)

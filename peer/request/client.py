@@ -22,7 +22,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Callable, Sequence
+from typing import AsyncIterator, Callable, Literal, Sequence
 
 import torch
 import trio
@@ -38,20 +38,23 @@ from tessera.stages.families.spec import ModelSpec
 from tessera.stages.engine.compiled.build import compile_decode
 from tessera.stages.engine.stage import Stage
 from tessera.stages.text.tokenizer import TextStream, Tokenizer
+from tessera.store import events
 from tessera.store.trace import NullTracer, Tracer
 
 from tessera.peer.base.ids import peer_id_text
 from tessera.peer.base.errors import NoRoute, PeerError, PeerUnreachable, UnknownPeer
-from tessera.peer.net.gossip import Gossip, Pinger, ViewKeeper
+from tessera.peer.net.gossip import Gossip, ViewKeeper
+from tessera.peer.net.pinger import Pinger
 from tessera.peer.net.join import handshake_reason, tcp_answers
 from tessera.peer.net.emulated import LinkEmulation, emulate
 from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.request.decode import Speculation, plain_tokens, speculative_tokens
 from tessera.peer.request.reports import ReportBook
-from tessera.peer.request.verify import GUILTY_BAN, SpotChecker
-from tessera.peer.base.backoff import Backoff
+from tessera.peer.request.verify import DEFAULT_SPOT_CHECKS, SpotChecker
+from tessera.peer.base.backoff import COMEBACK, PROBE_INTERVAL, ROUTE_WAIT, Bans, Failure
 from tessera.peer.base.threads import in_worker
-from tessera.peer.request.ports import BAN_BASE, BAN_CAP, CheckPolicy
+from tessera.peer.request.ports import CheckPolicy
+from tessera.peer.request.probe import answers
 from tessera.peer.request.repair import AnswerRewound, ResilientSession
 from tessera.peer.request.policy import RequesterPolicy, check_peer_id, explain_gaps
 from tessera.peer.request.chain_state import RequesterContext
@@ -63,8 +66,9 @@ from tessera.peer.request.prefill import route_chunk_size
 
 log = logging.getLogger(__name__)
 
-# How long a requester waits for the swarm to cover every layer before it gives up.
-DEFAULT_ROUTE_WAIT = 30.0
+# How long a requester waits for the swarm to cover every layer before it gives up: one
+# policy with the bans (peer/base/backoff.py says why 30 s).
+DEFAULT_ROUTE_WAIT = ROUTE_WAIT
 REFRESH_INTERVAL = 2.0  # gossip and ping period of a requester
 WAIT_REPORT_INTERVAL = 1.0  # how often a requester waiting for a route says what it waits for
 # Embedding a decode step's tokens (one, or a speculative block's few) reads a few rows of
@@ -127,17 +131,29 @@ class Swarm:
         quant: Quant = NO_QUANT,
         accept_mixed: bool = False,
         compile: str = "off",
+        spot_check: CheckPolicy | None = DEFAULT_SPOT_CHECKS,
         wire: str = "",
     ) -> None:
         """`model`, or the one in `folder` (loaded here, its head compiled as `compile` says); `clock` dates the view's records,
         `ban_clock` the bans. `keeper`: a view fed from elsewhere (then `gossip=False`: a
-        simulation's shared view); `reports`: keep and pull misbehaviour reports. `wire`: the form
-        activations cross the wire in (protocol/tensors.py WIRE_FORMS; "" exact, the default)."""
+        simulation's shared view); `reports`: keep and pull misbehaviour reports.
+        `spot_check`: how every answer is checked unless it says otherwise (None: not at all; the
+        default is off with a compact `wire`, and another policy with one is a ValueError).
+        `wire`: the form activations cross the wire in (protocol/tensors.py WIRE_FORMS; "" exact,
+        the default)."""
         if wire not in WIRE_FORMS:
             raise ValueError(f"activation wire form {wire!r} is not one of {list(WIRE_FORMS)}")
         self.folder = folder
         # who may compute this requester's answers (peer/request/policy.py); a revocation adds to `deny`
         self.policy = policy or RequesterPolicy()
+        # spot checks of every answer (peer/request/verify.py); off when None or at rate 0, and the
+        # default is off with a compact wire form (a check compares at float32 tolerances: an
+        # honest peer's rounded activations would fail it), which an explicit policy cannot ask for
+        if wire and spot_check is DEFAULT_SPOT_CHECKS:
+            spot_check = None
+        if wire and spot_check is not None and spot_check.rate > 0:
+            raise ValueError(f"spot checks need exact activations on the wire, not {wire!r}")
+        self.spot_check = spot_check if spot_check is not None and spot_check.rate > 0 else None
         model = model or RequesterModel.load(folder, quant, compile=compile)
         self.head = model.head
         self.spec = model.spec
@@ -158,7 +174,7 @@ class Swarm:
         self.peer_id = transport.peer_id
         self.ctx.tracer.bind(self.peer_id)  # a TraceWriter made before this requester had an id
         self.clock: Callable[[], float] = ban_clock  # what `bans` measures time on
-        self.bans = Backoff(BAN_BASE, BAN_CAP)  # strikes survive from one answer to the next
+        self.bans = Bans()  # who is avoided, why and until when; strikes survive from one answer to the next
         self.reports = ReportBook(transport, model_id=self.model_id, on_accept=self._avoid_accused) if reports else None
         # routes memoised per (view snapshot, bans, exclusions, RTTs, policy): routing is a pure
         # function of them, and where snapshots are shared (a simulation) a route costs milliseconds
@@ -184,6 +200,7 @@ class Swarm:
         accept_mixed: bool = False,
         dedicated: bool = True,
         compile: str = "off",
+        spot_check: CheckPolicy | None = DEFAULT_SPOT_CHECKS,
         wire: str = "",
     ) -> AsyncIterator["Swarm"]:
         """Join the swarm reachable at `addrs` as a requester (serving nothing).
@@ -199,6 +216,7 @@ class Swarm:
         `emulate_link` (benchmarks only) delays and paces every frame the requester sends.
         `compile`: --compile for the requester's head (off by default: a one-answer requester would
         spend longer compiling than it saves).
+        `spot_check`: how answers are checked (peer/request/verify.py; None: not at all).
         """
         folder = registry.resolve(model)
         identity = Identity.from_seed(seed) if seed else Identity.generate()
@@ -208,7 +226,8 @@ class Swarm:
             async with trio.open_nursery() as nursery:
                 swarm = await in_worker(
                     lambda: Swarm(transport, nursery, folder=folder, identity=identity, tracer=tracer, policy=policy,
-                                  quant=quant, accept_mixed=accept_mixed, compile=compile, wire=wire)
+                                  quant=quant, accept_mixed=accept_mixed, compile=compile, spot_check=spot_check,
+                                  wire=wire)
                 )
                 await swarm.connect(addrs, swarm_key_given=swarm_key is not None)
                 nursery.start_soon(swarm.refresh_forever)
@@ -263,7 +282,7 @@ class Swarm:
     def _avoid_accused(self, body) -> None:
         """A verified misbehaviour report: stop using the accused."""
         accused = peer_id_text(body.accused.peer_id)
-        self.bans.ban_until(accused, self.clock() + GUILTY_BAN)
+        self.bans.prove_guilty(accused, self.clock())
 
     async def publish_report(self, report) -> int:
         """Record a report we made and share it with every connected peer (0: reports are not kept)."""
@@ -271,6 +290,51 @@ class Swarm:
 
     def is_banned(self, peer: str) -> bool:
         return self.bans.is_banned(peer, self.clock())
+
+    def _awaited_comebacks(self, *, start: int = 0, end: int | None = None, exclude: Sequence[str] = (),
+                           policy: RequesterPolicy | None = None, **_: object) -> list[str]:
+        """Banned peers that dropped or timed out, admitted by the policy, whose latest record
+        serves some layer of [start, end): those whose return would give a route."""
+        end = self.spec.num_layers if end is None else end
+        now = self.clock()
+        policy = self.policy.narrowed(policy)
+        view = self.keeper.snapshot()
+        out = []
+        for peer in self.bans.banned(now):
+            avoided = self.bans.why.get(peer)
+            info = view.get(peer)
+            if (avoided is not None and avoided.failure in COMEBACK and info is not None and info.routable
+                    and info.start < end and start < info.end and peer not in exclude and policy.admits(peer)):
+                out.append(peer)
+        return out
+
+    async def probe_comebacks(self, **plan_args) -> bool:
+        """Probe the awaited comebacks (`_awaited_comebacks`) that have signed a new record since
+        they failed — a restarted peer advertises again, a resumed one re-signs its record —
+        and were not probed in the last PROBE_INTERVAL; parole those that answer (their bans
+        end, their strikes stay: peer/base/backoff.py). Returns whether any was paroled."""
+        now = self.clock()
+        view = self.keeper.snapshot()
+        fresh = [p for p in self._awaited_comebacks(**plan_args)
+                 if view.get(p).issued_at > self.bans.why[p].mark]
+        due = self.bans.comeback_candidates(now, fresh)
+        if not due:
+            return False
+        back: list[str] = []
+
+        async def probe(peer: str) -> None:
+            if await answers(self.transport, peer, addrs=self.keeper.addrs(peer)):
+                back.append(peer)
+
+        for peer in due:
+            self.bans.probed(peer, now)
+        async with trio.open_nursery() as nursery:
+            for peer in due:
+                nursery.start_soon(probe, peer)
+        for peer in sorted(back):
+            if self.bans.parole(peer, self.clock()):
+                self.ctx.tracer.emit(events.Parole(remote=peer, failure=self.bans.why[peer].failure.value))
+        return bool(back)
 
     def plan(
         self,
@@ -312,21 +376,34 @@ class Swarm:
                      policy: RequesterPolicy | None = None, **_: object) -> tuple[list[tuple[int, int]], str]:
         """The uncovered layers, and a sentence saying what blocks a route: layers only peers
         the policy excludes cover (request/policy.py `explain_gaps`), else routing.why_no_route."""
-        banned = set(self.bans.banned(self.clock()))
+        now = self.clock()
+        banned = {peer: self._avoided_words(peer, now) for peer in self.bans.banned(now)}
         view = self.keeper.snapshot()
         policy = self.policy.narrowed(policy)
         if policy.restricts:
-            gaps, why = explain_gaps(view.without(banned | set(exclude)), policy)
+            gaps, why = explain_gaps(view.without(set(banned) | set(exclude)), policy)
             if gaps:
                 return gaps, why
-        return why_no_route(view, start=start, end=end, banned=banned, unreachable=set(exclude) - banned)
+        # the other peers excluded hold this session already (a repair's live neighbours)
+        held = {p: "in this session" for p in exclude if p not in banned}
+        return why_no_route(view, start=start, end=end, banned=banned | held)
+
+    def _avoided_words(self, peer: str, now: float) -> str:
+        """Why `peer` is avoided, for a person: 'refused a session: skipped for 3 s more',
+        'banned (timed-out) for 25 s more'."""
+        left = max(0.0, self.bans.until(peer) - now)
+        failure = self.bans.failure(peer)
+        if failure is Failure.REFUSED:
+            return f"refused a session: skipped for {left:.0f} s more"
+        return f"banned ({failure.value if failure else 'failed'}) for {left:.0f} s more"
 
     async def wait_for_route(self, timeout: float = DEFAULT_ROUTE_WAIT, **plan_args) -> Route:
         """A route, waiting up to `timeout` s for the swarm to cover the layers. Raises NoRoute
         naming the uncovered layers and the peers that are there but not usable, and why.
-        It re-plans whenever the view changes, refreshing the view after each wake (and at
-        least every `refresh_interval`). While it waits, `on_route_wait` (if set) hears what
-        it waits for once a second."""
+        It re-plans whenever the view changes, a ban or skip ends, or a banned peer that
+        dropped or timed out answers a probe (`probe_comebacks`), refreshing the view after
+        each wake (and at least every `refresh_interval`). While it waits, `on_route_wait`
+        (if set) hears what it waits for once a second."""
         began = trio.current_time()
         next_report = began + WAIT_REPORT_INTERVAL
         with trio.move_on_after(timeout):
@@ -334,7 +411,15 @@ class Swarm:
                 chosen = self.plan(**plan_args)
                 if chosen.ok:
                     return chosen
+                if await self.probe_comebacks(**plan_args):
+                    continue  # someone is back: plan again at once
                 wake = self.refresh_interval
+                now = self.clock()
+                ban_ends = self.bans.next_end(now)
+                if ban_ends is not None:
+                    wake = min(wake, ban_ends - now)
+                if self._awaited_comebacks(**plan_args):
+                    wake = min(wake, PROBE_INTERVAL)
                 if self.on_route_wait is not None:
                     now = trio.current_time()
                     if now >= next_report:
@@ -366,7 +451,7 @@ class Swarm:
         sampling: SamplingParams = SamplingParams(),
         route_wait: float = DEFAULT_ROUTE_WAIT,
         speculation: Speculation | None = None,
-        spot_check: CheckPolicy | None = None,
+        spot_check: CheckPolicy | None | Literal["swarm"] = "swarm",
         info: dict | None = None,
         constraint: JsonConstraint | None = None,
         policy: RequesterPolicy | None = None,
@@ -382,7 +467,14 @@ class Swarm:
         the head runs, so the answer is the local constrained one). `prefill_chunk`: the prompt
         flows down the chain in chunks of this many tokens (peer/request/prefill.py); None = chosen
         from the route's measured speeds, 0 = sent whole.
+
+        `spot_check`: how this answer is checked (peer/request/verify.py); "swarm" (the default)
+        means as the requester was told (`Swarm.spot_check`: on at DEFAULT_SPOT_CHECKS' rate
+        unless turned off), None means not at all. A constrained answer is not checked by
+        default: a check's rewind compares unmasked tokens (and asking for both is an error).
         """
+        if spot_check == "swarm":
+            spot_check = self.spot_check if constraint is None else None
         if constraint is not None and (speculation is not None or spot_check is not None):
             # drafts are accepted against unmasked rows, and a spot check's rewind compares them
             raise ValueError("constrained decoding does not combine with speculation or spot checks")

@@ -36,7 +36,9 @@ from tessera.protocol.messages import ErrorMsg, Forward, Result, SealedKey, Sess
 from tessera.protocol.shards import ShardOpen, ShardPeer
 from tessera.stages.shards.layout import HIDDEN, ROUNDS_PER_LAYER
 
+from tessera.peer.base.backoff import Failure
 from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
+from tessera.peer.request.failures import error_failure, reported_failure
 from tessera.peer.request.chain import CLOSE_TIMEOUT, OPEN_TIMEOUT, STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_FLOOR
 from tessera.peer.request.chain_state import RequesterContext, peer_bytes
 from tessera.peer.request.history import HiddenHistory
@@ -63,6 +65,7 @@ class RankState:
     send: LinkCipher  # requester -> rank: input slices
     result: LinkCipher  # rank -> requester: output slices
     failure: str | None = None
+    failed_as: Failure = Failure.DROPPED  # the kind of `failure` (peer/base/backoff.py)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
 
 
@@ -214,11 +217,14 @@ class GroupSession:
                 # a rank that could not reach another rank refuses naming it: blame that one
                 blamed = culprit(str(error), members, members[i])
                 if blamed != members[i]:
-                    raise PeerFailed(blamed, f"unreachable from rank {i}: {error}")
+                    raise PeerFailed(blamed, f"unreachable from rank {i}: {error}", Failure.DROPPED)
+                raise error
+            if isinstance(error, PeerFailed):
                 raise error
             if isinstance(error, PeerError):
-                raise PeerFailed(members[i], str(error))
-            raise PeerFailed(members[i], f"opening the group session: {type(error).__name__}: {error}")
+                raise PeerFailed(members[i], str(error), error_failure(error))
+            raise PeerFailed(members[i], f"opening the group session: {type(error).__name__}: {error}",
+                             error_failure(error))
         self.ranks = opened
         self.ctx.tracer.emit(events.SessionOpen(session=self.session_id,
                                                 group=self.hop.group, span=(self.hop.start, self.hop.end),
@@ -236,7 +242,7 @@ class GroupSession:
             raise SessionRefused(peer, reply.code, reply.message, retry_after=reply.retry_after)
         if not isinstance(reply, SessionAccept) or reply.session_id != self.session_id:
             await channel.reset()
-            raise PeerFailed(peer, f"answered ShardOpen with {type(reply).__name__}")
+            raise PeerFailed(peer, f"answered ShardOpen with {type(reply).__name__}", Failure.BROKE)
         state = RankState(i, peer, channel, send, result)
         self.ctx.nursery.start_soon(self._read, state)
         return state
@@ -257,21 +263,24 @@ class GroupSession:
                         if slot is not None:
                             slot.add(state.rank, part)
                     elif isinstance(msg, ErrorMsg):
-                        self._fail(state, f"{msg.code}: {msg.message}", blame=True)
+                        self._fail(state, f"{msg.code}: {msg.message}", blame=True, failure=reported_failure(msg.code))
                     else:
                         raise WireError(f"unexpected {type(msg).__name__} from rank {state.rank}")
             except (PeerError, WireError) as error:
                 if not self.closed:
-                    self._fail(state, f"{type(error).__name__}: {error}")
+                    self._fail(state, f"{type(error).__name__}: {error}", failure=error_failure(error))
 
-    def _fail(self, state: RankState, reason: str, *, blame: bool = False) -> None:
+    def _fail(self, state: RankState, reason: str, *, blame: bool = False, failure: Failure = Failure.DROPPED) -> None:
         """Mark a rank failed — or the rank its error names — and wake every waiting step."""
         peer = culprit(reason, self.members, state.peer) if blame else state.peer
+        if peer != state.peer:
+            failure = Failure.DROPPED  # the rank named is the one another could not reach
         target = next((s for s in self.ranks if s.peer == peer), state)
         if target.failure is None:
             target.failure = reason
+            target.failed_as = failure
         self.ctx.tracer.emit(events.Error(session=self.session_id, remote=peer, reason=reason[:300]))
-        error = PeerFailed(peer, reason)
+        error = PeerFailed(peer, reason, failure)
         for slot in self.pending.values():
             slot.fail(error)
 
@@ -293,7 +302,7 @@ class GroupSession:
         self.inputs.write(start_pos, hidden)
         failed = next((r for r in self.ranks if r.failure), None)
         if failed is not None:
-            raise PeerFailed(failed.peer, failed.failure or "failed")
+            raise PeerFailed(failed.peer, failed.failure or "failed", failed.failed_as)
         self._next_step += 1
         step = self._next_step
         n = hidden.shape[0]
@@ -311,7 +320,7 @@ class GroupSession:
                 await slot.done.wait()
             if waited.cancelled_caught:
                 late = next(r.peer for r in self.ranks if r.rank not in slot.parts)
-                raise PeerFailed(late, f"group step {step} timed out")
+                raise PeerFailed(late, f"group step {step} timed out", Failure.TIMED_OUT)
             if slot.error is not None:
                 raise slot.error
             output = torch.cat([slot.parts[r] for r in range(self.count)], dim=1)  # the compatibility gather

@@ -22,7 +22,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from tessera.peer.base.backoff import Backoff
+from tessera.peer.base.backoff import Bans, Failure
 from tessera.protocol.attest import MisbehaviourReport
 from tessera.stages.families.spec import ModelSpec
 
@@ -34,14 +34,7 @@ from tessera.peer.request.chain_state import AttestedStep, HopState, RequesterCo
 from tessera.peer.request.history import RouteHistory
 from tessera.peer.request.policy import RequesterPolicy
 
-# A peer that refused (busy, draining) is skipped for this long by this requester.
-REFUSED_BACKOFF = 10.0
-# A peer that failed is banned for this long, doubling with each further failure (peer/base/backoff.py).
-BAN_BASE = 30.0
-BAN_CAP = 3600.0
-
-
-@dataclass
+@dataclass(frozen=True)
 class CheckPolicy:
     """rate: fraction of steps checked; final_check: check the rest when the session ends."""
 
@@ -58,7 +51,7 @@ class SwarmPort(Protocol):
     keeper: ViewKeeper
     peer_id: str
     model_id: str
-    bans: Backoff  # who this requester avoids, and until when on `clock`; kept across answers
+    bans: Bans  # who this requester avoids, why, and until when on `clock`; kept across answers
     policy: RequesterPolicy  # who may compute this requester's answers
     clock: Callable[[], float]  # the clock `bans` runs on
 
@@ -102,6 +95,8 @@ class SegmentRepair(Protocol):
     """What a segment's replacement uses of the repair loop that drives it (`ResilientSession`)."""
 
     swarm: SwarmPort
+
+    def ban(self, peer: str, reason: str, *, failure: Failure, seconds: float | None = None) -> None: ...
 
     async def reroute(self, start: int, end: int, *, source: str | None = None, sink: str | None = None,
                       exclude: Sequence[str] = (), groups: bool = True, why: str = "failed") -> Route: ...
@@ -211,7 +206,7 @@ class RepairPort(Protocol):
 
     def uses(self, peer: str) -> bool: ...
 
-    def ban(self, peer: str, reason: str, *, seconds: float | None = None) -> None: ...
+    def ban(self, peer: str, reason: str, *, failure: Failure, seconds: float | None = None) -> None: ...
 
     async def repair(self, failure: PeerFailed, position: int, *, through_end: bool = False) -> None: ...
 

@@ -7,7 +7,11 @@ refuse (busy, draining). A step that fails — a reset stream (the peer's proces
 died), an error message, or a deadline derived from the route's advertised
 speeds — is repaired by ONE loop (`repair`) and sent again:
 
-1. The failed peer is banned for this requester (30 s, doubling per repeat, across answers).
+1. The failed peer is avoided by this requester as its failure says (peer/base/backoff.py:
+   a peer that dropped or timed out is banned, doubling per repeat across answers, but
+   re-probed and used again if it comes back while the route is awaited; a refusal —
+   busy, draining — is no failure: that peer is skipped for its retry-after, and another
+   tried; a liar is banned for a day).
 2. Each segment is asked for its last run of failed hops (`failed_run`); only that
    span [a, b) is re-routed. In a chain of plain hops (`RouteSession.replace`), over
    one or several replacement peers with any cut points
@@ -25,7 +29,9 @@ speeds — is repaired by ONE loop (`repair`) and sent again:
    the one an undisturbed run gives.
 
 Two failures, adjacent or not, repair region by region; a replacement that
-fails during repair is banned and the region re-routed (tests/request/).
+fails during repair is banned and the region re-routed (tests/request/). All the waiting
+for routes of one open or one repair shares ONE deadline, ROUTE_WAIT (the route wait
+given) from its start: refusals retried elsewhere do not each get a fresh wait.
 
 Revocation (`Swarm.revoke`) is a failure the requester chooses: the peer is
 denied by the requester's policy, told to drop the session (SessionRevoke),
@@ -34,23 +40,30 @@ marked failed, and the next step repairs around it by the steps above.
 
 from __future__ import annotations
 
+import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import trio
 
 from tessera.store import events
 
+from tessera.peer.base.backoff import Failure
 from tessera.peer.base.errors import NoRoute, PeerError, PeerFailed, RouteLost, SessionRefused
+from tessera.peer.request.failures import refusal_failure
 from tessera.peer.request.policy import RequesterPolicy
 from tessera.peer.request.chain_state import StepSlot
 from tessera.peer.request.chain import route_summary
 from tessera.peer.plan.routing import Route
-from tessera.peer.request.ports import REFUSED_BACKOFF, Replacement, RouteRun, Segment, StepChecker, SwarmPort
+from tessera.peer.request.ports import Replacement, RouteRun, Segment, StepChecker, SwarmPort
 from tessera.peer.request.segmented import build_segments, open_segments, run_through, session_for
 
 
+# Routes tried to open a session, and replacements tried in one repair, before giving up; a
+# refusal (busy, draining) does not count: it bans no one, and the route wait bounds those.
 MAX_OPEN_ATTEMPTS = 5
 MAX_REPAIRS_PER_STEP = 6  # a step is given up after this many repairs (each bans a peer)
 
@@ -103,6 +116,8 @@ class ResilientSession:
         # the generation loop can tell whether tokens it already gave out were affected
         self.rebuilt: torch.Tensor | None = None
         self.checker: StepChecker | None = None  # spot checks (peer/request/verify.py), if asked for
+        self.deadline = math.inf  # trio time when the current open's or repair's wait for routes gives up
+        self.avoided: Counter[str] = Counter()  # how often this answer avoided a peer, by Failure value
 
     @property
     def policy(self) -> RequesterPolicy:
@@ -121,39 +136,60 @@ class ResilientSession:
             for segment in list(self.current.segments):
                 await segment.revoke(peer)  # a group's rank is not revoked mid-answer: GroupSession.revoke
 
-    def ban(self, peer: str, reason: str, *, seconds: float | None = None) -> None:
+    def ban(self, peer: str, reason: str, *, failure: Failure, seconds: float | None = None) -> None:
+        """Avoid `peer` as `failure` says (peer/base/backoff.py). A refusal skips it for `seconds`
+        (its retry-after) and is traced as an error, not a ban."""
         if not self.policy.admits(peer):
             return  # revoked or denied: never used again by this answer anyway
-        # the strikes live in the swarm's Backoff, so a peer failing again in a later answer
+        # the advertisement it had when it failed: a newer one is what proves a comeback
+        info = self.swarm.keeper.snapshot().get(peer)
+        # the strikes live in the swarm's Bans, so a peer failing again in a later answer
         # is banned for twice as long, not for BAN_BASE again
-        duration = self.swarm.bans.register_failure(peer, self.swarm.clock(), seconds=seconds)
-        self.swarm.ctx.tracer.emit(events.Ban(remote=peer, reason=reason[:200], seconds=duration))
-
-    def ban_for(self, error: SessionRefused | PeerFailed) -> None:
-        """Ban the peer an open or a repair failed on: a refusal (busy, full) briefly, a failure with back-off."""
-        if isinstance(error, SessionRefused):
-            self.ban(error.peer, f"refused: {error.code}", seconds=REFUSED_BACKOFF)
+        duration = self.swarm.bans.register(peer, self.swarm.clock(), failure, seconds=seconds,
+                                            mark=info.issued_at if info is not None else 0.0)
+        self.avoided[failure.value] += 1
+        if failure is Failure.REFUSED:
+            self.swarm.ctx.tracer.emit(events.Error(remote=peer, reason=f"{reason[:180]} (skipped {duration:g} s)"))
         else:
-            self.ban(error.peer, error.reason)
+            self.swarm.ctx.tracer.emit(events.Ban(remote=peer, reason=reason[:200], seconds=duration,
+                                                  failure=failure.value))
+
+    def ban_for(self, error: SessionRefused | PeerFailed) -> Failure:
+        """Avoid the peer an open or a repair failed on, as its failure says; returns the kind."""
+        if isinstance(error, SessionRefused):
+            failure = refusal_failure(error.code)
+            self.ban(error.peer, f"refused: {error.code}", failure=failure, seconds=error.retry_after)
+        else:
+            failure = error.failure
+            self.ban(error.peer, error.reason, failure=failure)
+        return failure
+
+    def remaining(self) -> float:
+        """Seconds left to wait for routes in the current open or repair (ROUTE_WAIT in all)."""
+        return max(0.0, self.deadline - trio.current_time())
 
     # -- opening ----------------------------------------------------------------------
 
     async def open(self) -> None:
+        """Open a session on a route, waiting up to the route wait for one; peers that refuse
+        are skipped and others tried. Raises NoRoute."""
         last_error: Exception | None = None
-        for _ in range(MAX_OPEN_ATTEMPTS):
-            chosen = await self.swarm.wait_for_route(self.route_wait, policy=self.policy)
+        failures = 0
+        self.deadline = trio.current_time() + self.route_wait
+        while failures < MAX_OPEN_ATTEMPTS:
+            chosen = await self.swarm.wait_for_route(self.remaining(), policy=self.policy)
             # a route with tensor-shard group hops runs in segments (peer/request/segmented.py)
             session = session_for(self.swarm.ctx, chosen, max_length=self.max_length)
             try:
                 await session.open()
             except (SessionRefused, PeerFailed) as error:
-                self.ban_for(error)
+                failures += self.ban_for(error) is not Failure.REFUSED
                 last_error = error
                 continue
             self.current = session
             self.routes.append(chosen)
             return
-        raise NoRoute(f"could not open a session after {MAX_OPEN_ATTEMPTS} routes: {last_error}")
+        raise NoRoute(f"could not open a session after {MAX_OPEN_ATTEMPTS} failed routes: {last_error}")
 
     # -- stepping ---------------------------------------------------------------------
 
@@ -231,19 +267,21 @@ class ResilientSession:
         session = self.current
         assert session is not None
         started = time.perf_counter()
-        self.ban(failure.peer, failure.reason)
+        self.deadline = trio.current_time() + self.route_wait
+        self.ban(failure.peer, failure.reason, failure=failure.failure)
         replaced: list[str] = []
         last: PeerError = failure
         attempts = 0
         while (found := self.failed_segment()) is not None:
             segment, i, j = found
-            attempts += 1
-            if attempts > MAX_REPAIRS_PER_STEP:
-                raise PeerFailed(getattr(last, "peer", failure.peer), f"could not repair the route: {last}")
+            if attempts >= MAX_REPAIRS_PER_STEP:
+                raise PeerFailed(getattr(last, "peer", failure.peer), f"could not repair the route: {last}",
+                                 getattr(last, "failure", failure.failure))
             blamed = await segment.inputs_ready(i, position)
             if blamed is not None:
-                self.ban(blamed.peer, blamed.reason)
+                self.ban(blamed.peer, blamed.reason, failure=blamed.failure)
                 last = blamed
+                attempts += 1
                 continue
             try:
                 replacement = await segment.replace(i, j, position, self, through_end=through_end)
@@ -251,7 +289,7 @@ class ResilientSession:
                 if through_end and replacement.replayed is not None:
                     self.rebuilt = await session.replay_after(replacement.segments, replacement.replayed)
             except (SessionRefused, PeerFailed) as error:
-                self.ban_for(error)
+                attempts += self.ban_for(error) is not Failure.REFUSED
                 last = error
                 continue
             replaced += replacement.peers
@@ -272,14 +310,14 @@ class ResilientSession:
         """A route for the lost span [start, end). Raises RouteLost (naming `why`) when none came in time."""
         try:
             return await self.swarm.wait_for_route(
-                self.route_wait, start=start, end=end, source=source, sink=sink, exclude=exclude, groups=groups,
+                self.remaining(), start=start, end=end, source=source, sink=sink, exclude=exclude, groups=groups,
                 policy=self.policy,
             )
         except NoRoute as lost:
             # mid-way, not at the start: the request failed in the swarm (HTTP 502), naming what is gone
             raise RouteLost(
                 f"lost layers [{start}, {end}) mid-way ({why}) and no other peer took them within "
-                f"{self.route_wait:g} s", lost.missing or [(start, end)],
+                f"{self.route_wait:g} s: {lost}", lost.missing or [(start, end)],
             ) from None
 
     async def replace_span(self, start: int, end: int, inputs: torch.Tensor, position: int, *,

@@ -69,6 +69,9 @@ class ReportBook:
             self.rejected += 1
             return None
         self.reports[key] = (report, body)
+        log.warning("misbehaviour report accepted: peer %s returned wrong activations for layers [%d, %d) "
+                    "(reported by %s); avoiding it", peer_id_text(body.accused.peer_id), body.start, body.end,
+                    peer_id_text(body.reporter))
         if self.store is not None:
             self._record(report, body)
         if self.on_accept is not None:

@@ -31,6 +31,7 @@ import torch
 import trio
 
 from tessera.store import events
+from tessera.peer.base.backoff import Failure
 from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
 from tessera.peer.request.chain import STEP_TIMEOUT_FLOOR, RouteSession
 from tessera.peer.request.chain_state import RequesterContext, StepSlot
@@ -148,7 +149,7 @@ class SegmentedSession:
                 await slot.done.wait()
             if waited.cancelled_caught:
                 at = self._at or self.segments[0]
-                raise PeerFailed(at.peers[0], f"step {step} timed out in the segment {at.span}")
+                raise PeerFailed(at.peers[0], f"step {step} timed out in the segment {at.span}", Failure.TIMED_OUT)
             if slot.error is not None:
                 raise slot.error
             assert slot.value is not None

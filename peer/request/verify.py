@@ -23,6 +23,7 @@ recorded in `unchecked` (and the summary), so a caller can tell what went unchec
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -37,18 +38,31 @@ from tessera.protocol.fingerprint import (
 from tessera.protocol.messages import REPLY_FINGERPRINT, REPLY_FULL
 from tessera.protocol.tensors import decode_tensor, encode_tensor
 
+from tessera.peer.base.backoff import GUILTY_BAN, Failure
 from tessera.peer.base.ids import peer_id_bytes
 from tessera.peer.base.errors import PeerError, PeerFailed
 from tessera.peer.request.chain_state import AttestedStep, HopState
 from tessera.peer.request.chain import RouteSession
 from tessera.peer.request.ports import CheckPolicy, Checkable, RepairPort, SwarmPort
 from tessera.peer.plan.routing import route
-from tessera.peer.plan.view import SwarmView
+from tessera.peer.plan.view import PeerInfo, SwarmView
+
+# Every swarm answer is spot-checked unless its requester turns checks off (`tessera generate
+# --spot-check 0`): at each step, with probability 1/20, one hop of the route is recomputed by
+# another peer holding its span. The checker's shadow session catches up every position since
+# its previous check in one prefill-shaped step, so a check covers all the steps before it: a
+# hop of a 3-hop route is checked at least once in a 128-token answer with probability
+# 1 - (1 - 0.05 / 3) ** 128 = 88%, and a peer that lies on every step is caught within an
+# answer or two — and then avoided by everyone its report reaches. The cost: about one
+# prefill-shaped pass of the answer on a checker per hop checked (cheap beside decoding, which
+# pays a round trip per token), and one session slot there while the answer runs. No closing
+# check by default: it would recompute every unchecked position of every hop, a second full pass.
+DEFAULT_SPOT_CHECKS = CheckPolicy(rate=0.05, final_check=False)
+log = logging.getLogger(__name__)
 
 PRECISION = {"float32": 3, "float16": 2, "bfloat16": 1}  # higher = more exact
 # Why a span of the route went unchecked (`SpotChecker.unchecked`); see GroupSession.checkable.
 GROUP_UNCHECKED = "a tensor-shard group: no one rank can be blamed for its output, and its ranks do not attest"
-GUILTY_BAN = 24 * 3600.0  # seconds a peer proven wrong is avoided by this requester
 CHECK_WAIT = 5.0  # seconds to wait for the taps a check compares against
 
 
@@ -127,26 +141,40 @@ class SpotChecker:
         info = self.swarm.keeper.snapshot().get(peer)
         return info.dtype if info else "float32"
 
-    async def shadow_for(self, start: int, end: int, suspect: str, *, exclude: set[str] = frozenset()) -> Shadow | None:
-        """A checker session over [start, end): a route avoiding the suspect, at its precision or better."""
+    def candidates(self, view: SwarmView, start: int, end: int, suspect: str, *,
+                   exclude: set[str] = frozenset()) -> list[PeerInfo]:
+        """Peers that could check `suspect` over [start, end): each holds the whole span (its
+        attestation then covers exactly the suspect's), at the suspect's precision or better."""
         want = PRECISION.get(self.view_dtype(suspect), 1)
-        suspect_info = self.swarm.keeper.snapshot().get(suspect)
+        suspect_info = view.get(suspect)
         # a quantized span is checked only by peers holding the same integers (same model id):
         # a float checker's honest difference from it is the quantization error, not roundoff
         model = suspect_info.model_id if suspect_info else self.swarm.model_id
-        for key, shadow in self.shadows.items():
-            if key[:2] == (start, end) and shadow.checker not in exclude | {suspect}:
-                return shadow
-        # one peer holding the whole span: its attestation then covers exactly the suspect's span
-        view = self.swarm.view()
         banned = set(self.swarm.bans.banned(self.swarm.clock()))
-        candidates = [
+        return [
             p for p in view.peers
             if p.routable and p.shard_count == 1 and p.start <= start and end <= p.end
             and p.peer_id not in {suspect, *exclude, *banned} and PRECISION.get(p.dtype, 1) >= want
             and self.resilient.policy.admits(p.peer_id)  # a checker sees the activations too
             and p.model_id == model
         ]
+
+    def checkable_now(self, hop: HopState) -> bool:
+        """Whether a check of `hop` could run now: a shadow over its span, or a peer to open one on
+        (no wait for taps, no session opened, where no other peer serves the span: checks are on
+        by default, and most spans of a small swarm have no second peer)."""
+        start, end = hop.hop.start, hop.hop.end
+        if any(key[:2] == (start, end) and shadow.checker != hop.peer for key, shadow in self.shadows.items()):
+            return True
+        return bool(self.candidates(self.swarm.view(), start, end, hop.peer))
+
+    async def shadow_for(self, start: int, end: int, suspect: str, *, exclude: set[str] = frozenset()) -> Shadow | None:
+        """A checker session over [start, end): a route avoiding the suspect, at its precision or better."""
+        for key, shadow in self.shadows.items():
+            if key[:2] == (start, end) and shadow.checker not in exclude | {suspect}:
+                return shadow
+        view = self.swarm.view()
+        candidates = self.candidates(view, start, end, suspect, exclude=exclude)
         if not candidates:
             return None
         me = view.get(self.swarm.peer_id)
@@ -178,6 +206,8 @@ class SpotChecker:
         """Compare `hop`'s outputs up to `end_pos` with a checker's; False if it could not be checked.
         `session`: the chain of plain hops `hop` belongs to (its history holds both ends)."""
         start, end = hop.hop.start, hop.hop.end
+        if not self.checkable_now(hop):
+            return False  # no independent peer serves this span now
         if not (await session.wait_known(start, end_pos) and await session.wait_known(end, end_pos)):
             return False  # the taps to compare with never came; the failover machinery deals with that peer
         shadow = await self.shadow_for(start, end, hop.peer)
@@ -243,6 +273,13 @@ class SpotChecker:
                     tie.checker: (tie_rows, self.attested(tie, tie_step)),
                 })
         self.verdicts.append(verdict)
+        if verdict.guilty is not None:
+            # what an operator looks for first: who, which layers, by how much
+            log.warning("spot check: peer %s returned wrong activations for layers [%d, %d) at positions [%d, %d) "
+                        "(route peer %s and checker %s differ by up to %.3g, tolerance %.3g; tie-breaker %s sides "
+                        "against it): banned for %.0f h and reported", verdict.guilty, start, end, rows.start,
+                        rows.stop, step.peer, shadow.checker, detail["accused_vs_checker"], tol,
+                        detail.get("tie_breaker"), GUILTY_BAN / 3600)
         self.swarm.ctx.tracer.emit(events.Misbehaviour(session=session.session_id, remote=verdict.guilty, **verdict.detail))
 
     def attested(self, shadow: Shadow, step: int) -> AttestedStep | None:
@@ -251,13 +288,13 @@ class SpotChecker:
 
     async def convict(self, session: Checkable, guilty: str, step: AttestedStep, inputs: torch.Tensor,
                       parties: dict[str, tuple[torch.Tensor, AttestedStep | None]]) -> None:
-        self.resilient.ban(guilty, "returned wrong activations", seconds=GUILTY_BAN)
+        self.resilient.ban(guilty, "returned wrong activations", failure=Failure.LIED)
         report = self.build_report(guilty, step, inputs, parties)
         if report is not None:
             await self.swarm.publish_report(report)
         if self.resilient.uses(guilty):
-            await self.resilient.repair(PeerFailed(guilty, "returned wrong activations"), self.resilient.confirmed,
-                                        through_end=True)
+            await self.resilient.repair(PeerFailed(guilty, "returned wrong activations", Failure.LIED),
+                                        self.resilient.confirmed, through_end=True)
 
     def build_report(self, guilty: str, step: AttestedStep, inputs: torch.Tensor,
                      parties: dict[str, tuple[torch.Tensor, AttestedStep | None]]) -> MisbehaviourReport | None:
@@ -333,4 +370,4 @@ def judge_report(body: ReportBody) -> bool:
     return all(differ(body.accused, w) for w in body.witnesses) and not differ(w1, w2)
 
 
-__all__ = ["CheckPolicy", "SpotChecker", "judge_report", "Verdict"]
+__all__ = ["CheckPolicy", "DEFAULT_SPOT_CHECKS", "SpotChecker", "judge_report", "Verdict"]

@@ -41,7 +41,7 @@ from tessera.store import events
 
 from tessera.peer.base.errors import PeerError, StreamClosed
 from tessera.peer.base.ids import peer_id_bytes
-from tessera.peer.net.gossip import peer_id_str
+from tessera.peer.net.verified import peer_id_str
 from tessera.peer.serve.session import DeferredTap, ServedSession, compute_batch
 from tessera.protocol.error_codes import (
     BAD_FRAME, BAD_REQUEST, BAD_SPAN, BUSY, COMPUTE_FAILED, DRAINING, NEXT_HOP_FAILED, RECLAIMED, TOO_LONG,

@@ -39,7 +39,7 @@ from tessera.stages.errors import SpanError
 from tessera.stages.shards.sharded import ShardedStage
 
 from tessera.peer.base.errors import PeerError
-from tessera.peer.net.gossip import peer_id_str
+from tessera.peer.net.verified import peer_id_str
 from tessera.peer.serve.session import ComputeContext, ServedSession
 from tessera.protocol.error_codes import BAD_REQUEST, BAD_SPAN
 from tessera.peer.serve.admission import Refused

@@ -8,7 +8,9 @@
 - policies.py: swappable placement policies (default, random, petals, recorded);
 - scenario.py: who joins, leaves and asks what, when (`synthetic`); replay.py reads one from traces;
 - peer.py / requester.py: a simulated peer and requester: the real PeerNode and Swarm on simulated parts;
-- world.py: what they share (network, view, timings); engine.py runs it; report.py writes the result.
+- world.py: what they share (network, view, timings); engine.py runs it; report.py writes the result;
+- convergence.py: random event sequences over peers running the real gossip, and how soon their views agree;
+- scale.py: membership at up to 10,000 peers (connections, gossip bytes per peer, convergence after a burst).
 """
 
 from typing import Any

@@ -40,6 +40,7 @@ from typing import Sequence
 
 import trio
 
+from tessera.peer.net.gossip import bound_seconds as gossip_bound
 from tessera.peer.net.memory_stream import LinkSpec
 from tessera.peer.net.memory import MemoryNetwork
 from tessera.peer.sim.schedule import run_deterministic
@@ -53,24 +54,24 @@ from tessera.peer.sim.world import Timings, World, assign_identities
 EVENT_KINDS = ("join", "leave", "crash", "vanish", "move", "memory", "partition", "heal")
 POLL = 0.05  # seconds of simulated time between observations (a fortieth of a 2 s period)
 LATENCY = 0.01  # one way, seconds: a continent's worth of loopback
-# Short periods, in a real peer's proportions (peer/node/config.py: TTL 15 s, advertise 3 s,
-# gossip 2 s): the same code paths in fewer simulated seconds. No spontaneous rebalancing:
-# every move is an event, so "the last change" is known.
-CONVERGENCE_TIMINGS = Timings(record_ttl=7.5, advertise_interval=1.5, gossip_interval=1.0, ping_interval=2.5,
+# Short periods (a real peer gossips every 2 s and checks its record every 3 s): the same code
+# paths in fewer simulated seconds. Records live 30 s, renewed at half: long enough that a
+# renewal reaches everyone before the record it replaces expires (B(64) is 17 periods here),
+# short enough that a partition outlasts it in a test. No spontaneous rebalancing: every move
+# is an event, so "the last change" is known.
+CONVERGENCE_TIMINGS = Timings(record_ttl=30.0, advertise_interval=1.5, gossip_interval=1.0, ping_interval=2.5,
                               rebalance_interval=1e9, leave_grace=1.0, move_grace=1.0, load_seconds_per_layer=0.02)
 NUM_LAYERS = 30
-# The bound (peer/net/gossip.py), in gossip periods: 2 periods + 2 exchanges after the last
-# change. An exchange here: a dial (3 RTTs) + opening a stream (1) + digest / records / pull /
-# records (2); and the observer looks every POLL seconds.
-EXCHANGE_S = 6 * 2 * LATENCY
 
 
-def bound_seconds(timings: Timings) -> float:
-    """How long after the last change the views must agree, and from when on they must stay agreed."""
-    return 2 * timings.gossip_interval + 2 * EXCHANGE_S + POLL
+def bound_seconds(n: int, timings: Timings) -> float:
+    """How long after the last change `n` peers' views must agree, and from when on they must
+    stay agreed: B(N) of peer/net/gossip.py, and the observer's poll."""
+    return gossip_bound(n, timings.gossip_interval, timings.ping_interval) + POLL
 
 
-BOUND_PERIODS = bound_seconds(CONVERGENCE_TIMINGS) / CONVERGENCE_TIMINGS.gossip_interval
+def bound_periods(n: int, timings: Timings = CONVERGENCE_TIMINGS) -> float:
+    return bound_seconds(n, timings) / timings.gossip_interval
 
 
 @dataclass(frozen=True)
@@ -206,11 +207,27 @@ class _Run:
         return out
 
     def held(self, peer: SimPeer) -> frozenset:
-        return frozenset(content(k.info) for k in peer.keeper.live().values())
+        peer.keeper.prune()  # what expired by now (as the peer's next tick would)
+        root = peer.keeper.root
+        if root is None:
+            return frozenset()
+        held = root.memo.get("content")  # the same set of entries is the same node: computed once
+        if held is None:
+            held = root.memo["content"] = frozenset(content(k.info) for k in peer.keeper.live().values())
+        return held
+
+    def knows(self, peer: SimPeer) -> frozenset:
+        """The peers whose address `peer` has: its view, its join addresses, its graveyard."""
+        root = peer.keeper.root
+        ids = root.memo.get("ids") if root is not None else frozenset()
+        if ids is None:
+            ids = root.memo["ids"] = frozenset(peer.keeper.known)
+        return ids | peer.keeper.seeds.keys() | peer.keeper.graves.keys()
 
     def groups_in_touch(self) -> list[list[SimPeer]]:
         live = self.live()
         parent = {p.label: p.label for p in live}
+        knows = {p.label: self.knows(p) for p in live}
 
         def find(x: str) -> str:
             while parent[x] != x:
@@ -221,8 +238,7 @@ class _Run:
         for a in live:
             for b in live:
                 if a.label < b.label and self.group.get(a.label) == self.group.get(b.label) and (
-                        b.peer_id in a.keeper.book or a.peer_id in b.keeper.book or b.peer_id in a.keeper.known
-                        or a.peer_id in b.keeper.known):
+                        b.peer_id in knows[a.label] or a.peer_id in knows[b.label]):
                     parent[find(a.label)] = find(b.label)
         out: dict[str, list[SimPeer]] = {}
         for p in live:
@@ -251,7 +267,7 @@ class _Run:
                 if self.outcome.converged_at is None:
                     self.outcome.converged_at = now
             elif self.outcome.converged_at is not None:
-                if now > self.outcome.last_change + bound_seconds(self.timings):
+                if now > self.outcome.last_change + bound_seconds(len(self.world.peers), self.timings):
                     self.outcome.agreed_throughout = False  # agreed past the bound, then split with nothing changed
                 self.outcome.converged_at = None
             await trio.sleep(POLL)
@@ -303,4 +319,4 @@ def run_sequence(initial: int, events: Sequence[Event], *, seed: int = 0,
     return run_deterministic(run.main, seed=seed)
 
 
-__all__ = ["BOUND_PERIODS", "CONVERGENCE_TIMINGS", "EVENT_KINDS", "Event", "Outcome", "run_sequence"]
+__all__ = ["bound_periods", "bound_seconds", "CONVERGENCE_TIMINGS", "EVENT_KINDS", "Event", "Outcome", "run_sequence"]

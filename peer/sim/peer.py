@@ -64,8 +64,9 @@ class SimPacing(Pacing):
 class SimPeer(NodeWatch):
     """One simulated peer (see the module docstring): a `PeerNode`, and the world watching it."""
 
-    def __init__(self, world: World, plan: PeerPlan, identity: Identity) -> None:
+    def __init__(self, world: World, plan: PeerPlan, identity: Identity, *, joins: bool = True) -> None:
         self.world = world
+        self.joins = joins  # with gossip: joins through the earliest live peers (False: starts alone)
         self.plan = plan
         self.label = plan.label
         self.peer_id = peer_id_text(identity.peer_id)
@@ -106,7 +107,7 @@ class SimPeer(NodeWatch):
         return self.alive and self.node.state == SERVING
 
     async def run(self) -> None:
-        if self.world.view_mode == "gossip":  # a newcomer joins through the earliest-joined live peers
+        if self.world.view_mode == "gossip" and self.joins:  # a newcomer joins through the earliest-joined live peers
             self.node.config.join = self.world.bootstrap_addrs(exclude=self.peer_id)
         with self.scope:
             await self.node.run()

@@ -4,7 +4,10 @@ The report (JSON) holds:
 
 - ``scenario``, ``settings``: what was run (policy, seed, timings, view mode, link model);
 - ``summary``: requests completed/failed, latency and time-to-first-token percentiles,
-  failovers, bans, placement moves, coverage (time with every layer served, gaps);
+  failovers, bans, placement moves, coverage (time with every layer served, gaps); each
+  failed request's class (``failure_classes``: `classify_failure`), and why requesters
+  avoided peers (``avoided``: bans by failure kind, and refusals, which are not bans:
+  peer/base/backoff.py);
 - ``requests``: per request — arrival, when its route opened, first token, end,
   latency, failovers, the routes it used (and, in a replay, the route taken live);
 - ``coverage``: the swarm's ground truth as a step function — at every change of a
@@ -23,8 +26,9 @@ import json
 import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
+from tessera.peer.base.errors import NoRoute, PeerFailed, RouteLost
 from tessera.peer.plan.view import SERVING
 
 ROUND_DIGITS = 6
@@ -50,6 +54,8 @@ class RequestOutcome:
     failovers: int = 0
     routes: list = field(default_factory=list)
     error: str | None = None
+    failure: str | None = None  # the failure's class (classify_failure), when it failed
+    avoided: dict[str, int] = field(default_factory=dict)  # peers avoided by this request, by Failure value
 
     def token_at(self, now: float) -> None:
         if self.tokens == 0:
@@ -69,7 +75,8 @@ class RequestOutcome:
             "latency": (self.done - self.arrival) if self.completed else None,
             "ttft": (self.first_token - self.arrival) if self.first_token is not None else None,
             "failovers": self.failovers, "routes": [[list(h) for h in r] for r in self.routes],
-            "completed": self.completed, "error": self.error,
+            "completed": self.completed, "error": self.error, "failure": self.failure,
+            "avoided": dict(sorted(self.avoided.items())),
         }
         if self.recorded_route is not None:
             out["recorded_route"] = [list(h) for h in self.recorded_route]
@@ -159,8 +166,14 @@ class Recorder:
     def request_finished(self, outcome: RequestOutcome) -> None:
         if outcome.error is None and not outcome.completed:
             outcome.error = "cut off: the simulation ended first"
+            outcome.failure = CUT_OFF
         if outcome.error is not None:
             self._failed_at[outcome.id] = self.clock()
+
+    def uncovered(self, ranges: Iterable[tuple[int, int]]) -> list[int]:
+        """The layers of `ranges` that no live peer serves now (the ground truth, not a view)."""
+        return [layer for a, b in ranges for layer in range(max(a, 0), min(b, self.num_layers))
+                if self._counts[layer] == 0]
 
     # -- the report ---------------------------------------------------------------------------
 
@@ -179,6 +192,8 @@ class Recorder:
             "ttft_s": _stats(r["ttft"] for r in requests if r["ttft"] is not None),
             "failovers": sum(r["failovers"] for r in requests),
             "requests_with_failover": sum(1 for r in requests if r["failovers"]),
+            "failure_classes": _count(r["failure"] or "unclassified" for r in requests if r["error"]),
+            "avoided": _sum_counts(r["avoided"] for r in requests),
             "moves": len(self.moves),
             "events": dict(sorted(self.event_counts.items())),
             "coverage": self._coverage_summary(end),
@@ -245,6 +260,14 @@ class Recorder:
         }
 
 
+def _sum_counts(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for count in counts:
+        for key, n in count.items():
+            out[key] = out.get(key, 0) + n
+    return dict(sorted(out.items()))
+
+
 def _count(items: Iterable[str]) -> dict[str, int]:
     out: dict[str, int] = {}
     for item in items:
@@ -304,14 +327,48 @@ def format_summary(report: dict[str, Any]) -> str:
         f"first token s: p50 {q(ttft, 'p50')}  p90 {q(ttft, 'p90')}",
         f"failovers: {s['failovers']} (in {s['requests_with_failover']} requests); "
         f"placement moves: {s['moves']}; bans: {s['events'].get('ban', 0)}",
+        _avoided_line(s.get("avoided", {})),
         f"coverage: every layer served {cov['covered_fraction'] * 100:.1f}% of the time since "
         f"t={_num(cov['first_covered'])} s; {len(cov['gaps'])} gaps, longest {_num(cov['longest_gap_s'])} s; "
         f"mean bottleneck {cov['mean_bottleneck']:.1f} tokens/s",
         f"simulated: {s['simulated_seconds']:.1f} s",
     ]
+    if s.get("failure_classes"):
+        lines.insert(1, "failed requests by class: " + ", ".join(f"{k} {v}" for k, v in s["failure_classes"].items()))
     if "route_matches" in s:
         lines.append(f"routes as recorded: {s['route_matches']}/{s['routes_compared']}")
     return "\n".join(lines)
 
 
-__all__ = ["Recorder", "RequestOutcome", "dumps", "canonical", "format_summary", "REPORT_VERSION"]
+def _avoided_line(avoided: dict[str, int]) -> str:
+    """'bans by failure: timed-out 237, dropped 21; refusals (busy, draining: skipped, not banned): 1648'"""
+    bans = {k: v for k, v in avoided.items() if k != "refused"}
+    text = ", ".join(f"{k} {v}" for k, v in sorted(bans.items(), key=lambda kv: (-kv[1], kv[0]))) or "none"
+    return f"bans by failure: {text}; refusals (skipped, not banned): {avoided.get('refused', 0)}"
+
+
+# The classes of a failed request (`classify_failure`), for the report.
+GAP = "gap"  # no route: no live peer served some layer it needed (a real hole in the swarm)
+NO_REPLACEMENT = "no replacement"  # a peer of its route failed and no usable one took its layers in time
+NO_USABLE_PEER = "no usable peer"  # could not open: the layers were served, by peers it could not use
+TIMEOUT = "timeout"  # still running at the scenario's request timeout
+CUT_OFF = "cut off"  # the simulation ended first
+FAILURE_CLASSES = (GAP, NO_REPLACEMENT, NO_USABLE_PEER, TIMEOUT, CUT_OFF)
+
+
+def classify_failure(error: BaseException, uncovered: Callable[[Iterable[tuple[int, int]]], list[int]]) -> str:
+    """Why a request failed, judged against the swarm's ground truth when it gave up: a gap when
+    some layer it lacked had no live peer at all (`uncovered`: the recorder's), else a failed
+    peer with no replacement (mid-answer) or no usable peer (at the start) — layers that were
+    served, by peers the requester could not use (banned, busy, unreachable)."""
+    if isinstance(error, NoRoute) and uncovered(error.missing or [(0, 10**9)]):
+        return GAP
+    if isinstance(error, (RouteLost, PeerFailed)):
+        return NO_REPLACEMENT
+    if isinstance(error, NoRoute):
+        return NO_USABLE_PEER
+    return NO_REPLACEMENT
+
+
+__all__ = ["Recorder", "RequestOutcome", "dumps", "canonical", "format_summary", "REPORT_VERSION",
+           "classify_failure", "FAILURE_CLASSES"]

@@ -23,6 +23,7 @@ from tessera.peer.base.errors import PeerError
 from tessera.peer.net.memory import MemoryTransport
 from tessera.peer.request.client import RequesterModel, Swarm
 from tessera.peer.request.repair import ResilientSession
+from tessera.peer.sim.report import TIMEOUT, classify_failure
 from tessera.peer.sim.scenario import RequestPlan
 from tessera.peer.sim.world import World
 
@@ -74,10 +75,13 @@ class SimRequester:
                     outcome.token_at(trio.current_time())
         except PeerError as error:
             outcome.error = world.in_labels(f"{type(error).__name__}: {error}")
+            outcome.failure = classify_failure(error, world.recorder.uncovered)
         except trio.TooSlowError:
             outcome.error = f"timeout: still running after {world.timings.request_timeout:g} s"
+            outcome.failure = TIMEOUT
         finally:
             outcome.failovers = session.failovers
+            outcome.avoided = dict(session.avoided)
             outcome.routes = [[(world.label(h.peer_id), h.start, h.end) for h in r.hops] for r in session.routes]
             with trio.CancelScope(shield=True):
                 await session.close()

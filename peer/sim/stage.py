@@ -160,6 +160,7 @@ class SimCompute:
     dtype_name = "float32"
     device_type = "cpu"
     device_name = "simulated"
+    last_check = None  # no weights, nothing checked
 
     def __init__(self, spec: ModelSpec, model_id: str, throughput: float, *, load_seconds_per_layer: float,
                  first_load_seconds: float | None = None, compute_throughput: float | None = None) -> None:

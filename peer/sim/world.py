@@ -32,8 +32,8 @@ from tessera.store.events import TraceEvent
 from tessera.peer.base.ids import peer_id_text
 from tessera.peer.request.client import DEFAULT_ROUTE_WAIT, REFRESH_INTERVAL
 from tessera.peer.net.gossip import GOSSIP_INTERVAL, ViewKeeper
-from tessera.peer.node.config import ADVERTISE_INTERVAL, LEAVE_GRACE, MOVE_GRACE, PING_INTERVAL, REBALANCE_INTERVAL, RECORD_TTL
-from tessera.peer.plan.view import PeerInfo, SwarmView
+from tessera.peer.node.config import ADVERTISE_INTERVAL, LEAVE_GRACE, MOVE_GRACE, PING_INTERVAL, REBALANCE_INTERVAL
+from tessera.peer.plan.view import SwarmView
 from tessera.peer.sim.policies import VIEW_MODES
 
 # Unix time that simulated time 0 is written as, in a simulation's own trace
@@ -45,7 +45,10 @@ SIM_EPOCH = 1735689600.0
 class Timings:
     """The periods and grace times simulated peers use. Defaults: a real peer's (peer/node/peer_node.py)."""
 
-    record_ttl: float = RECORD_TTL
+    # A shared view (no gossip) has nobody to report a dead peer gone: its record goes when it
+    # expires, so records live a minute (renewed at half) rather than a real peer's day.
+    # Gossip runs (view="gossip") remove them by departure reports, as real peers do.
+    record_ttl: float = 60.0
     advertise_interval: float = ADVERTISE_INTERVAL
     ping_interval: float = PING_INTERVAL
     rebalance_interval: float = REBALANCE_INTERVAL
@@ -77,24 +80,6 @@ def large_swarm_timings() -> Timings:
                    requester_refresh=30.0, view_round=8.0)
 
 
-class IndexedSwarmView(SwarmView):
-    """A `SwarmView` whose `get` is a dict lookup instead of a scan.
-
-    The same view, answering the same; only faster where it matters: every step of every
-    route session prices its hops with `view.get` (route_session.step_timeout), and a
-    thousand-peer scan per hop per step is most of a big simulation's time otherwise.
-    """
-
-    def get(self, peer_id: str) -> PeerInfo | None:
-        index = self.__dict__.get("_index")
-        if index is None:
-            index = {}
-            for p in self.peers:
-                index.setdefault(p.peer_id, p)  # the first, as SwarmView.get finds it
-            object.__setattr__(self, "_index", index)
-        return index.get(peer_id)
-
-
 class SharedViewKeeper(ViewKeeper):
     """One `ViewKeeper` for every simulated node (see the module docstring).
 
@@ -107,33 +92,21 @@ class SharedViewKeeper(ViewKeeper):
         super().__init__(model_id=model_id, num_layers=num_layers, clock=trio.current_time)
         self.round_seconds = round_seconds
         self._snap: SwarmView | None = None
+        self._snap_root: object = None
         self._snap_round = -1
         self._snap_valid_until = -math.inf
-        self._dirty = True
-
-    def merge(self, records) -> list[str]:  # type: ignore[override]
-        updated = super().merge(records)
-        if updated:
-            self._dirty = True
-        return updated
-
-    def forget(self, peer_id: str) -> None:
-        super().forget(peer_id)
-        self._dirty = True
 
     def snapshot(self) -> SwarmView:
         now = self.clock()
         this_round = int(now // self.round_seconds)
         snap = self._snap
-        if snap is not None and now < self._snap_valid_until and (not self._dirty or this_round == self._snap_round):
+        if snap is not None and now < self._snap_valid_until and (
+                self.root is self._snap_root or this_round == self._snap_round):
             return snap
-        for pid in [p for p, k in self.known.items() if k.record.expires_at <= now]:
-            del self.known[pid]  # expired for good: a newer record of it would have a higher seq anyway
-        live = list(self.known.values())
-        self._snap = IndexedSwarmView(self.num_layers, tuple(sorted((k.info for k in live), key=lambda p: p.peer_id)))
-        self._snap_valid_until = min((k.record.expires_at for k in live), default=math.inf)
+        self._snap = super().snapshot()  # prunes what expired
+        self._snap_root = self.root
+        self._snap_valid_until = self.root.ends if self.root is not None else math.inf
         self._snap_round = this_round
-        self._dirty = False
         return self._snap
 
 

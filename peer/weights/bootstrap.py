@@ -34,6 +34,7 @@ from tessera.peer.net.transport import Transport
 from tessera.peer.weights.errors import WeightsUnavailable
 from tessera.peer.weights.fetcher import Fetcher, FetchProgress, learn_manifest
 from tessera.peer.weights.source import WeightSource, serve_weights
+from tessera.peer.weights.verify import WeightCheck
 
 
 async def bootstrap_model(transport: Transport, peers: list[str], model: str, root: Path, *,
@@ -58,12 +59,14 @@ def is_partial(folder: Path) -> bool:
 
 async def ensure_span(transport: Transport, folder: Path, span: tuple[int, int], peers: list[str], *,
                       out: Callable[[str], None] = lambda line: None,
-                      on_fetcher: Callable[[Fetcher], None] = lambda fetcher: None) -> FetchProgress | None:
+                      on_fetcher: Callable[[Fetcher], None] = lambda fetcher: None,
+                      check: WeightCheck | None = None) -> FetchProgress | None:
     """Make sure `folder` holds layers [start, end) (fetching from `peers` what it lacks).
 
     None for a full folder (or a bare one, without a manifest: only fetching writes partial
     folders, always with one). `on_fetcher` is handed the fetcher before it starts (its
-    `last_progress` is the live progress). Raises WeightsUnavailable, DiskFull.
+    `last_progress` is the live progress); `check` (the peer's) records what was fetched as
+    checked (peer/weights/verify.py). Raises WeightsUnavailable, DiskFull.
     """
     if not (folder / MANIFEST).exists():
         return None
@@ -72,7 +75,7 @@ async def ensure_span(transport: Transport, folder: Path, span: tuple[int, int],
         return None
     spec = spec_from_file(folder / "config.json")
     groups = groups_for_span(span[0], span[1], spec.num_layers, tied=spec.tie_embeddings)
-    fetcher = Fetcher(transport, folder, manifest, out=out)
+    fetcher = Fetcher(transport, folder, manifest, out=out, check=check)
     on_fetcher(fetcher)
     return await fetcher.fetch_groups(peers, groups, label=f"layers [{span[0]}, {span[1]})")
 
@@ -163,8 +166,9 @@ class FolderWeights:
     folder lacks — at the first claim and at every later move — and what it holds, for the
     record (re-claims after churn prefer peers that hold the layers on disk)."""
 
-    def __init__(self, folder: Path, *, serve: bool, upload_rate: float) -> None:
+    def __init__(self, folder: Path, *, serve: bool, upload_rate: float, check: WeightCheck | None = None) -> None:
         self.folder = Path(folder)
+        self.check = check  # the peer's weight check: told what a fetch verified (peer/weights/verify.py)
         self.serve_enabled = serve
         self.upload_rate = upload_rate
         self.source: WeightSource | None = None
@@ -177,7 +181,7 @@ class FolderWeights:
     async def ensure(self, transport: Transport, span: tuple[int, int], out: Callable[[str], None]) -> None:
         try:
             fetched = await ensure_span(transport, self.folder, span, transport.connected(), out=out,
-                                        on_fetcher=self._watch)
+                                        on_fetcher=self._watch, check=self.check)
         finally:
             self._fetcher = None
         if fetched is not None:  # the folder holds more now: say so, and serve it

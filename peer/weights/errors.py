@@ -19,3 +19,8 @@ class WeightsUnavailable(WeightsError):
 
 class DiskFull(WeightsError):
     """The disk filled up while writing fetched weights; nothing half-written is used."""
+
+
+class WeightsMismatch(WeightsError):
+    """A tensor of the span being loaded differs from the model's manifest (named in the message):
+    the peer refuses to serve it."""

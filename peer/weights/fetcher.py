@@ -39,6 +39,7 @@ from tessera.peer.base.protocols import WEIGHTS_PROTOCOL
 from tessera.peer.net.transport import Channel, Transport
 from tessera.peer.weights.errors import DiskFull, ManifestRejected, WeightsUnavailable
 from tessera.peer.weights.parts import PartStore, WriteAt, write_file_atomically
+from tessera.peer.weights.verify import WeightCheck, stamp_of
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +144,10 @@ class Fetcher:
     def __init__(self, transport: Transport, folder: Path, manifest: dict, *,
                  out: Callable[[str], None] = lambda line: None,
                  clock: Callable[[], float] = trio.current_time,
-                 write_at: WriteAt = os.pwrite, streams_per_source: int = STREAMS_PER_SOURCE) -> None:
+                 write_at: WriteAt = os.pwrite, streams_per_source: int = STREAMS_PER_SOURCE,
+                 check: WeightCheck | None = None) -> None:
         self.transport = transport
+        self.check = check  # told of each file rewritten, so the load after a fetch need not hash it again
         self.folder = Path(folder)
         self.manifest = manifest
         self.model_id = str(manifest["model_id"])
@@ -271,7 +274,10 @@ class Fetcher:
         for file, names in sorted(by_file.items()):
             new = [n for n in wanted if self.entries[n]["file"] == file]
             if new:
+                before = stamp_of(self.folder / file)
                 await trio.to_thread.run_sync(self.parts.assemble, file, new)
+                if self.check is not None:  # every chunk of `new` matched the manifest as it came
+                    await trio.to_thread.run_sync(self.check.record_fetched, file, new, before)
         self.out(progress.line(self.clock()))
         return progress
 

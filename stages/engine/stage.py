@@ -33,7 +33,7 @@ from tessera.stages.layers.attention import Segment, StepContext
 from tessera.stages.layers.block import Block
 from tessera.stages.layers.cache import SessionCache
 from tessera.stages.layers.rope import RopeTables
-from tessera.stages.weights.folder import WeightFolder
+from tessera.stages.weights.folder import TensorCheck, WeightFolder
 from tessera.stages.weights.formats.load import read_embedding, read_head, shipped_block
 from tessera.stages.weights.gguf_blocks import GgufQ4Source
 from tessera.stages.weights.quant import NO_QUANT, Quant, check_quant_for, quantize_block, takes_gguf_blocks
@@ -105,6 +105,7 @@ class Stage(SessionTable):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         quant: Quant = NO_QUANT,
+        check: TensorCheck | None = None,
     ) -> "Stage":
         """Load layers [start, end) (and the embedding / head if asked) — and nothing else.
 
@@ -113,9 +114,12 @@ class Stage(SessionTable):
         as it is read (the embedding and head stay in `dtype`); an int4 float32 CPU span takes
         the Q4_1 blocks of the folder's source GGUF as they are (stages/weights/gguf_blocks.py).
         A folder that ships quantized (fp8 blocks, MXFP4, GGUF blocks: `spec.shipped`) keeps its
-        matrices as stored (stages/weights/formats/). Raises ModelFormatError, SpanError, QuantError.
+        matrices as stored (stages/weights/formats/).
+        `check` is handed every tensor read from the safetensors files, as stored, and may raise
+        to refuse it (a peer's manifest check). Raises ModelFormatError, SpanError, QuantError,
+        and whatever `check` raises.
         """
-        weights = WeightFolder(folder)
+        weights = WeightFolder(folder, check=check)  # `check` sees every tensor read (stages/weights/folder.py)
         spec = weights.spec
         check_quant_for(spec, quant)
         end = spec.num_layers if end is None else end

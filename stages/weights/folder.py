@@ -4,14 +4,18 @@ A folder holds `config.json` and either `model.safetensors` or several shards
 listed by `model.safetensors.index.json`. `WeightFolder` maps tensor names to
 files and opens them memory-mapped, so asking for layers 10..19 of a 30-layer
 model reads those layers' bytes and nothing else. Every tensor's shape is checked
-against the `ModelSpec` before it is used. Which checkpoint tensors make each of the
-engine's is the family's mapping (stages/families/tensors.py); this module only reads.
+against the `ModelSpec` before it is used, and — when the folder is given a `check` —
+its bytes, as stored, are handed to it before they are cast or used (a peer hashes
+its span against the model's manifest in that same read: peer/weights/verify.py).
+Which checkpoint tensors make each of the engine's is the family's mapping
+(stages/families/tensors.py); this module only reads.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -24,12 +28,19 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
+# Called with each tensor as it is read: its name, and the whole tensor in its stored dtype —
+# or None when only part of it is read (a fused tensor's row, a rank's slices), for the check
+# to read the rest itself; raises to refuse it.
+TensorCheck = Callable[[str, torch.Tensor | None], None]
+
+
 class WeightFolder:
     """Tensors of one model folder, opened lazily and memory-mapped."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *, check: TensorCheck | None = None) -> None:
         self.folder = Path(folder)
         self.spec = spec_from_file(self.folder / "config.json")
+        self.check = check
         self._where = self._index()
 
     def _index(self) -> dict[str, Path]:
@@ -77,6 +88,8 @@ class WeightFolder:
                             raise ModelFormatError(
                                 f"tensor {name!r} has shape {tuple(tensor.shape)!r}, expected {wanted[name]!r}"
                             )
+                        if self.check is not None:
+                            self.check(name, tensor)  # the bytes as stored, before any cast
                         out[name] = tensor.to(dtype)
             except (SafetensorError, OSError) as bad:
                 raise ModelFormatError(f"cannot read {str(path)!r}: {bad}") from None
@@ -129,6 +142,9 @@ class WeightFolder:
                 tensor = sl[tuple([index, *window] if index is not None else window)]
         except (SafetensorError, OSError) as bad:
             raise ModelFormatError(f"cannot read {str(path)!r}: {bad}") from None
+        if self.check is not None:
+            whole = index is None and rows is None and cols is None
+            self.check(name, tensor if whole else None)  # the bytes as stored; a part: the check reads the rest
         return tensor.to(dtype).contiguous()
 
     def read_stored(self, name: str, shape: tuple[int, ...], dtypes: tuple[str, ...], *,
@@ -146,9 +162,12 @@ class WeightFolder:
                     raise ModelFormatError(f"tensor {name!r} has shape {tuple(sl.get_shape())!r}, expected {shape!r}")
                 if sl.get_dtype() not in dtypes:
                     raise ModelFormatError(f"tensor {name!r} is {sl.get_dtype()}, expected {' or '.join(dtypes)}")
-                return f.get_tensor(name) if index is None else sl[index]
+                tensor = f.get_tensor(name) if index is None else sl[index]
         except (SafetensorError, OSError, TypeError) as bad:  # TypeError: a dtype this torch cannot hold
             raise ModelFormatError(f"cannot read {name!r} from {str(path)!r}: {bad}") from None
+        if self.check is not None:
+            self.check(name, tensor if index is None else None)  # as stored; one expert's row: the check reads the rest
+        return tensor
 
     def layer_state(self, layer: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Every tensor of layer `layer` under the engine's names (`tessera.stages.layers.block.Block`),

@@ -1,4 +1,4 @@
-"""The one keyed back-off/ban object (peer/base/backoff.py), and its owner keeping strikes across answers."""
+"""The one keyed back-off/ban policy (peer/base/backoff.py), and its owner keeping strikes across answers."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import pytest
 
 from tessera.store.trace import NullTracer
 
-from tessera.peer.base.backoff import Backoff
+from tessera.peer.base.backoff import (
+    BAN_BASE, GUILTY_BAN, PROBE_INTERVAL, REFUSED_SKIP, ROUTE_WAIT, Backoff, Bans, Failure,
+)
+from tessera.peer.plan.view import SwarmView
 from tessera.peer.request.policy import RequesterPolicy
-from tessera.peer.request.ports import BAN_BASE, BAN_CAP
 from tessera.peer.request.repair import ResilientSession
 
 
@@ -58,18 +60,74 @@ class _Swarm:
     def __init__(self) -> None:
         self.now = 0.0
         self.policy = RequesterPolicy()
-        self.bans = Backoff(BAN_BASE, BAN_CAP)
+        self.bans = Bans()
         self.clock = lambda: self.now
         self.ctx = SimpleNamespace(tracer=NullTracer())
+        self.keeper = SimpleNamespace(snapshot=lambda: SwarmView(4, ()))
 
 
 def test_strikes_survive_from_one_answer_to_the_next() -> None:
     swarm = _Swarm()
     first = ResilientSession(swarm, max_length=64, route_wait=1.0)
-    first.ban("p", "step timed out")
+    first.ban("p", "step timed out", failure=Failure.TIMED_OUT)
     assert swarm.bans.until("p") == BAN_BASE
     swarm.now = 1000.0  # the ban is long over; a new answer meets the same peer failing again
     second = ResilientSession(swarm, max_length=64, route_wait=1.0)
-    second.ban("p", "step timed out")
+    second.ban("p", "step timed out", failure=Failure.TIMED_OUT)
     assert swarm.bans.until("p") == 1000.0 + 2 * BAN_BASE
     assert swarm.bans.strikes("p") == 2
+
+
+# -- Bans: the requester's policy by failure kind (peer/base/backoff.py) ---------------------------
+
+
+def test_a_refusal_skips_for_its_retry_after_without_a_strike() -> None:
+    bans = Bans()
+    assert bans.register("p", 0.0, Failure.REFUSED, seconds=3.0) == 3.0
+    assert bans.is_banned("p", 2.9) and not bans.is_banned("p", 3.0)
+    assert bans.strikes("p") == 0
+    assert bans.register("p", 10.0, Failure.REFUSED) == REFUSED_SKIP  # none given: the default skip
+    assert bans.register("p", 20.0, Failure.REFUSED, seconds=1e6) == ROUTE_WAIT  # never longer than a wait
+    # the next real failure is the first strike: BAN_BASE, not doubled by the refusals
+    assert bans.register("p", 100.0, Failure.DROPPED) == BAN_BASE
+
+
+def test_a_refusal_never_hides_why_a_peer_is_banned() -> None:
+    bans = Bans()
+    bans.register("p", 0.0, Failure.TIMED_OUT)
+    bans.register("p", 1.0, Failure.REFUSED)
+    assert bans.failure("p") is Failure.TIMED_OUT and bans.until("p") == BAN_BASE
+    bans.register("p", 1.0, Failure.LIED)
+    bans.register("p", 2.0, Failure.DROPPED)
+    assert bans.failure("p") is Failure.LIED and bans.until("p") == 1.0 + GUILTY_BAN
+
+
+@pytest.mark.parametrize("failure", [Failure.DROPPED, Failure.TIMED_OUT])
+def test_a_peer_that_was_gone_is_paroled_with_its_strikes_kept(failure) -> None:
+    bans = Bans()
+    bans.register("p", 0.0, failure, mark=5.0)
+    assert bans.why["p"].mark == 5.0
+    assert bans.comeback_candidates(1.0, ["p", "q"]) == ["p"]
+    bans.probed("p", 1.0)
+    assert bans.comeback_candidates(1.0 + PROBE_INTERVAL / 2, ["p"]) == []  # probed a moment ago
+    assert bans.comeback_candidates(1.0 + PROBE_INTERVAL, ["p"]) == ["p"]
+    assert bans.parole("p", 4.0) and not bans.is_banned("p", 4.0)
+    assert bans.comeback_candidates(4.0, ["p"]) == []  # not banned any more
+    assert bans.register("p", 10.0, failure) == 2 * BAN_BASE  # the strike stayed
+
+
+@pytest.mark.parametrize("failure", [Failure.LIED, Failure.BROKE, Failure.REFUSED])
+def test_only_a_drop_or_a_timeout_may_come_back_early(failure) -> None:
+    bans = Bans()
+    bans.register("p", 0.0, failure)
+    assert bans.comeback_candidates(1.0, ["p"]) == []
+    assert not bans.parole("p", 1.0) and bans.is_banned("p", 1.0)
+
+
+def test_a_report_bans_without_a_strike_and_next_end_says_when_a_ban_ends() -> None:
+    bans = Bans()
+    bans.prove_guilty("p", 0.0)
+    bans.register("q", 0.0, Failure.REFUSED, seconds=2.0)
+    assert bans.strikes("p") == 0 and bans.failure("p") is Failure.LIED
+    assert bans.next_end(0.0) == 2.0 and bans.next_end(2.0) == GUILTY_BAN
+    assert bans.next_end(GUILTY_BAN) is None

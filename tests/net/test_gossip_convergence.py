@@ -1,8 +1,9 @@
 """The swarm view converges: random sequences of joins, leaves, crashes, moves, memory changes
 and partitions over simulated peers running the real gossip (peer/sim/convergence.py), and the
-bound stated in peer/net/gossip.py checked after the last change.
+bound stated in peer/net/gossip.py — B(N), a function of the swarm's size — checked after the
+last change, at 3 to 64 peers.
 
-bench/convergence.py runs more and larger sequences (up to 30 peers) and prints the figures.
+bench/convergence.py runs more sequences and prints the figures; bench/scale.py goes to 10,000.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from tessera.peer.net.gossip import Gossip, ViewKeeper, material
 from tessera.peer.net.memory_stream import LinkSpec
 from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
-from tessera.peer.sim.convergence import BOUND_PERIODS, CONVERGENCE_TIMINGS, EVENT_KINDS, Event, run_sequence
+from tessera.peer.sim.convergence import CONVERGENCE_TIMINGS, bound_periods, EVENT_KINDS, Event, run_sequence
 from tessera.protocol.crypto import sign_record
 from tessera.protocol.keys import Identity
 from tessera.protocol.errors import InconsistentFields
@@ -33,11 +34,23 @@ events = st.builds(
 
 @settings(max_examples=8, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(peers=st.integers(3, 12), sequence=st.lists(events, min_size=1, max_size=8), seed=st.integers(0, 2**16))
+@given(peers=st.integers(3, 16), sequence=st.lists(events, min_size=1, max_size=8), seed=st.integers(0, 2**16))
 def test_every_sequence_converges_within_the_bound(peers: int, sequence: list[Event], seed: int) -> None:
-    outcome = run_sequence(peers, sequence, seed=seed)
+    check(run_sequence(peers, sequence, seed=seed))
+
+
+@settings(max_examples=2, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(peers=st.integers(17, 64), sequence=st.lists(events, min_size=1, max_size=6), seed=st.integers(0, 2**16))
+def test_every_sequence_converges_within_the_bound_in_a_bigger_swarm(peers: int, sequence: list[Event],
+                                                                     seed: int) -> None:
+    """The bound grows with log2 N; the views of up to 64 peers still agree within it."""
+    check(run_sequence(peers, sequence, seed=seed))
+
+
+def check(outcome) -> None:
     assert outcome.worst_periods is not None, outcome
-    assert outcome.worst_periods <= BOUND_PERIODS, outcome
+    assert outcome.worst_periods <= bound_periods(outcome.peers), outcome
     assert outcome.agreed_throughout, outcome
     assert outcome.stale == [], outcome
 
@@ -46,14 +59,14 @@ def test_a_partition_longer_than_a_record_lifetime_heals() -> None:
     """Both sides' records of the other expire during the cut; the address book re-dials."""
     t = CONVERGENCE_TIMINGS
     outcome = run_sequence(6, [Event("partition", after=2.0, value=3), Event("heal", after=3 * t.record_ttl)], seed=5)
-    assert outcome.worst_periods is not None and outcome.worst_periods <= BOUND_PERIODS, outcome
+    assert outcome.worst_periods is not None and outcome.worst_periods <= bound_periods(outcome.peers), outcome
     assert outcome.agreed_throughout and outcome.stale == [], outcome
 
 
 def test_a_crashed_peers_record_disappears_everywhere_after_it_expires() -> None:
     outcome = run_sequence(4, [Event("crash", after=2.0, target=1), Event("vanish", after=0.5, target=2)], seed=9)
     assert outcome.stale == [] and outcome.agreed_throughout, outcome
-    assert outcome.worst_periods is not None and outcome.worst_periods <= BOUND_PERIODS, outcome
+    assert outcome.worst_periods is not None and outcome.worst_periods <= bound_periods(outcome.peers), outcome
 
 
 def record(identity: Identity, *, seq: int, now: float, start: int = 0, end: int = 10, state: str = "serving",
@@ -135,5 +148,5 @@ def test_a_neighbour_that_vanishes_while_the_others_start_does_not_hold_up_their
     it, the refresh loop started 5 s late, 7.5 s records expired in some views and the views
     parted again (7.25 periods); advertising now announces in the background."""
     outcome = run_sequence(11, [Event("vanish", after=0.18, target=957)], seed=9186)
-    assert outcome.worst_periods is not None and outcome.worst_periods <= BOUND_PERIODS, outcome
+    assert outcome.worst_periods is not None and outcome.worst_periods <= bound_periods(outcome.peers), outcome
     assert outcome.agreed_throughout and outcome.stale == [], outcome

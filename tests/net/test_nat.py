@@ -26,7 +26,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from tessera.peer.net.gossip import Pinger, ViewKeeper, peer_id_str
+from tessera.peer.net.gossip import ViewKeeper
+from tessera.peer.net.verified import peer_id_str
+from tessera.peer.net.pinger import Pinger
 from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.net.nat.reachability import PRIVATE, PUBLIC, UNKNOWN, NatService
 from tessera.peer.base.protocols import DIALBACK_PROTOCOL

@@ -250,6 +250,39 @@ def test_a_generation_routed_through_a_freshly_crashed_peer_routes_around_it():
     assert outcome["completed"], outcome["error"]
 
 
+def test_each_failed_request_is_classified_and_bans_are_counted_by_failure():
+    """The sole peer of [0, 15) is killed mid-answer and nothing takes its layers: the request
+    fails after the route wait as a real gap (no live peer served them: the recorder's ground
+    truth), and the ban it cost is counted as a drop, not a refusal."""
+    peers = (
+        PeerPlan("a", 0.0, 400.0, 15, span=(0, 15), leave_at=14.0, leave_mode="crash"),
+        PeerPlan("b", 0.0, 400.0, 15, span=(15, 30)),
+    )
+    request = RequestPlan(0, 10.0, "r", prompt_tokens=16, new_tokens=40)
+    scenario = Scenario("replay", 30, 64, None, peers, (request,), ("r",), link_latency={}, default_latency=0.01)
+    report = simulate(scenario, policy="recorded", seed=0)
+    (outcome,) = report["requests"]
+    assert outcome["error"].startswith("RouteLost") and outcome["failure"] == "gap"
+    assert report["summary"]["failure_classes"] == {"gap": 1}
+    assert report["summary"]["avoided"] == {"dropped": 1}
+    assert "failed requests by class: gap 1" in format_summary(report)
+    assert "bans by failure: dropped 1; refusals (skipped, not banned): 0" in format_summary(report)
+
+
+def test_a_failure_is_a_gap_only_where_no_live_peer_served_the_layers():
+    from tessera.peer.base.errors import NoRoute, PeerFailed, RouteLost
+    from tessera.peer.sim.report import classify_failure
+
+    def uncovered(ranges):
+        return [layer for a, b in ranges for layer in range(a, b) if layer in (3, 4)]  # only 3 and 4 have no peer
+
+    assert classify_failure(NoRoute("x", [(3, 5)]), uncovered) == "gap"
+    assert classify_failure(RouteLost("x", [(2, 4)]), uncovered) == "gap"
+    assert classify_failure(RouteLost("x", [(5, 9)]), uncovered) == "no replacement"  # served, but not usable
+    assert classify_failure(NoRoute("x", [(5, 9)]), uncovered) == "no usable peer"
+    assert classify_failure(PeerFailed("p", "could not repair the route"), uncovered) == "no replacement"
+
+
 def test_a_replayed_peer_computes_at_its_recorded_steps_speed_and_advertises_its_claim(tmp_path):
     """A claim's throughput is one measurement at start-up: peers started together on a busy
     machine measure while the others import and load (tests/cli/test_trace_cli.py's run claimed

@@ -1,0 +1,82 @@
+"""Round-trip times to the peers we are connected to: probes, a moving average, and the answer to others'.
+
+Records carry the RTTs to a peer's neighbours (routing prices links with them); the
+TUI shows them. Only connected peers are probed, so the work is bounded by a peer's
+connections (peer/net/membership.py), not by the swarm. A failed probe is also the
+quickest sign that a neighbour vanished: `on_failure` hands it to gossip's membership.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import trio
+
+from tessera.protocol.errors import WireError
+from tessera.protocol.records import Heartbeat
+
+from tessera.peer.base.errors import PeerError
+from tessera.peer.base.protocols import PING_PROTOCOL
+from tessera.peer.net.transport import Channel, Stream, Transport
+
+PING_TIMEOUT = 5.0
+RTT_SMOOTHING = 0.3  # weight of a new sample in the moving average
+
+
+class Pinger:
+    """Measures RTTs to neighbours (moving average), and answers their probes."""
+
+    def __init__(self, transport: Transport, *, clock: Callable[[], float] = trio.current_time,
+                 on_failure: Callable[[str], None] = lambda peer_id: None) -> None:
+        self.transport = transport
+        self.clock = clock
+        self.on_failure = on_failure  # told of a peer whose probe failed (gossip's membership looks closer)
+        self.rtt_ms: dict[str, float] = {}
+        self._seq = 0
+        transport.set_handler(PING_PROTOCOL, self.handle)
+
+    async def handle(self, stream: Stream) -> None:
+        channel = Channel(stream)
+        try:
+            with trio.fail_after(PING_TIMEOUT):
+                while (probe := await channel.receive_or_none()) is not None:
+                    if not isinstance(probe, Heartbeat):
+                        raise WireError(f"expected Heartbeat, got {type(probe).__name__}")
+                    await channel.send(probe)
+        except (trio.TooSlowError, PeerError, WireError):
+            await channel.reset()
+
+    async def ping(self, peer_id: str) -> float | None:
+        """One probe; the RTT in ms (also folded into `rtt_ms`), or None if it failed."""
+        self._seq += 1
+        seq = self._seq  # this probe's own: pings to several neighbours run at once
+        try:
+            with trio.fail_after(PING_TIMEOUT):
+                channel = Channel(await self.transport.open_stream(peer_id, PING_PROTOCOL))
+                sent = self.clock()
+                await channel.send(Heartbeat(seq, sent))
+                reply = await channel.receive()
+                rtt = (self.clock() - sent) * 1000.0
+                await channel.close()
+        except (trio.TooSlowError, PeerError, WireError):
+            # an RTT kept after a failed probe showed a dead link as alive (the TUI showed an RTT
+            # to a peer whose records no longer came through); it is measured again on success
+            self.rtt_ms.pop(peer_id, None)
+            return None
+        if not isinstance(reply, Heartbeat) or reply.seq != seq:
+            self.rtt_ms.pop(peer_id, None)
+            return None
+        old = self.rtt_ms.get(peer_id)
+        self.rtt_ms[peer_id] = rtt if old is None else (1 - RTT_SMOOTHING) * old + RTT_SMOOTHING * rtt
+        return rtt
+
+    async def ping_all(self) -> None:
+        async def one(peer_id: str) -> None:
+            if await self.ping(peer_id) is None:
+                self.on_failure(peer_id)
+
+        async with trio.open_nursery() as nursery:
+            for peer_id in self.transport.connected():
+                nursery.start_soon(one, peer_id)
+        for gone in set(self.rtt_ms) - set(self.transport.connected()):
+            del self.rtt_ms[gone]

@@ -1,0 +1,87 @@
+"""Twelve real libp2p peer processes on loopback, gossiping: each holds at most the membership
+bound of connections (peer/net/membership.py), set low here so that it is below the eleven a
+peer would hold if it dialled everyone, and still every peer ends up with the whole view.
+
+The peers are membership-only (tests/swarm/gossip_member.py: a host, a signed record, the
+real `Gossip`; no model), so the test costs twelve processes' start-up and a few seconds of
+gossip. It prints each peer's largest connection count and how long the views took to agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.slow
+
+PEERS = 12
+OUTBOUND, INBOUND = 2, 3
+# membership.MAX_CONNECTIONS with these settings: the neighbours (2 dialled or being asked,
+# 3 accepted), one dropped by a refresh until it closes, one probe.
+BOUND = OUTBOUND + INBOUND + 2
+ENV = {"TESSERA_GOSSIP_INTERVAL": "0.5", "TESSERA_GOSSIP_OUTBOUND": str(OUTBOUND),
+       "TESSERA_GOSSIP_INBOUND": str(INBOUND)}
+START_TIMEOUT = 120.0  # twelve processes importing torch and libp2p on two loaded cores
+AGREE_TIMEOUT = 120.0
+WATCH_S = 10.0  # 20 gossip periods: two refreshes of every peer's sample
+
+
+def last_states(files: list[Path]) -> list[dict | None]:
+    out = []
+    for path in files:
+        lines = path.read_text().splitlines() if path.exists() else []
+        out.append(json.loads(lines[-1]) if lines else None)
+    return out
+
+
+def test_twelve_peers_each_hold_at_most_the_bound_and_agree(tmp_path):
+    assert BOUND < PEERS - 1  # else the bound would hold by itself
+    env = {**os.environ, **ENV}
+    files = [tmp_path / f"m{i}.jsonl" for i in range(PEERS)]
+    procs: list[subprocess.Popen] = []
+    began = time.monotonic()
+    try:
+        seed = subprocess.Popen([sys.executable, "-m", "tests.swarm.gossip_member", "--index", "0", "--out",
+                                 str(files[0])], stdout=subprocess.PIPE, text=True, env=env)
+        procs.append(seed)
+        join = seed.stdout.readline().strip()
+        assert "/p2p/" in join, join
+        for i in range(1, PEERS):
+            procs.append(subprocess.Popen([sys.executable, "-m", "tests.swarm.gossip_member", "--index", str(i),
+                                           "--join", join, "--out", str(files[i])], stdout=subprocess.DEVNULL,
+                                          env=env))
+        wait_until(lambda: all(s is not None for s in last_states(files)), START_TIMEOUT, "every member to start")
+        started = time.monotonic()
+
+        def agreed() -> bool:
+            states = last_states(files)
+            return all(s["records"] == PEERS for s in states) and len({s["hash"] for s in states}) == 1
+
+        wait_until(agreed, AGREE_TIMEOUT, "all twelve views to hold the same twelve records", interval=0.25)
+        agreed_after = time.monotonic() - started
+        watch_from = time.time()
+        time.sleep(WATCH_S)  # the scenario itself: a steady swarm, refreshing its samples
+        assert agreed(), last_states(files)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=30)
+    most = []
+    for path in files:
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        watched = [r for r in rows if r["t"] >= watch_from]
+        assert watched, path
+        most.append(max(r["connections"] for r in watched))
+        assert max(r["neighbours"] for r in watched) <= OUTBOUND + INBOUND, (path.name, watched[-1])
+    print(f"\nlargest connection count per peer over {WATCH_S:.0f} s: {most} (bound {BOUND}); views agreed "
+          f"{agreed_after:.1f} s after all had started; test {time.monotonic() - began:.0f} s")
+    assert max(most) <= BOUND, most
