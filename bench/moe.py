@@ -20,7 +20,7 @@ Prints the ratios last:
 
     moe/dense decode ratio (layer): 1.05
     moe/dense decode ratio (mlp): 1.08
-    span memory / (weights + KV): llama 1.01, qwen3 1.01, qwen3_moe 1.02, mixtral 1.01, gpt_oss 1.02
+    span memory / (weights + KV): llama 1.01, qwen3 1.01, qwen3_moe 1.02, mixtral 1.01, gpt_oss 1.02, glm_moe_dsa 1.04
 
 Run:  .venv/bin/python bench/moe.py [--rounds 5] [--steps 32] [--context 256] [--no-memory]
 (needs ~3 GiB of memory for the decode part and ~1.6 GiB per family for the memory part, and
@@ -60,6 +60,7 @@ SPANS = {
     "qwen3_moe": ("qwen3-30b-a3b", 2, 32),
     "mixtral": ("mixtral-8x7b", 1, 2),
     "gpt_oss": ("gpt-oss-20b", 2, 4),
+    "glm_moe_dsa": ("glm-5", 1, None),  # its first layer (dense MLP): 1.5 GiB; DSA with its index-key cache
 }
 
 

@@ -345,9 +345,9 @@ class PeerNode:
             if end > self.spec.num_layers:
                 raise ConfigError(f"--layers {start}:{end} exceeds the model's {self.spec.num_layers} layers")
         else:
-            start, end = self.placement.claim(self.keeper.snapshot(), me=self.transport.peer_id,
-                                              capacity_layers=self.capacity, throughput=self.throughput,
-                                              rng=self.pacing.rng, held=self.held_layers())
+            start, end = self.spec.aligned_span(*self.placement.claim(
+                self.keeper.snapshot(), me=self.transport.peer_id, capacity_layers=self.capacity,
+                throughput=self.throughput, rng=self.pacing.rng, held=self.held_layers()))
         self.span = (int(start), int(end))
         if self.store is not None:
             self.store.record_claim(self.model_id, self.span, action="claim", shard=self.config.shard,
@@ -402,6 +402,7 @@ class PeerNode:
             plan = self.placement.rebalance(self.keeper.snapshot(), own=self._own_info, me=self.transport.peer_id,
                                             span=self.span, capacity_layers=self.capacity,
                                             throughput=self.throughput, rng=self.pacing.rng)
+            plan = None if plan is None else self.spec.aligned_span(*plan)  # where sparse attention lets a span start
             if plan is not None and plan != self.span:
                 await self.move_to(plan, "rebalance")
 
@@ -416,7 +417,7 @@ class PeerNode:
         view = self.keeper.snapshot().without([self.transport.peer_id])
         span = self.placement.claim(view, me=self.transport.peer_id, capacity_layers=self.capacity,
                                     throughput=self.throughput, rng=self.pacing.rng, held=self.held_layers())
-        span = (int(span[0]), int(span[1]))
+        span = self.spec.aligned_span(int(span[0]), int(span[1]))
         if span != self.span:
             await self.move_to(span, f"memory offered changed to {gb:g} GB")
         else:

@@ -58,6 +58,7 @@ class SessionTable:
         """Open a session over layers [start, end) whose KV cache may grow to `capacity` positions
         (it is allocated in chunks as steps reach them: layers/cache.py `SessionCache`)."""
         start, end = check_session((self.start, self.end), start, end, capacity, self.spec.max_position)
+        self.spec.check_span_start(start, end)
         self.close(session)  # a session opened again starts afresh (and gives back what it held)
         with torch.inference_mode():
             cache = self._new_cache(start, end, capacity)

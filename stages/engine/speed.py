@@ -79,7 +79,8 @@ def measure_layer_throughput(
 
 
 def typical_layer(spec: ModelSpec) -> int:
-    """The first layer of the model's most common kind of layer (the first kind on a tie)."""
-    counts: Counter[LayerSpec] = Counter(spec.layers)
+    """The first layer of the model's most common kind of layer (the first kind on a tie), among
+    those a span may start at (a DSA layer reusing another's selection cannot run alone)."""
+    counts: Counter[LayerSpec] = Counter(spec.layers[i] for i in spec.span_starts[:-1])
     kind = max(counts, key=lambda k: (counts[k], -spec.layers.index(k)))
     return spec.layers.index(kind)

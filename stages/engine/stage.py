@@ -125,6 +125,7 @@ class Stage(SessionTable):
         end = spec.num_layers if end is None else end
         if not 0 <= start <= end <= spec.num_layers:
             raise SpanError(f"span [{start}, {end}) is outside the model's [0, {spec.num_layers})")
+        spec.check_span_start(start, end)
         blocks = []
         # a fetched model's source GGUF, whose Q4_1 blocks an int4 span takes as they are
         gguf = GgufQ4Source.beside(folder, spec) if takes_gguf_blocks(quant, device, dtype) and end > start else None

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
-from tessera.stages.families import deepseek, glm, gpt_oss, llama, mixtral, qwen3
+from tessera.stages.families import deepseek, glm, glm5, gpt_oss, llama, mixtral, qwen3
 from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.shipped import read_shipped
 from tessera.stages.families.spec import ModelSpec
@@ -51,6 +51,7 @@ FAMILIES = {f.name: f for f in (
     Family("mixtral", mixtral.ARCHITECTURES["mixtral"], mixtral.read, mixtral.to_config, MIXTRAL_EXPERTS),
     Family("deepseek_v3", deepseek.ARCHITECTURES["deepseek_v3"], deepseek.read, deepseek.to_config),
     Family("glm4_moe", glm.ARCHITECTURES["glm4_moe"], glm.read, glm.to_config),
+    Family("glm_moe_dsa", glm5.ARCHITECTURES["glm_moe_dsa"], glm5.read, glm5.to_config),
     Family("gpt_oss", gpt_oss.ARCHITECTURES["gpt_oss"], gpt_oss.read, gpt_oss.to_config,
            tensors=gpt_oss.layer_tensors),
 )}

@@ -69,6 +69,13 @@ def read_alias(config: ConfigReader, key: str, alias: str, default: int, *, mini
 
 def read_sigmoid_moe(config: ConfigReader, num_layers: int, defaults: MoeDefaults) -> tuple[MlpSpec, ...]:
     """The MLP of each layer: dense before `first_k_dense_replace`, sparse from there (module docstring)."""
+    dense, sparse = read_sigmoid_moe_kinds(config, defaults)
+    first_sparse = config.int("first_k_dense_replace", defaults.first_k_dense_replace, minimum=0)
+    return tuple(dense if i < first_sparse else sparse for i in range(num_layers))
+
+
+def read_sigmoid_moe_kinds(config: ConfigReader, defaults: MoeDefaults) -> tuple[MlpSpec, MlpSpec]:
+    """The dense MLP and the sparse one (which layers take which is the family's to read)."""
     config.expect("hidden_act", ("silu",), default="silu")
     dense = MlpSpec(config.int("intermediate_size", defaults.intermediate_size))
     width = config.int("moe_intermediate_size", defaults.moe_intermediate_size)
@@ -80,9 +87,7 @@ def read_sigmoid_moe(config: ConfigReader, num_layers: int, defaults: MoeDefault
     )
     experts = read_alias(config, "n_routed_experts", "num_local_experts", defaults.n_routed_experts, minimum=1)
     shared = config.int("n_shared_experts", defaults.n_shared_experts, minimum=0)
-    sparse = MlpSpec(width, "moe", experts, router, shared_width=shared * width)
-    first_sparse = config.int("first_k_dense_replace", defaults.first_k_dense_replace, minimum=0)
-    return tuple(dense if i < first_sparse else sparse for i in range(num_layers))
+    return dense, MlpSpec(width, "moe", experts, router, shared_width=shared * width)
 
 
 def read_mtp_layers(config: ConfigReader) -> int:

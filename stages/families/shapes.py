@@ -9,7 +9,7 @@ trims it for a bench: the first `layers` layers, `experts` experts per sparse la
 token still picks as many as the model's router does, up to that count), a `vocab`.
 
 A shape whose family this engine does not run yet is kept here all the same and refused
-by its reader with one line (DeepSeek-V3 and GLM-4.5 until their families land).
+by its reader with one line.
 """
 
 from __future__ import annotations
@@ -104,6 +104,18 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 8, "first_k_dense_replace": 3, "num_hidden_layers": 92, "num_key_value_heads": 8,
         "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000, "num_nextn_predict_layers": 1,
         "tie_word_embeddings": False, "use_cache": True, "use_qk_norm": True, "vocab_size": 151552,
+    },
+    "glm-5": {  # zai-org/GLM-5, as transformers' GlmMoeDsaConfig defaults to it (ships bf16 and FP8; float here)
+        "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 3,
+        "hidden_act": "silu", "hidden_size": 6144, "index_head_dim": 128, "index_n_heads": 32, "index_topk": 2048,
+        "initializer_range": 0.02, "intermediate_size": 12288, "kv_lora_rank": 512,
+        "max_position_embeddings": 202752, "moe_intermediate_size": 2048, "n_group": 1, "n_routed_experts": 256,
+        "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 64, "num_experts_per_tok": 8,
+        "num_hidden_layers": 78, "num_key_value_heads": 64, "num_nextn_predict_layers": 1, "q_lora_rank": 2048,
+        "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "routed_scaling_factor": 2.5,
+        "tie_word_embeddings": False, "topk_group": 1, "use_cache": True, "v_head_dim": 256, "vocab_size": 154880,
     },
 }
 

@@ -23,14 +23,14 @@ Extending (the kinds are the extension points):
 - an attention kind: add it to ATTENTION_KINDS with a dataclass of its own sizes (as
   `MlaSpec` sits beside `AttentionSpec`, with `rope`, `rope_dim`, `matrices`, `param_count`
   and `cache`), its module in layers/ (registered in layers/block.py), and its cache kind.
-  DeepSeek sparse attention (DSA, GLM-5) is MLA plus an indexer that picks each query's
-  top-k keys: a `DsaSpec` holding an `MlaSpec` and the indexer's sizes, a module built on
-  layers/mla.py's `project` and `attend_latent` over the picked rows;
+  DeepSeek sparse attention (kind "dsa", GLM-5) is MLA plus an indexer that picks each
+  query's top-k keys: `DsaSpec` holds an `MlaSpec` and the indexer's sizes, its module
+  (layers/dsa.py) is built on layers/mla.py's over the picked rows;
 - a cache kind: add it to CACHE_KINDS with a spec of its sizes and `bytes_per_position` /
   `bytes` (as `LatentCacheSpec`: MLA's compressed kv + rope key per position), and its
   store in layers/cache.py. Peers budget sessions with `bytes(capacity)`, so a smaller
-  cache is seen by admission and placement with no change in peer/. DSA's would hold the
-  latent rows and the indexer's keys per position;
+  cache is seen by admission and placement with no change in peer/. DSA's
+  ("latent_indexed", `IndexedLatentCacheSpec`) holds the latent rows and the indexer's keys;
 - an MLP or router kind: fields on `MlpSpec` / `RouterSpec` (as `shared_width` and the
   sigmoid router's groups and scale), the kind in MLP_KINDS / ROUTER_KINDS, its module in
   layers/routers.py;
@@ -43,10 +43,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tessera.stages.errors import ModelFormatError
+from tessera.stages.errors import ModelFormatError, SpanError
 from tessera.stages.families.shipped import ShippedFormat
 
-ATTENTION_KINDS = ("gqa", "mla")  # grouped-query attention (multi-head and multi-query included); multi-head latent
+# grouped-query attention (multi-head and multi-query included); multi-head latent; MLA with DeepSeek's sparse attention
+ATTENTION_KINDS = ("gqa", "mla", "dsa")
 MLP_KINDS = ("dense", "moe")  # SwiGLU; a sparse mixture of SwiGLU experts
 ROUTER_KINDS = (
     "softmax_topk",  # softmax over experts, top-k, optionally renormalised
@@ -54,7 +55,8 @@ ROUTER_KINDS = (
     "sigmoid_group_topk",  # DeepSeek's sigmoid, group-limited top-k
 )
 GLU_KINDS = ("silu", "clamped_swiglu")  # silu(gate) * up; gpt-oss's clamped form (GluSpec)
-CACHE_KINDS = ("full", "sliding", "latent")  # keys and values of every position (only the window is read); MLA's latent
+# keys and values of every position (only the window is read); MLA's latent; the latent and DSA's index keys
+CACHE_KINDS = ("full", "sliding", "latent", "latent_indexed")
 ROPE_KINDS = ("default", "linear", "llama3", "yarn")
 
 
@@ -199,9 +201,8 @@ class LatentCacheSpec:
     one row shared by every head — not K and V per head. DeepSeek-V3: 512 + 64 values a
     position, against 2 x 128 heads x 192/128 for the keys and values they expand to.
 
-    A sparse-attention layer (DSA, GLM-5) keeps its indexer's keys beside these: a kind of its
-    own (e.g. "latent_indexed", with the index key width added to `bytes_per_position`) and a
-    store that holds both (layers/cache.py).
+    A sparse-attention layer (DSA, GLM-5) whose indexer runs keeps its index keys beside these:
+    `IndexedLatentCacheSpec`.
     """
 
     latent_dim: int
@@ -297,6 +298,103 @@ class MlaSpec:
         norms = self.kv_lora_rank + (self.q_lora_rank or 0)
         bias = (self.q_lora_rank or 0) + self.kv_lora_rank + self.qk_rope_head_dim + hidden if self.bias else 0
         return sum(r * c for r, c in self.matrices(hidden)) + kv_b + norms + bias
+
+
+@dataclass(frozen=True)
+class IndexedLatentCacheSpec:
+    """What a DSA layer that runs its indexer keeps per session and position (kind
+    "latent_indexed"): MLA's latent row (`latent_dim` + `rope_dim`, as `LatentCacheSpec`) and the
+    indexer's key (`index_dim`, rotated and normed), one of each for all heads. GLM-5: 512 + 64
+    + 128 values a position. A layer that reuses another's selection keeps the latent only."""
+
+    latent_dim: int
+    rope_dim: int
+    index_dim: int
+    kind: str = "latent_indexed"
+
+    def __post_init__(self) -> None:
+        _check(self.kind == "latent_indexed", "cache kind", self.kind)
+        _check(self.latent_dim > 0, "kv_lora_rank", self.latent_dim)
+        _check(self.rope_dim > 0, "qk_rope_head_dim", self.rope_dim)
+        _check(self.index_dim > 0, "index_head_dim", self.index_dim)
+
+    @property
+    def width(self) -> int:
+        """The latent row's width (the index key lies in a store of its own)."""
+        return self.latent_dim + self.rope_dim
+
+    def bytes_per_position(self, itemsize: int) -> int:
+        return (self.width + self.index_dim) * itemsize
+
+    def bytes(self, capacity: int, itemsize: int) -> int:
+        """Bytes a session of `capacity` positions costs in this layer (checked before allocating)."""
+        return self.bytes_per_position(itemsize) * capacity
+
+
+@dataclass(frozen=True)
+class DsaSpec:
+    """One layer's DeepSeek sparse attention (kind "dsa": GLM-5's MLA with an indexer).
+
+    mla:           the attention itself (`MlaSpec`: low-rank q required, interleaved RoPE), which
+                   each query runs over only the `index_topk` positions its selection picked.
+    index_heads (Hi), index_head_dim (Di), index_topk (k): the indexer ("lightning indexer"): from
+                   the query latent (after Wq_a and its norm) q_i = Wq_i [T, Hi, Di]; from the
+                   layer's input k_i = LayerNorm(x Wk) [T, Di] (weight and bias, eps 1e-6), one
+                   key for all heads, cached; RoPE (interleaved pairs, MLA's tables) on the first
+                   `qk_rope_head_dim` dims of both; a query's score of position j is
+                   sum_h w_h relu(q_i[h] . k_i[j] / sqrt(Di)) with w = x Ww / sqrt(Hi) (float32);
+                   it attends to the k best of the positions up to its own (all of them while
+                   there are at most k). Ties go to the earlier position: the choice does not
+                   depend on how a step is cut or stacked (layers/dsa.py).
+    shared:        this layer runs no indexer and reuses the selection of the last layer before
+                   it that did (`indexer_types` "shared", GLM-5.2's cross-layer sharing); its
+                   cache is the latent only. A span never starts on such a layer:
+                   `ModelSpec.span_starts`.
+    """
+
+    mla: MlaSpec
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    shared: bool = False
+    kind: str = "dsa"
+
+    def __post_init__(self) -> None:
+        _check(self.kind == "dsa", "attention kind", self.kind)
+        _check(self.mla.q_lora_rank is not None, "q_lora_rank", self.mla.q_lora_rank)  # the indexer's queries
+        _check(self.index_heads > 0, "index_n_heads", self.index_heads)
+        _check(self.index_head_dim >= self.mla.qk_rope_head_dim, "index_head_dim", self.index_head_dim)
+        _check(self.index_topk > 0, "index_topk", self.index_topk)
+
+    @property
+    def rope(self) -> RopeSpec:
+        return self.mla.rope
+
+    @property
+    def rope_dim(self) -> int:
+        return self.mla.rope_dim
+
+    @property
+    def cache(self) -> LatentCacheSpec | IndexedLatentCacheSpec:
+        if self.shared:
+            return self.mla.cache
+        return IndexedLatentCacheSpec(self.mla.kv_lora_rank, self.mla.qk_rope_head_dim, self.index_head_dim)
+
+    def matrices(self, hidden: int) -> list[tuple[int, int]]:
+        """MLA's matrices (what quantization stores). The indexer's stay in float, as a router's do:
+        they choose which keys are read."""
+        return self.mla.matrices(hidden)
+
+    def indexer_param_count(self, hidden: int) -> int:
+        """Wq_i [Hi Di, q_lora_rank], Wk [Di, H], the key norm's weight and bias, Ww [Hi, H]; 0 when shared."""
+        if self.shared:
+            return 0
+        assert self.mla.q_lora_rank is not None
+        hi, di = self.index_heads, self.index_head_dim
+        return hi * di * self.mla.q_lora_rank + di * hidden + 2 * di + hi * hidden
+
+    def param_count(self, hidden: int) -> int:
+        return self.mla.param_count(hidden) + self.indexer_param_count(hidden)
 
 
 @dataclass(frozen=True)
@@ -417,11 +515,11 @@ class MlpSpec:
 class LayerSpec:
     """One decoder layer: its attention and its MLP (each pre-normed, RMSNorm, residual)."""
 
-    attention: AttentionSpec | MlaSpec
+    attention: AttentionSpec | MlaSpec | DsaSpec
     mlp: MlpSpec
 
     @property
-    def cache(self) -> CacheSpec | LatentCacheSpec:
+    def cache(self) -> CacheSpec | LatentCacheSpec | IndexedLatentCacheSpec:
         return self.attention.cache
 
     def matrices(self, hidden: int) -> list[tuple[int, int]]:
@@ -437,7 +535,8 @@ class ModelSpec:
     """Everything the engine needs to know about a model's shape.
 
     family:         the config's `model_type` ("llama", "mistral", "qwen2", "qwen3",
-                    "qwen3_moe", "mixtral", "gpt_oss"); stages/families/catalog.py reads each.
+                    "qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "glm4_moe", "glm_moe_dsa");
+                    stages/families/catalog.py reads each.
     vocab_size:     rows of the embedding matrix; hidden_size (H): width of the residual stream.
     layers:         one LayerSpec per decoder layer (L = len(layers)).
     rms_norm_eps:   epsilon of every RMSNorm.
@@ -471,6 +570,7 @@ class ModelSpec:
         _check(self.vocab_size > 0, "vocab_size", self.vocab_size)
         _check(self.max_position > 0, "max_position_embeddings", self.max_position)
         _check(self.mtp_layers >= 0, "num_nextn_predict_layers", self.mtp_layers)
+        _check(0 in self.span_starts, "indexer_types", "shared at layer 0")
 
     @property
     def num_layers(self) -> int:
@@ -497,6 +597,39 @@ class ModelSpec:
     def max_layer_bytes(self, itemsize: int = 4) -> int:
         """Bytes of the largest layer."""
         return max(self.layer_bytes(itemsize, layer=i) for i in range(self.num_layers))
+
+    @property
+    def span_starts(self) -> tuple[int, ...]:
+        """The layers a span may start at (and L): every layer but those that reuse a selection made
+        before them (`DsaSpec.shared`). A step carries a DSA selection from layer to layer in one
+        stage, never between peers, and a layer that reuses it cannot recompute it: that needs the
+        selecting layer's weights, its input and its cache of index keys. So a stage's span and a
+        session's sub-span start only here (`Stage.load`, `SessionTable.open` refuse others)."""
+        shared = {i for i, layer in enumerate(self.layers) if getattr(layer.attention, "shared", False)}
+        return tuple(i for i in range(self.num_layers + 1) if i not in shared)
+
+    def aligned_span(self, start: int, end: int) -> tuple[int, int]:
+        """The span nearest [start, end) whose ends are `span_starts` (L among them): the largest such
+        span inside it; where none is, the smallest one from the start moved down (a layer and those
+        reusing its selection are served together, even past the length asked). What a peer claims
+        where placement chose [start, end); any span of a model without reusing layers is itself."""
+        starts = self.span_starts
+        if len(starts) == self.num_layers + 1:
+            return start, end
+        inner = [i for i in starts if start <= i <= end]
+        if len(inner) >= 2:
+            return inner[0], inner[-1]
+        first = max(i for i in starts if i <= start)
+        return first, min(i for i in starts if i > first)
+
+    def check_span_start(self, start: int, end: int) -> None:
+        """SpanError unless a span [start, end) may start at layer `start` (`span_starts`; an empty
+        span may start anywhere)."""
+        if start < end and start not in self.span_starts:
+            selecting = max(i for i in self.span_starts if i < start)
+            raise SpanError(f"a span cannot start at layer {start} of this {self.family} model: it reuses the "
+                            f"sparse-attention selection of layer {selecting}, which is not sent between peers "
+                            f"(spans start at layers {list(self.span_starts[:-1])})")
 
     def kv_bytes_per_position(self, start: int, end: int, itemsize: int = 4) -> int:
         """KV bytes one position costs a session over layers [start, end), each per its cache kind."""

@@ -9,6 +9,8 @@ The engine names a layer's tensors after its own modules (stages/layers/block.py
                 mlp.router.correction_bias (sigmoid router)    mlp.shared.w_gate_up.weight  mlp.shared.w_down.weight
     MLA:        attn.wq.weight, or attn.wq_a.weight  attn.q_norm.weight  attn.wq_b.weight
                 attn.wkv_a.weight   attn.kv_norm.weight   attn.wkv_b   attn.wo.weight  (biases: wq_a, wkv_a, wo)
+    DSA:        MLA's, and (unless the layer reuses a selection) attn.indexer.wq  attn.indexer.wk
+                attn.indexer.k_norm.weight  attn.indexer.k_norm.bias  attn.indexer.w_heads
 
 and stacks what a checkpoint keeps apart (q, k and v into wqkv; gate and up into w_gate_up),
 so that each is one matmul. `layer_tensors` maps every engine tensor to the checkpoint
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera.stages.families.spec import LayerSpec, MlaSpec, ModelSpec
+from tessera.stages.families.spec import DsaSpec, LayerSpec, MlaSpec, ModelSpec
 
 Shape = tuple[int, ...]
 
@@ -105,6 +107,8 @@ def layer_tensors(spec: ModelSpec, layer: int, experts: ExpertNames = QWEN_EXPER
     p = f"model.layers.{layer}."
     if isinstance(at, MlaSpec):
         return {**mla_tensors(p, at, h), **mlp_tensors(p, ls, h, experts)}
+    if isinstance(at, DsaSpec):
+        return {**mla_tensors(p, at.mla, h), **indexer_tensors(p, at, h), **mlp_tensors(p, ls, h, experts)}
     qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
     out: dict[str, Choices] = {
         "attn_norm.weight": one(p + "input_layernorm.weight", (h,)),
@@ -163,6 +167,21 @@ def mla_tensors(p: str, at: MlaSpec, h: int) -> dict[str, Choices]:
         out["attn.wkv_a.bias"] = one(a + "kv_a_proj_with_mqa.bias", (latent,))
         out["attn.wo.bias"] = one(a + "o_proj.bias", (h,))
     return out
+
+
+def indexer_tensors(p: str, at: DsaSpec, h: int) -> dict[str, Choices]:
+    """A DSA layer's indexer under prefix `p` (transformers' `GlmMoeDsaIndexer` names); none when shared."""
+    if at.shared:
+        return {}
+    x, hi, di = p + "self_attn.indexer.", at.index_heads, at.index_head_dim
+    assert at.mla.q_lora_rank is not None, "DsaSpec checks it"
+    return {
+        "attn.indexer.wq": one(x + "wq_b.weight", (hi * di, at.mla.q_lora_rank)),
+        "attn.indexer.wk": one(x + "wk.weight", (di, h)),
+        "attn.indexer.k_norm.weight": one(x + "k_norm.weight", (di,)),
+        "attn.indexer.k_norm.bias": one(x + "k_norm.bias", (di,)),
+        "attn.indexer.w_heads": one(x + "weights_proj.weight", (hi, h)),
+    }
 
 
 def expert_tensors(p: str, e_count: int, i: int, h: int, experts: ExpertNames) -> dict[str, Choices]:

@@ -13,7 +13,7 @@ With `sinks` (gpt-oss), each head's learned sink logit joins the softmax's denom
 Prefill and multi-token steps use the same SDPA kernel as the reference, so logits agree
 closely; a one-token step uses a grouped bmm that never repeats K/V.
 
-A new attention kind (MLA, DSA) is a module with the same `forward(x, ctx, cache)` over its
+A new attention kind (as MLA and DSA are) is a module with the same `forward(x, ctx, cache)` over its
 own cache store (layers/cache.py), registered in layers/block.py.
 """
 
@@ -72,12 +72,17 @@ class StepContext:
               `segments`).
     tables:   RoPE cos/sin [rows, 1, D] per (RopeSpec, dims turned), each row at its own position.
     segments: a stacked step's sessions, in row order; empty for one session's step.
+    selection: the sparse-attention selection the last DSA layer with an indexer made in this step
+              (layers/dsa.py): per segment (one for a solo step), the positions [T, S] each query
+              reads, or None for every causal one; the layers after it that reuse it read it here.
+              None until such a layer ran (a span never starts on a reusing layer).
     """
 
     start: int
     tables: dict[RopeKey, tuple[torch.Tensor, torch.Tensor]]
     device: torch.device
     segments: tuple[Segment, ...] = ()
+    selection: tuple[torch.Tensor | None, ...] | None = None
     _masks: dict[tuple[int, int, int | None], torch.Tensor | None] = field(default_factory=dict)
 
     def rope(self, spec: AttentionSpec | MlaSpec) -> tuple[torch.Tensor, torch.Tensor]:

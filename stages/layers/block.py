@@ -18,13 +18,16 @@ from torch import nn
 from tessera.stages.errors import UnsupportedModel
 from tessera.stages.families.spec import LayerSpec, MlpSpec, ModelSpec
 from tessera.stages.layers.attention import Attention, LayerCache, StepRows
+from tessera.stages.layers.dsa import SparseLatentAttention
 from tessera.stages.layers.mla import LatentAttention, LatentCache
 from tessera.stages.layers.mlp import glu_mlp
 from tessera.stages.layers.moe import MoE
 from tessera.stages.layers.norm import RMSNorm
 
-# kind -> constructor(hidden, its kind's spec: AttentionSpec or MlaSpec, rms_norm_eps)
-ATTENTIONS: dict[str, Callable[[int, Any, float], nn.Module]] = {"gqa": Attention, "mla": LatentAttention}
+# kind -> constructor(hidden, its kind's spec: AttentionSpec, MlaSpec or DsaSpec, rms_norm_eps)
+ATTENTIONS: dict[str, Callable[[int, Any, float], nn.Module]] = {
+    "gqa": Attention, "mla": LatentAttention, "dsa": SparseLatentAttention,
+}
 MLPS: dict[str, Callable[[int, MlpSpec], nn.Module]] = {
     "dense": glu_mlp,
     "moe": MoE,

@@ -23,10 +23,14 @@ Kinds (CACHE_KINDS):
 
 - "latent":  `LatentRows` [allocated, kv_lora_rank + rope_dim]: MLA's compressed kv and rotated
              rope key per position, one row for all heads (layers/mla.py expands or absorbs it).
+- "latent_indexed": `IndexedLatentRows`: the latent rows, and DSA's index keys [allocated,
+             index_head_dim] beside them (layers/dsa.py scores every position's key to pick
+             the rows a query reads). Both are written at the same positions and roll back with
+             the one pointer: a rejected draft's keys are overwritten like its rows.
 
-A new kind (DSA's index keys beside the latent) is a store class here with the interface
-its attention kind calls — for `KeyValues`, `write_and_read` — plus `grow` and `nbytes`,
-registered in STORES, and its spec's `bytes_per_position` (what admission budgets).
+A new kind is a store class here with the interface its attention kind calls — for
+`KeyValues`, `write_and_read` — plus `grow` and `nbytes`, registered in STORES, and its
+spec's `bytes_per_position` (what admission budgets).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from typing import Sequence
 import torch
 
 from tessera.stages.errors import ContextOverflow, UnsupportedModel
-from tessera.stages.families.spec import CacheSpec, LatentCacheSpec
+from tessera.stages.families.spec import CacheSpec, IndexedLatentCacheSpec, LatentCacheSpec
 
 KV_CHUNK = 256  # positions a session's stores grow by (see the module docstring)
 
@@ -112,11 +116,38 @@ class LatentRows:
         return self.rows.nbytes
 
 
+class IndexedLatentRows(LatentRows):
+    """One DSA layer's cache of one session: the latent rows, and the indexer's keys
+    [allocated, index dims] at the same positions, written in place."""
+
+    def __init__(self, spec: IndexedLatentCacheSpec, positions: int, *, dtype: torch.dtype,  # type: ignore[override]
+                 device: torch.device | str) -> None:
+        super().__init__(LatentCacheSpec(spec.latent_dim, spec.rope_dim), positions, dtype=dtype, device=device)
+        self.index_keys = torch.zeros((positions, spec.index_dim), dtype=dtype, device=device)
+
+    def grow(self, positions: int, *, keep: int) -> None:
+        super().grow(positions, keep=keep)
+        new = self.index_keys.new_zeros((positions, self.index_keys.shape[1]))  # [S, Di]
+        new[:keep] = self.index_keys[:keep]
+        self.index_keys = new
+
+    def write_and_read_keys(self, keys: torch.Tensor, start: int) -> torch.Tensor:
+        """Write index keys [T, Di] at positions [start, start + T); return positions [0, start + T)."""
+        end = start + keys.shape[0]
+        self.index_keys[start:end] = keys
+        return self.index_keys[:end]
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes + self.index_keys.nbytes
+
+
 LayerStore = KeyValues | LatentRows
-STORES = {"full": KeyValues, "sliding": KeyValues, "latent": LatentRows}
+STORES = {"full": KeyValues, "sliding": KeyValues, "latent": LatentRows, "latent_indexed": IndexedLatentRows}
+AnyCacheSpec = CacheSpec | LatentCacheSpec | IndexedLatentCacheSpec
 
 
-def layer_store(spec: CacheSpec | LatentCacheSpec, positions: int, *, dtype: torch.dtype,
+def layer_store(spec: AnyCacheSpec, positions: int, *, dtype: torch.dtype,
                 device: torch.device | str) -> LayerStore:
     """An empty store of `spec`'s kind for `positions` (UnsupportedModel for a kind without a store here)."""
     store = STORES.get(spec.kind)
@@ -128,7 +159,7 @@ def layer_store(spec: CacheSpec | LatentCacheSpec, positions: int, *, dtype: tor
 class SessionCache:
     """Every layer's store for one session over a run of consecutive layers, and the pointer."""
 
-    def __init__(self, layers: Sequence[CacheSpec | LatentCacheSpec], capacity: int, *, dtype: torch.dtype = torch.float32,
+    def __init__(self, layers: Sequence[AnyCacheSpec], capacity: int, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
         self.layers = [layer_store(spec, 0, dtype=dtype, device=device) for spec in layers]
         self.capacity = capacity
@@ -173,6 +204,6 @@ class SessionCache:
         return sum(store.nbytes for store in self.layers)
 
 
-def session_bytes(layers: Sequence[CacheSpec | LatentCacheSpec], positions: int, itemsize: int) -> int:
+def session_bytes(layers: Sequence[AnyCacheSpec], positions: int, itemsize: int) -> int:
     """Bytes a `SessionCache` of these layers allocates for `positions` (checked before growing)."""
     return sum(spec.bytes(positions, itemsize) for spec in layers)

@@ -34,6 +34,10 @@ transformers). Wkv_b is read as a matrix by the absorbed form, so it is a plain 
 kept in the stage's dtype, not a linear that quantization replaces (families/spec.py's
 `MlaSpec.kv_b_shape`). The absorptions of a stacked step run once over the rows of every
 session that absorbs, reading Wkv_b once.
+
+Both forms take the positions each query may read (`allowed`, [T, S]) in place of the causal
+mask: DSA (layers/dsa.py) attends through `attend` over the rows its indexer picked, and a
+one-token step absorbs over those rows only.
 """
 
 from __future__ import annotations
@@ -92,28 +96,43 @@ def causal_allowed(start: int, n_tokens: int, device: torch.device) -> torch.Ten
 
 
 def attend_expanded(q: torch.Tensor, cached: torch.Tensor, wkv_b: torch.Tensor, spec: MlaSpec, start: int,
-                    scale: float) -> torch.Tensor:
-    """The reference's way: q [T, A, Dn + Dr] (rope dims rotated); cached [S, C + Dr]; -> [T, A, Dv]."""
+                    scale: float, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference's way: q [T, A, Dn + Dr] (rope dims rotated); cached [S, C + Dr]; -> [T, A, Dv].
+    `allowed` [T, S]: the positions each query reads (a sparse selection, within the causal ones), or
+    None for every causal one."""
     t, a, s = q.shape[0], spec.num_heads, cached.shape[0]
     c, dn, dr = spec.kv_lora_rank, spec.qk_nope_head_dim, spec.qk_rope_head_dim
     kv = F.linear(cached[:, :c], wkv_b).view(s, a, dn + spec.v_head_dim)  # [S, A, Dn + Dv]
     keys = torch.cat((kv[..., :dn], cached[:, None, c:].expand(s, a, dr)), dim=-1)  # [S, A, Dn + Dr]
-    mask = causal_allowed(start, t, q.device) if t > 1 and start > 0 else None
+    mask = allowed if allowed is not None else causal_allowed(start, t, q.device) if t > 1 and start > 0 else None
     return F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], keys.transpose(0, 1)[None], kv[..., dn:].transpose(0, 1)[None],  # [1, A, ., .]
         attn_mask=mask, is_causal=mask is None and t > 1, scale=scale,
     )[0].transpose(0, 1)  # [T, A, Dv]
 
 
-def attend_latent(q_cat: torch.Tensor, cached: torch.Tensor, latent_dim: int, start: int, scale: float) -> torch.Tensor:
+def attend_latent(q_cat: torch.Tensor, cached: torch.Tensor, latent_dim: int, start: int, scale: float,
+                  allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Attention in latent space: q_cat [A, T, C + Dr] (absorbed q_nope, rotated q_rope) against the
-    cache rows [S, C + Dr] as they are; -> the latent mix [A, T, C], for W_UV to expand."""
+    cache rows [S, C + Dr] as they are; -> the latent mix [A, T, C], for W_UV to expand. `allowed`
+    as `attend_expanded`'s."""
     t = q_cat.shape[1]
     scores = torch.matmul(q_cat, cached.T).mul_(scale)  # [A, T, S]
-    if t > 1:
+    if allowed is not None:
+        scores.masked_fill_(~allowed, float("-inf"))
+    elif t > 1:
         scores.masked_fill_(~causal_allowed(start, t, q_cat.device), float("-inf"))
     probs = scores.softmax(-1, dtype=torch.float32).to(cached.dtype)  # float32 whatever the dtype, as the reference
     return torch.matmul(probs, cached[:, :latent_dim])  # [A, T, C]
+
+
+def step_stores(ctx: StepContext, cache: LatentCache, n_tokens: int) -> tuple[Sequence[Segment], list[LatentRows]]:
+    """The step's segments and each one's store: a stacked step's own, or one for a solo step."""
+    if ctx.segments:
+        assert not isinstance(cache, LatentRows) and len(cache) == len(ctx.segments), "one store per segment"
+        return ctx.segments, list(cache)
+    assert isinstance(cache, LatentRows), "one session: one store"
+    return (Segment(0, n_tokens, ctx.start),), [cache]
 
 
 class LatentAttention(nn.Module):
@@ -138,14 +157,20 @@ class LatentAttention(nn.Module):
         self.scale = softmax_scale(spec)
         self.path: str | None = None  # None: per step by `absorbs`; or one of PATHS
 
-    def project(self, x: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (q [T, A, Dn + Dr], its rope dims rotated; cache rows [T, C + Dr])."""
+    def query_latent(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> the normed low-rank query [T, q_lora_rank] (what DSA's indexer also reads)."""
+        return self.q_norm.forward(self.wq_a.forward(x))
+
+    def project(self, x: torch.Tensor, ctx: StepContext, q_latent: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (q [T, A, Dn + Dr], its rope dims rotated; cache rows [T, C + Dr]).
+        `q_latent`: `query_latent(x)` when the caller already has it."""
         spec, t = self.spec, x.shape[0]
         a, c, dn = spec.num_heads, spec.kv_lora_rank, spec.qk_nope_head_dim
         if spec.q_lora_rank is None:
             q = self.wq.forward(x)
         else:
-            q = self.wq_b.forward(self.q_norm.forward(self.wq_a.forward(x)))
+            q = self.wq_b.forward(self.query_latent(x) if q_latent is None else q_latent)
         q = q.view(t, a, spec.qk_head_dim)
         kv = self.wkv_a.forward(x)  # [T, C + Dr]
         q_rope, k_rope = q[..., dn:], kv[:, None, c:]  # [T, A, Dr], [T, 1, Dr]
@@ -159,44 +184,49 @@ class LatentAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: LatentCache) -> torch.Tensor:
         """x [T, H] -> [T, H]. cache: the layer's rows — or, for a stacked step (`ctx.segments`),
         one store per segment."""
-        spec, t = self.spec, x.shape[0]
         q, rows = self.project(x, ctx)
-        if ctx.segments:
-            assert not isinstance(cache, LatentRows) and len(cache) == len(ctx.segments), "one store per segment"
-            segments, stores = ctx.segments, list(cache)
-        else:
-            assert isinstance(cache, LatentRows), "one session: one store"
-            segments, stores = (Segment(0, t, ctx.start),), [cache]
+        segments, stores = step_stores(ctx, cache, x.shape[0])
         cached = [store.write_and_read(rows[s.lo : s.hi], s.start) for s, store in zip(segments, stores)]
+        return self.attend(q, segments, cached, [None] * len(segments))
+
+    def attend(self, q: torch.Tensor, segments: Sequence[Segment], cached: Sequence[torch.Tensor],
+               allowed: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """Each segment's queries over its cache rows [S, C + Dr] (the positions `allowed` [T, S] lets
+        it read, every causal one where None), then Wo: -> [T, H]."""
+        spec, t = self.spec, q.shape[0]
         latent = [self.absorbs(s.hi - s.lo, len(c)) for s, c in zip(segments, cached)]
-        out = x.new_empty((t, spec.num_heads, spec.v_head_dim))  # [T, A, Dv]
-        for s, rows_s, absorbed in zip(segments, cached, latent):
+        out = q.new_empty((t, spec.num_heads, spec.v_head_dim))  # [T, A, Dv]
+        for s, rows_s, mask, absorbed in zip(segments, cached, allowed, latent):
             if not absorbed:
-                out[s.lo : s.hi] = attend_expanded(q[s.lo : s.hi], rows_s, self.wkv_b, spec, s.start, self.scale)
+                out[s.lo : s.hi] = attend_expanded(q[s.lo : s.hi], rows_s, self.wkv_b, spec, s.start, self.scale, mask)
         if any(latent):
-            chosen = [(s, rows_s) for s, rows_s, absorbed in zip(segments, cached, latent) if absorbed]
+            chosen = [(s, rows_s, mask) for s, rows_s, mask, absorbed in zip(segments, cached, allowed, latent)
+                      if absorbed]
             self.attend_absorbed(q, chosen, out)
         return self.wo.forward(out.view(t, spec.num_heads * spec.v_head_dim))
 
     def absorbs(self, n_tokens: int, n_positions: int) -> bool:
         return absorbs(self.spec, n_tokens, n_positions) if self.path is None else self.path == "absorbed"
 
-    def attend_absorbed(self, q: torch.Tensor, chosen: list[tuple[Segment, torch.Tensor]], out: torch.Tensor) -> None:
+    def attend_absorbed(self, q: torch.Tensor, chosen: list[tuple[Segment, torch.Tensor, torch.Tensor | None]],
+                        out: torch.Tensor) -> None:
         """Attend the `chosen` segments in latent space into their rows of `out` [T, A, Dv]: W_UK
         folded into all their queries in one bmm, W_UV into all their outputs in another."""
         spec = self.spec
         a, c, dn = spec.num_heads, spec.kv_lora_rank, spec.qk_nope_head_dim
         w = self.wkv_b.view(a, dn + spec.v_head_dim, c)  # per head: W_UK [Dn, C] rows, then W_UV [Dv, C]
-        rows = torch.cat([q[s.lo : s.hi] for s, _ in chosen]).transpose(0, 1)  # [A, R, Dn + Dr]
+        rows = torch.cat([q[s.lo : s.hi] for s, _, _ in chosen]).transpose(0, 1)  # [A, R, Dn + Dr]
         q_lat = torch.bmm(rows[..., :dn], w[:, :dn])  # [A, R, Dn] @ [A, Dn, C] -> [A, R, C]
         q_cat = torch.cat((q_lat, rows[..., dn:]), dim=-1)  # [A, R, C + Dr]
         mixes, at = [], 0
-        for s, cached in chosen:
+        for s, cached, allowed in chosen:
             n = s.hi - s.lo
-            mixes.append(attend_latent(q_cat[:, at : at + n], cached, c, s.start, self.scale))  # [A, n, C]
+            if allowed is not None and n == 1:  # a sparse decode step reads only the rows it picked
+                cached, allowed = cached[allowed[0].nonzero()[:, 0]], None
+            mixes.append(attend_latent(q_cat[:, at : at + n], cached, c, s.start, self.scale, allowed))  # [A, n, C]
             at += n
         values = torch.bmm(torch.cat(mixes, dim=1), w[:, dn:].transpose(1, 2))  # [A, R, C] @ [A, C, Dv]
         at = 0
-        for s, _ in chosen:
+        for s, _, _ in chosen:
             out[s.lo : s.hi] = values[:, at : at + s.hi - s.lo].transpose(0, 1)  # [n, A, Dv]
             at += s.hi - s.lo

@@ -1,8 +1,8 @@
 """Compiled decode steps (stages/engine/compiled/) against the eager path and transformers, on CPU.
 
 For every family the engine runs (llama, qwen3 with windows, biases and qk-norm, qwen3_moe with a
-dense and a sparse layer kind, mixtral, gpt_oss with sinks; deepseek_v3's MLA layers stay eager
-inside the compiled step, said so), a tiny random model saved by transformers: the compiled
+dense and a sparse layer kind, mixtral, gpt_oss with sinks; deepseek_v3's MLA and glm_moe_dsa's DSA
+layers stay eager inside the compiled step, said so), a tiny random model saved by transformers: the compiled
 span's float32 logits within 1e-4 of transformers' and of the eager span's, greedy tokens
 identical; sessions stacked in one compiled step (padded to a row bucket) against their solo
 runs; draft blocks (eager) cut short and rolled back between compiled steps. The CUDA-graph runner's
@@ -43,10 +43,17 @@ FAMILIES = {
         **{k: v for k, v in SHAPE.items() if k not in ("head_dim", "num_key_value_heads")}, intermediate_size=96, moe_intermediate_size=32, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=1, n_routed_experts=8, n_group=2, topk_group=1,
         num_experts_per_tok=2, n_shared_experts=1),
+    # DSA: eager too, a layer reusing the selection the indexer layer before it made in the same step
+    "glm_moe_dsa": lambda: transformers.GlmMoeDsaConfig(
+        **{k: v for k, v in SHAPE.items() if k not in ("head_dim", "num_key_value_heads")}, intermediate_size=96,
+        moe_intermediate_size=32, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, index_n_heads=8, index_head_dim=16, index_topk=6, indexer_types=["full", "shared", "full"],
+        first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1),
 }
-EAGER_ATTENTION = {"deepseek_v3"}  # families whose layer kinds all stay eager (MLA)
+EAGER_ATTENTION = {"deepseek_v3", "glm_moe_dsa"}  # families whose layer kinds all stay eager (MLA, DSA)
 # llama also pads 3 rows to 4, and compiles what the swarm's peers (--batch-rows 2) ask for: from the disk cache
-BUCKETS = {"llama": (1, 2, 4), "qwen3": (1,), "qwen3_moe": (1,), "mixtral": (1,), "gpt_oss": (1, 4), "deepseek_v3": (1,)}
+BUCKETS = {"llama": (1, 2, 4), "qwen3": (1,), "qwen3_moe": (1,), "mixtral": (1,), "gpt_oss": (1, 4), "deepseek_v3": (1,),
+           "glm_moe_dsa": (1, 4)}
 STACKED = [PROMPT, PROMPT[:5], PROMPT[:9]]  # three sessions at different positions
 STEPS = 8
 CLOSE = 2e-5  # compiled vs eager logits, relative to the row's largest: only the order of summation differs
@@ -92,7 +99,7 @@ def test_compiled_matches_eager_and_transformers(folders, compiled, name):
     kinds = set(stage.spec.layers)
     if name in EAGER_ATTENTION:  # said once per kind, with the reason; the head still compiled
         assert runner.compiled == {HEAD} and set(runner.eager) == kinds, said
-        assert all("mla attention" in why for why in runner.eager.values())
+        assert all(f"{kind.attention.kind} attention" in why for kind, why in runner.eager.items())
     else:
         assert not runner.eager, said  # every layer kind and the head compiled
         assert runner.compiled == kinds | {HEAD}
@@ -144,7 +151,7 @@ def stacked_tokens(stage: Stage, prompts: list[list[int]], n: int, capacity: int
     return tokens, logits
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "gpt_oss", "glm_moe_dsa"])
 def test_stacked_compiled_steps_equal_solo_runs(folders, compiled, name):
     stage, _, _ = compiled[name]
     eager = Stage.load(folders[name], embed=True, head=True)

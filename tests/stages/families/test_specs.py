@@ -110,6 +110,6 @@ def test_impossible_values_are_format_errors(family, change, words):
 
 
 def test_other_architectures_are_refused_by_name():
-    for arch in ("GlmMoeDsaForCausalLM",):
+    for arch in ("DeepseekV32ForCausalLM", "Gemma3ForCausalLM"):
         with pytest.raises(UnsupportedModel, match=f"unknown architecture \\['{arch}'\\]"):
             spec_from_config({**config_of("llama"), "architectures": [arch]})

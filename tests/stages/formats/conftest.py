@@ -23,7 +23,7 @@ def cycling(kinds: tuple[str, ...]):
 def sources(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("float")
-    from ..families import test_deepseek_v3 as deepseek, test_glm4_moe as glm
+    from ..families import test_deepseek_v3 as deepseek, test_glm4_moe as glm, test_glm_moe_dsa as glm5
 
     return {"llama": build(root, "llama", transformers.LlamaConfig(**WIDE, **LLAMA), seed=41),
             "moe": build(root, "moe", transformers.Qwen3MoeConfig(**WIDE, **MOE), seed=42),
@@ -31,7 +31,10 @@ def sources(tmp_path_factory):
             "deepseek_v3": build(root, "deepseek_v3", transformers.DeepseekV3Config(
                 **deepseek.SHAPE, **next(iter(deepseek.CONFIGS.values()))[0]), seed=43),
             "glm4_moe": build(root, "glm4_moe", transformers.Glm4MoeConfig(
-                **{**glm.SHAPE, **next(iter(glm.CONFIGS.values()))[0]}), seed=44)}
+                **{**glm.SHAPE, **next(iter(glm.CONFIGS.values()))[0]}), seed=44),
+            # DSA with an indexer in every layer (its matrices ship fp8 too, and are held dense)
+            "glm_moe_dsa": build(root, "glm_moe_dsa", transformers.GlmMoeDsaConfig(
+                **glm5.SHAPE, **glm5.CONFIGS["full-raw-bias-fused"][0]), seed=45)}
 
 
 @pytest.fixture(scope="session")
@@ -47,6 +50,7 @@ def shipped(sources, tmp_path_factory):
         # projections, shared experts, routers with a correction bias; blocks of 16 for their small shapes
         "fp8-deepseek_v3": lambda o: ck.fp8_folder(sources["deepseek_v3"], o, block=(16, 16)),
         "fp8-glm4_moe": lambda o: ck.fp8_folder(sources["glm4_moe"], o, block=(16, 16)),
+        "fp8-glm_moe_dsa": lambda o: ck.fp8_folder(sources["glm_moe_dsa"], o, block=(16, 16)),
         "mxfp4-moe": lambda o: ck.mxfp4_folder(sources["moe"], o),
         "mxfp4-moe-fused": lambda o: ck.mxfp4_folder(sources["moe"], o, fused=True),
         "mxfp4-llama-every-matrix": lambda o: ck.mxfp4_folder(sources["llama"], o, not_converted=["lm_head"]),
@@ -65,7 +69,8 @@ def shipped(sources, tmp_path_factory):
     return out
 
 
-NAMES = ["fp8-llama", "fp8-moe", "fp8-llama-ragged-blocks", "fp8-deepseek_v3", "fp8-glm4_moe", "mxfp4-moe", "mxfp4-moe-fused", "mxfp4-llama-every-matrix",
+NAMES = ["fp8-llama", "fp8-moe", "fp8-llama-ragged-blocks", "fp8-deepseek_v3", "fp8-glm4_moe", "fp8-glm_moe_dsa",
+         "mxfp4-moe", "mxfp4-moe-fused", "mxfp4-llama-every-matrix",
          *(f"gguf-llama-{kind}" for kind in K_QUANTS), "gguf-llama-every-k-quant", "gguf-moe-every-type"]
 
 

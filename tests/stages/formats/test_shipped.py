@@ -90,11 +90,16 @@ def test_the_dense_reference_of_a_span_is_the_oracles(shipped, name):
             assert torch.equal(dense[key], value), (name, key)
 
 
+# matrices a span holds as float parameters whatever the checkpoint ships (MLA's wkv_b, DSA's indexers)
+HELD_DENSE = ("kv_b_proj.weight", "indexer.wq_b.weight", "indexer.wk.weight", "indexer.weights_proj.weight")
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_placement_and_the_fetch_count_the_shipped_bytes(shipped, name, tmp_path):
     """A span holds its matrices as stored: its bytes are what placement counts (span_bytes) and what
     the manifest lists for its layers (what a peer fetching the span downloads and the model id hashes),
-    but for what it holds dense: MLA's wkv_b, a parameter, widened to float32 from its fp8 blocks."""
+    but for what it holds dense: MLA's wkv_b and DSA's indexer matrices, parameters, widened to float32
+    from their fp8 blocks."""
     from tessera.stages.weights import registry
     from tessera.stages.weights.tensor_table import groups_for_span
 
@@ -108,8 +113,9 @@ def test_placement_and_the_fetch_count_the_shipped_bytes(shipped, name, tmp_path
         layers = {f"layer.{i}" for i in range(start, end)}
         on_disk = sum(e["end"] - e["begin"] for e in entries.values() if e["group"] in layers)
         widened = sum(4 * math.prod(e["shape"]) - (e["end"] - e["begin"]) for n, e in entries.items()
-                      if e["group"] in layers and n.endswith("kv_b_proj.weight")) + sum(
-            -(e["end"] - e["begin"]) for n, e in entries.items() if e["group"] in layers and n.endswith("kv_b_proj.weight_scale_inv"))
+                      if e["group"] in layers and n.endswith(HELD_DENSE)) + sum(
+            -(e["end"] - e["begin"]) for n, e in entries.items()
+            if e["group"] in layers and n.endswith(tuple(m + "_scale_inv" for m in HELD_DENSE)))
         assert stage.weight_bytes == span_bytes(spec, start, end, 4) == on_disk + widened  # float tensors here are F32
         assert layers <= groups_for_span(start, end, spec.num_layers, tied=spec.tie_embeddings)
     assert registry.verify(folder) == []
