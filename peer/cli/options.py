@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 QUANT_KINDS = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_INT4_GROUP = 32
+DEFAULT_SPOT_CHECK_RATE = 0.05  # peer/request/verify.py's DEFAULT_SPOT_CHECKS.rate (see the module docstring)
 
 
 class UsageError(StageError):
@@ -116,11 +117,9 @@ def policy_from(args: argparse.Namespace) -> "RequesterPolicy":
 
 def add_spot_check_option(p: argparse.ArgumentParser) -> None:
     """--spot-check RATE: the fraction of steps at which one hop is recomputed by another peer."""
-    from tessera.peer.request.verify import DEFAULT_SPOT_CHECKS
-
     p.add_argument("--spot-check", type=float, default=None, metavar="RATE",
                    help="fraction of steps at which another peer holding the same layers recomputes one hop, to "
-                        f"catch a peer returning wrong activations (default {DEFAULT_SPOT_CHECKS.rate:g}, off with "
+                        f"catch a peer returning wrong activations (default {DEFAULT_SPOT_CHECK_RATE:g}, off with "
                         "a compact --wire; 0 = off)")
 
 

@@ -84,12 +84,14 @@ def test_the_flags_the_issue_named_have_help_text():
 
 
 def test_the_choices_repeated_for_a_light_help_agree_with_their_sources():
+    from tessera.peer.request.verify import DEFAULT_SPOT_CHECKS
     from tessera.peer.sim.policies import POLICIES, VIEW_MODES
     from tessera.stages.weights import quant
 
     assert cli_options.QUANT_KINDS == quant.QUANT_KINDS
     assert cli_options.INT4_GROUP_SIZES == quant.INT4_GROUP_SIZES
     assert cli_options.DEFAULT_INT4_GROUP == quant.DEFAULT_INT4_GROUP
+    assert cli_options.DEFAULT_SPOT_CHECK_RATE == DEFAULT_SPOT_CHECKS.rate
     assert sorted(cli_sim.POLICY_NAMES) == sorted(POLICIES) and set(cli_sim.VIEW_MODES) == set(VIEW_MODES)
 
 

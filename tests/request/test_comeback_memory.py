@@ -20,7 +20,7 @@ import trio
 
 from tessera.peer.base.backoff import BAN_BASE, ROUTE_WAIT, Failure
 from tessera.peer.base.errors import RouteLost
-from tessera.peer.net.gossip import Pinger
+from tessera.peer.net.pinger import Pinger
 from tessera.peer.net.memory import open_memory_transport
 from tessera.peer.serve.server import StageServer
 from tessera.protocol.crypto import sign_record
