@@ -74,12 +74,22 @@ def solve_work(peer_id: bytes, *, bits: int = WORK_BITS) -> bytes:
     Blocks for as long as it takes (~0.1 s at WORK_BITS in Python): call it off the event loop.
     """
     base = hashlib.sha256(WORK_CONTEXT + peer_id)
+    size = base.digest_size
+    if bits <= 0:
+        return bytes(WORK_NONCE_SIZE)
+    # leading_zero_bits(d) >= bits  <=>  int(d) < 2**(8*size - bits)  <=>  d < that bound's
+    # big-endian bytes (equal lengths compare as numbers): one bytes comparison a try, not
+    # an int conversion, so the search finds the same first nonce, faster.
+    # (bits >= 8*size asks for an all-zero digest: no bound below it, and no nonce is found,
+    # as before.)
+    below = (1 << (8 * size - bits)).to_bytes(size, "big") if bits < 8 * size else bytes(size)
+    copy = base.copy
     counter = 0
     while True:
         nonce = counter.to_bytes(WORK_NONCE_SIZE, "little")
-        h = base.copy()
+        h = copy()
         h.update(nonce)
-        if leading_zero_bits(h.digest()) >= bits:
+        if h.digest() < below:
             return nonce
         counter += 1
 
