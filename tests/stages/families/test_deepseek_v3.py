@@ -17,7 +17,8 @@ from tessera.stages.families.catalog import spec_from_config, spec_from_file, to
 
 from ...swarm_helpers import local_swarm
 from .conformance import (
-    PROMPT, build, check_matches_transformers, check_rollback, check_stacked_sessions, check_swarm, reference_run,
+    PROMPT, build, check_against_dequantized, check_matches_transformers, check_rollback, check_stacked_sessions, check_swarm,
+    reference_run,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -190,7 +191,7 @@ def test_rollback_by_pointer(folders, references, name):
 def test_a_quantized_span_matches_its_dequantized_reference(folders):
     """int8 MLA projections, experts and shared experts; Wkv_b, the norms and the router stay float."""
     from tessera.stages.engine.stage import Stage
-    from tessera.stages.weights.quant import Int8Linear, Quant, dense_block, span_bytes
+    from tessera.stages.weights.quant import Int8Linear, Quant, span_bytes
 
     folder, quant = folders[SWARM], Quant.parse("int8")
     spec = spec_from_file(folder / "config.json")
@@ -199,18 +200,7 @@ def test_a_quantized_span_matches_its_dequantized_reference(folders):
     block = stage.blocks[1]
     assert all(isinstance(m, Int8Linear) for m in (block.attn.wq_b, block.attn.wkv_a, block.mlp.shared.w_down))
     assert block.attn.wkv_b.dtype == torch.float32 and block.mlp.router.correction_bias.dtype == torch.float32
-    head = Stage.load(folder, start=0, end=0, embed=True, head=True)
-    reference = Stage(spec, 0, [dense_block(b, spec) for b in stage.blocks])
-    for span in (stage, reference):
-        span.open("q", capacity=32)
-    ids, tokens, worst = list(range(5, 25)), ([], []), 0.0
-    for pos, step in [(0, ids), *((len(ids) + i, None) for i in range(6))]:
-        rows = []
-        for i, span in enumerate((stage, reference)):
-            rows.append(head.logits(span.forward("q", head.embed(step if step is not None else tokens[i][-1:]), pos))[-1])
-            tokens[i].append(int(rows[-1].argmax()))
-        worst = max(worst, float((rows[0] - rows[1]).abs().max()))
-    assert tokens[0] == tokens[1] and worst <= 3e-4
+    check_against_dequantized(folder, stage)
 
 
 def test_a_tensor_shard_rank_is_refused_at_start_with_one_line(folders):
