@@ -1,6 +1,6 @@
 """A long fuzzing campaign against every decoder in protocol/.
 
-The same seeded mutation fuzzer as tests/protocol/test_protocol_fuzz.py (`tessera.protocol.fuzz`:
+The same seeded mutation fuzzer as tests/protocol/test_protocol_fuzz.py (`tests/protocol/fuzz.py`:
 bit flips, truncation, insertion, splicing, random CBOR, huge claimed lengths and
 dimensions, deep nesting, and structure-aware replacement of decoded fields), but
 for as long as you like and with a fresh seed per round, so it keeps finding new
@@ -14,12 +14,16 @@ Prints per-target totals, then the cases run and failures found as the last line
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections import Counter
+from pathlib import Path
 
-import tessera.peer.net.nat.dialback  # noqa: F401  (the NAT protocols' messages join the corpus)
-import tessera.peer.net.nat.links  # noqa: F401
-from tessera.protocol.fuzz import build_targets, run_target
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the fuzzer is the tests' (tests/protocol/fuzz.py)
+
+import tessera.peer.net.nat.dialback  # noqa: E402,F401  (the NAT protocols' messages join the corpus)
+import tessera.peer.net.nat.links  # noqa: E402,F401
+from tests.protocol.fuzz import build_targets, run_target  # noqa: E402
 
 ROUND_CASES = 5_000  # cases per target per round (a round takes about a second per target)
 

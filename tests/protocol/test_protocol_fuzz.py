@@ -1,7 +1,7 @@
 """Fuzzing in the normal test run: 100,000 mutated inputs into every decoder (20,000
 for the one that signs each input first), and nothing but a WireError may come out.
 
-The targets and mutations live in `tessera.protocol.fuzz` (shared with the longer campaign in
+The targets and mutations live in `tests/protocol/fuzz.py` (shared with the longer campaign in
 bench/fuzz.py). Corpora are drawn from the message registry, so a message added
 later is fuzzed here without a new test. Set TESSERA_FUZZ_SEED to explore other
 seeds; a failure report shows the offending inputs in hex.
@@ -16,11 +16,11 @@ import pytest
 from tessera.protocol import schema
 from tessera.protocol.codec import decode
 from tessera.protocol.errors import WireError
-from tessera.protocol.fuzz import build_targets, random_message, run_target
+from .fuzz import build_targets, random_message, run_target
 
 # Messages registered outside protocol/ (the NAT protocols) join the registry when their
 # modules are imported: import them here, so the corpora hold them whatever ran before
-# (protocol/fuzz.py imports protocol's own).
+# (fuzz.py imports protocol's own).
 import tessera.peer.net.nat.dialback  # noqa: E402
 import tessera.peer.net.nat.links  # noqa: F401,E402
 

@@ -1,4 +1,4 @@
-"""Seeded mutation fuzzing of every decoder in this package.
+"""Seeded mutation fuzzing of every decoder in tessera.protocol (this test suite's and bench/fuzz.py's).
 
 The contract under test: whatever the bytes, a decoder returns a valid value or
 raises a `WireError` subclass — no other exception, no hang, no allocation beyond
