@@ -16,11 +16,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
+from tessera.peer.node.config import PeerConfig
+from tessera.peer.node.torch_compute import TorchCompute
 from tessera.stages.decoding.generate import LocalEngine
 from tessera.stages.decoding.speculative import greedy_accept
 from tessera.stages.engine.stage import Stage
+from tessera.stages.shards.sharded import ShardError
 from tessera.stages.weights.folder_check import check_folder
 from tessera.stages.weights.quant import dense_block
 from tessera.stages.weights.synth import CHATML, byte_tokenizer_json
@@ -217,3 +221,12 @@ def check_against_dequantized(folder: Path, stage: Stage) -> None:
             tokens[i].append(int(rows[-1].argmax()))
         worst = max(worst, float((rows[0] - rows[1]).abs().max()))
     assert tokens[0] == tokens[1] and worst <= 3e-4
+
+
+def check_shard_refused(folder: Path, words: str) -> None:
+    """A tensor-shard rank of `folder`'s model is refused when the peer starts, with one line
+    matching `words` (a family whose layers a shard group cannot split)."""
+    config = PeerConfig(model=str(folder), layers=(0, 2), shard=(0, 2), group="g")
+    with pytest.raises(ShardError, match=words) as refused:
+        TorchCompute(config)
+    assert "\n" not in str(refused.value)

@@ -18,7 +18,7 @@ from tessera.stages.families.catalog import spec_from_config, spec_from_file, to
 from ...swarm_helpers import local_swarm
 from .conformance import (
     PROMPT, build, check_against_dequantized, check_matches_transformers, check_rollback, check_stacked_sessions, check_swarm,
-    reference_run,
+    reference_run, check_shard_refused,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -204,14 +204,7 @@ def test_a_quantized_span_matches_its_dequantized_reference(folders):
 
 
 def test_a_tensor_shard_rank_is_refused_at_start_with_one_line(folders):
-    from tessera.peer.node.config import PeerConfig
-    from tessera.peer.node.torch_compute import TorchCompute
-    from tessera.stages.shards.sharded import ShardError
-
-    config = PeerConfig(model=str(folders[SWARM]), layers=(0, 2), shard=(0, 2), group="g")
-    with pytest.raises(ShardError, match="tensor shards of deepseek_v3 are not supported: layer 0 is 'mla'") as refused:
-        TorchCompute(config)
-    assert "\n" not in str(refused.value)
+    check_shard_refused(folders[SWARM], "tensor shards of deepseek_v3 are not supported: layer 0 is 'mla'")
 
 
 def test_multi_token_prediction_tensors_are_accepted_and_empty_shared_experts_ignored(folders, tmp_path):

@@ -20,7 +20,7 @@ from tessera.stages.families.catalog import spec_from_config, spec_from_file, to
 from ...swarm_helpers import local_swarm
 from .conformance import (
     PROMPT, build, check_against_dequantized, check_matches_transformers, check_rollback, check_stacked_sessions, check_swarm,
-    reference_run,
+    reference_run, check_shard_refused,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -222,14 +222,7 @@ def test_a_quantized_span_matches_its_dequantized_reference(folders):
 
 
 def test_a_tensor_shard_rank_is_refused_at_start_with_one_line(folders):
-    from tessera.peer.node.config import PeerConfig
-    from tessera.peer.node.torch_compute import TorchCompute
-    from tessera.stages.shards.sharded import ShardError
-
-    config = PeerConfig(model=str(folders[SWARM]), layers=(0, 2), shard=(0, 2), group="g")
-    with pytest.raises(ShardError, match="tensor shards of glm_moe_dsa are not supported: layer 0 is 'dsa'") as refused:
-        TorchCompute(config)
-    assert "\n" not in str(refused.value)
+    check_shard_refused(folders[SWARM], "tensor shards of glm_moe_dsa are not supported: layer 0 is 'dsa'")
 
 
 CONFIG_AS_SAVED = {**json.loads(json.dumps(transformers.GlmMoeDsaConfig(**SHAPE, **CONFIGS[SWARM][0]).to_dict())),

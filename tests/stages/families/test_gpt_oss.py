@@ -13,7 +13,7 @@ from tessera.stages.errors import UnsupportedModel
 from ...swarm_helpers import local_swarm
 from .conformance import (
     SHAPE, build, check_matches_transformers, check_rollback, check_stacked_sessions, check_swarm,
-    reference_run,
+    reference_run, check_shard_refused,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -202,14 +202,7 @@ def test_what_the_engine_does_not_compute_is_refused_by_name(change, words):
 
 
 def test_a_tensor_shard_rank_is_refused_at_start_with_one_line(folders):
-    from tessera.peer.node.config import PeerConfig
-    from tessera.peer.node.torch_compute import TorchCompute
-    from tessera.stages.shards.sharded import ShardError
-
-    config = PeerConfig(model=str(folders[SWARM]), layers=(0, 2), shard=(0, 2), group="g")
-    with pytest.raises(ShardError, match="tensor shards of gpt_oss are not supported: layer 0 is 'moe'") as refused:
-        TorchCompute(config)
-    assert "\n" not in str(refused.value)
+    check_shard_refused(folders[SWARM], "tensor shards of gpt_oss are not supported: layer 0 is 'moe'")
 
 
 @pytest.fixture(scope="module")
