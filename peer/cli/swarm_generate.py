@@ -59,7 +59,7 @@ async def _generate(args: argparse.Namespace, sampling: SamplingParams, folder, 
     async with Swarm.join(args.join, model=folder, swarm_key=swarm_key, tracer=tracer,
                           emulate_link=emulation, policy=args.policy, quant=quant_from(args),
                           accept_mixed=args.accept_mixed, dedicated=not args.no_dedicated,
-                          compile=args.compile, spot_check=getattr(args, "checks", None),
+                          compile=args.compile, spot_check=args.checks,
                           wire=args.wire) as swarm:
         swarm.on_route_wait = lambda line: print(line, file=sys.stderr, flush=True)
         ids = prompt_ids(swarm.tokenizer, args.prompt, raw=args.raw)
