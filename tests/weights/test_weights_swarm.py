@@ -26,8 +26,11 @@ pytestmark = pytest.mark.slow
 
 SPAN = (14, 16)  # the two layers (~28 MB) the newcomer lacks: the only route runs through it
 # Each holder uploads at most this many MB/s to one fetcher, so that fetching the span takes
-# seconds and the first progress line (after 2 s) comes while the fetch is still running.
-RATE_MBPS = 4
+# seconds and the first progress line (after 2 s, ~8 of 28 MB) comes early in the fetch: the
+# resumed fetch must still have more chunks than one holder's streams take at once, or the
+# "both holders served" check below depends on how late a loaded machine prints that line
+# (at 4 MB/s a CI run's first line came so late that one holder took all that was left).
+RATE_MBPS = 2
 PROMPT = "Write a short story about a robot who learns to paint."  # runs past TOKENS (no early end)
 TOKENS = 24
 
@@ -82,7 +85,7 @@ async def test_an_empty_folder_fetches_its_span_resumes_after_kill_and_serves_ex
                          r"([\d.]+) MB were already on disk", log.read_text())
         assert done, log.read_text()[-3000:]
         assert done.group(1) == done.group(2) and float(done.group(4)) > 0  # resumed, not started over
-        assert done.group(3) == "2"  # both holders served chunks
+        assert done.group(3) == "2", log.read_text()[-3000:]  # both holders served chunks
         want = reference_answer(local_engine, smol_tokenizer, PROMPT, TOKENS)
         async with Swarm.join([addr]) as swarm:
             await swarm.wait_for_route(60)
