@@ -9,11 +9,14 @@ Used by bench/capacity.py (whose last lines print these figures); runnable alone
    every linear (goal >= 1.9x bf16); MXFP4 every linear of a dense model, and of the MoE only the
    experts (gpt-oss's `modules_to_not_convert`: attention and router stay bf16) (goal >= 3.5x);
    GGUF types for context. Pure arithmetic.
-2. Decode tok/s of SmolLM2 as a CPU peer runs each form (float32 activations, the stored matrices
-   widened a chunk at a time), against float32, rounds alternating: fp8 and MXFP4 written from
-   SmolLM2's own weights, its GGUF (Q4_1 layers) imported as it is, and the k-quants and Q8_0 as
-   random blocks of SmolLM2's shape where its widths take them (Q8_0: 576 is not a multiple of a
-   k-quant's 256; decode time does not depend on the values) (goal >= 0.9x).
+2. Decode tok/s of SmolLM2 as a CPU peer runs each form (float32 activations), against float32,
+   rounds alternating: fp8 and MXFP4 written from SmolLM2's own weights, its GGUF (Q4_1 layers)
+   imported as it is, and the k-quants and Q8_0 as random blocks of SmolLM2's shape where its
+   widths take them (Q8_0: 576 is not a multiple of a k-quant's 256; decode time does not depend
+   on the values) (goal >= 0.9x). Twice: eagerly (the stored matrices widened a chunk at a time)
+   and compiled as `--compile auto` runs a CPU peer (every span, float32's included, and the
+   head through inductor; the shipped matrices in their fused forms), each against float32 run
+   the same way.
    For the 1B shape, the per-layer speed a peer advertises, each form against float32.
 3. Resident bytes / on-disk bytes of a span (SmolLM2's layers [0, 15) loaded and run in a fresh
    process, as tests/stages/formats/test_shipped_memory.py measures it) (goal <= 1.15).
@@ -36,6 +39,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tessera.peer.node.config import KV_RESERVE_FRACTION
+from tessera.stages.engine.compiled.build import compile_decode
 from tessera.stages.engine.speed import measure_layer_throughput
 from tessera.stages.engine.stage import Stage
 from tessera.stages.families.catalog import spec_from_config, spec_from_file, to_config
@@ -141,16 +145,23 @@ def shipped_figures(*, model: str = "smollm2-135m", tokens: int = 32, rounds: in
         ids = Tokenizer.from_folder(folder).encode_chat([{"role": "user", "content": "What is the capital of France?"}])
         head = Stage.load(folder, start=0, end=0, embed=True, head=True)
         stages = {"float32": Stage.load(folder), **{form: Stage.load(f) for form, f in folders.items()}}
-        for stage in stages.values():
-            decode_rate(stage, head, ids, 4)  # warm-up
-        rates: dict[str, list[float]] = {k: [] for k in stages}
-        for r in range(rounds):
-            for k, stage in stages.items():
-                rates[k].append(decode_rate(stage, head, ids, tokens))
-            print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in rates.items()) + " tok/s")
-        med = {k: statistics.median(v) for k, v in rates.items()}
-        last.append("smollm2 decode vs float32 (as shipped): "
-                    + ", ".join(f"{k} {med[k] / med['float32']:.2f}x" for k in med if k != "float32"))
+        for mode in ("eager", "compiled"):
+            if mode == "compiled":
+                for name, stage in [("head", head), *stages.items()]:
+                    plan = compile_decode(stage, "inductor")
+                    eager = stage.decode.eager if stage.decode is not None else {}
+                    print(f"compiled {name}: {plan.reason}" + "".join(f"; {why}" for why in eager.values()))
+            for stage in stages.values():
+                decode_rate(stage, head, ids, 4)  # warm-up
+            rates: dict[str, list[float]] = {k: [] for k in stages}
+            for r in range(rounds):
+                for k, stage in stages.items():
+                    rates[k].append(decode_rate(stage, head, ids, tokens))
+                print(f"{mode} round {r}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in rates.items()) + " tok/s")
+            med = {k: statistics.median(v) for k, v in rates.items()}
+            last.append(f"smollm2 decode vs float32 (as shipped), {mode}: "
+                        + ", ".join(f"{k} {med[k] / med['float32']:.2f}x" for k in med if k != "float32")
+                        + f" (float32 {med['float32']:.1f} tok/s)")
         del stages
         ratios = {form: resident_ratio(f) for form, f in folders.items()}
         last.append(f"smollm2 layers [{SPAN[0]}, {SPAN[1]}) resident / on-disk: "

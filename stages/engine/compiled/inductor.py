@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tessera.stages.engine.compiled.forms import decode_form, rows_linear
+from tessera.stages.engine.compiled.forms import decode_form, rows_linear, unfused
 from tessera.stages.engine.compiled.modes import INDUCTOR
 from tessera.stages.engine.compiled.rows import RowsStep
 from tessera.stages.engine.sessions import SessionState
@@ -116,6 +116,11 @@ class InductorDecode:
             for kind in kinds:
                 if kind.attention.kind not in COMPILED_ATTENTION:
                     self._fall_back(kind, f"no compiled step for {kind.attention.kind} attention's cache yet")
+                    done += len(self.buckets)
+                    continue
+                stored = unfused(self.forms[stage.spec.layers.index(kind, stage.start, stage.end) - stage.start])
+                if stored:
+                    self._fall_back(kind, f"no compiled form for its {', '.join(sorted(stored))} matrices yet")
                     done += len(self.buckets)
                     continue
                 try:

@@ -20,6 +20,13 @@ only the matmul's order of summation differs.
     Q5_K  128 + 32 bytes of 5th bits   as Q4_K, each code's fifth bit or-ed in    32
     Q6_K  128 low nibbles + 64 bytes of 2-bit highs   as Q4_K, highs or-ed in     16
     Q8_0  32 int8 (after d)       the weights' own order (no permutation)          32
+
+Under torch.compile, Q8_0, Q4_0 and Q4_1 also have a fused form (`FUSED`: the weight as
+elementwise operations over the int8 view of the blocks, formats/linear.py says why): a
+block's d (and m) read as float16 from its first bytes, its codes as integers; a Q4 block's
+one-row product runs over its 16 code bytes, the low nibbles against the block's first 16
+inputs and the high ones against the next 16 (contiguous loads on both sides). The k-quants'
+packed six-bit scales have no fused form yet: a layer kind holding one decodes eagerly.
 """
 
 from __future__ import annotations
@@ -216,6 +223,34 @@ def split_weight(raw: torch.Tensor, kind: GgmlType) -> torch.Tensor:
 
 
 
+def _block_half(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 at byte `at` of each block of `blocks` int8 [N, nb, nbytes] -> float32 [N, nb, 1]."""
+    return blocks[..., at : at + 2].view(torch.float16).float()
+
+
+def _q4_halves(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q4_0/Q4_1 block's weights from its 16 code bytes' low nibbles (its first 16 weights) and
+    high nibbles (the next 16) -> float32 [N, nb, 16] each."""
+    d = _block_half(blocks, 0)
+    codes = blocks[..., 2:18] if kind == "Q4_0" else blocks[..., 4:20]
+    codes = codes.to(torch.int32) & 0xFF
+    low, high = (codes & 15).float(), (codes >> 4).float()
+    if kind == "Q4_0":
+        return (low - 8) * d, (high - 8) * d  # exact: small integers
+    m = _block_half(blocks, 2)
+    return d * low + m, d * high + m
+
+
+def _fused_weight(blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """blocks int8 [N, nb, nbytes] of a FUSED kind -> float32 [N, nb, 32], the weights' own order."""
+    if kind == "Q8_0":
+        return blocks[..., 2:].float() * _block_half(blocks, 0)
+    return torch.cat(_q4_halves(blocks, kind), dim=-1)
+
+
+FUSED = ("Q8_0", "Q4_0", "Q4_1")  # the types with a fused form (module docstring)
+
+
 class GgmlLinear(ShippedLinear):
     """y = x W^T for W stored as ggml blocks of `kind`: uint8 [N, K / block * nbytes], as the GGUF held them."""
 
@@ -238,3 +273,22 @@ class GgmlLinear(ShippedLinear):
 
     def dequantized_on(self, device: torch.device) -> torch.Tensor:
         return ggml_rows(self.weight.to(device), self.kind)
+
+    @property
+    def stored_as(self) -> str:
+        return f"GGUF {self.kind.name}"
+
+    def fused_inputs(self) -> tuple[torch.Tensor, ...] | None:
+        return (self.weight.view(torch.int8),) if self.kind.name in FUSED else None
+
+    def fused_weight(self, raw: torch.Tensor) -> torch.Tensor:
+        blocks = raw.view(raw.shape[0], -1, self.kind.nbytes)
+        return _fused_weight(blocks, self.kind.name).reshape(self.out_features, self.in_features)
+
+    def fused_rows(self, x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+        if self.kind.name == "Q8_0":
+            return super().fused_rows(x, raw)
+        blocks = raw.view(raw.shape[0], -1, self.kind.nbytes)
+        low, high = _q4_halves(blocks, self.kind.name)  # [N, nb, 16]
+        halves = x.view(x.shape[0], 1, blocks.shape[1], 2, 16)  # each block's first and second 16 inputs
+        return (halves[..., 0, :] * low + halves[..., 1, :] * high).sum((-1, -2))

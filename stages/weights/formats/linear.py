@@ -11,6 +11,14 @@ for the call (gpt-fast's form) unless the format has a kernel of torch's there
 reference: the float32 weight the stored values mean, computed by the published formula
 (checked against transformers' and the gguf package's own dequantizers in the tests).
 
+Under torch.compile a format may also offer its weight as elementwise torch operations over the
+stored tensors (`fused_inputs`, `fused_weight`): integer shifts, masks and selects, one
+integer-to-float conversion and the scale's multiply, no scratch, no table lookup, no bit cast
+inside the kernel (the dtype views are taken before, as graph inputs). Inductor fuses such an
+expression into the one-row product that reads it (stages/engine/compiled/forms.py), so a decode
+step reads the codes once, as stored, and never widens them into memory: on this machine's CPU
+that product is faster than float32's, where the eager chunked form is slower (bench/shipped.py).
+
 The engine stacks matrices a checkpoint keeps apart (q, k, v into wqkv; gate and up into
 w_gate_up); shipped, those parts may be stored differently (a GGUF's q in Q4_K and v in
 Q6_K; fp8 scale grids that do not line up across the parts), so a stacked engine matrix is a
@@ -53,6 +61,26 @@ class ShippedLinear(QuantLinear):
         """The float32 weight on `device` for one call (a device without a kernel of torch's for the format)."""
         return self.dequantized().to(device)
 
+    @property
+    def stored_as(self) -> str:
+        """The stored form in a few words ('Fp8BlockLinear', 'GGUF Q4_K'), for messages."""
+        return type(self).__name__
+
+    def fused_inputs(self) -> tuple[torch.Tensor, ...] | None:
+        """The stored tensors as `fused_weight` reads them (views of the buffers, in the dtypes a
+        vectorised kernel loads directly), or None: this format has no fused form."""
+        return None
+
+    def fused_weight(self, *stored: torch.Tensor) -> torch.Tensor:
+        """The float32 weight [N, K] of `fused_inputs`, as elementwise operations only (module
+        docstring); equal to `dequantized()`, value for value."""
+        raise NotImplementedError
+
+    def fused_rows(self, x: torch.Tensor, *stored: torch.Tensor) -> torch.Tensor:
+        """x [R, K] float32 @ the fused weight^T -> [R, N] as one reduction over K per output, for a
+        few rows (a format whose codes lie in another order than the inputs arranges its own)."""
+        return (x[:, None, :] * self.fused_weight(*stored)).sum(-1)
+
 
 class FloatLinear(ShippedLinear):
     """A float matrix kept in the dtype it ships in (bf16 beside fp8 or mxfp4 matrices; F16 in a
@@ -77,6 +105,12 @@ class FloatLinear(ShippedLinear):
 
     def dequantized_on(self, device: torch.device) -> torch.Tensor:
         return self.weight
+
+    def fused_inputs(self) -> tuple[torch.Tensor, ...]:
+        return (self.weight,)
+
+    def fused_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight.float()
 
 
 class RowStack(QuantLinear):

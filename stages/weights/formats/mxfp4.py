@@ -14,6 +14,13 @@ through float16 as fp8's do: a code's magnitude bits shifted to float16's top ma
 and exponent (bits 9..11), its sign to bit 15, are the float16 of FP4[code] * 2^-14 —
 e2m1's subnormal 0.5 included — and the scale 2^(e - 127 + 14), built once per matmul from
 its exponent bits in float32, multiplies each group of 32. The same value, bit for bit.
+
+Under torch.compile (`fused_weight`) a code is decoded by integer arithmetic, which inductor
+vectorises: exponent e and mantissa m of its magnitude give |FP4| * 4 = (2 + m) << e (normal)
+or 2 m (e = 0), and 2^(scale - 127 - 2) (exp2 of an integer: exact) multiplies it. A one-row
+product (`fused_rows`) runs over the bytes, each byte's low code times an even input and its
+high code times the next: the codes are read contiguously (interleaving them in the weights'
+order would make every load a gather).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ GROUP = 32  # inputs per scale
 E8M0_BIAS = 127
 CODE_EXPONENT = 14  # the float16 trick reads FP4[code] * 2^-14
 FLOAT32_EXPONENT_BITS = 23
+FUSED_SHIFT = 2  # the fused form's integers are |FP4| * 4 (module docstring)
 
 
 def mxfp4_dense(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -98,6 +106,32 @@ class Mxfp4Linear(ShippedLinear):
 
     def dequantized(self) -> torch.Tensor:
         return mxfp4_dense(self.blocks.cpu(), self.scales.cpu())
+
+    def fused_inputs(self) -> tuple[torch.Tensor, ...]:
+        return self.blocks, self.scales
+
+    def fused_weight(self, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        low, high = self._fused_halves(blocks, scales)  # [N, G, 16] each
+        return torch.stack((low, high), dim=-1).reshape(self.out_features, self.in_features)  # the low the even input
+
+    def fused_rows(self, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        low, high = self._fused_halves(blocks, scales)
+        pairs = x.view(x.shape[0], 1, *blocks.shape[1:], 2)  # [R, 1, G, 16, 2]: even and odd inputs
+        return (pairs[..., 0] * low + pairs[..., 1] * high).sum((-1, -2))
+
+    @staticmethod
+    def _fused_halves(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 weights of each byte's low and high code [N, G, 16] (module docstring)."""
+        factors = torch.exp2(scales.float() - (E8M0_BIAS + FUSED_SHIFT))[..., None]  # [N, G, 1]
+        b = blocks.to(torch.int32)
+        return fp4_times_4(b & 15) * factors, fp4_times_4(b >> 4) * factors
+
+
+def fp4_times_4(codes: torch.Tensor) -> torch.Tensor:
+    """FP4[code] * 4 as float32 for e2m1 codes (int32, 0..15) by integer arithmetic (module docstring)."""
+    exponent, mantissa = (codes >> 1) & 3, codes & 1
+    magnitude = torch.where(exponent == 0, mantissa << 1, (mantissa + 2) << exponent)
+    return torch.where(codes >= 8, -magnitude, magnitude).float()
 
     def dequantized_on(self, device: torch.device) -> torch.Tensor:
         return mxfp4_dense(self.blocks.to(device), self.scales.to(device))

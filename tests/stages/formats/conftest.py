@@ -61,6 +61,7 @@ def shipped(sources, tmp_path_factory):
 
     gguf = {f"gguf-llama-{kind}": ("llama", (kind,), "Q8_0") for kind in K_QUANTS}
     gguf["gguf-llama-every-k-quant"] = ("llama", K_QUANTS, "Q6_K")
+    gguf["gguf-llama-q4"] = ("llama", ("Q4_0", "Q4_1"), "Q8_0")  # the older 4-bit types, each with a fused form
     gguf["gguf-moe-every-type"] = ("moe", EVERY_BLOCK_TYPE, "Q6_K")
     for name, (source, kinds, edge) in gguf.items():
         path = ck.gguf_file(sources[source], root / f"{name}.gguf", cycling(kinds), edge_type=edge)
@@ -71,6 +72,6 @@ def shipped(sources, tmp_path_factory):
 
 NAMES = ["fp8-llama", "fp8-moe", "fp8-llama-ragged-blocks", "fp8-deepseek_v3", "fp8-glm4_moe", "fp8-glm_moe_dsa",
          "mxfp4-moe", "mxfp4-moe-fused", "mxfp4-llama-every-matrix",
-         *(f"gguf-llama-{kind}" for kind in K_QUANTS), "gguf-llama-every-k-quant", "gguf-moe-every-type"]
+         *(f"gguf-llama-{kind}" for kind in K_QUANTS), "gguf-llama-every-k-quant", "gguf-llama-q4", "gguf-moe-every-type"]
 
 

@@ -1,0 +1,146 @@
+"""Compiled decode steps over weights as they ship: the fused forms (stages/engine/compiled/forms.py).
+
+Each format's `fused_weight` (the weight as elementwise operations over the stored codes, which
+inductor fuses into the product) is its `dequantized()` value for value, over every code and
+the scales' whole range (hypothesis); its `fused_rows` is the product with that weight. A
+compiled span of each fused format decodes its checkpoint's tokens with logits within the
+compiled-vs-eager bound of the eager span's, solo (one-row reductions) and five sessions stacked
+(the eight-row bucket: matmuls over the fused weight a chunk at a time); a span holding GGUF
+k-quants (no fused form yet) keeps those layer kinds eager, says why, and answers the same.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tessera.stages.engine.compiled.build import compile_decode
+from tessera.stages.engine.compiled.forms import FusedRows, decode_form, unfused
+from tessera.stages.engine.compiled.inductor import HEAD
+from tessera.stages.engine.stage import Stage
+from tessera.stages.families.shipped import GGML_TYPES
+from tessera.stages.weights.formats.fp8 import Fp8BlockLinear
+from tessera.stages.weights.formats.ggml_linear import GgmlLinear
+from tessera.stages.weights.formats.linear import ShippedLinear
+from tessera.stages.weights.formats.mxfp4 import Mxfp4Linear
+
+from ..families.conformance import PROMPT
+from ..test_compiled import CLOSE, gap, solo_tokens, stacked_tokens
+
+FUSED_FOLDERS = ["fp8-llama-ragged-blocks", "fp8-moe", "mxfp4-llama-every-matrix", "gguf-llama-Q8_0", "gguf-llama-q4"]
+STEPS = 6
+STACKED = [PROMPT, PROMPT[:3], PROMPT[:5], PROMPT[:7], PROMPT[:9]]  # five rows: the eight-row bucket
+
+
+def shipped_matrices(stage: Stage) -> list[ShippedLinear]:
+    return [m for block in stage.blocks for m in block.modules() if isinstance(m, ShippedLinear)]
+
+
+def check_fused(matrix: ShippedLinear) -> None:
+    stored = matrix.fused_inputs()
+    assert stored is not None
+    want = matrix.dequantized()
+    got = matrix.fused_weight(*stored)
+    assert got.dtype == torch.float32 and torch.equal(got, want), f"{matrix.stored_as}: max {(got - want).abs().max()}"
+    x = torch.randn(3, matrix.in_features, generator=torch.Generator().manual_seed(7))
+    rows, product = matrix.fused_rows(x, *stored), x @ want.T
+    finite = product.isfinite()
+    assert torch.equal(rows.isfinite(), finite)
+    if finite.any():
+        assert float((rows - product)[finite].abs().max() / product[finite].abs().max().clamp(min=1e-30)) <= 1e-5
+
+
+@pytest.mark.parametrize("name", FUSED_FOLDERS + ["fp8-deepseek_v3", "mxfp4-moe-fused", "gguf-moe-every-type"])
+def test_every_fused_form_is_its_dequantized_weight(shipped, name):
+    folder, _ = shipped[name]
+    matrices = [m for m in shipped_matrices(Stage.load(folder)) if m.fused_inputs() is not None]
+    assert matrices
+    for matrix in matrices:
+        check_fused(matrix)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 255), min_size=8, max_size=8), st.integers(1, 3))
+def test_fp8_fused_form_over_every_code(scale_bytes, bands):
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # e4m3's NaN: refused at load
+    codes = codes.view(16, 16).repeat(bands, 1).view(torch.float8_e4m3fn)  # [16 bands, 16]
+    exponents = torch.tensor(scale_bytes, dtype=torch.int32).view(-1)[: 2 * bands].view(bands, 2)
+    scale_inv = torch.ldexp(torch.ones(bands, 2), exponents - 160)  # 2^-160 .. 2^95: subnormal to large
+    check_fused(Fp8BlockLinear(codes, scale_inv, (16, 8), None))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 254), min_size=16, max_size=16))
+def test_mxfp4_fused_form_over_every_code_and_scale(scales):
+    blocks = torch.arange(256, dtype=torch.uint8).view(1, 16, 16).repeat(2, 1, 1).view(2, 16, 16)  # every byte
+    check_fused(Mxfp4Linear(blocks, torch.tensor(scales, dtype=torch.uint8).view(2, 8).repeat(1, 2), None))
+
+
+finite_halves = st.integers(0, 0xFFFF).filter(lambda bits: (bits >> 10) & 0x1F != 0x1F)  # no inf or NaN
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(["Q8_0", "Q4_0", "Q4_1"]), st.lists(finite_halves, min_size=16, max_size=16),
+       st.integers(0, 2**32 - 1))
+def test_gguf_fused_forms_over_random_blocks(kind, halves, seed):
+    ggml = GGML_TYPES[kind]
+    raw = torch.randint(0, 256, (4, 2 * ggml.nbytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    blocks = raw.view(4, 2, ggml.nbytes)
+    bits = torch.tensor(halves, dtype=torch.int32)
+    for at, half in ((0, bits[:8]), (2, bits[8:])) if kind == "Q4_1" else ((0, bits[:8]),):  # d (and m) per block
+        blocks[..., at] = (half & 0xFF).view(4, 2).to(torch.uint8)
+        blocks[..., at + 1] = (half >> 8).view(4, 2).to(torch.uint8)
+    check_fused(GgmlLinear(raw, ggml, 2 * ggml.block, None))
+
+
+@pytest.fixture(scope="module")
+def compiled(shipped):
+    """Each folder's whole model compiled (buckets of one and eight rows), with what it said."""
+    out = {}
+    for name in FUSED_FOLDERS + ["gguf-moe-every-type"]:
+        stage, said = Stage.load(shipped[name][0], embed=True, head=True), []
+        compile_decode(stage, "inductor", say=said.append, buckets=(1, 8))
+        out[name] = (stage, said)
+    return out
+
+
+@pytest.mark.parametrize("name", FUSED_FOLDERS)
+def test_a_compiled_span_of_a_fused_format_decodes_as_the_eager_one(shipped, compiled, name):
+    stage, said = compiled[name]
+    runner = stage.decode
+    assert not runner.eager, said  # every layer kind and the head compiled
+    assert runner.compiled == set(stage.spec.layers) | {HEAD}
+    assert any(isinstance(m, FusedRows) for form in runner.forms for m in form.modules())
+    assert not any(unfused(form) for form in runner.forms)  # every shipped matrix in a fused form
+    eager = Stage.load(shipped[name][0], embed=True, head=True)
+    want, want_logits = solo_tokens(eager, PROMPT, STEPS)
+    before = runner.steps
+    got, logits = solo_tokens(stage, PROMPT, STEPS)
+    assert runner.steps - before == STEPS  # solo_tokens steps once more after its last token
+    assert got == want
+    assert max(gap(a, b) for a, b in zip(logits, want_logits)) <= CLOSE
+    solo = [solo_tokens(eager, prompt, STEPS) for prompt in STACKED]
+    tokens, stacked = stacked_tokens(stage, STACKED, STEPS)
+    assert tokens == [t for t, _ in solo]
+    assert max(gap(a, b) for i in range(len(STACKED)) for a, b in zip(stacked[i], solo[i][1])) <= CLOSE
+
+
+def test_a_span_holding_k_quants_keeps_those_kinds_eager_and_says_why(shipped, compiled):
+    stage, said = compiled["gguf-moe-every-type"]
+    runner = stage.decode
+    assert runner.eager and set(runner.eager) <= set(stage.spec.layers)
+    assert all("no compiled form for its GGUF Q" in why and "_K" in why for why in runner.eager.values()), said
+    assert len([line for line in said if "decodes eagerly" in line]) == len(runner.eager)
+    eager = Stage.load(shipped["gguf-moe-every-type"][0], embed=True, head=True)
+    assert solo_tokens(stage, PROMPT, STEPS)[0] == solo_tokens(eager, PROMPT, STEPS)[0]
+
+
+def test_the_decode_form_shares_the_stored_bytes():
+    """A FusedRows holds views of its matrix's buffers: building the decode form copies no weight."""
+    matrix = Mxfp4Linear(torch.randint(0, 256, (4, 2, 16), dtype=torch.uint8), torch.full((4, 2), 127, dtype=torch.uint8), None)
+    form = decode_form(torch.nn.Sequential(matrix))[0]
+    assert isinstance(form, FusedRows)
+    assert form.stored_0_0.data_ptr() == matrix.blocks.data_ptr() and form.stored_0_1.data_ptr() == matrix.scales.data_ptr()
