@@ -17,11 +17,12 @@ weight (the int8 path's "scale the output" in block form). Each step is exact ex
 order of float32 rounding in the sum, well inside the float32 tolerance the tests state.
 e4m3's NaN (0x7F, 0xFF) would widen to a number; a checkpoint holding one is refused at load.
 
-Under torch.compile (`fused_weight`) the codes are decoded by integer arithmetic instead, which
-inductor vectorises where it cannot vectorise the float16 view: exponent e and mantissa m of a
-byte give |q| 2^10 = (8 + m) << e (normal) or 2 m (e = 0), an integer below 2^19 that float32
-holds exactly; the sign selects its negation, times 2^-10 (exact) it is q, and the block scale
-multiplies it. The same float32 value as `fp8_dense`'s, one rounding each.
+Under torch.compile (`fused_weight`) a code becomes float32 bits instead: its sign to bit 31,
+its seven other bits shifted left by 20 (exponent to bits 23..26, mantissa to the top of
+float32's), which read as a float32 are q * 2^-120 — subnormals included, since e4m3's
+subnormal m/8 * 2^-6 lands on float32's m/8 * 2^-126 — so times 2^120 (exact) it is q, and
+the block scale multiplies it: a few integer operations and a bit cast, which inductor
+vectorises. The same float32 value as `fp8_dense`'s.
 
 On a CUDA device of compute capability 9.0 (H100/H200), `torch.nn.functional.scaled_mm` with
 1x128 activation blocks and the checkpoint's 128x128 weight blocks multiplies the codes as they
@@ -44,7 +45,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_NAN_BITS = 0x7F  # e4m3fn's NaN: every exponent and mantissa bit set (either sign)
 F16_OF_CODE = -16512  # int16 0xBF80: keeps the sign (bit 15) and the seven bits shifted to 13..7
 CODE_SCALE = 256.0  # the float16 trick reads q * 2^-8
-FUSED_SHIFT = 10  # the fused form's integers are |q| * 2^10 (module docstring)
+FUSED_EXPONENT = 120  # the fused form's float32 bits read q * 2^-120 (module docstring)
 SCALED_MM_BLOCK = 128  # torch's blockwise fp8 scaling: 1x128 activations, 128x128 weights
 SCALED_MM_CAPABILITY = (9, 0)  # SM90: where torch implements that recipe
 SELF_CHECK_TOLERANCE = 0.05  # relative, of the largest output: fp8 activations lose ~3 bits of 8
@@ -123,9 +124,7 @@ class Fp8BlockLinear(ShippedLinear):
 
     def fused_weight(self, code_bytes: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
         b = code_bytes.to(torch.int32)
-        exponent, mantissa = (b >> 3) & 15, b & 7
-        magnitude = torch.where(exponent == 0, mantissa << 1, (mantissa + 8) << exponent)  # |q| 2^10
-        q = torch.where(b >= 128, -magnitude, magnitude).float() * 2.0**-FUSED_SHIFT
+        q = (((b & 0x80) << 24) | ((b & 0x7F) << 20)).view(torch.float32) * 2.0**FUSED_EXPONENT  # exact
         (bn, bk), n, k = self.block, self.out_features, self.in_features
         return q * scale_inv.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
 

@@ -286,9 +286,9 @@ class GgmlLinear(ShippedLinear):
         return _fused_weight(blocks, self.kind.name).reshape(self.out_features, self.in_features)
 
     def fused_rows(self, x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
-        if self.kind.name == "Q8_0":
-            return super().fused_rows(x, raw)
         blocks = raw.view(raw.shape[0], -1, self.kind.nbytes)
+        if self.kind.name == "Q8_0":  # summed per block then over blocks: the codes' loads stay contiguous
+            return (x.view(x.shape[0], 1, blocks.shape[1], 32) * _fused_weight(blocks, "Q8_0")).sum((-1, -2))
         low, high = _q4_halves(blocks, self.kind.name)  # [N, nb, 16]
         halves = x.view(x.shape[0], 1, blocks.shape[1], 2, 16)  # each block's first and second 16 inputs
         return (halves[..., 0, :] * low + halves[..., 1, :] * high).sum((-1, -2))

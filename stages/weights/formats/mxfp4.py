@@ -15,12 +15,15 @@ and exponent (bits 9..11), its sign to bit 15, are the float16 of FP4[code] * 2^
 e2m1's subnormal 0.5 included — and the scale 2^(e - 127 + 14), built once per matmul from
 its exponent bits in float32, multiplies each group of 32. The same value, bit for bit.
 
-Under torch.compile (`fused_weight`) a code is decoded by integer arithmetic, which inductor
-vectorises: exponent e and mantissa m of its magnitude give |FP4| * 4 = (2 + m) << e (normal)
-or 2 m (e = 0), and 2^(scale - 127 - 2) (exp2 of an integer: exact) multiplies it. A one-row
-product (`fused_rows`) runs over the bytes, each byte's low code times an even input and its
-high code times the next: the codes are read contiguously (interleaving them in the weights'
-order would make every load a gather).
+Under torch.compile (`fused_weight`) a code and its group's exponent become float32 bits: the
+magnitude bits shifted to float32's exponent and top mantissa bit (bits 22..24) read as
+FP4[code] * 2^-126, so adding (scale - 1) to the exponent field makes it FP4[code] *
+2^(scale - 127); e2m1's subnormal 0.5 (and zero) take the exponent field alone (or nothing);
+the sign goes to bit 31. Integer operations and a bit cast, which inductor vectorises. It holds
+for exponents FUSED_SCALES (every normal result; a checkpoint's scales lie far inside), and a
+matrix with a scale outside has no fused form. A one-row product (`fused_rows`) runs over the
+bytes, each byte's low code times an even input and its high code times the next: the codes
+are read contiguously (interleaving them in the weights' order would make every load a gather).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ GROUP = 32  # inputs per scale
 E8M0_BIAS = 127
 CODE_EXPONENT = 14  # the float16 trick reads FP4[code] * 2^-14
 FLOAT32_EXPONENT_BITS = 23
-FUSED_SHIFT = 2  # the fused form's integers are |FP4| * 4 (module docstring)
+FUSED_SCALES = (2, 252)  # e8m0 exponents whose every product with an e2m1 value is a normal float32
 
 
 def mxfp4_dense(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -107,7 +110,10 @@ class Mxfp4Linear(ShippedLinear):
     def dequantized(self) -> torch.Tensor:
         return mxfp4_dense(self.blocks.cpu(), self.scales.cpu())
 
-    def fused_inputs(self) -> tuple[torch.Tensor, ...]:
+    def fused_inputs(self) -> tuple[torch.Tensor, ...] | None:
+        low, high = FUSED_SCALES
+        if self.scales.numel() and not low <= int(self.scales.min()) <= int(self.scales.max()) <= high:
+            return None
         return self.blocks, self.scales
 
     def fused_weight(self, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -122,16 +128,15 @@ class Mxfp4Linear(ShippedLinear):
     @staticmethod
     def _fused_halves(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The float32 weights of each byte's low and high code [N, G, 16] (module docstring)."""
-        factors = torch.exp2(scales.float() - (E8M0_BIAS + FUSED_SHIFT))[..., None]  # [N, G, 1]
+        exponent = ((scales.to(torch.int32) - 1) << FLOAT32_EXPONENT_BITS)[..., None]  # [N, G, 1]
         b = blocks.to(torch.int32)
-        return fp4_times_4(b & 15) * factors, fp4_times_4(b >> 4) * factors
+        return scaled_fp4(b & 15, exponent), scaled_fp4(b >> 4, exponent)
 
 
-def fp4_times_4(codes: torch.Tensor) -> torch.Tensor:
-    """FP4[code] * 4 as float32 for e2m1 codes (int32, 0..15) by integer arithmetic (module docstring)."""
-    exponent, mantissa = (codes >> 1) & 3, codes & 1
-    magnitude = torch.where(exponent == 0, mantissa << 1, (mantissa + 2) << exponent)
-    return torch.where(codes >= 8, -magnitude, magnitude).float()
-
-    def dequantized_on(self, device: torch.device) -> torch.Tensor:
-        return mxfp4_dense(self.blocks.to(device), self.scales.to(device))
+def scaled_fp4(codes: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
+    """FP4[code] * 2^(scale - 127) as float32 for e2m1 codes (int32, 0..15), `exponent` (scale - 1)
+    shifted to float32's exponent field (module docstring)."""
+    normal = ((codes & 7) << 22) + exponent
+    subnormal = (codes & 1) * exponent  # 0, or 0.5 * 2^(scale - 127)
+    bits = torch.where((codes & 6) == 0, subnormal, normal) | ((codes & 8) << 28)
+    return bits.view(torch.float32)

@@ -24,7 +24,7 @@ from tessera.stages.families.shipped import GGML_TYPES
 from tessera.stages.weights.formats.fp8 import Fp8BlockLinear
 from tessera.stages.weights.formats.ggml_linear import GgmlLinear
 from tessera.stages.weights.formats.linear import ShippedLinear
-from tessera.stages.weights.formats.mxfp4 import Mxfp4Linear
+from tessera.stages.weights.formats.mxfp4 import FUSED_SCALES, Mxfp4Linear
 
 from ..families.conformance import PROMPT
 from ..test_compiled import CLOSE, gap, solo_tokens, stacked_tokens
@@ -72,11 +72,24 @@ def test_fp8_fused_form_over_every_code(scale_bytes, bands):
     check_fused(Fp8BlockLinear(codes, scale_inv, (16, 8), None))
 
 
+EVERY_BYTE = torch.arange(256, dtype=torch.uint8).view(1, 16, 16).repeat(2, 1, 1)  # [2 rows, 16 groups, 16]
+
+
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.integers(0, 254), min_size=16, max_size=16))
+@given(st.lists(st.integers(*FUSED_SCALES), min_size=16, max_size=16))
 def test_mxfp4_fused_form_over_every_code_and_scale(scales):
-    blocks = torch.arange(256, dtype=torch.uint8).view(1, 16, 16).repeat(2, 1, 1).view(2, 16, 16)  # every byte
-    check_fused(Mxfp4Linear(blocks, torch.tensor(scales, dtype=torch.uint8).view(2, 8).repeat(1, 2), None))
+    check_fused(Mxfp4Linear(EVERY_BYTE, torch.tensor(scales, dtype=torch.uint8).view(2, 8).repeat(1, 2), None))
+
+
+@pytest.mark.parametrize("outside", [0, 1, 253, 254])
+def test_an_mxfp4_scale_outside_the_fused_range_leaves_the_matrix_unfused(outside):
+    """Such a product would leave float32's normal range in the bit arithmetic: the matrix keeps its
+    eager form, and the decode form says which."""
+    scales = torch.full((2, 16), 127, dtype=torch.uint8)
+    scales[1, 3] = outside
+    matrix = Mxfp4Linear(EVERY_BYTE, scales, None)
+    assert matrix.fused_inputs() is None
+    assert unfused(decode_form(torch.nn.Sequential(matrix))) == {"Mxfp4Linear"}
 
 
 finite_halves = st.integers(0, 0xFFFF).filter(lambda bits: (bits >> 10) & 0x1F != 0x1F)  # no inf or NaN
@@ -140,7 +153,7 @@ def test_a_span_holding_k_quants_keeps_those_kinds_eager_and_says_why(shipped, c
 
 def test_the_decode_form_shares_the_stored_bytes():
     """A FusedRows holds views of its matrix's buffers: building the decode form copies no weight."""
-    matrix = Mxfp4Linear(torch.randint(0, 256, (4, 2, 16), dtype=torch.uint8), torch.full((4, 2), 127, dtype=torch.uint8), None)
+    matrix = Mxfp4Linear(EVERY_BYTE, torch.full((2, 16), 127, dtype=torch.uint8), None)
     form = decode_form(torch.nn.Sequential(matrix))[0]
     assert isinstance(form, FusedRows)
     assert form.stored_0_0.data_ptr() == matrix.blocks.data_ptr() and form.stored_0_1.data_ptr() == matrix.scales.data_ptr()
