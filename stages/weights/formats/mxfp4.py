@@ -137,6 +137,6 @@ def scaled_fp4(codes: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
     """FP4[code] * 2^(scale - 127) as float32 for e2m1 codes (int32, 0..15), `exponent` (scale - 1)
     shifted to float32's exponent field (module docstring)."""
     normal = ((codes & 7) << 22) + exponent
-    subnormal = (codes & 1) * exponent  # 0, or 0.5 * 2^(scale - 127)
+    subnormal = exponent & -(codes & 1)  # 0, or 0.5 * 2^(scale - 127): the field alone where the mantissa bit is set
     bits = torch.where((codes & 6) == 0, subnormal, normal) | ((codes & 8) << 28)
     return bits.view(torch.float32)
