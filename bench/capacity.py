@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 from batching import concurrent_sessions_figures  # bench/batching.py, beside this script
-from shipped import shipped_figures  # bench/shipped.py, beside this script
+from shipped import decode_rate, shipped_figures  # bench/shipped.py, beside this script
 
 from tessera.peer.node.config import KV_RESERVE_FRACTION
 from tessera.stages.weights import registry
@@ -49,19 +48,6 @@ SYNTH_1B = dict(hidden=2048, layers=24, heads=16, kv_heads=8, intermediate=5632)
 def layers_in_budget(spec: ModelSpec, budget: int, itemsize: int, quant: Quant) -> int:
     """The peer's capacity rule without its cap at the model's depth (so ratios show)."""
     return int(budget * (1 - KV_RESERVE_FRACTION) // layer_bytes(spec, itemsize, quant))
-
-
-def decode_rate(stage: Stage, head: Stage, ids: list[int], n: int) -> float:
-    stage.open("bench", capacity=len(ids) + n + 1)
-    token = int(head.logits(stage.forward("bench", head.embed(ids), 0)[-1:]).argmax())
-    pos = len(ids)
-    started = time.perf_counter()
-    for _ in range(n):
-        token = int(head.logits(stage.forward("bench", head.embed([token]), pos)).argmax())
-        pos += 1
-    elapsed = time.perf_counter() - started
-    stage.close("bench")
-    return n / elapsed
 
 
 def concurrent_sessions(args: argparse.Namespace) -> list[str]:

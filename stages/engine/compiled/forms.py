@@ -48,30 +48,31 @@ class RowLinear(nn.Linear):
         return rows_linear(x, self.weight, self.bias)
 
 
+Stored = tuple[torch.Tensor, ...]  # a part's `fused_inputs`
+
+
 class FusedRows(nn.Module):
     """A shipped matrix (or a RowStack of them) in a decode form: under torch.compile, up to
     ROW_REDUCTION_ROWS rows as one reduction per stored part (`fused_rows`), more as matmuls over
-    its `fused_weight` a chunk at a time; eagerly, the matrix's own forward. Its buffers are views of the matrix's, so that the graph reads them as they are stored."""
+    its `fused_weight` a chunk at a time; eagerly, the matrix's own forward. Its buffers are the
+    parts' `fused_inputs` (views of the matrix's), so that the graph reads them as stored."""
 
-    def __init__(self, matrix: QuantLinear, parts: list[ShippedLinear]) -> None:
+    def __init__(self, matrix: QuantLinear, parts: list[tuple[ShippedLinear, Stored]]) -> None:
         super().__init__()
         self.matrix = matrix
-        self.parts = parts  # a plain list: the modules are the matrix's own
-        self.arity = []
-        for i, part in enumerate(parts):
-            stored = part.fused_inputs()
-            assert stored is not None, "fused_parts chose only parts with a fused form"
-            self.arity.append(len(stored))
-            for j, tensor in enumerate(stored):
-                self.register_buffer(f"stored_{i}_{j}", tensor, persistent=False)
+        self.parts = [part for part, _ in parts]  # a plain list: the modules are the matrix's own
+        self.stored_names = [tuple(f"stored_{i}_{j}" for j in range(len(stored))) for i, (_, stored) in enumerate(parts)]
+        for (_, stored), names in zip(parts, self.stored_names):
+            for name, tensor in zip(names, stored):
+                self.register_buffer(name, tensor, persistent=False)  # graph inputs, shared by every layer's graph
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_compiling():
             return self.matrix.forward(x)
         rows = x.reshape(-1, x.shape[-1]).float()
         outs = []  # each [R, part's N]
-        for i, part in enumerate(self.parts):
-            stored = [getattr(self, f"stored_{i}_{j}") for j in range(self.arity[i])]
+        for part, names in zip(self.parts, self.stored_names):
+            stored = [getattr(self, name) for name in names]
             if rows.shape[0] <= ROW_REDUCTION_ROWS:
                 outs.append(part.fused_rows(rows, *stored))
             else:  # the weight widened DEQUANT_CHUNK_BYTES at a time by the graph, each chunk a matmul
@@ -84,23 +85,23 @@ class FusedRows(nn.Module):
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
 
-def fused_parts(module: nn.Module) -> list[ShippedLinear] | None:
-    """The stored parts of a shipped matrix when every one has a fused form; None otherwise."""
-    if isinstance(module, RowStack):
-        parts = list(module.parts)
-    elif isinstance(module, ShippedLinear):
-        parts = [module]
-    else:
+def fused_parts(module: nn.Module) -> list[tuple[ShippedLinear, Stored]] | None:
+    """Each stored part of a shipped matrix with its `fused_inputs`, when every part has a fused
+    form; None otherwise (not a shipped matrix, or a part without one)."""
+    if not isinstance(module, (RowStack, ShippedLinear)):
         return None
-    return parts if all(part.fused_inputs() is not None for part in parts) else None
+    parts = list(module.parts) if isinstance(module, RowStack) else [module]
+    stored = [part.fused_inputs() for part in parts]
+    return None if any(s is None for s in stored) else list(zip(parts, stored))
 
 
 def unfused(form: nn.Module) -> set[str]:
     """The stored forms of the shipped matrices in a decode form that have no fused form (their
     eager code does not trace: a layer kind holding one decodes eagerly)."""
-    fused = {id(m) for f in form.modules() if isinstance(f, FusedRows) for m in f.matrix.modules()}
-    return {m.stored_as for m in form.modules()
-            if isinstance(m, ShippedLinear) and id(m) not in fused and m.fused_inputs() is None}
+    if isinstance(form, FusedRows):
+        return set()
+    found = {form.stored_as} if isinstance(form, ShippedLinear) and form.fused_inputs() is None else set()
+    return found.union(*(unfused(child) for child in form.children()))
 
 
 def decode_form(module: nn.Module) -> nn.Module:
