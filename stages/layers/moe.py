@@ -43,6 +43,7 @@ class MoE(nn.Module):
         return out if self.shared is None else out + self.shared.forward(x)
 
 
+@torch.compiler.disable  # data-dependent (which experts, how many rows each): traced, each new count would recompile
 def dispatch(x: torch.Tensor, weights: torch.Tensor, picks: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
     """sum_j weights[t, j] * experts[picks[t, j]](x[t]) for every row t: each picked expert runs once,
     over the rows that picked it, in increasing expert order (the reference's order of addition)."""

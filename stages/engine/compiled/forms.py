@@ -104,6 +104,14 @@ def unfused(form: nn.Module) -> set[str]:
     return found.union(*(unfused(child) for child in form.children()))
 
 
+def stored_signature(form: nn.Module) -> tuple:
+    """What a compiled graph of a decode form specialises on besides its layer kind: each fused
+    matrix's stored form and dtypes, in order. Layers of one kind may store differently (a GGUF
+    file mixes block types across layers), and each such variant needs a graph of its own."""
+    return tuple((part.stored_as, tuple(getattr(f, name).dtype for name in names))
+                 for f in form.modules() if isinstance(f, FusedRows) for part, names in zip(f.parts, f.stored_names))
+
+
 def decode_form(module: nn.Module) -> nn.Module:
     """A copy of `module`'s tree sharing every parameter and buffer, each plain nn.Linear a RowLinear and
     each shipped matrix with a fused form a FusedRows."""

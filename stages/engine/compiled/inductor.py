@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tessera.stages.engine.compiled.forms import decode_form, rows_linear, unfused
+from tessera.stages.engine.compiled.forms import decode_form, rows_linear, stored_signature, unfused
 from tessera.stages.engine.compiled.modes import INDUCTOR
 from tessera.stages.engine.compiled.rows import RowsStep
 from tessera.stages.engine.sessions import SessionState
@@ -111,33 +111,40 @@ class InductorDecode:
         self.compiled: set[LayerSpec | str] = set()  # layer kinds (and HEAD) that run compiled
         self.eager: dict[LayerSpec | str, str] = {}  # layer kind (or HEAD) -> why it runs eagerly
         self.steps = 0  # decode steps this runner ran (some of their layers may have run eagerly)
-        self._scratch: dict[CacheSpec, KeyValues] = {}
+        self._scratch: dict[CacheSpec, list[KeyValues]] = {}
 
     # -- compiling (once per span load) ---------------------------------------------
 
     def compile(self) -> None:
-        """Compile every layer kind of the span for every bucket (and the head), saying how far it got."""
+        """Compile every layer kind of the span for every bucket (and the head), saying how far it got.
+        A kind whose layers store their matrices differently (stored_signature) is compiled once per
+        variant, from its first layer, so that no layer of the span needs a compile at run time."""
         stage = self.stage
         kinds = list(dict.fromkeys(stage.spec.layers[stage.start : stage.end]))
-        jobs = len(kinds) * len(self.buckets) + (len(self.buckets) if stage.head is not None else 0)
+        layers = {kind: [i for i in range(stage.end - stage.start) if stage.spec.layers[stage.start + i] == kind]
+                  for kind in kinds}
+        variants = {kind: self._variants(layers[kind]) for kind in kinds}
+        jobs = sum(len(v) for v in variants.values()) * len(self.buckets) + \
+            (len(self.buckets) if stage.head is not None else 0)
         done, began = 0, time.perf_counter()
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
                 torch._inductor.config.patch(realize_reads_threshold=REALIZE_READS), torch.inference_mode():
             for kind in kinds:
                 if kind.attention.kind not in COMPILED_ATTENTION:
                     self._fall_back(kind, f"no compiled step for {kind.attention.kind} attention's cache yet")
-                    done += len(self.buckets)
+                    done += len(variants[kind]) * len(self.buckets)
                     continue
-                stored = unfused(self.forms[stage.spec.layers.index(kind, stage.start, stage.end) - stage.start])
+                stored = set().union(*(unfused(self.forms[i]) for i in layers[kind]))
                 if stored:
                     self._fall_back(kind, f"no compiled form for its {', '.join(sorted(stored))} matrices yet")
-                    done += len(self.buckets)
+                    done += len(variants[kind]) * len(self.buckets)
                     continue
                 try:
-                    for rows in self.buckets:
-                        self._warm_layer(kind, rows)
-                        done += 1
-                        self.say(f"compiling decode steps: {done}/{jobs} ({time.perf_counter() - began:.0f} s)")
+                    for layer in variants[kind]:
+                        for rows in self.buckets:
+                            self._warm_layer(kind, rows, layer)
+                            done += 1
+                            self.say(f"compiling decode steps: {done}/{jobs} ({time.perf_counter() - began:.0f} s)")
                     self.compiled.add(kind)
                 except Exception as bad:  # noqa: BLE001 - any failure to compile means: this kind runs eagerly
                     self._fall_back(kind, f"compiling failed: {first_line(bad)}")
@@ -152,10 +159,16 @@ class InductorDecode:
                 except Exception as bad:  # noqa: BLE001 - as above
                     self._fall_back(HEAD, f"compiling failed: {first_line(bad)}")
 
-    def _warm_layer(self, kind: LayerSpec, rows: int) -> None:
-        """Run one layer of `kind` over `rows` rows, so dynamo and inductor build its graph."""
+    def _variants(self, layers: list[int]) -> list[int]:
+        """The first of `layers` for each distinct stored_signature among them."""
+        first: dict[tuple, int] = {}
+        for layer in layers:
+            first.setdefault(stored_signature(self.forms[layer]), layer)
+        return list(first.values())
+
+    def _warm_layer(self, kind: LayerSpec, rows: int, layer: int) -> None:
+        """Run layer `layer` (stage-relative, of `kind`) over `rows` rows, so dynamo and inductor build its graph."""
         stage = self.stage
-        layer = stage.spec.layers.index(kind, stage.start, stage.end) - stage.start
         stores = []
         for _ in range(rows):  # capacity a size symbol: what a session's store will pass
             store = KeyValues(kind.cache, SCRATCH_CAPACITY + 1, dtype=stage.dtype, device=stage.device)
@@ -204,7 +217,7 @@ class InductorDecode:
                 kind = stage.spec.layers[stage.start + i]
                 stores = [state.cache.layers[i - (state.start - stage.start)] for state in states]
                 if kind in self.compiled:
-                    stores += [self._scratch_store(kind.cache)] * pad
+                    stores += self._scratch_stores(kind.cache, pad)
                     cos, sin = tables[(kind.attention.rope, kind.attention.rope_dim)]
                     try:
                         x = self.layer_fn(self.forms[i], x, cos, sin, pos, [s.keys for s in stores],
@@ -244,10 +257,13 @@ class InductorDecode:
     def closed(self, cache: SessionCache) -> None:
         pass
 
-    def _scratch_store(self, spec: CacheSpec) -> KeyValues:
-        if spec not in self._scratch:
-            self._scratch[spec] = KeyValues(spec, SCRATCH_CAPACITY, dtype=self.stage.dtype, device=self.stage.device)
-        return self._scratch[spec]
+    def _scratch_stores(self, spec: CacheSpec, count: int) -> list[KeyValues]:
+        """`count` pad rows' stores, each its own: one store passed twice in a step is an aliased
+        graph input, which dynamo guards against (warm-up passes distinct ones): a recompile."""
+        stores = self._scratch.setdefault(spec, [])
+        while len(stores) < count:
+            stores.append(KeyValues(spec, SCRATCH_CAPACITY, dtype=self.stage.dtype, device=self.stage.device))
+        return stores[:count]
 
 
 def eager_context(positions: list[int], tables: dict, device: torch.device) -> StepContext:

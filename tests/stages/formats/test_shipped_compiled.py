@@ -141,6 +141,7 @@ def test_a_compiled_span_of_a_fused_format_decodes_as_the_eager_one(shipped, com
     tokens, stacked = stacked_tokens(stage, STACKED, STEPS)
     assert tokens == [t for t, _ in solo]
     assert max(gap(a, b) for i in range(len(STACKED)) for a, b in zip(stacked[i], solo[i][1])) <= CLOSE
+    assert not runner.eager, [line for line in said if "eagerly" in line]  # no layer needed another compile
 
 
 def test_a_span_holding_k_quants_keeps_those_kinds_eager_and_says_why(shipped, compiled):
@@ -159,3 +160,4 @@ def test_the_decode_form_shares_the_stored_bytes():
     form = decode_form(torch.nn.Sequential(matrix))[0]
     assert isinstance(form, FusedRows)
     assert form.stored_0_0.data_ptr() == matrix.blocks.data_ptr() and form.stored_0_1.data_ptr() == matrix.scales.data_ptr()
+
