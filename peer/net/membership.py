@@ -71,18 +71,27 @@ RELAYED_CONNECT_TIMEOUT = 10.0
 opens a hop and a stop stream, and the two ends run Noise over them, each a round trip
 through the relay; measured 2-4 s on a loaded machine (tests/net/test_nat.py), as long as
 the transport's own dial allows (peer/net/libp2p.py DIAL_TIMEOUT). Cut at 2 s, the dial
-failed and the peer was not drawn again for REFUSED_BACKOFF."""
+failed and the peer was not drawn again for a minute."""
 PROBE_TIMEOUT = 5.0
 """A probe's exchange: one digest each way on a connection that should be up. As long as a
 turn's timeout: a peer reported gone vanishes from every view until it refutes it, so a
 loaded peer (a CPU peer computing, two processes to a core) must not be taken for a dead one;
 a crashed peer's probe fails at once anyway (connection refused)."""
 REFUSED_BACKOFF = 60.0
-"""A peer that refused us (full), or that we could not reach, is not drawn again for this long."""
+"""A peer that refused us (full) is not drawn again for this long."""
+FAILED_BACKOFF = 5.0
+"""A peer we could not link with (the dial or the exchange failed: it may be gone, or busy) is
+first left alone for this long, then twice as long for each failure in a row, up to
+REFUSED_BACKOFF, each wait stretched by a random factor in [1, 1.5). Short and random at first
+because a failure is often a collision, not an absence: two peers behind NAT that draw each
+other in the same tick dial each other through their relay at once, and both connections are
+torn down (tests/net/test_nat.py, one run in three on a loaded machine). With one fixed minute
+they stayed strangers for that minute, both; with different short waits one asks again first
+and the other's next draw finds the link made."""
 MAX_SEED_BACKOFF = 300.0
-"""A join address that does not answer (its peer left, or is restarting) is tried again after
-REFUSED_BACKOFF, doubling up to this: a peer alone does not dial a gone one every minute for
-hours, each a libp2p failure line, yet finds it within five minutes of its return."""
+"""A join address that does not answer (its peer left, or is restarting) backs off as
+FAILED_BACKOFF says, doubling up to this: a peer alone does not dial a gone one every minute
+for hours, each a libp2p failure line, yet finds it within five minutes of its return."""
 GRAVE_PROBE_PERIODS = 4
 """Every this many periods, one peer reported gone is dialled again (partitions heal)."""
 MAX_AVOID = 256  # peers remembered as refusing or unreachable (bounded: the swarm may be huge)
@@ -128,7 +137,7 @@ class Membership:
         self.opened: dict[str, float] = {}  # connections we opened that are no neighbour's -> since
         # peer -> (not drawn before this time, unless its addresses are no longer these)
         self.avoid: dict[str, tuple[float, tuple[str, ...]]] = {}
-        self.seed_backoff: dict[str, float] = {}  # join address -> its current backoff (see MAX_SEED_BACKOFF)
+        self.failures: dict[str, float] = {}  # peer -> the wait after its last failure in a row (FAILED_BACKOFF)
         self.byes: set[str] = set()  # neighbours that said goodbye (their connection may close)
         self.ticks = 0
 
@@ -245,15 +254,22 @@ class Membership:
         """Refused or unreachable lately, at the addresses it still advertises (a peer behind NAT
         first lists its LAN addresses, then its relayed one: that one is tried at once)."""
         avoided = self.avoid.get(peer_id)
-        return avoided is not None and avoided[1] == self.keeper.addrs(peer_id)
+        return avoided is not None and avoided[0] > trio.current_time() and avoided[1] == self.keeper.addrs(peer_id)
 
-    def _refuse(self, peer_id: str) -> None:
-        backoff = REFUSED_BACKOFF
-        if peer_id in self.keeper.seeds:
-            backoff = self.seed_backoff[peer_id] = min(MAX_SEED_BACKOFF, 2 * self.seed_backoff.get(peer_id, backoff / 2))
+    def _avoid(self, peer_id: str, answer: int | None) -> None:
+        """Do not draw `peer_id` for a while: it refused our ask (full), or the link failed (None)."""
+        cap = MAX_SEED_BACKOFF if peer_id in self.keeper.seeds else REFUSED_BACKOFF
+        if answer is None:
+            last = self.failures.pop(peer_id, None)
+            wait = FAILED_BACKOFF if last is None else min(cap, 2 * last)
+            self.failures[peer_id] = wait  # (re-inserted: the oldest streaks are dropped first)
+            backoff = min(cap, wait * (1.0 + 0.5 * self.rng.random()))
+        else:
+            backoff = REFUSED_BACKOFF
         self.avoid[peer_id] = (trio.current_time() + backoff, self.keeper.addrs(peer_id))
-        while len(self.avoid) > MAX_AVOID:
-            del self.avoid[next(iter(self.avoid))]
+        for table in (self.avoid, self.failures):
+            while len(table) > MAX_AVOID:
+                del table[next(iter(table))]
 
     async def dial(self, peer_id: str) -> bool:
         """Connect to `peer_id` if we are not; True if connected."""
@@ -278,9 +294,9 @@ class Membership:
             if answer == LINK_ACCEPT:
                 self.outbound[peer_id] = trio.current_time()
                 self.opened.pop(peer_id, None)
-                self.seed_backoff.pop(peer_id, None)
+                self.failures.pop(peer_id, None)
             else:
-                self._refuse(peer_id)
+                self._avoid(peer_id, answer)
         finally:
             self.pending.discard(peer_id)
         if peer_id not in self.outbound:
@@ -322,4 +338,5 @@ class Membership:
 
 
 __all__ = ["Membership", "MemberView", "OUTBOUND", "MAX_INBOUND", "MAX_NEIGHBOURS", "MAX_CONNECTIONS", "REFRESH_PERIODS", "IDLE_CLOSE",
-           "CONNECT_TIMEOUT", "RELAYED_CONNECT_TIMEOUT", "PROBE_TIMEOUT", "GRAVE_PROBE_PERIODS", "MAX_SEED_BACKOFF"]
+           "CONNECT_TIMEOUT", "RELAYED_CONNECT_TIMEOUT", "PROBE_TIMEOUT", "GRAVE_PROBE_PERIODS", "MAX_SEED_BACKOFF",
+           "REFUSED_BACKOFF", "FAILED_BACKOFF"]

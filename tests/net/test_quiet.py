@@ -11,7 +11,8 @@ import trio.testing
 from libp2p.peer.id import ID
 
 from tessera.peer.net.gossip import GOSSIP_INTERVAL, Gossip, ViewKeeper
-from tessera.peer.net.membership import MAX_SEED_BACKOFF, REFUSED_BACKOFF
+from tessera.peer.base.errors import PeerUnreachable
+from tessera.peer.net.membership import FAILED_BACKOFF, MAX_SEED_BACKOFF, REFUSED_BACKOFF
 from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
 from tessera.peer.net.memory_stream import LinkSpec
 from tessera.protocol.crypto import sign_record
@@ -43,7 +44,7 @@ def test_a_leaving_peer_is_never_drawn_as_a_neighbour():
 
 
 def test_a_join_address_that_left_backs_off_and_comes_back_when_it_advertises_again():
-    """A peer alone whose join address left: tried after REFUSED_BACKOFF, doubling up to
+    """A peer alone whose join address left: tried after FAILED_BACKOFF, doubling up to
     MAX_SEED_BACKOFF (not once a tick for as long as it runs); linked again once it is back."""
     async def main() -> None:
         network = MemoryNetwork(LinkSpec(latency=0.01))
@@ -68,7 +69,7 @@ def test_a_join_address_that_left_backs_off_and_comes_back_when_it_advertises_ag
                 await trio.sleep(3600.0)  # an hour of gossip ticks, the seed gone
                 gaps = [b - a for a, b in zip(dials, dials[1:])]
                 assert 5 <= len(dials) < 25, dials  # not 1800 (one a tick)
-                assert gaps == sorted(gaps) and gaps[0] <= REFUSED_BACKOFF + 2 * GOSSIP_INTERVAL, gaps
+                assert gaps == sorted(gaps) and gaps[0] <= 1.5 * FAILED_BACKOFF + 2 * GOSSIP_INTERVAL, gaps
                 assert max(gaps) <= MAX_SEED_BACKOFF + 2 * GOSSIP_INTERVAL, gaps
                 assert dials[0] - start <= 2 * GOSSIP_INTERVAL
                 async with open_memory_transport(network, seed_id) as back:  # it restarted
@@ -76,6 +77,41 @@ def test_a_join_address_that_left_backs_off_and_comes_back_when_it_advertises_ag
                     await trio.sleep(MAX_SEED_BACKOFF + 2 * GOSSIP_INTERVAL)
                     assert seed_id in gossip.membership.outbound
                     nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_link_that_failed_once_is_tried_again_within_seconds_not_a_minute():
+    """A failed dial is often a collision (two peers behind NAT dialling each other through their
+    relay at once: both connections torn down), not an absence: the next try comes after
+    FAILED_BACKOFF (randomly stretched), not after the minute a refusal costs."""
+    async def main() -> None:
+        network = MemoryNetwork(LinkSpec(latency=0.01))
+        other = Identity.from_seed(b"o" * 32)
+        other_id = ID(other.peer_id).to_base58()
+        async with open_memory_transport(network, "me") as me, open_memory_transport(network, other_id) as there:
+            Gossip(there, ViewKeeper(model_id="m", num_layers=4, clock=trio.current_time))
+            keeper = ViewKeeper(model_id="m", num_layers=4, clock=trio.current_time)
+            keeper.remember(f"/memory/{other_id}/p2p/{other_id}")
+            gossip = Gossip(me, keeper, rng=random.Random(1))
+            dials: list[float] = []
+            connect = me.connect
+
+            async def first_fails(addr: str) -> str:
+                dials.append(trio.current_time())
+                if len(dials) == 1:
+                    raise PeerUnreachable("the two dials crossed")
+                return await connect(addr)
+
+            me.connect = first_fails
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(gossip.run)
+                with trio.move_on_after(REFUSED_BACKOFF):
+                    while other_id not in gossip.membership.outbound:
+                        await gossip.keeper.wait_changed()
+                assert other_id in gossip.membership.outbound, dials
+                assert len(dials) == 2 and FAILED_BACKOFF <= dials[1] - dials[0] <= 1.5 * FAILED_BACKOFF + GOSSIP_INTERVAL, dials
+                nursery.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
