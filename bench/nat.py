@@ -92,7 +92,7 @@ def run_topology(args: argparse.Namespace) -> None:
         watch = LogWatch(logs)
         try:
             topo.spawn("pub", peer_cmd(topo, "pub", "relay", "29:30", base, None), log_path=str(logs["relay"]), env=env)
-            _, found = watch.wait("relay", r"listening on (\S+)", PEER_START)
+            _, found = watch.wait("relay", r"listening on (/\S+)", PEER_START)
             relay = found.group(1)
             started = time.monotonic()
             spans = {"A": ("a", "0:15"), "B": ("b", "15:30"), "C": ("c", "0:15"), "D": ("d", "15:30")}

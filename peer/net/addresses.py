@@ -69,7 +69,7 @@ def default_listen(*, free: Callable[[str, int], bool] = port_is_free) -> tuple[
     """
     if free("0.0.0.0", DEFAULT_PORT):
         return [DEFAULT_LISTEN], None
-    return [ANY_PORT_LISTEN], f"port {DEFAULT_PORT} is taken (another peer on this machine?): listening on a free port"
+    return [ANY_PORT_LISTEN], f"port {DEFAULT_PORT} is taken (another peer on this machine?): a free port instead"
 
 
 def scope(addr: str) -> str:

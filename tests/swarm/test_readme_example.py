@@ -74,7 +74,7 @@ def test_the_manuals_three_peer_example_as_written(tmp_path, smol_dir, local_eng
             argv = [TESSERA if a == "tessera" else join if a == PLACEHOLDER else a for a in argv]
             procs.append(subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env))
             if join is None:  # the others join through what the first printed, once it serves (as a user would)
-                join = wait_for(log, procs[0], r"listening on (\S+)").group(1)
+                join = wait_for(log, procs[0], r"listening on (/\S+)").group(1)
                 wait_for(log, procs[0], r"serving layers")
         for proc, log in zip(procs, logs):
             wait_for(log, proc, r"serving layers")
