@@ -54,9 +54,6 @@ EAGER_ATTENTION = {"deepseek_v3", "glm_moe_dsa"}  # families whose layer kinds a
 # llama also pads 3 rows to 4, and compiles what the swarm's peers (--batch-rows 2) ask for: from the disk cache
 BUCKETS = {"llama": (1, 2, 4), "qwen3": (1,), "qwen3_moe": (1,), "mixtral": (1,), "gpt_oss": (1, 4), "deepseek_v3": (1,),
            "glm_moe_dsa": (1, 4)}
-# Known, not yet mended: a span mixing dense and sparse layer kinds recompiles a block function
-# at its first step (a guard on which MLP the shared code saw) and that kind then decodes eagerly.
-RUNTIME_FALLBACK = {"qwen3_moe"}
 STACKED = [PROMPT, PROMPT[:5], PROMPT[:9]]  # three sessions at different positions
 STEPS = 8
 CLOSE = 2e-5  # compiled vs eager logits, relative to the row's largest: only the order of summation differs
@@ -111,7 +108,7 @@ def test_compiled_matches_eager_and_transformers(folders, compiled, name):
     before = runner.steps
     ours, theirs = feed(stage, tokens), feed(eager, tokens)
     assert runner.steps - before == len(tokens) - 1  # every decode step compiled (the prefill eager)
-    if name not in EAGER_ATTENTION | RUNTIME_FALLBACK:
+    if name not in EAGER_ATTENTION:
         assert not runner.eager, said  # and no kind fell back at run time (a step that needed another compile)
     worst = max(float((a - b[-1:]).abs().max()) for a, b in zip(ours, ref))
     assert worst <= TOLERANCE, f"{name}: compiled vs transformers {worst:.3g}"
@@ -165,8 +162,7 @@ def test_stacked_compiled_steps_equal_solo_runs(folders, compiled, name):
     before = stage.decode.steps
     tokens, logits = stacked_tokens(stage, prompts, STEPS)
     assert stage.decode.steps - before == STEPS - 1
-    if name not in RUNTIME_FALLBACK:  # none fell back at run time
-        assert not set(stage.decode.eager) - {k for k in stage.spec.layers if k.attention.kind != "gqa"}
+    assert not set(stage.decode.eager) - {k for k in stage.spec.layers if k.attention.kind != "gqa"}  # none fell back
     assert tokens == [t for t, _ in solo[: len(prompts)]]
     assert max(gap(a, b) for i in range(len(prompts)) for a, b in zip(logits[i], solo[i][1])) <= CLOSE
 
@@ -220,7 +216,7 @@ def test_a_kind_that_fails_to_compile_runs_eagerly_and_says_so_once(folders, mon
     def recompiles(*args, **kwargs):
         raise torch._dynamo.exc.RecompileError("Detected recompile when torch.compile stance is 'fail_on_recompile'")
 
-    monkeypatch.setattr(runner, "layer_fn", recompiles)
+    monkeypatch.setattr(runner, "layer_fns", {kind: recompiles for kind in runner.layer_fns})
     assert solo_tokens(stage, PROMPT, STEPS)[0] == tokens
     assert solo_tokens(stage, PROMPT, STEPS)[0] == tokens
     assert not runner.compiled - {HEAD}

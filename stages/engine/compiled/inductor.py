@@ -7,10 +7,14 @@ attention and the Python between them were the rest. So the compiled step does t
 its products are reductions inductor streams well (forms.py), and everything between them
 becomes a few fused C++ loops per layer, with no Python module calls.
 
-One compiled function, `decode_layer`, is specialised by dynamo per layer kind (a distinct
-`LayerSpec`: a Qwen3-MoE span has two) and per row bucket (1, 2, 4, 8 rows: a stacked step
-of 3 sessions pads to 4 with rows over a scratch store, whose outputs are dropped). The
-weights stay graph inputs, so every layer of a kind shares one compiled graph. A session
+One compiled function, `decode_layer`, over a copy of its code per layer kind (a distinct
+`LayerSpec`: a Qwen3-MoE span has two), specialised by dynamo per row bucket (1, 2, 4, 8 rows:
+a stacked step of 3 sessions pads to 4 with rows over a scratch store, whose outputs are
+dropped). A copy per kind, not one function for all: dynamo tries a function's graphs newest
+first, and a sparse MLP's graph breaks at its dispatch (moe.py), so its graph guards on less
+than a dense kind's: a dense layer matched it, ran the rest of its block through frames
+compiled only for the sparse MLP, and needed a compile at run time. The weights stay graph
+inputs, so every layer of a kind shares one compiled graph. A session
 store's capacity is a size symbol (marked dynamic at warm-up), and positions arrive as a
 tensor (rows.py), so nothing a session does triggers a recompile; at run time recompiling
 is forbidden (`fail_on_recompile`): a step that would need it runs eagerly and its layer
@@ -82,8 +86,8 @@ def decode_layer(form: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, positions
 
 def own_code(fn: Callable) -> Callable:
     """`fn` over a copy of its code object. dynamo keeps its compiled graphs (and checks their
-    guards on every call) per code object: a copy per stage gives each span only its own
-    kinds x buckets to check, and stages in one process (tests) no shared limit."""
+    guards on every call) per code object: a copy per stage and layer kind gives each call only
+    its own kind's buckets to check, and stages in one process (tests) no shared limit."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
@@ -106,7 +110,7 @@ class InductorDecode:
         self.buckets = tuple(sorted(set(buckets)))
         self.say: Say = say or (lambda line: None)
         self.forms = [decode_form(block) for block in stage.blocks]
-        self.layer_fn = torch.compile(own_code(decode_layer))
+        self.layer_fns: dict[LayerSpec, Callable] = {}  # layer kind -> its compiled decode_layer
         self.head_fn = torch.compile(own_code(head_logits))
         self.compiled: set[LayerSpec | str] = set()  # layer kinds (and HEAD) that run compiled
         self.eager: dict[LayerSpec | str, str] = {}  # layer kind (or HEAD) -> why it runs eagerly
@@ -169,6 +173,8 @@ class InductorDecode:
     def _warm_layer(self, kind: LayerSpec, rows: int, layer: int) -> None:
         """Run layer `layer` (stage-relative, of `kind`) over `rows` rows, so dynamo and inductor build its graph."""
         stage = self.stage
+        if kind not in self.layer_fns:
+            self.layer_fns[kind] = torch.compile(own_code(decode_layer))
         stores = []
         for _ in range(rows):  # capacity a size symbol: what a session's store will pass
             store = KeyValues(kind.cache, SCRATCH_CAPACITY + 1, dtype=stage.dtype, device=stage.device)
@@ -178,7 +184,7 @@ class InductorDecode:
         positions = torch.ones(rows, dtype=torch.long, device=stage.device)
         cos, sin = stage.rope.tables(positions, stage.dtype)[(kind.attention.rope, kind.attention.rope_dim)]
         x = torch.zeros(rows, stage.spec.hidden_size, dtype=stage.dtype, device=stage.device)
-        self.layer_fn(self.forms[layer], x, cos, sin, positions, [s.keys for s in stores], [s.values for s in stores])
+        self.layer_fns[kind](self.forms[layer], x, cos, sin, positions, [s.keys for s in stores], [s.values for s in stores])
 
     def _fall_back(self, what: LayerSpec | str, reason: str) -> None:
         """`what` (a layer kind, or HEAD) runs eagerly from now on; said once."""
@@ -220,7 +226,7 @@ class InductorDecode:
                     stores += self._scratch_stores(kind.cache, pad)
                     cos, sin = tables[(kind.attention.rope, kind.attention.rope_dim)]
                     try:
-                        x = self.layer_fn(self.forms[i], x, cos, sin, pos, [s.keys for s in stores],
+                        x = self.layer_fns[kind](self.forms[i], x, cos, sin, pos, [s.keys for s in stores],
                                           [s.values for s in stores])
                         continue
                     except Exception as bad:  # noqa: BLE001 - the step goes on eagerly, the kind stays eager
