@@ -260,7 +260,7 @@ class _Search:
                 path[r] = new
 
         open_: dict[str, list] = {}  # the records of the peers running across b (lo < b < hi)
-        finals: list[Label] = []
+        finals: dict[str, float] = {}  # peers ending at `end` -> their cost with the link to the sink
         for b in self.boundaries:
             tails: dict[str, float] = {}  # peers ending at b -> their exit cost there
             for c in self.ends_at.get(b, ()):
@@ -268,7 +268,8 @@ class _Search:
                 if x[5] != inf and b <= x[4]:
                     tails[c.pid] = x[5] + (b - x[6]) * x[0]
             if b == end:
-                finals = [label_of(q, b) for q in tails]
+                to_sink = self.to_sink
+                finals = {q: cost + to_sink(q) for q, cost in tails.items()}
                 break
             starting = [c.pid for c in self.starts_at.get(b, ()) if rec[c.pid][3] <= b < rec[c.pid][4]]
             if b == start:
@@ -340,8 +341,11 @@ class _Search:
                                 offer(r, b, cost + rtt, q)
             for c in self.starts_at.get(b, ()):
                 open_[c.pid] = rec[c.pid]
-        best = min(((label[0] + self.to_sink(label[2][-1]), *label[1:]) for label in finals), default=None)
-        return best if best is not None and math.isfinite(best[0]) else None
+        # the cheapest; its chain spelled out only for it and any exact tie (the tie-break order)
+        low = min(finals.values(), default=inf)
+        if not math.isfinite(low):
+            return None
+        return min((low, *label_of(q, end)[1:]) for q, total in finals.items() if total == low)
 
 
 __all__ = ["Candidate", "Label", "Links", "links_between", "cheapest_chain", "MAX_BRANCHES"]

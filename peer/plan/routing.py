@@ -53,6 +53,7 @@ peer twice. `bench/routing.py` times a call at 1,000 peers against the tail-only
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
@@ -316,29 +317,36 @@ def route(
     exclude = frozenset(exclude)
     if start == end:
         return Route((), 0.0)
-    peers = {p.peer_id: p for p in view.peers}
+    prepared = _prepared(view, start, end, load_penalty)
+    peers: Mapping[str, PeerInfo] = prepared.peers
     group_of: dict[str, ShardGroup] = {}
-    if groups:  # tensor-shard groups, each as one synthetic peer (peer/plan/groups.py)
+    if groups and prepared.has_ranks:  # tensor-shard groups, each as one synthetic peer (peer/plan/groups.py)
         peers, group_of = with_group_peers(
             peers, source=source, default_rtt_ms=default_rtt_ms, load_penalty=load_penalty,
             usable=lambda p: unusable_reason(p, exclude) is None,
         )
 
-    # The usable peers, in peer-id order, with the layers of [start, end) they could run.
-    candidates: list[Candidate] = []
-    span_of: dict[str, tuple[int, int]] = {}
-    for pid in sorted(peers):
-        p = peers[pid]
-        if p.shard_count != 1 or unusable_reason(p, exclude) is not None:
-            continue
-        lo, hi = max(p.start, start), min(p.end, end)
-        if lo < hi:
-            # a tensor-shard group runs its span to the end (its ranks stop where the group does)
-            candidates.append(Candidate(pid, lo, hi, ms_per_layer(p, load_penalty), stops_early=pid not in group_of))
-            span_of[pid] = (lo, hi)
+    if group_of:
+        # The usable peers, in peer-id order, with the layers of [start, end) they could run.
+        candidates: list[Candidate] = []
+        span_of: dict[str, tuple[int, int]] = {}
+        for pid in sorted(peers):
+            p = peers[pid]
+            if p.shard_count != 1 or unusable_reason(p, exclude) is not None:
+                continue
+            lo, hi = max(p.start, start), min(p.end, end)
+            if lo < hi:
+                # a tensor-shard group runs its span to the end (its ranks stop where the group does)
+                candidates.append(Candidate(pid, lo, hi, ms_per_layer(p, load_penalty), stops_early=pid not in group_of))
+                span_of[pid] = (lo, hi)
+        links = _measured_links(peers, span_of)
+    else:
+        # the same candidates, prepared once per view and range: only `exclude` is applied here
+        candidates = [c for c in prepared.candidates if c.pid not in exclude] if exclude else list(prepared.candidates)
+        links = prepared.links
 
     best = cheapest_chain(
-        candidates, start=start, end=end, links=_measured_links(peers, span_of), default_rtt_ms=default_rtt_ms,
+        candidates, start=start, end=end, links=links, default_rtt_ms=default_rtt_ms,
         # rtt_ms(peers, source, q) and rtt_ms(peers, q, sink) for many q: the source's and the
         # sink's own maps looked up once (the same arithmetic as cost.rtt_ms; see _rtt_from)
         from_source=_rtt_from(peers, source, default_rtt_ms), to_sink=_rtt_from(peers, sink, default_rtt_ms),
@@ -411,3 +419,59 @@ def _measured_links(peers: Mapping[str, PeerInfo], span_of: Mapping[str, tuple[i
     links = links_between(span_of, pairs)
     _links_memo = (key, links)
     return links
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """What `route` reads of one view for one range, whatever `exclude`, source and sink are:
+    the peers by id, the plain peers usable in their own right (`unusable_reason` without a
+    ban: serving, measured, a free slot, unsharded) as candidates over [start, end) in peer-id
+    order, and the measured links between them."""
+
+    view: SwarmView  # held, so that the id this is filed under is not reused while it is kept
+    peers: Mapping[str, PeerInfo]
+    has_ranks: bool  # some peer is a tensor-shard rank (groups may form)
+    candidates: tuple[Candidate, ...]
+    links: Links
+
+
+# Routes on one view, a requester's many (an open, a refusal's re-plan, each repair's
+# re-route of a span, with different exclusions, sources and sinks), redid the same O(N)
+# work per call: index the peers, sort them, check each one's state and price its layers,
+# and index the measured links (a third of a call at 1,000 peers). `_prepared` does it once
+# per (view, range, load penalty). Why it is never stale: a SwarmView is immutable (frozen,
+# its PeerInfos frozen, their rtt_ms never mutated once built: the same promise the link
+# memo above relies on), an entry is found only by the view's identity and the entry holds
+# that very view (so its id cannot be reused by another object while the entry exists), and
+# everything else it depends on is in the key. Excluded peers are dropped from the
+# candidates per call; the links keep them, which changes nothing: the search only looks a
+# link up between two candidates (chains.py `_Search`). Bounded: the least recently used
+# entry goes (a view a round, per requester, a few ranges each).
+_PREPARED_ENTRIES = 64
+_prepared_memo: OrderedDict[tuple[int, int, int, float], _Prepared] = OrderedDict()
+
+
+def _prepared(view: SwarmView, start: int, end: int, load_penalty: float) -> _Prepared:
+    key = (id(view), start, end, load_penalty)
+    hit = _prepared_memo.get(key)
+    if hit is not None and hit.view is view:
+        _prepared_memo.move_to_end(key)
+        return hit
+    peers = {p.peer_id: p for p in view.peers}
+    candidates: list[Candidate] = []
+    span_of: dict[str, tuple[int, int]] = {}
+    for pid in sorted(peers):
+        p = peers[pid]
+        if p.shard_count != 1 or unusable_reason(p) is not None:
+            continue
+        lo, hi = max(p.start, start), min(p.end, end)
+        if lo < hi:
+            candidates.append(Candidate(pid, lo, hi, ms_per_layer(p, load_penalty)))
+            span_of[pid] = (lo, hi)
+    prepared = _Prepared(view, peers, any(p.shard_count > 1 for p in peers.values()), tuple(candidates),
+                         _measured_links(peers, span_of))
+    _prepared_memo[key] = prepared
+    _prepared_memo.move_to_end(key)
+    while len(_prepared_memo) > _PREPARED_ENTRIES:
+        _prepared_memo.popitem(last=False)
+    return prepared

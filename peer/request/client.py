@@ -180,6 +180,9 @@ class Swarm:
         # function of them, and where snapshots are shared (a simulation) a route costs milliseconds
         self._memo_view: SwarmView | None = None
         self._memo: dict[tuple, Route] = {}
+        # and the view they are routed on, per (RTTs, policy) for the same snapshot: one object,
+        # so that routing's per-view preparation (peer/plan/routing.py `_prepared`) is reused
+        self._routing_views: dict[tuple, SwarmView] = {}
         self.active: set[ResilientSession] = set()  # generations running now
         # Told, once a second while `wait_for_route` waits, what it is waiting for (the CLI prints it)
         self.on_route_wait: Callable[[str], None] | None = None
@@ -356,13 +359,15 @@ class Swarm:
         banned = tuple(sorted(self.bans.banned(self.clock())))
         snapshot = self.keeper.snapshot()
         if snapshot is not self._memo_view:
-            self._memo_view, self._memo = snapshot, {}
+            self._memo_view, self._memo, self._routing_views = snapshot, {}, {}
         policy = self.policy.narrowed(policy)
-        key = (banned, tuple(sorted(exclude)), start, end, source, sink, groups,
-               tuple(sorted(self.pinger.rtt_ms.items())), policy)
+        rtts = tuple(sorted(self.pinger.rtt_ms.items()))
+        key = (banned, tuple(sorted(exclude)), start, end, source, sink, groups, rtts, policy)
         chosen = self._memo.get(key)
         if chosen is None:
-            view = policy.apply(self.view(), keep=(self.peer_id,))
+            view = self._routing_views.get((rtts, policy))
+            if view is None:  # self.view() reads the same snapshot, with our RTTs as they are now
+                view = self._routing_views[rtts, policy] = policy.apply(self.view(), keep=(self.peer_id,))
             chosen = self._memo[key] = route(view, start=start, end=end, source=source or self.peer_id,
                                              sink=sink or self.peer_id, exclude=frozenset(banned) | frozenset(exclude),
                                              groups=groups)

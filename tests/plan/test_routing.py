@@ -370,6 +370,7 @@ def test_a_thousand_peer_swarm():
         loaded = SwarmView(60, tuple(replace(p, load=rng.random() * 0.99, rtt_ms=dict(p.rtt_ms)) for p in view.peers))
         warm = route(loaded, source=REQ)
         routing._links_memo = None
+        routing._prepared_memo.clear()
         assert route(loaded, source=REQ) == warm
     # a fresh but equal view gives the same route
     assert route(SwarmView(60, tuple(reversed(view.peers))), source=REQ) == r
@@ -377,3 +378,28 @@ def test_a_thousand_peer_swarm():
     mid = r.hops[len(r.hops) // 2]
     again = route(view, start=mid.start, end=mid.end, source=REQ, exclude=frozenset({mid.peer_id}))
     assert mid.peer_id not in again.peer_ids
+
+
+def test_a_view_prepared_once_routes_as_a_cold_one():
+    """route() prepares a view once per range (routing._prepared) and applies exclusions, the
+    source and the sink per call: every call on the prepared view answers what a cold call does,
+    including exclusions that drop the first choice and sub-ranges with other ends."""
+    view = random_view(150, 24, 10, seed=3)
+    ids = [p.peer_id for p in view.peers]
+    rng = random.Random(5)
+    calls = [dict(source=REQ)]
+    for _ in range(12):
+        start = rng.randrange(0, 20)
+        calls.append(dict(start=start, end=rng.randrange(start + 1, 25), source=rng.choice(ids + [REQ]),
+                          sink=rng.choice(ids + [REQ]), exclude=frozenset(rng.sample(ids, rng.randrange(0, 40)))))
+    first = route(view, source=REQ)
+    calls.append(dict(source=REQ, exclude=frozenset(first.peer_ids[:1])))
+    for kwargs in calls:
+        warm = route(view, **kwargs)  # the view (and, after the first, this range) prepared already
+        routing._prepared_memo.clear()
+        routing._links_memo = None
+        assert route(view, **kwargs) == warm
+        assert not set(warm.peer_ids) & kwargs.get("exclude", frozenset())
+    # an equal view that is another object is prepared afresh, and routes the same
+    same = SwarmView(view.num_layers, tuple(view.peers))
+    assert route(same, source=REQ) == first
