@@ -488,11 +488,11 @@ class Swarm:
             constraint.limit(budget)  # it closes within the budget, or CannotClose before any session opens
         sampler = Sampler(sampling) if constraint is None else ConstrainedSampler(sampling, constraint)
         capacity = min(len(ids) + budget + SPECULATION_SLACK, self.spec.max_position)
-        session = ResilientSession(self, max_length=capacity, route_wait=route_wait, policy=policy)
-        await session.open()
         if spot_check is not None and spot_check.rate > 0 and self.ctx.wire:
             # a check compares outputs at float32 tolerances; a compact form rounds them far beyond
             raise ValueError(f"spot checks need exact activations on the wire, not {self.ctx.wire!r}")
+        session = ResilientSession(self, max_length=capacity, route_wait=route_wait, policy=policy)
+        await session.open()
         if spot_check is not None and spot_check.rate > 0:
             session.checker = SpotChecker(self, session, spot_check)
         self.active.add(session)
