@@ -326,19 +326,8 @@ def route(
             usable=lambda p: unusable_reason(p, exclude) is None,
         )
 
-    if group_of:
-        # The usable peers, in peer-id order, with the layers of [start, end) they could run.
-        candidates: list[Candidate] = []
-        span_of: dict[str, tuple[int, int]] = {}
-        for pid in sorted(peers):
-            p = peers[pid]
-            if p.shard_count != 1 or unusable_reason(p, exclude) is not None:
-                continue
-            lo, hi = max(p.start, start), min(p.end, end)
-            if lo < hi:
-                # a tensor-shard group runs its span to the end (its ranks stop where the group does)
-                candidates.append(Candidate(pid, lo, hi, ms_per_layer(p, load_penalty), stops_early=pid not in group_of))
-                span_of[pid] = (lo, hi)
+    if group_of:  # the candidates of this call's peers, groups among them
+        candidates, span_of = _candidates(peers, start, end, load_penalty, exclude, group_of)
         links = _measured_links(peers, span_of)
     else:
         # the same candidates, prepared once per view and range: only `exclude` is applied here
@@ -421,6 +410,26 @@ def _measured_links(peers: Mapping[str, PeerInfo], span_of: Mapping[str, tuple[i
     return links
 
 
+def _candidates(peers: Mapping[str, PeerInfo], start: int, end: int, load_penalty: float,
+                exclude: frozenset[str] = frozenset(), group_of: Mapping[str, ShardGroup] | None = None,
+                ) -> tuple[list[Candidate], dict[str, tuple[int, int]]]:
+    """The usable peers, in peer-id order, with the layers of [start, end) they could run, and
+    those layers by peer id. A tensor-shard group (in `group_of`) runs its span to the end: its
+    ranks stop where the group does."""
+    candidates: list[Candidate] = []
+    span_of: dict[str, tuple[int, int]] = {}
+    for pid in sorted(peers):
+        p = peers[pid]
+        if p.shard_count != 1 or unusable_reason(p, exclude) is not None:
+            continue
+        lo, hi = max(p.start, start), min(p.end, end)
+        if lo < hi:
+            candidates.append(Candidate(pid, lo, hi, ms_per_layer(p, load_penalty),
+                                        stops_early=group_of is None or pid not in group_of))
+            span_of[pid] = (lo, hi)
+    return candidates, span_of
+
+
 @dataclass(frozen=True)
 class _Prepared:
     """What `route` reads of one view for one range, whatever `exclude`, source and sink are:
@@ -458,16 +467,7 @@ def _prepared(view: SwarmView, start: int, end: int, load_penalty: float) -> _Pr
         _prepared_memo.move_to_end(key)
         return hit
     peers = {p.peer_id: p for p in view.peers}
-    candidates: list[Candidate] = []
-    span_of: dict[str, tuple[int, int]] = {}
-    for pid in sorted(peers):
-        p = peers[pid]
-        if p.shard_count != 1 or unusable_reason(p) is not None:
-            continue
-        lo, hi = max(p.start, start), min(p.end, end)
-        if lo < hi:
-            candidates.append(Candidate(pid, lo, hi, ms_per_layer(p, load_penalty)))
-            span_of[pid] = (lo, hi)
+    candidates, span_of = _candidates(peers, start, end, load_penalty)
     prepared = _Prepared(view, peers, any(p.shard_count > 1 for p in peers.values()), tuple(candidates),
                          _measured_links(peers, span_of))
     _prepared_memo[key] = prepared
