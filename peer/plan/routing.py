@@ -8,10 +8,12 @@ The cost of a chain (milliseconds of one decode step through it)
 ----------------------------------------------------------------
 For each hop, peer p running n layers, entered from node ``prev``::
 
-    rtt(prev, p) + n * 1000 / p.throughput * (1 + load_penalty * p.load)
+    rtt(prev, p) + n * 1000 / p.throughput * (1 + load_penalty * p.load + own(p))
 
 where ``prev`` is ``source`` for the first hop; plus ``rtt(last, sink)`` at the end
-(``sink`` defaults to ``source``: the last peer answers the requester, a ring).
+(``sink`` defaults to ``source``: the last peer answers the requester, a ring);
+``own(p)`` is OWN_SESSION_PENALTY per session the requester already runs on p (none
+unless it says: `route`'s ``own_sessions``).
 ``rtt(a, b)`` is a's measured ``rtt_ms[b]`` or b's ``rtt_ms[a]`` (their mean if both),
 else ``default_rtt_ms``. Sending to oneself costs nothing.
 
@@ -54,7 +56,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Mapping
 
 from tessera.peer.plan.chains import Candidate, Links, cheapest_chain, links_between
@@ -280,6 +282,7 @@ def route(
     exclude: frozenset[str] = frozenset(),
     default_rtt_ms: float = DEFAULT_RTT_MS,
     load_penalty: float = LOAD_PENALTY,
+    own_sessions: Mapping[str, int] | None = None,
     groups: bool = False,
     head_handovers: bool = True,
 ) -> Route:
@@ -301,7 +304,9 @@ def route(
     A hop may be any sub-span of its peer's span, handed over where the peer before it ends
     or where the next one starts; a peer is in a chain at most once (see the module
     docstring). ``head_handovers=False`` keeps every hop running to its peer's end (the
-    chains of before; a baseline for bench/routing.py).
+    chains of before; a baseline for bench/routing.py). ``own_sessions``: the sessions the
+    requester already runs on each peer, each priced as a step ahead of ours
+    (cost.py `OWN_SESSION_PENALTY`), so that its concurrent answers spread out.
 
     Exact ties go to the chain with fewer hops, then to the smaller sequence of peer
     ids, then to later cut points. Returns ``Route((), inf)`` when no chain covers the
@@ -333,6 +338,9 @@ def route(
         # the same candidates, prepared once per view and range: only `exclude` is applied here
         candidates = [c for c in prepared.candidates if c.pid not in exclude] if exclude else list(prepared.candidates)
         links = prepared.links
+    if own_sessions:  # few peers (a requester's running answers): repriced per call, the rest as prepared
+        candidates = [replace(c, per_layer=ms_per_layer(peers[c.pid], load_penalty, n))
+                      if (n := own_sessions.get(c.pid, 0)) > 0 and c.pid in peers else c for c in candidates]
 
     best = cheapest_chain(
         candidates, start=start, end=end, links=links, default_rtt_ms=default_rtt_ms,

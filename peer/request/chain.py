@@ -226,6 +226,7 @@ class RouteSession:
             await channel.reset()
             raise PeerFailed(hop.peer_id, f"answered SessionOpen with {type(reply).__name__}", Failure.BROKE)
         state = HopState(hop, channel, **links)
+        self.ctx.hold(state)
         self.ctx.nursery.start_soon(self._read, state)
         return state
 
@@ -536,6 +537,7 @@ class RouteSession:
         if state.revoked:
             return
         state.revoked = True
+        self.ctx.release(state)
         if state.failure is None:
             state.failure = REVOKED
         state.scope.cancel()
@@ -556,6 +558,7 @@ class RouteSession:
                 pass  # the peer is gone already; its session died with its stream
 
     async def close_hop(self, state: HopState, reason: str) -> None:
+        self.ctx.release(state)
         if state.revoked:
             return  # told and closed at the revocation; it gets no further frame
         state.scope.cancel()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -34,6 +35,23 @@ class RequesterContext:
     hidden_size: int
     tracer: Tracer = field(default_factory=NullTracer)
     wire: str = ""  # the activations' wire form the requester asks its peers for (protocol/tensors.py WIRE_FORMS)
+    # This requester's open sessions per peer, all its answers together: routing prices each
+    # as a step queued ahead of ours (peer/plan/cost.py OWN_SESSION_PENALTY).
+    running: Counter[str] = field(default_factory=Counter)
+
+    def hold(self, state: "HopState") -> None:
+        """Count `state`'s session in `running` (once, until `release`)."""
+        if not state.held:
+            state.held = True
+            self.running[state.peer] += 1
+
+    def release(self, state: "HopState") -> None:
+        """Stop counting `state`'s session: it closed, failed or was revoked (idempotent)."""
+        if state.held:
+            state.held = False
+            self.running[state.peer] -= 1
+            if self.running[state.peer] <= 0:
+                del self.running[state.peer]
 
     @cached_property
     def work(self) -> bytes:
@@ -59,6 +77,7 @@ class HopState:
     failure: str | None = None
     failed_as: Failure = Failure.DROPPED  # the kind of `failure` (peer/base/backoff.py)
     revoked: bool = False  # the requester took this peer out of the session (RouteSession.revoke_hop)
+    held: bool = False  # counted in the requester's `running` sessions (RequesterContext.hold)
     attested: list[AttestedStep] = field(default_factory=list)
     acked: trio.Event = field(default_factory=trio.Event)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)

@@ -71,6 +71,7 @@ log = logging.getLogger(__name__)
 DEFAULT_ROUTE_WAIT = ROUTE_WAIT
 REFRESH_INTERVAL = 2.0  # gossip and ping period of a requester
 WAIT_REPORT_INTERVAL = 1.0  # how often a requester waiting for a route says what it waits for
+PLAN_MEMO_ENTRIES = 256  # routes remembered per view snapshot (keyed by bans, range, RTTs, running sessions)
 # Embedding a decode step's tokens (one, or a speculative block's few) reads a few rows of
 # the table: microseconds on a CPU. A worker thread's round trip costs 0.2-0.3 ms on a
 # 2-core machine (more after the idle wait for the swarm), on every step's critical path,
@@ -350,7 +351,8 @@ class Swarm:
         groups: bool = True,
         policy: RequesterPolicy | None = None,
     ) -> Route:
-        """The cheapest chain over layers [start, end) from `source` to `sink` (default: this requester).
+        """The cheapest chain over layers [start, end) from `source` to `sink` (default: this requester),
+        each of this requester's running sessions on a peer priced as a step queued there.
 
         `groups`: tensor-shard groups may be hops (they are entered from and left to this
         requester, so a repair that chains between peers passes False; peer/request/segmented.py).
@@ -362,15 +364,18 @@ class Swarm:
             self._memo_view, self._memo, self._routing_views = snapshot, {}, {}
         policy = self.policy.narrowed(policy)
         rtts = tuple(sorted(self.pinger.rtt_ms.items()))
-        key = (banned, tuple(sorted(exclude)), start, end, source, sink, groups, rtts, policy)
+        running = tuple(sorted(self.ctx.running.items()))
+        key = (banned, tuple(sorted(exclude)), start, end, source, sink, groups, rtts, policy, running)
         chosen = self._memo.get(key)
         if chosen is None:
             view = self._routing_views.get((rtts, policy))
             if view is None:  # self.view() reads the same snapshot, with our RTTs as they are now
                 view = self._routing_views[rtts, policy] = policy.apply(self.view(), keep=(self.peer_id,))
+            if len(self._memo) >= PLAN_MEMO_ENTRIES:  # one snapshot may see many running-session counts
+                self._memo.clear()
             chosen = self._memo[key] = route(view, start=start, end=end, source=source or self.peer_id,
                                              sink=sink or self.peer_id, exclude=frozenset(banned) | frozenset(exclude),
-                                             groups=groups)
+                                             groups=groups, own_sessions=dict(running))
             if policy.prefer and log.isEnabledFor(logging.INFO):  # `-v`: why the cost model chose a peer not preferred
                 for line in why_not_preferred(view, chosen, prefer=policy.prefer, source=source or self.peer_id,
                                               sink=sink or self.peer_id, exclude=frozenset(banned) | frozenset(exclude)):

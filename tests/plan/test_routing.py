@@ -403,3 +403,25 @@ def test_a_view_prepared_once_routes_as_a_cold_one():
     # an equal view that is another object is prepared afresh, and routes the same
     same = SwarmView(view.num_layers, tuple(view.peers))
     assert route(same, source=REQ) == first
+
+
+def test_a_requesters_own_sessions_price_a_peer_as_a_step_queued_there():
+    """`own_sessions`: each session the requester already runs on a peer adds one step of that
+    peer's compute to its price (cost.py OWN_SESSION_PENALTY), so that a requester's concurrent
+    answers spread over equivalent peers instead of queueing on the fastest."""
+    view = SwarmView.of(30, [peer("a", 0, 30, 1000.0), peer("b", 0, 30, 900.0), peer("c", 0, 15, 2000.0)])
+    assert route(view, source=REQ).peer_ids == ("a",)
+    once = route(view, source=REQ, own_sessions={"a": 1})
+    assert once.peer_ids == ("b",)
+    # one session on a is a's compute twice over: what a at half its speed costs
+    halved = SwarmView.of(30, [peer("a", 0, 30, 500.0), peer("b", 0, 30, 900.0), peer("c", 0, 15, 2000.0)])
+    assert route(view, source=REQ, own_sessions={"a": 1, "b": 1}) == route(halved, source=REQ, own_sessions={"b": 1})
+    assert route(view, source=REQ, own_sessions={"a": 1, "b": 1}).peer_ids == ("a",)  # 60 ms against b's 66.7
+    # with the load penalty on top, and for peers that are not candidates (or have none running)
+    loaded = view.replace(replace(view.get("b"), load=0.9))
+    assert route(loaded, source=REQ, own_sessions={"a": 1}).peer_ids == ("a",)  # b: 1.11 ms x 1.9 a layer, a: 1 ms x 2
+    assert route(view, source=REQ, own_sessions={"nobody": 3, "b": 0}) == route(view, source=REQ)
+    assert route(view, start=15, source=REQ, own_sessions={"c": 5}) == route(view, start=15, source=REQ)  # c ends at 15
+    # the cost it reports is the repriced one, and a prepared view is not changed by it
+    assert once.cost_ms == 100.0 + 30 * 1000.0 / 900.0 + 100.0
+    assert route(view, source=REQ).peer_ids == ("a",)

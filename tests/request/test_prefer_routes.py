@@ -145,3 +145,23 @@ async def test_a_repair_never_gives_a_peer_of_the_session_a_second_piece(model, 
     assert first == [("u", 0, 1), ("f", 1, 3), ("d", 3, 4)]
     assert last == [("u", 0, 1), ("s", 1, 3), ("d", 3, 4)]
     assert tokens == solo
+
+
+async def test_a_second_answer_of_one_requester_goes_to_an_equivalent_peer(model, autojump_clock):
+    """A requester counts its own open sessions per peer and routing prices each as a step queued
+    there: with a running on the first answer, the second takes b (a little slower, idle), and the
+    count is back to nothing when both are done. Both answers are exact."""
+    solo = LocalEngine(model, device="cpu", dtype="float32").generate_ids(PROMPT, max_new_tokens=TOKENS)
+    async with AsyncExitStack() as stack:
+        world = await memory_swarm(stack, model, [PeerPlan("a", 0, 4, 1000.0), PeerPlan("b", 0, 4, 900.0)])
+        first_info: dict = {}
+        first = world.swarm.generate_ids(PROMPT, max_new_tokens=TOKENS, info=first_info)
+        tokens = [await first.__anext__()]  # the first answer's session is open on a
+        assert dict(world.swarm.ctx.running) == {world.ids["a"]: 1}
+        second_info: dict = {}
+        second = [t async for t in world.swarm.generate_ids(PROMPT, max_new_tokens=TOKENS, info=second_info)]
+        tokens += [t async for t in first]
+        assert [world.name(h["peer"]) for h in first_info["route"]] == ["a"]
+        assert [world.name(h["peer"]) for h in second_info["route"]] == ["b"]
+        assert dict(world.swarm.ctx.running) == {}
+    assert tokens == solo and second == solo
