@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import lru_cache
 from itertools import accumulate
 from pathlib import Path
 
@@ -88,6 +89,7 @@ class PeerConfig:
     weights_upload_rate: float = 0.0  # bytes/s of weights uploaded per fetching peer; 0 = unlimited
 
 
+@lru_cache(maxsize=256)  # pure, and asked at every advertisement (a simulation: thousands a minute)
 def capacity_in_layers(spec: ModelSpec, memory_bytes: int, itemsize: int, quant: Quant = NO_QUANT) -> int:
     """How many layers fit in the memory offered, keeping a share for KV caches: the longest k such
     that EVERY run of k consecutive layers fits, each layer counted at its own bytes (a quantized

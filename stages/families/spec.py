@@ -41,6 +41,7 @@ Extending (the kinds are the extension points):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any
 
 from tessera.stages.errors import ModelFormatError, SpanError
@@ -576,7 +577,7 @@ class ModelSpec:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    @property
+    @cached_property  # a frozen spec: hashing every layer's shape once, not per byte count asked
     def uniform(self) -> bool:
         """Whether every layer has the same shape (the Llama block; not Qwen3-MoE's dense-first)."""
         return len(set(self.layers)) == 1
