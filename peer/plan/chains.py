@@ -288,6 +288,7 @@ class _Search:
                         return None
 
                     low, low_id, ties = inf, "", 0
+                    exits = [(cost, q) for q, cost in tails.items()]  # every way to leave at b: (cost, peer)
                     for q, cost in tails.items():
                         if cost < low:
                             low, low_id, ties = cost, q, 0
@@ -297,18 +298,18 @@ class _Search:
                         for pid, x in open_.items():
                             if x[5] != inf and x[6] < b <= x[4] and x[2]:
                                 cost = x[5] + (b - x[6]) * x[0]
+                                exits.append((cost, pid))
                                 if cost < low:
                                     low, low_id, ties = cost, pid, 0
                                 elif cost == low:
                                     ties += 1
-                    ranked: list[tuple[float, str]] = []  # every candidate, sorted: only for a tie or a measured best
+                    ranked: list[tuple[float, str]] = []  # `exits` sorted: only for a tie or a measured best
                     for r in starting:
                         measured = pairs.get(r, nothing)
                         if low < inf and not ties and low_id not in measured:
                             best: tuple[float, str] | None = (low, low_id)
                         else:
-                            ranked = ranked or sorted(
-                                (cost, q) for q in [*tails, *open_] if (cost := leaving_cost(q)) is not None)
+                            ranked = ranked or sorted(exits)
                             best = cheapest(ranked, measured, b)
                         if best is not None:
                             offer(r, b, best[0] + default, best[1])

@@ -150,10 +150,12 @@ async def test_a_repair_never_gives_a_peer_of_the_session_a_second_piece(model, 
 async def test_a_second_answer_of_one_requester_goes_to_an_equivalent_peer(model, autojump_clock):
     """A requester counts its own open sessions per peer and routing prices each as a step queued
     there: with a running on the first answer, the second takes b (a little slower, idle), and the
-    count is back to nothing when both are done. Both answers are exact."""
+    count is back to nothing when both are done. Both answers are exact. The speeds are low so
+    that compute outweighs any RTT the requester has measured meanwhile (a at 100 ms a layer, b
+    at 111: a with one session 800 ms a step, b 444 ms plus at most two default 100 ms links)."""
     solo = LocalEngine(model, device="cpu", dtype="float32").generate_ids(PROMPT, max_new_tokens=TOKENS)
     async with AsyncExitStack() as stack:
-        world = await memory_swarm(stack, model, [PeerPlan("a", 0, 4, 1000.0), PeerPlan("b", 0, 4, 900.0)])
+        world = await memory_swarm(stack, model, [PeerPlan("a", 0, 4, 10.0), PeerPlan("b", 0, 4, 9.0)])
         first_info: dict = {}
         first = world.swarm.generate_ids(PROMPT, max_new_tokens=TOKENS, info=first_info)
         tokens = [await first.__anext__()]  # the first answer's session is open on a
