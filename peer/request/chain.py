@@ -189,6 +189,8 @@ class RouteSession:
             }
             plans.append((hop, msg, links))
         results: list[HopState | BaseException | None] = [None] * len(plans)
+        for hop in hops:  # counted from now, before any await: opens started at once spread out
+            self.ctx.hold(hop.peer_id)
 
         async def open_one(i: int) -> None:
             hop, msg, links = plans[i]
@@ -197,11 +199,21 @@ class RouteSession:
             except (PeerError, WireError, trio.TooSlowError) as error:
                 results[i] = error
 
-        async with trio.open_nursery() as nursery:
-            for i in range(len(plans)):
-                nursery.start_soon(open_one, i)
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(len(plans)):
+                    nursery.start_soon(open_one, i)
+        except BaseException:  # cancelled (the answer's deadline): nothing stays counted
+            for i, r in enumerate(results):
+                if isinstance(r, HopState):
+                    self.ctx.release(r)
+                else:
+                    self.ctx.drop(plans[i][0].peer_id)
+            raise
         opened = [r for r in results if isinstance(r, HopState)]
         failed = [(plans[i][0], r) for i, r in enumerate(results) if not isinstance(r, HopState)]
+        for hop, _ in failed:
+            self.ctx.drop(hop.peer_id)
         if failed:
             for state in opened:
                 self.ctx.nursery.start_soon(self.close_hop, state, "a peer of the route refused")
@@ -226,7 +238,6 @@ class RouteSession:
             await channel.reset()
             raise PeerFailed(hop.peer_id, f"answered SessionOpen with {type(reply).__name__}", Failure.BROKE)
         state = HopState(hop, channel, **links)
-        self.ctx.hold(state)
         self.ctx.nursery.start_soon(self._read, state)
         return state
 

@@ -39,19 +39,22 @@ class RequesterContext:
     # as a step queued ahead of ours (peer/plan/cost.py OWN_SESSION_PENALTY).
     running: Counter[str] = field(default_factory=Counter)
 
-    def hold(self, state: "HopState") -> None:
-        """Count `state`'s session in `running` (once, until `release`)."""
-        if not state.held:
-            state.held = True
-            self.running[state.peer] += 1
+    def hold(self, peer: str) -> None:
+        """Count a session on `peer` from the moment a route is chosen for opening (so that opens
+        started at the same time see each other), until `release` or `drop`."""
+        self.running[peer] += 1
+
+    def drop(self, peer: str) -> None:
+        """Stop counting one session on `peer` (its open failed)."""
+        self.running[peer] -= 1
+        if self.running[peer] <= 0:
+            del self.running[peer]
 
     def release(self, state: "HopState") -> None:
         """Stop counting `state`'s session: it closed, failed or was revoked (idempotent)."""
         if state.held:
             state.held = False
-            self.running[state.peer] -= 1
-            if self.running[state.peer] <= 0:
-                del self.running[state.peer]
+            self.drop(state.peer)
 
     @cached_property
     def work(self) -> bytes:
@@ -77,7 +80,7 @@ class HopState:
     failure: str | None = None
     failed_as: Failure = Failure.DROPPED  # the kind of `failure` (peer/base/backoff.py)
     revoked: bool = False  # the requester took this peer out of the session (RouteSession.revoke_hop)
-    held: bool = False  # counted in the requester's `running` sessions (RequesterContext.hold)
+    held: bool = True  # counted in the requester's `running` sessions until released (RequesterContext)
     attested: list[AttestedStep] = field(default_factory=list)
     acked: trio.Event = field(default_factory=trio.Event)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -180,9 +181,14 @@ def test_policies_compared_on_a_fixed_synthetic_swarm(capsys):
 
 
 def test_a_simulated_trace_replays_with_the_routes_it_took(tmp_path):
-    """simulate --trace writes every node's events; replaying them finds the same routes."""
+    """simulate --trace writes every node's events; replaying them finds the same routes. The
+    requests come one at a time (2 s apart, each done in about one): a requester prices its own
+    running answers (peer/plan/cost.py OWN_SESSION_PENALTY), so routes of overlapping answers depend
+    on how their opens interleave, which a replay re-enacts only approximately."""
     db = tmp_path / "sim.db"
     scenario = synthetic(peers=4, requests=4, seed=1, capacity=(10, 20), prompt=(4, 8), tokens=(2, 3))
+    scenario = dataclasses.replace(scenario, requests=tuple(
+        dataclasses.replace(r, at=scenario.requests[0].at + 2.0 * i) for i, r in enumerate(scenario.requests)))
     live = simulate(scenario, policy="default", seed=0, trace_path=db)
     replayed = from_trace([db])
     assert len(replayed.peers) == 4 and len(replayed.requests) == 4
