@@ -48,7 +48,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 # Relaxed passes one search may run before settling for the best chain of distinct peers
@@ -68,12 +68,6 @@ class Candidate:
     hi: int
     per_layer: float
     stops_early: bool = True
-    # its record as a sweep starts (see `_Search.solve`), built with the candidate: a route call
-    # at 1,000 peers spent a third of its search building these one by one
-    row: tuple = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "row", (self.per_layer, self.hi, self.stops_early, self.lo, self.hi, math.inf, 0, math.inf))
 
 
 # A chain so far: (cost in ms, hops, peer ids, negated entry boundaries, entry boundaries).
@@ -180,8 +174,6 @@ class _Search:
     def __init__(self, candidates: Sequence[Candidate], start: int, end: int, from_source: Callable[[str], float],
                  to_sink: Callable[[str], float], links: Links, default_rtt_ms: float) -> None:
         self.candidates = candidates
-        self.pids = [c.pid for c in candidates]
-        self.rows = [c.row for c in candidates]
         self.spans = {c.pid: (c.lo, c.hi) for c in candidates}
         self.start, self.end = start, end
         self.from_source, self.to_sink = from_source, to_sink
@@ -208,11 +200,11 @@ class _Search:
         # reads no dict but this one): [ms per layer, end, may leave early, lowest layer allowed,
         # highest allowed, cost paid when entered (inf: not yet), entered at, cost at its end if run there].
         # An exit at b costs `cost in + (b - entered at) * per layer`: route_cost's arithmetic.
-        rec: dict[str, list] = dict(zip(self.pids, map(list, self.rows)))
+        rec: dict[str, list] = {}
         bounded = bool(bounds)
-        for pid, (lo, hi) in bounds.items():
-            x = rec[pid]
-            x[3], x[4] = lo, hi
+        for c in self.candidates:
+            lo, hi = bounds.get(c.pid, (c.lo, c.hi))
+            rec[c.pid] = [c.per_layer, c.hi, c.stops_early, lo, hi, inf, 0, inf]
         # How each candidate was entered: (hops, node), a node being (peer, entered at, the node
         # before it or None) — shared and never changed, so a chain costs one small tuple a hop and
         # its ids are spelled out only where a tie or the answer needs them (`spelled`).

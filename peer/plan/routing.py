@@ -340,7 +340,7 @@ def route(
         links = prepared.links
     if own_sessions:  # few peers (a requester's running answers): repriced per call, the rest as prepared
         candidates = [replace(c, per_layer=ms_per_layer(peers[c.pid], load_penalty, n))
-                      if (n := own_sessions.get(c.pid, 0)) > 0 and c.pid in peers else c for c in candidates]
+                      if (n := own_sessions.get(c.pid, 0)) > 0 else c for c in candidates]
 
     best = cheapest_chain(
         candidates, start=start, end=end, links=links, default_rtt_ms=default_rtt_ms,
