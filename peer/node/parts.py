@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncContextManager, Awaitable, Callable, Protocol
+from typing import Any, AsyncContextManager, Awaitable, Callable, Mapping, Protocol
 
 from tessera.protocol.keys import Identity
 from tessera.stages.weights.quant import Quant
@@ -139,7 +139,11 @@ class Weights(Protocol):
 
     def serve(self, transport: Transport) -> None: ...
 
-    async def ensure(self, transport: Transport, span: tuple[int, int], out: Callable[[str], None]) -> None: ...
+    async def ensure(self, transport: Transport, span: tuple[int, int], out: Callable[[str], None], *,
+                     holders: Mapping[str, tuple[str, ...]] = {}) -> None:
+        """Have `span`'s weights on disk, fetching what is missing from the connected peers and
+        from `holders` (peer id -> addresses: the view's peers that hold layers of the span)."""
+        ...
 
     def held_layers(self) -> tuple[tuple[int, int], ...]:
         """The layer ranges whose weights are on disk (advertised: re-claims prefer holders)."""

@@ -359,7 +359,9 @@ class PeerNode:
 
     async def _load(self, start: int, end: int) -> Any:
         if self.parts.weights is not None:  # a folder fetched from the swarm holds only some layers: this span's first
-            await self.parts.weights.ensure(self.transport, (start, end), self.out)
+            holders = {p.peer_id: p.addrs for p in self.keeper.snapshot().peers
+                       if p.peer_id != self.transport.peer_id and p.addrs and p.held_in(start, end)}
+            await self.parts.weights.ensure(self.transport, (start, end), self.out, holders=holders)
         stage = await self.compute.load(start, end)
         if self.compute.last_check is not None:
             self.out(self.compute.last_check)  # hashed now, or vouched for by the cache of an earlier check

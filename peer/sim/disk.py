@@ -10,7 +10,7 @@ What it holds goes into its record, so placement can prefer holders after churn.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 import trio
 
@@ -30,7 +30,8 @@ class SimDisk:
     def serve(self, transport: Transport) -> None:
         pass  # uploads cost the holder nothing here: the fetcher's link is the one modelled
 
-    async def ensure(self, transport: Transport, span: tuple[int, int], out: Callable[[str], None]) -> None:
+    async def ensure(self, transport: Transport, span: tuple[int, int], out: Callable[[str], None], *,
+                     holders: Mapping[str, tuple[str, ...]] = {}) -> None:
         missing = (span[1] - span[0]) - layers_held(self.held, *span)
         if missing > 0:
             await trio.sleep(missing * self.layer_bytes / self.bandwidth)

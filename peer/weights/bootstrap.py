@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import trio
 
@@ -85,6 +85,11 @@ async def ensure_span(transport: Transport, folder: Path, span: tuple[int, int],
 DIAL_TIMEOUT = 15.0
 
 
+# Dialling the view's holders of a span before fetching it: a holder not reached in this long
+# (a dead record, a NAT) is left out rather than delaying the fetch from the others.
+HOLDER_DIAL_TIMEOUT = 5.0
+
+
 REQUESTER_GROUPS = frozenset({"embed", "head", "norm"})
 """What a requester computes itself: the embedding, and the final norm and head."""
 
@@ -100,6 +105,24 @@ async def _dial(transport: Transport, join: list[str], out: Callable[[str], None
     if not peers:
         raise WeightsUnavailable(f"no --join peer reached to fetch the model from ({', '.join(join)})")
     return peers
+
+
+async def _connect_holders(transport: Transport, holders: Mapping[str, tuple[str, ...]], peers: list[str]) -> None:
+    """Connect to `holders` (peer id -> addresses) at once, adding each reached to `peers`; one not
+    reached within HOLDER_DIAL_TIMEOUT is left out (the fetch uses the others)."""
+    async def one(peer: str, addrs: tuple[str, ...]) -> None:
+        for addr in addrs:
+            try:
+                if await transport.connect(addr) == peer:
+                    peers.append(peer)
+                    return
+            except PeerError:
+                continue
+
+    with trio.move_on_after(HOLDER_DIAL_TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            for peer, addrs in sorted(holders.items()):
+                nursery.start_soon(one, peer, addrs)
 
 
 def _lacks(folder: Path, groups: frozenset[str]) -> bool:
@@ -178,9 +201,17 @@ class FolderWeights:
     def serve(self, transport: Transport) -> None:
         self.source = serve_weights(transport, self.folder, enabled=self.serve_enabled, rate=self.upload_rate)
 
-    async def ensure(self, transport: Transport, span: tuple[int, int], out: Callable[[str], None]) -> None:
+    async def ensure(self, transport: Transport, span: tuple[int, int], out: Callable[[str], None], *,
+                     holders: Mapping[str, tuple[str, ...]] = {}) -> None:
+        if not (self.folder / MANIFEST).exists() or not is_partial(self.folder):
+            return  # a whole folder (only fetching writes partial ones): nothing to fetch, nobody to dial
+        # A peer that just joined is connected to the one --join address that answered and to
+        # whoever membership dialled since; the view names every holder. Those not connected
+        # are dialled (at once, for at most HOLDER_DIAL_TIMEOUT), so the fetch draws on all of them.
+        peers = list(transport.connected())
+        await _connect_holders(transport, {p: a for p, a in holders.items() if p not in peers}, peers)
         try:
-            fetched = await ensure_span(transport, self.folder, span, transport.connected(), out=out,
+            fetched = await ensure_span(transport, self.folder, span, peers, out=out,
                                         on_fetcher=self._watch, check=self.check)
         finally:
             self._fetcher = None

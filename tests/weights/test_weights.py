@@ -360,6 +360,25 @@ async def test_a_bare_folder_without_manifest_is_whole_and_not_served(model, tmp
     assert not (bare / "manifest.json").exists()  # nothing was written into the user's folder
 
 
+async def test_a_fetch_dials_the_holders_the_view_names_not_only_the_connected_ones(model, tmp_path) -> None:
+    """A peer that just joined is connected to the one --join peer that answered; the view names
+    the other holders, and `FolderWeights.ensure` dials them first, so that the fetch draws on all
+    of them (a resumed fetch in a real swarm was served by one holder of two). A holder that
+    cannot be reached is left out."""
+    network = MemoryNetwork(LinkSpec(latency=0.0, bandwidth=1e12))
+    async with AsyncExitStack() as stack:
+        await holders(stack, network, {"A": model, "B": model})
+        me = await stack.enter_async_context(open_memory_transport(network, "C"))
+        folder = await bootstrap_model(me, ["A"], NAME, tmp_path / "models")
+        assert me.connected() == ["A"]
+        weights = FolderWeights(folder, serve=False, upload_rate=0.0)
+        lines: list[str] = []
+        await weights.ensure(me, (0, 2), lines.append, holders={"B": ("/memory/1/p2p/B",), "D": ("/memory/9/p2p/D",)})
+        assert me.connected() == ["A", "B"]
+        assert "from 2 peers" in lines[-1], lines
+    assert set(tensors_of(folder)) == span_names(model, 0, 2)
+
+
 async def test_a_folder_says_which_layers_it_holds_and_how_its_fetch_goes(model, tmp_path) -> None:
     """What the record advertises (re-claims prefer holders) and what the TUI's bar reads."""
     assert held_layers(model) == ((0, 4),)
