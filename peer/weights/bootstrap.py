@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import trio
 
@@ -60,13 +60,14 @@ def is_partial(folder: Path) -> bool:
 async def ensure_span(transport: Transport, folder: Path, span: tuple[int, int], peers: list[str], *,
                       out: Callable[[str], None] = lambda line: None,
                       on_fetcher: Callable[[Fetcher], None] = lambda fetcher: None,
-                      check: WeightCheck | None = None) -> FetchProgress | None:
+                      check: WeightCheck | None = None,
+                      addrs: Mapping[str, Sequence[str]] = {}) -> FetchProgress | None:
     """Make sure `folder` holds layers [start, end) (fetching from `peers` what it lacks).
 
     None for a full folder (or a bare one, without a manifest: only fetching writes partial
     folders, always with one). `on_fetcher` is handed the fetcher before it starts (its
     `last_progress` is the live progress); `check` (the peer's) records what was fetched as
-    checked (peer/weights/verify.py). Raises WeightsUnavailable, DiskFull.
+    checked (peer/weights/verify.py); `addrs` dials peers not connected. Raises WeightsUnavailable, DiskFull.
     """
     if not (folder / MANIFEST).exists():
         return None
@@ -75,7 +76,7 @@ async def ensure_span(transport: Transport, folder: Path, span: tuple[int, int],
         return None
     spec = spec_from_file(folder / "config.json")
     groups = groups_for_span(span[0], span[1], spec.num_layers, tied=spec.tie_embeddings)
-    fetcher = Fetcher(transport, folder, manifest, out=out, check=check)
+    fetcher = Fetcher(transport, folder, manifest, out=out, check=check, addrs=addrs)
     on_fetcher(fetcher)
     return await fetcher.fetch_groups(peers, groups, label=f"layers [{span[0]}, {span[1]})")
 
@@ -83,11 +84,6 @@ async def ensure_span(transport: Transport, folder: Path, span: tuple[int, int],
 # Reaching a --join address to learn the manifest: one dial (TCP + Noise + yamux, a few
 # RTTs), as peer/net/join.py allows for one attempt.
 DIAL_TIMEOUT = 15.0
-
-
-# Dialling the view's holders of a span before fetching it: a holder not reached in this long
-# (a dead record, a NAT) is left out rather than delaying the fetch from the others.
-HOLDER_DIAL_TIMEOUT = 5.0
 
 
 REQUESTER_GROUPS = frozenset({"embed", "head", "norm"})
@@ -105,24 +101,6 @@ async def _dial(transport: Transport, join: list[str], out: Callable[[str], None
     if not peers:
         raise WeightsUnavailable(f"no --join peer reached to fetch the model from ({', '.join(join)})")
     return peers
-
-
-async def _connect_holders(transport: Transport, holders: Mapping[str, tuple[str, ...]], peers: list[str]) -> None:
-    """Connect to `holders` (peer id -> addresses) at once, adding each reached to `peers`; one not
-    reached within HOLDER_DIAL_TIMEOUT is left out (the fetch uses the others)."""
-    async def one(peer: str, addrs: tuple[str, ...]) -> None:
-        for addr in addrs:
-            try:
-                if await transport.connect(addr) == peer:
-                    peers.append(peer)
-                    return
-            except PeerError:
-                continue
-
-    with trio.move_on_after(HOLDER_DIAL_TIMEOUT):
-        async with trio.open_nursery() as nursery:
-            for peer, addrs in sorted(holders.items()):
-                nursery.start_soon(one, peer, addrs)
 
 
 def _lacks(folder: Path, groups: frozenset[str]) -> bool:
@@ -203,15 +181,12 @@ class FolderWeights:
 
     async def ensure(self, transport: Transport, span: tuple[int, int], out: Callable[[str], None], *,
                      holders: Mapping[str, tuple[str, ...]] = {}) -> None:
-        if not (self.folder / MANIFEST).exists() or not is_partial(self.folder):
-            return  # a whole folder (only fetching writes partial ones): nothing to fetch, nobody to dial
         # A peer that just joined is connected to the one --join address that answered and to
-        # whoever membership dialled since; the view names every holder. Those not connected
-        # are dialled (at once, for at most HOLDER_DIAL_TIMEOUT), so the fetch draws on all of them.
-        peers = list(transport.connected())
-        await _connect_holders(transport, {p: a for p, a in holders.items() if p not in peers}, peers)
+        # whoever membership dialled since; the view names every holder, and the fetch asks them
+        # all (dialling those not connected at their addresses), so it draws on every one.
+        peers = sorted(set(transport.connected()) | set(holders))
         try:
-            fetched = await ensure_span(transport, self.folder, span, peers, out=out,
+            fetched = await ensure_span(transport, self.folder, span, peers, out=out, addrs=holders,
                                         on_fetcher=self._watch, check=self.check)
         finally:
             self._fetcher = None

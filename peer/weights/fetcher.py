@@ -23,7 +23,7 @@ import os
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 import trio
 
@@ -58,11 +58,12 @@ def is_model_id(text: str) -> bool:
     return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
 
 
-async def ask_manifest(transport: Transport, peer: str, model: str, *, with_manifest: bool = True) -> WeightManifest:
-    """One holder's manifest answer (without the manifest itself unless `with_manifest`).
-    Raises PeerError, WireError, ManifestRejected."""
+async def ask_manifest(transport: Transport, peer: str, model: str, *, with_manifest: bool = True,
+                       addrs: Sequence[str] = ()) -> WeightManifest:
+    """One holder's manifest answer (without the manifest itself unless `with_manifest`), dialling
+    `addrs` if not connected. Raises PeerError, WireError, ManifestRejected."""
     with trio.fail_after(ASK_TIMEOUT):
-        channel = Channel(await transport.open_stream(peer, WEIGHTS_PROTOCOL))
+        channel = Channel(await transport.open_stream(peer, WEIGHTS_PROTOCOL, addrs=addrs))
         try:
             await channel.send(WeightManifestRequest(model, with_manifest))
             answer = await channel.receive()
@@ -145,8 +146,10 @@ class Fetcher:
                  out: Callable[[str], None] = lambda line: None,
                  clock: Callable[[], float] = trio.current_time,
                  write_at: WriteAt = os.pwrite, streams_per_source: int = STREAMS_PER_SOURCE,
-                 check: WeightCheck | None = None) -> None:
+                 check: WeightCheck | None = None, addrs: Mapping[str, Sequence[str]] = {}) -> None:
         self.transport = transport
+        # peers not connected yet (the view's holders of a span): dialled at these when asked
+        self.addrs = addrs
         self.check = check  # told of each file rewritten, so the load after a fetch need not hash it again
         self.folder = Path(folder)
         self.manifest = manifest
@@ -170,7 +173,8 @@ class Fetcher:
 
         async def ask(peer: str) -> None:
             try:
-                answer = await ask_manifest(self.transport, peer, self.model_id, with_manifest=False)
+                answer = await ask_manifest(self.transport, peer, self.model_id, with_manifest=False,
+                                            addrs=self.addrs.get(peer, ()))
             except (PeerError, WireError, trio.TooSlowError) as bad:
                 log.debug("weights survey: %s: %s", peer, bad)
                 return
@@ -215,7 +219,7 @@ class Fetcher:
         out = bytearray()
         try:
             with trio.fail_after(ASK_TIMEOUT + CHUNK_TIMEOUT * max(1, -(-size // chunk))):
-                channel = Channel(await self.transport.open_stream(peer, WEIGHTS_PROTOCOL))
+                channel = Channel(await self.transport.open_stream(peer, WEIGHTS_PROTOCOL, addrs=self.addrs.get(peer, ())))
                 for index in range(max(1, -(-size // chunk))):
                     await channel.send(WeightChunkRequest(self.model_id, name, index, True))
                     reply = await channel.receive()
@@ -324,7 +328,7 @@ class Fetcher:
                 try:
                     if channel is None:
                         with trio.fail_after(ASK_TIMEOUT):
-                            channel = Channel(await self.transport.open_stream(peer, WEIGHTS_PROTOCOL))
+                            channel = Channel(await self.transport.open_stream(peer, WEIGHTS_PROTOCOL, addrs=self.addrs.get(peer, ())))
                     with trio.fail_after(CHUNK_TIMEOUT):
                         await channel.send(WeightChunkRequest(self.model_id, name, index, False))
                         reply = await channel.receive()
