@@ -41,6 +41,24 @@ chain of distinct peers taken from the queue is the cheapest. In the swarms we s
 relaxed chain almost never repeats a peer (it pays two extra round trips to do so),
 and one pass is the whole search. After MAX_BRANCHES passes the best chain of distinct
 peers found so far wins against the tail-only chain (which never repeats a peer).
+
+Interchangeable candidates (`Pool`)
+-----------------------------------
+In a big swarm most peers run one of a few dozen spans and have measured nobody (nor has
+anybody measured them): to the search they differ only in speed and id, and the sweep's
+cost is proportional to how many run across each boundary. Among such peers with one
+(clipped) span [lo, hi), a chain of distinct peers uses at most ``(hi - lo + 1) // 2``: two
+of them are never adjacent (the cut between them would be where the first ends or the
+second starts, hi or lo, and both run layers strictly between), so each but the first
+needs a layer of another peer between it and the one before. Hence only that many of the
+fastest can be in the answer: were a slower one in it, one of the kept ones would be
+unused, and putting it in the slower one's place keeps every cut and every round trip
+(all at the default), costs no more (float arithmetic rounds monotonically) and, at an
+equal price, sorts first (pools are ordered by (ms per layer, peer id)) — a better chain,
+a contradiction. `cheapest_chain` searches over the kept ones and falls back to everyone
+in the two cases that argument does not cover: the branch-and-bound ran out of passes
+(its best-so-far answer depends on the candidates), or a kept and a left-out speed differ
+by so little that rounding could make two chains' different prices equal (`_clear_of_rounding`).
 """
 
 from __future__ import annotations
@@ -49,7 +67,7 @@ import heapq
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import AbstractSet, Callable, Mapping, Sequence
 
 # Relaxed passes one search may run before settling for the best chain of distinct peers
 # found so far. Each pass costs about what a whole route() cost before head hand-overs
@@ -70,6 +88,36 @@ class Candidate:
     stops_early: bool = True
 
 
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """Candidates interchangeable but for speed and id (module docstring): one clipped span
+    [lo, hi), all may be left early, and no measured round trip to or from any of them (none
+    is the source or the sink either). `members` sorted by (per_layer, pid)."""
+
+    lo: int
+    hi: int
+    members: tuple[Candidate, ...]
+
+    @property
+    def keep(self) -> int:
+        """How many of one span a chain of distinct peers can use."""
+        return (self.hi - self.lo + 1) // 2
+
+
+def pools_of(candidates: Sequence[Candidate], measured: AbstractSet[str]) -> tuple[list[Candidate], list[Pool]]:
+    """Split `candidates` into those searched one by one and `Pool`s: peers not in `measured`
+    (every node that measured a round trip or was measured) that share a span with more of
+    their kind than a chain can use. The first list keeps the input's order."""
+    by_span: dict[tuple[int, int], list[Candidate]] = defaultdict(list)
+    for c in candidates:
+        if c.pid not in measured and c.stops_early:
+            by_span[(c.lo, c.hi)].append(c)
+    pools = [Pool(lo, hi, tuple(sorted(group, key=lambda c: (c.per_layer, c.pid))))
+             for (lo, hi), group in sorted(by_span.items()) if len(group) > (hi - lo + 1) // 2]
+    pooled = {c.pid for pool in pools for c in pool.members}
+    return [c for c in candidates if c.pid not in pooled], pools
+
+
 # A chain so far: (cost in ms, hops, peer ids, negated entry boundaries, entry boundaries).
 # Tuples compare in tie-break order: cost, then fewer hops, then peer ids, then later cuts.
 Label = tuple[float, int, tuple[str, ...], tuple[int, ...], tuple[int, ...]]
@@ -87,18 +135,82 @@ def cheapest_chain(
     default_rtt_ms: float,
     max_branches: int = MAX_BRANCHES,
     heads: bool = True,
+    pools: Sequence[Pool] = (),
+    skip: AbstractSet[str] = frozenset(),
 ) -> Label | None:
     """The cheapest chain of distinct candidates through [start, end) (see the module
     docstring): ``(cost, hops, ids, -entries, entries)``, or None when none exists.
     `links`: the measured RTTs between candidates (`links_between`). `heads=False`: only tail
     hand-overs (every hop runs to its peer's end; what routing did before, and never repeats a
-    peer): a baseline for bench/routing.py."""
+    peer): a baseline for bench/routing.py. The candidates are `candidates` (sorted by peer id)
+    and the members of `pools` not in `skip`; the caller promises what `Pool` says of those."""
+    search_args = (start, end, from_source, to_sink, links, default_rtt_ms, max_branches, heads)
+    if pools:
+        kept, gap = _thinned(pools, skip)
+        if kept is not None:  # some were left out: search without them where that is exact
+            label, exact = _branch_and_bound(sorted([*candidates, *kept], key=_peer_id), *search_args)
+            if exact and (label is None or _clear_of_rounding(gap, label[0], end - start)):
+                return label
+        candidates = sorted([*candidates, *(c for pool in pools for c in pool.members if c.pid not in skip)],
+                            key=_peer_id)
+    return _branch_and_bound(candidates, *search_args)[0]
+
+
+def _peer_id(c: Candidate) -> str:
+    return c.pid
+
+
+def _thinned(pools: Sequence[Pool], skip: AbstractSet[str]) -> tuple[list[Candidate] | None, float]:
+    """The fastest `keep` members of each pool (those in `skip` aside), or None when that
+    leaves nobody out; and the smallest positive difference between a left-out member's ms per
+    layer and a kept one's below it (inf if there is none)."""
+    kept: list[Candidate] = []
+    gap, left_out = math.inf, False
+    for pool in pools:
+        keep, taken, top, below = pool.keep, 0, -math.inf, None  # top: the slowest kept; below: the next one down
+        members = pool.members
+        for i, c in enumerate(members):
+            if c.pid in skip:
+                continue
+            if taken < keep:
+                if c.per_layer != top and taken:
+                    below = top
+                kept.append(c)
+                taken, top = taken + 1, c.per_layer
+                continue
+            left_out = True
+            if c.per_layer > top:
+                gap = min(gap, c.per_layer - top)
+            else:  # a tie with the slowest kept: the kept below it, and the next faster left out, bound it
+                if below is not None:
+                    gap = min(gap, top - below)
+                above = next((d.per_layer for d in members[i + 1:] if d.per_layer > top and d.pid not in skip), None)
+                if above is not None:
+                    gap = min(gap, above - top)
+            break
+    return (kept if left_out else None), gap
+
+
+def _clear_of_rounding(gap: float, cost: float, layers: int) -> bool:
+    """Whether two chains whose exact prices differ by at least `gap` can not both come out at
+    `cost`. A chain's price is summed in at most 3 operations a hop (an exit's product and sum,
+    the link into the next) plus the source's and the sink's links, over at most `layers` hops,
+    each rounding by at most 2**-53 of a partial sum no larger than `cost`: two such sums that
+    round to one value lie within twice that of each other. Checked with room to spare."""
+    return gap > cost * (4 * layers + 8) * 2.0 ** -52
+
+
+def _branch_and_bound(candidates: Sequence[Candidate], start: int, end: int, from_source: Callable[[str], float],
+                      to_sink: Callable[[str], float], links: Links, default_rtt_ms: float, max_branches: int,
+                      heads: bool) -> tuple[Label | None, bool]:
+    """The module docstring's search over `candidates`, and whether its answer is exact (False:
+    it ran out of passes and settled for the best chain of distinct peers found)."""
     search = _Search(candidates, start, end, from_source, to_sink, links, default_rtt_ms)
     if not heads:
-        return search.solve({}, frozenset(), heads=False)
+        return search.solve({}, frozenset(), heads=False), True
     root = search.solve({}, frozenset(), heads=True)
     if root is None:
-        return None
+        return None, True
     queue: list[tuple[Label, int, Bounds, frozenset[int]]] = [(root, 0, {}, frozenset())]
     found: Label | None = None  # the best chain of distinct peers seen (not yet proven cheapest)
     pushed = passes = 0
@@ -106,7 +218,7 @@ def cheapest_chain(
         label, _, bounds, no_cut = heapq.heappop(queue)
         repeat = _first_repeat(label, end)
         if repeat is None:
-            return label
+            return label, True
         passes += 1
         pid, (x1, y1), (x2, _y2) = repeat
         lo, hi = bounds.get(pid, search.span(pid))
@@ -123,7 +235,8 @@ def cheapest_chain(
             pushed += 1
             heapq.heappush(queue, (child, pushed, child_bounds, child_no_cut))
     tail_only = search.solve({}, frozenset(), heads=False)  # never repeats a peer
-    return min(x for x in (found, tail_only) if x is not None) if (found or tail_only) else None
+    answer = min(x for x in (found, tail_only) if x is not None) if (found or tail_only) else None
+    return answer, not queue  # an emptied queue: no branch left, so no chain of distinct peers was missed
 
 
 def _first_repeat(label: Label, end: int) -> tuple[str, tuple[int, int], tuple[int, int]] | None:
@@ -348,4 +461,4 @@ class _Search:
         return min((low, *label_of(q, end)[1:]) for q, total in finals.items() if total == low)
 
 
-__all__ = ["Candidate", "Label", "Links", "links_between", "cheapest_chain", "MAX_BRANCHES"]
+__all__ = ["Candidate", "Label", "Links", "Pool", "pools_of", "links_between", "cheapest_chain", "MAX_BRANCHES"]
