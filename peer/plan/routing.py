@@ -440,15 +440,20 @@ def _candidates(peers: Mapping[str, PeerInfo], start: int, end: int, load_penalt
     candidates: list[Candidate] = []
     span_of: dict[str, tuple[int, int]] = {}
     for pid in sorted(peers):
-        p = peers[pid]
-        if p.shard_count != 1 or unusable_reason(p, exclude) is not None:
-            continue
-        lo, hi = max(p.start, start), min(p.end, end)
-        if lo < hi:
-            candidates.append(Candidate(pid, lo, hi, ms_per_layer(p, load_penalty),
-                                        stops_early=group_of is None or pid not in group_of))
-            span_of[pid] = (lo, hi)
+        c = _candidate(peers[pid], start, end, load_penalty, exclude, group_of is None or pid not in group_of)
+        if c is not None:
+            candidates.append(c)
+            span_of[pid] = (c.lo, c.hi)
     return candidates, span_of
+
+
+def _candidate(p: PeerInfo, start: int, end: int, load_penalty: float, exclude: frozenset[str] = frozenset(),
+               stops_early: bool = True) -> Candidate | None:
+    """`p` as a candidate over [start, end), or None when it is unusable or holds none of it."""
+    if p.shard_count != 1 or unusable_reason(p, exclude) is not None:
+        return None
+    lo, hi = max(p.start, start), min(p.end, end)
+    return Candidate(p.peer_id, lo, hi, ms_per_layer(p, load_penalty), stops_early=stops_early) if lo < hi else None
 
 
 @dataclass(frozen=True)
@@ -466,6 +471,7 @@ class _Prepared:
     pools: tuple[Pool, ...]
     pooled: Mapping[str, Candidate]
     links: Links
+    by_info: Mapping[int, Candidate | None]  # id(PeerInfo of `view`) -> it as a candidate (None: not one)
 
 
 # Routes on one view, a requester's many (an open, a refusal's re-plan, each repair's
@@ -480,6 +486,11 @@ class _Prepared:
 # candidates per call; the links keep them, which changes nothing: the search only looks a
 # link up between two candidates (chains.py `_Search`). Bounded: the least recently used
 # entry goes (a view a round, per requester, a few ranges each).
+#
+# A new view mostly holds the very PeerInfo objects of the one before it (a record that did
+# not change is not rebuilt: 99% of them, a round to the next, in bench/simulate.py), so a
+# peer's candidate is taken over from the latest entry for the same range where its
+# PeerInfo is the same object (that entry's view holds it, so its id is not reused).
 _PREPARED_ENTRIES = 64
 _prepared_memo: OrderedDict[tuple[int, int, int, float], _Prepared] = OrderedDict()
 
@@ -491,11 +502,21 @@ def _prepared(view: SwarmView, start: int, end: int, load_penalty: float) -> _Pr
         _prepared_memo.move_to_end(key)
         return hit
     peers = {p.peer_id: p for p in view.peers}
-    candidates, span_of = _candidates(peers, start, end, load_penalty)
+    before = next((e.by_info for k, e in reversed(_prepared_memo.items()) if k[1:] == key[1:]), {})
+    by_info: dict[int, Candidate | None] = {}
+    candidates: list[Candidate] = []
+    span_of: dict[str, tuple[int, int]] = {}
+    for pid in sorted(peers):
+        p = peers[pid]
+        c = before[id(p)] if id(p) in before else _candidate(p, start, end, load_penalty)
+        by_info[id(p)] = c
+        if c is not None:
+            candidates.append(c)
+            span_of[pid] = (c.lo, c.hi)
     measured = {pid for p in view.peers if p.rtt_ms for pid in (p.peer_id, *p.rtt_ms)}  # either end of any RTT
     singles, pools = pools_of(candidates, measured)
     prepared = _Prepared(view, peers, any(p.shard_count > 1 for p in peers.values()), tuple(singles), tuple(pools),
-                         {c.pid: c for pool in pools for c in pool.members}, _measured_links(peers, span_of))
+                         {c.pid: c for pool in pools for c in pool.members}, _measured_links(peers, span_of), by_info)
     _prepared_memo[key] = prepared
     _prepared_memo.move_to_end(key)
     while len(_prepared_memo) > _PREPARED_ENTRIES:
