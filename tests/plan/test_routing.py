@@ -405,6 +405,23 @@ def test_a_view_prepared_once_routes_as_a_cold_one():
     assert route(same, source=REQ) == first
 
 
+def test_a_new_view_sharing_records_with_the_last_routes_as_a_cold_one():
+    """A view that holds most of the last view's PeerInfo objects takes their candidates over
+    (routing._prepared): the peers whose records changed are priced afresh."""
+    view = random_view(150, 24, 0, seed=4)  # no measured links: most peers pooled
+    first = route(view, source=REQ)
+    chosen = view.get(first.peer_ids[0])
+    for changed in (replace(chosen, load=1.0), replace(chosen, throughput=chosen.throughput / 50),
+                    replace(chosen, start=0, end=24), replace(chosen, state=DRAINING)):
+        route(view, source=REQ)  # the last prepared entry for this range is the old view's
+        new = view.replace(changed)
+        warm = route(new, source=REQ)
+        routing._prepared_memo.clear()
+        routing._links_memo = None
+        assert route(new, source=REQ) == warm
+        assert warm != first or changed.start == 0  # the change is seen (a wider span may still win)
+
+
 def test_a_requesters_own_sessions_price_a_peer_as_a_step_queued_there():
     """`own_sessions`: each session the requester already runs on a peer adds one step of that
     peer's compute to its price (cost.py OWN_SESSION_PENALTY), so that a requester's concurrent
