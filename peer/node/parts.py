@@ -140,9 +140,10 @@ class Weights(Protocol):
     def serve(self, transport: Transport) -> None: ...
 
     async def ensure(self, transport: Transport, span: tuple[int, int], out: Callable[[str], None], *,
-                     holders: Mapping[str, tuple[str, ...]] = {}) -> None:
+                     holders: Callable[[], Mapping[str, tuple[str, ...]]] = dict) -> None:
         """Have `span`'s weights on disk, fetching what is missing from the connected peers and
-        from `holders` (peer id -> addresses: the view's peers that hold layers of the span)."""
+        from `holders()` (peer id -> addresses: the view's peers that hold layers of the span;
+        called only when something is missing — it reads the whole view)."""
         ...
 
     def held_layers(self) -> tuple[tuple[int, int], ...]:

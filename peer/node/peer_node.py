@@ -359,8 +359,10 @@ class PeerNode:
 
     async def _load(self, start: int, end: int) -> Any:
         if self.parts.weights is not None:  # a folder fetched from the swarm holds only some layers: this span's first
-            holders = {p.peer_id: p.addrs for p in self.keeper.snapshot().peers
-                       if p.peer_id != self.transport.peer_id and p.addrs and p.held_in(start, end)}
+            def holders() -> dict[str, tuple[str, ...]]:
+                return {p.peer_id: p.addrs for p in self.keeper.snapshot().peers
+                        if p.peer_id != self.transport.peer_id and p.addrs and p.held_in(start, end)}
+
             await self.parts.weights.ensure(self.transport, (start, end), self.out, holders=holders)
         stage = await self.compute.load(start, end)
         if self.compute.last_check is not None:

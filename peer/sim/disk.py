@@ -31,7 +31,7 @@ class SimDisk:
         pass  # uploads cost the holder nothing here: the fetcher's link is the one modelled
 
     async def ensure(self, transport: Transport, span: tuple[int, int], out: Callable[[str], None], *,
-                     holders: Mapping[str, tuple[str, ...]] = {}) -> None:
+                     holders: Callable[[], Mapping[str, tuple[str, ...]]] = dict) -> None:
         missing = (span[1] - span[0]) - layers_held(self.held, *span)
         if missing > 0:
             await trio.sleep(missing * self.layer_bytes / self.bandwidth)

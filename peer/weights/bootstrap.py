@@ -57,6 +57,12 @@ def is_partial(folder: Path) -> bool:
     return bool(read_manifest(folder).get("partial"))
 
 
+def is_partial(folder: Path) -> bool:
+    """Whether `folder` is one a fetch filled only in part (its manifest says so): a full
+    folder, or a bare one without a manifest, has nothing to fetch."""
+    return (folder / MANIFEST).exists() and bool(read_manifest(folder).get("partial"))
+
+
 async def ensure_span(transport: Transport, folder: Path, span: tuple[int, int], peers: list[str], *,
                       out: Callable[[str], None] = lambda line: None,
                       on_fetcher: Callable[[Fetcher], None] = lambda fetcher: None,
@@ -69,11 +75,9 @@ async def ensure_span(transport: Transport, folder: Path, span: tuple[int, int],
     `last_progress` is the live progress); `check` (the peer's) records what was fetched as
     checked (peer/weights/verify.py); `addrs` dials peers not connected. Raises WeightsUnavailable, DiskFull.
     """
-    if not (folder / MANIFEST).exists():
+    if not is_partial(folder):
         return None
     manifest = read_manifest(folder)
-    if not manifest.get("partial"):
-        return None
     spec = spec_from_file(folder / "config.json")
     groups = groups_for_span(span[0], span[1], spec.num_layers, tied=spec.tie_embeddings)
     fetcher = Fetcher(transport, folder, manifest, out=out, check=check, addrs=addrs)
@@ -180,13 +184,16 @@ class FolderWeights:
         self.source = serve_weights(transport, self.folder, enabled=self.serve_enabled, rate=self.upload_rate)
 
     async def ensure(self, transport: Transport, span: tuple[int, int], out: Callable[[str], None], *,
-                     holders: Mapping[str, tuple[str, ...]] = {}) -> None:
+                     holders: Callable[[], Mapping[str, tuple[str, ...]]] = dict) -> None:
+        if not is_partial(self.folder):
+            return  # a full folder (or a bare one) has nothing to fetch: the view is not read
         # A peer that just joined is connected to the one --join address that answered and to
         # whoever membership dialled since; the view names every holder, and the fetch asks them
         # all (dialling those not connected at their addresses), so it draws on every one.
-        peers = sorted(set(transport.connected()) | set(holders))
+        found = holders()
+        peers = sorted(set(transport.connected()) | set(found))
         try:
-            fetched = await ensure_span(transport, self.folder, span, peers, out=out, addrs=holders,
+            fetched = await ensure_span(transport, self.folder, span, peers, out=out, addrs=found,
                                         on_fetcher=self._watch, check=self.check)
         finally:
             self._fetcher = None

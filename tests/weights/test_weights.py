@@ -373,9 +373,14 @@ async def test_a_fetch_dials_the_holders_the_view_names_not_only_the_connected_o
         assert me.connected() == ["A"]
         weights = FolderWeights(folder, serve=False, upload_rate=0.0)
         lines: list[str] = []
-        await weights.ensure(me, (0, 2), lines.append, holders={"B": ("/memory/1/p2p/B",), "D": ("/memory/9/p2p/D",)})
+        await weights.ensure(me, (0, 2), lines.append, holders=lambda: {"B": ("/memory/1/p2p/B",), "D": ("/memory/9/p2p/D",)})
         assert me.connected() == ["A", "B"]
         assert "from 2 peers" in lines[-1], lines
+        # a full folder fetches nothing and does not read the view for holders
+        def unread() -> dict:
+            raise AssertionError("holders read for a full folder")
+
+        await FolderWeights(model, serve=False, upload_rate=0.0).ensure(me, (0, 2), lines.append, holders=unread)
     assert set(tensors_of(folder)) == span_names(model, 0, 2)
 
 
