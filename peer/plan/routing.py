@@ -344,9 +344,11 @@ def route(
         # the same candidates, prepared once per view and range: only `exclude` is applied here
         candidates = [c for c in prepared.candidates if c.pid not in exclude] if exclude else list(prepared.candidates)
         links, pools = prepared.links, prepared.pools
-        if pools:  # a pooled peer that is this call's source, sink or priced by its own sessions is not
-            # interchangeable with the rest of its pool (chains.Pool): it is searched one by one
-            singled = {source, sink, *(own_sessions or ())} & prepared.pooled.keys()
+        if pools:  # a pooled peer that is this call's source or sink, that either of them measured, or
+            # that is priced by its own sessions is not interchangeable with the rest of its pool
+            # (chains.Pool): it is searched one by one
+            ends = [info.rtt_ms for node in {source, sink} if (info := peers.get(node)) is not None]
+            singled = {source, sink, *(own_sessions or ()), *(q for rtts in ends for q in rtts)} & prepared.pooled.keys()
             skip = exclude | singled
             candidates.extend(prepared.pooled[pid] for pid in sorted(singled - exclude))
     if own_sessions:  # few peers (a requester's running answers): repriced per call, the rest as prepared
@@ -472,6 +474,7 @@ class _Prepared:
     pooled: Mapping[str, Candidate]
     links: Links
     by_info: Mapping[int, Candidate | None]  # id(PeerInfo of `view`) -> it as a candidate (None: not one)
+    infos: tuple[int, ...]  # id() of each candidate's PeerInfo, in candidate order
 
 
 # Routes on one view, a requester's many (an open, a refusal's re-plan, each repair's
@@ -502,21 +505,34 @@ def _prepared(view: SwarmView, start: int, end: int, load_penalty: float) -> _Pr
         _prepared_memo.move_to_end(key)
         return hit
     peers = {p.peer_id: p for p in view.peers}
-    before = next((e.by_info for k, e in reversed(_prepared_memo.items()) if k[1:] == key[1:]), {})
+    before = next((e for k, e in reversed(_prepared_memo.items()) if k[1:] == key[1:]), None)
+    known = before.by_info if before is not None else {}
     by_info: dict[int, Candidate | None] = {}
     candidates: list[Candidate] = []
     span_of: dict[str, tuple[int, int]] = {}
     for pid in sorted(peers):
         p = peers[pid]
-        c = before[id(p)] if id(p) in before else _candidate(p, start, end, load_penalty)
+        c = known[id(p)] if id(p) in known else _candidate(p, start, end, load_penalty)
         by_info[id(p)] = c
         if c is not None:
             candidates.append(c)
             span_of[pid] = (c.lo, c.hi)
-    measured = {pid for p in view.peers if p.rtt_ms for pid in (p.peer_id, *p.rtt_ms)}  # either end of any RTT
-    singles, pools = pools_of(candidates, measured)
-    prepared = _Prepared(view, peers, any(p.shard_count > 1 for p in peers.values()), tuple(singles), tuple(pools),
-                         {c.pid: c for pool in pools for c in pool.members}, _measured_links(peers, span_of), by_info)
+    infos = tuple(id(peers[c.pid]) for c in candidates)
+    if before is not None and before.infos == infos:
+        # the same candidates (the very PeerInfos: `before` holds them), so the same pools and
+        # links: a view that differs only in peers that are not candidates (a requester's own
+        # entry, whose RTTs change as it measures) is prepared in one pass over the peers
+        singles, pools, pooled, links = before.candidates, before.pools, before.pooled, before.links
+    else:
+        # a candidate that measured or was measured by another candidate is searched one by one;
+        # one measured only by a node that is no candidate matters only when that node is the
+        # source or the sink, which route() singles out per call
+        measured = {pid for c in candidates if (rtts := peers[c.pid].rtt_ms) for pid in (c.pid, *rtts)}
+        singles, pool_list = pools_of(candidates, measured)
+        pools, pooled = tuple(pool_list), {c.pid: c for pool in pool_list for c in pool.members}
+        links = _measured_links(peers, span_of)
+    prepared = _Prepared(view, peers, any(p.shard_count > 1 for p in peers.values()), tuple(singles), pools,
+                         pooled, links, by_info, infos)
     _prepared_memo[key] = prepared
     _prepared_memo.move_to_end(key)
     while len(_prepared_memo) > _PREPARED_ENTRIES:

@@ -81,6 +81,9 @@ def crowded_view(seed: int, n: int = 12, layers: int = 5) -> SwarmView:
         lo, hi = rng.choice(spans)
         measured = {REQ: rng.choice([5.0, 50.0])} if rng.random() < 0.2 else {}
         peers.append(peer(f"p{i}", lo, hi, rng.choice([100.0, 200.0, 400.0]), rtt_ms=measured))
+    # the requester's own entry (as a Swarm adds it): no layers, its measured round trips
+    mine = {f"p{i}": rng.choice([1.0, 20.0]) for i in rng.sample(range(n), rng.randrange(0, 4))}
+    peers.append(peer(REQ, 0, 0, 0.0, state="requester", rtt_ms=mine))
     return SwarmView.of(layers, peers)
 
 
@@ -89,7 +92,7 @@ def test_routes_through_pools_match_every_chain_priced_by_hand():
     the requester's own sessions: the answer is the cheapest of every allowed chain."""
     for seed in range(100):
         view = crowded_view(seed)
-        ids = [p.peer_id for p in view.peers]
+        ids = [p.peer_id for p in view.peers if p.peer_id != REQ]
         rng = random.Random(seed)
         source, sink = rng.choice([REQ, REQ, *ids]), rng.choice([None, *ids])
         exclude = frozenset(rng.sample(ids, rng.randrange(0, 3)))
@@ -137,6 +140,16 @@ def test_a_chain_may_use_two_peers_of_one_span_around_a_faster_one():
     r = route(view, source=REQ)
     assert [(h.peer_id, h.start, h.end) for h in r.hops] == [("m1", 0, 1), ("x", 1, 2), ("m2", 2, 3)]
     assert r.cost_ms == 4 * 100.0 + 2 * 1000.0 + 1.0
+
+
+def test_a_pooled_peer_the_requester_measured_is_searched_by_itself():
+    """Three peers of one one-layer span, measured by nobody but the requester, which measured
+    the slowest at 1 ms: that one is the cheapest chain, though a pool of them keeps only the
+    fastest."""
+    view = SwarmView.of(1, [peer("a", 0, 1, 400.0), peer("b", 0, 1, 300.0), peer("c", 0, 1, 200.0),
+                            peer(REQ, 0, 0, 0.0, state="requester", rtt_ms={"c": 1.0})])
+    r = route(view, source=REQ)
+    assert r.peer_ids == ("c",) and r.cost_ms == 1.0 + 5.0 + 1.0
 
 
 def test_speeds_that_round_to_one_price_are_searched_in_full():
