@@ -16,6 +16,8 @@ each expert's matmul covers every session that picked it.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -39,11 +41,26 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         weights, picks = self.router.forward(x)  # [T, k] each
-        out = dispatch(x, weights, picks, self.experts)
+        run = untraced_dispatch() if torch.compiler.is_compiling() else dispatch
+        out = run(x, weights, picks, self.experts)
         return out if self.shared is None else out + self.shared.forward(x)
 
 
-@torch.compiler.disable  # data-dependent (which experts, how many rows each): traced, each new count would recompile
+_untraced: Callable[..., torch.Tensor] | None = None
+
+
+def untraced_dispatch() -> Callable[..., torch.Tensor]:
+    """`dispatch` behind torch.compiler.disable: torch.compile leaves it eager (a graph break), as it
+    is data-dependent (which experts, how many rows each): traced, each new count would recompile.
+    Made on first use, not at import: marking it imports torch._dynamo, a second of every peer's
+    start-up that only a compiled stage needs (stages/engine/compiled/inductor.py makes it before
+    it compiles, having imported dynamo anyway)."""
+    global _untraced
+    if _untraced is None:
+        _untraced = torch.compiler.disable(dispatch)
+    return _untraced
+
+
 def dispatch(x: torch.Tensor, weights: torch.Tensor, picks: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
     """sum_j weights[t, j] * experts[picks[t, j]](x[t]) for every row t: each picked expert runs once,
     over the rows that picked it, in increasing expert order (the reference's order of addition)."""

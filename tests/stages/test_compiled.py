@@ -12,6 +12,9 @@ eager islands a replay uses). Compiles stay small: three layers of width 64, one
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import trio
@@ -312,3 +315,12 @@ async def test_compiled_peers_serve_exact_answers(folders, compiled):
             assert tokens == want and info["failovers"] == 1
         for i in range(len(spans)):  # every step of every peer ran compiled: none fell back
             assert "decodes eagerly" not in peers.log(i), peers.log(i)[-2000:]
+
+
+def test_an_eager_peer_does_not_import_the_compiler():
+    """torch._dynamo costs a second and a half of start-up; only a compiled stage needs it (a sparse
+    MLP's dispatch is marked for it on first use, layers/moe.py `untraced_dispatch`)."""
+    code = ("import sys; import tessera.peer.node.torch_compute, tessera.peer.request.client, "
+            "tessera.stages.decoding.generate; print('torch._dynamo' in sys.modules)")
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert ran.stdout.strip() == "False", ran.stderr[-2000:]

@@ -47,6 +47,7 @@ from tessera.stages.engine.stage import Stage
 from tessera.stages.families.spec import CacheSpec, LayerSpec
 from tessera.stages.layers.attention import Segment, StepContext
 from tessera.stages.layers.cache import KeyValues, SessionCache
+from tessera.stages.layers.moe import untraced_dispatch
 
 ROW_BUCKETS = (1, 2, 4, 8)
 # attention kinds whose cache rows.py's op meets (KeyValues); MLA's latent rows run eagerly
@@ -112,6 +113,7 @@ class InductorDecode:
         self.forms = [decode_form(block) for block in stage.blocks]
         self.layer_fns: dict[LayerSpec, Callable] = {}  # layer kind -> its compiled decode_layer
         self.head_fn = torch.compile(own_code(head_logits))
+        untraced_dispatch()  # a sparse MLP's dispatch marked for dynamo before anything is traced
         self.compiled: set[LayerSpec | str] = set()  # layer kinds (and HEAD) that run compiled
         self.eager: dict[LayerSpec | str, str] = {}  # layer kind (or HEAD) -> why it runs eagerly
         self.steps = 0  # decode steps this runner ran (some of their layers may have run eagerly)
