@@ -132,6 +132,16 @@ class Disconnect(TraceEvent):
 
 
 @dataclass(frozen=True)
+class Rtt(TraceEvent):
+    """A round trip to `remote` measured by a ping (`duration`, seconds): what routing prices the
+    link with (the pinger's moving average of these), and what a replay gives the link."""
+
+    kind: ClassVar[str] = "rtt"
+    remote: str
+    duration: float
+
+
+@dataclass(frozen=True)
 class SessionOpen(TraceEvent):
     """A session opened: on a serving peer (span, requester as `remote`, `next` hop or group
     rank) or on the requester (its `route`, or the shard `group` and its `members`)."""
@@ -360,7 +370,7 @@ class Unknown(TraceEvent):
 
 
 EVENT_TYPES: tuple[type[TraceEvent], ...] = (
-    Join, Advertise, Claim, Move, Connect, Disconnect, SessionOpen, SessionClose, SessionRevoked, Forward,
+    Join, Advertise, Claim, Move, Connect, Disconnect, Rtt, SessionOpen, SessionClose, SessionRevoked, Forward,
     Push, Receive, Result, Failover, Ban, Parole, Misbehaviour, Error, Leave, Drain, Pause, Resume, Audit,
 )
 BY_KIND: dict[str, type[TraceEvent]] = {cls.kind: cls for cls in EVENT_TYPES}

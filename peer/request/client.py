@@ -165,13 +165,14 @@ class Swarm:
         self.keeper = keeper or ViewKeeper(model_id=self.model_id, num_layers=self.spec.num_layers, clock=clock,
                                            accept_mixed=accept_mixed)
         self.gossip = Gossip(transport, self.keeper) if gossip else None
-        self.pinger = Pinger(transport)
         self.refresh_interval = refresh_interval
         self.ctx = RequesterContext(
             transport=transport, identity=identity, keeper=self.keeper, nursery=nursery,
             num_layers=self.spec.num_layers, hidden_size=self.spec.hidden_size, tracer=tracer or NullTracer(),
             wire=wire,
         )
+        self.pinger = Pinger(transport, on_rtt=lambda peer, rtt_ms: self.ctx.tracer.emit(
+            events.Rtt(remote=peer, duration=rtt_ms / 1000.0)))
         self.peer_id = transport.peer_id
         self.ctx.tracer.bind(self.peer_id)  # a TraceWriter made before this requester had an id
         self.clock: Callable[[], float] = ban_clock  # what `bans` measures time on

@@ -28,8 +28,10 @@ replay is the first recorded event. What is taken from them, per event class
   (at ``start_pos`` 0); the number of tokens is one more than the last decoded
   position minus the prompt (a failover's replay step re-covers positions
   already counted).
-- `Push`/`Receive` pairs: each link's one-way latency (the fastest message on it,
-  clocks aligned) and, from pushes carrying ``n_tokens``, the hidden size.
+- `Rtt` (peer or requester): each link's one-way latency, half the fastest round trip a
+  ping measured on it (what routing priced the link with).
+- `Push`/`Receive` pairs: the one-way latency of a link no ping measured (the fastest
+  message on it, clocks aligned) and, from pushes carrying ``n_tokens``, the hidden size.
 
 Rows no event class fits (`Unknown`: an older or newer trace) are passed over.
 """
@@ -42,7 +44,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from tessera.store.events import (
-    Advertise, Claim, Failover, Forward, Join, Leave, Move, Push, Result, SessionClose, SessionOpen,
+    Advertise, Claim, Failover, Forward, Join, Leave, Move, Push, Result, Rtt, SessionClose, SessionOpen,
 )
 from tessera.store.timeline import Event, load_timeline
 
@@ -140,7 +142,7 @@ def from_trace(paths: Sequence[Path | str], *, until: float | None = None) -> Sc
                                     recorded_route=route, max_length=opened.max_length, recorded=recorded))
 
     num_layers = max([p.span[1] for p in peers] + [h[2] for r in requests for h in r.recorded_route or ()])
-    latencies = link_latencies(timeline.pairs)
+    latencies = link_latencies(timeline.pairs, [e for e in events if isinstance(e.event, Rtt)])
     hidden = hidden_size(events)
     meta = {"databases": [str(p) for p in dbs], "trace_end_s": end, "clock_offsets_s": dict(
         sorted((str(timeline.paths[i]), off) for i, off in timeline.offsets.items())),
@@ -169,14 +171,25 @@ def compute_throughputs(events: Iterable[Event]) -> dict[str, float]:
     return {peer: work[peer] / seconds[peer] for peer in work if work[peer] > 0}
 
 
-def link_latencies(pairs: Iterable[tuple[Event, Event]]) -> dict[tuple[str, str], float]:
-    """One-way latency per directed link: its fastest aligned push -> receive."""
+def link_latencies(pairs: Iterable[tuple[Event, Event]], rtts: Iterable[Event] = ()) -> dict[tuple[str, str], float]:
+    """One-way latency per directed link: half the fastest round trip a ping measured on it,
+    either way (`Rtt` events: what routing priced the link with), else its fastest aligned
+    push -> receive (which also holds the frame's transfer time, and exists only for links
+    that carried activations: a replay gave every other link the median, and a requester's
+    routes then differed from live ones)."""
     best: dict[tuple[str, str], float] = {}
     for push, receive in pairs:
         key = (push.peer, receive.peer)
         delay = max(MIN_LATENCY_S, receive.t - push.t)
         best[key] = min(best.get(key, delay), delay)
-    return best
+    pinged: dict[tuple[str, str], float] = {}
+    for e in rtts:
+        rtt = e.event
+        assert isinstance(rtt, Rtt)
+        half = max(MIN_LATENCY_S, rtt.duration / 2.0)
+        for key in ((e.peer, rtt.remote), (rtt.remote, e.peer)):
+            pinged[key] = min(pinged.get(key, half), half)
+    return {**best, **pinged}
 
 
 def hidden_size(events: Iterable[Event]) -> int | None:

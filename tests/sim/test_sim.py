@@ -180,15 +180,19 @@ def test_policies_compared_on_a_fixed_synthetic_swarm(capsys):
     assert default["completed"] > random["completed"]
 
 
-def test_a_simulated_trace_replays_with_the_routes_it_took(tmp_path):
+@pytest.mark.parametrize("apart", [2.0, 8.0])
+def test_a_simulated_trace_replays_with_the_routes_it_took(tmp_path, apart):
     """simulate --trace writes every node's events; replaying them finds the same routes. The
-    requests come one at a time (2 s apart, each done in about one): a requester prices its own
+    requests come one at a time (each done in about a second): a requester prices its own
     running answers (peer/plan/cost.py OWN_SESSION_PENALTY), so routes of overlapping answers depend
-    on how their opens interleave, which a replay re-enacts only approximately."""
+    on how their opens interleave, which a replay re-enacts only approximately. 8 s apart, a peer
+    that moved meanwhile is an alternative the requester had measured far away: the replay's links
+    are the measured round trips (`Rtt` events), not the median it gave links that carried no
+    activations (2 of 4 routes matched then)."""
     db = tmp_path / "sim.db"
     scenario = synthetic(peers=4, requests=4, seed=1, capacity=(10, 20), prompt=(4, 8), tokens=(2, 3))
     scenario = dataclasses.replace(scenario, requests=tuple(
-        dataclasses.replace(r, at=scenario.requests[0].at + 2.0 * i) for i, r in enumerate(scenario.requests)))
+        dataclasses.replace(r, at=scenario.requests[0].at + apart * i) for i, r in enumerate(scenario.requests)))
     live = simulate(scenario, policy="default", seed=0, trace_path=db)
     replayed = from_trace([db])
     assert len(replayed.peers) == 4 and len(replayed.requests) == 4
@@ -325,3 +329,24 @@ def test_a_failed_requests_error_names_peers_as_the_report_does():
     (outcome,) = simulate(scenario, policy="recorded", seed=0)["requests"]
     assert not outcome["completed"]
     assert "(a: " in outcome["error"] and "12D3KooW" not in outcome["error"], outcome["error"]
+
+
+def test_a_replays_links_are_half_the_fastest_measured_round_trip_else_the_fastest_push():
+    from tessera.peer.sim.replay import MIN_LATENCY_S, link_latencies
+    from tessera.store.events import Push, Receive, Rtt
+    from tessera.store.timeline import Event
+
+    def at(t: float, peer: str, event) -> Event:
+        return Event(0, 0, 0, 0.0, peer, event, t)
+
+    push, receive = Push(session=b"s", step=0, remote="b", bytes=10), Receive(session=b"s", step=0, remote="a", bytes=10)
+    pairs = [(at(1.0, "a", push), at(1.05, "b", receive)), (at(2.0, "a", push), at(2.03, "b", receive)),
+             (at(3.0, "c", push), at(3.02, "b", receive))]
+    rtts = [at(4.0, "a", Rtt(remote="b", duration=0.016)), at(5.0, "b", Rtt(remote="a", duration=0.012)),
+            at(6.0, "a", Rtt(remote="d", duration=0.0))]
+    assert link_latencies(pairs) == {("a", "b"): pytest.approx(0.03), ("c", "b"): pytest.approx(0.02)}
+    assert link_latencies(pairs, rtts) == {
+        ("a", "b"): 0.006, ("b", "a"): 0.006,  # the fastest round trip either way, halved: no push's transfer time
+        ("c", "b"): pytest.approx(0.02),  # no ping: its fastest push
+        ("a", "d"): MIN_LATENCY_S, ("d", "a"): MIN_LATENCY_S,
+    }
