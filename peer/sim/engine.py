@@ -51,13 +51,17 @@ REQUESTER_LEAD_S = 1.0
 # trace holds no bandwidth figure, and a loopback or LAN swarm is not bandwidth-bound.
 REPLAY_BANDWIDTH = 125e6
 
-# The garbage collector's thresholds while a simulation runs. A simulation holds millions of
-# long-lived objects (every peer's state and view) and makes short-lived ones by the million
-# (frames, records, routes); with Python's defaults (700, 10, 10) a young collection runs every
-# 700 allocations net and every hundredth is a full one that walks the whole heap. Measured side
-# by side (bench/simulate.py --peers 1000 --requests 1000): 26.4 CPU s with the defaults, 20.5
-# with these. Cycles are still collected; garbage waits for at most 50,000 allocations more.
-GC_THRESHOLDS = (50_000, 20, 100)
+# The cyclic garbage collector is off while a simulation runs (reference counting still frees
+# everything that is not in a cycle). Two reasons. Determinism: the memory network holds stream
+# ends weakly (peer/net/memory.py), and membership closes a connection only when no stream end
+# is left on it; an end in a reference cycle (a handler's frame kept by a traceback) left when
+# the collector ran, which depends on everything the process allocated before — a replay run
+# twice in one process after another simulation gave two reports (a peer left 0.27 ms later:
+# tests/cli/test_trace_cli.py failed a full run). With the collector off, an end leaves when
+# the last reference to it goes, the same in every run. Speed: a simulation holds millions of
+# long-lived objects that the collector walked again and again (bench/simulate.py at 1,000
+# peers and 3,000 requests: 52.3 -> 50.0 CPU s), and its cycles are few (peak memory 454 ->
+# 458 MB).
 
 
 def simulate(
@@ -107,13 +111,14 @@ def simulate(
         writer = TraceWriter(Path(trace_path), peer="simulation")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: a thread pool only adds overhead to a one-thread simulation
-    thresholds = gc.get_threshold()
-    gc.set_threshold(*GC_THRESHOLDS)
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         return run_deterministic(_run, scenario, placement, seed, timings, view, link, until, writer,
                                  seed=seed, profiler=profiler)
     finally:
-        gc.set_threshold(*thresholds)
+        if collecting:
+            gc.enable()
         torch.set_num_threads(threads)
         if writer is not None:
             writer.close()
