@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import trio
+import trio.testing
 
 from tessera.peer.base.ids import peer_id_text
 from tessera.peer.net.memory_stream import LinkSpec
@@ -146,6 +147,9 @@ async def _run(scenario: Scenario, placement, seed: int, timings: Timings, view:
             if until is not None:
                 await trio.sleep_forever()  # observe until `until`
             await driver.all_done.wait()
+            # and everything else due at this instant (a peer leaving as the last answer ends):
+            # which of the two the scheduler ran first must not decide what the report holds
+            await trio.testing.wait_all_tasks_blocked()
         end = trio.current_time()
         recorder.closed = True
         nursery.cancel_scope.cancel()
