@@ -12,6 +12,8 @@ from typing import Callable
 
 import trio
 
+from tessera.store import events
+from tessera.store.trace import NullTracer, Tracer
 from tessera.protocol.errors import WireError
 from tessera.protocol.records import Heartbeat
 
@@ -27,12 +29,11 @@ class Pinger:
     """Measures RTTs to neighbours (moving average), and answers their probes."""
 
     def __init__(self, transport: Transport, *, clock: Callable[[], float] = trio.current_time,
-                 on_failure: Callable[[str], None] = lambda peer_id: None,
-                 on_rtt: Callable[[str, float], None] = lambda peer_id, rtt_ms: None) -> None:
+                 on_failure: Callable[[str], None] = lambda peer_id: None, tracer: Tracer | None = None) -> None:
         self.transport = transport
         self.clock = clock
         self.on_failure = on_failure  # told of a peer whose probe failed (gossip's membership looks closer)
-        self.on_rtt = on_rtt  # told of every measured round trip, in ms (a trace records them: a replay's links)
+        self.tracer = tracer or NullTracer()  # every measured round trip is traced: a replay's links
         self.rtt_ms: dict[str, float] = {}
         self._seq = 0
         transport.set_handler(PING_PROTOCOL, self.handle)
@@ -70,7 +71,7 @@ class Pinger:
             return None
         old = self.rtt_ms.get(peer_id)
         self.rtt_ms[peer_id] = rtt if old is None else (1 - RTT_SMOOTHING) * old + RTT_SMOOTHING * rtt
-        self.on_rtt(peer_id, rtt)
+        self.tracer.emit(events.Rtt(remote=peer_id, duration=rtt / 1000.0))
         return rtt
 
     async def ping_all(self) -> None:

@@ -198,9 +198,6 @@ class PeerNode:
         if self._nursery is not None:
             self._nursery.start_soon(partial(self.advertise, force=True))
 
-    def _measured(self, peer_id: str, rtt_ms: float) -> None:
-        self.tracer.emit(events.Rtt(remote=peer_id, duration=rtt_ms / 1000.0))
-
     def _protected(self, peer_id: str) -> bool:
         """Connections gossip must not close: our relay reservations'."""
         return self.nat is not None and peer_id in self.nat.relay_addrs
@@ -229,7 +226,7 @@ class PeerNode:
                                      refute=self._refute, on_connect=self._connected, protected=self._protected)
             # a neighbour that stops answering pings is looked at by membership (it may have vanished)
             self.pinger = Pinger(transport, on_failure=self.gossip.suspect if self.gossip is not None else _ignore,
-                                 on_rtt=self._measured)
+                                 tracer=self.tracer)
             if parts.weights is not None:
                 parts.weights.serve(transport)
             for line in describe_addrs(transport.addrs()):  # "listening on ADDR (LAN: ...)", best first

@@ -171,8 +171,7 @@ class Swarm:
             num_layers=self.spec.num_layers, hidden_size=self.spec.hidden_size, tracer=tracer or NullTracer(),
             wire=wire,
         )
-        self.pinger = Pinger(transport, on_rtt=lambda peer, rtt_ms: self.ctx.tracer.emit(
-            events.Rtt(remote=peer, duration=rtt_ms / 1000.0)))
+        self.pinger = Pinger(transport, tracer=self.ctx.tracer)
         self.peer_id = transport.peer_id
         self.ctx.tracer.bind(self.peer_id)  # a TraceWriter made before this requester had an id
         self.clock: Callable[[], float] = ban_clock  # what `bans` measures time on

@@ -55,14 +55,14 @@ REPLAY_BANDWIDTH = 125e6
 # The cyclic garbage collector is off while a simulation runs (reference counting still frees
 # everything that is not in a cycle). Two reasons. Determinism: the memory network holds stream
 # ends weakly (peer/net/memory.py), and membership closes a connection only when no stream end
-# is left on it; an end caught in a reference cycle left the network only when
-# the collector ran, which depends on everything the process allocated before — a replay run
-# twice in one process after another simulation gave two reports (a peer left 0.27 ms later:
-# tests/cli/test_trace_cli.py failed a full run). With the collector off, an end leaves when
-# the last reference to it goes, or (in a cycle) not before the run ends: the same in every run. Speed: a simulation holds millions of
-# long-lived objects that the collector walked again and again (bench/simulate.py at 1,000
-# peers and 3,000 requests: 52.3 -> 50.0 CPU s), and its cycles are few (peak memory 454 ->
-# 458 MB).
+# is left on it; an end caught in a reference cycle left the network only when the collector
+# ran, which depends on everything the process allocated before — a replay run twice in one
+# process after another simulation gave two reports (a peer left 0.27 ms later:
+# tests/cli/test_trace_cli.py failed a full run). With the collector off, an end leaves when the
+# last reference to it goes, or (in a cycle) not before the run ends: the same in every run.
+# Speed: a simulation holds millions of long-lived objects that the collector walked again and
+# again (bench/simulate.py at 1,000 peers and 3,000 requests: 52.3 -> 50.0 CPU s), and its
+# cycles are few (peak memory 454 -> 458 MB).
 
 
 def simulate(

@@ -54,10 +54,6 @@ async def bootstrap_model(transport: Transport, peers: list[str], model: str, ro
 
 
 def is_partial(folder: Path) -> bool:
-    return bool(read_manifest(folder).get("partial"))
-
-
-def is_partial(folder: Path) -> bool:
     """Whether `folder` is one a fetch filled only in part (its manifest says so): a full
     folder, or a bare one without a manifest, has nothing to fetch."""
     return (folder / MANIFEST).exists() and bool(read_manifest(folder).get("partial"))
@@ -221,7 +217,7 @@ def held_layers(folder: Path) -> tuple[tuple[int, int], ...]:
     """The layer ranges whose every tensor is in the folder's weight files: all layers for a
     whole folder (or a bare one, without a manifest), the fetched spans for a partial one."""
     spec = spec_from_file(folder / "config.json")
-    if not (folder / MANIFEST).exists() or not is_partial(folder):
+    if not is_partial(folder):
         return ((0, spec.num_layers),) if spec.num_layers else ()
     entries = read_manifest(folder)["tensors"]["entries"]
     present = held_tensors(folder)
