@@ -26,6 +26,7 @@ from tessera.protocol.framing import DEFAULT_MAX_FRAME, encode_frame, read_buffe
 from tessera.protocol.messages import LinkHello
 
 from tessera.peer.base.errors import PeerUnreachable, StreamClosed
+from tessera.peer.base.quick import QuickLock
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class Channel:
         self.memo = memo
         self.max_frame = max_frame
         self.remote = stream.remote
-        self._send_lock = trio.Lock()
+        self._send_lock = QuickLock()
         self._buffer = bytearray()
         self.bytes_in = 0
         self.bytes_out = 0

@@ -50,6 +50,7 @@ from tessera.peer.serve.admission import Admission, Limits, Refused, UnadmittedS
 from tessera.peer.serve.limits import LINK_WAIT, OPEN_TIMEOUT, REAPER_INTERVAL, ServerLimits, ServerStats
 from tessera.peer.serve.batcher import BatchBudget, BatchInterrupted, StepBatcher
 from tessera.peer.base.protocols import LINK_PROTOCOL, SESSION_PROTOCOL
+from tessera.peer.base.quick import QuickLock, send_quick, wait_set
 from tessera.peer.base.threads import in_worker
 from tessera.peer.net.transport import Channel, Stream, Transport, receive_link_hello
 
@@ -97,7 +98,7 @@ class StageServer:
         self.tensor_limits = tensor_limits
         self.sessions: dict[bytes, ServedSession] = {}
         self.session_added = trio.Event()
-        self.compute_lock = trio.Lock()
+        self.compute_lock = QuickLock()
         self.accepting = True
         self.stats = ServerStats()
         self.tamper: Callable[[torch.Tensor], torch.Tensor] = lambda t: t  # fault injection (tests, demos)
@@ -340,7 +341,7 @@ class StageServer:
                 except WireError as bad:
                     await self._error(session, BAD_REQUEST, f"relink keys: {bad}")
                     continue
-                await session.queue_in.send(msg)
+                await send_quick(session.queue_in, msg)
             elif isinstance(msg, Forward):
                 if session.link_sources.get(msg.link_id) != session.requester:
                     await self._error(session, BAD_FRAME, f"link {msg.link_id} does not come from the requester")
@@ -408,7 +409,7 @@ class StageServer:
         session from being reclaimed) and stays protected until the step has run."""
         session.inflight += 1
         self.admission.stepped(session)
-        await session.queue_in.send(msg)
+        await send_quick(session.queue_in, msg)
 
     async def _work(self, session: ServedSession) -> None:
         async for msg in session.queue_out:
@@ -466,7 +467,7 @@ class StageServer:
         session.kv_bytes += extra
 
     async def _compute_step(self, session: ServedSession, msg: Forward) -> None:
-        await self.running.wait()
+        await wait_set(self.running)
         try:
             if self.batching:
                 frames, seconds, batch = await self.batcher.submit(session.session_id, (session, msg), msg.n_tokens)

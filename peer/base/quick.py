@@ -1,0 +1,69 @@
+"""trio primitives that do not yield to the scheduler when they need not wait.
+
+trio's `Lock.acquire`, `Event.wait` and `MemorySendChannel.send` each pass through the
+scheduler (a checkpoint) even when the lock is free, the event set or the buffer has
+room: the task is put back on the run queue and resumed in a later batch. That is a
+deliberate default (every trio call is a place a task can be cancelled), and a costly
+one on a peer's message path: a frame sent takes its channel's lock, a step takes the
+compute lock and waits for the unpaused event, a received step goes through its
+session's queue. Counted in `bench/simulate.py` (a trio instrument): of ~133 task
+steps an answer, ~31 were such checkpoints that waited for nothing.
+
+Here each takes the fast path when it can and falls back to trio's own call (which
+waits, and checkpoints) when it must. What this gives up: a cancellation pending on
+the task is delivered at its next real wait instead of here — each caller waits
+on a stream or a queue a moment later.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import TypeVar
+
+import trio
+
+T = TypeVar("T")
+
+
+class QuickLock:
+    """A `trio.Lock` whose `async with` takes it at once when it is free.
+
+    trio's lock is fair (a release hands it straight to the first waiter), so a free lock
+    has nobody waiting for it: taking it without a turn through the scheduler skips no one.
+    """
+
+    __slots__ = ("lock",)
+
+    def __init__(self) -> None:
+        self.lock = trio.Lock()
+
+    def locked(self) -> bool:
+        return self.lock.locked()
+
+    async def __aenter__(self) -> None:
+        lock = self.lock
+        if lock.locked():
+            await lock.acquire()
+        else:
+            lock.acquire_nowait()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self.lock.release()
+
+
+async def wait_set(event: trio.Event) -> None:
+    """`await event.wait()`, returning at once when the event is already set."""
+    if not event.is_set():
+        await event.wait()
+
+
+async def send_quick(channel: trio.MemorySendChannel[T], value: T) -> None:
+    """`await channel.send(value)`, putting it in the buffer at once when there is room."""
+    try:
+        channel.send_nowait(value)
+    except trio.WouldBlock:
+        await channel.send(value)
+
+
+__all__ = ["QuickLock", "wait_set", "send_quick"]

@@ -1,0 +1,84 @@
+"""peer/base/quick.py: the fast path takes no turn through the scheduler; the slow path waits as trio's own call does."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from tessera.peer.base.quick import QuickLock, send_quick, wait_set
+
+
+class Steps(trio.abc.Instrument):
+    """Counts the task steps of one task (each time the scheduler resumes it)."""
+
+    def __init__(self) -> None:
+        self.task: trio.lowlevel.Task | None = None
+        self.count = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task is self.task:
+            self.count += 1
+
+
+async def _steps_of(call) -> int:
+    """How many times the scheduler resumes the current task while `call()` runs."""
+    steps = Steps()
+    steps.task = trio.lowlevel.current_task()
+    trio.lowlevel.add_instrument(steps)
+    try:
+        await call()
+    finally:
+        trio.lowlevel.remove_instrument(steps)
+    return steps.count
+
+
+async def test_a_free_lock_an_open_buffer_and_a_set_event_take_no_turn() -> None:
+    lock, event = QuickLock(), trio.Event()
+    event.set()
+    send, receive = trio.open_memory_channel[int](1)
+
+    async def hold() -> None:
+        async with lock:
+            assert lock.locked()
+
+    assert await _steps_of(hold) == 0
+    assert not lock.locked()
+    assert await _steps_of(lambda: wait_set(event)) == 0
+    assert await _steps_of(lambda: send_quick(send, 7)) == 0
+    assert receive.receive_nowait() == 7
+    # trio's own calls do take one (what these save)
+    assert await _steps_of(event.wait) == 1
+    assert await _steps_of(lambda: send.send(8)) == 1
+
+
+async def test_each_waits_its_turn_when_it_must() -> None:
+    lock, event = QuickLock(), trio.Event()
+    send, receive = trio.open_memory_channel[int](1)
+    order: list[str] = []
+
+    async def second() -> None:
+        async with lock:
+            order.append("second has the lock")
+
+    async def waiter() -> None:
+        await wait_set(event)
+        order.append("event seen")
+
+    async def sender() -> None:
+        await send_quick(send, 1)
+        await send_quick(send, 2)  # the buffer holds one: waits for the receiver
+        order.append("second value sent")
+
+    async with trio.open_nursery() as nursery:
+        async with lock:
+            nursery.start_soon(second)
+            nursery.start_soon(waiter)
+            nursery.start_soon(sender)
+            await trio.testing.wait_all_tasks_blocked()
+            order.append("first releases")
+        await trio.testing.wait_all_tasks_blocked()
+        event.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert await receive.receive() == 1
+        assert await receive.receive() == 2
+    assert order == ["first releases", "second has the lock", "event seen", "second value sent"]
