@@ -159,6 +159,18 @@ def test_check_finite_reports_nan_and_inf(bad: float, dtype: torch.dtype) -> Non
     check_finite(torch.tensor([1, 2]))  # integers are always finite
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_check_finite_passes_finite_values_whose_sum_overflows(dtype: torch.dtype) -> None:
+    big = torch.finfo(dtype).max
+    t = torch.full((2, 3), big, dtype=dtype)
+    assert not torch.isfinite(t.sum())  # the fast path cannot decide this one
+    check_finite(t)
+    t[1, 1] = -big
+    t[0, 2] = float("nan")
+    with pytest.raises(NonFiniteTensor, match="1 of 6 values are NaN or infinite; first at flat index 2"):
+        check_finite(t)
+
+
 # -- activations in a compact wire form (what a requester may ask its peers for) ---------------------
 
 @settings(max_examples=40, deadline=None)
