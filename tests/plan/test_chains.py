@@ -7,6 +7,7 @@ import math
 import random
 from dataclasses import replace
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -57,8 +58,18 @@ def clipped(cands: list[Candidate], start: int, end: int) -> list[Candidate]:
 
 
 @FAST
-@given(case=crowded(), heads=st.booleans(), default=st.sampled_from([1.0, DEFAULT]))
-def test_searching_the_pools_answers_what_searching_everyone_does(case, heads, default):
+@given(case=crowded(), heads=st.booleans(), default=st.sampled_from([1.0, DEFAULT]), first_keep=st.integers(1, 3))
+def test_searching_the_pools_answers_what_searching_everyone_does(case, heads, default, first_keep):
+    """Whatever a search first keeps of each pool (chains.FIRST_KEEP): too few for the chain
+    found are noticed, and more are searched."""
+    kept_first, chains.FIRST_KEEP = chains.FIRST_KEEP, first_keep
+    try:
+        _pools_answer_as_everyone(case, heads, default)
+    finally:
+        chains.FIRST_KEEP = kept_first
+
+
+def _pools_answer_as_everyone(case, heads, default):
     cands, pairs, source_rtt, start, end, skip = case
     cands = clipped(cands, start, end)
     spans = {c.pid: (c.lo, c.hi) for c in cands}
@@ -133,9 +144,12 @@ def test_a_big_crowded_view_is_searched_over_the_few_a_chain_can_use(monkeypatch
     assert route(view, source=REQ) == r and max(seen) == 1000
 
 
-def test_a_chain_may_use_two_peers_of_one_span_around_a_faster_one():
+@pytest.mark.parametrize("first_keep", [1, 2])
+def test_a_chain_may_use_two_peers_of_one_span_around_a_faster_one(monkeypatch, first_keep):
     """Two of a pool's peers in one chain, with a much faster peer nested between them: the
-    pool keeps (hi - lo + 1) // 2 of its peers, not just its fastest."""
+    pool keeps (hi - lo + 1) // 2 of its peers, not just its fastest — also when the search
+    first keeps one (the chain it then finds, m1 alone, is priced high enough for 16 hops)."""
+    monkeypatch.setattr(chains, "FIRST_KEEP", first_keep)
     view = SwarmView.of(3, [peer("m1", 0, 3, 1.0), peer("m2", 0, 3, 1.0), peer("m3", 0, 3, 0.5), peer("x", 1, 2, 1000.0)])
     r = route(view, source=REQ)
     assert [(h.peer_id, h.start, h.end) for h in r.hops] == [("m1", 0, 1), ("x", 1, 2), ("m2", 2, 3)]
