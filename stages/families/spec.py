@@ -634,7 +634,12 @@ class ModelSpec:
 
     def kv_bytes_per_position(self, start: int, end: int, itemsize: int = 4) -> int:
         """KV bytes one position costs a session over layers [start, end), each per its cache kind."""
-        return sum(self.layers[i].cache.bytes_per_position(itemsize) for i in range(start, end))
+        return sum(self._kv_items_per_position[start:end]) * itemsize
+
+    @cached_property  # asked at every session a peer opens or grows: each layer's cache spec built once
+    def _kv_items_per_position(self) -> tuple[int, ...]:
+        """Per layer: the cache entries one position holds (its bytes at an itemsize of 1)."""
+        return tuple(layer.cache.bytes_per_position(1) for layer in self.layers)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
