@@ -9,10 +9,11 @@ compute lock and waits for the unpaused event, a received step goes through its
 session's queue. Counted in `bench/simulate.py` (a trio instrument): of ~133 task
 steps an answer, ~31 were such checkpoints that waited for nothing.
 
-Here each takes the fast path when it can and falls back to trio's own call (which
-waits, and checkpoints) when it must. What this gives up: a cancellation pending on
-the task is delivered at its next real wait instead of here — each caller waits
-on a stream or a queue a moment later.
+Here each is still a cancellation point — a cancelled task raises Cancelled here, as in
+trio's own call (`checkpoint_if_cancelled`: it yields only to raise) — and then takes the
+fast path when it can, falling back to trio's own call (which waits) when it must. What
+this gives up is the schedule point alone: other tasks get no turn here, only at the
+caller's next real wait (each of these callers waits on a stream or a queue a moment later).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class QuickLock:
         if lock.locked():
             await lock.acquire()
         else:
+            await trio.lowlevel.checkpoint_if_cancelled()
             lock.acquire_nowait()
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -53,13 +55,16 @@ class QuickLock:
 
 
 async def wait_set(event: trio.Event) -> None:
-    """`await event.wait()`, returning at once when the event is already set."""
-    if not event.is_set():
+    """`await event.wait()`, without a turn through the scheduler when the event is already set."""
+    if event.is_set():
+        await trio.lowlevel.checkpoint_if_cancelled()
+    else:
         await event.wait()
 
 
 async def send_quick(channel: trio.MemorySendChannel[T], value: T) -> None:
-    """`await channel.send(value)`, putting it in the buffer at once when there is room."""
+    """`await channel.send(value)`, without a turn through the scheduler when the buffer has room."""
+    await trio.lowlevel.checkpoint_if_cancelled()
     try:
         channel.send_nowait(value)
     except trio.WouldBlock:

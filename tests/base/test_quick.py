@@ -1,7 +1,9 @@
-"""peer/base/quick.py: the fast path takes no turn through the scheduler; the slow path waits as trio's own call does."""
+"""peer/base/quick.py: the fast path takes no turn through the scheduler but is still a cancellation
+point; the slow path waits as trio's own call does."""
 
 from __future__ import annotations
 
+import pytest
 import trio
 import trio.testing
 
@@ -82,3 +84,26 @@ async def test_each_waits_its_turn_when_it_must() -> None:
         assert await receive.receive() == 1
         assert await receive.receive() == 2
     assert order == ["first releases", "second has the lock", "event seen", "second value sent"]
+
+
+async def test_a_cancelled_task_raises_there_and_takes_nothing() -> None:
+    lock, event = QuickLock(), trio.Event()
+    event.set()
+    send, receive = trio.open_memory_channel[int](1)
+    reached: list[str] = []
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        try:
+            async with lock:
+                reached.append("lock")
+        except trio.Cancelled:
+            assert not lock.locked()
+            try:
+                await wait_set(event)
+                reached.append("event")
+            except trio.Cancelled:
+                await send_quick(send, 1)
+                reached.append("sent")
+    assert reached == [] and scope.cancelled_caught
+    with pytest.raises(trio.WouldBlock):
+        receive.receive_nowait()
