@@ -72,12 +72,12 @@ from tessera.protocol.records import (
 from tessera.stages.weights.quant import base_model_id
 
 from tessera.peer.base.errors import PeerError
-from tessera.peer.base.ids import peer_id_bytes
+from tessera.peer.base.ids import peer_id_bytes, peer_id_text
 from tessera.peer.base.protocols import GOSSIP_PROTOCOL
 from tessera.peer.net import record_set as rs
 from tessera.peer.net.membership import PROBE_TIMEOUT, Membership
 from tessera.peer.net.pinger import PING_TIMEOUT
-from tessera.peer.net.verified import Known, peer_id_str, verified_entry
+from tessera.peer.net.verified import Known, verified_entry
 from tessera.peer.net.reconcile import (
     JOIN_SAMPLE, MAX_TURNS, PULL_RANGES, TurnOut, answer, frames, opening, pull_ranges,
 )
@@ -229,7 +229,7 @@ class ViewKeeper:
                 self.rejected += 1
                 continue
             try:
-                peer_id = peer_id_str(d.peer_id)
+                peer_id = peer_id_text(d.peer_id)
             except Exception:  # not a valid multihash: a peer nobody holds
                 self.rejected += 1
                 continue

@@ -9,14 +9,12 @@ by the record's bytes, and checks only the lifetime again (that depends on the t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
-
-from libp2p.peer.id import ID
 
 from tessera.protocol.crypto import MAX_CLOCK_SKEW, verify_record
 from tessera.protocol.errors import ExpiredRecord, RecordFromFuture
 from tessera.protocol.records import PeerRecord, SignedRecord
 
+from tessera.peer.base.ids import peer_id_text
 from tessera.peer.net import record_set as rs
 from tessera.peer.plan.view import PeerInfo, merge_spans
 
@@ -25,14 +23,9 @@ VERIFIED_CACHE = 1 << 17
 verified once. Also what lets a simulation verify each record once for all its peers."""
 
 
-@lru_cache(maxsize=1 << 16)
-def peer_id_str(raw: bytes) -> str:
-    return ID(raw).to_base58()  # base58 is slow in Python, and every record names a peer
-
-
 def info_from_record(record: PeerRecord) -> PeerInfo:
     return PeerInfo(
-        peer_id=peer_id_str(record.peer_id),
+        peer_id=peer_id_text(record.peer_id),
         model_id=record.model_id,
         start=record.start,
         end=record.end,
@@ -44,7 +37,7 @@ def info_from_record(record: PeerRecord) -> PeerInfo:
         state=record.state,
         reachability=record.reachability,
         addrs=tuple(record.addrs),
-        rtt_ms={peer_id_str(n.peer_id): n.rtt_ms for n in record.neighbours},
+        rtt_ms={peer_id_text(n.peer_id): n.rtt_ms for n in record.neighbours},
         expires_at=record.expires_at,
         issued_at=record.issued_at,
         dtype=record.dtype,
@@ -87,4 +80,4 @@ def verified_entry(signed: SignedRecord, now: float) -> rs.Entry:
     return entry
 
 
-__all__ = ["Known", "info_from_record", "peer_id_str", "verified_entry", "VERIFIED_CACHE"]
+__all__ = ["Known", "info_from_record", "verified_entry", "VERIFIED_CACHE"]

@@ -40,8 +40,7 @@ from tessera.store.trace import NullTracer, Tracer, now as trace_now
 from tessera.store import events
 
 from tessera.peer.base.errors import PeerError, StreamClosed
-from tessera.peer.base.ids import peer_id_bytes
-from tessera.peer.net.verified import peer_id_str
+from tessera.peer.base.ids import peer_id_bytes, peer_id_text
 from tessera.peer.serve.session import DeferredTap, ServedSession, compute_batch
 from tessera.protocol.error_codes import (
     BAD_FRAME, BAD_REQUEST, BAD_SPAN, BUSY, COMPUTE_FAILED, DRAINING, NEXT_HOP_FAILED, RECLAIMED, TOO_LONG,
@@ -173,7 +172,7 @@ class StageServer:
             capacity=msg.max_length, control=channel, ephemeral_public=msg.ephemeral_public, wire=msg.wire_form,
         )
         try:
-            prev = peer_id_str(msg.prev_peer) if msg.prev_peer is not None else requester
+            prev = peer_id_text(msg.prev_peer) if msg.prev_peer is not None else requester
             session.add_inbound(self.identity, msg.in_key, prev)
             if msg.inject_key is not None:
                 session.add_inbound(self.identity, msg.inject_key, requester)
@@ -182,7 +181,7 @@ class StageServer:
                 session.set_tap(self.identity, msg.tap_key)
         except WireError as bad:
             raise Refused(BAD_REQUEST, f"cannot open the session keys: {bad}") from None
-        session.next_peer = peer_id_str(msg.next_peer) if msg.next_peer is not None else None
+        session.next_peer = peer_id_text(msg.next_peer) if msg.next_peer is not None else None
         session.next_addrs = tuple(msg.next_addrs)
         self.stage.open(msg.session_id, capacity=msg.max_length, start=msg.start, end=msg.end)
         session.kv_positions = kv_positions(1, msg.max_length)
@@ -336,7 +335,7 @@ class StageServer:
             elif isinstance(msg, Relink):
                 try:
                     if msg.in_key is not None:
-                        prev = peer_id_str(msg.prev_peer) if msg.prev_peer is not None else session.requester
+                        prev = peer_id_text(msg.prev_peer) if msg.prev_peer is not None else session.requester
                         session.add_inbound(self.identity, msg.in_key, prev)
                 except WireError as bad:
                     await self._error(session, BAD_REQUEST, f"relink keys: {bad}")
@@ -429,7 +428,7 @@ class StageServer:
         try:
             if msg.out_key is not None:
                 session.set_outbound(self.identity, msg.out_key)
-                session.next_peer = peer_id_str(msg.next_peer) if msg.next_peer is not None else None
+                session.next_peer = peer_id_text(msg.next_peer) if msg.next_peer is not None else None
                 session.next_addrs = tuple(msg.next_addrs)
                 with trio.fail_after(OPEN_TIMEOUT):
                     await session.connect_next(self)

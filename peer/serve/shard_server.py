@@ -39,7 +39,7 @@ from tessera.stages.errors import SpanError
 from tessera.stages.shards.sharded import ShardedStage
 
 from tessera.peer.base.errors import PeerError
-from tessera.peer.net.verified import peer_id_str
+from tessera.peer.base.ids import peer_id_text
 from tessera.peer.serve.session import ComputeContext, ServedSession
 from tessera.protocol.error_codes import BAD_REQUEST, BAD_SPAN
 from tessera.peer.serve.admission import Refused
@@ -135,7 +135,7 @@ class ShardServer(StageServer):
         try:
             for k, other in enumerate(msg.others):
                 j = msg.rank_of(k)
-                members[j], addrs[j] = peer_id_str(other.peer_id), tuple(other.addrs)
+                members[j], addrs[j] = peer_id_text(other.peer_id), tuple(other.addrs)
                 send[j] = self._cipher(session, other.send_key)
                 recv[j] = self._cipher(session, other.recv_key)
         except WireError as bad:

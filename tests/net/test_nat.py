@@ -27,7 +27,7 @@ import pytest
 import trio
 
 from tessera.peer.net.gossip import ViewKeeper
-from tessera.peer.net.verified import peer_id_str
+from tessera.peer.base.ids import peer_id_text
 from tessera.peer.net.pinger import Pinger
 from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.net.nat.reachability import PRIVATE, PUBLIC, UNKNOWN, NatService
@@ -70,7 +70,7 @@ def keeper() -> ViewKeeper:
 
 
 def test_dialback_dials_only_the_observed_ip_at_the_listen_ports() -> None:
-    me = peer_id_str(Identity.generate().peer_id)
+    me = peer_id_text(Identity.generate().peer_id)
     listen = (f"/ip4/192.0.2.2/tcp/4001/p2p/{me}", "/ip4/10.0.0.5/tcp/4002", "/ip4/192.0.2.2/udp/9/quic-v1", "garbage")
     assert dialback_addrs("/ip4/203.0.113.11/tcp/51234", listen, me) == [
         f"/ip4/203.0.113.11/tcp/4001/p2p/{me}",
