@@ -86,24 +86,21 @@ async def test_each_waits_its_turn_when_it_must() -> None:
     assert order == ["first releases", "second has the lock", "event seen", "second value sent"]
 
 
-async def test_a_cancelled_task_raises_there_and_takes_nothing() -> None:
+async def test_a_cancelled_task_raises_at_each_and_takes_nothing() -> None:
     lock, event = QuickLock(), trio.Event()
     event.set()
     send, receive = trio.open_memory_channel[int](1)
-    reached: list[str] = []
-    with trio.CancelScope() as scope:
-        scope.cancel()
-        try:
-            async with lock:
-                reached.append("lock")
-        except trio.Cancelled:
-            assert not lock.locked()
-            try:
-                await wait_set(event)
-                reached.append("event")
-            except trio.Cancelled:
-                await send_quick(send, 1)
-                reached.append("sent")
-    assert reached == [] and scope.cancelled_caught
+
+    async def take_lock() -> None:
+        async with lock:
+            pass
+
+    for call in (take_lock, lambda: wait_set(event), lambda: send_quick(send, 1)):
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await call()
+            pytest.fail(f"{call} went on in a cancelled scope")
+        assert scope.cancelled_caught
+    assert not lock.locked()
     with pytest.raises(trio.WouldBlock):
-        receive.receive_nowait()
+        receive.receive_nowait()  # nothing was sent
