@@ -75,7 +75,7 @@ def _key(name: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Join(TraceEvent):
-    """The peer joined the swarm."""
+    """The peer joined the swarm (a requester too: when it has pulled its first view)."""
 
     kind: ClassVar[str] = "join"
     addrs: JSONList

@@ -263,6 +263,8 @@ class Swarm:
                 errors.append(error)
         if errors and len(errors) == len(addrs):
             raise errors[0]
+        # when it joined, with the view it pulled: a replay starts the requester then (peer/sim/replay.py)
+        self.ctx.tracer.emit(events.Join(addrs=self.transport.addrs(), model=self.model_id))
 
     async def refresh(self) -> None:
         """Pull views from connected peers and connect to the peers they name; measure RTTs."""

@@ -46,7 +46,8 @@ from tessera.peer.sim.world import SharedViewKeeper, Timings, World, assign_iden
 GOSSIP_MAX_PEERS = 16
 # From this many peers on, a simulation uses large_swarm_timings() unless told otherwise.
 LARGE_SWARM_PEERS = 200
-# A requester joins this long before its first request (it needs a view to route with).
+# A requester joins this long before its first request (it needs a view to route with), unless
+# the scenario says when (a replay: when the live requester joined).
 REQUESTER_LEAD_S = 1.0
 # A replay's links: measured latencies (peer/sim/replay.py), and a LAN's bandwidth — a
 # trace holds no bandwidth figure, and a loopback or LAN swarm is not bandwidth-bound.
@@ -187,7 +188,9 @@ def _timeline(scenario: Scenario, recorded: bool) -> list[tuple[float, int, str,
         first_request[request.requester] = min(first_request.get(request.requester, math.inf), request.at)
         events.append((request.at, len(scenario.peers) + request.id, "request", request))
     for label in scenario.requesters:
-        events.append((max(0.0, first_request.get(label, 0.0) - REQUESTER_LEAD_S), -1, "requester", label))
+        first = first_request.get(label, 0.0)
+        at = min(scenario.requester_joins.get(label, first - REQUESTER_LEAD_S), first)
+        events.append((max(0.0, at), -1, "requester", label))
     events.sort(key=lambda e: (e[0], _EVENT_ORDER[e[2]], e[1]))
     return events
 

@@ -7,7 +7,9 @@ The databases are merged and clock-aligned (store/timeline.py); time 0 of the
 replay is the first recorded event. What is taken from them, per event class
 (store/events.py):
 
-- `Join` (peer): when the peer started; its ``model`` is the model id.
+- `Join` (peer): when the peer started; its ``model`` is the model id. (Requester): when
+  it had joined and pulled its first view; the replayed requester joins then (a trace
+  without one: shortly before its first request).
 - `Claim` (peer): the span claimed, ``throughput`` (tokens/s per layer) and
   ``capacity`` (layers its memory holds) — what placement needs, and what the
   replayed peer advertises (so routing weighs it as live routing did). The time from
@@ -141,6 +143,7 @@ def from_trace(paths: Sequence[Path | str], *, until: float | None = None) -> Sc
         requests.append(RequestPlan(len(requests), arrival, e.peer, int(prompt), int(tokens),
                                     recorded_route=route, max_length=opened.max_length, recorded=recorded))
 
+    joined = {label: next((e.t for e in by_peer[label] if isinstance(e.event, Join)), None) for label in requesters}
     num_layers = max([p.span[1] for p in peers] + [h[2] for r in requests for h in r.recorded_route or ()])
     latencies = link_latencies(timeline.pairs, [e for e in events if isinstance(e.event, Rtt)])
     hidden = hidden_size(events)
@@ -152,6 +155,7 @@ def from_trace(paths: Sequence[Path | str], *, until: float | None = None) -> Sc
     return Scenario(
         "replay", num_layers, hidden or DEFAULT_HIDDEN, model_id, tuple(sorted(peers, key=lambda p: p.join_at)),
         tuple(requests), tuple(requesters), meta=meta,
+        requester_joins={label: t for label, t in joined.items() if t is not None},
         link_latency=latencies,
         default_latency=statistics.median(latencies.values()) if latencies else DEFAULT_LATENCY_S,
     )

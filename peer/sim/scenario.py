@@ -128,6 +128,9 @@ class Scenario:
     requests: tuple[RequestPlan, ...]
     requesters: tuple[str, ...]
     requester_regions: dict[str, int] = field(default_factory=dict)
+    # A replay's requesters, when each joined (its traced Join); the others join shortly before
+    # their first request (peer/sim/engine.py REQUESTER_LEAD_S).
+    requester_joins: dict[str, float] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     # A replay's measured one-way latencies per (label, label) link, and the latency of the rest;
     # None: links come from the peers' regions and bandwidths.

@@ -196,6 +196,10 @@ def test_a_simulated_trace_replays_with_the_routes_it_took(tmp_path, apart):
     live = simulate(scenario, policy="default", seed=0, trace_path=db)
     replayed = from_trace([db])
     assert len(replayed.peers) == 4 and len(replayed.requests) == 4
+    # each requester joins when it did live (its traced join), before its first request
+    assert set(replayed.requester_joins) == set(replayed.requesters)
+    for label, joined in replayed.requester_joins.items():
+        assert joined < min(r.at for r in replayed.requests if r.requester == label)
     assert sorted((r.prompt_tokens, r.new_tokens) for r in replayed.requests) == sorted(
         (r["prompt_tokens"], r["new_tokens"]) for r in live["requests"])
     report = simulate(replayed, policy="recorded", seed=0)
