@@ -128,14 +128,14 @@ class Scenario:
     requests: tuple[RequestPlan, ...]
     requesters: tuple[str, ...]
     requester_regions: dict[str, int] = field(default_factory=dict)
-    # A replay's requesters, when each joined (its traced Join); the others join shortly before
-    # their first request (peer/sim/engine.py REQUESTER_LEAD_S).
-    requester_joins: dict[str, float] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
     # A replay's measured one-way latencies per (label, label) link, and the latency of the rest;
     # None: links come from the peers' regions and bandwidths.
     link_latency: dict[tuple[str, str], float] | None = None
     default_latency: float = 0.0005
+    # A replay's requesters, when each joined (its traced Join); the others join shortly before
+    # their first request (peer/sim/engine.py REQUESTER_LEAD_S).
+    requester_joins: dict[str, float] = field(default_factory=dict)
 
     def describe(self) -> dict[str, Any]:
         return {"source": self.source, "num_layers": self.num_layers, "hidden_size": self.hidden_size,
@@ -217,7 +217,7 @@ def synthetic(
     meta = {"churn_per_minute": churn, "load": load, "warmup_s": warmup, "seed": seed,
             "request_rate_per_s": round(rate, 6)}
     return Scenario("synthetic", num_layers, hidden_size, None, tuple(plans), tuple(reqs), tuple(names),
-                    regions, meta)
+                    requester_regions=regions, meta=meta)
 
 
 def _with(plan: PeerPlan, **changes: Any) -> PeerPlan:

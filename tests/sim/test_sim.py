@@ -29,6 +29,7 @@ def test_the_same_scenario_and_seed_give_identical_bytes():
     assert first == again
     report = json.loads(first)
     assert report["summary"]["requests"] == 12 and report["summary"]["completed"] > 0
+    assert (report["scenario"]["seed"], report["scenario"]["churn_per_minute"]) == (5, 0.5)  # what was run
     assert report["settings"]["handler_errors"] == 0
     other = dumps(simulate(small_swarm(), policy="default", seed=4))
     assert other != first  # the seed drives jitter and scheduling
