@@ -165,13 +165,14 @@ def cheapest_chain(
             kept, gap = _thinned(pools, skip, cap)
             if kept is None:  # nobody left out
                 break
-            label, exact = _branch_and_bound(sorted([*candidates, *kept], key=_peer_id), *search_args)
+            searched = sorted([*candidates, *kept], key=_peer_id)
+            label, exact = _branch_and_bound(searched, *search_args)
             if not exact or (label is not None and not _clear_of_rounding(gap, label[0], end - start)):
                 break
             if cap >= widest:  # every pool kept what any chain can use
                 return label
             if label is not None:
-                needed = _pool_members_needed(label[0], end - start, [*candidates, *kept], default_rtt_ms)
+                needed = _pool_members_needed(label[0], end - start, searched, default_rtt_ms)
                 if needed <= cap:  # no chain that could beat this one uses more of a pool than were kept
                     return label
                 cap = min(needed, widest)

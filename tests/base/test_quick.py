@@ -34,10 +34,16 @@ async def _steps_of(call) -> int:
     return steps.count
 
 
-async def test_a_free_lock_an_open_buffer_and_a_set_event_take_no_turn() -> None:
-    lock, event = QuickLock(), trio.Event()
+def _free_lock_set_event_empty_channel() -> tuple[QuickLock, trio.Event, trio.MemorySendChannel[int],
+                                                   trio.MemoryReceiveChannel[int]]:
+    """What the fast paths find: a free lock, an event already set, a channel with room for one."""
+    event = trio.Event()
     event.set()
-    send, receive = trio.open_memory_channel[int](1)
+    return QuickLock(), event, *trio.open_memory_channel[int](1)
+
+
+async def test_a_free_lock_an_open_buffer_and_a_set_event_take_no_turn() -> None:
+    lock, event, send, receive = _free_lock_set_event_empty_channel()
 
     async def hold() -> None:
         async with lock:
@@ -87,9 +93,7 @@ async def test_each_waits_its_turn_when_it_must() -> None:
 
 
 async def test_a_cancelled_task_raises_at_each_and_takes_nothing() -> None:
-    lock, event = QuickLock(), trio.Event()
-    event.set()
-    send, receive = trio.open_memory_channel[int](1)
+    lock, event, send, receive = _free_lock_set_event_empty_channel()
 
     async def take_lock() -> None:
         async with lock:
