@@ -156,6 +156,24 @@ def test_a_chain_may_use_two_peers_of_one_span_around_a_faster_one(monkeypatch, 
     assert r.cost_ms == 4 * 100.0 + 2 * 1000.0 + 1.0
 
 
+def test_a_chain_may_use_three_peers_of_one_span_when_two_were_first_kept(monkeypatch):
+    """Three of a pool's peers in one chain, with a faster peer nested between each two: the
+    search first keeps two (chains.FIRST_KEEP), finds m1, x, m2 (877.5 ms), and that price
+    allows a chain through more of the pool, so it searches more and finds the cheaper one."""
+    monkeypatch.setattr(chains, "FIRST_KEEP", 2)
+    # Tight: the chain found leaves 877.5 - 11 * 10 = 767.5 ms above the fastest compute, room for
+    # 767.5 // 200 = 3 more pool peers at two default round trips each — but for only one at four
+    # (dividing by 4 * default, or halving the bound, misses the answer). The pool's peers
+    # (62.5 ms a layer) beat x and y (10) by 52.5 ms a layer: more than 2 * 100 / 4, so each nested
+    # peer pays for its two round trips, and less than 4 * 100 / 7, so the price found stays low.
+    view = SwarmView.of(11, [*(peer(f"m{i}", 0, 11, 16.0) for i in range(1, 8)),  # 7 > (11 + 1) // 2: a pool
+                             peer("x", 1, 5, 100.0), peer("y", 6, 10, 100.0)])
+    r = route(view, source=REQ)
+    assert [(h.peer_id, h.start, h.end) for h in r.hops] == [
+        ("m1", 0, 1), ("x", 1, 5), ("m2", 5, 6), ("y", 6, 10), ("m3", 10, 11)]
+    assert r.cost_ms == 6 * 100.0 + 3 * 62.5 + 8 * 10.0
+
+
 def test_a_pooled_peer_the_requester_measured_is_searched_by_itself():
     """Three peers of one one-layer span, measured by nobody but the requester, which measured
     the slowest at 1 ms: that one is the cheapest chain, though a pool of them keeps only the
