@@ -194,6 +194,9 @@ def _pool_members_needed(cost: float, layers: int, searched: Sequence[Candidate]
     cost >= layers * fastest + 2 (k - 1) * default, and k <= 1 + (cost - layers * fastest) /
     (2 * default). The chain found is priced at most `cost`, so the cheapest chain is too.
     The margins (1e-9, relative) dwarf the rounding of sums of a few hundred terms (~1e-14).
+    Through `route` the way into the first member and out of the last cost the default too
+    (a pooled peer is nobody's end, and no end measured it), which would allow one member
+    fewer; the bound does not count on it, so it holds for any `from_source` and `to_sink`.
     """
     if not default_rtt_ms > 0 or not math.isfinite(cost):
         return math.inf
