@@ -108,3 +108,16 @@ async def test_a_cancelled_task_raises_at_each_and_takes_nothing() -> None:
     assert not lock.locked()
     with pytest.raises(trio.WouldBlock):
         receive.receive_nowait()  # nothing was sent
+
+
+async def test_a_lock_taken_on_the_fast_path_is_released_when_its_block_raises() -> None:
+    # a frame send that fails (a broken stream) must not leave its channel's lock held: every
+    # later send on it would wait forever
+    lock = QuickLock()
+    with pytest.raises(RuntimeError):
+        async with lock:
+            raise RuntimeError("the send failed")
+    assert not lock.locked()
+    with trio.fail_after(1):
+        async with lock:
+            assert lock.locked()

@@ -171,6 +171,14 @@ def test_check_finite_passes_finite_values_whose_sum_overflows(dtype: torch.dtyp
         check_finite(t)
 
 
+def test_check_finite_names_the_first_of_several_bad_values() -> None:
+    # the message points at where the damage starts (the others tested hold one bad value each)
+    t = torch.zeros(12)
+    t[3], t[5], t[9] = float("inf"), float("nan"), float("-inf")
+    with pytest.raises(NonFiniteTensor, match="3 of 12 values are NaN or infinite; first at flat index 3 = inf"):
+        check_finite(t)
+
+
 # -- activations in a compact wire form (what a requester may ask its peers for) ---------------------
 
 @settings(max_examples=40, deadline=None)

@@ -1,6 +1,6 @@
 """Coverage means routable: `swarm status` counts only peers a route could use (one definition,
 routing.unusable_reason), and a requester waiting for a route says what it waits for, then why
-it gave up."""
+it gave up; it traces its join once, when its first view is pulled (a replay starts it then)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import trio
 import trio.testing
 
 from tessera.peer.request.client import RequesterModel, Swarm
-from tessera.peer.base.errors import NoRoute
+from tessera.peer.base.errors import NoRoute, PeerUnreachable
+from tessera.peer.net.gossip import Gossip, ViewKeeper
 from tessera.peer.net.memory_stream import LinkSpec
 from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
 from tessera.peer.plan.cost import FULL_LOAD
@@ -21,6 +22,8 @@ from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, SERVING, PeerInfo
 from tessera.protocol.crypto import sign_record
 from tessera.protocol.keys import Identity
 from tessera.protocol.records import PeerRecord
+from tessera.store.events import Join
+from tessera.store.trace import MemoryTracer
 
 
 def peer(pid: str, start: int, end: int, *, state: str = SERVING, load: float = 0.0, name: str = "") -> PeerInfo:
@@ -108,3 +111,44 @@ def test_waiting_for_a_route_reports_each_second_and_ends_with_the_reason() -> N
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert len(lines) == 4  # at 1, 2, 3 and 4 s of the 5
     assert lines[0] == "waiting for a route (1 s of 5 s): uncovered layers: [15, 30); not taking sessions: p15 [15,30) draining"
+
+
+def test_a_requester_traces_one_join_after_pulling_every_bootstrap_peers_view() -> None:
+    """A replay starts the requester at its traced join (peer/sim/replay.py), so the join is
+    traced once, when the views are pulled, and not at all when no bootstrap peer answers."""
+    joins: list[tuple[Join, int]] = []  # each traced join, and how many records the view held then
+
+    async def main() -> None:
+        network = MemoryNetwork(LinkSpec(latency=0.01))
+        async with open_memory_transport(network, "a") as a, open_memory_transport(network, "b") as b, \
+                open_memory_transport(network, "requester") as transport, trio.open_nursery() as nursery:
+            now = trio.current_time()
+            for seed, there, span in ((b"\x01", a, (0, 15)), (b"\x02", b, (15, 30))):
+                ident = Identity.from_seed(seed * 32)  # each bootstrap peer knows its own record only
+                keeper = ViewKeeper(model_id="m", num_layers=30, clock=trio.current_time)
+                keeper.merge([sign_record(ident, PeerRecord(
+                    peer_id=ident.peer_id, name=f"p{span[0]}", model_id="m", start=span[0], end=span[1],
+                    shard_index=0, shard_count=1, throughput=100.0, free_memory=0, load=0.0, max_sessions=16,
+                    state=SERVING, reachability="public", addrs=(), neighbours=(), issued_at=now,
+                    expires_at=now + 3600, seq=1))])
+                Gossip(there, keeper)
+            tracer = MemoryTracer(peer="requester")
+            swarm = Swarm(transport, nursery, identity=Identity.from_seed(b"\x03" * 32),
+                          model=RequesterModel(sim_spec(30), "m"), clock=trio.current_time,
+                          ban_clock=trio.current_time, tracer=tracer, reports=False)
+            emit = tracer.emit
+
+            def spy(event, **kwargs) -> None:
+                if isinstance(event, Join):
+                    joins.append((event, len(swarm.keeper.live())))
+                emit(event, **kwargs)
+
+            tracer.emit = spy  # type: ignore[method-assign]
+            with pytest.raises(PeerUnreachable):
+                await swarm.connect(["/memory/99/p2p/nobody"])
+            assert joins == []
+            await swarm.connect(["/memory/99/p2p/nobody", a.addrs()[0], b.addrs()[0]])
+            nursery.cancel_scope.cancel()
+        assert joins == [(Join(addrs=transport.addrs(), model="m"), 2)]
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

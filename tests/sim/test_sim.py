@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import signal
+import sqlite3
 import threading
 
 import pytest
@@ -205,6 +206,40 @@ def test_a_simulated_trace_replays_with_the_routes_it_took(tmp_path, apart):
         (r["prompt_tokens"], r["new_tokens"]) for r in live["requests"])
     report = simulate(replayed, policy="recorded", seed=0)
     assert report["summary"]["route_matches"] == 4, [r["routes"] for r in report["requests"]]
+
+
+def test_a_requester_joins_when_its_scenario_says_but_never_after_its_first_request(tmp_path):
+    """A replay's requester joins when its trace says (here 2 s in: traced again, its join is then
+    plus the time it took to pull its view), not REQUESTER_LEAD_S before its first request. But
+    never after that request: the request's time comes from another peer's clock (the earliest
+    event of its session), and clocks aligned only approximately can put the requester's own join
+    after it. Joined later, the request would wait for it and its latency hold the skew."""
+    db = tmp_path / "sim.db"
+    scenario = synthetic(peers=4, requests=2, seed=1, capacity=(10, 20), prompt=(4, 8), tokens=(2, 3))
+    (label,) = scenario.requesters
+    first = min(r.at for r in scenario.requests)
+    simulate(dataclasses.replace(scenario, requester_joins={label: 2.0}), policy="default", seed=0, trace_path=db)
+    replayed = from_trace([db])
+    (joined,) = replayed.requester_joins.values()
+    assert 0 < (first - 2.0) - (min(r.at for r in replayed.requests) - joined) < 1.0
+    at_first = simulate(dataclasses.replace(scenario, requester_joins={label: first}), policy="default", seed=0)
+    late = simulate(dataclasses.replace(scenario, requester_joins={label: first + 60.0}), policy="default", seed=0)
+    assert all(r["completed"] for r in late["requests"])
+    assert late["requests"] == at_first["requests"]
+
+
+def test_a_trace_without_a_requesters_join_leaves_it_to_join_before_its_first_request(tmp_path):
+    """Traces recorded before requesters traced their join have none: the replay then gives the
+    requester no join time (it joins REQUESTER_LEAD_S before its first request), rather than
+    taking its first event, which is its first request's."""
+    db = tmp_path / "sim.db"
+    scenario = synthetic(peers=4, requests=2, seed=1, capacity=(10, 20), prompt=(4, 8), tokens=(2, 3))
+    simulate(scenario, policy="default", seed=0, trace_path=db)
+    (label,) = from_trace([db]).requesters
+    with sqlite3.connect(db) as conn:  # as an older requester wrote it
+        assert conn.execute("DELETE FROM trace WHERE kind = 'join' AND peer = ?", (label,)).rowcount == 1
+    replayed = from_trace([db])
+    assert replayed.requesters == (label,) and replayed.requester_joins == {}
 
 
 def test_bad_options_are_clear_errors():
