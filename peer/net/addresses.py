@@ -3,7 +3,8 @@
 A volunteer's peer is there to be reached by other machines, so by default it listens
 on every interface (`DEFAULT_LISTEN`, the wildcard) at libp2p's customary TCP port
 4001, or at any free port when 4001 is taken (a second peer on the machine, or
-another libp2p program): `default_listen`. An explicit `--listen` is used as given.
+another libp2p program; peers started at the same moment settle it by a claim,
+`PortClaim`): `default_listen`. An explicit `--listen` is used as given.
 
 What it prints for others to join says, per address, who can use it (`scope`):
 
@@ -23,8 +24,12 @@ after it); the best address for others comes first: public, then LAN, then loopb
 from __future__ import annotations
 
 import errno
+import fcntl
 import ipaddress
+import os
 import socket
+import tempfile
+from pathlib import Path
 from typing import Callable, Sequence
 
 # libp2p's customary TCP port (Kubo/IPFS and most libp2p swarms): what a volunteer opens
@@ -59,17 +64,58 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-def default_listen(*, free: Callable[[str, int], bool] = port_is_free) -> tuple[list[str], str | None]:
-    """The listen addresses of a peer given no --listen, and a note to print when 4001 was taken.
+class PortClaim:
+    """One peer's claim on a port of this machine, among Tessera peers: `flock(2)` on a file
+    named after the port in the temporary directory, held until `release` or the process ends
+    (the kernel drops it however the process ends, so a crash leaves no stale claim).
 
-    The check and the bind are two steps: two peers started in the same millisecond may
-    both see 4001 free. The second bind then shares the port (SO_REUSEPORT, see
-    `port_is_free`) — which is why a peer is started after the one it joins has printed
-    its address, as every example does.
+    Why: checking that a port is free and binding it are two steps, and py-libp2p binds with
+    SO_REUSEPORT, so two peers started at the same moment (`tessera peer ... &` twice) would
+    both see 4001 free and both bind it — the kernel then splits incoming connections between
+    them, and a --join reaches whichever it picks. The claim makes the check one atomic step
+    among peers; `port_is_free` still covers other programs.
     """
-    if free("0.0.0.0", DEFAULT_PORT):
-        return [DEFAULT_LISTEN], None
-    return [ANY_PORT_LISTEN], f"port {DEFAULT_PORT} is taken (another peer on this machine?): a free port instead"
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+
+    @classmethod
+    def take(cls, port: int, folder: Path | None = None) -> "PortClaim | None":
+        """The claim on `port`, or None while another peer holds it. A claim file this user may
+        not open (left by another user) claims nothing: `port_is_free` alone decides then."""
+        path = Path(folder or tempfile.gettempdir()) / f"tessera-port-{port}.lock"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:
+            return cls(-1)
+        try:
+            if os.fstat(fd).st_uid == os.getuid():
+                os.fchmod(fd, 0o666)  # peers of other users on this machine claim through it too
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return cls(fd)
+
+    def release(self) -> None:
+        """Give the port up (idempotent). The file stays: removing it would race with the next claim."""
+        fd, self._fd = self._fd, None
+        if fd is not None and fd >= 0:
+            os.close(fd)  # closing the descriptor drops the flock
+
+
+def default_listen(*, free: Callable[[str, int], bool] = port_is_free,
+                   claim: Callable[[int], PortClaim | None] = PortClaim.take,
+                   ) -> tuple[list[str], str | None, PortClaim | None]:
+    """The listen addresses of a peer given no --listen, a note to print when 4001 was taken,
+    and the claim on 4001 to hold while the peer listens there (None: a free port instead).
+    """
+    held = claim(DEFAULT_PORT)
+    if held is not None and free("0.0.0.0", DEFAULT_PORT):
+        return [DEFAULT_LISTEN], None, held
+    if held is not None:
+        held.release()
+    return [ANY_PORT_LISTEN], f"port {DEFAULT_PORT} is taken (another peer on this machine?): a free port instead", None
 
 
 def scope(addr: str) -> str:
@@ -107,5 +153,5 @@ def describe_addrs(addrs: Sequence[str]) -> list[str]:
     return lines
 
 
-__all__ = ["DEFAULT_PORT", "DEFAULT_LISTEN", "ANY_PORT_LISTEN", "port_is_free", "default_listen", "scope",
+__all__ = ["DEFAULT_PORT", "DEFAULT_LISTEN", "ANY_PORT_LISTEN", "port_is_free", "PortClaim", "default_listen", "scope",
            "by_reach", "describe_addrs", "LOOPBACK", "LAN", "PUBLIC", "RELAYED"]

@@ -41,16 +41,20 @@ async def open_host(config: PeerConfig, identity: Identity,
     """The peer's libp2p host on --listen (private with --swarm-key), with dedicated connections for
     the hot streams (--dedicated-port, --no-dedicated), frames paced by --emulate-link. Without
     --listen: every interface, port 4001 or (said on `out`) a free one."""
-    listen = config.listen
+    listen, claim = config.listen, None
     if not listen:
-        listen, note = default_listen()
+        listen, note, claim = default_listen()
         if note:
             out(note)
-    async with open_libp2p_transport(
-        identity.seed, listen=listen, swarm_key=config.swarm_key,
-        dedicated=config.dedicated, dedicated_port=config.dedicated_port,
-    ) as real_transport, emulate(real_transport, config.emulate_link) as transport:
-        yield transport
+    try:
+        async with open_libp2p_transport(
+            identity.seed, listen=listen, swarm_key=config.swarm_key,
+            dedicated=config.dedicated, dedicated_port=config.dedicated_port,
+        ) as real_transport, emulate(real_transport, config.emulate_link) as transport:
+            yield transport
+    finally:
+        if claim is not None:
+            claim.release()  # port 4001 is free for the next peer once this host has closed
 
 
 def build_peer(config: PeerConfig, *, out: Callable[[str], None] | None = None) -> PeerNode:

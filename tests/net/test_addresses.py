@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 
 from tessera.peer.net.addresses import (
-    ANY_PORT_LISTEN, DEFAULT_LISTEN, LAN, LOOPBACK, PUBLIC, RELAYED, default_listen, describe_addrs, port_is_free,
-    scope,
+    ANY_PORT_LISTEN, DEFAULT_LISTEN, DEFAULT_PORT, LAN, LOOPBACK, PUBLIC, RELAYED, PortClaim, default_listen,
+    describe_addrs, port_is_free, scope,
 )
 
 ID = "12D3KooWLdc6XuAzhCZ7VyqEHqMpDxgDCB3fmzYbKSN3RSpS6m6E"
@@ -31,12 +33,47 @@ def test_the_first_line_names_the_address_most_machines_can_use():
     assert "only peers on this machine can join" in alone[-1] and DEFAULT_LISTEN in alone[-1]
 
 
-def test_every_interface_at_4001_or_a_free_port_when_it_is_taken():
-    assert default_listen(free=lambda host, port: True) == ([DEFAULT_LISTEN], None)
-    listen, note = default_listen(free=lambda host, port: False)
-    assert listen == [ANY_PORT_LISTEN] and "4001 is taken" in note
+def test_every_interface_at_4001_or_a_free_port_when_it_is_taken(tmp_path):
+    listen, note, claim = default_listen(free=lambda host, port: True, claim=lambda port: PortClaim.take(port, tmp_path))
+    assert (listen, note) == ([DEFAULT_LISTEN], None) and claim is not None
+    claim.release()
+    listen, note, claim = default_listen(free=lambda host, port: False, claim=lambda port: PortClaim.take(port, tmp_path))
+    assert listen == [ANY_PORT_LISTEN] and "4001 is taken" in note and claim is None
+    assert PortClaim.take(DEFAULT_PORT, tmp_path) is not None  # the claim of a port not taken was given back
     with socket.socket() as taken:  # a listener (without SO_REUSEPORT) holds a port: the probe sees it
         taken.bind(("0.0.0.0", 0))
         taken.listen()
         assert not port_is_free("0.0.0.0", taken.getsockname()[1])
     assert DEFAULT_LISTEN == "/ip4/0.0.0.0/tcp/4001"
+
+
+def test_two_peers_started_at_once_do_not_both_take_4001(tmp_path):
+    # py-libp2p binds with SO_REUSEPORT: both would bind 4001 and split its connections. The
+    # first peer's claim holds until it lets go; the second, meanwhile, takes a free port.
+    claim_here = lambda port: PortClaim.take(port, tmp_path)  # noqa: E731
+    first, _, first_claim = default_listen(free=lambda host, port: True, claim=claim_here)
+    second, note, second_claim = default_listen(free=lambda host, port: True, claim=claim_here)
+    assert first == [DEFAULT_LISTEN] and first_claim is not None
+    assert second == [ANY_PORT_LISTEN] and second_claim is None and "4001 is taken" in note
+    first_claim.release()
+    first_claim.release()  # idempotent
+    third, _, third_claim = default_listen(free=lambda host, port: True, claim=claim_here)
+    assert third == [DEFAULT_LISTEN] and third_claim is not None
+    third_claim.release()
+
+
+def test_a_claim_ends_with_the_process_that_held_it(tmp_path):
+    # flock: the kernel drops it when the holder exits, however it exits (no stale claim)
+    code = ("import sys; from pathlib import Path; from tessera.peer.net.addresses import PortClaim; "
+            "c = PortClaim.take(4001, Path(sys.argv[1])); print(c is not None, flush=True); sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "True"
+        assert PortClaim.take(4001, tmp_path) is None  # held by another process
+    finally:
+        holder.kill()
+        holder.wait()
+    mine = PortClaim.take(4001, tmp_path)
+    assert mine is not None
+    mine.release()
