@@ -21,8 +21,12 @@ def discovered_packages() -> list[str]:
     package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     packages = []
     for name, folder in package_dir.items():
-        packages.append(name)
-        packages.extend(f"{name}.{sub}" for sub in find_packages(str(ROOT / folder)))
+        found = ["", *(f".{sub}" for sub in find_packages(str(ROOT / folder)))]
+        packages.extend(f"{name}{sub}" for sub in found)
+        # a module's `static/` folder (a web page's files, no modules) ships as a data-only package:
+        # setuptools warns about data in a folder the package list does not name
+        packages.extend(f"{name}{sub}.static" for sub in found
+                        if (ROOT / folder / sub[1:].replace(".", "/") / "static").is_dir())
     return packages
 
 
