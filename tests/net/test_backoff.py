@@ -1,11 +1,19 @@
-"""The one keyed back-off/ban policy (peer/base/backoff.py), and its owner keeping strikes across answers."""
+"""The one keyed back-off/ban policy (peer/base/backoff.py), and its owner keeping strikes across answers;
+what kind of failure each refusal, reported error or exception is (peer/request/failures.py); and the
+bounds on a requester's tries (peer/request/repair.py: failed routes at an open, repairs of a step)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
+import torch
+import trio
 
+from tessera.protocol.error_codes import (
+    BAD_FRAME, BAD_REQUEST, BAD_SPAN, BUSY, COMPUTE_FAILED, DRAINING, NEXT_HOP_FAILED, RECLAIMED, TOO_LONG,
+)
+from tessera.protocol.errors import WireError
 from tessera.store.trace import NullTracer
 
 from tessera.peer.base.backoff import (
@@ -13,7 +21,10 @@ from tessera.peer.base.backoff import (
 )
 from tessera.peer.plan.view import SwarmView
 from tessera.peer.request.policy import RequesterPolicy
-from tessera.peer.request.repair import ResilientSession
+from tessera.peer.base.errors import NoRoute, PeerFailed, SessionRefused, StreamClosed
+from tessera.peer.request import repair
+from tessera.peer.request.failures import error_failure, refusal_failure, reported_failure
+from tessera.peer.request.repair import MAX_OPEN_ATTEMPTS, MAX_REPAIRS_PER_STEP, Pending, ResilientSession
 
 
 def test_a_failure_bans_for_base_then_doubles_up_to_the_cap() -> None:
@@ -131,3 +142,98 @@ def test_a_report_bans_without_a_strike_and_next_end_says_when_a_ban_ends() -> N
     assert bans.strikes("p") == 0 and bans.failure("p") is Failure.LIED
     assert bans.next_end(0.0) == 2.0 and bans.next_end(2.0) == GUILTY_BAN
     assert bans.next_end(GUILTY_BAN) is None
+
+
+# -- what kind of failure a refusal, a reported error or an exception is (peer/request/failures.py) --
+
+
+@pytest.mark.parametrize("code, failure", [
+    (BUSY, Failure.REFUSED), (DRAINING, Failure.REFUSED), (TOO_LONG, Failure.REFUSED), (BAD_SPAN, Failure.REFUSED),
+    (NEXT_HOP_FAILED, Failure.DROPPED), (BAD_REQUEST, Failure.BROKE), (RECLAIMED, Failure.BROKE),
+])
+def test_a_refused_open_is_a_skip_only_when_the_peer_declined(code, failure) -> None:
+    """An honest peer that cannot take a session (busy, draining, too long, not its span) is
+    skipped without a strike; a next-hop failure blames the dropped peer after it; anything else
+    at an open is a broken exchange."""
+    assert refusal_failure(code) is failure
+
+
+@pytest.mark.parametrize("code, failure", [
+    (None, Failure.DROPPED), (NEXT_HOP_FAILED, Failure.DROPPED), (RECLAIMED, Failure.REFUSED),
+    (BUSY, Failure.REFUSED), (BAD_SPAN, Failure.REFUSED), (COMPUTE_FAILED, Failure.BROKE), (BAD_FRAME, Failure.BROKE),
+])
+def test_an_error_reported_mid_session_is_a_strike_unless_the_peer_reclaimed_or_declined(code, failure) -> None:
+    """A session reclaimed after it sat idle is no fault of the peer's (reopened, as after a
+    refusal); a stream that failed or a next hop that dropped is a drop (may come back)."""
+    assert reported_failure(code) is failure
+
+
+def test_an_exception_is_a_timeout_a_broken_exchange_or_a_drop() -> None:
+    """Each kind bans differently and traces its own value: a deadline is TIMED_OUT, bytes that do
+    not decode BROKE, anything else (a reset stream, a failed dial) DROPPED."""
+    assert error_failure(trio.TooSlowError()) is Failure.TIMED_OUT
+    assert error_failure(WireError("bad frame")) is Failure.BROKE
+    assert error_failure(StreamClosed("reset")) is Failure.DROPPED
+
+
+# -- ResilientSession's bounds on tries (peer/request/repair.py) ----------------------------------
+
+
+async def test_an_open_gives_up_after_max_failed_routes_and_a_refusal_is_skipped_for_its_retry_after(
+        monkeypatch, autojump_clock) -> None:
+    """A refusal does not count as one of the MAX_OPEN_ATTEMPTS failed routes, and skips its peer
+    for exactly the retry-after it named (no strike); after MAX_OPEN_ATTEMPTS real failures the
+    open gives up, without trying another route."""
+    swarm = _Swarm()
+    outcomes = [SessionRefused("busy-peer", BUSY, "busy", retry_after=2.0),
+                *(PeerFailed(f"gone{i}", "reset") for i in range(MAX_OPEN_ATTEMPTS)), None]
+    tried: list[int] = []
+
+    class Attempt:
+        async def open(self) -> None:
+            tried.append(len(tried))
+            if outcomes[tried[-1]] is not None:
+                raise outcomes[tried[-1]]
+
+    async def wait_for_route(wait, *, policy):
+        return None
+
+    swarm.wait_for_route = wait_for_route
+    monkeypatch.setattr(repair, "session_for", lambda ctx, route, *, max_length: Attempt())
+    session = ResilientSession(swarm, max_length=64, route_wait=1.0)
+    with pytest.raises(NoRoute):
+        await session.open()
+    assert len(tried) == 1 + MAX_OPEN_ATTEMPTS
+    assert swarm.bans.until("busy-peer") == 2.0 and swarm.bans.strikes("busy-peer") == 0
+    assert all(swarm.bans.strikes(f"gone{i}") == 1 for i in range(MAX_OPEN_ATTEMPTS))
+
+
+async def test_a_step_is_repaired_up_to_max_repairs_times_then_given_up(autojump_clock) -> None:
+    """Each repair bans a peer; a step is sent again after each of MAX_REPAIRS_PER_STEP repairs
+    (the last one included), and only then is its failure raised."""
+    swarm = _Swarm()
+    session = ResilientSession(swarm, max_length=64, route_wait=1.0)
+    repairs: list[int] = []
+    fail_always = False
+
+    class Failing:
+        async def wait(self, *args):
+            raise PeerFailed("p", "reset")
+
+        async def step(self, hidden, start_pos):
+            if fail_always or len(repairs) < MAX_REPAIRS_PER_STEP:
+                raise PeerFailed("p", "reset")
+            return hidden
+
+    async def fake_repair(failure, position):
+        repairs.append(position)
+
+    session.current, session.repair = Failing(), fake_repair
+    hidden = torch.zeros(2, 4)
+    assert await session.wait(Pending(hidden, 3, session.epoch)) is hidden  # after the last repair allowed
+    assert repairs == [3] * MAX_REPAIRS_PER_STEP and session.confirmed == 5
+    repairs.clear()
+    fail_always = True
+    with pytest.raises(PeerFailed):
+        await session.wait(Pending(hidden, 5, session.epoch))
+    assert len(repairs) == MAX_REPAIRS_PER_STEP

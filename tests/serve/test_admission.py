@@ -1,11 +1,13 @@
 """Admission against exhaustion (peer/serve/admission.py) on a real StageServer over the
 in-memory transport, under trio's MockClock: hostile identities holding and cycling idle
 sessions, KV charged as sessions grow, busy refusals that say when, and streams bounded
-before they are admitted."""
+before they are admitted; then the policy alone (Admission over a stand-in host), rule by rule."""
 
 from __future__ import annotations
 
+import math
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import pytest
@@ -22,7 +24,9 @@ from tessera.peer.net.transport import Channel
 from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.request.chain import RouteSession
 from tessera.peer.request.chain_state import RequesterContext
-from tessera.peer.serve.admission import ADMIT_WAIT, IDLE_GRACE, MAX_UNADMITTED_PER_REMOTE, SHORT_WAIT
+from tessera.peer.serve.admission import (
+    ADMIT_WAIT, IDLE_GRACE, MAX_UNADMITTED_PER_REMOTE, RETRY_MIN, SHORT_WAIT, Admission, Limits, Refused, _Waiter,
+)
 from tessera.peer.serve.limits import ServerLimits
 from tessera.peer.serve.server import StageServer
 from tessera.protocol.admission import OPEN_FRAME_LIMIT
@@ -236,3 +240,155 @@ async def test_streams_are_bounded_before_they_are_admitted(tiny_llama):
         for stream in held:
             await stream.reset()
         await await_until(lambda: not server.unadmitted.counts, 10, "the streams forgotten")
+
+
+# -- the policy alone: Admission over a stand-in host, on a clock the test sets ----------------------
+
+
+@dataclass(eq=False)
+class Held:
+    """A served session as admission reads it (peer/serve/admission.py `Admitted`)."""
+
+    requester: str
+    kv_bytes: int = 1
+    last_active: float = 0.0
+    stepped: bool = True
+    inflight: int = 0
+    closed: bool = False
+
+
+class Host:
+    """A stage server's sessions and their KV as admission reads them; `reclaim` drops one."""
+
+    def __init__(self, *sessions: Held) -> None:
+        self.sessions = {}
+        self.reclaimed: list[Held] = []
+        for session in sessions:
+            self.add(session)
+
+    def add(self, session: Held) -> Held:
+        self.sessions[id(session)] = session  # a key per session; the order is insertion order
+        return session
+
+    def kv_in_use(self) -> int:
+        return sum(s.kv_bytes for s in self.sessions.values())
+
+    def reclaim(self, session: Held) -> None:
+        self.reclaimed.append(session)
+        self.sessions = {k: s for k, s in self.sessions.items() if s is not session}
+
+
+def test_the_session_idle_longest_is_reclaimed_first_and_as_soon_as_its_grace_ends() -> None:
+    """Stepped sessions are protected until exactly IDLE_GRACE after their last step, and the one
+    idle longest gives way first (not whichever the server lists first), one at a time."""
+    old, recent = Held("a", last_active=0.0), Held("b", last_active=1.0)
+    host = Host(recent, old)  # listed newest first
+    admission = Admission(host, Limits(max_sessions=2, max_sessions_per_requester=1, kv_budget=100))
+    assert not admission.make_room(1, now=IDLE_GRACE - 0.001, asker="c") and host.reclaimed == []
+    assert admission.make_room(1, now=IDLE_GRACE, asker="c")  # old's grace ends at this instant
+    assert host.reclaimed == [old]
+    old, recent = Held("a", last_active=0.0), Held("b", last_active=1.0)
+    host = Host(recent, old)
+    admission = Admission(host, Limits(max_sessions=2, max_sessions_per_requester=1, kv_budget=100))
+    assert admission.make_room(1, now=100.0, asker="c")  # both idle: only the older one goes
+    assert host.reclaimed == [old] and list(host.sessions.values()) == [recent]
+
+
+def test_a_session_with_a_step_in_flight_is_never_reclaimed() -> None:
+    """A step that runs (or waits in the batch queue) longer than IDLE_GRACE is use, not idleness:
+    its session must not be dropped under it."""
+    running = Held("a", last_active=0.0, inflight=1)
+    host = Host(running)
+    admission = Admission(host, Limits(max_sessions=1, max_sessions_per_requester=1, kv_budget=100))
+    assert not admission.make_room(1, now=1000.0, asker="b")
+    assert host.reclaimed == [] and admission.protected_until(running) == math.inf
+
+
+def test_an_open_may_fill_the_kv_budget_exactly_and_growth_reclaims_all_it_needs() -> None:
+    """The budget is a bound that may be reached (an open charging the last bytes fits, nothing is
+    reclaimed); a growing session that needs the KV of two idle sessions gets both reclaimed, not
+    only the last one counted (which would leave the budget overdrawn)."""
+    a, b = Held("a", kv_bytes=3, last_active=0.0), Held("b", kv_bytes=3, last_active=1.0)
+    grower = Held("c", kv_bytes=4, last_active=100.0)
+    host = Host(a, b, grower)
+    admission = Admission(host, Limits(max_sessions=8, max_sessions_per_requester=8, kv_budget=12))
+    assert admission.make_room(2, now=100.0, asker="d") and host.reclaimed == []  # 10 + 2 == 12
+    assert admission.make_room(7, now=100.0, slot=False, spare=grower)  # 10 + 7: 5 bytes to free
+    assert host.reclaimed == [a, b] and host.kv_in_use() + 7 <= 12
+    assert admission.reclaimed == 2
+
+
+def test_only_a_requester_with_a_proof_of_work_gets_a_grace_before_its_first_step() -> None:
+    """Identities are cheap; without a proof of work an unstepped session has no grace at all and
+    gives way to anyone who needs the room (module docstring, rule 2)."""
+    host = Host()
+    admission = Admission(host, Limits(max_sessions=4, max_sessions_per_requester=1, kv_budget=100),
+                          clock=lambda: 10.0)
+    sessions = {}
+    for who, work in (("worked", True), ("free", False)):
+        admission.requester(who).work = work
+        sessions[who] = host.add(Held(who, stepped=False))
+        admission.opened(sessions[who])
+    assert admission.protected_until(sessions["worked"]) == 10.0 + IDLE_GRACE
+    assert admission.protected_until(sessions["free"]) == -math.inf
+    assert admission.reclaimable(10.0, asker="x") == [sessions["free"]]
+
+
+def test_retry_after_is_never_under_retry_min_and_adds_a_grace_per_round_of_requesters_ahead() -> None:
+    """A busy refusal says when room may come (the next protection's end), never sooner than
+    RETRY_MIN, plus IDLE_GRACE per `max_sessions` better-placed requesters already waiting."""
+    host = Host(Held("a", last_active=0.0))  # protected until IDLE_GRACE
+    admission = Admission(host, Limits(max_sessions=1, max_sessions_per_requester=1, kv_budget=100))
+    late = admission.requester("late")  # no proof of work: everyone with one is ahead of it
+    assert admission.retry_after(late, IDLE_GRACE - 0.2) == RETRY_MIN
+    assert admission.retry_after(late, 2.0) == IDLE_GRACE - 2.0
+    for who in ("x", "y"):  # two requesters with work waiting, one slot: two rounds ahead
+        record = admission.requester(who)
+        record.work = True
+        admission.waiting.append(_Waiter(record, 1))
+    assert admission.retry_after(late, 2.0) == IDLE_GRACE - 2.0 + 2 * IDLE_GRACE
+
+
+async def test_a_requester_at_its_session_limit_is_refused_at_once(autojump_clock) -> None:
+    """Rule 3: at `max_sessions_per_requester` an open is refused busy without waiting, even with
+    slots free."""
+    host = Host()
+    admission = Admission(host, Limits(max_sessions=4, max_sessions_per_requester=1, kv_budget=100))
+    admission.opened(host.add(Held("a")))
+    asked = trio.current_time()
+    with pytest.raises(Refused) as refused:
+        await admission.wait_for_room("a", 1, work=True)
+    assert refused.value.code == BUSY and trio.current_time() == asked and len(host.sessions) == 1
+
+
+async def test_a_freed_slot_goes_to_the_waiter_holding_fewer_sessions_before_the_one_admitted_earlier(
+        autojump_clock) -> None:
+    """The queue's order: fewest sessions here first, and only then the one admitted least recently.
+    `many` holds a session and was admitted before `few` (whose session has ended): `few` is first."""
+    host = Host()
+    admission = Admission(host, Limits(max_sessions=2, max_sessions_per_requester=2, kv_budget=100))
+    admission.opened(host.add(Held("many", inflight=1)))  # stepping: never reclaimable
+    await trio.sleep(1.0)
+    few = host.add(Held("few"))
+    admission.opened(few)
+    host.sessions = {k: s for k, s in host.sessions.items() if s is not few}
+    admission.closed(few)
+    other = host.add(Held("other", inflight=1))
+    admitted: list[str] = []
+
+    async def ask(who: str) -> None:
+        try:
+            await admission.wait_for_room(who, 1, work=True)
+        except Refused:
+            return
+        admission.opened(host.add(Held(who, inflight=1)))  # admitted before the next checkpoint
+        admitted.append(who)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ask, "many")
+        await trio.sleep(0.01)
+        nursery.start_soon(ask, "few")
+        await trio.sleep(0.1)
+        host.sessions = {k: s for k, s in host.sessions.items() if s is not other}
+        admission.closed(other)  # one slot frees
+    assert admitted == ["few"]
