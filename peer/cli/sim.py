@@ -59,7 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "simulate", help="simulate a synthetic swarm: N peers, M requests, churn",
         description="Peers join over a warm-up (log-normal speeds, capacities in layers, four regions), "
-        "requests arrive as a Poisson process at half the swarm's capacity, and CHURN of the swarm is "
+        "requests arrive as a Poisson process at --load (default half) of what the peers' summed speeds "
+        "could carry, from one requester per 20 requests, and CHURN of the swarm is "
         "replaced per simulated minute (half drain and leave, a quarter are killed, a quarter vanish).",
         epilog=SIMULATE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
