@@ -14,14 +14,16 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tessera.peer.net.gossip import Gossip, ViewKeeper, material
+from tessera.peer.base.ids import peer_id_text
+from tessera.peer.net.gossip import DEPARTURE_TTL, GOSSIP_INTERVAL, REDIAL_WINDOW, Gossip, ViewKeeper, material
+from tessera.peer.net.verified import verified_entry
 from tessera.peer.net.memory_stream import LinkSpec
 from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
 from tessera.peer.sim.convergence import CONVERGENCE_TIMINGS, bound_periods, EVENT_KINDS, Event, run_sequence
 from tessera.protocol.crypto import sign_record
 from tessera.protocol.keys import Identity
-from tessera.protocol.errors import InconsistentFields
-from tessera.protocol.records import LayerSpan, PeerRecord
+from tessera.protocol.errors import ExpiredRecord, InconsistentFields
+from tessera.protocol.records import Departure, LayerSpan, PeerRecord
 
 events = st.builds(
     Event,
@@ -150,3 +152,85 @@ def test_a_neighbour_that_vanishes_while_the_others_start_does_not_hold_up_their
     outcome = run_sequence(11, [Event("vanish", after=0.18, target=957)], seed=9186)
     assert outcome.worst_periods is not None and outcome.worst_periods <= bound_periods(outcome.peers), outcome
     assert outcome.agreed_throughout and outcome.stale == [], outcome
+
+
+def test_only_a_newer_version_replaces_a_record_or_a_departure() -> None:
+    # Merge rules (peer/net/record_set.py versions): an equal seq is no news, whatever the record
+    # says, and a departure of the same seq with an earlier end does not shorten the one held.
+    me = Identity.from_seed(b"\x09" * 32)
+    pid = peer_id_text(me.peer_id)
+
+    async def main() -> None:
+        keeper = ViewKeeper(model_id="m", num_layers=30, clock=trio.current_time)
+        now = trio.current_time()
+        first = record(me, seq=2, now=now, state="draining")
+        assert keeper.merge([first]) == [pid]
+        assert keeper.merge([first]) == []
+        assert keeper.merge([record(me, seq=2, now=now, state="serving")]) == []
+        assert keeper.snapshot().peers[0].state == "draining"
+        assert keeper.depart([Departure(me.peer_id, 2, now + 600.0)]) == [pid]
+        assert keeper.depart([Departure(me.peer_id, 2, now + 600.0)]) == []
+        assert keeper.depart([Departure(me.peer_id, 2, now + 300.0)]) == []
+        assert keeper.entry(pid).gone_until == now + 600.0
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_record_is_refused_at_exactly_its_expiry_also_when_verified_before() -> None:
+    # verified_entry checks the lifetime again on its cache's path; that check must match
+    # verify_record's (`now >= expires_at` is expired), or a record lives one instant longer.
+    signed = record(Identity.from_seed(b"\x0a" * 32), seq=1, now=100.0, ttl=15.0)
+    with pytest.raises(ExpiredRecord):
+        verified_entry(signed, 115.0)
+    verified_entry(signed, 100.0)  # now cached
+    with pytest.raises(ExpiredRecord):
+        verified_entry(signed, 115.0)
+
+
+def test_the_graveyard_redials_with_doubling_waits_and_forgets_the_returned_and_the_long_gone() -> None:
+    # A departure's end is on a one-minute grid (reporters of the same death send one departure);
+    # a grave's probe waits double after each failure; a newer record of the peer, or REDIAL_WINDOW
+    # passing, removes its grave.
+    ids = [Identity.from_seed(bytes([0x0b + i]) * 32) for i in range(2)]
+    a, b = (peer_id_text(i.peer_id) for i in ids)
+    now = [1000.5]
+    keeper = ViewKeeper(model_id="m", num_layers=30, clock=lambda: now[0])
+    keeper.merge([record(i, seq=1, now=now[0], addrs=(f"/memory/{p}",), ttl=1e5) for i, p in zip(ids, (a, b))])
+    departure = keeper.report_gone(a)
+    assert departure.gone_until % 60.0 == 0.0 and now[0] + DEPARTURE_TTL <= departure.gone_until < now[0] + DEPARTURE_TTL + 60
+    assert keeper.graves[a].addrs == (f"/memory/{a}",)
+    waits = []
+    for t in (1010.0, 1020.0):
+        keeper.grave_probed(a, False, t)
+        waits.append(keeper.graves[a].next_probe - t)
+    assert waits == [2 * GOSSIP_INTERVAL, 4 * GOSSIP_INTERVAL]
+    assert keeper.merge([record(ids[0], seq=2, now=now[0], addrs=(f"/memory/{a}",), ttl=1e5)]) == [a]
+    assert a not in keeper.graves  # it is back
+    keeper.report_gone(b)
+    now[0] += REDIAL_WINDOW + 1.0
+    keeper.prune()
+    assert b not in keeper.graves
+
+
+def test_an_exchange_carries_our_own_record_as_re_signed_since_the_last() -> None:
+    # Before each exchange a peer puts its current own record in its set (`_with_own`): a record
+    # re-signed since (a higher seq, a new state) is what the other side gets, not the one held.
+    me = Identity.from_seed(b"\x0d" * 32)
+
+    async def main() -> None:
+        network = MemoryNetwork(LinkSpec(latency=0.01))
+        now = trio.current_time()
+        own = {"rec": record(me, seq=1, now=now)}
+        a_keeper = ViewKeeper(model_id="m", num_layers=30, clock=trio.current_time)
+        b_keeper = ViewKeeper(model_id="m", num_layers=30, clock=trio.current_time)
+        async with open_memory_transport(network, peer_id_text(me.peer_id)) as ta, \
+                open_memory_transport(network, "B") as tb:
+            a = Gossip(ta, a_keeper, own_record=lambda: own["rec"])
+            Gossip(tb, b_keeper)
+            await ta.connect(tb.addrs()[0])
+            assert await a.exchange("B")
+            own["rec"] = record(me, seq=2, now=now, state="draining")
+            assert await a.exchange("B")
+        assert [k.record.seq for k in b_keeper.live().values()] == [2]
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

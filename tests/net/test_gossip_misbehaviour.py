@@ -16,9 +16,9 @@ from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
 from tessera.peer.net.memory_stream import LinkSpec
 from tessera.peer.net.reconcile import MAX_TURNS
 from tessera.peer.net.transport import Channel
-from tessera.protocol.crypto import sign_record
+from tessera.protocol.crypto import MAX_CLOCK_SKEW, sign_record
 from tessera.protocol.keys import Identity
-from tessera.protocol.records import Departure, PeerRecord, RangeDigest, ViewTurn
+from tessera.protocol.records import MAX_DEPARTURE_TTL, Departure, PeerRecord, RangeDigest, ViewTurn
 
 IDS = [Identity.from_seed(bytes([i + 1]) * 32) for i in range(3)]
 
@@ -126,5 +126,21 @@ def test_whatever_a_peer_sends_the_responder_ends_cleanly_and_serves_the_next(fr
             assert await h.exchange("r")
             assert honest.root is not None and honest.root.count >= 1
             assert network.handler_errors == 0  # a typed error and a reset, never a crash
+
+    run(main)
+
+
+def test_a_departure_that_would_outlive_any_honest_one_is_refused() -> None:
+    # A liar's departure ending far in the future would hide a peer from the view for that long
+    # (until it refutes): one ending past MAX_DEPARTURE_TTL (plus skew and the minute grid) is
+    # refused and counted.
+    async def main() -> None:
+        keeper = ViewKeeper(model_id="m", num_layers=30, clock=trio.current_time)
+        now = trio.current_time()
+        keeper.merge([record(IDS[1], 1, now)])
+        far = now + MAX_DEPARTURE_TTL + MAX_CLOCK_SKEW + 61.0
+        assert keeper.depart([Departure(IDS[1].peer_id, 1, far)]) == []
+        assert keeper.rejected == 1 and keeper.get(peer_id_text(IDS[1].peer_id)) is not None
+        assert keeper.depart([Departure(IDS[1].peer_id, 1, now + MAX_DEPARTURE_TTL)]) == [peer_id_text(IDS[1].peer_id)]
 
     run(main)

@@ -1,6 +1,7 @@
 """Quiet by default (issue 34, item 6): a peer that left gracefully is not re-dialled twice a second
 (a leaving peer is never drawn as a neighbour; a join address that does not answer backs off,
-doubling, capped), and a plain direct link is no line on stdout."""
+doubling, capped; a peer without an address is never drawn), and a plain direct link is no line on
+stdout."""
 
 from __future__ import annotations
 
@@ -138,3 +139,19 @@ async def test_a_plain_direct_link_is_said_only_with_v(caplog):
         assert not [line for line in lines if line.startswith("link ")], lines
         assert f"link {b.peer_id}: direct" in caplog.text
         assert [(e.event.remote, e.event.link) for e in tracer.of_kind(Connect)] == [(b.peer_id, "direct")]
+
+
+def test_a_peer_without_addresses_is_never_drawn_as_a_neighbour():
+    # A record with no address (a requester's, an observer's) cannot be dialled: drawing it
+    # would spend an outbound slot on a dial that cannot start.
+    now = [1000.0]
+    keeper = ViewKeeper(model_id="m", num_layers=4, clock=lambda: now[0])
+    ids = [Identity.from_seed(bytes([i + 0x21]) * 32) for i in range(2)]
+    pids = [ID(i.peer_id).to_base58() for i in ids]
+    silent = sign_record(ids[0], PeerRecord(
+        peer_id=ids[0].peer_id, name="", model_id="m", start=0, end=4, shard_index=0, shard_count=1,
+        shard_group="", throughput=100.0, free_memory=0, load=0.0, max_sessions=16, state="serving",
+        reachability="public", addrs=(), neighbours=(), issued_at=now[0], expires_at=now[0] + TTL, seq=1))
+    keeper.merge([silent, record(ids[1], "serving", now[0], 1, f"/memory/{pids[1]}/p2p/{pids[1]}")])
+    rng = random.Random(0)
+    assert {keeper.sample(rng, lambda p: True) for _ in range(50)} - {None} == {pids[1]}
