@@ -82,20 +82,28 @@ class PortClaim:
     @classmethod
     def take(cls, port: int, folder: Path | None = None) -> "PortClaim | None":
         """The claim on `port`, or None while another peer holds it. A claim file this user may
-        not open (left by another user) claims nothing: `port_is_free` alone decides then."""
+        not open (another user's peer made it) or that is a link claims nothing: `port_is_free`
+        alone decides then. Never followed, never written, never re-permissioned: the folder is
+        shared, and a planted link must not make a peer touch another file."""
         path = Path(folder or tempfile.gettempdir()) / f"tessera-port-{port}.lock"
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError:
             return cls(-1)
         try:
-            if os.fstat(fd).st_uid == os.getuid():
-                os.fchmod(fd, 0o666)  # peers of other users on this machine claim through it too
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return None
+        except OSError:  # no locks on this file system: nothing to claim by
+            os.close(fd)
+            return cls(-1)
         return cls(fd)
+
+    @property
+    def held(self) -> bool:
+        """Whether this claim holds a lock (a claim through an unusable file holds none)."""
+        return self._fd is not None and self._fd >= 0
 
     def release(self) -> None:
         """Give the port up (idempotent). The file stays: removing it would race with the next claim."""

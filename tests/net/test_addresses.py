@@ -35,8 +35,9 @@ def test_the_first_line_names_the_address_most_machines_can_use():
 
 def test_every_interface_at_4001_or_a_free_port_when_it_is_taken(tmp_path):
     listen, note, claim = default_listen(free=lambda host, port: True, claim=lambda port: PortClaim.take(port, tmp_path))
-    assert (listen, note) == ([DEFAULT_LISTEN], None) and claim is not None
+    assert (listen, note) == ([DEFAULT_LISTEN], None) and claim is not None and claim.held
     claim.release()
+    assert not claim.held
     listen, note, claim = default_listen(free=lambda host, port: False, claim=lambda port: PortClaim.take(port, tmp_path))
     assert listen == [ANY_PORT_LISTEN] and "4001 is taken" in note and claim is None
     assert PortClaim.take(DEFAULT_PORT, tmp_path) is not None  # the claim of a port not taken was given back
@@ -77,3 +78,17 @@ def test_a_claim_ends_with_the_process_that_held_it(tmp_path):
     mine = PortClaim.take(4001, tmp_path)
     assert mine is not None
     mine.release()
+
+
+def test_a_planted_link_in_place_of_the_claim_file_is_not_followed(tmp_path):
+    # the claim file lives in a shared folder: a link there must not make a peer open (or lock)
+    # another file; the peer then claims nothing and only `port_is_free` decides
+    target = tmp_path / "someone-elses-file"
+    target.write_text("keep")
+    mode = target.stat().st_mode
+    (tmp_path / f"tessera-port-{DEFAULT_PORT}.lock").symlink_to(target)
+    claim = PortClaim.take(DEFAULT_PORT, tmp_path)
+    assert claim is not None and not claim.held
+    claim.release()
+    assert target.read_text() == "keep" and target.stat().st_mode == mode
+    assert PortClaim.take(DEFAULT_PORT, tmp_path).held is False  # no lock was taken through the link
