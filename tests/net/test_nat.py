@@ -106,6 +106,25 @@ async def test_a_listening_peer_is_found_public_and_advertises_what_was_reached(
         assert nat.reachability == "public" and asker.relay.hop_enabled  # a public peer relays for others
 
 
+async def test_a_connected_requester_is_not_asked_to_dial_back_while_a_peer_of_the_view_is() -> None:
+    # A requester serves no dial-backs: asking it only has libp2p log a refused protocol here. It is
+    # asked only while no peer the view holds is connected (a record not merged yet).
+    helper_identity = Identity.generate()
+    async with open_libp2p_transport(Identity.generate().seed) as asker, \
+            open_libp2p_transport(helper_identity.seed) as helper, \
+            open_libp2p_transport(Identity.generate().seed) as requester:
+        view = keeper()
+        nat = NatService(asker, view, out=lambda line: None, trust_loopback=False)
+        NatService(helper, keeper(), out=lambda line: None, trust_loopback=False)
+        await asker.connect(helper.addrs()[0])
+        await requester.connect(asker.addrs()[0])
+        await await_until(lambda: len(asker.connected()) == 2, 10, "both connections")
+        assert sorted(nat.helpers()) == sorted([helper.peer_id, requester.peer_id])  # the view is empty
+        view.merge([signed_record(helper_identity, reachability="public", addrs=tuple(helper.addrs()))])
+        assert nat.helpers() == [helper.peer_id]
+        assert await nat.check_reachability() == PUBLIC
+
+
 async def test_nothing_listening_on_the_named_port_means_private() -> None:
     async with open_libp2p_transport(Identity.generate().seed) as asker, \
             open_libp2p_transport(Identity.generate().seed) as helper:

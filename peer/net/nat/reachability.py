@@ -4,8 +4,8 @@ A peer's NAT policy, run by `PeerNode` next to its gossip (py-libp2p's services 
 do the work sit in `peer/net/nat/relay.py`; the dial-back protocol in
 `peer/net/nat/dialback.py`):
 
-1. Reachability. Ask up to `CHECK_HELPERS` directly connected peers to dial us back
-   (`DialBack`). Any confirmed dial-back: PUBLIC, and we advertise exactly the
+1. Reachability. Ask up to `CHECK_HELPERS` directly connected peers of the swarm view
+   (not requesters, which serve no dial-backs) to dial us back (`DialBack`). Any confirmed dial-back: PUBLIC, and we advertise exactly the
    addresses that were reached. Helpers that saw our address but could not reach
    it: PRIVATE. Nobody to ask (the first peer of a swarm): UNKNOWN, advertise our
    listen addresses, and ask again as soon as someone connects. Checked again
@@ -176,8 +176,13 @@ class NatService:
     # -- 1. reachability ----------------------------------------------------------------
 
     def helpers(self) -> list[str]:
-        """Peers that may dial us back: directly connected ones (over a relay they cannot see our address)."""
+        """Peers that may dial us back: directly connected ones (over a relay they cannot see our
+        address) that the swarm view holds — a requester connected to us serves no dial-backs, and
+        asking one only has libp2p log a refused protocol on this peer. Only while no peer of the
+        view is connected (a record not merged yet) is every connected peer asked."""
         peers = [p for p in self.transport.connected() if self.transport.connection_kind(p) not in (None, RELAYED)]
+        in_view = [p for p in peers if self.keeper.get(p) is not None]
+        peers = in_view or peers
         random.shuffle(peers)  # spread the asking over the swarm
         return peers[:CHECK_HELPERS]
 
