@@ -88,7 +88,8 @@ async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | N
 
 
 def format_status(report: dict) -> str:
-    lines = [f"model {report['model_id'][:16]}…  {report['num_layers']} layers  {len(report['peers'])} peers", ""]
+    n = len(report["peers"])
+    lines = [f"model {report['model_id'][:16]}…  {report['num_layers']} layers  {n} peer{'' if n == 1 else 's'}", ""]
     # reach: how the peer says others reach it (public / hole-punched / relayed / private, see
     # peer/net/nat/reachability.py); link: this observer's own connection to it (direct / punched / relayed).
     header = (f"{'peer':<14}{'name':<12}{'span':<10}{'state':<10}{'free':>9}{'tok/s·layer':>13}{'load':>6}  "

@@ -67,6 +67,8 @@ def test_status_lists_the_peers_it_does_not_count() -> None:
     text = format_status(report)
     assert "not taking sessions (not counted): cellar [2,4) draining" in text
     assert "[2,4) UNCOVERED" in text
+    assert text.startswith(f"model {'m' * 16}…  4 layers  2 peers\n")
+    assert format_status({**report, "peers": report["peers"][:1]}).startswith(f"model {'m' * 16}…  4 layers  1 peer\n")
 
 
 def test_why_no_route_names_the_blocking_peers() -> None:
