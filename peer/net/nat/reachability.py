@@ -5,11 +5,12 @@ do the work sit in `peer/net/nat/relay.py`; the dial-back protocol in
 `peer/net/nat/dialback.py`):
 
 1. Reachability. Ask up to `CHECK_HELPERS` directly connected peers of the swarm view
-   (not requesters, which serve no dial-backs) to dial us back (`DialBack`). Any confirmed dial-back: PUBLIC, and we advertise exactly the
-   addresses that were reached. Helpers that saw our address but could not reach
-   it: PRIVATE. Nobody to ask (the first peer of a swarm): UNKNOWN, advertise our
-   listen addresses, and ask again as soon as someone connects. Checked again
-   every `RECHECK_INTERVAL` (a laptop changes networks).
+   (not requesters, which serve no dial-backs) to dial us back (`DialBack`). Any
+   confirmed dial-back: PUBLIC, and we advertise exactly the addresses that were
+   reached. Helpers that saw our address but could not reach it: PRIVATE. Nobody to ask
+   (the first peer of a swarm): UNKNOWN, advertise our listen addresses, and ask again
+   as soon as someone connects. Checked again every `RECHECK_INTERVAL` (a laptop changes
+   networks).
 2. Relay service. A PUBLIC peer relays for others (circuit v2 HOP), within
    `nat_relay.RELAY_LIMITS` — automatically: a volunteer who can be dialled is
    what the swarm's NATed members need, and the limits keep it cheap.
