@@ -76,8 +76,8 @@ class PortClaim:
     among peers; `port_is_free` still covers other programs.
     """
 
-    def __init__(self, fd: int) -> None:
-        self._fd: int | None = fd
+    def __init__(self, fd: int | None) -> None:
+        self._fd = fd  # None: no lock held (released, or nothing to claim by)
 
     @classmethod
     def take(cls, port: int, folder: Path | None = None) -> "PortClaim | None":
@@ -89,7 +89,7 @@ class PortClaim:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError:
-            return cls(-1)
+            return cls(None)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -97,18 +97,18 @@ class PortClaim:
             return None
         except OSError:  # no locks on this file system: nothing to claim by
             os.close(fd)
-            return cls(-1)
+            return cls(None)
         return cls(fd)
 
     @property
     def held(self) -> bool:
         """Whether this claim holds a lock (a claim through an unusable file holds none)."""
-        return self._fd is not None and self._fd >= 0
+        return self._fd is not None
 
     def release(self) -> None:
         """Give the port up (idempotent). The file stays: removing it would race with the next claim."""
         fd, self._fd = self._fd, None
-        if fd is not None and fd >= 0:
+        if fd is not None:
             os.close(fd)  # closing the descriptor drops the flock
 
 
