@@ -23,11 +23,12 @@ from tessera.protocol.records import PeerRecord
 TTL = 15.0
 
 
-def record(identity: Identity, state: str, now: float, seq: int, addr: str) -> object:
+def record(identity: Identity, state: str, now: float, seq: int, addr: str | None) -> object:
+    """A signed record; `addr` None: one that names no address (a requester's, an observer's)."""
     return sign_record(identity, PeerRecord(
         peer_id=identity.peer_id, name="", model_id="m", start=0, end=4, shard_index=0, shard_count=1,
         shard_group="", throughput=100.0, free_memory=0, load=0.0, max_sessions=16, state=state,
-        reachability="public", addrs=(addr,), neighbours=(), issued_at=now,
+        reachability="public", addrs=(addr,) if addr is not None else (), neighbours=(), issued_at=now,
         expires_at=now + TTL, seq=seq))
 
 
@@ -148,10 +149,7 @@ def test_a_peer_without_addresses_is_never_drawn_as_a_neighbour():
     keeper = ViewKeeper(model_id="m", num_layers=4, clock=lambda: now[0])
     ids = [Identity.from_seed(bytes([i + 0x21]) * 32) for i in range(2)]
     pids = [ID(i.peer_id).to_base58() for i in ids]
-    silent = sign_record(ids[0], PeerRecord(
-        peer_id=ids[0].peer_id, name="", model_id="m", start=0, end=4, shard_index=0, shard_count=1,
-        shard_group="", throughput=100.0, free_memory=0, load=0.0, max_sessions=16, state="serving",
-        reachability="public", addrs=(), neighbours=(), issued_at=now[0], expires_at=now[0] + TTL, seq=1))
-    keeper.merge([silent, record(ids[1], "serving", now[0], 1, f"/memory/{pids[1]}/p2p/{pids[1]}")])
+    keeper.merge([record(ids[0], "serving", now[0], 1, None),
+                  record(ids[1], "serving", now[0], 1, f"/memory/{pids[1]}/p2p/{pids[1]}")])
     rng = random.Random(0)
     assert {keeper.sample(rng, lambda p: True) for _ in range(50)} - {None} == {pids[1]}
