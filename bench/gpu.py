@@ -43,7 +43,7 @@ import torch
 from tessera.protocol.fingerprint import relative_difference, tolerance
 from tessera.stages.weights import registry
 from tessera.stages.decoding.generate import prompt_ids
-from tessera.stages.weights.quant import Quant, dense_block
+from tessera.stages.kernels.quant import Quant, dense_block
 from tessera.stages.engine.stage import Stage
 from tessera.stages.text.tokenizer import Tokenizer
 

@@ -136,7 +136,7 @@ SPAN_RSS = """
 import gc, json, sys, torch
 from pathlib import Path
 from tessera.stages.engine.stage import Stage
-from tessera.stages.weights.quant import span_bytes
+from tessera.stages.kernels.quant import span_bytes
 from tests.resident import held_bytes, no_huge_pages
 no_huge_pages()
 torch.set_num_threads(1)

@@ -48,7 +48,7 @@ from tessera.stages.families.spec import ModelSpec
 from tessera.stages.text.tokenizer import Tokenizer
 from tessera.stages.weights import registry
 from tessera.stages.weights.convert import convert_gguf
-from tessera.stages.weights.quant import layer_bytes
+from tessera.stages.kernels.quant import layer_bytes
 from tessera.stages.weights.synth import gguf_form, shipped_state, synth_spec
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -27,7 +27,7 @@ Extension points (each module's docstring says how):
 - an attention, MLP, router or cache kind: its kind in families/spec.py, its module in
   layers/ (registered in layers/block.py, layers/routers.py or layers/cache.py), its tensor
   names in families/tensors.py;
-- a weight format (FP8 blocks, MXFP4, GGUF k-quants): a linear module like weights/quant.py's,
+- a weight format (FP8 blocks, MXFP4, GGUF k-quants): a linear module like kernels/quant.py's,
   built by the loader per matrix (`linear_paths`), with `dense_weight` as its reference;
 - a compiled or device-specific decode step: inside engine/ over the same Blocks, checked
   against the eager float32 reference.

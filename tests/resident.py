@@ -88,10 +88,10 @@ warm = Stage.load(folder, start=start, end=start + 1)
 warm.open("w", capacity=4)
 warm.forward("w", torch.zeros(1, warm.spec.hidden_size), 0)  # torch's lazy kernel set-up, not the span
 del warm
-import tessera.stages.weights.quant as quant_module
+import tessera.stages.kernels.quant as quant_module
 quant_module.SCRATCH = quant_module.Scratch()  # the dequantization buffers count: fresh ones for the span
-import tessera.stages.weights.formats.fp8, tessera.stages.weights.formats.mxfp4, tessera.stages.weights.formats.ggml
-for module in (tessera.stages.weights.formats.fp8, tessera.stages.weights.formats.mxfp4, tessera.stages.weights.formats.ggml):
+import tessera.stages.kernels.fp8, tessera.stages.kernels.mxfp4, tessera.stages.kernels.ggml
+for module in (tessera.stages.kernels.fp8, tessera.stages.kernels.mxfp4, tessera.stages.kernels.ggml):
     module.SCRATCH = quant_module.SCRATCH
 gc.collect()
 held_before = held_bytes()

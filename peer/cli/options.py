@@ -5,7 +5,7 @@ which must not wait for torch or py-libp2p (seconds, on a cold start): the parse
 only the standard library and small modules, and what turns options into objects (a
 `Quant`, `SamplingParams`, a `LinkEmulation`) imports its module when it runs.
 `tests/cli/test_cli_help.py` holds the line. The choices below are the compute layer's
-own (stages/weights/quant.py), repeated so that listing them costs no torch import; the same test
+own (stages/kernels/quant.py), repeated so that listing them costs no torch import; the same test
 checks that they agree.
 """
 
@@ -24,10 +24,10 @@ from tessera.peer.base.errors import ConfigError
 if TYPE_CHECKING:
     from tessera.peer.net.emulated import LinkEmulation
     from tessera.peer.request.policy import RequesterPolicy
-    from tessera.stages.weights.quant import Quant
+    from tessera.stages.kernels.quant import Quant
     from tessera.stages.decoding.sampling import SamplingParams
 
-# stages/weights/quant.py's QUANT_KINDS, INT4_GROUP_SIZES and DEFAULT_INT4_GROUP (see the module docstring)
+# stages/kernels/quant.py's QUANT_KINDS, INT4_GROUP_SIZES and DEFAULT_INT4_GROUP (see the module docstring)
 QUANT_KINDS = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_INT4_GROUP = 32
@@ -90,7 +90,7 @@ def add_accept_mixed_option(p: argparse.ArgumentParser) -> None:
 
 
 def quant_from(args: argparse.Namespace) -> "Quant":
-    from tessera.stages.weights.quant import Quant  # imports torch: only when a command runs (see the module docstring)
+    from tessera.stages.kernels.quant import Quant  # imports torch: only when a command runs (see the module docstring)
 
     return Quant(args.quant, args.quant_group)
 

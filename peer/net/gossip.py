@@ -69,7 +69,7 @@ from tessera.protocol.records import (
     LINK_ASK, LINK_NONE, MAX_DEPARTURE_TTL, MAX_GOSSIP_RECORDS, Departure, GossipPush, PeerRecord,
     SignedRecord, ViewTurn,
 )
-from tessera.stages.weights.quant import base_model_id
+from tessera.stages.kernels.quant import base_model_id
 
 from tessera.peer.base.errors import PeerError
 from tessera.peer.base.ids import peer_id_bytes, peer_id_text
@@ -171,7 +171,7 @@ class ViewKeeper:
     `merge` and `depart` are the only ways in: every record is verified; records of other
     models are dropped (peers chain only on the identical model); for each peer the
     higher version wins (peer/net/record_set.py). A model id carries the span's
-    quantization (`+int8`, ...; stages/weights/quant.py `model_tag`); `accept_mixed` keeps every
+    quantization (`+int8`, ...; stages/kernels/quant.py `model_tag`); `accept_mixed` keeps every
     quantization of the same model (a requester that accepts mixed precision). `seeds`
     are the join addresses (never forgotten); the graveyard keeps the addresses of peers
     reported gone, for a while (see REDIAL_WINDOW).

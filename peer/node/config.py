@@ -11,7 +11,7 @@ from functools import lru_cache
 from itertools import accumulate
 from pathlib import Path
 
-from tessera.stages.weights.quant import NO_QUANT, Quant, span_bytes
+from tessera.stages.kernels.quant import NO_QUANT, Quant, span_bytes
 from tessera.stages.families.spec import ModelSpec
 from tessera.stages.engine.compiled.modes import DEFAULT_COMPILE
 
@@ -64,7 +64,7 @@ class PeerConfig:
     threads: int | None = None
     device: str = "auto"
     dtype: str = "auto"
-    quant: Quant = NO_QUANT  # how the span's matrices are stored (stages/weights/quant.py)
+    quant: Quant = NO_QUANT  # how the span's matrices are stored (stages/kernels/quant.py)
     compile: str = DEFAULT_COMPILE  # how decode steps run: auto, off, inductor, cuda-graphs
     swarm_key: bytes | None = None
     max_sessions: int = 16
@@ -93,7 +93,7 @@ class PeerConfig:
 def capacity_in_layers(spec: ModelSpec, memory_bytes: int, itemsize: int, quant: Quant = NO_QUANT) -> int:
     """How many layers fit in the memory offered, keeping a share for KV caches: the longest k such
     that EVERY run of k consecutive layers fits, each layer counted at its own bytes (a quantized
-    layer its integers and scales: stages/weights/quant.py `layer_bytes`; a sparse layer all its
+    layer its integers and scales: stages/kernels/quant.py `layer_bytes`; a sparse layer all its
     experts, a dense one of the same model far less). Placement may claim any window of that
     length, so none may overflow the memory; a window of lighter layers could hold a few more,
     which placement does not yet use. At least 1."""

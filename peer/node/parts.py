@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncContextManager, Awaitable, Callable, Mapping, Protocol
 
 from tessera.protocol.keys import Identity
-from tessera.stages.weights.quant import Quant
+from tessera.stages.kernels.quant import Quant
 from tessera.stages.families.spec import ModelSpec
 from tessera.store.trace import Tracer
 

@@ -21,7 +21,7 @@ from tessera.peer.base.threads import in_worker
 from tessera.stages.weights import registry
 from tessera.stages.engine.devices import cuda_offer, cuda_reserve, read_device_memory
 from tessera.stages.decoding.generate import pick_device, pick_dtype
-from tessera.stages.weights.quant import model_tag
+from tessera.stages.kernels.quant import model_tag
 from tessera.stages.shards.sharded import ShardedStage, check_shardable
 from tessera.stages.families.catalog import spec_from_file
 from tessera.stages.engine.compiled.build import compile_decode, row_buckets

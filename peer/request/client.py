@@ -32,7 +32,7 @@ from tessera.protocol.tensors import WIRE_FORMS
 from tessera.stages.weights import registry
 from tessera.stages.decoding.generate import GenerationResult, plan_length, prompt_ids
 from tessera.stages.decoding.constrained import ConstrainedSampler, JsonConstraint
-from tessera.stages.weights.quant import NO_QUANT, Quant, model_tag
+from tessera.stages.kernels.quant import NO_QUANT, Quant, model_tag
 from tessera.stages.decoding.sampling import Sampler, SamplingParams
 from tessera.stages.families.spec import ModelSpec
 from tessera.stages.engine.compiled.build import compile_decode

@@ -57,7 +57,7 @@ def corrupt_weights(stage: Stage, seed: int = 0) -> str:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         down = stage.blocks[0].mlp.w_down
-        # a quantized span's matrix is integers: perturb its float scales instead (stages/weights/quant.py)
+        # a quantized span's matrix is integers: perturb its float scales instead (stages/kernels/quant.py)
         weight = next(t for t in (getattr(down, name, None) for name in ("weight", "scales", "scales_and_zeros"))
                       if t is not None and t.is_floating_point())
         weight.add_(torch.randn(weight.shape, generator=gen).to(weight.dtype) * WRONG_WEIGHT_SCALE * weight.abs().mean())

@@ -25,7 +25,7 @@ import torch
 import trio
 
 from tessera.stages.errors import ContextOverflow, SpanError, UnknownSession
-from tessera.stages.weights.quant import NO_QUANT
+from tessera.stages.kernels.quant import NO_QUANT
 from tessera.stages.engine.sessions import check_session
 from tessera.stages.families.llama import llama_spec
 from tessera.stages.families.spec import ModelSpec

@@ -15,7 +15,7 @@ import torch
 
 from tessera.stages.decoding.constrained import ConstrainedSampler, JsonConstraint
 from tessera.stages.errors import ContextOverflow
-from tessera.stages.weights.quant import NO_QUANT, Quant
+from tessera.stages.kernels.quant import NO_QUANT, Quant
 from tessera.stages.decoding.sampling import Sampler, SamplingParams
 from tessera.stages.engine.compiled.build import compile_decode
 from tessera.stages.engine.stage import Stage
@@ -41,7 +41,7 @@ def pick_dtype(name: str, device: torch.device, quant: Quant = NO_QUANT) -> torc
     A quantized span on a CPU computes in float32 too, whatever `quant`: its reference is its own
     dequantized float32 model, and bf16 activations drift from it far enough to change answers
     (int4 SmolLM2 on "What is the capital of France?"). `--dtype bfloat16` asks for torch's fast
-    bf16 kernels instead: a declared bf16 peer (stages/weights/quant.py)."""
+    bf16 kernels instead: a declared bf16 peer (stages/kernels/quant.py)."""
     del quant  # the same rule for every storage; the parameter says which span the dtype is for
     if name == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16

@@ -22,8 +22,8 @@ from tessera.stages.engine.stage import Stage
 from tessera.stages.families.catalog import tensors_of_layer
 from tessera.stages.families.spec import LayerSpec, ModelSpec
 from tessera.stages.layers.block import Block, linear_paths
-from tessera.stages.weights.formats.encode import encoded_linear
-from tessera.stages.weights.quant import NO_QUANT, Quant, quantize_linear
+from tessera.stages.kernels.encode import encoded_linear
+from tessera.stages.kernels.quant import NO_QUANT, Quant, quantize_linear
 
 WARMUP_STEPS = 3
 CONTEXT = 64  # positions already cached when the timed steps run

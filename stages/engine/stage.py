@@ -36,7 +36,7 @@ from tessera.stages.layers.rope import RopeTables
 from tessera.stages.weights.folder import TensorCheck, WeightFolder
 from tessera.stages.weights.formats.load import read_embedding, read_head, shipped_block
 from tessera.stages.weights.gguf_blocks import GgufQ4Source
-from tessera.stages.weights.quant import NO_QUANT, Quant, check_quant_for, quantize_block, takes_gguf_blocks
+from tessera.stages.kernels.quant import NO_QUANT, Quant, check_quant_for, quantize_block, takes_gguf_blocks
 
 
 # One session's step in a stacked forward: (session, hidden states [T, H], start position).
@@ -87,7 +87,7 @@ class Stage(SessionTable):
         self.head = head
         self.device = torch.device(device)
         self.dtype = dtype
-        self.quant = quant  # how the blocks' matrices are stored (stages/weights/quant.py)
+        self.quant = quant  # how the blocks' matrices are stored (stages/kernels/quant.py)
         self.rope = RopeTables(spec.layers[start : self.end], self.device)  # shared by the layers per step
         self.sessions: dict[Hashable, SessionState] = {}
         self.decode: DecodeRunner | None = None  # set by engine/compiled/build.py's compile_decode

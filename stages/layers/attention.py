@@ -213,7 +213,7 @@ class Attention(nn.Module):
     """Grouped-query attention (kind "gqa") with one stacked q/k/v projection.
 
     The projections are called as modules, so that a quantized span can hold
-    `tessera.stages.weights.quant` linears in their place (same call, integer weights)."""
+    `tessera.stages.kernels.quant` linears in their place (same call, integer weights)."""
 
     def __init__(self, hidden: int, spec: AttentionSpec, eps: float) -> None:
         super().__init__()

@@ -137,7 +137,7 @@ def step_stores(ctx: StepContext, cache: LatentCache, n_tokens: int) -> tuple[Se
 
 class LatentAttention(nn.Module):
     """Kind "mla" (module docstring). The projections are called as modules, so that a quantized
-    span can hold `tessera.stages.weights.quant` linears in their place; `wkv_b` is a parameter."""
+    span can hold `tessera.stages.kernels.quant` linears in their place; `wkv_b` is a parameter."""
 
     def __init__(self, hidden: int, spec: MlaSpec, eps: float) -> None:
         super().__init__()

@@ -1,7 +1,7 @@
 """The dense MLP: SwiGLU, down(silu(gate(x)) * up(x)), gate and up as ONE stacked matmul.
 
 Also each expert of a sparse MLP (layers/moe.py). The projections are called as modules, so
-that a quantized span can hold `tessera.stages.weights.quant` linears in their place (same
+that a quantized span can hold `tessera.stages.kernels.quant` linears in their place (same
 call, integer weights). `ClampedSwiGLU` is gpt-oss's gated activation (GluSpec), with biased
 projections; `glu_mlp` picks the module an MlpSpec's (or each of its experts') shape needs.
 """

@@ -11,7 +11,7 @@ are written. Two forms:
 - kept (`tessera model import FILE.gguf`): every tensor's bytes as the file holds them, a
   block-quantised one as uint8 [rows, row bytes], its ggml type in the config's
   `quantization_config` (families/shipped.py "gguf"); a span computes them as stored
-  (stages/weights/formats/ggml.py) and holds the file's bytes, not floats.
+  (stages/kernels/ggml.py) and holds the file's bytes, not floats.
 - dequantised (`--dequantize`; how the built-in SmolLM2 is fetched): every tensor to float32
   by the `gguf` package's own dequantizers.
 

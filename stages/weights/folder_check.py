@@ -23,7 +23,7 @@ from tessera.stages.families.spec import ModelSpec
 from tessera.stages.families.tensors import Stacked, edge_tensors
 from tessera.stages.text.tokenizer import Tokenizer
 from tessera.stages.weights.folder import WeightFolder
-from tessera.stages.weights.quant import matrix_paths
+from tessera.stages.kernels.quant import matrix_paths
 
 # tensors older checkpoints carry that the engine recomputes from the config instead
 RECOMPUTED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)

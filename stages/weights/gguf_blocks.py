@@ -3,7 +3,7 @@
 A model fetched from a GGUF keeps the file beside its converted folder (`source.gguf`). When
 the GGUF's matrices are Q4_1 — 32 weights a block, `w = d q + m` with q in [0, 15] and d, m
 fp16 — a float32 CPU span quantized `int4` (group 32) takes the blocks as they are: the codes
-are already in the layout `stages/weights/quant.py` keeps (a block's low nibbles its first 16 codes,
+are already in the layout `stages/kernels/quant.py` keeps (a block's low nibbles its first 16 codes,
 the high nibbles its last 16), d and m widen exactly to float32, and q/k rows are un-permuted
 as the converter does. Only integers are copied; no weight is ever dequantized to load it.
 

@@ -24,8 +24,8 @@ from tessera.stages.families.llama import llama_spec
 from tessera.stages.families.shipped import ShippedFormat
 from tessera.stages.families.spec import ModelSpec
 from tessera.stages.weights.folder import INDEX_FILE, SINGLE_FILE
-from tessera.stages.weights.formats.encode import encode_matrix
-from tessera.stages.weights.quant import matrix_paths
+from tessera.stages.kernels.encode import encode_matrix
+from tessera.stages.kernels.quant import matrix_paths
 from tessera.stages.weights.tensor_table import group_of
 
 CHATML = (
@@ -98,7 +98,7 @@ def synth_state(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
 
 def shipped_state(spec: ModelSpec, state: dict[str, torch.Tensor], *, seed: int) -> dict[str, torch.Tensor]:
     """`state` (float, every tensor in its published layout) with each layer matrix in the form
-    `spec.shipped` stores it (stages/weights/formats/encode.py: fp8 and MXFP4 encode the values,
+    `spec.shipped` stores it (stages/kernels/encode.py: fp8 and MXFP4 encode the values,
     GGUF block types are random blocks of the same size)."""
     assert spec.shipped is not None, "a spec that ships quantized"
     gen = torch.Generator().manual_seed(seed)

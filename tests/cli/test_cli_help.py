@@ -98,7 +98,7 @@ def test_the_choices_repeated_for_a_light_help_agree_with_their_sources():
 def test_commands_still_turn_options_into_objects():
     """What the light parsers no longer import at the top is imported when a command runs."""
     from tessera.peer.cli.peer import config_from
-    from tessera.stages.weights.quant import Quant
+    from tessera.stages.kernels.quant import Quant
 
     args = build_parser().parse_args(["peer", "--quant", "int4", "--layers", "0:4", "--emulate-link", "delay=5ms"])
     config = config_from(args)

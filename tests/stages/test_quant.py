@@ -1,4 +1,4 @@
-"""Quantized spans against their own dequantized float32 model (stages/weights/quant.py).
+"""Quantized spans against their own dequantized float32 model (stages/kernels/quant.py).
 
 The reference for a span stored as int8/int4 is a float32 model whose matrices are the
 dequantized values (q s, c s + m, or (q - 8) s + z) — the same model, computed without the
@@ -32,7 +32,7 @@ import torch
 from tessera.peer.node.config import capacity_in_layers
 from tessera.protocol.fingerprint import relative_difference, tolerance
 from tessera.stages.decoding.generate import pick_dtype, prompt_ids
-from tessera.stages.weights.quant import (
+from tessera.stages.kernels.quant import (
     NO_QUANT, Int4BlockLinear, Int4Linear, Int8Linear, Quant, QuantError, base_model_id, dense_block, dense_weight, layer_bytes,
     model_tag, quantize_linear,
 )
@@ -253,7 +253,7 @@ QUANT_SPAN_RSS = """
 import gc, sys, torch
 from pathlib import Path
 from tessera.stages.engine.stage import Stage
-from tessera.stages.weights.quant import Quant
+from tessera.stages.kernels.quant import Quant
 from tests.resident import held_bytes, mib, no_huge_pages, resident_parts
 no_huge_pages()
 torch.set_num_threads(1)
@@ -261,7 +261,7 @@ warm = Stage.load(Path(sys.argv[1]), start=0, end=1, quant=Quant.parse(sys.argv[
 warm.open("w", capacity=4)
 warm.forward("w", torch.zeros(1, warm.spec.hidden_size), 0)  # torch's lazy kernel set-up, not the span
 del warm
-import tessera.stages.weights.quant as quant_module
+import tessera.stages.kernels.quant as quant_module
 quant_module.SCRATCH = quant_module.Scratch()  # the dequantization buffers count: a fresh one for the span
 gc.collect()
 def rss():

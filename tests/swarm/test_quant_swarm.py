@@ -10,7 +10,7 @@ import httpx
 
 from tessera.peer.request.client import Swarm
 from tessera.stages.decoding.generate import LocalEngine, prompt_ids
-from tessera.stages.weights.quant import Quant
+from tessera.stages.kernels.quant import Quant
 
 from ..conftest import FRANCE
 from ..swarm_helpers import local_swarm

@@ -46,7 +46,7 @@ def finite(x: float) -> float | None:
 
 
 def quant_of(model_id: str) -> str:
-    """The quantization a model id is tagged with (stages/weights/quant.py `model_tag`): "none", "int8", ..."""
+    """The quantization a model id is tagged with (stages/kernels/quant.py `model_tag`): "none", "int8", ..."""
     return model_id.split("+", 1)[1] if "+" in model_id else "none"
 
 

@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING, Mapping
 
 from tessera.stages.families.spec import ModelSpec
-from tessera.stages.weights.quant import Quant, QuantError, span_bytes
+from tessera.stages.kernels.quant import Quant, QuantError, span_bytes
 from tessera.store.db import PeerStore
 from tessera.store.events import Advertise, Audit, Forward, Push, Receive, Result, Stamped, TraceEvent, EVENT_TYPES
 

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.stages.weights.formats.linear import RowStack, ShippedLinear
-from tessera.stages.weights.quant import DEQUANT_CHUNK_BYTES, QuantLinear
+from tessera.stages.kernels.linear import RowStack, ShippedLinear
+from tessera.stages.kernels.quant import DEQUANT_CHUNK_BYTES, QuantLinear
 
 ROW_REDUCTION_ROWS = 4  # rows up to which the reduction beats torch's matmul (module docstring)
 

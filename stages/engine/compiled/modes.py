@@ -6,7 +6,7 @@
     cuda-graphs  CUDA only: the span's decode steps captured and replayed
 
 A quantized span (`--quant int8|int4`) on a CPU runs eagerly under auto: its linears are torch's
-integer kernels and chunked dequantization (stages/weights/quant.py), which inductor would only
+integer kernels and chunked dequantization (stages/kernels/quant.py), which inductor would only
 wrap. A span that ships quantized (fp8, MXFP4, GGUF blocks) is compiled as a float one is: its
 matrices have fused forms (stages/engine/compiled/forms.py), except the GGUF k-quants, whose
 layer kinds decode eagerly and say so.

@@ -4,7 +4,7 @@ The model's spec says how its matrices are stored (`ModelSpec.shipped`, families
 `shipped_block` builds a layer on the meta device and gives each of its linear modules
 (stages/layers/block.py `linear_paths`) the stored tensors of its checkpoint matrices, read
 from the memory-mapped files one matrix at a time and copied out (a view would keep the
-file's neighbouring pages mapped: see stages/weights/quant.py `quantize_block`), never widened:
+file's neighbouring pages mapped: see stages/kernels/quant.py `quantize_block`), never widened:
 the span holds what it would on disk, plus its norms and routers in the compute dtype.
 `dense_tensor` gives what a span holds dense — the embedding and the head (a requester holds
 them in float anyway), norms, routers, MLA's `wkv_b` parameter — dequantized, whichever form
@@ -25,12 +25,12 @@ from tessera.stages.families.shipped import FLOAT_DTYPES, GGML_TYPES, ShippedFor
 from tessera.stages.families.tensors import Choices, Stacked
 from tessera.stages.layers.block import Block, linear_paths
 from tessera.stages.weights.folder import WeightFolder
-from tessera.stages.weights.formats.fp8 import Fp8BlockLinear, check_codes, fp8_dense
-from tessera.stages.weights.formats.ggml import ggml_rows
-from tessera.stages.weights.formats.ggml_linear import GgmlLinear
-from tessera.stages.weights.formats.linear import FloatLinear, RowStack, ShippedLinear
-from tessera.stages.weights.formats.mxfp4 import Mxfp4Linear, mxfp4_dense
-from tessera.stages.weights.quant import QuantLinear, release_freed_memory
+from tessera.stages.kernels.fp8 import Fp8BlockLinear, check_codes, fp8_dense
+from tessera.stages.kernels.ggml import ggml_rows
+from tessera.stages.kernels.ggml_linear import GgmlLinear
+from tessera.stages.kernels.linear import FloatLinear, RowStack, ShippedLinear
+from tessera.stages.kernels.mxfp4 import Mxfp4Linear, mxfp4_dense
+from tessera.stages.kernels.quant import QuantLinear, release_freed_memory
 
 
 def shipped_block(weights: WeightFolder, layer: int, *, dtype: torch.dtype, device: torch.device | str) -> Block:

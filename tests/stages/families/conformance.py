@@ -26,7 +26,7 @@ from tessera.stages.decoding.speculative import greedy_accept
 from tessera.stages.engine.stage import Stage
 from tessera.stages.shards.sharded import ShardError
 from tessera.stages.weights.folder_check import check_folder
-from tessera.stages.weights.quant import dense_block
+from tessera.stages.kernels.quant import dense_block
 from tessera.stages.weights.synth import CHATML, byte_tokenizer_json
 
 TOLERANCE = 1e-4  # float32 logits, max abs (the charter's bound)

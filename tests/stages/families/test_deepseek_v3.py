@@ -168,7 +168,7 @@ def test_the_latent_cache_is_what_admission_counts(folders):
 
 def test_placement_counts_each_layer_and_the_span_holds_it(folders):
     from tessera.stages.engine.stage import Stage
-    from tessera.stages.weights.quant import span_bytes
+    from tessera.stages.kernels.quant import span_bytes
 
     folder = folders[SWARM]
     spec = spec_from_file(folder / "config.json")
@@ -191,7 +191,7 @@ def test_rollback_by_pointer(folders, references, name):
 def test_a_quantized_span_matches_its_dequantized_reference(folders):
     """int8 MLA projections, experts and shared experts; Wkv_b, the norms and the router stay float."""
     from tessera.stages.engine.stage import Stage
-    from tessera.stages.weights.quant import Int8Linear, Quant, span_bytes
+    from tessera.stages.kernels.quant import Int8Linear, Quant, span_bytes
 
     folder, quant = folders[SWARM], Quant.parse("int8")
     spec = spec_from_file(folder / "config.json")

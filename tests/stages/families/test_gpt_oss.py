@@ -105,7 +105,7 @@ def test_a_span_holds_the_bytes_placement_counts(folders):
     """Sinks, router bias and every expert's biases are counted in a layer's bytes."""
     from tessera.stages.engine.stage import Stage
     from tessera.stages.families.catalog import spec_from_file
-    from tessera.stages.weights.quant import span_bytes
+    from tessera.stages.kernels.quant import span_bytes
 
     folder = folders["yarn-alternating"]
     spec = spec_from_file(folder / "config.json")
@@ -132,7 +132,7 @@ def test_a_quantized_span_matches_its_dequantized_reference(folders, scheme):
     computes its own dequantized float32 model."""
     from tessera.stages.engine.stage import Stage
     from tessera.stages.families.catalog import spec_from_file
-    from tessera.stages.weights.quant import Int4BlockLinear, Int8Linear, Quant, dense_block, span_bytes
+    from tessera.stages.kernels.quant import Int4BlockLinear, Int8Linear, Quant, dense_block, span_bytes
 
     folder, quant = folders[SWARM], Quant.parse(scheme)
     spec = spec_from_file(folder / "config.json")

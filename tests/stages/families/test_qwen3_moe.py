@@ -71,7 +71,7 @@ def test_a_sparse_layer_holds_its_experts_and_placement_counts_them(folders):
     from tessera.peer.node.config import KV_RESERVE_FRACTION, capacity_in_layers
     from tessera.stages.engine.stage import Stage
     from tessera.stages.families.catalog import spec_from_file
-    from tessera.stages.weights.quant import span_bytes
+    from tessera.stages.kernels.quant import span_bytes
 
     folder = folders["dense-first-renorm"]
     spec = spec_from_file(folder / "config.json")
@@ -120,7 +120,7 @@ def test_a_quantized_span_matches_its_dequantized_reference(folders, scheme):
     the bytes placement counts, and it computes its own dequantized float32 model."""
     from tessera.stages.engine.stage import Stage
     from tessera.stages.families.catalog import spec_from_file
-    from tessera.stages.weights.quant import Int4BlockLinear, Int8Linear, Quant, dense_block, span_bytes
+    from tessera.stages.kernels.quant import Int4BlockLinear, Int8Linear, Quant, dense_block, span_bytes
 
     folder, quant = folders[SWARM], Quant.parse(scheme)
     spec = spec_from_file(folder / "config.json")

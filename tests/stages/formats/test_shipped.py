@@ -29,7 +29,7 @@ from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.catalog import spec_from_config, spec_from_file, to_config
 from tessera.stages.families.shipped import GGML_TYPES
 from tessera.stages.weights.folder_check import check_folder
-from tessera.stages.weights.quant import Quant, QuantError, dense_block, span_bytes
+from tessera.stages.kernels.quant import Quant, QuantError, dense_block, span_bytes
 
 from ..families.conformance import PROMPT
 from . import checkpoints as ck
@@ -146,7 +146,7 @@ def test_a_quantization_config_round_trips_through_the_spec(shipped):
 
 def test_fp8_codes_widen_exactly():
     """Every finite e4m3 code through the float16 trick is torch's own conversion (times 2^-8)."""
-    from tessera.stages.weights.formats.fp8 import widen_codes
+    from tessera.stages.kernels.fp8 import widen_codes
 
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     codes = codes[(torch.arange(256) & 0x7F) != 0x7F].reshape(2, -1)
@@ -156,7 +156,7 @@ def test_fp8_codes_widen_exactly():
 @settings(max_examples=25, deadline=None)
 @given(st.binary(min_size=16 * 17, max_size=16 * 17))
 def test_mxfp4_matches_transformers(data):
-    from tessera.stages.weights.formats.mxfp4 import mxfp4_dense, widen_groups
+    from tessera.stages.kernels.mxfp4 import mxfp4_dense, widen_groups
 
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     blocks, scales = raw[: 16 * 16].view(4, 4, 16), (raw[16 * 16:].view(4, 4) % 64 + 100).to(torch.uint8)
@@ -174,8 +174,8 @@ def test_ggml_blocks_match_the_gguf_package(kind, rows, rnd):
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from tessera.stages.weights.formats.ggml import ggml_rows
-    from tessera.stages.weights.formats.ggml_linear import split_weight
+    from tessera.stages.kernels.ggml import ggml_rows
+    from tessera.stages.kernels.ggml_linear import split_weight
 
     t = GGML_TYPES[kind]
     raw = np.frombuffer(rnd.randbytes(rows * 2 * t.nbytes), dtype=np.uint8).reshape(rows * 2, t.nbytes).copy()
@@ -265,8 +265,8 @@ def test_a_broken_shipped_tensor_is_refused_naming_it(shipped, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="torch's blockwise fp8 scaled_mm needs a CUDA device of capability 9.0 (H100/H200)")
 def test_fp8_takes_torchs_scaled_mm_on_sm90():  # not run on this project's CI (no GPU)
-    from tessera.stages.weights.formats.encode import fp8_encode
-    from tessera.stages.weights.formats.fp8 import Fp8BlockLinear
+    from tessera.stages.kernels.encode import fp8_encode
+    from tessera.stages.kernels.fp8 import Fp8BlockLinear
 
     w = torch.randn(512, 1024) * 0.02
     codes, scale_inv = fp8_encode(w, (128, 128))

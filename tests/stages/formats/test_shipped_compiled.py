@@ -23,10 +23,10 @@ from tessera.stages.engine.compiled.forms import FusedRows, decode_form, unfused
 from tessera.stages.engine.compiled.inductor import HEAD
 from tessera.stages.engine.stage import Stage
 from tessera.stages.families.shipped import GGML_TYPES
-from tessera.stages.weights.formats.fp8 import Fp8BlockLinear
-from tessera.stages.weights.formats.ggml_linear import GgmlLinear
-from tessera.stages.weights.formats.linear import ShippedLinear
-from tessera.stages.weights.formats.mxfp4 import FUSED_SCALES, Mxfp4Linear
+from tessera.stages.kernels.fp8 import Fp8BlockLinear
+from tessera.stages.kernels.ggml_linear import GgmlLinear
+from tessera.stages.kernels.linear import ShippedLinear
+from tessera.stages.kernels.mxfp4 import FUSED_SCALES, Mxfp4Linear
 
 from ..families.conformance import PROMPT
 from ..test_compiled import CLOSE, gap, solo_tokens, stacked_tokens

@@ -23,8 +23,8 @@ from safetensors.torch import save_file
 
 from tessera.stages.families.catalog import spec_from_file, tensors_of_layer, to_config
 from tessera.stages.families.shipped import ShippedFormat
-from tessera.stages.weights.formats.encode import encode_matrix
-from tessera.stages.weights.quant import matrix_paths
+from tessera.stages.kernels.encode import encode_matrix
+from tessera.stages.kernels.quant import matrix_paths
 
 from ...resident import ROOT, SPAN_RSS, span_on_disk
 

@@ -10,7 +10,7 @@ operations over a contiguous buffer), giving each row's weights in a fixed permu
 the same for every row of the matrix. So the matmul permutes the activations instead:
 x W^T = x[:, perm] (W[:, perm])^T, one gather of T x K values per call. The block scales
 (`header`, the whole matrix's once per call) are permuted alike, and each weight is the
-reference's value to the bit (same arithmetic, same order: stages/weights/formats/ggml.py);
+reference's value to the bit (same arithmetic, same order: stages/kernels/ggml.py);
 only the matmul's order of summation differs.
 
     type  code bytes per block    split order within a row                      scale groups
@@ -22,7 +22,7 @@ only the matmul's order of summation differs.
     Q8_0  32 int8 (after d)       the weights' own order (no permutation)          32
 
 Under torch.compile, Q8_0, Q4_0 and Q4_1 also have a fused form (`FUSED`: the weight as
-elementwise operations over the int8 view of the blocks, formats/linear.py says why): a
+elementwise operations over the int8 view of the blocks, kernels/linear.py says why): a
 block's d (and m) read as float16 from its first bytes, its codes as integers; a Q4 block's
 one-row product runs over its 16 code bytes, the low nibbles against the block's first 16
 inputs and the high ones against the next 16 (contiguous loads on both sides). The k-quants'
@@ -38,9 +38,9 @@ from typing import Callable
 import torch
 
 from tessera.stages.families.shipped import GgmlType
-from tessera.stages.weights.formats.ggml import ggml_rows
-from tessera.stages.weights.formats.linear import ShippedLinear
-from tessera.stages.weights.quant import SCRATCH, chunked_matmul
+from tessera.stages.kernels.ggml import ggml_rows
+from tessera.stages.kernels.linear import ShippedLinear
+from tessera.stages.kernels.quant import SCRATCH, chunked_matmul
 
 NIBBLES = 0x0F0F0F0F  # every byte's low nibble, a word at a time
 

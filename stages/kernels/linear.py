@@ -3,11 +3,11 @@
 A `ShippedLinear` holds one checkpoint matrix in its stored form (fp8 codes and block scales,
 MXFP4 nibbles and exponents, GGUF blocks, or a float in its shipped dtype) and nothing else:
 no float copy of the weight lives between calls. Its `matmul` dequantizes rows of the weight
-into this thread's scratch buffer (stages/weights/quant.py `chunked_matmul`, at most
+into this thread's scratch buffer (stages/kernels/quant.py `chunked_matmul`, at most
 DEQUANT_CHUNK_BYTES of float32 at a time) and multiplies each chunk with the dense float32
 matmul, which is what a CPU does fastest; on another device it dequantizes the whole matrix
 for the call (gpt-fast's form) unless the format has a kernel of torch's there
-(formats/fp8.py: `torch.nn.functional.scaled_mm` on SM90). Its `dequantized` is the
+(kernels/fp8.py: `torch.nn.functional.scaled_mm` on SM90). Its `dequantized` is the
 reference: the float32 weight the stored values mean, computed by the published formula
 (checked against transformers' and the gguf package's own dequantizers in the tests).
 
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.stages.weights.quant import QuantLinear, chunked_matmul, dequantizes_in_chunks
+from tessera.stages.kernels.quant import QuantLinear, chunked_matmul, dequantizes_in_chunks
 
 
 class ShippedLinear(QuantLinear):
