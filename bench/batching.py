@@ -43,6 +43,7 @@ import trio
 from tessera.peer.serve.batcher import MAX_BATCH_WAIT
 from tessera.stages.weights import registry
 from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 
 COUNTS = (1, 4, 8)
 KINDS = ("stage", "server", "server-peer")
@@ -166,8 +167,8 @@ def concurrent_sessions_figures(
     ratio, both measured in that round). Every session is checked exact against its solo
     run; raises AssertionError on a mismatch. `counts` must include 1."""
     assert 1 in counts, "ratios are to one session"
-    stage = Stage.load(folder)
-    head = Stage.load(folder, start=0, end=0, embed=True, head=True)
+    stage = load_stage(folder)
+    head = load_stage(folder, start=0, end=0, embed=True, head=True)
     whole = Stage(stage.spec, 0, list(stage.blocks), embedding=head.embedding, norm=head.norm, head=head.head)
     batch = prompts(max(counts))
     solo = [lockstep(whole, [p], tokens)[0][0] for p in batch]

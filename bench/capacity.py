@@ -35,7 +35,7 @@ from tessera.stages.kernels.quant import NO_QUANT, Quant, layer_bytes
 from tessera.stages.families.spec import ModelSpec
 from tessera.stages.families.catalog import spec_from_file
 from tessera.stages.engine.speed import measure_layer_throughput
-from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.stages.weights.synth import synth_spec
 from tessera.stages.text.tokenizer import Tokenizer
 
@@ -83,8 +83,8 @@ def main() -> None:
                     f"int4 {fits['int4'] / fits['float32']:.2f}x")
 
     ids = Tokenizer.from_folder(folder).encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-    head = Stage.load(folder, start=0, end=0, embed=True, head=True)  # float32, as a requester holds it
-    stages = {k: Stage.load(folder, dtype=dt, quant=q) for k, dt, q in KINDS}
+    head = load_stage(folder, start=0, end=0, embed=True, head=True)  # float32, as a requester holds it
+    stages = {k: load_stage(folder, dtype=dt, quant=q) for k, dt, q in KINDS}
     for k, s in stages.items():
         decode_rate(s, head, ids, 4)  # warm-up
     rates: dict[str, list[float]] = {k: [] for k in stages}

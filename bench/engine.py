@@ -34,6 +34,7 @@ from tessera.stages.engine.compiled.build import compile_decode
 from tessera.stages.engine.compiled.forms import rows_linear
 from tessera.stages.engine.residency import settled
 from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.stages.text.tokenizer import Tokenizer
 from tessera.stages.weights import registry
 
@@ -113,8 +114,8 @@ def main() -> None:
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     folder = registry.resolve(args.model)
     ids = Tokenizer.from_folder(folder).encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-    eager = Stage.load(folder, embed=True, head=True)
-    compiled = Stage.load(folder, embed=True, head=True)
+    eager = load_stage(folder, embed=True, head=True)
+    compiled = load_stage(folder, embed=True, head=True)
     started = time.perf_counter()
     plan = compile_decode(compiled, args.compile, say=lambda line: print(line, end="\r", flush=True))
     print(f"\ncompiled decode: {plan.backend or 'none'} ({plan.reason}), {time.perf_counter() - started:.0f} s")

@@ -43,8 +43,10 @@ import torch
 from tessera.protocol.fingerprint import relative_difference, tolerance
 from tessera.stages.weights import registry
 from tessera.stages.decoding.generate import prompt_ids
-from tessera.stages.kernels.quant import Quant, dense_block
+from tessera.stages.assembly.blocks import dense_block
+from tessera.stages.kernels.quant import Quant
 from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.stages.text.tokenizer import Tokenizer
 
 PROMPT = "What is the capital of France?"
@@ -85,7 +87,7 @@ def check_exactness(folder, device, ids, oracle_tokens, oracle_logits) -> list[s
     torch.backends.cudnn.allow_tf32 = False
     lines = []
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)):
-        stage = Stage.load(folder, embed=True, head=True, device=device, dtype=dtype)
+        stage = load_stage(folder, embed=True, head=True, device=device, dtype=dtype)
         # float32 runs free (its tokens must be the oracle's); bf16/fp16 are fed the oracle's
         # tokens, so their logits are compared over the same context at every step
         forced = None if dtype == torch.float32 else oracle_tokens
@@ -105,7 +107,7 @@ def check_speed(folder, device, ids) -> list[str]:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    stage = Stage.load(folder, embed=True, head=True, device=device, dtype=torch.bfloat16)
+    stage = load_stage(folder, embed=True, head=True, device=device, dtype=torch.bfloat16)
     gguf = folder / "source.gguf"
     kwargs = {"gguf_file": gguf.name} if gguf.exists() else {}
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16, **kwargs).to(device)
@@ -140,9 +142,9 @@ def check_swarm(folder, device, ids) -> list[str]:
     from tessera.stages.engine.compiled.build import compile_decode
 
     spans = [(0, 10), (10, 20), (20, 30)]
-    layers = Stage.load(folder, device=device, dtype=torch.bfloat16)
+    layers = load_stage(folder, device=device, dtype=torch.bfloat16)
     compile_decode(layers, "auto")  # as the peers do theirs (--compile auto: CUDA graphs): the same kernels
-    head = Stage.load(folder, start=0, end=0, embed=True, head=True)
+    head = load_stage(folder, start=0, end=0, embed=True, head=True)
     want, _ = run_greedy(layers, head, ids, STEPS)
     swarm = LocalSwarm(3, extra_args=[["--layers", f"{a}:{b}", "--device", str(device)] for a, b in spans])
     got: list[int] = []
@@ -185,20 +187,20 @@ def layer_decode_rate(stage: Stage, steps: int = 64) -> float:
 
 
 def check_quantized(folder, device, ids) -> list[str]:
-    dense = Stage.load(folder, device=device, dtype=torch.bfloat16)
+    dense = load_stage(folder, device=device, dtype=torch.bfloat16)
     rates = {"bf16": layer_decode_rate(dense)}
     del dense
     lines = []
     for scheme in ("int8", "int4"):
         torch.cuda.empty_cache()
         before = torch.cuda.memory_allocated(device)
-        stage = Stage.load(folder, device=device, dtype=torch.bfloat16, quant=Quant.parse(scheme))
+        stage = load_stage(folder, device=device, dtype=torch.bfloat16, quant=Quant.parse(scheme))
         stage.open("m", capacity=256)
         stage.forward("m", torch.zeros(1, stage.spec.hidden_size), 0)
         used = torch.cuda.memory_allocated(device) - before
         budget = stage.weight_bytes + stage.session_bytes(256)
         stage.close("m")
-        head = Stage.load(folder, start=0, end=0, embed=True, head=True)
+        head = load_stage(folder, start=0, end=0, embed=True, head=True)
         ref = Stage(stage.spec, 0, [dense_block(b, stage.spec) for b in stage.blocks])
         want, ref_logits = run_greedy(ref, head, ids, STEPS)
         tokens, logits = run_greedy(stage, head, ids, STEPS, forced=want)
@@ -240,7 +242,7 @@ def check_batching(folder, device, tokenizer) -> list[str]:
     tokens = 32
     lines, failed = [], False
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        stage = Stage.load(folder, embed=True, head=True, device=device, dtype=dtype)
+        stage = load_stage(folder, embed=True, head=True, device=device, dtype=dtype)
         solo = [lockstep(stage, [p], tokens)[0][0] for p in batch]
         lockstep(stage, batch, tokens)  # warm-up
         rates, equal = {}, {}
@@ -282,7 +284,7 @@ def check_graphs(folder, device, ids, oracle_tokens, oracle_logits, tokenizer) -
     torch.backends.cudnn.allow_tf32 = False
     lines = []
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        stage = Stage.load(folder, embed=True, head=True, device=device, dtype=dtype)
+        stage = load_stage(folder, embed=True, head=True, device=device, dtype=dtype)
         began = time.perf_counter()
         plan = compile_decode(stage, "cuda-graphs")
         runner = stage.decode
@@ -354,7 +356,7 @@ def main() -> int:
     folder = registry.resolve(args.model)
     tokenizer = Tokenizer.from_folder(folder)
     ids = prompt_ids(tokenizer, PROMPT, raw=False)
-    oracle = Stage.load(folder, embed=True, head=True)
+    oracle = load_stage(folder, embed=True, head=True)
     oracle_tokens, oracle_logits = run_greedy(oracle, oracle, ids, STEPS)
     del oracle
     print(f"GPU: {torch.cuda.get_device_name(device)} (torch {torch.__version__}, CUDA {torch.version.cuda})", flush=True)

@@ -135,20 +135,20 @@ def decode_figures(args: argparse.Namespace) -> list[str]:
 SPAN_RSS = """
 import gc, json, sys, torch
 from pathlib import Path
-from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.stages.kernels.quant import span_bytes
 from tests.resident import held_bytes, no_huge_pages
 no_huge_pages()
 torch.set_num_threads(1)
 folder, capacity = Path(sys.argv[1]), int(sys.argv[2])
-warm = Stage.load(folder, start=0, end=1)
+warm = load_stage(folder, start=0, end=1)
 warm.open("w", capacity=4)
 warm.forward("w", torch.zeros(3, warm.spec.hidden_size), 0)  # torch's lazy set-up, not the span
 warm.forward("w", torch.zeros(1, warm.spec.hidden_size), 3)
 del warm
 gc.collect()
 before = held_bytes()
-stage = Stage.load(folder)
+stage = load_stage(folder)
 stage.open("s", capacity=capacity)
 gen = torch.Generator().manual_seed(0)
 stage.forward("s", torch.randn(capacity // 2, stage.spec.hidden_size, generator=gen), 0)

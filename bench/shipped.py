@@ -42,6 +42,7 @@ from tessera.peer.node.config import KV_RESERVE_FRACTION
 from tessera.stages.engine.compiled.build import compile_decode
 from tessera.stages.engine.speed import measure_layer_throughput
 from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.stages.families.catalog import spec_from_config, spec_from_file, to_config
 from tessera.stages.families.shipped import GGML_TYPES, ShippedFormat
 from tessera.stages.families.spec import ModelSpec
@@ -143,8 +144,8 @@ def shipped_figures(*, model: str = "smollm2-135m", tokens: int = 32, rounds: in
         convert_gguf(folder / "source.gguf", root / "gguf-q4_1", keep_blocks=True)
         folders["gguf Q4_1 (SmolLM2's file)"] = root / "gguf-q4_1"
         ids = Tokenizer.from_folder(folder).encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-        head = Stage.load(folder, start=0, end=0, embed=True, head=True)
-        stages = {"float32": Stage.load(folder), **{form: Stage.load(f) for form, f in folders.items()}}
+        head = load_stage(folder, start=0, end=0, embed=True, head=True)
+        stages = {"float32": load_stage(folder), **{form: load_stage(f) for form, f in folders.items()}}
         for mode in ("eager", "compiled"):
             if mode == "compiled":
                 for name, stage in [("head", head), *stages.items()]:

@@ -42,7 +42,7 @@ from tessera.stages.weights import registry
 from tessera.stages.decoding.generate import LocalEngine
 from tessera.stages.families.catalog import spec_from_file
 from tessera.stages.engine.compiled.build import compile_decode
-from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.peer.net.emulated import LinkEmulation
 
 SYNTH_1B = dict(hidden=2048, layers=24, heads=16, kv_heads=8, intermediate=5632, vocab=32000, seed=0)
@@ -134,7 +134,7 @@ def idle_penalty(model: str, idle: float, compile: str, steps: int = 40) -> floa
     folder = registry.resolve(model)
     spec = spec_from_file(folder / "config.json")
     start, end = even_spans(spec.num_layers, 3)[0]
-    stage = Stage.load(folder, start=start, end=end)
+    stage = load_stage(folder, start=start, end=end)
     compile_decode(stage, compile, buckets=(1,))
     stage.open("s", capacity=16 + 2 * steps + 2, start=start, end=end)
     stage.forward("s", torch.randn(16, spec.hidden_size), 0)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from tessera.peer.weights.verify import VerifiedCache, WeightCheck  # noqa: E402
-from tessera.stages.engine.stage import Stage  # noqa: E402
+from tessera.stages.assembly.stage import load_stage  # noqa: E402
 from tessera.stages.weights import registry  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         warm = VerifiedCache(Path(tmp) / "warm.json")
         first = WeightCheck(folder, warm).begin()
-        Stage.load(folder, embed=True, head=True, check=first)  # fills the page cache and the warm cache
+        load_stage(folder, embed=True, head=True, check=first)  # fills the page cache and the warm cache
         first.commit()
         times: dict[str, list[float]] = {"unchecked": [], "checked": [], "cached": []}
         hashed = {"checked": 0, "cached": 0}
@@ -50,7 +50,7 @@ def main() -> None:
                 elif kind == "cached":
                     check = WeightCheck(folder, warm).begin()
                 started = time.perf_counter()
-                Stage.load(folder, embed=True, head=True, check=check)
+                load_stage(folder, embed=True, head=True, check=check)
                 times[kind].append(time.perf_counter() - started)
                 if check is not None:
                     hashed[kind] = check.stats.hashed_bytes

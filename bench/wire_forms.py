@@ -19,6 +19,7 @@ import torch
 
 from tessera.protocol.tensors import WIRE_FORMS, decode_tensor, encode_wire
 from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.stages.text.tokenizer import Tokenizer
 from tessera.stages.weights import registry
 
@@ -53,13 +54,13 @@ def main() -> None:
     parser.add_argument("--spans", type=int, nargs="+", default=[2, 3, 6])
     args = parser.parse_args()
     folder = registry.resolve(args.model)
-    head = Stage.load(folder, start=0, end=0, embed=True, head=True)
+    head = load_stage(folder, start=0, end=0, embed=True, head=True)
     ids = Tokenizer.from_folder(folder).encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     layers = head.spec.num_layers
     last = []
     for count in args.spans:
         cuts = [round(i * layers / count) for i in range(count + 1)]
-        stages = [Stage.load(folder, start=a, end=b) for a, b in zip(cuts, cuts[1:])]
+        stages = [load_stage(folder, start=a, end=b) for a, b in zip(cuts, cuts[1:])]
         exact_logits, exact_tokens, exact_bytes = run(stages, head, ids, args.tokens, "", None)
         for form in WIRE_FORMS[1:]:
             logits, tokens, hop_bytes = run(stages, head, ids, args.tokens, form, exact_tokens)

@@ -3,19 +3,29 @@
 Subpackages, lowest first; each imports only those above it in this list (never a sibling
 of its own rank), as `tests/test_layers.py` checks over the source:
 
-    errors      the one error tree (a module)
+    errors      the one error tree (a module)                                           rank 0
     families/   what a model is: ModelSpec and a LayerSpec per layer, read from config.json by
-                one reader per family (llama, qwen3, mixtral), and the checkpoint's tensor names.
-                Pure data: no torch (peer/plan prices spans from specs).                  } rank 1
-    text/       text <-> token ids, the chat template, JSON prefixes. No torch.           } rank 1
+                one reader per family, and the checkpoint's tensor names (which of them are
+                matrices included). Pure data: no torch (peer/plan prices spans from specs).   } rank 1
+    text/       text <-> token ids, the chat template, JSON prefixes. No torch.            } rank 1
+    kernels/    the matmul of each way a matrix is stored: int8/int4 (quant.py: Quant,
+                QuantLinear, quantize_linear, dense_weight, and the bytes a span holds), the
+                shipped formats (linear.py's ShippedLinear; fp8, mxfp4, ggml, ggml_linear),
+                stored.py (a stored matrix's module by its form), encode.py (floats written in
+                a shipped form), chunked.py (the float32 CPU form: dequantize rows, multiply).  rank 2
     layers/     the math, each with float32 reference semantics: rope, norm, attention (GQA),
-                cache (a store per layer's cache kind, one position pointer), mlp (SwiGLU),
-                routers, moe, and block.py, which composes a layer from its LayerSpec.
-    weights/    model folders and weight formats: the registry and manifests, reading only a
-                span (folder.py), the folder check, GGUF conversion and Q4_1 blocks, int8/int4
-                quantized linears, synthetic models.
-    engine/     Stage (a span for many sessions, stacked per step), its sessions, the layer
-                benchmark a peer advertises, device memory.
+                mla, dsa, cache (a store per layer's cache kind, one position pointer), mlp,
+                routers, moe, and block.py, which composes a layer from its LayerSpec.     } rank 3
+    weights/    model folders and what they hold: the registry and manifests, reading only a
+                span (folder.py), the folder check, GGUF conversion and blocks, reading matrices
+                quantized (quantize.py) or as shipped (formats/load.py) into kernels' modules,
+                synthetic models. Never imports layers/: it knows tensor names, not modules.  } rank 3
+    engine/     Stage (a span for many sessions, stacked per step, given its Blocks), its
+                sessions, compiled decode steps, the layer benchmark a peer advertises, device
+                memory. Never imports weights/: the runtime does not read files.              rank 4
+    assembly/   a Stage from a model folder: blocks.py fills a layer's Block from the weights
+                (float, quantized as read, or as shipped), stage.py `load_stage`. The one place
+                where modules and files meet.                                                 rank 5
     shards/     tensor-sharded execution of a span, its collectives and audit layout.       } rank 6
     decoding/   sampling, constrained decoding, speculative drafts and acceptance, LocalEngine. } rank 6
 
@@ -27,8 +37,9 @@ Extension points (each module's docstring says how):
 - an attention, MLP, router or cache kind: its kind in families/spec.py, its module in
   layers/ (registered in layers/block.py, layers/routers.py or layers/cache.py), its tensor
   names in families/tensors.py;
-- a weight format (FP8 blocks, MXFP4, GGUF k-quants): a linear module like kernels/quant.py's,
-  built by the loader per matrix (`linear_paths`), with `dense_weight` as its reference;
+- a weight format (FP8 blocks, MXFP4, GGUF k-quants): a linear module in kernels/ like
+  kernels/linear.py's ShippedLinear, its line in kernels/stored.py, its stored tensors in
+  families/shipped.py; `dequantized` is its reference;
 - a compiled or device-specific decode step: inside engine/ over the same Blocks, checked
   against the eager float32 reference.
 """

@@ -70,9 +70,9 @@ def hf_smol(smol_gguf: Path):
 
 @pytest.fixture(scope="session")
 def smol_stage(smol_dir: Path):
-    from tessera.stages.engine.stage import Stage
+    from tessera.stages.assembly.stage import load_stage
 
-    return Stage.load(smol_dir, embed=True, head=True)
+    return load_stage(smol_dir, embed=True, head=True)
 
 
 @pytest.fixture(scope="session")

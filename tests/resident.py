@@ -79,23 +79,20 @@ def mib(parts: dict[str, int]) -> str:
 SPAN_RSS = """
 import gc, sys, torch
 from pathlib import Path
-from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tests.resident import held_bytes, mib, no_huge_pages, resident_parts
 no_huge_pages()
 torch.set_num_threads(1)
 folder, start, end = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-warm = Stage.load(folder, start=start, end=start + 1)
+warm = load_stage(folder, start=start, end=start + 1)
 warm.open("w", capacity=4)
 warm.forward("w", torch.zeros(1, warm.spec.hidden_size), 0)  # torch's lazy kernel set-up, not the span
 del warm
-import tessera.stages.kernels.quant as quant_module
-quant_module.SCRATCH = quant_module.Scratch()  # the dequantization buffers count: fresh ones for the span
-import tessera.stages.kernels.fp8, tessera.stages.kernels.mxfp4, tessera.stages.kernels.ggml
-for module in (tessera.stages.kernels.fp8, tessera.stages.kernels.mxfp4, tessera.stages.kernels.ggml):
-    module.SCRATCH = quant_module.SCRATCH
+import tessera.stages.kernels.chunked as chunked
+chunked.SCRATCH.__dict__.clear()  # the dequantization buffers count: this thread's made anew for the span
 gc.collect()
 held_before = held_bytes()
-stage = Stage.load(folder, start=start, end=end)
+stage = load_stage(folder, start=start, end=end)
 stage.open("s", capacity=64)
 stage.forward("s", torch.zeros(1, stage.spec.hidden_size), 0)  # every weight touched, the scratch grown
 gc.collect()

@@ -17,10 +17,15 @@ NS = "tessera"
 # Layers of one rank never import each other (serve/request, http/sim).
 LAYER_RANK = {"base": 0, "plan": 1, "net": 2, "serve": 3, "request": 3, "weights": 3, "node": 4, "http": 5, "sim": 5, "cli": 6}
 HEAVY_FOR_PLAN = ("torch", "trio", "libp2p", "numpy.random", "time", "socket", "sqlite3", "sqlite_utils")
-# stages/'s subpackages, lowest first (stages/__init__.py): the same rule as peer/'s layers.
-STAGES_RANK = {"errors": 0, "families": 1, "text": 1, "layers": 2, "weights": 3, "engine": 4, "shards": 5,
-               "decoding": 5}
+# stages/'s subpackages, lowest first (stages/__init__.py): the same rule as peer/'s layers. The
+# kernels are under both the layers and the weights; the weights (files) and the layers (modules)
+# never import each other; assembly, which builds a Stage from a folder, is the one place both meet.
+STAGES_RANK = {"errors": 0, "families": 1, "text": 1, "kernels": 2, "layers": 3, "weights": 3, "engine": 4,
+               "assembly": 5, "shards": 6, "decoding": 6}
 PURE_STAGES = ("families", "text")  # no torch: what a model is, and text
+# pairs the ranks allow but the architecture does not: the runtime never reads weights (a Stage is
+# given its Blocks: stages/assembly/ loads them)
+STAGES_NEVER = {("engine", "weights")}
 
 
 def project_modules(root: Path = ROOT) -> dict[str, Path]:
@@ -153,7 +158,7 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
                     bad.append(f"{module} imports {target}: layer {layer} may not import layer {target_layer}")
             part, target_part = stages_part(module), stages_part(target)
             if part in STAGES_RANK and target_part in STAGES_RANK and target_part != part:
-                if STAGES_RANK[target_part] >= STAGES_RANK[part]:
+                if STAGES_RANK[target_part] >= STAGES_RANK[part] or (part, target_part) in STAGES_NEVER:
                     bad.append(f"{module} imports {target}: stages/{part} may not import stages/{target_part}")
             if part in PURE_STAGES and target.split(".")[0] == "torch":
                 bad.append(f"{module} imports {target}: stages/{part}/ is pure (no torch)")
@@ -177,6 +182,9 @@ def test_the_rules_catch_what_they_forbid() -> None:
     bad["tessera.peer.request.client"].add(".".join(("peer", "request", "client")))  # not tessera.-qualified
     bad["tessera.stages.layers.moe"].add("tessera.stages.engine.stage")
     bad["tessera.stages.families.spec"].add("torch")
+    bad["tessera.stages.engine.stage"].add("tessera.stages.weights.folder")
+    bad["tessera.stages.weights.folder"].add("tessera.stages.layers.block")
+    bad["tessera.stages.kernels.quant"].add("tessera.stages.layers.block")
     found = "\n".join(violations(bad))
     assert "plan.routing imports torch" in found
     assert "layer plan may not import layer request" in found
@@ -188,6 +196,9 @@ def test_the_rules_catch_what_they_forbid() -> None:
     assert "import cycle:" in found  # plan.routing -> request.client -> ... -> plan.routing
     assert "stages/layers may not import stages/engine" in found
     assert "stages/families/ is pure (no torch)" in found
+    assert "stages/engine may not import stages/weights" in found  # below it by rank, and still not
+    assert "stages/weights may not import stages/layers" in found  # the same rank: neither imports the other
+    assert "stages/kernels may not import stages/layers" in found
 
 
 def test_deferred_and_type_checking_imports_count(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from tessera.store.trace import TraceWriter
 from tessera.peer.cli.options import apply_threads, quant_from, read_swarm_key
 from tessera.stages.decoding.sampling import Sampler
 from tessera.stages.decoding.speculative import AdaptiveK, ModelDrafter, NgramDrafter
-from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 
 from tessera.peer.request.client import Swarm, merge_infos
 from tessera.peer.request.repair import AnswerRewound
@@ -35,7 +35,7 @@ def speculation_from(spec: str, k: int, pipeline: bool, swarm: Swarm, sampling: 
     if spec == "ngram":
         drafter = NgramDrafter()
     elif spec.startswith("self:") and spec[5:].isdigit() and 0 < int(spec[5:]) < swarm.spec.num_layers:
-        stage = Stage.load(swarm.folder, start=0, end=int(spec[5:]), embed=True, head=True)
+        stage = load_stage(swarm.folder, start=0, end=int(spec[5:]), embed=True, head=True)
         drafter = ModelDrafter(stage, capacity=capacity, sampler=None if sampling.greedy else Sampler(sampling))
     else:
         raise ConfigError(f"--speculate wants none, ngram or self:N (0 < N < {swarm.spec.num_layers}), got {spec!r}")

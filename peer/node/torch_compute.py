@@ -28,6 +28,7 @@ from tessera.stages.engine.compiled.build import compile_decode, row_buckets
 from tessera.stages.engine.compiled.modes import CompileChoiceError, plan_compile
 from tessera.stages.engine.speed import measure_layer_throughput
 from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 
 from tessera.peer.node.config import DEFAULT_MEMORY_FRACTION, PeerConfig, check_memory_offer
 from tessera.peer.weights.verify import WeightCheck
@@ -112,7 +113,7 @@ class TorchCompute:
             if self.compile != "off":  # decoded eagerly
                 self.out("decode steps: eager (a tensor-shard rank's steps have no compiled form)")
         else:
-            stage = Stage.load(self.folder, start=start, end=end, device=self.device, dtype=self.dtype,
+            stage = load_stage(self.folder, start=start, end=end, device=self.device, dtype=self.dtype,
                                quant=self.quant, check=check)
         if check is not None:
             check.commit()

@@ -37,6 +37,7 @@ from tessera.stages.decoding.sampling import Sampler, SamplingParams
 from tessera.stages.families.spec import ModelSpec
 from tessera.stages.engine.compiled.build import compile_decode
 from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.stages.text.tokenizer import TextStream, Tokenizer
 from tessera.store import events
 from tessera.store.trace import NullTracer, Tracer
@@ -96,7 +97,7 @@ class RequesterModel:
     def load(folder: Path, quant: Quant = NO_QUANT, *, compile: str = "off") -> "RequesterModel":
         """The model in `folder`: its embedding and head (a few hundred MB for a small model) and tokenizer;
         `compile` (--compile) compiles the head's few-row steps (stages/engine/compiled/)."""
-        head = Stage.load(folder, start=0, end=0, embed=True, head=True)
+        head = load_stage(folder, start=0, end=0, embed=True, head=True)
         compile_decode(head, compile)
         return RequesterModel(head.spec, model_tag(registry.model_id(folder), quant), head,
                               Tokenizer.from_folder(folder))

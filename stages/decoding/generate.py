@@ -18,7 +18,7 @@ from tessera.stages.errors import ContextOverflow
 from tessera.stages.kernels.quant import NO_QUANT, Quant
 from tessera.stages.decoding.sampling import Sampler, SamplingParams
 from tessera.stages.engine.compiled.build import compile_decode
-from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.stages.text.tokenizer import TextStream, Tokenizer
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -97,10 +97,10 @@ class LocalEngine:
         if quant.active:
             # as through a swarm: the quantized layers here, the embedding and head in float32 as a
             # requester holds them, so that `--local --quant` is the swarm's answer token for token
-            self.stage = Stage.load(folder, device=dev, dtype=pick_dtype(dtype, dev, quant), quant=quant)
-            self.head = Stage.load(folder, start=0, end=0, embed=True, head=True)
+            self.stage = load_stage(folder, device=dev, dtype=pick_dtype(dtype, dev, quant), quant=quant)
+            self.head = load_stage(folder, start=0, end=0, embed=True, head=True)
         else:
-            self.stage = self.head = Stage.load(folder, embed=True, head=True, device=dev, dtype=pick_dtype(dtype, dev))
+            self.stage = self.head = load_stage(folder, embed=True, head=True, device=dev, dtype=pick_dtype(dtype, dev))
         for stage in dict.fromkeys((self.stage, self.head)):  # the layers, and a separate head
             compile_decode(stage, compile, say=say)
         self.tokenizer = Tokenizer.from_folder(folder)

@@ -52,7 +52,7 @@ def measure_layer_throughput(
         owner, _, name = path.rpartition(".")
         dense = block.get_submodule(path)
         bias = None if dense.bias is None else dense.bias.cpu()
-        if spec.shipped is not None:  # the form the model ships in (stages/weights/formats/)
+        if spec.shipped is not None:  # the form the model ships in (stages/kernels/)
             module = encoded_linear(spec.shipped, tensors[path + ".weight"][0], dense.weight.cpu(), std=0.02, gen=gen)
             module.bias = bias
         else:

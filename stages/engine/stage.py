@@ -6,7 +6,8 @@ sliding), each with its own cache kind per session (stages/layers/cache.py).
 
 A peer holds one stage (its claimed span); the requester holds one too, with no
 layers, for the embedding and the head; the local engine holds one with
-everything. Each session owns a KV cache for the layers it uses — a session may
+everything. A Stage is given its Blocks and edges; building them from a model folder is
+stages/assembly/stage.py's `load_stage` (the runtime never reads weights). Each session owns a KV cache for the layers it uses — a session may
 use a sub-span of the stage, which is what lets a requester route around a dead
 peer with different cut points.
 
@@ -18,25 +19,20 @@ all of them), which is how a peer serves many requesters at once.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Hashable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.stages.engine.residency import settle, settled
 from tessera.stages.engine.sessions import SessionState, SessionTable
 from tessera.stages.errors import SpanError, StageError
 from tessera.stages.families.spec import ModelSpec
+from tessera.stages.kernels.quant import NO_QUANT, Quant
 from tessera.stages.layers.attention import Segment, StepContext
 from tessera.stages.layers.block import Block
 from tessera.stages.layers.cache import SessionCache
 from tessera.stages.layers.rope import RopeTables
-from tessera.stages.weights.folder import TensorCheck, WeightFolder
-from tessera.stages.weights.formats.load import read_embedding, read_head, shipped_block
-from tessera.stages.weights.gguf_blocks import GgufQ4Source
-from tessera.stages.kernels.quant import NO_QUANT, Quant, check_quant_for, quantize_block, takes_gguf_blocks
 
 
 # One session's step in a stacked forward: (session, hidden states [T, H], start position).
@@ -91,73 +87,6 @@ class Stage(SessionTable):
         self.rope = RopeTables(spec.layers[start : self.end], self.device)  # shared by the layers per step
         self.sessions: dict[Hashable, SessionState] = {}
         self.decode: DecodeRunner | None = None  # set by engine/compiled/build.py's compile_decode
-
-    # -- construction -------------------------------------------------------------
-
-    @staticmethod
-    def load(
-        folder: Path,
-        *,
-        start: int = 0,
-        end: int | None = None,
-        embed: bool = False,
-        head: bool = False,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        quant: Quant = NO_QUANT,
-        check: TensorCheck | None = None,
-    ) -> "Stage":
-        """Load layers [start, end) (and the embedding / head if asked) — and nothing else.
-
-        Blocks are built on the meta device and take the read tensors by assignment,
-        so no memory is spent on initial values. With `quant`, each matrix is quantized
-        as it is read (the embedding and head stay in `dtype`); an int4 float32 CPU span takes
-        the Q4_1 blocks of the folder's source GGUF as they are (stages/weights/gguf_blocks.py).
-        A folder that ships quantized (fp8 blocks, MXFP4, GGUF blocks: `spec.shipped`) keeps its
-        matrices as stored (stages/weights/formats/).
-        `check` is handed every tensor read from the safetensors files, as stored, and may raise
-        to refuse it (a peer's manifest check). Raises ModelFormatError, SpanError, QuantError,
-        and whatever `check` raises.
-        """
-        weights = WeightFolder(folder, check=check)  # `check` sees every tensor read (stages/weights/folder.py)
-        spec = weights.spec
-        check_quant_for(spec, quant)
-        end = spec.num_layers if end is None else end
-        if not 0 <= start <= end <= spec.num_layers:
-            raise SpanError(f"span [{start}, {end}) is outside the model's [0, {spec.num_layers})")
-        spec.check_span_start(start, end)
-        blocks = []
-        # a fetched model's source GGUF, whose Q4_1 blocks an int4 span takes as they are
-        gguf = GgufQ4Source.beside(folder, spec) if takes_gguf_blocks(quant, device, dtype) and end > start else None
-        for layer in range(start, end):
-            if spec.shipped is not None:
-                blocks.append(shipped_block(weights, layer, dtype=dtype, device=device))
-                continue
-            if quant.active:
-                blocks.append(quantize_block(weights, layer, quant, dtype=dtype, device=device, gguf=gguf))
-                continue
-            with torch.device("meta"):
-                block = Block(spec, spec.layers[layer])
-            state = {k: v.to(device) for k, v in weights.layer_state(layer, dtype).items()}
-            block.load_state_dict(state, assign=True, strict=True)
-            if torch.device(device).type == "cpu":
-                settle(block)  # in huge pages, where the OS gives them (engine/residency.py)
-            blocks.append(block.requires_grad_(False))
-        embedding = read_embedding(weights, dtype).to(device) if embed else None
-        norm = head_weight = None
-        if head:
-            norm, head_weight = (t.to(device) for t in read_head(weights, dtype))
-            if embedding is not None and spec.tie_embeddings:
-                head_weight = embedding  # one copy of a tied matrix
-        if torch.device(device).type == "cpu":  # the edges in huge pages too: the head is a step's largest matrix
-            tied = head_weight is not None and head_weight is embedding
-            embedding, head_weight = (None if t is None else settled([t])[0]
-                                      for t in (embedding, None if tied else head_weight))
-            head_weight = embedding if tied else head_weight
-        return Stage(
-            spec, start, blocks, embedding=embedding, norm=norm, head=head_weight, device=device, dtype=dtype,
-            quant=quant,
-        )
 
     # -- compute ------------------------------------------------------------------
 

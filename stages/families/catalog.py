@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,7 +26,7 @@ from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.shipped import read_shipped
 from tessera.stages.families.spec import ModelSpec
 from tessera.stages.families.tensors import (
-    MIXTRAL_EXPERTS, QWEN_EXPERTS, Choices, ExpertNames, Shape, edge_tensors, layer_tensors,
+    MIXTRAL_EXPERTS, QWEN_EXPERTS, Choices, ExpertNames, Shape, edge_tensors, layer_tensors, matrix_paths,
 )
 
 
@@ -111,6 +112,13 @@ def tensors_of_layer(spec: ModelSpec, layer: int) -> dict[str, Choices]:
     """Engine name -> checkpoint layouts for every tensor of layer `layer` (families/tensors.py)."""
     family = FAMILIES[spec.family]
     return family.tensors(spec, layer) if family.tensors else layer_tensors(spec, layer, family.experts)
+
+
+@lru_cache(maxsize=256)
+def layer_matrices(spec: ModelSpec, layer: int) -> tuple[str, ...]:
+    """The paths of layer `layer`'s weight matrices ("attn.wqkv", "mlp.experts.3.w_down"...:
+    families/tensors.py `matrix_paths`): what quantization stores as integers."""
+    return matrix_paths(tensors_of_layer(spec, layer))
 
 
 def model_tensors(spec: ModelSpec) -> dict[str, Shape]:

@@ -1,6 +1,6 @@
 """Weights as a checkpoint ships them, when they are not plain floats: `quantization_config`, read as data.
 
-Three forms load as they are (the loaders and their arithmetic are stages/weights/formats/):
+Three forms load as they are (their arithmetic is stages/kernels/, their loading stages/weights/formats/load.py):
 
 - "fp8", transformers' FineGrainedFP8Config (DeepSeek-V3, GLM, Qwen3 "-FP8" folders): every
   linear weight is float8_e4m3fn [N, K] (`x.weight`, or a fused expert tensor [E, N, K]) with
@@ -19,8 +19,8 @@ Three forms load as they are (the loaders and their arithmetic are stages/weight
 
 Which stored tensors a checkpoint matrix is made of, and their bytes, is decided here from
 names and shapes alone (no torch: placement prices spans from this), by `stored_tensors`
-and `stored_bytes`. Whether a tensor is a matrix is the engine's to say (a linear module of
-its layer: stages/layers/block.py `linear_paths`); a router or a norm is float in every form.
+and `stored_bytes`. Whether a tensor is a matrix is read from the engine's tensor names
+(families/tensors.py `matrix_paths`); a router or a norm is float in every form.
 Any other `quant_method`, ggml type or setting is refused with one line naming it.
 """
 

@@ -605,7 +605,7 @@ class ModelSpec:
         before them (`DsaSpec.shared`). A step carries a DSA selection from layer to layer in one
         stage, never between peers, and a layer that reuses it cannot recompute it: that needs the
         selecting layer's weights, its input and its cache of index keys. So a stage's span and a
-        session's sub-span start only here (`Stage.load`, `SessionTable.open` refuse others)."""
+        session's sub-span start only here (`load_stage`, `SessionTable.open` refuse others)."""
         shared = {i for i, layer in enumerate(self.layers) if getattr(layer.attention, "shared", False)}
         return tuple(i for i in range(self.num_layers + 1) if i not in shared)
 

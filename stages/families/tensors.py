@@ -25,6 +25,12 @@ the router as `mlp.gate.weight`): expert e is row e of those (`Stacked.index`).
 
 A family names only what differs (`ExpertNames`); a family with other layer tensors (MLA's
 low-rank projections) adds its own entries here, keyed by the engine names its modules use.
+
+Which engine tensors are a layer's weight matrices — its linear modules, what quantization
+stores as integers and a shipped format keeps as stored — is read from these names too
+(`matrix_paths`): every `<path>.weight` of two dimensions, but a router's, which picks the
+experts and stays float in every form. The weights (stages/weights/) learn it here, never from
+the modules; the conformance tests hold it equal to the Block's own linear modules.
 """
 
 from __future__ import annotations
@@ -200,6 +206,17 @@ def expert_tensors(p: str, e_count: int, i: int, h: int, experts: ExpertNames) -
         out[f"mlp.experts.{e}.w_down.weight"] = (
             *one(x + experts.down + ".weight", (h, i)), Stacked(fused_down.names, fused_down.shapes, e))
     return out
+
+
+# two-dimensional engine tensors that are not multiplied through a linear module of their own
+FLOAT_MATRICES = frozenset({"mlp.router.weight"})
+
+
+def matrix_paths(tensors: dict[str, Choices]) -> tuple[str, ...]:
+    """The paths of a layer's weight matrices among its engine tensors (module docstring), e.g.
+    "attn.wqkv", "mlp.experts.3.w_down", in the order the tensors are listed."""
+    return tuple(name[: -len(".weight")] for name, choices in tensors.items()
+                 if name.endswith(".weight") and name not in FLOAT_MATRICES and len(choices[0].shape) == 2)
 
 
 def edge_tensors(spec: ModelSpec) -> dict[str, Shape]:

@@ -21,9 +21,9 @@ from tessera.stages.families.shipped import GGML_TYPES, GgmlType, ShippedFormat
 from tessera.stages.families.tensors import Stacked
 from tessera.stages.kernels.fp8 import FP8_MAX
 from tessera.stages.kernels.linear import RowStack
-from tessera.stages.weights.formats.load import stored_linear
 from tessera.stages.kernels.mxfp4 import E8M0_BIAS, GROUP
 from tessera.stages.kernels.quant import QuantLinear
+from tessera.stages.kernels.stored import stored_linear
 
 E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between the magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6
 E2M1_TOP_EXPONENT = 2  # 6 = 1.5 * 2^2: the largest magnitude's exponent

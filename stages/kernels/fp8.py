@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from tessera.stages.errors import ModelFormatError
+from tessera.stages.kernels.chunked import SCRATCH
 from tessera.stages.kernels.linear import ShippedLinear
-from tessera.stages.kernels.quant import SCRATCH
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_NAN_BITS = 0x7F  # e4m3fn's NaN: every exponent and mantissa bit set (either sign)

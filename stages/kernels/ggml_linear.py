@@ -38,9 +38,9 @@ from typing import Callable
 import torch
 
 from tessera.stages.families.shipped import GgmlType
+from tessera.stages.kernels.chunked import SCRATCH, chunked_matmul
 from tessera.stages.kernels.ggml import ggml_rows
 from tessera.stages.kernels.linear import ShippedLinear
-from tessera.stages.kernels.quant import SCRATCH, chunked_matmul
 
 NIBBLES = 0x0F0F0F0F  # every byte's low nibble, a word at a time
 

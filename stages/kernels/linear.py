@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.stages.kernels.quant import QuantLinear, chunked_matmul, dequantizes_in_chunks
+from tessera.stages.kernels.chunked import chunked_matmul, dequantizes_in_chunks
+from tessera.stages.kernels.quant import QuantLinear
 
 
 class ShippedLinear(QuantLinear):

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from tessera.stages.kernels.chunked import SCRATCH, chunked_matmul
 from tessera.stages.kernels.linear import ShippedLinear
-from tessera.stages.kernels.quant import SCRATCH, chunked_matmul
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 GROUP = 32  # inputs per scale

@@ -2,7 +2,7 @@
 
 A quantized span keeps its norms, biases and routers in the stage's dtype and every
 matrix of a layer (wqkv, wo, w_gate_up, w_down; each expert's w_gate_up and w_down:
-`layers/block.py`'s `linear_paths`) as integers plus scales; activations
+`families/tensors.py`'s `matrix_paths`) as integers plus scales; activations
 stay in the stage's dtype. The matmuls are torch's own kernels, as gpt-fast's
 quantize.py uses them:
 
@@ -22,7 +22,7 @@ Float32 activations on a CPU (the default there: the reference is float32, and b
 activations drift far enough through 30 layers to change SmolLM2's answers under int4):
 torch's kernels take a slow generic path for float32 (measured, one thread, a 3072 x 576
 matrix: int8 12x and int4 37x a dense float32 matmul for one row, 25x and 60x for 16 rows),
-so a float32 CPU span dequantizes `DEQUANT_CHUNK_BYTES` of rows at a time and multiplies
+so a float32 CPU span dequantizes `DEQUANT_CHUNK_BYTES` of rows at a time (kernels/chunked.py) and multiplies
 them with the dense float32 matmul (gpt-fast's CUDA int8 form, in bounded chunks). int8
 converts only the codes and applies its per-row scales to the [T, N] output, since
 x (q s)^T = (x q^T) s: one pass over the matrix instead of two (SmolLM2 decode went from
@@ -43,24 +43,18 @@ the device uses; the float32 CPU forms dequantize with the very function the ref
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
-import threading
 from dataclasses import dataclass
-from functools import lru_cache, partial
-from typing import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tessera.stages.errors import StageError
-from tessera.stages.families.catalog import tensors_of_layer
-from tessera.stages.families.spec import LayerSpec, ModelSpec
-from tessera.stages.layers.block import Block, linear_paths
-from tessera.stages.weights.folder import WeightFolder
-from tessera.stages.weights.gguf_blocks import Q4_1_BLOCK, GgufQ4Source
+from tessera.stages.families.catalog import layer_matrices, tensors_of_layer
+from tessera.stages.families.spec import ModelSpec
+from tessera.stages.kernels.chunked import SCRATCH, chunked_matmul, dequantizes_in_chunks
 
 QUANT_KINDS = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -68,11 +62,6 @@ DEFAULT_INT4_GROUP = 32  # divides 576 (SmolLM2's width; 64 does too, 128 does n
 INT8_MAX = 127
 INT4_LEVELS = 15  # codes 0..15; torch's int4 kernels subtract 8
 CPU_INT4_ROWS = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
-# float32 weights dequantized at once by a float32 CPU span. The transient (and what glibc keeps of
-# it once freed) counts against the span's memory bound: measured on SmolLM2 layers [0, 15), RSS
-# over (weights + KV) was 0.98 int8 / 1.14 int4 at 1 MiB, 1.11 / 1.53 at 4 MiB; decode speed
-# differed by ~10% between 1, 2 and 4 MiB (int8 0.48-0.57x, int4 0.21-0.26x float32, one thread)
-DEQUANT_CHUNK_BYTES = 1 << 20
 
 
 class QuantError(StageError):
@@ -158,7 +147,7 @@ def shipped_layer_bytes(spec: ModelSpec, layer: int, itemsize: int) -> int:
     """Bytes of decoder layer `layer` of a model that ships quantized, held as it ships: each matrix's
     stored bytes (families/shipped.py `stored_bytes`), its norms, biases and router in `itemsize`."""
     assert spec.shipped is not None, "a model that ships quantized"
-    matrices = {path + ".weight" for path in matrix_paths(spec, spec.layers[layer])}
+    matrices = {path + ".weight" for path in layer_matrices(spec, layer)}
     total = 0
     for ours, choices in tensors_of_layer(spec, layer).items():
         source = choices[0]  # the published layout (a fused one holds the same values)
@@ -169,13 +158,6 @@ def shipped_layer_bytes(spec: ModelSpec, layer: int, itemsize: int) -> int:
     return total
 
 
-@lru_cache(maxsize=64)
-def matrix_paths(spec: ModelSpec, layer: LayerSpec) -> tuple[str, ...]:
-    """The linear modules of a layer shaped `layer` (`linear_paths` of its Block, built on the meta device)."""
-    with torch.device("meta"):
-        return tuple(linear_paths(Block(spec, layer)))
-
-
 def span_bytes(spec: ModelSpec, start: int, end: int, itemsize: int, quant: Quant = NO_QUANT) -> int:
     """Bytes of layers [start, end) stored with `quant`, each per its own shape."""
     return sum(layer_bytes(spec, itemsize, quant, layer=i) for i in range(start, end))
@@ -183,7 +165,7 @@ def span_bytes(spec: ModelSpec, start: int, end: int, itemsize: int, quant: Quan
 
 def check_quant_for(spec: ModelSpec, quant: Quant) -> None:
     """Raise QuantError when `quant` asks to quantize a model that ships quantized already (its
-    matrices are computed as stored: stages/weights/formats/)."""
+    matrices are computed as stored: stages/kernels/)."""
     if quant.active and spec.shipped is not None:
         raise QuantError(f"this model ships as {spec.shipped.tag}: --quant {quant.tag} applies to float weights only")
 
@@ -202,50 +184,6 @@ def base_model_id(tag: str) -> str:
 def inner_k_tiles(cols: int) -> int:
     """torch's CUDA int4 packing parameter: the largest of 8, 4, 2 with cols % (16 x tiles) == 0."""
     return next((t for t in (8, 4, 2) if cols % (16 * t) == 0), 2)
-
-
-def dequantizes_in_chunks(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a span computes by dequantizing rows (float32 on a CPU) instead of torch's int kernels."""
-    return device.type == "cpu" and dtype == torch.float32
-
-
-class Scratch(threading.local):
-    """One thread's dequantization buffers, allocated once at DEQUANT_CHUNK_BYTES and reused by
-    every chunk of every matrix: no heap churn, so a float32 span's RSS stays its weights plus
-    this (fresh temporaries per chunk left 0-7 MiB in glibc's heap, measured)."""
-
-    def take(self, numel: int, dtype: torch.dtype, slot: str = "") -> torch.Tensor:
-        """A flat tensor of `numel` elements of this thread's buffer for `dtype` (grown when asked more);
-        another `slot` is another buffer of that dtype (a dequantizer holding two at once)."""
-        name = f"buffer_{dtype}{slot}".replace(".", "_")
-        buf = getattr(self, name, None)
-        if buf is None or buf.numel() < numel:
-            # a normal tensor even when first asked for under inference_mode: an inference tensor
-            # could not be written by a later forward outside it (the same thread serves both)
-            with torch.inference_mode(False):
-                buf = torch.empty(max(numel, DEQUANT_CHUNK_BYTES // dtype.itemsize), dtype=dtype)
-            setattr(self, name, buf)
-        return buf[:numel]
-
-
-SCRATCH = Scratch()
-
-
-def chunked_matmul(rows: torch.Tensor, n_out: int,
-                   dequantize: Callable[[int, int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """rows [T, K] float32 @ W^T for W [n_out, K] produced by `dequantize(lo, hi, out)` into this
-    thread's scratch, rows [lo, hi) at a time (at most DEQUANT_CHUNK_BYTES of float32) -> [T, n_out]."""
-    k = rows.shape[-1]
-    step = max(1, DEQUANT_CHUNK_BYTES // (4 * k))
-    out = rows.new_empty(rows.shape[0], n_out)
-    for lo in range(0, n_out, step):
-        hi = min(n_out, lo + step)
-        w = dequantize(lo, hi, SCRATCH.take((hi - lo) * k, torch.float32).view(hi - lo, k))  # [hi - lo, K]
-        if hi - lo == n_out:
-            torch.matmul(rows, w.T, out=out)
-        else:
-            out[:, lo:hi] = rows @ w.T  # [T, hi - lo]
-    return out
 
 
 def int8_rows(q: torch.Tensor, scales: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -277,7 +215,7 @@ def int4_block_rows(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
 
 class QuantLinear(nn.Module):
     """A linear layer over quantized weights: `matmul` (2-D rows, no bias) is the subclass's, and so
-    is `dequantized` for a shipped format's (stages/weights/formats/)."""
+    is `dequantized` for a shipped format's (stages/kernels/)."""
 
     bias: torch.Tensor | None
 
@@ -406,7 +344,7 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
         return int8_rows(layer.weight.cpu(), layer.scales.cpu(), 0, layer.weight.shape[0])
     if isinstance(layer, Int4BlockLinear):
         return int4_block_rows(layer.weight.cpu(), layer.scales.cpu(), layer.mins.cpu(), 0, layer.weight.shape[0])
-    if not isinstance(layer, Int4Linear):  # a shipped format's: fp8, mxfp4, GGUF blocks (stages/weights/formats/)
+    if not isinstance(layer, Int4Linear):  # a shipped format's: fp8, mxfp4, GGUF blocks (stages/kernels/)
         return layer.dequantized()
     g, sz = layer.group_size, layer.scales_and_zeros  # [K/G, N, 2]
     groups, rows = sz.shape[0], sz.shape[1]
@@ -417,83 +355,3 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
     codes = probe.matmul(eye).float().T.cpu().reshape(rows, groups, g)  # [N, K/G, G]
     scales, zeros = (sz[..., i].float().T.cpu()[..., None] for i in (0, 1))  # [N, K/G, 1]
     return ((codes - 8) * scales + zeros).reshape(rows, groups * g)
-
-
-def takes_gguf_blocks(quant: Quant, device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether a span stored as `quant` on `device` for `dtype` can take a GGUF's Q4_1 blocks as they
-    are (stages/weights/gguf_blocks.py): int4 in groups of 32, in the float32 CPU block layout."""
-    return quant.kind == "int4" and quant.group_size == Q4_1_BLOCK and dequantizes_in_chunks(torch.device(device), dtype)
-
-
-def quantize_block(weights: WeightFolder, layer: int, quant: Quant, *, dtype: torch.dtype,
-                   device: torch.device | str, gguf: GgufQ4Source | None = None) -> Block:
-    """Layer `layer` of `weights` with its matrices stored as `quant`, read ONE matrix at a time:
-    the float copy of a stacked matrix is dropped once quantized, so loading a span never holds
-    more float weights than its largest matrix (gate/up: 2 I x H). With `gguf` (and
-    `takes_gguf_blocks`), a matrix whose blocks are Q4_1 there is taken as it is, with no float
-    copy at all. Raises ModelFormatError, QuantError."""
-    spec = weights.spec
-    tensors = tensors_of_layer(spec, layer)
-    with torch.device("meta"):
-        block = Block(spec, spec.layers[layer])
-    as_is = gguf if gguf is not None and takes_gguf_blocks(quant, device, dtype) else None
-    paths = linear_paths(block)
-    for path in paths:
-        source = weights.choose(tensors[path + ".weight"])
-        bias = weights.read_stacked(weights.choose(tensors[path + ".bias"]), torch.float32) \
-            if path + ".bias" in tensors else None
-        blocks = as_is.matrix(list(source.names), dict(zip(source.names, source.shapes))) \
-            if as_is is not None and source.index is None else None
-        if blocks is not None:
-            nibbles, scales, mins = blocks
-            layer_module: nn.Module = Int4BlockLinear(nibbles, scales, mins, None if bias is None else bias.to(dtype))
-        else:
-            weight = weights.read_stacked(source, torch.float32)
-            layer_module = quantize_linear(weight, bias, quant, dtype=dtype, device=device)
-            del weight
-        owner, _, name = path.rpartition(".")
-        setattr(block.get_submodule(owner), name, layer_module)
-        del bias, blocks
-    # the rest (norms, a router) in the stage's dtype, each one tensor of the checkpoint
-    rest = {ours: weights.choose(choices) for ours, choices in tensors.items() if ours.rpartition(".")[0] not in paths}
-    read = weights.read({s.names[0]: s.shapes[0] for s in rest.values()}, dtype)
-    # Copies, not views of the memory-mapped file: a view keeps the whole file mapped, and the page
-    # cache maps a 2 KiB norm's neighbours in with it (large folios: 128 KiB to 4 MiB each), which
-    # held a quantized span 23.6 MiB of float weights it does not use once the file had been read whole.
-    block.load_state_dict({ours: read[s.names[0]].to(device, copy=True) for ours, s in rest.items()},
-                          assign=True, strict=False)
-    release_freed_memory()
-    return block.requires_grad_(False)
-
-
-def _libc_trim():  # glibc's malloc_trim, or None on another C library
-    name = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    return trim
-
-
-_MALLOC_TRIM = _libc_trim()
-
-
-def release_freed_memory() -> None:
-    """Hand the float temporaries of quantization back to the OS. glibc raises its mmap threshold
-    after large frees, so matrix-sized temporaries land in its heap and stay resident once freed
-    (measured: +1.3x to +4x the quantized span's bytes in RSS); malloc_trim returns them."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
-
-def dense_block(block: Block, spec: ModelSpec) -> Block:
-    """A float32 copy of `block` whose matrices are the dequantized ones: the reference model."""
-    with torch.device("meta"):
-        dense = Block(spec, block.layer)
-    paths = linear_paths(dense)
-    owners = tuple(path + "." for path in paths)  # a matrix's own tensors, its parts' included
-    state = {name: t.detach().float().cpu() for name, t in block.state_dict().items() if not name.startswith(owners)}
-    for path in paths:
-        layer = block.get_submodule(path)
-        state[path + ".weight"] = dense_weight(layer)
-        if layer.bias is not None:
-            state[path + ".bias"] = layer.bias.detach().float().cpu()
-    dense.load_state_dict(state, assign=True, strict=True)
-    return dense.requires_grad_(False)

@@ -17,13 +17,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from safetensors import SafetensorError, safe_open
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
-from tessera.stages.families.catalog import tensors_of_layer
+from tessera.stages.families.catalog import layer_matrices, tensors_of_layer
 from tessera.stages.families.shipped import FLOAT_DTYPES, ShippedFormat
 from tessera.stages.families.spec import ModelSpec
 from tessera.stages.families.tensors import Stacked, edge_tensors
 from tessera.stages.text.tokenizer import Tokenizer
 from tessera.stages.weights.folder import WeightFolder
-from tessera.stages.kernels.quant import matrix_paths
 
 # tensors older checkpoints carry that the engine recomputes from the config instead
 RECOMPUTED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)
@@ -42,7 +41,7 @@ def expected_tensors(spec: ModelSpec, held: set[str]) -> dict[str, Stored]:
     for name, shape in edge_tensors(spec).items():
         out.update(_dense(spec, name, shape, held))
     for layer in range(spec.num_layers):
-        matrices = {p + ".weight" for p in matrix_paths(spec, spec.layers[layer])} if shipped is not None else set()
+        matrices = {p + ".weight" for p in layer_matrices(spec, layer)} if shipped is not None else set()
         for ours, choices in tensors_of_layer(spec, layer).items():
             def stored(source: Stacked) -> dict[str, Stored]:
                 if shipped is None or ours not in matrices:

@@ -32,9 +32,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tessera.stages.weights.convert import TENSOR_NAMES, unpermute_rope_rows
 from tessera.stages.errors import ModelFormatError
 from tessera.stages.families.spec import ModelSpec
+from tessera.stages.kernels.chunked import dequantizes_in_chunks
+from tessera.stages.kernels.quant import Quant
+from tessera.stages.weights.convert import TENSOR_NAMES, unpermute_rope_rows
 
 SOURCE_GGUF = "source.gguf"  # beside a fetched model's converted folder (peer/cli/model_files.py)
 Q4_1_BLOCK = 32  # weights per Q4_1 block
@@ -59,6 +61,12 @@ class GgufTensor:
     dims: tuple[int, ...]
     kind: int
     offset: int
+
+
+def takes_gguf_blocks(quant: Quant, device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether a span stored as `quant` on `device` for `dtype` can take a GGUF's Q4_1 blocks as they
+    are: int4 in groups of 32, in the float32 CPU block layout (stages/kernels/quant.py)."""
+    return quant.kind == "int4" and quant.group_size == Q4_1_BLOCK and dequantizes_in_chunks(torch.device(device), dtype)
 
 
 # GGUF metadata value types -> their fixed size in bytes (8 = string and 9 = array are walked)

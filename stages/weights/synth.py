@@ -19,13 +19,12 @@ from typing import Iterator
 import torch
 from safetensors.torch import save_file
 
-from tessera.stages.families.catalog import model_tensors, tensors_of_layer, to_config
+from tessera.stages.families.catalog import layer_matrices, model_tensors, tensors_of_layer, to_config
 from tessera.stages.families.llama import llama_spec
 from tessera.stages.families.shipped import ShippedFormat
 from tessera.stages.families.spec import ModelSpec
 from tessera.stages.weights.folder import INDEX_FILE, SINGLE_FILE
 from tessera.stages.kernels.encode import encode_matrix
-from tessera.stages.kernels.quant import matrix_paths
 from tessera.stages.weights.tensor_table import group_of
 
 CHATML = (
@@ -104,7 +103,7 @@ def shipped_state(spec: ModelSpec, state: dict[str, torch.Tensor], *, seed: int)
     gen = torch.Generator().manual_seed(seed)
     out = dict(state)
     for layer in range(spec.num_layers):
-        matrices = {path + ".weight" for path in matrix_paths(spec, spec.layers[layer])}
+        matrices = {path + ".weight" for path in layer_matrices(spec, layer)}
         for ours, choices in tensors_of_layer(spec, layer).items():
             if ours in matrices:
                 for name in choices[0].names:
@@ -116,7 +115,7 @@ def gguf_form(spec: ModelSpec, kind: str) -> ShippedFormat:
     """Every layer matrix of `spec` as GGUF blocks of `kind` (the embedding and head stay float)."""
     names = [name for layer in range(spec.num_layers)
              for ours, choices in tensors_of_layer(spec, layer).items()
-             if ours.rpartition(".")[0] in matrix_paths(spec, spec.layers[layer]) for name in choices[0].names]
+             if ours.rpartition(".")[0] in layer_matrices(spec, layer) for name in choices[0].names]
     return ShippedFormat("gguf", tensor_types=tuple(sorted((name, kind) for name in names)))
 
 

@@ -133,7 +133,7 @@ def test_import_sharded_folder(tiny_llama, tmp_path):
     """A Hugging Face folder with its weights in several shards and an index."""
     from safetensors.torch import load_file, save_file
 
-    from tessera.stages.engine.stage import Stage
+    from tessera.stages.assembly.stage import load_stage
 
     folder = tmp_path / "sharded"
     folder.mkdir()
@@ -149,8 +149,8 @@ def test_import_sharded_folder(tiny_llama, tmp_path):
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     done = tessera("model", "import", str(folder), "--name", "sharded", env={"TESSERA_MODELS": str(tmp_path / "r")})
     assert done.returncode == 0, done.stderr
-    a = Stage.load(tiny_llama, embed=True, head=True)
-    b = Stage.load(Path(done.stdout.strip()), embed=True, head=True)
+    a = load_stage(tiny_llama, embed=True, head=True)
+    b = load_stage(Path(done.stdout.strip()), embed=True, head=True)
     for s in (a, b):
         s.open("x", capacity=8)
     ids = [5, 6, 7]
@@ -160,13 +160,13 @@ def test_import_sharded_folder(tiny_llama, tmp_path):
 SPAN_RSS = """
 import gc, sys, torch
 from pathlib import Path
-from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tests.resident import held_bytes, mib, no_huge_pages, resident_parts
 no_huge_pages()
 torch.set_num_threads(1)
 gc.collect()
 before = held_bytes()
-stage = Stage.load(Path(sys.argv[1]), start=int(sys.argv[2]), end=int(sys.argv[3]))
+stage = load_stage(Path(sys.argv[1]), start=int(sys.argv[2]), end=int(sys.argv[3]))
 stage.open("s", capacity=4)
 stage.forward("s", torch.zeros(1, stage.spec.hidden_size), 0)  # every weight touched, so resident
 gc.collect()

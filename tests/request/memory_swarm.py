@@ -28,7 +28,7 @@ from tessera.protocol.keys import Identity
 from tessera.protocol.records import PeerRecord
 from tessera.stages.weights import registry
 from tessera.stages.shards.sharded import ShardedStage
-from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.stages.weights.synth import synth_spec, write_synth
 from tessera.store.trace import MemoryTracer
 
@@ -105,7 +105,7 @@ async def memory_swarm(stack: AsyncExitStack, folder: Path, plans: list[PeerPlan
             stage = ShardedStage.load(folder, start=plan.start, end=plan.end, index=plan.rank, count=plan.ranks)
             server = ShardServer(transport, identity, stage, group=plan.group)
         else:
-            server = StageServer(transport, identity, Stage.load(folder, start=plan.start, end=plan.end))
+            server = StageServer(transport, identity, load_stage(folder, start=plan.start, end=plan.end))
             server.run_compute = inline
         now = time.time()
         records[plan.name] = (sign_record(identity, PeerRecord(

@@ -27,7 +27,7 @@ from tessera.protocol.crypto import sign_record
 from tessera.protocol.keys import Identity
 from tessera.protocol.records import PeerRecord
 from tessera.stages.decoding.generate import LocalEngine
-from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.stages.weights import registry
 from tessera.store import events
 
@@ -55,7 +55,7 @@ async def run_again(world, folder, name: str, plan: PeerPlan, *, task_status=tri
     reaches the requester."""
     identity = Identity.from_seed(bytes([PLANS.index(plan) + 1]) * 32)  # as memory_swarm made it
     async with open_memory_transport(world.network, world.ids[name]) as transport:
-        server = StageServer(transport, identity, Stage.load(folder, start=plan.start, end=plan.end))
+        server = StageServer(transport, identity, load_stage(folder, start=plan.start, end=plan.end))
         server.run_compute = inline
         Pinger(transport)
         now = time.time() + 1.0  # signed after the record it had when it died

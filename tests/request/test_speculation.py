@@ -19,6 +19,7 @@ from tessera.stages.decoding.speculative import (
     BACKOFF_MISSES, K_PROBE, REPROBE_EVERY, AdaptiveK, Draft, ModelDrafter, NgramDrafter, greedy_accept,
 )
 from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.store.events import Push, Result
 from tessera.store.trace import MemoryTracer
 
@@ -53,7 +54,7 @@ def drafters(smol_dir):
     yield "ngram-k1", lambda: Speculation(NgramDrafter(), k=pinned(1), pipeline=False)
     yield "ngram-k4-pipelined", lambda: Speculation(NgramDrafter(), k=pinned(4), pipeline=True)
     yield "ngram-k8", lambda: Speculation(NgramDrafter(), k=pinned(8), pipeline=False)
-    draft_stage = Stage.load(smol_dir, start=0, end=6, embed=True, head=True)
+    draft_stage = load_stage(smol_dir, start=0, end=6, embed=True, head=True)
     yield "self-6-pipelined", lambda: Speculation(ModelDrafter(draft_stage, capacity=512), k=pinned(3), pipeline=True)
 
 
@@ -158,7 +159,7 @@ class LocalChain:
 def peaky_model(tiny_llama) -> Stage:
     """The tiny synthetic model with weights scaled up, so that next-token distributions are
     far from uniform (a statistical test needs mass on few tokens)."""
-    stage = Stage.load(tiny_llama, embed=True, head=True)
+    stage = load_stage(tiny_llama, embed=True, head=True)
     gen = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for p in stage.blocks.parameters():
@@ -322,7 +323,7 @@ class WrongDrafter:
 
 
 async def test_drafts_that_never_hit_back_off_to_plain_decoding_with_the_same_tokens(tiny_llama):
-    stage = Stage.load(tiny_llama, embed=True, head=True)
+    stage = load_stage(tiny_llama, embed=True, head=True)
     ids = [5, 17, 42, 5, 17]
     budget = 3 * REPROBE_EVERY
 

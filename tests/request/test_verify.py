@@ -29,7 +29,7 @@ from tessera.protocol.keys import Identity
 from tessera.protocol.records import PeerRecord
 from tessera.stages.weights import registry
 from tessera.stages.decoding.generate import LocalEngine, prompt_ids
-from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.store.db import PeerStore
 
 from ..swarm_helpers import local_swarm
@@ -83,7 +83,7 @@ async def memory_swarm(stack: AsyncExitStack, folder: Path, spans, cheater: int,
 
         pid = ID(identity.peer_id).to_base58()
         transport = await stack.enter_async_context(open_memory_transport(network, pid))
-        server = StageServer(transport, identity, Stage.load(folder, start=a, end=b))
+        server = StageServer(transport, identity, load_stage(folder, start=a, end=b))
         server.run_compute = inline  # tiny layers: compute inline, no worker threads
         if i == cheater:
             server.tamper = counted(perturber(CHEAT_RATE, seed=seed))
@@ -183,9 +183,9 @@ def test_honest_peers_on_different_dtypes_are_never_flagged(smol_dir, smol_stage
     spans = [(0, 5), (25, 30)]
     flagged = perturbed_caught = steps = 0
     for a, b in spans:
-        f32 = Stage.load(smol_dir, start=a, end=b)
-        b16 = Stage.load(smol_dir, start=a, end=b, dtype=torch.bfloat16)
-        prefix = Stage.load(smol_dir, start=0, end=a)
+        f32 = load_stage(smol_dir, start=a, end=b)
+        b16 = load_stage(smol_dir, start=a, end=b, dtype=torch.bfloat16)
+        prefix = load_stage(smol_dir, start=0, end=a)
         for s in (f32, b16, prefix):
             s.open("x", capacity=600)
         tol_mixed = tolerance("float32", "bfloat16", b - a)

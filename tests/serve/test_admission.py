@@ -32,7 +32,7 @@ from tessera.peer.serve.server import StageServer
 from tessera.protocol.admission import OPEN_FRAME_LIMIT
 from tessera.protocol.error_codes import BUSY, RECLAIMED
 from tessera.protocol.keys import Identity
-from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.stages.layers.cache import KV_CHUNK
 
 from functools import partial
@@ -99,7 +99,7 @@ async def test_hostile_identities_holding_idle_sessions_do_not_lock_out_an_hones
     with a proof of work) asking all the while; an honest requester's open is admitted
     within IDLE_GRACE of asking, in one open, and its answer is exact. (Before: refused
     busy until the 300 s idle timeout.)"""
-    stage = Stage.load(tiny_llama)
+    stage = load_stage(tiny_llama)
     spec = stage.spec
     network = MemoryNetwork(LinkSpec(latency=0.001, bandwidth=1e9))
     peer = Identity.from_seed(b"\x01" * 32)
@@ -140,7 +140,7 @@ async def test_hostile_identities_holding_idle_sessions_do_not_lock_out_an_hones
                     answers.append(torch.cat(outputs))
             nursery.cancel_scope.cancel()
     assert max(waits) <= IDLE_GRACE + 0.5, waits
-    solo = Stage.load(tiny_llama)
+    solo = load_stage(tiny_llama)
     solo.open("ref", capacity=64)
     expected = torch.cat([solo.forward("ref", inputs[:4], 0)]
                          + [solo.forward("ref", inputs[pos : pos + 1], pos) for pos in range(4, 4 + STEPS - 1)])
@@ -154,7 +154,7 @@ async def test_kv_is_charged_as_sessions_grow_and_idle_ones_give_way(tiny_llama,
     """A session of max_length 4096 is charged one chunk, then what its steps reach; a step
     that needs memory held by an idle session reclaims it; with no idle session the step is
     refused busy with a retry_after, and its session is not charged."""
-    stage = Stage.load(tiny_llama)
+    stage = load_stage(tiny_llama)
     spec = stage.spec
     chunk = stage.session_bytes(KV_CHUNK)
     network = MemoryNetwork(LinkSpec(latency=0.001, bandwidth=1e9))
@@ -186,7 +186,7 @@ async def test_kv_is_charged_as_sessions_grow_and_idle_ones_give_way(tiny_llama,
 async def test_a_full_peer_refuses_busy_with_a_retry_after(tiny_llama, autojump_clock):
     """Every slot held by a session that steps: an open waits only SHORT_WAIT (nothing idle will
     free), then is refused busy, told when to come back; nobody stepping is reclaimed."""
-    stage = Stage.load(tiny_llama)
+    stage = load_stage(tiny_llama)
     spec = stage.spec
     network = MemoryNetwork(LinkSpec(latency=0.001, bandwidth=1e9))
     peer = Identity.from_seed(b"\x03" * 32)
@@ -218,7 +218,7 @@ async def test_a_full_peer_refuses_busy_with_a_retry_after(tiny_llama, autojump_
 async def test_streams_are_bounded_before_they_are_admitted(tiny_llama):
     """A first frame bigger than an open request is refused at its length prefix; past the
     per-remote count of unadmitted streams a new stream is reset unread."""
-    stage = Stage.load(tiny_llama)
+    stage = load_stage(tiny_llama)
     network = MemoryNetwork(LinkSpec(latency=0.0, bandwidth=1e12))
     peer, other = Identity.from_seed(b"\x04" * 32), Identity.from_seed(b"\x05" * 32)
     async with AsyncExitStack() as transports:

@@ -26,6 +26,7 @@ from tessera.peer.serve.batcher import BatchBudget, BatchInterrupted, StepBatche
 from tessera.protocol.keys import Identity
 from tessera.stages.errors import ContextOverflow, SpanError, UnknownSession
 from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.store.events import Error, Forward
 from tessera.store.trace import MemoryTracer
 
@@ -336,7 +337,7 @@ def pid(identity: Identity) -> str:
 async def test_a_failing_session_does_not_fail_the_others_in_its_batch(tiny_llama):
     """Six sessions step on one server at once; one asks for a position past its cache.
     Its step alone fails; the others' outputs equal solo steps, and the trace shows the batch."""
-    stage = Stage.load(tiny_llama)
+    stage = load_stage(tiny_llama)
     spec = stage.spec
     network = MemoryNetwork(LinkSpec(latency=0.0, bandwidth=1e12))
     peer, requester = ident(0), ident(9)
@@ -382,7 +383,7 @@ async def test_a_failing_session_does_not_fail_the_others_in_its_batch(tiny_llam
                 await session.close()
             nursery.cancel_scope.cancel()
     assert isinstance(got[3], PeerFailed) and "position" in str(got[3])
-    solo = Stage.load(tiny_llama)
+    solo = load_stage(tiny_llama)
     for i in (0, 1, 2, 4, 5):
         solo.open(i, capacity=16)
         torch.testing.assert_close(got[i], solo.forward(i, inputs[i], 0), rtol=0, atol=1e-5)

@@ -24,6 +24,7 @@ from tessera.stages.engine.compiled.cuda_graphs import GraphDecode, group_halves
 from tessera.stages.engine.compiled.inductor import HEAD, InductorDecode
 from tessera.stages.engine.compiled.modes import CompileChoiceError, plan_compile
 from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 
 from ..swarm_helpers import local_swarm
 from .families.conformance import DECODE_STEPS, PROMPT, SHAPE, TOLERANCE, VOCAB, build, reference_run, until_eos
@@ -73,7 +74,7 @@ def compiled(folders):
     """Each family's whole model, compiled, with what its runner said."""
     out = {}
     for name, folder in folders.items():
-        stage, said = Stage.load(folder, embed=True, head=True), []
+        stage, said = load_stage(folder, embed=True, head=True), []
         plan = compile_decode(stage, "inductor", say=said.append, buckets=BUCKETS[name])
         out[name] = (stage, plan, said)
     return out
@@ -107,7 +108,7 @@ def test_compiled_matches_eager_and_transformers(folders, compiled, name):
         assert not runner.eager, said  # every layer kind and the head compiled
         assert runner.compiled == kinds | {HEAD}
     tokens, ref = reference_run(folders[name])
-    eager = Stage.load(folders[name], embed=True, head=True)
+    eager = load_stage(folders[name], embed=True, head=True)
     before = runner.steps
     ours, theirs = feed(stage, tokens), feed(eager, tokens)
     assert runner.steps - before == len(tokens) - 1  # every decode step compiled (the prefill eager)
@@ -159,7 +160,7 @@ def stacked_tokens(stage: Stage, prompts: list[list[int]], n: int, capacity: int
 @pytest.mark.parametrize("name", ["llama", "qwen3_moe", "gpt_oss", "glm_moe_dsa"])
 def test_stacked_compiled_steps_equal_solo_runs(folders, compiled, name):
     stage, _, _ = compiled[name]
-    eager = Stage.load(folders[name], embed=True, head=True)
+    eager = load_stage(folders[name], embed=True, head=True)
     solo = [solo_tokens(eager, prompt, STEPS) for prompt in STACKED]
     prompts = STACKED if max(BUCKETS[name]) > 1 else STACKED[:1]  # a one-row bucket stacks nothing
     before = stage.decode.steps
@@ -197,7 +198,7 @@ def test_a_kind_that_fails_to_compile_runs_eagerly_and_says_so_once(folders, mon
     """qwen3_moe has two layer kinds; the sparse one's compile fails: it decodes eagerly, the dense
     one compiled, the output unchanged, one line said. A step that would need another compile at
     run time (forbidden) leaves its kind eager too, with one line."""
-    stage, said = Stage.load(folders["qwen3_moe"], embed=True, head=True), []
+    stage, said = load_stage(folders["qwen3_moe"], embed=True, head=True), []
     runner = InductorDecode(stage, buckets=(1,), say=said.append)
     real = runner._warm_layer
 
@@ -212,7 +213,7 @@ def test_a_kind_that_fails_to_compile_runs_eagerly_and_says_so_once(folders, mon
     sparse = next(k for k in stage.spec.layers if k.mlp.kind == "moe")
     assert sparse not in runner.compiled and "RuntimeError: no lowering for this" in runner.eager[sparse]
     assert [line for line in said if "eagerly" in line] == [f"layer kind gqa + moe decodes eagerly: {runner.eager[sparse]}"]
-    eager = Stage.load(folders["qwen3_moe"], embed=True, head=True)
+    eager = load_stage(folders["qwen3_moe"], embed=True, head=True)
     tokens, _ = solo_tokens(eager, PROMPT, STEPS)
     assert solo_tokens(stage, PROMPT, STEPS)[0] == tokens
 
@@ -230,7 +231,7 @@ def test_a_kind_that_fails_to_compile_runs_eagerly_and_says_so_once(folders, mon
 def test_slot_step_matches_eager(folders, name):
     """The CUDA-graph runner's step, uncaptured: slots of a static pool, positions as tensors, a
     length bucket, 3 sessions padded to 4 rows, a sparse MLP between the graph pieces."""
-    stage = Stage.load(folders[name], embed=True, head=True)
+    stage = load_stage(folders[name], embed=True, head=True)
     runner = GraphDecode(stage, buckets=(1, 4), capacity=32, capture=False)
     runner.lengths = (16, 32)  # two length buckets: the sessions cross from the first to the second
     runner.compile()
@@ -238,7 +239,7 @@ def test_slot_step_matches_eager(folders, name):
     if name == "qwen3_moe":  # dense first layer, then sparse: graph, eager island, graph
         bucket = runner.captured[(1, 16)]
         assert [piece.captured for piece in bucket.pieces] == [True, False, True, False]
-    eager = Stage.load(folders[name], embed=True, head=True)
+    eager = load_stage(folders[name], embed=True, head=True)
     solo = [solo_tokens(eager, prompt, STEPS) for prompt in STACKED]
     tokens, logits = stacked_tokens(stage, STACKED, STEPS, capacity=32)
     assert runner.steps == STEPS - 1
@@ -298,7 +299,7 @@ async def test_compiled_peers_serve_exact_answers(folders, compiled):
                 for i in range(2):
                     nursery.start_soon(answer, i)
             assert together == [want, want]
-            draft = Stage.load(folder, start=0, end=1, embed=True, head=True)
+            draft = load_stage(folder, start=0, end=1, embed=True, head=True)
             speculation = Speculation(ModelDrafter(draft, capacity=64), k=AdaptiveK(3, backoff_after=10**9),
                                       pipeline=False)
             assert [t async for t in swarm.generate_ids(PROMPT, max_new_tokens=DECODE_STEPS,

@@ -13,6 +13,7 @@ import torch
 
 from tessera.stages.engine.compiled.build import compile_decode
 from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 
@@ -35,7 +36,7 @@ def greedy(stage: Stage, prompt: list[int], n: int) -> tuple[list[int], torch.Te
 @pytest.fixture(scope="module")
 def float32_stage(smol_dir):
     torch.backends.cuda.matmul.allow_tf32 = False
-    stage = Stage.load(smol_dir, embed=True, head=True, device="cuda", dtype=torch.float32)
+    stage = load_stage(smol_dir, embed=True, head=True, device="cuda", dtype=torch.float32)
     plan = compile_decode(stage, "cuda-graphs", buckets=(1, 4))
     assert plan.backend == "cuda-graphs" and stage.decode is not None and not stage.decode.eager
     return stage
@@ -73,7 +74,7 @@ def test_stacked_sessions_replay_their_solo_runs(float32_stage):
 
 
 def test_a_bfloat16_span_replays_every_step(smol_dir):
-    stage = Stage.load(smol_dir, start=0, end=10, device="cuda", dtype=torch.bfloat16)
+    stage = load_stage(smol_dir, start=0, end=10, device="cuda", dtype=torch.bfloat16)
     compile_decode(stage, "auto", buckets=(1,))
     stage.open("b", capacity=64)
     stage.forward("b", torch.randn(20, stage.spec.hidden_size), 0)

@@ -8,7 +8,7 @@ import torch
 from tessera.stages.errors import ContextOverflow, SpanError, UnknownSession
 from tessera.stages.decoding.generate import plan_length
 from tessera.stages.decoding.sampling import Sampler, SamplingParams, top_p_filter
-from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 
 CUTS = [(0, 7), (7, 8), (8, 21), (21, 30)]
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018]
@@ -21,7 +21,7 @@ def run_chain(stages, session, hidden, pos):
 
 
 def test_spans_chained_equal_whole_model_bit_for_bit(smol_dir, smol_stage):
-    parts = [Stage.load(smol_dir, start=a, end=b) for a, b in CUTS]
+    parts = [load_stage(smol_dir, start=a, end=b) for a, b in CUTS]
     for p in parts:
         p.open("c", capacity=64)
     smol_stage.open("w", capacity=64)
@@ -39,10 +39,10 @@ def test_spans_chained_equal_whole_model_bit_for_bit(smol_dir, smol_stage):
 
 def test_sub_span_sessions_on_one_stage(smol_dir, smol_stage):
     """A session may use part of a stage's span (how failover re-cuts a route)."""
-    stage = Stage.load(smol_dir, start=5, end=20)
+    stage = load_stage(smol_dir, start=5, end=20)
     stage.open("a", capacity=32, start=5, end=12)
     stage.open("b", capacity=32, start=12, end=20)
-    ref = Stage.load(smol_dir, start=5, end=20)
+    ref = load_stage(smol_dir, start=5, end=20)
     ref.open("r", capacity=32)
     x = smol_stage.embed(PROMPT)
     assert torch.equal(ref.forward("r", x, 0), stage.forward("b", stage.forward("a", x, 0), 0))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 
 from ..conftest import FRANCE
 
@@ -90,7 +90,7 @@ def test_synthetic_architectures_match_transformers(tmp_path, arch):
         architecture=arch,
     )
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).requires_grad_(False)
-    stage = Stage.load(folder, embed=True, head=True)
+    stage = load_stage(folder, embed=True, head=True)
     ids = list(range(5, 45))
     logits, cache = hf_step(ref, ids[:30])
     stage.open("s", capacity=64)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.stages.layers import cache as cache_module
 from tessera.stages.layers.cache import KV_CHUNK, kv_positions
 
@@ -28,7 +29,7 @@ def run_steps(stage: Stage, hidden: torch.Tensor) -> tuple[list[torch.Tensor], l
 
 
 def test_growing_cache_equals_a_whole_one(tiny_llama, monkeypatch):
-    stage = Stage.load(tiny_llama)
+    stage = load_stage(tiny_llama)
     hidden = torch.randn(CAPACITY, stage.spec.hidden_size, generator=torch.Generator().manual_seed(3))
     grown, allocated = run_steps(stage, hidden)
     assert allocated[0] == KV_CHUNK and allocated[-3] == 2 * KV_CHUNK and allocated[-1] == CAPACITY, allocated

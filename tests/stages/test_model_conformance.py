@@ -22,7 +22,7 @@ from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.weights.folder_check import check_folder
 from tessera.stages.decoding.generate import LocalEngine
 from tessera.stages.families.catalog import spec_from_config, spec_from_file
-from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.stages.weights.synth import CHATML, byte_tokenizer_json
 
 from ..swarm_helpers import local_swarm
@@ -110,7 +110,7 @@ def reference_run(folder: Path) -> tuple[list[int], list[torch.Tensor]]:
 
 def our_run(folder: Path, tokens: list[int]) -> list[torch.Tensor]:
     """Our float32 logits per step, feeding the reference's tokens."""
-    stage = Stage.load(folder, embed=True, head=True)
+    stage = load_stage(folder, embed=True, head=True)
     stage.open("c", capacity=len(PROMPT) + DECODE_STEPS)
     out, step, pos = [], PROMPT, 0
     for token in tokens:

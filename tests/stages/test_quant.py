@@ -32,13 +32,15 @@ import torch
 from tessera.peer.node.config import capacity_in_layers
 from tessera.protocol.fingerprint import relative_difference, tolerance
 from tessera.stages.decoding.generate import pick_dtype, prompt_ids
+from tessera.stages.assembly.blocks import dense_block
+from tessera.stages.assembly.stage import load_stage
+from tessera.stages.engine.stage import Stage
+from tessera.stages.families.catalog import spec_from_file
+from tessera.stages.kernels import chunked
 from tessera.stages.kernels.quant import (
-    NO_QUANT, Int4BlockLinear, Int4Linear, Int8Linear, Quant, QuantError, base_model_id, dense_block, dense_weight, layer_bytes,
+    NO_QUANT, Int4BlockLinear, Int4Linear, Int8Linear, Quant, QuantError, base_model_id, dense_weight, layer_bytes,
     model_tag, quantize_linear,
 )
-from tessera.stages.weights import quant as quant_module
-from tessera.stages.families.catalog import spec_from_file
-from tessera.stages.engine.stage import Stage
 from tessera.stages.layers.block import linear_paths
 
 from ..conftest import FRANCE
@@ -138,7 +140,7 @@ def test_float32_cpu_form_dequantizes_in_bounded_chunks(scheme, monkeypatch):
     quant = Quant.parse(scheme)
     layer = quantize_linear(w, None, quant, dtype=torch.float32, device="cpu")  # 80 rows: no multiple of 16 needed
     whole = layer(x)
-    monkeypatch.setattr(quant_module, "DEQUANT_CHUNK_BYTES", 7 * 256 * 4)  # 7 rows a chunk: 12 chunks
+    monkeypatch.setattr(chunked, "DEQUANT_CHUNK_BYTES", 7 * 256 * 4)  # 7 rows a chunk: 12 chunks
     assert (layer(x) - whole).abs().max() < 1e-6
     assert (whole - x @ dense_weight(layer).T).abs().max() < 1e-6
     if quant.kind == "int4":
@@ -156,7 +158,7 @@ def test_a_forward_outside_inference_mode_after_one_inside_it():
     gen = torch.Generator().manual_seed(3)
     w, x = torch.randn(48, 128, generator=gen) * 0.02, torch.randn(2, 128, generator=gen)
     for scheme in SCHEMES:
-        quant_module.SCRATCH.__dict__.clear()  # this thread's buffers: made anew below, inside inference_mode
+        chunked.SCRATCH.__dict__.clear()  # this thread's buffers: made anew below, inside inference_mode
         layer = quantize_linear(w, None, Quant.parse(scheme), dtype=torch.float32, device="cpu")
         with torch.inference_mode():
             inside = layer(x)
@@ -168,7 +170,7 @@ def test_a_forward_outside_inference_mode_after_one_inside_it():
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_tiny_model_equals_its_dequantized_float32_model(tiny_llama, scheme):
-    stage = Stage.load(tiny_llama, embed=True, head=True, quant=Quant.parse(scheme))
+    stage = load_stage(tiny_llama, embed=True, head=True, quant=Quant.parse(scheme))
     ref = reference_of(stage)
     ids = [3, 17, 99, 250, 42, 7, 7, 8]
     got, got_logits = greedy(stage, ids, 12)
@@ -177,7 +179,7 @@ def test_tiny_model_equals_its_dequantized_float32_model(tiny_llama, scheme):
     print(f"{scheme}: max |logits - dequantized float32| = {worst:.2g}")
     assert got == want
     assert worst <= FLOAT32_TOLERANCE
-    dense = Stage.load(tiny_llama, embed=True, head=True)
+    dense = load_stage(tiny_llama, embed=True, head=True)
     assert stage.weight_bytes < dense.weight_bytes  # not a float copy in disguise
     assert not any(t.is_meta for t in [*stage.blocks.parameters(), *stage.blocks.buffers()])
 
@@ -189,14 +191,14 @@ def test_tiny_model_equals_its_dequantized_float32_model(tiny_llama, scheme):
 def smol_quantized(request, smol_dir):
     """(scheme, the quantized model as a CPU peer serves it by default, its dequantized float32 model)."""
     quant = Quant.parse(request.param)
-    stage = Stage.load(smol_dir, embed=True, head=True, quant=quant, dtype=pick_dtype("auto", torch.device("cpu"), quant))
+    stage = load_stage(smol_dir, embed=True, head=True, quant=quant, dtype=pick_dtype("auto", torch.device("cpu"), quant))
     return request.param, stage, reference_of(stage)
 
 
 @pytest.fixture(scope="module", params=["int8", "int4g32"])
 def smol_quantized_bf16(request, smol_dir):
     """(scheme, the quantized model with --dtype bfloat16: torch's fast CPU kernels, its dequantized float32 model)."""
-    stage = Stage.load(smol_dir, embed=True, head=True, quant=Quant.parse(request.param), dtype=torch.bfloat16)
+    stage = load_stage(smol_dir, embed=True, head=True, quant=Quant.parse(request.param), dtype=torch.bfloat16)
     return request.param, stage, reference_of(stage)
 
 
@@ -253,16 +255,17 @@ QUANT_SPAN_RSS = """
 import gc, sys, torch
 from pathlib import Path
 from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.stages.kernels.quant import Quant
 from tests.resident import held_bytes, mib, no_huge_pages, resident_parts
 no_huge_pages()
 torch.set_num_threads(1)
-warm = Stage.load(Path(sys.argv[1]), start=0, end=1, quant=Quant.parse(sys.argv[2]))
+warm = load_stage(Path(sys.argv[1]), start=0, end=1, quant=Quant.parse(sys.argv[2]))
 warm.open("w", capacity=4)
 warm.forward("w", torch.zeros(1, warm.spec.hidden_size), 0)  # torch's lazy kernel set-up, not the span
 del warm
-import tessera.stages.kernels.quant as quant_module
-quant_module.SCRATCH = quant_module.Scratch()  # the dequantization buffers count: a fresh one for the span
+import tessera.stages.kernels.chunked as chunked
+chunked.SCRATCH.__dict__.clear()  # the dequantization buffers count: this thread's made anew for the span
 gc.collect()
 def rss():
     return next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
@@ -270,7 +273,7 @@ def rss():
 before, held_before = rss(), held_bytes()
 print('before the span:', mib(resident_parts()), file=sys.stderr)
 Path("/proc/self/clear_refs").write_text("5")  # resets the peak (VmHWM) to the current RSS
-stage = Stage.load(Path(sys.argv[1]), start=0, end=15, quant=Quant.parse(sys.argv[2]))  # float32: the CPU default
+stage = load_stage(Path(sys.argv[1]), start=0, end=15, quant=Quant.parse(sys.argv[2]))  # float32: the CPU default
 peak = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
             if line.startswith("VmHWM:"))
 # The kernel keeps only a peak of the whole RSS: take out the library pages mapped by the load
@@ -332,14 +335,14 @@ def test_int4_span_takes_the_gguf_blocks_without_reading_a_float_matrix(smol_dir
     weights ARE the folder's float32 weights: the reference model is the unquantized one."""
     from tessera.stages.weights.folder import WeightFolder
 
-    quantized = Stage.load(smol_without_gguf, start=0, end=3, quant=Quant("int4"))
-    dense = Stage.load(smol_dir, start=0, end=3)
+    quantized = load_stage(smol_without_gguf, start=0, end=3, quant=Quant("int4"))
+    dense = load_stage(smol_dir, start=0, end=3)
 
     def no_float_matrices(self, source, dtype):
         raise AssertionError(f"a float matrix was read: {source.names}")
 
     monkeypatch.setattr(WeightFolder, "read_stacked", no_float_matrices)
-    as_is = Stage.load(smol_dir, start=0, end=3, quant=Quant("int4"))
+    as_is = load_stage(smol_dir, start=0, end=3, quant=Quant("int4"))
     monkeypatch.undo()
     for ours, theirs, floats in zip(as_is.blocks, quantized.blocks, dense.blocks):
         for path in linear_paths(floats):
@@ -351,7 +354,7 @@ def test_int4_span_takes_the_gguf_blocks_without_reading_a_float_matrix(smol_dir
     # bf16 activations use torch's kernels, whose packing is not GGUF's: quantized from the folder
     with pytest.raises(AssertionError, match="a float matrix was read"):
         monkeypatch.setattr(WeightFolder, "read_stacked", no_float_matrices)
-        Stage.load(smol_dir, start=0, end=1, quant=Quant("int4"), dtype=torch.bfloat16)
+        load_stage(smol_dir, start=0, end=1, quant=Quant("int4"), dtype=torch.bfloat16)
 
 
 def test_gguf_blocks_served_as_is_only_when_they_requantize_to_themselves(tmp_path, smol_dir):

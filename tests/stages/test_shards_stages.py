@@ -10,7 +10,7 @@ import torch
 from tessera.peer.plan.audit import REQUESTER, check
 from tessera.stages.shards.sharded import ShardError, ShardedStage
 from tessera.stages.families.catalog import spec_from_file
-from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 
 from ..shard_helpers import DECODE_STEPS, LOGITS_TOLERANCE, InProcessGroup, greedy_run
 
@@ -54,9 +54,9 @@ def test_smollm2_group_of_three_matches_the_unsharded_stage(smol_dir, smol_stage
 def test_synthetic_groups_match_between_unsharded_spans(synth_models, arch, count):
     """[0, 1) unsharded, [1, 3) a group, [3, 4) unsharded: slices in, slices out."""
     folder = synth_models[arch]
-    head = Stage.load(folder, start=0, end=0, embed=True, head=True)
-    whole = Stage.load(folder)
-    before, after = Stage.load(folder, start=0, end=1), Stage.load(folder, start=3, end=4)
+    head = load_stage(folder, start=0, end=0, embed=True, head=True)
+    whole = load_stage(folder)
+    before, after = load_stage(folder, start=0, end=1), load_stage(folder, start=3, end=4)
     group = InProcessGroup(folder, start=1, end=3, count=count)
     prompt = [5, 17, 260, 42, 99, 3]
     compare(greedy_run(head, [whole], prompt), greedy_run(head, [before, group, after], prompt))
@@ -71,7 +71,7 @@ def test_each_rank_holds_one_nth_of_the_weights(smol_dir):
     assert rank.weight_bytes * 3 == 2 * spec.layer_bytes(4)
     assert rank.cols == (192, 384)
     rank.open("s", capacity=10)
-    full = Stage.load(smol_dir, start=4, end=6)
+    full = load_stage(smol_dir, start=4, end=6)
     assert rank.session_bytes(10) * 3 == full.session_bytes(10)  # its KV heads only
 
 
@@ -85,10 +85,10 @@ def test_a_group_size_that_does_not_divide_the_kv_heads_is_refused(smol_dir):
 def test_sub_span_sessions_and_rollback(synth_models):
     """A session over part of the group's span, and a rewrite after a rollback, stay exact."""
     folder = synth_models["llama"]
-    head = Stage.load(folder, start=0, end=0, embed=True, head=True)
-    first = Stage.load(folder, start=0, end=2)
+    head = load_stage(folder, start=0, end=0, embed=True, head=True)
+    first = load_stage(folder, start=0, end=2)
     group = InProcessGroup(folder, start=1, end=4, count=2)
-    reference = Stage.load(folder)
+    reference = load_stage(folder)
     for rank in group.ranks:
         rank.open("s", capacity=16, start=2, end=4)
     group._steps["s"] = 0
@@ -113,8 +113,8 @@ def test_sub_span_sessions_and_rollback(synth_models):
 def test_the_broken_variant_that_gathers_the_full_state_fails_the_audit(synth_models):
     """Its output is still right — only the audit can tell — and the audit does."""
     folder = synth_models["llama"]
-    head = Stage.load(folder, start=0, end=0, embed=True, head=True)
-    whole = Stage.load(folder)
+    head = load_stage(folder, start=0, end=0, embed=True, head=True)
+    whole = load_stage(folder)
     broken = InProcessGroup(folder, start=0, end=4, count=2, gather_full=True)
     prompt = [5, 17, 260, 42]
     compare(greedy_run(head, [whole], prompt, steps=4), greedy_run(head, [broken], prompt, steps=4))
@@ -130,7 +130,7 @@ def test_the_broken_variant_that_gathers_the_full_state_fails_the_audit(synth_mo
 @pytest.fixture(scope="module")
 def clean_logs(synth_models):
     folder = synth_models["llama"]
-    head = Stage.load(folder, start=0, end=0, embed=True, head=True)
+    head = load_stage(folder, start=0, end=0, embed=True, head=True)
     group = InProcessGroup(folder, start=0, end=4, count=4)
     greedy_run(head, [group], [5, 6, 7], steps=3)
     assert check(group.logs).ok

@@ -13,7 +13,7 @@ from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.plan.audit import check
 from tessera.peer.request.segmented import SegmentedSession
 from tessera.stages.decoding.generate import LocalEngine
-from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.store.trace import MemoryTracer
 
 from ..shard_helpers import (
@@ -47,7 +47,7 @@ def procs(synth):
 
 @pytest.mark.parametrize("names, group", [(TWO, "two"), (FOUR, "four")], ids=["n=2", "n=4"])
 async def test_a_group_matches_the_unsharded_model(procs, synth, names, group):
-    whole = Stage.load(synth, embed=True, head=True)
+    whole = load_stage(synth, embed=True, head=True)
     reference = greedy_run(whole, [whole], PROMPT)
     tracer = MemoryTracer(peer="requester")
     async with Swarm.join(procs.addrs[:1], model=synth, tracer=tracer) as swarm:

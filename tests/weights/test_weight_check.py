@@ -26,7 +26,7 @@ import torch
 from tessera.peer.cli.model_files import synthesise
 from tessera.peer.weights.errors import WeightsMismatch
 from tessera.peer.weights.verify import CACHE_FILE, VerifiedCache, WeightCheck, stamp_of
-from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.stages.errors import ModelFormatError
 from tessera.stages.weights.registry import MANIFEST
 from tessera.stages.weights.tensor_table import read_header
@@ -63,7 +63,7 @@ def scale_in_place(folder: Path, name: str, factor: float, *, keep_mtime: bool =
 
 def load(folder: Path, check: WeightCheck, start: int = 0, end: int = 4):
     span = check.begin()
-    stage = Stage.load(folder, start=start, end=end, check=span)
+    stage = load_stage(folder, start=start, end=end, check=span)
     span.commit()
     return stage, span
 
@@ -143,7 +143,7 @@ def test_fetched_tensors_are_recorded_as_checked(model, tmp_path):
     layer1 = [n for n in check.manifest["tensors"]["entries"] if n.startswith("model.layers.1.")]
     check.record_fetched("model.safetensors", layer1, stamp_before=None)
     span = check.begin()
-    Stage.load(model, start=0, end=2, check=span)
+    load_stage(model, start=0, end=2, check=span)
     assert span.stats.trusted == 9 and span.stats.hashed == 9
 
 
@@ -195,11 +195,11 @@ def test_fused_experts_read_row_by_row_are_hashed_whole_once(tmp_path):
     layer0 = {n for n, e in check.manifest["tensors"]["entries"].items() if e["group"] == "layer.0"}
     fused = next(n for n in layer0 if "experts" in n and "gate_up" in n)
     span = check.begin()
-    Stage.load(folder, start=0, end=1, check=span)
+    load_stage(folder, start=0, end=1, check=span)
     assert span.done == layer0 and span.stats.hashed == len(layer0)  # every tensor, each once
     scale_in_place(folder, fused, 1.5)
     with pytest.raises(WeightsMismatch, match=fused):
-        Stage.load(folder, start=0, end=1, check=WeightCheck(folder, VerifiedCache(None)).begin())
+        load_stage(folder, start=0, end=1, check=WeightCheck(folder, VerifiedCache(None)).begin())
 
 
 def flip_a_byte(folder: Path, name: str) -> None:
@@ -217,7 +217,7 @@ def flip_a_byte(folder: Path, name: str) -> None:
 @pytest.mark.parametrize("form", ["fp8", "mxfp4-fused"])
 def test_a_checkpoint_that_ships_quantized_is_checked_as_stored(tmp_path, form):
     """fp8 codes and scales, MXFP4 blocks (one expert's row at a time when fused) are read as
-    stored, without a cast (stages/weights/formats/): each is hashed all the same, and one
+    stored, without a cast (stages/weights/formats/load.py): each is hashed all the same, and one
     changed byte of a code tensor is refused."""
     transformers = pytest.importorskip("transformers")
     from ..stages.families.conformance import SHAPE, build
@@ -238,9 +238,9 @@ def test_a_checkpoint_that_ships_quantized_is_checked_as_stored(tmp_path, form):
     stored = sorted(n for n in layer0 if n.endswith(("_scale_inv", "_blocks")))
     assert stored  # the layer holds the shipped form's tensors
     span = check.begin()
-    Stage.load(folder, start=0, end=1, check=span)
+    load_stage(folder, start=0, end=1, check=span)
     assert span.done == layer0 and span.stats.hashed == len(layer0)
     altered = next(n for n in sorted(layer0) if n.endswith("_blocks") or n + "_scale_inv" in layer0)
     flip_a_byte(folder, altered)
     with pytest.raises(WeightsMismatch, match=altered):
-        Stage.load(folder, start=0, end=1, check=WeightCheck(folder, VerifiedCache(None)).begin())
+        load_stage(folder, start=0, end=1, check=WeightCheck(folder, VerifiedCache(None)).begin())

@@ -33,7 +33,7 @@ from tessera.protocol.weights import (
 from tessera.stages.weights import registry
 from tessera.stages.errors import ModelFormatError
 from tessera.stages.weights.registry import held_tensors
-from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.stages.text.tokenizer import Tokenizer
 from tessera.stages.weights.tensor_table import check_manifest, groups_for_span, table_digest
 
@@ -154,7 +154,7 @@ async def test_a_span_is_fetched_from_two_holders_and_loads_exactly(model, tmp_p
     hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
     outs = []
     for f in (folder, model):
-        stage = Stage.load(f, start=0, end=2)
+        stage = load_stage(f, start=0, end=2)
         stage.open("s", capacity=8)
         outs.append(stage.forward("s", hidden, 0))
     assert torch.equal(*outs)
@@ -301,8 +301,8 @@ async def test_a_requester_without_files_fetches_embedding_head_and_tokenizer(mo
         again = await ensure_model(NAME, [], swarm_key=None, groups=REQUESTER_GROUPS)  # all here: no network
     assert folder == again == tmp_path / "requester" / NAME
     assert held_tensors(folder) == {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
-    ours = Stage.load(folder, start=0, end=0, embed=True, head=True)
-    theirs = Stage.load(model, start=0, end=0, embed=True, head=True)
+    ours = load_stage(folder, start=0, end=0, embed=True, head=True)
+    theirs = load_stage(model, start=0, end=0, embed=True, head=True)
     assert torch.equal(ours.embedding, theirs.embedding) and torch.equal(ours.head, theirs.head)
     assert Tokenizer.from_folder(folder).encode("hello there") == Tokenizer.from_folder(model).encode("hello there")
     with pytest.raises(ModelFormatError, match="no model"):

@@ -1,7 +1,7 @@
 """Attach a compiled decode step to a loaded Stage: `compile_decode(stage, mode)`.
 
 Called once per span load (a peer: right after its weights are in, before it serves; the
-local engine and the benchmarks: after `Stage.load`). What runs eagerly, and why, is said
+local engine and the benchmarks: after `load_stage`). What runs eagerly, and why, is said
 through `say`, once; a span whose every compile failed serves eagerly.
 """
 

@@ -8,7 +8,7 @@ over W's rows, moves 17-23 GB/s for one row, 14-15 for two and 11 for four, and 
 the matmul at eight. So under torch.compile a `RowLinear` multiplies up to
 ROW_REDUCTION_ROWS rows that way; more rows, and every eager call, take F.linear as before.
 
-A matrix stored as a checkpoint ships it (fp8 blocks, MXFP4, GGUF blocks: stages/weights/formats/)
+A matrix stored as a checkpoint ships it (fp8 blocks, MXFP4, GGUF blocks: stages/kernels/)
 is a `FusedRows` in the decode form when its format has a fused form: the same reduction, over
 the weight written as elementwise operations of its stored codes, which inductor fuses into one
 loop that reads each code once (measured, one thread, an 8192 x 2048 matrix: fp8 5.2 and Q8_0
@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.stages.kernels.linear import RowStack, ShippedLinear
-from tessera.stages.kernels.quant import DEQUANT_CHUNK_BYTES, QuantLinear
+from tessera.stages.kernels.chunked import DEQUANT_CHUNK_BYTES
+from tessera.stages.kernels.quant import QuantLinear
 
 ROW_REDUCTION_ROWS = 4  # rows up to which the reduction beats torch's matmul (module docstring)
 

@@ -1,11 +1,12 @@
 """Loading a span of a checkpoint that ships quantized (fp8 blocks, MXFP4, GGUF blocks) as it ships.
 
 The model's spec says how its matrices are stored (`ModelSpec.shipped`, families/shipped.py).
-`shipped_block` builds a layer on the meta device and gives each of its linear modules
-(stages/layers/block.py `linear_paths`) the stored tensors of its checkpoint matrices, read
-from the memory-mapped files one matrix at a time and copied out (a view would keep the
-file's neighbouring pages mapped: see stages/kernels/quant.py `quantize_block`), never widened:
-the span holds what it would on disk, plus its norms and routers in the compute dtype.
+`shipped_matrices` gives each weight matrix of a layer (families/tensors.py `matrix_paths`) as
+the linear module of its stored form (stages/kernels/stored.py), its tensors read from the
+memory-mapped files one matrix at a time and copied out (a view would keep the file's
+neighbouring pages mapped: see stages/weights/quantize.py `float_rest`), never widened: the
+span holds what it would on disk, plus its norms and routers in the compute dtype
+(`shipped_rest`); stages/assembly/ puts them into the layer's modules.
 `dense_tensor` gives what a span holds dense — the embedding and the head (a requester holds
 them in float anyway), norms, routers, MLA's `wkv_b` parameter — dequantized, whichever form
 the checkpoint stores them in.
@@ -17,47 +18,51 @@ taken when the folder holds every stored tensor of its parts, so a gpt-oss-style
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 
 from tessera.stages.errors import ModelFormatError
-from tessera.stages.families.catalog import tensors_of_layer
+from tessera.stages.families.catalog import layer_matrices, tensors_of_layer
 from tessera.stages.families.shipped import FLOAT_DTYPES, GGML_TYPES, ShippedFormat
 from tessera.stages.families.tensors import Choices, Stacked
-from tessera.stages.layers.block import Block, linear_paths
-from tessera.stages.weights.folder import WeightFolder
-from tessera.stages.kernels.fp8 import Fp8BlockLinear, check_codes, fp8_dense
+from tessera.stages.kernels.fp8 import fp8_dense
 from tessera.stages.kernels.ggml import ggml_rows
-from tessera.stages.kernels.ggml_linear import GgmlLinear
-from tessera.stages.kernels.linear import FloatLinear, RowStack, ShippedLinear
-from tessera.stages.kernels.mxfp4 import Mxfp4Linear, mxfp4_dense
-from tessera.stages.kernels.quant import QuantLinear, release_freed_memory
+from tessera.stages.kernels.linear import RowStack, ShippedLinear
+from tessera.stages.kernels.mxfp4 import mxfp4_dense
+from tessera.stages.kernels.quant import QuantLinear
+from tessera.stages.kernels.stored import stored_linear
+from tessera.stages.weights.folder import WeightFolder
 
 
-def shipped_block(weights: WeightFolder, layer: int, *, dtype: torch.dtype, device: torch.device | str) -> Block:
-    """Layer `layer` of a shipped-quantized folder, its matrices as stored (module docstring).
-    Raises ModelFormatError (a stored tensor missing, misshapen or of another dtype)."""
+def shipped_matrices(weights: WeightFolder, layer: int, *, dtype: torch.dtype, device: torch.device | str
+                     ) -> Iterator[tuple[str, QuantLinear]]:
+    """(path, linear module) for each weight matrix of layer `layer` of a shipped-quantized folder, as
+    stored (module docstring), each with its bias in `dtype`. Raises ModelFormatError (a stored tensor
+    missing, misshapen or of another dtype)."""
     spec = weights.spec
     shipped = spec.shipped
     assert shipped is not None, "a folder whose config names a quantization_config"
     tensors = tensors_of_layer(spec, layer)
-    with torch.device("meta"):
-        block = Block(spec, spec.layers[layer])
-    paths = linear_paths(block)
-    for path in paths:
+    for path in layer_matrices(spec, layer):
         source = stored_layout(weights, shipped, tensors[path + ".weight"])
         bias = weights.read_stacked(weights.choose(tensors[path + ".bias"]), dtype).to(device) \
             if path + ".bias" in tensors else None
         parts = [stored_matrix(weights, shipped, source, i, device) for i in range(len(source.names))]
         module: QuantLinear = parts[0] if len(parts) == 1 else RowStack(parts, None)
         module.bias = bias
-        owner, _, name = path.rpartition(".")
-        setattr(block.get_submodule(owner), name, module)
-    # the rest (norms, a router, MLA's wkv_b parameter) dense in the stage's dtype, dequantized if stored so
-    rest = {ours: weights.choose(choices) for ours, choices in tensors.items() if ours.rpartition(".")[0] not in paths}
-    block.load_state_dict({ours: dense_tensor(weights, s.names[0], s.shapes[0], dtype).to(device, copy=True)
-                           for ours, s in rest.items()}, assign=True, strict=False)
-    release_freed_memory()
-    return block.requires_grad_(False)
+        yield path, module
+
+
+def shipped_rest(weights: WeightFolder, layer: int, dtype: torch.dtype, device: torch.device | str
+                 ) -> dict[str, torch.Tensor]:
+    """Layer `layer`'s tensors outside its matrices (norms, a router, MLA's wkv_b parameter) dense in
+    `dtype` by engine name, dequantized where the checkpoint stores them so (copies, never views)."""
+    spec = weights.spec
+    paths = set(layer_matrices(spec, layer))
+    rest = {ours: weights.choose(choices) for ours, choices in tensors_of_layer(spec, layer).items()
+            if ours.rpartition(".")[0] not in paths}
+    return {ours: dense_tensor(weights, s.names[0], s.shapes[0], dtype).to(device, copy=True) for ours, s in rest.items()}
 
 
 def stored_layout(weights: WeightFolder, shipped: ShippedFormat, choices: Choices) -> Stacked:
@@ -81,21 +86,6 @@ def stored_matrix(weights: WeightFolder, shipped: ShippedFormat, source: Stacked
     read = {n: weights.read_stored(n, shape, dtypes, index=index).to(device, copy=True)
             for n, (shape, dtypes) in stored.items()}
     return stored_linear(shipped, name, read, cols=source.shapes[i][lead + 1])
-
-
-def stored_linear(shipped: ShippedFormat, name: str, stored: dict[str, torch.Tensor], *, cols: int) -> ShippedLinear:
-    """The linear module (no bias) of checkpoint matrix `name` from its stored tensors (by stored
-    name: families/shipped.py `stored_tensors`), `cols` its inputs. Raises ModelFormatError (fp8 NaN codes)."""
-    form = shipped.form_of(name)
-    if form == "fp8":
-        codes, scale_inv = stored[name], stored[name + "_scale_inv"]
-        check_codes(codes, name)
-        return Fp8BlockLinear(codes, scale_inv.float(), shipped.block, None)
-    if form == "mxfp4":
-        return Mxfp4Linear(stored[name + "_blocks"], stored[name + "_scales"], None)
-    if form == "float" or GGML_TYPES[form].is_float:
-        return FloatLinear(stored[name], None)
-    return GgmlLinear(stored[name], GGML_TYPES[form], cols, None)
 
 
 def dense_tensor(weights: WeightFolder, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -24,9 +24,10 @@ from tessera.peer.node.torch_compute import TorchCompute
 from tessera.stages.decoding.generate import LocalEngine
 from tessera.stages.decoding.speculative import greedy_accept
 from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.stages.shards.sharded import ShardError
 from tessera.stages.weights.folder_check import check_folder
-from tessera.stages.kernels.quant import dense_block
+from tessera.stages.assembly.blocks import dense_block
 from tessera.stages.weights.synth import CHATML, byte_tokenizer_json
 
 TOLERANCE = 1e-4  # float32 logits, max abs (the charter's bound)
@@ -92,7 +93,7 @@ def check_matches_transformers(folder: Path, reference: tuple[list[int], list[to
     greedy tokens identical."""
     check_folder(folder)  # what `tessera model import` checks accepts it
     tokens, ref = reference
-    stage = Stage.load(folder, embed=True, head=True)
+    stage = load_stage(folder, embed=True, head=True)
     stage.open("c", capacity=len(PROMPT) + DECODE_STEPS)
     ours, step, pos = [], PROMPT, 0
     for token in tokens:
@@ -126,7 +127,7 @@ def check_stacked_sessions(folder: Path) -> None:
     """8 sessions of different lengths join two at a time, so every stacked step mixes prefills
     with decodes at different positions (and, in a sparse layer, every expert's matmul takes
     the rows of every session that picked it); each session's logits and tokens are its solo run's."""
-    stage = Stage.load(folder, embed=True, head=True)
+    stage = load_stage(folder, embed=True, head=True)
     solo = [solo_run(stage, prompt, STACKED_STEPS) for prompt in STACKED_PROMPTS]
     for i in range(len(STACKED_PROMPTS)):
         stage.open(("s", i), capacity=64)
@@ -161,7 +162,7 @@ def check_rollback(folder: Path, reference: list[int], *, k: int = 3) -> None:
     blocks are kept whole and cut short; a cut block's cache positions are rolled back by the
     next write (a pointer move). The tokens are the reference's."""
     want = until_eos(reference)
-    stage = Stage.load(folder, embed=True, head=True)
+    stage = load_stage(folder, embed=True, head=True)
     stage.open("spec", capacity=len(PROMPT) + len(want) + k + 1)
     seq = PROMPT + [int(stage.logits(stage.forward("spec", stage.embed(PROMPT), 0))[-1].argmax())]
     blocks = cuts = 0
@@ -195,7 +196,7 @@ async def check_swarm(swarm_procs: Any, folder: Path, reference: list[int]) -> N
     from tessera.peer.request.decode import Speculation
     from tessera.stages.decoding.speculative import AdaptiveK, ModelDrafter
 
-    draft = Stage.load(folder, start=0, end=1, embed=True, head=True)
+    draft = load_stage(folder, start=0, end=1, embed=True, head=True)
     async with Swarm.join(swarm_procs.addrs[:1], model=folder) as swarm:
         plain = [t async for t in swarm.generate_ids(PROMPT, max_new_tokens=DECODE_STEPS)]
         speculation = Speculation(ModelDrafter(draft, capacity=64), k=AdaptiveK(3, backoff_after=10**9),
@@ -209,7 +210,7 @@ async def check_swarm(swarm_procs: Any, folder: Path, reference: list[int]) -> N
 def check_against_dequantized(folder: Path, stage: Stage) -> None:
     """A quantized whole-model `stage` of `folder` against its own dequantized float32 blocks: a
     prefill of 20 tokens and 6 greedy steps, tokens identical and logits within 3e-4."""
-    head = Stage.load(folder, start=0, end=0, embed=True, head=True)
+    head = load_stage(folder, start=0, end=0, embed=True, head=True)
     reference = Stage(stage.spec, 0, [dense_block(b, stage.spec) for b in stage.blocks])
     for span in (stage, reference):
         span.open("q", capacity=32)

@@ -64,9 +64,9 @@ def test_matches_transformers(folders, references, name):
 
 
 def logits_with_path(folder, tokens, path):
-    from tessera.stages.engine.stage import Stage
+    from tessera.stages.assembly.stage import load_stage
 
-    stage = Stage.load(folder, embed=True, head=True)
+    stage = load_stage(folder, embed=True, head=True)
     for block in stage.blocks:
         block.attn.path = path
     stage.open("c", capacity=64)
@@ -127,11 +127,11 @@ def test_the_router_is_transformers_and_its_groups_and_bias_matter(folders):
     group limit and the correction bias each change some token's picks (so the runs above test them)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    from tessera.stages.engine.stage import Stage
+    from tessera.stages.assembly.stage import load_stage
     from tessera.stages.layers.routers import SigmoidGroupTopK
 
     config = transformers.DeepseekV3Config.from_pretrained(folders[SWARM])
-    router = Stage.load(folders[SWARM], start=1, end=2).blocks[0].mlp.router
+    router = load_stage(folders[SWARM], start=1, end=2).blocks[0].mlp.router
     theirs = DeepseekV3TopkRouter(config)
     with torch.no_grad():
         theirs.weight.copy_(router.weight)
@@ -154,9 +154,9 @@ def test_the_router_is_transformers_and_its_groups_and_bias_matter(folders):
 def test_the_latent_cache_is_what_admission_counts(folders):
     """An MLA layer keeps C + Dr values a position (16 + 8), whatever its heads: what a session's
     cache allocates, what session_bytes budgets, and what placement counts per position."""
-    from tessera.stages.engine.stage import Stage
+    from tessera.stages.assembly.stage import load_stage
 
-    stage = Stage.load(folders[SWARM], start=1, end=3)
+    stage = load_stage(folders[SWARM], start=1, end=3)
     assert stage.spec.kv_bytes_per_position(1, 3, 4) == 2 * (16 + 8) * 4
     assert stage.session_bytes(100) == 100 * 2 * (16 + 8) * 4
     stage.open("s", capacity=100)
@@ -167,14 +167,14 @@ def test_the_latent_cache_is_what_admission_counts(folders):
 
 
 def test_placement_counts_each_layer_and_the_span_holds_it(folders):
-    from tessera.stages.engine.stage import Stage
+    from tessera.stages.assembly.stage import load_stage
     from tessera.stages.kernels.quant import span_bytes
 
     folder = folders[SWARM]
     spec = spec_from_file(folder / "config.json")
     assert spec.layer_bytes(4, layer=1) > 4 * spec.layer_bytes(4, layer=0)  # 16 experts + shared vs one MLP
     for start, end in ((0, 1), (1, 3), (0, 3)):
-        assert Stage.load(folder, start=start, end=end).weight_bytes == span_bytes(spec, start, end, 4)
+        assert load_stage(folder, start=start, end=end).weight_bytes == span_bytes(spec, start, end, 4)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -190,12 +190,12 @@ def test_rollback_by_pointer(folders, references, name):
 
 def test_a_quantized_span_matches_its_dequantized_reference(folders):
     """int8 MLA projections, experts and shared experts; Wkv_b, the norms and the router stay float."""
-    from tessera.stages.engine.stage import Stage
+    from tessera.stages.assembly.stage import load_stage
     from tessera.stages.kernels.quant import Int8Linear, Quant, span_bytes
 
     folder, quant = folders[SWARM], Quant.parse("int8")
     spec = spec_from_file(folder / "config.json")
-    stage = Stage.load(folder, quant=quant)
+    stage = load_stage(folder, quant=quant)
     assert stage.weight_bytes == span_bytes(spec, 0, 3, 4, quant)
     block = stage.blocks[1]
     assert all(isinstance(m, Int8Linear) for m in (block.attn.wq_b, block.attn.wkv_a, block.mlp.shared.w_down))

@@ -68,9 +68,9 @@ def test_matches_transformers(folders, references, name):
 
 
 def run_logits(folder, tokens, *, path=None, top_k=None):
-    from tessera.stages.engine.stage import Stage
+    from tessera.stages.assembly.stage import load_stage
 
-    stage = Stage.load(folder, embed=True, head=True)
+    stage = load_stage(folder, embed=True, head=True)
     for block in stage.blocks:
         block.attn.path = path
         if top_k is not None:
@@ -139,10 +139,10 @@ def test_indexer_types_are_derived_as_transformers_derives_them(folders):
 def test_the_index_keys_are_cached_and_counted(folders):
     """An indexer layer keeps C + Dr + Di values a position (16 + 8 + 16), a reusing one C + Dr: what a
     session allocates and what admission budgets; a rollback is the pointer."""
-    from tessera.stages.engine.stage import Stage
+    from tessera.stages.assembly.stage import load_stage
     from tessera.stages.layers.cache import IndexedLatentRows, LatentRows
 
-    stage = Stage.load(folders[SWARM])
+    stage = load_stage(folders[SWARM])
     assert stage.spec.kv_bytes_per_position(0, 4, 4) == 2 * (16 + 8 + 16) * 4 + 2 * (16 + 8) * 4
     stage.open("s", capacity=100)
     stores = stage.sessions["s"].cache.layers
@@ -152,17 +152,17 @@ def test_the_index_keys_are_cached_and_counted(folders):
 
 
 def test_a_span_never_starts_on_a_layer_that_reuses_a_selection(folders):
-    from tessera.stages.engine.stage import Stage
+    from tessera.stages.assembly.stage import load_stage
 
     with pytest.raises(SpanError, match="cannot start at layer 1 .* reuses the sparse-attention selection of layer 0") \
             as refused:
-        Stage.load(folders[SWARM], start=1, end=4)
+        load_stage(folders[SWARM], start=1, end=4)
     assert "\n" not in str(refused.value)
-    stage = Stage.load(folders[SWARM], start=0, end=4)
+    stage = load_stage(folders[SWARM], start=0, end=4)
     with pytest.raises(SpanError, match="cannot start at layer 3"):
         stage.open("s", capacity=16, start=3)
     stage.open("tail", capacity=16, start=2)  # a session may start at the next indexer layer
-    Stage.load(folders[SWARM], start=2, end=4)
+    load_stage(folders[SWARM], start=2, end=4)
 
 
 @given(st.integers(0, 7), st.integers(1, 8), st.lists(st.booleans(), min_size=8, max_size=8))
@@ -195,7 +195,7 @@ def test_rollback_by_pointer(folders, references, name):
 
 
 def test_placement_counts_each_layer_and_the_span_holds_it(folders):
-    from tessera.stages.engine.stage import Stage
+    from tessera.stages.assembly.stage import load_stage
     from tessera.stages.kernels.quant import span_bytes
 
     folder = folders[SWARM]
@@ -203,17 +203,17 @@ def test_placement_counts_each_layer_and_the_span_holds_it(folders):
     indexer = 8 * 16 * 24 + 16 * 64 + 2 * 16 + 8 * 64  # Wq_i, Wk, the key norm, the head weights
     assert spec.layer_bytes(4, layer=2) - spec.layer_bytes(4, layer=3) == 4 * indexer
     for start, end in ((0, 2), (2, 4), (0, 4)):
-        assert Stage.load(folder, start=start, end=end).weight_bytes == span_bytes(spec, start, end, 4)
+        assert load_stage(folder, start=start, end=end).weight_bytes == span_bytes(spec, start, end, 4)
 
 
 def test_a_quantized_span_matches_its_dequantized_reference(folders):
     """int8 MLA projections and experts; Wkv_b, the norms, the routers and the indexers stay float."""
-    from tessera.stages.engine.stage import Stage
+    from tessera.stages.assembly.stage import load_stage
     from tessera.stages.kernels.quant import Int8Linear, Quant, span_bytes
 
     folder, quant = folders[SWARM], Quant.parse("int8")
     spec = spec_from_file(folder / "config.json")
-    stage = Stage.load(folder, quant=quant)
+    stage = load_stage(folder, quant=quant)
     assert stage.weight_bytes == span_bytes(spec, 0, 4, 4, quant)
     block = stage.blocks[2]
     assert all(isinstance(m, Int8Linear) for m in (block.attn.wq_b, block.attn.wkv_a, block.mlp.shared.w_down))

@@ -103,7 +103,7 @@ def test_fused_experts_are_regrouped_per_expert(folders):
 
 def test_a_span_holds_the_bytes_placement_counts(folders):
     """Sinks, router bias and every expert's biases are counted in a layer's bytes."""
-    from tessera.stages.engine.stage import Stage
+    from tessera.stages.assembly.stage import load_stage
     from tessera.stages.families.catalog import spec_from_file
     from tessera.stages.kernels.quant import span_bytes
 
@@ -113,7 +113,7 @@ def test_a_span_holds_the_bytes_placement_counts(folders):
     experts = 8 * (64 * 64 + 64 + 32 * 64 + 64) + 8 * 64 + 8  # each expert's matrices and biases; the router
     assert spec.layer_bytes(4, layer=0) == 4 * (attention + experts + 2 * 64)
     for start, end in ((0, 1), (1, 3)):
-        assert Stage.load(folder, start=start, end=end).weight_bytes == span_bytes(spec, start, end, 4)
+        assert load_stage(folder, start=start, end=end).weight_bytes == span_bytes(spec, start, end, 4)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -131,17 +131,19 @@ def test_a_quantized_span_matches_its_dequantized_reference(folders, scheme):
     """Every expert's matrices as integers (their biases, the router and the sinks in float), and the span
     computes its own dequantized float32 model."""
     from tessera.stages.engine.stage import Stage
+    from tessera.stages.assembly.stage import load_stage
     from tessera.stages.families.catalog import spec_from_file
-    from tessera.stages.kernels.quant import Int4BlockLinear, Int8Linear, Quant, dense_block, span_bytes
+    from tessera.stages.assembly.blocks import dense_block
+    from tessera.stages.kernels.quant import Int4BlockLinear, Int8Linear, Quant, span_bytes
 
     folder, quant = folders[SWARM], Quant.parse(scheme)
     spec = spec_from_file(folder / "config.json")
-    stage = Stage.load(folder, quant=quant)
+    stage = load_stage(folder, quant=quant)
     assert stage.weight_bytes == span_bytes(spec, 0, 3, 4, quant)
     expert = stage.blocks[1].mlp.experts[5]
     assert isinstance(expert.w_gate_up, Int8Linear if scheme == "int8" else Int4BlockLinear)
     assert expert.w_gate_up.bias is not None and stage.blocks[1].attn.sinks is not None
-    head = Stage.load(folder, start=0, end=0, embed=True, head=True)
+    head = load_stage(folder, start=0, end=0, embed=True, head=True)
     reference = Stage(spec, 0, [dense_block(b, spec) for b in stage.blocks])
     ids = list(range(5, 25))
     for span in (stage, reference):

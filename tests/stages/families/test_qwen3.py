@@ -63,15 +63,15 @@ def test_tensor_shards_match_the_unsharded_stage(folders):
     """Qwen3 splits across a group of 2: each rank norms its own heads (the per-head norm needs no
     exchange), adds its slice of the output bias, and windows its own KV heads; the audit holds."""
     from tessera.peer.plan.audit import check
-    from tessera.stages.engine.stage import Stage
+    from tessera.stages.assembly.stage import load_stage
 
     from ...shard_helpers import LOGITS_TOLERANCE, InProcessGroup, greedy_run
 
     folder = folders[SWARM]
-    head = Stage.load(folder, start=0, end=0, embed=True, head=True)
+    head = load_stage(folder, start=0, end=0, embed=True, head=True)
     group = InProcessGroup(folder, start=0, end=3, count=2)
     tokens, logits = greedy_run(head, [group], PROMPT, steps=DECODE_STEPS - 1)
-    ref_tokens, ref_logits = greedy_run(head, [Stage.load(folder)], PROMPT, steps=DECODE_STEPS - 1, session="ref")
+    ref_tokens, ref_logits = greedy_run(head, [load_stage(folder)], PROMPT, steps=DECODE_STEPS - 1, session="ref")
     assert tokens == ref_tokens
     assert max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits)) <= LOGITS_TOLERANCE
     report = check(group.logs)

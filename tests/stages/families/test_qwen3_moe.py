@@ -69,7 +69,7 @@ def test_a_sparse_layer_holds_its_experts_and_placement_counts_them(folders):
     """A sparse layer's bytes are its 8 experts and its router; a dense layer's one MLP. Capacity in
     layers is the longest run every window of which fits."""
     from tessera.peer.node.config import KV_RESERVE_FRACTION, capacity_in_layers
-    from tessera.stages.engine.stage import Stage
+    from tessera.stages.assembly.stage import load_stage
     from tessera.stages.families.catalog import spec_from_file
     from tessera.stages.kernels.quant import span_bytes
 
@@ -78,7 +78,7 @@ def test_a_sparse_layer_holds_its_experts_and_placement_counts_them(folders):
     dense, sparse = spec.layer_bytes(4, layer=0), spec.layer_bytes(4, layer=1)
     assert sparse - dense == 4 * (8 * 3 * 64 * 32 + 8 * 64 - 3 * 64 * 96)
     for start, end in ((0, 1), (1, 3), (0, 3)):
-        assert Stage.load(folder, start=start, end=end).weight_bytes == span_bytes(spec, start, end, 4)
+        assert load_stage(folder, start=start, end=end).weight_bytes == span_bytes(spec, start, end, 4)
     with pytest.raises(ValueError, match="differ"):
         spec.layer_bytes(4)
     usable = lambda n: n / (1 - KV_RESERVE_FRACTION)  # noqa: E731  (memory whose usable part is n bytes)
@@ -119,17 +119,19 @@ def test_a_quantized_span_matches_its_dequantized_reference(folders, scheme):
     """Every expert's matrices are stored as integers (the router stays in float), the span holds
     the bytes placement counts, and it computes its own dequantized float32 model."""
     from tessera.stages.engine.stage import Stage
+    from tessera.stages.assembly.stage import load_stage
     from tessera.stages.families.catalog import spec_from_file
-    from tessera.stages.kernels.quant import Int4BlockLinear, Int8Linear, Quant, dense_block, span_bytes
+    from tessera.stages.assembly.blocks import dense_block
+    from tessera.stages.kernels.quant import Int4BlockLinear, Int8Linear, Quant, span_bytes
 
     folder, quant = folders[SWARM], Quant.parse(scheme)
     spec = spec_from_file(folder / "config.json")
-    stage = Stage.load(folder, quant=quant)
+    stage = load_stage(folder, quant=quant)
     assert stage.weight_bytes == span_bytes(spec, 0, 3, 4, quant)
     expert = stage.blocks[1].mlp.experts[5]
     assert isinstance(expert.w_down, Int8Linear if scheme == "int8" else Int4BlockLinear)
     assert stage.blocks[1].mlp.router.weight.dtype == torch.float32
-    head = Stage.load(folder, start=0, end=0, embed=True, head=True)
+    head = load_stage(folder, start=0, end=0, embed=True, head=True)
     reference = Stage(spec, 0, [dense_block(b, spec) for b in stage.blocks])
     ids = list(range(5, 25))
     for span in (stage, reference):

@@ -24,12 +24,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.catalog import spec_from_config, spec_from_file, to_config
 from tessera.stages.families.shipped import GGML_TYPES
 from tessera.stages.weights.folder_check import check_folder
-from tessera.stages.kernels.quant import Quant, QuantError, dense_block, span_bytes
+from tessera.stages.assembly.blocks import dense_block
+from tessera.stages.kernels.quant import Quant, QuantError, span_bytes
 
 from ..families.conformance import PROMPT
 from . import checkpoints as ck
@@ -42,7 +43,7 @@ TOLERANCE = 3e-4  # float32 logits, max abs, against the dequantized reference: 
 DECODE_STEPS = 8
 def run(folder: Path, feed: list[int] | None = None) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens and the logits of every step (fed `feed`'s tokens when given, else its own)."""
-    stage = Stage.load(folder, embed=True, head=True)
+    stage = load_stage(folder, embed=True, head=True)
     stage.open("s", capacity=len(PROMPT) + DECODE_STEPS + 1)
     step, pos, tokens, logits = PROMPT, 0, [], []
     for i in range(DECODE_STEPS):
@@ -83,7 +84,7 @@ def test_transformers_reads_the_fp8_checkpoint_as_the_reference_does(shipped, na
 def test_the_dense_reference_of_a_span_is_the_oracles(shipped, name):
     """`dense_block` (each module's `dequantized`) gives the very weights the oracle's dequantization does."""
     folder, reference = shipped[name]
-    stage, ref = Stage.load(folder), Stage.load(reference)
+    stage, ref = load_stage(folder), load_stage(reference)
     for ours, theirs in zip(stage.blocks, ref.blocks):
         dense = dense_block(ours, stage.spec).state_dict()
         for key, value in theirs.state_dict().items():
@@ -109,7 +110,7 @@ def test_placement_and_the_fetch_count_the_shipped_bytes(shipped, name, tmp_path
     manifest = registry.write_manifest(folder)
     entries = manifest["tensors"]["entries"]
     for start, end in ((0, 1), (1, 3)):
-        stage = Stage.load(folder, start=start, end=end)
+        stage = load_stage(folder, start=start, end=end)
         layers = {f"layer.{i}" for i in range(start, end)}
         on_disk = sum(e["end"] - e["begin"] for e in entries.values() if e["group"] in layers)
         widened = sum(4 * math.prod(e["shape"]) - (e["end"] - e["begin"]) for n, e in entries.items()
@@ -236,7 +237,7 @@ def test_a_gguf_of_another_type_is_refused_naming_it(sources, tmp_path, kind):
 
 def test_a_shipped_model_is_not_quantized_again(shipped):
     with pytest.raises(QuantError, match="ships as fp8: --quant int8 applies to float weights"):
-        Stage.load(shipped["fp8-llama"][0], quant=Quant("int8"))
+        load_stage(shipped["fp8-llama"][0], quant=Quant("int8"))
 
 
 def test_a_broken_shipped_tensor_is_refused_naming_it(shipped, tmp_path):
@@ -251,11 +252,11 @@ def test_a_broken_shipped_tensor_is_refused_naming_it(shipped, tmp_path):
     state[name] = codes.view(torch.float8_e4m3fn)
     save_file(state, str(folder / "model.safetensors"))
     with pytest.raises(ModelFormatError, match=f"{name}' holds float8 NaN codes"):
-        Stage.load(folder, start=2, end=3)
+        load_stage(folder, start=2, end=3)
     del state[name + "_scale_inv"]
     save_file(state, str(folder / "model.safetensors"))
     with pytest.raises(ModelFormatError, match=f"{name}_scale_inv' \\(fp8\\) is missing"):
-        Stage.load(folder, start=2, end=3)
+        load_stage(folder, start=2, end=3)
     with pytest.raises(ModelFormatError, match=f"{name}_scale_inv' is missing"):
         check_folder(folder)
 

@@ -22,6 +22,7 @@ from tessera.stages.engine.compiled.build import compile_decode
 from tessera.stages.engine.compiled.forms import FusedRows, decode_form, unfused
 from tessera.stages.engine.compiled.inductor import HEAD
 from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.stages.families.shipped import GGML_TYPES
 from tessera.stages.kernels.fp8 import Fp8BlockLinear
 from tessera.stages.kernels.ggml_linear import GgmlLinear
@@ -57,7 +58,7 @@ def check_fused(matrix: ShippedLinear) -> None:
 @pytest.mark.parametrize("name", FUSED_FOLDERS + ["fp8-deepseek_v3", "mxfp4-moe-fused", "gguf-moe-every-type"])
 def test_every_fused_form_is_its_dequantized_weight(shipped, name):
     folder, _ = shipped[name]
-    matrices = [m for m in shipped_matrices(Stage.load(folder)) if m.fused_inputs() is not None]
+    matrices = [m for m in shipped_matrices(load_stage(folder)) if m.fused_inputs() is not None]
     assert matrices
     for matrix in matrices:
         check_fused(matrix)
@@ -116,7 +117,7 @@ def compiled(shipped):
     """Each folder's whole model compiled (buckets of one and eight rows), with what it said."""
     out = {}
     for name in FUSED_FOLDERS + ["gguf-moe-every-type"]:
-        stage, said = Stage.load(shipped[name][0], embed=True, head=True), []
+        stage, said = load_stage(shipped[name][0], embed=True, head=True), []
         compile_decode(stage, "inductor", say=said.append, buckets=(1, 8))
         out[name] = (stage, said)
     return out
@@ -130,7 +131,7 @@ def test_a_compiled_span_of_a_fused_format_decodes_as_the_eager_one(shipped, com
     assert runner.compiled == set(stage.spec.layers) | {HEAD}
     assert any(isinstance(m, FusedRows) for form in runner.forms for m in form.modules())
     assert not any(unfused(form) for form in runner.forms)  # every shipped matrix in a fused form
-    eager = Stage.load(shipped[name][0], embed=True, head=True)
+    eager = load_stage(shipped[name][0], embed=True, head=True)
     want, want_logits = solo_tokens(eager, PROMPT, STEPS)
     before = runner.steps
     got, logits = solo_tokens(stage, PROMPT, STEPS)
@@ -150,7 +151,7 @@ def test_a_span_holding_k_quants_keeps_those_kinds_eager_and_says_why(shipped, c
     assert runner.eager and set(runner.eager) <= set(stage.spec.layers)
     assert all("no compiled form for its GGUF Q" in why and "_K" in why for why in runner.eager.values()), said
     assert len([line for line in said if "decodes eagerly" in line]) == len(runner.eager)
-    eager = Stage.load(shipped["gguf-moe-every-type"][0], embed=True, head=True)
+    eager = load_stage(shipped["gguf-moe-every-type"][0], embed=True, head=True)
     assert solo_tokens(stage, PROMPT, STEPS)[0] == solo_tokens(eager, PROMPT, STEPS)[0]
 
 

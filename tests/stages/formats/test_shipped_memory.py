@@ -21,10 +21,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tessera.stages.families.catalog import spec_from_file, tensors_of_layer, to_config
+from tessera.stages.families.catalog import layer_matrices, spec_from_file, tensors_of_layer, to_config
 from tessera.stages.families.shipped import ShippedFormat
 from tessera.stages.kernels.encode import encode_matrix
-from tessera.stages.kernels.quant import matrix_paths
 
 from ...resident import ROOT, SPAN_RSS, span_on_disk
 
@@ -36,7 +35,7 @@ def write_span(smol: Path, out: Path, shipped: ShippedFormat) -> Path:
     state, gen = {}, torch.Generator().manual_seed(0)
     with safe_open(smol / "model.safetensors", framework="pt") as f:
         for layer in range(*SPAN):
-            matrices = {p + ".weight" for p in matrix_paths(spec, spec.layers[layer])}
+            matrices = {p + ".weight" for p in layer_matrices(spec, layer)}
             for ours, choices in tensors_of_layer(spec, layer).items():
                 for name in choices[0].names:
                     if ours in matrices:

@@ -1,0 +1,76 @@
+"""A `Stage` from a model folder: layers [start, end) and, when asked, the embedding and the head.
+
+The runtime (stages/engine/) runs a Stage over the `Block`s it is given and knows nothing of
+files; the weights (stages/weights/) read a folder and know nothing of modules. `load_stage`
+joins them: it reads the folder's spec, builds each layer of the span (stages/assembly/blocks.py:
+float, quantized as read, or as the checkpoint ships it) and the edges, and hands them to a
+Stage. It reads only the span's tensors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tessera.stages.assembly.blocks import float_block, quantized_block, shipped_block
+from tessera.stages.engine.residency import settled
+from tessera.stages.engine.stage import Stage
+from tessera.stages.errors import SpanError
+from tessera.stages.kernels.quant import NO_QUANT, Quant, check_quant_for
+from tessera.stages.weights.folder import TensorCheck, WeightFolder
+from tessera.stages.weights.formats.load import read_embedding, read_head
+from tessera.stages.weights.gguf_blocks import GgufQ4Source, takes_gguf_blocks
+
+
+def load_stage(
+    folder: Path,
+    *,
+    start: int = 0,
+    end: int | None = None,
+    embed: bool = False,
+    head: bool = False,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    quant: Quant = NO_QUANT,
+    check: TensorCheck | None = None,
+) -> Stage:
+    """Load layers [start, end) (and the embedding / head if asked) — and nothing else.
+
+    With `quant`, each matrix is quantized as it is read (the embedding and head stay in `dtype`);
+    an int4 float32 CPU span takes the Q4_1 blocks of the folder's source GGUF as they are
+    (stages/weights/gguf_blocks.py). A folder that ships quantized (fp8 blocks, MXFP4, GGUF blocks:
+    `spec.shipped`) keeps its matrices as stored (stages/kernels/). `check` is handed every tensor
+    read from the safetensors files, as stored, and may raise to refuse it (a peer's manifest
+    check). Raises ModelFormatError, SpanError, QuantError, and whatever `check` raises.
+    """
+    weights = WeightFolder(folder, check=check)  # `check` sees every tensor read (stages/weights/folder.py)
+    spec = weights.spec
+    check_quant_for(spec, quant)
+    end = spec.num_layers if end is None else end
+    if not 0 <= start <= end <= spec.num_layers:
+        raise SpanError(f"span [{start}, {end}) is outside the model's [0, {spec.num_layers})")
+    spec.check_span_start(start, end)
+    # a fetched model's source GGUF, whose Q4_1 blocks an int4 span takes as they are
+    gguf = GgufQ4Source.beside(folder, spec) if takes_gguf_blocks(quant, device, dtype) and end > start else None
+    blocks = []
+    for layer in range(start, end):
+        if spec.shipped is not None:
+            blocks.append(shipped_block(weights, layer, dtype=dtype, device=device))
+        elif quant.active:
+            blocks.append(quantized_block(weights, layer, quant, dtype=dtype, device=device, gguf=gguf))
+        else:
+            blocks.append(float_block(weights, layer, dtype=dtype, device=device))
+    embedding = read_embedding(weights, dtype).to(device) if embed else None
+    norm = head_weight = None
+    if head:
+        norm, head_weight = (t.to(device) for t in read_head(weights, dtype))
+        if embedding is not None and spec.tie_embeddings:
+            head_weight = embedding  # one copy of a tied matrix
+    if torch.device(device).type == "cpu":  # the edges in huge pages too: the head is a step's largest matrix
+        tied = head_weight is not None and head_weight is embedding
+        embedding, head_weight = (None if t is None else settled([t])[0]
+                                  for t in (embedding, None if tied else head_weight))
+        head_weight = embedding if tied else head_weight
+    return Stage(spec, start, blocks, embedding=embedding, norm=norm, head=head_weight, device=device, dtype=dtype,
+                 quant=quant)
