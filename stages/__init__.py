@@ -33,7 +33,8 @@ Reading a family top-down: its module in families/ (config keys -> LayerSpecs), 
 layers/block.py (a LayerSpec -> modules), then layers/attention.py and layers/moe.py.
 
 Extension points (each module's docstring says how):
-- a family on existing operators: a reader in families/ and a line in families/catalog.py;
+- a family on existing operators: its module in families/ (reader, writer, `FAMILY`) and its row
+  in families/catalog.py (whose docstring says how), plus its conformance row in the tests;
 - an attention, MLP, router or cache kind: its kind in families/spec.py, its module in
   layers/ (registered in layers/block.py, layers/routers.py or layers/cache.py), its tensor
   names in families/tensors.py;

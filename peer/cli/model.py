@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from tessera.stages.families.catalog import families_from_sizes
 from tessera.stages.families.shapes import SHAPES
 from tessera.stages.weights import registry
 
@@ -88,8 +89,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "token still picks as many as the model does, at most N); default: all")
     p.add_argument("--vocab", type=int, metavar="N",
                    help="vocabulary size (default: the shape's, or 32000; at least 259)")
-    p.add_argument("--arch", choices=("llama", "mistral", "qwen2"), default="llama",
-                   help="the family a Llama-block shape's config.json names (default llama)")
+    p.add_argument("--arch", choices=families_from_sizes(), default="llama",
+                   help="the family of a Llama-block shape (its config.json names it; default llama)")
     p.add_argument("--dtype", choices=SYNTH_DTYPES, default="float32",
                    help="how the weights are stored (default float32; peers compute in their own dtype)")
     p.add_argument("--seed", type=int, required=True, help="the random weights' seed: one seed, one model id")

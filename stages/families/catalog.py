@@ -1,60 +1,56 @@
-"""The families tessera runs, and the one door from a config.json to a `ModelSpec`.
+"""The families tessera runs, one row each, and the one door from a config.json to a `ModelSpec`.
 
 A family is chosen by the config's `architectures` (as transformers chooses the model
 class), else its `model_type`; its reader turns the config into a `ModelSpec`
 (families/spec.py) and every key left unread is refused (families/config.py).
 
-Adding a family on existing operators is a reader and a line here: a module with
-`read(ConfigReader) -> ModelSpec` (expanding the config into its LayerSpecs) and
-`to_config(ModelSpec) -> dict` (what synth writes; `read(to_config(spec)) == spec` is
-tested for every family), and an `ExpertNames` if its experts are named otherwise (or, for
-tensors laid out otherwise, its own `tensors` mapping: gpt-oss's).
-A family needing a new operator first gets the operator's kind (families/spec.py).
+Adding a family on existing operators touches two files:
+
+1. a module in families/ (as minimax_m2.py): `read(ConfigReader) -> ModelSpec`, which reads
+   every key it computes and refuses every value it does not in one line (`expect`,
+   `refuse`); `to_config(ModelSpec) -> dict`, which `read` reads back into the same spec;
+   and `FAMILY = Family(...)` (families/family.py) naming its transformers class and, where
+   they apply, its checkpoints' expert names (`ExpertNames`) or its own layer `tensors`
+   mapping, its GGUF form (families/gguf.py `GgufForm`: llama.cpp's architecture name and
+   the config its metadata describes), its published shapes for `tessera model synth
+   --shape`, and `from_sizes` for `--arch`;
+2. its row in `FAMILIES` below;
+
+and its row in tests/stages/families/test_conformance.py (a transformers config builder):
+logits, greedy, stacked and chunked sessions, a split span, the spec round trip and the
+refusals are then checked like every other family's. A family needing a new operator first
+gets the operator's kind (families/spec.py) and module (stages/layers/).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families import deepseek, glm, glm5, gpt_oss, llama, mixtral, qwen3
 from tessera.stages.families.config import ConfigReader
+from tessera.stages.families.family import Family
+from tessera.stages.families.gguf import GgufMetadata
 from tessera.stages.families.shipped import read_shipped
 from tessera.stages.families.spec import ModelSpec
-from tessera.stages.families.tensors import (
-    MIXTRAL_EXPERTS, QWEN_EXPERTS, Choices, ExpertNames, Shape, edge_tensors, layer_tensors, matrix_paths,
-)
+from tessera.stages.families.tensors import Choices, Shape, edge_tensors, layer_tensors, matrix_paths
 
 
-@dataclass(frozen=True)
-class Family:
-    """One `model_type`: its architecture name, how its config is read and written, and how
-    its checkpoints name experts (or, with `tensors`, name every tensor of a layer)."""
-
-    name: str
-    architecture: str
-    read: Callable[[ConfigReader], ModelSpec]
-    to_config: Callable[[ModelSpec], dict[str, Any]]
-    experts: ExpertNames = QWEN_EXPERTS
-    tensors: Callable[[ModelSpec, int], dict[str, Choices]] | None = None
-
-
-FAMILIES = {f.name: f for f in (
-    Family("llama", llama.ARCHITECTURES["llama"], llama.read, llama.to_config),
-    Family("mistral", llama.ARCHITECTURES["mistral"], llama.read, llama.to_config),
-    Family("qwen2", llama.ARCHITECTURES["qwen2"], llama.read, llama.to_config),
-    Family("qwen3", qwen3.ARCHITECTURES["qwen3"], qwen3.read_qwen3, qwen3.to_config),
-    Family("qwen3_moe", qwen3.ARCHITECTURES["qwen3_moe"], qwen3.read_qwen3_moe, qwen3.to_config),
-    Family("mixtral", mixtral.ARCHITECTURES["mixtral"], mixtral.read, mixtral.to_config, MIXTRAL_EXPERTS),
-    Family("deepseek_v3", deepseek.ARCHITECTURES["deepseek_v3"], deepseek.read, deepseek.to_config),
-    Family("glm4_moe", glm.ARCHITECTURES["glm4_moe"], glm.read, glm.to_config),
-    Family("glm_moe_dsa", glm5.ARCHITECTURES["glm_moe_dsa"], glm5.read, glm5.to_config),
-    Family("gpt_oss", gpt_oss.ARCHITECTURES["gpt_oss"], gpt_oss.read, gpt_oss.to_config,
-           tensors=gpt_oss.layer_tensors),
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    llama.LLAMA,
+    llama.MISTRAL,
+    llama.QWEN2,
+    qwen3.QWEN3,
+    qwen3.QWEN3_MOE,
+    mixtral.FAMILY,
+    deepseek.FAMILY,
+    glm.FAMILY,
+    glm5.FAMILY,
+    gpt_oss.FAMILY,
 )}
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES.values()}
 
@@ -71,6 +67,21 @@ def family_of(config: dict[str, Any]) -> Family:
         raise UnsupportedModel(f"unknown architecture {archs or config.get('model_type')!r}: tessera runs "
                                f"{sorted(BY_ARCHITECTURE)}")
     return found
+
+
+def gguf_family(meta: GgufMetadata) -> Family:
+    """The family a GGUF file's metadata describes (UnsupportedModel naming its architecture for any other)."""
+    found = [f for f in FAMILIES.values() if f.gguf is not None and f.gguf.architecture == meta.architecture]
+    claimed = next((f for f in found if f.gguf is not None and f.gguf.claims(meta)), None)
+    if claimed is None:
+        known = sorted({f.gguf.architecture for f in FAMILIES.values() if f.gguf is not None})
+        raise UnsupportedModel(f"GGUF architecture {meta.architecture!r} is not supported ({known})")
+    return claimed
+
+
+def families_from_sizes() -> tuple[str, ...]:
+    """The families `tessera model synth --arch` builds from plain sizes."""
+    return tuple(name for name, f in FAMILIES.items() if f.from_sizes is not None)
 
 
 def spec_from_config(config: dict[str, Any]) -> ModelSpec:

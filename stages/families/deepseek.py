@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessera.stages.families.config import ConfigReader
+from tessera.stages.families.family import Family
 from tessera.stages.families.llama import with_special_ids
 from tessera.stages.families.spec import LayerSpec, MlaSpec, MlpSpec, ModelSpec, RouterSpec
 
@@ -162,3 +163,23 @@ def to_config(spec: ModelSpec) -> dict[str, Any]:
         **moe_config(spec, DEEPSEEK_V3_MOE),
     }
     return with_special_ids(config, spec)
+
+
+DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3 (ships as FP8 blocks; float here)
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
+    "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1,
+    "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02,
+    "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "use_cache": True,
+    "v_head_dim": 128, "vocab_size": 129280,
+}
+
+FAMILY = Family("deepseek_v3", ARCHITECTURES["deepseek_v3"], read, to_config,
+                shapes={"deepseek-v3": DEEPSEEK_V3})

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from tessera.stages.families.config import ConfigReader
+from tessera.stages.families.family import Family
 from tessera.stages.families.deepseek import MoeDefaults, moe_config, read_mtp_layers, read_sigmoid_moe, rope_config
 from tessera.stages.families.llama import with_special_ids
 from tessera.stages.families.spec import AttentionSpec, LayerSpec, ModelSpec
@@ -69,3 +70,18 @@ def to_config(spec: ModelSpec) -> dict[str, Any]:
         "tie_word_embeddings": spec.tie_embeddings, **moe_config(spec, GLM4_MOE),
     }
     return with_special_ids(config, spec)
+
+
+GLM_4_5 = {  # zai-org/GLM-4.5
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
+    "attention_dropout": 0.0, "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338],
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120, "partial_rotary_factor": 0.5,
+    "initializer_range": 0.02, "intermediate_size": 12288, "max_position_embeddings": 131072,
+    "moe_intermediate_size": 1536, "norm_topk_prob": True, "num_attention_heads": 96, "n_group": 1,
+    "topk_group": 1, "n_routed_experts": 160, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "num_hidden_layers": 92, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000, "num_nextn_predict_layers": 1,
+    "tie_word_embeddings": False, "use_cache": True, "use_qk_norm": True, "vocab_size": 151552,
+}
+
+FAMILY = Family("glm4_moe", ARCHITECTURES["glm4_moe"], read, to_config, shapes={"glm-4.5": GLM_4_5})

@@ -27,6 +27,7 @@ from typing import Any
 
 from tessera.stages.errors import ModelFormatError
 from tessera.stages.families.config import ConfigReader
+from tessera.stages.families.family import Family
 from tessera.stages.families.deepseek import MoeDefaults, moe_config, read_mtp_layers, read_sigmoid_moe_kinds, rope_config
 from tessera.stages.families.llama import with_special_ids
 from tessera.stages.families.spec import DsaSpec, LayerSpec, MlaSpec, ModelSpec
@@ -115,3 +116,19 @@ def to_config(spec: ModelSpec) -> dict[str, Any]:
         "tie_word_embeddings": spec.tie_embeddings, **moe_config(spec, GLM5_MOE),
     }
     return with_special_ids(config, spec)
+
+
+GLM_5 = {  # zai-org/GLM-5, as transformers' GlmMoeDsaConfig defaults to it (ships bf16 and FP8; float here)
+    "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 6144, "index_head_dim": 128, "index_n_heads": 32, "index_topk": 2048,
+    "initializer_range": 0.02, "intermediate_size": 12288, "kv_lora_rank": 512,
+    "max_position_embeddings": 202752, "moe_intermediate_size": 2048, "n_group": 1, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 64, "num_experts_per_tok": 8,
+    "num_hidden_layers": 78, "num_key_value_heads": 64, "num_nextn_predict_layers": 1, "q_lora_rank": 2048,
+    "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "routed_scaling_factor": 2.5,
+    "tie_word_embeddings": False, "topk_group": 1, "use_cache": True, "v_head_dim": 256, "vocab_size": 154880,
+}
+
+FAMILY = Family("glm_moe_dsa", ARCHITECTURES["glm_moe_dsa"], read, to_config, shapes={"glm-5": GLM_5})

@@ -45,6 +45,7 @@ from typing import Any
 
 from tessera.stages.families import tensors
 from tessera.stages.families.config import ConfigReader
+from tessera.stages.families.family import Family
 from tessera.stages.families.llama import with_special_ids
 from tessera.stages.families.spec import AttentionSpec, GluSpec, LayerSpec, MlpSpec, ModelSpec, RouterSpec
 from tessera.stages.families.tensors import Choices, Stacked, one
@@ -144,3 +145,29 @@ def layer_tensors(spec: ModelSpec, layer: int) -> dict[str, Choices]:
         out[f"mlp.experts.{e}.w_down.weight"] = (Stacked((x + "down_proj",), ((e_count, i, h),), e, transposed=True),)
         out[f"mlp.experts.{e}.w_down.bias"] = (Stacked((x + "down_proj_bias",), ((e_count, h),), e),)
     return out
+
+
+# what both published gpt-oss configs share (openai/gpt-oss-20b, -120b)
+GPT_OSS_CONFIG = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+    "attention_dropout": 0.0, "eos_token_id": 200002, "pad_token_id": 199999, "experts_per_token": 4,
+    "num_experts_per_tok": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+    "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
+    "max_position_embeddings": 131072, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "output_router_logits": False, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088,
+}
+GPT_OSS_20B = {  # openai/gpt-oss-20b (its experts ship as MXFP4; float here)
+    **GPT_OSS_CONFIG, "num_hidden_layers": 24, "num_local_experts": 32,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+}
+GPT_OSS_120B = {  # openai/gpt-oss-120b
+    **GPT_OSS_CONFIG, "num_hidden_layers": 36, "num_local_experts": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+}
+
+FAMILY = Family("gpt_oss", ARCHITECTURES["gpt_oss"], read, to_config, tensors=layer_tensors,
+                shapes={"gpt-oss-20b": GPT_OSS_20B, "gpt-oss-120b": GPT_OSS_120B})

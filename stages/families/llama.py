@@ -9,13 +9,19 @@ Refused (one line naming the key): an activation other than SiLU, an MLP bias, L
 ship), Qwen2's sliding window (`use_sliding_window`), `layer_types` other than full
 attention, RoPE types other than default / linear / llama3, partial rotary, shipped
 quantized weights, and any key the reader does not know (families/config.py).
+
+GGUF: llama.cpp's "llama" files without experts (their q/k rows permuted for its RoPE) and
+"qwen2" files. Each can be synthesised from plain sizes (`tessera model synth --arch`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 from tessera.stages.families.config import ConfigReader
+from tessera.stages.families.family import Family
+from tessera.stages.families.gguf import GgufForm, GgufMetadata, biased_attention, llama_block_config
 from tessera.stages.families.spec import AttentionSpec, LayerSpec, MlpSpec, ModelSpec, RopeSpec
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -125,3 +131,26 @@ def with_special_ids(config: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
         eos = list(spec.eos_token_ids)
         config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
     return config
+
+
+def gguf_config(architecture: str) -> Callable[[GgufMetadata], dict[str, Any]]:
+    """The config a llama.cpp file of this block describes, for the family of transformers class `architecture`."""
+    return lambda meta: {**llama_block_config(meta, architecture), "attention_bias": biased_attention(meta)}
+
+
+LLAMA_3_8B = {  # meta-llama/Meta-Llama-3-8B
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 8192,
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 500000.0, "tie_word_embeddings": False,
+    "use_cache": True, "vocab_size": 128256,
+}
+
+LLAMA = Family("llama", ARCHITECTURES["llama"], read, to_config,
+               gguf=GgufForm("llama", gguf_config(ARCHITECTURES["llama"]), claims=lambda meta: not meta.experts,
+                             permuted_rope=True),
+               shapes={"llama-3-8b": LLAMA_3_8B}, from_sizes=partial(llama_spec, family="llama"))
+MISTRAL = Family("mistral", ARCHITECTURES["mistral"], read, to_config, from_sizes=partial(llama_spec, family="mistral"))
+QWEN2 = Family("qwen2", ARCHITECTURES["qwen2"], read, to_config,
+               gguf=GgufForm("qwen2", gguf_config(ARCHITECTURES["qwen2"])), from_sizes=partial(llama_spec, family="qwen2"))

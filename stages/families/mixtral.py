@@ -10,6 +10,8 @@ Refused (one line naming the key): an activation other than SiLU, RoPE types oth
 default / linear / llama3, partial rotary, shipped quantized weights, and any key the
 reader does not know. (`router_jitter_noise` is read and ignored: it only applies in
 training.)
+
+GGUF: llama.cpp writes Mixtral as a "llama" file with experts (q/k rows permuted for its RoPE).
 """
 
 from __future__ import annotations
@@ -17,11 +19,15 @@ from __future__ import annotations
 from typing import Any
 
 from tessera.stages.families.config import ConfigReader
+from tessera.stages.families.family import Family
+from tessera.stages.families.gguf import GgufForm, GgufMetadata, llama_block_config
 from tessera.stages.families.llama import with_special_ids
 from tessera.stages.families.spec import AttentionSpec, LayerSpec, MlpSpec, ModelSpec, RouterSpec
+from tessera.stages.families.tensors import ExpertNames
 
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM"}
 DEFAULT_THETA = 1e6
+EXPERTS = ExpertNames("block_sparse_moe", "w1", "w3", "w2")  # gate, up, down
 
 
 def read(config: ConfigReader) -> ModelSpec:
@@ -58,3 +64,22 @@ def to_config(spec: ModelSpec) -> dict[str, Any]:
         "num_local_experts": mlp.num_experts, "num_experts_per_tok": mlp.router.top_k,
     }
     return with_special_ids(config, spec)
+
+
+def gguf_config(meta: GgufMetadata) -> dict[str, Any]:
+    return {**llama_block_config(meta, ARCHITECTURES["mixtral"]), "num_local_experts": meta.experts,
+            "num_experts_per_tok": int(meta.arch("expert_used_count"))}
+
+
+MIXTRAL_8X7B = {  # mistralai/Mixtral-8x7B-v0.1
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "attention_dropout": 0.0,
+    "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 32768, "num_attention_heads": 32,
+    "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+    "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1e6, "router_aux_loss_coef": 0.02,
+    "sliding_window": None, "tie_word_embeddings": False, "use_cache": True, "vocab_size": 32000,
+}
+
+FAMILY = Family("mixtral", ARCHITECTURES["mixtral"], read, to_config, EXPERTS,
+                gguf=GgufForm("llama", gguf_config, claims=lambda meta: meta.experts > 0, permuted_rope=True),
+                shapes={"mixtral-8x7b": MIXTRAL_8X7B})

@@ -15,6 +15,9 @@ does for this family; `max_window_layers` is not consulted).
 Refused (one line naming the key): an activation other than SiLU, `layer_types` naming a
 sliding layer without a window, RoPE types other than default / linear / llama3, partial
 rotary, shipped quantized weights, and any key the reader does not know.
+
+GGUF: llama.cpp's "qwen3" and "qwen3moe" files (every layer sparse, the top-k weights
+renormalised: llama.cpp always does for qwen3moe).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dataclasses import replace
 from typing import Any
 
 from tessera.stages.families.config import ConfigReader
+from tessera.stages.families.family import Family
+from tessera.stages.families.gguf import GgufForm, GgufMetadata, biased_attention, llama_block_config
 from tessera.stages.families.llama import with_special_ids
 from tessera.stages.families.spec import AttentionSpec, LayerSpec, MlpSpec, ModelSpec, RouterSpec
 
@@ -136,3 +141,42 @@ def to_config(spec: ModelSpec) -> dict[str, Any]:
         config.update({"moe_intermediate_size": moe.width, "num_experts_per_tok": moe.router.top_k,
                        "norm_topk_prob": moe.router.renormalize})
     return with_special_ids(config, spec)
+
+
+def gguf_qwen3(meta: GgufMetadata) -> dict[str, Any]:
+    return {**llama_block_config(meta, ARCHITECTURES["qwen3"]), "attention_bias": biased_attention(meta)}
+
+
+def gguf_qwen3_moe(meta: GgufMetadata) -> dict[str, Any]:
+    """Every layer sparse, the top-k weights renormalised (llama.cpp always does for qwen3moe)."""
+    return {**gguf_qwen3(meta), "architectures": [ARCHITECTURES["qwen3_moe"]], "num_experts": meta.experts,
+            "num_experts_per_tok": int(meta.arch("expert_used_count")), "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "moe_intermediate_size": int(meta.arch("expert_feed_forward_length"))}
+
+
+QWEN3_8B = {  # Qwen/Qwen3-8B
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 12288,
+    "max_position_embeddings": 40960, "max_window_layers": 36, "num_attention_heads": 32,
+    "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False, "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936,
+}
+QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "decoder_sparse_step": 1,
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+    "mlp_only_layers": [], "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32,
+    "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+    "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False, "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936,
+}
+
+QWEN3 = Family("qwen3", ARCHITECTURES["qwen3"], read_qwen3, to_config, gguf=GgufForm("qwen3", gguf_qwen3),
+               shapes={"qwen3-8b": QWEN3_8B})
+QWEN3_MOE = Family("qwen3_moe", ARCHITECTURES["qwen3_moe"], read_qwen3_moe, to_config,
+                   gguf=GgufForm("qwen3moe", gguf_qwen3_moe), shapes={"qwen3-30b-a3b": QWEN3_30B_A3B})

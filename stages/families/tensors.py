@@ -102,8 +102,7 @@ class ExpertNames:
     down: str = "down_proj"
 
 
-QWEN_EXPERTS = ExpertNames()
-MIXTRAL_EXPERTS = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
+QWEN_EXPERTS = ExpertNames()  # the default: Qwen3-MoE's, DeepSeek's and GLM's names (a family with others has its own)
 
 
 def layer_tensors(spec: ModelSpec, layer: int, experts: ExpertNames = QWEN_EXPERTS) -> dict[str, Choices]:

@@ -1,9 +1,9 @@
 """GGUF -> a Hugging Face-style model folder, its blocks kept as they are or dequantised.
 
 A GGUF file holds tensors under llama.cpp's names plus the tokenizer and chat template as
-metadata. Each tensor is renamed, llama.cpp's RoPE row permutation of q/k is undone for
-Llama-architecture files (rows of blocks move as rows of weights do), a sparse layer's
-experts, stacked on one tensor (`blk.N.ffn_gate_exps` [E, I, H] ...), are cut into one
+metadata. Each tensor is renamed, llama.cpp's RoPE row permutation of q/k is undone where
+the file's family says llama.cpp made it (Llama, Mixtral: rows of blocks move as rows of
+weights do), a sparse layer's experts, stacked on one tensor (`blk.N.ffn_gate_exps` [E, I, H] ...), are cut into one
 tensor per expert as Hugging Face checkpoints publish them, and `config.json`,
 `model.safetensors`, `tokenizer.json`, `tokenizer_config.json` and `chat_template.jinja`
 are written. Two forms:
@@ -15,8 +15,9 @@ are written. Two forms:
 - dequantised (`--dequantize`; how the built-in SmolLM2 is fetched): every tensor to float32
   by the `gguf` package's own dequantizers.
 
-Families: llama (Mixtral when it has experts), qwen2, qwen3, qwen3moe. A ggml type outside
-families/shipped.py GGML_TYPES is refused when kept (the `gguf` package dequantises more).
+Which family a file is, the config its metadata describes and its tensor names are the
+family's to say (its `GgufForm`: stages/families/gguf.py); this module names none. A ggml type
+outside families/shipped.py GGML_TYPES is refused when kept (the `gguf` package dequantises more).
 Only byte-level BPE ("gpt2") tokenizers are converted; SentencePiece GGUFs are refused with a
 clear error.
 """
@@ -33,71 +34,15 @@ import torch
 from safetensors.torch import save_file
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
-from tessera.stages.families.catalog import FAMILIES, spec_from_config, to_config
+from tessera.stages.families.catalog import FAMILIES, gguf_family, spec_from_config, to_config
+from tessera.stages.families.gguf import GgufMetadata, hf_tensors
 from tessera.stages.families.shipped import ShippedFormat, ggml_type_of
 from tessera.stages.families.spec import ModelSpec
-from tessera.stages.families.tensors import ExpertNames
 
 Progress = Callable[[int, int, str], None]
 
-# llama.cpp tensor names -> Hugging Face names ({i} = layer)
-TENSOR_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
-    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
-    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
-}
-
-# llama.cpp's names of Qwen3's per-head q/k norms
-TENSOR_NAMES.update({
-    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
-})
-# a sparse MLP's tensors in llama.cpp: the router, and the experts stacked on dim 0 ([E, rows, cols])
-ROUTER_TENSOR = "ffn_gate_inp"
-EXPERT_TENSORS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
-
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "qwen3moe": "Qwen3MoeForCausalLM"}
-MIXTRAL = "MixtralForCausalLM"  # a llama-architecture GGUF with experts
-
 # GGUF token types (llama.cpp): 3 = control token, 4 = user-defined
 SPECIAL_TOKEN_TYPES = (3, 4)
-
-
-def hf_name(gguf_name: str) -> str | None:
-    parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
-        pattern = "blk.{i}." + ".".join(parts[2:])
-        target = TENSOR_NAMES.get(pattern)
-        return target.replace("{i}", parts[1]) if target else None
-    return TENSOR_NAMES.get(gguf_name)
-
-
-def hf_tensors(gguf_name: str, experts: ExpertNames, num_experts: int) -> list[tuple[str, int | None]]:
-    """The checkpoint tensors a GGUF tensor becomes: [(name, None)] for one of TENSOR_NAMES or a
-    router; [(expert e's name, e)] for a stacked expert tensor; [] if it has no counterpart."""
-    parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[1].isdigit() and parts[3] == "weight":
-        prefix = f"model.layers.{parts[1]}.{experts.block}."
-        if parts[2] == ROUTER_TENSOR:
-            return [(prefix + "gate.weight", None)]
-        if parts[2] in EXPERT_TENSORS:
-            which = getattr(experts, EXPERT_TENSORS[parts[2]])
-            return [(f"{prefix}experts.{e}.{which}.weight", e) for e in range(num_experts)]
-    name = hf_name(gguf_name)
-    return [(name, None)] if name else []
 
 
 def unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -118,45 +63,21 @@ def spec_from_gguf(reader: Any) -> ModelSpec:
     return spec_from_config(gguf_config(reader))
 
 
+def gguf_metadata(reader: Any) -> GgufMetadata:
+    """A GGUF reader's metadata as the families read it (stages/families/gguf.py)."""
+    return GgufMetadata(lambda key: _field(reader, key), frozenset(t.name for t in reader.tensors))
+
+
 def gguf_config(reader: Any) -> dict[str, Any]:
-    """The Hugging Face config.json a GGUF's metadata describes (UnsupportedModel for another architecture)."""
-    arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedModel(f"GGUF architecture {arch!r} is not supported ({sorted(GGUF_ARCHITECTURES)})")
-    names = {t.name for t in reader.tensors}
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
-    architecture = MIXTRAL if arch == "llama" and experts else GGUF_ARCHITECTURES[arch]
-    config = {
-        "architectures": [architecture],
-        "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens))),
-        "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 4096)),
-        "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": eos,
-        "hidden_act": "silu",
-    }
-    if architecture != MIXTRAL:
-        config["attention_bias"] = "blk.0.attn_q.bias" in names
-    if experts:
-        used = int(_field(reader, f"{arch}.expert_used_count"))
-        if architecture == MIXTRAL:
-            config.update(num_local_experts=experts, num_experts_per_tok=used)
-        else:  # qwen3moe: every layer sparse, the top-k weights renormalised (llama.cpp always does for it)
-            config.update(num_experts=experts, num_experts_per_tok=used, norm_topk_prob=True, decoder_sparse_step=1,
-                          mlp_only_layers=[], moe_intermediate_size=int(_field(reader, f"{arch}.expert_feed_forward_length")))
-    return config
+    """The Hugging Face config.json a GGUF's metadata describes, as its family maps the keys
+    (UnsupportedModel for an architecture no family reads, ModelFormatError for a key it lacks)."""
+    meta = gguf_metadata(reader)
+    family = gguf_family(meta)
+    assert family.gguf is not None, "gguf_family returns a family with a GGUF form"
+    try:
+        return family.gguf.config(meta)
+    except KeyError as missing:
+        raise ModelFormatError(f"GGUF metadata lacks the key {missing.args[0]!r} a {family.name} file has") from None
 
 
 def gguf_tokenizer_files(reader: Any) -> dict[str, str]:
@@ -213,9 +134,10 @@ def convert_gguf(path: Path, out: Path, *, keep_blocks: bool = False, progress: 
         raise ModelFormatError(f"{str(path)!r} is not a readable GGUF file: {bad}") from None
     config = gguf_config(reader)
     spec = spec_from_config(config)
-    experts = FAMILIES[spec.family].experts
+    family = FAMILIES[spec.family]
+    experts = family.experts
     num_experts = max((layer.mlp.num_experts for layer in spec.layers), default=0)
-    permute = _field(reader, "general.architecture") == "llama"
+    permute = family.gguf is not None and family.gguf.permuted_rope
     out.mkdir(parents=True, exist_ok=True)
     state: dict[str, torch.Tensor] = {}
     types: dict[str, str] = {}

@@ -33,10 +33,12 @@ import numpy as np
 import torch
 
 from tessera.stages.errors import ModelFormatError
+from tessera.stages.families.catalog import FAMILIES
+from tessera.stages.families.gguf import TENSOR_NAMES
 from tessera.stages.families.spec import ModelSpec
 from tessera.stages.kernels.chunked import dequantizes_in_chunks
 from tessera.stages.kernels.quant import Quant
-from tessera.stages.weights.convert import TENSOR_NAMES, unpermute_rope_rows
+from tessera.stages.weights.convert import unpermute_rope_rows
 
 SOURCE_GGUF = "source.gguf"  # beside a fetched model's converted folder (peer/cli/model_files.py)
 Q4_1_BLOCK = 32  # weights per Q4_1 block
@@ -173,8 +175,9 @@ class GgufQ4Source:
 
     def __init__(self, path: Path, spec: ModelSpec) -> None:
         self.path = path
-        self.tensors, architecture = read_gguf_directory(path)
-        self.permute = architecture == "llama"  # llama.cpp permutes q/k rows for its RoPE
+        self.tensors, _ = read_gguf_directory(path)
+        form = FAMILIES[spec.family].gguf
+        self.permute = form is not None and form.permuted_rope  # llama.cpp permuted q/k rows for its RoPE
         self.spec = spec
 
     @staticmethod

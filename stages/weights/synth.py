@@ -19,8 +19,10 @@ from typing import Iterator
 import torch
 from safetensors.torch import save_file
 
-from tessera.stages.families.catalog import layer_matrices, model_tensors, tensors_of_layer, to_config
-from tessera.stages.families.llama import llama_spec
+from tessera.stages.errors import UnsupportedModel
+from tessera.stages.families.catalog import (
+    FAMILIES, families_from_sizes, layer_matrices, model_tensors, tensors_of_layer, to_config,
+)
 from tessera.stages.families.shipped import ShippedFormat
 from tessera.stages.families.spec import ModelSpec
 from tessera.stages.weights.folder import INDEX_FILE, SINGLE_FILE
@@ -50,9 +52,12 @@ def synth_spec(
     tie_embeddings: bool = False,
     max_position: int = 4096,
 ) -> ModelSpec:
-    """A Llama-block shape (`architecture`: llama, mistral or qwen2)."""
-    return llama_spec(
-        family=architecture,
+    """A shape of family `architecture` from plain sizes (a family whose `from_sizes` builds one:
+    families/catalog.py `families_from_sizes`; UnsupportedModel for any other)."""
+    family = FAMILIES.get(architecture)
+    if family is None or family.from_sizes is None:
+        raise UnsupportedModel(f"{architecture!r} is not built from plain sizes (tessera builds {list(families_from_sizes())})")
+    return family.from_sizes(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate,

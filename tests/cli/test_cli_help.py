@@ -86,7 +86,7 @@ def test_the_flags_the_issue_named_have_help_text():
 def test_the_choices_repeated_for_a_light_help_agree_with_their_sources():
     from tessera.peer.request.verify import DEFAULT_SPOT_CHECKS
     from tessera.peer.sim.policies import POLICIES, VIEW_MODES
-    from tessera.stages.weights import quant
+    from tessera.stages.kernels import quant
 
     assert cli_options.QUANT_KINDS == quant.QUANT_KINDS
     assert cli_options.INT4_GROUP_SIZES == quant.INT4_GROUP_SIZES
