@@ -10,8 +10,8 @@ Float32 reference semantics (transformers' `GlmMoeDsaIndexer` and `GlmMoeDsaAtte
     RoPE on the first Dr dims of q_i and k_i, in interleaved pairs (MLA's tables)
     score[t, j] = Σ_h w[t, h] relu(q_i[t, h] · k_i[j] / √Di),  w = x Ww_hᵀ / √Hi   (float32)
     selected(t) = the k best-scoring positions j <= start + t (all of them while there are <= k;
-                  ties go to the earlier position: a stable sort, so the choice does not depend
-                  on how a step is cut or stacked)
+                  among scores tied at the k-th place, torch.topk's pick on the query's own
+                  causal row, as transformers picks for a one-token step: `select`)
     out = MLA (layers/mla.py) with each query reading only selected(t)
 
 A layer whose indexer is "shared" (`DsaSpec.shared`, GLM-5.2's cross-layer sharing) computes
@@ -47,13 +47,27 @@ INDEX_KEY_NORM_EPS = 1e-6  # the reference's LayerNorm over index keys (not the 
 
 def select(scores: torch.Tensor, start: int, top_k: int) -> torch.Tensor | None:
     """Index scores [T, S] of queries at [start, start + T) -> the positions each reads [T, S]
-    (bool), or None when every query may read all its causal positions (S <= k)."""
+    (bool), or None when every query may read all its causal positions (S <= k).
+
+    A query reads the k best-scoring of its causal positions. Where the k-th and the (k+1)-th
+    scores are equal (every head's relu is 0 at many positions when the indexer has few heads,
+    so ties at exactly 0 are common), which of the tied positions are read is what `torch.topk`
+    picks on the query's own causal row [0, start + t] on the CPU: what transformers picks for the
+    query as a one-token step. It depends on that row alone, not on how a step is cut or stacked
+    (transformers' own whole-prompt prefill runs topk over rows padded with the masked future,
+    and picks among ties otherwise: its prefill and its token-by-token run disagree there)."""
     t, s = scores.shape
     if s <= top_k:
         return None
     causal = causal_allowed(start, t, scores.device)
-    ranked = scores.masked_fill(~causal, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
-    picked = torch.zeros_like(causal).scatter_(1, ranked[:, :top_k], True)
+    ranked = scores.masked_fill(~causal, float("-inf")).sort(dim=-1, descending=True, stable=True)
+    picked = torch.zeros_like(causal).scatter_(1, ranked.indices[:, :top_k], True)
+    # a tie at the k-th place, among causal positions (past them the row is -inf: nothing to choose)
+    tied = (ranked.values[:, top_k - 1] == ranked.values[:, top_k]) & (ranked.values[:, top_k] > float("-inf"))
+    for row in tied.nonzero()[:, 0].tolist():
+        own = scores[row, : start + row + 1].detach().cpu()  # the query's causal row, as a one-token step has it
+        picked[row] = False
+        picked[row, own.topk(top_k).indices.to(picked.device)] = True
     return picked & causal  # a query with <= k causal positions picked some future ones too: not read
 
 

@@ -102,14 +102,39 @@ def test_the_selection_drops_keys_and_that_changes_the_answer(folders, reference
     assert max(float((a - b).abs().max()) for a, b in zip(want, dense)) > 1e-2
 
 
-def test_the_selection_is_the_k_best_earlier_positions_ties_to_the_earlier():
+def test_the_selection_is_the_k_best_earlier_positions_ties_as_a_one_token_step_picks():
     from tessera.stages.layers.dsa import select
 
-    scores = torch.tensor([[3.0, 1.0, 1.0, 1.0, 9.0], [0.5, 2.0, 2.0, 7.0, 1.0]])
+    scores = torch.tensor([[3.0, 1.0, 2.0, 1.5, 9.0], [0.5, 2.0, 3.0, 7.0, 1.0]])
     picked = select(scores, start=3, top_k=3)  # queries at positions 3 and 4, over positions 0..4
-    # position 3 cannot read 4 (its 9.0); of its three 1.0s the earlier two win
-    assert picked.tolist() == [[True, True, True, False, False], [False, True, True, True, False]]
+    # position 3 cannot read 4 (its 9.0): its three best earlier ones
+    assert picked.tolist() == [[True, False, True, True, False], [False, True, True, True, False]]
     assert select(scores, start=0, top_k=5) is None  # no query has more than k positions: all read
+
+
+def test_ties_at_the_kth_place_are_picked_per_query_however_the_step_is_cut():
+    """Index scores tie at exactly 0 wherever every head's relu is 0 (few indexer heads): of the tied
+    positions, a query reads those torch.topk picks on its own causal row (transformers' pick for a
+    one-token step), whether the query comes alone, in a prefill, or in a chunk of one."""
+    from tessera.stages.layers.dsa import select
+
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.randn(12, 12, generator=gen).relu() * (torch.rand(12, 12, generator=gen) > 0.6)
+    whole = select(scores, start=0, top_k=4)
+    ties = 0
+    for p in range(12):
+        alone = select(scores[p : p + 1, : p + 1], start=p, top_k=4)
+        own = scores[p, : p + 1]
+        if p + 1 > 4:
+            want = torch.zeros(p + 1, dtype=torch.bool).scatter_(0, own.topk(4).indices, True)
+            assert alone[0].tolist() == want.tolist() == whole[p, : p + 1].tolist()
+            ranked = own.sort(descending=True).values
+            ties += bool(ranked[3] == ranked[4])
+        for cut in (3, 7):  # the same query in a chunk [cut, 12) of a prefill cut there
+            if p >= cut:
+                chunk = select(scores[cut:, :], start=cut, top_k=4)
+                assert chunk[p - cut].tolist() == whole[p].tolist()
+    assert ties > 0, "no tie at the k-th place: the test above held nothing"
 
 
 def test_the_layers_are_read_as_configured(folders):
