@@ -42,6 +42,17 @@ _REQUIRED = object()
 # The largest count or size a config may give: no model comes near it, and a larger one would
 # overflow the sizes torch takes (a config saying hidden_size 1e308 is refused here, not there).
 MAX_CONFIG_INT = 2**31 - 1
+# Counts the engine builds something per item of before any weight is read (a LayerSpec per
+# layer, the tensor names of each expert), bounded far past any published model so that a
+# crafted config is refused at once instead of filling memory (`num_hidden_layers: 1e9` held
+# 8 GB and never returned; `num_experts: 1e9` 2.6 GB). A folder's own tensors bound them
+# tighter (stages/weights/folder.py `check_fits`).
+MAX_LAYERS = 1024  # the deepest published decoder has 126 layers (Llama 3.1 405B)
+MAX_EXPERTS = 4096  # the most routed experts of a published layer: 512 (Qwen3-Next, Qwen3.5)
+COUNT_LIMITS = {
+    **dict.fromkeys(("num_hidden_layers", "num_nextn_predict_layers", "num_mtp_layers"), MAX_LAYERS),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), MAX_EXPERTS),
+}
 
 # RoPE types we compute, each with the parameters it needs (transformers' modeling_rope_utils names)
 ROPE_PARAMETERS: dict[str, frozenset[str]] = {
@@ -84,14 +95,19 @@ class ConfigReader:
         return value
 
     def int(self, key: str, default: Any = _REQUIRED, *, minimum: int = 1) -> Any:
-        """An integer >= `minimum` (`default`, possibly None, when absent)."""
+        """An integer >= `minimum` (`default`, possibly None, when absent), written as one (a JSON
+        number with a fraction or an exponent, 1e9 or 32.0, is not), and at most its key's
+        `COUNT_LIMITS` (else MAX_CONFIG_INT)."""
         value = self.value(key, default)
         if value is default and default is not _REQUIRED:
             return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or value != int(value) or not minimum <= value <= MAX_CONFIG_INT:
-            raise ModelFormatError(f"config field {key} has an impossible value {value!r}")
-        return int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ModelFormatError(f"config field {key} has an impossible value {value!r} (an integer)")
+        limit = COUNT_LIMITS.get(key, MAX_CONFIG_INT)
+        if not minimum <= value <= limit:
+            raise ModelFormatError(f"config field {key} has an impossible value {value!r} "
+                                   f"(from {minimum} to {limit})")
+        return value
 
     def float(self, key: str, default: Any = _REQUIRED) -> float:
         value = self.value(key, default)

@@ -40,6 +40,7 @@ Extending (the kinds are the extension points):
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Any
@@ -509,7 +510,9 @@ class MlpSpec:
         # the router's [E, H] (and correction bias or logits' bias), kept in float: it picks the experts
         router = self.router.param_count(hidden, self.num_experts) if self.router is not None else 0
         biases = (2 * self.width + hidden) * max(self.num_experts, 1) if self.bias else 0
-        return sum(r * c for r, c in self.matrices(hidden)) + router + biases
+        # `matrices`' sum, counted without listing every expert's: 3 W H a SwiGLU
+        matrices = 3 * self.width * hidden * max(self.num_experts, 1) + 3 * self.shared_width * hidden
+        return matrices + router + biases
 
 
 @dataclass(frozen=True)
@@ -594,6 +597,13 @@ class ModelSpec:
         """Bytes of layer `layer`'s weights in a float of `itemsize` bytes (None: any layer of a
         uniform model; ValueError where layers differ)."""
         return self.layer_param_count(layer) * itemsize
+
+    @cached_property  # a frozen spec: each distinct layer shape counted once
+    def param_count(self) -> int:
+        """Parameters of the whole model: embedding, every decoder layer, the final norm, and the
+        head unless tied (MTP modules, which are not run, left out)."""
+        edges = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2) + self.hidden_size
+        return edges + sum(n * layer.param_count(self.hidden_size) for layer, n in Counter(self.layers).items())
 
     def max_layer_bytes(self, itemsize: int = 4) -> int:
         """Bytes of the largest layer."""

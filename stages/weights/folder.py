@@ -15,23 +15,57 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from tessera.stages.errors import ModelFormatError
 from tessera.stages.families.catalog import spec_from_file, tensors_of_layer
+from tessera.stages.families.spec import ModelSpec
 from tessera.stages.families.tensors import Choices, Stacked
+from tessera.stages.weights.registry import MANIFEST
+from tessera.stages.weights.tensor_table import group_of
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# The fewest bytes a parameter takes in any form a folder may store it in (MXFP4: 4.25 bits with
+# its scales; GGUF's Q4_0: 4.5), rounded down: a config describing more parameters than its
+# folder's weight files could hold at this rate describes another model.
+MIN_BYTES_PER_PARAM = 0.5
 
 
 # Called with each tensor as it is read: its name, and the whole tensor in its stored dtype —
 # or None when only part of it is read (a fused tensor's row, a rank's slices), for the check
 # to read the rest itself; raises to refuse it.
 TensorCheck = Callable[[str, torch.Tensor | None], None]
+
+
+def check_fits(spec: ModelSpec, names: Iterable[str], stored_bytes: int | None) -> None:
+    """Raise ModelFormatError when config.json describes more than the folder holds: more decoder
+    layers than its tensors name, or more parameters than `stored_bytes` of weight files could
+    store (`MIN_BYTES_PER_PARAM`). A crafted config (`num_hidden_layers`, `num_experts`, a width far
+    past the tensors) is so refused before anything is built per layer or per expert."""
+    layers = [int(group[len("layer."):]) for group in map(group_of, names) if group.startswith("layer.")]
+    held = max(layers) + 1 if layers else 0
+    if spec.num_layers > held:
+        raise ModelFormatError(f"config.json describes {spec.num_layers} decoder layers, but the folder's tensors "
+                               f"name {held}")
+    if stored_bytes is not None and spec.param_count * MIN_BYTES_PER_PARAM > stored_bytes:
+        raise ModelFormatError(f"config.json describes {spec.param_count} parameters, more than the folder's "
+                               f"{stored_bytes} bytes of weights can hold")
+
+
+def partial_table(folder: Path) -> dict[str, int] | None:
+    """{tensor: its bytes} of the whole model, from the manifest of a folder a fetch fills in part
+    (stages/weights/registry.py), or None for any other folder."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        if not manifest.get("partial"):
+            return None
+        return {name: int(e["end"]) - int(e["begin"]) for name, e in manifest["tensors"]["entries"].items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 class WeightFolder:
@@ -42,6 +76,7 @@ class WeightFolder:
         self.spec = spec_from_file(self.folder / "config.json")
         self.check = check
         self._where = self._index()
+        self._check_fits()
 
     def _index(self) -> dict[str, Path]:
         index = self.folder / INDEX_FILE
@@ -59,6 +94,22 @@ class WeightFolder:
                 return {name: single for name in f.keys()}
         except (SafetensorError, OSError) as bad:
             raise ModelFormatError(f"{str(single)!r} is not a readable safetensors file: {bad}") from None
+
+    def _check_fits(self) -> None:
+        """`check_fits` against the tensors the folder names and the bytes of its files; where those
+        fall short, a folder a fetch fills in part (its manifest says "partial") is held to the whole
+        model's table in its manifest instead (its files hold only the fetched spans)."""
+        try:
+            stored: int | None = sum(path.stat().st_size for path in self.files())
+        except OSError:  # a file the index names is not there: the checks that read it say so
+            stored = None
+        try:
+            check_fits(self.spec, self._where, stored)
+        except ModelFormatError:
+            table = partial_table(self.folder)
+            if table is None:
+                raise
+            check_fits(self.spec, table, sum(table.values()))
 
     def files(self) -> list[Path]:
         """The files the folder's tensors live in (as the index names them), sorted."""
