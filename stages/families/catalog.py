@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
-from tessera.stages.families import deepseek, glm, glm5, gpt_oss, llama, mixtral, qwen3
+from tessera.stages.families import deepseek, glm, glm5, gpt_oss, llama, minimax_m2, mixtral, qwen3
 from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.family import Family
 from tessera.stages.families.gguf import GgufMetadata
@@ -51,6 +51,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     glm.FAMILY,
     glm5.FAMILY,
     gpt_oss.FAMILY,
+    minimax_m2.FAMILY,
 )}
 BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES.values()}
 

@@ -138,7 +138,9 @@ class AttentionSpec:
     window:   attend only to the last `window` positions (sliding), or None (all of them).
     qkv_bias: q, k and v projections carry a bias (Qwen2; Qwen3 with attention_bias).
     o_bias:   the output projection carries one (Qwen3 with attention_bias).
-    qk_norm:  q and k get an RMSNorm over each head's D before RoPE (Qwen3).
+    qk_norm:  q and k get an RMSNorm over each head's D before RoPE (Qwen3);
+    qk_norm_whole: with `qk_norm`, the RMSNorm runs over all of q's heads at once (A D values, one
+              weight each) and over all of k's (K D), not per head (MiniMax-M2).
     rotary_dim: RoPE turns only the first `rotary_dim` dims of each head (GLM's partial rotary,
               `partial_rotary_factor`), the rest pass unrotated; None: all D.
     sinks:    each head has a learned logit that joins its softmax's denominator and no value
@@ -156,6 +158,7 @@ class AttentionSpec:
     qk_norm: bool = False
     rotary_dim: int | None = None
     sinks: bool = False
+    qk_norm_whole: bool = False
 
     def __post_init__(self) -> None:
         _check(self.kind in ATTENTION_KINDS, "attention kind", self.kind)
@@ -166,6 +169,7 @@ class AttentionSpec:
         _check(self.window is None or self.window > 0, "sliding_window", self.window)
         _check(self.rotary_dim is None or (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0),
                "partial_rotary_factor", self.rotary_dim)
+        _check(self.qk_norm or not self.qk_norm_whole, "use_qk_norm", self.qk_norm)
 
     @property
     def rope_dim(self) -> int:
@@ -191,7 +195,7 @@ class AttentionSpec:
 
     def param_count(self, hidden: int) -> int:
         bias = (self.q_size + 2 * self.kv_size if self.qkv_bias else 0) + (hidden if self.o_bias else 0)
-        norms = 2 * self.head_dim if self.qk_norm else 0
+        norms = (self.q_size + self.kv_size if self.qk_norm_whole else 2 * self.head_dim) if self.qk_norm else 0
         sinks = self.num_heads if self.sinks else 0
         return sum(r * c for r, c in self.matrices(hidden)) + bias + norms + sinks
 

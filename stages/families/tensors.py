@@ -94,12 +94,15 @@ def stacked(names: list[str], shapes: list[Shape]) -> Choices:
 @dataclass(frozen=True)
 class ExpertNames:
     """How a family's published checkpoints name a sparse MLP under `model.layers.{i}.`:
-    `{block}.gate.weight` (the router) and `{block}.experts.{e}.{gate|up|down}.weight`."""
+    `{block}.gate.weight` (the router), `{block}.experts.{e}.{gate|up|down}.weight`, and a sigmoid
+    router's correction bias `{block}.{correction_bias}` (`mlp.{correction_bias}` where transformers
+    writes the experts fused)."""
 
     block: str = "mlp"
     gate: str = "gate_proj"
     up: str = "up_proj"
     down: str = "down_proj"
+    correction_bias: str = "gate.e_score_correction_bias"
 
 
 QWEN_EXPERTS = ExpertNames()  # the default: Qwen3-MoE's, DeepSeek's and GLM's names (a family with others has its own)
@@ -126,9 +129,9 @@ def layer_tensors(spec: ModelSpec, layer: int, experts: ExpertNames = QWEN_EXPER
         out["attn.wqkv.bias"] = stacked([n + ".bias" for n in qkv], [(at.q_size,), (at.kv_size,), (at.kv_size,)])
     if at.o_bias:
         out["attn.wo.bias"] = one(p + "self_attn.o_proj.bias", (h,))
-    if at.qk_norm:
-        out["attn.q_norm.weight"] = one(p + "self_attn.q_norm.weight", (at.head_dim,))
-        out["attn.k_norm.weight"] = one(p + "self_attn.k_norm.weight", (at.head_dim,))
+    if at.qk_norm:  # per head (D each), or over all heads of q and of k at once (`qk_norm_whole`)
+        out["attn.q_norm.weight"] = one(p + "self_attn.q_norm.weight", (at.q_size if at.qk_norm_whole else at.head_dim,))
+        out["attn.k_norm.weight"] = one(p + "self_attn.k_norm.weight", (at.kv_size if at.qk_norm_whole else at.head_dim,))
     return out
 
 
@@ -143,7 +146,8 @@ def mlp_tensors(p: str, ls: LayerSpec, h: int, experts: ExpertNames) -> dict[str
         return out
     out.update(expert_tensors(p, mlp.num_experts, i, h, experts))
     if mlp.router is not None and mlp.router.kind == "sigmoid_group_topk":
-        out["mlp.router.correction_bias"] = one(f"{p}{experts.block}.gate.e_score_correction_bias", (mlp.num_experts,))
+        names = dict.fromkeys((f"{p}{experts.block}.{experts.correction_bias}", f"{p}mlp.{experts.correction_bias}"))
+        out["mlp.router.correction_bias"] = tuple(c for name in names for c in one(name, (mlp.num_experts,)))
     if mlp.shared_width:
         x, w = f"{p}{experts.block}.shared_experts.", mlp.shared_width
         out["mlp.shared.w_gate_up.weight"] = stacked([x + "gate_proj.weight", x + "up_proj.weight"], [(w, h), (w, h)])

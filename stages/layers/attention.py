@@ -7,7 +7,8 @@ one's rows in a `Segment`: projections run once over the stack, attention per se
 its own cache, so every session keeps its own length and position pointer.
 
 Float32 reference semantics (what `transformers` computes): q, k, v = x Wqkv (+ bias); with
-`qk_norm`, an RMSNorm over each head's D of q and of k; RoPE on q and k; softmax(q kᵀ / √D
+`qk_norm`, an RMSNorm over each head's D of q and of k (with `qk_norm_whole`, over all of q's
+heads at once and all of k's); RoPE on q and k; softmax(q kᵀ / √D
 + causal mask, limited to the last `window` positions for a sliding layer) v; then Wo (+ bias).
 With `sinks` (gpt-oss), each head's learned sink logit joins the softmax's denominator.
 Prefill and multi-token steps use the same SDPA kernel as the reference, so logits agree
@@ -220,8 +221,9 @@ class Attention(nn.Module):
         self.spec = spec
         self.wqkv = nn.Linear(hidden, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
         self.wo = nn.Linear(spec.q_size, hidden, bias=spec.o_bias)
-        self.q_norm = RMSNorm(spec.head_dim, eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, eps) if spec.qk_norm else None
+        # over each head's D (Qwen3), or over all of q's and all of k's dims at once (MiniMax-M2)
+        self.q_norm = RMSNorm(spec.q_size if spec.qk_norm_whole else spec.head_dim, eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.kv_size if spec.qk_norm_whole else spec.head_dim, eps) if spec.qk_norm else None
         # each head's sink logit (gpt-oss), engine name `attn.sinks`
         self.sinks = nn.Parameter(torch.empty(spec.num_heads)) if spec.sinks else None
         self.scale = 1.0 / math.sqrt(spec.head_dim)
@@ -231,6 +233,11 @@ class Attention(nn.Module):
         session (the step's `attend` knows which rows are whose)."""
         spec = self.spec
         cos, sin = ctx.rope(spec)
-        qk, v = rotate_heads(self.wqkv.forward(x), spec.num_heads, spec.num_kv_heads, spec.head_dim, cos, sin,
-                             self.q_norm, self.k_norm)  # [T, A + K, D], [T, K, D]
+        qkv = self.wqkv.forward(x)
+        per_head = (self.q_norm, self.k_norm)
+        if spec.qk_norm_whole:  # normed here, over all heads of each: none left per head
+            q, k, v = qkv.split((spec.q_size, spec.kv_size, spec.kv_size), dim=-1)
+            qkv, per_head = torch.cat((self.q_norm.forward(q), self.k_norm.forward(k), v), dim=-1), (None, None)
+        qk, v = rotate_heads(qkv, spec.num_heads, spec.num_kv_heads, spec.head_dim, cos, sin,
+                             *per_head)  # [T, A + K, D], [T, K, D]
         return self.wo.forward(ctx.attend(qk, v, spec.num_heads, cache, spec.window, self.scale, self.sinks))

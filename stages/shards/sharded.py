@@ -84,6 +84,9 @@ def check_shardable(spec: ModelSpec, count: int, index: int = 0) -> None:
             kind = layer.mlp.kind if layer.mlp.kind != "dense" else layer.attention.kind
             raise ShardError(f"tensor shards of {spec.family} are not supported: layer {i} is {kind!r}, and only "
                              "grouped-query attention with a dense MLP is split across ranks (serve it as layer spans)")
+        if getattr(layer.attention, "qk_norm_whole", False):
+            raise ShardError(f"tensor shards of {spec.family} are not supported: layer {i} norms q and k over all "
+                             "of its heads at once, which needs every rank's heads (serve it as layer spans)")
         if getattr(layer.attention, "rotary_dim", None) is not None:
             raise ShardError(f"tensor shards of {spec.family} are not supported: layer {i} turns only "
                              f"{layer.attention.rope_dim} of its {layer.attention.head_dim} head dims (partial rotary), "
