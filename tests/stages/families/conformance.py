@@ -1,13 +1,14 @@
 """The checks every model family runs against `transformers`, on tiny random models it saves itself.
 
-A family's test file builds a few configurations (`build`), then for each: float32 logits
-within 1e-4 of transformers over a prefill and greedy decode, and greedy tokens identical
-(`check_matches_transformers`); 8 sessions stacked in one forward, each equal to its solo run
-(`check_stacked_sessions`); decoding by draft blocks verified in one pass, cut short and rolled
-back by pointer, giving the same tokens (`check_rollback`); and, for one configuration per
-family, a real 2-peer swarm split mid-model, plain and speculative (`check_swarm`).
-Sequences run past the sliding windows configured (8 positions), so windows change the
-numbers compared.
+test_conformance.py runs them on every row of rows.py (a family's configuration, built by
+`build`): float32 logits within 1e-4 of transformers over a prefill and greedy decode, and greedy
+tokens identical (`check_matches_transformers`); 8 sessions stacked in one forward, each equal to
+its solo run (`check_stacked_sessions`); a prompt prefilled in chunks equal to it prefilled whole
+(`check_chunked_prefill`); the model split across two stages equal to it whole (`check_split`);
+decoding by draft blocks verified in one pass, cut short and rolled back by pointer, giving the
+same tokens (`check_rollback`); and, for one configuration per family, a real 2-peer swarm split
+mid-model, plain and speculative (`check_swarm`). Sequences run past the sliding windows
+configured (8 positions), so windows change the numbers compared.
 """
 
 from __future__ import annotations
@@ -68,19 +69,28 @@ def build(root: Path, name: str, config: Any, *, seed: int, fused: bool = False)
     return folder
 
 
-def reference_run(folder: Path) -> tuple[list[int], list[torch.Tensor]]:
-    """transformers' greedy tokens and float32 logits per step, loading `folder` as a user would."""
+def reference_run(folder: Path, *, stepped: bool = False) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy tokens and float32 logits per step ([12, V] for the prompt, then [1, V] per
+    token), loading `folder` as a user would; with `stepped`, the prompt fed one token at a time too
+    (its rows stacked as the prompt's)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    tokens, logits, cache, step = [], [], None, PROMPT
+    tokens, logits, cache = [], [], None
+    steps = [[t] for t in PROMPT] if stepped else [PROMPT]
     with torch.inference_mode():
-        for _ in range(DECODE_STEPS):
+        rows = []
+        for step in steps:
             out = model(torch.tensor([step]), cache=cache, use_cache=True)
             cache = out.cache
+            rows.append(out.logits[0])
+        logits.append(torch.cat(rows))
+        tokens.append(int(logits[0][-1].argmax()))
+        for _ in range(DECODE_STEPS - 1):
+            out = model(torch.tensor([tokens[-1:]]), cache=cache, use_cache=True)
+            cache = out.cache
             logits.append(out.logits[0])
-            step = [int(out.logits[0, -1].argmax())]
-            tokens.append(step[0])
+            tokens.append(int(out.logits[0, -1].argmax()))
     return tokens, logits
 
 
@@ -154,6 +164,57 @@ def check_stacked_sessions(folder: Path) -> None:
     assert stacked == 8
     assert tokens == [t for t, _ in solo]
     assert worst <= STACKED_RTOL, f"{folder.name}: stacked vs solo {worst:.3g}"
+
+
+def greedy_logits(stages: list[Stage], chunks: list[list[int]], steps: int, session: str = "g"
+                  ) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and the logits that chose them through `stages` in turn (the first embeds, the last
+    holds the head), the prompt sent as `chunks` one after the other: [P, V] for the prompt, then [1, V]."""
+    for stage in stages:
+        stage.open(session, capacity=64)
+
+    def run(ids: list[int], at: int) -> torch.Tensor:
+        hidden = stages[0].embed(ids)
+        for stage in stages:
+            hidden = stage.forward(session, hidden, at)
+        return stages[-1].logits(hidden)
+
+    at, rows = 0, []
+    for chunk in chunks:
+        rows.append(run(chunk, at))
+        at += len(chunk)
+    logits = [torch.cat(rows)]
+    tokens = [int(logits[0][-1].argmax())]
+    for _ in range(steps - 1):
+        logits.append(run(tokens[-1:], at))
+        at += 1
+        tokens.append(int(logits[-1][-1].argmax()))
+    for stage in stages:
+        stage.close(session)
+    return tokens, logits
+
+
+def check_chunked_prefill(folder: Path) -> None:
+    """The prompt prefilled in chunks (5, 4, 3 tokens: steps at positions past 0, as a pipelined prefill
+    and a replacement's replay send them) gives the logits and tokens of the prompt prefilled whole: the
+    same computation over other row counts (relative gap within STACKED_RTOL)."""
+    stage = load_stage(folder, embed=True, head=True)
+    whole = greedy_logits([stage], [PROMPT], DECODE_STEPS)
+    chunked = greedy_logits([stage], [PROMPT[:5], PROMPT[5:9], PROMPT[9:]], DECODE_STEPS)
+    assert chunked[0] == whole[0]
+    worst = max(relative_gap(a, b) for a, b in zip(chunked[1], whole[1]))
+    assert worst <= STACKED_RTOL, f"{folder.name}: chunked vs whole prefill {worst:.3g}"
+
+
+def check_split(folder: Path, at: int) -> None:
+    """Layers [0, at) on one stage and [at, L) on another, the hidden states handed from the first to the
+    second (what two peers do), give exactly the logits of the whole model on one stage."""
+    whole = greedy_logits([load_stage(folder, embed=True, head=True)], [PROMPT], DECODE_STEPS)
+    first = load_stage(folder, start=0, end=at, embed=True)
+    second = load_stage(folder, start=at, head=True)
+    split = greedy_logits([first, second], [PROMPT], DECODE_STEPS)
+    assert split[0] == whole[0]
+    assert all(torch.equal(a, b) for a, b in zip(split[1], whole[1])), f"{folder.name}: split at {at} differs"
 
 
 def check_rollback(folder: Path, reference: list[int], *, k: int = 3) -> None:

@@ -1,7 +1,8 @@
-"""gpt-oss (`gpt_oss`): biased experts with the clamped SwiGLU, a biased top-k-then-softmax router,
-attention sinks and biases, sliding and full layers (`layer_types`, windows shorter than the prompt),
-YaRN RoPE; experts fused as transformers saves them ([E, H, 2I], gate and up interleaved). Against
-transformers, stacked, rolled back, quantized, and through a swarm; the published config read."""
+"""gpt-oss (`gpt_oss`): what only it has beyond the conformance suite (test_conformance.py's rows,
+which hold it to transformers, stacked, chunked, split, rolled back, through a swarm): the layers
+read as configured, fused experts regrouped per expert (and the published MXFP4 layout's meaning),
+the bytes placement counts, int8/int4 against their dequantized reference, and the published config
+read, its refusals by name."""
 
 from __future__ import annotations
 
@@ -10,54 +11,17 @@ import torch
 
 from tessera.stages.errors import UnsupportedModel
 
-from ...swarm_helpers import local_swarm
-from .conformance import (
-    SHAPE, build, check_matches_transformers, check_rollback, check_stacked_sessions, check_swarm,
-    reference_run, check_shard_refused,
-)
+from .conformance import check_against_dequantized
 
 transformers = pytest.importorskip("transformers")
 
-CONFIGS = {
-    # GptOssConfig's own defaults where it has them: YaRN (factor 32 over 4096 positions, not
-    # truncated), sliding / full / sliding layers with a window of 8 (< the prompt), biased
-    # attention, swiglu limit 7; top-2 of 8 experts
-    "yarn-alternating": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=8),
-    # a full first layer then two sliding ones (window 5), no attention bias, a limit of 0.8 that
-    # clamps often (and alpha 1.2), top-3 of 6 experts, a truncated YaRN whose original context
-    # (16) the sequence outgrows
-    "clamped-full-first": dict(
-        num_local_experts=6, num_experts_per_tok=3, intermediate_size=32, sliding_window=5,
-        layer_types=["full_attention", "sliding_attention", "sliding_attention"], attention_bias=False,
-        swiglu_limit=0.8, swiglu_alpha=1.2,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16,
-                         "beta_fast": 8.0, "truncate": True}),
-}
-SWARM = "yarn-alternating"
+ALTERNATING, CLAMPED = "gpt_oss/yarn-alternating", "gpt_oss/clamped-full-first"
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpt-oss")
-    return {name: build(root, name, transformers.GptOssConfig(**SHAPE, **extra), seed=30 + i)
-            for i, (name, extra) in enumerate(CONFIGS.items())}
-
-
-@pytest.fixture(scope="module")
-def references(folders):
-    """transformers' greedy tokens and logits for each configuration."""
-    return {name: reference_run(folder) for name, folder in folders.items()}
-
-
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_matches_transformers(folders, references, name):
-    check_matches_transformers(folders[name], references[name])
-
-
-def test_the_layers_are_read_as_configured(folders):
+def test_the_layers_are_read_as_configured(family_models):
     from tessera.stages.families.catalog import spec_from_file
 
-    first = spec_from_file(folders["yarn-alternating"] / "config.json")
+    first = spec_from_file(family_models.folder(ALTERNATING) / "config.json")
     assert [layer.attention.window for layer in first.layers] == [8, None, 8]
     layer = first.layers[0]
     assert layer.attention.sinks and layer.attention.qkv_bias and layer.attention.o_bias
@@ -65,19 +29,19 @@ def test_the_layers_are_read_as_configured(folders):
     assert (layer.mlp.kind, layer.mlp.num_experts, layer.mlp.bias) == ("moe", 8, True)
     assert (layer.mlp.router.kind, layer.mlp.router.top_k, layer.mlp.router.bias) == ("topk_softmax", 2, True)
     assert (layer.mlp.glu.kind, layer.mlp.glu.alpha, layer.mlp.glu.limit) == ("clamped_swiglu", 1.702, 7.0)
-    second = spec_from_file(folders["clamped-full-first"] / "config.json")
+    second = spec_from_file(family_models.folder(CLAMPED) / "config.json")
     assert [layer.attention.window for layer in second.layers] == [None, 5, 5]
     assert not second.layers[0].attention.qkv_bias and second.layers[0].mlp.glu.limit == 0.8
 
 
-def test_fused_experts_are_regrouped_per_expert(folders):
+def test_fused_experts_are_regrouped_per_expert(family_models):
     """Expert e's engine matrices are row e of the fused tensors, transposed to [out, in], gate rows
     (the checkpoint's even columns) before up rows (its odd ones); the biases likewise."""
     from safetensors import safe_open
 
     from tessera.stages.weights.folder import WeightFolder
 
-    folder = folders["yarn-alternating"]
+    folder = family_models.folder(ALTERNATING)
     state = WeightFolder(folder).layer_state(2, torch.float32)
     with safe_open(folder / "model.safetensors", framework="pt") as f:
         gate_up = f.get_tensor("model.layers.2.mlp.experts.gate_up_proj")  # [E, H, 2I]
@@ -101,13 +65,13 @@ def test_fused_experts_are_regrouped_per_expert(folders):
     assert torch.equal(torch.cat((published[e][0::2], published[e][1::2])), state[f"mlp.experts.{e}.w_gate_up.weight"])
 
 
-def test_a_span_holds_the_bytes_placement_counts(folders):
+def test_a_span_holds_the_bytes_placement_counts(family_models):
     """Sinks, router bias and every expert's biases are counted in a layer's bytes."""
     from tessera.stages.assembly.stage import load_stage
     from tessera.stages.families.catalog import spec_from_file
     from tessera.stages.kernels.quant import span_bytes
 
-    folder = folders["yarn-alternating"]
+    folder = family_models.folder(ALTERNATING)
     spec = spec_from_file(folder / "config.json")
     attention = 64 * 128 + 128 + 64 * 64 + 64 + 4  # wqkv and bias, wo and bias, a sink per head
     experts = 8 * (64 * 64 + 64 + 32 * 64 + 64) + 8 * 64 + 8  # each expert's matrices and biases; the router
@@ -116,48 +80,22 @@ def test_a_span_holds_the_bytes_placement_counts(folders):
         assert load_stage(folder, start=start, end=end).weight_bytes == span_bytes(spec, start, end, 4)
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_stacked_sessions_equal_their_solo_runs(folders, name):
-    check_stacked_sessions(folders[name])
-
-
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_rollback_by_pointer(folders, references, name):
-    check_rollback(folders[name], references[name][0])
-
-
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_a_quantized_span_matches_its_dequantized_reference(folders, scheme):
+def test_a_quantized_span_matches_its_dequantized_reference(family_models, scheme):
     """Every expert's matrices as integers (their biases, the router and the sinks in float), and the span
     computes its own dequantized float32 model."""
-    from tessera.stages.engine.stage import Stage
     from tessera.stages.assembly.stage import load_stage
     from tessera.stages.families.catalog import spec_from_file
-    from tessera.stages.assembly.blocks import dense_block
     from tessera.stages.kernels.quant import Int4BlockLinear, Int8Linear, Quant, span_bytes
 
-    folder, quant = folders[SWARM], Quant.parse(scheme)
+    folder, quant = family_models.folder(ALTERNATING), Quant.parse(scheme)
     spec = spec_from_file(folder / "config.json")
     stage = load_stage(folder, quant=quant)
     assert stage.weight_bytes == span_bytes(spec, 0, 3, 4, quant)
     expert = stage.blocks[1].mlp.experts[5]
     assert isinstance(expert.w_gate_up, Int8Linear if scheme == "int8" else Int4BlockLinear)
     assert expert.w_gate_up.bias is not None and stage.blocks[1].attn.sinks is not None
-    head = load_stage(folder, start=0, end=0, embed=True, head=True)
-    reference = Stage(spec, 0, [dense_block(b, spec) for b in stage.blocks])
-    ids = list(range(5, 25))
-    for span in (stage, reference):
-        span.open("q", capacity=32)
-    worst, tokens = 0.0, ([], [])
-    for pos, step in [(0, ids), *((len(ids) + i, None) for i in range(6))]:
-        rows = []
-        for i, span in enumerate((stage, reference)):
-            fed = step if step is not None else tokens[i][-1:]
-            rows.append(head.logits(span.forward("q", head.embed(fed), pos))[-1])
-            tokens[i].append(int(rows[-1].argmax()))
-        worst = max(worst, float((rows[0] - rows[1]).abs().max()))
-    assert tokens[0] == tokens[1]
-    assert worst <= 3e-4  # tests/stages/test_quant.py's float32 bound for a span against its reference
+    check_against_dequantized(folder, stage)
 
 
 def test_the_published_config_reads():
@@ -201,18 +139,3 @@ def test_what_the_engine_does_not_compute_is_refused_by_name(change, words):
     with pytest.raises(UnsupportedModel, match=words) as refused:
         spec_from_config({**SHAPES["gpt-oss-120b"], **change})
     assert "\n" not in str(refused.value)
-
-
-def test_a_tensor_shard_rank_is_refused_at_start_with_one_line(folders):
-    check_shard_refused(folders[SWARM], "tensor shards of gpt_oss are not supported: layer 0 is 'moe'")
-
-
-@pytest.fixture(scope="module")
-def swarm(folders):
-    with local_swarm([(0, 1), (1, 3)], model=str(folders[SWARM])) as procs:
-        yield procs
-
-
-@pytest.mark.slow
-async def test_a_two_peer_swarm_matches_transformers(swarm, folders, references):
-    await check_swarm(swarm, folders[SWARM], references[SWARM][0])

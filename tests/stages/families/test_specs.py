@@ -1,5 +1,6 @@
-"""Reading config.json per family: each accepted config reads back from what we write, and every key
-or value the engine does not compute is refused with one line naming it."""
+"""Reading config.json per family, beyond the conformance suite (test_conformance.py: each row's
+round trip and refusals): how each family expands its config into layers, and impossible values
+as format errors."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import pytest
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
-from tessera.stages.families.catalog import FAMILIES, spec_from_config, to_config
+from tessera.stages.families.catalog import FAMILIES, spec_from_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,13 +34,6 @@ def config_of(family: str, **change) -> dict:
     return {**json.loads(json.dumps(config)), **change}
 
 
-@pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_what_we_write_reads_back(family):
-    spec = spec_from_config(config_of(family))
-    assert spec.family == family and spec.num_layers == 4
-    assert spec_from_config(to_config(spec)) == spec
-
-
 def test_each_family_expands_into_its_layers():
     qwen3 = spec_from_config(config_of("qwen3")).layers
     assert [(l.attention.window, l.attention.qk_norm) for l in qwen3] == [(None, True)] * 2 + [(8, True)] * 2
@@ -53,43 +47,6 @@ def test_each_family_expands_into_its_layers():
     assert {(l.mlp.kind, l.mlp.router.renormalize, l.attention.window, l.attention.qk_norm) for l in mixtral} == {
         ("moe", True, 8, False)}
     assert spec_from_config(config_of("mixtral", rope_parameters=None)).layers[0].attention.rope.theta == 1e6
-
-
-@pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_an_unknown_key_is_refused_by_name(family):
-    with pytest.raises(UnsupportedModel, match=r"config key 'moe_layer_freq' \(value 2\) is not one tessera knows") as e:
-        spec_from_config(config_of(family, moe_layer_freq=2))
-    assert "\n" not in str(e.value)
-
-
-@pytest.mark.parametrize(
-    "family, change, words",
-    [
-        ("qwen3", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-        ("qwen3_moe", {"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh'"),
-        ("mixtral", {"hidden_act": "relu"}, "hidden_act 'relu'"),
-        ("qwen3", {"layer_types": ["full_attention"] * 3 + ["chunked_attention"]}, "layer_types"),
-        ("qwen3", {"use_sliding_window": False, "layer_types": ["sliding_attention"] * 4}, "layer_types"),
-        ("qwen3", {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e6}}, "dynamic"),
-        ("qwen3_moe", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
-        ("qwen3_moe", {"num_experts": 16}, r"num_local_experts 8 .* differs from num_experts \(16\)"),
-        # keys of other MoE families, which compute what this engine does not
-        ("qwen3_moe", {"shared_expert_intermediate_size": 64}, "'shared_expert_intermediate_size'"),
-        ("qwen3_moe", {"n_group": 8}, "'n_group'"),
-        ("mixtral", {"routed_scaling_factor": 2.5}, "'routed_scaling_factor'"),
-        ("mixtral", {"quantization_config": {"quant_method": "awq"}}, "quant_method 'awq'"),
-        ("mixtral", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
-                                             "activation_scheme": "static"}}, "activation_scheme 'static'"),
-        ("mixtral", {"is_encoder_decoder": True}, "is_encoder_decoder True"),
-        ("llama", {"attention_bias": True}, "attention_bias True"),
-        ("llama", {"sliding_window": 8}, "'sliding_window'"),  # Llama has none: not silently dropped
-        ("qwen2", {"use_sliding_window": True}, "use_sliding_window True"),
-    ],
-)
-def test_values_the_engine_does_not_compute_are_refused_by_name(family, change, words):
-    with pytest.raises(UnsupportedModel, match=words) as e:
-        spec_from_config(config_of(family, **change))
-    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize(

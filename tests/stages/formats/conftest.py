@@ -23,18 +23,15 @@ def cycling(kinds: tuple[str, ...]):
 def sources(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
     root = tmp_path_factory.mktemp("float")
-    from ..families import test_deepseek_v3 as deepseek, test_glm4_moe as glm, test_glm_moe_dsa as glm5
+    from ..families.rows import ROWS
 
     return {"llama": build(root, "llama", transformers.LlamaConfig(**WIDE, **LLAMA), seed=41),
             "moe": build(root, "moe", transformers.Qwen3MoeConfig(**WIDE, **MOE), seed=42),
             # the MLA families' first configurations (low-rank q, dense first layer, groups, a shared expert; qk norm)
-            "deepseek_v3": build(root, "deepseek_v3", transformers.DeepseekV3Config(
-                **deepseek.SHAPE, **next(iter(deepseek.CONFIGS.values()))[0]), seed=43),
-            "glm4_moe": build(root, "glm4_moe", transformers.Glm4MoeConfig(
-                **{**glm.SHAPE, **next(iter(glm.CONFIGS.values()))[0]}), seed=44),
+            "deepseek_v3": build(root, "deepseek_v3", ROWS["deepseek_v3/lora-groups-shared-yarn"].config(), seed=43),
+            "glm4_moe": build(root, "glm4_moe", ROWS["glm4_moe/qknorm-bias-groups-shared"].config(), seed=44),
             # DSA with an indexer in every layer (its matrices ship fp8 too, and are held dense)
-            "glm_moe_dsa": build(root, "glm_moe_dsa", transformers.GlmMoeDsaConfig(
-                **glm5.SHAPE, **glm5.CONFIGS["full-raw-bias-fused"][0]), seed=45)}
+            "glm_moe_dsa": build(root, "glm_moe_dsa", ROWS["glm_moe_dsa/full-raw-bias-fused"].config(), seed=45)}
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,266 @@
+"""The rows of the family conformance suite (test_conformance.py): one per configuration tested.
+
+A row is a family, a transformers config builder, and the knobs that differ between rows:
+whether its experts are saved fused (as transformers 5 holds them) or one tensor each (as
+published), where a two-stage split cuts it, which rows also run through a real 2-peer swarm,
+how transformers is stepped for the reference, the family's own refusals, and the one line a
+tensor-shard rank is refused with. Adding a family adds its rows here; every check of the suite
+then runs on them. The family test files (test_<family>.py) hold what only that family has.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pytest
+
+from tessera.stages.errors import ModelFormatError, UnsupportedModel
+from tessera.stages.families.catalog import FAMILIES
+
+from .conformance import SHAPE
+
+transformers = pytest.importorskip("transformers")
+
+# A refusal: a change to the row's saved config, the error it raises, and words its one line holds.
+Refusal = tuple[dict[str, Any], type[Exception], str]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One configuration of a family (module docstring).
+
+    family:   the `model_type`.
+    config:   builds the transformers config (its `to_dict` is what save_pretrained writes).
+    seed:     the random weights' seed.
+    fused:    the experts saved fused (transformers 5's in-memory layout), not one tensor each.
+    split:    the layer a two-stage split (and the swarm) cuts the model at: a span start.
+    swarm:    also run through a real 2-peer swarm split at `split` (one row per family).
+    stepped:  transformers' reference fed one token at a time, prompt included: for sparse
+              attention whose index scores tie at the k-th place, where transformers' whole-prompt
+              prefill picks other tied positions than its own one-token steps (layers/dsa.py `select`).
+    refusals: changes to the saved config the family does not compute: each refused in one line.
+    shard:    words of the one-line refusal of a tensor-shard rank, or None where a family's layers
+              split across ranks (those are checked against the unsharded span elsewhere).
+    """
+
+    family: str
+    config: Callable[[], Any]
+    seed: int
+    split: int
+    fused: bool = False
+    swarm: bool = False
+    stepped: bool = False
+    refusals: tuple[Refusal, ...] = ()
+    shard: str | None = None
+    spans: tuple[tuple[int, int], ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        layers = self.config().num_hidden_layers
+        object.__setattr__(self, "spans", ((0, self.split), (self.split, layers)))
+
+
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=16, rope_theta=500000.0)
+QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=96)
+MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)
+# DeepSeek-V3 and GLM-5 at tiny MLA sizes
+MLA = dict(vocab_size=320, hidden_size=64, num_attention_heads=4, max_position_embeddings=1024, bos_token_id=1,
+           eos_token_id=2, intermediate_size=96, moe_intermediate_size=32, kv_lora_rank=16, qk_nope_head_dim=16,
+           qk_rope_head_dim=8, v_head_dim=12)
+DEEPSEEK = dict(MLA, num_hidden_layers=3)
+# 4 layers; 8 indexer heads: a position scores exactly 0 only when every head's relu is 0, so ties at
+# the top-k's edge are rare (the two-index-heads row meets them)
+GLM5 = dict(MLA, num_hidden_layers=4, q_lora_rank=24, index_n_heads=8, index_head_dim=16)
+# YaRN from an original context of 256 to 1024 (the ramp and scale change every position), with DeepSeek's
+# mscale pair: cos/sin scaled by mscale(4, 1) / mscale(4, 0.8), scores by mscale(4, 0.8)^2
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+        "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
+GLM4 = dict(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8)
+MINIMAX = dict(SHAPE, intermediate_size=32)
+# top-6 of up to 26 positions; layers 1 and 3 reuse layers 0's and 2's selections; a dense first layer, 16
+# experts in 4 groups (best 2 searched for the top 3), renormalised, one shared expert, YaRN
+GLM5_SHARED = dict(index_topk=6, indexer_types=["full", "shared", "full", "shared"],
+                   mlp_layer_types=["dense", "sparse", "sparse", "sparse"], n_routed_experts=16, n_group=4,
+                   topk_group=2, num_experts_per_tok=3, n_shared_experts=1, norm_topk_prob=True,
+                   routed_scaling_factor=2.5, rope_parameters=YARN)
+# every layer its own indexer (top-9), every layer sparse, raw top-2 of 8, no shared experts, biased projections
+GLM5_FULL = dict(index_topk=9, indexer_types=["full"] * 4, mlp_layer_types=["sparse"] * 4, n_routed_experts=8,
+                 num_experts_per_tok=2, n_shared_experts=0, norm_topk_prob=False, routed_scaling_factor=1.0,
+                 attention_bias=True)
+
+FP8_ONE_SCALE = ({"quantization_config": {"quant_method": "fp8"}}, UnsupportedModel, "weight_block_size null")
+AWQ = ({"quantization_config": {"quant_method": "awq"}}, UnsupportedModel, "quant_method 'awq'")
+
+ROWS: dict[str, Row] = {
+    # the Llama block: Llama 3's RoPE and tied embeddings; Mistral's window (8, shorter than the prompt);
+    # Qwen2's q/k/v biases
+    "llama/llama3-tied": Row("llama", lambda: transformers.LlamaConfig(
+        **SHAPE, intermediate_size=96, tie_word_embeddings=True, rope_parameters=LLAMA3), seed=1, split=1, refusals=(
+            ({"attention_bias": True}, UnsupportedModel, "attention_bias True"),
+            ({"sliding_window": 8}, UnsupportedModel, "'sliding_window'"),  # Llama has none: not silently dropped
+            ({"mlp_bias": True}, UnsupportedModel, "mlp_bias True"),
+            ({"hidden_act": "gelu"}, UnsupportedModel, "hidden_act 'gelu'"))),
+    "mistral/window": Row("mistral", lambda: transformers.MistralConfig(
+        **SHAPE, intermediate_size=96, sliding_window=8), seed=2, split=2,
+        refusals=(({"layer_types": ["sliding_attention"] * 3}, UnsupportedModel, "layer_types"),)),
+    "qwen2/bias": Row("qwen2", lambda: transformers.Qwen2Config(**SHAPE, intermediate_size=96), seed=3, split=1,
+                      refusals=(({"use_sliding_window": True}, UnsupportedModel, "use_sliding_window True"),)),
+    # Qwen3: per-head q/k norms; layer 0 full, layers 1 and 2 within 8 positions; biases everywhere
+    "qwen3/tied": Row("qwen3", lambda: transformers.Qwen3Config(**SHAPE, tie_word_embeddings=True,
+                                                                intermediate_size=96), seed=0, split=1),
+    "qwen3/window-bias": Row("qwen3", lambda: transformers.Qwen3Config(
+        **SHAPE, use_sliding_window=True, sliding_window=8, max_window_layers=1, attention_bias=True,
+        intermediate_size=96), seed=1, split=1, swarm=True, refusals=(
+            ({"hidden_act": "gelu"}, UnsupportedModel, "hidden_act 'gelu'"),
+            ({"layer_types": ["full_attention"] * 2 + ["chunked_attention"]}, UnsupportedModel, "layer_types"),
+            ({"use_sliding_window": False, "layer_types": ["sliding_attention"] * 3}, UnsupportedModel,
+             "layer_types"),
+            ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e6}}, UnsupportedModel,
+             "dynamic"))),
+    # Qwen3-MoE: a dense first layer, then sparse ones whose top-2 weights are renormalised; or every second
+    # layer sparse, raw weights, every layer windowed (8 < the prompt), the experts saved fused
+    "qwen3_moe/dense-first-renorm": Row("qwen3_moe", lambda: transformers.Qwen3MoeConfig(
+        **SHAPE, **QWEN3_MOE, mlp_only_layers=[0], norm_topk_prob=True), seed=10, split=1, swarm=True, refusals=(
+            ({"hidden_act": "gelu_pytorch_tanh"}, UnsupportedModel, "hidden_act 'gelu_pytorch_tanh'"),
+            ({"partial_rotary_factor": 0.5}, UnsupportedModel, "partial_rotary_factor"),
+            ({"num_experts": 16}, UnsupportedModel, r"num_local_experts 8 .* differs from num_experts \(16\)"),
+            # keys of other MoE families, which compute what this engine does not
+            ({"shared_expert_intermediate_size": 64}, UnsupportedModel, "'shared_expert_intermediate_size'"),
+            ({"n_group": 8}, UnsupportedModel, "'n_group'"),
+            ({"num_experts_per_tok": 9}, ModelFormatError, "num_experts_per_tok")),
+        shard="tensor shards of qwen3_moe are not supported: layer 1 is 'moe'"),
+    "qwen3_moe/step2-window-fused": Row("qwen3_moe", lambda: transformers.Qwen3MoeConfig(
+        **SHAPE, **QWEN3_MOE, decoder_sparse_step=2, norm_topk_prob=False, use_sliding_window=True,
+        sliding_window=8), seed=11, split=2, fused=True),
+    # Mixtral: experts named w1/w3/w2 under block_sparse_moe as published, or fused; a window of 8
+    "mixtral/published": Row("mixtral", lambda: transformers.MixtralConfig(
+        **SHAPE, **MIXTRAL, rope_parameters={"rope_type": "default", "rope_theta": 1e6}), seed=20, split=1,
+        refusals=(({"hidden_act": "relu"}, UnsupportedModel, "hidden_act 'relu'"),
+                  ({"routed_scaling_factor": 2.5}, UnsupportedModel, "'routed_scaling_factor'"),
+                  ({"is_encoder_decoder": True}, UnsupportedModel, "is_encoder_decoder True"),
+                  ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                            "activation_scheme": "static"}}, UnsupportedModel,
+                   "activation_scheme 'static'"), AWQ),
+        shard="tensor shards of mixtral are not supported: layer 0 is 'moe'"),
+    "mixtral/window-fused": Row("mixtral", lambda: transformers.MixtralConfig(**SHAPE, **MIXTRAL, sliding_window=8),
+                                seed=21, split=2, fused=True, swarm=True),
+    # DeepSeek-V3: low-rank q, a dense first layer, 16 experts in 4 groups of which the best 2 are searched for
+    # the top 3, renormalised and scaled by 2.5, one shared expert, interleaved YaRN; or plain q (q_lora_rank
+    # null), every layer sparse, no shared experts, raw top-2 weights of one group, biased projections, rope
+    # in halves, the experts saved fused
+    "deepseek_v3/lora-groups-shared-yarn": Row("deepseek_v3", lambda: transformers.DeepseekV3Config(
+        **DEEPSEEK, q_lora_rank=24, first_k_dense_replace=1, n_routed_experts=16, n_group=4, topk_group=2,
+        num_experts_per_tok=3, n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+        rope_parameters=YARN), seed=30, split=2, swarm=True, refusals=(
+            ({"scoring_func": "softmax"}, UnsupportedModel, "scoring_func 'softmax'"),
+            ({"topk_method": "group_limited_greedy"}, UnsupportedModel, "topk_method 'group_limited_greedy'"),
+            ({"moe_layer_freq": 2}, UnsupportedModel, "moe_layer_freq 2"),
+            ({"hidden_act": "gelu"}, UnsupportedModel, "hidden_act 'gelu'"),
+            ({"partial_rotary_factor": 0.5}, UnsupportedModel, "partial_rotary_factor"),
+            ({"rope_parameters": {**YARN, "rope_type": "longrope"}}, UnsupportedModel, "longrope"),
+            FP8_ONE_SCALE, AWQ,
+            ({"use_qk_norm": True}, UnsupportedModel, "'use_qk_norm'"),  # GLM's key: not one DeepSeek-V3 computes
+            ({"num_local_experts": 7}, UnsupportedModel, r"num_local_experts 7 .* differs from n_routed_experts \(16\)"),
+            ({"n_group": 3}, ModelFormatError, "n_group"),  # 16 experts do not split into 3 groups
+            ({"topk_group": 5}, ModelFormatError, "topk_group"),
+            ({"topk_group": 1, "num_experts_per_tok": 5}, ModelFormatError, "num_experts_per_tok"),  # one group of 4
+            ({"routed_scaling_factor": 0}, ModelFormatError, "routed_scaling_factor"),
+            ({"n_shared_experts": -1}, ModelFormatError, "n_shared_experts"),
+            ({"kv_lora_rank": 0}, ModelFormatError, "kv_lora_rank"),
+            ({"qk_rope_head_dim": 7}, ModelFormatError, "qk_rope_head_dim"),
+            ({"rope_interleave": "yes"}, ModelFormatError, "rope_interleave")),
+        shard="tensor shards of deepseek_v3 are not supported: layer 0 is 'mla'"),
+    "deepseek_v3/plain-q-raw-fused": Row("deepseek_v3", lambda: transformers.DeepseekV3Config(
+        **DEEPSEEK, q_lora_rank=None, first_k_dense_replace=0, n_routed_experts=8, n_group=1, topk_group=1,
+        num_experts_per_tok=2, n_shared_experts=0, norm_topk_prob=False, routed_scaling_factor=1.0,
+        attention_bias=True, rope_interleave=False), seed=31, split=1, fused=True),
+    # GLM-4.5: qk-norm, biased q/k/v, RoPE on half of each head (the default), a dense first layer, top-2 of
+    # the best of 2 groups, renormalised and scaled, one shared expert; or no qk-norm, no bias, YaRN on a
+    # quarter of each head, every layer sparse, raw top-3 weights, no shared experts, the experts saved fused
+    "glm4_moe/qknorm-bias-groups-shared": Row("glm4_moe", lambda: transformers.Glm4MoeConfig(**{
+        **SHAPE, **GLM4, "use_qk_norm": True, "attention_bias": True, "first_k_dense_replace": 1, "n_group": 2,
+        "topk_group": 1, "num_experts_per_tok": 2, "norm_topk_prob": True, "routed_scaling_factor": 1.5,
+        "n_shared_experts": 1}), seed=50, split=2, swarm=True, refusals=(
+            ({"hidden_act": "gelu"}, UnsupportedModel, "hidden_act 'gelu'"),
+            ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, UnsupportedModel, "dynamic"),
+            ({"scoring_func": "sigmoid"}, UnsupportedModel, "'scoring_func'"),  # DeepSeek's key: GLM's config has none
+            ({"q_lora_rank": 16}, UnsupportedModel, "'q_lora_rank'"),
+            ({"n_group": 3}, ModelFormatError, "n_group"),
+            ({"use_qk_norm": 1}, ModelFormatError, "use_qk_norm"),
+            FP8_ONE_SCALE, AWQ),
+        shard="tensor shards of glm4_moe are not supported: layer 0 turns"),
+    "glm4_moe/quarter-yarn-raw-fused": Row("glm4_moe", lambda: transformers.Glm4MoeConfig(**{
+        **SHAPE, **GLM4, "first_k_dense_replace": 0, "num_experts_per_tok": 3, "norm_topk_prob": False,
+        "n_shared_experts": 0, "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+            "partial_rotary_factor": 0.25}}), seed=51, split=1, fused=True),
+    # GLM-5 (module constants above); the swarm splits at layer 2, where an indexer layer starts a span
+    "glm_moe_dsa/shared-groups-yarn": Row("glm_moe_dsa", lambda: transformers.GlmMoeDsaConfig(
+        **GLM5, **GLM5_SHARED), seed=70, split=2, swarm=True, refusals=(
+            ({"indexer_types": ["shared", "full", "full", "full"]}, UnsupportedModel, "indexer_types .* layer 0 reuses"),
+            ({"indexer_types": ["full", "dense", "full", "full"]}, UnsupportedModel, "indexer_types"),
+            ({"indexer_types": ["full"]}, ModelFormatError, "indexer_types"),
+            ({"layer_types": ["full_attention"] * 4}, UnsupportedModel, "layer_types"),
+            ({"mlp_layer_types": ["dense", "moe", "sparse", "sparse"]}, ModelFormatError, "mlp_layer_types"),
+            ({"mlp_bias": True}, UnsupportedModel, "mlp_bias True"),
+            ({"index_topk": 0}, ModelFormatError, "index_topk"),
+            ({"index_head_dim": 4}, ModelFormatError, "index_head_dim"),  # narrower than the rope dims it turns
+            ({"q_lora_rank": None}, ModelFormatError, "q_lora_rank"),  # the indexer's queries come from it
+            ({"hidden_act": "gelu"}, UnsupportedModel, "hidden_act 'gelu'"),
+            ({"rope_interleave": False}, UnsupportedModel, "'rope_interleave'"),  # DeepSeek's: GLM-5 always interleaves
+            ({"rope_parameters": {**YARN, "rope_type": "longrope"}}, UnsupportedModel, "longrope"),
+            FP8_ONE_SCALE, AWQ),
+        shard="tensor shards of glm_moe_dsa are not supported: layer 0 is 'dsa'"),
+    "glm_moe_dsa/full-raw-bias-fused": Row("glm_moe_dsa", lambda: transformers.GlmMoeDsaConfig(
+        **GLM5, **GLM5_FULL), seed=71, split=3, fused=True),
+    # two indexer heads: every head's relu is 0 at many positions, so index scores tie at exactly 0 at the
+    # top-k's edge, every step (issue 42: this config gave other tokens than transformers from the first)
+    "glm_moe_dsa/two-index-heads": Row("glm_moe_dsa", lambda: transformers.GlmMoeDsaConfig(
+        **{**GLM5, "index_n_heads": 2}, **GLM5_FULL), seed=70, split=2, fused=True, stepped=True),
+    # gpt-oss: GptOssConfig's own defaults where it has them (YaRN over 4096 positions, not truncated; sliding /
+    # full / sliding layers, window 8; biased attention; swiglu limit 7), top-2 of 8; or a full first layer then
+    # two sliding ones (window 5), no attention bias, a limit of 0.8 that clamps often (alpha 1.2), top-3 of 6,
+    # a truncated YaRN whose original context (16) the sequence outgrows
+    "gpt_oss/yarn-alternating": Row("gpt_oss", lambda: transformers.GptOssConfig(
+        **SHAPE, num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=8),
+        seed=30, split=1, swarm=True, shard="tensor shards of gpt_oss are not supported: layer 0 is 'moe'"),
+    "gpt_oss/clamped-full-first": Row("gpt_oss", lambda: transformers.GptOssConfig(
+        **SHAPE, num_local_experts=6, num_experts_per_tok=3, intermediate_size=32, sliding_window=5,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"], attention_bias=False,
+        swiglu_limit=0.8, swiglu_alpha=1.2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16,
+                         "beta_fast": 8.0, "truncate": True}), seed=31, split=2),
+    # MiniMax-M2: q and k normed over all heads, RoPE on 8 of 16 dims (the published `rotary_dim`), a sigmoid
+    # router with its correction bias in every layer, Mixtral's expert names; or every dim rotated by YaRN,
+    # top-3 of 6, the experts saved fused
+    "minimax_m2/partial-published": Row("minimax_m2", lambda: transformers.MiniMaxM2Config(
+        **MINIMAX, num_local_experts=8, num_experts_per_tok=2, rotary_dim=8), seed=90, split=1, swarm=True,
+        refusals=(
+            ({"hidden_act": "gelu"}, UnsupportedModel, "hidden_act 'gelu'"),
+            ({"rotary_dim": 4}, UnsupportedModel, r"rotary_dim 4 .* differs from partial_rotary_factor 0.5"),
+            ({"use_qk_norm": False}, UnsupportedModel, "use_qk_norm False"),
+            ({"qk_norm_type": "per_head"}, UnsupportedModel, "qk_norm_type 'per_head'"),
+            ({"scoring_func": "softmax"}, UnsupportedModel, "scoring_func 'softmax'"),
+            ({"use_routing_bias": False}, UnsupportedModel, "use_routing_bias False"),
+            ({"shared_intermediate_size": 64}, UnsupportedModel, "shared_intermediate_size 64"),
+            ({"attn_type_list": [0, 1, 1]}, UnsupportedModel, "attn_type_list"),  # MiniMax-01's lightning attention
+            ({"sliding_window": 8}, UnsupportedModel, "sliding_window 8"),
+            ({"layernorm_mlp_beta": 0.5}, UnsupportedModel, "layernorm_mlp_beta 0.5"),
+            ({"num_experts": 4}, UnsupportedModel, r"num_experts 4 .* differs from num_local_experts \(8\)"),
+            ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, UnsupportedModel, "dynamic"),
+            FP8_ONE_SCALE, AWQ),
+        shard="tensor shards of minimax_m2 are not supported: layer 0 is 'moe'"),
+    "minimax_m2/yarn-fused": Row("minimax_m2", lambda: transformers.MiniMaxM2Config(
+        **MINIMAX, num_local_experts=6, num_experts_per_tok=3, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16}),
+        seed=92, split=2, fused=True),
+}
+
+
+def saved_config(name: str) -> dict[str, Any]:
+    """Row `name`'s config as transformers writes it (save_pretrained's config.json)."""
+    row = ROWS[name]
+    config = json.loads(json.dumps(row.config().to_dict()))
+    return {**config, "architectures": [FAMILIES[row.family].architecture]}
