@@ -29,10 +29,10 @@ from tessera.stages.weights.tensor_table import group_of
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-# The fewest bytes a parameter takes in any form a folder may store it in (MXFP4: 4.25 bits with
-# its scales; GGUF's Q4_0: 4.5), rounded down: a config describing more parameters than its
-# folder's weight files could hold at this rate describes another model.
-MIN_BYTES_PER_PARAM = 0.5
+# Fewer bytes than a parameter takes in any form a folder may store it in (GGUF's lowest-bit blocks,
+# IQ1_S, take 1.56 bits a weight; MXFP4 4.25; Q4_0 4.5): a config describing more parameters than its
+# folder's weight files could hold at one bit each describes another model.
+MIN_BYTES_PER_PARAM = 1 / 8
 
 
 # Called with each tensor as it is read: its name, and the whole tensor in its stored dtype —
@@ -43,9 +43,9 @@ TensorCheck = Callable[[str, torch.Tensor | None], None]
 
 def check_fits(spec: ModelSpec, names: Iterable[str], stored_bytes: int | None) -> None:
     """Raise ModelFormatError when config.json describes more than the folder holds: more decoder
-    layers than its tensors name, or more parameters than `stored_bytes` of weight files could
-    store (`MIN_BYTES_PER_PARAM`). A crafted config (`num_hidden_layers`, `num_experts`, a width far
-    past the tensors) is so refused before anything is built per layer or per expert."""
+    layers than its tensors name, or more parameters than `stored_bytes` of weight files could store
+    at one bit each (`MIN_BYTES_PER_PARAM`). A crafted config (`num_hidden_layers`, `num_experts`, a
+    width far past the tensors) is so refused before anything is built per layer or per expert."""
     layers = [int(group[len("layer."):]) for group in map(group_of, names) if group.startswith("layer.")]
     held = max(layers) + 1 if layers else 0
     if spec.num_layers > held:

@@ -30,11 +30,12 @@ from ...resident import ROOT, SPAN_RSS, span_on_disk
 SPAN = (0, 15)
 
 def write_span(smol: Path, out: Path, shipped: ShippedFormat) -> Path:
-    """SmolLM2's layers SPAN in `shipped`'s form (the other layers are not written: a span reads only its own)."""
+    """SmolLM2's layers in `shipped`'s form (every layer: a folder whose tensors name fewer layers than its
+    config is refused when opened, stages/weights/folder.py `check_fits`; a span reads only its own)."""
     spec = replace(spec_from_file(smol / "config.json"), shipped=shipped)
     state, gen = {}, torch.Generator().manual_seed(0)
     with safe_open(smol / "model.safetensors", framework="pt") as f:
-        for layer in range(*SPAN):
+        for layer in range(spec.num_layers):
             matrices = {p + ".weight" for p in layer_matrices(spec, layer)}
             for ours, choices in tensors_of_layer(spec, layer).items():
                 for name in choices[0].names:
