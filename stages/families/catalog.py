@@ -16,10 +16,11 @@ Adding a family on existing operators touches two files:
    --shape`, and `from_sizes` for `--arch`;
 2. its row in `FAMILIES` below;
 
-and its row in tests/stages/families/test_conformance.py (a transformers config builder):
-logits, greedy, stacked and chunked sessions, a split span, the spec round trip and the
-refusals are then checked like every other family's. A family needing a new operator first
-gets the operator's kind (families/spec.py) and module (stages/layers/).
+and its rows in tests/stages/families/rows.py (a transformers config builder and the knobs
+there), which the conformance suite (test_conformance.py) runs like every other family's:
+logits and greedy against transformers, stacked and chunked sessions, a split span, rollback,
+the spec round trip, the refusals, and a real swarm for one row. A family needing a new
+operator first gets the operator's kind (families/spec.py) and module (stages/layers/).
 """
 
 from __future__ import annotations
