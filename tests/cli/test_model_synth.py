@@ -18,20 +18,22 @@ from .test_engine_cli import tessera
 PUBLISHED_PARAMS = {
     "llama-3-8b": 8.03e9, "qwen3-8b": 8.19e9, "qwen3-30b-a3b": 30.5e9, "mixtral-8x7b": 46.7e9,
     "gpt-oss-20b": 20.91e9, "gpt-oss-120b": 116.83e9, "deepseek-v3": 671e9, "glm-4.5": 355e9,
-    "glm-5": 744e9,
+    "glm-5": 744e9, "minimax-m2": 230e9,
 }
 # (layers, sparse layers, experts, top-k) as published
 LAYERS = {
     "llama-3-8b": (32, 0, 0, 0), "qwen3-8b": (36, 0, 0, 0), "qwen3-30b-a3b": (48, 48, 128, 8),
     "mixtral-8x7b": (32, 32, 8, 2), "gpt-oss-20b": (24, 24, 32, 4), "gpt-oss-120b": (36, 36, 128, 4),
     "deepseek-v3": (61, 58, 256, 8), "glm-4.5": (92, 89, 160, 8),
-    "glm-5": (78, 75, 256, 8),
+    "glm-5": (78, 75, 256, 8), "minimax-m2": (62, 62, 256, 8),
 }
 
 
 def total_params(spec) -> int:
     edges = spec.vocab_size * spec.hidden_size * (1 if spec.tie_embeddings else 2) + spec.hidden_size
-    return sum(spec.layer_param_count(i) for i in range(spec.num_layers)) + edges
+    total = sum(spec.layer_param_count(i) for i in range(spec.num_layers)) + edges
+    assert spec.param_count == total  # what a folder's bytes are held to (stages/weights/folder.py)
+    return total
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
