@@ -17,6 +17,11 @@ class ContextOverflow(StageError):
     """A session would grow past its preallocated KV cache or the model's context."""
 
 
+class StateRewindError(ContextOverflow):
+    """A step or rollback goes back to a position a session's fixed-size (recurrent) state no longer
+    reaches (stages/layers/state.py): the session must be replayed from position 0."""
+
+
 class UnknownSession(StageError):
     """A forward, rollback or close names a session this stage does not hold."""
 

@@ -18,6 +18,7 @@ from tessera.stages.engine.residency import settled
 from tessera.stages.engine.stage import Stage
 from tessera.stages.errors import SpanError
 from tessera.stages.kernels.quant import NO_QUANT, Quant, check_quant_for
+from tessera.stages.layers.norm import offset_norms
 from tessera.stages.weights.folder import TensorCheck, WeightFolder
 from tessera.stages.weights.formats.load import read_embedding, read_head
 from tessera.stages.weights.gguf_blocks import GgufQ4Source, takes_gguf_blocks
@@ -61,10 +62,13 @@ def load_stage(
             blocks.append(quantized_block(weights, layer, quant, dtype=dtype, device=device, gguf=gguf))
         else:
             blocks.append(float_block(weights, layer, dtype=dtype, device=device))
+    for block in blocks:  # zero-centred norms (Qwen3-Next, Qwen3.5) scale by 1 + w: once, here
+        offset_norms(block, spec.norm_offset)
     embedding = read_embedding(weights, dtype).to(device) if embed else None
     norm = head_weight = None
     if head:
         norm, head_weight = (t.to(device) for t in read_head(weights, dtype))
+        norm = norm + spec.norm_offset if spec.norm_offset else norm
         if embedding is not None and spec.tie_embeddings:
             head_weight = embedding  # one copy of a tied matrix
     if torch.device(device).type == "cpu":  # the edges in huge pages too: the head is a step's largest matrix

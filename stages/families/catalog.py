@@ -32,13 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
-from tessera.stages.families import deepseek, glm, glm5, gpt_oss, llama, minimax_m2, mixtral, qwen3
+from tessera.stages.families import deepseek, glm, glm5, gpt_oss, llama, minimax_m2, mixtral, qwen3, qwen3_next
 from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.family import Family
 from tessera.stages.families.gguf import GgufMetadata
 from tessera.stages.families.shipped import read_shipped
 from tessera.stages.families.spec import ModelSpec
-from tessera.stages.families.tensors import Choices, Shape, edge_tensors, layer_tensors, matrix_paths
+from tessera.stages.families.tensors import (
+    Choices, Shape, edge_tensors, embedding_name, layer_tensors, matrix_paths,
+)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -53,8 +55,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     glm5.FAMILY,
     gpt_oss.FAMILY,
     minimax_m2.FAMILY,
+    qwen3_next.QWEN3_NEXT,
+    qwen3_next.QWEN3_5,
+    qwen3_next.QWEN3_5_MOE,
 )}
-BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES.values()}
+BY_ARCHITECTURE = {name: f for f in FAMILIES.values() for name in (f.architecture, *f.also)}
 
 
 def family_of(config: dict[str, Any]) -> Family:
@@ -138,7 +143,7 @@ def model_tensors(spec: ModelSpec) -> dict[str, Shape]:
     """Every checkpoint tensor of the model in its published layout (each engine tensor's first
     choice), with its shape: what synth writes and what a folder is first checked against."""
     edges = edge_tensors(spec)
-    shapes = {"model.embed_tokens.weight": edges.pop("model.embed_tokens.weight")}
+    shapes = {embedding_name(spec): edges.pop(embedding_name(spec))}
     for layer in range(spec.num_layers):
         for choices in tensors_of_layer(spec, layer).values():
             shapes.update(zip(choices[0].names, choices[0].shapes))

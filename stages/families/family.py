@@ -39,6 +39,8 @@ class Family:
     gguf:         how a llama.cpp GGUF file describes this family (None: not read from GGUF).
     shapes:       published configs by name (what `tessera model synth --shape NAME` builds).
     from_sizes:   a spec of this family from plain sizes (`tessera model synth --arch`), or None.
+    also:         other transformers classes its configs may name (a multimodal family's text-only
+                  class: Qwen3.5's `Qwen3_5ForCausalLM` beside `Qwen3_5ForConditionalGeneration`).
     """
 
     name: str
@@ -50,3 +52,4 @@ class Family:
     gguf: GgufForm | None = None
     shapes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     from_sizes: FromSizes | None = None
+    also: tuple[str, ...] = ()

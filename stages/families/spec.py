@@ -26,11 +26,14 @@ Extending (the kinds are the extension points):
   DeepSeek sparse attention (kind "dsa", GLM-5) is MLA plus an indexer that picks each
   query's top-k keys: `DsaSpec` holds an `MlaSpec` and the indexer's sizes, its module
   (layers/dsa.py) is built on layers/mla.py's over the picked rows;
-- a cache kind: add it to CACHE_KINDS with a spec of its sizes and `bytes_per_position` /
-  `bytes` (as `LatentCacheSpec`: MLA's compressed kv + rope key per position), and its
-  store in layers/cache.py. Peers budget sessions with `bytes(capacity)`, so a smaller
-  cache is seen by admission and placement with no change in peer/. DSA's
-  ("latent_indexed", `IndexedLatentCacheSpec`) holds the latent rows and the indexer's keys;
+- a session-state kind (what a layer keeps per session: its `cache`): add it to CACHE_KINDS with
+  a spec of its sizes and `fixed_bytes` / `bytes_per_position` / `bytes` (as `LatentCacheSpec`:
+  MLA's compressed kv + rope key per position), and its store in layers/cache.py (or, for a
+  state that is not a row per position, layers/state.py). Peers budget sessions with
+  `bytes(capacity)` = fixed + per position x capacity, so a smaller state is seen by admission
+  and placement with no change in peer/. DSA's ("latent_indexed", `IndexedLatentCacheSpec`)
+  holds the latent rows and the indexer's keys; a linear-attention layer's ("recurrent",
+  `RecurrentStateSpec`) a fixed matrix per head and a convolution window, whatever the context;
 - an MLP or router kind: fields on `MlpSpec` / `RouterSpec` (as `shared_width` and the
   sigmoid router's groups and scale), the kind in MLP_KINDS / ROUTER_KINDS, its module in
   layers/routers.py;
@@ -48,8 +51,9 @@ from typing import Any
 from tessera.stages.errors import ModelFormatError, SpanError
 from tessera.stages.families.shipped import ShippedFormat
 
-# grouped-query attention (multi-head and multi-query included); multi-head latent; MLA with DeepSeek's sparse attention
-ATTENTION_KINDS = ("gqa", "mla", "dsa")
+# grouped-query attention (multi-head and multi-query included); multi-head latent; MLA with DeepSeek's sparse
+# attention; Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5: a recurrent state, no rows per position)
+ATTENTION_KINDS = ("gqa", "mla", "dsa", "gated_deltanet")
 MLP_KINDS = ("dense", "moe")  # SwiGLU; a sparse mixture of SwiGLU experts
 ROUTER_KINDS = (
     "softmax_topk",  # softmax over experts, top-k, optionally renormalised
@@ -57,8 +61,17 @@ ROUTER_KINDS = (
     "sigmoid_group_topk",  # DeepSeek's sigmoid, group-limited top-k
 )
 GLU_KINDS = ("silu", "clamped_swiglu")  # silu(gate) * up; gpt-oss's clamped form (GluSpec)
-# keys and values of every position (only the window is read); MLA's latent; the latent and DSA's index keys
-CACHE_KINDS = ("full", "sliding", "latent", "latent_indexed")
+# keys and values of every position (only the window is read); MLA's latent; the latent and DSA's index keys;
+# a fixed recurrent state and convolution window (linear attention: RecurrentStateSpec)
+CACHE_KINDS = ("full", "sliding", "latent", "latent_indexed", "recurrent")
+# How far back a recurrent state can be taken (layers/state.py, docs/pages/models.md's measurement):
+# the state at the start of each of the last RECURRENT_CHECKPOINTS steps is kept (two: the
+# requester keeps at most two speculative blocks of a session in flight, peer/request/decode.py
+# MAX_IN_FLIGHT, and a rejected draft or a re-sent step goes back into one of them), and the
+# inputs of a step of at most REPLAY_TOKENS tokens (a draft block is at most K_MAX + 1 = 9), from
+# which any position inside it is recomputed.
+RECURRENT_CHECKPOINTS = 2
+REPLAY_TOKENS = 16
 ROPE_KINDS = ("default", "linear", "llama3", "yarn")
 
 
@@ -107,9 +120,13 @@ class CacheSpec:
 
     A sliding layer keeps every position too: a write at position p rolls the cache back to
     p (speculation, a step re-sent after a repair, the chunks of a prefill re-sent after one),
-    and the requester may rewrite from any earlier position, so a ring of W positions (plus
-    any slack) could not honour every rollback it is sent. What the window saves is reading:
-    decode reads W positions, not the whole context.
+    and the requester may rewrite from any earlier position (a spot check's checker goes back
+    to the step it doubts; a pipelined prefill re-sends every chunk after a repaired one), so
+    a ring of W positions (plus any slack) could not honour every rollback it is sent. What
+    the window saves is reading: decode reads W positions, not the whole context. (A span
+    with a recurrent layer honours only near rollbacks anyway, `RecurrentStateSpec`; a ring
+    there would be a store with fixed bytes W + its reach, `reachable` as the recurrent
+    store's: no family run here mixes the two yet, docs/pages/models.md.)
     """
 
     kind: str
@@ -121,12 +138,142 @@ class CacheSpec:
         _check(self.kind in CACHE_KINDS, "cache kind", self.kind)
         _check((self.kind == "sliding") == (self.window is not None), "sliding_window", self.window)
 
+    def fixed_bytes(self, itemsize: int) -> int:
+        return 0
+
     def bytes_per_position(self, itemsize: int) -> int:
         return 2 * self.num_kv_heads * self.head_dim * itemsize
 
     def bytes(self, capacity: int, itemsize: int) -> int:
         """Bytes a session of `capacity` positions costs in this layer (checked before allocating)."""
         return self.bytes_per_position(itemsize) * capacity
+
+
+@dataclass(frozen=True)
+class RecurrentStateSpec:
+    """What a linear-attention layer keeps per session (kind "recurrent"): a fixed state, not a row
+    per position, so its bytes do not grow with the context.
+
+    num_heads (Hv), key_dim (dk), value_dim (dv): the recurrent matrix, [Hv, dk, dv], kept in
+        float32 whatever the model's dtype (the reference computes the recurrence in float32).
+    conv_channels (C), conv_kernel (Kc): the short causal convolution before the recurrence reads
+        the last Kc - 1 inputs of each channel: a window [Kc - 1, C] in the model's dtype.
+    replay_width: values a step keeps per token to recompute the state from a checkpoint (the
+        convolution's inputs and the gates' logits: C + 2 Hv).
+
+    Rollback (layers/state.py): the state cannot be cut back to a position, so the store keeps
+    the state at the start of each of its last RECURRENT_CHECKPOINTS steps, and the inputs of a
+    step of at most REPLAY_TOKENS tokens; going back to position p inside such a step restores
+    its checkpoint and recomputes the recurrence over the inputs before p (no projection runs
+    again). Its bytes: (1 + checkpoints) x (matrix + window) + the kept inputs.
+    """
+
+    num_heads: int
+    key_dim: int
+    value_dim: int
+    conv_channels: int
+    conv_kernel: int
+    replay_width: int
+    kind: str = "recurrent"
+
+    def __post_init__(self) -> None:
+        _check(self.kind == "recurrent", "cache kind", self.kind)
+        for name, value in (("linear_num_value_heads", self.num_heads), ("linear_key_head_dim", self.key_dim),
+                            ("linear_value_head_dim", self.value_dim), ("conv channels", self.conv_channels),
+                            ("replay width", self.replay_width)):
+            _check(value > 0, name, value)
+        _check(self.conv_kernel >= 1, "linear_conv_kernel_dim", self.conv_kernel)
+
+    def state_bytes(self, itemsize: int) -> int:
+        """One copy of the state: the float32 matrix and the convolution window."""
+        return 4 * self.num_heads * self.key_dim * self.value_dim + (self.conv_kernel - 1) * self.conv_channels * itemsize
+
+    def fixed_bytes(self, itemsize: int) -> int:
+        """The most a session's store holds: the state, a checkpoint per kept step, their inputs."""
+        kept_inputs = RECURRENT_CHECKPOINTS * REPLAY_TOKENS * self.replay_width * itemsize
+        return (1 + RECURRENT_CHECKPOINTS) * self.state_bytes(itemsize) + kept_inputs
+
+    def bytes_per_position(self, itemsize: int) -> int:
+        return 0
+
+    def bytes(self, capacity: int, itemsize: int) -> int:
+        """Bytes a session costs in this layer, whatever its `capacity` (checked before allocating)."""
+        return self.fixed_bytes(itemsize)
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetSpec:
+    """One layer's Gated DeltaNet linear attention (kind "gated_deltanet": Qwen3-Next, Qwen3.5).
+
+    In-projection x W_in (one matrix, engine name `attn.w_in`) gives, per token: q and k
+    (Hk heads of dk), v and the output gate z (Hv heads of dv), and per value head b and a.
+    `layout` says how its rows are ordered: "split" (Qwen3.5: q, k, v, z, b, a, each whole) or
+    "grouped" (Qwen3-Next: per key head its q, k, its Hv/Hk heads' v and z; then per key head
+    its Hv/Hk heads' b and a). Then:
+
+        q, k, v = silu(causal_conv1d(q, k, v))   per channel, kernel Kc, over the session's inputs
+        q, k = l2norm(q), l2norm(k) (eps 1e-6); q /= sqrt(dk); each q/k head serves Hv/Hk v heads
+        beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)            (per value head)
+        S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - k_tᵀ exp(g_t) S_{t-1}))ᵀ     (the gated delta rule)
+        o_t = q_tᵀ S_t                                                          [Hv, dv]
+        out = W_out (rms_norm(o) * norm_weight * silu(z))                       (norm over dv, eps)
+
+    A step of many tokens runs the rule chunk-wise (64 tokens, as the reference), one token
+    the recurrent form. The session's state (`cache`) is S and the last Kc - 1 convolution inputs.
+    """
+
+    num_key_heads: int
+    num_value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+    layout: str = "split"
+    kind: str = "gated_deltanet"
+
+    def __post_init__(self) -> None:
+        _check(self.kind == "gated_deltanet", "attention kind", self.kind)
+        _check(self.num_key_heads > 0, "linear_num_key_heads", self.num_key_heads)
+        _check(self.num_value_heads > 0 and self.num_value_heads % self.num_key_heads == 0,
+               "linear_num_value_heads", self.num_value_heads)
+        _check(self.key_dim > 0, "linear_key_head_dim", self.key_dim)
+        _check(self.value_dim > 0, "linear_value_head_dim", self.value_dim)
+        _check(self.conv_kernel >= 1, "linear_conv_kernel_dim", self.conv_kernel)
+        _check(self.layout in ("split", "grouped"), "linear attention layout", self.layout)
+
+    rope = None  # no rotary embedding: positions reach it only through the recurrence
+    rope_dim = 0
+
+    @property
+    def key_size(self) -> int:
+        return self.num_key_heads * self.key_dim
+
+    @property
+    def value_size(self) -> int:
+        return self.num_value_heads * self.value_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """q, k and v: what the convolution runs over."""
+        return 2 * self.key_size + self.value_size
+
+    @property
+    def in_size(self) -> int:
+        """Rows of W_in: q, k, v, z, b, a."""
+        return self.conv_channels + self.value_size + 2 * self.num_value_heads
+
+    @property
+    def cache(self) -> RecurrentStateSpec:
+        return RecurrentStateSpec(self.num_value_heads, self.key_dim, self.value_dim, self.conv_channels,
+                                  self.conv_kernel, self.conv_channels + 2 * self.num_value_heads)
+
+    def matrices(self, hidden: int) -> list[tuple[int, int]]:
+        """[rows, cols] of its weight matrices: W_in, W_out."""
+        return [(self.in_size, hidden), (hidden, self.value_size)]
+
+    def param_count(self, hidden: int) -> int:
+        # the depthwise convolution [C, Kc], A_log and dt_bias [Hv], the gated norm's weight [dv]
+        extra = self.conv_channels * self.conv_kernel + 2 * self.num_value_heads + self.value_dim
+        return sum(r * c for r, c in self.matrices(hidden)) + extra
 
 
 @dataclass(frozen=True)
@@ -145,6 +292,9 @@ class AttentionSpec:
               `partial_rotary_factor`), the rest pass unrotated; None: all D.
     sinks:    each head has a learned logit that joins its softmax's denominator and no value
               (gpt-oss's attention sinks): the weights of a row sum to less than one.
+    output_gate: the query projection gives each head a gate beside its query (rows per head: D
+              of query, D of gate), and the attention's output is multiplied by sigmoid(gate)
+              before Wo (Qwen3-Next's and Qwen3.5's gated attention).
     """
 
     num_heads: int
@@ -159,6 +309,7 @@ class AttentionSpec:
     rotary_dim: int | None = None
     sinks: bool = False
     qk_norm_whole: bool = False
+    output_gate: bool = False
 
     def __post_init__(self) -> None:
         _check(self.kind in ATTENTION_KINDS, "attention kind", self.kind)
@@ -189,12 +340,17 @@ class AttentionSpec:
         kind = "full" if self.window is None else "sliding"
         return CacheSpec(kind, self.num_kv_heads, self.head_dim, self.window)
 
+    @property
+    def q_rows(self) -> int:
+        """Rows of the query projection: the queries, and each head's gate beside its query."""
+        return 2 * self.q_size if self.output_gate else self.q_size
+
     def matrices(self, hidden: int) -> list[tuple[int, int]]:
         """[rows, cols] of its weight matrices as the engine stacks them: wqkv, wo."""
-        return [(self.q_size + 2 * self.kv_size, hidden), (hidden, self.q_size)]
+        return [(self.q_rows + 2 * self.kv_size, hidden), (hidden, self.q_size)]
 
     def param_count(self, hidden: int) -> int:
-        bias = (self.q_size + 2 * self.kv_size if self.qkv_bias else 0) + (hidden if self.o_bias else 0)
+        bias = (self.q_rows + 2 * self.kv_size if self.qkv_bias else 0) + (hidden if self.o_bias else 0)
         norms = (self.q_size + self.kv_size if self.qk_norm_whole else 2 * self.head_dim) if self.qk_norm else 0
         sinks = self.num_heads if self.sinks else 0
         return sum(r * c for r, c in self.matrices(hidden)) + bias + norms + sinks
@@ -223,6 +379,9 @@ class LatentCacheSpec:
     @property
     def width(self) -> int:
         return self.latent_dim + self.rope_dim
+
+    def fixed_bytes(self, itemsize: int) -> int:
+        return 0
 
     def bytes_per_position(self, itemsize: int) -> int:
         return self.width * itemsize
@@ -328,6 +487,9 @@ class IndexedLatentCacheSpec:
     def width(self) -> int:
         """The latent row's width (the index key lies in a store of its own)."""
         return self.latent_dim + self.rope_dim
+
+    def fixed_bytes(self, itemsize: int) -> int:
+        return 0
 
     def bytes_per_position(self, itemsize: int) -> int:
         return (self.width + self.index_dim) * itemsize
@@ -472,7 +634,9 @@ class MlpSpec:
                   size), `router` choosing `router.top_k` of them per token, their outputs
                   summed with the router's weights; plus, when `shared_width`, one SwiGLU of
                   that width every token goes through (DeepSeek's `n_shared_experts` shared
-                  experts, n x `moe_intermediate_size`), added unweighted.
+                  experts, n x `moe_intermediate_size`), added unweighted — or, with
+                  `shared_gate`, times sigmoid(x · w) of a learned [H] vector w (Qwen3-Next's
+                  and Qwen3.5's shared expert).
     glu:  the gated activation of the SwiGLU (each expert's).
     bias: the gate/up and down projections (each expert's) carry biases (gpt-oss).
     """
@@ -484,6 +648,7 @@ class MlpSpec:
     shared_width: int = 0
     glu: GluSpec = GluSpec()
     bias: bool = False
+    shared_gate: bool = False
 
     def __post_init__(self) -> None:
         _check(self.kind in MLP_KINDS, "MLP kind", self.kind)
@@ -499,6 +664,7 @@ class MlpSpec:
             _check(groups == 1 or per_group >= 2, "n_group", groups)
             _check(self.router.top_k <= self.router.topk_groups * per_group, "num_experts_per_tok", self.router.top_k)
             _check(self.shared_width >= 0, "n_shared_experts", self.shared_width)
+            _check(not self.shared_gate or self.shared_width > 0, "shared_expert_intermediate_size", self.shared_width)
         else:
             _check(self.num_experts == 0 and self.router is None and self.shared_width == 0, "num_experts",
                    self.num_experts)
@@ -516,18 +682,24 @@ class MlpSpec:
         biases = (2 * self.width + hidden) * max(self.num_experts, 1) if self.bias else 0
         # `matrices`' sum, counted without listing every expert's: 3 W H a SwiGLU
         matrices = 3 * self.width * hidden * max(self.num_experts, 1) + 3 * self.shared_width * hidden
-        return matrices + router + biases
+        gate = hidden if self.shared_gate else 0  # the shared expert's gate vector, in float as a router
+        return matrices + router + biases + gate
+
+
+# A layer's session state, by kind: rows per position (KV, MLA's latent, DSA's), or fixed (recurrent)
+StateSpec = CacheSpec | LatentCacheSpec | IndexedLatentCacheSpec | RecurrentStateSpec
 
 
 @dataclass(frozen=True)
 class LayerSpec:
     """One decoder layer: its attention and its MLP (each pre-normed, RMSNorm, residual)."""
 
-    attention: AttentionSpec | MlaSpec | DsaSpec
+    attention: AttentionSpec | MlaSpec | DsaSpec | GatedDeltaNetSpec
     mlp: MlpSpec
 
     @property
-    def cache(self) -> CacheSpec | LatentCacheSpec | IndexedLatentCacheSpec:
+    def cache(self) -> StateSpec:
+        """What the layer keeps per session (its session-state kind: CACHE_KINDS)."""
         return self.attention.cache
 
     def matrices(self, hidden: int) -> list[tuple[int, int]]:
@@ -558,6 +730,12 @@ class ModelSpec:
     shipped:        how the checkpoint stores its matrices when not as floats (fp8 blocks, mxfp4,
                     GGUF blocks: families/shipped.py), else None. The arithmetic is the same; the
                     bytes a span holds are the shipped ones.
+    norm_offset:    what every RMSNorm's stored weight is short of the scale it applies (every
+                    layer's two norms, q/k norms and the final norm; 0.0 but for Qwen3-Next's and
+                    Qwen3.5's zero-centred norms, which scale by 1 + w): added once, at load.
+    prefix:         where the decoder's tensors lie in the checkpoint: "model." (a causal LM), or
+                    "model.language_model." (the text model of a multimodal checkpoint, whose
+                    other towers are not run).
     """
 
     family: str
@@ -571,6 +749,8 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     mtp_layers: int = 0
     shipped: ShippedFormat | None = None
+    norm_offset: float = 0.0
+    prefix: str = "model."
 
     def __post_init__(self) -> None:
         _check(len(self.layers) > 0, "num_hidden_layers", len(self.layers))
@@ -647,13 +827,33 @@ class ModelSpec:
                             f"(spans start at layers {list(self.span_starts[:-1])})")
 
     def kv_bytes_per_position(self, start: int, end: int, itemsize: int = 4) -> int:
-        """KV bytes one position costs a session over layers [start, end), each per its cache kind."""
+        """KV bytes one position costs a session over layers [start, end), each per its state kind
+        (0 for a layer whose state does not grow with the context)."""
         return sum(self._kv_items_per_position[start:end]) * itemsize
 
     @cached_property  # asked at every session a peer opens or grows: each layer's cache spec built once
     def _kv_items_per_position(self) -> tuple[int, ...]:
         """Per layer: the cache entries one position holds (its bytes at an itemsize of 1)."""
         return tuple(layer.cache.bytes_per_position(1) for layer in self.layers)
+
+    def state_fixed_bytes(self, start: int, end: int, itemsize: int = 4) -> int:
+        """Bytes a session over layers [start, end) holds whatever its length (recurrent states)."""
+        return sum(self.layers[i].cache.fixed_bytes(itemsize) for i in range(start, end))
+
+    def state_bytes(self, start: int, end: int, positions: int, itemsize: int = 4) -> int:
+        """Bytes a session of `positions` over layers [start, end) holds: fixed + per position x positions."""
+        return self.state_fixed_bytes(start, end, itemsize) + self.kv_bytes_per_position(start, end, itemsize) * positions
+
+    def context_tokens(self, start: int, end: int, budget: int, itemsize: int = 4) -> int:
+        """The longest context one session over layers [start, end) can hold in `budget` bytes of
+        session state (at most the model's context; 0 when not even its fixed state fits). A span
+        of linear-attention layers holds the whole context in a fixed state: its bound is
+        `max_position` as soon as that state fits."""
+        fixed = self.state_fixed_bytes(start, end, itemsize)
+        if budget < fixed or end <= start:
+            return 0 if end > start else self.max_position
+        per_token = self.kv_bytes_per_position(start, end, itemsize)
+        return self.max_position if per_token == 0 else min(self.max_position, (budget - fixed) // per_token)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

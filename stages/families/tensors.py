@@ -11,6 +11,12 @@ The engine names a layer's tensors after its own modules (stages/layers/block.py
                 attn.wkv_a.weight   attn.kv_norm.weight   attn.wkv_b   attn.wo.weight  (biases: wq_a, wkv_a, wo)
     DSA:        MLA's, and (unless the layer reuses a selection) attn.indexer.wq  attn.indexer.wk
                 attn.indexer.k_norm.weight  attn.indexer.k_norm.bias  attn.indexer.w_heads
+    Gated DeltaNet: attn.w_in.weight (q, k, v, z, b, a: GatedDeltaNetSpec.layout)  attn.conv
+                attn.A_log  attn.dt_bias  attn.out_norm.weight  attn.w_out.weight
+    a gated shared expert: mlp.shared_gate [1, H] (Qwen3-Next)
+
+A checkpoint's decoder tensors lie under `ModelSpec.prefix` ("model.", or
+"model.language_model." in a multimodal checkpoint whose text model is all we run).
 
 and stacks what a checkpoint keeps apart (q, k and v into wqkv; gate and up into w_gate_up),
 so that each is one matmul. `layer_tensors` maps every engine tensor to the checkpoint
@@ -37,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera.stages.families.spec import DsaSpec, LayerSpec, MlaSpec, ModelSpec
+from tessera.stages.families.spec import DsaSpec, GatedDeltaNetSpec, LayerSpec, MlaSpec, ModelSpec
 
 Shape = tuple[int, ...]
 
@@ -103,6 +109,7 @@ class ExpertNames:
     up: str = "up_proj"
     down: str = "down_proj"
     correction_bias: str = "gate.e_score_correction_bias"
+    shared: str = "shared_experts"  # `{block}.{shared}.{gate|up|down}.weight`: the shared experts as one SwiGLU
 
 
 QWEN_EXPERTS = ExpertNames()  # the default: Qwen3-MoE's, DeepSeek's and GLM's names (a family with others has its own)
@@ -112,21 +119,23 @@ def layer_tensors(spec: ModelSpec, layer: int, experts: ExpertNames = QWEN_EXPER
     """Engine name -> its checkpoint layouts, for every tensor of decoder layer `layer`."""
     ls: LayerSpec = spec.layers[layer]
     h, at = spec.hidden_size, ls.attention
-    p = f"model.layers.{layer}."
+    p = f"{spec.prefix}layers.{layer}."
     if isinstance(at, MlaSpec):
         return {**mla_tensors(p, at, h), **mlp_tensors(p, ls, h, experts)}
     if isinstance(at, DsaSpec):
         return {**mla_tensors(p, at.mla, h), **indexer_tensors(p, at, h), **mlp_tensors(p, ls, h, experts)}
+    if isinstance(at, GatedDeltaNetSpec):
+        return {**deltanet_tensors(p, at, h), **mlp_tensors(p, ls, h, experts)}
     qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
     out: dict[str, Choices] = {
         "attn_norm.weight": one(p + "input_layernorm.weight", (h,)),
-        "attn.wqkv.weight": stacked([n + ".weight" for n in qkv], [(at.q_size, h), (at.kv_size, h), (at.kv_size, h)]),
+        "attn.wqkv.weight": stacked([n + ".weight" for n in qkv], [(at.q_rows, h), (at.kv_size, h), (at.kv_size, h)]),
         "attn.wo.weight": one(p + "self_attn.o_proj.weight", (h, at.q_size)),
         **mlp_tensors(p, ls, h, experts),
     }
     # the optional ones last (the order synth draws random weights in, kept from the Llama block's)
     if at.qkv_bias:
-        out["attn.wqkv.bias"] = stacked([n + ".bias" for n in qkv], [(at.q_size,), (at.kv_size,), (at.kv_size,)])
+        out["attn.wqkv.bias"] = stacked([n + ".bias" for n in qkv], [(at.q_rows,), (at.kv_size,), (at.kv_size,)])
     if at.o_bias:
         out["attn.wo.bias"] = one(p + "self_attn.o_proj.bias", (h,))
     if at.qk_norm:  # per head (D each), or over all heads of q and of k at once (`qk_norm_whole`)
@@ -149,10 +158,34 @@ def mlp_tensors(p: str, ls: LayerSpec, h: int, experts: ExpertNames) -> dict[str
         names = dict.fromkeys((f"{p}{experts.block}.{experts.correction_bias}", f"{p}mlp.{experts.correction_bias}"))
         out["mlp.router.correction_bias"] = tuple(c for name in names for c in one(name, (mlp.num_experts,)))
     if mlp.shared_width:
-        x, w = f"{p}{experts.block}.shared_experts.", mlp.shared_width
+        x, w = f"{p}{experts.block}.{experts.shared}.", mlp.shared_width
         out["mlp.shared.w_gate_up.weight"] = stacked([x + "gate_proj.weight", x + "up_proj.weight"], [(w, h), (w, h)])
         out["mlp.shared.w_down.weight"] = one(x + "down_proj.weight", (h, w))
+    if mlp.shared_gate:
+        out["mlp.shared_gate"] = one(f"{p}{experts.block}.{experts.shared}_gate.weight", (1, h))
     return out
+
+
+def deltanet_tensors(p: str, at: GatedDeltaNetSpec, h: int) -> dict[str, Choices]:
+    """A Gated DeltaNet layer's attention norm and tensors under prefix `p` (transformers' names):
+    the in-projection stacked from Qwen3.5's four matrices (`layout` "split") or Qwen3-Next's two
+    ("grouped": qkvz and ba, each grouped per key head, which layers/gated_deltanet.py reads so)."""
+    a = p + "linear_attn."
+    if at.layout == "split":
+        w_in = stacked([a + f"in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")],
+                       [(at.conv_channels, h), (at.value_size, h), (at.num_value_heads, h), (at.num_value_heads, h)])
+    else:
+        w_in = stacked([a + "in_proj_qkvz.weight", a + "in_proj_ba.weight"],
+                       [(at.conv_channels + at.value_size, h), (2 * at.num_value_heads, h)])
+    return {
+        "attn_norm.weight": one(p + "input_layernorm.weight", (h,)),
+        "attn.w_in.weight": w_in,
+        "attn.conv": one(a + "conv1d.weight", (at.conv_channels, 1, at.conv_kernel)),
+        "attn.A_log": one(a + "A_log", (at.num_value_heads,)),
+        "attn.dt_bias": one(a + "dt_bias", (at.num_value_heads,)),
+        "attn.out_norm.weight": one(a + "norm.weight", (at.value_dim,)),
+        "attn.w_out.weight": one(a + "out_proj.weight", (h, at.value_size)),
+    }
 
 
 def mla_tensors(p: str, at: MlaSpec, h: int) -> dict[str, Choices]:
@@ -224,7 +257,17 @@ def matrix_paths(tensors: dict[str, Choices]) -> tuple[str, ...]:
 
 def edge_tensors(spec: ModelSpec) -> dict[str, Shape]:
     """The tensors outside the layers: embedding, final norm, and the head unless tied."""
-    shapes = {"model.embed_tokens.weight": (spec.vocab_size, spec.hidden_size), "model.norm.weight": (spec.hidden_size,)}
+    shapes = {embedding_name(spec): (spec.vocab_size, spec.hidden_size), final_norm_name(spec): (spec.hidden_size,)}
     if not spec.tie_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
     return shapes
+
+
+def embedding_name(spec: ModelSpec) -> str:
+    """The checkpoint name of the embedding matrix."""
+    return f"{spec.prefix}embed_tokens.weight"
+
+
+def final_norm_name(spec: ModelSpec) -> str:
+    """The checkpoint name of the final norm's weight."""
+    return f"{spec.prefix}norm.weight"

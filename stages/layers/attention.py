@@ -10,7 +10,9 @@ Float32 reference semantics (what `transformers` computes): q, k, v = x Wqkv (+ 
 `qk_norm`, an RMSNorm over each head's D of q and of k (with `qk_norm_whole`, over all of q's
 heads at once and all of k's); RoPE on q and k; softmax(q kᵀ / √D
 + causal mask, limited to the last `window` positions for a sliding layer) v; then Wo (+ bias).
-With `sinks` (gpt-oss), each head's learned sink logit joins the softmax's denominator.
+With `sinks` (gpt-oss), each head's learned sink logit joins the softmax's denominator. With
+`output_gate` (Qwen3-Next, Qwen3.5), the output is multiplied by sigmoid(gate) before Wo, the
+gate projected beside each head's query.
 Prefill and multi-token steps use the same SDPA kernel as the reference, so logits agree
 closely; a one-token step uses a grouped bmm that never repeats K/V.
 
@@ -219,7 +221,7 @@ class Attention(nn.Module):
     def __init__(self, hidden: int, spec: AttentionSpec, eps: float) -> None:
         super().__init__()
         self.spec = spec
-        self.wqkv = nn.Linear(hidden, spec.q_size + 2 * spec.kv_size, bias=spec.qkv_bias)
+        self.wqkv = nn.Linear(hidden, spec.q_rows + 2 * spec.kv_size, bias=spec.qkv_bias)
         self.wo = nn.Linear(spec.q_size, hidden, bias=spec.o_bias)
         # over each head's D (Qwen3), or over all of q's and all of k's dims at once (MiniMax-M2)
         self.q_norm = RMSNorm(spec.q_size if spec.qk_norm_whole else spec.head_dim, eps) if spec.qk_norm else None
@@ -234,10 +236,17 @@ class Attention(nn.Module):
         spec = self.spec
         cos, sin = ctx.rope(spec)
         qkv = self.wqkv.forward(x)
+        gate = None
+        if spec.output_gate:  # each head's D query rows, then its D gate rows (Qwen3-Next)
+            t, a, d = qkv.shape[0], spec.num_heads, spec.head_dim
+            q_gate = qkv[:, : 2 * a * d].view(t, a, 2 * d)
+            gate = q_gate[..., d:].reshape(t, a * d)
+            qkv = torch.cat((q_gate[..., :d].reshape(t, a * d), qkv[:, 2 * a * d :]), dim=-1)  # [T, (A + 2K) D]
         per_head = (self.q_norm, self.k_norm)
         if spec.qk_norm_whole:  # normed here, over all heads of each: none left per head
             q, k, v = qkv.split((spec.q_size, spec.kv_size, spec.kv_size), dim=-1)
             qkv, per_head = torch.cat((self.q_norm.forward(q), self.k_norm.forward(k), v), dim=-1), (None, None)
         qk, v = rotate_heads(qkv, spec.num_heads, spec.num_kv_heads, spec.head_dim, cos, sin,
                              *per_head)  # [T, A + K, D], [T, K, D]
-        return self.wo.forward(ctx.attend(qk, v, spec.num_heads, cache, spec.window, self.scale, self.sinks))
+        out = ctx.attend(qk, v, spec.num_heads, cache, spec.window, self.scale, self.sinks)  # [T, A D]
+        return self.wo.forward(out if gate is None else out * torch.sigmoid(gate))

@@ -19,14 +19,15 @@ from tessera.stages.errors import UnsupportedModel
 from tessera.stages.families.spec import LayerSpec, MlpSpec, ModelSpec
 from tessera.stages.layers.attention import Attention, LayerCache, StepRows
 from tessera.stages.layers.dsa import SparseLatentAttention
+from tessera.stages.layers.gated_deltanet import GatedDeltaNet
 from tessera.stages.layers.mla import LatentAttention, LatentCache
 from tessera.stages.layers.mlp import glu_mlp
 from tessera.stages.layers.moe import MoE
 from tessera.stages.layers.norm import RMSNorm
 
-# kind -> constructor(hidden, its kind's spec: AttentionSpec, MlaSpec or DsaSpec, rms_norm_eps)
+# kind -> constructor(hidden, its kind's spec: AttentionSpec, MlaSpec, DsaSpec or GatedDeltaNetSpec, rms_norm_eps)
 ATTENTIONS: dict[str, Callable[[int, Any, float], nn.Module]] = {
-    "gqa": Attention, "mla": LatentAttention, "dsa": SparseLatentAttention,
+    "gqa": Attention, "mla": LatentAttention, "dsa": SparseLatentAttention, "gated_deltanet": GatedDeltaNet,
 }
 MLPS: dict[str, Callable[[int, MlpSpec], nn.Module]] = {
     "dense": glu_mlp,

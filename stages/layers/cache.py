@@ -28,9 +28,16 @@ Kinds (CACHE_KINDS):
              the rows a query reads). Both are written at the same positions and roll back with
              the one pointer: a rejected draft's keys are overwritten like its rows.
 
+- "recurrent": `RecurrentState` (layers/state.py): a linear-attention layer's fixed state, which
+             cannot be cut back to a position: it keeps checkpoints, and a write at position p
+             is honoured only where one reaches (`reachable`); any other is refused
+             (StateRewindError) before anything moves, and the session replays from 0.
+
 A new kind is a store class here with the interface its attention kind calls — for
 `KeyValues`, `write_and_read` — plus `grow` and `nbytes`, registered in STORES, and its
-spec's `bytes_per_position` (what admission budgets).
+spec's `fixed_bytes` and `bytes_per_position` (what admission budgets). A store that cannot be
+cut back by a pointer also has `reachable(p)` and `rewind(p)`, which `SessionCache` asks before
+any write or rollback.
 """
 
 from __future__ import annotations
@@ -39,8 +46,9 @@ from typing import Sequence
 
 import torch
 
-from tessera.stages.errors import ContextOverflow, UnsupportedModel
-from tessera.stages.families.spec import CacheSpec, IndexedLatentCacheSpec, LatentCacheSpec
+from tessera.stages.errors import ContextOverflow, StateRewindError, UnsupportedModel
+from tessera.stages.families.spec import CacheSpec, IndexedLatentCacheSpec, LatentCacheSpec, RecurrentStateSpec
+from tessera.stages.layers.state import RecurrentState
 
 KV_CHUNK = 256  # positions a session's stores grow by (see the module docstring)
 
@@ -142,9 +150,10 @@ class IndexedLatentRows(LatentRows):
         return self.rows.nbytes + self.index_keys.nbytes
 
 
-LayerStore = KeyValues | LatentRows
-STORES = {"full": KeyValues, "sliding": KeyValues, "latent": LatentRows, "latent_indexed": IndexedLatentRows}
-AnyCacheSpec = CacheSpec | LatentCacheSpec | IndexedLatentCacheSpec
+LayerStore = KeyValues | LatentRows | RecurrentState
+STORES = {"full": KeyValues, "sliding": KeyValues, "latent": LatentRows, "latent_indexed": IndexedLatentRows,
+          "recurrent": RecurrentState}
+AnyCacheSpec = CacheSpec | LatentCacheSpec | IndexedLatentCacheSpec | RecurrentStateSpec
 
 
 def layer_store(spec: AnyCacheSpec, positions: int, *, dtype: torch.dtype,
@@ -165,6 +174,8 @@ class SessionCache:
         self.capacity = capacity
         self.allocated = 0  # positions every store holds memory for now
         self.length = 0
+        # the stores a pointer move cannot take back (recurrent states): asked before any write or rollback
+        self.rewinding = [store for store in self.layers if isinstance(store, RecurrentState)]
 
     @classmethod
     def over(cls, stores: Sequence[KeyValues], capacity: int) -> "SessionCache":
@@ -172,6 +183,7 @@ class SessionCache:
         cache = cls.__new__(cls)
         cache.layers, cache.capacity, cache.length = list(stores), capacity, 0
         cache.allocated = capacity  # the slot holds every position already: it never grows
+        cache.rewinding = []
         return cache
 
     def reserve(self, start: int, n_tokens: int) -> None:
@@ -185,6 +197,7 @@ class SessionCache:
             raise ContextOverflow(
                 f"positions up to {start + n_tokens} exceed this session's capacity of {self.capacity}"
             )
+        self._rewind(start)
         if start + n_tokens > self.allocated:
             self.allocated = kv_positions(start + n_tokens, self.capacity)
             for store in self.layers:
@@ -197,7 +210,23 @@ class SessionCache:
             raise ContextOverflow(
                 f"cannot roll back to {position!r}: the cache holds positions [0, {self.length})"
             )
+        self._rewind(position)
         self.length = position
+
+    def reachable(self, position: int) -> bool:
+        """Whether a write or rollback at `position` (<= length) can be honoured by every store."""
+        return all(store.reachable(position) for store in self.rewinding)
+
+    def _rewind(self, position: int) -> None:
+        """Take every recurrent store back to `position` (StateRewindError, moving nothing, unless all reach it)."""
+        if position == self.length or not self.rewinding:
+            return
+        blocked = next((store for store in self.rewinding if not store.reachable(position)), None)
+        if blocked is not None:
+            blocked.rewind(position)  # raises StateRewindError (naming where its state is kept) before moving
+            raise StateRewindError(f"cannot go back to position {position}")  # not reached: rewind raised
+        for store in self.rewinding:
+            store.rewind(position)
 
     @property
     def nbytes(self) -> int:

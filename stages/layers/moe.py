@@ -4,7 +4,8 @@ Float32 reference semantics (transformers' `...Experts.forward`): for each token
 its k picked experts of weight * expert(x), the experts added in increasing index order.
 
 Shared experts (DeepSeek-V3, GLM-4.5; `MlpSpec.shared_width`) are one SwiGLU every token goes
-through, added to the picked experts' sum with weight 1.
+through, added to the picked experts' sum with weight 1 — or, with `shared_gate` (Qwen3-Next,
+Qwen3.5), with weight sigmoid(x · w_gate).
 
 Only the experts some token picked run, each ONCE, over the rows that picked it: the
 (token, slot) pairs are sorted by expert (one argsort), and each active expert takes its rows
@@ -19,6 +20,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tessera.stages.families.spec import MlpSpec
@@ -37,13 +39,20 @@ class MoE(nn.Module):
         self.router = build_router(hidden, spec.num_experts, spec.router)
         self.experts = nn.ModuleList(glu_mlp(hidden, spec) for _ in range(spec.num_experts))
         self.shared = SwiGLU(hidden, spec.shared_width) if spec.shared_width else None
+        # the shared expert's gate [1, H] (Qwen3-Next), in float as a router: not a matrix quantization stores
+        self.shared_gate = nn.Parameter(torch.empty(1, hidden)) if spec.shared_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         weights, picks = self.router.forward(x)  # [T, k] each
         run = untraced_dispatch() if torch.compiler.is_compiling() else dispatch
         out = run(x, weights, picks, self.experts)
-        return out if self.shared is None else out + self.shared.forward(x)
+        if self.shared is None:
+            return out
+        shared = self.shared.forward(x)
+        if self.shared_gate is not None:
+            shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared  # [T, 1] * [T, H]
+        return out + shared
 
 
 _untraced: Callable[..., torch.Tensor] | None = None

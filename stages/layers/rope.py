@@ -55,7 +55,8 @@ class RopeTables:
     """One `Rotary` per distinct (RopeSpec, dims turned) among `layers`, and each step's tables."""
 
     def __init__(self, layers: Sequence[LayerSpec], device: torch.device | str = "cpu") -> None:
-        keys = {(layer.attention.rope, layer.attention.rope_dim) for layer in layers}
+        # a layer without a rotary embedding (linear attention: rope None) has no tables
+        keys = {(layer.attention.rope, layer.attention.rope_dim) for layer in layers if layer.attention.rope is not None}
         self.rotaries = {key: Rotary(*key, device=device) for key in sorted(keys, key=repr)}
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[RopeKey, tuple[torch.Tensor, torch.Tensor]]:

@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from tessera.stages.errors import ModelFormatError
 from tessera.stages.families.catalog import spec_from_file, tensors_of_layer
 from tessera.stages.families.spec import ModelSpec
-from tessera.stages.families.tensors import Choices, Stacked
+from tessera.stages.families.tensors import Choices, Stacked, embedding_name, final_norm_name
 from tessera.stages.weights.registry import MANIFEST
 from tessera.stages.weights.tensor_table import group_of
 
@@ -227,17 +227,15 @@ class WeightFolder:
                 for name, choices in tensors_of_layer(self.spec, layer).items()}
 
     def embedding(self, dtype: torch.dtype) -> torch.Tensor:
-        name = "model.embed_tokens.weight"
+        name = embedding_name(self.spec)
         return self.read({name: (self.spec.vocab_size, self.spec.hidden_size)}, dtype)[name]
 
     def head(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(final norm weight, lm_head weight); the embedding when the model ties them."""
+        """(final norm weight as stored, lm_head weight); the embedding when the model ties them."""
         spec = self.spec
         # untied without lm_head.weight: `read` refuses it (transformers would draw a random head)
-        head_name = "model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight"
-        t = self.read(
-            {"model.norm.weight": (spec.hidden_size,), head_name: (spec.vocab_size, spec.hidden_size)},
-            dtype,
-        )
-        return t["model.norm.weight"], t[head_name]
+        head_name = embedding_name(spec) if spec.tie_embeddings else "lm_head.weight"
+        norm = final_norm_name(spec)
+        t = self.read({norm: (spec.hidden_size,), head_name: (spec.vocab_size, spec.hidden_size)}, dtype)
+        return t[norm], t[head_name]
 

@@ -26,6 +26,9 @@ from tessera.stages.weights.folder import WeightFolder
 
 # tensors older checkpoints carry that the engine recomputes from the config instead
 RECOMPUTED_SUFFIXES = (".self_attn.rotary_emb.inv_freq",)
+# per ModelSpec.prefix, the checkpoint's tensors outside the text model we run: Qwen-style MTP
+# layers ("mtp.": drafting with them is a later step), and a multimodal checkpoint's vision tower
+NOT_RUN_PREFIXES = {"model.": ("mtp.",), "model.language_model.": ("mtp.", "model.visual.")}
 
 # a stored tensor: its shape and the safetensors dtypes it may have
 Stored = tuple[tuple[int, ...], tuple[str, ...]]
@@ -94,8 +97,10 @@ def check_tensors(spec: ModelSpec, weights: WeightFolder) -> None:
         raise ModelFormatError(f"tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
     # a tied model may still carry lm_head.weight; transformers ignores it and so do we
     ignorable = {"lm_head.weight"} if spec.tie_embeddings else set()
-    # multi-token-prediction modules after the decoder layers (DeepSeek-V3, GLM-4.5): not run
-    not_run = tuple(f"model.layers.{i}." for i in range(spec.num_layers, spec.num_layers + spec.mtp_layers))
+    # multi-token-prediction modules after the decoder layers (DeepSeek-V3, GLM-4.5) or under "mtp."
+    # (Qwen3-Next, Qwen3.5), and a multimodal checkpoint's vision tower: not run
+    not_run = tuple(f"{spec.prefix}layers.{i}." for i in range(spec.num_layers, spec.num_layers + spec.mtp_layers))
+    not_run += NOT_RUN_PREFIXES.get(spec.prefix, ())
     unexpected = sorted(
         n for n in set(table) - set(expected) - ignorable
         if not n.endswith(RECOMPUTED_SUFFIXES) and not n.startswith(not_run) and not empty(table[n][0])

@@ -14,7 +14,8 @@ safetensors header gives it); `chunks` are the sha256s of its bytes cut every
 `chunk_bytes` (the last chunk shorter), so one wrong chunk from one sender is caught
 alone, and `sha256` covers the whole tensor. `group` says what a span needs: "layer.N"
 for layer N, "embed" for the embedding, "head" for lm_head, "norm" for the final norm,
-"other" for anything else.
+"vision" for a multimodal checkpoint's vision tower and "mtp" for Qwen-style multi-token-prediction
+layers (neither run by a span, so never fetched), "other" for anything else.
 
 The **model id** (`model_id_of`) hashes every listed file's sha256 *and* this table's
 digest, and nothing else: so a folder holding only some layers (fetched from peers)
@@ -45,19 +46,23 @@ MANIFEST_FORMAT = 2
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# a causal LM's decoder lies under "model."; a multimodal checkpoint's text model under
+# "model.language_model." (families/spec.py ModelSpec.prefix)
+_LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")
+_EDGES = {"embed_tokens.weight": "embed", "norm.weight": "norm"}
 
 
 def group_of(name: str) -> str:
     """Which part of the model a tensor belongs to (what a span asks for)."""
     if m := _LAYER.match(name):
         return f"layer.{int(m.group(1))}"
-    if name == "model.embed_tokens.weight":
-        return "embed"
     if name == "lm_head.weight":
         return "head"
-    if name == "model.norm.weight":
-        return "norm"
+    if name.startswith(("model.visual.", "mtp.")):  # a vision tower, MTP layers: not run by any span (yet)
+        return "vision" if name.startswith("model.visual.") else "mtp"
+    for prefix in ("model.", "model.language_model."):
+        if name.startswith(prefix) and name[len(prefix):] in _EDGES:
+            return _EDGES[name[len(prefix):]]
     return "other"
 
 

@@ -25,7 +25,7 @@ import torch
 from tessera.stages.errors import ModelFormatError
 from tessera.stages.families.catalog import layer_matrices, tensors_of_layer
 from tessera.stages.families.shipped import FLOAT_DTYPES, GGML_TYPES, ShippedFormat
-from tessera.stages.families.tensors import Choices, Stacked
+from tessera.stages.families.tensors import Choices, Stacked, embedding_name, final_norm_name
 from tessera.stages.kernels.fp8 import fp8_dense
 from tessera.stages.kernels.ggml import ggml_rows
 from tessera.stages.kernels.linear import RowStack, ShippedLinear
@@ -110,9 +110,7 @@ def dense_tensor(weights: WeightFolder, name: str, shape: tuple[int, ...], dtype
     return ggml_rows(weights.read_stored(stored_name, stored_shape, dtypes), GGML_TYPES[form]).to(dtype)
 
 
-EMBEDDING = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
-FINAL_NORM = "model.norm.weight"
 
 
 def read_embedding(weights: WeightFolder, dtype: torch.dtype) -> torch.Tensor:
@@ -120,7 +118,7 @@ def read_embedding(weights: WeightFolder, dtype: torch.dtype) -> torch.Tensor:
     spec = weights.spec
     if spec.shipped is None:
         return weights.embedding(dtype)
-    return dense_tensor(weights, EMBEDDING, (spec.vocab_size, spec.hidden_size), dtype)
+    return dense_tensor(weights, embedding_name(spec), (spec.vocab_size, spec.hidden_size), dtype)
 
 
 def read_head(weights: WeightFolder, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +126,6 @@ def read_head(weights: WeightFolder, dtype: torch.dtype) -> tuple[torch.Tensor, 
     spec = weights.spec
     if spec.shipped is None:
         return weights.head(dtype)
-    norm = weights.read({FINAL_NORM: (spec.hidden_size,)}, dtype)[FINAL_NORM]
-    name = EMBEDDING if spec.tie_embeddings else HEAD
+    norm = weights.read({final_norm_name(spec): (spec.hidden_size,)}, dtype)[final_norm_name(spec)]
+    name = embedding_name(spec) if spec.tie_embeddings else HEAD
     return norm, dense_tensor(weights, name, (spec.vocab_size, spec.hidden_size), dtype)

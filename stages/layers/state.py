@@ -1,0 +1,140 @@
+"""A session's fixed-size state: what a linear-attention layer keeps instead of a row per position.
+
+A KV cache grows by a row per token and goes back to any position by moving its pointer. A
+recurrent layer (Gated DeltaNet; a KDA or Mamba2 layer would be the same kind of thing) folds
+every token into a state of fixed size — here a matrix per value head, [Hv, dk, dv], and the
+last Kc - 1 inputs of its short causal convolution, [Kc - 1, C] — so a session of any length
+costs the same, and the state at an earlier position is gone once the next token is folded in.
+
+`RecurrentState` is that store, with how it goes back (`families/spec.py`
+`RecurrentStateSpec` sizes it, and admission budgets its `fixed_bytes`):
+
+- Checkpoints. A step folds its tokens into a NEW state tensor (the layer never writes the
+  state in place), so keeping the state it started from costs no copy, only memory. The store
+  keeps the state at the start of each of its last RECURRENT_CHECKPOINTS steps and, for a step
+  of at most REPLAY_TOKENS tokens (a speculative block), the step's per-token inputs to the
+  recurrence (`replay_width` values a token: the convolution's inputs and the gates' logits —
+  what the layer computed from the token's hidden state, so that no projection runs again).
+- Going back to position p (`rewind`): to the checkpoint of the step p falls in, and, when p
+  lies inside that step, the inputs of [step start, p) are handed to the layer on its next step
+  (`pending`) to be folded in again before the new tokens: the recurrence's own work for those
+  tokens, no more. Position 0 is always reachable (a fresh state); so is the current position.
+  Anything else is refused before anything moves (`reachable`, raising `StateRewindError`):
+  the requester then replays the history into a fresh session, as it does for a replacement.
+  Why checkpoint-and-recompute rather than a state per position: docs/pages/models.md has the
+  measurement (bench/rollback.py).
+- Rebuilding (failover, comeback): a replacement is fed the history in one prefill-shaped step
+  (or in chunks); the state it ends with equals the uninterrupted one up to float rounding
+  (the chunked and token-by-token forms of the recurrence agree to ~1e-6; tests hold 1e-4).
+
+A new recurrent kind (KDA's per-channel gates, Mamba2's SSM state) is one more store of this
+shape: a state spec with `fixed_bytes`, and a layer that folds inputs into new state tensors
+and calls `advance`; checkpointing, rewinding and budgeting are the same.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from tessera.stages.errors import StateRewindError
+from tessera.stages.families.spec import RECURRENT_CHECKPOINTS, REPLAY_TOKENS, RecurrentStateSpec
+
+
+@dataclass
+class Checkpoint:
+    """The state at position `start`, and (for a short step) the inputs of the step that began there."""
+
+    start: int
+    state: torch.Tensor  # [Hv, dk, dv], float32
+    conv: torch.Tensor  # [Kc - 1, C]
+    inputs: torch.Tensor | None  # [T, replay_width] of the step from `start`, or None (a long step)
+
+    @property
+    def reach(self) -> int:
+        """The last position inside this step a rewind can rebuild (its start, when inputs were not kept)."""
+        return self.start + (self.inputs.shape[0] if self.inputs is not None else 0)
+
+    @property
+    def nbytes(self) -> int:
+        return self.state.nbytes + self.conv.nbytes + (self.inputs.nbytes if self.inputs is not None else 0)
+
+
+class RecurrentState:
+    """One linear-attention layer's state of one session (module docstring)."""
+
+    def __init__(self, spec: RecurrentStateSpec, positions: int = 0, *, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        self.spec = spec
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.state, self.conv = self._fresh()
+        self.position = 0  # tokens folded into `state`, plus `pending`'s
+        self.pending: torch.Tensor | None = None  # inputs [n, replay_width] to fold in before the next step
+        self.history: deque[Checkpoint] = deque(maxlen=RECURRENT_CHECKPOINTS)
+
+    def _fresh(self) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.spec
+        state = torch.zeros(s.num_heads, s.key_dim, s.value_dim, dtype=torch.float32, device=self.device)
+        conv = torch.zeros(s.conv_kernel - 1, s.conv_channels, dtype=self.dtype, device=self.device)
+        return state, conv
+
+    def grow(self, positions: int, *, keep: int) -> None:
+        """A fixed state does not grow with the context (SessionCache grows every store alike)."""
+
+    def reachable(self, position: int) -> bool:
+        """Whether `rewind(position)` can rebuild the state there."""
+        if position in (0, self.position):
+            return True
+        return any(c.start <= position <= c.reach for c in self.history)
+
+    def rewind(self, position: int) -> None:
+        """Go back to `position` (StateRewindError unless `reachable`): the checkpoint of the step it
+        falls in, with the inputs before it inside that step pending."""
+        if position == self.position:
+            return
+        if position == 0:
+            self.state, self.conv = self._fresh()
+            self.position, self.pending = 0, None
+            self.history.clear()
+            return
+        for i in range(len(self.history) - 1, -1, -1):
+            checkpoint = self.history[i]
+            if checkpoint.start <= position <= checkpoint.reach:
+                break
+        else:
+            kept = [c.start for c in self.history]
+            raise StateRewindError(
+                f"cannot go back to position {position}: this session's recurrent state is at {self.position} "
+                f"and kept at {kept} (the starts of its last {RECURRENT_CHECKPOINTS} steps, with the inputs of "
+                f"steps of at most {REPLAY_TOKENS} tokens); replay the history from position 0")
+        while len(self.history) > i:  # that step and every later one are undone
+            self.history.pop()
+        self.state, self.conv = checkpoint.state, checkpoint.conv
+        n = position - checkpoint.start
+        assert checkpoint.inputs is not None or n == 0, "a rewind inside a step needs its inputs"
+        self.pending = checkpoint.inputs[:n] if n else None
+        self.position = position
+
+    def take_pending(self) -> torch.Tensor | None:
+        """The inputs a rewind left to fold in again (the layer's next step runs them first), once."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self.position -= pending.shape[0]  # `advance` counts them again as they are folded in
+        return pending
+
+    def advance(self, inputs: torch.Tensor, state: torch.Tensor, conv: torch.Tensor) -> None:
+        """The layer folded `inputs` [T, replay_width] into the NEW tensors `state` and `conv`: keep the
+        state it started from as a checkpoint (no copy: the layer made new tensors), and the inputs
+        of a short step, then move on."""
+        kept = inputs if inputs.shape[0] <= REPLAY_TOKENS else None
+        self.history.append(Checkpoint(self.position, self.state, self.conv, kept))
+        self.state, self.conv = state, conv
+        self.position += inputs.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        pending = self.pending.nbytes if self.pending is not None else 0
+        return self.state.nbytes + self.conv.nbytes + pending + sum(c.nbytes for c in self.history)
