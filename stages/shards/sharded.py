@@ -41,7 +41,9 @@ block and Qwen3 (its per-head q/k norms are local to the heads a rank owns; an o
 added to the reduced slice it belongs to), sliding windows included. A sparse (MoE) layer is
 refused by `check_shardable`: its experts would be split by expert across ranks, with the
 router's picks exchanged, which this module does not do; a peer refuses `--shard` for such a
-model at start.
+model at start. So are Gated DeltaNet layers (Qwen3-Next, Qwen3.5): their heads are independent
+(each its own recurrent state, its own convolution channels) and would split as attention heads
+do, but a rank's share of the state, the gated norm and the output gate are not written here.
 
 `gather_full=True` builds a deliberately BROKEN variant, for the audit's tests only:
 before the MLP norm it all-gathers the residual, so every rank holds the full hidden
@@ -80,6 +82,13 @@ def check_shardable(spec: ModelSpec, count: int, index: int = 0) -> None:
     if count < 1 or not 0 <= index < count:
         raise ShardError(f"shard {index!r} of {count!r}: need 0 <= index < count")
     for i, layer in enumerate(spec.layers):
+        if layer.attention.kind == "gated_deltanet":
+            raise ShardError(f"tensor shards of {spec.family} are not supported: layer {i} is Gated DeltaNet linear "
+                             "attention, whose heads' recurrent states and convolution the ranks do not split "
+                             "(serve it as layer spans)")
+        if getattr(layer.attention, "output_gate", False):
+            raise ShardError(f"tensor shards of {spec.family} are not supported: layer {i}'s attention gates its "
+                             "output per head, which the ranks do not compute (serve it as layer spans)")
         if layer.mlp.kind != "dense" or layer.attention.kind != "gqa":
             kind = layer.mlp.kind if layer.mlp.kind != "dense" else layer.attention.kind
             raise ShardError(f"tensor shards of {spec.family} are not supported: layer {i} is {kind!r}, and only "
