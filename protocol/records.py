@@ -116,6 +116,10 @@ class PeerRecord:
             model folder: all of them; a folder fetched from the swarm: the spans it
             fetched). A re-claim after churn prefers peers that hold what it needs: a
             load costs seconds, a download minutes. Empty: not said (an older peer).
+        context_tokens: the longest context one session over the whole claimed span can
+            hold in the memory this peer keeps for session state (each layer's fixed
+            state plus its state per token: a span of linear-attention layers holds the
+            model's whole context in a fixed state); 0: not said (an older peer).
     """
 
     peer_id: bytes = wire(max_len=MAX_PEER_ID_SIZE)
@@ -141,6 +145,7 @@ class PeerRecord:
     device: str = wire(default="cpu", max_len=16)
     device_free: int = wire(default=0, max=INT64_MAX)
     held: tuple[LayerSpan, ...] = wire(default=(), max_items=MAX_HELD_SPANS)
+    context_tokens: int = wire(default=0, max=INT64_MAX)
 
     def __post_init__(self) -> None:
         if self.start >= self.end:

@@ -47,6 +47,7 @@ def info_from_record(record: PeerRecord) -> PeerInfo:
         device=record.device,
         device_free=record.device_free,
         held=merge_spans((h.start, h.end) for h in record.held),
+        context_tokens=record.context_tokens,
     )
 
 

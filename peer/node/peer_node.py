@@ -140,7 +140,16 @@ class PeerNode:
             dtype=self.compute.dtype_name,
             device=self.compute.device_type, device_free=(self.device_memory() or {}).get("free", 0),
             held=tuple(LayerSpan(start, end) for start, end in self.held_layers()[:MAX_HELD_SPANS]),
+            context_tokens=self.context_tokens(),
         )
+
+    def context_tokens(self) -> int:
+        """The longest context one session over the claimed span fits in the session-state budget
+        (ServerLimits.kv_budget), each layer per its state kind (families/spec.py `context_tokens`)."""
+        if self.span is None:
+            return 0
+        kv = int(self.memory_bytes * KV_RESERVE_FRACTION)
+        return self.spec.context_tokens(self.span[0], self.span[1], kv, self.itemsize)
 
     def make_record(self) -> SignedRecord | None:
         if self.span is None or self.transport is None:
@@ -494,7 +503,8 @@ class PeerNode:
     def resource_lines(self) -> list[str]:
         """What this peer offers and uses, and how fast it measured itself (printed at start-up).
 
-        'memory: 0.27 GB used by the weights of layers [0, 15) + up to 0.25 GB for KV caches, of 1.00 GB offered'
+        'memory: 0.27 GB used by the weights of layers [0, 15) + up to 0.25 GB for KV caches, of 1.00 GB offered;
+         one session holds up to 8192 tokens of context'
         'compute: cpu float32, 1 thread; one layer decodes a token in 0.86 ms (77.5 tok/s through 15 layers)'
         """
         gb = 1 << 30
@@ -505,9 +515,14 @@ class PeerNode:
         speed = (f"one layer decodes a token in {1000 / self.throughput:.2f} ms "
                  f"({self.throughput / max(n, 1):.1f} tok/s through {n} layer{'s' if n != 1 else ''})"
                  if self.throughput > 0 else "speed not measured")
+        # what one session over the span may hold: each layer per its state kind (a linear-attention
+        # layer's is fixed, whatever the context: families/spec.py `context_tokens`)
+        fixed = self.spec.state_fixed_bytes(*self.span, self.itemsize) if self.span else 0
+        context = (f"; one session holds up to {self.context_tokens()} tokens of context"
+                   + (f" ({fixed / 2**20:.1f} MB of its state fixed)" if fixed else "")) if self.span else ""
         return [
             f"memory: {used / gb:.2f} GB used by the weights of layers {span} + up to {kv / gb:.2f} GB "
-            f"for KV caches, of {self.memory_bytes / gb:.2f} GB offered",
+            f"for KV caches, of {self.memory_bytes / gb:.2f} GB offered{context}",
             f"compute: {self.compute.describe()}; {speed}",
         ]
 
@@ -542,6 +557,7 @@ class PeerNode:
             "state": self.state,
             "throughput": self.throughput,
             "memory_offered": self.memory_bytes,
+            "context_tokens": self.context_tokens(),
             "memory_used": self.stage.weight_bytes if self.stage else 0,
             "device": self.compute.device_name,
             "vram": self.device_memory(),

@@ -73,6 +73,9 @@ class PeerInfo:
     device_free:  bytes free on that device (CUDA's free VRAM; 0 when unknown).
     held:         layer ranges whose weights it has on disk, loaded or not, sorted and
                   merged (`merge_spans`); empty when it does not say.
+    context_tokens: the longest context one session over its whole span fits in the memory it
+                  keeps for session state (a span of linear-attention layers: the model's whole
+                  context); 0 when it does not say.
     """
 
     peer_id: str
@@ -97,6 +100,7 @@ class PeerInfo:
     device: str = "cpu"
     device_free: int = 0
     held: tuple[tuple[int, int], ...] = ()
+    context_tokens: int = 0
 
     @property
     def span(self) -> tuple[int, int]:

@@ -96,7 +96,7 @@ class SimStage:
     def session_bytes(self, capacity: int, start: int | None = None, end: int | None = None) -> int:
         start = self.start if start is None else start
         end = self.end if end is None else end
-        return self.spec.kv_bytes_per_position(start, end, FLOAT32_BYTES) * capacity
+        return self.spec.state_bytes(start, end, capacity, FLOAT32_BYTES)  # fixed + per position, per layer kind
 
     def forward(self, session: Hashable, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
         """Check like Stage.forward, count tokens x layers, return the input unchanged."""
