@@ -81,8 +81,11 @@ class GraphDecode:
         self.say: Say = say or (lambda line: None)
         capacity = min(capacity, stage.spec.max_position)
         self.lengths = tuple(n for n in LENGTH_BUCKETS if n < capacity) + (capacity,)
+        # a span with a kind of attention no slot step serves (MLA's latent, a linear layer's recurrent
+        # state) captures nothing: no pool either (compile() says why and the span decodes eagerly)
+        capturable = all(k.attention.kind in CAPTURED_ATTENTION for k in stage.spec.layers[stage.start : stage.end])
         self.pool = SlotPool(stage.cache_specs(stage.start, stage.end), slots=max(self.buckets), capacity=capacity,
-                             dtype=stage.dtype, device=stage.device)
+                             dtype=stage.dtype, device=stage.device) if capturable else None
         self.plan = halves_plan(stage)
         self.captured: dict[tuple[int, int], Captured] = {}
         self.compiled: set[tuple[int, int]] = set()  # (rows, length) buckets captured
@@ -96,7 +99,7 @@ class GraphDecode:
         stage = self.stage
         odd = [describe_kind(k) for k in dict.fromkeys(stage.spec.layers[stage.start : stage.end])
                if k.attention.kind not in CAPTURED_ATTENTION]
-        if odd:
+        if odd or self.pool is None:
             self._fall_back("span", f"attention kind(s) without a slot step: {', '.join(odd)}")
             return
         self.say(f"CUDA graphs: a KV pool of {self.pool.scratch} sessions x {self.pool.capacity} positions "

@@ -338,3 +338,28 @@ def test_a_multimodal_config_reads_its_text_model_and_refuses_what_it_cannot():
 def test_impossible_values_are_format_errors(name, change, words):
     with pytest.raises(ModelFormatError, match=words):
         spec_from_config(with_text(saved(name), **change))
+
+
+def test_the_compiled_decode_step_runs_full_attention_compiled_and_linear_layers_eagerly(folders, references):
+    """Under `--compile inductor` the gated full-attention layers and the head decode compiled; the
+    Gated DeltaNet layers decode eagerly inside the compiled step (no compiled form for a recurrent
+    state yet), said once per layer kind; logits are transformers' to 1e-4 and tokens identical."""
+    from tessera.stages.engine.compiled.build import compile_decode
+    from tessera.stages.engine.compiled.inductor import HEAD
+
+    folder = folders["qwen3_next"]
+    stage, said = Stage.load(folder, embed=True, head=True), []
+    compile_decode(stage, "inductor", say=said.append, buckets=(1,))
+    runner = stage.decode
+    linear = {kind for kind in stage.spec.layers if kind.attention.kind == "gated_deltanet"}
+    assert set(runner.eager) == linear and runner.compiled == set(stage.spec.layers) - linear | {HEAD}, said
+    assert all("gated_deltanet attention" in why for why in runner.eager.values())
+    tokens, ref = references["qwen3_next"]
+    stage.open("c", capacity=len(PROMPT) + len(tokens) + 1)
+    before, rows, step, pos = runner.steps, [], PROMPT, 0
+    for token in tokens:
+        rows.append(stage.logits(stage.forward("c", stage.embed(step), pos))[-1:])
+        pos, step = pos + len(step), [token]
+    assert runner.steps - before == len(tokens) - 1  # every decode step through the compiled runner
+    assert max(float((a - b[-1:]).abs().max()) for a, b in zip(rows, ref)) <= TOLERANCE
+    assert [int(r.argmax()) for r in rows] == tokens
