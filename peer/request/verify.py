@@ -247,6 +247,7 @@ class SpotChecker:
         rows = slice(step.start_pos, step.start_pos + step.n_tokens)
         inputs = session.history.at(start).upto(end_pos)[rows]
         accused_rows = session.history.at(end).upto(end_pos)[rows]
+        await self.go_back(session, shadow, start, end, step.start_pos)
         checker_step, checker_rows = await self.recompute(shadow, inputs, step.start_pos, reply=REPLY_FULL)
         if bool(full_rows_agree(checker_rows, accused_rows, tol).all()):
             return  # the fingerprints differed by an honest boundary swap
@@ -259,6 +260,7 @@ class SpotChecker:
             if tie.upto < step.start_pos:
                 await self.recompute(tie, session.history.at(start).upto(step.start_pos)[tie.upto:], tie.upto,
                                      reply=REPLY_FINGERPRINT)
+            await self.go_back(session, tie, start, end, step.start_pos)
             tie_step, tie_rows = await self.recompute(tie, inputs, step.start_pos, reply=REPLY_FULL)
             tie_tol = max(tol, tolerance(tie.dtype, shadow.dtype, end - start))
             with_checker = bool(full_rows_agree(tie_rows, checker_rows, tie_tol).all())
@@ -281,6 +283,15 @@ class SpotChecker:
                         rows.stop, step.peer, shadow.checker, detail["accused_vs_checker"], tol,
                         detail.get("tie_breaker"), GUILTY_BAN / 3600)
         self.swarm.ctx.tracer.emit(events.Misbehaviour(session=session.session_id, remote=verdict.guilty, **verdict.detail))
+
+    async def go_back(self, session: Checkable, shadow: Shadow, start: int, end: int, position: int) -> None:
+        """Ready `shadow` for a step written at `position`, behind what it holds. A KV cache goes back
+        by itself (a write at p is a rollback to p); a span with a recurrent layer keeps its state only
+        at its last steps (stages/layers/state.py), so the checker is fed the history [0, position)
+        again from position 0 (which every state reaches), fingerprints only."""
+        if position >= shadow.upto or position == 0 or self.swarm.spec.rolls_back_anywhere(start, end):
+            return
+        await self.recompute(shadow, session.history.at(start).upto(position), 0, reply=REPLY_FINGERPRINT)
 
     def attested(self, shadow: Shadow, step: int) -> AttestedStep | None:
         steps = [a for h in shadow.session.hops for a in h.attested if a.step == step and a.peer == shadow.checker]

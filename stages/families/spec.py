@@ -72,6 +72,7 @@ CACHE_KINDS = ("full", "sliding", "latent", "latent_indexed", "recurrent")
 # which any position inside it is recomputed.
 RECURRENT_CHECKPOINTS = 2
 REPLAY_TOKENS = 16
+CHECKPOINTED_KINDS = ("recurrent",)  # state kinds that go back only to their checkpoints (or to 0)
 ROPE_KINDS = ("default", "linear", "llama3", "yarn")
 
 
@@ -825,6 +826,12 @@ class ModelSpec:
             raise SpanError(f"a span cannot start at layer {start} of this {self.family} model: it reuses the "
                             f"sparse-attention selection of layer {selecting}, which is not sent between peers "
                             f"(spans start at layers {list(self.span_starts[:-1])})")
+
+    def rolls_back_anywhere(self, start: int, end: int) -> bool:
+        """Whether a session over layers [start, end) can go back to any earlier position (every layer's
+        state a row per position, cut by a pointer), or only to its recent checkpoints and to 0 (a
+        recurrent layer's: `RecurrentStateSpec`): a requester that goes further back replays from 0."""
+        return all(self.layers[i].cache.kind not in CHECKPOINTED_KINDS for i in range(start, end))
 
     def kv_bytes_per_position(self, start: int, end: int, itemsize: int = 4) -> int:
         """KV bytes one position costs a session over layers [start, end), each per its state kind
