@@ -42,7 +42,7 @@ from tessera.peer.http import tools as http_tools
 from tessera.peer.http.exchange import SSE_HEADERS, Exchange
 from tessera.peer.http.generation import LENGTH, Generation
 from tessera.peer.http.requests import (
-    ApiError, GenerationRequest, _bool, _number, _optional_int, bad, json_shape, required_model,
+    ApiError, GenerationRequest, _bool, _number, _optional_int, bad, json_shape, refuse_media, required_model,
 )
 
 MAX_STOP_SEQUENCES = 16  # Anthropic sets no small limit; this keeps matching cheap
@@ -67,6 +67,7 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for block in content:
+            refuse_media(block, where)
             if not (isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)):
                 raise bad(where, f"{where}: only text content blocks are supported, got {block!r}")
             parts.append(block["text"])

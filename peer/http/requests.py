@@ -293,6 +293,22 @@ def response_format(value: Any) -> Shape | None:
     return json_shape(value.get("type"), schema, "response_format")
 
 
+# Content part types that carry an image, audio, video or a file (OpenAI's and Anthropic's names): the
+# towers that read them (a multimodal checkpoint's vision encoder) are not run, only its text model.
+MEDIA_PARTS = ("image_url", "image", "input_image", "input_audio", "audio", "video", "video_url", "file",
+               "input_file", "document")
+
+
+def refuse_media(part: Any, where: str) -> None:
+    """ApiError(400) naming the kind of a content part that is not text (and not the part itself,
+    which may be megabytes of base64), when it is one of MEDIA_PARTS."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if isinstance(kind, str) and kind in MEDIA_PARTS:
+        raise bad(where, f"{where}: a content part of type {kind!r} is not supported: tessera runs the text model "
+                         "of a multimodal checkpoint, not its vision or audio tower; send text only",
+                  code="unsupported_content")
+
+
 def _message_text(content: Any, i: int) -> str:
     """A message's content: a string, or a list of {"type": "text", "text": ...} parts."""
     if isinstance(content, str):
@@ -300,6 +316,7 @@ def _message_text(content: Any, i: int) -> str:
     if isinstance(content, list):
         texts = []
         for part in content:
+            refuse_media(part, f"messages[{i}].content")
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise bad(f"messages[{i}].content", f"only text content parts are supported, got {part!r}")
             texts.append(part["text"])
