@@ -18,14 +18,14 @@ from .test_engine_cli import tessera
 PUBLISHED_PARAMS = {
     "llama-3-8b": 8.03e9, "qwen3-8b": 8.19e9, "qwen3-30b-a3b": 30.5e9, "mixtral-8x7b": 46.7e9,
     "gpt-oss-20b": 20.91e9, "gpt-oss-120b": 116.83e9, "deepseek-v3": 671e9, "glm-4.5": 355e9,
-    "glm-5": 744e9, "minimax-m2": 230e9,
+    "glm-5": 744e9, "minimax-m2": 230e9, "qwen3-next-80b-a3b": 80e9,
 }
 # (layers, sparse layers, experts, top-k) as published
 LAYERS = {
     "llama-3-8b": (32, 0, 0, 0), "qwen3-8b": (36, 0, 0, 0), "qwen3-30b-a3b": (48, 48, 128, 8),
     "mixtral-8x7b": (32, 32, 8, 2), "gpt-oss-20b": (24, 24, 32, 4), "gpt-oss-120b": (36, 36, 128, 4),
     "deepseek-v3": (61, 58, 256, 8), "glm-4.5": (92, 89, 160, 8),
-    "glm-5": (78, 75, 256, 8), "minimax-m2": (62, 62, 256, 8),
+    "glm-5": (78, 75, 256, 8), "minimax-m2": (62, 62, 256, 8), "qwen3-next-80b-a3b": (48, 48, 512, 10),
 }
 
 
