@@ -363,3 +363,51 @@ def test_the_compiled_decode_step_runs_full_attention_compiled_and_linear_layers
     assert runner.steps - before == len(tokens) - 1  # every decode step through the compiled runner
     assert max(float((a - b[-1:]).abs().max()) for a, b in zip(rows, ref)) <= TOLERANCE
     assert [int(r.argmax()) for r in rows] == tokens
+
+
+def test_an_int8_span_matches_its_dequantized_reference_and_holds_what_placement_counts(folders):
+    """The in- and out-projections of the linear layers are stored as integers like any matrix; the
+    convolution, the decays and the norms stay float."""
+    from tessera.stages.weights.quant import Int8Linear, Quant, span_bytes
+
+    from .conformance import check_against_dequantized
+
+    folder, quant = folders["qwen3_5_moe"], Quant.parse("int8")
+    stage = Stage.load(folder, quant=quant)
+    assert stage.weight_bytes == span_bytes(stage.spec, 0, 4, 4, quant)
+    assert isinstance(stage.blocks[0].attn.w_in, Int8Linear) and stage.blocks[0].attn.conv.dtype == torch.float32
+    check_against_dequantized(folder, stage)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_any_value_in_any_key_is_read_or_refused_by_one_typed_error(name):
+    """Keys overwritten at random by JSON values (the text model's keys, in a multimodal config):
+    a spec every layer of which builds, or ModelFormatError / UnsupportedModel in one line."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from tessera.stages.layers.block import Block
+
+    base = saved(name)
+    text = base.get("text_config", base)
+    values = st.recursive(
+        st.none() | st.booleans() | st.integers(-3, 40) | st.floats(allow_nan=True, allow_infinity=True)
+        | st.text(max_size=4),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+        max_leaves=6)
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(data=st.data())
+    def check(data):
+        keys = data.draw(st.lists(st.sampled_from(sorted(set(text) - {"architectures"})), min_size=1, max_size=3))
+        change = {key: data.draw(values) for key in keys}
+        try:
+            spec = spec_from_config(with_text(base, **change))
+        except (ModelFormatError, UnsupportedModel) as refused:
+            assert "\n" not in str(refused)
+            return
+        with torch.device("meta"):
+            for layer in set(spec.layers):
+                Block(spec, layer)
+
+    check()
