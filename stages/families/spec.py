@@ -716,8 +716,8 @@ class ModelSpec:
     """Everything the engine needs to know about a model's shape.
 
     family:         the config's `model_type` ("llama", "mistral", "qwen2", "qwen3",
-                    "qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "glm4_moe", "glm_moe_dsa");
-                    stages/families/catalog.py reads each.
+                    "qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "glm4_moe", "glm_moe_dsa",
+                    "qwen3_next", "qwen3_5", "qwen3_5_moe"); stages/families/catalog.py reads each.
     vocab_size:     rows of the embedding matrix; hidden_size (H): width of the residual stream.
     layers:         one LayerSpec per decoder layer (L = len(layers)).
     rms_norm_eps:   epsilon of every RMSNorm.

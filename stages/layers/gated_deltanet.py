@@ -28,11 +28,14 @@ runner falls back per layer kind, stages/engine/compiled/inductor.py).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tessera.stages.families.spec import GatedDeltaNetSpec
+from tessera.stages.layers.attention import StepRows
 from tessera.stages.layers.norm import GatedRMSNorm
 from tessera.stages.layers.state import RecurrentState
 
@@ -163,10 +166,10 @@ class GatedDeltaNet(nn.Module):
         store.advance(inputs, state, window)
         return out
 
-    def forward(self, x: torch.Tensor, ctx, cache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StepRows, cache: RecurrentState | Sequence[RecurrentState]) -> torch.Tensor:
         """x [T, H] -> [T, H]. cache: the session's store, or one per segment of a stacked step."""
         inputs, z = self.split(self.w_in.forward(x))
-        segments = getattr(ctx, "segments", ())
+        segments = getattr(ctx, "segments", ())  # a StepContext's; a compiled step's rows never run this layer
         if not segments:
             assert isinstance(cache, RecurrentState), "one session: one store"
             out = self.step(inputs, cache)
