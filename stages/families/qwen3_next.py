@@ -39,6 +39,7 @@ published FP8: not mapped for these layers yet), any key the reader does not kno
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
@@ -86,25 +87,33 @@ def read_multimodal(config: ConfigReader, family: str) -> ModelSpec:
     """A Qwen3.5 model: the text model of a multimodal config (its `text_config`), or a text-only one."""
     if not config.has("text_config"):
         return read_text(config, family, TEXT_PREFIX)
+    if config.has("quantization_config"):
+        raise shipped_refusal(family)
     text = config.value("text_config")
     if not isinstance(text, dict):
         raise ModelFormatError(f"config text_config {text!r} is not a JSON object")
     for key in VISION_KEYS:  # the vision tower is not run (module docstring)
         config.value(key, None)
-    tied = config.bool("tie_word_embeddings", False)
+    tied = config.bool("tie_word_embeddings", False)  # the head's, as transformers ties it: the top level's
+    bos, eos = config.bos_id(), config.eos_ids()  # a multimodal config may name them here instead
     inner = ConfigReader(text, family)
-    spec = read_text(inner, family, MULTIMODAL_PREFIX, outer=config)
+    spec = read_text(inner, family, MULTIMODAL_PREFIX)
     inner.finish()
     if text.get("tie_word_embeddings") is not None and text["tie_word_embeddings"] != tied:
         raise config.refuse("tie_word_embeddings", f"it differs from text_config's ({text['tie_word_embeddings']!r})")
-    return spec
+    return replace(spec, tie_embeddings=tied, bos_token_id=spec.bos_token_id if spec.bos_token_id is not None else bos,
+                   eos_token_ids=spec.eos_token_ids or eos)
 
 
-def read_text(config: ConfigReader, family: str, prefix: str, *, outer: ConfigReader | None = None) -> ModelSpec:
+def shipped_refusal(family: str) -> UnsupportedModel:
+    return UnsupportedModel(f"{family} weights that ship quantized are not read yet (the published FP8 blocks of "
+                            "its linear-attention projections): use a float checkpoint")
+
+
+def read_text(config: ConfigReader, family: str, prefix: str) -> ModelSpec:
     """The decoder of any of the three families from its (text) config (module docstring)."""
-    if config.has("quantization_config") or (outer is not None and outer.has("quantization_config")):
-        raise UnsupportedModel(f"{family} weights that ship quantized are not read yet (the published FP8 blocks of "
-                               "its linear-attention projections): use a float checkpoint")
+    if config.has("quantization_config"):
+        raise shipped_refusal(family)
     config.expect("hidden_act", ("silu",), default="silu")
     config.expect("attn_output_gate", (True,), default=True)
     config.expect("use_sliding_window", (False,), default=False)
@@ -124,16 +133,11 @@ def read_text(config: ConfigReader, family: str, prefix: str, *, outer: ConfigRe
     mtp = config.int("mtp_num_hidden_layers", 0, minimum=0) if family != "qwen3_next" else 0
     if family != "qwen3_next":
         config.value("mtp_use_dedicated_embeddings", None)  # MTP is not run (module docstring)
-    tied = config.bool("tie_word_embeddings", False)
-    bos, eos = config.bos_id(), config.eos_ids()
-    if outer is not None:  # a multimodal config may name them at its top level instead
-        bos = bos if bos is not None else outer.bos_id()
-        eos = eos or outer.eos_ids()
-        tied = outer.bool("tie_word_embeddings", tied)
     return ModelSpec(
         family, config.int("vocab_size"), hidden, layers, rms_norm_eps=config.float("rms_norm_eps", 1e-6),
-        max_position=config.int("max_position_embeddings", 32768), tie_embeddings=tied,
-        bos_token_id=bos, eos_token_ids=eos, mtp_layers=mtp, norm_offset=ZERO_CENTRED, prefix=prefix,
+        max_position=config.int("max_position_embeddings", 32768),
+        tie_embeddings=config.bool("tie_word_embeddings", False), bos_token_id=config.bos_id(),
+        eos_token_ids=config.eos_ids(), mtp_layers=mtp, norm_offset=ZERO_CENTRED, prefix=prefix,
     )
 
 
@@ -143,7 +147,7 @@ def layer_kinds(config: ConfigReader, num_layers: int) -> list[str]:
     kinds = config.value("layer_types", None)
     if kinds is None:
         kinds = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(num_layers)]
-    if not isinstance(kinds, list) or len(kinds) != num_layers or set(kinds) - set(LAYER_KINDS):
+    if not isinstance(kinds, list) or len(kinds) != num_layers or any(kind not in LAYER_KINDS for kind in kinds):
         raise config.refuse("layer_types", f"one of {LAYER_KINDS} per layer ({num_layers})")
     return kinds
 

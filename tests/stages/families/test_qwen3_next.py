@@ -299,6 +299,7 @@ def with_text(config: dict, **change) -> dict:
         ("qwen3_next", {"use_sliding_window": True}, "use_sliding_window True"),
         ("qwen3_next", {"sliding_window": 8}, "sliding_window 8"),
         ("qwen3_5_moe", {"layer_types": ["linear_attention"] * 3 + ["sliding_attention"]}, "layer_types"),
+        ("qwen3_next", {"layer_types": [{}] * 4}, "layer_types"),
         ("qwen3_5_moe", {"norm_topk_prob": False}, "'norm_topk_prob'"),  # always renormalised here
         ("qwen3_5_moe", {"num_experts": 0}, "num_experts 0"),
         ("qwen3_5", {"num_experts": 8}, "'num_experts'"),  # the dense family: not silently dropped
@@ -322,6 +323,10 @@ def test_a_multimodal_config_reads_its_text_model_and_refuses_what_it_cannot():
         spec_from_config({**config, "tie_word_embeddings": True})
     with pytest.raises(ModelFormatError, match="text_config"):
         spec_from_config({**config, "text_config": [1]})
+    both = {**with_text(config, bos_token_id=1, eos_token_id=2), "bos_token_id": 1, "eos_token_id": [2, 3]}
+    assert (spec_from_config(both).bos_token_id, spec_from_config(both).eos_token_ids) == (1, (2,))  # the text's
+    top_only = {**with_text(config, eos_token_id=None), "eos_token_id": [2, 3]}
+    assert spec_from_config(top_only).eos_token_ids == (2, 3)  # the top level's, where the text says none
     mrope = with_text(config, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25,
                                                "mrope_section": [1, 1, 0], "mrope_interleaved": True})
     assert spec_from_config(mrope) == spec_from_config(config)  # text positions: M-RoPE is RoPE
