@@ -71,9 +71,12 @@ class RecurrentState:
         self.dtype = dtype
         self.device = torch.device(device)
         self.state, self.conv = self._fresh()
-        self.position = 0  # tokens folded into `state`, plus `pending`'s
-        self.pending: torch.Tensor | None = None  # inputs [n, replay_width] to fold in before the next step
+        self.position = 0  # the position the next step writes at
         self.history: deque[Checkpoint] = deque(maxlen=RECURRENT_CHECKPOINTS)
+        # after a rewind: the inputs [n, replay_width] to fold in again before the next step, which
+        # begins from the last checkpoint (`resumed`) rather than from `state` moved on
+        self.pending: torch.Tensor | None = None
+        self.resumed = False
 
     def _fresh(self) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
@@ -91,13 +94,13 @@ class RecurrentState:
         return any(c.start <= position <= c.reach for c in self.history)
 
     def rewind(self, position: int) -> None:
-        """Go back to `position` (StateRewindError unless `reachable`): the checkpoint of the step it
-        falls in, with the inputs before it inside that step pending."""
+        """Go back to `position` (StateRewindError, moving nothing, unless `reachable`): to the
+        checkpoint of the step it falls in, with the inputs before it inside that step pending."""
         if position == self.position:
             return
         if position == 0:
             self.state, self.conv = self._fresh()
-            self.position, self.pending = 0, None
+            self.position, self.pending, self.resumed = 0, None, False
             self.history.clear()
             return
         for i in range(len(self.history) - 1, -1, -1):
@@ -110,25 +113,29 @@ class RecurrentState:
                 f"cannot go back to position {position}: this session's recurrent state is at {self.position} "
                 f"and kept at {kept} (the starts of its last {RECURRENT_CHECKPOINTS} steps, with the inputs of "
                 f"steps of at most {REPLAY_TOKENS} tokens); replay the history from position 0")
-        while len(self.history) > i:  # that step and every later one are undone
+        while len(self.history) > i + 1:  # every later step is undone; this one is resumed from its start
             self.history.pop()
         self.state, self.conv = checkpoint.state, checkpoint.conv
         n = position - checkpoint.start
         assert checkpoint.inputs is not None or n == 0, "a rewind inside a step needs its inputs"
         self.pending = checkpoint.inputs[:n] if n else None
-        self.position = position
+        self.position, self.resumed = position, True
 
     def take_pending(self) -> torch.Tensor | None:
-        """The inputs a rewind left to fold in again (the layer's next step runs them first), once."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            self.position -= pending.shape[0]  # `advance` counts them again as they are folded in
+        """Before a step: after a rewind, the inputs to fold in again first (None: none), from the
+        checkpoint it went back to, whose entry the refolding (or the step) makes anew."""
+        if not self.resumed:
+            return None
+        checkpoint = self.history.pop()
+        pending, self.pending, self.resumed = self.pending, None, False
+        self.position = checkpoint.start
         return pending
 
     def advance(self, inputs: torch.Tensor, state: torch.Tensor, conv: torch.Tensor) -> None:
         """The layer folded `inputs` [T, replay_width] into the NEW tensors `state` and `conv`: keep the
         state it started from as a checkpoint (no copy: the layer made new tensors), and the inputs
         of a short step, then move on."""
+        assert not self.resumed, "take_pending first: a rewound state resumes from its checkpoint"
         kept = inputs if inputs.shape[0] <= REPLAY_TOKENS else None
         self.history.append(Checkpoint(self.position, self.state, self.conv, kept))
         self.state, self.conv = state, conv
@@ -136,5 +143,7 @@ class RecurrentState:
 
     @property
     def nbytes(self) -> int:
-        pending = self.pending.nbytes if self.pending is not None else 0
-        return self.state.nbytes + self.conv.nbytes + pending + sum(c.nbytes for c in self.history)
+        """What the store holds: the state and its checkpoints (`pending` is a slice of one's inputs;
+        resumed, `state` is the last checkpoint's, counted once)."""
+        own = 0 if self.resumed else self.state.nbytes + self.conv.nbytes
+        return own + sum(c.nbytes for c in self.history)
