@@ -12,7 +12,7 @@ decodes `--tokens` tokens, timed; the spans alternate, so machine noise hits bot
 
 State MB per session: what the session holds at that context — every KV cache's positions, and
 each linear layer's fixed state as admission charges it (the recurrent matrices and convolution
-windows, their checkpoints at the last two steps' starts and the inputs kept to recompute from:
+windows, their checkpoints at the last two runs of steps and the inputs kept to recompute from:
 families/spec.py `RecurrentStateSpec.fixed_bytes`). The last lines, one per context:
 
     hybrid: context 32768: state MB per session linear 3.1 full 402.7; decode ms/token linear 21.0 full 48.2

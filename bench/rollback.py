@@ -8,10 +8,10 @@ the MLP are the same work either way and are left out):
 
   per-position: run the block token by token (the recurrent form) and keep the state after
                 every token; going back is picking one. Memory: T states per block in flight.
-  recompute:    (what layers/state.py does) keep the state at the block's start (no copy: the
-                layer makes new state tensors) and the block's per-token inputs; going back
-                restores it and folds the kept tokens' inputs in again before the next block.
-                Memory: one state per kept step and T input rows.
+  recompute:    (what layers/state.py does) keep the state at the start of a run of short
+                steps (no copy: the layer makes new state tensors) and the run's per-token
+                inputs; going back restores it and folds the kept tokens' inputs in again
+                before the next block. Memory: one state per kept run and its input rows.
 
 For each, at the tiny test shape and at a Qwen3-Next-80B / Qwen3.5 layer's (hidden 2048,
 16 key and 32 value heads of 128, kernel 4), per block: ms of the token mixer's work (drafts

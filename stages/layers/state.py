@@ -11,12 +11,14 @@ costs the same, and the state at an earlier position is gone once the next token
 
 - Checkpoints. A step folds its tokens into a NEW state tensor (the layer never writes the
   state in place), so keeping the state it started from costs no copy, only memory. The store
-  keeps the state at the start of each of its last RECURRENT_CHECKPOINTS steps and, for a step
-  of at most REPLAY_TOKENS tokens (a speculative block), the step's per-token inputs to the
-  recurrence (`replay_width` values a token: the convolution's inputs and the gates' logits —
-  what the layer computed from the token's hidden state, so that no projection runs again).
-- Going back to position p (`rewind`): to the checkpoint of the step p falls in, and, when p
-  lies inside that step, the inputs of [step start, p) are handed to the layer on its next step
+  keeps the state at the start of each of its last RECURRENT_CHECKPOINTS runs of steps, and the
+  per-token inputs to the recurrence of a run of short steps (`replay_width` values a token:
+  the convolution's inputs and the gates' logits — what the layer computed from the token's
+  hidden state, so that no projection runs again). A run is one step longer than REPLAY_TOKENS
+  tokens (a prefill chunk: its inputs are not kept), or consecutive short steps (one-token
+  steps, speculative blocks) of at most REPLAY_TOKENS tokens in all.
+- Going back to position p (`rewind`): to the checkpoint of the run p falls in, and, when p
+  lies inside that run, the inputs of [run start, p) are handed to the layer on its next step
   (`pending`) to be folded in again before the new tokens: the recurrence's own work for those
   tokens, no more. Position 0 is always reachable (a fresh state); so is the current position.
   Anything else is refused before anything moves (`reachable`, raising `StateRewindError`):
@@ -88,16 +90,18 @@ class RecurrentState:
         """A fixed state does not grow with the context (SessionCache grows every store alike)."""
 
     def reachable(self, position: int) -> bool:
-        """Whether `rewind(position)` can rebuild the state there."""
+        """Whether `rewind(position)` can rebuild the state there (a position it holds: <= `position`)."""
         if position in (0, self.position):
             return True
-        return any(c.start <= position <= c.reach for c in self.history)
+        return position < self.position and any(c.start <= position <= c.reach for c in self.history)
 
     def rewind(self, position: int) -> None:
         """Go back to `position` (StateRewindError, moving nothing, unless `reachable`): to the
         checkpoint of the step it falls in, with the inputs before it inside that step pending."""
         if position == self.position:
             return
+        if position > self.position:
+            raise StateRewindError(f"cannot go forward to position {position}: this session's state is at {self.position}")
         if position == 0:
             self.state, self.conv = self._fresh()
             self.position, self.pending, self.resumed = 0, None, False
@@ -111,8 +115,8 @@ class RecurrentState:
             kept = [c.start for c in self.history]
             raise StateRewindError(
                 f"cannot go back to position {position}: this session's recurrent state is at {self.position} "
-                f"and kept at {kept} (the starts of its last {RECURRENT_CHECKPOINTS} steps, with the inputs of "
-                f"steps of at most {REPLAY_TOKENS} tokens); replay the history from position 0")
+                f"and kept at {kept} (the starts of its last {RECURRENT_CHECKPOINTS} runs of steps, with the inputs "
+                f"of runs of at most {REPLAY_TOKENS} tokens); replay the history from position 0")
         while len(self.history) > i + 1:  # every later step is undone; this one is resumed from its start
             self.history.pop()
         self.state, self.conv = checkpoint.state, checkpoint.conv
@@ -136,8 +140,16 @@ class RecurrentState:
         state it started from as a checkpoint (no copy: the layer made new tensors), and the inputs
         of a short step, then move on."""
         assert not self.resumed, "take_pending first: a rewound state resumes from its checkpoint"
-        kept = inputs if inputs.shape[0] <= REPLAY_TOKENS else None
-        self.history.append(Checkpoint(self.position, self.state, self.conv, kept))
+        last = self.history[-1] if self.history else None
+        if last is not None and last.inputs is not None and last.reach == self.position \
+                and last.inputs.shape[0] + inputs.shape[0] <= REPLAY_TOKENS:
+            # a short step after short steps joins their run: the state it started from is not kept
+            # (the run's first state and inputs rebuild it), so one-token steps and draft blocks
+            # cost one checkpoint per REPLAY_TOKENS tokens, not one each
+            last.inputs = torch.cat((last.inputs, inputs))
+        else:
+            kept = inputs if inputs.shape[0] <= REPLAY_TOKENS else None
+            self.history.append(Checkpoint(self.position, self.state, self.conv, kept))
         self.state, self.conv = state, conv
         self.position += inputs.shape[0]
 

@@ -1,5 +1,8 @@
 """A recurrent session state (stages/layers/state.py) goes back only where its checkpoints reach.
 
+Checkpoints are kept per run of steps: a long step (a prefill chunk) alone, without its inputs;
+short steps together, with theirs, up to REPLAY_TOKENS tokens.
+
 Driven by a real Gated DeltaNet layer's fold: the state after going back to a position and folding
 the same inputs on equals a state that never went past it (to float rounding), wherever the store
 reaches; anywhere else is refused with one line and moves nothing; position 0 always starts afresh.
@@ -48,22 +51,23 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @torch.inference_mode()
-def test_going_back_into_either_of_the_last_two_steps_equals_never_going_past(layer):
-    prefill, first, second = rows(20, 1), rows(5, 2), rows(5, 3)
+def test_going_back_into_either_of_the_last_two_runs_equals_never_going_past(layer):
+    prefill, first, second = rows(20, 1), rows(9, 2), rows(9, 3)
     s = store()
     for step in (prefill, first, second):
         layer.step(step, s)
-    assert s.position == 30 and [c.start for c in s.history] == [20, 25]
-    s.rewind(22)  # into the older block: 2 of its tokens kept
-    assert s.reachable(21) and s.reachable(24) and not s.reachable(27)  # the later block is undone
-    s.rewind(23)  # again, before any step: the same checkpoint still reaches
+    # two blocks of 9: a run each (18 > REPLAY_TOKENS); the prefill's checkpoint has made way
+    assert s.position == 38 and [(c.start, c.reach) for c in s.history] == [(20, 29), (29, 38)]
+    s.rewind(22)  # into the older block: 2 of its tokens kept, the later block undone
+    assert s.reachable(21) and s.reachable(20) and not s.reachable(30) and not s.reachable(19)
+    s.rewind(21)  # again, before any step: the same checkpoint still reaches
     tail = rows(4, 4)
     layer.step(tail, s)
-    assert s.position == 27
-    assert close(s.state, straight(layer, torch.cat([prefill, first[:3], tail])))
-    s.rewind(25)  # the start of the last step
+    assert s.position == 25
+    assert close(s.state, straight(layer, torch.cat([prefill, first[:1], tail])))
+    s.rewind(23)  # inside the run the refolded token and the tail now make
     layer.step(rows(1, 5), s)
-    assert close(s.state, straight(layer, torch.cat([prefill, first[:3], tail[:2], rows(1, 5)])))
+    assert close(s.state, straight(layer, torch.cat([prefill, first[:1], tail[:2], rows(1, 5)])))
 
 
 @torch.inference_mode()
@@ -101,3 +105,18 @@ def test_what_a_store_holds_stays_within_what_admission_charges(layer):
         layer.step(rows(n, n), s)
         assert s.nbytes <= SPEC.cache.fixed_bytes(4)
     assert len(s.history) == RECURRENT_CHECKPOINTS
+
+
+@torch.inference_mode()
+def test_one_token_steps_share_a_checkpoint_so_a_draft_model_goes_back_past_several(layer):
+    """A local draft model feeds its drafts one token a step, then goes back to where they diverged:
+    one-token steps join one run, so every position of the last REPLAY_TOKENS or more is reached."""
+    s = store()
+    layer.step(rows(REPLAY_TOKENS + 4, 1), s)
+    singles = [rows(1, 10 + i) for i in range(8)]
+    for one in singles:
+        layer.step(one, s)
+    assert len(s.history) == 2 and all(s.reachable(p) for p in range(REPLAY_TOKENS + 4, s.position + 1))
+    s.rewind(REPLAY_TOKENS + 5)  # seven one-token steps back
+    layer.step(rows(1, 99), s)
+    assert close(s.state, straight(layer, torch.cat([rows(REPLAY_TOKENS + 4, 1), singles[0], rows(1, 99)])))

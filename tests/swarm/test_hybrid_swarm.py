@@ -4,7 +4,7 @@ Real peer processes on loopback: one serves layers [0, 2), three serve [2, 4) (l
 DeltaNet, 3 gated full attention; the cut between layers 1 and 2 lies inside the linear run, so
 a recurrent state lives on both sides of it). Greedy answers, plain and with `--speculate ngram`
 (blocks pipelined two deep: a rejected draft takes each peer's recurrent state back into one of
-its last two steps), are token for token what the whole model gives on one machine; and so are
+its last two runs of steps), are token for token what the whole model gives on one machine; and so are
 they when the peer serving [2, 4) is killed mid-answer: the requester replays the history into
 a replacement, which rebuilds its recurrent states from it, and re-sends the failed step, which
 takes the surviving peer's state back to where that step began.

@@ -19,6 +19,7 @@ import torch
 
 from tessera.stages.engine.stage import Stage
 from tessera.stages.errors import ModelFormatError, StateRewindError, UnsupportedModel
+from tessera.stages.families.spec import REPLAY_TOKENS
 from tessera.stages.families.catalog import spec_from_config, spec_from_file, to_config
 from tessera.stages.layers.state import RecurrentState
 
@@ -234,13 +235,19 @@ def test_speculative_blocks_roll_back_and_a_deeper_rollback_is_refused(folders, 
         blocks += 1
         seq += draft[:kept] + [token]
     assert seq[len(PROMPT):][: len(want)] == want and cuts > 0
-    position = stage.position("spec")
-    with pytest.raises(StateRewindError, match="cannot go back to position 12") as refused:
-        stage.rollback("spec", len(PROMPT))
-    assert "\n" not in str(refused.value) and stage.position("spec") == position
+    # a prefill chunk longer than REPLAY_TOKENS keeps no inputs, and 17 one-token steps fill a run and
+    # start another: position 10, inside the chunk, is out of reach
+    stage.open("deep", capacity=64)
+    stage.forward("deep", stage.embed(list(range(5, 5 + REPLAY_TOKENS + 4))), 0)
+    for position in range(REPLAY_TOKENS + 4, 2 * REPLAY_TOKENS + 5):
+        stage.forward("deep", stage.embed([7]), position)
+    position = stage.position("deep")
+    with pytest.raises(StateRewindError, match="cannot go back to position 10") as refused:
+        stage.rollback("deep", 10)
+    assert "\n" not in str(refused.value) and stage.position("deep") == position
     with pytest.raises(StateRewindError):  # a step written there is refused alike, before anything moves
-        stage.forward("spec", stage.embed([1]), len(PROMPT))
-    assert stage.position("spec") == position
+        stage.forward("deep", stage.embed([1]), 10)
+    assert stage.position("deep") == position
     stage.rollback("spec", 0)
     again = stage.logits(stage.forward("spec", stage.embed(PROMPT), 0))[-1]
     assert int(again.argmax()) == want[0]
