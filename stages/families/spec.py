@@ -68,9 +68,9 @@ CACHE_KINDS = ("full", "sliding", "latent", "latent_indexed", "recurrent")
 # the state at the start of each of the last RECURRENT_CHECKPOINTS runs of steps is kept (two:
 # the requester keeps at most two speculative blocks of a session in flight, peer/request/decode.py
 # MAX_IN_FLIGHT, and a rejected draft or a re-sent step goes back into one of them), and the
-# inputs of a run of short steps of at most REPLAY_TOKENS tokens in all (a draft block is at most
-# K_MAX + 1 = 9; a local draft model feeds its drafts one token a step), from which any position
-# inside it is recomputed.
+# inputs of a run (a step, and the one-token steps after it) of at most REPLAY_TOKENS tokens in all
+# (a draft block is at most K_MAX + 1 = 9; a local draft model feeds its drafts one token a step),
+# from which any position inside it is recomputed.
 RECURRENT_CHECKPOINTS = 2
 REPLAY_TOKENS = 16
 CHECKPOINTED_KINDS = ("recurrent",)  # state kinds that go back only to their checkpoints (or to 0)

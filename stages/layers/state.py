@@ -14,9 +14,10 @@ costs the same, and the state at an earlier position is gone once the next token
   keeps the state at the start of each of its last RECURRENT_CHECKPOINTS runs of steps, and the
   per-token inputs to the recurrence of a run of short steps (`replay_width` values a token:
   the convolution's inputs and the gates' logits — what the layer computed from the token's
-  hidden state, so that no projection runs again). A run is one step longer than REPLAY_TOKENS
-  tokens (a prefill chunk: its inputs are not kept), or consecutive short steps (one-token
-  steps, speculative blocks) of at most REPLAY_TOKENS tokens in all.
+  hidden state, so that no projection runs again). A run is one step of several tokens (a
+  speculative block; a prefill chunk, whose inputs are not kept when it is longer than
+  REPLAY_TOKENS) and the one-token steps after it (decode steps, a local draft model's drafts),
+  up to REPLAY_TOKENS tokens in all.
 - Going back to position p (`rewind`): to the checkpoint of the run p falls in, and, when p
   lies inside that run, the inputs of [run start, p) are handed to the layer on its next step
   (`pending`) to be folded in again before the new tokens: the recurrence's own work for those
@@ -141,11 +142,13 @@ class RecurrentState:
         of a short step, then move on."""
         assert not self.resumed, "take_pending first: a rewound state resumes from its checkpoint"
         last = self.history[-1] if self.history else None
-        if last is not None and last.inputs is not None and last.reach == self.position \
-                and last.inputs.shape[0] + inputs.shape[0] <= REPLAY_TOKENS:
-            # a short step after short steps joins their run: the state it started from is not kept
-            # (the run's first state and inputs rebuild it), so one-token steps and draft blocks
-            # cost one checkpoint per REPLAY_TOKENS tokens, not one each
+        if inputs.shape[0] == 1 and last is not None and last.inputs is not None and last.reach == self.position \
+                and last.inputs.shape[0] < REPLAY_TOKENS:
+            # a one-token step joins the run of short steps before it: the state it started from is
+            # not kept (the run's first state and inputs rebuild it), so decode steps and a local
+            # draft model's drafts cost a checkpoint per REPLAY_TOKENS tokens, not one each; a
+            # block of several tokens starts a run (a rejected draft inside it refolds only the
+            # block's accepted tokens: bench/rollback.py)
             last.inputs = torch.cat((last.inputs, inputs))
         else:
             kept = inputs if inputs.shape[0] <= REPLAY_TOKENS else None
