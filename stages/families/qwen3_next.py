@@ -65,9 +65,9 @@ TEXT_PREFIX, MULTIMODAL_PREFIX = "model.", "model.language_model."
 # a multimodal config's keys about its other towers: read and ignored (the text model runs alone)
 VISION_KEYS = ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 # Qwen3-Next's MoE defaults (Qwen3NextConfig): what a config that leaves a key out means
-NEXT_MOE = dict(num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+NEXT_MOE_DEFAULTS = dict(num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
                 shared_expert_intermediate_size=512)
-QWEN3_5_MOE = dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+QWEN3_5_MOE_DEFAULTS = dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
                    shared_expert_intermediate_size=512)
 
 
@@ -118,7 +118,7 @@ def read_text(config: ConfigReader, family: str, prefix: str) -> ModelSpec:
     config.expect("attn_output_gate", (True,), default=True)
     config.expect("use_sliding_window", (False,), default=False)
     config.value("max_window_layers", None)  # no sliding windows (above): it selects none
-    if config.has("sliding_window"):
+    if config.value("sliding_window", None) is not None:
         raise config.refuse("sliding_window", "these families attend to every position")
     num_layers, hidden = config.int("num_hidden_layers"), config.int("hidden_size")
     kinds = layer_kinds(config, num_layers)
@@ -187,7 +187,7 @@ def read_mlps(config: ConfigReader, family: str, num_layers: int) -> list[MlpSpe
     """Each layer's MLP (module docstring)."""
     if family == "qwen3_5":
         return [MlpSpec(config.int("intermediate_size"))] * num_layers
-    defaults = NEXT_MOE if family == "qwen3_next" else QWEN3_5_MOE
+    defaults = NEXT_MOE_DEFAULTS if family == "qwen3_next" else QWEN3_5_MOE_DEFAULTS
     experts = config.int("num_experts", defaults["num_experts"], minimum=0)
     if family == "qwen3_next":
         renormalize = config.bool("norm_topk_prob", True)

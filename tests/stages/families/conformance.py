@@ -5,8 +5,8 @@ test_conformance.py runs them on every row of rows.py (a family's configuration,
 tokens identical (`check_matches_transformers`); 8 sessions stacked in one forward, each equal to
 its solo run (`check_stacked_sessions`); a prompt prefilled in chunks equal to it prefilled whole
 (`check_chunked_prefill`); the model split across two stages equal to it whole (`check_split`);
-decoding by draft blocks verified in one pass, cut short and rolled back by pointer, giving the
-same tokens (`check_rollback`); and, for one configuration per family, a real 2-peer swarm split
+decoding by draft blocks verified in one pass, cut short and rolled back by pointer (a recurrent
+state: to its checkpoints, and further back refused), giving the same tokens (`check_rollback`); and, for one configuration per family, a real 2-peer swarm split
 mid-model, plain and speculative (`check_swarm`). Sequences run past the sliding windows
 configured (8 positions), so windows change the numbers compared.
 """
@@ -25,6 +25,8 @@ from tessera.peer.node.torch_compute import TorchCompute
 from tessera.stages.decoding.generate import LocalEngine
 from tessera.stages.decoding.speculative import greedy_accept
 from tessera.stages.engine.stage import Stage
+from tessera.stages.errors import StateRewindError
+from tessera.stages.families.spec import CHECKPOINTED_KINDS
 from tessera.stages.assembly.stage import load_stage
 from tessera.stages.shards.sharded import ShardError
 from tessera.stages.weights.folder_check import check_folder
@@ -35,6 +37,10 @@ TOLERANCE = 1e-4  # float32 logits, max abs (the charter's bound)
 # A session in a stacked step against its solo step, relative to the row's largest logit: only
 # the matmuls differ (more rows take other kernel paths); tests/serve/test_batching.py measures it.
 STACKED_RTOL = 2e-5
+# The same through a recurrent (linear-attention) layer, which carries a rounding difference on to
+# every later token, and whose chunk-wise rule rounds otherwise for other chunks: measured up to
+# 3e-5 on the hybrid rows (Qwen3-MoE's is 1.3e-6). Tokens stay identical; the bound is the logits'.
+RECURRENT_STACKED_RTOL = TOLERANCE
 VOCAB = 320  # the byte tokenizer needs >= 259 ids
 EOS = 2
 PROMPT = [5, 17, 260, 42, 99, 3, 250, 7, 300, 12, 64, 128]
@@ -133,6 +139,12 @@ def solo_run(stage: Stage, prompt: list[int], n: int) -> tuple[list[int], list[t
     return tokens, logits
 
 
+def stacked_rtol(stage: Stage) -> float:
+    """How far a session's logits may drift from its solo run's when its rows are stacked or chunked."""
+    recurrent = any(layer.cache.kind in CHECKPOINTED_KINDS for layer in stage.spec.layers)
+    return RECURRENT_STACKED_RTOL if recurrent else STACKED_RTOL
+
+
 def check_stacked_sessions(folder: Path) -> None:
     """8 sessions of different lengths join two at a time, so every stacked step mixes prefills
     with decodes at different positions (and, in a sparse layer, every expert's matmul takes
@@ -163,7 +175,7 @@ def check_stacked_sessions(folder: Path) -> None:
                 del pending[i]
     assert stacked == 8
     assert tokens == [t for t, _ in solo]
-    assert worst <= STACKED_RTOL, f"{folder.name}: stacked vs solo {worst:.3g}"
+    assert worst <= stacked_rtol(stage), f"{folder.name}: stacked vs solo {worst:.3g}"
 
 
 def greedy_logits(stages: list[Stage], chunks: list[list[int]], steps: int, session: str = "g"
@@ -197,13 +209,13 @@ def greedy_logits(stages: list[Stage], chunks: list[list[int]], steps: int, sess
 def check_chunked_prefill(folder: Path) -> None:
     """The prompt prefilled in chunks (5, 4, 3 tokens: steps at positions past 0, as a pipelined prefill
     and a replacement's replay send them) gives the logits and tokens of the prompt prefilled whole: the
-    same computation over other row counts (relative gap within STACKED_RTOL)."""
+    same computation over other row counts (relative gap within `stacked_rtol`)."""
     stage = load_stage(folder, embed=True, head=True)
     whole = greedy_logits([stage], [PROMPT], DECODE_STEPS)
     chunked = greedy_logits([stage], [PROMPT[:5], PROMPT[5:9], PROMPT[9:]], DECODE_STEPS)
     assert chunked[0] == whole[0]
     worst = max(relative_gap(a, b) for a, b in zip(chunked[1], whole[1]))
-    assert worst <= STACKED_RTOL, f"{folder.name}: chunked vs whole prefill {worst:.3g}"
+    assert worst <= stacked_rtol(stage), f"{folder.name}: chunked vs whole prefill {worst:.3g}"
 
 
 def check_split(folder: Path, at: int) -> None:
@@ -244,7 +256,16 @@ def check_rollback(folder: Path, reference: list[int], *, k: int = 3) -> None:
         assert stage.position("spec") >= len(seq) - 1
     assert seq[len(PROMPT):][: len(want)] == want
     assert cuts > 0, "no block was cut: nothing was rolled back"
-    stage.rollback("spec", len(PROMPT))  # and the explicit rollback: the pointer, nothing else
+    if stage.sessions["spec"].cache.reachable(len(PROMPT)):
+        stage.rollback("spec", len(PROMPT))  # and the explicit rollback: the pointer, nothing else
+    else:  # a recurrent state is kept only at its last runs of steps (stages/layers/state.py): going
+        # further back is refused in one line, moving nothing, and the history is replayed from 0
+        position = stage.position("spec")
+        with pytest.raises(StateRewindError, match=f"cannot go back to position {len(PROMPT)}") as refused:
+            stage.rollback("spec", len(PROMPT))
+        assert "\n" not in str(refused.value) and stage.position("spec") == position
+        stage.rollback("spec", 0)
+        stage.forward("spec", stage.embed(PROMPT), 0)
     assert stage.position("spec") == len(PROMPT)
     again = stage.logits(stage.forward("spec", stage.embed(want[:1]), len(PROMPT)))[-1]
     assert int(again.argmax()) == want[1]

@@ -90,6 +90,15 @@ GLM5_FULL = dict(index_topk=9, indexer_types=["full"] * 4, mlp_layer_types=["spa
                  num_experts_per_tok=2, n_shared_experts=0, norm_topk_prob=False, routed_scaling_factor=1.0,
                  attention_bias=True)
 
+# The hybrids (Qwen3-Next, Qwen3.5, Qwen3.5-MoE): 4 layers, 0-2 Gated DeltaNet and 3 gated full attention
+# (the default full_attention_interval of 4), linear heads 2 key / 4 value of 8
+HYBRID = dict(SHAPE, num_hidden_layers=4, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+              linear_num_key_heads=2, linear_num_value_heads=4)
+HYBRID_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+LINEAR_SHARD = "tensor shards of {} are not supported: layer 0 is Gated DeltaNet linear attention"
+SHIPPED_HYBRID = ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                           "activation_scheme": "dynamic"}}, UnsupportedModel, "ship quantized")
+
 FP8_ONE_SCALE = ({"quantization_config": {"quant_method": "fp8"}}, UnsupportedModel, "weight_block_size null")
 AWQ = ({"quantization_config": {"quant_method": "awq"}}, UnsupportedModel, "quant_method 'awq'")
 
@@ -252,6 +261,42 @@ ROWS: dict[str, Row] = {
             ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, UnsupportedModel, "dynamic"),
             FP8_ONE_SCALE, AWQ),
         shard="tensor shards of minimax_m2 are not supported: layer 0 is 'moe'"),
+    # Qwen3-Next: a dense first layer, then MoE with the gated shared expert; q, k, v, z grouped per key head.
+    # Split at layer 2, inside the run of linear layers: a recurrent state on both sides of the cut
+    "qwen3_next/dense-first-moe": Row("qwen3_next", lambda: transformers.Qwen3NextConfig(
+        **HYBRID, **HYBRID_MOE, intermediate_size=96, mlp_only_layers=[0]), seed=60, split=2, swarm=True, refusals=(
+            ({"hidden_act": "gelu"}, UnsupportedModel, "hidden_act 'gelu'"),
+            ({"attn_output_gate": False}, UnsupportedModel, "attn_output_gate False"),
+            ({"use_sliding_window": True}, UnsupportedModel, "use_sliding_window True"),
+            ({"sliding_window": 8}, UnsupportedModel, "sliding_window 8"),
+            ({"layer_types": ["linear_attention"] * 3 + ["sliding_attention"]}, UnsupportedModel, "layer_types"),
+            ({"layer_types": [{}] * 4}, UnsupportedModel, "layer_types"),
+            ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, UnsupportedModel,
+             "dynamic"),
+            ({"mtp_num_hidden_layers": 1}, UnsupportedModel, "'mtp_num_hidden_layers'"),  # Qwen3.5's key
+            ({"linear_num_value_heads": 3}, ModelFormatError, "linear_num_value_heads"),  # not a multiple of 2
+            ({"linear_conv_kernel_dim": 0}, ModelFormatError, "linear_conv_kernel_dim"),
+            SHIPPED_HYBRID),
+        shard=LINEAR_SHARD.format("qwen3_next")),
+    # Qwen3.5 (dense): its text-only form (the multimodal one: test_qwen3_next.py); split inside the linear run
+    "qwen3_5/dense": Row("qwen3_5", lambda: transformers.Qwen3_5TextConfig(**HYBRID, intermediate_size=96), seed=61,
+                         split=1, swarm=True, refusals=(
+            ({"num_experts": 8}, UnsupportedModel, "'num_experts'"),  # the dense family: not silently dropped
+            ({"attn_output_gate": False}, UnsupportedModel, "attn_output_gate False"),
+            ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.0}},
+             ModelFormatError, "partial_rotary_factor"),
+            ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": "x"}},
+             ModelFormatError, "mrope_section"),
+            SHIPPED_HYBRID),
+        shard=LINEAR_SHARD.format("qwen3_5")),
+    # Qwen3.5-MoE: every layer sparse, always renormalised; full attention second, the experts saved fused
+    "qwen3_5_moe/full-second-fused": Row("qwen3_5_moe", lambda: transformers.Qwen3_5MoeTextConfig(
+        **HYBRID, **HYBRID_MOE, layer_types=["linear_attention", "full_attention", "linear_attention",
+                                            "linear_attention"]), seed=62, split=3, fused=True, swarm=True, refusals=(
+            ({"norm_topk_prob": False}, UnsupportedModel, "'norm_topk_prob'"),
+            ({"num_experts": 0}, UnsupportedModel, "num_experts 0"),
+            ({"hidden_act": "gelu"}, UnsupportedModel, "hidden_act 'gelu'")),
+        shard=LINEAR_SHARD.format("qwen3_5_moe")),
     "minimax_m2/yarn-fused": Row("minimax_m2", lambda: transformers.MiniMaxM2Config(
         **MINIMAX, num_local_experts=6, num_experts_per_tok=3, rope_parameters={
             "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16}),

@@ -1,54 +1,38 @@
-"""The hybrids: Qwen3-Next (`qwen3_next`), Qwen3.5 (`qwen3_5`) and Qwen3.5-MoE (`qwen3_5_moe`).
+"""What only the hybrids have: Qwen3-Next (`qwen3_next`), Qwen3.5 (`qwen3_5`), Qwen3.5-MoE (`qwen3_5_moe`).
 
-Gated DeltaNet layers (a fixed recurrent state and a convolution window per session) among gated
-full-attention ones, zero-centred norms, gated shared experts. Each configuration against
-transformers (float32 logits to 1e-4, greedy identical), stacked sessions against solo ones,
-speculative blocks rolled back (a recurrent state goes back only as far as its checkpoints: a
-deeper rollback is refused with one line), a whole prefill, a chunked one and a replay of the
-history against the same reference, and every config value the engine does not compute refused
-with one line. The Qwen3.5 configuration is saved as transformers saves the multimodal model (a
-vision tower and the text model under model.language_model.): its text model runs.
+The conformance suite (test_conformance.py, their rows in rows.py) holds each of them to
+transformers, stacked and chunked sessions, a split, rollback, the refusals and a real swarm.
+Here: the layers as configured; a linear layer's fixed state (what admission charges, at any
+length); a whole, a chunked and a replayed prefill against the same reference (a replacement's
+recurrent states equal the uninterrupted ones); going back into a block equal to never having gone
+past it, and further back refused; Qwen3.5 saved as transformers saves the multimodal model (a
+vision tower, the text model under model.language_model.), whose text model runs; the compiled
+decode step; an int8 span; and any value in any key read or refused by one typed error.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
+from tessera.stages.assembly.stage import load_stage
 from tessera.stages.engine.stage import Stage
 from tessera.stages.errors import ModelFormatError, StateRewindError, UnsupportedModel
-from tessera.stages.families.spec import REPLAY_TOKENS
 from tessera.stages.families.catalog import spec_from_config, spec_from_file, to_config
+from tessera.stages.families.spec import REPLAY_TOKENS
 from tessera.stages.layers.state import RecurrentState
 
-from .conformance import (
-    EOS, PROMPT, SHAPE, TOLERANCE, VOCAB, build, check_matches_transformers, check_shard_refused,
-    reference_run, relative_gap, solo_run, until_eos, STACKED_PROMPTS, STACKED_STEPS,
-)
+from .conformance import PROMPT, TOLERANCE, VOCAB, build, check_matches_transformers, reference_run, until_eos
+from .rows import HYBRID, saved_config
 
 transformers = pytest.importorskip("transformers")
 
-LINEAR = dict(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-              linear_num_value_heads=4)
-HYBRID = dict(SHAPE, num_hidden_layers=4, **LINEAR)  # layers 0-2 linear, 3 full (full_attention_interval 4)
-MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+ROWS = {"qwen3_next": "qwen3_next/dense-first-moe", "qwen3_5": "qwen3_5/dense",
+        "qwen3_5_moe": "qwen3_5_moe/full-second-fused"}
 VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=64)
-CONFIGS = {
-    # a dense first layer, then sparse ones with the gated shared expert; q, k, v, z grouped per key head
-    "qwen3_next": lambda: transformers.Qwen3NextConfig(**HYBRID, **MOE, intermediate_size=96, mlp_only_layers=[0]),
-    # dense, saved as the multimodal model (vision tower, text model under model.language_model.)
-    "qwen3_5": lambda: transformers.Qwen3_5Config(text_config=dict(HYBRID, intermediate_size=96), vision_config=VISION),
-    # every layer sparse; linear and full layers interleaved otherwise; experts saved fused
-    "qwen3_5_moe": lambda: transformers.Qwen3_5MoeTextConfig(
-        **HYBRID, **MOE, layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"]),
-}
-# Stacked vs solo, relative to the row's largest logit. Only the matmuls differ (more rows), as for
-# the other families (conformance.STACKED_RTOL, 2e-5), but the recurrence carries a rounding
-# difference through every later token: measured 2.7e-5 (qwen3_next), 4.5e-6, 1.0e-5 here, where
-# Qwen3-MoE's is 1.3e-6. Tokens are identical; the bound is the logits' own.
-HYBRID_STACKED_RTOL = TOLERANCE
 
 
 def build_multimodal(root, name, config, *, seed):
@@ -70,24 +54,24 @@ def build_multimodal(root, name, config, *, seed):
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen3-next")
-    out = {}
-    for i, (name, make) in enumerate(CONFIGS.items()):
-        config = make()
-        out[name] = build_multimodal(root, name, config, seed=50 + i) if name == "qwen3_5" else \
-            build(root, name, config, seed=50 + i, fused=name == "qwen3_5_moe")
+def folders(family_models, tmp_path_factory):
+    """Each family's suite row, and Qwen3.5 saved as the multimodal model ("qwen3_5/multimodal")."""
+    out = {family: family_models.folder(row) for family, row in ROWS.items()}
+    config = transformers.Qwen3_5Config(text_config=dict(HYBRID, intermediate_size=96), vision_config=VISION)
+    out["qwen3_5/multimodal"] = build_multimodal(tmp_path_factory.mktemp("qwen3_5-multimodal"), "qwen3_5-mm", config,
+                                                 seed=63)
     return out
 
 
 @pytest.fixture(scope="module")
-def references(folders):
-    return {name: reference_run(folder) for name, folder in folders.items()}
+def references(folders, family_models):
+    out = {family: family_models.reference(row) for family, row in ROWS.items()}
+    out["qwen3_5/multimodal"] = reference_run(folders["qwen3_5/multimodal"])
+    return out
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_matches_transformers(folders, references, name):
-    check_matches_transformers(folders[name], references[name])
+def test_a_multimodal_checkpoint_runs_its_text_model_as_transformers_does(folders, references):
+    check_matches_transformers(folders["qwen3_5/multimodal"], references["qwen3_5/multimodal"])
 
 
 def test_the_layers_are_read_as_configured(folders):
@@ -98,7 +82,7 @@ def test_the_layers_are_read_as_configured(folders):
     assert spec.layers[0].attention.layout == "grouped" and spec.norm_offset == 1.0
     full = spec.layers[3].attention
     assert full.output_gate and full.qk_norm and full.rope_dim == 4  # partial rotary: 0.25 of 16
-    multimodal = spec_from_file(folders["qwen3_5"] / "config.json")
+    multimodal = spec_from_file(folders["qwen3_5/multimodal"] / "config.json")
     assert multimodal.family == "qwen3_5" and multimodal.prefix == "model.language_model."
     assert {layer.mlp.kind for layer in multimodal.layers} == {"dense"}
     assert multimodal.layers[0].attention.layout == "split"
@@ -120,7 +104,7 @@ def test_a_linear_layer_holds_a_fixed_state_whatever_the_context(folders):
     assert spec.context_tokens(0, 3, linear.fixed_bytes(4) * 3 - 1) == 0
     budget = spec.state_fixed_bytes(0, 4) + 100 * full.bytes_per_position(4)
     assert spec.context_tokens(0, 4, budget) == 100
-    stage = Stage.load(folders["qwen3_next"], embed=True)
+    stage = load_stage(folders["qwen3_next"], embed=True)
     stage.open("s", capacity=64)
     store = stage.sessions["s"].cache.layers[0]
     assert isinstance(store, RecurrentState)
@@ -131,72 +115,49 @@ def test_a_linear_layer_holds_a_fixed_state_whatever_the_context(folders):
     assert stage.session_bytes(64, 0, 3) == stage.session_bytes(4096, 0, 3) == 3 * linear.fixed_bytes(4)
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_stacked_sessions_equal_their_solo_runs(folders, name):
-    """8 sessions of different lengths join two at a time: every stacked step mixes prefills with
-    decodes, each session folding its own rows into its own state."""
-    stage = Stage.load(folders[name], embed=True, head=True)
-    solo = [solo_run(stage, prompt, STACKED_STEPS) for prompt in STACKED_PROMPTS]
-    for i in range(len(STACKED_PROMPTS)):
-        stage.open(("s", i), capacity=64)
-    tokens: list[list[int]] = [[] for _ in STACKED_PROMPTS]
-    pending: dict[int, torch.Tensor] = {}
-    worst = 0.0
-    for step in range(STACKED_STEPS + len(STACKED_PROMPTS) // 2):
-        for i in (2 * step, 2 * step + 1):
-            if i < len(STACKED_PROMPTS):
-                pending[i] = stage.embed(STACKED_PROMPTS[i])
-        order = sorted(pending)
-        starts = [0 if not tokens[i] else len(STACKED_PROMPTS[i]) + len(tokens[i]) - 1 for i in order]
-        outs = stage.forward_batch([(("s", i), pending[i], start) for i, start in zip(order, starts)])
-        for i, out in zip(order, outs):
-            row = stage.logits(out[-1:])
-            worst = max(worst, relative_gap(row, solo[i][1][len(tokens[i])]))
-            tokens[i].append(int(row.argmax()))
-            if len(tokens[i]) < STACKED_STEPS:
-                pending[i] = stage.embed(tokens[i][-1:])
-            else:
-                del pending[i]
-    assert tokens == [t for t, _ in solo]
-    assert worst <= HYBRID_STACKED_RTOL, f"{name}: stacked vs solo {worst:.3g}"
-
-
 def states(stage: Stage, session: str) -> list[torch.Tensor]:
     return [store.state for store in stage.sessions[session].cache.layers if isinstance(store, RecurrentState)]
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+def transformers_rows(folder, feeds: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' logits for each of `feeds` fed in turn through its cache: each step's last row [1, V]."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    rows, cache = [], None
+    with torch.inference_mode():
+        for feed in feeds:
+            out = model(torch.tensor([feed]), cache=cache, use_cache=True)
+            cache = out.cache
+            rows.append(out.logits[0, -1:])
+    return rows
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
 def test_whole_chunked_and_replayed_prefills_meet_one_reference(folders, references, name):
-    """transformers' run (a prefill, then one token a step) is the reference: ours fed the same tokens
-    as one prefill or as chunks of 5 and 7 gives its logits to 1e-4. A replacement is fed the whole
-    history in one step (the chunk-wise form of the recurrence where the run folded decoded tokens
-    in one at a time: transformers' own two runs differ by up to 4e-4 here): its logits are
-    transformers' for that one step, to 1e-4; its recurrent states are the uninterrupted ones, to
-    1e-4; and it goes on to the same greedy tokens."""
-    tokens, ref = references[name]
+    """transformers is the reference, fed as ours is: the prompt whole then one token a step, the prompt
+    in chunks of 5 and 7 then one token a step, and (as a replacement is fed) the whole history in one
+    step. Our logits are its to 1e-4 in each (its own three runs differ by up to 4e-4 here: the
+    recurrence's chunk-wise and token-by-token forms round otherwise); our recurrent states after the
+    chunked prefill and after the replay are the uninterrupted run's to 1e-4; and the replayed session
+    goes on to the same greedy tokens."""
+    tokens, _ = references[name]
     history = PROMPT + tokens[:-1]  # every token the reference fed, prompt and decoded
-    stage = Stage.load(folders[name], embed=True, head=True)
-    want = [r[-1:] for r in ref]  # the reference's last row of every step
+    stage = load_stage(folders[name], embed=True, head=True)
     last = {}
     for how, cuts in (("whole", [len(PROMPT)]), ("chunked", [5, len(PROMPT)])):
+        feeds = [PROMPT[a:b] for a, b in zip([0, *cuts], cuts)] + [[t] for t in tokens[:-1]]
+        want = transformers_rows(folders[name], feeds)
         stage.open(how, capacity=64)
-        at = 0
-        for cut in cuts:
-            out = stage.forward(how, stage.embed(PROMPT[at:cut]), at)
-            at = cut
-        rows = [stage.logits(out[-1:])]
-        for i, token in enumerate(tokens[:-1]):  # then decode, as the reference did
-            rows.append(stage.logits(stage.forward(how, stage.embed([token]), len(PROMPT) + i)))
+        at, rows = 0, []
+        for feed in feeds:
+            rows.append(stage.logits(stage.forward(how, stage.embed(feed), at))[-1:])
+            at += len(feed)
         worst = max(float((a - b).abs().max()) for a, b in zip(rows, want))
         assert worst <= TOLERANCE, f"{name} {how}: {worst:.3g}"
         last[how] = rows[-1]
     stage.open("replayed", capacity=64)
     replayed = stage.logits(stage.forward("replayed", stage.embed(history), 0))
     last["replayed"] = replayed[-1:]
-    model = transformers.AutoModelForCausalLM.from_pretrained(folders[name], dtype=torch.float32).eval()
-    with torch.inference_mode():
-        one_step = model(torch.tensor([history])).logits[0]
-    assert float((replayed - one_step).abs().max()) <= TOLERANCE
+    assert float((replayed[-1:] - transformers_rows(folders[name], [history])[0]).abs().max()) <= TOLERANCE
     uninterrupted = states(stage, "whole")
     for how in ("chunked", "replayed"):
         assert max(float((a - b).abs().max()) for a, b in zip(states(stage, how), uninterrupted)) <= 1e-4, how
@@ -218,7 +179,7 @@ def test_speculative_blocks_roll_back_and_a_deeper_rollback_is_refused(folders, 
     from tessera.stages.decoding.speculative import greedy_accept
 
     folder, want = folders["qwen3_next"], until_eos(references["qwen3_next"][0])
-    stage = Stage.load(folder, embed=True, head=True)
+    stage = load_stage(folder, embed=True, head=True)
     stage.open("spec", capacity=64)
     seq = PROMPT + [int(stage.logits(stage.forward("spec", stage.embed(PROMPT), 0))[-1].argmax())]
     cuts = blocks = 0
@@ -256,7 +217,7 @@ def test_speculative_blocks_roll_back_and_a_deeper_rollback_is_refused(folders, 
 def test_going_back_inside_a_block_equals_never_having_gone_past_it(folders):
     """A state taken back into a block (its checkpoint, then the accepted tokens' inputs folded in
     again) equals the state of a session that stopped there, to 1e-4."""
-    stage = Stage.load(folders["qwen3_5_moe"], embed=True, head=True)
+    stage = load_stage(folders["qwen3_5_moe"], embed=True, head=True)
     block = [11, 12, 13, 14, 15]
     for session in ("back", "straight"):
         stage.open(session, capacity=64)
@@ -269,25 +230,16 @@ def test_going_back_inside_a_block_equals_never_having_gone_past_it(folders):
     assert max(float((a - b).abs().max()) for a, b in zip(states(stage, "back"), states(stage, "straight"))) <= 1e-4
 
 
-def test_a_tensor_shard_rank_is_refused_at_start_with_one_line(folders):
-    check_shard_refused(folders["qwen3_5"], "layer 0 is Gated DeltaNet linear attention")
-
-
 # -- reading configs ---------------------------------------------------------------------------------
 
-def saved(name: str) -> dict:
-    config = CONFIGS[name]()
-    data = json.loads(json.dumps(config.to_dict()))
-    data["architectures"] = [{"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
-                              "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}[name]]
-    return data
+def saved_multimodal() -> dict:
+    """Qwen3.5's multimodal config as transformers writes it."""
+    config = transformers.Qwen3_5Config(text_config=dict(HYBRID, intermediate_size=96), vision_config=VISION)
+    return {**json.loads(json.dumps(config.to_dict())), "architectures": ["Qwen3_5ForConditionalGeneration"]}
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_what_we_write_reads_back(name):
-    spec = spec_from_config(saved(name))
-    assert spec.family == name
-    assert spec_from_config(to_config(spec)) == spec
+def saved(family: str) -> dict:
+    return saved_multimodal() if family == "qwen3_5/multimodal" else saved_config(ROWS[family])
 
 
 def with_text(config: dict, **change) -> dict:
@@ -297,37 +249,23 @@ def with_text(config: dict, **change) -> dict:
     return {**config, **change}
 
 
-@pytest.mark.parametrize(
-    "name, change, words",
-    [
-        ("qwen3_next", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-        ("qwen3_5", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-        ("qwen3_next", {"attn_output_gate": False}, "attn_output_gate False"),
-        ("qwen3_next", {"use_sliding_window": True}, "use_sliding_window True"),
-        ("qwen3_next", {"sliding_window": 8}, "sliding_window 8"),
-        ("qwen3_5_moe", {"layer_types": ["linear_attention"] * 3 + ["sliding_attention"]}, "layer_types"),
-        ("qwen3_next", {"layer_types": [{}] * 4}, "layer_types"),
-        ("qwen3_5_moe", {"norm_topk_prob": False}, "'norm_topk_prob'"),  # always renormalised here
-        ("qwen3_5_moe", {"num_experts": 0}, "num_experts 0"),
-        ("qwen3_5", {"num_experts": 8}, "'num_experts'"),  # the dense family: not silently dropped
-        ("qwen3_5", {"linear_conv_bias": True}, "'linear_conv_bias'"),
-        ("qwen3_next", {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
-                                                "activation_scheme": "dynamic"}}, "ship quantized"),
-        ("qwen3_next", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "dynamic"),
-    ],
-)
-def test_values_the_engine_does_not_compute_are_refused_by_name(name, change, words):
-    with pytest.raises(UnsupportedModel, match=words) as refused:
-        spec_from_config(with_text(saved(name), **change))
-    assert "\n" not in str(refused.value)
-
-
 def test_a_multimodal_config_reads_its_text_model_and_refuses_what_it_cannot():
-    config = saved("qwen3_5")
+    config = saved_multimodal()
+    spec = spec_from_config(config)
+    assert spec.family == "qwen3_5" and spec.prefix == "model.language_model."
+    assert spec_from_config(to_config(spec)) == spec  # what synth writes for it: multimodal too
+    assert spec_from_config(saved_config(ROWS["qwen3_5"])) == replace(spec, prefix="model.")  # the text-only form
+    for change, words in (({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+                          ({"attn_output_gate": False}, "attn_output_gate False"),
+                          ({"linear_conv_bias": True}, "'linear_conv_bias'")):
+        with pytest.raises(UnsupportedModel, match=words):  # the text model's keys, read where they lie
+            spec_from_config(with_text(config, **change))
     with pytest.raises(UnsupportedModel, match="'speech_config'"):
         spec_from_config({**config, "speech_config": {}})
     with pytest.raises(UnsupportedModel, match="tie_word_embeddings"):
         spec_from_config({**config, "tie_word_embeddings": True})
+    with pytest.raises(UnsupportedModel, match="ship quantized"):
+        spec_from_config({**config, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
     with pytest.raises(ModelFormatError, match="text_config"):
         spec_from_config({**config, "text_config": [1]})
     both = {**with_text(config, bos_token_id=1, eos_token_id=2), "bos_token_id": 1, "eos_token_id": [2, 3]}
@@ -337,19 +275,6 @@ def test_a_multimodal_config_reads_its_text_model_and_refuses_what_it_cannot():
     mrope = with_text(config, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25,
                                                "mrope_section": [1, 1, 0], "mrope_interleaved": True})
     assert spec_from_config(mrope) == spec_from_config(config)  # text positions: M-RoPE is RoPE
-    with pytest.raises(ModelFormatError, match="mrope_section"):
-        spec_from_config(with_text(config, rope_parameters={"rope_type": "default", "mrope_section": "x"}))
-
-
-@pytest.mark.parametrize("name, change, words", [
-    ("qwen3_next", {"linear_num_value_heads": 3}, "linear_num_value_heads"),  # not a multiple of the key heads
-    ("qwen3_next", {"linear_conv_kernel_dim": 0}, "linear_conv_kernel_dim"),
-    ("qwen3_5", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.0}},
-     "partial_rotary_factor"),
-])
-def test_impossible_values_are_format_errors(name, change, words):
-    with pytest.raises(ModelFormatError, match=words):
-        spec_from_config(with_text(saved(name), **change))
 
 
 def test_the_compiled_decode_step_runs_full_attention_compiled_and_linear_layers_eagerly(folders, references):
@@ -360,7 +285,7 @@ def test_the_compiled_decode_step_runs_full_attention_compiled_and_linear_layers
     from tessera.stages.engine.compiled.inductor import HEAD
 
     folder = folders["qwen3_next"]
-    stage, said = Stage.load(folder, embed=True, head=True), []
+    stage, said = load_stage(folder, embed=True, head=True), []
     compile_decode(stage, "inductor", say=said.append, buckets=(1,))
     runner = stage.decode
     linear = {kind for kind in stage.spec.layers if kind.attention.kind == "gated_deltanet"}
@@ -377,21 +302,37 @@ def test_the_compiled_decode_step_runs_full_attention_compiled_and_linear_layers
     assert [int(r.argmax()) for r in rows] == tokens
 
 
-def test_an_int8_span_matches_its_dequantized_reference_and_holds_what_placement_counts(folders):
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_moe"])
+def test_an_int8_span_matches_its_dequantized_reference_and_holds_what_placement_counts(folders, name):
     """The in- and out-projections of the linear layers are stored as integers like any matrix; the
-    convolution, the decays and the norms stay float."""
-    from tessera.stages.weights.quant import Int8Linear, Quant, span_bytes
+    convolution, the decays and the norms stay float. Against its own dequantized float32 blocks, only
+    float32 rounding differs (the int8 product scales its output, the reference its weight), which the
+    recurrence carries on: within the recurrent rows' bound (conformance.RECURRENT_STACKED_RTOL,
+    relative: 9e-4 of logits up to ~8 measured on the Qwen3.5-MoE row), tokens identical."""
+    from tessera.stages.assembly.blocks import dense_block
+    from tessera.stages.kernels.quant import Int8Linear, Quant, span_bytes
 
-    from .conformance import check_against_dequantized
+    from .conformance import RECURRENT_STACKED_RTOL, relative_gap
 
-    folder, quant = folders["qwen3_5_moe"], Quant.parse("int8")
-    stage = Stage.load(folder, quant=quant)
+    folder, quant = folders[name], Quant.parse("int8")
+    stage = load_stage(folder, quant=quant)
     assert stage.weight_bytes == span_bytes(stage.spec, 0, 4, 4, quant)
     assert isinstance(stage.blocks[0].attn.w_in, Int8Linear) and stage.blocks[0].attn.conv.dtype == torch.float32
-    check_against_dequantized(folder, stage)
+    head = load_stage(folder, start=0, end=0, embed=True, head=True)
+    reference = Stage(stage.spec, 0, [dense_block(b, stage.spec) for b in stage.blocks])
+    for span in (stage, reference):
+        span.open("q", capacity=32)
+    ids, tokens, worst = list(range(5, 25)), ([], []), 0.0
+    for pos, step in [(0, ids), *((len(ids) + i, None) for i in range(6))]:
+        rows = []
+        for i, span in enumerate((stage, reference)):
+            rows.append(head.logits(span.forward("q", head.embed(step if step is not None else tokens[i][-1:]), pos)))
+            tokens[i].append(int(rows[-1][-1].argmax()))
+        worst = max(worst, relative_gap(rows[0][-1:], rows[1][-1:]))
+    assert tokens[0] == tokens[1] and worst <= RECURRENT_STACKED_RTOL, worst
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", [*sorted(ROWS), "qwen3_5/multimodal"])
 def test_any_value_in_any_key_is_read_or_refused_by_one_typed_error(name):
     """Keys overwritten at random by JSON values (the text model's keys, in a multimodal config):
     a spec every layer of which builds, or ModelFormatError / UnsupportedModel in one line."""
