@@ -37,7 +37,7 @@ from tessera.protocol.error_codes import BUSY
 from tessera.protocol.keys import Identity
 from tessera.protocol.records import HEARTBEAT_FRAME_LIMIT
 from tessera.protocol.weights import REQUEST_FRAME_LIMIT
-from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 from tessera.stages.weights.registry import write_manifest
 
 from ..waiting import await_until
@@ -90,7 +90,7 @@ async def slow_loris(network: MemoryNetwork, identity: Identity, server_id: str,
 
 
 async def test_a_slow_loris_of_many_identities_does_not_lock_an_honest_requester_out(tiny_llama, autojump_clock):
-    stage = Stage.load(tiny_llama)
+    stage = load_stage(tiny_llama)
     spec = stage.spec
     network = MemoryNetwork(LinkSpec(latency=0.001, bandwidth=1e9))
     peer = Identity.from_seed(b"\x21" * 32)
@@ -121,7 +121,7 @@ async def test_a_slow_loris_of_many_identities_does_not_lock_an_honest_requester
             assert len(tp.intake.tickets) <= TOTAL  # the attackers are still there
             nursery.cancel_scope.cancel()
     assert waited < 1.0, waited
-    solo = Stage.load(tiny_llama)
+    solo = load_stage(tiny_llama)
     solo.open("ref", capacity=64)
     expected = torch.cat([solo.forward("ref", inputs[:4], 0)]
                          + [solo.forward("ref", inputs[pos : pos + 1], pos) for pos in range(4, 4 + STEPS - 1)])
@@ -131,7 +131,7 @@ async def test_a_slow_loris_of_many_identities_does_not_lock_an_honest_requester
 async def test_no_room_is_a_busy_refusal_not_a_reset(tiny_llama, autojump_clock):
     """An identity already holding its PER_IDENTITY places asks for one more: it is told BUSY
     with a retry-after (SessionRefused, which a requester never counts as a strike)."""
-    stage = Stage.load(tiny_llama)
+    stage = load_stage(tiny_llama)
     network = MemoryNetwork(LinkSpec(latency=0.001, bandwidth=1e9))
     peer, greedy = Identity.from_seed(b"\x23" * 32), Identity.from_seed(b"\x24" * 32)
     async with AsyncExitStack() as stack:
@@ -160,7 +160,7 @@ async def test_every_protocols_first_frame_is_bounded_by_its_own_limit(tiny_llam
     body is read (the stream is reset); each limit is what that protocol's largest message
     needs (tests/protocol/test_frame_limits.py), far below the 64 MiB they all took before."""
     write_manifest(tiny_llama)
-    stage = Stage.load(tiny_llama)
+    stage = load_stage(tiny_llama)
     network = MemoryNetwork(LinkSpec(latency=0.001, bandwidth=1e9))
     peer, stranger = Identity.from_seed(b"\x25" * 32), Identity.from_seed(b"\x26" * 32)
     async with AsyncExitStack() as stack:
