@@ -18,7 +18,8 @@ work waits behind every identity with it, and one with work gets one grace perio
 of holding a slot idle, not more.
 
 Bounded before admitted: a session stream's first frame is an open request, small
-and of a known largest size (`OPEN_FRAME_LIMIT`, `SHARD_OPEN_FRAME_LIMIT`); only an
+and of a known largest size (`OPEN_FRAME_LIMIT`, `SHARD_OPEN_FRAME_LIMIT`; a link's,
+`LINK_FRAME_LIMIT`); only an
 admitted session's streams read bigger frames, up to what its declared `max_length`
 allows a step to carry (`session_frame_limit`).
 """
@@ -39,6 +40,10 @@ OPEN_FRAME_LIMIT = 16 * 1024
 """Largest first frame on a session stream. A SessionOpen at its wire limits is about
 9.5 KiB (32 next-hop addresses of 256 bytes, four sealed keys, two peer ids); a
 LinkHello some 40 bytes. Anything bigger is refused at its length prefix."""
+
+LINK_FRAME_LIMIT = 64
+"""Largest first frame on a link stream (plain or between tensor-shard ranks): a LinkHello, a
+16-byte session id and a link id, is at most 50 bytes encoded (tests/protocol/test_frame_limits.py)."""
 
 SHARD_OPEN_FRAME_LIMIT = 1024 * 1024
 """Largest first frame on a tensor-shard session stream: a ShardOpen lists every other

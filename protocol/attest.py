@@ -36,6 +36,9 @@ MAX_FINGERPRINT = 16 * 1024  # bytes of one encoded fingerprint in a report (~20
 MAX_ROWS = 64 * 1024  # bytes of full output rows one witness may carry
 MAX_WITNESSES = 8
 MAX_REPORT = 256 * 1024
+REPORT_FRAME_LIMIT = MAX_REPORT + 1024
+"""Largest frame the reports protocol reads: a MisbehaviourReport whose body is MAX_REPORT bytes
+(a key, a signature and CBOR around it) is 262,285 bytes encoded; a ReportQuery 31."""
 
 
 def sha256(data: bytes) -> bytes:

@@ -119,6 +119,7 @@ async def read_buffered_frame(
     read: Callable[[int], Awaitable[bytes]],
     *,
     max_size: int = DEFAULT_MAX_FRAME,
+    on_length: Callable[[int], None] | None = None,
 ) -> bytes:
     """Read one frame's payload, as `read_frame` does over a buffered `read_exactly`.
 
@@ -129,6 +130,9 @@ async def read_buffered_frame(
     the reads that `read_frame` over a buffering `read_exactly` makes, so a stream sees
     the same calls (and a caller the same waits); the checks, errors and the bytes they
     are raised at are read_frame's too. Wrap the call in the caller's own timeout.
+    `on_length`, when given, is told the frame's length once its prefix is read and before
+    its body is (a peer charges what it is about to buffer: peer/net/intake.py); whatever
+    it raises ends the read.
 
     Raises:
         EndOfStream: the stream ended cleanly before the first byte of a frame.
@@ -144,6 +148,8 @@ async def read_buffered_frame(
             raise TruncatedFrame(f"stream ended inside the length prefix {bytes(buffer).hex()!r}")
         buffer += chunk
     length, start = parsed
+    if on_length is not None:
+        on_length(length)
     end = start + length
     while len(buffer) < end:
         chunk = await read(max(end - len(buffer), READ_CHUNK))

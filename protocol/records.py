@@ -36,6 +36,13 @@ MAX_TURN_RANGES = 256
 """Range digests in one gossip frame (16 sub-ranges each of 16 ranges being compared)."""
 MAX_RANGE_VERSIONS = 64
 """Versions listed in one range digest: a range is listed whole only when it is this small."""
+GOSSIP_FRAME_LIMIT = 6 * (1 << 20)
+"""Largest frame a gossip exchange reads (before or after its first): a ViewTurn at every limit
+above — 256 ranges of 64 versions, 256 wants, 256 records of 16 KiB, 256 departures — is
+6,060,351 bytes encoded, a GossipPush of 256 such records 4,228,117
+(tests/protocol/test_frame_limits.py builds both)."""
+HEARTBEAT_FRAME_LIMIT = 64
+"""Largest frame the ping protocol reads: a Heartbeat (an int64 and a float64) is at most 36 bytes encoded."""
 MAX_RECORD_TTL = 2 * 86400.0
 """Seconds a record may claim to stay valid. Records live long (a day by default,
 peer/node/config.py): a peer re-signs when what it says changes, and a dead peer's record is

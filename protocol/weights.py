@@ -35,6 +35,11 @@ MAX_CHUNK_BYTES = 4 * (1 << 20)
 MAX_GROUPS = 4096
 """Groups a holder lists: one per layer, plus embed/head/norm/other."""
 
+REQUEST_FRAME_LIMIT = 1536
+"""Largest frame a holder reads from a fetcher: every frame a fetcher sends is a request, and a
+WeightChunkRequest at its limits (a 64-character model id and a 256-character name, each of
+4-byte characters) is 1,345 bytes encoded; a WeightManifestRequest 304."""
+
 
 @message("weights-manifest-req")
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ version rather than half way.
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 import time
 from pathlib import Path
@@ -35,6 +36,11 @@ from tessera.store.errors import SchemaMismatch, SchemaTooNew
 # a checkpoint or a slow disk, and the background writer retries after that anyway.
 BUSY_TIMEOUT_S = 5.0
 
+# A peer's database holds its ledger (which requester asked for how many tokens, hour by hour)
+# and the trace of every session it served: the owner's to read, like its key (store/keyfile.py).
+DB_FILE_MODE = 0o600
+WAL_FILES = ("-wal", "-shm")  # SQLite's companions of a database in WAL mode
+
 
 def connect(path: Path, *, readonly: bool = False) -> Database:
     """Open `path` through sqlite-utils with our pragmas; the connection may cross threads.
@@ -47,6 +53,7 @@ def connect(path: Path, *, readonly: bool = False) -> Database:
         target, uri = Path(path).resolve().as_uri() + "?mode=ro", True
     else:
         target, uri = str(path), False
+        make_private(Path(path))
     conn = sqlite3.connect(
         target, uri=uri, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
     )
@@ -57,6 +64,21 @@ def connect(path: Path, *, readonly: bool = False) -> Database:
     # it returns; only a power cut can lose the last transactions. FULL would fsync per batch.
     db.execute("PRAGMA synchronous=NORMAL")
     return db
+
+
+def make_private(path: Path) -> None:
+    """Create `path` 0600 before SQLite does (it gives the -wal and -shm files the database's
+    own mode), and set an older database made 0644, and its companions, to 0600."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, DB_FILE_MODE)
+    try:
+        os.fchmod(fd, DB_FILE_MODE)  # the umask can only remove bits; an existing file keeps its mode
+    finally:
+        os.close(fd)
+    for suffix in WAL_FILES:
+        try:
+            os.chmod(f"{path}{suffix}", DB_FILE_MODE)
+        except FileNotFoundError:
+            pass
 
 
 @contextlib.contextmanager

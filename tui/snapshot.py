@@ -52,7 +52,7 @@ def read_snapshot(node: PeerNode) -> dict[str, Any]:
     link_kinds = nat.get("links") or {}
     active = [] if server is None else [
         {"id": s.short_id, "requester": s.requester, "span": [s.start, s.end], "steps": s.steps,
-         "tokens": s.tokens, "idle_s": max(0.0, now - s.last_active)}
+         "tokens": s.tokens, "idle_s": max(0.0, server.admission.clock() - s.last_active)}  # last_active's clock
         for s in sorted(server.sessions.values(), key=lambda s: s.session_id)
     ]
     requesters = {s["requester"] for s in active}

@@ -87,6 +87,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--web-api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' for the web view's data (default $TESSERA_API_KEY; "
                         "none = open); drain, pause and resume are answered from this machine only")
+    p.add_argument("--web-allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="the web view is also reached as ORIGIN (a reverse proxy's or a LAN name): its host is "
+                        "answered and its pages may act (repeatable; default: addresses and localhost only)")
     p.add_argument("--control-stdin", action="store_true",
                    help="read operator commands from standard input: memory GB, drain, pause, resume (see peer/cli/control.py)")
     add_emulation_option(p)
@@ -213,10 +216,16 @@ def run_peer(args: argparse.Namespace) -> int:
     resolve_or_fetch(config.model, config.join, swarm_key=config.swarm_key, out=lambda line: print(line, flush=True))
     node = build_peer(config)
     if args.web is not None:
+        from tessera.peer.http.guard import HostRules
         from tessera.peer.http.web.server import serve_node_web  # imported here: hypercorn only when asked for
 
+        try:
+            rules = HostRules(args.web_allow_origin)
+        except ValueError as bad:
+            raise ConfigError(f"--web-allow-origin: {bad}") from None
         api_key = args.web_api_key or os.environ.get("TESSERA_API_KEY") or None
-        node.parts.services.append(partial(serve_node_web, host=args.web_host, port=args.web, api_key=api_key))
+        node.parts.services.append(partial(serve_node_web, host=args.web_host, port=args.web, api_key=api_key,
+                                           rules=rules))
     if args.tui:
         from tessera.tui.app import run_with_tui
 

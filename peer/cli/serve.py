@@ -66,6 +66,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads for the embedding and head")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="let browser pages from ORIGIN call the API (repeatable; '*' = any; default none)")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="this server is also reached as ORIGIN (a reverse proxy's or a LAN name, e.g. "
+                        "https://llm.example.org): its host is answered and its pages may act (repeatable; "
+                        "default: only addresses and localhost, and this server's own pages)")
     add_quant_options(p, help="route only through peers serving the model quantized so (`tessera peer --quant`; "
                       "their model id says it; default none: unquantized peers)")
     add_accept_mixed_option(p)
@@ -95,6 +99,12 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)!r}")
     if not args.queue_wait >= 0:
         raise ConfigError(f"--queue-wait must be >= 0, got {args.queue_wait!r}")
+    from tessera.peer.http.guard import HostRules
+
+    try:  # a bad --allow-origin / --cors-origin fails here, before joining
+        args.host_rules = HostRules(args.allow_origin, args.cors_origin)
+    except ValueError as bad:
+        raise ConfigError(f"--allow-origin/--cors-origin: {bad}") from None
     args.policy = policy_from(args)  # a bad id or an unreadable @FILE fails here, before joining
     args.checks = spot_check_from(args)
     apply_threads(args.threads)
@@ -126,6 +136,7 @@ async def _serve(args: argparse.Namespace, folder: Path, swarm_key: bytes | None
     from hypercorn.trio import serve as hypercorn_serve
 
     from tessera.peer.http.api import Gateway
+    from tessera.peer.http.guard import OriginGuard
     from tessera.peer.http.web.app import WebApp
     from tessera.peer.http.web.server import hypercorn_config
     from tessera.peer.request.client import Swarm
@@ -139,7 +150,8 @@ async def _serve(args: argparse.Namespace, folder: Path, swarm_key: bytes | None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(web.run)
             async with trio.open_nursery() as server:
-                binds = await server.start(partial(hypercorn_serve, web, hypercorn_config(args.host, args.port),
+                guarded = OriginGuard(web, args.host_rules)  # only this machine's own pages (peer/http/guard.py)
+                binds = await server.start(partial(hypercorn_serve, guarded, hypercorn_config(args.host, args.port),
                                                    mode="asgi", shutdown_trigger=stop_signal))
                 print(f"gateway peer id: {swarm.peer_id}", flush=True)
                 for url in binds:

@@ -83,6 +83,7 @@ class EmulatedStream:
         self.inner = inner
         self.remote = inner.remote
         self.via = inner.via
+        self.remote_addr = getattr(inner, "remote_addr", None)  # where it comes from (peer/net/intake.py)
         self.uplink = uplink
         self.last_release = 0.0
         self.failure: str | None = None
@@ -132,6 +133,7 @@ class EmulatedTransport:
     def __init__(self, inner: Transport, emulation: LinkEmulation, nursery: trio.Nursery) -> None:
         self.inner = inner
         self.peer_id = inner.peer_id
+        self.intake = inner.intake  # the streams are the inner transport's
         self.uplink = _Uplink(emulation)
         self.nursery = nursery
 

@@ -66,8 +66,8 @@ import trio
 from tessera.protocol.crypto import MAX_CLOCK_SKEW
 from tessera.protocol.errors import WireError
 from tessera.protocol.records import (
-    LINK_ASK, LINK_NONE, MAX_DEPARTURE_TTL, MAX_GOSSIP_RECORDS, Departure, GossipPush, PeerRecord,
-    SignedRecord, ViewTurn,
+    GOSSIP_FRAME_LIMIT, LINK_ASK, LINK_NONE, MAX_DEPARTURE_TTL, MAX_GOSSIP_RECORDS, Departure, GossipPush,
+    PeerRecord, SignedRecord, ViewTurn,
 )
 from tessera.stages.kernels.quant import base_model_id
 
@@ -468,8 +468,17 @@ class Gossip:
         raise WireError(f"gossip: an exchange took more than {MAX_TURNS} turns")
 
     async def handle(self, stream: Stream) -> None:
-        """The responder's side of an exchange."""
-        channel = Channel(stream, memo=True)
+        """The responder's side of an exchange: a stranger's stream throughout (peer/net/intake.py)."""
+        ticket = self.transport.intake.enter(stream)
+        if ticket is None:
+            await stream.reset()
+            return
+        with ticket:
+            await self._respond(stream, Channel(stream, memo=True, max_frame=GOSSIP_FRAME_LIMIT, on_frame=ticket.charge))
+        if ticket.evicted:
+            await stream.reset()
+
+    async def _respond(self, stream: Stream, channel: Channel) -> None:
         try:
             with trio.fail_after(TURN_TIMEOUT):
                 first = await channel.receive()
@@ -511,7 +520,7 @@ class Gossip:
             with trio.fail_after(timeout):
                 with trio.fail_after(TURN_TIMEOUT):  # a silent peer's stream never opens
                     stream = await self.transport.open_stream(peer_id, GOSSIP_PROTOCOL)
-                channel = Channel(stream, memo=True)
+                channel = Channel(stream, memo=True, max_frame=GOSSIP_FRAME_LIMIT)  # a responder's frames too
                 try:
                     self._with_own()
                     budget = [MAX_VIEW_ENTRIES]

@@ -51,6 +51,7 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from tessera.peer.base.errors import PeerUnreachable, StreamClosed
 from tessera.peer.base.protocols import DEDICATED_PROTOCOL
 from tessera.peer.net.dedicated.service import DedicatedStreams
+from tessera.peer.net.intake import Intake
 from tessera.peer.net.nat.relay import RelayStack, is_circuit_addr, is_relayed, run_relay_stack
 from tessera.peer.net.transport import DIRECT, PUNCHED, RELAYED, Handler, Stream, run_handler
 
@@ -175,6 +176,7 @@ class Libp2pTransport:
         self.relay = relay
         self.swarm_key = swarm_key
         self.dedicated = dedicated
+        self.intake = Intake()  # streams not admitted yet, every protocol (peer/net/intake.py)
         if dedicated is not None:
             self.set_handler(DEDICATED_PROTOCOL, dedicated.serve_endpoint)
         self.peer_id = host.get_id().to_base58()

@@ -35,6 +35,7 @@ import trio
 
 from tessera.peer.base.errors import PeerUnreachable
 from tessera.peer.net.libp2p import DIAL_TIMEOUT, OPEN_STREAM_TIMEOUT
+from tessera.peer.net.intake import Intake
 from tessera.peer.net.memory_stream import Link, LinkModel, LinkSpec, MemoryStream, Pipe
 from tessera.peer.net.transport import DIRECT, Handler, run_handler
 
@@ -57,6 +58,7 @@ class MemoryTransport:
         self.nursery: trio.Nursery | None = None
         self.alive = False
         self.silent = False  # vanished without a trace (see MemoryNetwork.crash)
+        self.intake = Intake()  # streams not admitted yet, every protocol (peer/net/intake.py)
 
     def addrs(self) -> list[str]:
         return [f"/memory/{self.index}/p2p/{self.peer_id}"]

@@ -15,7 +15,7 @@ import trio
 from tessera.store import events
 from tessera.store.trace import NullTracer, Tracer
 from tessera.protocol.errors import WireError
-from tessera.protocol.records import Heartbeat
+from tessera.protocol.records import HEARTBEAT_FRAME_LIMIT, Heartbeat
 
 from tessera.peer.base.errors import PeerError
 from tessera.peer.base.protocols import PING_PROTOCOL
@@ -39,15 +39,22 @@ class Pinger:
         transport.set_handler(PING_PROTOCOL, self.handle)
 
     async def handle(self, stream: Stream) -> None:
-        channel = Channel(stream)
-        try:
-            with trio.fail_after(PING_TIMEOUT):
-                while (probe := await channel.receive_or_none()) is not None:
-                    if not isinstance(probe, Heartbeat):
-                        raise WireError(f"expected Heartbeat, got {type(probe).__name__}")
-                    await channel.send(probe)
-        except (trio.TooSlowError, PeerError, WireError):
-            await channel.reset()
+        ticket = self.transport.intake.enter(stream)  # a stranger's stream throughout (peer/net/intake.py)
+        if ticket is None:
+            await stream.reset()
+            return
+        with ticket:
+            channel = Channel(stream, max_frame=HEARTBEAT_FRAME_LIMIT, on_frame=ticket.charge)
+            try:
+                with trio.fail_after(PING_TIMEOUT):
+                    while (probe := await channel.receive_or_none()) is not None:
+                        if not isinstance(probe, Heartbeat):
+                            raise WireError(f"expected Heartbeat, got {type(probe).__name__}")
+                        await channel.send(probe)
+            except (trio.TooSlowError, PeerError, WireError):
+                await channel.reset()
+        if ticket.evicted:
+            await stream.reset()
 
     async def ping(self, peer_id: str) -> float | None:
         """One probe; the RTT in ms (also folded into `rtt_ms`), or None if it failed."""
@@ -55,7 +62,7 @@ class Pinger:
         seq = self._seq  # this probe's own: pings to several neighbours run at once
         try:
             with trio.fail_after(PING_TIMEOUT):
-                channel = Channel(await self.transport.open_stream(peer_id, PING_PROTOCOL))
+                channel = Channel(await self.transport.open_stream(peer_id, PING_PROTOCOL), max_frame=HEARTBEAT_FRAME_LIMIT)
                 sent = self.clock()
                 await channel.send(Heartbeat(seq, sent))
                 reply = await channel.receive()

@@ -27,6 +27,7 @@ from tessera.protocol.messages import LinkHello
 
 from tessera.peer.base.errors import PeerUnreachable, StreamClosed
 from tessera.peer.base.quick import QuickLock
+from tessera.peer.net.intake import Intake
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ class Transport(Protocol):
     """What the peer logic needs from a network."""
 
     peer_id: str
+    # what this peer holds for inbound streams not admitted yet, every protocol together
+    # (peer/net/intake.py): each protocol's handler enters its streams there
+    intake: Intake
 
     def addrs(self) -> list[str]:
         """Addresses others can dial this peer on (full multiaddrs with /p2p/<id>)."""
@@ -124,10 +128,17 @@ class Channel:
     per process (see MEMO_MAX_BYTES).
     """
 
-    def __init__(self, stream: Stream, *, max_frame: int = DEFAULT_MAX_FRAME, memo: bool = False) -> None:
+    def __init__(self, stream: Stream, *, max_frame: int = DEFAULT_MAX_FRAME, memo: bool = False,
+                 on_frame: Callable[[int], None] | None = None, max_send: int | None = None) -> None:
         self.stream = stream
         self.memo = memo
         self.max_frame = max_frame
+        # what it may send, when its answers are bigger than what it reads from a stranger (a
+        # weights holder reads 1.5 KiB requests and answers chunks); None: max_frame, both ways
+        self.max_send = max_send
+        # told each frame's length before its body is read (an unadmitted stream's charge:
+        # peer/net/intake.py `Ticket.charge`); None once the stream is admitted
+        self.on_frame = on_frame
         self.remote = stream.remote
         self._send_lock = QuickLock()
         self._buffer = bytearray()
@@ -141,7 +152,7 @@ class Channel:
             payload = encode(msg)
             if self.memo and len(payload) <= MEMO_MAX_BYTES:
                 _remember(_ENCODED, msg, payload)
-        frame = encode_frame(payload, max_size=self.max_frame)
+        frame = encode_frame(payload, max_size=self.max_frame if self.max_send is None else self.max_send)
         async with self._send_lock:
             await self.stream.write(frame)
         self.bytes_out += len(frame)
@@ -150,7 +161,8 @@ class Channel:
     async def receive(self) -> object:
         """The next message. Raises StreamClosed at end of stream, WireError on a bad frame."""
         try:
-            payload = await read_buffered_frame(self._buffer, self.stream.read, max_size=self.max_frame)
+            payload = await read_buffered_frame(self._buffer, self.stream.read, max_size=self.max_frame,
+                                                on_length=self.on_frame)
         except EndOfStream:
             raise StreamClosed(f"stream from {self.remote} ended") from None
         self.bytes_in += len(payload)

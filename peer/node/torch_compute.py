@@ -40,10 +40,12 @@ class TorchCompute:
     def __init__(self, config: PeerConfig, *, out: Callable[[str], None] | None = None) -> None:
         self.out = out or (lambda line: print(line, flush=True))  # as PeerNode's lines (compile progress)
         self.folder = registry.resolve(config.model)
-        self.spec = spec_from_file(self.folder / "config.json")
-        # the manifest must hash to its model id (raises ModelFormatError); what was checked is
-        # remembered in the data dir, so an untouched file is not hashed again at every start
+        # the manifest must hash to its model id (raises ModelFormatError), and config.json and the
+        # other small files must be the ones it lists (raises WeightsMismatch) before one is read;
+        # what was checked of the weights is remembered in the data dir, so an untouched file is
+        # not hashed again at every start
         self.weight_check = WeightCheck.for_peer(self.folder, config.data_dir)
+        self.spec = spec_from_file(self.folder / "config.json")
         self.quant = config.quant
         self.shard = config.shard
         if self.shard[1] > 1:  # a model whose layers a group cannot split is refused before anything starts

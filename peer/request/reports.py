@@ -17,8 +17,11 @@ from typing import Callable
 
 import trio
 
-from tessera.protocol.attest import MisbehaviourReport, ReportBatch, ReportBody, ReportQuery, verify_report
+from tessera.protocol.attest import (
+    REPORT_FRAME_LIMIT, MisbehaviourReport, ReportBatch, ReportBody, ReportQuery, verify_report,
+)
 from tessera.protocol.codec import encode
+from tessera.protocol.framing import DEFAULT_MAX_FRAME
 from tessera.protocol.errors import WireError
 from tessera.store.errors import StoreError
 
@@ -96,7 +99,17 @@ class ReportBook:
             )
 
     async def handle(self, stream: Stream) -> None:
-        channel = Channel(stream)
+        ticket = self.transport.intake.enter(stream)  # a stranger's stream throughout (peer/net/intake.py)
+        if ticket is None:
+            await stream.reset()
+            return
+        with ticket:
+            await self._answer(stream, Channel(stream, max_frame=REPORT_FRAME_LIMIT, on_frame=ticket.charge,
+                                               max_send=DEFAULT_MAX_FRAME))
+        if ticket.evicted:
+            await stream.reset()
+
+    async def _answer(self, stream: Stream, channel: Channel) -> None:
         try:
             with trio.fail_after(EXCHANGE_TIMEOUT):
                 msg = await channel.receive()

@@ -277,11 +277,13 @@ class SpotChecker:
         self.verdicts.append(verdict)
         if verdict.guilty is not None:
             # what an operator looks for first: who, which layers, by how much
+            # the tie-breaker is in the verdict's detail (a tie decided it: there is no verdict without one)
             log.warning("spot check: peer %s returned wrong activations for layers [%d, %d) at positions [%d, %d) "
-                        "(route peer %s and checker %s differ by up to %.3g, tolerance %.3g; tie-breaker %s sides "
-                        "against it): banned for %.0f h and reported", verdict.guilty, start, end, rows.start,
+                        "(route peer %s and checker %s differ by up to %.3g, tolerance %.3g; tie-breaker %s agrees "
+                        "with %s): banned for %.0f h and reported", verdict.guilty, start, end, rows.start,
                         rows.stop, step.peer, shadow.checker, detail["accused_vs_checker"], tol,
-                        detail.get("tie_breaker"), GUILTY_BAN / 3600)
+                        verdict.detail["tie_breaker"], shadow.checker if verdict.guilty == step.peer else step.peer,
+                        GUILTY_BAN / 3600)
         self.swarm.ctx.tracer.emit(events.Misbehaviour(session=session.session_id, remote=verdict.guilty, **verdict.detail))
 
     async def go_back(self, session: Checkable, shadow: Shadow, start: int, end: int, position: int) -> None:

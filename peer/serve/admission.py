@@ -51,7 +51,7 @@ slots as they end; they are not preempted. Tested in tests/serve/test_admission.
 from __future__ import annotations
 
 import math
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol
 
@@ -85,12 +85,8 @@ MAX_WAITING = 64
 # Identities remembered (their grace, when they were admitted, since when they ask). Those
 # with sessions or waiting are always kept; the least recently seen others are forgotten.
 IDENTITY_MEMORY = 4096
-# Streams that have not been admitted (a session stream before its SessionAccept, a link
-# stream before its session is found): at most this many per remote peer (a requester opens
-# one per session it sets up, a previous hop one link per session) and in all. Each buffers
-# at most one opening frame and one read (OPEN_FRAME_LIMIT + framing.READ_CHUNK, 80 KiB).
-MAX_UNADMITTED_PER_REMOTE = 16
-MAX_UNADMITTED = 128
+# Streams that have not been admitted yet (a session stream before its SessionAccept, a link
+# stream before its session is found) are bounded with every other protocol's: peer/net/intake.py.
 
 
 class Refused(Exception):
@@ -352,27 +348,4 @@ class Admission:
         return Refused(BUSY, why, retry_after=self.retry_after(record, self.clock()))
 
 
-class UnadmittedStreams:
-    """Counts streams not admitted yet, per remote peer and in all (see MAX_UNADMITTED*)."""
-
-    def __init__(self, *, per_remote: int = MAX_UNADMITTED_PER_REMOTE, total: int = MAX_UNADMITTED) -> None:
-        self.per_remote = per_remote
-        self.total = total
-        self.counts: Counter[str] = Counter()
-        self.refused = 0
-
-    def enter(self, remote: str) -> bool:
-        """Count one more stream from `remote`; False (and counted nothing) when over a limit."""
-        if self.counts[remote] >= self.per_remote or sum(self.counts.values()) >= self.total:
-            self.refused += 1
-            return False
-        self.counts[remote] += 1
-        return True
-
-    def leave(self, remote: str) -> None:
-        self.counts[remote] -= 1
-        if self.counts[remote] <= 0:
-            del self.counts[remote]
-
-
-__all__ = ["Admission", "Limits", "Refused", "Requester", "UnadmittedStreams", "IDLE_GRACE", "ADMIT_WAIT"]
+__all__ = ["Admission", "Limits", "Refused", "Requester", "IDLE_GRACE", "ADMIT_WAIT"]

@@ -10,10 +10,13 @@ that arrive together run as one stacked forward). Who is admitted when the peer 
 full, and whose idle session gives way, is peer/serve/admission.py's.
 
 Bounded before admitted: a stream's first frame is read with a small limit
-(protocol/admission.py `OPEN_FRAME_LIMIT`: an open request or a link hello), and only
-once its session is admitted do its streams read frames up to what the session's
-declared `max_length` allows a step to carry. Streams not admitted yet are counted per
-remote peer and in all (`UnadmittedStreams`); past the count a new one is reset unread.
+(protocol/admission.py `OPEN_FRAME_LIMIT` for an open request, `LINK_FRAME_LIMIT` for a link
+hello), and only once its session is admitted do its streams read frames up to what the
+session's declared `max_length` allows a step to carry. Until then a stream holds a place
+among the peer's unadmitted streams, every protocol together (peer/net/intake.py: per
+identity, per address, in all, and a budget of bytes, shared fairly among identities); an
+open that finds no room, or loses its place to a newcomer of a lighter identity, is told
+`BUSY` with a retry-after — a refusal, which its requester never counts as a strike.
 A peer that sends garbage gets an error message and loses its stream; every other
 session goes on.
 """
@@ -26,7 +29,7 @@ from typing import Awaitable, Callable
 import torch
 import trio
 
-from tessera.protocol.admission import OPEN_FRAME_LIMIT, has_work, session_frame_limit
+from tessera.protocol.admission import LINK_FRAME_LIMIT, OPEN_FRAME_LIMIT, has_work, session_frame_limit
 from tessera.protocol.errors import WireError
 from tessera.protocol.keys import Identity
 from tessera.protocol.messages import (
@@ -45,12 +48,13 @@ from tessera.peer.serve.session import DeferredTap, ServedSession, compute_batch
 from tessera.protocol.error_codes import (
     BAD_FRAME, BAD_REQUEST, BAD_SPAN, BUSY, COMPUTE_FAILED, DRAINING, NEXT_HOP_FAILED, RECLAIMED, TOO_LONG,
 )
-from tessera.peer.serve.admission import Admission, Limits, Refused, UnadmittedStreams
+from tessera.peer.serve.admission import Admission, Limits, Refused
 from tessera.peer.serve.limits import LINK_WAIT, OPEN_TIMEOUT, REAPER_INTERVAL, ServerLimits, ServerStats
 from tessera.peer.serve.batcher import BatchBudget, BatchInterrupted, StepBatcher
 from tessera.peer.base.protocols import LINK_PROTOCOL, SESSION_PROTOCOL
 from tessera.peer.base.quick import QuickLock, send_quick, wait_set
 from tessera.peer.base.threads import in_worker
+from tessera.peer.net.intake import RETRY_AFTER as NO_ROOM_RETRY_AFTER, NoRoom, Ticket
 from tessera.peer.net.transport import Channel, Stream, Transport, receive_link_hello
 
 log = logging.getLogger(__name__)
@@ -59,6 +63,8 @@ log = logging.getLogger(__name__)
 REVOKED = "revoked by the requester"
 # How long telling an evicted session's requester why may take (it may be gone or stalled).
 EVICT_NOTICE_TIMEOUT = 2.0
+# What an open that found no place among the unadmitted streams is told (peer/net/intake.py).
+NO_ROOM = "no room for another stream not admitted yet; try again shortly"
 
 
 async def close_quietly(channel: Channel) -> None:
@@ -114,7 +120,7 @@ class StageServer:
             max_sessions=self.limits.max_sessions, max_sessions_per_requester=self.limits.max_sessions_per_requester,
             kv_budget=self.limits.kv_budget,
         ))
-        self.unadmitted = UnadmittedStreams()
+        self.intake = transport.intake  # streams not admitted yet, with every other protocol's
         transport.set_handler(SESSION_PROTOCOL, self.handle_session)
         transport.set_handler(LINK_PROTOCOL, self.handle_link)
 
@@ -215,15 +221,7 @@ class StageServer:
     # -- the requester's stream ---------------------------------------------------
 
     async def handle_session(self, stream: Stream) -> None:
-        if not self.unadmitted.enter(stream.remote):
-            self.stats.unadmitted_refused += 1
-            await stream.reset()  # too many streams of this remote (or in all) not admitted yet
-            return
-        channel = Channel(stream, max_frame=OPEN_FRAME_LIMIT)
-        try:
-            session = await self.accept(channel, SessionOpen, self.admit, self._drop_refused)
-        finally:
-            self.unadmitted.leave(stream.remote)
+        session = await self.open_stream(stream, SessionOpen, OPEN_FRAME_LIMIT, self.admit, self._drop_refused)
         if session is None:
             return
         onward = session.next_channel
@@ -266,16 +264,41 @@ class StageServer:
                 return
         await session.control.close()
 
-    async def accept(self, channel: Channel, kind: type, admit: Callable, forget: Callable[..., Awaitable[None]]):
-        """Read the opening message (of type `kind`), wait for room, admit it, connect the next
-        hop and answer SessionAccept; or refuse with a code, `forget` what was set up, and
-        return None. (Shared by plain sessions and tensor-shard sessions, peer/serve/shard_server.py.)"""
+    async def open_stream(self, stream: Stream, kind: type, frame_limit: int, admit: Callable,
+                          forget: Callable[..., Awaitable[None]]):
+        """A session stream from its arrival to its admission (`accept`), holding a place among the
+        unadmitted streams (peer/net/intake.py) until then: one that finds no place, or loses it
+        to a lighter identity, is told BUSY (a refusal, not a failure) and ended. The admitted
+        session, or None. (Shared by plain and tensor-shard sessions, peer/serve/shard_server.py.)"""
+        busy = ErrorMsg(BUSY, NO_ROOM, None, NO_ROOM_RETRY_AFTER)
+        ticket = self.intake.enter(stream)
+        if ticket is None:
+            self.stats.unadmitted_refused += 1
+            await self.intake.refuse(stream, busy, limit=frame_limit)
+            return None
+        session = None
+        with ticket:
+            channel = Channel(stream, max_frame=frame_limit, on_frame=ticket.charge)
+            session = await self.accept(channel, kind, admit, forget, ticket)
+        if ticket.evicted and session is None:  # a lighter identity's newcomer took its place
+            self.stats.unadmitted_refused += 1
+            await self.intake.refuse(stream, busy, limit=frame_limit)
+        return session
+
+    async def accept(self, channel: Channel, kind: type, admit: Callable, forget: Callable[..., Awaitable[None]],
+                     ticket: Ticket):
+        """Read the opening message (of type `kind`), wait for room, admit it (freeing `ticket`'s
+        place among the unadmitted streams), connect the next hop and answer SessionAccept; or
+        refuse with a code, `forget` what was set up, and return None."""
         session = None
         retry_after = None
         try:
             with trio.fail_after(OPEN_TIMEOUT):
                 try:
                     msg = await channel.receive()
+                except NoRoom as full:  # its frame did not fit the budget of unadmitted streams
+                    log.debug("session stream from %s: %s", channel.remote, full)
+                    raise Refused(BUSY, NO_ROOM, retry_after=NO_ROOM_RETRY_AFTER) from None
                 except WireError as bad:
                     # not an open request (too big, not framed, not CBOR): nothing we say would be
                     # read, and a stream closed politely would still take what the sender pushes
@@ -288,6 +311,8 @@ class StageServer:
                     raise Refused(BAD_REQUEST, f"expected {kind.__name__}, got {type(msg).__name__}")
                 await self.make_room(msg, channel)
                 session = admit(msg, channel)
+                ticket.release()  # admitted: no longer a stranger's stream
+                channel.on_frame = None
                 await session.connect_next(self)
                 await channel.send(SessionAccept(msg.session_id, msg.max_length))
             return session
@@ -354,21 +379,24 @@ class StageServer:
     # -- the previous peer's stream -----------------------------------------------
 
     async def handle_link(self, stream: Stream) -> None:
-        if not self.unadmitted.enter(stream.remote):
+        ticket = self.intake.enter(stream)
+        if ticket is None:
             self.stats.unadmitted_refused += 1
-            await stream.reset()  # too many streams of this remote (or in all) not placed yet
+            await stream.reset()  # no place among the streams not admitted yet (peer/net/intake.py)
             return
-        channel = Channel(stream, max_frame=OPEN_FRAME_LIMIT)
-        try:
-            with trio.fail_after(LINK_WAIT):
-                hello = await receive_link_hello(channel)
-                session = await self._wait_for_link(hello)
-        except (trio.TooSlowError, PeerError, WireError) as bad:
-            log.debug("link from %s refused: %s", stream.remote, bad)
+        session = None
+        with ticket:  # a place until the link is placed; cancelled if a lighter identity takes it
+            channel = Channel(stream, max_frame=LINK_FRAME_LIMIT, on_frame=ticket.charge)
+            try:
+                with trio.fail_after(LINK_WAIT):
+                    hello = await receive_link_hello(channel)
+                    session = await self._wait_for_link(hello)
+            except (trio.TooSlowError, PeerError, WireError) as bad:
+                log.debug("link from %s refused: %s", stream.remote, bad)
+        if session is None:
             await channel.reset()  # a link we cannot place carries nothing we could use
             return
-        finally:
-            self.unadmitted.leave(stream.remote)
+        channel.on_frame = None
         if session.link_sources.get(hello.link_id) != stream.remote:
             await channel.reset()  # only the peer the requester named may feed this link
             return

@@ -28,7 +28,7 @@ import trio
 
 from tessera.store import events
 from tessera.protocol.activations import open_activations, seal_activations
-from tessera.protocol.admission import OPEN_FRAME_LIMIT, SHARD_OPEN_FRAME_LIMIT
+from tessera.protocol.admission import LINK_FRAME_LIMIT, OPEN_FRAME_LIMIT, SHARD_OPEN_FRAME_LIMIT
 from tessera.protocol.errors import WireError
 from tessera.protocol.links import Direction, LinkCipher
 from tessera.protocol.messages import Forward, LinkHello, Result, SessionOpen
@@ -162,15 +162,7 @@ class ShardServer(StageServer):
 
     async def handle_shard_session(self, stream: Stream) -> None:
         """As `StageServer.handle_session`, for a ShardOpen."""
-        if not self.unadmitted.enter(stream.remote):
-            self.stats.unadmitted_refused += 1
-            await stream.reset()  # too many streams of this remote (or in all) not admitted yet
-            return
-        channel = Channel(stream, max_frame=SHARD_OPEN_FRAME_LIMIT)
-        try:
-            session = await self.accept(channel, ShardOpen, self.admit_shard, self._forget)
-        finally:
-            self.unadmitted.leave(stream.remote)
+        session = await self.open_stream(stream, ShardOpen, SHARD_OPEN_FRAME_LIMIT, self.admit_shard, self._forget)
         if session is None:
             return
         self.tracer.emit(events.SessionOpen(session=session.session_id, span=(session.start, session.end),
@@ -203,21 +195,25 @@ class ShardServer(StageServer):
     # -- the other ranks' links -----------------------------------------------------------
 
     async def handle_shard_link(self, stream: Stream) -> None:
-        if not self.unadmitted.enter(stream.remote):
+        ticket = self.intake.enter(stream)
+        if ticket is None:
             self.stats.unadmitted_refused += 1
-            await stream.reset()  # too many streams of this remote (or in all) not placed yet
+            await stream.reset()  # no place among the streams not admitted yet (peer/net/intake.py)
             return
-        channel = Channel(stream, max_frame=OPEN_FRAME_LIMIT)
-        try:
-            with trio.fail_after(LINK_WAIT):
-                hello = await receive_link_hello(channel)
-                session, rank = await self._wait_for_rank(hello)
-        except (trio.TooSlowError, PeerError, WireError) as bad:
-            log.debug("shard link from %s refused: %s", stream.remote, bad)
+        placed: tuple[ShardServedSession, int] | None = None
+        with ticket:  # a place until the link is placed; cancelled if a lighter identity takes it
+            channel = Channel(stream, max_frame=LINK_FRAME_LIMIT, on_frame=ticket.charge)
+            try:
+                with trio.fail_after(LINK_WAIT):
+                    hello = await receive_link_hello(channel)
+                    placed = await self._wait_for_rank(hello)
+            except (trio.TooSlowError, PeerError, WireError) as bad:
+                log.debug("shard link from %s refused: %s", stream.remote, bad)
+        if placed is None:
             await channel.reset()  # a link we cannot place carries nothing we could use
             return
-        finally:
-            self.unadmitted.leave(stream.remote)
+        session, rank = placed
+        channel.on_frame = None
         assert session.links is not None
         if session.links.members[rank] != stream.remote or rank > session.links.rank:
             await channel.reset()  # only the lower rank the requester named may open this link

@@ -5,7 +5,10 @@ what its folder's safetensors headers list (a peer that fetched only its span se
 only its span), read at the offsets of its own files, whatever layout they have.
 
 Limits, per remote peer and in all: `WeightLimits.streams_per_peer` streams at once
-(more are refused with `WeightRefused("busy")`), `max_streams` in total, and an
+(more are refused with `WeightRefused("busy")`), `max_streams` in total, every frame a
+fetcher sends no larger than a request (protocol/weights.py `REQUEST_FRAME_LIMIT`, 1.5 KiB:
+before, 64 MiB first frames from 8 throwaway identities took a holder from 670 MB to 2.6 GB
+of RSS), and an
 optional upload rate per peer (`rate`, bytes/s; 0 = unlimited) paced by a token
 bucket, so a volunteer's uplink is not eaten by one fetcher. A stream idle for
 `IDLE_TIMEOUT` is closed. A volunteer who wants none of this runs `--no-serve-weights`
@@ -24,8 +27,9 @@ from typing import Callable
 import trio
 
 from tessera.protocol.errors import WireError
+from tessera.protocol.framing import DEFAULT_MAX_FRAME
 from tessera.protocol.weights import (
-    WeightChunk, WeightChunkRequest, WeightManifest, WeightManifestRequest, WeightRefused,
+    REQUEST_FRAME_LIMIT, WeightChunk, WeightChunkRequest, WeightManifest, WeightManifestRequest, WeightRefused,
 )
 from tessera.stages.errors import ModelFormatError
 from tessera.stages.weights.registry import MANIFEST, read_manifest
@@ -72,6 +76,7 @@ class WeightSource:
         self._active: Counter[str] = Counter()
         self._next_free: dict[str, float] = {}
         self.bytes_served = 0
+        self.intake = transport.intake  # its polite refusals (peer/net/intake.py `refuse`)
         transport.set_handler(WEIGHTS_PROTOCOL, self.handle)
 
     def refresh(self) -> None:
@@ -102,15 +107,13 @@ class WeightSource:
 
     async def handle(self, stream: Stream) -> None:
         remote = stream.remote
-        channel = Channel(stream)
+        # every frame a fetcher sends is a small request: read with that limit from the first on
+        channel = Channel(stream, max_frame=REQUEST_FRAME_LIMIT, max_send=DEFAULT_MAX_FRAME)
+        busy = WeightRefused("busy: too many weight streams open")
         if self._active[remote] >= self.limits.streams_per_peer or sum(self._active.values()) >= self.limits.max_streams:
-            try:
-                await channel.send(WeightRefused("busy: too many weight streams open"))
-                await channel.close()
-            except PeerError:
-                pass  # it left already; the refusal was a courtesy
+            await self.intake.refuse(stream, busy, limit=REQUEST_FRAME_LIMIT)
             return
-        self._active[remote] += 1
+        self._active[remote] += 1  # admitted before a byte is read: within this source's own limits
         try:
             while True:
                 with trio.move_on_after(IDLE_TIMEOUT):

@@ -8,6 +8,13 @@ not recomputed — and serves wrong activations. So a peer checks what it loads:
   `check_manifest`), so its table of tensor and chunk hashes cannot be edited to match
   altered weights without the model id changing too (and a peer of another id is not in
   this swarm);
+- then every other file a load reads — config.json, the tokenizer files, the chat template,
+  the generation config, the weights' index — whole, by size and sha256
+  (stages/weights/registry.py `unvouched_files`), before any of them is parsed: a config.json
+  with another `rope_theta` beside genuine weights would otherwise load under the genuine model
+  id and compute other activations. A file the manifest does not list but a load would read
+  (a chat template added after import) is refused too. They are small (a tokenizer is a few
+  MB), so they are hashed at every start, not cached;
 - then every tensor of the span, in the loading pass: the loader hands each tensor, in the
   dtype it is stored in, to `SpanCheck` (the `check` hook of stages/weights/folder.py)
   before casting it, and its bytes are hashed chunk by chunk (`chunk_bytes`, 1 MiB) against
@@ -54,7 +61,7 @@ from typing import Iterable
 
 import torch
 
-from tessera.stages.weights.registry import MANIFEST, checked_manifest
+from tessera.stages.weights.registry import MANIFEST, checked_manifest, unvouched_files
 from tessera.stages.weights.tensor_table import read_header
 
 from tessera.peer.weights.errors import WeightsMismatch
@@ -140,6 +147,21 @@ class WeightCheck:
         self.cache = cache
         # raises ModelFormatError when the manifest does not hash to its model id
         self.manifest = checked_manifest(self.folder) if (self.folder / MANIFEST).exists() else None
+        if self.manifest is not None:
+            self._check_model_files(self.manifest)
+
+    def _check_model_files(self, manifest: dict) -> None:
+        """Refuse a folder whose config, tokenizer, chat template, generation config or index
+        differ from the manifest (module docstring): one line naming the first such file."""
+        faults = unvouched_files(self.folder, manifest)
+        if faults:
+            name, why = faults[0]
+            more = f" (and {len(faults) - 1} more: {', '.join(n for n, _ in faults[1:])})" if len(faults) > 1 else ""
+            raise WeightsMismatch(
+                f"refusing to serve: {str(self.folder / name)!r} does not match the manifest of model "
+                f"{manifest['model_id']}: {why}{more}. The folder was altered or damaged; fetch or import "
+                f"the model again (`tessera model fetch` / `tessera model import`); an edit made on purpose "
+                f"makes another model: import the edited folder under a new name, and it gets its own model id")
 
     @staticmethod
     def for_peer(folder: Path, data_dir: Path) -> "WeightCheck":

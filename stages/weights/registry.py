@@ -171,6 +171,30 @@ def verify(folder: Path, *, progress: Progress | None = None) -> list[str]:
     return bad
 
 
+def unvouched_files(folder: Path, manifest: dict) -> list[tuple[str, str]]:
+    """The files a load reads besides the weights — config, tokenizer, chat template,
+    generation config, the weights' index (`MODEL_FILES`) — that `manifest` does not vouch for,
+    each with why: its size or sha256 differs from its entry, the manifest lists it and it is
+    not there, or it is there and the manifest does not list it (a chat template added after
+    import would be read as the model's). Empty: every such file is the one the model id
+    names. The weights are checked tensor by tensor as they load (peer/weights/verify.py)."""
+    files = manifest["files"]
+    faults = []
+    for name in sorted(set(files) | {n for n in MODEL_FILES if (folder / n).exists()}):
+        if name.endswith(WEIGHT_SUFFIXES):
+            continue
+        path, entry = folder / name, files.get(name)
+        if entry is None:
+            faults.append((name, "the manifest does not list it"))
+        elif not path.exists():
+            faults.append((name, "the manifest lists it and it is missing"))
+        elif (size := path.stat().st_size) != entry.get("bytes"):
+            faults.append((name, f"it holds {size} bytes, the manifest {entry.get('bytes')}"))
+        elif sha256_file(path) != entry.get("sha256"):
+            faults.append((name, "its sha256 differs"))
+    return faults
+
+
 def partial_file_intact(folder: Path, name: str, manifest: dict) -> bool:
     """Every tensor in a partial weight file is in the table with the same bytes."""
     try:

@@ -215,9 +215,10 @@ def assert_error(response: httpx.Response, status: int, *, param: str | None = N
 
 
 def post(url: str, path: str, body, *, headers: dict | None = None) -> httpx.Response:
+    """POST `body` (JSON, as the clients send it: 'Content-Type: application/json')."""
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return httpx.post(url + path, content=content, headers=headers if headers is not None else auth(),
-                      timeout=HTTP_TIMEOUT)
+    sent = {"content-type": "application/json", **(headers if headers is not None else auth())}
+    return httpx.post(url + path, content=content, headers=sent, timeout=HTTP_TIMEOUT)
 
 
 CHAT = {"model": MODEL, "messages": chat_of("Hi"), "max_tokens": 4}
@@ -599,6 +600,34 @@ def test_cors_preflight_and_headers(url, half_url):
     assert "access-control-allow-origin" not in httpx.get(url + "/v1/models", headers={**auth(), **stranger}).headers
     off = httpx.options(half_url + "/v1/chat/completions", headers=asked)  # no --cors-origin: CORS is off
     assert off.status_code == 405 and "access-control-allow-origin" not in off.headers
+
+
+def test_pages_of_other_sites_cannot_use_the_gateway(url):
+    """peer/http/guard.py in front of the gateway: before it, a page of any site ran a `text/plain`
+    chat completion on the swarm (a "simple" request: the browser sends it without asking), and a
+    name rebound to 127.0.0.1 read the answers. Nothing of it reaches the swarm now."""
+    port = url.rsplit(":", 1)[1]
+    before = httpx.get(url + "/health").json()["gateway"]["requests"]
+    body = json.dumps({**CHAT, "max_tokens": 1})
+    simple = httpx.post(url + "/v1/chat/completions", content=body, timeout=HTTP_TIMEOUT,
+                        headers={**auth(), "content-type": "text/plain", "origin": "https://evil.example"})
+    assert_error(simple, 403, code="origin_not_allowed")
+    no_origin = httpx.post(url + "/v1/chat/completions", content=body, timeout=HTTP_TIMEOUT,
+                           headers={**auth(), "content-type": "text/plain"})
+    assert_error(no_origin, 415, code="unsupported_media_type")
+    rebound = {"host": f"rebind.example:{port}"}
+    assert_error(httpx.get(url + "/v1/models", headers={**auth(), **rebound}), 403, code="host_not_allowed")
+    assert_error(post(url, "/v1/chat/completions", CHAT, headers={**auth(), **rebound}), 403, code="host_not_allowed")
+    assert httpx.get(url + "/", headers=rebound).status_code == 403  # the pages too
+    messages = httpx.post(url + "/v1/messages", content=body, timeout=HTTP_TIMEOUT,
+                          headers={**auth(), "content-type": "text/plain"})
+    assert messages.status_code == 415 and messages.json()["type"] == "error"  # in Anthropic's shape there
+    assert httpx.get(url + "/health").json()["gateway"]["requests"] == before  # nothing ran on the swarm
+    # this server's own pages (the web view's chat), the --cors-origin's, and clients without a browser may
+    for origin in (url, ORIGIN, None):
+        headers = {**auth(), **({"origin": origin} if origin else {})}
+        answer = post(url, "/v1/chat/completions", {**CHAT, "max_tokens": 1}, headers=headers)
+        assert answer.status_code == 200, (origin, answer.text)
 
 
 # -- choosing who computes: the request's policy and the admin revocation ----------------------

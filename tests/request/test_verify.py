@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -112,9 +113,10 @@ async def memory_swarm(stack: AsyncExitStack, folder: Path, spans, cheater: int,
     return swarm, ids
 
 
-async def test_a_cheating_peer_is_caught_in_almost_every_session(decisive_model):
+async def test_a_cheating_peer_is_caught_in_almost_every_session(decisive_model, caplog):
     """100 sessions in memory: a peer perturbing 5% of steps, checks on 10% of steps (and,
-    as the default policy does, one over whatever is unchecked when a session ends)."""
+    as the default policy does, one over whatever is unchecked when a session ends). The
+    verdict's log line names the tie-breaker that decided it and the side it agrees with."""
     spans = [(0, 2), (2, 4), (2, 4), (2, 4)]  # peer 1 cheats; 2 and 3 can check and break ties
     engine = LocalEngine(decisive_model, device="cpu", dtype="float32")
     prompt = [5, 17, 42, 99, 7, 5, 17]
@@ -140,6 +142,10 @@ async def test_a_cheating_peer_is_caught_in_almost_every_session(decisive_model)
               f"({rewinds} regenerated after a caught peer's activations had changed tokens)")
     assert caught >= 0.99 * SESSIONS
     assert equal == SESSIONS
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("spot check: peer")]
+    assert lines and all(f"peer {ids[1]} returned wrong activations" in line for line in lines)
+    assert all(re.search(rf"tie-breaker ({ids[2]}|{ids[3]}) agrees with ({ids[2]}|{ids[3]})\)", line)
+               for line in lines), lines[0]
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """Admission against exhaustion (peer/serve/admission.py) on a real StageServer over the
 in-memory transport, under trio's MockClock: hostile identities holding and cycling idle
-sessions, KV charged as sessions grow, busy refusals that say when, and streams bounded
-before they are admitted; then the policy alone (Admission over a stand-in host), rule by rule."""
+sessions, KV charged as sessions grow, and busy refusals that say when (streams bounded before
+they are admitted: tests/serve/test_intake.py); then the policy alone (Admission over a stand-in host), rule by rule."""
 
 from __future__ import annotations
 
@@ -15,21 +15,19 @@ import torch
 import trio
 from libp2p.peer.id import ID
 
-from tessera.peer.base.errors import PeerError, SessionRefused, StreamClosed
+from tessera.peer.base.errors import PeerError, SessionRefused
 from tessera.peer.base.protocols import SESSION_PROTOCOL
 from tessera.peer.net.gossip import ViewKeeper
 from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
 from tessera.peer.net.memory_stream import LinkSpec
-from tessera.peer.net.transport import Channel
 from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.request.chain import RouteSession
 from tessera.peer.request.chain_state import RequesterContext
 from tessera.peer.serve.admission import (
-    ADMIT_WAIT, IDLE_GRACE, MAX_UNADMITTED_PER_REMOTE, RETRY_MIN, SHORT_WAIT, Admission, Limits, Refused, _Waiter,
+    ADMIT_WAIT, IDLE_GRACE, RETRY_MIN, SHORT_WAIT, Admission, Limits, Refused, _Waiter,
 )
 from tessera.peer.serve.limits import ServerLimits
 from tessera.peer.serve.server import StageServer
-from tessera.protocol.admission import OPEN_FRAME_LIMIT
 from tessera.protocol.error_codes import BUSY, RECLAIMED
 from tessera.protocol.keys import Identity
 from tessera.stages.assembly.stage import load_stage
@@ -213,33 +211,6 @@ async def test_a_full_peer_refuses_busy_with_a_retry_after(tiny_llama, autojump_
             assert refused.value.code == BUSY and 1.0 <= refused.value.retry_after <= IDLE_GRACE
             assert SHORT_WAIT <= trio.current_time() - asked < ADMIT_WAIT and server.stats.reclaimed == 0
             nursery.cancel_scope.cancel()
-
-
-async def test_streams_are_bounded_before_they_are_admitted(tiny_llama):
-    """A first frame bigger than an open request is refused at its length prefix; past the
-    per-remote count of unadmitted streams a new stream is reset unread."""
-    stage = load_stage(tiny_llama)
-    network = MemoryNetwork(LinkSpec(latency=0.0, bandwidth=1e12))
-    peer, other = Identity.from_seed(b"\x04" * 32), Identity.from_seed(b"\x05" * 32)
-    async with AsyncExitStack() as transports:
-        tp = await transports.enter_async_context(open_memory_transport(network, pid(peer)))
-        tr = await transports.enter_async_context(open_memory_transport(network, pid(other)))
-        server = StageServer(tp, peer, stage)
-        big = await tr.open_stream(pid(peer), SESSION_PROTOCOL)
-        await big.write(b"\x80\x80\x80\x1e")  # a prefix claiming 60 MiB: reset before any body is read
-        with pytest.raises(StreamClosed):
-            await Channel(big).receive()
-        assert server.stats.refused == 1 and OPEN_FRAME_LIMIT < 60 << 20
-        held = [await tr.open_stream(pid(peer), SESSION_PROTOCOL) for _ in range(MAX_UNADMITTED_PER_REMOTE)]
-        await await_until(lambda: sum(server.unadmitted.counts.values()) == MAX_UNADMITTED_PER_REMOTE, 10,
-                          "the streams counted")
-        extra = Channel(await tr.open_stream(pid(peer), SESSION_PROTOCOL))
-        with pytest.raises(StreamClosed):
-            await extra.receive()
-        assert server.stats.unadmitted_refused == 1
-        for stream in held:
-            await stream.reset()
-        await await_until(lambda: not server.unadmitted.counts, 10, "the streams forgotten")
 
 
 # -- the policy alone: Admission over a stand-in host, on a clock the test sets ----------------------

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import stat
 
 import pytest
 
@@ -23,6 +25,26 @@ from tessera.store.reputation import MAX_REPORT_BYTES
 def store(tmp_path):
     with PeerStore(tmp_path / "data" / "tessera.db", flush_interval=0.05) as s:
         yield s
+
+
+def test_the_database_and_its_wal_files_are_the_owners_alone(tmp_path):
+    """The ledger says which requester asked for what: 0600 like the key, -wal and -shm too
+    (they hold the latest writes), under the usual umask; an older 0644 database is made 0600."""
+    old_umask = os.umask(0o022)
+    try:
+        path = tmp_path / "tessera.db"
+        with PeerStore(path, flush_interval=0.05) as store:
+            store.add_ledger("12D3KooWrequester", 30, at=1.0)
+            store.flush()
+            modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+        assert modes == {"tessera.db": 0o600, "tessera.db-wal": 0o600, "tessera.db-shm": 0o600}, modes
+        older = tmp_path / "older.db"
+        PeerStore(older).close()
+        older.chmod(0o644)
+        PeerStore(older).close()
+        assert stat.S_IMODE(older.stat().st_mode) == 0o600
+    finally:
+        os.umask(old_umask)
 
 
 def test_fresh_database_is_wal_versioned_and_has_every_table(tmp_path):

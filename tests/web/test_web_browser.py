@@ -12,6 +12,8 @@ to the server that served it (nothing from a CDN: the view works offline).
   --join` prints for the same prompt, over the same route; denying the only peer of
   [10, 20) leaves no route, and the page says which layers;
 - Peer: the first peer's own page shows its sessions' events and a tokens/s sparkline;
+- other sites: a page of another origin cannot pause the first peer, a name rebound to
+  127.0.0.1 gets a 403, and the peer's own page still pauses and resumes it;
 - last, a peer is killed: the Swarm page shows it gone and "no route: layers [20, 30)
   missing" within the bound the page states (its record's lifetime plus one sample).
 
@@ -21,12 +23,14 @@ the docs. Without chromium installed (`apt-get install chromium`) the module is 
 
 from __future__ import annotations
 
+import http.server
 import json
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -269,6 +273,81 @@ def test_the_peers_own_page_shows_its_sessions_and_tokens(gateway, peer_web, bro
         assert page.locator("#sessions thead th").all_text_contents()[:2] == ["Session", "Requester"]
         page.wait_for_timeout(300)
         v.shot("web-peer.png")
+
+
+@contextmanager
+def another_site() -> Iterator[str]:
+    """A page of another origin on this machine (a plain HTTP server on its own port); yields its URL."""
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"<!doctype html><title>another site</title><p>another site"
+            self.send_response(200)
+            self.send_header("content-type", "text/html")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+ATTACK = """async (target) => {
+  const sent = [];
+  for (const [body, type] of [["{}", "text/plain"], ["{}", "application/json"]]) {
+    try {  // no-cors: the page cannot read the answer, but the request is sent (and was served)
+      await fetch(target, { method: "POST", mode: "no-cors", body, headers: { "content-type": type } });
+      sent.push("sent");
+    } catch (error) { sent.push("blocked"); }
+  }
+  return sent;
+}"""
+
+
+def test_pages_of_other_sites_cannot_drive_the_peer_and_its_own_page_can(peer_web, browser):
+    """The attacks of issue 45 in chromium (peer/http/guard.py): a page of another origin (another
+    port of this machine) POSTs pause to the peer's web view, as a simple request and as JSON, and
+    a name rebound to 127.0.0.1 (chromium's resolver maps it) loads the peer's page: the peer keeps
+    serving and the rebound name gets a 403. The peer's own page still pauses and resumes it."""
+    port = int(peer_web.rstrip("/").rsplit(":", 1)[1])
+    with another_site() as other:
+        context = browser.new_context()
+        try:
+            page = context.new_page()
+            page.goto(other)
+            sent = page.evaluate(ATTACK, peer_web + "web/api/peer/pause")
+        finally:
+            context.close()
+    assert sent[0] == "sent", sent  # the simple request left the browser: the server had to refuse it
+    status = httpx.get(peer_web + "web/api/peer", timeout=30).json()["status"]
+    assert (status["state"], status["paused"]) == ("serving", False)
+    resolver = browser.browser_type.launch(
+        executable_path=CHROMIUM, args=[*LAUNCH_ARGS, "--host-resolver-rules=MAP rebind.example 127.0.0.1",
+                                        "--disable-features=HttpsUpgrades"])
+    try:
+        page = resolver.new_page()
+        answer = page.goto(f"http://rebind.example:{port}/peer")
+        assert answer is not None and answer.status == 403, answer and answer.text()
+        assert "host_not_allowed" in answer.text()
+    finally:
+        resolver.close()
+    with visit(browser, peer_web, "/peer", key=None) as v:  # the peer's own page: its buttons still act
+        page = v.page
+        expect(page.locator("#actions")).to_be_visible()
+        page.click("#actions button[data-action=pause]")
+        expect(page.locator("#action-result")).to_have_text(re.compile(r"^pause: now"))
+        assert httpx.get(peer_web + "web/api/peer", timeout=30).json()["status"]["paused"] is True
+        page.click("#actions button[data-action=resume]")
+        expect(page.locator("#action-result")).to_have_text(re.compile(r"^resume: now"))
 
 
 def test_a_killed_peer_shows_gone_and_its_layers_missing_within_the_bound(gateway, swarm, browser):

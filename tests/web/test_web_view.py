@@ -240,3 +240,19 @@ async def test_admin_actions_come_from_this_machine_only():
     status, _, body = await call(app, "GET", "/web/api/info", client=("192.0.2.9", 4000))
     assert json.loads(body)["admin"] is False
     assert (await call(app, "GET", "/web/api/peer/drain", headers=key))[0] == 405
+
+
+async def test_a_sessions_idle_time_is_read_on_the_clock_it_was_stamped_on():
+    """`last_active` is stamped on trio's clock (peer/serve/admission.py), which trio offsets from
+    time.monotonic at random: a session idle 20 s showed 0.0 (or days) when the two were mixed."""
+    from types import SimpleNamespace
+
+    from tessera.peer.http.web.sources import NodeSource
+
+    session = SimpleNamespace(short_id="s1", session_id=b"s1", requester="r", start=0, end=2, steps=3, tokens=4,
+                              last_active=trio.current_time() - 20.0)
+    server = SimpleNamespace(admission=SimpleNamespace(clock=trio.current_time), sessions={b"s1": session})
+    node = SimpleNamespace(config=SimpleNamespace(model="m"), model_id=MODEL, spec=None, server=server,
+                           transport=SimpleNamespace(peer_id="me"))
+    (row,) = NodeSource(node).sessions_of("me")
+    assert 20.0 <= row["idle_s"] <= 21.0, row

@@ -244,3 +244,72 @@ def test_a_checkpoint_that_ships_quantized_is_checked_as_stored(tmp_path, form):
     flip_a_byte(folder, altered)
     with pytest.raises(WeightsMismatch, match=altered):
         load_stage(folder, start=0, end=1, check=WeightCheck(folder, VerifiedCache(None)).begin())
+
+
+def edit_json(path: Path, **changes) -> None:
+    """Rewrite a JSON file of the folder with `changes` (a new file: the manifest is left as it was)."""
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.unlink()  # it may be a hard link to the original folder's file
+    path.write_text(json.dumps(data, indent=2))
+
+
+def test_a_config_with_another_rope_theta_is_refused_before_it_is_read(model, tmp_path):
+    """Genuine weights and manifest, config.json edited: it would load under the genuine model id
+    and compute other activations. Refused in one line naming the file and the model id."""
+    edit_json(model / "config.json", rope_theta=12345.0)
+    with pytest.raises(WeightsMismatch) as refused:
+        WeightCheck(model, VerifiedCache(tmp_path / CACHE_FILE))
+    line = str(refused.value)
+    model_id = json.loads((model / MANIFEST).read_text())["model_id"]
+    assert "\n" not in line and "refusing to serve" in line and "config.json" in line and model_id in line
+    assert "bytes" in line or "sha256" in line
+
+
+@pytest.mark.parametrize("change", ["tokenizer_config", "tokenizer", "template added", "generation config removed"])
+def test_every_small_file_a_load_reads_is_held_to_the_manifest(model, tmp_path, change):
+    from tessera.stages.weights.registry import write_manifest
+
+    if change == "tokenizer_config":
+        edit_json(model / "tokenizer_config.json", eos_token="<|im_start|>")
+        name = "tokenizer_config.json"
+    elif change == "tokenizer":
+        data = (model / "tokenizer.json").read_bytes()
+        (model / "tokenizer.json").write_bytes(data.replace(b'"a"', b'"b"', 1) if b'"a"' in data else data + b" ")
+        name = "tokenizer.json"
+    elif change == "template added":  # the model had none: one placed beside it would be read as the model's
+        (model / "chat_template.jinja").unlink()
+        write_manifest(model, chunk_bytes=4096)
+        (model / "chat_template.jinja").write_text("{{ messages }}")
+        name = "chat_template.jinja"
+    else:
+        (model / "generation_config.json").write_text(json.dumps({"temperature": 0.7}))
+        write_manifest(model, chunk_bytes=4096)
+        (model / "generation_config.json").unlink()
+        name = "generation_config.json"
+    with pytest.raises(WeightsMismatch, match=name.replace(".", r"\.")):
+        WeightCheck(model, VerifiedCache(tmp_path / CACHE_FILE))
+
+
+def test_an_intact_folder_passes_the_small_file_check(model, tmp_path):
+    WeightCheck(model, VerifiedCache(tmp_path / CACHE_FILE))  # raises nothing
+
+
+def test_the_peer_with_another_rope_theta_refuses_in_one_line(smol_dir, tmp_path):
+    """`tessera peer` on SmolLM2 whose weights and manifest are genuine and whose config.json says
+    another rope_theta: it exits before loading anything, with one line naming config.json."""
+    copy = tmp_path / "smol"
+    copy.mkdir()
+    for item in smol_dir.iterdir():
+        if item.is_file():
+            os.link(item, copy / item.name)  # read only: nothing but config.json is written
+    edit_json(copy / "config.json", rope_theta=500000.0)
+    done = subprocess.run(
+        [sys.executable, "-m", "tessera.peer.cli.main", "peer", "--model", str(copy), "--layers", "0:10",
+         "--data-dir", str(tmp_path / "data"), "--threads", "1", "--listen", "/ip4/127.0.0.1/tcp/0"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "refusing to serve" in lines[0] and "config.json" in lines[0], done.stderr
+    assert "serving layers" not in done.stdout

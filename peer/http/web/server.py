@@ -14,6 +14,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
+from tessera.peer.http.guard import HostRules, OriginGuard
 from tessera.peer.http.web.app import WebApp
 
 if TYPE_CHECKING:
@@ -27,11 +28,15 @@ def hypercorn_config(host: str, port: int) -> Config:
     return config
 
 
-async def serve_node_web(node: "PeerNode", *, host: str, port: int, api_key: str | None) -> None:
-    """The peer's web view on host:port until cancelled; says its URL through the node's `out`."""
+async def serve_node_web(node: "PeerNode", *, host: str, port: int, api_key: str | None,
+                         rules: HostRules | None = None) -> None:
+    """The peer's web view on host:port until cancelled; says its URL through the node's `out`.
+    Behind `OriginGuard` (peer/http/guard.py): only this machine's own pages, and the origins
+    `rules` allows (--web-allow-origin), may use it."""
     app = WebApp.for_node(node, api_key=api_key)
+    guarded = OriginGuard(app, rules or HostRules())
     async with trio.open_nursery() as nursery:
         nursery.start_soon(app.run)
-        binds = await nursery.start(partial(hypercorn_serve, app, hypercorn_config(host, port), mode="asgi"))
+        binds = await nursery.start(partial(hypercorn_serve, guarded, hypercorn_config(host, port), mode="asgi"))
         for url in binds:
             node.out(f"web view: {url}/{' (API key required)' if api_key else ''}")

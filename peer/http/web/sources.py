@@ -16,7 +16,6 @@ sqlite read of recent events, which goes to a worker thread (`in_worker`).
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import TYPE_CHECKING, Mapping
 
 from tessera.stages.families.spec import ModelSpec
@@ -155,7 +154,7 @@ class NodeSource:
         server = self.node.server
         if peer_id != self.me or server is None:
             return []
-        now = time.monotonic()
+        now = server.admission.clock()  # the clock `last_active` is read on (trio's, not time.monotonic)
         return [
             {"id": s.short_id, "requester": s.requester, "span": [s.start, s.end], "steps": s.steps,
              "tokens": s.tokens, "idle_s": round(max(0.0, now - s.last_active), 1)}

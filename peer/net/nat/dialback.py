@@ -35,6 +35,7 @@ import trio
 
 from tessera.protocol.codec import message
 from tessera.protocol.errors import WireError
+from tessera.protocol.framing import DEFAULT_MAX_FRAME
 from tessera.protocol.schema import wire
 
 from tessera.peer.base.protocols import DIALBACK_PROBE_PROTOCOL, DIALBACK_PROTOCOL
@@ -52,6 +53,10 @@ DIALBACK_DIAL_TIMEOUT = 3.0
 # The asker's whole wait: the helper's dials run in parallel, plus starting its probe host.
 CHECK_TIMEOUT = DIALBACK_DIAL_TIMEOUT + 5.0
 MAX_CONCURRENT_DIALBACKS = 4  # a helper runs at most this many dial-backs at once (others are refused)
+# The largest frames a helper and an asker read before they know the other: a DialBackRequest at
+# its limits (8 addresses of 256 four-byte characters) is 8,262 bytes encoded, a DialBackProbe 41.
+REQUEST_FRAME_LIMIT = 9 * 1024
+PROBE_FRAME_LIMIT = 64
 
 
 @message("dialback-req")
@@ -183,26 +188,48 @@ class DialBack:
         return DialBackOutcome(helper, result.observed, confirmed, result.tried)
 
     async def handle_probe(self, stream: Stream) -> None:
-        channel = Channel(stream)
-        try:
-            with trio.fail_after(DIALBACK_DIAL_TIMEOUT):
-                probe = await channel.receive()
-                if not isinstance(probe, DialBackProbe) or probe.nonce not in self._pending:
-                    raise WireError("dial-back probe with an unknown nonce")
-                self._pending[probe.nonce] += 1
-                await channel.send(probe)
-            await channel.close()
-        except (trio.TooSlowError, PeerError, WireError) as bad:
-            log.debug("dial-back probe from %s refused: %s", stream.remote, bad)
-            await channel.reset()  # a stranger with the wrong nonce gets nothing
+        ticket = self.transport.intake.enter(stream)  # a stranger's stream (peer/net/intake.py)
+        if ticket is None:
+            await stream.reset()
+            return
+        with ticket:
+            channel = Channel(stream, max_frame=PROBE_FRAME_LIMIT, on_frame=ticket.charge)
+            try:
+                with trio.fail_after(DIALBACK_DIAL_TIMEOUT):
+                    probe = await channel.receive()
+                    if not isinstance(probe, DialBackProbe) or probe.nonce not in self._pending:
+                        raise WireError("dial-back probe with an unknown nonce")
+                    self._pending[probe.nonce] += 1
+                    await channel.send(probe)
+                await channel.close()
+            except (trio.TooSlowError, PeerError, WireError) as bad:
+                log.debug("dial-back probe from %s refused: %s", stream.remote, bad)
+                await channel.reset()  # a stranger with the wrong nonce gets nothing
+        if ticket.evicted:
+            await stream.reset()
 
     # -- helping ----------------------------------------------------------------------
 
     async def handle_request(self, stream: Stream) -> None:
-        channel = Channel(stream)
+        deadline = trio.current_time() + CHECK_TIMEOUT
+        ticket = self.transport.intake.enter(stream)  # a stranger's stream until its request is read
+        if ticket is None:
+            await stream.reset()
+            return
+        request: object = None
+        with ticket:
+            channel = Channel(stream, max_frame=REQUEST_FRAME_LIMIT, on_frame=ticket.charge, max_send=DEFAULT_MAX_FRAME)
+            try:
+                with trio.fail_at(deadline):
+                    request = await channel.receive()
+            except (trio.TooSlowError, PeerError, WireError) as bad:
+                log.debug("dial-back request from %s failed: %s", stream.remote, bad)
+        if request is None:  # garbage, too slow, or its place taken by a lighter identity
+            await stream.reset()
+            return
+        channel.on_frame = None
         try:
-            with trio.fail_after(CHECK_TIMEOUT):
-                request = await channel.receive()
+            with trio.fail_at(deadline):
                 if not isinstance(request, DialBackRequest):
                     raise WireError(f"expected DialBackRequest, got {type(request).__name__}")
                 observed = getattr(stream, "remote_addr", None) or ""

@@ -19,6 +19,7 @@ from libp2p.peer.id import ID
 
 from tessera.protocol.codec import message
 from tessera.protocol.errors import WireError
+from tessera.protocol.framing import DEFAULT_MAX_FRAME
 from tessera.protocol.records import MAX_NEIGHBOURS, MAX_PEER_ID_SIZE
 from tessera.protocol.schema import wire
 
@@ -29,6 +30,7 @@ from tessera.peer.net.transport import DIRECT, PUNCHED, RELAYED, Channel, Stream
 log = logging.getLogger(__name__)
 
 LINKS_TIMEOUT = 5.0  # one small request and answer on an existing connection (as gossip's exchange)
+REQUEST_FRAME_LIMIT = 64  # the question is an empty LinkReport: 16 bytes encoded
 KINDS = (DIRECT, PUNCHED, RELAYED)
 
 
@@ -62,17 +64,24 @@ def serve_links(transport: Transport, links: Callable[[], dict[str, str]]) -> No
     """Answer LINKS_PROTOCOL with `links()` (peer id -> kind)."""
 
     async def handle(stream: Stream) -> None:
-        channel = Channel(stream)
-        try:
-            with trio.fail_after(LINKS_TIMEOUT):
-                if not isinstance(await channel.receive(), LinkReport):
-                    raise WireError("expected an (empty) LinkReport")
-                entries = sorted(links().items())[:MAX_NEIGHBOURS]
-                await channel.send(LinkReport(tuple(Link(ID.from_base58(p).to_bytes(), k) for p, k in entries)))
-            await channel.close()
-        except (trio.TooSlowError, PeerError, WireError) as bad:
-            log.debug("links request from %s failed: %s", stream.remote, bad)
-            await channel.reset()
+        ticket = transport.intake.enter(stream)  # a stranger's stream for the whole exchange (peer/net/intake.py)
+        if ticket is None:
+            await stream.reset()
+            return
+        with ticket:
+            channel = Channel(stream, max_frame=REQUEST_FRAME_LIMIT, on_frame=ticket.charge, max_send=DEFAULT_MAX_FRAME)
+            try:
+                with trio.fail_after(LINKS_TIMEOUT):
+                    if not isinstance(await channel.receive(), LinkReport):
+                        raise WireError("expected an (empty) LinkReport")
+                    entries = sorted(links().items())[:MAX_NEIGHBOURS]
+                    await channel.send(LinkReport(tuple(Link(ID.from_base58(p).to_bytes(), k) for p, k in entries)))
+                await channel.close()
+            except (trio.TooSlowError, PeerError, WireError) as bad:
+                log.debug("links request from %s failed: %s", stream.remote, bad)
+                await channel.reset()
+        if ticket.evicted:
+            await stream.reset()
 
     transport.set_handler(LINKS_PROTOCOL, handle)
 

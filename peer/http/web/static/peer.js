@@ -91,7 +91,9 @@ function drawActions(data) {
     button.addEventListener("click", async () => {
       const result = document.getElementById("action-result");
       try {
-        const done = await (await api(`/web/api/peer/${button.dataset.action}`, { method: "POST" })).json();
+        const done = await (await api(`/web/api/peer/${button.dataset.action}`, {
+          method: "POST", body: "{}", headers: { "content-type": "application/json" },  // what the server's guard asks
+        })).json();
         result.textContent = `${done.done}: now ${done.state}`;
       } catch (error) {
         result.textContent = String(error.message || error);
