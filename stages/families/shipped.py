@@ -59,18 +59,21 @@ class GgmlType:
         return self.block == 1
 
 
-# The ggml types tessera computes as they are (k-quants, Q8_0, Q4_0/Q4_1) or reads as floats.
+# The ggml types tessera computes as they are (k-quants, IQ types, FP4, Q8_0, Q4_0/Q4_1) or reads as floats.
 GGML_TYPES = {t.name: t for t in (
     GgmlType("F32", 0, 1, 4), GgmlType("F16", 1, 1, 2), GgmlType("BF16", 30, 1, 2),
     GgmlType("Q4_0", 2, 32, 18), GgmlType("Q4_1", 3, 32, 20), GgmlType("Q8_0", 8, 32, 34),
+    GgmlType("Q2_K", 10, 256, 84), GgmlType("Q3_K", 11, 256, 110),
     GgmlType("Q4_K", 12, 256, 144), GgmlType("Q5_K", 13, 256, 176), GgmlType("Q6_K", 14, 256, 210),
+    GgmlType("IQ2_XXS", 16, 256, 66), GgmlType("IQ2_XS", 17, 256, 74), GgmlType("IQ3_XXS", 18, 256, 98),
+    GgmlType("IQ1_S", 19, 256, 50), GgmlType("IQ4_NL", 20, 32, 18), GgmlType("IQ3_S", 21, 256, 110),
+    GgmlType("IQ2_S", 22, 256, 82), GgmlType("IQ4_XS", 23, 256, 136), GgmlType("IQ1_M", 29, 256, 56),
+    GgmlType("MXFP4", 39, 32, 17), GgmlType("NVFP4", 40, 64, 36),
 )}
 GGML_BY_ID = {t.ggml_id: t for t in GGML_TYPES.values()}
 # ggml's names for the ids it has (a refusal names the type a file holds, not its number)
-GGML_NAMES = {4: "Q4_2", 5: "Q4_3", 6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 15: "Q8_K",
-              16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S",
-              23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 34: "TQ1_0",
-              35: "TQ2_0", 39: "MXFP4"}
+GGML_NAMES = {4: "Q4_2", 5: "Q4_3", 6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 15: "Q8_K", 24: "I8", 25: "I16", 26: "I32",
+              27: "I64", 28: "F64", 34: "TQ1_0", 35: "TQ2_0", 41: "Q1_0"}
 
 
 def ggml_type_of(ggml_id: int, where: str) -> GgmlType:

@@ -15,11 +15,14 @@ depend on the values, so these encoders are plain:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tessera.stages.families.shipped import GGML_TYPES, GgmlType, ShippedFormat
 from tessera.stages.families.tensors import Stacked
 from tessera.stages.kernels.fp8 import FP8_MAX
+from tessera.stages.kernels.ggml import ggml_rows
 from tessera.stages.kernels.linear import RowStack
 from tessera.stages.kernels.mxfp4 import E8M0_BIAS, GROUP
 from tessera.stages.kernels.quant import QuantLinear
@@ -57,9 +60,41 @@ def mxfp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks.contiguous(), (exponent + E8M0_BIAS).to(torch.uint8)
 
 
+# Where the lower types (ggml_kquants.py, ggml_iq.py, ggml_fp4.py) keep their float16 block scales; IQ1_M,
+# MXFP4 and NVFP4 keep theirs otherwise (`set_block_scale`)
+GGML_HALVES = {"Q2_K": (80, 82), "Q3_K": (108,), "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,),
+               "IQ3_S": (0,), "IQ1_S": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+IQ1_M_SCALES = 48  # IQ1_M: four uint16 from here, each with a nibble of d's float16 in its top four bits
+UE4M3_BIAS = 7
+
+
+def set_block_scale(kind: GgmlType, blocks: torch.Tensor, value: float) -> None:
+    """Set the block scale of every block [..., nbytes] of a lower type to about `value` (in place)."""
+    if kind.name in GGML_HALVES:
+        half = torch.tensor([value], dtype=torch.float16).view(torch.uint8)
+        for at in GGML_HALVES[kind.name]:
+            blocks[..., at : at + 2] = half
+    elif kind.name == "IQ1_M":
+        bits = int(torch.tensor([value], dtype=torch.float16).view(torch.int16)) & 0xFFFF
+        for i in range(4):  # the high nibble of each uint16's second byte
+            at = IQ1_M_SCALES + 2 * i + 1
+            blocks[..., at] = (blocks[..., at] & 0x0F) | (((bits >> (4 * i)) & 0xF) << 4)
+    elif kind.name == "MXFP4":  # e8m0, halved: 2^(e - 128)
+        blocks[..., 0] = int(min(254, max(2, 128 + round(math.log2(value)))))
+    elif kind.name == "NVFP4":  # unsigned e4m3 per 16 weights, halved: a power of two
+        blocks[..., 0:4] = int(min(14, max(1, UE4M3_BIAS + round(math.log2(2 * value))))) << 3
+    else:
+        raise ValueError(f"no block scale known for {kind.name}")
+
+
 def random_ggml(kind: GgmlType, rows: int, cols: int, *, std: float, gen: torch.Generator) -> torch.Tensor:
     """Random ggml blocks of `kind` for a [rows, cols] matrix of weights about `std` in size."""
     blocks = torch.randint(0, 256, (rows, cols // kind.block, kind.nbytes), dtype=torch.uint8, generator=gen)
+    if kind.name not in GGML_SCALES:  # random codes: the block scale that brings them to `std`
+        set_block_scale(kind, blocks, 1.0)
+        unit = float(ggml_rows(blocks.view(rows, -1), kind).std())
+        set_block_scale(kind, blocks, std / unit)
+        return blocks.view(rows, -1)
     offsets, typical = GGML_SCALES[kind.name]
     scale = torch.full((rows, cols // kind.block), std / typical, dtype=torch.float16).view(torch.uint8)
     for at in offsets:

@@ -39,7 +39,8 @@ import torch
 
 from tessera.stages.families.shipped import GgmlType
 from tessera.stages.kernels.chunked import SCRATCH, chunked_matmul
-from tessera.stages.kernels.ggml import ggml_rows
+from tessera.stages.kernels.ggml import SCALED_TYPES, ggml_rows
+from tessera.stages.kernels.ggml_scaled import scaled_rows, scaled_weight
 from tessera.stages.kernels.linear import ShippedLinear
 
 NIBBLES = 0x0F0F0F0F  # every byte's low nibble, a word at a time
@@ -263,10 +264,14 @@ class GgmlLinear(ShippedLinear):
         self.register_buffer("bias", bias)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [T, K] -> [T, N], without the bias (on a CPU: `split_matmul`)."""
-        if rows.device.type != "cpu":
+        """rows [T, K] -> [T, N], without the bias (on a CPU: `split_matmul` where the type has a split
+        order, else its reference rows a chunk at a time)."""
+        if rows.device.type != "cpu" or self.kind.name not in SPLITS:
             return super().matmul(rows)
         return split_matmul(rows.float(), self.weight, self.kind).to(rows.dtype)
+
+    def rows_into(self, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(ggml_rows(self.weight[lo:hi], self.kind))
 
     def dequantized(self) -> torch.Tensor:
         return ggml_rows(self.weight.cpu(), self.kind)
@@ -279,14 +284,20 @@ class GgmlLinear(ShippedLinear):
         return f"GGUF {self.kind.name}"
 
     def fused_inputs(self) -> tuple[torch.Tensor, ...] | None:
+        if self.kind.name in SCALED_TYPES:  # the bytes, and the type's tables (grids): graph inputs
+            return self.weight, *SCALED_TYPES[self.kind.name].tables()
         return (self.weight.view(torch.int8),) if self.kind.name in FUSED else None
 
-    def fused_weight(self, raw: torch.Tensor) -> torch.Tensor:
+    def fused_weight(self, raw: torch.Tensor, *tables: torch.Tensor) -> torch.Tensor:
         blocks = raw.view(raw.shape[0], -1, self.kind.nbytes)
+        if self.kind.name in SCALED_TYPES:
+            return scaled_weight(SCALED_TYPES[self.kind.name], blocks, *tables).reshape(self.out_features, -1)
         return _fused_weight(blocks, self.kind.name).reshape(self.out_features, self.in_features)
 
-    def fused_rows(self, x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    def fused_rows(self, x: torch.Tensor, raw: torch.Tensor, *tables: torch.Tensor) -> torch.Tensor:
         blocks = raw.view(raw.shape[0], -1, self.kind.nbytes)
+        if self.kind.name in SCALED_TYPES:
+            return scaled_rows(SCALED_TYPES[self.kind.name], x, blocks, *tables)
         if self.kind.name == "Q8_0":  # summed per block then over blocks: the codes' loads stay contiguous
             return (x.view(x.shape[0], 1, blocks.shape[1], 32) * _fused_weight(blocks, "Q8_0")).sum((-1, -2))
         low, high = _q4_halves(blocks, self.kind.name)  # [N, nb, 16]

@@ -9,9 +9,10 @@ conformance.py `build`) and quantizes its layers' matrices to the published layo
 - `mxfp4_folder`: gpt-oss's `_blocks`/`_scales`, the codes and exponents from the `gguf`
   package's MXFP4 quantizer (the same e2m1/e8m0 numbers; ggml packs a block's nibbles in
   halves, gpt-oss in pairs, and this repacks them);
-- `gguf_file`: a llama.cpp GGUF written with the `gguf` package's writer: Q8_0/Q4_0/Q4_1 by its
-  quantizers, the k-quants (which it only dequantizes) by the small quantizers here, q/k rows
-  permuted as llama.cpp's converter permutes them, experts stacked.
+- `gguf_file`: a llama.cpp GGUF written with the `gguf` package's writer: Q8_0/Q4_0/Q4_1/MXFP4 by its
+  quantizers, Q4_K/Q5_K/Q6_K (which it only dequantizes) by the small quantizers here, the lower
+  types (Q2_K, Q3_K, the IQ types, NVFP4) as random valid codes, q/k rows permuted as llama.cpp's
+  converter permutes them, experts stacked.
 
 The oracle of each is a float folder of the same model whose matrices are what the stored
 values mean, computed by the independent dequantizer (`reference_folder`): transformers'
@@ -215,6 +216,20 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
 
 
 K_QUANTIZERS = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
+# The lower types without a quantizer in the gguf package (it dequantizes them all): random valid codes
+# (every grid index, sign index and nibble is valid) under a block scale that gives the matrix's std
+RANDOM_CODES = ("Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS",
+                "IQ4_NL", "NVFP4")
+LOW_BIT = (*RANDOM_CODES, "MXFP4")  # MXFP4 by the gguf package's own quantizer
+
+
+def random_codes(w: np.ndarray, kind: str) -> np.ndarray:
+    """Random blocks of `kind` for a [rows, K] matrix, weights of about w's std (seeded by the shape)."""
+    from tessera.stages.families.shipped import GGML_TYPES
+    from tessera.stages.weights.formats.encode import random_ggml
+
+    gen = torch.Generator().manual_seed(w.shape[0] * 7919 + w.shape[1])
+    return random_ggml(GGML_TYPES[kind], *w.shape, std=float(w.std()), gen=gen).numpy()
 
 
 def ggml_quantize(w: np.ndarray, kind: str) -> np.ndarray:
@@ -229,7 +244,30 @@ def ggml_quantize(w: np.ndarray, kind: str) -> np.ndarray:
     if kind in K_QUANTIZERS:
         rows = w.shape[0]
         return K_QUANTIZERS[kind](w.reshape(-1, QK_K)).reshape(rows, -1)
+    if kind in RANDOM_CODES:
+        return random_codes(w, kind)
     return quantize(w.astype(np.float32), GGMLQuantizationType[kind])
+
+
+# where each block type keeps its float16 scales (the bytes left random may hold any code)
+HALVES = {"Q6_K": (208,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q2_K": (80, 82), "Q3_K": (108,),
+          "IQ1_M": (), "MXFP4": (), "NVFP4": ()}
+
+
+def finite_blocks(kind: str, data: np.ndarray, count: int, rnd) -> np.ndarray:
+    """`count` blocks of `kind` from random bytes, their scales made finite: float16 scales drawn in
+    [-4, 4], IQ1_M's float16 (spread over four nibbles) kept below infinity, MXFP4's exponent below 250
+    (2^122 times a code stays finite; gguf's numpy makes inf * 0 a NaN)."""
+    from tessera.stages.families.shipped import GGML_TYPES
+
+    raw = data.reshape(count, GGML_TYPES[kind].nbytes).copy()
+    for at in HALVES.get(kind, (0,)):
+        raw[:, at : at + 2] = np.array([rnd.uniform(-4, 4) for _ in range(count)], np.float16).view(np.uint8).reshape(-1, 2)
+    if kind == "IQ1_M":
+        raw[:, 55] &= 0xBF  # d's exponent's top bit
+    if kind == "MXFP4":
+        raw[:, 0] %= 250
+    return raw
 
 
 def permute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:

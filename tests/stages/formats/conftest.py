@@ -19,6 +19,13 @@ def cycling(kinds: tuple[str, ...]):
     return lambda name: kinds[sum(name.encode()) % len(kinds)]
 
 
+def in_turn(kinds: tuple[str, ...]):
+    """A GGUF type per matrix, the kinds in turn as the writer asks (in a fixed order): every kind
+    is used once there are as many matrices."""
+    given: dict[str, str] = {}
+    return lambda name: given.setdefault(name, kinds[len(given) % len(kinds)])
+
+
 @pytest.fixture(scope="session")
 def sources(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
@@ -60,8 +67,12 @@ def shipped(sources, tmp_path_factory):
     gguf["gguf-llama-every-k-quant"] = ("llama", K_QUANTS, "Q6_K")
     gguf["gguf-llama-q4"] = ("llama", ("Q4_0", "Q4_1"), "Q8_0")  # the older 4-bit types, each with a fused form
     gguf["gguf-moe-every-type"] = ("moe", EVERY_BLOCK_TYPE, "Q6_K")
+    # the low-bit files' types (21 Llama matrices: each of the 19 block types at least once), the edges IQ4_XS
+    gguf["gguf-llama-every-type"] = ("llama", in_turn(ck.LOW_BIT + EVERY_BLOCK_TYPE), "IQ4_XS")
+    gguf["gguf-moe-low-bit"] = ("moe", in_turn(ck.LOW_BIT), "Q2_K")
     for name, (source, kinds, edge) in gguf.items():
-        path = ck.gguf_file(sources[source], root / f"{name}.gguf", cycling(kinds), edge_type=edge)
+        types = kinds if callable(kinds) else cycling(kinds)
+        path = ck.gguf_file(sources[source], root / f"{name}.gguf", types, edge_type=edge)
         convert_gguf(path, root / name, keep_blocks=True)
         out[name] = (root / name, ck.gguf_reference_folder(path, root / f"{name}-reference"))
     return out
@@ -69,6 +80,7 @@ def shipped(sources, tmp_path_factory):
 
 NAMES = ["fp8-llama", "fp8-moe", "fp8-llama-ragged-blocks", "fp8-deepseek_v3", "fp8-glm4_moe", "fp8-glm_moe_dsa",
          "mxfp4-moe", "mxfp4-moe-fused", "mxfp4-llama-every-matrix",
-         *(f"gguf-llama-{kind}" for kind in K_QUANTS), "gguf-llama-every-k-quant", "gguf-llama-q4", "gguf-moe-every-type"]
+         *(f"gguf-llama-{kind}" for kind in K_QUANTS), "gguf-llama-every-k-quant", "gguf-llama-q4", "gguf-moe-every-type",
+         "gguf-llama-every-type", "gguf-moe-low-bit"]
 
 

@@ -30,6 +30,7 @@ from tessera.stages.families.catalog import spec_from_config, spec_from_file, to
 from tessera.stages.families.shipped import GGML_TYPES
 from tessera.stages.weights.folder_check import check_folder
 from tessera.stages.assembly.blocks import dense_block
+from tessera.stages.kernels.ggml_linear import SPLITS
 from tessera.stages.kernels.quant import Quant, QuantError, span_bytes
 
 from ..families.conformance import PROMPT
@@ -166,7 +167,7 @@ def test_mxfp4_matches_transformers(data):
     assert torch.equal(widen_groups(blocks, scales, torch.empty(4, 128)), want)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.sampled_from(sorted(k for k, t in GGML_TYPES.items() if not t.is_float)), st.integers(1, 3),
        st.randoms(use_true_random=False))
 def test_ggml_blocks_match_the_gguf_package(kind, rows, rnd):
@@ -179,14 +180,14 @@ def test_ggml_blocks_match_the_gguf_package(kind, rows, rnd):
     from tessera.stages.kernels.ggml_linear import split_weight
 
     t = GGML_TYPES[kind]
-    raw = np.frombuffer(rnd.randbytes(rows * 2 * t.nbytes), dtype=np.uint8).reshape(rows * 2, t.nbytes).copy()
-    offsets = {"Q6_K": (208,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2)}.get(kind, (0,))
-    for at in offsets:
-        raw[:, at : at + 2] = np.array([rnd.uniform(-4, 4) for _ in range(rows * 2)], np.float16).view(np.uint8).reshape(-1, 2)
+    raw = ck.finite_blocks(kind, np.frombuffer(rnd.randbytes(rows * 2 * t.nbytes), dtype=np.uint8), rows * 2, rnd)
     raw = raw.reshape(rows, 2 * t.nbytes)
     want = dequantize(raw, GGMLQuantizationType[kind]).reshape(rows, -1)
     assert np.array_equal(ggml_rows(torch.from_numpy(raw), t).numpy(), want)
-    assert np.array_equal(split_weight(torch.from_numpy(raw), t).numpy(), want)
+    if kind in SPLITS:  # the eager fast path of the types that have one
+        assert np.array_equal(split_weight(torch.from_numpy(raw), t).numpy(), want)
+
+
 
 
 # -- what is refused, with one line ------------------------------------------------------------------
@@ -202,7 +203,7 @@ def test_ggml_blocks_match_the_gguf_package(kind, rows, rnd):
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"}, "fmt 'e5m2'"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "kv_cache_scheme": "fp8"}, "kv_cache_scheme"),
     ({"quant_method": "mxfp4", "dequantize": True}, "dequantize True"),
-    ({"quant_method": "gguf", "tensor_types": {"model.layers.0.mlp.up_proj.weight": "Q2_K"}}, "'Q2_K'"),
+    ({"quant_method": "gguf", "tensor_types": {"model.layers.0.mlp.up_proj.weight": "Q5_0"}}, "'Q5_0'"),
 ])
 def test_another_quantization_is_refused_by_name(sources, quantization, words):
     config = json.loads((sources["llama"] / "config.json").read_text())
@@ -211,7 +212,7 @@ def test_another_quantization_is_refused_by_name(sources, quantization, words):
     assert "\n" not in str(refused.value)
 
 
-@pytest.mark.parametrize("kind", ["Q5_0", "Q2_K", "IQ4_NL"])
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "TQ2_0"])
 def test_a_gguf_of_another_type_is_refused_naming_it(sources, tmp_path, kind):
     """A tensor of a ggml type tessera does not compute as stored: the import names it (and
     --dequantize still converts what the gguf package dequantizes)."""
@@ -224,8 +225,8 @@ def test_a_gguf_of_another_type_is_refused_naming_it(sources, tmp_path, kind):
 
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
 
-    def quantize(w: np.ndarray, k: str) -> np.ndarray:  # the gguf package quantizes Q5_0; the others: random blocks
-        if k != kind or kind == "Q5_0":
+    def quantize(w: np.ndarray, k: str) -> np.ndarray:  # the gguf package quantizes Q5_0/Q5_1; TQ2_0: random blocks
+        if k != kind or kind in ("Q5_0", "Q5_1"):
             return ck.ggml_quantize(w, k)
         return np.random.default_rng(0).integers(0, 256, (w.shape[0], w.shape[1] // block * size), dtype=np.uint8)
 

@@ -5,14 +5,15 @@ inductor fuses into the product) is its `dequantized()` value for value, over ev
 the scales' whole range (hypothesis); its `fused_rows` is the product with that weight. A
 compiled span of each fused format decodes its checkpoint's tokens with logits within the
 compiled-vs-eager bound of the eager span's, solo (one-row reductions) and five sessions stacked
-(the eight-row bucket: matmuls over the fused weight a chunk at a time); a span holding GGUF
-k-quants (no fused form yet) keeps those layer kinds eager, says why, and answers the same.
+(the eight-row bucket: matmuls over the fused weight a chunk at a time); a GGUF mixing every
+block type llama.cpp's low-bit files use compiles whole.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -25,14 +26,17 @@ from tessera.stages.engine.stage import Stage
 from tessera.stages.assembly.stage import load_stage
 from tessera.stages.families.shipped import GGML_TYPES
 from tessera.stages.kernels.fp8 import Fp8BlockLinear
+from tessera.stages.kernels.ggml import SCALED_TYPES
 from tessera.stages.kernels.ggml_linear import GgmlLinear
 from tessera.stages.kernels.linear import ShippedLinear
 from tessera.stages.kernels.mxfp4 import FUSED_SCALES, Mxfp4Linear
 
 from ..families.conformance import PROMPT
+from . import checkpoints as ck
 from ..test_compiled import CLOSE, gap, solo_tokens, stacked_tokens
 
-FUSED_FOLDERS = ["fp8-llama-ragged-blocks", "fp8-moe", "mxfp4-llama-every-matrix", "gguf-llama-Q8_0", "gguf-llama-q4"]
+FUSED_FOLDERS = ["fp8-llama-ragged-blocks", "fp8-moe", "mxfp4-llama-every-matrix", "gguf-llama-Q8_0", "gguf-llama-q4",
+                 "gguf-llama-every-type"]
 STEPS = 6
 STACKED = [PROMPT, PROMPT[:3], PROMPT[:5], PROMPT[:7], PROMPT[:9]]  # five rows: the eight-row bucket
 
@@ -55,7 +59,8 @@ def check_fused(matrix: ShippedLinear) -> None:
         assert float((rows - product).abs().max() / product.abs().max()) <= 1e-5
 
 
-@pytest.mark.parametrize("name", FUSED_FOLDERS + ["fp8-deepseek_v3", "mxfp4-moe-fused", "gguf-moe-every-type"])
+@pytest.mark.parametrize("name", FUSED_FOLDERS + ["fp8-deepseek_v3", "mxfp4-moe-fused", "gguf-moe-every-type",
+                                                  "gguf-moe-low-bit"])
 def test_every_fused_form_is_its_dequantized_weight(shipped, name):
     folder, _ = shipped[name]
     matrices = [m for m in shipped_matrices(load_stage(folder)) if m.fused_inputs() is not None]
@@ -112,11 +117,21 @@ def test_gguf_fused_forms_over_random_blocks(kind, halves, seed):
     check_fused(GgmlLinear(raw, ggml, 2 * ggml.block, None))
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(sorted(SCALED_TYPES)), st.randoms(use_true_random=False))
+def test_scaled_fused_forms_over_random_blocks(kind, rnd):
+    """The k-quants', IQ types' and FP4 types' fused forms (ggml_scaled.py) over random blocks, scales
+    finite: the fused weight is the dequantized one to the bit, the factored product its product."""
+    ggml = GGML_TYPES[kind]
+    raw = ck.finite_blocks(kind, np.frombuffer(rnd.randbytes(4 * 2 * ggml.nbytes), dtype=np.uint8), 8, rnd)
+    check_fused(GgmlLinear(torch.from_numpy(raw).view(4, -1), ggml, 2 * ggml.block, None))
+
+
 @pytest.fixture(scope="module")
 def compiled(shipped):
     """Each folder's whole model compiled (buckets of one and eight rows), with what it said."""
     out = {}
-    for name in FUSED_FOLDERS + ["gguf-moe-every-type"]:
+    for name in FUSED_FOLDERS:
         stage, said = load_stage(shipped[name][0], embed=True, head=True), []
         compile_decode(stage, "inductor", say=said.append, buckets=(1, 8))
         out[name] = (stage, said)
@@ -143,16 +158,6 @@ def test_a_compiled_span_of_a_fused_format_decodes_as_the_eager_one(shipped, com
     assert tokens == [t for t, _ in solo]
     assert max(gap(a, b) for i in range(len(STACKED)) for a, b in zip(stacked[i], solo[i][1])) <= CLOSE
     assert not runner.eager, [line for line in said if "eagerly" in line]  # no layer needed another compile
-
-
-def test_a_span_holding_k_quants_keeps_those_kinds_eager_and_says_why(shipped, compiled):
-    stage, said = compiled["gguf-moe-every-type"]
-    runner = stage.decode
-    assert runner.eager and set(runner.eager) <= set(stage.spec.layers)
-    assert all("no compiled form for its GGUF Q" in why and "_K" in why for why in runner.eager.values()), said
-    assert len([line for line in said if "decodes eagerly" in line]) == len(runner.eager)
-    eager = load_stage(shipped["gguf-moe-every-type"][0], embed=True, head=True)
-    assert solo_tokens(stage, PROMPT, STEPS)[0] == solo_tokens(eager, PROMPT, STEPS)[0]
 
 
 def test_the_decode_form_shares_the_stored_bytes():

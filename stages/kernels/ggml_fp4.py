@@ -1,0 +1,62 @@
+"""llama.cpp's FP4 block types, MXFP4 and NVFP4, as scaled codes (ggml_scaled.py).
+
+Both store e2m1 codes, two a byte, a block's low nibbles its first half and the high nibbles its
+second (ggml's order; gpt-oss's MXFP4 pairs them instead: formats/mxfp4.py). ggml keeps the e2m1
+values doubled (0, 1, 2, 3, 4, 6, 8, 12 and their negatives: integers) and halves the scale:
+
+    MXFP4 (17 B / 32)   an e8m0 exponent e, 16 B of codes      w = 2^(e - 128) KVALUES[q]
+                        (e < 2: the subnormal 2^-128 or 2^-127, as ggml_e8m0_to_fp32_half has it)
+    NVFP4 (36 B / 64)   4 unsigned e4m3 scales (one per 16 weights; bit 7 unused, 0x7F reads 0),
+                        32 B of codes, per 16 weights 8 bytes   w = (ue4m3(s) / 2) KVALUES[q]
+
+Every product is exact in float32 (a 2-bit mantissa times a 1- or 4-bit one).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessera.stages.kernels.ggml_scaled import ScaledType, byte, nibbles
+
+FP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1, doubled
+E8M0_HALF_SUBNORMAL = 0x00200000  # float32 bits of 2^-128: e = 0 (and 2^-127 for e = 1)
+UE4M3_NAN = 0x7F
+
+
+def fp4_values(q: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes (int32, 0..15) -> FP4_KVALUES[q] as float32, in integer arithmetic (a table lookup is a
+    gather per weight, which inductor does not vectorise): magnitudes 0..4 are the code, 5, 6, 7 add
+    1, 2 and 5 (m + max(m - 4, 0) + 2 max(m - 6, 0)); bit 3 the sign."""
+    m = q & 7
+    v = m + (m - 4).clamp(min=0) + 2 * (m - 6).clamp(min=0)
+    return (v * (1 - 2 * (q >> 3))).float()
+
+
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """int32 exponents -> 2^(e - 128) as float32 (ggml_e8m0_to_fp32_half)."""
+    bits = torch.where(e < 2, E8M0_HALF_SUBNORMAL * (1 + e), (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def ue4m3_half(x: torch.Tensor) -> torch.Tensor:
+    """int32 unsigned-e4m3 bytes -> their value / 2 as float32 (0 for 0x00 and 0x7F; bit 7 ignored)."""
+    exp, man = (x >> 3) & 0xF, x & 7
+    normal = (((exp + 120) << 23) | (man << 20)).view(torch.float32)  # (1 + man / 8) 2^(exp - 7)
+    value = torch.where(exp == 0, man.float() * 2.0**-9, normal)
+    return torch.where((x == 0) | (x == UE4M3_NAN), 0.0, value * 0.5)
+
+
+def mxfp4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """codes [..., 2, 16]: the low nibbles first."""
+    return fp4_values(nibbles(byte(blocks, 1, 17))), e8m0_half(byte(blocks, 0, 1))[..., None], None
+
+
+def nvfp4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """codes [..., 4, 2, 8]: per 16 weights, 8 bytes' low nibbles, then their high ones."""
+    lead = blocks.shape[:-1]
+    codes = fp4_values(nibbles(byte(blocks, 4, 36).reshape(*lead, 4, 8)))
+    return codes, ue4m3_half(byte(blocks, 0, 4))[..., None, None], None
+
+
+FP4_TYPES = {t.name: t for t in (ScaledType("MXFP4", (2, 16), mxfp4, group_dims=2),
+                                 ScaledType("NVFP4", (4, 2, 8), nvfp4, group_dims=2))}

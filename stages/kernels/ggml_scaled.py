@@ -1,0 +1,153 @@
+"""A ggml block type as scaled codes: per group g of a block, w[g, i] = scale[g] * code[g, i] - offset[g].
+
+Every ggml type that a GGUF's low-bit files mix (the k-quants Q2_K .. Q6_K, the IQ types, MXFP4 and
+NVFP4: ggml_kquants.py, ggml_iq.py, ggml_fp4.py) has that shape once its bytes are read: a block of
+256 (32, 64) weights is groups of 8 to 32 weights, each group with one float scale (a float16
+super-block scale times a small integer, a power of two, an e4m3 byte) and for some types a float
+offset (Q2_K, Q4_K, Q5_K: dmin times a small integer), and each weight a small code: an integer,
+a value of a 16-entry table (IQ4, FP4), or a point of a lattice grid of 8 or 4 values times signs
+(the IQ2/IQ3/IQ1 types). A type here is its `parts` function, which turns blocks into those three
+tensors with torch operations only (integer shifts and masks, a gather from the type's constant
+tables, float16 read from its bits), and nothing else: so one function is
+
+- the reference (`scaled_weight`): `scale * code - offset` in float32, the order of operations of
+  the gguf package's numpy dequantizer for the type, so that the two agree to the bit (the tests
+  hold every type to it over random blocks);
+- the eager product: rows of the weight into the scratch chunk, then the float32 matmul;
+- the fused form under torch.compile (`scaled_rows`): per group, the codes times the activations
+  summed first, then times the group's scale (and minus the offset times the activations' sum
+  over the group), summed over groups: x . w = sum_g scale_g (x_g . code_g) - offset_g sum(x_g).
+  The scale and offset work is once per group instead of once per weight, and the codes are read
+  once, in the inputs' order (contiguous on both sides); only the order of float32 summation
+  differs from the dequantized weight's product.
+
+Bytes are read as int32 (`byte`, `half`, `word`) from a uint8 (or int8) view of the blocks: a
+block of an odd or non-multiple-of-four size has no aligned wider view, and an int32 widening
+vectorises in inductor where a dtype view of a slice would not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+Parts = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+
+
+@dataclass(frozen=True)
+class ScaledType:
+    """One ggml block type in scaled-codes form (module docstring).
+
+    shape:  a block's codes as `parts` lays them out (their product: the type's block), the last
+            dimension the one along which code bytes are contiguous and the scale is constant.
+    parts:  (blocks [..., nbytes] of uint8 or int8, *tables) -> codes float32 [..., *shape] in the
+            weights' order, scale [..., *shape[:-1] or 1s, 1], offset like scale or None.
+    tables: the type's constant tables (packed grids), built once on the CPU.
+    group_dims: how many trailing dimensions of `shape` one scale covers (its scale's trailing 1s):
+            the fused product sums over them first.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    parts: Callable[..., Parts]
+    tables: Callable[[], tuple[torch.Tensor, ...]] = field(default=lambda: ())
+    group_dims: int = 1
+
+    @property
+    def block(self) -> int:
+        return math.prod(self.shape)
+
+
+
+def byte(blocks: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Bytes [lo, hi) of each block as int32 [..., hi - lo] (0..255 whether the view is uint8 or int8)."""
+    return blocks[..., lo:hi].to(torch.int32) & 0xFF
+
+
+def half(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The little-endian float16 at bytes [at, at + 2) of each block, as float32 [...] (read through a
+    float16 view where the block size and offset are even, which inductor loads and widens in vectors)."""
+    if at % 2 == 0 and blocks.shape[-1] % 2 == 0 and blocks.stride(-1) == 1:
+        return blocks[..., at : at + 2].view(torch.float16)[..., 0].float()
+    return float16_of(byte(blocks, at, at + 1)[..., 0] | (byte(blocks, at + 1, at + 2)[..., 0] << 8))
+
+
+def float16_of(bits: torch.Tensor) -> torch.Tensor:
+    """int32 holding a float16's 16 bits -> its value as float32."""
+    return bits.to(torch.int16).view(torch.float16).float()
+
+
+def nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Bytes [..., n] (int32) -> [..., 2, n]: their low nibbles, then their high nibbles."""
+    return spread(codes, 2, 4, 0xF)
+
+
+def words16(blocks: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Bytes [lo, hi) read as little-endian uint16s, int32 [..., (hi - lo) / 2]."""
+    b = byte(blocks, lo, hi)
+    return b[..., 0::2] | (b[..., 1::2] << 8)
+
+
+def words32(blocks: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Bytes [lo, hi) read as little-endian uint32s, int64 [..., (hi - lo) / 4] (no sign wraps)."""
+    b = byte(blocks, lo, hi).to(torch.int64)
+    return b[..., 0::4] | (b[..., 1::4] << 8) | (b[..., 2::4] << 16) | (b[..., 3::4] << 24)
+
+
+def spread(values: torch.Tensor, count: int, step: int, mask: int) -> torch.Tensor:
+    """values [..., n] -> [..., count, n]: (values >> step i) & mask for i < count, the shift outermost
+    (the shifts an iota, which inductor folds into its loop index)."""
+    shifts = torch.arange(0, count * step, step, dtype=values.dtype, device=values.device)[:, None]
+    return (values[..., None, :] >> shifts) & mask
+
+
+def bits_of(values: torch.Tensor, count: int) -> torch.Tensor:
+    """values [..., n] -> [..., n, count]: bit k of each value at position k (the lowest first)."""
+    s = torch.arange(count, dtype=values.dtype, device=values.device)
+    return (values[..., None] >> s) & 1
+
+
+def signs_of(bits: torch.Tensor) -> torch.Tensor:
+    """Sign bits (1: negative) -> float32 +-1."""
+    return 1.0 - 2.0 * bits.float()
+
+
+def parity_signs(index: torch.Tensor) -> torch.Tensor:
+    """IQ2/IQ3's 7-bit sign indices [..., n] -> their 8 sign bits [..., n, 8]: the index's seven bits, and
+    an eighth that makes the count of negatives even (llama.cpp's `ksigns` table, computed)."""
+    p = index ^ (index >> 4)
+    p = p ^ (p >> 2)
+    p = (p ^ (p >> 1)) & 1
+    return torch.cat((bits_of(index, 7), p[..., None]), dim=-1)
+
+
+def own_tables(kind: ScaledType, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The type's tables on `device` (the blocks')."""
+    return tuple(t.to(device) for t in kind.tables())
+
+
+def scaled_weight(kind: ScaledType, blocks: torch.Tensor, *tables: torch.Tensor) -> torch.Tensor:
+    """blocks [..., nbytes] -> float32 weights [..., block] (the reference's arithmetic); the type's own
+    tables unless given (a compiled graph passes them as inputs)."""
+    codes, scale, offset = kind.parts(blocks, *(tables or own_tables(kind, blocks.device)))
+    w = scale * codes
+    if offset is not None:
+        w = w - offset
+    return w.reshape(*blocks.shape[:-1], kind.block)
+
+
+def scaled_rows(kind: ScaledType, x: torch.Tensor, blocks: torch.Tensor, *tables: torch.Tensor) -> torch.Tensor:
+    """x [R, K] float32 @ W^T for W's blocks [N, K / block, nbytes] -> [R, N], factored per group
+    (module docstring)."""
+    codes, scale, offset = kind.parts(blocks, *(tables or own_tables(kind, blocks.device)))  # [N, nb, *shape]
+    xs = x.view(x.shape[0], 1, blocks.shape[1], *kind.shape)  # [R, 1, nb, *shape]
+    group = kind.group_dims
+    inner = tuple(range(-group, 0))  # the dimensions of one scale's group: summed first
+    per_group = scale.shape[: scale.dim() - group]  # [N, nb, groups...]
+    y = ((xs * codes).sum(inner) * scale.reshape(per_group)).flatten(2).sum(-1)
+    if offset is not None:
+        y = y - (xs.sum(inner) * offset.reshape(per_group)).flatten(2).sum(-1)
+    return y
