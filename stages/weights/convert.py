@@ -38,6 +38,7 @@ from tessera.stages.families.catalog import FAMILIES, gguf_family, spec_from_con
 from tessera.stages.families.gguf import GgufMetadata, hf_tensors
 from tessera.stages.families.shipped import ShippedFormat, ggml_type_of
 from tessera.stages.families.spec import ModelSpec
+from tessera.stages.weights.gguf_directory import read_gguf_directory
 
 Progress = Callable[[int, int, str], None]
 
@@ -128,11 +129,14 @@ def convert_gguf(path: Path, out: Path, *, keep_blocks: bool = False, progress: 
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
+    read_gguf_directory(path)  # the header checked first: the gguf package's reader trusts its counts
     try:
         reader = GGUFReader(str(path))
-    except (OSError, ValueError, KeyError) as bad:
-        raise ModelFormatError(f"{str(path)!r} is not a readable GGUF file: {bad}") from None
-    config = gguf_config(reader)
+        config = gguf_config(reader)
+        tokenizer_files = gguf_tokenizer_files(reader)
+    except (OSError, ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError) as bad:
+        raise ModelFormatError(f"{str(path)!r} is not a readable GGUF file: {type(bad).__name__}: "
+                               f"{str(bad).splitlines()[0] if str(bad) else ''}") from None
     spec = spec_from_config(config)
     family = FAMILIES[spec.family]
     experts = family.experts
@@ -175,7 +179,7 @@ def convert_gguf(path: Path, out: Path, *, keep_blocks: bool = False, progress: 
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(to_config(spec), indent=2))
     written = ["config.json", "model.safetensors"]
-    for fname, text in gguf_tokenizer_files(reader).items():
+    for fname, text in tokenizer_files.items():
         (out / fname).write_text(text)
         written.append(fname)
     return written

@@ -24,9 +24,6 @@ every span matrix (its Q8_0 tensor is the embedding, which a requester holds in 
 
 from __future__ import annotations
 
-import mmap
-import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,116 +36,20 @@ from tessera.stages.families.spec import ModelSpec
 from tessera.stages.kernels.chunked import dequantizes_in_chunks
 from tessera.stages.kernels.quant import Quant
 from tessera.stages.weights.convert import unpermute_rope_rows
+from tessera.stages.weights.gguf_directory import read_gguf_directory
 
 SOURCE_GGUF = "source.gguf"  # beside a fetched model's converted folder (peer/cli/model_files.py)
 Q4_1_BLOCK = 32  # weights per Q4_1 block
 Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
 Q4_1_TYPE = 3  # ggml_type GGML_TYPE_Q4_1
-GGUF_MAGIC = b"GGUF"
-GGUF_DEFAULT_ALIGNMENT = 32
-
 # Hugging Face names -> llama.cpp's ({i} = layer)
 GGUF_NAMES = {hf: gguf for gguf, hf in TENSOR_NAMES.items()}
-
-
-@dataclass(frozen=True)
-class GgufTensor:
-    """Where one tensor's bytes lie in a GGUF file.
-
-    dims:   as GGUF lists them, innermost first ([K, N] for an N x K matrix).
-    kind:   ggml_type (3 = Q4_1).
-    offset: bytes from the start of the file.
-    """
-
-    dims: tuple[int, ...]
-    kind: int
-    offset: int
 
 
 def takes_gguf_blocks(quant: Quant, device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether a span stored as `quant` on `device` for `dtype` can take a GGUF's Q4_1 blocks as they
     are: int4 in groups of 32, in the float32 CPU block layout (stages/kernels/quant.py)."""
     return quant.kind == "int4" and quant.group_size == Q4_1_BLOCK and dequantizes_in_chunks(torch.device(device), dtype)
-
-
-# GGUF metadata value types -> their fixed size in bytes (8 = string and 9 = array are walked)
-VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-GGUF_STRING, GGUF_ARRAY = 8, 9
-
-
-def read_gguf_directory(path: Path) -> tuple[dict[str, GgufTensor], str | None]:
-    """The tensors of a GGUF file (name -> where) and its `general.architecture`.
-
-    Walks the header itself instead of `gguf.GGUFReader`, which builds every metadata field (the
-    tokenizer's ~100k strings) as numpy views: 7 s for SmolLM2's file on this machine, against
-    ~0.1 s here. Raises ModelFormatError on anything that is not a little-endian GGUF v2/v3."""
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return _parse_directory(path, data)
-    except (OSError, ValueError) as bad:  # ValueError: mmap of an empty file
-        raise ModelFormatError(f"{str(path)!r} is not a readable GGUF file: {bad}") from None
-
-
-def _parse_directory(path: Path, data: mmap.mmap) -> tuple[dict[str, GgufTensor], str | None]:
-    """read_gguf_directory's walk over the mapped file (the map is closed once it returns)."""
-    pos = 0
-
-    def take(fmt: str) -> tuple:
-        nonlocal pos
-        values = struct.unpack_from("<" + fmt, data, pos)
-        pos += struct.calcsize("<" + fmt)
-        return values
-
-    def string() -> bytes:
-        nonlocal pos
-        (n,) = take("Q")
-        pos += n
-        return data[pos - n:pos]
-
-    def skip(kind: int) -> None:
-        nonlocal pos
-        if kind == GGUF_STRING:
-            string()
-        elif kind == GGUF_ARRAY:
-            inner, count = take("IQ")
-            if inner in VALUE_SIZES:
-                pos += VALUE_SIZES[inner] * count
-            else:
-                for _ in range(count):
-                    skip(inner)
-        elif kind in VALUE_SIZES:
-            pos += VALUE_SIZES[kind]
-        else:
-            raise ModelFormatError(f"{str(path)!r}: unknown GGUF value type {kind!r}")
-
-    try:
-        if data[:4] != GGUF_MAGIC:
-            raise ModelFormatError(f"{str(path)!r} is not a GGUF file (magic {data[:4]!r})")
-        pos = 4
-        version, n_tensors, n_fields = take("IQQ")
-        if version not in (2, 3):
-            raise ModelFormatError(f"{str(path)!r}: GGUF version {version!r} is not supported (2 or 3)")
-        architecture, alignment = None, GGUF_DEFAULT_ALIGNMENT
-        for _ in range(n_fields):
-            key = string().decode()
-            (kind,) = take("I")
-            if key == "general.architecture" and kind == GGUF_STRING:
-                architecture = string().decode()
-            elif key == "general.alignment" and kind == 4:
-                (alignment,) = take("I")
-            else:
-                skip(kind)
-        infos = {}
-        for _ in range(n_tensors):
-            name = string().decode()
-            (n_dims,) = take("I")
-            dims = take("Q" * n_dims)
-            kind, offset = take("IQ")
-            infos[name] = (tuple(int(d) for d in dims), int(kind), int(offset))
-    except (struct.error, UnicodeDecodeError) as bad:
-        raise ModelFormatError(f"{str(path)!r}: a truncated or corrupt GGUF header ({bad})") from None
-    start = -(-pos // alignment) * alignment  # the tensor data begins at the next aligned offset
-    return {name: GgufTensor(dims, kind, start + offset) for name, (dims, kind, offset) in infos.items()}, architecture
 
 
 def q4_1_fields(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

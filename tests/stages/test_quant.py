@@ -359,7 +359,8 @@ def test_int4_span_takes_the_gguf_blocks_without_reading_a_float_matrix(smol_dir
 
 def test_gguf_blocks_served_as_is_only_when_they_requantize_to_themselves(tmp_path, smol_dir):
     from tessera.stages.errors import ModelFormatError
-    from tessera.stages.weights.gguf_blocks import GgufQ4Source, read_gguf_directory, requantizes_to_itself
+    from tessera.stages.weights.gguf_blocks import GgufQ4Source, requantizes_to_itself
+    from tessera.stages.weights.gguf_directory import read_gguf_directory
 
     source = GgufQ4Source.beside(smol_dir, spec_from_file(smol_dir / "config.json"))
     v = "model.layers.0.self_attn.v_proj.weight"
