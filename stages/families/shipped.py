@@ -1,6 +1,6 @@
 """Weights as a checkpoint ships them, when they are not plain floats: `quantization_config`, read as data.
 
-Three forms load as they are (their arithmetic is stages/kernels/, their loading stages/weights/formats/load.py):
+These forms load as they are (their arithmetic is stages/kernels/, their loading stages/weights/formats/load.py):
 
 - "fp8", transformers' FineGrainedFP8Config (DeepSeek-V3, GLM, Qwen3 "-FP8" folders): every
   linear weight is float8_e4m3fn [N, K] (`x.weight`, or a fused expert tensor [E, N, K]) with
@@ -17,6 +17,24 @@ Three forms load as they are (their arithmetic is stages/kernels/, their loading
   each tensor's blocks copied byte for byte into a uint8 safetensors tensor [N, K / block *
   block bytes]; `tensor_types` names each checkpoint tensor's ggml type (GGML_TYPES below).
 
+- "nvfp4" (quant_method "modelopt", or "compressed-tensors" with format nvfp4-pack-quantized:
+  families/quant_configs.py reads both): a weight [N, K] as e2m1 codes, two a byte (the low nibble
+  the even input), uint8 [N, K/2] (`x.weight` in ModelOpt's layout, `x.weight_packed` in
+  compressed-tensors'), an e4m3 scale per 16 inputs `x.weight_scale` [N, K/16], and a float32
+  global scale: ModelOpt's `x.weight_scale_2` [] multiplies (read as compressed-tensors' converter
+  reads it: global = 1 / weight_scale_2), compressed-tensors' `x.weight_global_scale` [1] divides:
+  w = FP4[code] * (scale / global). W4A4 checkpoints also ship an input scale per matrix
+  (`x.input_scale`, `x.input_global_scale`): read, not applied (activations stay float).
+- "int4" (compressed-tensors' pack-quantized, the W4A16 checkpoints of Kimi K2 and llm-compressor):
+  `x.weight_packed` int32 [N, K/8] (eight 4-bit codes a word, the lowest first, each code + 8),
+  `x.weight_scale` [N, K/G] (bf16, f16 or f32; G = 1 column group per row for strategy channel),
+  `x.weight_shape` [2], and, asymmetric, `x.weight_zero_point` int32 [ceil(N/8), K/G] (codes + 8
+  packed along the rows): w = (q - z) * s.
+- DeepSeek-V4's fp8: "fp8" with `scale_fmt` ue8m0 (power-of-two block scales, F8_E8M0) and
+  `expert_dtype` "fp4": each routed expert's matrices (`.experts.` in the name) as e2m1 codes, two a
+  byte (the low nibble the even input), int8 `x.weight` [N, K/2], and an e8m0 scale per 32 inputs
+  `x.weight_scale_inv` [N, K/32] (transformers' FP8Experts layout): MXFP4's numbers.
+
 Which stored tensors a checkpoint matrix is made of, and their bytes, is decided here from
 names and shapes alone (no torch: placement prices spans from this), by `stored_tensors`
 and `stored_bytes`. Whether a tensor is a matrix is read from the engine's tensor names
@@ -26,16 +44,19 @@ Any other `quant_method`, ggml type or setting is refused with one line naming i
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
+from tessera.stages.families.quant_configs import (
+    Fields, compressed_tensors_config, modelopt_config, read_compressed_tensors, read_modelopt,
+)
 
-METHODS = ("fp8", "mxfp4", "gguf")
+METHODS = ("fp8", "mxfp4", "gguf", "modelopt", "compressed-tensors")  # quant_method values read here
 FP8_DTYPE = "F8_E4M3"
 FP8_SCALE_DTYPES = ("F32", "BF16", "F8_E8M0")  # float (V3-style) or ue8m0 (a power of two a byte) scales
+UE8M0_SCALE_DTYPES = ("F8_E8M0", "F32", "BF16")  # scale_fmt ue8m0: DeepSeek-V4's bytes first
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 MXFP4_GROUP = 32  # inputs per e8m0 scale
 MXFP4_BLOCK_BYTES = MXFP4_GROUP // 2  # two e2m1 codes a byte
@@ -88,13 +109,21 @@ def ggml_type_of(ggml_id: int, where: str) -> GgmlType:
 class ShippedFormat:
     """How a checkpoint stores its matrices (module docstring).
 
-    method:        "fp8", "mxfp4" or "gguf".
+    method:        "fp8", "mxfp4", "gguf", "nvfp4" or "int4".
     block:         fp8's `weight_block_size` (rows, columns of one scale).
-    not_converted: fp8/mxfp4 `modules_to_not_convert`: module names or patterns left in float.
+    not_converted: fp8/mxfp4 `modules_to_not_convert`, nvfp4/int4 ignore lists: module patterns
+                   (regular expressions, transformers' form) left in float.
     tensor_types:  gguf: (checkpoint tensor name, ggml type name) for every matrix.
     float_bytes:   bytes per value of the float tensors as shipped (the config's dtype).
     scale_format:  fp8's `scale_fmt`: "float" or "ue8m0" (power-of-two scales); the arithmetic is
                    the same, w = q * s in float32.
+    expert_form:   fp8: "fp4" when the routed experts ship as e2m1 with e8m0 scales (DeepSeek-V4).
+    layout:        nvfp4: "modelopt" or "compressed-tensors" (the tensors' names and global scale).
+    group:         nvfp4: 16; int4: inputs per scale (0: one scale per row).
+    symmetric:     int4: no zero point.
+    activation_scales: nvfp4: each matrix ships an input scale (W4A4), read and not applied.
+    targets:       nvfp4/int4 (compressed-tensors): module patterns quantized; () for every linear.
+    scale_dtype:   int4: the scales' safetensors dtype when the config names it ("" : the model's dtype).
     """
 
     method: str
@@ -103,10 +132,17 @@ class ShippedFormat:
     tensor_types: tuple[tuple[str, str], ...] = ()
     float_bytes: int = 2
     scale_format: str = "float"
+    expert_form: str = ""
+    layout: str = ""
+    group: int = 0
+    symmetric: bool = True
+    activation_scales: bool = False
+    targets: tuple[str, ...] = ()
+    scale_dtype: str = ""
 
     @property
     def tag(self) -> str:
-        """What a peer shows of it ("fp8", "mxfp4", "gguf")."""
+        """What a peer shows of it ("fp8", "mxfp4", "gguf", "nvfp4", "int4")."""
         return self.method
 
     @property
@@ -121,7 +157,15 @@ class ShippedFormat:
         if self.method == "gguf":
             return dict(self.tensor_types).get(name, "float")
         module = name.removesuffix(".weight") if name.endswith(".weight") else name.rpartition(".")[0]
-        return "float" if any(_matches(p, module) for p in self.not_converted) else self.method
+        if any(_matches(p, module) for p in self.not_converted):
+            return "float"
+        if self.method in LINEAR_ONLY and EMBEDDING in f".{name}":  # an embedding is no linear module
+            return "float"
+        if self.targets and not any(_matches(p, module) for p in self.targets):
+            return "float"
+        if self.expert_form and EXPERTS in f".{name}":
+            return self.expert_form
+        return self.method
 
     def stored_tensors(self, name: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
         """The tensors the checkpoint MATRIX `name` of logical `shape` ([..., N, K]) is stored as:
@@ -133,15 +177,49 @@ class ShippedFormat:
         *lead, rows, cols = shape
         if form == "fp8":
             bn, bk = self.block
-            return {name: (shape, (FP8_DTYPE,)), name + "_scale_inv": ((*lead, -(-rows // bn), -(-cols // bk)), FP8_SCALE_DTYPES)}
+            # ue8m0 scales counted as the byte DeepSeek-V4 stores each in (V3.1 ships them as F32: 3 bytes
+            # a block of 16384 weights more than counted)
+            scales = UE8M0_SCALE_DTYPES if self.scale_format == "ue8m0" else FP8_SCALE_DTYPES
+            return {name: (shape, (FP8_DTYPE,)), name + "_scale_inv": ((*lead, -(-rows // bn), -(-cols // bk)), scales)}
         if form == "mxfp4":
             _whole(name, cols, MXFP4_GROUP, "mxfp4")
             groups = cols // MXFP4_GROUP
             return {name + "_blocks": ((*lead, rows, groups, MXFP4_BLOCK_BYTES), ("U8",)),
                     name + "_scales": ((*lead, rows, groups), ("U8",))}
+        if form == "fp4":  # DeepSeek-V4's experts
+            _whole(name, cols, MXFP4_GROUP, "fp4")
+            return {name: ((*lead, rows, cols // 2), ("I8", "U8")),
+                    name + "_scale_inv": ((*lead, rows, cols // MXFP4_GROUP), ("F8_E8M0", "U8"))}
+        if form in ("nvfp4", "int4"):
+            return self._four_bit_tensors(form, name, tuple(lead), rows, cols)
         kind = GGML_TYPES[form]
         _whole(name, cols, kind.block, form)
         return {name: ((*lead, rows, cols // kind.block * kind.nbytes), ("U8",))}
+
+    def _four_bit_tensors(self, form: str, name: str, lead: tuple[int, ...], rows: int, cols: int
+                          ) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+        """nvfp4's and int4's stored tensors (module docstring) of matrix `name`."""
+        base = name.removesuffix(".weight") + "." if name.endswith(".weight") else name + "_"
+        if form == "nvfp4":
+            _whole(name, cols, self.group, "nvfp4")
+            modelopt = self.layout == "modelopt"
+            out = {(name if modelopt else base + "weight_packed"): ((*lead, rows, cols // 2), ("U8",)),
+                   base + "weight_scale": ((*lead, rows, cols // self.group), ("F8_E4M3",))}
+            scalar = lead if modelopt else (*lead, 1)
+            out[base + ("weight_scale_2" if modelopt else "weight_global_scale")] = (scalar, ("F32",))
+            if self.activation_scales:
+                out[base + ("input_scale" if modelopt else "input_global_scale")] = (scalar, ("F32",))
+            return out
+        group = self.group or cols
+        _whole(name, cols, group, "int4")
+        if cols % INT4_PER_WORD:
+            raise ModelFormatError(f"tensor {name!r} has {cols} inputs, not a whole number of int32 words of 4-bit codes")
+        out = {base + "weight_packed": ((*lead, rows, cols // INT4_PER_WORD), ("I32",)),
+               base + "weight_scale": ((*lead, rows, cols // group), (self.scale_dtype,) if self.scale_dtype else FLOAT_DTYPES),
+               base + "weight_shape": ((*lead, 2), ("I64", "I32"))}
+        if not self.symmetric:
+            out[base + "weight_zero_point"] = ((*lead, -(-rows // INT4_PER_WORD), cols // group), ("I32",))
+        return out
 
     def stored_bytes(self, name: str, shape: tuple[int, ...]) -> int:
         """Bytes the checkpoint MATRIX `name` of `shape` occupies as shipped (and, kept compact,
@@ -151,7 +229,8 @@ class ShippedFormat:
             numel = 1
             for d in dims:
                 numel *= d
-            # a float matrix as the config's dtype; fp8 scales as float32 (what DeepSeek and Qwen ship)
+            # a float matrix as the config's dtype (an int4 scale too); fp8 scales as float32 (what DeepSeek
+            # and Qwen ship)
             total += numel * (self.float_bytes if dtypes == FLOAT_DTYPES else DTYPE_BYTES[dtypes[0]])
         return total
 
@@ -159,14 +238,26 @@ class ShippedFormat:
         """The `quantization_config` that reads back into this (what synth and the GGUF import write)."""
         if self.method == "gguf":
             return {"quant_method": "gguf", "tensor_types": dict(self.tensor_types)}
+        if self.method == "nvfp4" and self.layout == "modelopt":
+            return {**modelopt_config(self.not_converted), **({} if self.activation_scales else {
+                "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": 16}}}})}
+        if self.method in ("nvfp4", "int4"):
+            return compressed_tensors_config(self.method, self.group, self.symmetric, self.activation_scales,
+                                             self.scale_dtype, self.not_converted, self.targets)
         config: dict[str, Any] = {"quant_method": self.method, "modules_to_not_convert": list(self.not_converted)}
         if self.method == "fp8":
             config.update({"activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(self.block),
                            "scale_fmt": self.scale_format})
+            if self.expert_form:
+                config["expert_dtype"] = self.expert_form
         return config
 
 
-DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "U8": 1, FP8_DTYPE: 1, "F8_E8M0": 1}
+DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "U8": 1, "I8": 1, "I32": 4, "I64": 8, FP8_DTYPE: 1, "F8_E8M0": 1}
+EXPERTS = ".experts."  # in a routed expert's tensor names (a shared expert's are `shared_experts.`)
+EMBEDDING = ".embed_tokens."  # the embedding's module
+LINEAR_ONLY = ("nvfp4", "int4")  # methods whose tools quantize linear modules only (never the embedding)
+INT4_PER_WORD = 8  # 4-bit codes an int32 holds
 
 
 def _whole(name: str, cols: int, block: int, form: str) -> None:
@@ -197,9 +288,13 @@ def read_shipped(config: dict[str, Any]) -> ShippedFormat | None:
     if method not in METHODS:
         raise UnsupportedModel(f"config quantization_config.quant_method {method!r} is not supported "
                                f"(tessera loads {list(METHODS)} as they ship)")
-    fields = _Fields(raw, method)
     dtype = config.get("torch_dtype", config.get("dtype", "bfloat16"))
     float_bytes = FLOAT_ITEMSIZE.get(dtype, 2) if isinstance(dtype, str) else 2
+    if method == "modelopt":
+        return ShippedFormat(**read_modelopt(raw), float_bytes=float_bytes)
+    if method == "compressed-tensors":
+        return ShippedFormat(**read_compressed_tensors(raw), float_bytes=float_bytes)
+    fields = Fields(raw, method)
     if method == "gguf":
         types = fields.take("tensor_types", {})
         if not isinstance(types, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in types.items()):
@@ -222,7 +317,7 @@ def read_shipped(config: dict[str, Any]) -> ShippedFormat | None:
         return ShippedFormat("mxfp4", not_converted=tuple(skip), float_bytes=float_bytes)
     fields.expect("activation_scheme", ("dynamic",), "dynamic")
     fields.expect("fmt", ("e4m3",), "e4m3")
-    fields.expect("expert_dtype", ("fp8",), "fp8")
+    expert_dtype = fields.expect("expert_dtype", ("fp8", "fp4"), "fp8")
     scale_format = fields.expect("scale_fmt", ("float", "ue8m0"), "float")
     if fields.take("modules_to_convert", None):
         raise UnsupportedModel(f"config quantization_config.modules_to_convert {raw['modules_to_convert']!r} is not "
@@ -236,28 +331,4 @@ def read_shipped(config: dict[str, Any]) -> ShippedFormat | None:
         raise ModelFormatError(f"config quantization_config.weight_block_size {block!r} is not two positive integers")
     fields.finish()
     return ShippedFormat("fp8", block=(block[0], block[1]), not_converted=tuple(skip), float_bytes=float_bytes,
-                         scale_format=scale_format)
-
-
-class _Fields:
-    """The keys of one quantization_config, read one at a time; `finish` refuses any left over."""
-
-    def __init__(self, raw: dict[str, Any], method: str) -> None:
-        self.raw, self.method, self.read = raw, method, {"quant_method"}
-
-    def take(self, key: str, default: Any) -> Any:
-        self.read.add(key)
-        value = self.raw.get(key)
-        return default if value is None else value
-
-    def expect(self, key: str, allowed: tuple[Any, ...], default: Any) -> Any:
-        value = self.take(key, default)
-        if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
-            raise UnsupportedModel(f"config quantization_config.{key} {value!r} is not supported for "
-                                   f"{self.method} (tessera computes {list(allowed)!r})")
-        return value
-
-    def finish(self) -> None:
-        for key in sorted(set(self.raw) - self.read):
-            raise UnsupportedModel(f"config quantization_config.{key} (value {json.dumps(self.raw[key])[:80]}) is not "
-                                   f"one tessera knows for {self.method}: it may change what the weights mean")
+                         scale_format=scale_format, expert_form="" if expert_dtype == "fp8" else expert_dtype)

@@ -87,6 +87,49 @@ def set_block_scale(kind: GgmlType, blocks: torch.Tensor, value: float) -> None:
         raise ValueError(f"no block scale known for {kind.name}")
 
 
+def fp4_experts_encode(w: torch.Tensor, shipped: ShippedFormat) -> tuple[torch.Tensor, ...]:
+    """DeepSeek-V4's FP4 experts: MXFP4's codes as int8 pairs [N, K/2], its exponents as e8m0 [N, K/32]."""
+    blocks, scales = mxfp4_encode(w)
+    return blocks.reshape(w.shape[0], -1).view(torch.int8), scales.view(torch.float8_e8m0fnu)
+
+
+def nvfp4_encode(w: torch.Tensor, shipped: ShippedFormat) -> tuple[torch.Tensor, ...]:
+    """NVFP4 in `shipped.layout`: per 16 inputs the e4m3 scale amax / 6 (global scale 1), each value's nearest
+    e2m1 code, pairs low nibble first; a zero input scale where the layout ships one."""
+    rows, cols = w.shape
+    groups = w.float().reshape(rows, cols // 16, 16)
+    scales = (groups.abs().amax(-1) / 6).clamp(min=2.0**-9).to(torch.float8_e4m3fn)  # [N, K/16]
+    scaled = groups / scales.float()[..., None]
+    magnitude = torch.bucketize(scaled.abs().clamp(max=6), torch.tensor(E2M1_MIDPOINTS)).to(torch.uint8)
+    codes = (magnitude | ((scaled < 0).to(torch.uint8) << 3)).reshape(rows, cols)
+    one = torch.ones(() if shipped.layout == "modelopt" else (1,))
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(), scales, one, one
+
+
+def int4_encode(w: torch.Tensor, shipped: ShippedFormat) -> tuple[torch.Tensor, ...]:
+    """compressed-tensors' pack-quantized: per group a bf16 scale amax / 7 (asymmetric: (max - min) / 15 and
+    a zero point), codes round(w / s) + z in [-8, 7], packed + 8, eight a little-endian int32."""
+    rows, cols = w.shape
+    group = shipped.group or cols
+    groups = w.float().reshape(rows, cols // group, group)
+    if shipped.symmetric:
+        scales = (groups.abs().amax(-1) / 7).clamp(min=1e-8).to(torch.bfloat16)
+        zeros = torch.zeros(rows, cols // group)
+    else:
+        low, high = torch.aminmax(groups, dim=-1)
+        scales = ((high - low) / 15).clamp(min=1e-8).to(torch.bfloat16)
+        zeros = (-8 - torch.round(low / scales.float())).clamp(-8, 7)
+    q = (torch.round(groups / scales.float()[..., None]) + zeros[..., None]).clamp(-8, 7).to(torch.int32) + 8
+    pairs = (q.reshape(rows, cols)[:, 0::2] | (q.reshape(rows, cols)[:, 1::2] << 4)).to(torch.uint8)
+    out = [pairs.contiguous().view(torch.int32), scales, torch.tensor([rows, cols])]
+    if not shipped.symmetric:
+        z = (zeros.to(torch.int32) + 8)  # [N, G], packed along the rows, eight a word
+        z = torch.cat((z, torch.full((-rows % 8, z.shape[1]), 8, dtype=torch.int32)))
+        shifts = 4 * torch.arange(8, dtype=torch.int32)[None, :, None]
+        out.append((z.reshape(-1, 8, z.shape[1]) << shifts).sum(1, dtype=torch.int32))
+    return tuple(out)
+
+
 def random_ggml(kind: GgmlType, rows: int, cols: int, *, std: float, gen: torch.Generator) -> torch.Tensor:
     """Random ggml blocks of `kind` for a [rows, cols] matrix of weights about `std` in size."""
     blocks = torch.randint(0, 256, (rows, cols // kind.block, kind.nbytes), dtype=torch.uint8, generator=gen)
@@ -114,6 +157,9 @@ def encode_matrix(shipped: ShippedFormat, name: str, w: torch.Tensor, *, std: fl
     if form == "mxfp4":
         blocks, scales = mxfp4_encode(w)
         return {name + "_blocks": blocks, name + "_scales": scales}
+    if form in ("fp4", "nvfp4", "int4"):
+        tensors = {"fp4": fp4_experts_encode, "nvfp4": nvfp4_encode, "int4": int4_encode}[form](w, shipped)
+        return dict(zip(shipped.stored_tensors(name, tuple(w.shape)), tensors))
     if form == "float":
         return {name: w.to(torch.bfloat16 if shipped.float_bytes == 2 else torch.float32)}
     kind = GGML_TYPES[form]

@@ -63,7 +63,7 @@ def _dense(spec: ModelSpec, name: str, shape: tuple[int, ...], held: set[str]) -
             return ShippedFormat("fp8", block=shipped.block).stored_tensors(name, shape)
         if name + "_blocks" in held:
             return ShippedFormat("mxfp4").stored_tensors(name, shape)
-        if shipped.method == "gguf":
+        if shipped.method == "gguf" or (shipped.method in ("nvfp4", "int4") and shipped.form_of(name) != "float"):
             return shipped.stored_tensors(name, shape)
     return {name: (shape, FLOAT_DTYPES)}
 

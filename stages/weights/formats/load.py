@@ -1,4 +1,4 @@
-"""Loading a span of a checkpoint that ships quantized (fp8 blocks, MXFP4, GGUF blocks) as it ships.
+"""Loading a span of a checkpoint that ships quantized (fp8 blocks, MXFP4, GGUF blocks, NVFP4, INT4) as it ships.
 
 The model's spec says how its matrices are stored (`ModelSpec.shipped`, families/shipped.py).
 `shipped_matrices` gives each weight matrix of a layer (families/tensors.py `matrix_paths`) as
@@ -103,6 +103,10 @@ def dense_tensor(weights: WeightFolder, name: str, shape: tuple[int, ...], dtype
         stored = ShippedFormat("mxfp4").stored_tensors(name, shape)
         blocks, scales = (weights.read_stored(n, s, d) for n, (s, d) in stored.items())
         return mxfp4_dense(blocks, scales).to(dtype)
+    if shipped.method in ("nvfp4", "int4") and len(shape) == 2 and shipped.form_of(name) != "float":
+        stored = shipped.stored_tensors(name, shape)
+        read = {n: weights.read_stored(n, s, d) for n, (s, d) in stored.items()}
+        return stored_linear(shipped, name, read, cols=shape[1]).dequantized().to(dtype)
     form = shipped.form_of(name) if shipped.method == "gguf" and len(shape) == 2 else "float"
     if form == "float" or GGML_TYPES[form].is_float:
         return weights.read_stored(name, shape, FLOAT_DTYPES if form == "float" else (form,)).to(dtype)

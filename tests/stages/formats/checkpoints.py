@@ -148,6 +148,167 @@ def fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+# -- compressed-tensors (NVFP4, INT4) and ModelOpt's NVFP4 -------------------------------------------------
+
+CT_IGNORE = ["lm_head", "re:.*mlp\\.gate$"]  # the head and the routers stay float, as published checkpoints keep them
+MODELOPT_EXCLUDE = ["lm_head", "*.mlp.gate"]
+MODELOPT_NAMES = {"weight_packed": "weight", "weight_global_scale": "weight_scale_2", "input_global_scale": "input_scale"}
+
+
+def ct_scheme(kind: str):
+    """compressed-tensors' own presets: NVFP4 (W4A4), W4A16 (symmetric INT4, groups of 128 made 32 here:
+    the tiny model's widths) and W4A16_ASYM (with zero points)."""
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import NVFP4, W4A16, W4A16_ASYM
+
+    if kind == "nvfp4":
+        return QuantizationScheme(**NVFP4, targets=["Linear"], format="nvfp4-pack-quantized")
+    preset = {"int4": W4A16, "int4-asym": W4A16_ASYM}[kind]
+    # groups of 32 (the tiny model's widths); the asymmetric one with its scales in bf16, as real checkpoints
+    weights = preset["weights"].model_copy(update={"group_size": 32, **({"scale_dtype": torch.bfloat16}
+                                                                        if kind == "int4-asym" else {})})
+    return QuantizationScheme(weights=weights, targets=["Linear"], format="pack-quantized")
+
+
+def ct_compress(w: torch.Tensor, kind: str) -> dict[str, torch.Tensor]:
+    """One [N, K] matrix compressed by compressed-tensors itself: its observers' min/max rule for the scales
+    (`calculate_qparams`, `generate_gparam`) and its compressor's packing."""
+    from compressed_tensors.compressors import NVFP4PackedCompressor, PackedQuantizationCompressor
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    scheme = ct_scheme(kind)
+    args = scheme.weights
+    rows, cols = w.shape
+    groups = w.reshape(rows, cols // args.group_size, args.group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    state = {"weight": w}
+    if kind == "nvfp4":
+        state["weight_global_scale"] = generate_gparam(w.min(), w.max())
+        state["weight_scale"], _ = calculate_qparams(low, high, args, global_scale=state["weight_global_scale"])
+        out = NVFP4PackedCompressor.compress(state, scheme)
+        out["input_global_scale"] = torch.tensor([3.5])  # a W4A4 checkpoint's: read, not applied
+        return out
+    state["weight_scale"], state["weight_zero_point"] = calculate_qparams(low, high, args)
+    state["weight_scale"] = state["weight_scale"].to(args.scale_dtype or w.dtype)
+    return PackedQuantizationCompressor.compress(state, scheme)
+
+
+def ct_decompress(tensors: dict[str, torch.Tensor], kind: str) -> torch.Tensor:
+    """The float32 weight compressed-tensors makes of one module's tensors: its unpackers and its
+    `dequantize`, given float32 scales (its own decompress computes in the scale's dtype, then casts)."""
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    args = ct_scheme(kind).weights
+    if kind == "nvfp4":
+        packed = tensors["weight_packed"]
+        values = unpack_fp4_from_uint8(packed, packed.shape[0], 2 * packed.shape[1], dtype=torch.float32)
+        return dequantize(x_q=values, scale=tensors["weight_scale"].float(), args=args,
+                          global_scale=tensors["weight_global_scale"], dtype=torch.float32)
+    shape = tensors["weight_shape"]
+    scale = tensors["weight_scale"].float()
+    zero = tensors.get("weight_zero_point")
+    if zero is not None:
+        zero = unpack_from_int32(zero, 4, (int(shape[0]), scale.shape[-1]), packed_dim=0)
+    values = unpack_from_int32(tensors["weight_packed"], 4, shape)
+    return dequantize(x_q=values, scale=scale, zero_point=zero, args=args, dtype=torch.float32)
+
+
+def ct_config(kind: str) -> dict:
+    """The quantization_config compressed-tensors writes for `kind` (its own QuantizationConfig, dumped)."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    scheme = ct_scheme(kind)
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=CT_IGNORE, format=scheme.format,
+                                quantization_status="compressed")
+    return {**json.loads(config.model_dump_json()), "quant_method": "compressed-tensors"}
+
+
+def ct_folder(source: Path, out: Path, kind: str, *, modelopt: bool = False) -> Path:
+    """Every layer matrix of `source` compressed by compressed-tensors as `kind` ("nvfp4", "int4",
+    "int4-asym"); with `modelopt`, an NVFP4 folder in ModelOpt's layout instead: the compressed-tensors
+    tensors renamed back as its ModelOpt converter maps them (weight_packed -> weight, the global scale
+    g -> weight_scale_2 = 1 / g, input_global_scale x -> input_scale = 1 / x), ModelOpt's config."""
+    state = load_file(str(source / "model.safetensors"))
+    for name in layer_matrices(state, lambda n: False):
+        module = name.removesuffix(".weight")
+        for key, tensor in ct_compress(state.pop(name), kind).items():
+            if modelopt and key in MODELOPT_NAMES:
+                key, tensor = MODELOPT_NAMES[key], (tensor if key == "weight_packed" else 1 / tensor[0])
+            state[f"{module}.{key}"] = tensor
+    config = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": MODELOPT_EXCLUDE,
+              "producer": {"name": "modelopt", "version": "0.29.0"}} if modelopt else ct_config(kind)
+    return copy_folder(source, out, state, config)
+
+
+def ct_reference_folder(shipped: Path, out: Path) -> Path:
+    """The float32 model a compressed-tensors (or ModelOpt NVFP4) folder means: each module's tensors
+    through compressed-tensors' decompression (a ModelOpt folder through its ModelOpt converter first)."""
+    from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
+
+    config = json.loads((shipped / "config.json").read_text())["quantization_config"]
+    state = load_file(str(shipped / "model.safetensors"))
+    if config["quant_method"] == "modelopt":
+        modules = {n.rpartition(".")[0] for n in state if n.endswith(".weight_scale_2")}
+        state = ModelOptNvfp4Converter(targets=sorted(modules)).process(state)
+        kind = "nvfp4"
+    else:
+        kind = {"nvfp4-pack-quantized": "nvfp4"}.get(config["format"], "int4" if config["config_groups"]["group_0"][
+            "weights"]["symmetric"] else "int4-asym")
+    dense, parts = {}, {}
+    for name, tensor in state.items():
+        module, _, key = name.rpartition(".")
+        if key.startswith(("weight_", "input_")):
+            parts.setdefault(module, {})[key] = tensor
+        else:
+            dense[name] = tensor.float()
+    for module, tensors in parts.items():
+        dense[module + ".weight"] = ct_decompress(tensors, kind)
+    return copy_folder(shipped, out, dense, None)
+
+
+# -- DeepSeek-V4's FP8 (ue8m0 block scales) and FP4 experts -------------------------------------------------
+
+def dsv4_folder(source: Path, out: Path, *, block: tuple[int, int] = (16, 16)) -> Path:
+    """`source` (an MLA MoE family) as DeepSeek-V4 ships its weights: every layer matrix fp8 with power-of-two
+    (ue8m0) block scales, stored F8_E8M0, except the routed experts' (`.experts.`): e2m1 pairs as int8
+    [N, K/2] with an e8m0 scale per 32 inputs (the gguf package's MXFP4 quantizer's numbers)."""
+    state = load_file(str(source / "model.safetensors"))
+    for name in layer_matrices(state, lambda n: False):
+        if ".experts." in name:
+            blocks, scales = mxfp4_quantize(state[name])
+            state[name] = blocks.reshape(blocks.shape[0], -1).view(torch.int8)
+            state[name + "_scale_inv"] = scales.view(torch.float8_e8m0fnu)
+            continue
+        codes, scale_inv = fp8_quantize(state[name], block)
+        scale_inv = torch.exp2(torch.ceil(torch.log2(scale_inv)))  # ue8m0: a power of two, rounded up
+        s = scale_inv.repeat_interleave(block[0], 0)[: codes.shape[0]].repeat_interleave(block[1], 1)[:, : codes.shape[1]]
+        state[name] = (state[name] / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        state[name + "_scale_inv"] = scale_inv.to(torch.float8_e8m0fnu)
+    quantization = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block),
+                    "scale_fmt": "ue8m0", "expert_dtype": "fp4", "modules_to_not_convert": ["lm_head"]}
+    return copy_folder(source, out, state, quantization)
+
+
+def dsv4_reference_folder(shipped: Path, out: Path) -> Path:
+    """The float32 model a DeepSeek-V4-style folder means: transformers' own `Fp8Dequantize` (which takes
+    fp8 blocks and FP4 pairs, float32 or ue8m0 scales) on every quantized tensor."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    state = load_file(str(shipped / "model.safetensors"))
+    dequantize = Fp8Dequantize(None)
+    dense = {}
+    for name, tensor in state.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if name + "_scale_inv" in state:
+            dense[name] = dequantize._dequantize_one(tensor, state[name + "_scale_inv"], output_dtype=torch.float32)
+        else:
+            dense[name] = tensor.float()
+    return copy_folder(shipped, out, dense, None)
+
+
 # -- GGUF ---------------------------------------------------------------------------------------------
 
 def _f16(x: np.ndarray) -> np.ndarray:
@@ -226,7 +387,7 @@ LOW_BIT = (*RANDOM_CODES, "MXFP4")  # MXFP4 by the gguf package's own quantizer
 def random_codes(w: np.ndarray, kind: str) -> np.ndarray:
     """Random blocks of `kind` for a [rows, K] matrix, weights of about w's std (seeded by the shape)."""
     from tessera.stages.families.shipped import GGML_TYPES
-    from tessera.stages.weights.formats.encode import random_ggml
+    from tessera.stages.kernels.encode import random_ggml
 
     gen = torch.Generator().manual_seed(w.shape[0] * 7919 + w.shape[1])
     return random_ggml(GGML_TYPES[kind], *w.shape, std=float(w.std()), gen=gen).numpy()

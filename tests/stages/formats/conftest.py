@@ -61,6 +61,17 @@ def shipped(sources, tmp_path_factory):
     }.items():
         folder = write(root / name)
         out[name] = (folder, ck.reference_folder(folder, root / f"{name}-reference"))
+    # compressed-tensors' NVFP4 and INT4 (symmetric; with zero points), ModelOpt's NVFP4, each against the
+    # library's own decompression; DeepSeek-V4's ue8m0 fp8 and FP4 experts against transformers' dequantizer
+    for name, write, reference in (
+        ("nvfp4-llama", lambda o: ck.ct_folder(sources["llama"], o, "nvfp4"), ck.ct_reference_folder),
+        ("nvfp4-moe-modelopt", lambda o: ck.ct_folder(sources["moe"], o, "nvfp4", modelopt=True), ck.ct_reference_folder),
+        ("int4-llama", lambda o: ck.ct_folder(sources["llama"], o, "int4"), ck.ct_reference_folder),
+        ("int4-moe-asym", lambda o: ck.ct_folder(sources["moe"], o, "int4-asym"), ck.ct_reference_folder),
+        ("fp8-deepseek_v3-fp4-experts", lambda o: ck.dsv4_folder(sources["deepseek_v3"], o), ck.dsv4_reference_folder),
+    ):
+        folder = write(root / name)
+        out[name] = (folder, reference(folder, root / f"{name}-reference"))
     from tessera.stages.weights.convert import convert_gguf
 
     gguf = {f"gguf-llama-{kind}": ("llama", (kind,), "Q8_0") for kind in K_QUANTS}
@@ -81,6 +92,7 @@ def shipped(sources, tmp_path_factory):
 NAMES = ["fp8-llama", "fp8-moe", "fp8-llama-ragged-blocks", "fp8-deepseek_v3", "fp8-glm4_moe", "fp8-glm_moe_dsa",
          "mxfp4-moe", "mxfp4-moe-fused", "mxfp4-llama-every-matrix",
          *(f"gguf-llama-{kind}" for kind in K_QUANTS), "gguf-llama-every-k-quant", "gguf-llama-q4", "gguf-moe-every-type",
-         "gguf-llama-every-type", "gguf-moe-low-bit"]
+         "gguf-llama-every-type", "gguf-moe-low-bit",
+         "nvfp4-llama", "nvfp4-moe-modelopt", "int4-llama", "int4-moe-asym", "fp8-deepseek_v3-fp4-experts"]
 
 

@@ -139,7 +139,8 @@ def test_the_model_id_covers_the_shipped_bytes(shipped, tmp_path):
 
 
 def test_a_quantization_config_round_trips_through_the_spec(shipped):
-    for name in ("fp8-llama-ragged-blocks", "mxfp4-moe", "gguf-moe-every-type"):
+    for name in ("fp8-llama-ragged-blocks", "mxfp4-moe", "gguf-moe-every-type", "nvfp4-moe-modelopt", "int4-moe-asym",
+                 "fp8-deepseek_v3-fp4-experts"):
         spec = spec_from_file(shipped[name][0] / "config.json")
         assert spec_from_config(to_config(spec)) == spec
 
@@ -196,10 +197,13 @@ def test_ggml_blocks_match_the_gguf_package(kind, rows, rnd):
     ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
     ({"quant_method": "awq"}, "quant_method 'awq'"),
     ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
-    ({"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors'"),
+    ({"quant_method": "compressed-tensors"}, "format None"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8"}, "quant_algo 'FP8'"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8"}, "kv_cache_quant_algo 'FP8'"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32}, "group_size 32"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "activation_scheme 'static'"),
     ({"quant_method": "fp8", "weight_block_size": None}, "weight_block_size null"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp4"}, "expert_dtype 'fp4'"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "int4"}, "expert_dtype 'int4'"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"}, "fmt 'e5m2'"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "kv_cache_scheme": "fp8"}, "kv_cache_scheme"),
     ({"quant_method": "mxfp4", "dequantize": True}, "dequantize True"),
@@ -210,6 +214,45 @@ def test_another_quantization_is_refused_by_name(sources, quantization, words):
     with pytest.raises(UnsupportedModel, match=words) as refused:
         spec_from_config({**config, "quantization_config": quantization})
     assert "\n" not in str(refused.value)
+
+
+def _ct(kind: str, change) -> dict:
+    config = ck.ct_config(kind)
+    change(config, config["config_groups"]["group_0"])
+    return config
+
+
+@pytest.mark.parametrize("config, words", [
+    (_ct("int4", lambda c, g: g["weights"].update(actorder="group")), "actorder 'group'"),
+    (_ct("int4", lambda c, g: g["weights"].update(num_bits=8)), "num_bits 8"),
+    (_ct("int4", lambda c, g: g["weights"].update(strategy="block", block_structure=[128, 128])), "strategy 'block'"),
+    (_ct("int4", lambda c, g: g["weights"].update(group_size=48)), "group_size 48"),
+    (_ct("int4", lambda c, g: g.update(input_activations={"num_bits": 8, "type": "int", "dynamic": True})),
+     "input_activations is not supported for pack-quantized"),
+    (_ct("int4", lambda c, g: c.update(quantization_status="frozen")), "quantization_status 'frozen'"),
+    (_ct("int4", lambda c, g: c.update(kv_cache_scheme={"num_bits": 8, "type": "float"})), "kv_cache_scheme"),
+    (_ct("int4", lambda c, g: c["config_groups"].update(group_1={**g, "weights": {**g["weights"], "group_size": 64}})),
+     "mix 2 schemes"),
+    (_ct("nvfp4", lambda c, g: g["input_activations"].update(num_bits=8, type="int")), "num_bits 8"),
+    (_ct("nvfp4", lambda c, g: g["weights"].update(group_size=32)), "group_size 32"),
+    (_ct("nvfp4", lambda c, g: g.update(output_activations=g["weights"])), "output_activations"),
+    (_ct("nvfp4", lambda c, g: c.update(sparsity_config={"format": "sparse-24-bitmask"})), "sparsity_config"),
+])
+def test_a_compressed_tensors_setting_we_do_not_compute_is_refused(sources, config, words):
+    """compressed-tensors' own configs (its QuantizationConfig, dumped), each changed in one setting that
+    changes what the stored numbers mean."""
+    base = json.loads((sources["llama"] / "config.json").read_text())
+    with pytest.raises(UnsupportedModel, match=words) as refused:
+        spec_from_config({**base, "quantization_config": config})
+    assert "\n" not in str(refused.value)
+
+
+def test_the_configs_compressed_tensors_writes_are_read_and_round_trip(sources):
+    base = json.loads((sources["llama"] / "config.json").read_text())
+    for kind in ("nvfp4", "int4", "int4-asym"):
+        spec = spec_from_config({**base, "quantization_config": ck.ct_config(kind)})
+        assert spec.shipped.method == kind.split("-")[0] and spec.shipped.symmetric == (kind != "int4-asym")
+        assert spec_from_config(to_config(spec)) == spec
 
 
 @pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "TQ2_0"])

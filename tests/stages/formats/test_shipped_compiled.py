@@ -36,7 +36,7 @@ from . import checkpoints as ck
 from ..test_compiled import CLOSE, gap, solo_tokens, stacked_tokens
 
 FUSED_FOLDERS = ["fp8-llama-ragged-blocks", "fp8-moe", "mxfp4-llama-every-matrix", "gguf-llama-Q8_0", "gguf-llama-q4",
-                 "gguf-llama-every-type"]
+                 "gguf-llama-every-type", "nvfp4-llama", "int4-moe-asym"]
 STEPS = 6
 STACKED = [PROMPT, PROMPT[:3], PROMPT[:5], PROMPT[:7], PROMPT[:9]]  # five rows: the eight-row bucket
 
@@ -60,7 +60,8 @@ def check_fused(matrix: ShippedLinear) -> None:
 
 
 @pytest.mark.parametrize("name", FUSED_FOLDERS + ["fp8-deepseek_v3", "mxfp4-moe-fused", "gguf-moe-every-type",
-                                                  "gguf-moe-low-bit"])
+                                                  "gguf-moe-low-bit", "nvfp4-moe-modelopt", "int4-llama",
+                                                  "fp8-deepseek_v3-fp4-experts"])
 def test_every_fused_form_is_its_dequantized_weight(shipped, name):
     folder, _ = shipped[name]
     matrices = [m for m in shipped_matrices(load_stage(folder)) if m.fused_inputs() is not None]
@@ -125,6 +126,29 @@ def test_scaled_fused_forms_over_random_blocks(kind, rnd):
     ggml = GGML_TYPES[kind]
     raw = ck.finite_blocks(kind, np.frombuffer(rnd.randbytes(4 * 2 * ggml.nbytes), dtype=np.uint8), 8, rnd)
     check_fused(GgmlLinear(torch.from_numpy(raw).view(4, -1), ggml, 2 * ggml.block, None))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 255).filter(lambda b: b & 0x7F != 0x7F), min_size=32, max_size=32),
+       st.floats(2.0**-20, 2.0**20))
+def test_nvfp4_fused_form_over_every_code_and_scale(scales, global_scale):
+    from tessera.stages.kernels.nvfp4 import Nvfp4Linear
+
+    codes = torch.arange(256, dtype=torch.uint8).view(2, 128)  # every byte: every pair of codes
+    e4m3 = torch.tensor(scales, dtype=torch.uint8).view(2, 16).view(torch.float8_e4m3fn)
+    check_fused(Nvfp4Linear(codes, e4m3, torch.tensor(global_scale, dtype=torch.float32), None))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.booleans(), st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+def test_int4_fused_form_over_random_words(seed, symmetric, dtype):
+    from tessera.stages.kernels.int4_packed import PackedInt4Linear
+
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(-2**31, 2**31 - 1, (12, 16), dtype=torch.int32, generator=gen)  # 12 rows, 128 inputs
+    scales = (torch.rand(12, 4, generator=gen) * 0.1).to(dtype)  # groups of 32
+    zeros = None if symmetric else torch.randint(-2**31, 2**31 - 1, (2, 4), dtype=torch.int32, generator=gen)
+    check_fused(PackedInt4Linear(packed, scales, zeros, None))
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,12 @@
 """Shipped checkpoints through a real swarm: greedy tokens are the dequantized reference's.
 
-Three checkpoints, each served by a swarm of two peer processes split mid-model (layers [0, 1)
-and [1, 3)), the three swarms started side by side in one module fixture (a swarm is one model:
+Five checkpoints, each served by a swarm of two peer processes split mid-model (layers [0, 1)
+and [1, 3)), the swarms started side by side in one module fixture (a swarm is one model:
 a peer refuses to join peers of another model id, which covers the shipped bytes): an FP8 MoE
 (its attention fp8 too), MXFP4 experts, and a GGUF Llama mixing every ggml block type tessera computes
 (the k-quants, the IQ types, llama.cpp's MXFP4 and NVFP4, Q8_0, Q4_0, Q4_1) — each format, and a Llama
-block and an MoE family (six processes start within CI's two cores; the
+block and an MoE family — and two MoEs of the 4-bit safetensors forms: NVFP4 in ModelOpt's layout
+and compressed-tensors' INT4 with zero points (ten processes start within CI's two cores; the
 other checkpoints are held to the same reference locally, test_shipped.py). Then activations
 on the wire in the compact forms a requester may ask for (bfloat16, fp8 with a scale per row):
 they are not exact, and the answer is only held to run its length.
@@ -22,7 +23,7 @@ from ..families.conformance import EOS, PROMPT, until_eos
 
 pytestmark = pytest.mark.slow
 
-SWARMED = ["fp8-moe", "mxfp4-moe", "gguf-llama-every-type"]
+SWARMED = ["fp8-moe", "mxfp4-moe", "gguf-llama-every-type", "nvfp4-moe-modelopt", "int4-moe-asym"]
 SPANS = [(0, 1), (1, 3)]
 TOKENS = 10
 
