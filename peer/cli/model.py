@@ -57,7 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "import", help="register a .gguf file (its blocks kept as they are) or a Hugging Face folder",
         epilog="example: tessera model import ~/models/Qwen3-8B-Q4_K_M.gguf --name qwen3-8b-q4km",
     )
-    p.add_argument("path", type=Path, metavar="PATH", help="a .gguf file or a Hugging Face model folder")
+    p.add_argument("path", type=Path, metavar="PATH", help="a .gguf file (a split one by any of its "
+                   "NAME-0000i-of-0000N.gguf shards, all beside it) or a Hugging Face model folder")
     p.add_argument("--name", help="registry name (default: the file or folder name)")
     p.add_argument("--dequantize", action="store_true",
                    help="a .gguf: write float32 weights instead of keeping its blocks (4-8x the size)")

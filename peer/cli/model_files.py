@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from tessera.stages.weights import registry
-from tessera.stages.weights.convert import convert_gguf
+from tessera.stages.weights.convert import convert_gguf, split_name
 from tessera.stages.errors import ModelFormatError, StageError
 from tessera.stages.weights.folder_check import check_folder
 from tessera.stages.families.catalog import BY_ARCHITECTURE, spec_from_file
@@ -205,12 +205,13 @@ def available() -> list[tuple[str, str]]:
 
 def import_model(path: Path, *, name: str | None = None, progress: Progress | None = None,
                  source: dict | None = None, dequantize: bool = False) -> Path:
-    """Register a `.gguf` file (its blocks kept as they are; float32 with `dequantize`) or a Hugging
-    Face folder of a supported family (linked; float, or fp8/mxfp4 as it ships)."""
+    """Register a `.gguf` file (its blocks kept as they are; float32 with `dequantize`; a split one by any
+    of its shards, registered under its name without the `-00001-of-0000N`) or a Hugging Face folder of
+    a supported family (linked; float, or as it ships quantized)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelFormatError(f"nothing at {str(path)!r}")
-    name = name or (path.stem if path.is_file() else path.resolve().name)
+    name = name or (split_name(path) if path.is_file() else path.resolve().name)
     root = registry.models_root()
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root, prefix=".import-") as tmp:

@@ -15,6 +15,10 @@ are written. Two forms:
 - dequantised (`--dequantize`; how the built-in SmolLM2 is fetched): every tensor to float32
   by the `gguf` package's own dequantizers.
 
+A split GGUF (llama.cpp's `NAME-00001-of-00003.gguf` shards, how large models ship) is read
+shard by shard, each shard's header checked, and written as one safetensors file per shard with
+their index: the folder a peer loads one span of, as it would a sharded Hugging Face checkpoint.
+
 Which family a file is, the config its metadata describes and its tensor names are the
 family's to say (its `GgufForm`: stages/families/gguf.py); this module names none. A ggml type
 outside families/shipped.py GGML_TYPES is refused when kept (the `gguf` package dequantises more).
@@ -25,6 +29,7 @@ clear error.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -38,6 +43,7 @@ from tessera.stages.families.catalog import FAMILIES, gguf_family, spec_from_con
 from tessera.stages.families.gguf import GgufMetadata, hf_tensors
 from tessera.stages.families.shipped import ShippedFormat, ggml_type_of
 from tessera.stages.families.spec import ModelSpec
+from tessera.stages.weights.folder import INDEX_FILE, SINGLE_FILE
 from tessera.stages.weights.gguf_directory import read_gguf_directory
 
 Progress = Callable[[int, int, str], None]
@@ -119,67 +125,136 @@ def gguf_tokenizer_files(reader: Any) -> dict[str, str]:
     return files
 
 
+# llama.cpp's split files (gguf-split, convert_hf_to_gguf --split-max-*): NAME-00001-of-00003.gguf ...
+SPLIT_NAME = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
+MAX_SHARDS = 9999  # what the name's five digits allow
+
+
+def gguf_shards(path: Path) -> list[Path]:
+    """The files of the GGUF `path` is: itself, or every shard of a split one in order (any shard named).
+    Raises ModelFormatError for a shard that is missing."""
+    match = SPLIT_NAME.fullmatch(path.name)
+    if match is None:
+        return [path]
+    count = int(match["count"])
+    if not 1 <= int(match["no"]) <= count <= MAX_SHARDS:
+        raise ModelFormatError(f"{str(path)!r}: shard {int(match['no'])} of {count} is not a split GGUF's name")
+    shards = [path.with_name(f"{match['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [str(s.name) for s in shards if not s.exists()]
+    if missing:
+        raise ModelFormatError(f"{str(path)!r} is shard {int(match['no'])} of {count}: {missing[0]!r} is missing "
+                               f"({len(missing)} missing in all) beside it")
+    return shards
+
+
+def split_name(path: Path) -> str:
+    """A GGUF's model name: its file name without `.gguf` and without a split file's `-00001-of-00003`."""
+    match = SPLIT_NAME.fullmatch(path.name)
+    return match["stem"] if match is not None else path.stem
+
+
 def convert_gguf(path: Path, out: Path, *, keep_blocks: bool = False, progress: Progress | None = None) -> list[str]:
     """Write a model folder for the GGUF at `path` into `out`; return the files written. With
     `keep_blocks`, every tensor keeps the file's bytes (module docstring); otherwise each is
-    dequantised to float32.
+    dequantised to float32. A split GGUF (any of its shards named) is read shard by shard, each
+    written as one safetensors file of the folder (with the index transformers writes), so that
+    converting never holds more than a shard's tensors.
 
-    Raises ModelFormatError (unreadable file, unknown tensor) or UnsupportedModel.
+    Raises ModelFormatError (unreadable file, a missing or foreign shard, an unknown tensor) or
+    UnsupportedModel.
     """
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
-    read_gguf_directory(path)  # the header checked first: the gguf package's reader trusts its counts
+    shards = gguf_shards(path)
+    for shard in shards:
+        read_gguf_directory(shard)  # the header checked first: the gguf package's reader trusts its counts
     try:
-        reader = GGUFReader(str(path))
-        config = gguf_config(reader)
-        tokenizer_files = gguf_tokenizer_files(reader)
+        readers = [GGUFReader(str(shard)) for shard in shards]
+        config = gguf_config(readers[0])
+        tokenizer_files = gguf_tokenizer_files(readers[0])
+        check_split(shards, readers)
     except (OSError, ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError) as bad:
         raise ModelFormatError(f"{str(path)!r} is not a readable GGUF file: {type(bad).__name__}: "
                                f"{str(bad).splitlines()[0] if str(bad) else ''}") from None
     spec = spec_from_config(config)
     family = FAMILIES[spec.family]
-    experts = family.experts
-    num_experts = max((layer.mlp.num_experts for layer in spec.layers), default=0)
     permute = family.gguf is not None and family.gguf.permuted_rope
     out.mkdir(parents=True, exist_ok=True)
-    state: dict[str, torch.Tensor] = {}
     types: dict[str, str] = {}
-    total = len(reader.tensors)
-    for n, t in enumerate(reader.tensors):
-        targets = hf_tensors(t.name, experts, num_experts)
-        if not targets:
-            if t.name.startswith("rope_freqs"):
-                continue  # llama.cpp's precomputed RoPE factors; we compute them from the config
-            raise ModelFormatError(f"GGUF tensor {t.name!r} has no Hugging Face counterpart")
-        dims = [int(d) for d in reversed(t.shape)]  # GGUF lists the innermost first
-        if keep_blocks:
-            kind = ggml_type_of(int(t.tensor_type), f"GGUF tensor {t.name!r}")
-            values = np.asarray(t.data)  # a block type: uint8 [..., rows, row bytes]; a float one: its values
-            values = values.reshape([*dims[:-1], values.shape[-1]] if not kind.is_float else dims)
-            if kind.name == "BF16":  # numpy has no bfloat16: the reader gives its bits
-                values = values.view(np.int16)
-        else:
-            values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(dims)
-        for name, expert in targets:
-            tensor = values if expert is None else values[expert]
-            layer = spec.layers[int(name.split(".")[2])] if name.startswith("model.layers.") else None
-            if permute and layer is not None and name.endswith(("q_proj.weight", "k_proj.weight")):
-                heads = layer.attention.num_heads if name.endswith("q_proj.weight") else layer.attention.num_kv_heads
-                tensor = unpermute_rope_rows(tensor, heads)
-            state[name] = torch.from_numpy(np.require(tensor, requirements=["C", "W"]))
-            if keep_blocks and kind.name == "BF16":
-                state[name] = state[name].view(torch.bfloat16)
-            if keep_blocks:
-                types[name] = kind.name
-        if progress:
-            progress(n + 1, total, "copying blocks" if keep_blocks else "dequantising")
+    total, done = sum(len(r.tensors) for r in readers), 0
+    files = [SINGLE_FILE] if len(readers) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(readers):05d}.safetensors" for i in range(len(readers))]
+    weight_map: dict[str, str] = {}
+    for reader, file in zip(readers, files):
+        state: dict[str, torch.Tensor] = {}
+        for t in reader.tensors:
+            state.update(_converted(t, spec, permute, keep_blocks, types))
+            done += 1
+            if progress:
+                progress(done, total, "copying blocks" if keep_blocks else "dequantising")
+        save_file(state, str(out / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(state, file))
+        del state
     if keep_blocks:
         spec = replace(spec, shipped=ShippedFormat("gguf", tensor_types=tuple(sorted(types.items()))))
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(to_config(spec), indent=2))
-    written = ["config.json", "model.safetensors"]
+    written = ["config.json", *files]
+    if len(files) > 1:
+        sizes = sum((out / f).stat().st_size for f in files)
+        (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": sizes}, "weight_map": weight_map}, indent=2))
+        written.append(INDEX_FILE)
     for fname, text in tokenizer_files.items():
         (out / fname).write_text(text)
         written.append(fname)
     return written
+
+
+def check_split(shards: list[Path], readers: list[Any]) -> None:
+    """Each shard of a split GGUF says it is that shard of that many, and they hold the tensors the first
+    counts; a lone file must not be one shard of several. Raises ModelFormatError."""
+    for i, (shard, reader) in enumerate(zip(shards, readers)):
+        no, count = _field(reader, "split.no", 0), _field(reader, "split.count", 1)
+        if (int(no), int(count)) != (i, len(shards)):
+            raise ModelFormatError(f"{str(shard)!r} says it is shard {int(no) + 1} of {int(count)}, where its name "
+                                   f"and its neighbours make it {i + 1} of {len(shards)}")
+    if len(shards) > 1:
+        counted = int(_field(readers[0], "split.tensors.count", -1))
+        held = sum(len(r.tensors) for r in readers)
+        if counted != held:
+            raise ModelFormatError(f"{str(shards[0])!r}: the split counts {counted} tensors, its shards hold {held}")
+
+
+def _converted(t: Any, spec: ModelSpec, permute: bool, keep_blocks: bool, types: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors GGUF tensor `t` becomes (its blocks kept, or dequantised); `types` gets their
+    ggml types. Raises ModelFormatError (no counterpart) or UnsupportedModel (a type not kept as it is)."""
+    from gguf.quants import dequantize
+
+    experts = FAMILIES[spec.family].experts
+    num_experts = max((layer.mlp.num_experts for layer in spec.layers), default=0)
+    targets = hf_tensors(t.name, experts, num_experts)
+    if not targets:
+        if t.name.startswith("rope_freqs"):
+            return {}  # llama.cpp's precomputed RoPE factors; we compute them from the config
+        raise ModelFormatError(f"GGUF tensor {t.name!r} has no Hugging Face counterpart")
+    dims = [int(d) for d in reversed(t.shape)]  # GGUF lists the innermost first
+    if keep_blocks:
+        kind = ggml_type_of(int(t.tensor_type), f"GGUF tensor {t.name!r}")
+        values = np.asarray(t.data)  # a block type: uint8 [..., rows, row bytes]; a float one: its values
+        values = values.reshape([*dims[:-1], values.shape[-1]] if not kind.is_float else dims)
+        if kind.name == "BF16":  # numpy has no bfloat16: the reader gives its bits
+            values = values.view(np.int16)
+    else:
+        values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(dims)
+    out = {}
+    for name, expert in targets:
+        tensor = values if expert is None else values[expert]
+        layer = spec.layers[int(name.split(".")[2])] if name.startswith("model.layers.") else None
+        if permute and layer is not None and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = layer.attention.num_heads if name.endswith("q_proj.weight") else layer.attention.num_kv_heads
+            tensor = unpermute_rope_rows(tensor, heads)
+        out[name] = torch.from_numpy(np.require(tensor, requirements=["C", "W"]))
+        if keep_blocks:
+            if kind.name == "BF16":
+                out[name] = out[name].view(torch.bfloat16)
+            types[name] = kind.name
+    return out

@@ -447,17 +447,18 @@ EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_pr
 
 
 def gguf_file(source: Path, out: Path, types: Callable[[str], str], *, edge_type: str = "Q8_0",
-              quantize: Callable[[np.ndarray, str], np.ndarray] = ggml_quantize) -> Path:
+              quantize: Callable[[np.ndarray, str], np.ndarray] = ggml_quantize, split_max_tensors: int = 0) -> Path:
     """`source` (a transformers llama or qwen3_moe folder) as a llama.cpp GGUF: each layer matrix in
     `types(its Hugging Face name)`, the embedding and head in `edge_type`, norms F32; `quantize`
-    makes the blocks."""
+    makes the blocks. With `split_max_tensors`, split as llama.cpp splits large models (the gguf
+    package's writer: `out`'s stem -00001-of-0000N.gguf ...); the first shard's path is returned."""
     import gguf
 
     config = json.loads((source / "config.json").read_text())
     state = {n: t.numpy() for n, t in load_file(str(source / "model.safetensors")).items()}
     moe = config["model_type"] == "qwen3_moe"
     arch = "qwen3moe" if moe else "llama"
-    writer = gguf.GGUFWriter(str(out), arch)
+    writer = gguf.GGUFWriter(str(out), arch, split_max_tensors=split_max_tensors)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -514,7 +515,8 @@ def gguf_file(source: Path, out: Path, types: Callable[[str], str], *, edge_type
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return out
+    shards = sorted(out.parent.glob(f"{out.stem}-*-of-*.gguf"))
+    return shards[0] if split_max_tensors and shards else out
 
 
 # -- the oracles --------------------------------------------------------------------------------------

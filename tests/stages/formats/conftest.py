@@ -12,6 +12,8 @@ LLAMA = dict(intermediate_size=512)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, intermediate_size=512, norm_topk_prob=True)
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
 EVERY_BLOCK_TYPE = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1")
+LOW_BIT_ORDER = ck.LOW_BIT + EVERY_BLOCK_TYPE  # the every-type file's types, in turn
+SPLIT_GGUF, SPLIT_TENSORS = "gguf-llama-every-type", 12  # its 30 tensors in shards of 12, 12 and 6
 
 
 def cycling(kinds: tuple[str, ...]):
@@ -79,11 +81,12 @@ def shipped(sources, tmp_path_factory):
     gguf["gguf-llama-q4"] = ("llama", ("Q4_0", "Q4_1"), "Q8_0")  # the older 4-bit types, each with a fused form
     gguf["gguf-moe-every-type"] = ("moe", EVERY_BLOCK_TYPE, "Q6_K")
     # the low-bit files' types (21 Llama matrices: each of the 19 block types at least once), the edges IQ4_XS
-    gguf["gguf-llama-every-type"] = ("llama", in_turn(ck.LOW_BIT + EVERY_BLOCK_TYPE), "IQ4_XS")
+    gguf["gguf-llama-every-type"] = ("llama", in_turn(LOW_BIT_ORDER), "IQ4_XS")
     gguf["gguf-moe-low-bit"] = ("moe", in_turn(ck.LOW_BIT), "Q2_K")
     for name, (source, kinds, edge) in gguf.items():
         types = kinds if callable(kinds) else cycling(kinds)
-        path = ck.gguf_file(sources[source], root / f"{name}.gguf", types, edge_type=edge)
+        split = SPLIT_TENSORS if name == SPLIT_GGUF else 0  # one file split as large models ship: 3 shards
+        path = ck.gguf_file(sources[source], root / f"{name}.gguf", types, edge_type=edge, split_max_tensors=split)
         convert_gguf(path, root / name, keep_blocks=True)
         out[name] = (root / name, ck.gguf_reference_folder(path, root / f"{name}-reference"))
     return out
