@@ -103,7 +103,7 @@ def nvfp4_encode(w: torch.Tensor, shipped: ShippedFormat) -> tuple[torch.Tensor,
     magnitude = torch.bucketize(scaled.abs().clamp(max=6), torch.tensor(E2M1_MIDPOINTS)).to(torch.uint8)
     codes = (magnitude | ((scaled < 0).to(torch.uint8) << 3)).reshape(rows, cols)
     one = torch.ones(() if shipped.layout == "modelopt" else (1,))
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(), scales, one, one
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(), scales, one, one.clone()
 
 
 def int4_encode(w: torch.Tensor, shipped: ShippedFormat) -> tuple[torch.Tensor, ...]:

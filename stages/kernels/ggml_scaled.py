@@ -64,7 +64,8 @@ class ScaledType:
 
 def byte(blocks: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Bytes [lo, hi) of each block as int32 [..., hi - lo] (0..255 whether the view is uint8 or int8)."""
-    return blocks[..., lo:hi].to(torch.int32) & 0xFF
+    widened = blocks[..., lo:hi].to(torch.int32)
+    return widened if blocks.dtype == torch.uint8 else widened & 0xFF
 
 
 def half(blocks: torch.Tensor, at: int) -> torch.Tensor:

@@ -16,7 +16,8 @@ import torch
 
 def nibbles(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 (or int8) code bytes -> their low and high nibbles as int32."""
-    b = codes.to(torch.int32) & 0xFF
+    b = codes.to(torch.int32)
+    b = b if codes.dtype == torch.uint8 else b & 0xFF
     return b & 0xF, b >> 4
 
 

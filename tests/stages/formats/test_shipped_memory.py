@@ -1,7 +1,9 @@
 """A shipped span stays compact: what it holds is what it ships (resident <= 1.15 x on-disk bytes).
 
-SmolLM2's layers [0, 15) in each form, written here from the real model (fp8 and MXFP4 encode
-its weights; a GGUF as imported keeps SmolLM2's own Q4_1 file's blocks): a process loads the
+SmolLM2's layers [0, 15) in each form, written here from the real model (fp8, MXFP4, NVFP4 in
+ModelOpt's layout and compressed-tensors' INT4 with zero points encode its weights; llama.cpp's
+IQ4_NL, MXFP4 and NVFP4 as random blocks of its shape; a GGUF as imported keeps SmolLM2's own Q4_1
+file's blocks): a process loads the
 span and runs a step, and the memory it then holds (anonymous and weight-file pages, no huge
 pages: tests/resident.py) is at most 1.15 x the bytes the span's tensors take on disk plus its
 KV cache — its dequantization scratch, norms in float32 and torch's own included. The float
@@ -24,6 +26,7 @@ from safetensors.torch import save_file
 from tessera.stages.families.catalog import layer_matrices, spec_from_file, tensors_of_layer, to_config
 from tessera.stages.families.shipped import ShippedFormat
 from tessera.stages.kernels.encode import encode_matrix
+from tessera.stages.weights.synth import gguf_form
 
 from ...resident import ROOT, SPAN_RSS, span_on_disk
 
@@ -54,14 +57,19 @@ def smol_spans(smol_dir, tmp_path_factory):
     from tessera.stages.weights.convert import convert_gguf
 
     root = tmp_path_factory.mktemp("smol-shipped")
-    folders = {"fp8": write_span(smol_dir, root / "fp8", ShippedFormat("fp8", float_bytes=4)),
-               "mxfp4": write_span(smol_dir, root / "mxfp4", ShippedFormat("mxfp4", float_bytes=4))}
+    spec = spec_from_file(smol_dir / "config.json")
+    forms = {"fp8": ShippedFormat("fp8", float_bytes=4), "mxfp4": ShippedFormat("mxfp4", float_bytes=4),
+             "nvfp4": ShippedFormat("nvfp4", layout="modelopt", group=16, activation_scales=True, float_bytes=4),
+             "int4": ShippedFormat("int4", layout="compressed-tensors", group=32, symmetric=False, float_bytes=4),
+             # llama.cpp's types whose blocks SmolLM2's 576 inputs take (the 256-weight ones: bench/shipped.py)
+             **{f"gguf-{kind}": replace(gguf_form(spec, kind), float_bytes=4) for kind in ("IQ4_NL", "MXFP4", "NVFP4")}}
+    folders = {name: write_span(smol_dir, root / name, form) for name, form in forms.items()}
     convert_gguf(smol_dir / "source.gguf", root / "gguf-q4_1", keep_blocks=True)
     folders["gguf-q4_1"] = root / "gguf-q4_1"
     return folders
 
 
-@pytest.mark.parametrize("form", ["fp8", "mxfp4", "gguf-q4_1"])
+@pytest.mark.parametrize("form", ["fp8", "mxfp4", "nvfp4", "int4", "gguf-IQ4_NL", "gguf-MXFP4", "gguf-NVFP4", "gguf-q4_1"])
 def test_a_shipped_span_holds_what_it_ships(smol_spans, form):
     folder = smol_spans[form]
     done = subprocess.run([sys.executable, "-c", SPAN_RSS, str(folder), *map(str, SPAN)],
