@@ -24,9 +24,11 @@ dynamic low-bit GGUF files of the large MoE models are made of.
                           w = (d (sc - 32)) KVALUES[q]
 
 A sign index is seven sign bits, the eighth making the count of negatives even (llama.cpp's
-`ksigns`). The grids are llama.cpp's tables as the `gguf` package carries them (`init_grid`: the
-reference's own numbers, read once); everything else is computed. Each `parts` follows the gguf
-package's numpy dequantizer step for step, so the reference agrees with it to the bit.
+`ksigns`, computed). The grids are llama.cpp's tables as the gguf package carries them (read once,
+the reference's own numbers), each point packed into one int32 of 2- or 3-bit codes (`GRIDS`), so
+that a compiled product gathers one int per point and computes its values; IQ4's 16-value table is
+a quartic rounded (`IQ4_QUARTIC`). Each `parts` follows the gguf package's numpy dequantizer step
+for step, so the reference agrees with it to the bit.
 """
 
 from __future__ import annotations
