@@ -1,10 +1,22 @@
-"""`tessera generate`: answer a prompt, locally (`--local`) or through a swarm (`--join`)."""
+"""`tessera generate`: answer a prompt, locally (`--local`) or through a swarm (`--join`).
+
+The answer streams on stdout as it is generated: as text, or with `--json` as JSON lines
+(`JsonLines`): one object per token as it arrives, then one object for the whole answer,
+with `"done": true`, which holds what `--json` printed alone before (text, tokens, timing and,
+through a swarm, the route). A script that wants only the whole answer reads the last line.
+
+    {"piece": "The", "token": 504}
+    {"piece": " capital", "token": 3575}
+    …
+    {"text": "The capital of France is Paris.", "tokens": […], …, "done": true}
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from tessera.stages.weights import registry
 from tessera.stages.errors import StageError
@@ -14,6 +26,47 @@ from tessera.peer.cli.options import (
     add_record_trace_option, add_sampling_options, add_spot_check_option, apply_threads,
     policy_from, quant_from, sampling_from, spot_check_from,
 )
+
+if TYPE_CHECKING:
+    from tessera.stages.decoding.generate import GenerationResult
+    from tessera.stages.text.tokenizer import Tokenizer
+
+
+class JsonLines:
+    """`--json`: the answer as JSON lines on stdout, one per token as it comes, then the whole
+    (see the module docstring). A piece's text may be empty: a token that ends inside a
+    multi-byte character shows with the next. After a rewind (a spot check caught a peer and
+    the answer is computed again from token N), one `{"rewind": N}` line: the pieces after
+    the N-th are void, and the ones that follow replace them."""
+
+    def __init__(self, tokenizer: "Tokenizer") -> None:
+        from tessera.stages.text.tokenizer import TextStream  # imports tokenizers: only when a command runs
+
+        self.tokenizer = tokenizer
+        self.stream = TextStream(tokenizer)
+
+    def token(self, token: int) -> None:
+        self._line({"piece": self.stream.push(token), "token": token})
+
+    def rewind(self, kept: list[int]) -> None:
+        from tessera.stages.text.tokenizer import TextStream
+
+        self._line({"rewind": len(kept)})
+        self.stream = TextStream(self.tokenizer)
+        for token in kept:
+            self.stream.push(token)
+        self.stream.flush()
+
+    def done(self, result: "GenerationResult") -> None:
+        tail = self.stream.flush()
+        if tail:
+            self._line({"piece": tail})
+        self._line({**result.as_json(), "done": True})
+
+    @staticmethod
+    def _line(obj: dict) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,7 +94,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wire", default="", choices=("bfloat16", "fp8"),
                    help="through a swarm: activations between peers in a compact form, NOT exact "
                         "(bfloat16 half, fp8 with a scale per row a quarter of float32's bytes); default exact")
-    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--json", action="store_true",
+                   help="stream JSON lines: one {\"piece\", \"token\"} per token, then the whole answer "
+                        "(text, tokens, timing, route) with \"done\": true")
     p.add_argument("--route-wait", type=float, default=30.0, metavar="S",
                    help="how long to wait for the (allowed) peers to cover every layer (default 30)")
     add_spot_check_option(p)
@@ -77,12 +132,19 @@ def run(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
     engine = LocalEngine(registry.resolve(args.model), device=args.device, dtype=args.dtype, quant=quant_from(args),
                          compile=args.compile, say=lambda line: print(line, file=sys.stderr))
-    on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    result = engine.generate(
-        args.prompt, raw=args.raw, max_new_tokens=args.max_tokens, sampling=sampling, on_text=on_text
-    )
     if args.json:
-        print(json.dumps(result.as_json()))
-    else:
-        sys.stdout.write("\n")
+        import time
+
+        from tessera.stages.decoding.generate import GenerationResult, prompt_ids
+
+        lines = JsonLines(engine.tokenizer)
+        ids = prompt_ids(engine.tokenizer, args.prompt, raw=args.raw)
+        started = time.perf_counter()
+        tokens = engine.generate_ids(ids, max_new_tokens=args.max_tokens, sampling=sampling, on_token=lines.token)
+        seconds = time.perf_counter() - started
+        lines.done(GenerationResult(engine.tokenizer.decode(tokens), tokens, len(ids), seconds))
+        return 0
+    on_text = lambda s: (sys.stdout.write(s), sys.stdout.flush())  # noqa: E731
+    engine.generate(args.prompt, raw=args.raw, max_new_tokens=args.max_tokens, sampling=sampling, on_text=on_text)
+    sys.stdout.write("\n")
     return 0

@@ -160,7 +160,7 @@ def test_generate_records_a_trace_that_replays(tmp_path, smol_dir, capsys):
                                "--record-trace", str(recording)], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         peer_db = swarm.base_dir / "peer0" / "tessera.db"
-    run = json.loads(done.stdout)
+    run = json.loads(done.stdout.splitlines()[-1])  # the last of its JSON lines: the whole answer
     report = tmp_path / "r.json"
     code, text = cli(capsys, "replay", str(peer_db), str(recording), "--report", str(report))
     assert code == 0, text
