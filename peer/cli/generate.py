@@ -116,7 +116,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give exactly one of --local or --join MULTIADDR")
     if args.join:
         from tessera.peer.cli.swarm_generate import run_swarm_generate
+        from tessera.peer.net.join import check_join_addrs
 
+        check_join_addrs(args.join)  # one line naming the fault, before anything loads (peer/net/join.py)
         if not args.route_wait > 0:
             raise UsageError(f"--route-wait must be > 0, got {args.route_wait!r}")
         args.policy = policy_from(args)  # a bad id or an unreadable @FILE fails here, before joining

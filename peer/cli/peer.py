@@ -21,8 +21,8 @@ from tessera.peer.cli.options import (
     add_compile_option, add_compute_options, add_dedicated_option, add_emulation_option, add_join_options, quant_from, read_swarm_key,
 )
 from tessera.peer.base.errors import ConfigError
-from tessera.peer.net.addresses import DEFAULT_LISTEN, DEFAULT_PORT
-from tessera.peer.net.join import JOIN_TIMEOUT
+from tessera.peer.net.addresses import DEFAULT_LISTEN, DEFAULT_PORT, busy_port_error
+from tessera.peer.net.join import JOIN_TIMEOUT, check_join_addrs
 from tessera.stages.engine.compiled.modes import DEFAULT_COMPILE
 from tessera.peer.serve.batcher import MAX_BATCH_ROWS, MAX_BATCH_WAIT, BatchBudget
 from tessera.peer.serve.leaving import MAX_LEAVE_GRACE as DEFAULT_LEAVE_GRACE
@@ -152,6 +152,7 @@ def parse_shard(text: str) -> tuple[int, int]:
 def config_from(args: argparse.Namespace) -> "PeerConfig":
     from tessera.peer.node.config import PeerConfig  # imports torch: only when a peer starts
 
+    check_join_addrs(args.join)  # one line naming the fault, before anything starts (peer/net/join.py)
     name = args.name or "peer"
     if (args.shard is None) != (not args.group) or (args.shard is not None and args.layers is None):
         raise ConfigError("a tensor-shard rank needs all of --layers A:B, --shard I/N and --group NAME")
@@ -223,6 +224,9 @@ def run_peer(args: argparse.Namespace) -> int:
     config = config_from(args)
     if args.web is not None and not 0 <= args.web <= 65535:
         raise ConfigError(f"--web wants a TCP port (0: any free one), got {args.web!r}")
+    busy = busy_port_error("--web", args.web_host, args.web) if args.web is not None else None
+    if busy:  # before the peer joins and loads: not a stack of errors once it serves
+        raise ConfigError(busy)
     # without the model here, learn it from the --join peers (its span's weights come later, peer/weights/)
     resolve_or_fetch(config.model, config.join, swarm_key=config.swarm_key, out=lambda line: print(line, flush=True))
     node = build_peer(config)
@@ -249,6 +253,8 @@ def run_status(args: argparse.Namespace) -> int:
     import trio
 
     from tessera.peer.cli.status import format_status, gather_status
+
+    check_join_addrs(args.join)
 
     report = trio.run(lambda: gather_status(args.join, model=args.model, swarm_key=read_swarm_key(args.swarm_key),
                                             only=args.only))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Sequence
 
@@ -11,7 +12,8 @@ from tessera.protocol.keys import Identity
 from tessera.stages.weights import registry
 from tessera.stages.families.catalog import spec_from_file
 
-from tessera.peer.base.errors import PeerError
+from tessera.peer.base.errors import PeerError, PeerUnreachable
+from tessera.peer.net.join import why_unreachable
 from tessera.peer.net.gossip import Gossip, ViewKeeper
 from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.net.nat.links import ask_links
@@ -36,15 +38,18 @@ async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | N
     identity = Identity.generate()
     async with open_libp2p_transport(identity.seed, swarm_key=swarm_key) as transport:
         gossip = Gossip(transport, keeper)
-        reached = 0
+        failed: list[str] = []
         for addr in join:
             try:
                 await gossip.exchange(await transport.connect(addr), whole_from_it=only)
-                reached += 1
+            except PeerUnreachable:  # said as a peer's join says it (peer/net/join.py)
+                failed.append(f"cannot join {addr}: {await why_unreachable(addr, swarm_key is not None)}")
             except PeerError as error:
-                print(f"warning: {addr}: {error}")
-        if not reached:
-            raise PeerError("none of the --join addresses answered")
+                failed.append(f"cannot join {addr}: {error}")
+        if len(failed) == len(join):
+            raise PeerError("; ".join(failed))
+        for line in failed:
+            print(f"warning: {line}", file=sys.stderr)
         if not only:
             await trio.sleep(SETTLE)
         for info in ([] if only else keeper.snapshot().peers):

@@ -46,7 +46,7 @@ from tessera.peer.base.ids import peer_id_text
 from tessera.peer.base.errors import NoRoute, PeerError, PeerUnreachable, UnknownPeer
 from tessera.peer.net.gossip import Gossip, ViewKeeper
 from tessera.peer.net.pinger import Pinger
-from tessera.peer.net.join import handshake_reason, tcp_answers
+from tessera.peer.net.join import why_unreachable
 from tessera.peer.net.emulated import LinkEmulation, emulate
 from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.request.decode import Speculation, plain_tokens, speculative_tokens
@@ -256,10 +256,8 @@ class Swarm:
                     await self.gossip.exchange(peer)
                 if self.reports is not None:
                     await self.reports.pull(peer)
-            except PeerUnreachable as error:
-                if await tcp_answers(addr):
-                    error = PeerUnreachable(f"cannot join {addr}: {handshake_reason(swarm_key_given)}")
-                errors.append(error)
+            except PeerUnreachable:  # said as a peer's join says it (peer/net/join.py)
+                errors.append(PeerUnreachable(f"cannot join {addr}: {await why_unreachable(addr, swarm_key_given)}"))
             except PeerError as error:
                 errors.append(error)
         if errors and len(errors) == len(addrs):
