@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import Counter
 from typing import Sequence
 
 import trio
@@ -11,9 +12,10 @@ import trio
 from tessera.protocol.keys import Identity
 from tessera.stages.weights import registry
 from tessera.stages.families.catalog import spec_from_file
+from tessera.stages.weights.quant import base_model_id
 
 from tessera.peer.base.errors import PeerError, PeerUnreachable
-from tessera.peer.net.join import why_unreachable
+from tessera.peer.net.join import other_model_reason, registered_models, why_unreachable
 from tessera.peer.net.gossip import Gossip, ViewKeeper
 from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.net.nat.links import ask_links
@@ -65,8 +67,15 @@ async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | N
         links = {p: {q: k for q, k in (found or {}).items() if q != transport.peer_id} for p, found in links.items()}
     now = time.time()
     coverage = swarm_coverage(view)  # the TUI's and routing's definition (peer/plan/coverage.py)
+    # peers heard of that serve another model (kept out of the view): which, and what --model to pass
+    others = Counter(keeper.foreign_models.values())
     return {
+        "model": folder.name,  # its registered name (or a folder's own name)
         "model_id": keeper.model_id,
+        "other_models": [{"model_id": m, "peers": n, "registered_as": registered_models().get(base_model_id(m))}
+                         for m, n in others.most_common()],
+        "other_model": (other_model_reason(keeper.foreign_models.values(), keeper.model_id, folder.name)
+                        if others and not view.peers else None),
         "num_layers": spec.num_layers,
         "peers": [
             {
@@ -94,7 +103,10 @@ async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | N
 
 def format_status(report: dict) -> str:
     n = len(report["peers"])
-    lines = [f"model {report['model_id'][:16]}…  {report['num_layers']} layers  {n} peer{'' if n == 1 else 's'}", ""]
+    named = f"{report['model']} ({report['model_id'][:16]}…)" if report.get("model") else f"{report['model_id'][:16]}…"
+    lines = [f"model {named}  {report['num_layers']} layers  {n} peer{'' if n == 1 else 's'}", ""]
+    if report.get("other_model"):  # nothing of ours to show: say what the swarm serves instead
+        return "\n".join([lines[0], f"{report['other_model']}"])
     # reach: how the peer says others reach it (public / hole-punched / relayed / private, see
     # peer/net/nat/reachability.py); link: this observer's own connection to it (direct / punched / relayed).
     header = (f"{'peer':<14}{'name':<12}{'span':<10}{'state':<10}{'free':>9}{'tok/s·layer':>13}{'load':>6}  "

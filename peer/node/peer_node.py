@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from functools import lru_cache, partial
+from pathlib import Path
 from typing import Any, Callable
 
 import trio
@@ -46,7 +47,7 @@ from tessera.peer.node.config import (
     KV_RESERVE_FRACTION, LEAVE_RECORD_TTL, RENEW_AFTER, PeerConfig, capacity_in_layers,
 )
 from tessera.peer.node.parts import NodeParts
-from tessera.peer.net.join import join_swarm
+from tessera.peer.net.join import join_swarm, other_model_reason
 from tessera.peer.net.nat.reachability import NatService
 from tessera.peer.serve import faults as misbehave
 from tessera.peer.request.reports import ReportBook
@@ -361,8 +362,8 @@ class PeerNode:
             return "unreachable (connected, but the gossip exchange failed)"
         other = self.keeper.foreign_models.get(peer)
         if other is not None:
-            return (f"different model: it serves model id {other}, ours is {self.model_id} "
-                    f"({self.config.model!r}; check --model and that the files are identical)")
+            return "different model: " + other_model_reason([other], self.model_id, Path(str(self.config.model)).name,
+                                                            requester=False)
         return None
 
     async def _connect_known(self) -> None:
