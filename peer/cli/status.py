@@ -15,7 +15,8 @@ from tessera.stages.families.catalog import spec_from_file
 from tessera.stages.weights.quant import base_model_id
 
 from tessera.peer.base.errors import PeerError, PeerUnreachable
-from tessera.peer.net.join import other_model_reason, registered_models, why_unreachable
+from tessera.peer.net.join import why_unreachable
+from tessera.peer.net.other_model import other_model_reason, registered_models
 from tessera.peer.net.gossip import Gossip, ViewKeeper
 from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.net.nat.links import ask_links

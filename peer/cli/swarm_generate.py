@@ -14,7 +14,7 @@ from tessera.stages.decoding.sampling import SamplingParams
 from tessera.stages.text.tokenizer import TextStream
 from tessera.store.trace import TraceWriter
 
-from tessera.peer.cli.generate import JsonLines
+from tessera.peer.cli.json_lines import JsonLines
 from tessera.peer.cli.options import apply_threads, quant_from, read_swarm_key
 from tessera.stages.decoding.sampling import Sampler
 from tessera.stages.decoding.speculative import AdaptiveK, ModelDrafter, NgramDrafter

@@ -19,7 +19,7 @@ thing about the same address, from here:
                      private-network key the two sides cannot even agree on
                      encryption, so "wrong or missing swarm key?" is the likely cause;
   different model    the peer answers, but its advertisement names another model id
-                     (`other_model_reason`: which model, and the --model to pass; the same
+                     (peer/net/other_model.py: which model, and the --model to pass; the same
                      words from a requester, a gateway and `swarm status`). An answer is
                      final: when every address gave one, the peer stops trying at once.
 
@@ -31,16 +31,11 @@ not a guess about the swarm key.
 
 from __future__ import annotations
 
-import json
-from collections import Counter
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Awaitable, Callable, Iterator, Sequence
 
 import multiaddr
 import trio
-
-from tessera.stages.weights import registry
-from tessera.stages.weights.quant import base_model_id
 
 from tessera.peer.base.errors import ConfigError, PeerError
 
@@ -133,45 +128,6 @@ async def why_unreachable(addr: str, swarm_key_given: bool) -> str:
     endpoint = tcp_endpoint(addr)
     where = f"{endpoint[0]}:{endpoint[1]}" if endpoint else "this address"
     return f"unreachable: nothing listens at {where} (is the peer running, and the address right?)"
-
-
-def registered_models() -> dict[str, str]:
-    """Model id -> registered name, of the models on this machine (`tessera model list`), read from
-    their manifests as they are (no file is hashed or rewritten)."""
-    root = registry.models_root()
-    found: dict[str, str] = {}
-    if not root.is_dir():
-        return found
-    for folder in sorted(root.iterdir()):
-        try:
-            found.setdefault(str(json.loads((folder / registry.MANIFEST).read_text())["model_id"]), folder.name)
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # not a registered model (a staging folder, a broken manifest): nothing to name
-    return found
-
-
-def other_model_reason(foreign: Iterable[str], own_id: str, own_model: str,
-                       known: Mapping[str, str] | None = None, *, requester: bool = True) -> str:
-    """What to tell someone whose swarm serves another model: which (its id, and its name if
-    it is registered here), and what to pass. `foreign`: the model ids the peers advertised;
-    `requester`: said to a requester, which may also chain any quantization (--accept-mixed)."""
-    counts = Counter(foreign)
-    theirs, n = counts.most_common(1)[0]
-    peers = f"{n} peer{'s' if n != 1 else ''}"
-    if base_model_id(theirs) == base_model_id(own_id):  # the same model, another quantization
-        tag = theirs.split("+", 1)[1] if "+" in theirs else ""
-        kind, _, group = tag.partition("g")  # "int4g32" -> int4, group 32 (stages/weights/quant.py model_tag)
-        flags = f"--quant {kind}" + (f" --quant-group {group}" if group else "") if tag else "--quant none"
-        what = f"quantized as {tag}" if tag else "unquantized"
-        mixed = " (or --accept-mixed)" if requester else ""
-        return f"the peers there serve {own_model} {what} ({peers}), not as asked: pass {flags}{mixed}"
-    known = registered_models() if known is None else known
-    name = known.get(base_model_id(theirs))
-    hint = (f"pass --model {name}" if name else
-            "it is not registered here (`tessera model list`): get its files, then pass --model with their name")
-    return (f"the peers there serve another model: model id {theirs[:16]}… ({peers}); {hint}. This one is "
-            f"--model {own_model} (model id {own_id[:16]}…). A model id covers every file of the model, its "
-            "chat template included: peers and requesters chain only on identical files")
 
 
 def handshake_reason(swarm_key_given: bool) -> str:

@@ -47,7 +47,8 @@ from tessera.peer.node.config import (
     KV_RESERVE_FRACTION, LEAVE_RECORD_TTL, RENEW_AFTER, PeerConfig, capacity_in_layers,
 )
 from tessera.peer.node.parts import NodeParts
-from tessera.peer.net.join import join_swarm, other_model_reason
+from tessera.peer.net.join import join_swarm
+from tessera.peer.net.other_model import other_model_reason
 from tessera.peer.net.nat.reachability import NatService
 from tessera.peer.serve import faults as misbehave
 from tessera.peer.request.reports import ReportBook

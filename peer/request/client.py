@@ -46,7 +46,8 @@ from tessera.peer.base.ids import peer_id_text
 from tessera.peer.base.errors import ModelMismatch, NoRoute, PeerError, PeerUnreachable, UnknownPeer
 from tessera.peer.net.gossip import Gossip, ViewKeeper
 from tessera.peer.net.pinger import Pinger
-from tessera.peer.net.join import other_model_reason, why_unreachable
+from tessera.peer.net.join import why_unreachable
+from tessera.peer.net.other_model import other_model_reason
 from tessera.peer.net.emulated import LinkEmulation, emulate
 from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.request.decode import Speculation, plain_tokens, speculative_tokens
