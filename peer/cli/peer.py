@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from tessera.peer.cli.config import add_config_options
 from tessera.peer.cli.memory import return_freed_memory
+from tessera.peer.cli.store import peer_data_dir
 from tessera.peer.cli.options import (
     add_compile_option, add_compute_options, add_dedicated_option, add_emulation_option, add_join_options, quant_from, read_swarm_key,
 )
@@ -158,7 +159,7 @@ def config_from(args: argparse.Namespace) -> "PeerConfig":
         raise ConfigError("a tensor-shard rank needs all of --layers A:B, --shard I/N and --group NAME")
     if args.shard is not None and args.quant != "none":
         raise ConfigError(f"--quant {args.quant} is for whole spans; a tensor-shard rank serves unquantized slices")
-    data_dir = args.data_dir or Path.home() / ".local" / "share" / "tessera" / name
+    data_dir = args.data_dir or peer_data_dir(name)  # ~/.local/share/tessera/NAME, as `tessera ledger --name` reads
     try:
         budget = BatchBudget(args.batch_rows, args.batch_wait_ms / 1000)
     except ValueError as bad:

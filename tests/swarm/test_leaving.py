@@ -130,6 +130,7 @@ def test_sigint_on_the_sole_peer_of_an_answer_lets_it_finish(how, tiny_llama, re
     log = peer.log(0)
     assert status == 0, log[-3000:]
     assert "Traceback" not in log and "error:" not in log and "StoreClosed" not in log, log[-3000:]
+    assert "WARNING" not in log, log[-3000:]  # nor libp2p's lines about the requester that came and went (-v shows them)
     if how == "terminal":  # the TUI shows these lines in its Events panel (and prints them on the way out)
         assert "stopping: leaving the swarm (Ctrl-C again to stop now)" in log
         assert "1 answer running here" in log and "waiting up to" in log, log[-2000:]
