@@ -248,28 +248,26 @@ class StageServer:
                                                        remote=session.requester, steps=session.steps, tokens=session.tokens))
             with trio.CancelScope(shield=True):
                 await self.end_stream(session)
+            session.ended.set()  # its requester has been told (StageServer.hand_over waits for it)
 
     async def end_stream(self, session: ServedSession) -> None:
         """Close a session's streams: the link onward, and the requester's stream (an evicted
         session's requester is told why first, and when to come back; a notice that cannot
-        be sent in time resets the stream). Sets `session.ended` once done."""
-        try:
-            if session.next_channel is not None:
-                await close_quietly(session.next_channel)
-                session.next_channel = None
-            if session.evicted is not None:
-                code, why, retry_after = session.evicted
-                with trio.move_on_after(EVICT_NOTICE_TIMEOUT) as notice:
-                    try:
-                        await session.control.send(ErrorMsg(code, why[:1000], session.session_id, retry_after))
-                    except PeerError:
-                        pass  # the requester is gone; nothing left to tell it
-                if notice.cancelled_caught:
-                    await session.control.reset()  # a requester that does not read: no graceful end
-                    return
-            await session.control.close()
-        finally:
-            session.ended.set()
+        be sent in time resets the stream)."""
+        if session.next_channel is not None:
+            await close_quietly(session.next_channel)
+            session.next_channel = None
+        if session.evicted is not None:
+            code, why, retry_after = session.evicted
+            with trio.move_on_after(EVICT_NOTICE_TIMEOUT) as notice:
+                try:
+                    await session.control.send(ErrorMsg(code, why[:1000], session.session_id, retry_after))
+                except PeerError:
+                    pass  # the requester is gone; nothing left to tell it
+            if notice.cancelled_caught:
+                await session.control.reset()  # a requester that does not read: no graceful end
+                return
+        await session.control.close()
 
     async def open_stream(self, stream: Stream, kind: type, frame_limit: int, admit: Callable,
                           forget: Callable[..., Awaitable[None]]):

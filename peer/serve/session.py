@@ -87,7 +87,7 @@ class ServedSession:
     closed: bool = False
     revoked: bool = False  # the requester revoked this peer from the session (SessionRevoke)
     wire: str = ""  # the form its activations go out in (protocol/tensors.py WIRE_FORMS): the requester's choice
-    ended: trio.Event = field(default_factory=trio.Event)  # its streams are closed (StageServer.end_stream)
+    ended: trio.Event = field(default_factory=trio.Event)  # its streams are closed (StageServer.handle_session)
 
     def __post_init__(self) -> None:
         self.queue_in, self.queue_out = trio.open_memory_channel[object](QUEUE_DEPTH)
