@@ -12,7 +12,7 @@ import trio
 from tessera.protocol.keys import Identity
 from tessera.stages.weights import registry
 from tessera.stages.families.catalog import spec_from_file
-from tessera.stages.weights.quant import base_model_id
+from tessera.stages.kernels.quant import base_model_id
 
 from tessera.peer.base.errors import PeerError, PeerUnreachable
 from tessera.peer.net.join import why_unreachable

@@ -1,7 +1,7 @@
 """What to tell someone whose swarm serves another model: which one, and what to pass.
 
 Peers and requesters chain only on the same model id (a hash of every file of the model,
-its chat template included, tagged with how a span is quantized: stages/weights/quant.py
+its chat template included, tagged with how a span is quantized: stages/kernels/quant.py
 `model_tag`). Records of another model are kept out of a view (`ViewKeeper.foreign_models`
 remembers who advertised which); when they are all a joiner hears of, every command says so
 in the same words: a joining peer (peer/node/peer_node.py), a requester and a gateway
@@ -15,7 +15,7 @@ from collections import Counter
 from typing import Iterable, Mapping
 
 from tessera.stages.weights import registry
-from tessera.stages.weights.quant import base_model_id
+from tessera.stages.kernels.quant import base_model_id
 
 
 def registered_models() -> dict[str, str]:
@@ -43,7 +43,7 @@ def other_model_reason(foreign: Iterable[str], own_id: str, own_model: str,
     peers = f"{n} peer{'s' if n != 1 else ''}"
     if base_model_id(theirs) == base_model_id(own_id):  # the same model, another quantization
         tag = theirs.split("+", 1)[1] if "+" in theirs else ""
-        kind, _, group = tag.partition("g")  # "int4g32" -> int4, group 32 (stages/weights/quant.py model_tag)
+        kind, _, group = tag.partition("g")  # "int4g32" -> int4, group 32 (stages/kernels/quant.py model_tag)
         flags = f"--quant {kind}" + (f" --quant-group {group}" if group else "") if tag else "--quant none"
         what = f"quantized as {tag}" if tag else "unquantized"
         mixed = " (or --accept-mixed)" if requester else ""
