@@ -23,6 +23,10 @@ class ErrorCode(StrEnum):
     # an idle session was dropped to make room for another requester (peer/serve/admission.py):
     # no fault of the peer's; reopen (here after retry_after, or elsewhere) and replay
     RECLAIMED = "reclaimed"
+    # this peer is leaving the swarm (its operator stopped it): a session it refuses, or one it
+    # hands back because it could not finish within its leave grace, belongs elsewhere now. No
+    # fault of the peer's and no reason to wait for it: route around it at once, no strike.
+    LEAVING = "leaving"
 
 
 # The members under their short names, as the server and the requester use them.
@@ -35,3 +39,4 @@ BAD_FRAME = ErrorCode.BAD_FRAME
 COMPUTE_FAILED = ErrorCode.COMPUTE_FAILED
 NEXT_HOP_FAILED = ErrorCode.NEXT_HOP_FAILED
 RECLAIMED = ErrorCode.RECLAIMED
+LEAVING = ErrorCode.LEAVING

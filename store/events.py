@@ -374,6 +374,12 @@ EVENT_TYPES: tuple[type[TraceEvent], ...] = (
     Push, Receive, Result, Failover, Ban, Parole, Misbehaviour, Error, Leave, Drain, Pause, Resume, Audit,
 )
 BY_KIND: dict[str, type[TraceEvent]] = {cls.kind: cls for cls in EVENT_TYPES}
+# What a person reading a peer's events (the TUI's Events panel, the web view's Peer page) does not
+# want in the way, though the trace keeps it: the per-step events (one per token per hop), the
+# periodic ones (an advertisement every few seconds, an RTT per neighbour per ping round: the lists
+# were mostly `rtt duration 0.0039…`), and a spot check's audit rows. Asked for by name, they show.
+ROUTINE_KINDS: tuple[type[TraceEvent], ...] = (Forward, Push, Receive, Advertise, Result, Audit, Rtt)
+NOTABLE_KINDS: tuple[type[TraceEvent], ...] = tuple(k for k in EVENT_TYPES if k not in ROUTINE_KINDS)
 
 
 @dataclass(frozen=True)

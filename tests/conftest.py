@@ -26,7 +26,8 @@ LONGEST_FILES = [
     "test_churn.py", "test_verify.py", "test_speculation.py", "test_swarm.py", "test_failover.py",
     "test_engine_cli.py", "test_nat.py", "test_http.py", "test_quant.py", "test_quant_swarm.py", "test_engine_reference.py", "test_shards_swarm.py",
     "test_shards_swarm_whole.py", "test_model_conformance.py", "test_compiled.py", "test_qwen3_moe.py", "test_mixtral.py", "test_gpt_oss.py", "test_qwen3.py",
-    "test_peer_join.py", "test_tui.py", "test_swarm_security.py", "test_shards_swarm_synth.py",
+    "test_peer_join.py", "test_tour.py", "test_tui.py", "test_leaving.py", "test_swarm_security.py", "test_join_errors.py",
+    "test_shards_swarm_synth.py",
     "test_revoke.py", "test_web_browser.py",
     "test_swarm_view.py", "test_gossip_convergence.py", "test_weights_swarm.py",
 ]

@@ -116,8 +116,12 @@ class TesseraApp(App[int]):
 
     def on_mount(self) -> None:
         self._logs.enter_context(logs_to(self.handle.node.out))
-        if self.leave_on_sigterm:  # `kill PID` (a service manager) stops the peer as cleanly as q does
-            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.quit_without_asking)
+        if self.leave_on_sigterm:  # `kill PID` (a service manager) stops the peer as cleanly as q does,
+            # and so does `kill -INT PID` (Ctrl-C typed here is a key, not a signal: the binding above);
+            # without a handler, an outside SIGINT went unheard while Textual held the main thread
+            loop = asyncio.get_running_loop()
+            loop.add_signal_handler(signal.SIGTERM, self.on_stop_signal)
+            loop.add_signal_handler(signal.SIGINT, self.on_stop_signal)
         self.set_interval(SNAPSHOT_INTERVAL / 2, self.pull_snapshot)
         self.set_interval(LEDGER_INTERVAL, self.refresh_ledger)
         self.refresh_ledger()
@@ -242,11 +246,15 @@ class TesseraApp(App[int]):
                 return
         self.run_command(f"offer {gb:g} GB", lambda: self.handle.set_memory_offered(gb))
 
+    def grace_words(self) -> str:
+        """How long running answers would get to finish if the peer left now: 'up to 12 s'."""
+        grace = (self.snapshot or {}).get("in_flight", {}).get("grace", 0.0)
+        return f"up to {grace:.0f} s (the time they need at their pace so far)"
+
     @work(group="dialogs", exclusive=True)
     async def action_leave(self) -> None:
         n = self.active_sessions()
-        finish = (f", gives the {_plural(n, 'running session')} up to "
-                  f"{self.handle.node.config.leave_grace:g} s to finish") if n else ""
+        finish = f", gives the {_plural(n, 'running session')} {self.grace_words()} to finish" if n else ""
         if await self.confirm(
             f"Leave the swarm? This peer stops taking sessions, tells the swarm it is leaving{finish}, "
             "and stops serving for good. This screen stays open; q closes it.", yes="Leave"):
@@ -258,16 +266,31 @@ class TesseraApp(App[int]):
             self.exit(return_code=0 if self.handle.error is None else 1)
             return
         if self.quitting:  # a second q while leaving: stop now, like a second Ctrl-C
-            self.notify("stopping at once")
-            self.handle.force_stop()
+            self.notify("stopping now: running answers go back to their requesters")
+            try:
+                self.handle.force_stop()
+            except PeerNotRunning:
+                self._peer_ended()
             return
         n = self.active_sessions()
         if n and not await self.confirm(
             f"{_plural(n, 'session')} running here. Quitting stops taking sessions, tells the swarm, "
-            f"and gives them up to {self.handle.node.config.leave_grace:g} s to finish before "
-            "closing. Quit?", yes="Quit"):
+            f"and gives them {self.grace_words()} to finish before closing (q again: hand them "
+            "to other peers at once). Quit?", yes="Quit"):
             return
         self.quit_without_asking()
+
+    def on_stop_signal(self) -> None:
+        """SIGTERM or SIGINT from outside: leave as `q` does, without asking; a second one stops
+        now, as a second `q` does (running answers go back to their requesters)."""
+        if not self.quitting:
+            self.quit_without_asking()
+        elif not self.handle.finished.is_set():
+            self.notify("stopping now: running answers go back to their requesters")
+            try:
+                self.handle.force_stop()
+            except PeerNotRunning:
+                self._peer_ended()
 
     def quit_without_asking(self) -> None:
         if not self.quitting:
@@ -354,9 +377,10 @@ def run_with_tui(node: PeerNode) -> int:
 
 
 def _stop(handle: PeerHandle) -> None:
-    """Leave gracefully unless already gone; past the leave grace (and a margin), stop at once."""
+    """Leave gracefully unless already gone; past the leave grace's cap (and a margin), hand running
+    answers back at once; past another margin, stop the loop."""
     grace = handle.node.config.leave_grace + FINISH_MARGIN
-    for stop in (handle.leave, handle.force_stop):
+    for stop in (handle.leave, handle.force_stop, handle.abort):
         if handle.finished.is_set():
             return
         try:

@@ -126,7 +126,12 @@ class PeerHandle:
         self._soon(self.node.stop)
 
     def force_stop(self) -> None:
-        """Stop at once, like a second Ctrl-C (running sessions are dropped)."""
+        """Like a second Ctrl-C: running answers go back to their requesters now (they re-route),
+        then the peer leaves."""
+        self._soon(self.node.stop_now)
+
+    def abort(self) -> None:
+        """Stop the peer's loop without waiting for anything (it did not leave in time)."""
         self._soon(lambda: self._cancel.cancel() if self._cancel is not None else None)
 
     def join(self, timeout: float | None = None) -> bool:

@@ -7,8 +7,9 @@ ledger stay readable after the peer has left.
 
 The events panel tails the trace. Its filter is what the operator types:
 
-- nothing: every kind but the per-step ones (`NOISY_KINDS`: one per token per hop), and the
-  lines the peer printed and logged (and the UI's own notes);
+- nothing: every kind but the routine ones (store/events.py `ROUTINE_KINDS`: one per token per
+  hop, one RTT per neighbour per ping round, ...), and the lines the peer printed and logged
+  (and the UI's own notes);
 - words naming event kinds (``claim session_open ban``): only those kinds — add ``peer`` for
   the printed lines too;
 - ``all``: every kind, per-step ones included, and the printed lines;
@@ -23,10 +24,7 @@ from pathlib import Path
 
 from tessera.store.db import PeerStore
 from tessera.store.errors import StoreClosed
-from tessera.store.events import BY_KIND, EVENT_TYPES, Advertise, Audit, Forward, Push, Receive, Result, Stamped, TraceEvent
-
-NOISY_KINDS: tuple[type[TraceEvent], ...] = (Forward, Push, Receive, Advertise, Result, Audit)
-QUIET_KINDS = tuple(k for k in EVENT_TYPES if k not in NOISY_KINDS)
+from tessera.store.events import BY_KIND, EVENT_TYPES, NOTABLE_KINDS, Stamped, TraceEvent
 PRINTED = "peer"  # the filter word for the lines the peer printed (shown as "(peer)" in the log)
 BACKLOG = 200  # events shown from before the UI opened (or the filter changed)
 PAGE = 500  # trace rows per read; a busy peer catches up in a few ticks
@@ -47,7 +45,7 @@ class EventFilter:
         words = tuple(t for t in tokens if t not in BY_KIND and t not in ("all", PRINTED))
         if "all" in tokens:
             return EventFilter(EVENT_TYPES, words)
-        return EventFilter(tuple(dict.fromkeys(kinds)) or QUIET_KINDS, words, printed=not kinds or PRINTED in tokens)
+        return EventFilter(tuple(dict.fromkeys(kinds)) or NOTABLE_KINDS, words, printed=not kinds or PRINTED in tokens)
 
     def keeps(self, line: str) -> bool:
         lowered = line.lower()

@@ -21,7 +21,9 @@ weights fetch under way: ``label``, ``done``, ``total``, ``rate``, ``eta_s``, ``
 None)), and ``model``, ``active`` (one
 dict per running session: ``id``, ``requester``, ``span``, ``steps``, ``tokens``,
 ``idle_s``), ``paused``, ``accepting``, ``reachability``, ``swarm`` (``peers``,
-``join``, ``private``), ``forced_layers``, ``max_sessions``.
+``join``, ``private``), ``forced_layers``, ``max_sessions``, ``in_flight`` (the answers running
+here and the grace leaving now would give them: ``sessions``, ``tokens_left``, ``grace``; see
+peer/serve/leaving.py).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def read_snapshot(node: PeerNode) -> dict[str, Any]:
         "swarm": {"peers": len(others), "join": list(node.config.join), "private": node.config.swarm_key is not None},
         "forced_layers": node.config.layers is not None,
         "max_sessions": node.config.max_sessions,
+        "in_flight": dataclasses.asdict(node.in_flight()),
     }
 
 
@@ -90,7 +93,8 @@ def stopped_snapshot(last: dict[str, Any] | None, node: PeerNode) -> dict[str, A
     """
     base = dict(last) if last is not None else {**_starting_status(node), "stats": dict(ZERO_STATS)}
     return {**base, "phase": "stopped", "state": node.state, "at": time.monotonic(), "active": [],
-            "sessions": 0, "neighbours": [], "accepting": False, "paused": False}
+            "sessions": 0, "neighbours": [], "accepting": False, "paused": False,
+            "in_flight": {"sessions": 0, "tokens_left": 0, "grace": 0.0}}
 
 
 def preview_memory(node: PeerNode, gb: float) -> dict[str, Any]:

@@ -1,9 +1,12 @@
-"""`tessera generate`: answer a prompt, locally (`--local`) or through a swarm (`--join`)."""
+"""`tessera generate`: answer a prompt, locally (`--local`) or through a swarm (`--join`).
+
+The answer streams on stdout as it is generated: as text, or with `--json` as JSON lines
+(peer/cli/json_lines.py: one object per token as it arrives, then the whole answer).
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from tessera.stages.weights import registry
@@ -14,7 +17,7 @@ from tessera.peer.cli.options import (
     add_record_trace_option, add_sampling_options, add_spot_check_option, apply_threads,
     policy_from, quant_from, sampling_from, spot_check_from,
 )
-
+from tessera.peer.cli.json_lines import JsonLines
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -41,7 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wire", default="", choices=("bfloat16", "fp8"),
                    help="through a swarm: activations between peers in a compact form, NOT exact "
                         "(bfloat16 half, fp8 with a scale per row a quarter of float32's bytes); default exact")
-    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--json", action="store_true",
+                   help="stream JSON lines: one {\"piece\", \"token\"} per token, then the whole answer "
+                        "(text, tokens, timing, route) with \"done\": true")
     p.add_argument("--route-wait", type=float, default=30.0, metavar="S",
                    help="how long to wait for the (allowed) peers to cover every layer (default 30)")
     add_spot_check_option(p)
@@ -61,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give exactly one of --local or --join MULTIADDR")
     if args.join:
         from tessera.peer.cli.swarm_generate import run_swarm_generate
+        from tessera.peer.net.join import check_join_addrs
 
+        check_join_addrs(args.join)  # one line naming the fault, before anything loads (peer/net/join.py)
         if not args.route_wait > 0:
             raise UsageError(f"--route-wait must be > 0, got {args.route_wait!r}")
         args.policy = policy_from(args)  # a bad id or an unreadable @FILE fails here, before joining
@@ -77,12 +84,19 @@ def run(args: argparse.Namespace) -> int:
     apply_threads(args.threads)
     engine = LocalEngine(registry.resolve(args.model), device=args.device, dtype=args.dtype, quant=quant_from(args),
                          compile=args.compile, say=lambda line: print(line, file=sys.stderr))
-    on_text = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    result = engine.generate(
-        args.prompt, raw=args.raw, max_new_tokens=args.max_tokens, sampling=sampling, on_text=on_text
-    )
     if args.json:
-        print(json.dumps(result.as_json()))
-    else:
-        sys.stdout.write("\n")
+        import time
+
+        from tessera.stages.decoding.generate import GenerationResult, prompt_ids
+
+        lines = JsonLines(engine.tokenizer)
+        ids = prompt_ids(engine.tokenizer, args.prompt, raw=args.raw)
+        started = time.perf_counter()
+        tokens = engine.generate_ids(ids, max_new_tokens=args.max_tokens, sampling=sampling, on_token=lines.token)
+        seconds = time.perf_counter() - started
+        lines.done(GenerationResult(engine.tokenizer.decode(tokens), tokens, len(ids), seconds))
+        return 0
+    on_text = lambda s: (sys.stdout.write(s), sys.stdout.flush())  # noqa: E731
+    engine.generate(args.prompt, raw=args.raw, max_new_tokens=args.max_tokens, sampling=sampling, on_text=on_text)
+    sys.stdout.write("\n")
     return 0

@@ -8,19 +8,23 @@ propagation), so Python's last-resort handler printed each record raw. `install`
 undoes that at the command line's composition root and sends every record through
 one handler:
 
-- quiet (the default): our own records at WARNING and above as they are; each of
-  libp2p's failures (ERROR and above) folded into ONE line at WARNING — what failed
+- quiet (the default): our own records at WARNING and above, and nothing of libp2p's.
+  Its failures are the ordinary life of a swarm seen from below — a requester that does
+  not serve the dial-back or ping protocol ("protocols not supported"), a peer that left
+  and is redialled ("Failed to open TCP stream") — and our own code says what matters of
+  them, in its words (a join that fails says why: peer/net/join.py; a session that loses a
+  peer fails over and says so). A newcomer read each of them as something gone wrong;
+- ``-v``: INFO and above from everyone; each of libp2p's failures (ERROR and above)
+  folded into ONE line at WARNING — what failed
   (its first line), why (its ``Error:`` line, or the exception's type and message,
   never a traceback) — and a line repeated within `REPEAT_WINDOW` is not shown
   again: one line per event, however often libp2p retries it, and however many of
   its layers report the same failure (`BURST`, `ECHOES`; a line naming only an address
   is not shown within the window after one naming a peer: it is that peer's redial); a
   failure that only says the other end had gone (`GONE`: a requester that got its answer
-  and exited, a peer that left) is not shown at all. libp2p's own
-  WARNINGs are its internal bookkeeping ("AUTO_CONNECTOR_STATE: num_connections=0
-  …" at every start): shown with ``-v``;
-- ``-v``: INFO and above from everyone, libp2p's lines as libp2p wrote them;
-- ``-vv`` (or ``$TESSERA_DEBUG``): DEBUG from everyone.
+  and exited, a peer that left) is not shown at all. libp2p's records below ERROR are its
+  internal bookkeeping ("AUTO_CONNECTOR_STATE: num_connections=0 …" at every start): not shown;
+- ``-vv`` (or ``$TESSERA_DEBUG``): DEBUG from everyone, libp2p's lines as libp2p wrote them.
 
     install(verbose=0)                    # in `tessera`'s main, before the command runs
     handler_for(sys.stderr)               # the handler writing there (the TUI swaps it out)
@@ -146,15 +150,22 @@ def install(verbose: int = 0, *, stream: TextIO | None = None, import_libp2p: bo
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.tessera = True  # type: ignore[attr-defined] - marks ours, so install() is idempotent
     handler.setFormatter(logging.Formatter(FORMAT, DATE_FORMAT))
-    if not verbose:
+    if verbose == 0:
+        handler.addFilter(not_libp2p)
+    elif verbose == 1:
         handler.addFilter(OneLinePerEvent())
     root.addHandler(handler)
     root.setLevel(level)
     lib = logging.getLogger(LIBP2P)
     lib.handlers.clear()
     lib.propagate = True
-    lib.setLevel(max(level, logging.ERROR) if not verbose else level)
+    lib.setLevel(logging.ERROR if verbose <= 1 else level)
     return handler
+
+
+def not_libp2p(record: logging.LogRecord) -> bool:
+    """Quiet: every record but libp2p's (a filter on the handler, as some of its loggers set their own level)."""
+    return not (record.name == LIBP2P or record.name.startswith(LIBP2P + "."))
 
 
 def handler_for(stream: TextIO) -> logging.Handler | None:

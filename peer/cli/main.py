@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="say more on stderr: -v INFO (py-libp2p's own lines as it writes them), -vv DEBUG")
+                        help="say more on stderr: -v INFO (and py-libp2p's failures, one line each), "
+                             "-vv DEBUG (py-libp2p's lines as it writes them)")
     parser.add_argument("--version", action="version", version=f"tessera {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (cli_model, cli_generate, cli_peer, cli_store, cli_serve, cli_revoke, cli_sim):
@@ -115,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int | None] = args.handler
-    # py-libp2p logs every failed dial at ERROR, some in 8-line dumps: one line each, unless -v
+    # py-libp2p logs every failed dial at ERROR, some in 8-line dumps: none unless -v (one line each)
     verbose = max(args.verbose, 2 if os.environ.get("TESSERA_DEBUG") else 0)
     install_logging(verbose, import_libp2p=args.command in NETWORK_COMMANDS or bool(getattr(args, "join", None)))
     errors = domain_errors()

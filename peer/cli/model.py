@@ -7,6 +7,7 @@ command runs (peer/cli/options.py says why).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -114,8 +115,36 @@ def _fetch(args: argparse.Namespace) -> None:
 def _import(args: argparse.Namespace) -> None:
     from tessera.peer.cli.model_files import import_model
 
+    path = Path(args.path).expanduser()
+    before = registered_manifest(args.name or (path.stem if path.is_file() else path.resolve().name))  # import_model's name
     folder = import_model(args.path, name=args.name, dequantize=args.dequantize, progress=progress_printer())
     print(folder)
+    note = id_change_note(folder.name, before, registered_manifest(folder.name))
+    if note:
+        print(note, file=sys.stderr)
+
+
+def registered_manifest(name: str) -> dict | None:
+    """The manifest of the model registered as `name`, as it is on disk (None: none)."""
+    try:
+        return json.loads((registry.models_root() / name / registry.MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def id_change_note(name: str, before: dict | None, after: dict | None) -> str | None:
+    """What to say when registering `name` again changed its model id: peers and requesters chain
+    only on identical files (the id covers every file, a chat template included), so the peers
+    still running with the old files no longer match anything started now — say so, and which
+    files changed. None when the id did not change (or nothing was registered before)."""
+    if not before or not after or before.get("model_id") == after.get("model_id"):
+        return None
+    old, new = before.get("files", {}), after.get("files", {})
+    changed = sorted(n for n in old.keys() | new.keys() if (old.get(n) or {}).get("sha256") != (new.get(n) or {}).get("sha256"))
+    return (f"note: {name}'s model id changed, {before['model_id'][:16]}… -> {after['model_id'][:16]}… (changed: "
+            f"{', '.join(changed) or 'the tensors'}). A model id covers every file, its chat template included: "
+            f"peers still running with the old files no longer chain with requesters or peers started now, and "
+            f"they say \"the peers there serve another model\". Restart them with these files")
 
 
 def _synth(args: argparse.Namespace) -> None:

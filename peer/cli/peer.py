@@ -17,14 +17,16 @@ from typing import TYPE_CHECKING
 
 from tessera.peer.cli.config import add_config_options
 from tessera.peer.cli.memory import return_freed_memory
+from tessera.peer.cli.store import peer_data_dir
 from tessera.peer.cli.options import (
     add_compile_option, add_compute_options, add_dedicated_option, add_emulation_option, add_join_options, quant_from, read_swarm_key,
 )
 from tessera.peer.base.errors import ConfigError
-from tessera.peer.net.addresses import DEFAULT_LISTEN, DEFAULT_PORT
-from tessera.peer.net.join import JOIN_TIMEOUT
+from tessera.peer.net.addresses import DEFAULT_LISTEN, DEFAULT_PORT, busy_port_error
+from tessera.peer.net.join import JOIN_TIMEOUT, check_join_addrs
 from tessera.stages.engine.compiled.modes import DEFAULT_COMPILE
 from tessera.peer.serve.batcher import MAX_BATCH_ROWS, MAX_BATCH_WAIT, BatchBudget
+from tessera.peer.serve.leaving import MAX_LEAVE_GRACE as DEFAULT_LEAVE_GRACE
 
 if TYPE_CHECKING:
     from tessera.peer.node.config import PeerConfig
@@ -72,6 +74,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "1: every step alone)")
     p.add_argument("--batch-wait-ms", type=float, default=MAX_BATCH_WAIT * 1000, metavar="MS",
                    help=f"how long a batch waits for the sessions of the last one (default {MAX_BATCH_WAIT * 1000:g})")
+    p.add_argument("--leave-grace", type=float, default=DEFAULT_LEAVE_GRACE, metavar="S",
+                   help="on Ctrl-C, running answers get the time they need to finish, at most S seconds "
+                        f"(default {DEFAULT_LEAVE_GRACE:g}); a second Ctrl-C hands them to other peers at once")
     p.add_argument("--rebalance-interval", type=float, default=None, metavar="S",
                    help="seconds between placement checks (default 10)")
     p.add_argument("--no-serve-weights", action="store_true",
@@ -148,16 +153,19 @@ def parse_shard(text: str) -> tuple[int, int]:
 def config_from(args: argparse.Namespace) -> "PeerConfig":
     from tessera.peer.node.config import PeerConfig  # imports torch: only when a peer starts
 
+    check_join_addrs(args.join)  # one line naming the fault, before anything starts (peer/net/join.py)
     name = args.name or "peer"
     if (args.shard is None) != (not args.group) or (args.shard is not None and args.layers is None):
         raise ConfigError("a tensor-shard rank needs all of --layers A:B, --shard I/N and --group NAME")
     if args.shard is not None and args.quant != "none":
         raise ConfigError(f"--quant {args.quant} is for whole spans; a tensor-shard rank serves unquantized slices")
-    data_dir = args.data_dir or Path.home() / ".local" / "share" / "tessera" / name
+    data_dir = args.data_dir or peer_data_dir(name)  # ~/.local/share/tessera/NAME, as `tessera ledger --name` reads
     try:
         budget = BatchBudget(args.batch_rows, args.batch_wait_ms / 1000)
     except ValueError as bad:
         raise ConfigError(f"--batch-rows {args.batch_rows!r} / --batch-wait-ms {args.batch_wait_ms!r}: {bad}") from None
+    if not args.leave_grace >= 0:
+        raise ConfigError(f"--leave-grace wants 0 or more seconds, got {args.leave_grace!r}")
     if not args.join_timeout > 0:
         raise ConfigError(f"--join-timeout wants a positive number of seconds, got {args.join_timeout!r}")
     if not 0 <= args.dedicated_port <= 65535:
@@ -171,7 +179,7 @@ def config_from(args: argparse.Namespace) -> "PeerConfig":
         threads=args.threads, device=args.device, dtype=args.dtype, quant=quant_from(args), compile=args.compile,
         swarm_key=read_swarm_key(args.swarm_key), max_sessions=args.max_sessions,
         batch_rows=budget.max_rows, batch_wait=budget.max_wait,
-        join_timeout=args.join_timeout, allow_alone=args.allow_alone,
+        join_timeout=args.join_timeout, allow_alone=args.allow_alone, leave_grace=args.leave_grace,
         **({"rebalance_interval": args.rebalance_interval} if args.rebalance_interval else {}),
         emulate_link=args.emulate_link, misbehave=args.misbehave,
         serve_weights=not args.no_serve_weights, weights_upload_rate=args.weights_upload_mbps * 1e6,
@@ -180,7 +188,8 @@ def config_from(args: argparse.Namespace) -> "PeerConfig":
 
 
 async def serve_until_signalled(node: "PeerNode", *, control_stdin: bool = False) -> None:
-    """Run the peer; the first Ctrl-C/SIGTERM leaves gracefully, a second one stops at once."""
+    """Run the peer; the first Ctrl-C/SIGTERM leaves gracefully (running answers finish), a second
+    hands them back at once and leaves, a third stops without waiting for anything."""
     import trio
 
     async with trio.open_nursery() as nursery:
@@ -191,11 +200,15 @@ async def serve_until_signalled(node: "PeerNode", *, control_stdin: bool = False
         async def watch_signals() -> None:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for _ in signals:
-                    if node.stopping.is_set():
+                    if not node.stopping.is_set():
+                        print("stopping: leaving the swarm (Ctrl-C again to stop now)", file=sys.stderr)
+                        node.stop()  # running answers get a grace sized to them (peer/serve/leaving.py)
+                    elif not node.forced:
+                        print("stopping now: running answers go back to their requesters", file=sys.stderr)
+                        node.stop_now()
+                    else:  # a third: whatever the peer is still doing (closing its host), not waited for
                         nursery.cancel_scope.cancel()
                         return
-                    print("stopping: draining sessions and leaving (Ctrl-C again to force)", file=sys.stderr)
-                    node.stop()
 
         nursery.start_soon(watch_signals)
         await node.run()
@@ -212,6 +225,9 @@ def run_peer(args: argparse.Namespace) -> int:
     config = config_from(args)
     if args.web is not None and not 0 <= args.web <= 65535:
         raise ConfigError(f"--web wants a TCP port (0: any free one), got {args.web!r}")
+    busy = busy_port_error("--web", args.web_host, args.web) if args.web is not None else None
+    if busy:  # before the peer joins and loads: not a stack of errors once it serves
+        raise ConfigError(busy)
     # without the model here, learn it from the --join peers (its span's weights come later, peer/weights/)
     resolve_or_fetch(config.model, config.join, swarm_key=config.swarm_key, out=lambda line: print(line, flush=True))
     node = build_peer(config)
@@ -238,6 +254,8 @@ def run_status(args: argparse.Namespace) -> int:
     import trio
 
     from tessera.peer.cli.status import format_status, gather_status
+
+    check_join_addrs(args.join)
 
     report = trio.run(lambda: gather_status(args.join, model=args.model, swarm_key=read_swarm_key(args.swarm_key),
                                             only=args.only))

@@ -24,6 +24,8 @@ from tessera.peer.cli.options import (
     add_spot_check_option, apply_threads, policy_from, quant_from, read_swarm_key, spot_check_from,
 )
 from tessera.peer.base.errors import ConfigError
+from tessera.peer.net.addresses import busy_port_error
+from tessera.peer.net.join import check_join_addrs
 from tessera.peer.http.defaults import (
     BODY_TIMEOUT, DEFAULT_MAX_CONCURRENT, DEFAULT_MAX_TOKENS, DEFAULT_QUEUE_WAIT, DEFAULT_ROUTE_WAIT,
 )
@@ -89,8 +91,12 @@ def served_name(model: str) -> str:
 def run(args: argparse.Namespace) -> int:
     if not args.join:
         raise ConfigError("give at least one --join MULTIADDR (a peer of the swarm)")
+    check_join_addrs(args.join)  # one line naming the fault, before anything loads (peer/net/join.py)
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must lie in [0, 65535], got {args.port!r}")
+    busy = busy_port_error("--port", args.host, args.port)
+    if busy:  # before joining the swarm: the port is the first thing a gateway needs
+        raise ConfigError(busy)
     for name in ("max_concurrent", "default_max_tokens"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)!r}")
@@ -151,8 +157,12 @@ async def _serve(args: argparse.Namespace, folder: Path, swarm_key: bytes | None
             nursery.start_soon(web.run)
             async with trio.open_nursery() as server:
                 guarded = OriginGuard(web, args.host_rules)  # only this machine's own pages (peer/http/guard.py)
-                binds = await server.start(partial(hypercorn_serve, guarded, hypercorn_config(args.host, args.port),
-                                                   mode="asgi", shutdown_trigger=stop_signal))
+                try:
+                    binds = await server.start(partial(hypercorn_serve, guarded, hypercorn_config(args.host, args.port),
+                                                       mode="asgi", shutdown_trigger=stop_signal))
+                except OSError as error:  # taken since the check in `run` (another program was quicker)
+                    raise ConfigError(busy_port_error("--port", args.host, args.port)
+                                      or f"--port {args.port}: cannot listen on {args.host}: {error.strerror}") from None
                 print(f"gateway peer id: {swarm.peer_id}", flush=True)
                 for url in binds:
                     print(f"serving {gateway.name} (OpenAI and Anthropic APIs) on {url}/v1"

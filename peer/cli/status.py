@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 import time
+from collections import Counter
 from typing import Sequence
 
 import trio
@@ -10,8 +12,11 @@ import trio
 from tessera.protocol.keys import Identity
 from tessera.stages.weights import registry
 from tessera.stages.families.catalog import spec_from_file
+from tessera.stages.kernels.quant import base_model_id
 
-from tessera.peer.base.errors import PeerError
+from tessera.peer.base.errors import PeerError, PeerUnreachable
+from tessera.peer.net.join import why_unreachable
+from tessera.peer.net.other_model import other_model_reason, registered_models
 from tessera.peer.net.gossip import Gossip, ViewKeeper
 from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.net.nat.links import ask_links
@@ -36,15 +41,18 @@ async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | N
     identity = Identity.generate()
     async with open_libp2p_transport(identity.seed, swarm_key=swarm_key) as transport:
         gossip = Gossip(transport, keeper)
-        reached = 0
+        failed: list[str] = []
         for addr in join:
             try:
                 await gossip.exchange(await transport.connect(addr), whole_from_it=only)
-                reached += 1
+            except PeerUnreachable:  # said as a peer's join says it (peer/net/join.py)
+                failed.append(f"cannot join {addr}: {await why_unreachable(addr, swarm_key is not None)}")
             except PeerError as error:
-                print(f"warning: {addr}: {error}")
-        if not reached:
-            raise PeerError("none of the --join addresses answered")
+                failed.append(f"cannot join {addr}: {error}")
+        if len(failed) == len(join):
+            raise PeerError("; ".join(failed))
+        for line in failed:
+            print(f"warning: {line}", file=sys.stderr)
         if not only:
             await trio.sleep(SETTLE)
         for info in ([] if only else keeper.snapshot().peers):
@@ -60,8 +68,15 @@ async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | N
         links = {p: {q: k for q, k in (found or {}).items() if q != transport.peer_id} for p, found in links.items()}
     now = time.time()
     coverage = swarm_coverage(view)  # the TUI's and routing's definition (peer/plan/coverage.py)
+    # peers heard of that serve another model (kept out of the view): which, and what --model to pass
+    others = Counter(keeper.foreign_models.values())
     return {
+        "model": folder.name,  # its registered name (or a folder's own name)
         "model_id": keeper.model_id,
+        "other_models": [{"model_id": m, "peers": n, "registered_as": registered_models().get(base_model_id(m))}
+                         for m, n in others.most_common()],
+        "other_model": (other_model_reason(keeper.foreign_models.values(), keeper.model_id, folder.name)
+                        if others and not view.peers else None),
         "num_layers": spec.num_layers,
         "peers": [
             {
@@ -89,7 +104,10 @@ async def gather_status(join: Sequence[str], *, model: str, swarm_key: bytes | N
 
 def format_status(report: dict) -> str:
     n = len(report["peers"])
-    lines = [f"model {report['model_id'][:16]}…  {report['num_layers']} layers  {n} peer{'' if n == 1 else 's'}", ""]
+    named = f"{report['model']} ({report['model_id'][:16]}…)" if report.get("model") else f"{report['model_id'][:16]}…"
+    lines = [f"model {named}  {report['num_layers']} layers  {n} peer{'' if n == 1 else 's'}", ""]
+    if report.get("other_model"):  # nothing of ours to show: say what the swarm serves instead
+        return "\n".join([lines[0], f"{report['other_model']}"])
     # reach: how the peer says others reach it (public / hole-punched / relayed / private, see
     # peer/net/nat/reachability.py); link: this observer's own connection to it (direct / punched / relayed).
     header = (f"{'peer':<14}{'name':<12}{'span':<10}{'state':<10}{'free':>9}{'tok/s·layer':>13}{'load':>6}  "

@@ -17,13 +17,23 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tessera.peer.plan.audit import StepLog
 
-DEFAULT_DATA_DIR = Path.home() / ".local" / "share" / "tessera" / "peer"  # `tessera peer`'s default
 DB_NAME = "tessera.db"
 
 LEDGER_EXAMPLES = """examples:
-  tessera ledger                                   # the default peer's data dir
+  tessera ledger                                   # the peer of this machine (the only one, or --name's)
+  tessera ledger --name first                      # the peer started with --name first
   tessera ledger --data-dir ~/.local/share/tessera/attic-pc --json
 """
+
+
+def data_root() -> Path:
+    """Where `tessera peer` keeps each peer's data dir by default: ~/.local/share/tessera/NAME."""
+    return Path.home() / ".local" / "share" / "tessera"
+
+
+def peer_data_dir(name: str | None) -> Path:
+    """`tessera peer --name NAME`'s default data dir (NAME "peer" when no --name was given)."""
+    return data_root() / (name or "peer")
 EXPORT_EXAMPLES = """examples:
   tessera trace export peer0/tessera.db peer1/tessera.db requester.db --format perfetto -o swarm.json
       # then open https://ui.perfetto.dev and drop swarm.json on it
@@ -42,8 +52,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "ledger", help="what this peer contributed: layer-tokens, steps and bytes, per requester",
         epilog=LEDGER_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
-                   help=f"the peer's data dir, or its database file (default {DEFAULT_DATA_DIR})")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--name", default=None, metavar="NAME",
+                       help="the peer started with --name NAME (its data dir ~/.local/share/tessera/NAME)")
+    which.add_argument("--data-dir", type=Path, default=None,
+                       help="the peer's data dir, or its database file (default: the peer of this machine: "
+                            "~/.local/share/tessera/peer, or the only peer there is)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(handler=run_ledger)
 
@@ -86,10 +100,45 @@ def database_of(data_dir: Path) -> Path:
     return db
 
 
+def ledger_database(name: str | None, data_dir: Path | None) -> Path:
+    """The database `tessera ledger` reads: --data-dir's, --name's, or — given neither — the
+    unnamed peer's, else the only peer of this machine's (a tour's `tessera peer --name first`).
+    Several, and none unnamed: a NotATraceDatabase naming the --name of each."""
+    from tessera.store.errors import NotATraceDatabase
+
+    if data_dir is not None:
+        return database_of(data_dir)
+    if name is not None:
+        folder = peer_data_dir(name)
+        if not (folder / DB_NAME).is_file():
+            raise NotATraceDatabase(f"no peer named {name!r} on this machine (no {str(folder / DB_NAME)!r}); "
+                                    f"{_names_here()}")
+        return folder / DB_NAME
+    if (peer_data_dir(None) / DB_NAME).is_file():
+        return peer_data_dir(None) / DB_NAME
+    found = _peers_here()
+    if len(found) == 1:
+        return data_root() / found[0] / DB_NAME
+    raise NotATraceDatabase(f"which peer? {_names_here()}")
+
+
+def _peers_here() -> list[str]:
+    root = data_root()
+    return sorted(d.name for d in root.iterdir() if (d / DB_NAME).is_file()) if root.is_dir() else []
+
+
+def _names_here() -> str:
+    names = _peers_here()
+    if not names:
+        return (f"no peer has run on this machine under {str(data_root())!r} (give --data-dir DIR for a peer "
+                "started with one)")
+    return "peers here: " + ", ".join(f"--name {n}" for n in names) + " (or --data-dir DIR)"
+
+
 def run_ledger(args: argparse.Namespace) -> int:
     from tessera.store.db import PeerStore
 
-    db = database_of(args.data_dir)
+    db = ledger_database(args.name, args.data_dir)
     with PeerStore(db, readonly=True) as store:
         summary = store.ledger_summary()
         peer = store.identity()

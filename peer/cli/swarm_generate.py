@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import time
 
@@ -15,6 +14,7 @@ from tessera.stages.decoding.sampling import SamplingParams
 from tessera.stages.text.tokenizer import TextStream
 from tessera.store.trace import TraceWriter
 
+from tessera.peer.cli.json_lines import JsonLines
 from tessera.peer.cli.options import apply_threads, quant_from, read_swarm_key
 from tessera.stages.decoding.sampling import Sampler
 from tessera.stages.decoding.speculative import AdaptiveK, ModelDrafter, NgramDrafter
@@ -66,6 +66,7 @@ async def _generate(args: argparse.Namespace, sampling: SamplingParams, folder, 
         speculation = speculation_from(args.speculate, args.draft_k, not args.no_pipeline, swarm, sampling,
                                        len(ids) + args.max_tokens + 64)
         stream = TextStream(swarm.tokenizer)
+        lines = JsonLines(swarm.tokenizer) if args.json else None  # --json: JSON lines as it streams
         attempts: list[dict] = []
         tokens: list[int] = []
         started = time.perf_counter()
@@ -77,7 +78,9 @@ async def _generate(args: argparse.Namespace, sampling: SamplingParams, folder, 
                                                       sampling=sampling, speculation=speculation, info=attempts[-1],
                                                       route_wait=args.route_wait):
                     tokens.append(token)
-                    if not args.json:
+                    if lines is not None:
+                        lines.token(token)
+                    else:
                         sys.stdout.write(stream.push(token))
                         sys.stdout.flush()
                 break
@@ -87,7 +90,9 @@ async def _generate(args: argparse.Namespace, sampling: SamplingParams, folder, 
                 del tokens[start + rewound.valid :]
                 print(f"\n[a peer was caught returning wrong activations: the answer after token {len(tokens)} "
                       "is computed again]", file=sys.stderr, flush=True)
-                if not args.json:
+                if lines is not None:
+                    lines.rewind(tokens)
+                else:
                     stream = TextStream(swarm.tokenizer)
                     sys.stdout.write("\n" + "".join(stream.push(t) for t in tokens))
                     sys.stdout.flush()
@@ -97,12 +102,13 @@ async def _generate(args: argparse.Namespace, sampling: SamplingParams, folder, 
             sys.stdout.write(stream.flush() + "\n")
             hops = " -> ".join(f"{h['peer'][-8:]}[{h['start']},{h['end']})" for h in info.get("route", []))
             print(f"route: requester -> {hops} -> requester", file=sys.stderr)
-        return GenerationResult(swarm.tokenizer.decode(tokens), tokens, len(ids), seconds, extra=info)
+        result = GenerationResult(swarm.tokenizer.decode(tokens), tokens, len(ids), seconds, extra=info)
+        if lines is not None:
+            lines.done(result)
+        return result
 
 
 def run_swarm_generate(args: argparse.Namespace, sampling: SamplingParams) -> int:
     apply_threads(args.threads)
-    result = trio.run(generate_through_swarm, args, sampling)
-    if args.json:
-        print(json.dumps(result.as_json()))
+    trio.run(generate_through_swarm, args, sampling)
     return 0

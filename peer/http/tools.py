@@ -13,7 +13,9 @@ template without tools is a 400 saying so, as is one whose call format is anothe
 
 The tools go to the template as Hugging Face passes them (`tools=[{"type": "function",
 "function": {...}}]`), and the answer is held to the format by constrained decoding
-(stages/decoding/constrained.py), with each tool's `parameters` as the schema of its arguments:
+(stages/decoding/constrained.py), with each tool's `parameters` as the schema of its arguments
+— as JSON Schema reads it: without `additionalProperties`, keys it does not name are allowed
+(a call's arguments may hold them); `"additionalProperties": false` allows exactly its keys:
 
 - `tool_choice: "required"` (Anthropic `any`) or a named tool: the answer *is* a call — to
   one of the tools, or to the named one — valid whatever the weights, closed within

@@ -49,19 +49,34 @@ ORDER = (PUBLIC, LAN, RELAYED, LOOPBACK)  # best for others first
 
 
 def port_is_free(host: str, port: int) -> bool:
-    """Whether a TCP listener could take (host, port) now.
+    """Whether a TCP listener could take (host, port) now: nothing listens there.
 
-    Bound without SO_REUSEPORT on purpose: py-libp2p binds its listeners with it, and
-    two such sockets share a port (the kernel then splits incoming connections between
-    two peers). A plain bind fails against either kind of listener."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+    Bound with SO_REUSEADDR, as py-libp2p's and hypercorn's listeners are: the TIME-WAIT
+    connections a peer that just stopped leaves on its port (for a minute, on Linux) do not
+    keep its restart off it — they made a restart take another port, and change the address
+    others --join. Bound WITHOUT SO_REUSEPORT on purpose: py-libp2p binds its listeners with
+    it, and two such sockets share a port (the kernel then splits incoming connections between
+    two peers); this probe's bind fails against any listener, of either kind."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as error:
-            if error.errno in (errno.EADDRINUSE, errno.EACCES):
+            if error.errno in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
                 return False
             raise
     return True
+
+
+def busy_port_error(option: str, host: str, port: int) -> str | None:
+    """One line saying that (host, port) is taken, for an HTTP server's --port / --web; None when
+    it is free (or 0: any free port). Checked before the server starts, so that a busy port is
+    that line rather than a server's stack of errors ending in `Address already in use`."""
+    if port == 0 or port_is_free(host, port):
+        return None
+    return (f"{option} {port}: {host}:{port} is already in use (another `tessera serve` or peer web view, or "
+            f"another program); pick another port, or {option} 0 for any free one")
 
 
 class PortClaim:
@@ -119,11 +134,14 @@ def default_listen(*, free: Callable[[str, int], bool] = port_is_free,
     and the claim on 4001 to hold while the peer listens there (None: a free port instead).
     """
     held = claim(DEFAULT_PORT)
-    if held is not None and free("0.0.0.0", DEFAULT_PORT):
+    if held is None:  # the claim file is locked: a live peer of this machine listens there
+        return [ANY_PORT_LISTEN], (f"port {DEFAULT_PORT} is taken by another tessera peer on this machine: "
+                                   "a free port instead"), None
+    if free("0.0.0.0", DEFAULT_PORT):  # no peer holds it, and nothing listens (a stopped peer's TIME-WAIT does not count)
         return [DEFAULT_LISTEN], None, held
-    if held is not None:
-        held.release()
-    return [ANY_PORT_LISTEN], f"port {DEFAULT_PORT} is taken (another peer on this machine?): a free port instead", None
+    held.release()
+    return [ANY_PORT_LISTEN], (f"port {DEFAULT_PORT} is taken by another program on this machine: "
+                               "a free port instead"), None
 
 
 def scope(addr: str) -> str:
@@ -161,5 +179,5 @@ def describe_addrs(addrs: Sequence[str]) -> list[str]:
     return lines
 
 
-__all__ = ["DEFAULT_PORT", "DEFAULT_LISTEN", "ANY_PORT_LISTEN", "port_is_free", "PortClaim", "default_listen", "scope",
+__all__ = ["DEFAULT_PORT", "DEFAULT_LISTEN", "ANY_PORT_LISTEN", "port_is_free", "busy_port_error", "PortClaim", "default_listen", "scope",
            "by_reach", "describe_addrs", "LOOPBACK", "LAN", "PUBLIC", "RELAYED"]

@@ -18,6 +18,7 @@ from tessera.stages.engine.compiled.modes import DEFAULT_COMPILE
 from tessera.peer.net.emulated import LinkEmulation
 from tessera.peer.base.errors import ConfigError
 from tessera.peer.serve.batcher import MAX_BATCH_ROWS, MAX_BATCH_WAIT
+from tessera.peer.serve.leaving import MAX_LEAVE_GRACE
 from tessera.peer.net.gossip import GOSSIP_INTERVAL
 from tessera.peer.net.join import JOIN_TIMEOUT
 
@@ -35,7 +36,9 @@ RENEW_AFTER = 0.5  # of a record's lifetime: re-signed then even if nothing chan
 # that it does not linger where no neighbour reported the peer gone.
 LEAVE_RECORD_TTL = 120.0
 PING_INTERVAL = 5.0
-LEAVE_GRACE = 10.0  # seconds running sessions get to finish when the peer stops
+# The most seconds running sessions get to finish when the peer stops; each stop sizes its
+# grace to the answers in flight, up to this (peer/serve/leaving.py).
+LEAVE_GRACE = MAX_LEAVE_GRACE
 # How often a peer reconsiders its span. Petals checks every ~2 minutes; a small
 # swarm recovers faster with a shorter period, and plan_move's 25% threshold (see
 # placement.py) keeps a stable swarm from moving at all. Jittered, so that peers
@@ -73,7 +76,7 @@ class PeerConfig:
     batch_wait: float = MAX_BATCH_WAIT  # seconds a batch waits for the sessions of the last one
     record_ttl: float = RECORD_TTL
     advertise_interval: float = ADVERTISE_INTERVAL
-    leave_grace: float = LEAVE_GRACE
+    leave_grace: float = LEAVE_GRACE  # the cap of the grace a stop gives running answers (--leave-grace)
     rebalance_interval: float = REBALANCE_INTERVAL
     # Periods with no flag of their own (a simulation sets them from its Timings, peer/sim/world.py)
     ping_interval: float = PING_INTERVAL

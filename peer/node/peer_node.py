@@ -13,8 +13,14 @@ view from the join addresses; measure one layer's decode speed; pick a span
 (`peer/plan/placement.py`, unless --layers forces one) that fits the memory offered;
 advertise it as LOADING, load only those layers, advertise SERVING; serve, gossip,
 ping, re-advertise and reconsider placement until stopped. Stopping drains:
-no new sessions, advertise LEAVING, let running sessions finish within a grace
-period, close.
+no new sessions (refused as LEAVING), advertise it, let running sessions finish within
+a grace sized to them (peer/serve/leaving.py), hand back any still running (their
+requesters are told LEAVING and re-route at once), advertise LEAVING, close the host,
+and only then the trace and the store: nothing a closing host ends may emit into a
+closed trace.
+
+    node.stop()        # the first Ctrl-C: leave gracefully (at once while still starting)
+    node.stop_now()    # the second: hand running answers back now, then leave
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from functools import lru_cache, partial
+from pathlib import Path
 from typing import Any, Callable
 
 import trio
@@ -41,9 +48,11 @@ from tessera.peer.node.config import (
 )
 from tessera.peer.node.parts import NodeParts
 from tessera.peer.net.join import join_swarm
+from tessera.peer.net.other_model import other_model_reason
 from tessera.peer.net.nat.reachability import NatService
 from tessera.peer.serve import faults as misbehave
 from tessera.peer.request.reports import ReportBook
+from tessera.peer.serve.leaving import FALLBACK_FACTOR, InFlight, in_flight
 from tessera.peer.serve.limits import ServerLimits
 from tessera.peer.serve.server import StageServer
 from tessera.peer.serve.shard_server import ShardServer
@@ -84,6 +93,9 @@ class PeerNode:
         self._own: SignedRecord | None = None
         self._own_info: PeerInfo | None = None  # this peer as its latest record shows it
         self.stopping = trio.Event()
+        self.forced = False  # stop_now: running answers are handed back without waiting for them
+        self._scope: trio.CancelScope | None = None  # the whole run (a stop while starting cancels it)
+        self._grace: trio.CancelScope | None = None  # the wait for running answers while leaving
         self.ready = trio.Event()
         self.tracer: Tracer | None = None
         self.nat: NatService | None = None
@@ -215,8 +227,16 @@ class PeerNode:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
-            await self._run(task_status)
+            with trio.CancelScope() as self._scope:
+                if self.stopping.is_set():
+                    self._scope.cancel()  # stopped before it started
+                await self._run(task_status)
         finally:
+            # After the host has closed (whatever it ended has emitted its last events), never before.
+            if self.tracer is not None:
+                self.tracer.close()
+            if self.store is not None:
+                self.store.close()
             if self.parts.data_dir_lock is not None:
                 self.parts.data_dir_lock.release()  # the data dir is free for the next peer (a restart)
 
@@ -290,12 +310,21 @@ class PeerNode:
             finally:
                 self._nursery = None
                 self.watch.closed(self)
-                self.tracer.close()
-                if self.store is not None:
-                    self.store.close()
 
     def stop(self) -> None:
+        """Leave gracefully (the first Ctrl-C): running answers get a grace to finish. A peer
+        still starting (joining, fetching, loading) serves nothing yet: it stops at once."""
         self.stopping.set()
+        if not self.ready.is_set() and self._scope is not None:
+            self._scope.cancel()
+
+    def stop_now(self) -> None:
+        """Stop without waiting for running answers (the second Ctrl-C): each is handed back to
+        its requester (LEAVING: it re-routes at once), then the peer leaves as `stop` does."""
+        self.forced = True
+        self.stop()
+        if self._grace is not None:
+            self._grace.cancel()
 
     def _inject_faults(self) -> None:
         """--misbehave (tests and demos only): make this peer return wrong activations."""
@@ -334,8 +363,8 @@ class PeerNode:
             return "unreachable (connected, but the gossip exchange failed)"
         other = self.keeper.foreign_models.get(peer)
         if other is not None:
-            return (f"different model: it serves model id {other}, ours is {self.model_id} "
-                    f"({self.config.model!r}; check --model and that the files are identical)")
+            return "different model: " + other_model_reason([other], self.model_id, Path(str(self.config.model)).name,
+                                                            requester=False)
         return None
 
     async def _connect_known(self) -> None:
@@ -460,19 +489,41 @@ class PeerNode:
         self.tracer.emit(events.Resume(span=self.span))
         await self.advertise()
 
+    def in_flight(self) -> InFlight:
+        """The answers running here and the grace a stop would give them now (peer/serve/leaving.py)."""
+        server = self.server
+        if server is None:
+            return InFlight(0, 0, 0.0)
+        layers = (self.span[1] - self.span[0]) if self.span else 1
+        fallback = FALLBACK_FACTOR * layers / self.throughput if self.throughput > 0 else 1.0
+        return in_flight(server.sessions.values(), trio.current_time(), fallback_pace=fallback,
+                         cap=self.config.leave_grace)
+
     async def _leave(self) -> None:
-        """Graceful stop: no new sessions, tell the swarm, let running ones finish."""
+        """Graceful stop: no new sessions, tell the swarm, let running ones finish within a grace
+        sized to them, hand back what is left (its requesters re-route at once)."""
         with trio.CancelScope(shield=True):
-            self.state = LEAVING if not self.server or not self.server.sessions else DRAINING
-            if self.server:
-                self.server.accepting = False
+            server = self.server
+            self.state = LEAVING if not server or not server.sessions else DRAINING
+            if server:
+                server.leaving = True  # an open is refused as LEAVING from now on
+                server.accepting = False
             await self.advertise(wait=True)
-            if self.server:
-                await self.server.drain(self.config.leave_grace)
-                # Past the grace: end what is left now, while the trace is still open (closing
-                # the host later would end them too, and their session_close would hit a closed tracer).
-                for session in list(self.server.sessions.values()):
-                    self.server.drop(session, "peer left")
+            if server and server.sessions:
+                running = self.in_flight()
+                self.out(f"leaving: no new sessions; {running.describe()}: waiting up to {running.grace:.0f} s "
+                         "for them to finish (Ctrl-C again: hand them to other peers now)")
+                with trio.CancelScope() as self._grace:
+                    if self.forced:
+                        self._grace.cancel()
+                    await server.drain(running.grace)
+                self._grace = None
+                # Past the grace (or told to stop now): the requesters of what is left hear LEAVING
+                # and re-route at once; their sessions end here, while the trace is still open.
+                handed = await server.hand_over("this peer is leaving the swarm")
+                if handed:
+                    self.out(f"leaving: handed {handed} unfinished answer{'s' if handed != 1 else ''} back to "
+                             f"{'their requesters' if handed != 1 else 'its requester'} to finish elsewhere")
             self.state = LEAVING
             await self.advertise(wait=True)
             if self.span and self.store is not None:

@@ -43,10 +43,11 @@ from tessera.store import events
 from tessera.store.trace import NullTracer, Tracer
 
 from tessera.peer.base.ids import peer_id_text
-from tessera.peer.base.errors import NoRoute, PeerError, PeerUnreachable, UnknownPeer
+from tessera.peer.base.errors import ModelMismatch, NoRoute, PeerError, PeerUnreachable, UnknownPeer
 from tessera.peer.net.gossip import Gossip, ViewKeeper
 from tessera.peer.net.pinger import Pinger
-from tessera.peer.net.join import handshake_reason, tcp_answers
+from tessera.peer.net.join import why_unreachable
+from tessera.peer.net.other_model import other_model_reason
 from tessera.peer.net.emulated import LinkEmulation, emulate
 from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.request.decode import Speculation, plain_tokens, speculative_tokens
@@ -256,14 +257,17 @@ class Swarm:
                     await self.gossip.exchange(peer)
                 if self.reports is not None:
                     await self.reports.pull(peer)
-            except PeerUnreachable as error:
-                if await tcp_answers(addr):
-                    error = PeerUnreachable(f"cannot join {addr}: {handshake_reason(swarm_key_given)}")
-                errors.append(error)
+            except PeerUnreachable:  # said as a peer's join says it (peer/net/join.py)
+                errors.append(PeerUnreachable(f"cannot join {addr}: {await why_unreachable(addr, swarm_key_given)}"))
             except PeerError as error:
                 errors.append(error)
         if errors and len(errors) == len(addrs):
             raise errors[0]
+        if self.gossip is not None and not self.keeper.snapshot().peers and self.keeper.foreign_models:
+            # every peer it heard of serves another model: say which and what to pass, now, rather
+            # than wait for a route none of them will ever give (peer/net/join.py)
+            raise ModelMismatch(other_model_reason(self.keeper.foreign_models.values(), self.model_id,
+                                                   self.folder.name))
         # when it joined, with the view it pulled: a replay starts the requester then (peer/sim/replay.py)
         self.ctx.tracer.emit(events.Join(addrs=self.transport.addrs(), model=self.model_id))
 

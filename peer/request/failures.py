@@ -3,12 +3,13 @@
 The kind decides how long the requester avoids the peer and whether it may come back
 before its ban ends, so each is named where it is seen:
 
-- a refusal of a session (`ErrorMsg` in answer to an open): busy, draining, no room for
-  the context, a span it no longer serves — the peer is doing its job: REFUSED (skipped
+- a refusal of a session (`ErrorMsg` in answer to an open): busy, draining, leaving, no room
+  for the context, a span it no longer serves — the peer is doing its job: REFUSED (skipped
   for its retry-after, no strike); a malformed exchange: BROKE;
 - an error a peer reports mid-session: its compute or our frame failed: BROKE (a
   "next hop failed" report blames the next peer, which dropped: DROPPED; a session it
-  reclaimed after it sat idle, or declined as above: REFUSED);
+  reclaimed after it sat idle, one it handed back because it is leaving the swarm, or declined
+  as above: REFUSED: the session goes elsewhere at once, and the peer gets no strike);
 - an exception while talking to it: a reset or closed stream, a failed dial: DROPPED; a
   deadline that ran out: TIMED_OUT; bytes that do not decode: BROKE.
 """
@@ -17,13 +18,14 @@ from __future__ import annotations
 
 import trio
 
-from tessera.protocol.error_codes import BAD_SPAN, BUSY, DRAINING, NEXT_HOP_FAILED, RECLAIMED, TOO_LONG
+from tessera.protocol.error_codes import BAD_SPAN, BUSY, DRAINING, LEAVING, NEXT_HOP_FAILED, RECLAIMED, TOO_LONG
 from tessera.protocol.errors import WireError
 
 from tessera.peer.base.backoff import Failure
 
-# Codes with which a live, honest peer declines a session it cannot take now.
-DECLINED = frozenset({BUSY, DRAINING, TOO_LONG, BAD_SPAN})
+# Codes with which a live, honest peer declines a session it cannot take now (LEAVING: it is
+# leaving the swarm, and says so when refusing a session or handing back a running one).
+DECLINED = frozenset({BUSY, DRAINING, LEAVING, TOO_LONG, BAD_SPAN})
 # RECLAIMED (a session a peer took back under memory pressure after it sat idle) comes from
 # an honest, live peer: the session is opened again — there or elsewhere — as after a refusal.
 

@@ -46,7 +46,7 @@ from tessera.peer.base.errors import PeerError, StreamClosed
 from tessera.peer.base.ids import peer_id_bytes, peer_id_text
 from tessera.peer.serve.session import DeferredTap, ServedSession, compute_batch
 from tessera.protocol.error_codes import (
-    BAD_FRAME, BAD_REQUEST, BAD_SPAN, BUSY, COMPUTE_FAILED, DRAINING, NEXT_HOP_FAILED, RECLAIMED, TOO_LONG,
+    BAD_FRAME, BAD_REQUEST, BAD_SPAN, BUSY, COMPUTE_FAILED, DRAINING, LEAVING, NEXT_HOP_FAILED, RECLAIMED, TOO_LONG,
 )
 from tessera.peer.serve.admission import Admission, Limits, Refused
 from tessera.peer.serve.limits import LINK_WAIT, OPEN_TIMEOUT, REAPER_INTERVAL, ServerLimits, ServerStats
@@ -105,6 +105,7 @@ class StageServer:
         self.session_added = trio.Event()
         self.compute_lock = QuickLock()
         self.accepting = True
+        self.leaving = False  # the peer is leaving the swarm: opens are refused as LEAVING, not DRAINING
         self.stats = ServerStats()
         self.tamper: Callable[[torch.Tensor], torch.Tensor] = lambda t: t  # fault injection (tests, demos)
         # How a step's compute runs: in a worker thread, so that heartbeats and stream reads
@@ -140,6 +141,8 @@ class StageServer:
 
     def check_open(self, msg: SessionOpen) -> None:
         """What an open asks, against what this peer serves, before any wait or allocation. Raises Refused."""
+        if self.leaving:
+            raise Refused(LEAVING, "this peer is leaving the swarm and takes no new sessions")
         if not self.accepting:
             raise Refused(DRAINING, "this peer is draining and takes no new sessions")
         if msg.session_id in self.sessions:
@@ -192,6 +195,7 @@ class StageServer:
         self.stage.open(msg.session_id, capacity=msg.max_length, start=msg.start, end=msg.end)
         session.kv_positions = kv_positions(1, msg.max_length)
         session.kv_bytes = self.first_charge(msg)
+        session.opened_at = trio.current_time()
         session.frame_limit = session_frame_limit(msg.max_length, self.stage.spec.hidden_size)
         channel.max_frame = session.frame_limit  # admitted: its steps may come now
         self.sessions[msg.session_id] = session
@@ -244,6 +248,7 @@ class StageServer:
                                                        remote=session.requester, steps=session.steps, tokens=session.tokens))
             with trio.CancelScope(shield=True):
                 await self.end_stream(session)
+            session.ended.set()  # its requester has been told (StageServer.hand_over waits for it)
 
     async def end_stream(self, session: ServedSession) -> None:
         """Close a session's streams: the link onward, and the requester's stream (an evicted
@@ -622,3 +627,17 @@ class StageServer:
         with trio.move_on_after(grace):
             while self.sessions:
                 await self.emptied.wait()
+
+    async def hand_over(self, why: str) -> int:
+        """The peer is leaving: end every session still here, telling each requester LEAVING (go
+        elsewhere now; no fault of ours), and return once their streams are closed (or the
+        notices' time ran out), so that the host may close after them. Returns how many."""
+        self.leaving = True
+        self.accepting = False
+        sessions = list(self.sessions.values())
+        for session in sessions:
+            self.evict(session, LEAVING, why)
+        with trio.move_on_after(EVICT_NOTICE_TIMEOUT + 1.0):  # end_stream's own bound, plus its close
+            for session in sessions:
+                await session.ended.wait()
+        return len(sessions)

@@ -71,6 +71,7 @@ class ServedSession:
     # admission (peer/serve/admission.py): when it last stepped (on trio's clock; set when
     # admitted), whether it ever did, steps queued or running, the KV charged to it
     last_active: float = 0.0
+    opened_at: float = 0.0  # trio time when admitted: its pace so far (peer/serve/leaving.py) is measured from it
     stepped: bool = False
     inflight: int = 0
     kv_positions: int = 0
@@ -86,6 +87,7 @@ class ServedSession:
     closed: bool = False
     revoked: bool = False  # the requester revoked this peer from the session (SessionRevoke)
     wire: str = ""  # the form its activations go out in (protocol/tensors.py WIRE_FORMS): the requester's choice
+    ended: trio.Event = field(default_factory=trio.Event)  # its streams are closed (StageServer.handle_session)
 
     def __post_init__(self) -> None:
         self.queue_in, self.queue_out = trio.open_memory_channel[object](QUEUE_DEPTH)

@@ -184,6 +184,7 @@ class ShardServer(StageServer):
             with trio.CancelScope(shield=True):
                 await self._forget(session, reason)
                 await self.end_stream(session)
+            session.ended.set()  # its requester has been told (StageServer.hand_over waits for it)
 
     async def _forget(self, session: ShardServedSession | None, reason: str) -> None:
         if session is None:

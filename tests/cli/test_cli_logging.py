@@ -89,20 +89,33 @@ def restore_logging():
 
 def test_install_quiet_and_verbose(restore_logging):
     out = io.StringIO()
-    install(0, stream=out)
+    install(0, stream=out)  # quiet: ours only, none of libp2p's (issue 46: they read as faults to a newcomer)
     dump = logging.getLogger("libp2p.host.basic_host")
     for _ in range(3):
         dump.error(DUMP)
     logging.getLogger("libp2p.transport.tcp.tcp").info("dial tcp 127.0.0.1:1")
     logging.getLogger("libp2p.network.auto_connector").warning("AUTO_CONNECTOR_STATE: num_connections=0")
+    logging.getLogger("libp2p.host.basic_host").error("protocols not supported: ['/tessera/dialback/1.0.0']")
+    own_level = logging.getLogger("libp2p.own_level")
+    own_level.setLevel(logging.WARNING)  # a libp2p logger that sets its own level
+    own_level.warning("Failed to open TCP stream: all attempts to connect to 127.0.0.1:37351 failed")
     logging.getLogger("tessera.peer.net.gossip").warning("ours")
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].endswith("WARNING tessera.peer.net.gossip: ours"), lines
+
+    out = io.StringIO()
+    install(1, stream=out)  # -v: ours from INFO, libp2p's failures one line each
+    for _ in range(3):
+        dump.error(DUMP)
+    logging.getLogger("libp2p.network.auto_connector").warning("AUTO_CONNECTOR_STATE: num_connections=0")
+    logging.getLogger("tessera.peer.net.gossip").info("ours")
     lines = out.getvalue().splitlines()
     assert len(lines) == 2, lines
     assert lines[0].endswith("WARNING libp2p.host.basic_host: Failed to open stream to peer 12D3KooWAbc: failed to upgrade")
-    assert lines[1].endswith("WARNING tessera.peer.net.gossip: ours")
+    assert lines[1].endswith("INFO tessera.peer.net.gossip: ours")
 
     out = io.StringIO()
-    install(1, stream=out)  # -v: libp2p's lines as it wrote them, from INFO
+    install(2, stream=out)  # -vv: libp2p's lines as it wrote them, from DEBUG
     dump.error(DUMP)
     logging.getLogger("libp2p.transport.tcp.tcp").info("dial tcp 127.0.0.1:1")
     logging.getLogger("libp2p.network.auto_connector").warning("AUTO_CONNECTOR_STATE: num_connections=0")
@@ -124,7 +137,7 @@ def test_while_the_ui_runs_records_go_to_the_events(restore_logging, tmp_path):
         drawn = os.read(master, 4096).decode()
         assert "after" in drawn and "while the UI draws" not in drawn  # nothing drawn over the UI
 
-        install(0, stream=err)  # `2>file`: the file keeps its log, and the events get it too
+        install(1, stream=err)  # `-v 2>file`: the file keeps its log, and the events get it too
         shown.clear()
         with logs_to(shown.append):
             for _ in range(2):

@@ -33,10 +33,14 @@ def assert_clean_error(done: subprocess.CompletedProcess, needle: str) -> None:
 def test_generate_local_json(smol_dir):
     done = tessera("generate", FRANCE, "--local", "--json", "--threads", "1")
     assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout)
+    out = json.loads(done.stdout.splitlines()[-1])  # the last of its JSON lines: the whole answer
     assert out["text"] == "The capital of France is Paris."
     assert out["prompt_tokens"] == 37 and out["tokens"][-1] == 2
-    assert set(out) >= {"text", "tokens", "prompt_tokens", "seconds", "tokens_per_second"}
+    assert set(out) >= {"text", "tokens", "prompt_tokens", "seconds", "tokens_per_second"} and out["done"] is True
+    # it streams (issue 46): a JSON line per token as it comes, whose pieces make up the text
+    pieces = [json.loads(line) for line in done.stdout.splitlines()[:-1]]
+    assert [p["token"] for p in pieces if "token" in p] == out["tokens"]
+    assert "".join(p["piece"] for p in pieces) == out["text"]
 
 
 def test_generate_local_streams_text(smol_dir):

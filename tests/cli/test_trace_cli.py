@@ -160,7 +160,7 @@ def test_generate_records_a_trace_that_replays(tmp_path, smol_dir, capsys):
                                "--record-trace", str(recording)], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         peer_db = swarm.base_dir / "peer0" / "tessera.db"
-    run = json.loads(done.stdout)
+    run = json.loads(done.stdout.splitlines()[-1])  # the last of its JSON lines: the whole answer
     report = tmp_path / "r.json"
     code, text = cli(capsys, "replay", str(peer_db), str(recording), "--report", str(report))
     assert code == 0, text
@@ -246,3 +246,27 @@ def test_the_ledgers_last_time_is_the_last_contribution(tmp_path, capsys):
         store.add_ledger("12D3KooWrequester", 30, at=at)
     code, text = cli(capsys, "ledger", "--data-dir", str(tmp_path))
     assert code == 0 and "last 2026-12-05 14:58:31" in text, text
+
+
+def test_the_ledger_finds_a_named_peer_as_the_tour_starts_it(tmp_path, capsys, monkeypatch):
+    """Issue 46, item 6: after the tour's `tessera peer --name first`, `tessera ledger` looked in
+    ~/.local/share/tessera/peer, and `--name` was not an option (it printed the top-level usage)."""
+    from tessera.store.db import PeerStore
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    root = tmp_path / ".local" / "share" / "tessera"
+    code, text = cli(capsys, "ledger")
+    assert code == 1 and text.startswith("error: which peer? no peer has run on this machine"), text
+    for name in ("first", "second"):
+        (root / name).mkdir(parents=True)
+        with PeerStore(root / name / "tessera.db") as store:
+            store.record_identity(f"12D3KooW{name}")
+        if name == "first":  # the only peer here: the one it reads
+            code, text = cli(capsys, "ledger")
+            assert code == 0 and text.startswith("peer 12D3KooWfirst"), text
+    code, text = cli(capsys, "ledger", "--name", "second")
+    assert code == 0 and text.startswith("peer 12D3KooWsecond"), text
+    code, text = cli(capsys, "ledger")  # two: it names them
+    assert code == 1 and text.strip() == "error: which peer? peers here: --name first, --name second (or --data-dir DIR)"
+    code, text = cli(capsys, "ledger", "--name", "third")
+    assert code == 1 and "no peer named 'third' on this machine" in text and "--name first, --name second" in text

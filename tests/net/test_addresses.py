@@ -92,3 +92,63 @@ def test_a_planted_link_in_place_of_the_claim_file_is_not_followed(tmp_path):
     claim.release()
     assert target.read_text() == "keep" and target.stat().st_mode == mode
     assert PortClaim.take(DEFAULT_PORT, tmp_path).held is False  # no lock was taken through the link
+
+
+def time_wait_on(port: int) -> None:
+    """Leave a TIME-WAIT connection on `port` (and nothing listening): what a peer that just
+    stopped leaves behind, for a minute on Linux, after it closed its connections first."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = listener.accept()
+        accepted.close()  # the listening side closes first: its end of the connection waits in TIME-WAIT
+        client.recv(1)
+        client.close()
+
+
+def test_a_stopped_peers_time_wait_does_not_take_its_port(tmp_path):
+    """Issue 46, item 2: restarted within a minute, a peer found 4001 "taken" while nothing
+    listened (a TIME-WAIT socket), and took another port: the address others --join changed."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    time_wait_on(port)
+    with socket.socket() as strict:  # the kernel does keep the port: a bind without SO_REUSEADDR fails
+        try:
+            strict.bind(("0.0.0.0", port))
+            kept = False
+        except OSError:
+            kept = True
+    assert kept, "no TIME-WAIT to test against"
+    assert port_is_free("0.0.0.0", port) and port_is_free("127.0.0.1", port)
+    with socket.socket() as taken:  # a listener still takes it
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        assert not port_is_free("127.0.0.1", port) and not port_is_free("0.0.0.0", port)
+
+
+def test_the_note_says_whether_a_peer_or_another_program_holds_4001(tmp_path):
+    held = PortClaim.take(DEFAULT_PORT, tmp_path)  # a live peer's claim
+    listen, note, claim = default_listen(free=lambda host, port: True, claim=lambda port: PortClaim.take(port, tmp_path))
+    assert listen == [ANY_PORT_LISTEN] and claim is None
+    assert note == "port 4001 is taken by another tessera peer on this machine: a free port instead"
+    held.release()
+    listen, note, claim = default_listen(free=lambda host, port: False, claim=lambda port: PortClaim.take(port, tmp_path))
+    assert note == "port 4001 is taken by another program on this machine: a free port instead"
+
+
+def test_a_busy_http_port_is_one_line():
+    from tessera.peer.net.addresses import busy_port_error
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = busy_port_error("--port", "127.0.0.1", port)
+        assert line == (f"--port {port}: 127.0.0.1:{port} is already in use (another `tessera serve` or peer web "
+                        "view, or another program); pick another port, or --port 0 for any free one")
+    assert busy_port_error("--port", "127.0.0.1", port) is None  # free again
+    assert busy_port_error("--web", "127.0.0.1", 0) is None  # any free port

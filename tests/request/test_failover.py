@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import re
 import sys
 
@@ -13,7 +12,6 @@ from tessera.peer.request.client import Swarm
 from tessera.stages.decoding.generate import prompt_ids
 
 from ..swarm_helpers import local_swarm, reference_answer
-from ..waiting import await_until
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +82,6 @@ async def test_kill_mid_answer(replicated, expected, kills):
 # A line our logging printed for py-libp2p (peer/cli/log_setup.py): "12:00:01 WARNING libp2p.x: what: why"
 LIBP2P_LINE = re.compile(r"^\d\d:\d\d:\d\d (?:WARNING|ERROR) libp2p[\w.]*: (?P<text>.*)$")
 DUMP_LINES = ("Registry Stats", "Protocols:", "Connection State:", "Traceback")
-DIAL_SEEN = 60.0  # s: survivors redial a dead peer within a gossip round or a ping (peer/node/config.py: 5 s)
 
 
 def libp2p_lines(text: str) -> list[str]:
@@ -92,27 +89,18 @@ def libp2p_lines(text: str) -> list[str]:
     return [m["text"] for m in map(LIBP2P_LINE.match, text.splitlines()) if m]
 
 
-async def test_a_killed_peer_costs_each_survivor_and_requester_one_line_at_most(replicated):
-    """Survivors redial a dead peer every round; each says so once, in one line, and so does a
-    requester whose view still lists it (py-libp2p printed 1-8 lines per attempt)."""
+async def test_a_killed_peer_costs_each_survivor_and_requester_no_line(replicated):
+    """Survivors redial a dead peer every round, and a requester whose view still lists it dials
+    it too; py-libp2p printed 1-8 lines per attempt, then one folded line each. Without -v none
+    of libp2p's lines is shown (issue 46: a peer leaving is the ordinary life of a swarm; our own
+    code says what matters of it): not the survivors', not the requester's."""
     victim = 4  # serves [10, 20), as peer 1 does
-    port = replicated.addrs[victim].split("/tcp/")[1].split("/")[0]
-    dead_id = replicated.addrs[victim].split("/p2p/")[1]
     survivors = [i for i in range(len(SPANS)) if i != victim]
     replicated.kill(victim)
-    await await_until(lambda: any(f":{port} " in line or dead_id in line for i in survivors for line in libp2p_lines(replicated.log(i))),
-                      DIAL_SEEN, "a survivor's failed dial of the killed peer", interval=0.2)
     requester = await trio.run_process(
         [sys.executable, "-m", "tessera.peer.cli.main", "generate", PROMPT, "--join", replicated.addrs[0], "--max-tokens", "4"],
         capture_stdout=True, capture_stderr=True, check=False)
     stderr = requester.stderr.decode()
     assert requester.returncode == 0, stderr
     for name, text in [*((f"peer {i}", replicated.log(i)) for i in survivors), ("requester", stderr)]:
-        lines = libp2p_lines(text)
-        repeated = [line for line, n in collections.Counter(lines).items() if n > 1]
-        assert not repeated, f"{name} printed the same libp2p event more than once: {repeated}"
-        about = [line for line in text.splitlines() if (f":{port} " in line or dead_id in line)
-                 and not line.startswith("link ")]  # our NAT service's report when the link came up
-        assert len(about) <= 1, f"{name}: more than one line about the dead peer: {about[:5]}"
-    assert any(f":{port} " in line or dead_id in line for i in survivors
-               for line in libp2p_lines(replicated.log(i)))  # and it was said
+        assert not libp2p_lines(text), f"{name} printed libp2p's lines without -v: {libp2p_lines(text)[:5]}"

@@ -67,7 +67,7 @@ def test_a_peer_serving_weights_altered_behind_the_cache_is_caught_by_a_spot_che
     finally:
         peers.stop()
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout)
+    result = json.loads(done.stdout.splitlines()[-1])  # the last of its JSON lines: the whole answer
     assert result["tokens"] == expected
     guilty = [v for v in result["checks"]["verdicts"] if v["guilty"] is not None]
     assert guilty and all(v["guilty"] == suspect for v in guilty), result["checks"]

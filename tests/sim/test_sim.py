@@ -362,11 +362,12 @@ def test_a_replayed_peer_computes_at_its_recorded_steps_speed_and_advertises_its
 
 def test_a_failed_requests_error_names_peers_as_the_report_does():
     """The simulation gives nodes identities of its own; an error names the peer by its label."""
-    peers = (PeerPlan("a", 0.0, 100.0, 15, span=(0, 15), leave_at=11.0),  # drains, then drops the answer
+    peers = (PeerPlan("a", 0.0, 100.0, 15, span=(0, 15), leave_at=11.0),  # drains, then hands the answer back
              PeerPlan("b", 0.0, 100.0, 15, span=(15, 30)))
     request = RequestPlan(0, 10.0, "r", prompt_tokens=8, new_tokens=100)
     scenario = Scenario("replay", 30, 64, None, peers, (request,), ("r",), link_latency={}, default_latency=0.01)
-    (outcome,) = simulate(scenario, policy="recorded", seed=0)["requests"]
+    # a leave grace shorter than the answer (a leaving peer waits for it up to its cap: peer/serve/leaving.py)
+    (outcome,) = simulate(scenario, policy="recorded", seed=0, timings=Timings(leave_grace=1.0))["requests"]
     assert not outcome["completed"]
     assert "(a: " in outcome["error"] and "12D3KooW" not in outcome["error"], outcome["error"]
 

@@ -366,3 +366,37 @@ def test_a_tokenizer_that_does_not_concatenate_closes_a_character_at_a_time(smol
     assert not constraint.concatenates
     constraint.limit(60)
     assert smol_tokenizer.decode(constraint.plan) == closing("", shape) and len(constraint.plan) == len(closing("", shape))
+
+
+def test_the_screen_judges_few_candidates_and_changes_no_token(tmp_path, monkeypatch):
+    """Issue 46, item 6: a tool call on a tiny random-weight model with a 150k vocabulary took
+    minutes: every step judged (decoded and parsed) tens of thousands of candidates before the
+    first allowed one (cProfile: parse 60 %, decode 20 %). The screen rejects by the start of a
+    token's text first; the tokens drawn are the same as without it, greedy and sampled."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from tessera.stages.decoding import constrained
+    from tessera.stages.weights.synth import byte_tokenizer_json
+
+    vocab = 30000  # bytes, the ChatML specials, and fillers ("<unused123>") as a synthesised model has
+    tokenizer = Tokenizer(HFTokenizer.from_str(byte_tokenizer_json(vocab)))
+    args = compile_schema({"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}},
+                           "additionalProperties": False})
+    forms = [Form(args, '<tool_call>\n{"name": "get_weather", "arguments": ', "}\n</tool_call>")]
+    eos = [tokenizer.token_id("<|im_end|>")]
+
+    def run(params: SamplingParams, steps: int) -> tuple[list[int], int]:
+        sampler = ConstrainedSampler(params, JsonConstraint(forms, tokenizer, eos))
+        sampler.constraint.limit(120)
+        generator = torch.Generator().manual_seed(3)
+        out = [sampler.sample(torch.randn(vocab, generator=generator)) for _ in range(steps)]
+        return out, sampler.constraint.checked
+
+    for params, steps in ((SamplingParams(), 12), (SamplingParams(temperature=1.0, seed=5), 6)):
+        screened, judged = run(params, steps)
+        assert judged < steps * vocab // 100, judged  # under 1 % of the vocabulary a step
+        with monkeypatch.context() as unscreened:
+            unscreened.setattr(constrained.JsonConstraint, "screen", lambda self, size: None)
+            plain, judged_plain = run(params, steps)
+        assert screened == plain and judged_plain > 10 * judged
+        assert tokenizer.decode(screened).startswith("<tool_call>"[:steps])

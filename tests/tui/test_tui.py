@@ -30,10 +30,12 @@ from tessera.peer.request.chain import RouteSession
 from tessera.peer.plan.routing import Hop, Route
 from tessera.stages.decoding.generate import prompt_ids
 from tessera.store.db import PeerStore
-from tessera.store.events import EVENT_TYPES, Ban, Claim, Drain, Forward, Leave, Pause, Resume
+from tessera.store.events import (
+    EVENT_TYPES, Advertise, Audit, Ban, Claim, Drain, Forward, Leave, Pause, Push, Receive, Result, Resume, Rtt,
+)
 from tessera.tui.app import TesseraApp
 from tessera.tui.bridge import PeerHandle, PeerNotRunning
-from tessera.tui.events import NOISY_KINDS, EventFilter, last_id, read_backlog
+from tessera.tui.events import EventFilter, last_id, read_backlog
 from tessera.tui.panels import LedgerPanel, LivePanel, PeerHeader, PeerPanel, SwarmPanel
 from tessera.tui.rates import RECENT, RateHistory
 from tessera.tui.render import coverage_strip, event_line, gaps_text, span_bar, state_word
@@ -127,7 +129,8 @@ def test_peak_rate_counts_a_burst_once():
 
 def test_event_filter_parses_kinds_words_and_all():
     default = EventFilter.parse("")
-    assert set(default.kinds) == set(EVENT_TYPES) - set(NOISY_KINDS)
+    # every kind but the routine ones: not per-step, not an RTT per neighbour per ping (issue 46: the list was mostly rtt lines)
+    assert set(default.kinds) == set(EVENT_TYPES) - {Forward, Push, Receive, Advertise, Result, Audit, Rtt}
     assert EventFilter.parse("claim  ban").kinds == (Claim, Ban)
     everything = EventFilter.parse("all x3f2")
     assert everything.kinds == EVENT_TYPES and everything.words == ("x3f2",)

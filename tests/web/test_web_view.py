@@ -256,3 +256,42 @@ async def test_a_sessions_idle_time_is_read_on_the_clock_it_was_stamped_on():
                            transport=SimpleNamespace(peer_id="me"))
     (row,) = NodeSource(node).sessions_of("me")
     assert 20.0 <= row["idle_s"] <= 21.0, row
+
+
+async def test_a_peers_events_leave_out_rtts_which_the_trace_keeps(tmp_path):
+    """Issue 46, item 5: the Peer page's events were mostly `rtt duration 0.0039…` lines (one per
+    neighbour per ping round). They stay in the trace; the page lists what happened."""
+    from types import SimpleNamespace
+
+    from tessera.peer.http.web.sources import NodeSource
+    from tessera.store.db import PeerStore
+    from tessera.store.events import Claim, Rtt
+    from tessera.store.trace import TraceWriter
+
+    with PeerStore(tmp_path / "t.db") as store:
+        tracer = TraceWriter(store, peer="me")
+        tracer.emit(Claim(span=(0, 10), throughput=1.0, capacity=10))
+        for i in range(20):
+            tracer.emit(Rtt(remote="other", duration=0.004 + i * 1e-4))
+        tracer.close()
+        store.flush()
+        assert len(store.events(kinds=(Rtt,))) == 20  # kept in the trace
+        source = NodeSource(SimpleNamespace(store=store, config=SimpleNamespace(model="m"), model_id="m", spec=None))
+        try:
+            listed = await source.recent_events()
+        finally:
+            source.close()
+    assert [e["kind"] for e in listed] == ["claim"], listed
+
+
+def test_the_gone_bound_is_the_swarms_agreement_not_a_records_lifetime():
+    """Issue 46, item 5: records live a day, so the Swarm page said a silent peer is shown gone
+    "within 86401 s". A dead peer goes by its neighbours' departure report, which the swarm
+    agrees on within B(N) (peer/net/gossip.py); a record that expires sooner bounds it too."""
+    from tessera.peer.http.web.app import gone_within
+    from tessera.peer.net.gossip import bound_seconds
+
+    assert gone_within(86400.0, 3, 1.0) == round(bound_seconds(4) + 1.0, 1) < 60
+    assert gone_within(86400.0, 999, 1.0) == round(bound_seconds(1000) + 1.0, 1) < 60
+    assert gone_within(15.0, 3, 1.0) == 16.0
+    assert gone_within(None, 0, 1.0) is None

@@ -41,6 +41,7 @@ from tessera.peer.http.web.report import swarm_report
 from tessera.peer.http.web.sources import GatewaySource, NodeSource, weights_estimate
 from tessera.peer.http.web.static import SECURITY_HEADERS, load_static
 from tessera.peer.http.web.watch import SwarmWatch
+from tessera.peer.net.gossip import bound_seconds
 
 Asgi = Callable[[dict, Receive, Send], Awaitable[None]]
 PAGES = {"/": "swarm.html", "/swarm": "swarm.html", "/chat": "chat.html", "/peer": "peer.html"}
@@ -164,9 +165,7 @@ class WebApp:
         report = swarm_report(view, model=source.model, model_id=source.model_id, observer=source.me,
                               role=source.role, now=self.clock(), rtt_ms=rtts, link_of=source.link_of,
                               weights_of=lambda p: weights_estimate(source.spec, p), gone=self.watch.gone_entries())
-        ttl = report["record_ttl_s"]
-        # the page's bound: a peer that dies is uncounted and shown gone at most this long after its last word
-        report["gone_within_s"] = round(ttl + self.watch.interval, 1) if ttl is not None else None
+        report["gone_within_s"] = gone_within(report["record_ttl_s"], len(view.peers), self.watch.interval)
         return report
 
     async def swarm(self, http: Exchange) -> None:
@@ -286,3 +285,13 @@ async def _lifespan(receive: Receive, send: Send) -> None:
             await send({"type": "lifespan.shutdown.complete"})
             return
 
+
+def gone_within(record_ttl: float | None, peers: int, interval: float) -> float | None:
+    """The page's bound: a peer that stops answering is uncounted and shown gone at most this long
+    after it stopped. Not its advertisement's lifetime (a day: the page said "within 86401 s"): a
+    dead peer's record goes by a departure its neighbours report, and the swarm agrees on it within
+    B(N) (peer/net/gossip.py `bound_seconds`); then one sample of the watch. A record that expires
+    sooner (a test's short lifetime) bounds it too. None: no peer, no bound to say."""
+    if record_ttl is None:
+        return None
+    return round(min(record_ttl, bound_seconds(peers + 1)) + interval, 1)

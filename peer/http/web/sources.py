@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Mapping
 from tessera.stages.families.spec import ModelSpec
 from tessera.stages.kernels.quant import Quant, QuantError, span_bytes
 from tessera.store.db import PeerStore
-from tessera.store.events import Advertise, Audit, Forward, Push, Receive, Result, Stamped, TraceEvent, EVENT_TYPES
+from tessera.store.events import NOTABLE_KINDS, Stamped
 
 from tessera.peer.base.threads import in_worker
 from tessera.peer.plan.view import PeerInfo, SwarmView
@@ -33,9 +33,7 @@ if TYPE_CHECKING:
     from tessera.peer.node.peer_node import PeerNode
 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}  # bytes per weight element, by advertised dtype
-# Per-step kinds (one per token per hop) are left out of a page's recent events, as in the TUI's log.
-NOISY_KINDS: tuple[type[TraceEvent], ...] = (Forward, Push, Receive, Advertise, Result, Audit)
-QUIET_KINDS = tuple(k for k in EVENT_TYPES if k not in NOISY_KINDS)
+# A page's recent events leave out the routine kinds (store/events.py ROUTINE_KINDS), as the TUI's log does.
 RECENT_EVENTS = 50  # a peer's events a page shows
 
 
@@ -187,7 +185,7 @@ class NodeSource:
             path = store.path
             self._reader = await in_worker(lambda: PeerStore(path, readonly=True))
         reader = self._reader
-        rows = await in_worker(lambda: reader.recent_events(kinds=QUIET_KINDS, limit=RECENT_EVENTS))
+        rows = await in_worker(lambda: reader.recent_events(kinds=NOTABLE_KINDS, limit=RECENT_EVENTS))
         return [event_dict(row) for row in rows]
 
     def close(self) -> None:

@@ -12,7 +12,7 @@ function render(report) {
   headline.dataset.ok = String(report.routable);
   drawCoverage(report.coverage, L, report.gaps);
   document.getElementById("bound").textContent = report.gone_within_s === null ? "" :
-    `A peer that stops answering is no longer counted, and is shown gone, within ${report.gone_within_s} s of its last advertisement.`;
+    `A peer that stops answering is no longer counted, and is shown gone, within ${report.gone_within_s} s of stopping (its neighbours report it gone, and the swarm agrees).`;
   drawLanes(report, L);
   drawPeers(report);
   drawGroups(report);
