@@ -36,6 +36,7 @@ from tessera.stages.families import deepseek, glm, glm5, gpt_oss, llama, minimax
 from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.family import Family
 from tessera.stages.families.gguf import GgufMetadata
+from tessera.stages.families.mtp import MtpSpec
 from tessera.stages.families.shipped import read_shipped
 from tessera.stages.families.spec import ModelSpec
 from tessera.stages.families.tensors import (
@@ -130,6 +131,19 @@ def tensors_of_layer(spec: ModelSpec, layer: int) -> dict[str, Choices]:
     """Engine name -> checkpoint layouts for every tensor of layer `layer` (families/tensors.py)."""
     family = FAMILIES[spec.family]
     return family.tensors(spec, layer) if family.tensors else layer_tensors(spec, layer, family.experts)
+
+
+def mtp_of(spec: ModelSpec) -> MtpSpec:
+    """The model's first multi-token-prediction module (families/mtp.py), or UnsupportedModel in one line
+    for a model that has none or whose family's are not run."""
+    if spec.mtp_layers == 0:
+        raise UnsupportedModel(f"this {spec.family} model has no multi-token-prediction (MTP) layers "
+                               "(its config counts none): --speculate mtp drafts with them")
+    family = FAMILIES[spec.family]
+    if family.mtp is None:
+        raise UnsupportedModel(f"drafting with the MTP layers of {spec.family} is not supported "
+                               f"(families with it: {sorted(n for n, f in FAMILIES.items() if f.mtp)})")
+    return family.mtp(spec)
 
 
 @lru_cache(maxsize=256)

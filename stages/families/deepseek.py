@@ -36,6 +36,7 @@ from typing import Any
 from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.family import Family
 from tessera.stages.families.llama import with_special_ids
+from tessera.stages.families.mtp import deepseek_mtp
 from tessera.stages.families.spec import LayerSpec, MlaSpec, MlpSpec, ModelSpec, RouterSpec
 
 ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM"}
@@ -182,4 +183,4 @@ DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3 (ships as FP8 blocks; float here)
 }
 
 FAMILY = Family("deepseek_v3", ARCHITECTURES["deepseek_v3"], read, to_config,
-                shapes={"deepseek-v3": DEEPSEEK_V3})
+                shapes={"deepseek-v3": DEEPSEEK_V3}, mtp=deepseek_mtp)

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 
 from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.gguf import GgufForm
+from tessera.stages.families.mtp import MtpSpec
 from tessera.stages.families.spec import ModelSpec
 from tessera.stages.families.tensors import QWEN_EXPERTS, Choices, ExpertNames
 
@@ -41,6 +42,8 @@ class Family:
     from_sizes:   a spec of this family from plain sizes (`tessera model synth --arch`), or None.
     also:         other transformers classes its configs may name (a multimodal family's text-only
                   class: Qwen3.5's `Qwen3_5ForCausalLM` beside `Qwen3_5ForConditionalGeneration`).
+    mtp:          its checkpoints' first multi-token-prediction module (families/mtp.py: the layout and
+                  the block) for a spec with `mtp_layers`, or None where drafting with them is not run.
     """
 
     name: str
@@ -53,3 +56,4 @@ class Family:
     shapes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     from_sizes: FromSizes | None = None
     also: tuple[str, ...] = ()
+    mtp: Callable[[ModelSpec], MtpSpec] | None = None

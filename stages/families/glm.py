@@ -26,6 +26,7 @@ from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.family import Family
 from tessera.stages.families.deepseek import MoeDefaults, moe_config, read_mtp_layers, read_sigmoid_moe, rope_config
 from tessera.stages.families.llama import with_special_ids
+from tessera.stages.families.mtp import deepseek_mtp
 from tessera.stages.families.spec import AttentionSpec, LayerSpec, ModelSpec
 
 ARCHITECTURES = {"glm4_moe": "Glm4MoeForCausalLM"}
@@ -84,4 +85,5 @@ GLM_4_5 = {  # zai-org/GLM-4.5
     "tie_word_embeddings": False, "use_cache": True, "use_qk_norm": True, "vocab_size": 151552,
 }
 
-FAMILY = Family("glm4_moe", ARCHITECTURES["glm4_moe"], read, to_config, shapes={"glm-4.5": GLM_4_5})
+FAMILY = Family("glm4_moe", ARCHITECTURES["glm4_moe"], read, to_config, shapes={"glm-4.5": GLM_4_5},
+                mtp=deepseek_mtp)

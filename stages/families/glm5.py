@@ -30,6 +30,7 @@ from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.family import Family
 from tessera.stages.families.deepseek import MoeDefaults, moe_config, read_mtp_layers, read_sigmoid_moe_kinds, rope_config
 from tessera.stages.families.llama import with_special_ids
+from tessera.stages.families.mtp import deepseek_mtp
 from tessera.stages.families.spec import DsaSpec, LayerSpec, MlaSpec, ModelSpec
 
 ARCHITECTURES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM"}
@@ -131,4 +132,5 @@ GLM_5 = {  # zai-org/GLM-5, as transformers' GlmMoeDsaConfig defaults to it (shi
     "tie_word_embeddings": False, "topk_group": 1, "use_cache": True, "v_head_dim": 256, "vocab_size": 154880,
 }
 
-FAMILY = Family("glm_moe_dsa", ARCHITECTURES["glm_moe_dsa"], read, to_config, shapes={"glm-5": GLM_5})
+FAMILY = Family("glm_moe_dsa", ARCHITECTURES["glm_moe_dsa"], read, to_config, shapes={"glm-5": GLM_5},
+                mtp=deepseek_mtp)

@@ -29,8 +29,11 @@ peer/http). A text-only checkpoint (`Qwen3_5ForCausalLM`, what transformers save
 block) turns each section by its own position id (time, height, width); for text all three
 are the token's position, so it is plain RoPE.
 
-Read and not run: multi-token-prediction layers (`mtp_num_hidden_layers`, tensors under "mtp.";
-`ModelSpec.mtp_layers` is the seam for drafting with them), `mtp_use_dedicated_embeddings`.
+Multi-token-prediction layers (`mtp_num_hidden_layers`, tensors under "mtp."): not run by a span;
+`--speculate mtp` drafts with them where the head runs (families/mtp.py). Read and ignored:
+`mtp_use_dedicated_embeddings` (a checkpoint with MTP tensors of its own beyond those families/mtp.py
+names is refused where they are loaded, stages/assembly/mtp.py). Qwen3-Next's are not read at all
+(its config does not count them).
 Refused (one line naming the key): an activation other than SiLU, `layer_types` other than the
 two kinds, `attn_output_gate` false (transformers gates whatever it says), sliding windows,
 RoPE types other than default / linear / llama3 / yarn, shipped quantized weights (the
@@ -46,6 +49,7 @@ from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.family import Family
 from tessera.stages.families.llama import with_special_ids
+from tessera.stages.families.mtp import qwen3_5_mtp
 from tessera.stages.families.spec import (
     AttentionSpec, GatedDeltaNetSpec, LayerSpec, MlpSpec, ModelSpec, RopeSpec, RouterSpec,
 )
@@ -132,7 +136,7 @@ def read_text(config: ConfigReader, family: str, prefix: str) -> ModelSpec:
     layers = tuple(LayerSpec(attention if kind == "full_attention" else deltanet, mlp) for kind, mlp in zip(kinds, mlps))
     mtp = config.int("mtp_num_hidden_layers", 0, minimum=0) if family != "qwen3_next" else 0
     if family != "qwen3_next":
-        config.value("mtp_use_dedicated_embeddings", None)  # MTP is not run (module docstring)
+        config.value("mtp_use_dedicated_embeddings", None)  # read and ignored (module docstring)
     return ModelSpec(
         family, config.int("vocab_size"), hidden, layers, rms_norm_eps=config.float("rms_norm_eps", 1e-6),
         max_position=config.int("max_position_embeddings", 32768),
@@ -281,6 +285,6 @@ QWEN3_NEXT_80B_A3B = {  # Qwen/Qwen3-Next-80B-A3B-Instruct (3 Gated DeltaNet lay
 QWEN3_NEXT = Family("qwen3_next", ARCHITECTURES["qwen3_next"], read_qwen3_next, to_config, EXPERTS,
                     shapes={"qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B})
 QWEN3_5 = Family("qwen3_5", ARCHITECTURES["qwen3_5"], read_qwen3_5, to_config, EXPERTS,
-                 also=(TEXT_ARCHITECTURES["qwen3_5"],))
+                 also=(TEXT_ARCHITECTURES["qwen3_5"],), mtp=qwen3_5_mtp)
 QWEN3_5_MOE = Family("qwen3_5_moe", ARCHITECTURES["qwen3_5_moe"], read_qwen3_5_moe, to_config, EXPERTS,
-                     also=(TEXT_ARCHITECTURES["qwen3_5_moe"],))
+                     also=(TEXT_ARCHITECTURES["qwen3_5_moe"],), mtp=qwen3_5_mtp)

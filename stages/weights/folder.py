@@ -13,6 +13,7 @@ Which checkpoint tensors make each of the engine's is the family's mapping
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Callable, Iterable
@@ -110,6 +111,13 @@ class WeightFolder:
             if table is None:
                 raise
             check_fits(self.spec, table, sum(table.values()))
+
+    def reading_as(self, spec: ModelSpec) -> "WeightFolder":
+        """This folder read by `spec` rather than by its config's: a checkpoint's multi-token-prediction
+        blocks, named and shaped as decoder layers of a spec that lists them (families/mtp.py)."""
+        other = copy.copy(self)
+        other.spec = spec
+        return other
 
     def files(self) -> list[Path]:
         """The files the folder's tensors live in (as the index names them), sorted."""
