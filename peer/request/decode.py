@@ -16,6 +16,10 @@ that the model's bonus token is the drafter's next one. If the guess fails,
 the later block is cancelled down the chain and the loop redrafts; if it
 holds, a whole round trip was hidden.
 
+A drafter that reads the model's hidden states (`--speculate mtp`: the model's own MTP
+module, stages/decoding/mtp.py) is shown the last layer's rows of every step as they
+return (`shown`), the prompt's included; it drafts from them, and the swarm verifies as ever.
+
 Speculation never costs: K adapts to what drafts earn (stages/decoding/speculative.py
 `AdaptiveK`): each block's tokens per second of wall time, drafting included,
 are weighed against plain one-token steps; after a few blocks that earn less,
@@ -35,7 +39,7 @@ import torch
 from tessera.peer.base.threads import in_worker
 from tessera.stages.decoding.constrained import ConstrainedSampler
 from tessera.stages.decoding.sampling import Sampler
-from tessera.stages.decoding.speculative import AdaptiveK, Draft, Drafter, greedy_accept, sampling_accept
+from tessera.stages.decoding.speculative import AdaptiveK, Draft, Drafter, ReadsHidden, greedy_accept, sampling_accept
 
 from tessera.peer.request.prefill import pipelined_prefill
 from tessera.peer.request.repair import AnswerRewound, Pending, ResilientSession, Superseded
@@ -127,7 +131,9 @@ async def speculative_tokens(
     sampler: Sampler, eos: Sequence[int], spec: Speculation, prefill_chunk: int | None = None,
 ) -> AsyncIterator[int]:
     """Speculative blocks, pipelined when the draft is confident. Yields confirmed tokens."""
-    logits = await head((await prefill(session, await embed(ids), prefill_chunk))[-1:])
+    prompt = await prefill(session, await embed(ids), prefill_chunk)  # its last chunk's rows, when chunked
+    shown(spec.drafter, len(ids) - prompt.shape[0], ids[len(ids) - prompt.shape[0]:], prompt)
+    logits = await head(prompt[-1:])
     tokens = list(ids) + [sampler.sample(logits[-1])]
     produced = 1
     yield tokens[-1]
@@ -157,10 +163,12 @@ async def speculative_tokens(
                 in_flight.append(await submit([ahead.tokens[0], *draft.tokens], last.start + len(last.fed), draft))
         block = in_flight.popleft()
         try:
-            rows = await head(await session.wait(block.pending))
+            hidden = await session.wait(block.pending)
         except Superseded:
             await drop_all()
             continue
+        rows = await head(hidden)
+        shown(spec.drafter, block.start, block.fed, hidden)
         await check_rebuilt(session, head, len(ids), tokens[len(ids):], sampler)
         if sampler.params.greedy and not block.draft.tokens:
             kept, nxt = 0, sampler.sample(rows[-1])  # a plain step (K = 0): exactly plain decoding
@@ -174,7 +182,9 @@ async def speculative_tokens(
         if nxt is None:  # a near-tie: one exact single-token step decides it
             await drop_all()
             fed_upto = block.fed[: kept + 1]
-            rows = await head(await session.step(await embed(fed_upto[-1:]), block.start + kept))
+            hidden = await session.step(await embed(fed_upto[-1:]), block.start + kept)
+            rows = await head(hidden)
+            shown(spec.drafter, block.start + kept, fed_upto[-1:], hidden)
             nxt = sampler.sample(rows[-1])
         new = [*block.draft.tokens[:kept], nxt]
         # the next block in flight stays valid only if it starts exactly where this one ended
@@ -190,6 +200,12 @@ async def speculative_tokens(
                 await check_rebuilt(session, head, len(ids), tokens[len(ids):], sampler)
                 return
         spec.drafter.accepted(tokens)
+
+
+def shown(drafter: Drafter, start: int, fed: Sequence[int], hidden: torch.Tensor) -> None:
+    """Hand a drafter that reads the model's hidden states (an MTP module's) a step's rows."""
+    if isinstance(drafter, ReadsHidden):
+        drafter.observe(start, fed, hidden)
 
 
 def confident(spec: Speculation, block: Block) -> bool:

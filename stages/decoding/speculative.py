@@ -4,9 +4,11 @@ A drafter proposes K tokens; the model scores [last token, d1..dK] in one pass
 (K+1 logits rows); the longest acceptable prefix is kept plus one token from the
 model itself, and every cache rolls back to the accepted length (a pointer move).
 
-Drafters: `NgramDrafter` (prompt lookup: no model at all) and `ModelDrafter`
+Drafters: `NgramDrafter` (prompt lookup: no model at all), `ModelDrafter`
 (a smaller model with the same tokenizer — e.g. the first layers of the same
-model plus its head, "self-speculation").
+model plus its head, "self-speculation"), and stages/decoding/mtp.py's `MtpDrafter`
+(the model's own multi-token-prediction module, which reads the model's hidden
+states: a drafter that does is a `ReadsHidden` and is shown each step's rows).
 
 Acceptance, greedy: draft d_i is kept while it is the argmax of row i-1 — and
 only when that argmax wins by more than `TIE_MARGIN`. Rows of a K+1-token pass
@@ -25,7 +27,7 @@ distribution is exactly p's. A deterministic draft (n-gram) has q = one-hot.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -51,6 +53,16 @@ class Drafter(Protocol):
 
     def accepted(self, tokens: Sequence[int]) -> None:
         """The sequence after verification (drafters with state resynchronise here)."""
+        ...
+
+
+@runtime_checkable
+class ReadsHidden(Protocol):
+    """A drafter that drafts from the model's hidden states (an MTP module): shown the last layer's
+    rows of every step the model ran, before the final norm, as the last peer returns them."""
+
+    def observe(self, start: int, fed: Sequence[int], hidden: torch.Tensor) -> None:
+        """Rows [T, H] of tokens `fed` at positions [start, start + T)."""
         ...
 
 
