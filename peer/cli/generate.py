@@ -32,8 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--join", action="append", default=[], metavar="MULTIADDR", help="a peer of the swarm to use")
     p.add_argument("--swarm-key", default=None, help="private swarm key: 64 hex chars or a file")
     p.add_argument("--speculate", default="none", metavar="DRAFT",
-                   help="speculative decoding through a swarm: none (default), ngram, or self:N "
-                   "(the model's first N layers + head, run here)")
+                   help="speculative decoding through a swarm: none (default), ngram, mtp (the model's own "
+                   "multi-token-prediction layers, run here) or self:N (the model's first N layers + head, run here)")
     p.add_argument("--draft-k", type=int, default=4, help="initial draft length (adapts to acceptance)")
     p.add_argument("--no-pipeline", action="store_true", help="do not send a block before the previous one returns")
     p.add_argument("--emulate-link", default=None, metavar="SPEC",

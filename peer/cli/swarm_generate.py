@@ -17,8 +17,12 @@ from tessera.store.trace import TraceWriter
 from tessera.peer.cli.json_lines import JsonLines
 from tessera.peer.cli.options import apply_threads, quant_from, read_swarm_key
 from tessera.stages.decoding.sampling import Sampler
+from tessera.stages.decoding.mtp import MtpDrafter
 from tessera.stages.decoding.speculative import AdaptiveK, ModelDrafter, NgramDrafter
+from tessera.stages.assembly.mtp import load_mtp
 from tessera.stages.assembly.stage import load_stage
+from tessera.stages.families.catalog import mtp_of, spec_from_file, tensors_of_layer
+from tessera.stages.weights.tensor_table import group_of
 
 from tessera.peer.request.client import Swarm, merge_infos
 from tessera.peer.request.repair import AnswerRewound
@@ -29,17 +33,31 @@ from tessera.peer.weights.bootstrap import REQUESTER_GROUPS, ensure_model
 
 
 def speculation_from(spec: str, k: int, pipeline: bool, swarm: Swarm, sampling: SamplingParams, capacity: int) -> Speculation | None:
-    """--speculate none | ngram | self:N -> a Speculation (or None)."""
+    """--speculate none | ngram | mtp | self:N -> a Speculation (or None). `mtp` reads the model's own
+    multi-token-prediction module here, beside the head (UnsupportedModel in one line for a model that has
+    none; ModelFormatError for a folder without its tensors)."""
     if spec == "none":
         return None
+    draws = None if sampling.greedy else Sampler(sampling)  # a drafter's own stream: q, as the verifier knows it
     if spec == "ngram":
         drafter = NgramDrafter()
+    elif spec == "mtp":
+        drafter = MtpDrafter(load_mtp(swarm.folder, swarm.head), capacity=capacity, sampler=draws)
     elif spec.startswith("self:") and spec[5:].isdigit() and 0 < int(spec[5:]) < swarm.spec.num_layers:
         stage = load_stage(swarm.folder, start=0, end=int(spec[5:]), embed=True, head=True)
-        drafter = ModelDrafter(stage, capacity=capacity, sampler=None if sampling.greedy else Sampler(sampling))
+        drafter = ModelDrafter(stage, capacity=capacity, sampler=draws)
     else:
-        raise ConfigError(f"--speculate wants none, ngram or self:N (0 < N < {swarm.spec.num_layers}), got {spec!r}")
+        raise ConfigError(f"--speculate wants none, ngram, mtp or self:N (0 < N < {swarm.spec.num_layers}), got {spec!r}")
     return Speculation(drafter, k=AdaptiveK(k), pipeline=pipeline)
+
+
+def mtp_groups(folder) -> frozenset[str]:
+    """The weight groups (stages/weights/tensor_table.py) of the model's first MTP module: what a requester
+    without the model's files fetches from the swarm beside its embedding and head for `--speculate mtp`."""
+    mtp = mtp_of(spec_from_file(folder / "config.json"))
+    names = [*mtp.tensors(), *(name for choices in tensors_of_layer(mtp.blocks, mtp.layer).values()
+                               for name in choices[0].names)]
+    return frozenset(group_of(name) for name in names)
 
 
 async def generate_through_swarm(args: argparse.Namespace, sampling: SamplingParams) -> GenerationResult:
@@ -48,6 +66,9 @@ async def generate_through_swarm(args: argparse.Namespace, sampling: SamplingPar
     # without the model here: its embedding, head and tokenizer from the --join peers (peer/weights/)
     folder = await ensure_model(args.model, args.join, swarm_key=swarm_key, groups=REQUESTER_GROUPS,
                                 out=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.speculate == "mtp":  # and the model's MTP module, which drafts beside the head
+        folder = await ensure_model(args.model, args.join, swarm_key=swarm_key, groups=mtp_groups(folder),
+                                    out=lambda line: print(line, file=sys.stderr, flush=True))
     with contextlib.ExitStack() as stack:
         # the requester's own trace (--record-trace): the id it records is bound as it joins
         tracer = stack.enter_context(TraceWriter(args.record_trace)) if args.record_trace else None

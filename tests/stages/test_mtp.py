@@ -273,3 +273,45 @@ def test_an_mtp_tensor_not_computed_here_is_refused(hybrid, tmp_path):
     stage = load_stage(folder, start=0, end=0, embed=True, head=True)
     with pytest.raises(UnsupportedModel, match="'mtp.embed_tokens.weight' of the MTP module is not one tessera computes"):
         load_mtp(folder, stage)
+
+
+# -- the command line: --speculate mtp ----------------------------------------------------------------
+
+
+def test_the_command_line_drafts_with_the_mtp_module_or_refuses_in_one_line(hybrid, tiny_llama):
+    from types import SimpleNamespace
+
+    from tessera.peer.base.errors import ConfigError
+    from tessera.peer.cli.swarm_generate import mtp_groups, speculation_from
+
+    def requester(folder):  # what speculation_from reads of a Swarm: its folder, spec and head
+        head = load_stage(folder, start=0, end=0, embed=True, head=True)
+        return SimpleNamespace(folder=folder, spec=head.spec, head=head)
+
+    swarm = requester(hybrid)
+    spec = speculation_from("mtp", 4, True, swarm, SamplingParams(), capacity=64)
+    assert isinstance(spec.drafter, MtpDrafter) and spec.drafter.sampler is None and spec.pipeline
+    sampled = speculation_from("mtp", 4, True, swarm, SamplingParams(temperature=0.8, seed=1), capacity=64)
+    assert sampled.drafter.sampler is not None  # a sampled draft carries its distribution q for the acceptance rule
+    assert mtp_groups(hybrid) == {"mtp"}  # what a requester without the files fetches beside its embedding and head
+    with pytest.raises(UnsupportedModel, match="has no multi-token-prediction") as bad:
+        speculation_from("mtp", 4, True, requester(tiny_llama), SamplingParams(), capacity=64)
+    assert "\n" not in str(bad.value)
+    with pytest.raises(ConfigError, match="none, ngram, mtp or self:N"):
+        speculation_from("mpt", 4, True, swarm, SamplingParams(), capacity=64)
+
+
+async def test_sampled_drafts_carry_the_modules_distribution(hybrid_parts):
+    """With a sampler, each draft token is drawn from q = the sampler's distribution of the module's logits, and
+    q travels with the draft (the speculative-sampling rule divides by it): q rows sum to one and put mass on
+    the token drawn."""
+    stage, mtp = hybrid_parts
+    drafter = MtpDrafter(mtp, capacity=64, sampler=Sampler(SamplingParams(temperature=1.0, seed=3)), session="sampled")
+    try:
+        drafter.observe(0, PROMPT, model_rows(stage, PROMPT))
+        draft = drafter.propose([*PROMPT, 9], 3)
+    finally:
+        drafter.close()
+    assert len(draft.tokens) == 3 and draft.probs is not None and draft.probs.shape == (3, SHAPE["vocab_size"])
+    torch.testing.assert_close(draft.probs.sum(-1), torch.ones(3))
+    assert all(float(draft.probs[i, t]) > 0 for i, t in enumerate(draft.tokens))
