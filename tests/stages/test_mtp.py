@@ -315,3 +315,60 @@ async def test_sampled_drafts_carry_the_modules_distribution(hybrid_parts):
     assert len(draft.tokens) == 3 and draft.probs is not None and draft.probs.shape == (3, SHAPE["vocab_size"])
     torch.testing.assert_close(draft.probs.sum(-1), torch.ones(3))
     assert all(float(draft.probs[i, t]) > 0 for i, t in enumerate(draft.tokens))
+
+
+async def test_speculative_sampling_with_mtp_drafts_keeps_the_distribution(tiny_llama):
+    """Sampled MTP drafts verified by the speculative-sampling rule: each answer token is distributed as
+    plain sampling's (chi-square, as tests/request/test_speculation.py checks a draft model's, where a control
+    shows the test catches a rule that accepts drafts unchecked). The module here is one of the tiny model's
+    own layers between random ends: its q is far from p, so the rule's rejections and residual draws carry
+    the test."""
+    from collections import Counter
+    from dataclasses import replace
+
+    from tessera.peer.request.decode import plain_tokens
+    from tessera.stages.engine.mtp import MtpStage
+    from tessera.stages.engine.stage import Stage
+    from tessera.stages.families.mtp import nextn_mtp
+
+    from ..request.test_speculation import chi2_homogeneity, chi2_sf, peaky_model
+
+    stage = peaky_model(tiny_llama)
+    spec = nextn_mtp(replace(stage.spec, mtp_layers=1), stage.spec.layers[0])
+    torch.manual_seed(4)
+    ends = MtpEnds(stage.spec.hidden_size, stage.spec.rms_norm_eps)
+    with torch.no_grad():
+        ends.proj.weight.copy_(0.3 * torch.randn_like(ends.proj.weight))
+    block = Stage(stage.spec, 0, [stage.blocks[0]])
+    mtp = MtpStage(spec, ends.requires_grad_(False), block, stage)
+    ids = [5, 17, 42, 5, 17]
+
+    async def embed(t):
+        return stage.embed(list(t))
+
+    async def head(h):
+        return stage.logits(h)
+
+    async def sample(n: int, drafts: bool) -> list[tuple[int, ...]]:
+        out = []
+        for seed in range(n):
+            chain, sampler = LocalChain(stage), Sampler(SamplingParams(temperature=1.0, seed=seed))
+            if drafts:
+                drafter = MtpDrafter(mtp, capacity=64,
+                                     sampler=Sampler(SamplingParams(temperature=1.0, seed=10**6 + seed)))
+                spec_ = Speculation(drafter, k=AdaptiveK(3, backoff_after=10**9), pipeline=False)
+                gen = speculative_tokens(chain, embed, head, ids, 4, sampler, (), spec_)
+            else:
+                gen = plain_tokens(chain, embed, head, ids, 4, sampler, ())
+            out.append(tuple([t async for t in gen]))
+            stage.close("chain")
+            if drafts:
+                drafter.close()
+        return out
+
+    plain, drafted = await sample(600, False), await sample(600, True)
+    for position in (1, 2, 3):  # the first token is sampled before any draft
+        stat, dof = chi2_homogeneity(Counter(s[position] for s in plain), Counter(s[position] for s in drafted))
+        p = chi2_sf(stat, dof)
+        print(f"token {position}: chi2 {stat:.1f} on {dof} dof, p = {p:.3f}")
+        assert dof >= 3 and p > 1e-3
