@@ -16,20 +16,21 @@ of its own rank), as `tests/test_layers.py` checks over the source:
     layers/     the math, each with float32 reference semantics: rope, norm, attention (GQA),
                 mla, dsa, gated_deltanet (linear attention), cache (a store per layer's state
                 kind, one position pointer), state (a fixed recurrent state and its
-                checkpoints), mlp, routers, moe, and block.py, which composes a layer from its
-                LayerSpec.                                                                      } rank 3
+                checkpoints), mlp, routers, moe, mtp (a multi-token-prediction module's ends), and
+                block.py, which composes a layer from its LayerSpec.                                                                      } rank 3
     weights/    model folders and what they hold: the registry and manifests, reading only a
                 span (folder.py), the folder check, GGUF conversion and blocks, reading matrices
                 quantized (quantize.py) or as shipped (formats/load.py) into kernels' modules,
                 synthetic models. Never imports layers/: it knows tensor names, not modules.  } rank 3
     engine/     Stage (a span for many sessions, stacked per step, given its Blocks), its
-                sessions, compiled decode steps, the layer benchmark a peer advertises, device
+                sessions, an MTP module beside the head (mtp.py), compiled decode steps, the layer benchmark a peer advertises, device
                 memory. Never imports weights/: the runtime does not read files.              rank 4
     assembly/   a Stage from a model folder: blocks.py fills a layer's Block from the weights
-                (float, quantized as read, or as shipped), stage.py `load_stage`. The one place
+                (float, quantized as read, or as shipped), stage.py `load_stage`, mtp.py `load_mtp`. The one place
                 where modules and files meet.                                                 rank 5
     shards/     tensor-sharded execution of a span, its collectives and audit layout.       } rank 6
-    decoding/   sampling, constrained decoding, speculative drafts and acceptance, LocalEngine. } rank 6
+    decoding/   sampling, constrained decoding, speculative drafts (n-gram, a draft model, the
+                model's MTP module) and acceptance, LocalEngine. } rank 6
 
 Reading a family top-down: its module in families/ (config keys -> LayerSpecs), then
 layers/block.py (a LayerSpec -> modules), then layers/attention.py and layers/moe.py.

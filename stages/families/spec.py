@@ -726,9 +726,9 @@ class ModelSpec:
     tie_embeddings: the head reuses the embedding matrix.
     bos_token_id, eos_token_ids: special ids from the config.
     mtp_layers:     multi-token-prediction modules a checkpoint holds after the decoder layers
-                    (DeepSeek-V3's and GLM-4.5's `num_nextn_predict_layers`, as layers L, L+1...):
-                    not run (transformers does not run them either); their tensors are accepted
-                    in a folder and never read.
+                    (DeepSeek-V3's and GLM-4.5's `num_nextn_predict_layers`, as layers L, L+1...;
+                    Qwen3.5's under "mtp."): run by no span, their tensors accepted in a folder;
+                    `--speculate mtp` drafts with the first where the head runs (families/mtp.py).
     shipped:        how the checkpoint stores its matrices when not as floats (fp8 blocks, mxfp4,
                     GGUF blocks: families/shipped.py), else None. The arithmetic is the same; the
                     bytes a span holds are the shipped ones.

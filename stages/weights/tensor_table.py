@@ -15,7 +15,8 @@ safetensors header gives it); `chunks` are the sha256s of its bytes cut every
 alone, and `sha256` covers the whole tensor. `group` says what a span needs: "layer.N"
 for layer N, "embed" for the embedding, "head" for lm_head, "norm" for the final norm,
 "vision" for a multimodal checkpoint's vision tower and "mtp" for Qwen-style multi-token-prediction
-layers (neither run by a span, so never fetched), "other" for anything else.
+layers (neither run by a span, so never fetched by a peer; a requester drafting with the MTP layers,
+`--speculate mtp`, fetches them), "other" for anything else.
 
 The **model id** (`model_id_of`) hashes every listed file's sha256 *and* this table's
 digest, and nothing else: so a folder holding only some layers (fetched from peers)
