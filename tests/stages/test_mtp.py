@@ -237,6 +237,27 @@ async def test_greedy_drafted_by_the_mtp_module_is_the_local_answer(hybrid_parts
     assert spec.proposed >= TOKENS // (k + 1)  # it drafted, and the drafts were verified (most rejected: random weights)
 
 
+@pytest.mark.parametrize("row", ["deepseek_v3/lora-groups-shared-yarn", "glm_moe_dsa/shared-groups-yarn"],
+                         ids=["deepseek_v3", "glm_moe_dsa"])
+async def test_greedy_drafted_by_deepseek_and_glm5_mtp_modules_is_the_local_answer(tmp_path, row):
+    """The nextn layout's module (an MLA block; GLM-5's a DSA block with its own indexer) drafting, pipelined."""
+    folder = with_mtp(tmp_path, row.split("/")[0], ROWS[row].config(), seed=ROWS[row].seed)
+    want = LocalEngine(folder, device="cpu", dtype="float32").generate_ids(PROMPT, max_new_tokens=12)
+    stage = load_stage(folder, embed=True, head=True)
+
+    async def embed(t):
+        return stage.embed(list(t))
+
+    async def head(h):
+        return stage.logits(h)
+
+    drafter = MtpDrafter(load_mtp(folder, stage), capacity=128)
+    spec = Speculation(drafter, k=AdaptiveK(3, backoff_after=10**9), pipeline=True)
+    got = [t async for t in speculative_tokens(LocalChain(stage), embed, head, PROMPT, len(want),
+                                                Sampler(SamplingParams()), (), spec)]
+    assert got == want and spec.proposed > 0
+
+
 # -- refusals -----------------------------------------------------------------------------------------
 
 
