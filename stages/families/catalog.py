@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
-from tessera.stages.families import deepseek, glm, glm5, gpt_oss, llama, minimax_m2, mixtral, qwen3, qwen3_next
+from tessera.stages.families import (
+    deepseek, glm, glm5, gpt_oss, kimi_linear, llama, minimax_m2, mixtral, nemotron_h, qwen3, qwen3_next,
+)
 from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.family import Family
 from tessera.stages.families.gguf import GgufMetadata
@@ -59,6 +61,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     qwen3_next.QWEN3_NEXT,
     qwen3_next.QWEN3_5,
     qwen3_next.QWEN3_5_MOE,
+    kimi_linear.FAMILY,
+    nemotron_h.FAMILY,
 )}
 BY_ARCHITECTURE = {name: f for f in FAMILIES.values() for name in (f.architecture, *f.also)}
 

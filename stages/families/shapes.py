@@ -42,7 +42,7 @@ def shape_spec(name: str, *, layers: int | None = None, experts: int | None = No
         spec = replace(spec, layers=tuple(
             replace(layer, mlp=replace(layer.mlp, num_experts=min(experts, layer.mlp.num_experts), router=replace(
                 layer.mlp.router, top_k=min(layer.mlp.router.top_k, experts))))
-            if layer.mlp.kind == "moe" and layer.mlp.router is not None else layer
+            if layer.mlp is not None and layer.mlp.kind == "moe" and layer.mlp.router is not None else layer
             for layer in spec.layers))
     if vocab is not None:
         spec = replace(spec, vocab_size=vocab)  # ModelFormatError unless > 0

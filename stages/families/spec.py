@@ -43,6 +43,7 @@ Extending (the kinds are the extension points):
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -52,18 +53,21 @@ from tessera.stages.errors import ModelFormatError, SpanError
 from tessera.stages.families.shipped import ShippedFormat
 
 # grouped-query attention (multi-head and multi-query included); multi-head latent; MLA with DeepSeek's sparse
-# attention; Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5: a recurrent state, no rows per position)
-ATTENTION_KINDS = ("gqa", "mla", "dsa", "gated_deltanet")
-MLP_KINDS = ("dense", "moe")  # SwiGLU; a sparse mixture of SwiGLU experts
+# attention; Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5: a recurrent state, no rows per position);
+# Kimi Delta Attention (Kimi Linear: the same with a decay per channel); Mamba2's state-space mixer (Nemotron-H)
+ATTENTION_KINDS = ("gqa", "mla", "dsa", "gated_deltanet", "kda", "mamba2")
+MLP_KINDS = ("dense", "moe")  # SwiGLU (or GluSpec's other activations); a sparse mixture of such experts
 ROUTER_KINDS = (
     "softmax_topk",  # softmax over experts, top-k, optionally renormalised
     "topk_softmax",  # top-k of the logits, softmax over those k (gpt-oss)
     "sigmoid_group_topk",  # DeepSeek's sigmoid, group-limited top-k
 )
-GLU_KINDS = ("silu", "clamped_swiglu")  # silu(gate) * up; gpt-oss's clamped form (GluSpec)
+# silu(gate) * up; gpt-oss's clamped form; relu(up)^2 with no gate (Nemotron-H): GluSpec
+GLU_KINDS = ("silu", "clamped_swiglu", "relu2")
 # keys and values of every position (only the window is read); MLA's latent; the latent and DSA's index keys;
-# a fixed recurrent state and convolution window (linear attention: RecurrentStateSpec)
-CACHE_KINDS = ("full", "sliding", "latent", "latent_indexed", "recurrent")
+# a fixed recurrent state and convolution window (linear attention: RecurrentStateSpec); nothing (a layer
+# with no token mixer, only an MLP: StatelessSpec)
+CACHE_KINDS = ("full", "sliding", "latent", "latent_indexed", "recurrent", "none")
 # How far back a recurrent state can be taken (layers/state.py, docs/pages/models.md's measurement):
 # the state at the start of each of the last RECURRENT_CHECKPOINTS runs of steps is kept (two:
 # the requester keeps at most two speculative blocks of a session in flight, peer/request/decode.py
@@ -74,7 +78,9 @@ CACHE_KINDS = ("full", "sliding", "latent", "latent_indexed", "recurrent")
 RECURRENT_CHECKPOINTS = 2
 REPLAY_TOKENS = 16
 CHECKPOINTED_KINDS = ("recurrent",)  # state kinds that go back only to their checkpoints (or to 0)
-ROPE_KINDS = ("default", "linear", "llama3", "yarn")
+# "none": no position encoding at all (NoPE: Kimi Linear's MLA, Nemotron-H's attention), turned by identity
+# tables (cos 1, sin 0: layers/rope.py), so that every attention path runs unchanged and exactly
+ROPE_KINDS = ("default", "linear", "llama3", "yarn", "none")
 
 
 def _check(ok: bool, name: str, value: object) -> None:
@@ -87,7 +93,8 @@ class RopeSpec:
     """Rotary position embedding of one attention kind.
 
     kind:   "default" (plain RoPE), "linear", "llama3" or "yarn" (scaled frequencies; yarn also
-            scales cos and sin: layers/rope.py's `attention_scaling`).
+            scales cos and sin: layers/rope.py's `attention_scaling`), or "none" (no position
+            encoding: the rotation is the identity).
     theta:  the base frequency.
     params: the kind's parameters as sorted (name, value) pairs (hashable: the stage keeps
             one table of cos/sin per distinct RoPE): linear's `factor`; llama3's `factor`,
@@ -153,15 +160,17 @@ class CacheSpec:
 
 @dataclass(frozen=True)
 class RecurrentStateSpec:
-    """What a linear-attention layer keeps per session (kind "recurrent"): a fixed state, not a row
-    per position, so its bytes do not grow with the context.
+    """What a linear-attention or state-space layer keeps per session (kind "recurrent"): a fixed
+    state, not a row per position, so its bytes do not grow with the context.
 
     num_heads (Hv), key_dim (dk), value_dim (dv): the recurrent matrix, [Hv, dk, dv], kept in
         float32 whatever the model's dtype (the reference computes the recurrence in float32).
+        A Mamba2 layer's SSM state is [heads, head_dim, ssm_state_size] in these three.
     conv_channels (C), conv_kernel (Kc): the short causal convolution before the recurrence reads
         the last Kc - 1 inputs of each channel: a window [Kc - 1, C] in the model's dtype.
     replay_width: values a step keeps per token to recompute the state from a checkpoint (the
-        convolution's inputs and the gates' logits: C + 2 Hv).
+        convolution's inputs and the gates' logits: Gated DeltaNet's C + 2 Hv, KDA's C + Hv dk + Hv,
+        Mamba2's C + heads).
 
     Rollback (layers/state.py): the state cannot be cut back to a position, so the store keeps
     the state at the start of each of its last RECURRENT_CHECKPOINTS steps, and the inputs of a
@@ -201,6 +210,26 @@ class RecurrentStateSpec:
     def bytes(self, capacity: int, itemsize: int) -> int:
         """Bytes a session costs in this layer, whatever its `capacity` (checked before allocating)."""
         return self.fixed_bytes(itemsize)
+
+
+@dataclass(frozen=True)
+class StatelessSpec:
+    """What a layer without a token mixer keeps per session (kind "none"): nothing. A Nemotron-H layer
+    is one mixer or one MLP (`LayerSpec.attention` None): its MLP-only layers hold no session state."""
+
+    kind: str = "none"
+
+    def __post_init__(self) -> None:
+        _check(self.kind == "none", "cache kind", self.kind)
+
+    def fixed_bytes(self, itemsize: int) -> int:
+        return 0
+
+    def bytes_per_position(self, itemsize: int) -> int:
+        return 0
+
+    def bytes(self, capacity: int, itemsize: int) -> int:
+        return 0
 
 
 @dataclass(frozen=True)
@@ -276,6 +305,149 @@ class GatedDeltaNetSpec:
         # the depthwise convolution [C, Kc], A_log and dt_bias [Hv], the gated norm's weight [dv]
         extra = self.conv_channels * self.conv_kernel + 2 * self.num_value_heads + self.value_dim
         return sum(r * c for r, c in self.matrices(hidden)) + extra
+
+
+@dataclass(frozen=True)
+class KdaSpec:
+    """One layer's Kimi Delta Attention (kind "kda": Kimi Linear), Gated DeltaNet with a decay per
+    key channel rather than per head. H heads of d dims each for q, k and v (no grouping), a short
+    causal convolution of kernel Kc over each of q, k and v.
+
+    In-projection x W_in (engine name `attn.w_in`, stacked from the checkpoint's q, k, v and b
+    projections and the two low-rank down-projections of the forget gate and the output gate):
+    q, k, v [H d each], b [H], f_a [d], g_a [d]; then f = W_fb f_a [H d], gate = W_gb g_a [H d].
+
+        q, k, v = act(causal_conv1d(q, k, v))   per channel (`hidden_act`, SiLU), no bias
+        q, k = l2norm(q), l2norm(k) (x / sqrt(sum x^2 + 1e-6)); q /= sqrt(d)
+        beta = sigmoid(b);  g = -exp(A_log) * softplus(f + dt_bias)        (g per head and channel)
+        S_t = diag(exp(g_t)) S_{t-1} + k_t (beta_t (v_t - k_tᵀ diag(exp(g_t)) S_{t-1}))ᵀ
+        o_t = q_tᵀ S_t                                                    [H, d]
+        out = W_out (rms_norm(o) * norm_weight * sigmoid(gate))           (norm over d, the model's eps)
+
+    A step of many tokens runs the rule chunk-wise (64 tokens, as the reference), one token the
+    recurrent form. The session's state (`cache`) is S [H, d, d] and the last Kc - 1 inputs of the
+    3 H d convolution channels.
+    """
+
+    num_heads: int
+    head_dim: int
+    conv_kernel: int
+    kind: str = "kda"
+
+    def __post_init__(self) -> None:
+        _check(self.kind == "kda", "attention kind", self.kind)
+        _check(self.num_heads > 0, "linear_num_heads", self.num_heads)
+        _check(self.head_dim > 0, "linear_head_dim", self.head_dim)
+        _check(self.conv_kernel >= 1, "linear_conv_kernel_dim", self.conv_kernel)
+
+    rope = None  # no rotary embedding: positions reach it only through the recurrence
+    rope_dim = 0
+
+    @property
+    def size(self) -> int:
+        """H d: each of q, k, v, the forget gate and the output gate."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        return 3 * self.size
+
+    @property
+    def in_size(self) -> int:
+        """Rows of W_in: q, k, v, b, f_a, g_a."""
+        return self.conv_channels + self.num_heads + 2 * self.head_dim
+
+    @property
+    def replay_width(self) -> int:
+        """What a step keeps per token to fold it in again: the convolution's inputs, f and b."""
+        return self.conv_channels + self.size + self.num_heads
+
+    @property
+    def cache(self) -> RecurrentStateSpec:
+        return RecurrentStateSpec(self.num_heads, self.head_dim, self.head_dim, self.conv_channels, self.conv_kernel,
+                                  self.replay_width)
+
+    def matrices(self, hidden: int) -> list[tuple[int, int]]:
+        """[rows, cols] of its weight matrices: W_in, W_fb, W_gb, W_out."""
+        return [(self.in_size, hidden), (self.size, self.head_dim), (self.size, self.head_dim), (hidden, self.size)]
+
+    def param_count(self, hidden: int) -> int:
+        # the depthwise convolution [3 H d, Kc], A_log [H], dt_bias [H d], the output norm's weight [d]
+        extra = self.conv_channels * self.conv_kernel + self.num_heads + self.size + self.head_dim
+        return sum(r * c for r, c in self.matrices(hidden)) + extra
+
+
+@dataclass(frozen=True)
+class Mamba2Spec:
+    """One layer's Mamba2 state-space mixer (kind "mamba2": Nemotron-H). H heads of P dims (the
+    inner width I = H P), a state of N per head, B and C shared by the heads of each of G groups.
+
+    In-projection x W_in (engine name `attn.w_in`, with a bias when `proj_bias`): z [I], then the
+    convolution's channels xBC [I + 2 G N], then dt [H]. Then:
+
+        x, B, C = silu(causal_conv1d(xBC) (+ conv bias))    x [H, P], B and C [G, N]
+        dt = softplus(dt + dt_bias), clamped below at `dt_min`;  A = -exp(A_log)        (per head)
+        S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_tᵀ                     S [H, P, N], B of the head's group
+        y_t = S_t C_t + D x_t                                         [H, P]
+        out = W_out (group_rms_norm(y * silu(z)) * norm_weight)       (RMS over each of G groups of I / G)
+
+    A step of many tokens runs the scan chunk-wise (`chunk` tokens: the config's chunk_size), one
+    token the recurrent form. The session's state (`cache`) is S and the last Kc - 1 convolution inputs.
+    """
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    num_groups: int
+    conv_kernel: int
+    chunk: int = 128
+    conv_bias: bool = True
+    proj_bias: bool = False
+    dt_min: float = 0.0
+    kind: str = "mamba2"
+
+    def __post_init__(self) -> None:
+        _check(self.kind == "mamba2", "attention kind", self.kind)
+        _check(self.num_heads > 0, "mamba_num_heads", self.num_heads)
+        _check(self.head_dim > 0, "mamba_head_dim", self.head_dim)
+        _check(self.state_size > 0, "ssm_state_size", self.state_size)
+        _check(self.num_groups > 0 and self.num_heads % self.num_groups == 0, "n_groups", self.num_groups)
+        _check(self.conv_kernel >= 1, "conv_kernel", self.conv_kernel)
+        _check(self.chunk > 0, "chunk_size", self.chunk)
+        _check(self.dt_min >= 0 and math.isfinite(self.dt_min), "time_step_limit", self.dt_min)
+
+    rope = None  # no rotary embedding: positions reach it only through the recurrence
+    rope_dim = 0
+
+    @property
+    def inner(self) -> int:
+        """I = H P: the width of x, z and y."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """x, B and C: what the convolution runs over."""
+        return self.inner + 2 * self.num_groups * self.state_size
+
+    @property
+    def in_size(self) -> int:
+        """Rows of W_in: z, xBC, dt."""
+        return self.inner + self.conv_channels + self.num_heads
+
+    @property
+    def cache(self) -> RecurrentStateSpec:
+        return RecurrentStateSpec(self.num_heads, self.head_dim, self.state_size, self.conv_channels, self.conv_kernel,
+                                  self.conv_channels + self.num_heads)
+
+    def matrices(self, hidden: int) -> list[tuple[int, int]]:
+        """[rows, cols] of its weight matrices: W_in, W_out."""
+        return [(self.in_size, hidden), (hidden, self.inner)]
+
+    def param_count(self, hidden: int) -> int:
+        # the depthwise convolution [C, Kc] (+ bias), dt_bias, A_log and D [H], the gated norm's weight [I]
+        conv = self.conv_channels * (self.conv_kernel + (1 if self.conv_bias else 0))
+        bias = self.in_size + hidden if self.proj_bias else 0
+        return sum(r * c for r, c in self.matrices(hidden)) + conv + 3 * self.num_heads + self.inner + bias
 
 
 @dataclass(frozen=True)
@@ -608,11 +780,12 @@ class RouterSpec:
 
 @dataclass(frozen=True)
 class GluSpec:
-    """The gated activation of a SwiGLU, between its gate/up and its down projection.
+    """The activation of an MLP (each expert's), between its gate/up and its down projection.
 
     kind "silu":           silu(gate) * up.
     kind "clamped_swiglu": gpt-oss's: gate clamped above at `limit`, up to [-limit, limit],
                            then gate * sigmoid(alpha * gate) * (up + 1).
+    kind "relu2":          relu(up)^2, with no gate projection at all (Nemotron-H's MLP).
     """
 
     kind: str = "silu"
@@ -625,6 +798,11 @@ class GluSpec:
         _check(not clamped or (self.alpha is not None and self.alpha > 0), "swiglu_alpha", self.alpha)
         _check(not clamped or (self.limit is not None and self.limit > 0), "swiglu_limit", self.limit)
         _check(clamped or (self.alpha is None and self.limit is None), "swiglu_alpha", self.alpha)
+
+    @property
+    def gated(self) -> bool:
+        """Whether the MLP has a gate projection beside its up projection."""
+        return self.kind != "relu2"
 
 
 @dataclass(frozen=True)
@@ -674,42 +852,64 @@ class MlpSpec:
     def matrices(self, hidden: int) -> list[tuple[int, int]]:
         """[rows, cols] of its weight matrices as the engine stacks them: (gate+up, down) per expert,
         then the shared experts' (gate+up, down)."""
-        one = [(2 * self.width, hidden), (hidden, self.width)]
-        shared = [(2 * self.shared_width, hidden), (hidden, self.shared_width)] if self.shared_width else []
+        ups = 2 if self.glu.gated else 1
+        one = [(ups * self.width, hidden), (hidden, self.width)]
+        shared = [(ups * self.shared_width, hidden), (hidden, self.shared_width)] if self.shared_width else []
         return one if self.kind == "dense" else one * self.num_experts + shared
 
     def param_count(self, hidden: int) -> int:
         # the router's [E, H] (and correction bias or logits' bias), kept in float: it picks the experts
         router = self.router.param_count(hidden, self.num_experts) if self.router is not None else 0
-        biases = (2 * self.width + hidden) * max(self.num_experts, 1) if self.bias else 0
-        # `matrices`' sum, counted without listing every expert's: 3 W H a SwiGLU
-        matrices = 3 * self.width * hidden * max(self.num_experts, 1) + 3 * self.shared_width * hidden
+        ups = 2 if self.glu.gated else 1
+        biases = (ups * self.width + hidden) * max(self.num_experts, 1) if self.bias else 0
+        # `matrices`' sum, counted without listing every expert's: 3 W H a SwiGLU (2 W H ungated)
+        matrices = (ups + 1) * (self.width * hidden * max(self.num_experts, 1) + self.shared_width * hidden)
         gate = hidden if self.shared_gate else 0  # the shared expert's gate vector, in float as a router
         return matrices + router + biases + gate
 
 
-# A layer's session state, by kind: rows per position (KV, MLA's latent, DSA's), or fixed (recurrent)
-StateSpec = CacheSpec | LatentCacheSpec | IndexedLatentCacheSpec | RecurrentStateSpec
+# A layer's session state, by kind: rows per position (KV, MLA's latent, DSA's), fixed (recurrent), or none
+StateSpec = CacheSpec | LatentCacheSpec | IndexedLatentCacheSpec | RecurrentStateSpec | StatelessSpec
+# A layer's token mixer, by kind (ATTENTION_KINDS)
+MixerSpec = AttentionSpec | MlaSpec | DsaSpec | GatedDeltaNetSpec | KdaSpec | Mamba2Spec
+NO_STATE = StatelessSpec()
 
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One decoder layer: its attention and its MLP (each pre-normed, RMSNorm, residual)."""
+    """One decoder layer: its attention (token mixer) and its MLP, each pre-normed (RMSNorm) and
+    added to the residual. Either may be None, not both: a Nemotron-H layer is one mixer (Mamba2 or
+    attention) or one MLP, each with its one norm."""
 
-    attention: AttentionSpec | MlaSpec | DsaSpec | GatedDeltaNetSpec
-    mlp: MlpSpec
+    attention: MixerSpec | None
+    mlp: MlpSpec | None
+
+    def __post_init__(self) -> None:
+        _check(self.attention is not None or self.mlp is not None, "layer", "neither a mixer nor an MLP")
 
     @property
     def cache(self) -> StateSpec:
         """What the layer keeps per session (its session-state kind: CACHE_KINDS)."""
-        return self.attention.cache
+        return self.attention.cache if self.attention is not None else NO_STATE
+
+    @property
+    def attention_kind(self) -> str:
+        """Its token mixer's kind (ATTENTION_KINDS), or "none"."""
+        return self.attention.kind if self.attention is not None else "none"
+
+    @property
+    def mlp_kind(self) -> str:
+        """Its MLP's kind (MLP_KINDS), or "none"."""
+        return self.mlp.kind if self.mlp is not None else "none"
 
     def matrices(self, hidden: int) -> list[tuple[int, int]]:
         """Every weight matrix of the layer (what quantization stores as integers)."""
-        return self.attention.matrices(hidden) + self.mlp.matrices(hidden)
+        return [*(self.attention.matrices(hidden) if self.attention is not None else ()),
+                *(self.mlp.matrices(hidden) if self.mlp is not None else ())]
 
     def param_count(self, hidden: int) -> int:
-        return self.attention.param_count(hidden) + self.mlp.param_count(hidden) + 2 * hidden  # + the two norms
+        halves = [part.param_count(hidden) + hidden for part in (self.attention, self.mlp) if part is not None]
+        return sum(halves)  # each half's own and its norm's
 
 
 @dataclass(frozen=True)
@@ -718,7 +918,8 @@ class ModelSpec:
 
     family:         the config's `model_type` ("llama", "mistral", "qwen2", "qwen3",
                     "qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "glm4_moe", "glm_moe_dsa",
-                    "qwen3_next", "qwen3_5", "qwen3_5_moe"); stages/families/catalog.py reads each.
+                    "qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear", "nemotron_h");
+                    stages/families/catalog.py reads each.
     vocab_size:     rows of the embedding matrix; hidden_size (H): width of the residual stream.
     layers:         one LayerSpec per decoder layer (L = len(layers)).
     rms_norm_eps:   epsilon of every RMSNorm.
@@ -735,9 +936,9 @@ class ModelSpec:
     norm_offset:    what every RMSNorm's stored weight is short of the scale it applies (every
                     layer's two norms, q/k norms and the final norm; 0.0 but for Qwen3-Next's and
                     Qwen3.5's zero-centred norms, which scale by 1 + w): added once, at load.
-    prefix:         where the decoder's tensors lie in the checkpoint: "model." (a causal LM), or
+    prefix:         where the decoder's tensors lie in the checkpoint: "model." (a causal LM),
                     "model.language_model." (the text model of a multimodal checkpoint, whose
-                    other towers are not run).
+                    other towers are not run), or "backbone." (Nemotron-H's).
     """
 
     family: str

@@ -13,10 +13,16 @@ The engine names a layer's tensors after its own modules (stages/layers/block.py
                 attn.indexer.k_norm.weight  attn.indexer.k_norm.bias  attn.indexer.w_heads
     Gated DeltaNet: attn.w_in.weight (q, k, v, z, b, a: GatedDeltaNetSpec.layout)  attn.conv
                 attn.A_log  attn.dt_bias  attn.out_norm.weight  attn.w_out.weight
+    KDA:        attn.w_in.weight (q, k, v, b, f_a, g_a)  attn.w_fb.weight  attn.w_gb.weight  attn.conv
+                attn.A_log  attn.dt_bias  attn.out_norm.weight  attn.w_out.weight   (families/kimi_linear.py)
+    Mamba2:     attn.w_in.weight (z, xBC, dt)  attn.conv  attn.conv_bias  attn.dt_bias  attn.A_log  attn.D
+                attn.out_norm.weight  attn.w_out.weight       relu^2 MLP: mlp.w_up.weight  mlp.w_down.weight
+                (a layer without a mixer or an MLP has neither it nor its norm: families/nemotron_h.py)
     a gated shared expert: mlp.shared_gate [1, H] (Qwen3-Next)
 
 A checkpoint's decoder tensors lie under `ModelSpec.prefix` ("model.", or
-"model.language_model." in a multimodal checkpoint whose text model is all we run).
+"model.language_model." in a multimodal checkpoint whose text model is all we run, or "backbone."
+in Nemotron-H's, which names its embedding and final norm otherwise: EDGE_NAMES).
 
 and stacks what a checkpoint keeps apart (q, k and v into wqkv; gate and up into w_gate_up),
 so that each is one matmul. `layer_tensors` maps every engine tensor to the checkpoint
@@ -263,11 +269,16 @@ def edge_tensors(spec: ModelSpec) -> dict[str, Shape]:
     return shapes
 
 
+# The embedding's and the final norm's names under a prefix that names them otherwise than "embed_tokens"
+# and "norm": Mamba's checkpoints (Nemotron-H's decoder lies under "backbone.")
+EDGE_NAMES = {"backbone.": ("embeddings.weight", "norm_f.weight")}
+
+
 def embedding_name(spec: ModelSpec) -> str:
     """The checkpoint name of the embedding matrix."""
-    return f"{spec.prefix}embed_tokens.weight"
+    return spec.prefix + EDGE_NAMES.get(spec.prefix, ("embed_tokens.weight",))[0]
 
 
 def final_norm_name(spec: ModelSpec) -> str:
     """The checkpoint name of the final norm's weight."""
-    return f"{spec.prefix}norm.weight"
+    return spec.prefix + EDGE_NAMES.get(spec.prefix, ("", "norm.weight"))[1]

@@ -32,6 +32,7 @@ Kinds (CACHE_KINDS):
              cannot be cut back to a position: it keeps checkpoints, and a write at position p
              is honoured only where one reaches (`reachable`); any other is refused
              (StateRewindError) before anything moves, and the session replays from 0.
+- "none":    `NoState`: a layer with no token mixer (a Nemotron-H MLP layer) keeps nothing.
 
 A new kind is a store class here with the interface its attention kind calls — for
 `KeyValues`, `write_and_read` — plus `grow` and `nbytes`, registered in STORES, and its
@@ -47,7 +48,9 @@ from typing import Sequence
 import torch
 
 from tessera.stages.errors import ContextOverflow, StateRewindError, UnsupportedModel
-from tessera.stages.families.spec import CacheSpec, IndexedLatentCacheSpec, LatentCacheSpec, RecurrentStateSpec
+from tessera.stages.families.spec import (
+    CacheSpec, IndexedLatentCacheSpec, LatentCacheSpec, RecurrentStateSpec, StatelessSpec,
+)
 from tessera.stages.layers.state import RecurrentState
 
 KV_CHUNK = 256  # positions a session's stores grow by (see the module docstring)
@@ -150,10 +153,23 @@ class IndexedLatentRows(LatentRows):
         return self.rows.nbytes + self.index_keys.nbytes
 
 
-LayerStore = KeyValues | LatentRows | RecurrentState
+class NoState:
+    """The store of a layer that keeps nothing per session (kind "none"): an MLP-only layer's."""
+
+    def __init__(self, spec: StatelessSpec, positions: int, *, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        pass
+
+    def grow(self, positions: int, *, keep: int) -> None:
+        pass
+
+    nbytes = 0
+
+
+LayerStore = KeyValues | LatentRows | RecurrentState | NoState
 STORES = {"full": KeyValues, "sliding": KeyValues, "latent": LatentRows, "latent_indexed": IndexedLatentRows,
-          "recurrent": RecurrentState}
-AnyCacheSpec = CacheSpec | LatentCacheSpec | IndexedLatentCacheSpec | RecurrentStateSpec
+          "recurrent": RecurrentState, "none": NoState}
+AnyCacheSpec = CacheSpec | LatentCacheSpec | IndexedLatentCacheSpec | RecurrentStateSpec | StatelessSpec
 
 
 def layer_store(spec: AnyCacheSpec, positions: int, *, dtype: torch.dtype,

@@ -37,7 +37,8 @@ from torch import nn
 from tessera.stages.families.spec import GatedDeltaNetSpec
 from tessera.stages.layers.attention import StepRows
 from tessera.stages.layers.norm import GatedRMSNorm
-from tessera.stages.layers.state import RecurrentState
+from tessera.stages.layers.short_conv import causal_conv
+from tessera.stages.layers.state import RecurrentState, fold_sessions
 
 CHUNK = 64  # tokens per chunk of the chunked form (the reference's chunk_size)
 L2_EPS = 1e-6  # l2norm's epsilon (the reference's, FLA's)
@@ -46,16 +47,6 @@ L2_EPS = 1e-6  # l2norm's epsilon (the reference's, FLA's)
 def l2norm(x: torch.Tensor) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (the reference's form: times rsqrt)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
-
-
-def causal_conv(window: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal convolution of `rows` [T, C] after `window` [Kc - 1, C] (the inputs before
-    them), kernel `weight` [C, 1, Kc], then SiLU. Returns (outputs [T, C], the new window: the last
-    Kc - 1 inputs, a new tensor)."""
-    kc = weight.shape[-1]
-    inputs = torch.cat((window, rows.to(window.dtype)))  # [Kc - 1 + T, C]
-    out = F.conv1d(inputs.t()[None], weight.to(inputs.dtype), groups=inputs.shape[1])[0].t()  # [T, C]
-    return F.silu(out), inputs[inputs.shape[0] - (kc - 1):].clone()
 
 
 def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -158,24 +149,13 @@ class GatedDeltaNet(nn.Module):
 
     def step(self, inputs: torch.Tensor, store: RecurrentState) -> torch.Tensor:
         """One session's rows [T, C + 2 Hv] folded into its store (after what a rollback left pending)."""
-        pending = store.take_pending()
-        if pending is not None:  # positions a rollback went back past, inside a kept step: folded in again
-            _, state, window = self.fold(pending, store.state, store.conv)
-            store.advance(pending, state, window)
-        out, state, window = self.fold(inputs, store.state, store.conv)
-        store.advance(inputs, state, window)
-        return out
+        return store.step(inputs, self.fold)
 
     def forward(self, x: torch.Tensor, ctx: StepRows, cache: RecurrentState | Sequence[RecurrentState]) -> torch.Tensor:
         """x [T, H] -> [T, H]. cache: the session's store, or one per segment of a stacked step."""
         inputs, z = self.split(self.w_in.forward(x))
-        segments = getattr(ctx, "segments", ())  # a StepContext's; a compiled step's rows never run this layer
-        if not segments:
-            assert isinstance(cache, RecurrentState), "one session: one store"
-            out = self.step(inputs, cache)
-        else:
-            assert len(cache) == len(segments), "one store per segment"
-            out = torch.cat([self.step(inputs[s.lo : s.hi], store) for s, store in zip(segments, cache)])
+        # a StepContext's segments; a compiled step's rows never run this layer
+        out = fold_sessions(inputs, getattr(ctx, "segments", ()), cache, self.fold)
         s = self.spec
         out = self.out_norm.forward(out, z.view(-1, s.num_value_heads, s.value_dim))  # [T, Hv, dv]
         return self.w_out.forward(out.reshape(x.shape[0], s.value_size))

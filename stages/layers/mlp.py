@@ -3,7 +3,8 @@
 Also each expert of a sparse MLP (layers/moe.py). The projections are called as modules, so
 that a quantized span can hold `tessera.stages.kernels.quant` linears in their place (same
 call, integer weights). `ClampedSwiGLU` is gpt-oss's gated activation (GluSpec), with biased
-projections; `glu_mlp` picks the module an MlpSpec's (or each of its experts') shape needs.
+projections; `Relu2` is Nemotron-H's ungated MLP, down(relu(up(x))^2); `glu_mlp` picks the module
+an MlpSpec's (or each of its experts') shape needs.
 """
 
 from __future__ import annotations
@@ -52,6 +53,19 @@ class ClampedSwiGLU(nn.Module):
         return self.w_down.forward((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
 
 
+class Relu2(nn.Module):
+    """Nemotron-H's MLP (GluSpec kind "relu2"): down(relu(up(x))^2), no gate projection."""
+
+    def __init__(self, hidden: int, width: int) -> None:
+        super().__init__()
+        self.w_up = nn.Linear(hidden, width, bias=False)
+        self.w_down = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        return self.w_down.forward(torch.square(F.relu(self.w_up.forward(x))))
+
+
 def glu_mlp(hidden: int, spec: MlpSpec) -> nn.Module:
     """The SwiGLU module of `spec.width` with `spec.glu` and `spec.bias`: a dense MLP, or one expert
     of a sparse one (UnsupportedModel for a combination without a module here)."""
@@ -59,4 +73,6 @@ def glu_mlp(hidden: int, spec: MlpSpec) -> nn.Module:
         return ClampedSwiGLU(hidden, spec.width, spec.glu, bias=spec.bias)
     if spec.glu.kind == "silu" and not spec.bias:
         return SwiGLU(hidden, spec.width)
+    if spec.glu.kind == "relu2" and not spec.bias:
+        return Relu2(hidden, spec.width)
     raise UnsupportedModel(f"a {'biased ' if spec.bias else ''}{spec.glu.kind!r} MLP has no module in this engine")

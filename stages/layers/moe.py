@@ -1,4 +1,5 @@
-"""A sparse mixture of experts: a router picks k of E SwiGLU experts per token.
+"""A sparse mixture of experts: a router picks k of E SwiGLU experts per token (or experts of another
+`GluSpec` activation: gpt-oss's clamped SwiGLU, Nemotron-H's ungated relu^2).
 
 Float32 reference semantics (transformers' `...Experts.forward`): for each token, the sum over
 its k picked experts of weight * expert(x), the experts added in increasing index order.
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.stages.families.spec import MlpSpec
-from tessera.stages.layers.mlp import SwiGLU, glu_mlp
+from tessera.stages.layers.mlp import glu_mlp
 from tessera.stages.layers.routers import build_router
 
 
@@ -38,7 +39,8 @@ class MoE(nn.Module):
         assert spec.router is not None, "a sparse MLP has a router"
         self.router = build_router(hidden, spec.num_experts, spec.router)
         self.experts = nn.ModuleList(glu_mlp(hidden, spec) for _ in range(spec.num_experts))
-        self.shared = SwiGLU(hidden, spec.shared_width) if spec.shared_width else None
+        # the shared experts as one MLP of their summed width, of the experts' activation
+        self.shared = glu_mlp(hidden, MlpSpec(spec.shared_width, glu=spec.glu)) if spec.shared_width else None
         # the shared expert's gate [1, H] (Qwen3-Next), in float as a router: not a matrix quantization stores
         self.shared_gate = nn.Parameter(torch.empty(1, hidden)) if spec.shared_gate else None
 

@@ -1,5 +1,6 @@
 """RMSNorm: the one norm of every family here (over the hidden state, and over each head of q
-and k in Qwen3), and its gated form (Gated DeltaNet's output norm).
+and k in Qwen3), and its gated forms: Gated DeltaNet's output norm (silu gate), Kimi Delta
+Attention's (sigmoid gate), Mamba2's (silu gate first, then an RMSNorm per group).
 
 Qwen3-Next and Qwen3.5 store their RMSNorm weights zero-centred: they scale by 1 + w
 (`ModelSpec.norm_offset`). `offset_norms` adds the offset to a loaded layer's RMSNorm weights
@@ -38,6 +39,38 @@ class GatedRMSNorm(nn.Module):
         """x, gate [..., size] -> [..., size]."""
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype) * self.weight
         return (normed * F.silu(gate.float())).to(x.dtype)
+
+
+class SigmoidGatedRMSNorm(nn.Module):
+    """rms_norm(x) * weight * sigmoid(gate), over the last dim, all in float32, then cast back (Kimi
+    Delta Attention's output norm, as its reference computes it)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x, gate [..., size] -> [..., size]."""
+        normed = F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps)
+        return (normed * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+class GroupGatedRMSNorm(nn.Module):
+    """Mamba2's gated norm (Nemotron-H): x * silu(gate) first, then an RMSNorm over each of `groups`
+    equal groups of the last dim, times the weight; in float32 until the weight, as the reference."""
+
+    def __init__(self, size: int, groups: int, eps: float) -> None:
+        super().__init__()
+        self.eps, self.groups = eps, groups
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x, gate [T, size] -> [T, size]."""
+        gated = x.float() * F.silu(gate.float())
+        grouped = gated.view(*x.shape[:-1], self.groups, x.shape[-1] // self.groups)
+        normed = F.rms_norm(grouped, grouped.shape[-1:], eps=self.eps).view(x.shape)
+        return self.weight * normed.to(x.dtype)
 
 
 def offset_norms(module: nn.Module, offset: float) -> None:

@@ -3,7 +3,9 @@
 A stage holds one `Rotary` per distinct (RopeSpec, head_dim) among its layers (`RopeTables`)
 and, once per step, the cos/sin tables every layer of that kind shares (`StepContext.rope`),
 so that a layer's rotation is 4 kernels. A new RoPE kind is a branch of `rope_frequencies`
-(and of `attention_scaling` if it scales cos and sin).
+(and of `attention_scaling` if it scales cos and sin). Kind "none" (NoPE: Kimi Linear's MLA,
+Nemotron-H's attention) is the identity: angles 0, so x cos + rotate(x) sin = x exactly, and
+every attention path (eager, compiled, CUDA graphs, shards) runs unchanged.
 
 YaRN (transformers' `_compute_yarn_parameters`): frequencies blended between the original
 ones (extrapolated, the fast dims) and ones divided by `factor` (interpolated, the slow dims)
@@ -55,8 +57,9 @@ class RopeTables:
     """One `Rotary` per distinct (RopeSpec, dims turned) among `layers`, and each step's tables."""
 
     def __init__(self, layers: Sequence[LayerSpec], device: torch.device | str = "cpu") -> None:
-        # a layer without a rotary embedding (linear attention: rope None) has no tables
-        keys = {(layer.attention.rope, layer.attention.rope_dim) for layer in layers if layer.attention.rope is not None}
+        # a layer without a rotary embedding (linear attention, state-space: rope None; no mixer) has no tables
+        keys = {(layer.attention.rope, layer.attention.rope_dim) for layer in layers
+                if layer.attention is not None and layer.attention.rope is not None}
         self.rotaries = {key: Rotary(*key, device=device) for key in sorted(keys, key=repr)}
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[RopeKey, tuple[torch.Tensor, torch.Tensor]]:
@@ -83,8 +86,10 @@ def rope_frequencies(rope: RopeSpec, head_dim: int, device: torch.device | str =
         inv_freq = torch.where(medium, smoothed, scaled)
     elif rope.kind == "yarn":
         inv_freq = yarn_frequencies(rope, d, device)
+    elif rope.kind == "none":  # no position encoding: every angle 0, so cos 1 and sin 0 turn nothing (exactly)
+        inv_freq = torch.zeros_like(inv_freq)
     elif rope.kind != "default":
-        raise UnsupportedModel(f"rope type {rope.kind!r} has no frequencies here (default, linear, llama3, yarn)")
+        raise UnsupportedModel(f"rope type {rope.kind!r} has no frequencies here (default, linear, llama3, yarn, none)")
     return inv_freq
 
 

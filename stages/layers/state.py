@@ -30,20 +30,34 @@ costs the same, and the state at an earlier position is gone once the next token
   (or in chunks); the state it ends with equals the uninterrupted one up to float rounding
   (the chunked and token-by-token forms of the recurrence agree to ~1e-6; tests hold 1e-4).
 
-A new recurrent kind (KDA's per-channel gates, Mamba2's SSM state) is one more store of this
-shape: a state spec with `fixed_bytes`, and a layer that folds inputs into new state tensors
-and calls `advance`; checkpointing, rewinding and budgeting are the same.
+Every recurrent kind (Gated DeltaNet, KDA's per-channel gates, Mamba2's SSM state) is a store of
+this shape: its layer has a `Fold` (a step's inputs, the state and the window -> its outputs and
+NEW state and window tensors) and runs each session's rows through `RecurrentState.step`
+(`fold_sessions` for a stacked step); checkpointing, rewinding and budgeting are the same.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
 
 import torch
 
 from tessera.stages.errors import StateRewindError
 from tessera.stages.families.spec import RECURRENT_CHECKPOINTS, REPLAY_TOKENS, RecurrentStateSpec
+
+
+# A recurrent layer's fold: (inputs [T, replay_width], state, convolution window) -> (its outputs [T, ...],
+# the NEW state, the NEW window): the recurrence's work for those tokens, no projection
+Fold = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class Rows(Protocol):
+    """A session's rows [lo, hi) in a stacked step (layers/attention.py's `Segment`)."""
+
+    lo: int
+    hi: int
 
 
 @dataclass
@@ -156,9 +170,32 @@ class RecurrentState:
         self.state, self.conv = state, conv
         self.position += inputs.shape[0]
 
+    def step(self, inputs: torch.Tensor, fold: Fold) -> torch.Tensor:
+        """Fold a step's inputs [T, replay_width] in with the layer's `fold`, after the inputs a rollback
+        left pending (folded in again: the recurrence's work, no projection); the step's outputs."""
+        pending = self.take_pending()
+        if pending is not None:
+            _, state, conv = fold(pending, self.state, self.conv)
+            self.advance(pending, state, conv)
+        out, state, conv = fold(inputs, self.state, self.conv)
+        self.advance(inputs, state, conv)
+        return out
+
     @property
     def nbytes(self) -> int:
         """What the store holds: the state and its checkpoints (`pending` is a slice of one's inputs;
         resumed, `state` is the last checkpoint's, counted once)."""
         own = 0 if self.resumed else self.state.nbytes + self.conv.nbytes
         return own + sum(c.nbytes for c in self.history)
+
+
+def fold_sessions(inputs: torch.Tensor, segments: Sequence[Rows], cache: RecurrentState | Sequence[RecurrentState],
+                  fold: Fold) -> torch.Tensor:
+    """Each session's rows of a step [T, replay_width] folded into its own store (`RecurrentState.step`):
+    `cache` is the session's store (`segments` empty: a step of one session), or one store per segment of
+    a stacked step, each folded from its own state. The outputs in row order."""
+    if not segments:
+        assert isinstance(cache, RecurrentState), "one session: one store"
+        return cache.step(inputs, fold)
+    assert not isinstance(cache, RecurrentState) and len(cache) == len(segments), "one store per segment"
+    return torch.cat([store.step(inputs[s.lo : s.hi], fold) for s, store in zip(segments, cache)])

@@ -73,6 +73,11 @@ from tessera.stages.shards.layout import HIDDEN
 from tessera.stages.weights.folder import WeightFolder
 
 
+# the token mixers with a recurrent state, in the words a refusal names them with
+RECURRENT_MIXERS = {"gated_deltanet": "Gated DeltaNet linear attention", "kda": "Kimi Delta Attention linear attention",
+                    "mamba2": "a Mamba2 state-space mixer"}
+
+
 class ShardError(StageError):
     """A group size that does not divide the model's heads or widths, or a bad shard index."""
 
@@ -82,10 +87,14 @@ def check_shardable(spec: ModelSpec, count: int, index: int = 0) -> None:
     if count < 1 or not 0 <= index < count:
         raise ShardError(f"shard {index!r} of {count!r}: need 0 <= index < count")
     for i, layer in enumerate(spec.layers):
-        if layer.attention.kind == "gated_deltanet":
-            raise ShardError(f"tensor shards of {spec.family} are not supported: layer {i} is Gated DeltaNet linear "
-                             "attention, whose heads' recurrent states and convolution the ranks do not split "
-                             "(serve it as layer spans)")
+        if layer.attention_kind in RECURRENT_MIXERS:
+            raise ShardError(f"tensor shards of {spec.family} are not supported: layer {i} is "
+                             f"{RECURRENT_MIXERS[layer.attention_kind]}, whose heads' recurrent states and convolution "
+                             "the ranks do not split (serve it as layer spans)")
+        if layer.attention is None or layer.mlp is None:
+            alone = "an MLP" if layer.attention is None else "a token mixer"
+            raise ShardError(f"tensor shards of {spec.family} are not supported: layer {i} is {alone} alone, and "
+                             "a rank's layer step runs attention and an MLP (serve it as layer spans)")
         if getattr(layer.attention, "output_gate", False):
             raise ShardError(f"tensor shards of {spec.family} are not supported: layer {i}'s attention gates its "
                              "output per head, which the ranks do not compute (serve it as layer spans)")

@@ -48,9 +48,12 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16
                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 # a causal LM's decoder lies under "model."; a multimodal checkpoint's text model under
-# "model.language_model." (families/spec.py ModelSpec.prefix)
-_LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")
-_EDGES = {"embed_tokens.weight": "embed", "norm.weight": "norm"}
+# "model.language_model."; Nemotron-H's under "backbone.", whose embedding and final norm are named
+# otherwise (families/spec.py ModelSpec.prefix, families/tensors.py EDGE_NAMES)
+_LAYER = re.compile(r"^(?:model\.(?:language_model\.)?|backbone\.)layers\.(\d+)\.")
+_MODEL_EDGES = {"embed_tokens.weight": "embed", "norm.weight": "norm"}
+_EDGES = {"model.": _MODEL_EDGES, "model.language_model.": _MODEL_EDGES,
+          "backbone.": {"embeddings.weight": "embed", "norm_f.weight": "norm"}}
 
 
 def group_of(name: str) -> str:
@@ -61,9 +64,9 @@ def group_of(name: str) -> str:
         return "head"
     if name.startswith(("model.visual.", "mtp.")):  # a vision tower, MTP layers: not run by any span (yet)
         return "vision" if name.startswith("model.visual.") else "mtp"
-    for prefix in ("model.", "model.language_model."):
-        if name.startswith(prefix) and name[len(prefix):] in _EDGES:
-            return _EDGES[name[len(prefix):]]
+    for prefix, edges in _EDGES.items():
+        if name.startswith(prefix) and name[len(prefix):] in edges:
+            return edges[name[len(prefix):]]
     return "other"
 
 

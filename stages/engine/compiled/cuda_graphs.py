@@ -83,7 +83,7 @@ class GraphDecode:
         self.lengths = tuple(n for n in LENGTH_BUCKETS if n < capacity) + (capacity,)
         # a span with a kind of attention no slot step serves (MLA's latent, a linear layer's recurrent
         # state) captures nothing: no pool either (compile() says why and the span decodes eagerly)
-        capturable = all(k.attention.kind in CAPTURED_ATTENTION for k in stage.spec.layers[stage.start : stage.end])
+        capturable = all(k.attention_kind in CAPTURED_ATTENTION for k in stage.spec.layers[stage.start : stage.end])
         self.pool = SlotPool(stage.cache_specs(stage.start, stage.end), slots=max(self.buckets), capacity=capacity,
                              dtype=stage.dtype, device=stage.device) if capturable else None
         self.plan = halves_plan(stage)
@@ -98,14 +98,14 @@ class GraphDecode:
     def compile(self) -> None:
         stage = self.stage
         odd = [describe_kind(k) for k in dict.fromkeys(stage.spec.layers[stage.start : stage.end])
-               if k.attention.kind not in CAPTURED_ATTENTION]
+               if k.attention_kind not in CAPTURED_ATTENTION]
         if odd or self.pool is None:
             self._fall_back("span", f"attention kind(s) without a slot step: {', '.join(odd)}")
             return
         self.say(f"CUDA graphs: a KV pool of {self.pool.scratch} sessions x {self.pool.capacity} positions "
                  f"({self.pool.nbytes / 2**30:.2f} GiB)")
         eager_halves = {describe_kind(stage.spec.layers[stage.start + i]) for kind, i in self.plan
-                        if kind == "mlp" and stage.spec.layers[stage.start + i].mlp.kind not in CAPTURED_MLPS}
+                        if kind == "mlp" and stage.spec.layers[stage.start + i].mlp_kind not in CAPTURED_MLPS}
         if eager_halves:
             self.say(f"CUDA graphs: the MLP of {', '.join(sorted(eager_halves))} runs eagerly between graphs "
                      "(its expert dispatch reads the router's picks on the host)")
@@ -168,7 +168,7 @@ class GraphDecode:
 
     def _capturable(self, half: Half) -> bool:
         kind, i = half
-        return kind == "attention" or self.stage.spec.layers[self.stage.start + i].mlp.kind in CAPTURED_MLPS
+        return kind == "attention" or self.stage.spec.layers[self.stage.start + i].mlp_kind in CAPTURED_MLPS
 
     def _fall_back(self, what: str, reason: str) -> None:
         if what not in self.eager:

@@ -136,8 +136,8 @@ class InductorDecode:
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
                 torch._inductor.config.patch(realize_reads_threshold=REALIZE_READS), torch.inference_mode():
             for kind in kinds:
-                if kind.attention.kind not in COMPILED_ATTENTION:
-                    self._fall_back(kind, f"no compiled step for {kind.attention.kind} attention's cache yet")
+                if kind.attention_kind not in COMPILED_ATTENTION:
+                    self._fall_back(kind, f"no compiled step for {kind.attention_kind} attention's cache yet")
                     done += len(variants[kind]) * len(self.buckets)
                     continue
                 stored = set().union(*(unfused(self.forms[i]) for i in layers[kind]))
@@ -285,7 +285,7 @@ def describe_kind(kind: LayerSpec) -> str:
     """'gqa + dense' / 'gqa + moe (window 4096)': a layer kind in a few words."""
     window = getattr(kind.attention, "window", None)  # MlaSpec has none
     window = f" (window {window})" if window is not None else ""
-    return f"{kind.attention.kind} + {kind.mlp.kind}{window}"
+    return f"{kind.attention_kind} + {kind.mlp_kind}{window}"
 
 
 def first_line(error: BaseException) -> str:
