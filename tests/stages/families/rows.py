@@ -99,6 +99,17 @@ LINEAR_SHARD = "tensor shards of {} are not supported: layer 0 is Gated DeltaNet
 SHIPPED_HYBRID = ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
                                            "activation_scheme": "dynamic"}}, UnsupportedModel, "ship quantized")
 
+# Kimi Linear: MLA at tiny sizes (NoPE), KDA of 4 heads of 8, a dense first layer then 8 experts in 2 groups
+KIMI = dict(vocab_size=320, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, intermediate_size=96, moe_intermediate_size=32,
+            kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, linear_num_heads=4,
+            linear_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=4)
+# Nemotron-H: Mamba2 of 4 heads of 8, a state of 16 in 2 groups, scanned in chunks of 8 (the prompt spans two);
+# attention of 4 heads (2 KV) of 16; relu^2 MLPs of 96 or experts of 32 (and a shared one of 48)
+NEMOTRON = dict(vocab_size=320, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2, intermediate_size=96,
+                mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=16, n_groups=2, chunk_size=8)
+
 FP8_ONE_SCALE = ({"quantization_config": {"quant_method": "fp8"}}, UnsupportedModel, "weight_block_size null")
 AWQ = ({"quantization_config": {"quant_method": "awq"}}, UnsupportedModel, "quant_method 'awq'")
 
@@ -297,6 +308,76 @@ ROWS: dict[str, Row] = {
             ({"num_experts": 0}, UnsupportedModel, "num_experts 0"),
             ({"hidden_act": "gelu"}, UnsupportedModel, "hidden_act 'gelu'")),
         shard=LINEAR_SHARD.format("qwen3_5_moe")),
+    # Kimi Linear: KDA, KDA, MLA (NoPE), KDA; a dense first layer, then top-2 of 8 experts in the best of 2 groups,
+    # renormalised and scaled, one shared expert, saved as published. Split at layer 1, inside the KDA run
+    "kimi_linear/groups-shared-published": Row("kimi_linear", lambda: transformers.KimiLinearConfig(
+        **KIMI, layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        num_local_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1), seed=80, split=1,
+        swarm=True, refusals=(
+            ({"hidden_act": "gelu"}, UnsupportedModel, "hidden_act 'gelu'"),
+            ({"mla_use_nope": False}, UnsupportedModel, "mla_use_nope False"),
+            ({"num_key_value_heads": 2}, UnsupportedModel, "num_key_value_heads 2"),
+            ({"moe_router_activation_func": "softmax"}, UnsupportedModel, "moe_router_activation_func 'softmax'"),
+            ({"use_grouped_topk": False}, UnsupportedModel, "use_grouped_topk False"),
+            ({"moe_layer_freq": 2}, UnsupportedModel, "moe_layer_freq 2"),
+            ({"num_nextn_predict_layers": 1}, UnsupportedModel, "num_nextn_predict_layers 1"),
+            ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}},
+             UnsupportedModel, "NoPE"),
+            ({"layer_types": ["linear_attention"] * 3 + ["sliding_attention"]}, UnsupportedModel, "layer_types"),
+            ({"linear_attn_config": {"kda_layers": [1, 2, 4], "full_attn_layers": [3], "head_dim": 16}},
+             UnsupportedModel, "linear_head_dim 8 .* differs from linear_attn_config's head_dim"),
+            ({"linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4]}}, UnsupportedModel,
+             "layer_types .* differs from linear_attn_config"),
+            ({"linear_attn_config": {"kda_layers": [1, 2, 4], "full_attn_layers": [3], "gate_low_rank": 4}},
+             UnsupportedModel, "'gate_low_rank'"),
+            ({"mlp_layer_types": ["dense", "moe", "sparse", "sparse"]}, UnsupportedModel, "mlp_layer_types"),
+            ({"first_k_dense_replace": 2, "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]},
+             UnsupportedModel, "mlp_layer_types .* differs from first_k_dense_replace"),
+            ({"norm_topk_prob": False}, UnsupportedModel, "moe_renormalize True .* differs from norm_topk_prob"),
+            ({"num_local_experts": 16}, UnsupportedModel, r"num_experts 8 .* differs from num_local_experts \(16\)"),
+            ({"linear_conv_kernel_dim": 0}, ModelFormatError, "linear_conv_kernel_dim"),
+            ({"num_expert_group": 3}, ModelFormatError, "n_group"),  # 8 experts do not split into 3 groups
+            SHIPPED_HYBRID),
+        shard="tensor shards of kimi_linear are not supported: layer 0 is Kimi Delta Attention"),
+    # MLA first and last (low-rank q, biased projections), KDA between; every layer sparse, raw top-3 weights of
+    # one group, two shared experts; saved as transformers 5 holds it (one convolution, fused experts, `mlp.`)
+    "kimi_linear/lora-raw-fused": Row("kimi_linear", lambda: transformers.KimiLinearConfig(
+        **KIMI, layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"],
+        q_lora_rank=24, attention_bias=True, mlp_layer_types=["sparse"] * 4, num_local_experts=6,
+        num_experts_per_tok=3, n_group=1, topk_group=1, norm_topk_prob=False, n_shared_experts=2,
+        routed_scaling_factor=1.5), seed=81, split=2, fused=True),
+    # Nemotron-H: Mamba2, Mamba2, MLP, attention (NoPE), MLP, Mamba2, saved as published (under backbone.); split
+    # at layer 1, between the two Mamba2 layers
+    "nemotron_h/mamba-mlp-attention": Row("nemotron_h", lambda: transformers.NemotronHConfig(
+        **NEMOTRON, layers_block_type=["linear_attention", "linear_attention", "mlp", "full_attention", "mlp",
+                                       "linear_attention"]), seed=85, split=1, swarm=True, refusals=(
+            ({"mamba_hidden_act": "gelu"}, UnsupportedModel, "mamba_hidden_act 'gelu'"),
+            ({"mlp_hidden_act": "silu"}, UnsupportedModel, "mlp_hidden_act 'silu'"),
+            ({"mlp_bias": True}, UnsupportedModel, "mlp_bias True"),
+            ({"attention_bias": True}, UnsupportedModel, "attention_bias True"),
+            ({"mamba_proj_bias": True}, UnsupportedModel, "mamba_proj_bias True"),
+            ({"sliding_window": 8}, UnsupportedModel, "sliding_window 8"),
+            ({"mamba_ssm_cache_dtype": "bfloat16"}, UnsupportedModel, "mamba_ssm_cache_dtype 'bfloat16'"),
+            ({"time_step_limit": [0.0, 10.0]}, UnsupportedModel, "time_step_limit .* finite upper bound"),
+            ({"moe_latent_size": 16}, UnsupportedModel, "moe_latent_size 16"),
+            ({"n_shared_experts": 2}, UnsupportedModel, "n_shared_experts 2"),
+            ({"num_nextn_predict_layers": 1}, UnsupportedModel, "num_nextn_predict_layers 1"),
+            ({"hybrid_override_pattern": "M-M*-"}, UnsupportedModel, "hybrid_override_pattern .* differs"),
+            ({"layers_block_type": ["linear_attention"] * 5 + ["sliding_attention"]}, UnsupportedModel,
+             "layers_block_type"),
+            ({"num_hidden_layers": 4}, UnsupportedModel, "num_hidden_layers 4 .* has 6 layers"),
+            ({"attention_head_dim": 8}, UnsupportedModel, "attention_head_dim 8 .* differs from head_dim"),
+            ({"rms_norm_eps": 1e-6}, UnsupportedModel, "rms_norm_eps .* differs from layer_norm_epsilon"),
+            ({"n_groups": 3}, ModelFormatError, "n_groups"),  # 4 heads do not split into 3 groups
+            ({"time_step_limit": [-1.0, {"__float__": "Infinity"}]}, ModelFormatError, "time_step_limit"),
+            SHIPPED_HYBRID),
+        shard="tensor shards of nemotron_h are not supported: layer 0 is a Mamba2 state-space mixer"),
+    # Nemotron 3's MoE layers: Mamba2 (no convolution bias), relu^2 experts (top-2 of 8 in the best of 2 groups,
+    # a shared one), attention, experts again; split at 2, after the first MoE layer
+    "nemotron_h/moe": Row("nemotron_h", lambda: transformers.NemotronHConfig(
+        **NEMOTRON, layers_block_type=["linear_attention", "moe", "full_attention", "moe"], use_conv_bias=False,
+        n_routed_experts=8, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, num_experts_per_tok=2,
+        n_group=2, topk_group=1, routed_scaling_factor=2.0), seed=86, split=2),
     "minimax_m2/yarn-fused": Row("minimax_m2", lambda: transformers.MiniMaxM2Config(
         **MINIMAX, num_local_experts=6, num_experts_per_tok=3, rope_parameters={
             "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16}),
