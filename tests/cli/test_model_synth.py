@@ -19,6 +19,7 @@ PUBLISHED_PARAMS = {
     "llama-3-8b": 8.03e9, "qwen3-8b": 8.19e9, "qwen3-30b-a3b": 30.5e9, "mixtral-8x7b": 46.7e9,
     "gpt-oss-20b": 20.91e9, "gpt-oss-120b": 116.83e9, "deepseek-v3": 671e9, "glm-4.5": 355e9,
     "glm-5": 744e9, "minimax-m2": 230e9, "qwen3-next-80b-a3b": 80e9,
+    "kimi-linear-48b-a3b": 49.1e9, "nemotron-h-8b": 8.1e9,  # as their checkpoints hold them ("48B" and "8B" by name)
 }
 # (layers, sparse layers, experts, top-k) as published
 LAYERS = {
@@ -26,6 +27,7 @@ LAYERS = {
     "mixtral-8x7b": (32, 32, 8, 2), "gpt-oss-20b": (24, 24, 32, 4), "gpt-oss-120b": (36, 36, 128, 4),
     "deepseek-v3": (61, 58, 256, 8), "glm-4.5": (92, 89, 160, 8),
     "glm-5": (78, 75, 256, 8), "minimax-m2": (62, 62, 256, 8), "qwen3-next-80b-a3b": (48, 48, 512, 10),
+    "kimi-linear-48b-a3b": (27, 26, 256, 8), "nemotron-h-8b": (52, 0, 0, 0),
 }
 
 
@@ -44,7 +46,7 @@ def test_a_shape_is_the_published_model(name):
     except UnsupportedModel as refused:  # a family not run yet (DeepSeek-V3, GLM-4.5 until they land)
         assert "unknown architecture" in str(refused)
         pytest.skip(str(refused))
-    sparse = [layer.mlp for layer in spec.layers if layer.mlp.kind == "moe"]
+    sparse = [layer.mlp for layer in spec.layers if layer.mlp is not None and layer.mlp.kind == "moe"]
     layers, n_sparse, experts, top_k = LAYERS[name]
     assert (spec.num_layers, len(sparse)) == (layers, n_sparse)
     assert {(m.num_experts, m.router.top_k) for m in sparse} <= {(experts, top_k)}
