@@ -50,14 +50,18 @@ def quantized_matrices(weights: WeightFolder, layer: int, quant: Quant, *, dtype
 
 def float_rest(weights: WeightFolder, layer: int, dtype: torch.dtype, device: torch.device | str
                ) -> dict[str, torch.Tensor]:
-    """Layer `layer`'s tensors outside its matrices (norms, a router...) in `dtype`, by engine name,
-    each one tensor of the checkpoint."""
+    """Layer `layer`'s tensors outside its matrices (norms, a router, a convolution...) in `dtype`, by
+    engine name: most one tensor of the checkpoint, read together; one stacked from several (KDA's
+    convolution, published as q's, k's and v's) read part by part."""
     spec = weights.spec
     paths = set(layer_matrices(spec, layer))
     rest = {ours: weights.choose(choices) for ours, choices in tensors_of_layer(spec, layer).items()
             if ours.rpartition(".")[0] not in paths}
-    read = weights.read({s.names[0]: s.shapes[0] for s in rest.values()}, dtype)
+    whole = {ours: s for ours, s in rest.items() if len(s.names) == 1 and s.index is None}
+    read = weights.read({s.names[0]: s.shapes[0] for s in whole.values()}, dtype)
     # Copies, not views of the memory-mapped file: a view keeps the whole file mapped, and the page
     # cache maps a 2 KiB norm's neighbours in with it (large folios: 128 KiB to 4 MiB each), which
     # held a quantized span 23.6 MiB of float weights it does not use once the file had been read whole.
-    return {ours: read[s.names[0]].to(device, copy=True) for ours, s in rest.items()}
+    out = {ours: read[s.names[0]].to(device, copy=True) for ours, s in whole.items()}
+    out.update({ours: weights.read_stacked(s, dtype).to(device) for ours, s in rest.items() if ours not in whole})
+    return out

@@ -27,6 +27,7 @@ from tessera.stages.decoding.speculative import greedy_accept
 from tessera.stages.engine.stage import Stage
 from tessera.stages.errors import StateRewindError
 from tessera.stages.families.spec import CHECKPOINTED_KINDS
+from tessera.stages.layers.state import RecurrentState
 from tessera.stages.assembly.stage import load_stage
 from tessera.stages.shards.sharded import ShardError
 from tessera.stages.weights.folder_check import check_folder
@@ -98,6 +99,25 @@ def reference_run(folder: Path, *, stepped: bool = False) -> tuple[list[int], li
             logits.append(out.logits[0])
             tokens.append(int(out.logits[0, -1].argmax()))
     return tokens, logits
+
+
+def transformers_rows(folder: Path, feeds: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' logits for each of `feeds` fed in turn through its cache: each step's last row [1, V]."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    rows, cache = [], None
+    with torch.inference_mode():
+        for feed in feeds:
+            out = model(torch.tensor([feed]), cache=cache, use_cache=True)
+            cache = out.cache
+            rows.append(out.logits[0, -1:])
+    return rows
+
+
+def recurrent_states(stage: Stage, session: str) -> list[torch.Tensor]:
+    """The recurrent matrices of a session's recurrent layers (linear attention, state-space)."""
+    return [store.state for store in stage.sessions[session].cache.layers if isinstance(store, RecurrentState)]
 
 
 def until_eos(tokens: list[int]) -> list[int]:

@@ -25,7 +25,10 @@ from tessera.stages.families.catalog import spec_from_config, spec_from_file, to
 from tessera.stages.families.spec import REPLAY_TOKENS
 from tessera.stages.layers.state import RecurrentState
 
-from .conformance import PROMPT, TOLERANCE, VOCAB, build, check_matches_transformers, reference_run, until_eos
+from .conformance import (
+    PROMPT, TOLERANCE, VOCAB, build, check_matches_transformers, recurrent_states as states, reference_run,
+    transformers_rows, until_eos,
+)
 from .rows import HYBRID, saved_config
 
 transformers = pytest.importorskip("transformers")
@@ -113,22 +116,6 @@ def test_a_linear_layer_holds_a_fixed_state_whatever_the_context(folders):
         stage.forward("s", stage.embed(list(range(5, 5 + n))), stage.position("s"))
         assert store.nbytes <= linear.fixed_bytes(4)
     assert stage.session_bytes(64, 0, 3) == stage.session_bytes(4096, 0, 3) == 3 * linear.fixed_bytes(4)
-
-
-def states(stage: Stage, session: str) -> list[torch.Tensor]:
-    return [store.state for store in stage.sessions[session].cache.layers if isinstance(store, RecurrentState)]
-
-
-def transformers_rows(folder, feeds: list[list[int]]) -> list[torch.Tensor]:
-    """transformers' logits for each of `feeds` fed in turn through its cache: each step's last row [1, V]."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    rows, cache = [], None
-    with torch.inference_mode():
-        for feed in feeds:
-            out = model(torch.tensor([feed]), cache=cache, use_cache=True)
-            cache = out.cache
-            rows.append(out.logits[0, -1:])
-    return rows
 
 
 @pytest.mark.parametrize("name", sorted(ROWS))

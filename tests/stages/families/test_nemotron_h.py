@@ -1,0 +1,266 @@
+"""What only Nemotron-H (`nemotron_h`) has: layers of one mixer or one MLP, Mamba2, the pattern string.
+
+The conformance suite (test_conformance.py, its rows in rows.py) holds it to transformers, stacked and
+chunked sessions, a split between two Mamba2 layers, rollback, the refusals and a real swarm. Here:
+the layers as configured (a pattern string or a list, legacy names), each with the one norm of its
+half; a Mamba2 layer's fixed state and an MLP layer's none; the chunked scan against transformers' own
+over several chunks and against the one-token step, and dt's clamp where transformers' two paths
+disagree; a whole, a chunked and a replayed prefill against the same reference; going back into a
+block; the compiled decode step (NoPE attention compiled); an int8 span; and any value in any key read
+or refused by one typed error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tessera.stages.assembly.stage import load_stage
+from tessera.stages.errors import ModelFormatError, UnsupportedModel
+from tessera.stages.families.catalog import spec_from_config, spec_from_file
+from tessera.stages.families.shapes import shape_spec
+from tessera.stages.families.spec import Mamba2Spec
+from tessera.stages.layers.block import Block
+from tessera.stages.layers.cache import NoState
+from tessera.stages.layers.mamba2 import Mamba2Mixer, chunked_scan, recurrent_scan
+from tessera.stages.layers.state import RecurrentState
+
+from .conformance import PROMPT, TOLERANCE, recurrent_states, transformers_rows
+from .rows import saved_config
+
+transformers = pytest.importorskip("transformers")
+
+MLP = "nemotron_h/mamba-mlp-attention"
+MOE = "nemotron_h/moe"
+
+
+def test_the_layers_are_read_as_configured():
+    config = saved_config(MLP)
+    spec = spec_from_config(config)
+    assert [(layer.attention_kind, layer.mlp_kind) for layer in spec.layers] == [
+        ("mamba2", "none"), ("mamba2", "none"), ("none", "dense"), ("gqa", "none"), ("none", "dense"), ("mamba2", "none")]
+    assert spec.layers[3].attention.rope.kind == "none" and spec.layers[2].mlp.glu.kind == "relu2"
+    assert spec.prefix == "backbone." and spec.layers[0].attention.dt_min == 0.0  # time_step_limit [0, inf]
+    listed = {k: v for k, v in config.items() if k != "layers_block_type"}
+    assert spec_from_config({**listed, "hybrid_override_pattern": "MM-*-M"}) == spec
+    legacy = ["mamba", "mamba", "mlp", "attention", "mlp", "mamba"]
+    assert spec_from_config({**listed, "layers_block_type": legacy}) == spec
+    with torch.device("meta"):
+        mixer, mlp = Block(spec, spec.layers[0]), Block(spec, spec.layers[2])
+    assert mixer.mlp is None and mixer.mlp_norm is None and mlp.attn is None and mlp.attn_norm is None
+    moe = spec_from_config(saved_config(MOE))
+    sparse = moe.layers[1].mlp
+    assert (sparse.kind, sparse.glu.kind, sparse.num_experts, sparse.shared_width) == ("moe", "relu2", 8, 48)
+    assert (sparse.router.kind, sparse.router.num_groups, sparse.router.scale) == ("sigmoid_group_topk", 2, 2.0)
+    assert not moe.layers[0].attention.conv_bias
+    published = shape_spec("nemotron-h-8b")
+    kinds = [layer.attention_kind if layer.attention is not None else layer.mlp_kind for layer in published.layers]
+    assert (kinds.count("mamba2"), kinds.count("gqa"), kinds.count("dense")) == (24, 4, 24)
+
+
+def test_a_mamba_layer_holds_a_fixed_state_and_an_mlp_layer_none(family_models):
+    """Admission charges a Mamba2 layer its fixed state ([P, N] per head, the convolution's window, two
+    checkpoints and their inputs), an attention layer its keys and values per position, an MLP layer
+    nothing; a store holds no more."""
+    spec = spec_from_file(family_models.folder(MLP) / "config.json")
+    mamba, mlp, attention = spec.layers[0].cache, spec.layers[2].cache, spec.layers[3].cache
+    assert mamba.kind == "recurrent" and mamba.bytes_per_position(4) == 0
+    assert (mamba.num_heads, mamba.key_dim, mamba.value_dim, mamba.conv_channels) == (4, 8, 16, 32 + 2 * 2 * 16)
+    assert mlp.kind == "none" and mlp.bytes(1 << 20, 4) == 0
+    assert attention.bytes_per_position(4) == 2 * 2 * 16 * 4
+    assert spec.state_bytes(0, 3, 1 << 20) == spec.state_bytes(0, 3, 1) == 2 * mamba.fixed_bytes(4)
+    stage = load_stage(family_models.folder(MLP), embed=True)
+    stage.open("s", capacity=64)
+    stores = stage.sessions["s"].cache.layers
+    assert isinstance(stores[0], RecurrentState) and isinstance(stores[2], NoState)
+    stage.forward("s", stage.embed(list(range(5, 25))), 0)
+    for n in (4, 1, 4, 4, 1, 1, 4):
+        stage.forward("s", stage.embed(list(range(5, 5 + n))), stage.position("s"))
+        assert stores[0].nbytes <= mamba.fixed_bytes(4) and stores[2].nbytes == 0
+
+
+def scan_inputs(t: int, heads: int = 4, head_dim: int = 8, state: int = 16, groups: int = 2):
+    g = torch.Generator().manual_seed(1)
+    return dict(x=torch.randn(1, t, heads, head_dim, generator=g), dt=torch.randn(1, t, heads, generator=g) - 2.0,
+                dt_bias=0.2 * torch.randn(heads, generator=g), A=-torch.exp(0.2 * torch.randn(heads, generator=g)),
+                B=torch.randn(1, t, groups, state, generator=g), C=torch.randn(1, t, groups, state, generator=g),
+                D=torch.randn(heads, generator=g), state=0.1 * torch.randn(1, heads, head_dim, state, generator=g))
+
+
+def our_scan(i: dict, *, dt_min: float, chunk: int, one_token: bool = False):
+    heads, groups = i["x"].shape[2], i["B"].shape[2]
+    dt = F.softplus(i["dt"][0] + i["dt_bias"]).clamp(min=dt_min)
+    b, c = (m[0].repeat_interleave(heads // groups, dim=1) for m in (i["B"], i["C"]))
+    if one_token:
+        y, state = recurrent_scan(i["x"][0], dt, i["A"], b, c, i["state"][0])
+    else:
+        y, state = chunked_scan(i["x"][0], dt, i["A"], b, c, i["state"][0], chunk)
+    return y + i["D"][:, None] * i["x"][0], state
+
+
+def test_the_chunked_scan_is_transformers_scan_and_the_one_token_step():
+    """Over 150 tokens (five chunks of 32, the last padded) from a nonzero state: our chunked scan gives
+    transformers' `mamba2_chunk_scan` (outputs and final state) and our one-token step."""
+    from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
+
+    i = scan_inputs(150)
+    want, want_state = mamba2_chunk_scan(i["x"], i["dt"], i["A"], i["B"], i["C"], chunk_size=32, D=i["D"],
+                                         dt_bias=i["dt_bias"], initial_states=i["state"], dt_softplus=True,
+                                         dt_limit=(0.0, float("inf")), return_final_states=True)
+    chunked, chunked_state = our_scan(i, dt_min=0.0, chunk=32)
+    stepped, stepped_state = our_scan(i, dt_min=0.0, chunk=32, one_token=True)
+    assert float((chunked - want[0]).abs().max()) <= 1e-5 and float((chunked_state - want_state[0]).abs().max()) <= 1e-5
+    assert float((chunked - stepped).abs().max()) <= 1e-4 and float((chunked_state - stepped_state).abs().max()) <= 1e-5
+
+
+def test_dt_is_clamped_alike_in_both_forms_where_transformers_clamps_only_its_prefill():
+    """transformers' chunked scan clamps dt at `time_step_min` (its `time_step_limit`), its one-token step
+    does not: with dt below 0.001 the two disagree. Ours clamps at the config's `time_step_limit` floor in
+    both forms: at 0 (the published configs) a one-token step is transformers' one-token step; at 0.001
+    our chunked scan is transformers' chunked scan."""
+    from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan, mamba2_selective_state_update
+
+    i = scan_inputs(1)
+    i["dt"] = torch.full_like(i["dt"], -9.0)  # softplus ~1.2e-4: under time_step_min
+    heads, head_dim, state = i["x"].shape[2], i["x"].shape[3], i["B"].shape[3]
+    theirs_state = i["state"].clone()
+    theirs_step = mamba2_selective_state_update(
+        theirs_state, i["x"][:, 0], i["dt"][:, 0, :, None].expand(-1, -1, head_dim),
+        i["A"][:, None, None].expand(-1, head_dim, state), i["B"][:, 0], i["C"][:, 0],
+        i["D"][:, None].expand(-1, head_dim), dt_bias=i["dt_bias"][:, None].expand(-1, head_dim), dt_softplus=True)
+    theirs_chunk, _ = mamba2_chunk_scan(i["x"], i["dt"], i["A"], i["B"], i["C"], chunk_size=8, D=i["D"],
+                                        dt_bias=i["dt_bias"], initial_states=i["state"], dt_softplus=True,
+                                        dt_limit=(0.001, float("inf")), return_final_states=True)
+    assert float((theirs_step - theirs_chunk[:, 0]).abs().max()) > 1e-3  # transformers' two forms disagree
+    ours, ours_state = our_scan(i, dt_min=0.0, chunk=8, one_token=True)
+    assert float((ours - theirs_step).abs().max()) <= 1e-6 and float((ours_state - theirs_state[0]).abs().max()) <= 1e-6
+    clamped, _ = our_scan(i, dt_min=0.001, chunk=8)
+    assert float((clamped - theirs_chunk[0]).abs().max()) <= 1e-6
+    assert float((our_scan(i, dt_min=0.001, chunk=8, one_token=True)[0] - clamped).abs().max()) <= 1e-6
+
+
+@pytest.mark.parametrize("name", [MLP, MOE])
+def test_whole_chunked_and_replayed_prefills_meet_one_reference(family_models, name):
+    """transformers fed as ours is: the prompt whole then a token a step, the prompt in chunks of 5 and 7,
+    and (as a replacement is fed) the whole history in one step. Our logits are its to 1e-4 in each; the
+    Mamba2 states after the chunked prefill and after the replay are the uninterrupted run's to 1e-4."""
+    folder = family_models.folder(name)
+    tokens, _ = family_models.reference(name)
+    history = PROMPT + tokens[:-1]
+    stage = load_stage(folder, embed=True, head=True)
+    for how, cuts in (("whole", [len(PROMPT)]), ("chunked", [5, len(PROMPT)])):
+        feeds = [PROMPT[a:b] for a, b in zip([0, *cuts], cuts)] + [[t] for t in tokens[:-1]]
+        want = transformers_rows(folder, feeds)
+        stage.open(how, capacity=64)
+        at, rows = 0, []
+        for feed in feeds:
+            rows.append(stage.logits(stage.forward(how, stage.embed(feed), at))[-1:])
+            at += len(feed)
+        worst = max(float((a - b).abs().max()) for a, b in zip(rows, want))
+        assert worst <= TOLERANCE, f"{name} {how}: {worst:.3g}"
+    stage.open("replayed", capacity=64)
+    replayed = stage.logits(stage.forward("replayed", stage.embed(history), 0))[-1:]
+    assert float((replayed - transformers_rows(folder, [history])[0]).abs().max()) <= TOLERANCE
+    uninterrupted = recurrent_states(stage, "whole")
+    assert len(uninterrupted) == sum(isinstance(layer.attention, Mamba2Spec) for layer in stage.spec.layers)
+    for how in ("chunked", "replayed"):
+        assert max(float((a - b).abs().max()) for a, b in zip(recurrent_states(stage, how), uninterrupted)) <= 1e-4
+
+
+def test_going_back_inside_a_block_equals_never_having_gone_past_it(family_models):
+    """A Mamba2 state taken back into a block (its checkpoint, the accepted tokens folded in again) equals
+    the state of a session that stopped there."""
+    stage = load_stage(family_models.folder(MLP), embed=True, head=True)
+    block = [11, 12, 13, 14, 15]
+    for session in ("back", "straight"):
+        stage.open(session, capacity=64)
+        stage.forward(session, stage.embed(PROMPT), 0)
+    stage.forward("back", stage.embed(block), len(PROMPT))
+    stage.forward("back", stage.embed([40, 41]), len(PROMPT) + 5)
+    back = stage.logits(stage.forward("back", stage.embed([99]), len(PROMPT) + 2))
+    straight = stage.logits(stage.forward("straight", stage.embed([*block[:2], 99]), len(PROMPT)))[-1:]
+    assert float((back - straight).abs().max()) <= TOLERANCE
+    assert max(float((a - b).abs().max()) for a, b in zip(recurrent_states(stage, "back"),
+                                                          recurrent_states(stage, "straight"))) <= 1e-4
+
+
+def test_the_compiled_decode_step_runs_the_attention_compiled_and_the_rest_eagerly(family_models):
+    """Under `--compile inductor` the attention layer (NoPE: identity rotary tables) and the head decode
+    compiled; the Mamba2 and MLP-only layers decode eagerly inside the compiled step, said once per layer
+    kind; logits are transformers' to 1e-4 and tokens identical."""
+    from tessera.stages.engine.compiled.build import compile_decode
+    from tessera.stages.engine.compiled.inductor import HEAD
+
+    folder = family_models.folder(MLP)
+    stage, said = load_stage(folder, embed=True, head=True), []
+    compile_decode(stage, "inductor", say=said.append, buckets=(1,))
+    runner = stage.decode
+    attention = {kind for kind in stage.spec.layers if kind.attention_kind == "gqa"}
+    assert runner.compiled == attention | {HEAD} and set(runner.eager) == set(stage.spec.layers) - attention, said
+    tokens, ref = family_models.reference(MLP)
+    stage.open("c", capacity=len(PROMPT) + len(tokens) + 1)
+    before, rows, step, pos = runner.steps, [], PROMPT, 0
+    for token in tokens:
+        rows.append(stage.logits(stage.forward("c", stage.embed(step), pos))[-1:])
+        pos, step = pos + len(step), [token]
+    assert runner.steps - before == len(tokens) - 1
+    assert max(float((a - b[-1:]).abs().max()) for a, b in zip(rows, ref)) <= TOLERANCE
+    assert [int(r.argmax()) for r in rows] == tokens
+
+
+def test_an_int8_span_matches_its_dequantized_reference(family_models):
+    """Mamba2's in- and out-projections and the relu^2 experts are stored as integers like any matrix; the
+    convolution, dt, A, D and the norms stay float. Against its own dequantized float32 blocks: tokens
+    identical, logits within the recurrent rows' bound."""
+    from tessera.stages.assembly.blocks import dense_block
+    from tessera.stages.engine.stage import Stage
+    from tessera.stages.kernels.quant import Int8Linear, Quant
+
+    from .conformance import RECURRENT_STACKED_RTOL, relative_gap
+
+    folder = family_models.folder(MOE)
+    stage = load_stage(folder, quant=Quant.parse("int8"))
+    assert isinstance(stage.blocks[0].attn, Mamba2Mixer) and isinstance(stage.blocks[0].attn.w_in, Int8Linear)
+    assert isinstance(stage.blocks[1].mlp.experts[0].w_up, Int8Linear)
+    head = load_stage(folder, start=0, end=0, embed=True, head=True)
+    reference = Stage(stage.spec, 0, [dense_block(b, stage.spec) for b in stage.blocks])
+    for span in (stage, reference):
+        span.open("q", capacity=32)
+    ids, tokens, worst = list(range(5, 25)), ([], []), 0.0
+    for pos, step in [(0, ids), *((len(ids) + i, None) for i in range(6))]:
+        rows = []
+        for i, span in enumerate((stage, reference)):
+            rows.append(head.logits(span.forward("q", head.embed(step if step is not None else tokens[i][-1:]), pos)))
+            tokens[i].append(int(rows[-1][-1].argmax()))
+        worst = max(worst, relative_gap(rows[0][-1:], rows[1][-1:]))
+    assert tokens[0] == tokens[1] and worst <= RECURRENT_STACKED_RTOL, worst
+
+
+def test_any_value_in_any_key_is_read_or_refused_by_one_typed_error():
+    """Keys overwritten at random by JSON values: a spec every layer of which builds, or ModelFormatError /
+    UnsupportedModel in one line."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    base = {**saved_config(MLP), "hybrid_override_pattern": "MM-*-M"}
+    values = st.recursive(
+        st.none() | st.booleans() | st.integers(-3, 40) | st.floats(allow_nan=True, allow_infinity=True)
+        | st.text(max_size=4),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+        max_leaves=6)
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(data=st.data())
+    def check(data):
+        keys = data.draw(st.lists(st.sampled_from(sorted(set(base) - {"architectures"})), min_size=1, max_size=3))
+        try:
+            spec = spec_from_config({**base, **{key: data.draw(values) for key in keys}})
+        except (ModelFormatError, UnsupportedModel) as refused:
+            assert "\n" not in str(refused)
+            return
+        with torch.device("meta"):
+            for layer in set(spec.layers):
+                Block(spec, layer)
+
+    check()
