@@ -14,10 +14,11 @@ of its own rank), as `tests/test_layers.py` checks over the source:
                 stored.py (a stored matrix's module by its form), encode.py (floats written in
                 a shipped form), chunked.py (the float32 CPU form: dequantize rows, multiply).  rank 2
     layers/     the math, each with float32 reference semantics: rope, norm, attention (GQA),
-                mla, dsa, gated_deltanet (linear attention), cache (a store per layer's state
-                kind, one position pointer), state (a fixed recurrent state and its
-                checkpoints), mlp, routers, moe, mtp (a multi-token-prediction module's ends), and
-                block.py, which composes a layer from its LayerSpec.                                                                      } rank 3
+                mla, dsa, gated_deltanet and kda (linear attention), mamba2 (state space),
+                short_conv (their causal convolution), cache (a store per layer's state kind,
+                one position pointer), state (a fixed recurrent state and its checkpoints), mlp,
+                routers, moe, mtp (a multi-token-prediction module's ends), and block.py, which
+                composes a layer from its LayerSpec.                                            } rank 3
     weights/    model folders and what they hold: the registry and manifests, reading only a
                 span (folder.py), the folder check, GGUF conversion and blocks, reading matrices
                 quantized (quantize.py) or as shipped (formats/load.py) into kernels' modules,
