@@ -137,7 +137,8 @@ class InductorDecode:
                 torch._inductor.config.patch(realize_reads_threshold=REALIZE_READS), torch.inference_mode():
             for kind in kinds:
                 if kind.attention_kind not in COMPILED_ATTENTION:
-                    self._fall_back(kind, f"no compiled step for {kind.attention_kind} attention's cache yet")
+                    self._fall_back(kind, f"no compiled step for {kind.attention_kind} attention's cache yet"
+                                    if kind.attention is not None else "no compiled step for a layer without attention yet")
                     done += len(variants[kind]) * len(self.buckets)
                     continue
                 stored = set().union(*(unfused(self.forms[i]) for i in layers[kind]))
