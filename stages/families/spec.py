@@ -13,10 +13,11 @@ A model is a list of layers, each pre-norm:
     x = x + mlp(rms_norm(x))            LayerSpec.mlp: MlpSpec (its `kind`)
 
 and layers may differ (Qwen3-MoE's dense layers among sparse ones, Qwen3's sliding-window
-layers among full ones): `ModelSpec.layers` holds one `LayerSpec` per layer, equal ones
-shared. Every sub-spec names its kind from a closed set below; whoever reads a kind
-(layers/block.py builds modules, layers/cache.py allocates caches) refuses one it does not
-know, so a kind added here without its module fails loudly, never silently.
+layers among full ones; a Nemotron-H layer has only one of the two halves, `None` the other):
+`ModelSpec.layers` holds one `LayerSpec` per layer, equal ones shared. Every sub-spec names
+its kind from a closed set below; whoever reads a kind (layers/block.py builds modules,
+layers/cache.py allocates caches) refuses one it does not know, so a kind added here without
+its module fails loudly, never silently.
 
 Extending (the kinds are the extension points):
 
@@ -32,8 +33,9 @@ Extending (the kinds are the extension points):
   state that is not a row per position, layers/state.py). Peers budget sessions with
   `bytes(capacity)` = fixed + per position x capacity, so a smaller state is seen by admission
   and placement with no change in peer/. DSA's ("latent_indexed", `IndexedLatentCacheSpec`)
-  holds the latent rows and the indexer's keys; a linear-attention layer's ("recurrent",
-  `RecurrentStateSpec`) a fixed matrix per head and a convolution window, whatever the context;
+  holds the latent rows and the indexer's keys; a linear-attention or state-space layer's
+  ("recurrent", `RecurrentStateSpec`) a fixed matrix per head and a convolution window, whatever
+  the context; a layer without a token mixer's ("none", `StatelessSpec`) nothing;
 - an MLP or router kind: fields on `MlpSpec` / `RouterSpec` (as `shared_width` and the
   sigmoid router's groups and scale), the kind in MLP_KINDS / ROUTER_KINDS, its module in
   layers/routers.py;
