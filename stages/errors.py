@@ -18,8 +18,9 @@ class ContextOverflow(StageError):
 
 
 class StateRewindError(ContextOverflow):
-    """A step or rollback goes back to a position a session's fixed-size (recurrent) state no longer
-    reaches (stages/layers/state.py): the session must be replayed from position 0."""
+    """A step or rollback goes back to a position a session's state no longer reaches (a recurrent
+    state: stages/layers/state.py; a compressed layer's rings: stages/layers/cache.py): the session
+    must be replayed from position 0."""
 
 
 class UnknownSession(StageError):

@@ -11,6 +11,12 @@ stages/assembly/stage.py's `load_stage` (the runtime never reads weights). Each 
 use a sub-span of the stage, which is what lets a requester route around a dead
 peer with different cut points.
 
+What a stage takes and gives per token is the model's hop (stages/layers/hop.py,
+`ModelSpec.hop_width`): the residual — DeepSeek-V4's several hyper-connection streams — and
+the token id where a layer routes by it. The stage holding the embedding makes it (`embed`),
+the one holding the head reads it (`logits`: the streams mixed back into one first), and the
+spans between hand it on; a model without either has a hop of [T, H].
+
 A Stage is not thread-safe: a server runs one `forward` at a time (in a worker
 thread) and serialises the rest. `forward_batch` runs the steps of several
 sessions as one forward over their stacked rows (one pass over the weights for
@@ -32,10 +38,12 @@ from tessera.stages.kernels.quant import NO_QUANT, Quant
 from tessera.stages.layers.attention import Segment, StepContext
 from tessera.stages.layers.block import Block
 from tessera.stages.layers.cache import SessionCache
+from tessera.stages.layers.hop import Hop
+from tessera.stages.layers.hyper import HyperHead
 from tessera.stages.layers.rope import RopeTables
 
 
-# One session's step in a stacked forward: (session, hidden states [T, H], start position).
+# One session's step in a stacked forward: (session, its hop [T, hop_width], start position).
 BatchStep = tuple[Hashable, torch.Tensor, int]
 
 
@@ -71,6 +79,7 @@ class Stage(SessionTable):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         quant: Quant = NO_QUANT,
+        head_mix: HyperHead | None = None,
     ) -> None:
         if not 0 <= start <= start + len(blocks) <= spec.num_layers:
             raise SpanError(f"span [{start}, {start + len(blocks)}) is outside [0, {spec.num_layers})")
@@ -81,6 +90,10 @@ class Stage(SessionTable):
         self.embedding = embedding
         self.norm = norm
         self.head = head
+        self.head_mix = head_mix  # the hyper-connection streams mixed into one before the final norm
+        if head is not None and spec.hyper is not None and head_mix is None:
+            raise SpanError(f"a head of this {spec.family} model mixes its {spec.streams} streams: it needs hc_head")
+        self.hop = Hop(spec)
         self.device = torch.device(device)
         self.dtype = dtype
         self.quant = quant  # how the blocks' matrices are stored (stages/kernels/quant.py)
@@ -92,7 +105,8 @@ class Stage(SessionTable):
 
     @torch.inference_mode()
     def forward(self, session: Hashable, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """Run the session's layers on hidden states [T, H] at positions [start_pos, start_pos + T).
+        """Run the session's layers on its hop [T, hop_width] (hidden states [T, H] for most models:
+        module docstring) at positions [start_pos, start_pos + T); the hop after them.
 
         Writing at `start_pos` first rolls the cache back to it, so re-sending a step
         after a failure, or verifying a new draft after a rejected one, needs no
@@ -107,17 +121,19 @@ class Stage(SessionTable):
             if out is not None:
                 return out
         positions = torch.arange(start_pos, start_pos + hidden.shape[0], device=self.device)
-        ctx = StepContext(start_pos, self.rope.tables(positions, self.dtype), self.device)
+        ctx = StepContext(start_pos, self.rope.tables(positions, self.dtype), self.device,
+                          rotaries=self.rope.rotaries)
+        x, ctx.token_ids = self.hop.split(x)
         stores = state.cache.layers
         for i in range(state.start - self.start, state.end - self.start):
             x = self.blocks[i](x, ctx, stores[i - (state.start - self.start)])
-        return x
+        return self.hop.join(x, ctx.token_ids)
 
     @torch.inference_mode()
     def forward_batch(self, steps: Sequence[BatchStep]) -> list[torch.Tensor | StageError]:
         """Several sessions' steps as one stacked forward (each as `forward` would run it).
 
-        Entry i of the answer is step i's output [T_i, H], or the StageError that step
+        Entry i of the answer is step i's output [T_i, hop_width], or the StageError that step
         raised: a bad step (unknown session, wrong shape, past its context) fails alone and
         moves no pointer, and the others run. Sessions may sit at different positions
         and hold different lengths; those over different sub-spans of this stage run as
@@ -156,8 +172,8 @@ class Stage(SessionTable):
     def _reserve(self, session: Hashable, hidden: torch.Tensor, start_pos: int) -> SessionState:
         """Check a step (session, shape, context) and move the session's pointer past it."""
         state = self._session(session)
-        if hidden.dim() != 2 or hidden.shape[1] != self.spec.hidden_size:
-            raise SpanError(f"hidden states have shape {tuple(hidden.shape)!r}, expected [T, {self.spec.hidden_size}]")
+        if hidden.dim() != 2 or hidden.shape[1] != self.spec.hop_width:
+            raise SpanError(f"hidden states have shape {tuple(hidden.shape)!r}, expected [T, {self.spec.hop_width}]")
         state.cache.reserve(start_pos, hidden.shape[0])
         return state
 
@@ -166,7 +182,7 @@ class Stage(SessionTable):
     ) -> list[torch.Tensor] | None:
         """A stacked step of one token per session through the compiled decode step, if it takes it."""
         if self.decode is None or any(hidden.shape[0] != 1 for _, hidden, _ in steps):
-            return None
+            return None  # (a model whose hop is more than its residual is never compiled: engine/compiled/build.py)
         x = torch.cat([hidden.to(device=self.device, dtype=self.dtype) for _, hidden, _ in steps])  # [R, H]
         out = self.decode.run(start - self.start, end - self.start, x, [p for _, _, p in steps],
                               [state for state, _, _ in steps])
@@ -182,32 +198,40 @@ class Stage(SessionTable):
             lo += hidden.shape[0]
         positions = torch.cat([torch.arange(s.start, s.start + s.hi - s.lo, device=self.device) for s in segments])
         # RoPE tables [R, 1, D], each row at its session's position
-        ctx = StepContext(segments[0].start, self.rope.tables(positions, self.dtype), self.device, tuple(segments))
-        x = torch.cat([hidden.to(device=self.device, dtype=self.dtype) for _, hidden, _ in steps])  # [R, H]
+        ctx = StepContext(segments[0].start, self.rope.tables(positions, self.dtype), self.device, tuple(segments),
+                          rotaries=self.rope.rotaries)
+        x = torch.cat([hidden.to(device=self.device, dtype=self.dtype) for _, hidden, _ in steps])  # [R, hop_width]
+        x, ctx.token_ids = self.hop.split(x)
         caches = [state.cache.layers for state, _, _ in steps]
         for i in range(start - self.start, end - self.start):
             j = i - (start - self.start)
             x = self.blocks[i](x, ctx, [stores[j] for stores in caches])
+        x = self.hop.join(x, ctx.token_ids)
         return [x[s.lo : s.hi] for s in segments]
 
     @torch.inference_mode()
     def embed(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """Token ids [T] -> hidden states [T, H]."""
+        """Token ids [T] -> the first layer's hop [T, hop_width] (hidden states [T, H] for most models)."""
         if self.embedding is None:
             raise SpanError("this stage holds no embedding")
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size):
             raise SpanError(f"token ids must lie in [0, {self.spec.vocab_size})")
-        return F.embedding(ids, self.embedding)
+        return self.hop.from_embedding(F.embedding(ids, self.embedding), ids)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden states [T, H] after the last layer -> float32 logits [T, V]."""
+        """The last layer's hop [T, hop_width] -> float32 logits [T, V] (several streams mixed into one
+        by the head's connection first)."""
         if self.head is None or self.norm is None:
             raise SpanError("this stage holds no head")
-        if self.decode is not None and (logits := self.decode.logits(hidden)) is not None:
+        x = hidden.to(self.device, self.dtype)
+        if not self.hop.plain:
+            x = self.hop.split(x)[0]
+            x = self.head_mix.forward(x) if self.head_mix is not None else x
+        if self.decode is not None and (logits := self.decode.logits(x)) is not None:
             return logits
-        x = F.rms_norm(hidden.to(self.device, self.dtype), self.norm.shape, self.norm, self.spec.rms_norm_eps)
+        x = F.rms_norm(x, self.norm.shape, self.norm, self.spec.rms_norm_eps)
         return F.linear(x, self.head).float()
 
     def _new_cache(self, start: int, end: int, capacity: int) -> SessionCache:
@@ -224,5 +248,7 @@ class Stage(SessionTable):
     def weight_bytes(self) -> int:
         """Bytes of weights held (a tied head and embedding count once; quantized matrices are buffers)."""
         extra = {id(t): t for t in (self.embedding, self.norm, self.head) if t is not None}
+        if self.head_mix is not None:
+            extra.update({id(t): t for t in self.head_mix.parameters()})
         blocks = sum(p.nbytes for p in self.blocks.parameters()) + sum(b.nbytes for b in self.blocks.buffers())
         return blocks + sum(t.nbytes for t in extra.values())

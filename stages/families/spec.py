@@ -36,9 +36,14 @@ Extending (the kinds are the extension points):
   holds the latent rows and the indexer's keys; a linear-attention or state-space layer's
   ("recurrent", `RecurrentStateSpec`) a fixed matrix per head and a convolution window, whatever
   the context; a layer without a token mixer's ("none", `StatelessSpec`) nothing;
+  DeepSeek-V4's ("compressed", `CompressedCacheSpec`) a window of rows and, every `ratio`
+  positions, one compressed entry (and the indexer's), going back only as far as its rings reach;
 - an MLP or router kind: fields on `MlpSpec` / `RouterSpec` (as `shared_width` and the
   sigmoid router's groups and scale), the kind in MLP_KINDS / ROUTER_KINDS, its module in
   layers/routers.py;
+- what crosses a stage boundary: `ModelSpec.hop_width`, the values a step carries per token
+  from one stage to the next (the residual stream, `hyper.streams` of them under DeepSeek-V4's
+  hyper-connections, and the token id where a layer routes by it); stages/layers/hop.py packs it;
 - RoPE variants: a `RopeSpec.kind` with its parameters, computed in layers/rope.py (YaRN);
   partial rotary is `AttentionSpec.rotary_dim`.
 """
@@ -56,20 +61,24 @@ from tessera.stages.families.shipped import ShippedFormat
 
 # grouped-query attention (multi-head and multi-query included); multi-head latent; MLA with DeepSeek's sparse
 # attention; Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5: a recurrent state, no rows per position);
-# Kimi Delta Attention (Kimi Linear: the same with a decay per channel); Mamba2's state-space mixer (Nemotron-H)
-ATTENTION_KINDS = ("gqa", "mla", "dsa", "gated_deltanet", "kda", "mamba2")
+# Kimi Delta Attention (Kimi Linear: the same with a decay per channel); Mamba2's state-space mixer (Nemotron-H);
+# DeepSeek-V4's one-head attention over a window and compressed entries (CompressedAttentionSpec)
+ATTENTION_KINDS = ("gqa", "mla", "dsa", "gated_deltanet", "kda", "mamba2", "compressed")
 MLP_KINDS = ("dense", "moe")  # SwiGLU (or GluSpec's other activations); a sparse mixture of such experts
 ROUTER_KINDS = (
     "softmax_topk",  # softmax over experts, top-k, optionally renormalised
     "topk_softmax",  # top-k of the logits, softmax over those k (gpt-oss)
     "sigmoid_group_topk",  # DeepSeek's sigmoid, group-limited top-k
+    "sqrtsoftplus_topk",  # DeepSeek-V4's sqrt(softplus), top-k with a correction bias
 )
-# silu(gate) * up; gpt-oss's clamped form; relu(up)^2 with no gate (Nemotron-H): GluSpec
-GLU_KINDS = ("silu", "clamped_swiglu", "relu2")
+# silu(gate) * up; gpt-oss's clamped form; relu(up)^2 with no gate (Nemotron-H); DeepSeek-V4's silu with
+# gate and up clamped: GluSpec
+GLU_KINDS = ("silu", "clamped_swiglu", "relu2", "clamped_silu")
 # keys and values of every position (only the window is read); MLA's latent; the latent and DSA's index keys;
 # a fixed recurrent state and convolution window (linear attention: RecurrentStateSpec); nothing (a layer
-# with no token mixer, only an MLP: StatelessSpec)
-CACHE_KINDS = ("full", "sliding", "latent", "latent_indexed", "recurrent", "none")
+# with no token mixer, only an MLP: StatelessSpec); DeepSeek-V4's window and compressed entries
+# (CompressedCacheSpec)
+CACHE_KINDS = ("full", "sliding", "latent", "latent_indexed", "recurrent", "none", "compressed")
 # How far back a recurrent state can be taken (layers/state.py, docs/pages/models.md's measurement):
 # the state at the start of each of the last RECURRENT_CHECKPOINTS runs of steps is kept (two:
 # the requester keeps at most two speculative blocks of a session in flight, peer/request/decode.py
@@ -79,7 +88,21 @@ CACHE_KINDS = ("full", "sliding", "latent", "latent_indexed", "recurrent", "none
 # from which any position inside it is recomputed.
 RECURRENT_CHECKPOINTS = 2
 REPLAY_TOKENS = 16
-CHECKPOINTED_KINDS = ("recurrent",)  # state kinds that go back only to their checkpoints (or to 0)
+# state kinds that go back only to their checkpoints or as far as their rings reach (or to 0)
+CHECKPOINTED_KINDS = ("recurrent", "compressed")
+# How far back from its end a compressed layer's session state goes by moving a pointer
+# (CompressedCacheSpec): it keeps the rows of its last positions in rings, not every position, and
+# this many past what its window and its open compression windows need — what a recurrent state
+# reaches inside its runs of steps (the same two speculative blocks in flight, the same local draft
+# model's one-token drafts); the start of a longer step is kept apart (its snapshot), as a recurrent
+# state keeps its checkpoint. A rollback further back is refused (StateRewindError): the requester
+# replays from position 0.
+COMPRESSED_REACH = RECURRENT_CHECKPOINTS * REPLAY_TOKENS
+COMPRESSED_SNAPSHOTS = RECURRENT_CHECKPOINTS  # the starts of the last steps longer than the reach
+# Digits (base 256) a token id takes on the hop tensor where a layer routes by it (`ModelSpec.hop_width`):
+# each is exact in float32, float16 and bfloat16 (integers to 256 have at most 8 significant bits), so
+# the id survives a peer computing in any of them; 3 digits hold ids up to 2^24.
+HOP_ID_DIGIT_BASE = 256
 # "none": no position encoding at all (NoPE: Kimi Linear's MLA, Nemotron-H's attention), turned by identity
 # tables (cos 1, sin 0: layers/rope.py), so that every attention path runs unchanged and exactly
 ROPE_KINDS = ("default", "linear", "llama3", "yarn", "none")
@@ -742,6 +765,220 @@ class DsaSpec:
 
 
 @dataclass(frozen=True)
+class CompressedCacheSpec:
+    """What a DeepSeek-V4 layer keeps per session (kind "compressed"): its window of key-value rows
+    and, every `ratio` positions, one compressed entry (and, with an indexer, one index entry).
+
+    head_dim (D): a window row and a compressed entry (one key-value head: keys are values).
+    window (W):   the positions a query reads as rows (its own and the W - 1 before).
+    ratio (m):    positions per compressed entry; 0 for a layer with the window only.
+    overlap:      an entry mixes two windows of positions (CSA: window w's second half of each
+                  row with window w - 1's first half), so each position keeps 2 D of projections
+                  (and of gate logits) until it is compressed; else D (HCA).
+    index_dim (Di): the indexer's entries (its own compression of the same windows, with overlap);
+                  0 without an indexer.
+
+    What grows with the context is the entries: (D + Di) values every m positions
+    (`bytes_per_position`, rounded up). What does not is the window and the projections of the
+    positions whose compression window is still open — kept in rings of their last positions
+    plus COMPRESSED_REACH (layers/cache.py `CompressedRows`), so that a rollback that far back
+    is a pointer move — and a snapshot of them at the starts of the last COMPRESSED_SNAPSHOTS
+    long steps (`fixed_bytes`). V4-Flash (D 512, W 128, CSA m 4 with Di 128; HCA m 128): a CSA
+    layer 160 values a position, an HCA layer 4, against MLA's 576.
+    """
+
+    head_dim: int
+    window: int
+    ratio: int = 0
+    overlap: bool = False
+    index_dim: int = 0
+    kind: str = "compressed"
+
+    def __post_init__(self) -> None:
+        _check(self.kind == "compressed", "cache kind", self.kind)
+        _check(self.head_dim > 0, "head_dim", self.head_dim)
+        _check(self.window > 0, "sliding_window", self.window)
+        _check(self.ratio >= 0, "compress_rates", self.ratio)
+        _check(self.ratio > 0 or not (self.overlap or self.index_dim), "compress_rates", self.ratio)
+        _check(self.index_dim >= 0, "index_head_dim", self.index_dim)
+
+    @property
+    def raw_width(self) -> int:
+        """Values a position keeps until its compression window closes: the compressor's projection and
+        gate logits (2 D each with overlap, else D), and the indexer's (2 Di each)."""
+        if not self.ratio:
+            return 0
+        return 2 * (2 if self.overlap else 1) * self.head_dim + 4 * self.index_dim
+
+    @property
+    def raw_span(self) -> int:
+        """The most positions before the next one whose projections its compression may still read:
+        the open window's (m - 1), and with overlap the whole window before it (m)."""
+        return 0 if not self.ratio else self.ratio - 1 + (self.ratio if self.overlap else 0)
+
+    @property
+    def entry_width(self) -> int:
+        return self.head_dim + self.index_dim
+
+    def ring_rows(self) -> tuple[int, int]:
+        """Rows of the window's ring and of the projections' ring (layers/cache.py `CompressedRows`)."""
+        return self.window - 1 + COMPRESSED_REACH, (self.raw_span + COMPRESSED_REACH if self.ratio else 0)
+
+    def entries(self, positions: int) -> int:
+        """Compressed entries a session of `positions` positions holds room for."""
+        return -(-positions // self.ratio) if self.ratio else 0
+
+    def fixed_bytes(self, itemsize: int) -> int:
+        """What a session holds whatever its length: the rings, the snapshots of the window and open
+        projections, and one entry of rounding (`bytes_per_position` rounds the rest up)."""
+        window, raw = self.ring_rows()
+        rings = window * self.head_dim + raw * self.raw_width
+        snapshots = COMPRESSED_SNAPSHOTS * ((self.window - 1) * self.head_dim + self.raw_span * self.raw_width)
+        return (rings + snapshots + (self.entry_width if self.ratio else 0)) * itemsize
+
+    def bytes_per_position(self, itemsize: int) -> int:
+        """An entry's bytes over the `ratio` positions it stands for, rounded up (0: window only)."""
+        return -(-self.entry_width * itemsize // self.ratio) if self.ratio else 0
+
+    def bytes(self, capacity: int, itemsize: int) -> int:
+        """Bytes a session of `capacity` positions costs in this layer (checked before allocating)."""
+        return self.fixed_bytes(itemsize) + self.bytes_per_position(itemsize) * capacity
+
+
+@dataclass(frozen=True)
+class CompressedAttentionSpec:
+    """One layer's DeepSeek-V4 attention (kind "compressed"): one key-value head whose rows are keys
+    and values at once, read over a sliding window and over compressed entries.
+
+    num_heads (A) query heads of head_dim (D), from a low-rank query (`q_lora_rank`, normed, then
+    each head's D normed without a weight); one key-value row of D per position (normed);
+    RoPE in interleaved pairs on the LAST `rope_dim` (Dr) dims of each, by `rope` (DeepSeek-V4's
+    "main" RoPE for a window-only layer, its "compress" RoPE for the others); the attention's
+    output turned back by the same angle at its query's position (keys are values, so each
+    read value carries its own position: the reverse turn leaves its distance to the query).
+    Each head has a sink logit (as gpt-oss). The output projection is grouped: the A heads in
+    `o_groups` groups, each group's A D / g values to `o_lora_rank`, then all g of those to H.
+
+    window (W):  a query reads the rows of its position and the W - 1 before.
+    ratio (m):   every m positions are compressed into one entry a query reads once its m
+                 positions are all at or before it (0: no compression, the window only: a
+                 "sliding_attention" layer). An entry: the softmax over the window's positions of
+                 gate logits (plus a learned bias per position in the window) weighting their
+                 projections, summed, normed, and turned by RoPE at the window's first position.
+    index_heads (Hi), index_head_dim (Di), index_topk (k): the indexer of a "compressed sparse
+                 attention" layer (0 heads: none, a "heavily compressed" layer, which reads every
+                 entry). Its entries are its own compression of the same windows at Di; a query
+                 q_i = Wq_i(query latent) [Hi, Di], rotated at its position, scores entry j as
+                 sum_h w_h relu(q_i[h] . e_j) / sqrt(Di), w = x Ww / sqrt(Hi), and reads only its k
+                 best entries (all while there are at most k). With an indexer an entry overlaps
+                 two windows (`CompressedCacheSpec.overlap`).
+    norm_eps:    epsilon of every RMSNorm of the layer (the model's rms_norm_eps).
+    """
+
+    num_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    window: int
+    rope: RopeSpec = RopeSpec()
+    ratio: int = 0
+    index_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    norm_eps: float = 1e-6
+    kind: str = "compressed"
+
+    def __post_init__(self) -> None:
+        _check(self.kind == "compressed", "attention kind", self.kind)
+        for name, value in (("num_attention_heads", self.num_heads), ("head_dim", self.head_dim),
+                            ("q_lora_rank", self.q_lora_rank), ("o_lora_rank", self.o_lora_rank),
+                            ("sliding_window", self.window)):
+            _check(value > 0, name, value)
+        _check(0 < self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0, "partial_rotary_factor", self.rope_dim)
+        _check(self.o_groups > 0 and self.num_heads % self.o_groups == 0, "o_groups", self.o_groups)
+        _check(self.ratio >= 0, "compress_rates", self.ratio)
+        if self.index_heads:
+            _check(self.ratio > 0, "compress_rates", self.ratio)
+            _check(self.index_head_dim >= self.rope_dim, "index_head_dim", self.index_head_dim)
+            _check(self.index_topk > 0, "index_topk", self.index_topk)
+
+    @property
+    def indexed(self) -> bool:
+        return self.index_heads > 0
+
+    @property
+    def cache(self) -> CompressedCacheSpec:
+        return CompressedCacheSpec(self.head_dim, self.window, self.ratio, self.indexed,
+                                   self.index_head_dim if self.indexed else 0)
+
+    @property
+    def group_width(self) -> int:
+        """Each output group's input: A D / g."""
+        return self.num_heads * self.head_dim // self.o_groups
+
+    def matrices(self, hidden: int) -> list[tuple[int, int]]:
+        """[rows, cols] of the matrices quantization stores: Wq_a, Wq_b, Wkv, Wo_b. The grouped Wo_a
+        (a matrix per group, read as one block-diagonal product), the compressor's and the indexer's
+        projections stay in float, as DeepSeek ships them."""
+        return [(self.q_lora_rank, hidden), (self.num_heads * self.head_dim, self.q_lora_rank),
+                (self.head_dim, hidden), (hidden, self.o_groups * self.o_lora_rank)]
+
+    def param_count(self, hidden: int) -> int:
+        d, m = self.head_dim, self.ratio
+        own = self.q_lora_rank + d + self.num_heads + self.o_groups * self.o_lora_rank * self.group_width
+        compressor = 0
+        if m:  # kv and gate projections, the bias per window position, the norm
+            width = (2 if self.indexed else 1) * d
+            compressor = 2 * width * hidden + m * width + d
+        indexer = 0
+        if self.indexed:
+            hi, di = self.index_heads, self.index_head_dim
+            indexer = 2 * 2 * di * hidden + m * 2 * di + di + hi * di * self.q_lora_rank + hi * hidden
+        return sum(r * c for r, c in self.matrices(hidden)) + own + compressor + indexer
+
+
+@dataclass(frozen=True)
+class HyperSpec:
+    """Manifold-constrained hyper-connections (DeepSeek-V4's mHC, `hc_mult`): the residual is
+    `streams` (n) rows of H per token, not one, carried from layer to layer (and so from stage to
+    stage: `ModelSpec.hop_width`).
+
+    Around each of a layer's attention and MLP, a connection reads the n streams (flattened, RMS-
+    normed without a weight) through one projection [(2 + n) n, n H] into: `pre` [n] (sigmoid, + eps),
+    which mixes the streams into the block's one input row; `post` [n] (2 sigmoid), which spreads the
+    block's output over the streams; and `comb` [n, n] (softmax by row, + eps, then made doubly
+    stochastic by `sinkhorn_iters` alternations of column and row normalisation), which mixes the
+    streams into each other: streams' = post (x) block(pre . streams) + combᵀ streams. Each of the
+    three has a learned scale and bias. The embedding enters as n copies; before the final norm a
+    head connection (its own [n, n H] projection, bias and scale) mixes them back into one.
+    """
+
+    streams: int
+    sinkhorn_iters: int = 20
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        _check(self.streams > 0, "hc_mult", self.streams)
+        _check(self.sinkhorn_iters > 0, "hc_sinkhorn_iters", self.sinkhorn_iters)
+        _check(self.eps > 0, "hc_eps", self.eps)
+
+    @property
+    def mix_width(self) -> int:
+        """Outputs of a connection's projection: pre and post (n each) and comb (n n)."""
+        return (2 + self.streams) * self.streams
+
+    def connection_params(self, hidden: int) -> int:
+        """One connection: its projection [(2 + n) n, n H], bias [(2 + n) n] and scales [3]."""
+        return self.mix_width * (self.streams * hidden + 1) + 3
+
+    def head_params(self, hidden: int) -> int:
+        """The head connection: projection [n, n H], bias [n], scale [1]."""
+        return self.streams * (self.streams * hidden + 1) + 1
+
+
+@dataclass(frozen=True)
 class RouterSpec:
     """How a token picks its experts.
 
@@ -754,7 +991,12 @@ class RouterSpec:
     (`n_group`), each ranked by its two best corrected scores, and the top `top_k` chosen
     within the best `topk_groups` groups; weighted by their uncorrected scores, divided by
     their sum when `renormalize`, times `scale` (`routed_scaling_factor`).
+    kind "sqrtsoftplus_topk" (DeepSeek-V4): the same with scores sqrt(softplus(x Wᵀ)) and one group.
     bias: the router's logits carry a learned bias (gpt-oss).
+    hash_vocab: when > 0, the experts are not chosen by score: a token's `top_k` experts are row
+              `token id` of a fixed table [hash_vocab, top_k] (DeepSeek-V4's hash layers,
+              `tid2eid`), and the scores only weight them (there is no correction bias). The
+              layer then reads each row's token id (carried on the hop: `ModelSpec.hop_width`).
     """
 
     kind: str = "softmax_topk"
@@ -764,20 +1006,30 @@ class RouterSpec:
     topk_groups: int = 1
     scale: float = 1.0
     bias: bool = False
+    hash_vocab: int = 0
 
     def __post_init__(self) -> None:
         _check(self.kind in ROUTER_KINDS, "router kind", self.kind)
         _check(self.top_k > 0, "num_experts_per_tok", self.top_k)
         _check(0 < self.topk_groups <= self.num_groups, "topk_group", self.topk_groups)
         _check(self.scale > 0, "routed_scaling_factor", self.scale)
-        if self.kind != "sigmoid_group_topk":
+        if self.kind not in ("sigmoid_group_topk", "sqrtsoftplus_topk"):
             _check(self.num_groups == 1 and self.scale == 1.0, "n_group", self.num_groups)
+        _check(self.kind != "sqrtsoftplus_topk" or self.num_groups == 1, "n_group", self.num_groups)
         _check(not self.bias or self.kind == "topk_softmax", "router bias", self.bias)
+        _check(self.hash_vocab >= 0, "vocab_size", self.hash_vocab)
+        _check(not self.hash_vocab or (self.scored and self.num_groups == 1), "hash routing", self.kind)
+
+    @property
+    def scored(self) -> bool:
+        """A correction-biased top-k of per-expert scores (DeepSeek's routers), hashed or not."""
+        return self.kind in ("sigmoid_group_topk", "sqrtsoftplus_topk")
 
     def param_count(self, hidden: int, num_experts: int) -> int:
-        """The [E, H] logit projection, and the sigmoid router's correction bias or the logits' bias [E]."""
-        extra = num_experts if self.kind == "sigmoid_group_topk" or self.bias else 0
-        return num_experts * hidden + extra
+        """The [E, H] logit projection, and the correction bias or the logits' bias [E], or a hash
+        layer's table [hash_vocab, k] of expert ids."""
+        extra = num_experts if (self.scored and not self.hash_vocab) or self.bias else 0
+        return num_experts * hidden + extra + self.hash_vocab * self.top_k
 
 
 @dataclass(frozen=True)
@@ -788,6 +1040,8 @@ class GluSpec:
     kind "clamped_swiglu": gpt-oss's: gate clamped above at `limit`, up to [-limit, limit],
                            then gate * sigmoid(alpha * gate) * (up + 1).
     kind "relu2":          relu(up)^2, with no gate projection at all (Nemotron-H's MLP).
+    kind "clamped_silu":   DeepSeek-V4's: gate clamped above at `limit`, up to [-limit, limit],
+                           then silu(gate) * up (no alpha).
     """
 
     kind: str = "silu"
@@ -796,10 +1050,11 @@ class GluSpec:
 
     def __post_init__(self) -> None:
         _check(self.kind in GLU_KINDS, "activation", self.kind)
-        clamped = self.kind == "clamped_swiglu"
-        _check(not clamped or (self.alpha is not None and self.alpha > 0), "swiglu_alpha", self.alpha)
+        swiglu, clamped = self.kind == "clamped_swiglu", self.kind in ("clamped_swiglu", "clamped_silu")
+        _check(not swiglu or (self.alpha is not None and self.alpha > 0), "swiglu_alpha", self.alpha)
         _check(not clamped or (self.limit is not None and self.limit > 0), "swiglu_limit", self.limit)
-        _check(clamped or (self.alpha is None and self.limit is None), "swiglu_alpha", self.alpha)
+        _check(swiglu or self.alpha is None, "swiglu_alpha", self.alpha)
+        _check(clamped or self.limit is None, "swiglu_limit", self.limit)
 
     @property
     def gated(self) -> bool:
@@ -870,10 +1125,11 @@ class MlpSpec:
         return matrices + router + biases + gate
 
 
-# A layer's session state, by kind: rows per position (KV, MLA's latent, DSA's), fixed (recurrent), or none
-StateSpec = CacheSpec | LatentCacheSpec | IndexedLatentCacheSpec | RecurrentStateSpec | StatelessSpec
+# A layer's session state, by kind: rows per position (KV, MLA's latent, DSA's), fixed (recurrent), none, or
+# DeepSeek-V4's window and entries
+StateSpec = CacheSpec | LatentCacheSpec | IndexedLatentCacheSpec | RecurrentStateSpec | StatelessSpec | CompressedCacheSpec
 # A layer's token mixer, by kind (ATTENTION_KINDS)
-MixerSpec = AttentionSpec | MlaSpec | DsaSpec | GatedDeltaNetSpec | KdaSpec | Mamba2Spec
+MixerSpec = AttentionSpec | MlaSpec | DsaSpec | GatedDeltaNetSpec | KdaSpec | Mamba2Spec | CompressedAttentionSpec
 NO_STATE = StatelessSpec()
 
 
@@ -881,10 +1137,12 @@ NO_STATE = StatelessSpec()
 class LayerSpec:
     """One decoder layer: its attention (token mixer) and its MLP, each pre-normed (RMSNorm) and
     added to the residual. Either may be None, not both: a Nemotron-H layer is one mixer (Mamba2 or
-    attention) or one MLP, each with its one norm."""
+    attention) or one MLP, each with its one norm. Under `hyper` (DeepSeek-V4) each goes through a
+    hyper-connection over the residual's streams."""
 
     attention: MixerSpec | None
     mlp: MlpSpec | None
+    hyper: HyperSpec | None = None
 
     def __post_init__(self) -> None:
         _check(self.attention is not None or self.mlp is not None, "layer", "neither a mixer nor an MLP")
@@ -911,7 +1169,8 @@ class LayerSpec:
 
     def param_count(self, hidden: int) -> int:
         halves = [part.param_count(hidden) + hidden for part in (self.attention, self.mlp) if part is not None]
-        return sum(halves)  # each half's own and its norm's
+        connections = len(halves) * self.hyper.connection_params(hidden) if self.hyper is not None else 0
+        return sum(halves) + connections  # each half's own and its norm's, and its hyper-connection
 
 
 @dataclass(frozen=True)
@@ -941,6 +1200,10 @@ class ModelSpec:
     prefix:         where the decoder's tensors lie in the checkpoint: "model." (a causal LM),
                     "model.language_model." (the text model of a multimodal checkpoint, whose
                     other towers are not run), or "backbone." (Nemotron-H's).
+
+    Under hyper-connections (every layer's `hyper`, DeepSeek-V4) the residual is several streams
+    and the head mixes them back into one before the final norm; what a step carries between
+    stages is `hop_width` values a token.
     """
 
     family: str
@@ -964,6 +1227,41 @@ class ModelSpec:
         _check(self.max_position > 0, "max_position_embeddings", self.max_position)
         _check(self.mtp_layers >= 0, "num_nextn_predict_layers", self.mtp_layers)
         _check(0 in self.span_starts, "indexer_types", "shared at layer 0")
+        _check(len({layer.hyper for layer in self.layers}) == 1, "hc_mult", [layer.hyper for layer in self.layers])
+
+    @property
+    def hyper(self) -> HyperSpec | None:
+        """The hyper-connections every layer has (DeepSeek-V4), or None: one residual stream."""
+        return self.layers[0].hyper
+
+    @property
+    def streams(self) -> int:
+        """Rows of H the residual is per token: `hyper.streams`, else 1."""
+        return self.hyper.streams if self.hyper is not None else 1
+
+    @cached_property
+    def hop_id_digits(self) -> int:
+        """Base-256 digits of a token id the hop carries (HOP_ID_DIGIT_BASE): enough for every id of the
+        vocabulary where some layer routes by token id (a hash router), else 0."""
+        if not any(layer.mlp is not None and layer.mlp.router is not None and layer.mlp.router.hash_vocab
+                   for layer in self.layers):
+            return 0
+        return max(1, -(-(self.vocab_size - 1).bit_length() // 8))
+
+    @property
+    def hop_width(self) -> int:
+        """Values a step carries per token from one stage to the next: what a layer hands the next
+        one, and what the embedding alone knows that a later layer reads. The residual stream,
+        `streams` rows of H; then the token id in `hop_id_digits` digits where a layer routes by it.
+        A hop of T tokens is [T, hop_width] (stages/layers/hop.py packs and unpacks it): what the
+        wire, the requester's history, the spot checks and a peer's frame limit carry; its bytes
+        per token are `hop_bytes`. Anything else only the embedding knows that a later layer reads
+        is added here, with its columns in hop.py."""
+        return self.streams * self.hidden_size + self.hop_id_digits
+
+    def hop_bytes(self, itemsize: int = 4) -> int:
+        """Bytes one token's hop takes on the wire at `itemsize` bytes a value."""
+        return self.hop_width * itemsize
 
     @property
     def num_layers(self) -> int:
@@ -992,6 +1290,7 @@ class ModelSpec:
         """Parameters of the whole model: embedding, every decoder layer, the final norm, and the
         head unless tied (MTP modules, which are not run, left out)."""
         edges = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2) + self.hidden_size
+        edges += self.hyper.head_params(self.hidden_size) if self.hyper is not None else 0
         return edges + sum(n * layer.param_count(self.hidden_size) for layer, n in Counter(self.layers).items())
 
     def max_layer_bytes(self, itemsize: int = 4) -> int:

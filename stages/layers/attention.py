@@ -33,7 +33,7 @@ from torch import nn
 from tessera.stages.families.spec import AttentionSpec, MlaSpec
 from tessera.stages.layers.cache import KeyValues
 from tessera.stages.layers.norm import RMSNorm
-from tessera.stages.layers.rope import RopeKey, apply_rope
+from tessera.stages.layers.rope import RopeKey, Rotary, apply_rope
 
 # A layer's cache as a step sees it: one session's store, or one per segment of a stacked step.
 LayerCache = KeyValues | Sequence[KeyValues]
@@ -79,6 +79,10 @@ class StepContext:
               (layers/dsa.py): per segment (one for a solo step), the positions [T, S] each query
               reads, or None for every causal one; the layers after it that reuse it read it here.
               None until such a layer ran (a span never starts on a reusing layer).
+    token_ids: each row's token id [T] (long), where the hop carries them (a layer that routes by
+              token id: layers/hop.py), else None.
+    rotaries: the stage's `Rotary` per RoPE key, for tables at other positions than the rows'
+              (`rope_at`: DeepSeek-V4's compressed entries turn at their window's first position).
     """
 
     start: int
@@ -86,10 +90,17 @@ class StepContext:
     device: torch.device
     segments: tuple[Segment, ...] = ()
     selection: tuple[torch.Tensor | None, ...] | None = None
+    token_ids: torch.Tensor | None = None
+    rotaries: dict[RopeKey, Rotary] = field(default_factory=dict)
     _masks: dict[tuple[int, int, int | None], torch.Tensor | None] = field(default_factory=dict)
 
     def rope(self, spec: AttentionSpec | MlaSpec) -> tuple[torch.Tensor, torch.Tensor]:
         return self.tables[(spec.rope, spec.rope_dim)]
+
+    def rope_at(self, spec: AttentionSpec | MlaSpec, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`spec`'s RoPE tables [P, 1, D] at `positions` [P] (those of the rows are `rope`'s)."""
+        return self.rotaries[(spec.rope, spec.rope_dim)].cos_sin(positions, dtype)
 
     def attend(self, qk: torch.Tensor, v: torch.Tensor, num_heads: int, cache: LayerCache, window: int | None,
                scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:

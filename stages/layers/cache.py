@@ -34,6 +34,14 @@ Kinds (CACHE_KINDS):
              (StateRewindError) before anything moves, and the session replays from 0.
 - "none":    `NoState`: a layer with no token mixer (a Nemotron-H MLP layer) keeps nothing.
 
+- "compressed": `CompressedRows` (DeepSeek-V4): the window's rows and the projections of the
+             positions not yet compressed, each in a ring of its last positions, and the
+             compressed entries (with the indexer's) that grow by one every `ratio` positions.
+             A write or rollback goes back by a pointer move as far as the rings reach
+             (COMPRESSED_REACH past what the window and the open compression need), and to the
+             starts of the last long steps (snapshots); further, it is refused before anything
+             moves (StateRewindError, `reachable`) and the session replays from position 0.
+
 A new kind is a store class here with the interface its attention kind calls — for
 `KeyValues`, `write_and_read` — plus `grow` and `nbytes`, registered in STORES, and its
 spec's `fixed_bytes` and `bytes_per_position` (what admission budgets). A store that cannot be
@@ -43,13 +51,16 @@ any write or rollback.
 
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from tessera.stages.errors import ContextOverflow, StateRewindError, UnsupportedModel
 from tessera.stages.families.spec import (
-    CacheSpec, IndexedLatentCacheSpec, LatentCacheSpec, RecurrentStateSpec, StatelessSpec,
+    COMPRESSED_REACH, COMPRESSED_SNAPSHOTS, CacheSpec, CompressedCacheSpec, IndexedLatentCacheSpec, LatentCacheSpec,
+    RecurrentStateSpec, StatelessSpec,
 )
 from tessera.stages.layers.state import RecurrentState
 
@@ -166,10 +177,179 @@ class NoState:
     nbytes = 0
 
 
-LayerStore = KeyValues | LatentRows | RecurrentState | NoState
+
+class Ring:
+    """The rows of a store's last `rows` positions, [rows, width], position p at slot p % rows; valid
+    for positions [low, end) where `end` is the store's position."""
+
+    def __init__(self, rows: int, width: int, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.data = torch.zeros((rows, width), dtype=dtype, device=device)
+        self.low = 0  # the first position whose row the ring still holds
+
+    def read(self, lo: int, hi: int) -> torch.Tensor:
+        """Rows of positions [lo, hi) (all held: lo >= low), in order."""
+        assert self.low <= lo <= hi, "a ring read of positions it holds"
+        slots = torch.arange(lo, hi, device=self.data.device) % self.data.shape[0]
+        return self.data.index_select(0, slots)
+
+    def write(self, rows: torch.Tensor, start: int) -> None:
+        """Rows [T, width] of positions [start, start + T); of a step longer than the ring, its last rows."""
+        size, end = self.data.shape[0], start + rows.shape[0]
+        lo = max(start, end - size)
+        self.data[torch.arange(lo, end, device=self.data.device) % size] = rows[lo - start :]
+        self.low = max(self.low, end - size)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+@dataclass
+class Snapshot:
+    """A compressed store's rings at position `position` (the rows a step from there reads), kept
+    at the start of a step longer than the rings reach past."""
+
+    position: int
+    window: torch.Tensor  # rows of positions [position - len, position)
+    raw: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.window.nbytes + (self.raw.nbytes if self.raw is not None else 0)
+
+
+class CompressedRows:
+    """One DeepSeek-V4 layer's state of one session (kind "compressed": families/spec.py
+    `CompressedCacheSpec`, layers/compressed.py reads and writes it).
+
+    window:  `Ring` of the key-value rows [D] of the last W - 1 + COMPRESSED_REACH positions.
+    raw:     `Ring` of each position's projections and gate logits [raw_width] until its
+             compression window has closed (and, with overlap, the next one), + the reach.
+    entries, index_entries: the compressed entries [allocated, D] and the indexer's [allocated, Di],
+             entry w standing for positions [w m, (w + 1) m); grown with the context.
+    position: the position the next step writes at (SessionCache's pointer, which moves it).
+    """
+
+    def __init__(self, spec: CompressedCacheSpec, positions: int, *, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        self.spec = spec
+        window_rows, raw_rows = spec.ring_rows()
+        self.window = Ring(window_rows, spec.head_dim, dtype=dtype, device=device)
+        self.raw = Ring(raw_rows, spec.raw_width, dtype=dtype, device=device) if spec.ratio else None
+        self.entries = torch.zeros((spec.entries(positions), spec.head_dim), dtype=dtype, device=device)
+        self.index_entries = torch.zeros((spec.entries(positions), spec.index_dim), dtype=dtype, device=device)
+        self.position = 0
+        self.snapshots: deque[Snapshot] = deque(maxlen=COMPRESSED_SNAPSHOTS)
+
+    def grow(self, positions: int, *, keep: int) -> None:
+        """Room for the entries of `positions` positions, keeping those of the valid [0, keep)."""
+        n, kept = self.spec.entries(positions), keep // self.spec.ratio if self.spec.ratio else 0
+        for name in ("entries", "index_entries"):
+            old = getattr(self, name)
+            new = old.new_zeros((n, old.shape[1]))
+            new[:kept] = old[:kept]
+            setattr(self, name, new)
+
+    # -- going back ---------------------------------------------------------------
+
+    def first_read(self, position: int) -> tuple[int, int]:
+        """The first positions whose window row and whose projections a step at `position` reads."""
+        spec = self.spec
+        window = max(0, position - spec.window + 1)
+        if not spec.ratio:
+            return window, position
+        return window, max(0, (position // spec.ratio - (1 if spec.overlap else 0)) * spec.ratio)
+
+    def reachable(self, position: int) -> bool:
+        """Whether `rewind(position)` can go back there: the rings still hold what a step from it reads,
+        or a snapshot was kept there (position 0 and the current one always)."""
+        if position in (0, self.position):
+            return True
+        if position > self.position:
+            return False
+        if any(s.position == position for s in self.snapshots):
+            return True
+        window, raw = self.first_read(position)
+        return window >= self.window.low and (self.raw is None or raw >= self.raw.low)
+
+    def rewind(self, position: int) -> None:
+        """Go back to `position` (StateRewindError, moving nothing, unless `reachable`): the entries of
+        the windows before it stand, the rings' rows from it on are written anew."""
+        if position == self.position:
+            return
+        if not self.reachable(position):
+            raise StateRewindError(
+                f"cannot go back to position {position}: this session's compressed attention state is at "
+                f"{self.position} and keeps the rows of its last {COMPRESSED_REACH} positions past its window "
+                f"(and the starts of its last {COMPRESSED_SNAPSHOTS} long steps: "
+                f"{[s.position for s in self.snapshots]}); replay the history from position 0")
+        while self.snapshots and self.snapshots[-1].position > position:
+            self.snapshots.pop()
+        if position == 0:
+            self.window.low = 0
+            if self.raw is not None:
+                self.raw.low = 0
+            self.snapshots.clear()
+        else:
+            window, raw = self.first_read(position)
+            if window < self.window.low or (self.raw is not None and raw < self.raw.low):
+                kept = next(s for s in self.snapshots if s.position == position)
+                self.window.write(kept.window, position - kept.window.shape[0])
+                self.window.low = position - kept.window.shape[0]
+                if self.raw is not None and kept.raw is not None:
+                    self.raw.write(kept.raw, position - kept.raw.shape[0])
+                    self.raw.low = position - kept.raw.shape[0]
+        self.position = position
+
+    # -- one step -----------------------------------------------------------------
+
+    def write_window(self, rows: torch.Tensor, start: int) -> tuple[torch.Tensor, int]:
+        """Write the step's key-value rows [T, D] at [start, start + T); return the rows a step's
+        queries read as window, of positions [first, start + T), and `first`. Keeps a snapshot
+        first when the step is longer than the rings reach past its start."""
+        assert start == self.position, "SessionCache rewinds a store before a step writes"
+        n = rows.shape[0]
+        if n > COMPRESSED_REACH and start > 0:
+            self._snapshot(start)
+        first = max(0, start - self.spec.window + 1)
+        read = torch.cat((self.window.read(first, start), rows)) if first < start else rows
+        self.window.write(rows, start)
+        return read, first
+
+    def write_raw(self, raw: torch.Tensor, start: int) -> tuple[torch.Tensor, int]:
+        """Write the step's projections [T, raw_width] at [start, start + T); return those of positions
+        [first, start + T) (what the windows closing in this step read), and `first`."""
+        assert self.raw is not None, "a compressing layer"
+        first = self.first_read(start)[1]
+        read = torch.cat((self.raw.read(first, start), raw)) if first < start else raw
+        self.raw.write(raw, start)
+        return read, first
+
+    def write_entries(self, entries: torch.Tensor, index_entries: torch.Tensor | None, first: int) -> None:
+        """Entries [n, D] (and the indexer's [n, Di]) of windows [first, first + n)."""
+        self.entries[first : first + entries.shape[0]] = entries
+        if index_entries is not None:
+            self.index_entries[first : first + index_entries.shape[0]] = index_entries
+
+    def advance(self, n_tokens: int) -> None:
+        """The step's positions are written: the next step writes after them."""
+        self.position += n_tokens
+
+    def _snapshot(self, start: int) -> None:
+        window, raw = self.first_read(start)
+        self.snapshots.append(Snapshot(start, self.window.read(window, start).clone(),
+                                       self.raw.read(raw, start).clone() if self.raw is not None else None))
+
+    @property
+    def nbytes(self) -> int:
+        rings = self.window.nbytes + (self.raw.nbytes if self.raw is not None else 0)
+        return rings + self.entries.nbytes + self.index_entries.nbytes + sum(s.nbytes for s in self.snapshots)
+
+
+LayerStore = KeyValues | LatentRows | RecurrentState | NoState | CompressedRows
 STORES = {"full": KeyValues, "sliding": KeyValues, "latent": LatentRows, "latent_indexed": IndexedLatentRows,
-          "recurrent": RecurrentState, "none": NoState}
-AnyCacheSpec = CacheSpec | LatentCacheSpec | IndexedLatentCacheSpec | RecurrentStateSpec | StatelessSpec
+          "recurrent": RecurrentState, "none": NoState, "compressed": CompressedRows}
+AnyCacheSpec = CacheSpec | LatentCacheSpec | IndexedLatentCacheSpec | RecurrentStateSpec | StatelessSpec | CompressedCacheSpec
 
 
 def layer_store(spec: AnyCacheSpec, positions: int, *, dtype: torch.dtype,
@@ -190,8 +370,9 @@ class SessionCache:
         self.capacity = capacity
         self.allocated = 0  # positions every store holds memory for now
         self.length = 0
-        # the stores a pointer move cannot take back (recurrent states): asked before any write or rollback
-        self.rewinding = [store for store in self.layers if isinstance(store, RecurrentState)]
+        # the stores a pointer move cannot take back (recurrent states, compressed layers' rings): asked
+        # before any write or rollback
+        self.rewinding = [store for store in self.layers if isinstance(store, (RecurrentState, CompressedRows))]
 
     @classmethod
     def over(cls, stores: Sequence[KeyValues], capacity: int) -> "SessionCache":
@@ -234,7 +415,8 @@ class SessionCache:
         return all(store.reachable(position) for store in self.rewinding)
 
     def _rewind(self, position: int) -> None:
-        """Take every recurrent store back to `position` (StateRewindError, moving nothing, unless all reach it)."""
+        """Take every store a pointer move cannot take back (recurrent states, compressed layers' rings) to
+        `position` (StateRewindError, moving nothing, unless all reach it)."""
         if position == self.length or not self.rewinding:
             return
         blocked = next((store for store in self.rewinding if not store.reachable(position)), None)

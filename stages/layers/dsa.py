@@ -39,7 +39,7 @@ from tessera.stages.errors import SpanError
 from tessera.stages.families.spec import DsaSpec
 from tessera.stages.layers.attention import Segment, StepContext
 from tessera.stages.layers.cache import IndexedLatentRows
-from tessera.stages.layers.mla import LatentAttention, LatentCache, causal_allowed, deinterleave, step_stores
+from tessera.stages.layers.mla import LatentAttention, LatentCache, deinterleave, step_stores
 from tessera.stages.layers.rope import apply_rope
 
 INDEX_KEY_NORM_EPS = 1e-6  # the reference's LayerNorm over index keys (not the model's rms_norm_eps)
@@ -56,19 +56,29 @@ def select(scores: torch.Tensor, start: int, top_k: int) -> torch.Tensor | None:
     query as a one-token step. It depends on that row alone, not on how a step is cut or stacked
     (transformers' own whole-prompt prefill runs topk over rows padded with the masked future,
     and picks among ties otherwise: its prefill and its token-by-token run disagree there)."""
+    counts = torch.arange(start + 1, start + scores.shape[0] + 1, device=scores.device)
+    return pick_top_k(scores, counts, top_k)
+
+
+def pick_top_k(scores: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor | None:
+    """Index scores [T, S] of T queries, query i reading only the first counts[i] (long [T]) of the S
+    positions -> the positions each reads [T, S] (bool): the `top_k` best of its own, all of them while
+    it has at most k; None when no query has more than k. Ties at the k-th place are broken by
+    `torch.topk` on the query's own row [0, counts[i]) on the CPU (`select`); DeepSeek-V4's indexer
+    picks the same way over compressed entries (layers/compressed.py)."""
     t, s = scores.shape
-    if s <= top_k:
+    if int(counts.max()) <= top_k:
         return None
-    causal = causal_allowed(start, t, scores.device)
-    ranked = scores.masked_fill(~causal, float("-inf")).sort(dim=-1, descending=True, stable=True)
-    picked = torch.zeros_like(causal).scatter_(1, ranked.indices[:, :top_k], True)
-    # a tie at the k-th place, among causal positions (past them the row is -inf: nothing to choose)
+    allowed = torch.arange(s, device=scores.device)[None, :] < counts[:, None]
+    ranked = scores.masked_fill(~allowed, float("-inf")).sort(dim=-1, descending=True, stable=True)
+    picked = torch.zeros_like(allowed).scatter_(1, ranked.indices[:, :top_k], True)
+    # a tie at the k-th place, among allowed positions (past them the row is -inf: nothing to choose)
     tied = (ranked.values[:, top_k - 1] == ranked.values[:, top_k]) & (ranked.values[:, top_k] > float("-inf"))
     for row in tied.nonzero()[:, 0].tolist():
-        own = scores[row, : start + row + 1].detach().cpu()  # the query's causal row, as a one-token step has it
+        own = scores[row, : int(counts[row])].detach().cpu()  # the query's own row, as a one-token step has it
         picked[row] = False
         picked[row, own.topk(top_k).indices.to(picked.device)] = True
-    return picked & causal  # a query with <= k causal positions picked some future ones too: not read
+    return picked & allowed  # a query with <= k positions picked some it may not read too: not read
 
 
 class Indexer(nn.Module):

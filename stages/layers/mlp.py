@@ -3,7 +3,7 @@
 Also each expert of a sparse MLP (layers/moe.py). The projections are called as modules, so
 that a quantized span can hold `tessera.stages.kernels.quant` linears in their place (same
 call, integer weights). `ClampedSwiGLU` is gpt-oss's gated activation (GluSpec), with biased
-projections; `Relu2` is Nemotron-H's ungated MLP, down(relu(up(x))^2); `glu_mlp` picks the module
+projections, `ClampedSiLU` DeepSeek-V4's; `Relu2` is Nemotron-H's ungated MLP, down(relu(up(x))^2); `glu_mlp` picks the module
 an MlpSpec's (or each of its experts') shape needs.
 """
 
@@ -66,11 +66,28 @@ class Relu2(nn.Module):
         return self.w_down.forward(torch.square(F.relu(self.w_up.forward(x))))
 
 
+class ClampedSiLU(SwiGLU):
+    """DeepSeek-V4's SwiGLU (GluSpec kind "clamped_silu"): gate clamped above at `limit`, up to
+    [-limit, limit], then down(silu(gate) * up), in the reference's order of operations."""
+
+    def __init__(self, hidden: int, width: int, glu: GluSpec) -> None:
+        super().__init__(hidden, width)
+        assert glu.limit is not None, "a clamped SiLU has a limit"
+        self.limit = glu.limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        gate, up = self.w_gate_up.forward(x).split(self.width, dim=-1)  # [T, I] each
+        return self.w_down.forward(F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit))
+
+
 def glu_mlp(hidden: int, spec: MlpSpec) -> nn.Module:
     """The SwiGLU module of `spec.width` with `spec.glu` and `spec.bias`: a dense MLP, or one expert
     of a sparse one (UnsupportedModel for a combination without a module here)."""
     if spec.glu.kind == "clamped_swiglu":
         return ClampedSwiGLU(hidden, spec.width, spec.glu, bias=spec.bias)
+    if spec.glu.kind == "clamped_silu" and not spec.bias:
+        return ClampedSiLU(hidden, spec.width, spec.glu)
     if spec.glu.kind == "silu" and not spec.bias:
         return SwiGLU(hidden, spec.width)
     if spec.glu.kind == "relu2" and not spec.bias:

@@ -5,8 +5,9 @@ Float32 reference semantics (transformers' `...Experts.forward`): for each token
 its k picked experts of weight * expert(x), the experts added in increasing index order.
 
 Shared experts (DeepSeek-V3, GLM-4.5; `MlpSpec.shared_width`) are one SwiGLU every token goes
-through, added to the picked experts' sum with weight 1 — or, with `shared_gate` (Qwen3-Next,
-Qwen3.5), with weight sigmoid(x · w_gate).
+through, with the experts' gated activation, added to the picked experts' sum with weight 1 — or,
+with `shared_gate` (Qwen3-Next, Qwen3.5), with weight sigmoid(x · w_gate). A hash layer's router
+(DeepSeek-V4) picks by token id: its forward is given the rows' ids.
 
 Only the experts some token picked run, each ONCE, over the rows that picked it: the
 (token, slot) pairs are sorted by expert (one argsort), and each active expert takes its rows
@@ -43,10 +44,11 @@ class MoE(nn.Module):
         self.shared = glu_mlp(hidden, MlpSpec(spec.shared_width, glu=spec.glu)) if spec.shared_width else None
         # the shared expert's gate [1, H] (Qwen3-Next), in float as a router: not a matrix quantization stores
         self.shared_gate = nn.Parameter(torch.empty(1, hidden)) if spec.shared_gate else None
+        self.hashed = bool(spec.router.hash_vocab)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]."""
-        weights, picks = self.router.forward(x)  # [T, k] each
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]; `token_ids` [T]: each row's token id, which a hash layer's router reads."""
+        weights, picks = self.router.forward(x, token_ids) if self.hashed else self.router.forward(x)  # [T, k] each
         run = untraced_dispatch() if torch.compiler.is_compiling() else dispatch
         out = run(x, weights, picks, self.experts)
         if self.shared is None:

@@ -20,6 +20,13 @@ is skipped.
 Of "topk_softmax" (gpt-oss): logits = x Wᵀ + b (with `RouterSpec.bias`, engine name
 `mlp.router.bias`), the k largest (torch.topk), their softmax the weights (float32).
 
+Of "sqrtsoftplus_topk" (DeepSeek-V4; transformers' `DeepseekV4TopKRouter`): s = sqrt(softplus(x Wᵀ)),
+then as "sigmoid_group_topk" with one group: the k best of s + b, weighted by s, divided by their
+sum (+ 1e-20), times `scale`. A hash layer (`RouterSpec.hash_vocab`, DeepSeek-V4's
+`DeepseekV4HashRouter`) takes its k experts from row `token id` of a fixed table (engine name
+`mlp.router.table`, [V, k], integer) instead, weighted the same way by its scores (sigmoid or
+sqrt-softplus); its forward is given the rows' token ids.
+
 A new router is a module here with its own parameters, named in ROUTERS, with its tensors
 mapped in families/tensors.py.
 """
@@ -89,6 +96,38 @@ class SigmoidGroupTopK(nn.Module):
         return weights * spec.scale, experts
 
 
+SCORES = {"sigmoid_group_topk": torch.sigmoid, "sqrtsoftplus_topk": lambda logits: F.softplus(logits).sqrt()}
+
+
+class ScoredTopK(nn.Module):
+    """Kind "sqrtsoftplus_topk", and DeepSeek-V4's sigmoid router (kind "sigmoid_group_topk", one group):
+    module docstring. With `spec.hash_vocab`, a hash layer's: the experts from its table by token id."""
+
+    def __init__(self, hidden: int, num_experts: int, spec: RouterSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.score = SCORES[spec.kind]
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        if spec.hash_vocab:
+            self.register_buffer("table", torch.empty(spec.hash_vocab, spec.top_k, dtype=torch.long))
+            self.correction_bias = None
+        else:
+            self.correction_bias = nn.Parameter(torch.empty(num_experts))
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        spec = self.spec
+        scores = self.score(F.linear(x.float(), self.weight.float()))  # [T, E]
+        if self.correction_bias is None:
+            assert token_ids is not None, "a hash layer routes by token id"
+            experts = self.table[token_ids.to(self.table.device)].long()  # [T, k]
+        else:
+            experts = (scores + self.correction_bias.float()).topk(spec.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+        if spec.renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * spec.scale, experts
+
+
 def kept_groups(choice: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
     """[T, E] True for the experts in each token's best `topk_groups` groups, a group ranked by the
     sum of its two best corrected scores."""
@@ -100,12 +139,14 @@ def kept_groups(choice: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
     return keep[:, :, None].expand_as(grouped).reshape(t, e)
 
 
-ROUTERS = {"softmax_topk": SoftmaxTopK, "topk_softmax": TopKSoftmax, "sigmoid_group_topk": SigmoidGroupTopK}
+ROUTERS = {"softmax_topk": SoftmaxTopK, "topk_softmax": TopKSoftmax, "sigmoid_group_topk": SigmoidGroupTopK,
+           "sqrtsoftplus_topk": ScoredTopK}
 
 
 def build_router(hidden: int, num_experts: int, spec: RouterSpec) -> nn.Module:
-    """The router module of `spec`'s kind (UnsupportedModel for a kind without one here)."""
-    router = ROUTERS.get(spec.kind)
+    """The router module of `spec`'s kind (UnsupportedModel for a kind without one here); a hash layer's
+    router is `ScoredTopK` whatever its scores."""
+    router = ScoredTopK if spec.hash_vocab else ROUTERS.get(spec.kind)
     if router is None:
         raise UnsupportedModel(f"router kind {spec.kind!r} has no module in this engine ({sorted(ROUTERS)})")
     return router(hidden, num_experts, spec)
