@@ -20,7 +20,8 @@ from tessera.stages.errors import SpanError
 from tessera.stages.kernels.quant import NO_QUANT, Quant, check_quant_for
 from tessera.stages.layers.norm import offset_norms
 from tessera.stages.weights.folder import TensorCheck, WeightFolder
-from tessera.stages.weights.formats.load import read_embedding, read_head
+from tessera.stages.layers.hyper import HyperHead
+from tessera.stages.weights.formats.load import read_embedding, read_head, read_head_mix
 from tessera.stages.weights.gguf_blocks import GgufQ4Source, takes_gguf_blocks
 
 
@@ -65,16 +66,22 @@ def load_stage(
     for block in blocks:  # zero-centred norms (Qwen3-Next, Qwen3.5) scale by 1 + w: once, here
         offset_norms(block, spec.norm_offset)
     embedding = read_embedding(weights, dtype).to(device) if embed else None
-    norm = head_weight = None
+    norm = head_weight = head_mix = None
     if head:
         norm, head_weight = (t.to(device) for t in read_head(weights, dtype))
         norm = norm + spec.norm_offset if spec.norm_offset else norm
         if embedding is not None and spec.tie_embeddings:
             head_weight = embedding  # one copy of a tied matrix
+        if spec.hyper is not None:  # the streams mixed into one before the final norm (DeepSeek-V4)
+            with torch.device("meta"):
+                head_mix = HyperHead(spec.hidden_size, spec.hyper, spec.rms_norm_eps)
+            mix = {k: v.to(device) for k, v in read_head_mix(weights, dtype).items()}
+            head_mix.load_state_dict(mix, assign=True, strict=True)
+            head_mix.requires_grad_(False)
     if torch.device(device).type == "cpu":  # the edges in huge pages too: the head is a step's largest matrix
         tied = head_weight is not None and head_weight is embedding
         embedding, head_weight = (None if t is None else settled([t])[0]
                                   for t in (embedding, None if tied else head_weight))
         head_weight = embedding if tied else head_weight
     return Stage(spec, start, blocks, embedding=embedding, norm=norm, head=head_weight, device=device, dtype=dtype,
-                 quant=quant)
+                 quant=quant, head_mix=head_mix)

@@ -33,7 +33,7 @@ from typing import Any
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families import (
-    deepseek, glm, glm5, gpt_oss, kimi_linear, llama, minimax_m2, mixtral, nemotron_h, qwen3, qwen3_next,
+    deepseek, deepseek_v4, glm, glm5, gpt_oss, kimi_linear, llama, minimax_m2, mixtral, nemotron_h, qwen3, qwen3_next,
 )
 from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.family import Family
@@ -54,6 +54,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     qwen3.QWEN3_MOE,
     mixtral.FAMILY,
     deepseek.FAMILY,
+    deepseek_v4.FAMILY,
     glm.FAMILY,
     glm5.FAMILY,
     gpt_oss.FAMILY,
@@ -148,6 +149,12 @@ def mtp_of(spec: ModelSpec) -> MtpSpec:
         raise UnsupportedModel(f"drafting with the MTP layers of {spec.family} is not supported "
                                f"(families with it: {sorted(n for n, f in FAMILIES.items() if f.mtp)})")
     return family.mtp(spec)
+
+
+def edge_names(spec: ModelSpec, name: str) -> tuple[str, ...]:
+    """The names a checkpoint may give edge tensor `name` (families/tensors.py `edge_tensors`): it, then
+    its family's aliases (`Family.edge_aliases`)."""
+    return (name, *FAMILIES[spec.family].edge_aliases.get(name, ()))
 
 
 @lru_cache(maxsize=256)

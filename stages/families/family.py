@@ -44,6 +44,9 @@ class Family:
                   class: Qwen3.5's `Qwen3_5ForCausalLM` beside `Qwen3_5ForConditionalGeneration`).
     mtp:          its checkpoints' first multi-token-prediction module (families/mtp.py: the layout and
                   the block) for a spec with `mtp_layers`, or None where drafting with them is not run.
+    edge_aliases: other names its checkpoints give the tensors outside the layers (families/tensors.py
+                  `edge_tensors` names them as transformers does): a folder holding an alias instead
+                  is read under it (DeepSeek-V4's published `embed.weight`, `head.weight`).
     """
 
     name: str
@@ -57,3 +60,4 @@ class Family:
     from_sizes: FromSizes | None = None
     also: tuple[str, ...] = ()
     mtp: Callable[[ModelSpec], MtpSpec] | None = None
+    edge_aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)

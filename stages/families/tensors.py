@@ -252,6 +252,9 @@ def expert_tensors(p: str, e_count: int, i: int, h: int, experts: ExpertNames) -
 
 # two-dimensional engine tensors that are not multiplied through a linear module of their own
 FLOAT_MATRICES = frozenset({"mlp.router.weight"})
+# engine tensors of integers, stored and read as such (a hash layer's expert table: DeepSeek-V4)
+INTEGER_TENSORS = frozenset({"mlp.router.table"})
+INTEGER_DTYPES = ("I64", "I32")
 
 
 def matrix_paths(tensors: dict[str, Choices]) -> tuple[str, ...]:
@@ -261,11 +264,18 @@ def matrix_paths(tensors: dict[str, Choices]) -> tuple[str, ...]:
                  if name.endswith(".weight") and name not in FLOAT_MATRICES and len(choices[0].shape) == 2)
 
 
+HEAD_MIX = {"fn": "model.hc_head.hc_fn", "base": "model.hc_head.hc_base", "scale": "model.hc_head.hc_scale"}
+
+
 def edge_tensors(spec: ModelSpec) -> dict[str, Shape]:
-    """The tensors outside the layers: embedding, final norm, and the head unless tied."""
+    """The tensors outside the layers: embedding, final norm, the head unless tied, and under
+    hyper-connections the head's connection (`HEAD_MIX`: engine name -> checkpoint name)."""
     shapes = {embedding_name(spec): (spec.vocab_size, spec.hidden_size), final_norm_name(spec): (spec.hidden_size,)}
     if not spec.tie_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
+    if spec.hyper is not None:
+        n, h = spec.hyper.streams, spec.hidden_size
+        shapes.update({HEAD_MIX["fn"]: (n, n * h), HEAD_MIX["base"]: (n,), HEAD_MIX["scale"]: (1,)})
     return shapes
 
 

@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tessera.stages.errors import ModelFormatError
-from tessera.stages.families.catalog import spec_from_file, tensors_of_layer
+from tessera.stages.families.catalog import edge_names, spec_from_file, tensors_of_layer
 from tessera.stages.families.spec import ModelSpec
 from tessera.stages.families.tensors import Choices, Stacked, embedding_name, final_norm_name
 from tessera.stages.weights.registry import MANIFEST
@@ -130,26 +130,33 @@ class WeightFolder:
     def has(self, name: str) -> bool:
         return name in self._where
 
+    def stored_name(self, name: str) -> str:
+        """The name the folder holds tensor `name` under: it, or the first alias of it its family gives
+        (`Family.edge_aliases`: DeepSeek-V4's published `head.weight` for `lm_head.weight`) it holds."""
+        return next((n for n in edge_names(self.spec, name) if n in self._where), name)
+
     def read(self, wanted: dict[str, tuple[int, ...]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Read the named tensors (each checked against its expected shape), cast to `dtype`."""
+        """Read the named tensors (each checked against its expected shape), cast to `dtype` (a tensor of
+        integers, a hash layer's expert table, keeps its dtype). A name may be held under an alias."""
         out: dict[str, torch.Tensor] = {}
-        by_file: dict[Path, list[str]] = {}
+        by_file: dict[Path, list[tuple[str, str]]] = {}
         for name in wanted:
-            if name not in self._where:
+            stored = self.stored_name(name)
+            if stored not in self._where:
                 raise ModelFormatError(f"tensor {name!r} is missing from {str(self.folder)!r}")
-            by_file.setdefault(self._where[name], []).append(name)
+            by_file.setdefault(self._where[stored], []).append((name, stored))
         for path, names in sorted(by_file.items()):
             try:
                 with safe_open(path, framework="pt") as f:
-                    for name in names:
-                        tensor = f.get_tensor(name)
+                    for name, stored in names:
+                        tensor = f.get_tensor(stored)
                         if tuple(tensor.shape) != wanted[name]:
                             raise ModelFormatError(
-                                f"tensor {name!r} has shape {tuple(tensor.shape)!r}, expected {wanted[name]!r}"
+                                f"tensor {stored!r} has shape {tuple(tensor.shape)!r}, expected {wanted[name]!r}"
                             )
                         if self.check is not None:
-                            self.check(name, tensor)  # the bytes as stored, before any cast
-                        out[name] = tensor.to(dtype)
+                            self.check(stored, tensor)  # the bytes as stored, before any cast
+                        out[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
             except (SafetensorError, OSError) as bad:
                 raise ModelFormatError(f"cannot read {str(path)!r}: {bad}") from None
         return out
@@ -204,7 +211,7 @@ class WeightFolder:
         if self.check is not None:
             whole = index is None and rows is None and cols is None
             self.check(name, tensor if whole else None)  # the bytes as stored; a part: the check reads the rest
-        return tensor.to(dtype).contiguous()
+        return (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
 
     def read_stored(self, name: str, shape: tuple[int, ...], dtypes: tuple[str, ...], *,
                     index: int | None = None) -> torch.Tensor:

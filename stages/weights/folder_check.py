@@ -17,10 +17,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from safetensors import SafetensorError, safe_open
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
-from tessera.stages.families.catalog import layer_matrices, tensors_of_layer
+from tessera.stages.families.catalog import edge_names, layer_matrices, tensors_of_layer
 from tessera.stages.families.shipped import FLOAT_DTYPES, ShippedFormat
 from tessera.stages.families.spec import ModelSpec
-from tessera.stages.families.tensors import Stacked, edge_tensors
+from tessera.stages.families.tensors import INTEGER_DTYPES, INTEGER_TENSORS, Stacked, edge_tensors
 from tessera.stages.text.tokenizer import Tokenizer
 from tessera.stages.weights.folder import WeightFolder
 
@@ -41,12 +41,14 @@ def expected_tensors(spec: ModelSpec, held: set[str]) -> dict[str, Stored]:
     in its stored form; float tensors are F32, F16 or BF16."""
     shipped = spec.shipped
     out: dict[str, Stored] = {}
-    for name, shape in edge_tensors(spec).items():
-        out.update(_dense(spec, name, shape, held))
+    for name, shape in edge_tensors(spec).items():  # under the first of its names the folder holds
+        out.update(_dense(spec, next((n for n in edge_names(spec, name) if n in held), name), shape, held))
     for layer in range(spec.num_layers):
         matrices = {p + ".weight" for p in layer_matrices(spec, layer)} if shipped is not None else set()
         for ours, choices in tensors_of_layer(spec, layer).items():
             def stored(source: Stacked) -> dict[str, Stored]:
+                if ours in INTEGER_TENSORS:
+                    return {n: (shape, INTEGER_DTYPES) for n, shape in zip(source.names, source.shapes)}
                 if shipped is None or ours not in matrices:
                     return {k: v for n, shape in zip(source.names, source.shapes) for k, v in _dense(spec, n, shape, held).items()}
                 return {k: v for i, n in enumerate(source.names) for k, v in shipped.stored_tensors(n, source.shapes[i]).items()}

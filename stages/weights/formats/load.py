@@ -25,7 +25,9 @@ import torch
 from tessera.stages.errors import ModelFormatError
 from tessera.stages.families.catalog import layer_matrices, tensors_of_layer
 from tessera.stages.families.shipped import FLOAT_DTYPES, GGML_TYPES, ShippedFormat
-from tessera.stages.families.tensors import Choices, Stacked, embedding_name, final_norm_name
+from tessera.stages.families.tensors import (
+    HEAD_MIX, INTEGER_TENSORS, Choices, Stacked, edge_tensors, embedding_name, final_norm_name,
+)
 from tessera.stages.kernels.fp8 import fp8_dense
 from tessera.stages.kernels.ggml import ggml_rows
 from tessera.stages.kernels.linear import RowStack, ShippedLinear
@@ -62,7 +64,9 @@ def shipped_rest(weights: WeightFolder, layer: int, dtype: torch.dtype, device: 
     paths = set(layer_matrices(spec, layer))
     rest = {ours: weights.choose(choices) for ours, choices in tensors_of_layer(spec, layer).items()
             if ours.rpartition(".")[0] not in paths}
-    return {ours: dense_tensor(weights, s.names[0], s.shapes[0], dtype).to(device, copy=True) for ours, s in rest.items()}
+    integers = weights.read({s.names[0]: s.shapes[0] for ours, s in rest.items() if ours in INTEGER_TENSORS}, dtype)
+    return {ours: (integers[s.names[0]] if ours in INTEGER_TENSORS else dense_tensor(weights, s.names[0], s.shapes[0], dtype)
+                   ).to(device, copy=True) for ours, s in rest.items()}
 
 
 def stored_layout(weights: WeightFolder, shipped: ShippedFormat, choices: Choices) -> Stacked:
@@ -133,3 +137,11 @@ def read_head(weights: WeightFolder, dtype: torch.dtype) -> tuple[torch.Tensor, 
     norm = weights.read({final_norm_name(spec): (spec.hidden_size,)}, dtype)[final_norm_name(spec)]
     name = embedding_name(spec) if spec.tie_embeddings else HEAD
     return norm, dense_tensor(weights, name, (spec.vocab_size, spec.hidden_size), dtype)
+
+
+def read_head_mix(weights: WeightFolder, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The head's hyper-connection (DeepSeek-V4: `fn`, `base`, `scale`, layers/hyper.py `HyperHead`) in
+    `dtype`, by engine name; float in every form a checkpoint ships, as its norms are."""
+    shapes = edge_tensors(weights.spec)
+    read = weights.read({name: shapes[name] for name in HEAD_MIX.values()}, dtype)
+    return {ours: read[name] for ours, name in HEAD_MIX.items()}

@@ -68,6 +68,9 @@ def build(root: Path, name: str, config: Any, *, seed: int, fused: bool = False)
         for bname, b in model.named_buffers():  # and the buffers it saves (DeepSeek's router correction bias)
             if bname in saved and b.is_floating_point():
                 b.copy_(WEIGHT_STD * torch.randn_like(b))
+            elif bname in saved:  # DeepSeek-V4's hash table: each token's experts, distinct, at random
+                experts = config.num_local_experts
+                b.copy_(torch.stack([torch.randperm(experts)[: b.shape[1]] for _ in range(b.shape[0])]))
     folder = root / name
     model.save_pretrained(folder, save_original_format=not fused)
     (folder / "tokenizer.json").write_text(byte_tokenizer_json(VOCAB))

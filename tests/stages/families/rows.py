@@ -19,7 +19,7 @@ import pytest
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.catalog import FAMILIES
 
-from .conformance import SHAPE
+from .conformance import SHAPE, VOCAB
 
 transformers = pytest.importorskip("transformers")
 
@@ -98,6 +98,23 @@ HYBRID_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32
 LINEAR_SHARD = "tensor shards of {} are not supported: layer 0 is Gated DeltaNet linear attention"
 SHIPPED_HYBRID = ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
                                            "activation_scheme": "dynamic"}}, UnsupportedModel, "ship quantized")
+# DeepSeek-V4 at tiny sizes: 4 heads of 32 (8 rope dims), a window of 8, compressed entries every 2 (CSA) and
+# 4 (HCA) positions, so a 26-position run closes 13 and 6 of them; indexer top-3; 2 hyper-connection streams
+V4 = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, head_dim=32, partial_rotary_factor=0.25,
+          q_lora_rank=24, o_groups=2, o_lora_rank=16, sliding_window=8, index_head_dim=16, index_topk=3,
+          compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+          n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, max_position_embeddings=1024,
+          bos_token_id=1, eos_token_id=2)
+S4, C4, H4 = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+# window, CSA, HCA, CSA; two hash layers, then sqrt-softplus routing; 8 indexer heads; the experts fused
+V4_MIXED = dict(V4, num_hidden_layers=4, layer_types=[S4, C4, H4, C4], mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 2,
+                hc_mult=2, index_n_heads=8, swiglu_limit=0.6)
+# two indexer heads (index scores tie at exactly 0 at the top-k's edge), three streams, sigmoid scores, YaRN on
+# the compressed layers' RoPE, groups of one head, one hash layer; DeepSeek's names (save_original_format)
+V4_TIES = dict(V4, num_hidden_layers=4, layer_types=[C4, C4, S4, H4], mlp_layer_types=["hash_moe"] + ["moe"] * 3,
+               hc_mult=3, index_n_heads=2, o_groups=4, scoring_func="sigmoid", routed_scaling_factor=2.0,
+               hc_sinkhorn_iters=5, rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": 64})
 
 # Kimi Linear: MLA at tiny sizes (NoPE), KDA of 4 heads of 8, a dense first layer then 8 experts in 2 groups
 KIMI = dict(vocab_size=320, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
@@ -378,6 +395,40 @@ ROWS: dict[str, Row] = {
         **NEMOTRON, layers_block_type=["linear_attention", "moe", "full_attention", "moe"], use_conv_bias=False,
         n_routed_experts=8, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, num_experts_per_tok=2,
         n_group=2, topk_group=1, routed_scaling_factor=2.0), seed=86, split=2),
+    # DeepSeek-V4 (module constants above); the swarm splits at layer 2, after the hash layers
+    "deepseek_v4/csa-hca-hash-fused": Row("deepseek_v4", lambda: transformers.DeepseekV4Config(**V4_MIXED), seed=80,
+                                          split=2, fused=True, swarm=True, refusals=(
+        ({"scoring_func": "softmax"}, UnsupportedModel, "scoring_func 'softmax'"),
+        ({"hidden_act": "gelu"}, UnsupportedModel, "hidden_act 'gelu'"),
+        ({"attention_bias": True}, UnsupportedModel, "attention_bias True"),
+        ({"mlp_bias": True}, UnsupportedModel, "mlp_bias True"),
+        ({"num_key_value_heads": 4}, UnsupportedModel, "num_key_value_heads 4"),
+        ({"n_shared_experts": 2}, UnsupportedModel, "n_shared_experts 2"),
+        ({"norm_topk_prob": False}, UnsupportedModel, "norm_topk_prob False"),
+        ({"layer_types": [S4, C4, H4, "full_attention"]}, UnsupportedModel, "layer_types"),
+        ({"layer_types": [S4, C4]}, ModelFormatError, "layer_types"),
+        ({"mlp_layer_types": ["hash_moe", "dense", "moe", "moe"]}, UnsupportedModel, "mlp_layer_types"),
+        ({"num_hash_layers": 3}, UnsupportedModel, "num_hash_layers 3 .* differs from mlp_layer_types"),
+        ({"compress_ratios": [0, 4, 128, 64]}, UnsupportedModel, "compress_ratios"),
+        ({"compress_ratios": [0, 4, 4, 4]}, UnsupportedModel, "compress_ratios .* differs from layer_types"),
+        ({"compress_rates": {C4: 2, S4: 3}}, UnsupportedModel, "compress_rates"),
+        ({"compress_rates": {C4: 0}}, ModelFormatError, "compress_rates"),
+        ({"qk_rope_head_dim": 16}, UnsupportedModel, "qk_rope_head_dim 16 .* differs from partial_rotary_factor"),
+        ({"partial_rotary_factor": 0.1}, UnsupportedModel, "partial_rotary_factor"),  # 3.2 dims
+        ({"rope_parameters": {"main": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
+                              "compress": {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.25}}},
+         UnsupportedModel, "longrope"),
+        ({"rope_parameters": {"main": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+                              "compress": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}}},
+         UnsupportedModel, "main RoPE turns 0.5"),
+        ({"hc_mult": 0}, ModelFormatError, "hc_mult"),
+        ({"o_groups": 3}, ModelFormatError, "o_groups"),  # 4 heads do not split into 3 groups
+        ({"index_head_dim": 4}, ModelFormatError, "index_head_dim"),  # narrower than the rope dims it turns
+        ({"swiglu_limit": 0}, ModelFormatError, "swiglu_limit"),
+        FP8_ONE_SCALE, AWQ),
+        shard="tensor shards of deepseek_v4 are not supported: layer 0 is 'moe'"),
+    "deepseek_v4/two-index-heads-published": Row("deepseek_v4", lambda: transformers.DeepseekV4Config(**V4_TIES),
+                                                 seed=81, split=3, stepped=True),
     "minimax_m2/yarn-fused": Row("minimax_m2", lambda: transformers.MiniMaxM2Config(
         **MINIMAX, num_local_experts=6, num_experts_per_tok=3, rope_parameters={
             "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16}),
