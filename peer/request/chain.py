@@ -76,7 +76,7 @@ class RouteSession:
         self.session_id = os.urandom(16)
         self.ephemeral = EphemeralKey.generate()
         self.hops: list[HopState] = []
-        self.history = RouteHistory(max_length, ctx.hidden_size)
+        self.history = RouteHistory(max_length, ctx.hop_width)
         self.keep_history = keep_history  # a spot checker's shadow session needs none
         self.pending: dict[int, StepSlot] = {}
         self.tap_arrived = trio.Event()  # set (and replaced) whenever a tap lands in the history

@@ -160,6 +160,8 @@ class Swarm:
         model = model or RequesterModel.load(folder, quant, compile=compile)
         self.head = model.head
         self.spec = model.spec
+        if wire == "fp8" and self.spec.hop_id_digits:  # stages/layers/hop.py: its digits must cross exactly
+            raise ValueError(f"the fp8 wire form rounds away the token ids a {self.spec.family} model's hops carry")
         self.tokenizer = model.tokenizer
         # the peers it chains: those of its quantization (their advertised model id says it), or any
         self.model_id = model.model_id
@@ -171,7 +173,7 @@ class Swarm:
         self.ctx = RequesterContext(
             transport=transport, identity=identity, keeper=self.keeper, nursery=nursery,
             num_layers=self.spec.num_layers, hidden_size=self.spec.hidden_size, tracer=tracer or NullTracer(),
-            wire=wire,
+            wire=wire, hop_width=self.spec.hop_width,
         )
         self.pinger = Pinger(transport, tracer=self.ctx.tracer)
         self.peer_id = transport.peer_id
@@ -532,7 +534,7 @@ class Swarm:
         """The prompt's chunk size on the session's route (peer/request/prefill.py)."""
         hops = session.routes[-1].hops if session.routes else ()
         spans = [(h.peer_id, h.end - h.start) for h in hops]
-        return route_chunk_size(n_tokens, spans, self.keeper.snapshot(), hidden_size=self.spec.hidden_size)
+        return route_chunk_size(n_tokens, spans, self.keeper.snapshot(), hop_width=self.spec.hop_width)
 
     async def generate(
         self,

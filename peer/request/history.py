@@ -1,4 +1,4 @@
-"""What a requester keeps of a session: the hidden states that entered each cut of its route.
+"""What a requester keeps of a session: the hops that entered each cut of its route.
 
 The requester feeds layer 0 itself and receives a tap — a copy of each span's
 output — from every peer but the last. So for every layer boundary `b` where one
@@ -17,10 +17,11 @@ import torch
 
 
 class HiddenHistory:
-    """Rows of hidden states [capacity, H] at one layer boundary, valid for positions [0, length)."""
+    """Rows of hops [capacity, W] at one layer boundary, valid for positions [0, length): W is the model's
+    `hop_width` (its hidden size H, or DeepSeek-V4's streams and token ids: stages/layers/hop.py)."""
 
-    def __init__(self, capacity: int, hidden_size: int, dtype: torch.dtype = torch.float32) -> None:
-        self.rows = torch.zeros(capacity, hidden_size, dtype=dtype)
+    def __init__(self, capacity: int, width: int, dtype: torch.dtype = torch.float32) -> None:
+        self.rows = torch.zeros(capacity, width, dtype=dtype)
         self.length = 0
 
     def write(self, start_pos: int, hidden: torch.Tensor) -> bool:
@@ -46,14 +47,14 @@ class HiddenHistory:
 class RouteHistory:
     """A `HiddenHistory` per layer boundary that some route of the session has cut at."""
 
-    def __init__(self, capacity: int, hidden_size: int) -> None:
+    def __init__(self, capacity: int, width: int) -> None:
         self.capacity = capacity
-        self.hidden_size = hidden_size
+        self.width = width
         self.cuts: dict[int, HiddenHistory] = {}
 
     def at(self, layer: int) -> HiddenHistory:
         if layer not in self.cuts:
-            self.cuts[layer] = HiddenHistory(self.capacity, self.hidden_size)
+            self.cuts[layer] = HiddenHistory(self.capacity, self.width)
         return self.cuts[layer]
 
     def known(self, layer: int) -> int:

@@ -88,7 +88,7 @@ def chunk_size(n_tokens: int, n_stages: int, *, step_seconds: float, token_secon
 
 
 def route_chunk_size(
-    n_tokens: int, spans: Sequence[tuple[str, int]], view: "SwarmView", *, hidden_size: int,
+    n_tokens: int, spans: Sequence[tuple[str, int]], view: "SwarmView", *, hop_width: int,
     link_bytes_per_s: float = ASSUMED_LINK_BYTES_PER_S,
 ) -> int:
     """`chunk_size` from the route's advertised (measured) layer throughputs.
@@ -104,7 +104,7 @@ def route_chunk_size(
         speed = info.throughput if info is not None and info.throughput > 0 else fallback
         steps.append(layers / speed)  # seconds for one decode step through the span
     slowest = max(steps) if steps else 0.0
-    link = hidden_size * BYTES_PER_VALUE / link_bytes_per_s
+    link = hop_width * BYTES_PER_VALUE / link_bytes_per_s  # a token's hop (ModelSpec.hop_width) on each link
     return chunk_size(n_tokens, len(spans), step_seconds=slowest * PREFILL_STEP_COST,
                       token_seconds=slowest / PREFILL_TOKENS_PER_STEP + link)
 

@@ -152,6 +152,9 @@ class StageServer:
         max_length = min(self.limits.max_length, self.stage.spec.max_position)
         if msg.max_length > max_length:
             raise Refused(TOO_LONG, f"max_length {msg.max_length} exceeds this peer's limit of {max_length}")
+        if msg.wire_form == "fp8" and self.stage.spec.hop_id_digits:
+            raise Refused(BAD_REQUEST, f"the fp8 wire form rounds away the token ids this {self.stage.spec.family} "
+                                       "model's hops carry (its hash layers route by them): ask for bfloat16 or exact")
         if self.first_charge(msg) > self.limits.kv_budget:
             raise Refused(TOO_LONG, f"{self.first_charge(msg)} bytes of KV cache exceed the budget of "
                                     f"{self.limits.kv_budget}")
@@ -196,7 +199,7 @@ class StageServer:
         session.kv_positions = kv_positions(1, msg.max_length)
         session.kv_bytes = self.first_charge(msg)
         session.opened_at = trio.current_time()
-        session.frame_limit = session_frame_limit(msg.max_length, self.stage.spec.hidden_size)
+        session.frame_limit = session_frame_limit(msg.max_length, self.stage.spec.hop_width)  # a token's hop a position
         channel.max_frame = session.frame_limit  # admitted: its steps may come now
         self.sessions[msg.session_id] = session
         self.admission.opened(session)

@@ -158,13 +158,13 @@ class ServedSession:
         return self.finish(server, msg, output, inputs_hash), elapsed
 
     def prepare(self, server: ComputeContext, msg: Forward) -> tuple[torch.Tensor, bytes]:
-        """A step's input: decrypted, decoded and checked. Returns (hidden [T, H], hash of the plaintext).
+        """A step's input: decrypted, decoded and checked. Returns (its hop [T, hop_width], hash of the plaintext).
 
         Raises WireError (bad frame), StageError (shape, NaN/Inf).
         """
         plaintext = open_payload(self.inbound[msg.link_id], msg)
         hidden = decode_tensor(plaintext, limits=server.tensor_limits)
-        expected = (msg.n_tokens, server.stage.spec.hidden_size)
+        expected = (msg.n_tokens, server.stage.spec.hop_width)  # a token's hop: stages/layers/hop.py
         if tuple(hidden.shape) != expected:
             raise SpanError(f"step {msg.step}: hidden states of shape {tuple(hidden.shape)!r}, expected {expected!r}")
         check_finite(hidden, what="input activations")

@@ -56,7 +56,7 @@ class SimRequester:
     def hidden(self, n: int) -> torch.Tensor:
         tensor = self._hidden.get(n)
         if tensor is None:
-            tensor = self._hidden[n] = torch.full((n, self.world.spec.hidden_size), HIDDEN_FILL)
+            tensor = self._hidden[n] = torch.full((n, self.world.spec.hop_width), HIDDEN_FILL)
         return tensor
 
     async def run_request(self, request: RequestPlan) -> None:

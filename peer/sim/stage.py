@@ -101,8 +101,8 @@ class SimStage:
     def forward(self, session: Hashable, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
         """Check like Stage.forward, count tokens x layers, return the input unchanged."""
         state = self._session(session)
-        if hidden.dim() != 2 or hidden.shape[1] != self.spec.hidden_size:
-            raise SpanError(f"hidden states have shape {tuple(hidden.shape)!r}, expected [T, {self.spec.hidden_size}]")
+        if hidden.dim() != 2 or hidden.shape[1] != self.spec.hop_width:
+            raise SpanError(f"hidden states have shape {tuple(hidden.shape)!r}, expected [T, {self.spec.hop_width}]")
         t = hidden.shape[0]
         if start_pos < 0 or start_pos > state.length:
             raise ContextOverflow(f"write at position {start_pos!r} but the cache holds positions [0, {state.length})")

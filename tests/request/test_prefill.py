@@ -44,8 +44,8 @@ def test_chunks_cover_the_prompt_in_order():
 
 def test_route_chunk_size_uses_the_slowest_measured_hop():
     view = SwarmView.of(30, [PeerInfo("a", "m", 0, 15, throughput=2000.0), PeerInfo("b", "m", 15, 30, throughput=200.0)])
-    fast = route_chunk_size(2000, [("a", 15), ("a", 15)], view, hidden_size=576)
-    slow_unknown = route_chunk_size(2000, [("b", 15), ("x", 15)], view, hidden_size=576)
+    fast = route_chunk_size(2000, [("a", 15), ("a", 15)], view, hop_width=576)
+    slow_unknown = route_chunk_size(2000, [("b", 15), ("x", 15)], view, hop_width=576)
     assert fast % MIN_CHUNK == 0 and slow_unknown % MIN_CHUNK == 0
     # a slower stage makes the fixed cost of a step a smaller share of the link time: not smaller chunks
     assert slow_unknown >= fast
