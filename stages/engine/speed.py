@@ -46,6 +46,9 @@ def measure_layer_throughput(
     with torch.no_grad():
         for p in block.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        for b in block.buffers():  # a hash layer's expert table (DeepSeek-V4): experts at random
+            if not b.is_floating_point():
+                b.copy_(torch.randint(0, spec.layers[layer].mlp.num_experts, b.shape, generator=gen))
     block = block.to(device=device, dtype=dtype).requires_grad_(False)
     tensors = tensors_of_layer(spec, layer)
     for path in linear_paths(block) if quant.active or spec.shipped is not None else ():
@@ -60,7 +63,9 @@ def measure_layer_throughput(
         setattr(block.get_submodule(owner), name, module.to(device))
     stage = Stage(spec, layer, [block], device=device, dtype=dtype)
     stage.open("speed", capacity=CONTEXT + WARMUP_STEPS + max_steps + 1)
-    x = torch.randn(CONTEXT, spec.hidden_size, generator=gen).to(device=device, dtype=dtype)
+    # the hop a stage takes (stages/layers/hop.py): the residual's streams, and token ids where a layer reads them
+    ids = torch.randint(0, spec.vocab_size, (CONTEXT,), generator=gen)
+    x = stage.hop.from_embedding(torch.randn(CONTEXT, spec.hidden_size, generator=gen), ids).to(device=device, dtype=dtype)
     stage.forward("speed", x, 0)
     token = x[-1:]
     pos = CONTEXT
