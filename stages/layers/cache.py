@@ -285,6 +285,12 @@ class CompressedRows:
                 f"{[s.position for s in self.snapshots]}); replay the history from position 0")
         while self.snapshots and self.snapshots[-1].position > position:
             self.snapshots.pop()
+        with torch.inference_mode():  # the rings were made in a stage's inference mode; a rollback may come outside it
+            self._restore(position)
+        self.position = position
+
+    def _restore(self, position: int) -> None:
+        """The rings as a step from `position` reads them: as they are, or from the snapshot kept there."""
         if position == 0:
             self.window.low = 0
             if self.raw is not None:
@@ -299,7 +305,6 @@ class CompressedRows:
                 if self.raw is not None and kept.raw is not None:
                     self.raw.write(kept.raw, position - kept.raw.shape[0])
                     self.raw.low = position - kept.raw.shape[0]
-        self.position = position
 
     # -- one step -----------------------------------------------------------------
 

@@ -49,19 +49,25 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16
 
 # a causal LM's decoder lies under "model."; a multimodal checkpoint's text model under
 # "model.language_model."; Nemotron-H's under "backbone.", whose embedding and final norm are named
-# otherwise (families/spec.py ModelSpec.prefix, families/tensors.py EDGE_NAMES)
-_LAYER = re.compile(r"^(?:model\.(?:language_model\.)?|backbone\.)layers\.(\d+)\.")
+# otherwise (families/spec.py ModelSpec.prefix, families/tensors.py EDGE_NAMES); DeepSeek-V4's published
+# checkpoint names its layers and edges with no prefix (`layers.3.attn.wq_a.weight`, `embed.weight`)
+_LAYER = re.compile(r"^(?:model\.(?:language_model\.)?|backbone\.)?layers\.(\d+)\.")
 _MODEL_EDGES = {"embed_tokens.weight": "embed", "norm.weight": "norm"}
 _EDGES = {"model.": _MODEL_EDGES, "model.language_model.": _MODEL_EDGES,
           "backbone.": {"embeddings.weight": "embed", "norm_f.weight": "norm"}}
+_BARE_EDGES = {"embed.weight": "embed", "norm.weight": "norm", "head.weight": "head"}
+# the head's hyper-connection (DeepSeek-V4), which the stage holding the head reads
+_HEAD_MIX = ("model.hc_head.", "hc_head_")
 
 
 def group_of(name: str) -> str:
     """Which part of the model a tensor belongs to (what a span asks for)."""
     if m := _LAYER.match(name):
         return f"layer.{int(m.group(1))}"
-    if name == "lm_head.weight":
+    if name == "lm_head.weight" or name.startswith(_HEAD_MIX):
         return "head"
+    if name in _BARE_EDGES:
+        return _BARE_EDGES[name]
     if name.startswith(("model.visual.", "mtp.")):  # a vision tower, MTP layers: not run by any span (yet)
         return "vision" if name.startswith("model.visual.") else "mtp"
     for prefix, edges in _EDGES.items():
