@@ -94,7 +94,8 @@ def dense_block(block: Block, spec: ModelSpec) -> Block:
         dense = Block(spec, block.layer)
     paths = linear_paths(dense)
     owners = tuple(path + "." for path in paths)  # a matrix's own tensors, its parts' included
-    state = {name: t.detach().float().cpu() for name, t in block.state_dict().items() if not name.startswith(owners)}
+    state = {name: (t.detach().float() if t.is_floating_point() else t.detach()).cpu()  # a hash table stays integer
+             for name, t in block.state_dict().items() if not name.startswith(owners)}
     for path in paths:
         layer = block.get_submodule(path)
         state[path + ".weight"] = dense_weight(layer)

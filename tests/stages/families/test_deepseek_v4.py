@@ -264,3 +264,19 @@ def test_rows_cover_every_layer_type_and_both_scores():
     scores = {spec_from_config(saved_config(name)).layers[-1].mlp.router.kind for name in NAMES}
     assert scores == {"sqrtsoftplus_topk", "sigmoid_group_topk"}
     assert all(ROWS[name].family == "deepseek_v4" for name in NAMES)
+
+
+def test_a_quantized_span_matches_its_dequantized_reference(family_models):
+    """int8 query, key-value and output projections and experts; the grouped output block, the compressors,
+    the indexer, the hyper-connections, the routers and the hash table stay as read."""
+    from tessera.stages.kernels.quant import Int8Linear, Quant
+
+    from .conformance import check_against_dequantized
+
+    folder = family_models.folder(MIXED)
+    stage = load_stage(folder, quant=Quant.parse("int8"))
+    block = stage.blocks[1]
+    assert all(isinstance(m, Int8Linear) for m in (block.attn.wq_b, block.attn.wkv, block.mlp.shared.w_down))
+    assert block.attn.compressor.wkv.dtype == torch.float32 and block.attn.wo_a.dtype == torch.float32
+    assert stage.blocks[0].mlp.router.table.dtype == torch.int64
+    check_against_dequantized(folder, stage)
