@@ -98,6 +98,7 @@ def dense_tensor(weights: WeightFolder, name: str, shape: tuple[int, ...], dtype
     blocks, GGUF blocks, or float): the checkpoint says which."""
     shipped = weights.spec.shipped
     assert shipped is not None, "a folder whose config names a quantization_config"
+    name = weights.stored_name(name)  # an edge tensor may be held under its family's alias (DeepSeek-V4's head.weight)
     if weights.has(name + "_scale_inv"):
         fp8 = ShippedFormat("fp8", block=shipped.block)
         stored = fp8.stored_tensors(name, shape)
