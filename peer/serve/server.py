@@ -35,6 +35,7 @@ from tessera.protocol.keys import Identity
 from tessera.protocol.messages import (
     Cancel, ErrorMsg, Forward, LinkHello, Relink, SessionAccept, SessionClose, SessionOpen, SessionRevoke,
 )
+from tessera.protocol.shards import ShardOpen
 from tessera.protocol.tensors import DEFAULT_LIMITS, TensorLimits
 from tessera.stages.errors import StageError
 from tessera.stages.engine.stage import Stage
@@ -139,7 +140,7 @@ class StageServer:
         """KV bytes a session is charged when admitted: its first chunk of positions."""
         return self.stage.session_bytes(kv_positions(1, msg.max_length), msg.start, msg.end)
 
-    def check_open(self, msg: SessionOpen) -> None:
+    def check_open(self, msg: SessionOpen | ShardOpen) -> None:
         """What an open asks, against what this peer serves, before any wait or allocation. Raises Refused."""
         if self.leaving:
             raise Refused(LEAVING, "this peer is leaving the swarm and takes no new sessions")
@@ -152,7 +153,8 @@ class StageServer:
         max_length = min(self.limits.max_length, self.stage.spec.max_position)
         if msg.max_length > max_length:
             raise Refused(TOO_LONG, f"max_length {msg.max_length} exceeds this peer's limit of {max_length}")
-        if msg.wire_form == "fp8" and self.stage.spec.hop_id_digits:
+        # A shard's open carries no wire form (its ranks exchange partial sums, not hops).
+        if isinstance(msg, SessionOpen) and msg.wire_form == "fp8" and self.stage.spec.hop_id_digits:
             raise Refused(BAD_REQUEST, f"the fp8 wire form rounds away the token ids this {self.stage.spec.family} "
                                        "model's hops carry (its hash layers route by them): ask for bfloat16 or exact")
         if self.first_charge(msg) > self.limits.kv_budget:

@@ -246,11 +246,20 @@ def test_unknown_model_is_400(url):
     ("stop", ["a", "b", "c", "d", "e"], None), ("stop", [""], None), ("stop", 7, None), ("stream", "yes", None),
     ("logprobs", True, None), ("presence_penalty", 0.5, None), ("messages", [], None),
     ("messages", [{"role": "wizard", "content": "x"}], "messages[0].role"),
-    ("messages", [{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content"),
+    ("messages", [{"role": "user", "content": [{"type": "wizardry"}]}], "messages[0].content"),
 ])
 def test_bad_parameter_is_400(url, field, value, param):
     error = assert_error(post(url, "/v1/chat/completions", {**CHAT, field: value}), 400, param=param or field)
     assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("part", ["image_url", "input_audio"])
+def test_an_image_or_audio_part_is_refused_by_name(url, part):
+    # The text model of a multimodal family is what a peer runs: a part it cannot see is named, not dropped.
+    value = [{"role": "user", "content": [{"type": part}]}]
+    error = assert_error(post(url, "/v1/chat/completions", {**CHAT, "messages": value}), 400,
+                         param="messages[0].content", code="unsupported_content")
+    assert part in error["message"]
 
 
 def test_bad_completion_prompt_is_400(url):

@@ -8,6 +8,7 @@ import pytest
 
 import httpx
 
+from tessera.peer.base.errors import ModelMismatch
 from tessera.peer.request.client import Swarm
 from tessera.stages.decoding.generate import LocalEngine, prompt_ids
 from tessera.stages.kernels.quant import Quant
@@ -47,10 +48,14 @@ async def test_int8_swarm_equals_local_int8(int8_peers, local_int8, smol_tokeniz
 
 
 async def test_requesters_chain_only_the_precision_they_accept(int8_peers):
-    async with Swarm.join(int8_peers.addrs[:1]) as plain:  # unquantized by default: int8 peers are not its model
-        assert plain.keeper.snapshot().peers == () and not plain.plan().ok
-    async with Swarm.join(int8_peers.addrs[:1], quant=Quant("int4")) as int4:
-        assert int4.keeper.snapshot().peers == ()
+    # unquantized by default: int8 peers are not its model, and joining says so (and what to pass) at once
+    with pytest.RaisesGroup(pytest.RaisesExc(ModelMismatch, match=r"quantized as int8 .*--quant int8"),
+                            flatten_subgroups=True):
+        async with Swarm.join(int8_peers.addrs[:1]):
+            pass
+    with pytest.RaisesGroup(pytest.RaisesExc(ModelMismatch, match=r"--quant int8"), flatten_subgroups=True):
+        async with Swarm.join(int8_peers.addrs[:1], quant=Quant("int4")):
+            pass
     async with Swarm.join(int8_peers.addrs[:1], accept_mixed=True) as mixed:
         peers = mixed.keeper.snapshot().peers
         assert len(peers) >= 1 and all(p.model_id.endswith("+int8") for p in peers)
