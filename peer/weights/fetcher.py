@@ -29,7 +29,7 @@ import trio
 
 from tessera.protocol.errors import WireError
 from tessera.protocol.weights import (
-    WeightChunk, WeightChunkRequest, WeightManifest, WeightManifestRequest, WeightRefused,
+    BUSY, WeightChunk, WeightChunkRequest, WeightManifest, WeightManifestRequest, WeightRefused,
 )
 from tessera.stages.errors import ModelFormatError
 from tessera.stages.weights.tensor_table import check_manifest
@@ -50,6 +50,12 @@ CHUNK_TIMEOUT = 30.0
 # manifest, up to a few MB of JSON; 15 s is generous on any link that can carry weights.
 ASK_TIMEOUT = 15.0
 MAX_STRIKES = 3  # timeouts/resets before a holder is dropped for this fetch (a lie bans at once)
+# A holder whose upload places are all taken answers "busy" (peer/weights/source.py): the stream
+# asks again after BUSY_BACKOFF, doubling, BUSY_TRIES times in a row before it gives that holder
+# up (its other streams go on). A place frees when a stream ends or idles out (30 s), or at once
+# for a fetcher holding fewer than another: 1 s doubling six times waits out a whole idle timeout.
+BUSY_BACKOFF = 1.0
+BUSY_TRIES = 6
 PROGRESS_INTERVAL = 2.0  # seconds between progress lines on the console
 MAX_SMALL_FILE = 256 * (1 << 20)  # a tokenizer.json is a few MB; refused above this before allocating
 
@@ -316,6 +322,7 @@ class Fetcher:
     async def _worker(self, peer: str, held: set[str], state: "_Queue", progress: FetchProgress,
                       fatal: list[BaseException], scope: trio.CancelScope) -> None:
         channel: Channel | None = None
+        busy = 0  # "busy" answers in a row
         try:
             while peer not in self.banned:
                 job = state.take(lambda j: self.entries[j[0]]["group"] in held)
@@ -340,10 +347,20 @@ class Fetcher:
                     if self.strikes[peer] >= MAX_STRIKES:
                         self._ban(peer, f"failed {MAX_STRIKES} times ({bad or 'timed out'})")
                     continue
+                if isinstance(reply, WeightRefused) and reply.reason.startswith(BUSY):
+                    state.put_back(job)  # for another stream meanwhile
+                    await channel.close()  # the holder ends a stream it refused
+                    channel = None
+                    busy += 1
+                    if busy > BUSY_TRIES:
+                        return  # this holder stays busy for this stream: not a strike, it is not failing
+                    await trio.sleep(BUSY_BACKOFF * 2 ** (busy - 1))
+                    continue
                 if isinstance(reply, WeightRefused):
                     held.discard(self.entries[name]["group"])  # it does not hold that after all
                     state.put_back(job)
                     continue
+                busy = 0
                 ok = (isinstance(reply, WeightChunk) and (reply.name, reply.index, reply.is_file) == (name, index, False)
                       and await trio.to_thread.run_sync(self._verify_and_store, name, index, reply.data))
                 if not ok:
