@@ -45,7 +45,7 @@ LAYERS = 6
 def sharded_model(folder: Path) -> Path:
     """A random-weight Llama saved in one shard per layer (plus the embedding's and the head's)."""
     config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="40KB")
