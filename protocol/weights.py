@@ -109,13 +109,19 @@ class WeightChunk:
     data: bytes = wire(max_len=MAX_CHUNK_BYTES)
 
 
+BUSY = "busy"
+"""How a `WeightRefused` reason starts when the refusal is only for now (every upload place is
+taken, or this stream's place went to a fetcher holding fewer): ask again later. Any other
+refusal (not held, unknown name) stands for that request."""
+
+
 @message("weights-refused")
 @dataclass(frozen=True)
 class WeightRefused:
     """Holder -> fetcher: not served (unknown model or name, not held, too busy).
 
     Attributes:
-        reason: why, for the fetcher's log.
+        reason: why, for the fetcher's log; starting with `BUSY` when it is only for now.
     """
 
     reason: str = wire(max_len=512)

@@ -39,15 +39,33 @@ def register(sub: argparse._SubParsersAction) -> None:
     msub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
 
     p = msub.add_parser(
-        "fetch", help="download a model: a built-in name, or ORG/NAME[@REVISION] from a Hugging Face hub",
+        "fetch", help="download a model: a built-in name, or ORG/NAME[@REVISION] from a Hugging Face hub "
+        "(all of it, or the files of one span)",
         epilog="examples: tessera model fetch smollm2-135m; tessera model fetch Qwen/Qwen2.5-0.5B-Instruct@main "
         "(from $HF_ENDPOINT, https://huggingface.co by default; resumes an interrupted download; "
-        "`tessera model list --available` says what can be fetched)",
+        "`tessera model list --available` says what can be fetched); tessera model fetch Qwen/Qwen3-8B "
+        "--layers 18:36 --join /ip4/203.0.113.5/tcp/4001/p2p/12D3KooW... (only the files of that span: the "
+        "manifest from the swarm, the span's tensors from the hub; docs/pages/weights.md)",
     )
     p.add_argument("name", help="a built-in model (smollm2-135m; `tessera model list --available`) or "
                    "ORG/NAME[@REVISION] of a hub repository with safetensors weights")
     p.add_argument("--name", dest="register_as", metavar="AS",
                    help="register a hub model under this name (default: the repository's NAME)")
+    p.add_argument("--layers", type=span_arg, metavar="A:B",
+                   help="a hub model: fetch only what serving layers A to B-1 needs (with the embedding for the "
+                   "first span, the head and norm for the last), into a partial folder")
+    p.add_argument("--requester", action="store_true",
+                   help="a hub model: fetch what a requester computes with (embedding, final norm, head), alone "
+                   "or with --layers")
+    p.add_argument("--join", action="append", default=[], metavar="MULTIADDR",
+                   help="with --layers/--requester: a peer of the swarm serving the model, to take its manifest "
+                   "from (checked against the hub's files) and fetch from it too; without one, every weight "
+                   "file is downloaded once to compute the manifest, and only those of the span are kept")
+    p.add_argument("--id", dest="model_id", metavar="MODEL_ID",
+                   help="with --layers/--requester: the model id the manifest must hash to (pins which model the "
+                   "swarm's peers must serve)")
+    p.add_argument("--swarm-key", default=None, help="with --join: the private swarm's key (64 hex chars or a file; "
+                   "default $TESSERA_SWARM_KEY)")
     p.set_defaults(handler=_fetch)
 
     p = msub.add_parser("path", help="print a model's folder", epilog="example: tessera model path smollm2-135m")
@@ -106,10 +124,39 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_list)
 
 
-def _fetch(args: argparse.Namespace) -> None:
-    from tessera.peer.cli.model_files import fetch
+def span_arg(text: str) -> tuple[int, int]:
+    """'A:B' -> (A, B): layers A to B-1."""
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants A:B (layers A to B-1), got {text!r}") from None
+    if not 0 <= a < b:
+        raise argparse.ArgumentTypeError(f"{text!r} is empty or negative")
+    return a, b
 
-    print(fetch(args.name, register_as=args.register_as, progress=progress_printer()))
+
+def _fetch(args: argparse.Namespace) -> None:
+    from tessera.peer.cli.model_files import fetch, is_hub_name
+
+    if args.layers is None and not args.requester:
+        for flag, given in (("--join", args.join), ("--id", args.model_id), ("--swarm-key", args.swarm_key)):
+            if given:
+                raise UsageError(f"{flag} is for fetching a span (--layers A:B or --requester)")
+        print(fetch(args.name, register_as=args.register_as, progress=progress_printer()))
+        return
+    if not is_hub_name(args.name):
+        raise UsageError(f"--layers and --requester fetch part of a hub model (ORG/NAME), not {args.name!r}")
+    from tessera.peer.cli.model_span import fetch_hub_span
+    from tessera.peer.cli.options import read_swarm_key
+    from tessera.peer.net.join import check_join_addrs
+    from tessera.peer.weights.fetcher import is_model_id
+
+    check_join_addrs(args.join)
+    if args.model_id is not None and not is_model_id(args.model_id):
+        raise UsageError(f"--id wants a model id (32 hex characters), got {args.model_id!r}")
+    print(fetch_hub_span(args.name, layers=args.layers, requester=args.requester, join=args.join,
+                         model_id=args.model_id, register_as=args.register_as,
+                         swarm_key=read_swarm_key(args.swarm_key), progress=progress_printer()))
 
 
 def _import(args: argparse.Namespace) -> None:

@@ -130,22 +130,39 @@ def fetch(name: str, *, progress: Progress | None = None, log: Callable[[str], N
                      f"{sorted(KNOWN_MODELS)} (or `tessera model import PATH`)")
 
 
-def fetch_hub(name: str, *, register_as: str | None = None, progress: Progress | None = None,
-              log: Callable[[str], None] = print) -> Path:
-    """Download `ORG/NAME[@REVISION]` from the hub at `$HF_ENDPOINT`, verify it, and register it
-    (as NAME, or `register_as`). An interrupted download resumes; files already there and
-    unchanged are not fetched again. Raises FetchError (or ModelFormatError/UnsupportedModel
-    for a repository tessera cannot run, before its weights are downloaded)."""
-    # Imported here: only this command needs the hub client, and importing it costs every other
+@dataclass(frozen=True)
+class HubListing:
+    """A hub repository at one commit, as listed: what `model fetch` takes from it."""
+
+    repo: str
+    commit: str
+    endpoint: str  # the hub's address, as the client resolved it
+    files: dict  # path -> huggingface_hub RepoFile (size, blob_id, lfs.sha256)
+    wanted: list[str]  # the files a peer runs (config, tokenizer, chat template, safetensors), top level
+
+    @property
+    def where(self) -> str:
+        return f"{self.repo}@{self.commit[:12]} on {self.endpoint}"
+
+    def weights(self) -> list[str]:
+        return [p for p in self.wanted if p.endswith(registry.WEIGHT_SUFFIXES)]
+
+    def small_files(self) -> list[str]:
+        return [p for p in self.wanted if not p.endswith(registry.WEIGHT_SUFFIXES)]
+
+
+def list_hub(name: str) -> HubListing:
+    """List `ORG/NAME[@REVISION]` at `$HF_ENDPOINT` and pick the files a peer runs. Raises FetchError
+    (no such repository or revision, unreachable, or nothing tessera can run)."""
+    # Imported here: only these commands need the hub client, and importing it costs every other
     # `tessera` command a second or more of start-up.
-    from huggingface_hub import HfApi, RepoFile, hf_hub_download, snapshot_download
+    from huggingface_hub import HfApi, RepoFile
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
     match = HUB_NAME.match(name)
     if match is None:
         raise FetchError(f"{name!r} is not a hub name: give ORG/NAME or ORG/NAME@REVISION")
     repo, revision = match["repo"], match["revision"] or "main"
-    register_as = register_as or repo.split("/")[1]
     endpoint = os.environ.get("HF_ENDPOINT") or None  # read now, not when huggingface_hub was imported
     api = HfApi(endpoint=endpoint)
     where = f"{repo}@{revision} on {api.endpoint}"
@@ -166,15 +183,30 @@ def fetch_hub(name: str, *, register_as: str | None = None, progress: Progress |
     if not any(p.endswith(".safetensors") for p in wanted):
         raise FetchError(f"{where} holds no *.safetensors weights (it has {sorted(tree)[:8]}); tessera loads "
                          f"safetensors, or a GGUF file through `tessera model import FILE.gguf`")
+    return HubListing(repo, str(commit), api.endpoint, tree, wanted)
+
+
+def fetch_hub(name: str, *, register_as: str | None = None, progress: Progress | None = None,
+              log: Callable[[str], None] = print) -> Path:
+    """Download `ORG/NAME[@REVISION]` from the hub at `$HF_ENDPOINT`, verify it, and register it
+    (as NAME, or `register_as`). An interrupted download resumes; files already there and
+    unchanged are not fetched again. Raises FetchError (or ModelFormatError/UnsupportedModel
+    for a repository tessera cannot run, before its weights are downloaded)."""
+    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+
+    listing = list_hub(name)
+    repo, commit, wanted, where = listing.repo, listing.commit, listing.wanted, listing.where
+    endpoint = listing.endpoint
+    register_as = register_as or repo.split("/")[1]
     folder = registry.models_root() / HUB_FOLDER / repo.replace("/", "--")
-    size = sum(tree[p].size for p in wanted)
-    log(f"{repo}: {len(wanted)} files, {size / 1e6:.1f} MB, revision {commit[:12]} from {api.endpoint}")
+    size = sum(listing.files[p].size for p in wanted)
+    log(f"{repo}: {len(wanted)} files, {size / 1e6:.1f} MB, revision {commit[:12]} from {endpoint}")
     try:
         # the family first: a model tessera cannot run is refused before gigabytes of weights come
         config = hf_hub_download(repo, "config.json", revision=commit, local_dir=folder, endpoint=endpoint)
         spec_from_file(Path(config))
         snapshot_download(repo, revision=commit, local_dir=folder, allow_patterns=wanted, endpoint=endpoint)
-        check = api.verify_repo_checksums(repo, revision=commit, local_dir=folder)
+        check = HfApi(endpoint=endpoint).verify_repo_checksums(repo, revision=commit, local_dir=folder)
     except StageError:
         raise
     except Exception as error:  # as above
@@ -190,7 +222,7 @@ def fetch_hub(name: str, *, register_as: str | None = None, progress: Progress |
     for stale in set(registry.model_files(folder)) - set(wanted):  # left by an earlier revision
         (folder / stale).unlink()
     return import_model(folder, name=register_as, progress=progress,
-                        source={"hub": repo, "revision": commit, "endpoint": api.endpoint, "files": wanted})
+                        source={"hub": repo, "revision": commit, "endpoint": endpoint, "files": wanted})
 
 
 def available() -> list[tuple[str, str]]:

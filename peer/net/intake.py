@@ -151,6 +151,16 @@ class Ticket:
             return
         self.intake._recharge(self, frame_bytes + MAX_PREFIX_BYTES + READ_CHUNK)
 
+    def wait_scope(self) -> trio.CancelScope:
+        """A fresh scope for one wait of a handler that keeps its place while it serves (a pool of
+        places of its own, such as the weights server's: peer/weights/source.py): cancelled when
+        the place is evicted (at once if it already was), so that an eviction ends a wait for
+        the next request and never cuts an answer being sent."""
+        self.scope = trio.CancelScope()
+        if self.evicted:
+            self.scope.cancel()
+        return self.scope
+
     def release(self) -> None:
         """Admitted, refused or ended: the place and the charge are freed (idempotent)."""
         if not self.released:

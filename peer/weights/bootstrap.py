@@ -10,7 +10,9 @@ writes it into ``ROOT/NAME/`` marked ``"partial": true`` and fetches the small f
 like any other. `ensure_span` is what the peer calls before loading a span: in a full
 folder it does nothing; in a partial one it fetches the span's tensors (plus the
 embedding for the first span and the head and norm for the last, so a peer at an end
-can also hand those to a requester without files).
+can also hand those to a requester without files). A partial folder fetched from a hub
+(`tessera model fetch ORG/NAME --layers A:B`) names the hub in its manifest's source, and
+every such fetch asks the hub too, as one more holder (`hub.py`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.net.transport import Transport
 from tessera.peer.weights.errors import WeightsUnavailable
 from tessera.peer.weights.fetcher import Fetcher, FetchProgress, learn_manifest
+from tessera.peer.weights.hub import HubRepo, HubSource
 from tessera.peer.weights.source import WeightSource, serve_weights
 from tessera.peer.weights.verify import WeightCheck
 
@@ -76,7 +79,7 @@ async def ensure_span(transport: Transport, folder: Path, span: tuple[int, int],
     manifest = read_manifest(folder)
     spec = spec_from_file(folder / "config.json")
     groups = groups_for_span(span[0], span[1], spec.num_layers, tied=spec.tie_embeddings)
-    fetcher = Fetcher(transport, folder, manifest, out=out, check=check, addrs=addrs)
+    fetcher = Fetcher(transport, folder, manifest, out=out, check=check, addrs=addrs, hub=hub_of(manifest))
     on_fetcher(fetcher)
     return await fetcher.fetch_groups(peers, groups, label=f"layers [{span[0]}, {span[1]})")
 
@@ -90,7 +93,14 @@ REQUESTER_GROUPS = frozenset({"embed", "head", "norm"})
 """What a requester computes itself: the embedding, and the final norm and head."""
 
 
-async def _dial(transport: Transport, join: list[str], out: Callable[[str], None]) -> list[str]:
+def hub_of(manifest: dict) -> HubSource | None:
+    """The hub a partial folder was fetched from, as a holder of its manifest's tensors (None: none)."""
+    repo = HubRepo.from_source(manifest.get("source"))
+    return HubSource(repo, manifest) if repo is not None else None
+
+
+async def dial_join(transport: Transport, join: list[str], out: Callable[[str], None]) -> list[str]:
+    """The peer ids of the --join addresses reached (one dial each). Raises WeightsUnavailable: none."""
     peers: list[str] = []
     for addr in join:
         try:
@@ -114,13 +124,14 @@ def _lacks(folder: Path, groups: frozenset[str]) -> bool:
     return not wanted <= held_tensors(folder)
 
 
-def _throwaway_host(swarm_key: bytes | None) -> AbstractAsyncContextManager[Transport]:
+def throwaway_host(swarm_key: bytes | None) -> AbstractAsyncContextManager[Transport]:
+    """A short-lived libp2p host with a fresh identity, to reach --join peers for a model's files."""
     return open_libp2p_transport(os.urandom(32), swarm_key=swarm_key, relay=False)
 
 
 async def ensure_model(model: str, join: list[str], *, swarm_key: bytes | None,
                        groups: frozenset[str] = frozenset(), out: Callable[[str], None] = lambda line: None,
-                       open_transport: Callable[[bytes | None], AbstractAsyncContextManager[Transport]] = _throwaway_host,
+                       open_transport: Callable[[bytes | None], AbstractAsyncContextManager[Transport]] = throwaway_host,
                        ) -> Path:
     """The local folder of `model`, set up from the --join peers if it is missing (manifest
     and small files), with the tensors of `groups` fetched if it lacks them (a requester
@@ -139,12 +150,18 @@ async def ensure_model(model: str, join: list[str], *, swarm_key: bytes | None,
             raise
         folder = None
         out(f"no model {model!r} in {models_root()}: fetching it from the swarm")
+    if folder is not None and not join and (hub := hub_of(read_manifest(folder))) is not None:
+        # a folder fetched in part from a hub, and no swarm to ask: the hub alone
+        await Fetcher(None, folder, read_manifest(folder), out=out, hub=hub).fetch_groups(
+            [], set(groups), label="embedding and head")
+        return folder
     async with open_transport(swarm_key) as transport:
-        peers = await _dial(transport, join, out)
+        peers = await dial_join(transport, join, out)
         if folder is None:
             folder = await bootstrap_model(transport, peers, model, models_root(), out=out)
         if _lacks(folder, groups):
-            fetcher = Fetcher(transport, folder, read_manifest(folder), out=out)
+            manifest = read_manifest(folder)
+            fetcher = Fetcher(transport, folder, manifest, out=out, hub=hub_of(manifest))
             await fetcher.fetch_groups(peers, set(groups), label="embedding and head")
     return folder
 

@@ -5,7 +5,8 @@
     await fetcher.fetch_groups(peers, groups_for_span(...), label="layers [0, 15)")
 
 `survey` asks every candidate for its manifest answer: the holders whose model id is
-ours, and which groups each holds. Then `STREAMS_PER_SOURCE` workers per holder pull
+ours, and which groups each holds; a hub the folder came from (`hub.py`) holds every group
+and is asked by HTTP ranges for the same chunks, checked the same way. Then `STREAMS_PER_SOURCE` workers per holder pull
 chunks from one shared queue — each takes the next chunk its holder has — so a fast
 holder serves more and a slow one less, with no plan made up front. A chunk whose
 sha256 is not the manifest's bans its sender for the rest of the fetch (the chunk goes
@@ -29,7 +30,7 @@ import trio
 
 from tessera.protocol.errors import WireError
 from tessera.protocol.weights import (
-    WeightChunk, WeightChunkRequest, WeightManifest, WeightManifestRequest, WeightRefused,
+    BUSY, WeightChunk, WeightChunkRequest, WeightManifest, WeightManifestRequest, WeightRefused,
 )
 from tessera.stages.errors import ModelFormatError
 from tessera.stages.weights.tensor_table import check_manifest
@@ -38,6 +39,7 @@ from tessera.peer.base.errors import PeerError
 from tessera.peer.base.protocols import WEIGHTS_PROTOCOL
 from tessera.peer.net.transport import Channel, Transport
 from tessera.peer.weights.errors import DiskFull, ManifestRejected, WeightsUnavailable
+from tessera.peer.weights.hub import HubMismatch, HubSource
 from tessera.peer.weights.parts import PartStore, WriteAt, write_file_atomically
 from tessera.peer.weights.verify import WeightCheck, stamp_of
 
@@ -50,6 +52,12 @@ CHUNK_TIMEOUT = 30.0
 # manifest, up to a few MB of JSON; 15 s is generous on any link that can carry weights.
 ASK_TIMEOUT = 15.0
 MAX_STRIKES = 3  # timeouts/resets before a holder is dropped for this fetch (a lie bans at once)
+# A holder whose upload places are all taken answers "busy" (peer/weights/source.py): the stream
+# asks again after BUSY_BACKOFF, doubling, BUSY_TRIES times in a row before it gives that holder
+# up (its other streams go on). A place frees when a stream ends or idles out (30 s), or at once
+# for a fetcher holding fewer than another: 1 s doubling six times waits out a whole idle timeout.
+BUSY_BACKOFF = 1.0
+BUSY_TRIES = 6
 PROGRESS_INTERVAL = 2.0  # seconds between progress lines on the console
 MAX_SMALL_FILE = 256 * (1 << 20)  # a tokenizer.json is a few MB; refused above this before allocating
 
@@ -128,26 +136,32 @@ class FetchProgress:
                 "peers": len(self.by_peer)}
 
     def line(self, now: float) -> str:
-        """'layers [0, 15): 120.3/270.0 MB (45%), 30.1 MB/s, ETA 5 s, from 2 peers'"""
+        """'layers [0, 15): 120.3/270.0 MB (45%), 30.1 MB/s, ETA 5 s, from 2 peers' (or 'from the hub',
+        'from the hub and 2 peers')"""
         mb = 1e6
         r = self.reading(now)
         eta = "done" if self.done >= self.total else ("ETA ?" if r["eta_s"] is None else f"ETA {r['eta_s']:.0f} s")
         pct = 100 * self.done / self.total if self.total else 100
         resumed = f", {self.skipped / mb:.1f} MB were already on disk" if self.skipped else ""
+        peers = sum(1 for holder in self.by_peer if not holder.startswith("hub:"))  # a peer id has no ':'
+        sources = [f"{peers} peer{'s' if peers != 1 else ''}"] if peers or len(self.by_peer) == peers else []
+        if peers != len(self.by_peer):
+            sources.insert(0, "the hub")
         return (f"fetching {self.label}: {self.done / mb:.1f}/{self.total / mb:.1f} MB ({pct:.0f}%), "
-                f"{r['rate'] / mb:.1f} MB/s, {eta}, from {r['peers']} peer{'s' if r['peers'] != 1 else ''}"
-                + resumed)
+                f"{r['rate'] / mb:.1f} MB/s, {eta}, from {' and '.join(sources)}" + resumed)
 
 
 class Fetcher:
     """The fetching side of the weights protocol for one model folder (see module docstring)."""
 
-    def __init__(self, transport: Transport, folder: Path, manifest: dict, *,
+    def __init__(self, transport: Transport | None, folder: Path, manifest: dict, *,
                  out: Callable[[str], None] = lambda line: None,
                  clock: Callable[[], float] = trio.current_time,
                  write_at: WriteAt = os.pwrite, streams_per_source: int = STREAMS_PER_SOURCE,
-                 check: WeightCheck | None = None, addrs: Mapping[str, Sequence[str]] = {}) -> None:
-        self.transport = transport
+                 check: WeightCheck | None = None, addrs: Mapping[str, Sequence[str]] = {},
+                 hub: HubSource | None = None) -> None:
+        self.transport = transport  # None: no swarm to ask (the hub alone)
+        self.hub = hub  # one more holder, of every group (hub.py)
         # peers not connected yet (the view's holders of a span): dialled at these when asked
         self.addrs = addrs
         self.check = check  # told of each file rewritten, so the load after a fetch need not hash it again
@@ -170,10 +184,13 @@ class Fetcher:
     async def survey(self, peers: list[str]) -> dict[str, set[str]]:
         """Groups each candidate holds, for those that hold our model (asked in parallel)."""
         holders: dict[str, set[str]] = {}
+        transport = self.transport
+        if transport is None:
+            return holders
 
         async def ask(peer: str) -> None:
             try:
-                answer = await ask_manifest(self.transport, peer, self.model_id, with_manifest=False,
+                answer = await ask_manifest(transport, peer, self.model_id, with_manifest=False,
                                             addrs=self.addrs.get(peer, ()))
             except (PeerError, WireError, trio.TooSlowError) as bad:
                 log.debug("weights survey: %s: %s", peer, bad)
@@ -182,7 +199,7 @@ class Fetcher:
                 holders[peer] = set(answer.held)
 
         async with trio.open_nursery() as nursery:
-            for peer in sorted(set(peers) - self.banned - {self.transport.peer_id}):
+            for peer in sorted(set(peers) - self.banned - {transport.peer_id}):
                 nursery.start_soon(ask, peer)
         return holders
 
@@ -248,13 +265,15 @@ class Fetcher:
             if entry["group"] in groups:
                 by_file.setdefault(entry["file"], []).append(name)
         wanted: list[str] = []
+        now_held: list[str] = []
         for file, names in sorted(by_file.items()):
             held = await trio.to_thread.run_sync(self.parts.held, file)
             wanted += sorted(n for n in names if n not in held)
-            # a kill between the rename and the clean-up leaves part files of tensors now held
-            for name in names:
-                if name in held:
-                    self.parts.part_path(name).unlink(missing_ok=True)
+            now_held += [n for n in names if n in held]
+        # a kill between the rename and the clean-up leaves part files of tensors now held (one
+        # that a wanted tensor of the same bytes shares is kept: its verified chunks count)
+        parts_wanted = {self.parts.part_path(n) for n in wanted}
+        await trio.to_thread.run_sync(self.parts.discard, [n for n in now_held if self.parts.part_path(n) not in parts_wanted])
         jobs: deque[tuple[str, int]] = deque()
         total = skipped = 0
         for name in wanted:
@@ -270,9 +289,12 @@ class Fetcher:
         self.last_progress = progress
         if jobs:
             holders = await self.survey(peers)
+            if self.hub is not None and self.hub.label not in self.banned:
+                holders[self.hub.label] = {e["group"] for e in self.entries.values()}
             if not holders:
+                asked = set(peers) - ({self.transport.peer_id} if self.transport is not None else set())
                 raise WeightsUnavailable(
-                    f"no peer serves the weights of {label}: asked {len(set(peers) - {self.transport.peer_id})} "
+                    f"no peer serves the weights of {label}: asked {len(asked)} "
                     "(none answered for this model; a peer may run --no-serve-weights)")
             await self._run(jobs, holders, progress)
         for file, names in sorted(by_file.items()):
@@ -282,6 +304,7 @@ class Fetcher:
                 await trio.to_thread.run_sync(self.parts.assemble, file, new)
                 if self.check is not None:  # every chunk of `new` matched the manifest as it came
                     await trio.to_thread.run_sync(self.check.record_fetched, file, new, before)
+        await trio.to_thread.run_sync(self.parts.discard, wanted)
         self.out(progress.line(self.clock()))
         return progress
 
@@ -316,6 +339,7 @@ class Fetcher:
     async def _worker(self, peer: str, held: set[str], state: "_Queue", progress: FetchProgress,
                       fatal: list[BaseException], scope: trio.CancelScope) -> None:
         channel: Channel | None = None
+        busy = 0  # "busy" answers in a row
         try:
             while peer not in self.banned:
                 job = state.take(lambda j: self.entries[j[0]]["group"] in held)
@@ -326,12 +350,15 @@ class Fetcher:
                     continue
                 name, index = job
                 try:
-                    if channel is None:
-                        with trio.fail_after(ASK_TIMEOUT):
-                            channel = Channel(await self.transport.open_stream(peer, WEIGHTS_PROTOCOL, addrs=self.addrs.get(peer, ())))
-                    with trio.fail_after(CHUNK_TIMEOUT):
-                        await channel.send(WeightChunkRequest(self.model_id, name, index, False))
-                        reply = await channel.receive()
+                    if self.hub is not None and peer == self.hub.label:
+                        with trio.fail_after(CHUNK_TIMEOUT * 2):  # the header's ranges first, once a file
+                            reply = await self.hub.chunk(self.model_id, name, index)
+                    else:
+                        reply, channel = await self._ask_peer(peer, channel, name, index)
+                except HubMismatch as bad:
+                    state.put_back(job)
+                    self._ban(peer, str(bad))
+                    return
                 except (PeerError, WireError, trio.TooSlowError) as bad:
                     state.put_back(job)
                     channel = None
@@ -340,10 +367,20 @@ class Fetcher:
                     if self.strikes[peer] >= MAX_STRIKES:
                         self._ban(peer, f"failed {MAX_STRIKES} times ({bad or 'timed out'})")
                     continue
+                if isinstance(reply, WeightRefused) and reply.reason.startswith(BUSY):
+                    state.put_back(job)  # for another stream meanwhile
+                    await _close_quietly(channel)  # the holder ends a stream it refused
+                    channel = None
+                    busy += 1
+                    if busy > BUSY_TRIES:
+                        return  # this holder stays busy for this stream: not a strike, it is not failing
+                    await trio.sleep(BUSY_BACKOFF * 2 ** (busy - 1))
+                    continue
                 if isinstance(reply, WeightRefused):
                     held.discard(self.entries[name]["group"])  # it does not hold that after all
                     state.put_back(job)
                     continue
+                busy = 0
                 ok = (isinstance(reply, WeightChunk) and (reply.name, reply.index, reply.is_file) == (name, index, False)
                       and await trio.to_thread.run_sync(self._verify_and_store, name, index, reply.data))
                 if not ok:
@@ -361,12 +398,18 @@ class Fetcher:
         finally:
             state.workers -= 1
             state.changed()
-            if channel is not None:
-                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                    try:
-                        await channel.close()
-                    except PeerError:
-                        pass  # already gone: nothing to close
+            with trio.CancelScope(shield=True):
+                await _close_quietly(channel)
+
+    async def _ask_peer(self, peer: str, channel: Channel | None, name: str, index: int) -> tuple[object, Channel]:
+        """One chunk request to `peer` on `channel` (opened first when None): (its reply, the channel)."""
+        assert self.transport is not None  # peers are holders only when there is a transport (`survey`)
+        if channel is None:
+            with trio.fail_after(ASK_TIMEOUT):
+                channel = Channel(await self.transport.open_stream(peer, WEIGHTS_PROTOCOL, addrs=self.addrs.get(peer, ())))
+        with trio.fail_after(CHUNK_TIMEOUT):
+            await channel.send(WeightChunkRequest(self.model_id, name, index, False))
+            return await channel.receive(), channel
 
     def _verify_and_store(self, name: str, index: int, data: bytes) -> bool:
         """Check one chunk against the manifest; store it if it matches (in a worker thread)."""
@@ -380,7 +423,19 @@ class Fetcher:
     def _ban(self, peer: str, why: str) -> None:
         if peer not in self.banned:
             self.banned.add(peer)
-            self.out(f"weights: banned peer {peer} for this fetch: {why}")
+            who = f"the hub {peer.removeprefix('hub:')}" if self.hub is not None and peer == self.hub.label else f"peer {peer}"
+            self.out(f"weights: banned {who} for this fetch: {why}")
+
+
+async def _close_quietly(channel: Channel | None) -> None:
+    """Close a chunk stream we are done with (within a second; one already gone is fine)."""
+    if channel is None:
+        return
+    with trio.move_on_after(1.0):
+        try:
+            await channel.close()
+        except PeerError:
+            pass  # already gone: nothing to close
 
 
 class _Queue:

@@ -103,7 +103,8 @@ class PartStore:
         return {n for n in read_header(path)[1] if n != "__metadata__"} if path.exists() else set()
 
     def assemble(self, file: str, new: list[str]) -> None:
-        """Rewrite `file` holding what it held plus the tensors `new` (complete in part files).
+        """Rewrite `file` holding what it held plus the tensors `new` (complete in part files; kept
+        until `discard`).
 
         Raises DiskFull (the old file stays as it was, the part files too).
         """
@@ -141,7 +142,11 @@ class PartStore:
         os.close(fd)
         os.replace(tmp, path)
         _fsync_dir(self.folder)
-        for name in new:
+
+    def discard(self, names: list[str]) -> None:
+        """Remove the part files of `names`, assembled into their files: only once every file of a
+        fetch is, since tensors of equal bytes (a norm's ones in every layer) share one part file."""
+        for name in names:
             self.part_path(name).unlink(missing_ok=True)
 
     def _copy(self, source: Path, start: int, size: int, fd: int, offset: int) -> int:

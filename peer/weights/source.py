@@ -4,22 +4,28 @@ One stream carries any number of requests, answered in order. What a holder serv
 what its folder's safetensors headers list (a peer that fetched only its span serves
 only its span), read at the offsets of its own files, whatever layout they have.
 
-Limits, per remote peer and in all: `WeightLimits.streams_per_peer` streams at once
-(more are refused with `WeightRefused("busy")`), `max_streams` in total, every frame a
-fetcher sends no larger than a request (protocol/weights.py `REQUEST_FRAME_LIMIT`, 1.5 KiB:
-before, 64 MiB first frames from 8 throwaway identities took a holder from 670 MB to 2.6 GB
-of RSS), and an
-optional upload rate per peer (`rate`, bytes/s; 0 = unlimited) paced by a token
-bucket, so a volunteer's uplink is not eaten by one fetcher. A stream idle for
-`IDLE_TIMEOUT` is closed. A volunteer who wants none of this runs `--no-serve-weights`
-and the protocol is not registered at all.
+Limits: every frame a fetcher sends is no larger than a request (protocol/weights.py
+`REQUEST_FRAME_LIMIT`, 1.5 KiB: before, 64 MiB first frames from 8 throwaway identities took
+a holder from 670 MB to 2.6 GB of RSS), and a stream holds an upload place while it is open:
+`WeightLimits.streams_per_peer` per remote identity (more are refused), `streams_per_address`
+per remote IP and `max_streams` in all. Those places are shared by identity with the policy of
+the peer's unadmitted streams (peer/net/intake.py, an `Intake` of their own): when the places
+of an address, or all of them, are taken, a newcomer takes the place of the oldest stream of
+the identity holding the most there, if that identity holds more than the newcomer's own.
+Before, the first 32 streams kept their places until they idled out (30 s, or never if they
+asked for a byte now and then): 8 throwaway identities held every one and locked fetchers out.
+Whoever loses its place, or finds none, is told `WeightRefused("busy: ...")` (protocol/weights.py
+`BUSY`: ask again later; the fetcher backs off, it does not count it against the holder); an
+eviction ends a stream only between requests, never inside an answer. An optional upload rate
+per peer (`rate`, bytes/s; 0 = unlimited) is paced by a token bucket, so a volunteer's uplink
+is not eaten by one fetcher. A stream idle for `IDLE_TIMEOUT` is closed. A volunteer who wants
+none of this runs `--no-serve-weights` and the protocol is not registered at all.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -27,9 +33,9 @@ from typing import Callable
 import trio
 
 from tessera.protocol.errors import WireError
-from tessera.protocol.framing import DEFAULT_MAX_FRAME
+from tessera.protocol.framing import DEFAULT_MAX_FRAME, READ_CHUNK
 from tessera.protocol.weights import (
-    REQUEST_FRAME_LIMIT, WeightChunk, WeightChunkRequest, WeightManifest, WeightManifestRequest, WeightRefused,
+    BUSY, REQUEST_FRAME_LIMIT, WeightChunk, WeightChunkRequest, WeightManifest, WeightManifestRequest, WeightRefused,
 )
 from tessera.stages.errors import ModelFormatError
 from tessera.stages.weights.registry import MANIFEST, read_manifest
@@ -37,6 +43,7 @@ from tessera.stages.weights.tensor_table import canonical, read_header
 
 from tessera.peer.base.errors import PeerError
 from tessera.peer.base.protocols import WEIGHTS_PROTOCOL
+from tessera.peer.net.intake import Intake
 from tessera.peer.net.transport import Channel, Stream, Transport
 
 log = logging.getLogger(__name__)
@@ -51,8 +58,15 @@ class WeightLimits:
     """How much of its uplink a holder gives to fetchers."""
 
     streams_per_peer: int = 4  # a fetcher opens this many streams per holder (fetcher.STREAMS_PER_SOURCE)
+    streams_per_address: int = 8  # two fetchers behind one NAT at their full four each
     max_streams: int = 32
     rate: float = 0.0  # bytes/s per remote peer; 0 = unlimited
+
+    def places(self) -> Intake:
+        """The upload places (module docstring): the intake's policy over a pool of their own.
+        Its byte budget never binds (each place is charged one read; the requests are tiny)."""
+        return Intake(per_identity=self.streams_per_peer, per_address=self.streams_per_address,
+                      total=self.max_streams, budget=(self.max_streams + 1) * READ_CHUNK)
 
 
 class WeightSource:
@@ -73,7 +87,7 @@ class WeightSource:
         self.manifest_bytes = canonical(public)
         self._where: dict[str, tuple[Path, int]] = {}
         self.refresh()
-        self._active: Counter[str] = Counter()
+        self.places = limits.places()  # who holds an upload place (module docstring)
         self._next_free: dict[str, float] = {}
         self.bytes_served = 0
         self.intake = transport.intake  # its polite refusals (peer/net/intake.py `refuse`)
@@ -109,29 +123,30 @@ class WeightSource:
         remote = stream.remote
         # every frame a fetcher sends is a small request: read with that limit from the first on
         channel = Channel(stream, max_frame=REQUEST_FRAME_LIMIT, max_send=DEFAULT_MAX_FRAME)
-        busy = WeightRefused("busy: too many weight streams open")
-        if self._active[remote] >= self.limits.streams_per_peer or sum(self._active.values()) >= self.limits.max_streams:
-            await self.intake.refuse(stream, busy, limit=REQUEST_FRAME_LIMIT)
+        place = self.places.enter(stream)
+        if place is None:
+            await self.intake.refuse(stream, WeightRefused(f"{BUSY}: every upload place is taken"),
+                                     limit=REQUEST_FRAME_LIMIT)
             return
-        self._active[remote] += 1  # admitted before a byte is read: within this source's own limits
         try:
             while True:
-                with trio.move_on_after(IDLE_TIMEOUT):
+                request = None
+                with place.wait_scope(), trio.move_on_after(IDLE_TIMEOUT):  # an eviction ends the wait
                     request = await channel.receive_or_none()
-                    if request is None:
-                        break
-                    await channel.send(await self._answer(request, remote))
-                    continue
-                break  # idle too long
+                if place.evicted:
+                    await self.intake.refuse(stream, WeightRefused(f"{BUSY}: this upload place went to a fetcher "
+                                                                   "holding fewer"), limit=REQUEST_FRAME_LIMIT)
+                    return
+                if request is None:
+                    break  # closed, or idle too long
+                await channel.send(await self._answer(request, remote))
             await channel.close()
         except (PeerError, WireError) as bad:
             # garbage or a vanished fetcher: reset so that it does not wait on us, and go on serving others
             log.debug("weights stream from %s ended: %s", remote, bad)
             await channel.reset()
         finally:
-            self._active[remote] -= 1
-            if not self._active[remote]:
-                del self._active[remote]
+            place.release()
 
     async def _answer(self, request: object, remote: str) -> object:
         if isinstance(request, WeightManifestRequest):

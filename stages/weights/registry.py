@@ -10,8 +10,8 @@ every chunk it receives. An older manifest (files only) is upgraded the first
 time it is read: the table is computed and the file replaced atomically (its
 model id changes once, everywhere alike, since it is computed from the content).
 
-A folder fetched from peers holds only some tensors: its manifest is the model's
-own, marked ``"partial": true``, and `verify` then checks the tensors present.
+A folder fetched from peers, or in part from a hub, holds only some tensors: its manifest is
+the model's own, marked ``"partial": true``, and `verify` then checks the tensors present.
 
 An imported Hugging Face folder is linked, not copied: its files are symlinked
 into the registry folder and the manifest records their hashes at import time.
@@ -28,7 +28,7 @@ from typing import Callable
 
 from tessera.stages.errors import ModelFormatError
 from tessera.stages.weights.tensor_table import (
-    CHUNK_BYTES, MANIFEST_FORMAT, build_table, check_manifest, model_id_of, read_header, table_of_file,
+    CHUNK_BYTES, MANIFEST_FORMAT, build_table, check_manifest, model_id_of, read_header, table_digest, table_of_file,
 )
 
 MANIFEST = "manifest.json"
@@ -99,6 +99,16 @@ def write_manifest(folder: Path, *, source: dict | None = None, progress: Progre
 
 def _with_table(folder: Path, files: dict[str, dict], source: dict, *, chunk_bytes: int = CHUNK_BYTES) -> dict:
     tensors = build_table(folder, [n for n in files if n.endswith(WEIGHT_SUFFIXES)], chunk_bytes=chunk_bytes)
+    return manifest_of(files, tensors["entries"], source, chunk_bytes=chunk_bytes)
+
+
+def manifest_of(files: dict[str, dict], entries: dict[str, dict], source: dict, *,
+                chunk_bytes: int = CHUNK_BYTES) -> dict:
+    """The manifest of a model whose files have these hashes and whose tensors these table entries
+    (`table_of_file`'s, every weight file's together), however they were computed: from a folder
+    holding every file (`write_manifest`), or one weight file at a time by a fetch that keeps only
+    some of them (peer/cli/model_span.py). The same files give the same id either way."""
+    tensors = {"chunk_bytes": chunk_bytes, "entries": entries, "digest": table_digest(entries, chunk_bytes)}
     return {"format": MANIFEST_FORMAT, "files": files, "tensors": tensors,
             "model_id": model_id_of(files, tensors), "source": source}
 

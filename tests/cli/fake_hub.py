@@ -7,12 +7,13 @@ and no network (point it here with `HF_ENDPOINT`).
     GET  /api/models/ORG/NAME/tree/REV       [{"type": "file", "path", "size", "oid", "lfs"?}, ...]
     HEAD /ORG/NAME/resolve/REV/PATH          X-Repo-Commit, ETag (git blob sha1, or X-Linked-Etag: the
                                              sha256 of an LFS file), Content-Length
-    GET  /ORG/NAME/resolve/REV/PATH          the bytes (206 from a `Range: bytes=N-`)
+    GET  /ORG/NAME/resolve/REV/PATH          the bytes (206 from a `Range: bytes=N-` or `bytes=N-M`)
 
 Errors carry the hub's `X-Error-Code` (RepoNotFound, RevisionNotFound, EntryNotFound), which
 the client turns into its typed errors. Every request is logged (`requests`); `cut_once` makes
 the first GET of a file stop half-way, as a dropped connection does; `tamper` serves other
-bytes than the tree lists for a file (same size), as a corrupt mirror would.
+bytes than the tree lists for a file (same size: its last 16 bytes flipped, inside the data of
+a safetensors file's last tensor, so its header still reads), as a corrupt mirror would.
 """
 
 from __future__ import annotations
@@ -146,21 +147,24 @@ class FakeHub:
                 return out
 
             def file(self, commit: str, name: str, data: bytes, *, body: bool) -> None:
+                size = len(data)
                 etag = hashlib.sha256(data).hexdigest() if name.endswith(LFS_SUFFIXES) else git_blob_sha1(data)
                 if name in hub.tamper:
-                    data = bytes(b ^ 0xFF for b in data[:16]) + data[16:]
+                    data = data[:-16] + bytes(b ^ 0xFF for b in data[-16:])
                 start = 0
-                wanted = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range") or "")
+                wanted = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
                 if wanted:
                     start = min(int(wanted[1]), len(data))
+                    if wanted[2]:  # inclusive, as HTTP has it
+                        data = data[: max(start, min(len(data), int(wanted[2]) + 1))]
                 self.send_response(206 if wanted else 200)
                 self.send_header("X-Repo-Commit", commit)
                 self.send_header("ETag", f'"{etag}"')
                 if name.endswith(LFS_SUFFIXES):
                     self.send_header("X-Linked-Etag", f'"{etag}"')
-                    self.send_header("X-Linked-Size", str(len(data)))
+                    self.send_header("X-Linked-Size", str(size))
                 if wanted:
-                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{size}")
                 self.send_header("Content-Length", str(len(data) - start))
                 self.send_header("Accept-Ranges", "bytes")
                 self.end_headers()

@@ -273,6 +273,88 @@ async def test_the_holder_refuses_what_it_does_not_serve_and_limits_streams(mode
         assert source.bytes_served == 2 * 64 * 4
 
 
+class FromAddress:
+    """A memory stream as if it came from `addr` (the in-memory transport has no addresses)."""
+
+    def __init__(self, inner, addr: str) -> None:
+        self._inner = inner
+        self.remote_addr = addr
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+async def squat(stack: AsyncExitStack, network: MemoryNetwork, peer: str, holder: str, streams: int) -> list[Channel]:
+    """`streams` weights streams of a throwaway identity `peer` to `holder`, each admitted (its one
+    survey answered) and then held open, idle: what costs an attacker nothing."""
+    transport = await stack.enter_async_context(open_memory_transport(network, peer))
+    held = []
+    for _ in range(streams):
+        channel = Channel(await transport.open_stream(holder, WEIGHTS_PROTOCOL))
+        await channel.send(WeightManifestRequest(NAME, with_manifest=False))
+        assert isinstance(await channel.receive(), WeightManifest)
+        held.append(channel)
+    return held
+
+
+async def test_throwaway_identities_holding_every_upload_slot_do_not_lock_a_fetcher_out(model, tmp_path) -> None:
+    """8 identities holding 4 idle streams each fill a holder's 32 upload slots. A fetcher that
+    comes then takes the places of the identities that hold the most (peer/net/intake.py's
+    policy), each told "busy", and gets its span; before, it was refused ("busy") on every stream
+    until the squatters' streams idled out, and the fetch failed."""
+    network = MemoryNetwork(LinkSpec(latency=0.0, bandwidth=1e12))
+    async with AsyncExitStack() as stack:
+        (source,) = (await holders(stack, network, {"A": model})).values()
+        me = await stack.enter_async_context(open_memory_transport(network, "C"))
+        folder = await bootstrap_model(me, ["A"], NAME, tmp_path / "models")
+        squatters = [ch for i in range(8) for ch in await squat(stack, network, f"X{i}", "A", 4)]
+        assert source.places.snapshot()["streams"] == 32
+        told: list[object] = []
+        four_told = trio.Event()
+
+        async def listen(channel: Channel) -> None:  # the evicted are told why, in the protocol's words
+            reply = await channel.receive_or_none()
+            if isinstance(reply, WeightRefused) and reply.reason.startswith("busy"):
+                told.append(reply)
+                if len(told) == 4:
+                    four_told.set()
+
+        async with trio.open_nursery() as nursery:
+            for channel in squatters:
+                nursery.start_soon(listen, channel)
+            with trio.fail_after(20):
+                progress = await ensure_span(me, folder, (0, 2), ["A"])
+                await four_told.wait()
+            nursery.cancel_scope.cancel()
+        assert progress is not None and set(progress.by_peer) == {"A"}
+        assert len(told) == 4 and source.places.snapshot()["evicted"] == 4  # one per stream the fetcher opened
+        assert source.places.snapshot()["streams"] <= 32
+    got, want = tensors_of(folder), tensors_of(model)
+    assert set(got) == span_names(model, 0, 2) and all(torch.equal(got[n], want[n]) for n in got)
+
+
+async def test_one_address_holds_at_most_its_share_of_upload_slots(model) -> None:
+    """Throwaway identities behind one address share `streams_per_address` places (8); a fetcher
+    from another address is not held up by them."""
+    network = MemoryNetwork(LinkSpec(latency=0.0, bandwidth=1e12))
+    crowd, elsewhere = "/ip4/203.0.113.5/tcp/4001", "/ip4/198.51.100.7/tcp/4001"
+    async with AsyncExitStack() as stack:
+        holder = await stack.enter_async_context(open_memory_transport(network, "A"))
+        source = WeightSource(holder, model, name=NAME)
+        where = {f"X{i}": crowd for i in range(5)} | {"C": elsewhere}
+        holder.set_handler(WEIGHTS_PROTOCOL, lambda stream: source.handle(FromAddress(stream, where[stream.remote])))
+        held = {f"X{i}": await squat(stack, network, f"X{i}", "A", 2) for i in range(4)}
+        assert source.places.per_ip["203.0.113.5"] == 8
+        held["X4"] = await squat(stack, network, "X4", "A", 1)  # a ninth from that address, of a lighter identity:
+        assert source.places.per_ip["203.0.113.5"] == 8 and source.places.evicted == 1  # a heavier one gave way
+        x0 = network.transports["X0"]
+        third = Channel(await x0.open_stream("A", WEIGHTS_PROTOCOL))  # X0 holds as many as the heaviest there
+        refused = await third.receive()
+        assert isinstance(refused, WeightRefused) and refused.reason.startswith("busy")
+        await squat(stack, network, "C", "A", 4)  # another address: all four of its streams admitted
+        assert source.places.snapshot()["streams"] == 12
+
+
 async def test_a_holder_with_a_partial_folder_serves_only_what_it_holds(model, tmp_path) -> None:
     network = MemoryNetwork(LinkSpec(latency=0.0, bandwidth=1e12))
     async with AsyncExitStack() as stack:
