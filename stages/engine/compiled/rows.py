@@ -58,8 +58,10 @@ def rows_of_step(rows: StepRows) -> Iterator[StepRows]:
 @torch.library.custom_op("tessera::decode_attend", mutates_args=())
 def decode_attend(qk: Tensor, v: Tensor, layer: int, num_heads: int, scale: float, sinks: Optional[Tensor]) -> Tensor:
     """Each row's next token: write its k, v [1, K, D] at its position of its store in layer `layer`
-    of the graph, and attend over the store's window (its CacheSpec's: the layer's own). qk [R, A + K, D] (rotated); sinks [A] or None
-    (layers/attention.py `attend`). Returns [R, A D]; a padding row's is zeros."""
+    of the graph, and attend over the store's window (its CacheSpec's: the layer's own). qk
+    [R, A + K, D] (rotated); sinks [A] or None (layers/attention.py `attend`). Returns [R, A D]; a
+    padding row's is zeros. It mutates no argument: the stores it writes are not graph inputs, and
+    each layer's call feeds the next layer's input, so the graph neither drops nor reorders it."""
     step: StepRows = _current.rows
     stores = step.stores[layer]
     outs = [attend(qk[i : i + 1], v[i : i + 1], num_heads, stores[i], step.positions[i], None, scale, sinks)
