@@ -1,13 +1,22 @@
 """Decode speed of this engine, eager and compiled, against transformers and this machine's memory bound.
 
 All three decode greedily from the same 37-token chat prompt; rounds alternate (eager,
-compiled, transformers, eager, ...) so that machine noise hits them alike. A decode step
-reads every weight once (the layers, the final norm and the head; a tied head and embedding
-once), so this machine's bound is those bytes / the bandwidth of a matrix-vector product
-measured here at the same threads: the best of torch's F.linear and of the compiled step's
-reduction (engine/compiled/forms.py) over two 256 MB float32 matrices (8192 x 8192 and
-16384 x 4096, far past the caches), in huge pages as a span's weights are
-(engine/residency.py). The engine's fraction of it is tokens/s x bytes per token / bandwidth.
+compiled, transformers, the bandwidth, eager, ...) so that machine noise hits them alike. A
+decode step reads every weight once (the layers, the final norm and the head; a tied head and
+embedding once), so this machine's bound is those bytes / the bandwidth of a matrix-vector
+product measured here at the same threads: the best of torch's F.linear and of the compiled
+step's reduction (engine/compiled/forms.py), each timed over one pass through a ring of 256 MB
+float32 matrices (8192 x 8192 and 16384 x 4096) at least RING_OVER_CACHE times the last-level
+cache and 1 GiB, so that no matrix is still cached when it is read again (a server core's L3
+can hold hundreds of MB: one 256 MB matrix read five times in a row measured the cache, not the
+memory), in huge pages as a span's weights are (engine/residency.py). The bandwidth is measured
+in every round, beside the decodes, and the fraction is taken within each round: tokens/s x
+bytes per token / that round's bandwidth; the median over rounds is printed.
+
+The machine, the instruction sets, each configuration's rounds (min / median / max) and what
+other processes did meanwhile (bench/rounds.py) are printed before the figures; the fractions
+are not printed when a configuration's rounds spread over 15% or other processes kept the
+cores busy (one line says why instead).
 
     .venv/bin/python bench/engine.py [--threads 1] [--tokens 48] [--rounds 5] [--compile auto]
                                      [--clock wall|thread] [--no-transformers]
@@ -16,7 +25,7 @@ reduction (engine/compiled/forms.py) over two 256 MB float32 matrices (8192 x 81
 only: at one torch thread all compute runs on the calling thread): on a machine shared with
 other busy processes it leaves out the time this one waited for a core, which the memory
 bound's own measurement leaves out too. The last line reads
-`memory-bound fraction: eager 0.39, compiled 0.74`.
+`memory-bound fraction: eager 0.39, compiled 0.74` (or `memory-bound fraction: not printed: ...`).
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from rounds import CoreWatch, figure_line, last_level_cache_bytes, machine_lines, refusal, spread_line, watch_line
+
 from tessera.stages.engine.compiled.build import compile_decode
 from tessera.stages.engine.compiled.forms import rows_linear
 from tessera.stages.engine.residency import settled
@@ -38,17 +49,20 @@ from tessera.stages.assembly.stage import load_stage
 from tessera.stages.text.tokenizer import Tokenizer
 from tessera.stages.weights import registry
 
-BANDWIDTH_SHAPES = ((8192, 8192), (16384, 4096))  # 256 MB each in float32: far past any cache here
-BANDWIDTH_REPEATS = 5
+BANDWIDTH_SHAPES = ((8192, 8192), (16384, 4096))  # 256 MB each in float32, taken in turn around the ring
+RING_OVER_CACHE = 2.5  # the ring's bytes over the last-level cache's (and at least RING_MIN_BYTES)
+RING_MIN_BYTES = 1 << 30
 
 
 def ours_decode(stage: Stage, ids: list[int], n: int, clock: Callable[[], float]) -> float:
+    """Greedy decode of n tokens after the prompt, as the local engine runs it (Stage.next_token:
+    embedding, layers, final norm, head and argmax; one compiled graph where compiled)."""
     stage.open("bench", capacity=len(ids) + n + 1)
-    hidden = stage.forward("bench", stage.embed(ids), 0)
-    token, pos = int(stage.logits(hidden[-1:]).argmax()), len(ids)
+    _, token = stage.next_token("bench", ids, 0)
+    pos = len(ids)
     started = clock()
     for _ in range(n):
-        token = int(stage.logits(stage.forward("bench", stage.embed([token]), pos)).argmax())
+        _, token = stage.next_token("bench", [token], pos)
         pos += 1
     elapsed = clock() - started
     stage.close("bench")
@@ -73,28 +87,47 @@ def step_bytes(stage: Stage) -> int:
     return blocks + sum(t.nbytes for t in (stage.norm, stage.head) if t is not None)
 
 
-def matvec_bandwidth(clock: Callable[[], float], compiled: bool) -> tuple[float, str]:
-    """The best bytes/s of one row times a large float32 matrix (module docstring), and which kernel gave it."""
-    gen = torch.Generator().manual_seed(0)
-    reduction = torch.compile(lambda x, w: rows_linear(x, w, None))
-    best, how = 0.0, ""
-    for rows, cols in BANDWIDTH_SHAPES:
-        weight, = settled([torch.randn(rows, cols, generator=gen)])
-        x = torch.randn(1, cols, generator=gen)
-        kernels = {"F.linear": F.linear}
+class Bandwidth:
+    """The matrix-vector bandwidth of this machine (module docstring): a ring of matrices past the
+    cache, and the kernels timed over it; `measure()` is one round's figure."""
+
+    def __init__(self, clock: Callable[[], float], compiled: bool) -> None:
+        self.clock = clock
+        cache = last_level_cache_bytes() or 0
+        ring_bytes = max(RING_MIN_BYTES, int(RING_OVER_CACHE * cache))
+        gen = torch.Generator().manual_seed(0)
+        shapes, total = [], 0
+        while total < ring_bytes:
+            rows, cols = BANDWIDTH_SHAPES[len(shapes) % len(BANDWIDTH_SHAPES)]
+            shapes.append((rows, cols))
+            total += rows * cols * 4
+        self.ring = settled([torch.randn(rows, cols, generator=gen) for rows, cols in shapes])
+        self.bytes = total
+        self.inputs = {cols: torch.randn(1, cols, generator=gen) for _, cols in BANDWIDTH_SHAPES}
+        self.kernels: dict[str, Callable] = {"F.linear": F.linear}
         if compiled:
-            kernels["compiled reduction"] = reduction
-        for name, kernel in kernels.items():
-            with torch.inference_mode():
-                kernel(x, weight)  # warm-up (and the compile)
-                for _ in range(BANDWIDTH_REPEATS):
-                    started = clock()
-                    kernel(x, weight)
-                    rate = weight.nbytes / (clock() - started)
-                    if rate > best:
-                        best, how = rate, f"{name}, {rows} x {cols}"
-        del weight
-    return best, how
+            self.kernels["compiled reduction"] = torch.compile(lambda x, w: rows_linear(x, w, None))
+        self.rates: dict[str, list[float]] = {name: [] for name in self.kernels}
+        self.measure(record=False)  # warm-up (and the compile)
+
+    def measure(self, record: bool = True) -> float:
+        """One pass around the ring per kernel; the best kernel's bytes/s."""
+        best = 0.0
+        with torch.inference_mode():
+            for name, kernel in self.kernels.items():
+                started = self.clock()
+                for weight in self.ring:
+                    kernel(self.inputs[weight.shape[1]], weight)
+                rate = self.bytes / (self.clock() - started)
+                if record:
+                    self.rates[name].append(rate)
+                best = max(best, rate)
+        return best
+
+    def describe(self) -> str:
+        best = max(self.rates, key=lambda name: statistics.median(self.rates[name]))
+        return (f"{best}, a ring of {len(self.ring)} matrices, {self.bytes / 2**30:.2f} GiB; "
+                + ", ".join(f"{name} {statistics.median(v) / 1e9:.1f}" for name, v in self.rates.items()) + " GB/s")
 
 
 def main() -> None:
@@ -117,7 +150,8 @@ def main() -> None:
     eager = load_stage(folder, embed=True, head=True)
     compiled = load_stage(folder, embed=True, head=True)
     started = time.perf_counter()
-    plan = compile_decode(compiled, args.compile, say=lambda line: print(line, end="\r", flush=True))
+    # as the local engine compiles its stage (`LocalEngine`): the whole one-token step one graph where it can be
+    plan = compile_decode(compiled, args.compile, say=lambda line: print(line, end="\r", flush=True), whole=True)
     print(f"\ncompiled decode: {plan.backend or 'none'} ({plan.reason}), {time.perf_counter() - started:.0f} s")
     runs: dict[str, Callable[[], float]] = {
         "eager": lambda: ours_decode(eager, ids, args.tokens, clock),
@@ -133,27 +167,42 @@ def main() -> None:
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kwargs)
         hf.requires_grad_(False)
         runs["transformers"] = lambda: hf_decode(hf, ids, args.tokens, clock)
+    bandwidth = Bandwidth(clock, plan.backend is not None)
     for run in runs.values():  # warm-up
         run()
-    rates: dict[str, list[float]] = {name: [] for name in runs}
-    for r in range(args.rounds):
-        for name, run in runs.items():
-            rates[name].append(run())
-        print(f"round {r}: " + ", ".join(f"{name} {v[-1]:.2f} tok/s" for name, v in rates.items()), flush=True)
-    bandwidth, how = matvec_bandwidth(clock, plan.backend is not None)
     per_token = step_bytes(eager)
-    bound = bandwidth / per_token
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    bounds: list[float] = []  # each round's memory bound, tok/s
+    with CoreWatch() as watch:
+        for r in range(args.rounds):
+            for name, run in runs.items():
+                rates[name].append(run())
+            bounds.append(bandwidth.measure() / per_token)
+            print(f"round {r}: " + ", ".join(f"{name} {v[-1]:.2f} tok/s" for name, v in rates.items())
+                  + f", memory bound {bounds[-1]:.1f} tok/s", flush=True)
+    fractions = {name: [rate / bound for rate, bound in zip(v, bounds)] for name, v in rates.items()}
     median = {name: statistics.median(v) for name, v in rates.items()}
+    fraction = {name: statistics.median(v) for name, v in fractions.items()}
+    for line in machine_lines(args.threads):
+        print(line)
     print(f"threads: {args.threads}, dtype: float32, tokens per round: {args.tokens}, rounds: {args.rounds}, "
           f"clock: {args.clock}")
-    print(f"weights read per token: {per_token / 1e6:.0f} MB; matrix-vector bandwidth: {bandwidth / 1e9:.1f} GB/s "
-          f"({how}); memory bound: {bound:.1f} tok/s")
+    for name, v in rates.items():
+        print(spread_line(name, v, "tok/s"))
+    print(spread_line("memory bound", bounds, "tok/s", 1))
+    print(watch_line(watch))
+    bound = statistics.median(bounds)
+    print(f"weights read per token: {per_token / 1e6:.0f} MB; matrix-vector bandwidth: "
+          f"{bound * per_token / 1e9:.1f} GB/s ({bandwidth.describe()}); memory bound: {bound:.1f} tok/s")
     for name, rate in median.items():
-        print(f"{name} decode: {rate:.2f} tok/s ({rate / bound:.2f} of the memory bound)")
+        print(f"{name} decode: {rate:.2f} tok/s ({fraction[name]:.2f} of the memory bound)")
+    reason = refusal({**rates, "memory bound": bounds}, watch.others)
     if "transformers" in median:
-        print(f"engine/transformers decode ratio: eager {median['eager'] / median['transformers']:.2f}, "
-              f"compiled {median['compiled'] / median['transformers']:.2f}")
-    print(f"memory-bound fraction: eager {median['eager'] / bound:.2f}, compiled {median['compiled'] / bound:.2f}")
+        print(figure_line("engine/transformers decode ratio",
+                          f"eager {median['eager'] / median['transformers']:.2f}, "
+                          f"compiled {median['compiled'] / median['transformers']:.2f}", reason))
+    print(figure_line("memory-bound fraction", f"eager {fraction['eager']:.2f}, compiled {fraction['compiled']:.2f}",
+                      reason))
 
 
 if __name__ == "__main__":

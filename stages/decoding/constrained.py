@@ -269,7 +269,8 @@ class ConstrainedSampler(Sampler):
         super().__init__(params)
         self.constraint = constraint
 
-    def sample(self, logits: torch.Tensor) -> int:
+    def sample(self, logits: torch.Tensor, argmax: int | None = None) -> int:
+        del argmax  # the best allowed token, not the best token
         token = self.greedy_allowed(logits) if self.params.greedy else self.draw_allowed(logits)
         self.constraint.advance(token)
         return token

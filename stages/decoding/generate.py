@@ -102,7 +102,8 @@ class LocalEngine:
         else:
             self.stage = self.head = load_stage(folder, embed=True, head=True, device=dev, dtype=pick_dtype(dtype, dev))
         for stage in dict.fromkeys((self.stage, self.head)):  # the layers, and a separate head
-            compile_decode(stage, compile, say=say)
+            # one stage holding everything: its one-token step from token to next token is one graph
+            compile_decode(stage, compile, say=say, whole=self.stage is self.head)
         self.tokenizer = Tokenizer.from_folder(folder)
         self.spec = self.stage.spec
         self._sessions = 0
@@ -126,19 +127,26 @@ class LocalEngine:
         session = ("local", self._sessions)
         self.stage.open(session, capacity=len(ids) + budget)
         try:
-            logits = self.head.logits(self.stage.forward(session, self.head.embed(ids), 0)[-1:])
+            logits, greedy = self._step(session, ids, 0)
             out: list[int] = []
             while True:
-                token = sampler.sample(logits[-1])
+                token = sampler.sample(logits, greedy)
                 out.append(token)
                 if on_token:
                     on_token(token)
                 if token in self.spec.eos_token_ids or len(out) >= budget:
                     return out
-                hidden = self.stage.forward(session, self.head.embed([token]), len(ids) + len(out) - 1)
-                logits = self.head.logits(hidden)
+                logits, greedy = self._step(session, [token], len(ids) + len(out) - 1)
         finally:
             self.stage.close(session)
+
+    def _step(self, session: tuple, ids: Sequence[int], start_pos: int) -> tuple[torch.Tensor, int]:
+        """The logits row after `ids` fed at `start_pos`, and its argmax: one stage's `next_token`
+        (one compiled graph a token, where compiled), or a quantized span and a float32 head."""
+        if self.stage is self.head:
+            return self.stage.next_token(session, ids, start_pos)
+        logits, greedy = self.head.logits_argmax(self.stage.forward(session, self.head.embed(ids), start_pos)[-1:])
+        return logits[0], int(greedy[0])
 
     def generate(
         self,

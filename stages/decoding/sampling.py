@@ -77,10 +77,11 @@ class Sampler:
             return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
         return probabilities(logits, self.params)
 
-    def sample(self, logits: torch.Tensor) -> int:
-        """One id from a logits row [V]."""
+    def sample(self, logits: torch.Tensor, argmax: int | None = None) -> int:
+        """One id from a logits row [V]. `argmax`: the row's argmax where the caller has it (a compiled
+        head computes it with the logits): greedy sampling's answer without another pass."""
         if self.params.greedy:
-            return int(logits.argmax(-1))
+            return int(logits.argmax(-1)) if argmax is None else argmax
         return self.draw(probabilities(logits, self.params))
 
     def draw(self, probs: torch.Tensor) -> int:

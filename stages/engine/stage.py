@@ -49,7 +49,8 @@ BatchStep = tuple[Hashable, torch.Tensor, int]
 
 class DecodeRunner(Protocol):
     """A compiled decode step attached to a Stage (stages/engine/compiled/): `forward` and
-    `forward_batch` hand it their steps of one token per session, `logits` its few rows; each
+    `forward_batch` hand it their steps of one token per session, `logits` its few rows (it
+    answers them with their argmax), `next_token` a whole model's step from a token id; each
     answers None for what it has no compiled form of, and the eager path runs that."""
 
     backend: str
@@ -57,7 +58,10 @@ class DecodeRunner(Protocol):
     def run(self, first: int, last: int, x: torch.Tensor, positions: list[int],
             states: Sequence[SessionState]) -> torch.Tensor | None: ...
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None: ...
+    def logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    def next_token(self, state: SessionState, token: int, position: int
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
     def session_cache(self, start: int, end: int, capacity: int) -> SessionCache | None: ...
 
@@ -171,10 +175,13 @@ class Stage(SessionTable):
 
     def _reserve(self, session: Hashable, hidden: torch.Tensor, start_pos: int) -> SessionState:
         """Check a step (session, shape, context) and move the session's pointer past it."""
+        return self._reserve_rows(session, hidden.shape, start_pos)
+
+    def _reserve_rows(self, session: Hashable, shape: torch.Size, start_pos: int) -> SessionState:
         state = self._session(session)
-        if hidden.dim() != 2 or hidden.shape[1] != self.spec.hop_width:
-            raise SpanError(f"hidden states have shape {tuple(hidden.shape)!r}, expected [T, {self.spec.hop_width}]")
-        state.cache.reserve(start_pos, hidden.shape[0])
+        if len(shape) != 2 or shape[1] != self.spec.hop_width:
+            raise SpanError(f"hidden states have shape {tuple(shape)!r}, expected [T, {self.spec.hop_width}]")
+        state.cache.reserve(start_pos, shape[0])
         return state
 
     def _run_decode(
@@ -221,18 +228,47 @@ class Stage(SessionTable):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The last layer's hop [T, hop_width] -> float32 logits [T, V] (several streams mixed into one
-        by the head's connection first)."""
+        """The last layer's hop [T, hop_width] -> float32 logits [T, V] (`logits_argmax`'s)."""
+        return self.logits_argmax(hidden)[0]
+
+    @torch.inference_mode()
+    def logits_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's hop [T, hop_width] -> (float32 logits [T, V], their argmax [T]): greedy
+        sampling's token without a second pass over the logits (one compiled graph with the head,
+        where compiled). Several streams are mixed into one by the head's connection first."""
         if self.head is None or self.norm is None:
             raise SpanError("this stage holds no head")
         x = hidden.to(self.device, self.dtype)
         if not self.hop.plain:
             x = self.hop.split(x)[0]
             x = self.head_mix.forward(x) if self.head_mix is not None else x
-        if self.decode is not None and (logits := self.decode.logits(x)) is not None:
-            return logits
+        if self.decode is not None and (out := self.decode.logits(x)) is not None:
+            return out
         x = F.rms_norm(x, self.norm.shape, self.norm, self.spec.rms_norm_eps)
-        return F.linear(x, self.head).float()
+        logits = F.linear(x, self.head).float()
+        return logits, logits.argmax(-1)
+
+    @torch.inference_mode()
+    def next_token(self, session: Hashable, token_ids: Sequence[int], start_pos: int) -> tuple[torch.Tensor, int]:
+        """Feed `token_ids` to the session (a stage holding the whole model: embedding, every layer,
+        head) at positions [start_pos, ...) -> (the float32 logits row [V] after the last, its argmax).
+        A one-token step is one compiled graph from the token to the argmax where compiled; else
+        `embed`, `forward` and `logits_argmax` in turn, which is what the graph computes."""
+        if self.embedding is None or self.head is None:
+            raise SpanError("next_token needs a stage holding the embedding and the head")
+        if len(token_ids) == 1 and self.decode is not None:
+            hidden_shape = torch.Size((1, self.spec.hop_width))
+            token = int(token_ids[0])
+            if not 0 <= token < self.spec.vocab_size:
+                raise SpanError(f"token ids must lie in [0, {self.spec.vocab_size})")
+            state = self._reserve_rows(session, hidden_shape, start_pos)
+            out = self.decode.next_token(state, token, start_pos)
+            if out is not None:
+                return out[0][0], int(out[1][0])
+            logits, ids = self.logits_argmax(self._run_solo(state, self.embed([token]), start_pos))
+            return logits[0], int(ids[0])
+        logits, ids = self.logits_argmax(self.forward(session, self.embed(token_ids), start_pos)[-1:])
+        return logits[0], int(ids[0])
 
     def _new_cache(self, start: int, end: int, capacity: int) -> SessionCache:
         """A session's cache: a slot of the compiled step's static pool where it keeps one (CUDA graphs)."""

@@ -4,8 +4,10 @@ For every family the engine runs (llama, qwen3 with windows, biases and qk-norm,
 dense and a sparse layer kind, mixtral, gpt_oss with sinks; deepseek_v3's MLA and glm_moe_dsa's DSA
 layers stay eager inside the compiled step, said so), a tiny random model saved by transformers: the compiled
 span's float32 logits within 1e-4 of transformers' and of the eager span's, greedy tokens
-identical; sessions stacked in one compiled step (padded to a row bucket) against their solo
-runs; draft blocks (eager) cut short and rolled back between compiled steps. The CUDA-graph runner's
+identical; sessions stacked in one compiled step (padded to a row bucket, of different capacities)
+against their solo runs; draft blocks (eager) cut short and rolled back between compiled steps; the
+local engine's whole step (embedding, layers, head, argmax) as one graph against transformers; a
+graph that fails to compile split by kind. The CUDA-graph runner's
 static slot step runs here too, uncaptured (`capture=False`: the same buffers, slots, padding and
 eager islands a replay uses). Compiles stay small: three layers of width 64, one or two row buckets.
 """
@@ -21,7 +23,7 @@ import trio
 
 from tessera.stages.engine.compiled.build import compile_decode
 from tessera.stages.engine.compiled.cuda_graphs import GraphDecode, group_halves
-from tessera.stages.engine.compiled.inductor import HEAD, InductorDecode
+from tessera.stages.engine.compiled.inductor import HEAD, WHOLE, InductorDecode
 from tessera.stages.engine.compiled.modes import CompileChoiceError, plan_compile
 from tessera.stages.engine.stage import Stage
 from tessera.stages.assembly.stage import load_stage
@@ -58,6 +60,7 @@ EAGER_ATTENTION = {"deepseek_v3", "glm_moe_dsa"}  # families whose layer kinds a
 # llama also pads 3 rows to 4, and compiles what the swarm's peers (--batch-rows 2) ask for: from the disk cache
 BUCKETS = {"llama": (1, 2, 4), "qwen3": (1,), "qwen3_moe": (1,), "mixtral": (1,), "gpt_oss": (1, 4), "deepseek_v3": (1,),
            "glm_moe_dsa": (1, 4)}
+WHOLE_STEP = {"llama", "qwen3_moe"}  # compiled as the local engine compiles (`whole`): one graph a token where it can
 STACKED = [PROMPT, PROMPT[:5], PROMPT[:9]]  # three sessions at different positions
 STEPS = 8
 CLOSE = 2e-5  # compiled vs eager logits, relative to the row's largest: only the order of summation differs
@@ -75,7 +78,7 @@ def compiled(folders):
     out = {}
     for name, folder in folders.items():
         stage, said = load_stage(folder, embed=True, head=True), []
-        plan = compile_decode(stage, "inductor", say=said.append, buckets=BUCKETS[name])
+        plan = compile_decode(stage, "inductor", say=said.append, buckets=BUCKETS[name], whole=name in WHOLE_STEP)
         out[name] = (stage, plan, said)
     return out
 
@@ -124,6 +127,39 @@ def test_compiled_matches_eager_and_transformers(folders, compiled, name):
     assert engine.generate_ids(PROMPT, max_new_tokens=len(tokens)) == until_eos(tokens)
 
 
+def next_tokens(stage: Stage, tokens: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """Stage.next_token's argmax and logits row for PROMPT, then for each of `tokens` fed in turn."""
+    stage.open("n", capacity=len(PROMPT) + len(tokens) + 1)
+    got, rows, step, pos = [], [], PROMPT, 0
+    for token in tokens:
+        row, best = stage.next_token("n", step, pos)
+        got.append(best)
+        rows.append(row[None])
+        pos, step = pos + len(step), [token]
+    stage.close("n")
+    return got, rows
+
+
+@pytest.mark.parametrize("name", sorted(WHOLE_STEP))
+def test_the_whole_step_is_one_graph_and_exact(folders, compiled, name):
+    """The local engine's one-token step, from token id through every layer, the final norm, the head
+    and the argmax: one graph where every layer is in one run (llama), else the layers' graphs and the
+    head's (qwen3_moe: its sparse layers break the run); transformers' tokens, logits within 1e-4."""
+    stage, _, said = compiled[name]
+    runner = stage.decode
+    assert runner.whole == (name == "llama"), said
+    tokens, ref = reference_run(folders[name])
+    before = runner.steps
+    got, rows = next_tokens(stage, tokens)
+    assert runner.steps - before == len(tokens) - 1  # every decode step compiled (the prefill eager)
+    assert got == tokens  # the graph's argmax is transformers' greedy token
+    worst = max(float((a - b[-1:]).abs().max()) for a, b in zip(rows, ref))
+    assert worst <= TOLERANCE, f"{name}: the whole step vs transformers {worst:.3g}"
+    eager = load_stage(folders[name], embed=True, head=True)
+    assert max(gap(a, b) for a, b in zip(rows, next_tokens(eager, tokens)[1])) <= CLOSE
+    assert WHOLE not in runner.eager and not runner.eager, said
+
+
 def solo_tokens(stage: Stage, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
     stage.open("solo", capacity=64)
     hidden, tokens, logits = stage.forward("solo", stage.embed(prompt), 0), [], []
@@ -137,11 +173,12 @@ def solo_tokens(stage: Stage, prompt: list[int], n: int) -> tuple[list[int], lis
 
 def stacked_tokens(stage: Stage, prompts: list[list[int]], n: int, capacity: int = 64
                    ) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
-    """Every session prefilled alone, then decoded together: one stacked step per token."""
+    """Every session prefilled alone, then decoded together: one stacked step per token. Each
+    session's capacity differs (from `capacity` down), as a peer's sessions' do."""
     tokens: list[list[int]] = []
     logits: list[list[torch.Tensor]] = []
     for i, prompt in enumerate(prompts):
-        stage.open(("s", i), capacity=capacity)
+        stage.open(("s", i), capacity=capacity - i)
         row = stage.logits(stage.forward(("s", i), stage.embed(prompt), 0)[-1:])
         tokens.append([int(row.argmax())])
         logits.append([row])
@@ -200,19 +237,20 @@ def test_a_kind_that_fails_to_compile_runs_eagerly_and_says_so_once(folders, mon
     run time (forbidden) leaves its kind eager too, with one line."""
     stage, said = load_stage(folders["qwen3_moe"], embed=True, head=True), []
     runner = InductorDecode(stage, buckets=(1,), say=said.append)
-    real = runner._warm_layer
+    real = runner._warm
 
-    def failing(kind, rows, layer):
-        if kind.mlp.kind == "moe":
+    def failing(piece, rows, **kwargs):
+        if any(runner.kinds[i].mlp.kind == "moe" for i in range(piece.lo, piece.hi)):
             raise RuntimeError("no lowering for this\nsecond line")
-        return real(kind, rows, layer)
+        return real(piece, rows, **kwargs)
 
-    monkeypatch.setattr(runner, "_warm_layer", failing)
+    monkeypatch.setattr(runner, "_warm", failing)
     runner.compile()
     stage.decode = runner
     sparse = next(k for k in stage.spec.layers if k.mlp.kind == "moe")
     assert sparse not in runner.compiled and "RuntimeError: no lowering for this" in runner.eager[sparse]
     assert [line for line in said if "eagerly" in line] == [f"layer kind gqa + moe decodes eagerly: {runner.eager[sparse]}"]
+    assert [(p.lo, p.hi, p.fn is not None) for p in runner.pieces] == [(0, 1, True), (1, 2, False), (2, 3, False)]
     eager = load_stage(folders["qwen3_moe"], embed=True, head=True)
     tokens, _ = solo_tokens(eager, PROMPT, STEPS)
     assert solo_tokens(stage, PROMPT, STEPS)[0] == tokens
@@ -220,11 +258,55 @@ def test_a_kind_that_fails_to_compile_runs_eagerly_and_says_so_once(folders, mon
     def recompiles(*args, **kwargs):
         raise torch._dynamo.exc.RecompileError("Detected recompile when torch.compile stance is 'fail_on_recompile'")
 
-    monkeypatch.setattr(runner, "layer_fns", {kind: recompiles for kind in runner.layer_fns})
+    for piece in runner.pieces:
+        if piece.fn is not None:
+            piece.fn = recompiles
     assert solo_tokens(stage, PROMPT, STEPS)[0] == tokens
     assert solo_tokens(stage, PROMPT, STEPS)[0] == tokens
     assert not runner.compiled - {HEAD}
     assert sum("another compile" in line for line in said) == 1  # the dense kind, said once
+
+
+def test_a_graph_that_fails_is_split_by_kind(folders, monkeypatch):
+    """qwen3's sliding and full layers are one run, one graph. When the sliding kind cannot compile,
+    the run's compile fails; each kind alone is tried: the sliding one decodes eagerly (said once),
+    the full one stays compiled, in a graph of its own, and the answer is the eager one's."""
+    stage, said = load_stage(folders["qwen3"], embed=True, head=True), []
+    runner = InductorDecode(stage, buckets=(1,), say=said.append)
+    real = runner._warm
+    sliding = next(k for k in stage.spec.layers if k.attention.window is not None)
+
+    def failing(piece, rows, **kwargs):
+        if any(runner.kinds[i] == sliding for i in range(piece.lo, piece.hi)):
+            raise RuntimeError("windows are hard")
+        return real(piece, rows, **kwargs)
+
+    monkeypatch.setattr(runner, "_warm", failing)
+    runner.compile()
+    stage.decode = runner
+    assert set(runner.eager) == {sliding} and "RuntimeError: windows are hard" in runner.eager[sliding]
+    assert runner.compiled == set(stage.spec.layers) - {sliding} | {HEAD}
+    assert sum("decodes eagerly" in line for line in said) == 1
+    assert all(p.fn is not None for p in runner.pieces if runner.kinds[p.lo] != sliding)
+    eager = load_stage(folders["qwen3"], embed=True, head=True)
+    before = runner.steps
+    assert solo_tokens(stage, PROMPT, STEPS)[0] == solo_tokens(eager, PROMPT, STEPS)[0]
+    assert runner.steps - before == STEPS  # each a step of the compiled runner
+
+
+def test_a_sub_span_session_decodes_eagerly_on_a_compiled_stage(compiled, folders):
+    """A session over part of the stage (a repair's other cut) has no graph: its steps run eagerly,
+    and equal an eager stage's."""
+    stage, _, _ = compiled["llama"]
+    eager = load_stage(folders["llama"], embed=True, head=True)
+    outs, before = [], stage.decode.steps
+    for s in (stage, eager):
+        s.open("part", capacity=32, start=0, end=2)
+        hidden = s.forward("part", s.embed(PROMPT), 0)
+        outs.append([hidden] + [s.forward("part", hidden[-1:], len(PROMPT) + i) for i in range(3)])
+        s.close("part")
+    assert all(gap(a, b) <= CLOSE for a, b in zip(*outs))
+    assert stage.decode.steps == before
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe", "gpt_oss"])

@@ -22,8 +22,10 @@ def row_buckets(max_rows: int) -> tuple[int, ...]:
 
 
 def compile_decode(stage: Stage, mode: str = "auto", *, say: Callable[[str], None] | None = None,
-                   buckets: Sequence[int] = ROW_BUCKETS) -> CompilePlan:
+                   buckets: Sequence[int] = ROW_BUCKETS, whole: bool = False) -> CompilePlan:
     """Compile `stage`'s decode steps as `mode` asks (modes.py); returns what it chose and why.
+    `whole`: a stage holding the whole model (the local engine) also gets its one-token step from
+    token id to next token id as one graph (`Stage.next_token`), where the backend has one.
     Raises CompileChoiceError for a mode this device cannot run."""
     plan = plan_compile(mode, stage.device.type, quantized=stage.quant.active)
     stage.decode = None
@@ -34,7 +36,7 @@ def compile_decode(stage: Stage, mode: str = "auto", *, say: Callable[[str], Non
     if plan.backend is None or stage.end == stage.start and stage.head is None:
         return plan
     runner = GraphDecode(stage, buckets=buckets, say=say) if plan.backend == CUDA_GRAPHS else \
-        InductorDecode(stage, buckets=buckets, say=say)
+        InductorDecode(stage, buckets=buckets, say=say, whole=whole)
     runner.compile()
     if not runner.compiled:
         return CompilePlan(None, f"{plan.backend} failed for every layer kind: serving eagerly")

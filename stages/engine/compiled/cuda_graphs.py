@@ -206,8 +206,11 @@ class GraphDecode:
         self.steps += 1
         return bucket.pieces[-1].out[:rows].clone()
 
-    def logits(self, hidden: Tensor) -> Tensor | None:
+    def logits(self, hidden: Tensor) -> tuple[Tensor, Tensor] | None:
         return None  # the head is one norm and one matmul: nothing to save by capturing
+
+    def next_token(self, state: SessionState, token: int, position: int) -> tuple[Tensor, Tensor] | None:
+        return None  # the layers replay as graphs (run); the embedding and head run as they are
 
     def session_cache(self, start: int, end: int, capacity: int) -> SessionCache | None:
         if (start, end) != (self.stage.start, self.stage.end):

@@ -1,16 +1,28 @@
-"""The step of a torch.compile'd decode layer: every row one session's next token.
+"""The step of a torch.compile'd decode graph: every row one session's next token.
 
 A row's cache write and attention are data-dependent in a way a compiled graph should not
-see (its position moves every step; its session's store has its own capacity), so they are
-one opaque op, `tessera::decode_attend`, over the session's own store: inside, the eager
-code (`layers.attention.attend` over a `KeyValues` on the same buffers) runs as it always
-does. Everything around it (norms, projections, RoPE, the residuals, the MLP) is compiled.
-The position arrives as a tensor, so no step's position is baked into a graph.
+see (its position moves every step; its session's store has its own capacity, and grows), so
+they are one opaque op per layer, `tessera::decode_attend`: inside, the eager code
+(`layers.attention.attend` over the session's `KeyValues`) runs as it always does. Everything
+around it (norms, projections, RoPE, the residuals, the MLP, and where the graph holds them the
+embedding, the final norm, the head and the argmax) is compiled.
+
+The op takes no store and no position: a graph whose inputs were every session's stores would
+guard on each one's size (a session's capacity: one symbol per store, and a recompile when two
+stacked sessions' capacities differ), and would take 2 x layers x rows tensors a call. Instead
+the caller names the step's rows before it calls a graph (`rows_of_step`): each row's position
+and, per layer of the graph, each row's store; the op reads them by the layer's index within
+the graph. The names live in a thread-local, since stages in one process (a test's swarm, the
+requester beside a peer) run on different threads at once. Rows past the step's own (padding
+up to a row bucket) attend nowhere: their outputs are zeros, dropped by the caller.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence  # Optional: custom_op reads the annotations
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence  # Optional: custom_op reads the annotations
 
 import torch
 from torch import Tensor
@@ -19,39 +31,64 @@ from tessera.stages.families.spec import AttentionSpec
 from tessera.stages.layers.attention import attend
 from tessera.stages.layers.cache import KeyValues
 
-NO_WINDOW = -1  # `window` of decode_attend for a layer that attends to every position
+@dataclass
+class StepRows:
+    """The rows of the step being run: row i (of `rows` real ones) is at positions[i]; stores[j][i]
+    is its store in layer j of the graph being called (set per graph: `stores`)."""
+
+    positions: list[int]
+    rows: int
+    stores: Sequence[Sequence[KeyValues]] = ()
 
 
-@torch.library.custom_op("tessera::decode_attend", mutates_args=("keys", "values"))
-def decode_attend(qk: Tensor, v: Tensor, keys: Tensor, values: Tensor, position: Tensor, num_heads: int,
-                  window: int, scale: float, sinks: Optional[Tensor]) -> Tensor:
-    """One session's next token: write its k, v [1, K, D] at `position` (a 0-d long tensor) of its
-    store (keys, values [K, capacity, D]) and attend over its window. qk [1, A + K, D] (rotated);
-    sinks [A] or None (layers/attention.py `attend`). Returns [1, A D]."""
-    store = KeyValues.over(keys, values, None if window == NO_WINDOW else window)
-    return attend(qk, v, num_heads, store, int(position), None, scale, sinks)
+_current = threading.local()
+
+
+@contextmanager
+def rows_of_step(rows: StepRows) -> Iterator[StepRows]:
+    """Name `rows` as this thread's step while the graphs of one step run."""
+    outer = getattr(_current, "rows", None)
+    _current.rows = rows
+    try:
+        yield rows
+    finally:
+        _current.rows = outer
+
+
+@torch.library.custom_op("tessera::decode_attend", mutates_args=())
+def decode_attend(qk: Tensor, v: Tensor, layer: int, num_heads: int, scale: float, sinks: Optional[Tensor]) -> Tensor:
+    """Each row's next token: write its k, v [1, K, D] at its position of its store in layer `layer`
+    of the graph, and attend over the store's window (its CacheSpec's: the layer's own). qk
+    [R, A + K, D] (rotated); sinks [A] or None (layers/attention.py `attend`). Returns [R, A D]; a
+    padding row's is zeros. It mutates no argument: the stores it writes are not graph inputs, and
+    each layer's call feeds the next layer's input, so the graph neither drops nor reorders it."""
+    step: StepRows = _current.rows
+    stores = step.stores[layer]
+    outs = [attend(qk[i : i + 1], v[i : i + 1], num_heads, stores[i], step.positions[i], None, scale, sinks)
+            for i in range(step.rows)]
+    if qk.shape[0] > step.rows:
+        outs.append(qk.new_zeros(qk.shape[0] - step.rows, num_heads * qk.shape[2]))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 @decode_attend.register_fake
-def _decode_attend_shape(qk: Tensor, v: Tensor, keys: Tensor, values: Tensor, position: Tensor, num_heads: int,
-                         window: int, scale: float, sinks: Optional[Tensor]) -> Tensor:
+def _decode_attend_shape(qk: Tensor, v: Tensor, layer: int, num_heads: int, scale: float,
+                         sinks: Optional[Tensor]) -> Tensor:
     return qk.new_empty(qk.shape[0], num_heads * qk.shape[2])
 
 
 class RowsStep:
-    """`StepRows` of a compiled decode step over one layer kind: row i at positions[i], its store
-    (keys, values) the i-th of the layer's cache list. cos, sin: the kind's RoPE tables [R, 1, D]."""
+    """`StepRows` (layers/attention.py) of a compiled decode graph. A layer's cache is its index in
+    the graph (the op finds the rows' stores by it); `table` is the RoPE of the layer running
+    (cos, sin [R, 1, D]), set by the graph before each layer."""
 
-    def __init__(self, cos: Tensor, sin: Tensor, positions: Tensor) -> None:
-        self.cos, self.sin, self.positions = cos, sin, positions
+    def __init__(self, table: tuple[Tensor, Tensor] | None = None) -> None:
+        self.table = table
 
     def rope(self, spec: AttentionSpec) -> tuple[Tensor, Tensor]:
-        return self.cos, self.sin  # one layer kind per compiled function: one RoPE
+        assert self.table is not None, "the graph sets each layer's RoPE before it runs"
+        return self.table
 
-    def attend(self, qk: Tensor, v: Tensor, num_heads: int, cache: Sequence[tuple[Tensor, Tensor]],
-               window: int | None, scale: float, sinks: Tensor | None = None) -> Tensor:
-        w = NO_WINDOW if window is None else window
-        return torch.cat([  # [R, A D]
-            decode_attend(qk[i : i + 1], v[i : i + 1], keys, values, self.positions[i], num_heads, w, scale, sinks)
-            for i, (keys, values) in enumerate(cache)
-        ])
+    def attend(self, qk: Tensor, v: Tensor, num_heads: int, cache: int, window: int | None, scale: float,
+               sinks: Tensor | None = None) -> Tensor:
+        return decode_attend(qk, v, cache, num_heads, scale, sinks)  # the store keeps `window`
