@@ -29,9 +29,11 @@ def compile_decode(stage: Stage, mode: str = "auto", *, say: Callable[[str], Non
     Raises CompileChoiceError for a mode this device cannot run."""
     plan = plan_compile(mode, stage.device.type, quantized=stage.quant.active)
     stage.decode = None
-    if plan.backend is not None and stage.spec.hop_width != stage.spec.hidden_size:
-        # the compiled steps take and give [T, H]: a hop of several streams (and token ids) decodes eagerly
-        return CompilePlan(None, f"{stage.spec.family} steps carry {stage.spec.hop_width} values a token, "
+    if plan.backend is not None and not stage.hop.plain:
+        # the compiled steps take and give [T, H]: a hop of several streams (token ids, per-layer inputs)
+        # decodes eagerly
+        width = stage.spec.hop_width(stage.start)
+        return CompilePlan(None, f"{stage.spec.family} steps carry {width} values a token into layer {stage.start}, "
                                  f"not {stage.spec.hidden_size}: serving eagerly")
     if plan.backend is None or stage.end == stage.start and stage.head is None:
         return plan

@@ -115,7 +115,9 @@ def test_the_published_models_state_per_position():
         per_position[(at.ratio, at.indexed)] = layer.cache.bytes_per_position(2)
     assert per_position[(4, True)] == (512 + 128) * 2 // 4  # 160 values: MLA's latent is 576
     assert per_position[(128, False)] == 512 * 2 // 128
-    assert spec.hop_width == 4 * 4096 + 3 and spec.hop_bytes(2) == 2 * (4 * 4096 + 3)
+    # the streams and the id's digits cross into every layer alike: the hop is as wide at every cut
+    assert {spec.hop_width(layer) for layer in range(spec.num_layers + 1)} == {4 * 4096 + 3}
+    assert spec.hop_bytes(0, 2) == 2 * (4 * 4096 + 3)
 
 
 @pytest.mark.parametrize("config", [FLASH, *(saved_config(name) for name in NAMES)], ids=["flash", *NAMES])
@@ -138,9 +140,9 @@ def test_a_hop_carries_its_token_ids_exactly_in_any_float(ids, dtype):
     hop = Hop(spec)
     ids_t = torch.tensor(ids)
     packed = hop.from_embedding(torch.randn(len(ids), spec.hidden_size), ids_t)
-    assert packed.shape == (len(ids), spec.hop_width)
-    residual, back = hop.split(packed.to(dtype))
-    assert residual.shape == (len(ids), 4, spec.hidden_size) and torch.equal(back, ids_t)
+    assert packed.shape == (len(ids), spec.hop_width(0))
+    residual, back, per_layer = hop.split(packed.to(dtype))
+    assert residual.shape == (len(ids), 4, spec.hidden_size) and torch.equal(back, ids_t) and per_layer is None
     encoded, _ = encode_wire(packed, "bfloat16")  # a requester's compact wire form
     assert torch.equal(hop.split(decode_tensor(encoded))[1], ids_t)
     encoded, _ = encode_wire(packed, "fp8")  # rounds digits away: refused for such a model (below)
