@@ -101,9 +101,9 @@ def check_tensors(spec: ModelSpec, weights: WeightFolder) -> None:
     ignorable = {"lm_head.weight"} if spec.tie_embeddings else set()
     # multi-token-prediction modules after the decoder layers (DeepSeek-V3, GLM-4.5) or under "mtp."
     # (Qwen3-Next, Qwen3.5), a multimodal checkpoint's vision tower, and where the family keeps what it
-    # does not run (MiMo-V2-Flash's "model.mtp."): not run
+    # does not run (MiMo-V2-Flash's "model.mtp.", Gemma 4's KV-shared layers' key projections): not run
     not_run = tuple(f"{spec.prefix}layers.{i}." for i in range(spec.num_layers, spec.num_layers + spec.mtp_layers))
-    not_run += NOT_RUN_PREFIXES.get(spec.prefix, ()) + FAMILIES[spec.family].not_run
+    not_run += NOT_RUN_PREFIXES.get(spec.prefix, ()) + FAMILIES[spec.family].not_run(spec)
     unexpected = sorted(
         n for n in set(table) - set(expected) - ignorable
         if not n.endswith(RECOMPUTED_SUFFIXES) and not n.startswith(not_run) and not empty(table[n][0])

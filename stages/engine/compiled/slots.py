@@ -100,4 +100,4 @@ class SlotStep:
         else:  # each head's sink logit joins the denominator (gpt-oss; layers/attention.py)
             sink = sinks.to(scores.dtype).view(1, kv, a // kv, 1).expand(r, kv, a // kv, 1)
             probs = torch.cat((scores, sink), -1).softmax(-1)[..., : self.length]
-        return torch.matmul(probs, v_rows).reshape(r, a * d)  # [R, A D]
+        return torch.matmul(probs, v_rows).reshape(r, -1)  # [R, A Dv]

@@ -66,7 +66,9 @@ def build(root: Path, name: str, config: Any, *, seed: int, fused: bool = False)
         saved = model.state_dict()
         for bname, b in model.named_buffers():  # and the buffers it saves (DeepSeek's router correction bias)
             if bname in saved and b.is_floating_point():
-                b.copy_(WEIGHT_STD * torch.randn_like(b))
+                # a layer's output scale (Gemma 4's layer_scalar) near 1, as a norm's: five layers of 0.2-scale
+                # draws would shrink the residual stream to 1e-5 of itself, where float32 rounding is the signal
+                b.copy_(1 + 0.1 * torch.randn_like(b) if "scalar" in bname else WEIGHT_STD * torch.randn_like(b))
             elif bname in saved:  # DeepSeek-V4's hash table: each token's experts, distinct, at random
                 experts = config.num_local_experts
                 b.copy_(torch.stack([torch.randperm(experts)[: b.shape[1]] for _ in range(b.shape[0])]))
