@@ -258,7 +258,9 @@ class Stage(SessionTable):
         sampling's token without a second pass over the logits (one compiled graph with the head,
         where compiled). Several streams are mixed into one by the head's connection first; the logits
         are softcapped where the model's are (Gemma's c tanh(logits / c), in the stage's dtype as the
-        reference)."""
+        reference). A hop of any width is read so: rows handed on from an earlier layer (a draft
+        model's first layers) carry the per-layer inputs of the layers after it too, and the head
+        reads the residual stream, the hop's first columns."""
         if self.head is None or self.norm is None:
             raise SpanError("this stage holds no head")
         x = hidden.to(self.device, self.dtype)
