@@ -1,5 +1,5 @@
-"""Gemma 4 text (`gemma4_text`; the text model of a `gemma4` multimodal checkpoint): sliding-window and
-global layers mixed by `layer_types`, per-layer inputs, KV-shared layers, and a MoE beside a dense MLP.
+"""Gemma 4 (`gemma4`: the text model of its multimodal checkpoints, or a `gemma4_text` one): sliding-window
+and global layers mixed by `layer_types`, per-layer inputs, KV-shared layers, and a MoE beside a dense MLP.
 
 Every layer (transformers' `Gemma4TextDecoderLayer`): Gemma's norms after each half as well as
 before (`LayerSpec.sandwich`); a GeGLU MLP (`gelu_pytorch_tanh`) of `intermediate_size`; then,
@@ -30,8 +30,10 @@ reading the residual stream (MLP kind "dense_and_moe", router "normed_softmax_to
 Published checkpoints (google/gemma-4-*: `PUBLISHED` below) are multimodal
 (`Gemma4ForConditionalGeneration`): their text model runs from the `text_config`, its tensors under
 "model.language_model."; the vision and audio towers are not run (their configs and token ids
-are read and ignored, their tensors accepted and never read), and a request carrying an image or
-audio is refused where requests are read (peer/http).
+are read and ignored, their tensors accepted and never read: `not_run`), and a request carrying
+an image or audio is refused where requests are read (peer/http/requests.py `refuse_media`). A
+text-only checkpoint (`Gemma4ForCausalLM`, what transformers saves for a `Gemma4TextConfig`)
+reads the same, its tensors under "model.".
 
 Refused (one line naming the key): an activation other than gelu_pytorch_tanh, layer kinds other
 than the two, a last layer that is not global (transformers forces it global), RoPE types other
@@ -56,8 +58,14 @@ from tessera.stages.families.spec import (
 )
 from tessera.stages.families.tensors import Choices, Shape, Stacked, one, stacked
 
-TEXT, MULTIMODAL = "gemma4_text", "gemma4"
+TEXT, MULTIMODAL = "gemma4_text", "gemma4"  # the text config's model_type; the family's (the published one's)
 ARCHITECTURES = {TEXT: "Gemma4ForCausalLM", MULTIMODAL: "Gemma4ForConditionalGeneration"}
+TEXT_PREFIX, MULTIMODAL_PREFIX = "model.", "model.language_model."
+# a multimodal config's keys about its other towers: read and ignored (the text model runs alone)
+TOWER_KEYS = ("vision_config", "audio_config", "boi_token_id", "eoi_token_id", "image_token_id", "video_token_id",
+              "boa_token_id", "eoa_token_index", "eoa_token_id", "audio_token_id", "vision_soft_tokens_per_image")
+# where a multimodal checkpoint keeps its towers and their projections into the text model (not run)
+TOWERS = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 GELU = GluSpec("gelu_tanh")
 DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
                 FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
@@ -65,7 +73,31 @@ PATTERN = 6  # Gemma4TextConfig's default: five sliding layers, then a global on
 
 
 def read(config: ConfigReader) -> ModelSpec:
-    """A Gemma 4 text model from its text config (module docstring)."""
+    """A Gemma 4 model: the text model of a multimodal config (its `text_config`), or a text-only one."""
+    if not config.has("text_config"):
+        return read_text(config, TEXT_PREFIX)
+    if config.has("quantization_config"):
+        raise UnsupportedModel("gemma4 weights that ship quantized are not read yet: use a float checkpoint")
+    text = config.value("text_config")
+    if not isinstance(text, dict):
+        raise ModelFormatError(f"config text_config {text!r} is not a JSON object")
+    for key in TOWER_KEYS:  # the towers are not run (module docstring)
+        config.value(key, None)
+    tied = config.bool("tie_word_embeddings", True)  # the head's, as transformers ties it: the top level's
+    bos, eos = config.bos_id(), config.eos_ids()  # a multimodal config may name them here instead
+    inner = ConfigReader(text, MULTIMODAL)
+    spec = read_text(inner, MULTIMODAL_PREFIX)
+    inner.finish()
+    if text.get("tie_word_embeddings") is not None and text["tie_word_embeddings"] != tied:
+        raise config.refuse("tie_word_embeddings", f"it differs from text_config's ({text['tie_word_embeddings']!r})")
+    # generation stops at the top level's ids too (transformers' generate reads them: the published
+    # [1, 106] adds <end_of_turn> to the text model's <eos>)
+    return replace(spec, tie_embeddings=tied, bos_token_id=spec.bos_token_id if spec.bos_token_id is not None else bos,
+                   eos_token_ids=tuple(dict.fromkeys(spec.eos_token_ids + eos)))
+
+
+def read_text(config: ConfigReader, prefix: str) -> ModelSpec:
+    """The decoder from a (text) config (module docstring), its tensors under `prefix`."""
     if config.has("quantization_config"):
         raise UnsupportedModel("gemma4 weights that ship quantized are not read yet: use a float checkpoint")
     config.expect("hidden_activation", ("gelu_pytorch_tanh",), default="gelu_pytorch_tanh")
@@ -101,11 +133,11 @@ def read(config: ConfigReader) -> ModelSpec:
                                         else {"width": 2 * mlp.width})) if wide else mlp
         layers.append(LayerSpec(attention, layer_mlp, sandwich=True, per_layer_input=per_layer, scalar=True))
     return ModelSpec(
-        TEXT, config.int("vocab_size", 262_144), hidden, tuple(layers), rms_norm_eps=config.float("rms_norm_eps", 1e-6),
-        max_position=config.int("max_position_embeddings", 131_072),
+        MULTIMODAL, config.int("vocab_size", 262_144), hidden, tuple(layers),
+        rms_norm_eps=config.float("rms_norm_eps", 1e-6), max_position=config.int("max_position_embeddings", 131_072),
         tie_embeddings=config.bool("tie_word_embeddings", True), bos_token_id=config.bos_id(),
         eos_token_ids=config.eos_ids(), embed_scale=math.sqrt(hidden),
-        logit_softcap=config.float("final_logit_softcapping", None), per_layer_vocab=per_layer_vocab,
+        logit_softcap=config.float("final_logit_softcapping", None), per_layer_vocab=per_layer_vocab, prefix=prefix,
     )
 
 
@@ -218,7 +250,8 @@ def read_per_layer(config: ConfigReader, vocab: int) -> tuple[int, int]:
 
 
 def to_config(spec: ModelSpec) -> dict[str, Any]:
-    """A config.json dict (of the text model) that `read` reads back into `spec`."""
+    """A config.json dict that `read` reads back into `spec`: the text model's, or (its tensors under the
+    multimodal prefix) a multimodal one around it, without towers."""
     kinds = [SLIDING if layer.attention.window is not None else FULL for layer in spec.layers]
     own = [layer for layer in spec.layers if layer.attention.kv_source is None]
     sliding = next((l for l in own if l.attention.window is not None), None)
@@ -251,14 +284,19 @@ def to_config(spec: ModelSpec) -> dict[str, Any]:
         assert mlp.router is not None
         config.update({"num_experts": mlp.num_experts, "top_k_experts": mlp.router.top_k,
                        "moe_intermediate_size": mlp.width})
-    return with_special_ids({k: v for k, v in config.items() if v is not None}, spec)
+    config = with_special_ids({k: v for k, v in config.items() if v is not None}, spec)
+    if spec.prefix == TEXT_PREFIX:
+        return config
+    text = {k: v for k, v in config.items() if k != "architectures"}
+    return {"architectures": [ARCHITECTURES[MULTIMODAL]], "model_type": MULTIMODAL, "text_config": text,
+            "tie_word_embeddings": spec.tie_embeddings}
 
 
 def layer_tensors(spec: ModelSpec, layer: int) -> dict[str, Choices]:
     """Engine name -> checkpoint layout of every tensor of layer `layer` (transformers' names)."""
     ls, h = spec.layers[layer], spec.hidden_size
     at, mlp = ls.attention, ls.mlp
-    p = f"model.layers.{layer}."
+    p = f"{spec.prefix}layers.{layer}."
     a = p + "self_attn."
     names = [a + "q_proj", a + "k_proj", a + "v_proj"][: 1 if at.kv_source is not None else 2 if at.k_eq_v else 3]
     shapes: list[Shape] = [(at.q_size,), (at.kv_size,), (at.v_size,)][: len(names)]
@@ -307,19 +345,29 @@ def layer_tensors(spec: ModelSpec, layer: int) -> dict[str, Choices]:
 
 def not_run(spec: ModelSpec) -> tuple[str, ...]:
     """What a checkpoint may hold that is not run: a KV-shared layer's key and value projections and
-    norms (transformers' `_keys_to_ignore_on_load_unexpected`: the layer reads another's keys)."""
-    return tuple(f"model.layers.{i}.self_attn.{name}" for i, layer in enumerate(spec.layers)
-                 if layer.attention.kv_source is not None for name in ("k_proj.", "v_proj.", "k_norm.", "v_norm."))
+    norms (transformers' `_keys_to_ignore_on_load_unexpected`: the layer reads another's keys), and a
+    multimodal checkpoint's towers."""
+    shared = tuple(f"{spec.prefix}layers.{i}.self_attn.{name}" for i, layer in enumerate(spec.layers)
+                   if layer.attention.kv_source is not None for name in ("k_proj.", "v_proj.", "k_norm.", "v_norm."))
+    return shared + (TOWERS if spec.prefix == MULTIMODAL_PREFIX else ())
 
 
-# the text configs of the published checkpoints (google/gemma-4-*), each a Gemma4ForConditionalGeneration
 def published(layers: int, pattern: int, **text: Any) -> dict[str, Any]:
+    """A published checkpoint's config (google/gemma-4-*: a Gemma4ForConditionalGeneration), its text model
+    of `layers` layers, every `pattern`-th global, and its vision tower's config (not run)."""
     kinds = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers)]
-    return {"architectures": [ARCHITECTURES[TEXT]], "model_type": TEXT, "num_hidden_layers": layers,
-            "layer_types": kinds, "vocab_size": 262_144, "head_dim": 256, "global_head_dim": 512,
-            "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6,
-            "tie_word_embeddings": True, "rope_parameters": DEFAULT_ROPE, "bos_token_id": 2, "eos_token_id": 1,
-            "pad_token_id": 0, **text}
+    return {
+        "architectures": [ARCHITECTURES[MULTIMODAL]], "model_type": MULTIMODAL, "tie_word_embeddings": True,
+        "eos_token_id": [1, 106], "boi_token_id": 255_999, "eoi_token_id": 258_882, "image_token_id": 258_880,
+        "video_token_id": 258_884, "audio_token_id": 258_881,
+        "vision_config": {"model_type": "gemma4_vision", "hidden_size": 768, "num_hidden_layers": 16},
+        "text_config": {
+            "model_type": TEXT, "num_hidden_layers": layers, "layer_types": kinds, "vocab_size": 262_144,
+            "head_dim": 256, "global_head_dim": 512, "hidden_activation": "gelu_pytorch_tanh",
+            "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+            "rope_parameters": DEFAULT_ROPE, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0, **text,
+        },
+    }
 
 
 PUBLISHED = {
@@ -341,4 +389,5 @@ PUBLISHED = {
                              sliding_window=1024, hidden_size_per_layer_input=0, max_position_embeddings=262_144),
 }
 
-FAMILY = Family(TEXT, ARCHITECTURES[TEXT], read, to_config, tensors=layer_tensors, shapes=PUBLISHED, not_run=not_run)
+FAMILY = Family(MULTIMODAL, ARCHITECTURES[MULTIMODAL], read, to_config, tensors=layer_tensors, shapes=PUBLISHED,
+                not_run=not_run, also=(ARCHITECTURES[TEXT],))

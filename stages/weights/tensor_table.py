@@ -62,6 +62,10 @@ _EDGES = {"model.": _MODEL_EDGES, "model.language_model.": _MODEL_EDGES,
 _BARE_EDGES = {"embed.weight": "embed", "norm.weight": "norm", "head.weight": "head"}
 # the head's hyper-connection (DeepSeek-V4), which the stage holding the head reads
 _HEAD_MIX = ("model.hc_head.", "hc_head_")
+# a multimodal checkpoint's towers and their projections (Qwen3.5's; Gemma 4's vision and audio), MTP layers
+# (Qwen's "mtp.", MiMo-V2-Flash's "model.mtp."): what no span fetches
+TOWERS = ("model.visual.", "model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+MTP = ("mtp.", "model.mtp.")
 
 
 def group_of(name: str) -> str:
@@ -72,8 +76,8 @@ def group_of(name: str) -> str:
         return "head"
     if name in _BARE_EDGES:
         return _BARE_EDGES[name]
-    if name.startswith(("model.visual.", "mtp.")):  # a vision tower, MTP layers: not run by any span (yet)
-        return "vision" if name.startswith("model.visual.") else "mtp"
+    if name.startswith(TOWERS + MTP):  # a vision or audio tower, MTP layers: not run by any span (yet)
+        return "vision" if name.startswith(TOWERS) else "mtp"
     for prefix, edges in _EDGES.items():
         if name.startswith(prefix) and name[len(prefix):] in edges:
             return edges[name[len(prefix):]]

@@ -483,7 +483,7 @@ ROWS: dict[str, Row] = {
     # and 1's keys and values (so spans start at 0, 1 or 5), their MLPs twice as wide; or the 26B's: experts beside
     # the dense MLP, global layers whose values are their keys' projection, one global key head, biased attention,
     # an untied head, no per-layer inputs
-    "gemma4_text/ple-kv-shared": Row("gemma4_text", lambda: transformers.Gemma4TextConfig(
+    "gemma4/ple-kv-shared": Row("gemma4", lambda: transformers.Gemma4TextConfig(
         **GEMMA4, num_hidden_layers=5, layer_types=[SLIDE, GLOBAL, SLIDE, SLIDE, GLOBAL], hidden_size_per_layer_input=8,
         vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=2, use_double_wide_mlp=True), seed=120, split=1,
         swarm=True, refusals=(
@@ -503,8 +503,8 @@ ROWS: dict[str, Row] = {
             ({"expert_intermediate_size": 32}, UnsupportedModel, "expert_intermediate_size 32"),
             ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, UnsupportedModel,
              "ship quantized")),
-        shard="tensor shards of gemma4_text are not supported: layer 0 has a scores' scale of its own"),
-    "gemma4_text/moe-k-eq-v": Row("gemma4_text", lambda: transformers.Gemma4TextConfig(
+        shard="tensor shards of gemma4 are not supported: layer 0 has a scores' scale of its own"),
+    "gemma4/moe-k-eq-v": Row("gemma4", lambda: transformers.Gemma4TextConfig(
         **GEMMA4, num_hidden_layers=3, layer_types=[SLIDE, SLIDE, GLOBAL], hidden_size_per_layer_input=0,
         enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32, attention_k_eq_v=True,
         num_global_key_value_heads=1, attention_bias=True, tie_word_embeddings=False,
