@@ -120,3 +120,14 @@ def test_a_multimodal_checkpoint_runs_its_text_model_as_transformers_does(tmp_pa
     spec = spec_from_file(folder / "config.json")
     assert spec.family == "gemma4" and spec.prefix == "model.language_model." and spec.eos_token_ids == (2, 3)
     check_matches_transformers(folder, reference_run(folder))
+
+
+def test_its_decode_runs_eagerly_and_says_why(family_models):
+    """No compiled decode step carries per-layer inputs, reads another layer's store, or softcaps: a Gemma 4
+    stage asked to compile decodes eagerly, with the reason, and its logits are the eager ones."""
+    from tessera.stages.engine.compiled.build import compile_decode
+
+    for name, why in ((SHARED, "per-layer inputs"), (MOE, "softcapped logits")):
+        stage = load_stage(family_models.folder(name), embed=True, head=True)
+        plan = compile_decode(stage, "inductor")
+        assert plan.backend is None and why in plan.reason and stage.decode is None
