@@ -192,7 +192,7 @@ def read_ropes(config: ConfigReader, kinds: list[str], head_dims: dict[str, int]
                 raise config.refuse("rope_parameters", f"{kind}'s {unknown[0]!r} is not computed")
             params = {k: block[k] for k in ("partial_rotary_factor", "factor") if block.get(k) is not None}
             for name, value in (("rope_theta", block.get("rope_theta")), *params.items()):
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                     raise ModelFormatError(f"config rope_parameters.{kind}.{name} has an impossible value {value!r}")
             if params.get("partial_rotary_factor", 1.0) > 1:
                 raise ModelFormatError(f"config rope_parameters.{kind}.partial_rotary_factor has an impossible value "

@@ -38,6 +38,7 @@ RoPE types other than default, shared experts, a router scored otherwise, any ke
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -84,7 +85,7 @@ def read(config: ConfigReader) -> ModelSpec:
     # an explicit null is 1.0 (transformers: `attention_value_scale if not None else 1.0`); absent, its 0.707
     null = "attention_value_scale" in config.config and config.config["attention_value_scale"] is None
     value_scale = config.value("attention_value_scale", 1.0 if null else 0.707)
-    if isinstance(value_scale, bool) or not isinstance(value_scale, (int, float)) or not value_scale > 0:
+    if isinstance(value_scale, bool) or not isinstance(value_scale, (int, float)) or not 0 < value_scale < math.inf:
         raise ModelFormatError(f"config field attention_value_scale has an impossible value {value_scale!r}")
     agree(config, "add_swa_attention_sink_bias", True)
     agree(config, "add_full_attention_sink_bias", False)
@@ -125,7 +126,7 @@ def read_ropes(config: ConfigReader, kinds: list[str], head_dim: int) -> dict[st
             raise config.refuse("rope_parameters", f"{kind}'s {unknown[0]!r} is not computed")
         theta, fraction = block.get("rope_theta"), block.get("partial_rotary_factor", PARTIAL_ROTARY)
         for name, value in (("rope_theta", theta), ("partial_rotary_factor", fraction)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ModelFormatError(f"config rope_parameters.{kind}.{name} has an impossible value {value!r}")
         dims = int(head_dim * fraction)
         if dims < 2 or dims % 2 or dims > head_dim:

@@ -337,3 +337,39 @@ def check_shard_refused(folder: Path, words: str) -> None:
     with pytest.raises(ShardError, match=words) as refused:
         TorchCompute(config)
     assert "\n" not in str(refused.value)
+
+
+def check_any_value_is_read_or_refused(config: dict[str, Any], *, examples: int = 80) -> None:
+    """Keys of `config` (the text model's, in a multimodal config) overwritten at random by JSON values:
+    a spec every layer of which builds, or ModelFormatError / UnsupportedModel in one line, never
+    another error (a TypeError, a KeyError) or a model built from a value nobody checked."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from tessera.stages.errors import ModelFormatError, UnsupportedModel
+    from tessera.stages.families.catalog import spec_from_config
+    from tessera.stages.layers.block import Block
+
+    text = config.get("text_config", config)
+    values = st.recursive(
+        st.none() | st.booleans() | st.integers(-3, 40) | st.floats(allow_nan=True, allow_infinity=True)
+        | st.text(max_size=4),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+        max_leaves=6)
+
+    @settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(data=st.data())
+    def check(data: Any) -> None:
+        keys = data.draw(st.lists(st.sampled_from(sorted(set(text) - {"architectures"})), min_size=1, max_size=3))
+        change = {key: data.draw(values) for key in keys}
+        changed = {**config, "text_config": {**text, **change}} if "text_config" in config else {**config, **change}
+        try:
+            spec = spec_from_config(changed)
+        except (ModelFormatError, UnsupportedModel) as refused:
+            assert "\n" not in str(refused)
+            return
+        with torch.device("meta"):
+            for layer in set(spec.layers):
+                Block(spec, layer)
+
+    check()

@@ -131,3 +131,10 @@ def test_its_decode_runs_eagerly_and_says_why(family_models):
         stage = load_stage(family_models.folder(name), embed=True, head=True)
         plan = compile_decode(stage, "inductor")
         assert plan.backend is None and why in plan.reason and stage.decode is None
+
+
+@pytest.mark.parametrize("name", [SHARED, MOE, "published"])
+def test_any_value_in_any_key_is_read_or_refused_by_one_typed_error(name):
+    from .conformance import check_any_value_is_read_or_refused
+
+    check_any_value_is_read_or_refused(PUBLISHED["gemma-4-e2b"] if name == "published" else saved_config(name))

@@ -93,3 +93,10 @@ def test_the_published_keys_change_nothing_when_they_agree():
            "scoring_func": "sigmoid", "topk_method": "noaux_tc", "n_shared_experts": None,
            "sliding_window_size": 7, "attention_chunk_size": 7}
     assert spec_from_config({**config, **own}) == spec_from_config(config)
+
+
+@pytest.mark.parametrize("name", [PUBLISHED, DEFAULT, "published"])
+def test_any_value_in_any_key_is_read_or_refused_by_one_typed_error(name):
+    from .conformance import check_any_value_is_read_or_refused
+
+    check_any_value_is_read_or_refused(MIMO_V2_FLASH if name == "published" else saved_config(name))
