@@ -149,6 +149,26 @@ def test_a_hop_carries_its_token_ids_exactly_in_any_float(ids, dtype):
     assert hop.split(decode_tensor(encoded))[1].shape == ids_t.shape
 
 
+def test_one_hop_carries_streams_token_ids_and_the_per_layer_inputs_still_to_run():
+    """The hop is one notion (stages/layers/hop.py): V4-Flash's streams and digits with per-layer inputs
+    of 8 a layer added (no family has all three; the columns compose): the width into layer l drops by 8
+    a layer run, a stage's layers peel their inputs off the front, and split and join are inverse."""
+    flash = spec_from_config(FLASH)
+    spec = replace(flash, layers=tuple(replace(layer, per_layer_input=8) for layer in flash.layers),
+                   per_layer_vocab=flash.vocab_size)
+    base, n = 4 * 4096 + 3, spec.num_layers
+    assert [spec.hop_width(layer) for layer in (0, 1, n)] == [base + 8 * n, base + 8 * (n - 1), base]
+    hop, ids = Hop(spec), torch.tensor([5, 129_279, 0])
+    per_layer = torch.randn(3, 8 * n)
+    packed = hop.from_embedding(torch.randn(3, spec.hidden_size), ids, per_layer)
+    assert packed.shape == (3, spec.hop_width(0))
+    residual, back, inputs = hop.split(packed)
+    assert residual.shape == (3, 4, 4096) and torch.equal(back, ids) and torch.equal(inputs, per_layer)
+    after_one = hop.join(hop.split(packed)._replace(per_layer=inputs[:, 8:]))  # what layer 0 hands on
+    assert after_one.shape == (3, spec.hop_width(1)) and torch.equal(after_one[:, :base], packed[:, :base])
+    assert torch.equal(hop.join(hop.split(after_one)), after_one)
+
+
 def test_the_fp8_wire_form_is_refused_for_a_model_whose_hops_carry_token_ids(family_models):
     from tessera.peer.request.client import Swarm
 
