@@ -17,8 +17,8 @@ of its own rank), as `tests/test_layers.py` checks over the source:
                 mla, dsa, gated_deltanet and kda (linear attention), mamba2 (state space),
                 short_conv (their causal convolution), cache (a store per layer's state kind,
                 one position pointer), state (a fixed recurrent state and its checkpoints), mlp,
-                routers, moe, mtp (a multi-token-prediction module's ends), and block.py, which
-                composes a layer from its LayerSpec.                                            } rank 3
+                routers, moe, mtp (a multi-token-prediction module's ends), per_layer (Gemma 4's
+                per-layer inputs), and block.py, which composes a layer from its LayerSpec.     } rank 3
     weights/    model folders and what they hold: the registry and manifests, reading only a
                 span (folder.py), the folder check, GGUF conversion and blocks, reading matrices
                 quantized (quantize.py) or as shipped (formats/load.py) into kernels' modules,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Callable
 
 import torch
 import trio
@@ -35,16 +36,17 @@ class RequesterContext:
     hidden_size: int
     tracer: Tracer = field(default_factory=NullTracer)
     wire: str = ""  # the activations' wire form the requester asks its peers for (protocol/tensors.py WIRE_FORMS)
-    # values a token's hop carries between stages (ModelSpec.hop_width: DeepSeek-V4's hc_mult streams and
-    # token ids; the hidden size for most models); `hidden_size` is what a tensor-shard group splits
-    hop_width: int | None = None
+    # values per token a hop into layer l carries (ModelSpec.hop_width: DeepSeek-V4's hc_mult streams and token
+    # ids, Gemma 4's per-layer inputs of the layers from l on); None: the hidden size at every layer, as most
+    # models'. `hidden_size` is what a tensor-shard group splits
+    hop_widths: Callable[[int], int] | None = None
     # This requester's open sessions per peer, all its answers together: routing prices each
     # as a step queued ahead of ours (peer/plan/cost.py OWN_SESSION_PENALTY).
     running: Counter[str] = field(default_factory=Counter)
 
-    def __post_init__(self) -> None:
-        if self.hop_width is None:
-            self.hop_width = self.hidden_size
+    def hop_width(self, layer: int) -> int:
+        """Values per token a hop into layer `layer` carries (`hop_widths`)."""
+        return self.hidden_size if self.hop_widths is None else self.hop_widths(layer)
 
     def hold(self, peer: str) -> None:
         """Count a session on `peer` from the moment a route is chosen for opening (so that opens

@@ -173,7 +173,7 @@ class Swarm:
         self.ctx = RequesterContext(
             transport=transport, identity=identity, keeper=self.keeper, nursery=nursery,
             num_layers=self.spec.num_layers, hidden_size=self.spec.hidden_size, tracer=tracer or NullTracer(),
-            wire=wire, hop_width=self.spec.hop_width,
+            wire=wire, hop_widths=self.spec.hop_width,
         )
         self.pinger = Pinger(transport, tracer=self.ctx.tracer)
         self.peer_id = transport.peer_id
@@ -534,7 +534,8 @@ class Swarm:
         """The prompt's chunk size on the session's route (peer/request/prefill.py)."""
         hops = session.routes[-1].hops if session.routes else ()
         spans = [(h.peer_id, h.end - h.start) for h in hops]
-        return route_chunk_size(n_tokens, spans, self.keeper.snapshot(), hop_width=self.spec.hop_width)
+        # what crosses the first hop, the widest (Gemma 4's per-layer inputs narrow at every layer run)
+        return route_chunk_size(n_tokens, spans, self.keeper.snapshot(), hop_width=self.spec.hop_width(0))
 
     async def generate(
         self,

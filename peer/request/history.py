@@ -13,12 +13,15 @@ appends after stale rows.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
 class HiddenHistory:
     """Rows of hops [capacity, W] at one layer boundary, valid for positions [0, length): W is the model's
-    `hop_width` (its hidden size H, or DeepSeek-V4's streams and token ids: stages/layers/hop.py)."""
+    `hop_width` there (its hidden size H, or DeepSeek-V4's streams and token ids, or Gemma 4's residual
+    and the per-layer inputs of the layers after it: stages/layers/hop.py)."""
 
     def __init__(self, capacity: int, width: int, dtype: torch.dtype = torch.float32) -> None:
         self.rows = torch.zeros(capacity, width, dtype=dtype)
@@ -45,16 +48,17 @@ class HiddenHistory:
 
 
 class RouteHistory:
-    """A `HiddenHistory` per layer boundary that some route of the session has cut at."""
+    """A `HiddenHistory` per layer boundary that some route of the session has cut at, each as wide as
+    the hop into that layer (`width(layer)`: ModelSpec.hop_width)."""
 
-    def __init__(self, capacity: int, width: int) -> None:
+    def __init__(self, capacity: int, width: Callable[[int], int]) -> None:
         self.capacity = capacity
         self.width = width
         self.cuts: dict[int, HiddenHistory] = {}
 
     def at(self, layer: int) -> HiddenHistory:
         if layer not in self.cuts:
-            self.cuts[layer] = HiddenHistory(self.capacity, self.width)
+            self.cuts[layer] = HiddenHistory(self.capacity, self.width(layer))
         return self.cuts[layer]
 
     def known(self, layer: int) -> int:

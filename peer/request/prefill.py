@@ -104,7 +104,7 @@ def route_chunk_size(
         speed = info.throughput if info is not None and info.throughput > 0 else fallback
         steps.append(layers / speed)  # seconds for one decode step through the span
     slowest = max(steps) if steps else 0.0
-    link = hop_width * BYTES_PER_VALUE / link_bytes_per_s  # a token's hop (ModelSpec.hop_width) on each link
+    link = hop_width * BYTES_PER_VALUE / link_bytes_per_s  # a token's hop (ModelSpec.hop_width: the widest, the first) on each link
     return chunk_size(n_tokens, len(spans), step_seconds=slowest * PREFILL_STEP_COST,
                       token_seconds=slowest / PREFILL_TOKENS_PER_STEP + link)
 

@@ -201,7 +201,9 @@ class StageServer:
         session.kv_positions = kv_positions(1, msg.max_length)
         session.kv_bytes = self.first_charge(msg)
         session.opened_at = trio.current_time()
-        session.frame_limit = session_frame_limit(msg.max_length, self.stage.spec.hop_width)  # a token's hop a position
+        # a token's hop a position, into its span or out of it, whichever is wider (ModelSpec.hop_width)
+        widest = max(self.stage.spec.hop_width(msg.start), self.stage.spec.hop_width(msg.end))
+        session.frame_limit = session_frame_limit(msg.max_length, widest)
         channel.max_frame = session.frame_limit  # admitted: its steps may come now
         self.sessions[msg.session_id] = session
         self.admission.opened(session)

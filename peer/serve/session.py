@@ -164,7 +164,7 @@ class ServedSession:
         """
         plaintext = open_payload(self.inbound[msg.link_id], msg)
         hidden = decode_tensor(plaintext, limits=server.tensor_limits)
-        expected = (msg.n_tokens, server.stage.spec.hop_width)  # a token's hop: stages/layers/hop.py
+        expected = (msg.n_tokens, server.stage.spec.hop_width(self.start))  # a token's hop: stages/layers/hop.py
         if tuple(hidden.shape) != expected:
             raise SpanError(f"step {msg.step}: hidden states of shape {tuple(hidden.shape)!r}, expected {expected!r}")
         check_finite(hidden, what="input activations")

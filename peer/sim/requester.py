@@ -56,7 +56,7 @@ class SimRequester:
     def hidden(self, n: int) -> torch.Tensor:
         tensor = self._hidden.get(n)
         if tensor is None:
-            tensor = self._hidden[n] = torch.full((n, self.world.spec.hop_width), HIDDEN_FILL)
+            tensor = self._hidden[n] = torch.full((n, self.world.spec.hop_width(0)), HIDDEN_FILL)  # into layer 0
         return tensor
 
     async def run_request(self, request: RequestPlan) -> None:

@@ -99,10 +99,12 @@ class SimStage:
         return self.spec.state_bytes(start, end, capacity, FLOAT32_BYTES)  # fixed + per position, per layer kind
 
     def forward(self, session: Hashable, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """Check like Stage.forward, count tokens x layers, return the input unchanged."""
+        """Check like Stage.forward, count tokens x layers, return the input as wide as the hop out of the
+        span (unchanged but for the per-layer inputs its layers would have used: ModelSpec.hop_width)."""
         state = self._session(session)
-        if hidden.dim() != 2 or hidden.shape[1] != self.spec.hop_width:
-            raise SpanError(f"hidden states have shape {tuple(hidden.shape)!r}, expected [T, {self.spec.hop_width}]")
+        width = self.spec.hop_width(state.start)
+        if hidden.dim() != 2 or hidden.shape[1] != width:
+            raise SpanError(f"hidden states have shape {tuple(hidden.shape)!r}, expected [T, {width}]")
         t = hidden.shape[0]
         if start_pos < 0 or start_pos > state.length:
             raise ContextOverflow(f"write at position {start_pos!r} but the cache holds positions [0, {state.length})")
@@ -110,7 +112,7 @@ class SimStage:
             raise ContextOverflow(f"positions up to {start_pos + t} exceed this session's capacity of {state.capacity}")
         state.length = start_pos + t
         self.work += t * (state.end - state.start)
-        return hidden
+        return hidden[:, : self.spec.hop_width(state.end)]
 
     def take_work(self) -> int:
         work, self.work = self.work, 0

@@ -3,8 +3,9 @@
 The runtime (stages/engine/) runs a Stage over the `Block`s it is given and knows nothing of
 files; the weights (stages/weights/) read a folder and know nothing of modules. `load_stage`
 joins them: it reads the folder's spec, builds each layer of the span (stages/assembly/blocks.py:
-float, quantized as read, or as the checkpoint ships it) and the edges, and hands them to a
-Stage. It reads only the span's tensors.
+float, quantized as read, or as the checkpoint ships it) and the edges (with the embedding, Gemma
+4's per-layer input table: `per_layer_inputs`), and hands them to a Stage. It reads only the
+span's tensors.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from tessera.stages.engine.residency import settled
 from tessera.stages.engine.stage import Stage
 from tessera.stages.errors import SpanError
 from tessera.stages.kernels.quant import NO_QUANT, Quant, check_quant_for
-from tessera.stages.layers.norm import offset_norms
-from tessera.stages.weights.folder import TensorCheck, WeightFolder
 from tessera.stages.layers.hyper import HyperHead
-from tessera.stages.weights.formats.load import read_embedding, read_head, read_head_mix
+from tessera.stages.layers.norm import offset_norms
+from tessera.stages.layers.per_layer import PerLayerInputs
+from tessera.stages.weights.folder import TensorCheck, WeightFolder
+from tessera.stages.weights.formats.load import read_embedding, read_head, read_head_mix, read_per_layer
 from tessera.stages.weights.gguf_blocks import GgufQ4Source, takes_gguf_blocks
 
 
@@ -66,6 +68,7 @@ def load_stage(
     for block in blocks:  # zero-centred norms (Qwen3-Next, Qwen3.5) scale by 1 + w: once, here
         offset_norms(block, spec.norm_offset)
     embedding = read_embedding(weights, dtype).to(device) if embed else None
+    per_layer = per_layer_inputs(weights, dtype, device) if embed and spec.per_layer_width else None
     norm = head_weight = head_mix = None
     if head:
         norm, head_weight = (t.to(device) for t in read_head(weights, dtype))
@@ -83,5 +86,16 @@ def load_stage(
         embedding, head_weight = (None if t is None else settled([t])[0]
                                   for t in (embedding, None if tied else head_weight))
         head_weight = embedding if tied else head_weight
-    return Stage(spec, start, blocks, embedding=embedding, norm=norm, head=head_weight, device=device, dtype=dtype,
-                 quant=quant, head_mix=head_mix)
+    return Stage(spec, start, blocks, embedding=embedding, norm=norm, head=head_weight, per_layer=per_layer,
+                 device=device, dtype=dtype, quant=quant, head_mix=head_mix)
+
+
+def per_layer_inputs(weights: WeightFolder, dtype: torch.dtype, device: torch.device | str) -> PerLayerInputs:
+    """The module that computes every layer's per-layer input (Gemma 4), filled from `weights`."""
+    spec = weights.spec
+    with torch.device("meta"):
+        module = PerLayerInputs(spec.per_layer_vocab, spec.hidden_size, spec.num_layers, spec.per_layer_width,
+                                spec.rms_norm_eps)
+    state = {name: t.to(device) for name, t in read_per_layer(weights, dtype).items()}
+    module.load_state_dict(state, assign=True, strict=True)
+    return module.requires_grad_(False)

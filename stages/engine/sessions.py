@@ -14,8 +14,8 @@ from typing import Hashable
 import torch
 
 from tessera.stages.errors import ContextOverflow, SpanError, UnknownSession
-from tessera.stages.families.spec import CacheSpec, ModelSpec
-from tessera.stages.layers.cache import SessionCache, session_bytes
+from tessera.stages.families.spec import ModelSpec
+from tessera.stages.layers.cache import AnyCacheSpec, SessionCache, session_bytes
 
 
 @dataclass
@@ -50,7 +50,7 @@ class SessionTable:
     device: torch.device
     sessions: dict[Hashable, SessionState]
 
-    def cache_specs(self, start: int, end: int) -> list[CacheSpec]:
+    def cache_specs(self, start: int, end: int) -> list[AnyCacheSpec]:
         """The cache of each layer of [start, end) as this stage keeps it (a shard: its own heads)."""
         return [self.spec.layers[i].cache for i in range(start, end)]
 
@@ -65,7 +65,7 @@ class SessionTable:
         self.sessions[session] = SessionState(cache, start, end)
 
     def _new_cache(self, start: int, end: int, capacity: int) -> SessionCache:
-        return SessionCache(self.cache_specs(start, end), capacity, dtype=self.dtype, device=self.device)
+        return SessionCache(self.cache_specs(start, end), capacity, dtype=self.dtype, device=self.device, first=start)
 
     def close(self, session: Hashable) -> None:
         self.sessions.pop(session, None)

@@ -63,9 +63,12 @@ def measure_layer_throughput(
         setattr(block.get_submodule(owner), name, module.to(device))
     stage = Stage(spec, layer, [block], device=device, dtype=dtype)
     stage.open("speed", capacity=CONTEXT + WARMUP_STEPS + max_steps + 1)
-    # the hop a stage takes (stages/layers/hop.py): the residual's streams, and token ids where a layer reads them
+    # the hop a stage takes (stages/layers/hop.py): the residual's streams, token ids where a layer reads them,
+    # and every layer's per-layer inputs where the layers take them (random: a speed, not an answer)
     ids = torch.randint(0, spec.vocab_size, (CONTEXT,), generator=gen)
-    x = stage.hop.from_embedding(torch.randn(CONTEXT, spec.hidden_size, generator=gen), ids).to(device=device, dtype=dtype)
+    per_layer = torch.randn(CONTEXT, (spec.num_layers - layer) * spec.per_layer_width, generator=gen)  # from `layer` on
+    x = stage.hop.from_embedding(torch.randn(CONTEXT, spec.hidden_size, generator=gen), ids, per_layer)
+    x = x.to(device=device, dtype=dtype)
     stage.forward("speed", x, 0)
     token = x[-1:]
     pos = CONTEXT

@@ -11,11 +11,12 @@ stages/assembly/stage.py's `load_stage` (the runtime never reads weights). Each 
 use a sub-span of the stage, which is what lets a requester route around a dead
 peer with different cut points.
 
-What a stage takes and gives per token is the model's hop (stages/layers/hop.py,
-`ModelSpec.hop_width`): the residual — DeepSeek-V4's several hyper-connection streams — and
-the token id where a layer routes by it. The stage holding the embedding makes it (`embed`),
-the one holding the head reads it (`logits`: the streams mixed back into one first), and the
-spans between hand it on; a model without either has a hop of [T, H].
+What a stage takes and hands on per token is the model's hop at its span's ends (stages/layers/hop.py,
+`ModelSpec.hop_width(layer)`): the residual — DeepSeek-V4's several hyper-connection streams — the
+token id where a layer routes by it, and where the layers take per-layer inputs (Gemma 4) those of
+the layers not yet run, each stage peeling off its own. The stage holding the embedding makes it
+(`embed`), the one holding the head reads it (`logits`: the streams mixed back into one first), and
+the spans between hand it on; a model with none of these has a hop of [T, H].
 
 A Stage is not thread-safe: a server runs one `forward` at a time (in a worker
 thread) and serialises the rest. `forward_batch` runs the steps of several
@@ -38,8 +39,9 @@ from tessera.stages.kernels.quant import NO_QUANT, Quant
 from tessera.stages.layers.attention import Segment, StepContext
 from tessera.stages.layers.block import Block
 from tessera.stages.layers.cache import SessionCache
-from tessera.stages.layers.hop import Hop
+from tessera.stages.layers.hop import Hop, HopParts
 from tessera.stages.layers.hyper import HyperHead
+from tessera.stages.layers.per_layer import PerLayerInputs
 from tessera.stages.layers.rope import RopeTables
 
 
@@ -80,6 +82,7 @@ class Stage(SessionTable):
         embedding: torch.Tensor | None = None,
         norm: torch.Tensor | None = None,
         head: torch.Tensor | None = None,
+        per_layer: PerLayerInputs | None = None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         quant: Quant = NO_QUANT,
@@ -98,6 +101,9 @@ class Stage(SessionTable):
         if head is not None and spec.hyper is not None and head_mix is None:
             raise SpanError(f"a head of this {spec.family} model mixes its {spec.streams} streams: it needs hc_head")
         self.hop = Hop(spec)
+        if embedding is not None and spec.per_layer_width and per_layer is None:
+            raise SpanError("this model's layers take per-layer inputs: a stage with the embedding holds their table")
+        self.per_layer = per_layer  # with the embedding: every layer's per-layer inputs (layers/per_layer.py)
         self.device = torch.device(device)
         self.dtype = dtype
         self.quant = quant  # how the blocks' matrices are stored (stages/kernels/quant.py)
@@ -127,11 +133,22 @@ class Stage(SessionTable):
         positions = torch.arange(start_pos, start_pos + hidden.shape[0], device=self.device)
         ctx = StepContext(start_pos, self.rope.tables(positions, self.dtype), self.device,
                           rotaries=self.rope.rotaries)
-        x, ctx.token_ids = self.hop.split(x)
-        stores = state.cache.layers
-        for i in range(state.start - self.start, state.end - self.start):
-            x = self.blocks[i](x, ctx, stores[i - (state.start - self.start)])
-        return self.hop.join(x, ctx.token_ids)
+        return self._run_layers(state.start, state.end, x, ctx, state.cache.layers)
+
+    def _run_layers(self, start: int, end: int, hop: torch.Tensor, ctx: StepContext, stores: Sequence) -> torch.Tensor:
+        """Layers [start, end) (absolute) over the rows of `hop` [R, hop_width(start)], each layer given
+        its entry of `stores` (a store, or one per segment); returns the hop [R, hop_width(end)]: the
+        residual after them, the token ids as they came, the per-layer inputs of the layers after `end`."""
+        x, ctx.token_ids, per_layer = self.hop.split(hop)
+        p = self.spec.per_layer_width
+        for j in range(end - start):
+            block = self.blocks[start - self.start + j]
+            if per_layer is None:
+                x = block(x, ctx, stores[j])
+            else:
+                x = block(x, ctx, stores[j], per_layer[:, j * p : (j + 1) * p])
+        rest = None if per_layer is None else per_layer[:, (end - start) * p :]
+        return self.hop.join(HopParts(x, ctx.token_ids, rest))
 
     @torch.inference_mode()
     def forward_batch(self, steps: Sequence[BatchStep]) -> list[torch.Tensor | StageError]:
@@ -179,8 +196,9 @@ class Stage(SessionTable):
 
     def _reserve_rows(self, session: Hashable, shape: torch.Size, start_pos: int) -> SessionState:
         state = self._session(session)
-        if len(shape) != 2 or shape[1] != self.spec.hop_width:
-            raise SpanError(f"hidden states have shape {tuple(shape)!r}, expected [T, {self.spec.hop_width}]")
+        width = self.spec.hop_width(state.start)
+        if len(shape) != 2 or shape[1] != width:
+            raise SpanError(f"hidden states have shape {tuple(shape)!r}, expected [T, {width}]")
         state.cache.reserve(start_pos, shape[0])
         return state
 
@@ -208,23 +226,26 @@ class Stage(SessionTable):
         ctx = StepContext(segments[0].start, self.rope.tables(positions, self.dtype), self.device, tuple(segments),
                           rotaries=self.rope.rotaries)
         x = torch.cat([hidden.to(device=self.device, dtype=self.dtype) for _, hidden, _ in steps])  # [R, hop_width]
-        x, ctx.token_ids = self.hop.split(x)
         caches = [state.cache.layers for state, _, _ in steps]
-        for i in range(start - self.start, end - self.start):
-            j = i - (start - self.start)
-            x = self.blocks[i](x, ctx, [stores[j] for stores in caches])
-        x = self.hop.join(x, ctx.token_ids)
+        by_layer = [[stores[j] for stores in caches] for j in range(end - start)]  # layer j: a store per segment
+        x = self._run_layers(start, end, x, ctx, by_layer)
         return [x[s.lo : s.hi] for s in segments]
 
     @torch.inference_mode()
     def embed(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """Token ids [T] -> the first layer's hop [T, hop_width] (hidden states [T, H] for most models)."""
+        """Token ids [T] -> the first layer's hop [T, hop_width(0)] (hidden states [T, H] for most models):
+        the embedding (times the model's `embed_scale`, Gemma), and every layer's per-layer input
+        where the layers take them."""
         if self.embedding is None:
             raise SpanError("this stage holds no embedding")
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size):
             raise SpanError(f"token ids must lie in [0, {self.spec.vocab_size})")
-        return self.hop.from_embedding(F.embedding(ids, self.embedding), ids)
+        x = F.embedding(ids, self.embedding)
+        if self.spec.embed_scale is not None:  # a float32 scalar cast to the matrix's dtype, as the reference
+            x = x * torch.tensor(self.spec.embed_scale).to(self.embedding.dtype)
+        per_layer = None if self.per_layer is None else self.per_layer.forward(ids, x).to(x.dtype)
+        return self.hop.from_embedding(x, ids, per_layer)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -235,7 +256,11 @@ class Stage(SessionTable):
     def logits_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The last layer's hop [T, hop_width] -> (float32 logits [T, V], their argmax [T]): greedy
         sampling's token without a second pass over the logits (one compiled graph with the head,
-        where compiled). Several streams are mixed into one by the head's connection first."""
+        where compiled). Several streams are mixed into one by the head's connection first; the logits
+        are softcapped where the model's are (Gemma's c tanh(logits / c), in the stage's dtype as the
+        reference). A hop of any width is read so: rows handed on from an earlier layer (a draft
+        model's first layers) carry the per-layer inputs of the layers after it too, and the head
+        reads the residual stream, the hop's first columns."""
         if self.head is None or self.norm is None:
             raise SpanError("this stage holds no head")
         x = hidden.to(self.device, self.dtype)
@@ -245,7 +270,9 @@ class Stage(SessionTable):
         if self.decode is not None and (out := self.decode.logits(x)) is not None:
             return out
         x = F.rms_norm(x, self.norm.shape, self.norm, self.spec.rms_norm_eps)
-        logits = F.linear(x, self.head).float()
+        logits = F.linear(x, self.head)
+        cap = self.spec.logit_softcap
+        logits = (logits if cap is None else torch.tanh(logits / cap) * cap).float()
         return logits, logits.argmax(-1)
 
     @torch.inference_mode()
@@ -257,7 +284,7 @@ class Stage(SessionTable):
         if self.embedding is None or self.head is None:
             raise SpanError("next_token needs a stage holding the embedding and the head")
         if len(token_ids) == 1 and self.decode is not None:
-            hidden_shape = torch.Size((1, self.spec.hop_width))
+            hidden_shape = torch.Size((1, self.spec.hop_width(0)))
             token = int(token_ids[0])
             if not 0 <= token < self.spec.vocab_size:
                 raise SpanError(f"token ids must lie in [0, {self.spec.vocab_size})")
@@ -286,5 +313,7 @@ class Stage(SessionTable):
         extra = {id(t): t for t in (self.embedding, self.norm, self.head) if t is not None}
         if self.head_mix is not None:
             extra.update({id(t): t for t in self.head_mix.parameters()})
+        if self.per_layer is not None:
+            extra.update({id(t): t for t in self.per_layer.parameters()})
         blocks = sum(p.nbytes for p in self.blocks.parameters()) + sum(b.nbytes for b in self.blocks.buffers())
         return blocks + sum(t.nbytes for t in extra.values())

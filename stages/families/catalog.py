@@ -33,7 +33,8 @@ from typing import Any
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families import (
-    deepseek, deepseek_v4, glm, glm5, gpt_oss, kimi_linear, llama, minimax_m2, mixtral, nemotron_h, qwen3, qwen3_next,
+    deepseek, deepseek_v4, gemma4, glm, glm5, gpt_oss, kimi_linear, llama, mimo_v2_flash, minimax_m2, mixtral, nemotron_h,
+    qwen3, qwen3_next,
 )
 from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.family import Family
@@ -64,6 +65,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     qwen3_next.QWEN3_5_MOE,
     kimi_linear.FAMILY,
     nemotron_h.FAMILY,
+    mimo_v2_flash.FAMILY,
+    gemma4.FAMILY,
 )}
 BY_ARCHITECTURE = {name: f for f in FAMILIES.values() for name in (f.architecture, *f.also)}
 

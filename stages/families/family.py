@@ -47,6 +47,10 @@ class Family:
     edge_aliases: other names its checkpoints give the tensors outside the layers (families/tensors.py
                   `edge_tensors` names them as transformers does): a folder holding an alias instead
                   is read under it (DeepSeek-V4's published `embed.weight`, `head.weight`).
+    not_run:      the prefixes of checkpoint tensors a folder of a model of this spec may hold that
+                  are not run (MiMo-V2-Flash's multi-token-prediction blocks, "model.mtp."; Gemma 4's
+                  key and value projections of its KV-shared layers): accepted, never read (a
+                  drafter may read the MTP blocks by name).
     """
 
     name: str
@@ -61,3 +65,4 @@ class Family:
     also: tuple[str, ...] = ()
     mtp: Callable[[ModelSpec], MtpSpec] | None = None
     edge_aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    not_run: Callable[[ModelSpec], tuple[str, ...]] = lambda spec: ()

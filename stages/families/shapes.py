@@ -42,8 +42,9 @@ def shape_spec(name: str, *, layers: int | None = None, experts: int | None = No
         spec = replace(spec, layers=tuple(
             replace(layer, mlp=replace(layer.mlp, num_experts=min(experts, layer.mlp.num_experts), router=replace(
                 layer.mlp.router, top_k=min(layer.mlp.router.top_k, experts))))
-            if layer.mlp is not None and layer.mlp.kind == "moe" and layer.mlp.router is not None else layer
+            if layer.mlp is not None and layer.mlp.kind in ("moe", "dense_and_moe") and layer.mlp.router is not None
+            else layer
             for layer in spec.layers))
-    if vocab is not None:
-        spec = replace(spec, vocab_size=vocab)  # ModelFormatError unless > 0
+    if vocab is not None:  # and the per-layer input table's rows with it (Gemma 4)
+        spec = replace(spec, vocab_size=vocab, per_layer_vocab=vocab if spec.per_layer_vocab else 0)
     return spec

@@ -41,11 +41,15 @@ Extending (the kinds are the extension points):
 - an MLP or router kind: fields on `MlpSpec` / `RouterSpec` (as `shared_width` and the
   sigmoid router's groups and scale), the kind in MLP_KINDS / ROUTER_KINDS, its module in
   layers/routers.py;
-- what crosses a stage boundary: `ModelSpec.hop_width`, the values a step carries per token
-  from one stage to the next (the residual stream, `hyper.streams` of them under DeepSeek-V4's
-  hyper-connections, and the token id where a layer routes by it); stages/layers/hop.py packs it;
-- RoPE variants: a `RopeSpec.kind` with its parameters, computed in layers/rope.py (YaRN);
-  partial rotary is `AttentionSpec.rotary_dim`.
+- what crosses a stage boundary: `ModelSpec.hop_width(layer)`, the values a step carries per
+  token into layer `layer` (the residual stream, `hyper.streams` of them under DeepSeek-V4's
+  hyper-connections; the token id where a layer routes by it; Gemma 4's per-layer inputs of the
+  layers still to run); stages/layers/hop.py packs it;
+- RoPE variants: a `RopeSpec.kind` with its parameters, computed in layers/rope.py (YaRN;
+  Gemma 4's "proportional", which turns the first pairs of each half of a head); partial
+  rotary over the first dims of a head is `AttentionSpec.rotary_dim`;
+- what a layer does around its two halves (Gemma's norms after each half, its per-layer input,
+  its layer scalar): fields of `LayerSpec`, built in layers/block.py.
 """
 
 from __future__ import annotations
@@ -64,21 +68,25 @@ from tessera.stages.families.shipped import ShippedFormat
 # Kimi Delta Attention (Kimi Linear: the same with a decay per channel); Mamba2's state-space mixer (Nemotron-H);
 # DeepSeek-V4's one-head attention over a window and compressed entries (CompressedAttentionSpec)
 ATTENTION_KINDS = ("gqa", "mla", "dsa", "gated_deltanet", "kda", "mamba2", "compressed")
-MLP_KINDS = ("dense", "moe")  # SwiGLU (or GluSpec's other activations); a sparse mixture of such experts
+# SwiGLU (or GluSpec's other activations); a sparse mixture of such experts; a dense MLP and a sparse mixture
+# side by side, each normed (Gemma 4)
+MLP_KINDS = ("dense", "moe", "dense_and_moe")
 ROUTER_KINDS = (
     "softmax_topk",  # softmax over experts, top-k, optionally renormalised
     "topk_softmax",  # top-k of the logits, softmax over those k (gpt-oss)
     "sigmoid_group_topk",  # DeepSeek's sigmoid, group-limited top-k
     "sqrtsoftplus_topk",  # DeepSeek-V4's sqrt(softplus), top-k with a correction bias
+    "normed_softmax_topk",  # Gemma 4's: its input normed and scaled, softmax, top-k renormalised, a scale per expert
 )
 # silu(gate) * up; gpt-oss's clamped form; relu(up)^2 with no gate (Nemotron-H); DeepSeek-V4's silu with
-# gate and up clamped: GluSpec
-GLU_KINDS = ("silu", "clamped_swiglu", "relu2", "clamped_silu")
+# gate and up clamped; gelu(gate) * up (Gemma's GeGLU): GluSpec
+GLU_KINDS = ("silu", "clamped_swiglu", "relu2", "clamped_silu", "gelu_tanh")
 # keys and values of every position (only the window is read); MLA's latent; the latent and DSA's index keys;
 # a fixed recurrent state and convolution window (linear attention: RecurrentStateSpec); nothing (a layer
 # with no token mixer, only an MLP: StatelessSpec); DeepSeek-V4's window and compressed entries
-# (CompressedCacheSpec)
-CACHE_KINDS = ("full", "sliding", "latent", "latent_indexed", "recurrent", "none", "compressed")
+# (CompressedCacheSpec); nothing of its own, the layer reading another layer's keys and values (Gemma 4's
+# KV-shared layers: SharedCacheSpec)
+CACHE_KINDS = ("full", "sliding", "latent", "latent_indexed", "recurrent", "none", "compressed", "shared")
 # How far back a recurrent state can be taken (layers/state.py, docs/pages/models.md's measurement):
 # the state at the start of each of the last RECURRENT_CHECKPOINTS runs of steps is kept (two:
 # the requester keeps at most two speculative blocks of a session in flight, peer/request/decode.py
@@ -103,9 +111,10 @@ COMPRESSED_SNAPSHOTS = RECURRENT_CHECKPOINTS  # the starts of the last steps lon
 # each is exact in float32, float16 and bfloat16 (integers to 256 have at most 8 significant bits), so
 # the id survives a peer computing in any of them; 3 digits hold ids up to 2^24.
 HOP_ID_DIGIT_BASE = 256
+# "proportional": Gemma 4's, turning only the first pairs of each half of a head (RopeSpec).
 # "none": no position encoding at all (NoPE: Kimi Linear's MLA, Nemotron-H's attention), turned by identity
 # tables (cos 1, sin 0: layers/rope.py), so that every attention path runs unchanged and exactly
-ROPE_KINDS = ("default", "linear", "llama3", "yarn", "none")
+ROPE_KINDS = ("default", "linear", "llama3", "yarn", "none", "proportional")
 
 
 def _check(ok: bool, name: str, value: object) -> None:
@@ -125,7 +134,9 @@ class RopeSpec:
             one table of cos/sin per distinct RoPE): linear's `factor`; llama3's `factor`,
             `low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`; yarn's
             `factor` and `original_max_position_embeddings`, and those of `attention_factor`,
-            `beta_fast`, `beta_slow`, `mscale`, `mscale_all_dim`, `truncate` the config sets.
+            `beta_fast`, `beta_slow`, `mscale`, `mscale_all_dim`, `truncate` the config sets;
+            proportional's `partial_rotary_factor` (the fraction of each half of a head turned:
+            frequencies theta^(-2i/D) for the first pairs, 0 for the rest) and optional `factor`.
     """
 
     kind: str = "default"
@@ -151,6 +162,8 @@ class CacheSpec:
     kind:         "full" or "sliding" (CACHE_KINDS).
     num_kv_heads, head_dim: the keys' and values' shape per position.
     window:       for "sliding", the positions a query reads (its own and the W - 1 before).
+    value_dim:    the values' width per head where it differs from the keys' (MiMo-V2-Flash: 128
+                  against 192), else None.
 
     A sliding layer keeps every position too: a write at position p rolls the cache back to
     p (speculation, a step re-sent after a repair, the chunks of a prefill re-sent after one),
@@ -167,16 +180,20 @@ class CacheSpec:
     num_kv_heads: int
     head_dim: int
     window: int | None = None
+    value_dim: int | None = None
 
     def __post_init__(self) -> None:
-        _check(self.kind in CACHE_KINDS, "cache kind", self.kind)
+        _check(self.kind in ("full", "sliding"), "cache kind", self.kind)
         _check((self.kind == "sliding") == (self.window is not None), "sliding_window", self.window)
 
     def fixed_bytes(self, itemsize: int) -> int:
         return 0
+    @property
+    def value_width(self) -> int:
+        return self.head_dim if self.value_dim is None else self.value_dim
 
     def bytes_per_position(self, itemsize: int) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * itemsize
+        return self.num_kv_heads * (self.head_dim + self.value_width) * itemsize
 
     def bytes(self, capacity: int, itemsize: int) -> int:
         """Bytes a session of `capacity` positions costs in this layer (checked before allocating)."""
@@ -476,6 +493,30 @@ class Mamba2Spec:
 
 
 @dataclass(frozen=True)
+class SharedCacheSpec:
+    """What a layer that reads another layer's keys and values keeps per session (kind "shared"):
+    nothing. Gemma 4's KV-shared layers (`AttentionSpec.kv_source`) attend over the store of layer
+    `source` (absolute index), which runs before them in the same span (`ModelSpec.span_starts`
+    keeps them together), so the session's cache holds that store once (layers/cache.py)."""
+
+    source: int
+    kind: str = "shared"
+
+    def __post_init__(self) -> None:
+        _check(self.kind == "shared", "cache kind", self.kind)
+        _check(self.source >= 0, "num_kv_shared_layers", self.source)
+
+    def fixed_bytes(self, itemsize: int) -> int:
+        return 0
+
+    def bytes_per_position(self, itemsize: int) -> int:
+        return 0
+
+    def bytes(self, capacity: int, itemsize: int) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     """One layer's attention. kind "gqa": grouped-query attention.
 
@@ -494,6 +535,18 @@ class AttentionSpec:
     output_gate: the query projection gives each head a gate beside its query (rows per head: D
               of query, D of gate), and the attention's output is multiplied by sigmoid(gate)
               before Wo (Qwen3-Next's and Qwen3.5's gated attention).
+    value_dim: the width of each value head where it differs from `head_dim` (MiMo-V2-Flash: 128
+              against q/k's 192); the output projection reads A x value_dim. None: head_dim.
+    value_scale: values are multiplied by it before they are cached (MiMo-V2-Flash's
+              `attention_value_scale`, 0.707); 1.0: not at all.
+    scale:    the scores' scale; None: 1/sqrt(head_dim). Gemma 4 scales by 1 (its q and k norms
+              set their size).
+    v_norm:   each value head is RMSNormed without a weight before it is cached (Gemma 4).
+    k_eq_v:   no value projection: the values are the key projection's output, before the key's
+              norm and RoPE (Gemma 4's `attention_k_eq_v` global layers).
+    kv_source: the layer (absolute index) whose cached keys and values this layer attends over; it
+              projects only queries and caches nothing (Gemma 4's KV-shared layers: the last
+              `num_kv_shared_layers` read the last earlier layer of their kind). None: its own.
     """
 
     num_heads: int
@@ -509,9 +562,21 @@ class AttentionSpec:
     sinks: bool = False
     qk_norm_whole: bool = False
     output_gate: bool = False
+    value_dim: int | None = None
+    value_scale: float = 1.0
+    scale: float | None = None
+    v_norm: bool = False
+    k_eq_v: bool = False
+    kv_source: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.kind in ATTENTION_KINDS, "attention kind", self.kind)
+        _check(self.value_dim is None or self.value_dim > 0, "v_head_dim", self.value_dim)
+        _check(self.value_scale > 0, "attention_value_scale", self.value_scale)
+        _check(self.scale is None or self.scale > 0, "attention scale", self.scale)
+        _check(not self.k_eq_v or self.value_dim is None, "attention_k_eq_v", self.k_eq_v)
+        _check(self.kv_source is None or (self.kv_source >= 0 and not self.k_eq_v), "num_kv_shared_layers",
+               self.kv_source)
         _check(self.num_heads > 0, "num_attention_heads", self.num_heads)
         _check(self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0, "num_key_value_heads",
                self.num_kv_heads)
@@ -535,9 +600,27 @@ class AttentionSpec:
         return self.num_kv_heads * self.head_dim
 
     @property
-    def cache(self) -> CacheSpec:
+    def value_width(self) -> int:
+        """Each value head's width (`value_dim`, else `head_dim`)."""
+        return self.head_dim if self.value_dim is None else self.value_dim
+
+    @property
+    def v_size(self) -> int:
+        return self.num_kv_heads * self.value_width
+
+    @property
+    def kv_rows(self) -> int:
+        """Rows of the stacked projection after q's: k and v; k alone (`k_eq_v`); none (`kv_source`)."""
+        if self.kv_source is not None:
+            return 0
+        return self.kv_size if self.k_eq_v else self.kv_size + self.v_size
+
+    @property
+    def cache(self) -> CacheSpec | SharedCacheSpec:
+        if self.kv_source is not None:
+            return SharedCacheSpec(self.kv_source)
         kind = "full" if self.window is None else "sliding"
-        return CacheSpec(kind, self.num_kv_heads, self.head_dim, self.window)
+        return CacheSpec(kind, self.num_kv_heads, self.head_dim, self.window, self.value_dim)
 
     @property
     def q_rows(self) -> int:
@@ -545,12 +628,16 @@ class AttentionSpec:
         return 2 * self.q_size if self.output_gate else self.q_size
 
     def matrices(self, hidden: int) -> list[tuple[int, int]]:
-        """[rows, cols] of its weight matrices as the engine stacks them: wqkv, wo."""
-        return [(self.q_rows + 2 * self.kv_size, hidden), (hidden, self.q_size)]
+        """[rows, cols] of its weight matrices as the engine stacks them: wqkv (q, and its gate, k, v as
+        the layer has them), wo."""
+        return [(self.q_rows + self.kv_rows, hidden), (hidden, self.num_heads * self.value_width)]
 
     def param_count(self, hidden: int) -> int:
-        bias = (self.q_rows + 2 * self.kv_size if self.qkv_bias else 0) + (hidden if self.o_bias else 0)
-        norms = (self.q_size + self.kv_size if self.qk_norm_whole else 2 * self.head_dim) if self.qk_norm else 0
+        bias = (self.q_rows + self.kv_rows if self.qkv_bias else 0) + (hidden if self.o_bias else 0)
+        if self.qk_norm_whole:
+            norms = self.q_size + self.kv_size
+        else:  # per head: q's, and k's unless the layer reads another's keys (the value norm has no weight)
+            norms = self.head_dim * (1 if self.kv_source is not None else 2) if self.qk_norm else 0
         sinks = self.num_heads if self.sinks else 0
         return sum(r * c for r, c in self.matrices(hidden)) + bias + norms + sinks
 
@@ -992,6 +1079,9 @@ class RouterSpec:
     within the best `topk_groups` groups; weighted by their uncorrected scores, divided by
     their sum when `renormalize`, times `scale` (`routed_scaling_factor`).
     kind "sqrtsoftplus_topk" (DeepSeek-V4): the same with scores sqrt(softplus(x Wᵀ)) and one group.
+    kind "normed_softmax_topk" (Gemma 4): the router's input RMSNormed (no weight), times a learned
+    vector [H] and H^-1/2, then softmax over x Wᵀ (float32), the `top_k` largest divided by their
+    sum, each times its expert's learned scale [E].
     bias: the router's logits carry a learned bias (gpt-oss).
     hash_vocab: when > 0, the experts are not chosen by score: a token's `top_k` experts are row
               `token id` of a fixed table [hash_vocab, top_k] (DeepSeek-V4's hash layers,
@@ -1020,6 +1110,8 @@ class RouterSpec:
         _check(self.hash_vocab >= 0, "vocab_size", self.hash_vocab)
         _check(not self.hash_vocab or (self.scored and self.num_groups == 1), "hash routing", self.kind)
 
+        _check(self.kind != "normed_softmax_topk" or self.renormalize, "router renormalize", self.renormalize)
+
     @property
     def scored(self) -> bool:
         """A correction-biased top-k of per-expert scores (DeepSeek's routers), hashed or not."""
@@ -1027,7 +1119,9 @@ class RouterSpec:
 
     def param_count(self, hidden: int, num_experts: int) -> int:
         """The [E, H] logit projection, and the correction bias or the logits' bias [E], or a hash
-        layer's table [hash_vocab, k] of expert ids."""
+        layer's table [hash_vocab, k] of expert ids (Gemma 4's: its input scale [H] and expert scales [E])."""
+        if self.kind == "normed_softmax_topk":
+            return num_experts * hidden + hidden + num_experts
         extra = num_experts if (self.scored and not self.hash_vocab) or self.bias else 0
         return num_experts * hidden + extra + self.hash_vocab * self.top_k
 
@@ -1042,6 +1136,8 @@ class GluSpec:
     kind "relu2":          relu(up)^2, with no gate projection at all (Nemotron-H's MLP).
     kind "clamped_silu":   DeepSeek-V4's: gate clamped above at `limit`, up to [-limit, limit],
                            then silu(gate) * up (no alpha).
+    kind "gelu_tanh":      gelu(gate) * up, gelu's tanh approximation (Gemma's GeGLU,
+                           `gelu_pytorch_tanh`).
     """
 
     kind: str = "silu"
@@ -1074,6 +1170,10 @@ class MlpSpec:
                   experts, n x `moe_intermediate_size`), added unweighted — or, with
                   `shared_gate`, times sigmoid(x · w) of a learned [H] vector w (Qwen3-Next's
                   and Qwen3.5's shared expert).
+    kind "dense_and_moe": Gemma 4's: a dense MLP of `shared_width` and `num_experts` experts of
+                  `width` side by side, each with a norm before and after (the experts' router
+                  reads the layer's residual stream, not the normed input), their outputs summed.
+                  The MLP holds its input norms itself (layers/moe.py `DenseAndMoE`).
     glu:  the gated activation of the SwiGLU (each expert's).
     bias: the gate/up and down projections (each expert's) carry biases (gpt-oss).
     """
@@ -1090,7 +1190,10 @@ class MlpSpec:
     def __post_init__(self) -> None:
         _check(self.kind in MLP_KINDS, "MLP kind", self.kind)
         _check(self.width > 0, "intermediate_size", self.width)
-        if self.kind == "moe":
+        _check(self.kind != "dense_and_moe" or self.shared_width > 0, "intermediate_size", self.shared_width)
+        _check((self.kind == "dense_and_moe") == (self.router is not None and self.router.kind == "normed_softmax_topk"),
+               "router kind", self.router and self.router.kind)
+        if self.kind in ("moe", "dense_and_moe"):
             _check(self.num_experts > 0, "num_experts", self.num_experts)
             _check(self.router is not None and self.router.top_k <= self.num_experts, "num_experts_per_tok",
                    self.router and self.router.top_k)
@@ -1122,12 +1225,13 @@ class MlpSpec:
         # `matrices`' sum, counted without listing every expert's: 3 W H a SwiGLU (2 W H ungated)
         matrices = (ups + 1) * (self.width * hidden * max(self.num_experts, 1) + self.shared_width * hidden)
         gate = hidden if self.shared_gate else 0  # the shared expert's gate vector, in float as a router
-        return matrices + router + biases + gate
+        norms = 4 * hidden if self.kind == "dense_and_moe" else 0  # its own: before and after each branch
+        return matrices + router + biases + gate + norms
 
 
-# A layer's session state, by kind: rows per position (KV, MLA's latent, DSA's), fixed (recurrent), none, or
-# DeepSeek-V4's window and entries
-StateSpec = CacheSpec | LatentCacheSpec | IndexedLatentCacheSpec | RecurrentStateSpec | StatelessSpec | CompressedCacheSpec
+# A layer's session state, by kind: rows per position (KV, MLA's latent, DSA's), fixed (recurrent), none, DeepSeek-V4's
+# window and entries, or none of its own (a KV-shared layer's)
+StateSpec = CacheSpec | SharedCacheSpec | LatentCacheSpec | IndexedLatentCacheSpec | RecurrentStateSpec | StatelessSpec | CompressedCacheSpec
 # A layer's token mixer, by kind (ATTENTION_KINDS)
 MixerSpec = AttentionSpec | MlaSpec | DsaSpec | GatedDeltaNetSpec | KdaSpec | Mamba2Spec | CompressedAttentionSpec
 NO_STATE = StatelessSpec()
@@ -1138,14 +1242,26 @@ class LayerSpec:
     """One decoder layer: its attention (token mixer) and its MLP, each pre-normed (RMSNorm) and
     added to the residual. Either may be None, not both: a Nemotron-H layer is one mixer (Mamba2 or
     attention) or one MLP, each with its one norm. Under `hyper` (DeepSeek-V4) each goes through a
-    hyper-connection over the residual's streams."""
+    hyper-connection over the residual's streams.
+
+    sandwich:        each half's output is RMSNormed before it joins the residual stream (Gemma's
+                     post-attention and post-feedforward norms).
+    per_layer_input: the width P of the layer's per-layer input (Gemma 4's PLE), or 0: after the
+                     MLP, x += RMSNorm(Wp (gelu(Wg x) * p)) with p the layer's slice of the per-layer
+                     inputs the step carries (`ModelSpec.hop_width`; layers/per_layer.py).
+    scalar:          the layer's output is multiplied by a learned scalar (Gemma 4's `layer_scalar`).
+    """
 
     attention: MixerSpec | None
     mlp: MlpSpec | None
     hyper: HyperSpec | None = None
+    sandwich: bool = False
+    per_layer_input: int = 0
+    scalar: bool = False
 
     def __post_init__(self) -> None:
         _check(self.attention is not None or self.mlp is not None, "layer", "neither a mixer nor an MLP")
+        _check(self.per_layer_input >= 0, "hidden_size_per_layer_input", self.per_layer_input)
 
     @property
     def cache(self) -> StateSpec:
@@ -1164,13 +1280,19 @@ class LayerSpec:
 
     def matrices(self, hidden: int) -> list[tuple[int, int]]:
         """Every weight matrix of the layer (what quantization stores as integers)."""
+        per_layer = [(self.per_layer_input, hidden), (hidden, self.per_layer_input)] if self.per_layer_input else []
         return [*(self.attention.matrices(hidden) if self.attention is not None else ()),
-                *(self.mlp.matrices(hidden) if self.mlp is not None else ())]
+                *(self.mlp.matrices(hidden) if self.mlp is not None else ()), *per_layer]
 
     def param_count(self, hidden: int) -> int:
+        # each half's own and its norm's (Gemma 4's MLP of two branches holds its own norms), Gemma's norm
+        # after each half, its hyper-connection; the per-layer input's gate, projection and norm; the layer scalar
         halves = [part.param_count(hidden) + hidden for part in (self.attention, self.mlp) if part is not None]
+        own_norms = hidden if self.mlp is not None and self.mlp.kind == "dense_and_moe" else 0
+        sandwich = len(halves) * hidden if self.sandwich else 0
         connections = len(halves) * self.hyper.connection_params(hidden) if self.hyper is not None else 0
-        return sum(halves) + connections  # each half's own and its norm's, and its hyper-connection
+        per_layer = 2 * self.per_layer_input * hidden + hidden if self.per_layer_input else 0
+        return sum(halves) - own_norms + sandwich + connections + per_layer + int(self.scalar)
 
 
 @dataclass(frozen=True)
@@ -1189,8 +1311,9 @@ class ModelSpec:
     bos_token_id, eos_token_ids: special ids from the config.
     mtp_layers:     multi-token-prediction modules a checkpoint holds after the decoder layers
                     (DeepSeek-V3's and GLM-4.5's `num_nextn_predict_layers`, as layers L, L+1...;
-                    Qwen3.5's under "mtp."): run by no span, their tensors accepted in a folder;
-                    `--speculate mtp` drafts with the first where the head runs (families/mtp.py).
+                    Qwen3.5's under "mtp."; MiMo-V2-Flash's under "model.mtp.layers.", not drafted
+                    with yet): run by no span, their tensors accepted in a folder; `--speculate mtp`
+                    drafts with the first where the head runs (families/mtp.py).
     shipped:        how the checkpoint stores its matrices when not as floats (fp8 blocks, mxfp4,
                     GGUF blocks: families/shipped.py), else None. The arithmetic is the same; the
                     bytes a span holds are the shipped ones.
@@ -1200,6 +1323,12 @@ class ModelSpec:
     prefix:         where the decoder's tensors lie in the checkpoint: "model." (a causal LM),
                     "model.language_model." (the text model of a multimodal checkpoint, whose
                     other towers are not run), or "backbone." (Nemotron-H's).
+    embed_scale:    the embedding's rows are multiplied by it (Gemma: sqrt(H), as a float32 scalar
+                    cast to the model's dtype, as transformers does), else None.
+    logit_softcap:  the logits are softcapped, c tanh(logits / c) (Gemma's
+                    `final_logit_softcapping`), else None.
+    per_layer_vocab: rows of the per-layer input table (Gemma 4's `vocab_size_per_layer_input`)
+                    when the layers take per-layer inputs (`LayerSpec.per_layer_input`), else 0.
 
     Under hyper-connections (every layer's `hyper`, DeepSeek-V4) the residual is several streams
     and the head mixes them back into one before the final norm; what a step carries between
@@ -1219,6 +1348,9 @@ class ModelSpec:
     shipped: ShippedFormat | None = None
     norm_offset: float = 0.0
     prefix: str = "model."
+    embed_scale: float | None = None
+    logit_softcap: float | None = None
+    per_layer_vocab: int = 0
 
     def __post_init__(self) -> None:
         _check(len(self.layers) > 0, "num_hidden_layers", len(self.layers))
@@ -1226,7 +1358,20 @@ class ModelSpec:
         _check(self.vocab_size > 0, "vocab_size", self.vocab_size)
         _check(self.max_position > 0, "max_position_embeddings", self.max_position)
         _check(self.mtp_layers >= 0, "num_nextn_predict_layers", self.mtp_layers)
+        _check(self.embed_scale is None or self.embed_scale > 0, "embedding scale", self.embed_scale)
+        _check(self.logit_softcap is None or self.logit_softcap > 0, "final_logit_softcapping", self.logit_softcap)
+        widths = {layer.per_layer_input for layer in self.layers}
+        _check(len(widths) == 1 and (self.per_layer_vocab > 0) == (0 not in widths), "hidden_size_per_layer_input",
+               sorted(widths))
         _check(0 in self.span_starts, "indexer_types", "shared at layer 0")
+        for i, layer in enumerate(self.layers):  # a layer reads the keys and values of an earlier one of its shape
+            at = layer.attention
+            source = getattr(at, "kv_source", None)
+            if source is not None:
+                giver = self.layers[source].attention if source < i else None
+                _check(isinstance(giver, AttentionSpec) and giver.kv_source is None
+                       and (giver.num_kv_heads, giver.head_dim, giver.value_dim, giver.window)
+                       == (at.num_kv_heads, at.head_dim, at.value_dim, at.window), "num_kv_shared_layers", source)
         _check(len({layer.hyper for layer in self.layers}) == 1, "hc_mult", [layer.hyper for layer in self.layers])
 
     @property
@@ -1248,20 +1393,6 @@ class ModelSpec:
             return 0
         return max(1, -(-(self.vocab_size - 1).bit_length() // 8))
 
-    @property
-    def hop_width(self) -> int:
-        """Values a step carries per token from one stage to the next: what a layer hands the next
-        one, and what the embedding alone knows that a later layer reads. The residual stream,
-        `streams` rows of H; then the token id in `hop_id_digits` digits where a layer routes by it.
-        A hop of T tokens is [T, hop_width] (stages/layers/hop.py packs and unpacks it): what the
-        wire, the requester's history, the spot checks and a peer's frame limit carry; its bytes
-        per token are `hop_bytes`. Anything else only the embedding knows that a later layer reads
-        is added here, with its columns in hop.py."""
-        return self.streams * self.hidden_size + self.hop_id_digits
-
-    def hop_bytes(self, itemsize: int = 4) -> int:
-        """Bytes one token's hop takes on the wire at `itemsize` bytes a value."""
-        return self.hop_width * itemsize
 
     @property
     def num_layers(self) -> int:
@@ -1288,24 +1419,65 @@ class ModelSpec:
     @cached_property  # a frozen spec: each distinct layer shape counted once
     def param_count(self) -> int:
         """Parameters of the whole model: embedding, every decoder layer, the final norm, and the
-        head unless tied (MTP modules, which are not run, left out)."""
+        head unless tied, and the per-layer input table, projection and norm (Gemma 4's PLE) (MTP
+        modules, which are not run, left out)."""
         edges = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2) + self.hidden_size
         edges += self.hyper.head_params(self.hidden_size) if self.hyper is not None else 0
+        p = self.per_layer_width * self.num_layers
+        edges += self.per_layer_vocab * p + p * self.hidden_size + self.per_layer_width
         return edges + sum(n * layer.param_count(self.hidden_size) for layer, n in Counter(self.layers).items())
+
+    @property
+    def per_layer_width(self) -> int:
+        """P: each layer's per-layer input width (Gemma 4's `hidden_size_per_layer_input`), or 0."""
+        return self.layers[0].per_layer_input
+
+    def hop_width(self, layer: int) -> int:
+        """Values a step carries per token into layer `layer` (0 <= layer <= L): what a stage whose span
+        starts there takes (from the requester at 0), and what one ending there hands on. What a layer
+        hands the next one, and what only the embedding knows that a layer still to run reads:
+
+            the residual stream      `streams` rows of H (DeepSeek-V4's hyper-connections: several)
+            the token id             `hop_id_digits` digits, where a layer routes by it (DeepSeek-V4)
+            the per-layer inputs     P each of layers layer..L-1 (Gemma 4's E-models: computed by the
+                                     requester with the embedding, layers/per_layer.py)
+
+        So the width shrinks by P a layer run where layers take per-layer inputs and is the same at
+        every layer otherwise (docs/pages/models.md says why it is not kept constant). A hop of T
+        tokens is [T, hop_width(layer)] (stages/layers/hop.py packs and unpacks it): what the wire, the
+        requester's history at that cut, the spot checks and a peer's frame limit carry; its bytes per
+        token are `hop_bytes`. At L it is what the head reads."""
+        if not 0 <= layer <= self.num_layers:
+            raise SpanError(f"layer {layer} is outside [0, {self.num_layers}]")
+        return (self.streams * self.hidden_size + self.hop_id_digits
+                + self.per_layer_width * (self.num_layers - layer))
+
+    def hop_bytes(self, layer: int, itemsize: int = 4) -> int:
+        """Bytes one token's hop into layer `layer` (`hop_width`) takes at `itemsize` bytes a value."""
+        return self.hop_width(layer) * itemsize
 
     def max_layer_bytes(self, itemsize: int = 4) -> int:
         """Bytes of the largest layer."""
         return max(self.layer_bytes(itemsize, layer=i) for i in range(self.num_layers))
 
-    @property
+    @cached_property  # a frozen spec: asked at every session a peer opens
     def span_starts(self) -> tuple[int, ...]:
         """The layers a span may start at (and L): every layer but those that reuse a selection made
-        before them (`DsaSpec.shared`). A step carries a DSA selection from layer to layer in one
-        stage, never between peers, and a layer that reuses it cannot recompute it: that needs the
-        selecting layer's weights, its input and its cache of index keys. So a stage's span and a
-        session's sub-span start only here (`load_stage`, `SessionTable.open` refuse others)."""
-        shared = {i for i, layer in enumerate(self.layers) if getattr(layer.attention, "shared", False)}
-        return tuple(i for i in range(self.num_layers + 1) if i not in shared)
+        before them (`DsaSpec.shared`), and but those between a layer whose keys and values later
+        layers attend over and the last of those (`AttentionSpec.kv_source`: Gemma 4's KV-shared
+        layers). A step carries a DSA selection from layer to layer in one stage, never between
+        peers, and a layer that reuses it cannot recompute it: that needs the selecting layer's
+        weights, its input and its cache of index keys. Likewise a shared layer attends over the
+        whole cache of the layer it reads, which lives in that layer's stage: the two are served
+        together (sending the cache's new rows along every hop instead would cost 2 K D values
+        per token per source layer; not done). So a stage's span and a session's sub-span start
+        only here (`load_stage`, `SessionTable.open` refuse others)."""
+        blocked = {i for i, layer in enumerate(self.layers) if getattr(layer.attention, "shared", False)}
+        for i, layer in enumerate(self.layers):
+            source = getattr(layer.attention, "kv_source", None)
+            if source is not None:
+                blocked.update(range(source + 1, i + 1))
+        return tuple(i for i in range(self.num_layers + 1) if i not in blocked)
 
     def aligned_span(self, start: int, end: int) -> tuple[int, int]:
         """The span nearest [start, end) whose ends are `span_starts` (L among them): the largest such
@@ -1325,10 +1497,14 @@ class ModelSpec:
         """SpanError unless a span [start, end) may start at layer `start` (`span_starts`; an empty
         span may start anywhere)."""
         if start < end and start not in self.span_starts:
-            selecting = max(i for i in self.span_starts if i < start)
-            raise SpanError(f"a span cannot start at layer {start} of this {self.family} model: it reuses the "
-                            f"sparse-attention selection of layer {selecting}, which is not sent between peers "
-                            f"(spans start at layers {list(self.span_starts[:-1])})")
+            sources = [(i, getattr(self.layers[i].attention, "kv_source", None)) for i in range(start, self.num_layers)]
+            reading = next(((i, source) for i, source in sources if source is not None and source < start), None)
+            if reading is not None:
+                what = f"layer {reading[0]} attends over the keys and values of layer {reading[1]}"
+            else:
+                what = f"it reuses the sparse-attention selection of layer {max(i for i in self.span_starts if i < start)}"
+            raise SpanError(f"a span cannot start at layer {start} of this {self.family} model: {what}, which is not "
+                            f"sent between peers (spans start at layers {list(self.span_starts[:-1])})")
 
     def rolls_back_anywhere(self, start: int, end: int) -> bool:
         """Whether a session over layers [start, end) can go back to any earlier position (every layer's

@@ -135,13 +135,13 @@ def layer_tensors(spec: ModelSpec, layer: int, experts: ExpertNames = QWEN_EXPER
     qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
     out: dict[str, Choices] = {
         "attn_norm.weight": one(p + "input_layernorm.weight", (h,)),
-        "attn.wqkv.weight": stacked([n + ".weight" for n in qkv], [(at.q_rows, h), (at.kv_size, h), (at.kv_size, h)]),
-        "attn.wo.weight": one(p + "self_attn.o_proj.weight", (h, at.q_size)),
+        "attn.wqkv.weight": stacked([n + ".weight" for n in qkv], [(at.q_rows, h), (at.kv_size, h), (at.v_size, h)]),
+        "attn.wo.weight": one(p + "self_attn.o_proj.weight", (h, at.num_heads * at.value_width)),
         **mlp_tensors(p, ls, h, experts),
     }
     # the optional ones last (the order synth draws random weights in, kept from the Llama block's)
     if at.qkv_bias:
-        out["attn.wqkv.bias"] = stacked([n + ".bias" for n in qkv], [(at.q_rows,), (at.kv_size,), (at.kv_size,)])
+        out["attn.wqkv.bias"] = stacked([n + ".bias" for n in qkv], [(at.q_rows,), (at.kv_size,), (at.v_size,)])
     if at.o_bias:
         out["attn.wo.bias"] = one(p + "self_attn.o_proj.bias", (h,))
     if at.qk_norm:  # per head (D each), or over all heads of q and of k at once (`qk_norm_whole`)
@@ -268,15 +268,16 @@ HEAD_MIX = {"fn": "model.hc_head.hc_fn", "base": "model.hc_head.hc_base", "scale
 
 
 def edge_tensors(spec: ModelSpec) -> dict[str, Shape]:
-    """The tensors outside the layers: embedding, final norm, the head unless tied, and under
-    hyper-connections the head's connection (`HEAD_MIX`: engine name -> checkpoint name)."""
+    """The tensors outside the layers: embedding, final norm, the head unless tied, under
+    hyper-connections the head's connection (`HEAD_MIX`: engine name -> checkpoint name), and the
+    per-layer input table, projection and norm where the layers take per-layer inputs (Gemma 4)."""
     shapes = {embedding_name(spec): (spec.vocab_size, spec.hidden_size), final_norm_name(spec): (spec.hidden_size,)}
     if not spec.tie_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, spec.hidden_size)
     if spec.hyper is not None:
         n, h = spec.hyper.streams, spec.hidden_size
         shapes.update({HEAD_MIX["fn"]: (n, n * h), HEAD_MIX["base"]: (n,), HEAD_MIX["scale"]: (1,)})
-    return shapes
+    return {**shapes, **per_layer_tensors(spec)}
 
 
 # The embedding's and the final norm's names under a prefix that names them otherwise than "embed_tokens"
@@ -292,3 +293,20 @@ def embedding_name(spec: ModelSpec) -> str:
 def final_norm_name(spec: ModelSpec) -> str:
     """The checkpoint name of the final norm's weight."""
     return spec.prefix + EDGE_NAMES.get(spec.prefix, ("", "norm.weight"))[1]
+
+
+# Gemma 4's per-layer inputs, beside the embedding: engine name (layers/per_layer.py PerLayerInputs) -> checkpoint
+# name after the decoder's prefix ("model.", or "model.language_model." in a multimodal checkpoint)
+PER_LAYER_TENSORS = {"table": "embed_tokens_per_layer.weight", "projection": "per_layer_model_projection.weight",
+                     "norm.weight": "per_layer_projection_norm.weight"}
+
+
+def per_layer_tensors(spec: ModelSpec) -> dict[str, Shape]:
+    """The per-layer input table [V, L P], projection [L P, H] and norm [P] by checkpoint name (none
+    where the layers take no per-layer inputs)."""
+    p = spec.per_layer_width
+    if not p:
+        return {}
+    width = spec.num_layers * p
+    shapes = {"table": (spec.per_layer_vocab, width), "projection": (width, spec.hidden_size), "norm.weight": (p,)}
+    return {spec.prefix + PER_LAYER_TENSORS[ours]: shape for ours, shape in shapes.items()}

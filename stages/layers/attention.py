@@ -16,6 +16,13 @@ gate projected beside each head's query.
 Prefill and multi-token steps use the same SDPA kernel as the reference, so logits agree
 closely; a one-token step uses a grouped bmm that never repeats K/V.
 
+The variants of the 2026 families, each a field of AttentionSpec: values narrower than keys and
+scaled before they are cached (`value_dim`, `value_scale`: MiMo-V2-Flash); the scores' scale
+(`scale`: 1 in Gemma 4); values RMSNormed without a weight (`v_norm`) or taken from the key
+projection before its norm and RoPE (`k_eq_v`) (Gemma 4); and a layer that projects only
+queries and attends over the keys and values another layer of the span cached (`kv_source`:
+Gemma 4's KV-shared layers; its store is that layer's, layers/cache.py).
+
 A new attention kind (as MLA and DSA are) is a module with the same `forward(x, ctx, cache)` over its
 own cache store (layers/cache.py), registered in layers/block.py.
 """
@@ -48,7 +55,7 @@ class StepRows(Protocol):
 
     def rope(self, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def attend(self, qk: torch.Tensor, v: torch.Tensor, num_heads: int, cache: Any, window: int | None,
+    def attend(self, qk: torch.Tensor, v: torch.Tensor | None, num_heads: int, cache: Any, window: int | None,
                scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
@@ -102,17 +109,17 @@ class StepContext:
         """`spec`'s RoPE tables [P, 1, D] at `positions` [P] (those of the rows are `rope`'s)."""
         return self.rotaries[(spec.rope, spec.rope_dim)].cos_sin(positions, dtype)
 
-    def attend(self, qk: torch.Tensor, v: torch.Tensor, num_heads: int, cache: LayerCache, window: int | None,
-               scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """Each session's rows of the step against its own store (`attend`): [T, A D]. `cache` is the
-        layer's store, or one store per segment of a stacked step; `sinks` as `attend`'s."""
+    def attend(self, qk: torch.Tensor, v: torch.Tensor | None, num_heads: int, cache: LayerCache,
+               window: int | None, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Each session's rows of the step against its own store (`attend`): [T, A Dv]. `cache` is the
+        layer's store, or one store per segment of a stacked step; `v` and `sinks` as `attend`'s."""
         if not self.segments:
             assert isinstance(cache, KeyValues), "one session: one store"
             return attend(qk, v, num_heads, cache, self.start, self.mask(self.start, qk.shape[0], window), scale,
                           sinks)
         assert not isinstance(cache, KeyValues) and len(cache) == len(self.segments), "one store per segment"
-        return torch.cat([  # [T, A D], each session over its own cache
-            attend(qk[s.lo : s.hi], v[s.lo : s.hi], num_heads, store, s.start,
+        return torch.cat([  # [T, A Dv], each session over its own cache
+            attend(qk[s.lo : s.hi], None if v is None else v[s.lo : s.hi], num_heads, store, s.start,
                    self.mask(s.start, s.hi - s.lo, window), scale, sinks)
             for s, store in zip(self.segments, cache)
         ])
@@ -150,21 +157,37 @@ def rotate_heads(
     """qkv [T, (A + 2K) D] -> (q and k, normed per head if asked and rotated [T, A + K, D]; v [T, K, D]).
     q and k rotate together: one RoPE over both."""
     t, a, k, d = qkv.shape[0], num_heads, num_kv_heads, head_dim
-    qk = qkv[:, : (a + k) * d].view(t, a + k, d)
+    return rotate_qk(qkv, a, k, d, cos, sin, q_norm, k_norm), qkv[:, (a + k) * d :].view(t, k, d)
+
+
+def rotate_qk(
+    rows: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+    q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+) -> torch.Tensor:
+    """The first (A + K) D columns of `rows` [T, ...] as q and k heads, each normed per head where its
+    norm is given, rotated: [T, A + K, D] (K = 0: queries alone)."""
+    t, a, k, d = rows.shape[0], num_heads, num_kv_heads, head_dim
+    qk = rows[:, : (a + k) * d].view(t, a + k, d)
     if q_norm is not None and k_norm is not None:  # an RMSNorm over each head's D (Qwen3)
         qk = torch.cat((q_norm.forward(qk[:, :a]), k_norm.forward(qk[:, a:])), dim=1)
-    return apply_rope(qk, cos, sin), qkv[:, (a + k) * d :].view(t, k, d)
+    elif q_norm is not None and k == 0:  # queries alone (a layer reading another's keys)
+        qk = q_norm.forward(qk)
+    return apply_rope(qk, cos, sin)
 
 
 def attend(
-    qk: torch.Tensor, v: torch.Tensor, num_heads: int, store: KeyValues, start: int, mask: torch.Tensor | None,
-    scale: float, sinks: torch.Tensor | None = None,
+    qk: torch.Tensor, v: torch.Tensor | None, num_heads: int, store: KeyValues, start: int,
+    mask: torch.Tensor | None, scale: float, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One session's rows: write k, v at [start, start + T) of its store, then attend.
-    qk [T, A + K, D] (rotated), v [T, K, D]; `mask` as `attention_mask`; `sinks` [A]: each head's
-    sink logit (AttentionSpec.sinks), or None. Returns [T, A D]."""
-    t, a, d = qk.shape[0], num_heads, qk.shape[2]
-    keys, values, _ = store.write_and_read(qk[:, a:], v, start)  # [K, S, D]
+    qk [T, A + K, D] (rotated), v [T, K, Dv]; or, with v None, qk the queries alone [T, A, D] over
+    what the store holds already (a KV-shared layer). `mask` as `attention_mask`; `sinks` [A]: each
+    head's sink logit (AttentionSpec.sinks), or None. Returns [T, A Dv]."""
+    t, a = qk.shape[0], num_heads
+    if v is None:
+        keys, values, _ = store.read(start, t)  # [K, S, D], [K, S, Dv]
+    else:
+        keys, values, _ = store.write_and_read(qk[:, a:], v, start)
     if t == 1:
         return grouped_decode_attention(qk[:, :a], keys, values, scale, sinks)
     if sinks is not None:
@@ -178,7 +201,8 @@ def attend(
         values[None].repeat_interleave(g, dim=1),
         attn_mask=mask,
         is_causal=mask is None,
-    )[0].transpose(0, 1).reshape(t, a * d)  # [T, A D]
+        scale=scale,
+    )[0].transpose(0, 1).reshape(t, -1)  # [T, A Dv]
 
 
 def grouped_decode_attention(
@@ -187,10 +211,10 @@ def grouped_decode_attention(
 ) -> torch.Tensor:
     """One query position, grouped-query attention without repeating K/V.
 
-    q_rows [1, A, D]; keys, values [K, S, D]. The G = A / K query heads that share a
+    q_rows [1, A, D]; keys [K, S, D], values [K, S, Dv]. The G = A / K query heads that share a
     KV head are stacked as rows, so one bmm per KV head does the work. With `sinks` [A],
     each head's sink logit joins its softmax as one more column, then is dropped (it has
-    no value). Returns [1, A D].
+    no value). Returns [1, A Dv].
     """
     k, s, d = keys.shape
     a = q_rows.shape[1]
@@ -200,7 +224,7 @@ def grouped_decode_attention(
         probs = scores.softmax(-1)
     else:
         probs = torch.cat((scores, sinks.to(scores.dtype).view(k, a // k, 1)), -1).softmax(-1)[..., :s]
-    return torch.bmm(probs, values).reshape(1, a * d)  # [1, A D]
+    return torch.bmm(probs, values).reshape(1, -1)  # [1, A Dv]
 
 
 def sink_attention(
@@ -209,9 +233,9 @@ def sink_attention(
 ) -> torch.Tensor:
     """Attention with a sink logit per head (gpt-oss), for a step of T > 1 rows: the reference's
     eager form (transformers runs gpt-oss only so), softmax(cat(q kᵀ scale masked, sink)) without
-    the sink's column, times v. q [T, A, D]; keys, values [K, S, D], the S = start + T positions
-    up to the step's last; `mask` as `attention_mask` (None: plain causal). Returns [T, A D]."""
-    t, a, d = q.shape
+    the sink's column, times v. q [T, A, D]; keys [K, S, D], values [K, S, Dv], the S = start + T
+    positions up to the step's last; `mask` as `attention_mask` (None: plain causal). Returns [T, A Dv]."""
+    t, a, _ = q.shape
     s = keys.shape[1]
     g = a // keys.shape[0]
     scores = torch.matmul(q.transpose(0, 1), keys.repeat_interleave(g, dim=0).transpose(1, 2)).mul_(scale)  # [A, T, S]
@@ -219,8 +243,8 @@ def sink_attention(
     scores = scores.masked_fill(~allowed, float("-inf"))
     sink = sinks.to(scores.dtype).view(a, 1, 1).expand(a, t, 1)
     probs = torch.cat((scores, sink), -1).softmax(-1)[..., :s]  # [A, T, S]
-    out = torch.matmul(probs, values.repeat_interleave(g, dim=0))  # [A, T, D]
-    return out.transpose(0, 1).reshape(t, a * d)
+    out = torch.matmul(probs, values.repeat_interleave(g, dim=0))  # [A, T, Dv]
+    return out.transpose(0, 1).reshape(t, -1)
 
 
 class Attention(nn.Module):
@@ -232,14 +256,18 @@ class Attention(nn.Module):
     def __init__(self, hidden: int, spec: AttentionSpec, eps: float) -> None:
         super().__init__()
         self.spec = spec
-        self.wqkv = nn.Linear(hidden, spec.q_rows + 2 * spec.kv_size, bias=spec.qkv_bias)
-        self.wo = nn.Linear(spec.q_size, hidden, bias=spec.o_bias)
-        # over each head's D (Qwen3), or over all of q's and all of k's dims at once (MiniMax-M2)
+        self.wqkv = nn.Linear(hidden, spec.q_rows + spec.kv_rows, bias=spec.qkv_bias)
+        self.wo = nn.Linear(spec.num_heads * spec.value_width, hidden, bias=spec.o_bias)
+        # over each head's D (Qwen3), or over all of q's and all of k's dims at once (MiniMax-M2); no
+        # key norm where the layer reads another's keys (Gemma 4's KV-shared layers)
+        own_keys = spec.kv_source is None
         self.q_norm = RMSNorm(spec.q_size if spec.qk_norm_whole else spec.head_dim, eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.kv_size if spec.qk_norm_whole else spec.head_dim, eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.kv_size if spec.qk_norm_whole else spec.head_dim, eps) \
+            if spec.qk_norm and own_keys else None
         # each head's sink logit (gpt-oss), engine name `attn.sinks`
         self.sinks = nn.Parameter(torch.empty(spec.num_heads)) if spec.sinks else None
-        self.scale = 1.0 / math.sqrt(spec.head_dim)
+        self.scale = 1.0 / math.sqrt(spec.head_dim) if spec.scale is None else spec.scale
+        self.eps = eps  # the value norm's (Gemma 4)
 
     def forward(self, x: torch.Tensor, ctx: StepRows, cache: LayerCache) -> torch.Tensor:
         """x [T, H] -> [T, H]. cache: the layer's store — or, for a stacked step, one store per
@@ -253,11 +281,28 @@ class Attention(nn.Module):
             q_gate = qkv[:, : 2 * a * d].view(t, a, 2 * d)
             gate = q_gate[..., d:].reshape(t, a * d)
             qkv = torch.cat((q_gate[..., :d].reshape(t, a * d), qkv[:, 2 * a * d :]), dim=-1)  # [T, (A + 2K) D]
+        if spec.kv_source is not None:  # queries alone, over the keys and values another layer cached
+            q = rotate_qk(qkv, spec.num_heads, 0, spec.head_dim, cos, sin, self.q_norm)  # [T, A, D]
+            return self.output(ctx.attend(q, None, spec.num_heads, cache, spec.window, self.scale, self.sinks), gate)
         per_head = (self.q_norm, self.k_norm)
         if spec.qk_norm_whole:  # normed here, over all heads of each: none left per head
             q, k, v = qkv.split((spec.q_size, spec.kv_size, spec.kv_size), dim=-1)
             qkv, per_head = torch.cat((self.q_norm.forward(q), self.k_norm.forward(k), v), dim=-1), (None, None)
-        qk, v = rotate_heads(qkv, spec.num_heads, spec.num_kv_heads, spec.head_dim, cos, sin,
-                             *per_head)  # [T, A + K, D], [T, K, D]
-        out = ctx.attend(qk, v, spec.num_heads, cache, spec.window, self.scale, self.sinks)  # [T, A D]
+        qk = rotate_qk(qkv, spec.num_heads, spec.num_kv_heads, spec.head_dim, cos, sin, *per_head)  # [T, A + K, D]
+        v = self.values(qkv)  # [T, K, Dv]
+        return self.output(ctx.attend(qk, v, spec.num_heads, cache, spec.window, self.scale, self.sinks), gate)
+
+    def output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The attention's rows [T, A Dv] through Wo, gated first where the layer gates them."""
         return self.wo.forward(out if gate is None else out * torch.sigmoid(gate))
+
+    def values(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The value heads [T, K, Dv] of the stacked projection's rows (queries ungated): its last K Dv
+        columns, or the key columns before their norm and RoPE (`k_eq_v`); RMSNormed without a weight
+        (`v_norm`), scaled (`value_scale`), as the layer's spec says."""
+        spec = self.spec
+        start = spec.q_size if spec.k_eq_v else spec.q_size + spec.kv_size
+        v = qkv[:, start : start + spec.v_size].view(qkv.shape[0], spec.num_kv_heads, spec.value_width)
+        if spec.v_norm:
+            v = F.rms_norm(v, (spec.value_width,), eps=self.eps)
+        return v * spec.value_scale if spec.value_scale != 1.0 else v

@@ -20,6 +20,10 @@ Kinds (CACHE_KINDS):
 - "sliding": the same store (every position is kept, so that any rollback can be honoured:
              see `CacheSpec`); a one-token step reads only the last `window` positions, and
              a longer step's mask (layers/attention.py) hides the rest.
+             (Values may be narrower than keys: `CacheSpec.value_dim`, MiMo-V2-Flash.)
+- "shared":  no store of its own: the layer reads the store of the earlier layer it names
+             (`SharedCacheSpec`, Gemma 4's KV-shared layers), which `SessionCache` holds once and
+             hands to both. That layer wrote the step's positions before this one reads them.
 
 - "latent":  `LatentRows` [allocated, kv_lora_rank + rope_dim]: MLA's compressed kv and rotated
              rope key per position, one row for all heads (layers/mla.py expands or absorbs it).
@@ -60,7 +64,7 @@ import torch
 from tessera.stages.errors import ContextOverflow, StateRewindError, UnsupportedModel
 from tessera.stages.families.spec import (
     COMPRESSED_REACH, COMPRESSED_SNAPSHOTS, CacheSpec, CompressedCacheSpec, IndexedLatentCacheSpec, LatentCacheSpec,
-    RecurrentStateSpec, StatelessSpec,
+    RecurrentStateSpec, SharedCacheSpec, StatelessSpec,
 )
 from tessera.stages.layers.state import RecurrentState
 
@@ -77,9 +81,8 @@ class KeyValues:
     """One layer's keys and values of one session: [K, allocated, D] each, written in place."""
 
     def __init__(self, spec: CacheSpec, positions: int, *, dtype: torch.dtype, device: torch.device | str) -> None:
-        shape = (spec.num_kv_heads, positions, spec.head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys = torch.zeros((spec.num_kv_heads, positions, spec.head_dim), dtype=dtype, device=device)
+        self.values = torch.zeros((spec.num_kv_heads, positions, spec.value_width), dtype=dtype, device=device)
         self.window = spec.window
 
     @classmethod
@@ -94,7 +97,7 @@ class KeyValues:
         """Reallocate for `positions`, copying the valid positions [0, keep)."""
         for name in ("keys", "values"):
             old = getattr(self, name)
-            new = old.new_zeros((old.shape[0], positions, old.shape[2]))  # [K, S, D]
+            new = old.new_zeros((old.shape[0], positions, old.shape[2]))  # [K, S, D] (values: Dv)
             new[:, :keep] = old[:, :keep]
             setattr(self, name, new)
 
@@ -106,7 +109,13 @@ class KeyValues:
         end = start + k.shape[0]
         self.keys[:, start:end] = k.transpose(0, 1)  # [K, T, D]
         self.values[:, start:end] = v.transpose(0, 1)
-        first = max(0, end - self.window) if self.window is not None and k.shape[0] == 1 else 0
+        return self.read(start, k.shape[0])
+
+    def read(self, start: int, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """What a step of `n_tokens` rows at `start` attends to, written already (by this layer, or by
+        the layer whose store a KV-shared layer reads): as `write_and_read` returns it."""
+        end = start + n_tokens
+        first = max(0, end - self.window) if self.window is not None and n_tokens == 1 else 0
         return self.keys[:, first:end], self.values[:, first:end], first
 
     @property
@@ -354,7 +363,8 @@ class CompressedRows:
 LayerStore = KeyValues | LatentRows | RecurrentState | NoState | CompressedRows
 STORES = {"full": KeyValues, "sliding": KeyValues, "latent": LatentRows, "latent_indexed": IndexedLatentRows,
           "recurrent": RecurrentState, "none": NoState, "compressed": CompressedRows}
-AnyCacheSpec = CacheSpec | LatentCacheSpec | IndexedLatentCacheSpec | RecurrentStateSpec | StatelessSpec | CompressedCacheSpec
+AnyCacheSpec = (CacheSpec | SharedCacheSpec | LatentCacheSpec | IndexedLatentCacheSpec | RecurrentStateSpec | StatelessSpec
+                | CompressedCacheSpec)
 
 
 def layer_store(spec: AnyCacheSpec, positions: int, *, dtype: torch.dtype,
@@ -367,11 +377,24 @@ def layer_store(spec: AnyCacheSpec, positions: int, *, dtype: torch.dtype,
 
 
 class SessionCache:
-    """Every layer's store for one session over a run of consecutive layers, and the pointer."""
+    """Every layer's store for one session over a run of consecutive layers, and the pointer.
+
+    `first` is the absolute index of the first of `layers`: a "shared" layer's entry is the store
+    of the layer it names (`SharedCacheSpec.source`), which must lie among them (a span never
+    parts the two: ModelSpec.span_starts), and `stores` lists each store once."""
 
     def __init__(self, layers: Sequence[AnyCacheSpec], capacity: int, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
-        self.layers = [layer_store(spec, 0, dtype=dtype, device=device) for spec in layers]
+                 device: torch.device | str = "cpu", first: int = 0) -> None:
+        self.layers: list[LayerStore] = []
+        for spec in layers:
+            if isinstance(spec, SharedCacheSpec):
+                if not 0 <= spec.source - first < len(self.layers):
+                    raise UnsupportedModel(f"a layer reads the keys and values of layer {spec.source}, which this "
+                                           f"session's layers from {first} do not hold")
+                self.layers.append(self.layers[spec.source - first])
+            else:
+                self.layers.append(layer_store(spec, 0, dtype=dtype, device=device))
+        self.stores = list({id(store): store for store in self.layers}.values())
         self.capacity = capacity
         self.allocated = 0  # positions every store holds memory for now
         self.length = 0
@@ -384,6 +407,7 @@ class SessionCache:
         """A session's cache over stores allocated elsewhere (a CUDA-graph step's static slot)."""
         cache = cls.__new__(cls)
         cache.layers, cache.capacity, cache.length = list(stores), capacity, 0
+        cache.stores = list(stores)
         cache.allocated = capacity  # the slot holds every position already: it never grows
         cache.rewinding = []
         return cache
@@ -402,7 +426,7 @@ class SessionCache:
         self._rewind(start)
         if start + n_tokens > self.allocated:
             self.allocated = kv_positions(start + n_tokens, self.capacity)
-            for store in self.layers:
+            for store in self.stores:
                 store.grow(self.allocated, keep=start)
         self.length = start + n_tokens
 
@@ -433,7 +457,7 @@ class SessionCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(store.nbytes for store in self.layers)
+        return sum(store.nbytes for store in self.stores)
 
 
 def session_bytes(layers: Sequence[AnyCacheSpec], positions: int, itemsize: int) -> int:

@@ -3,8 +3,8 @@
 Also each expert of a sparse MLP (layers/moe.py). The projections are called as modules, so
 that a quantized span can hold `tessera.stages.kernels.quant` linears in their place (same
 call, integer weights). `ClampedSwiGLU` is gpt-oss's gated activation (GluSpec), with biased
-projections, `ClampedSiLU` DeepSeek-V4's; `Relu2` is Nemotron-H's ungated MLP, down(relu(up(x))^2); `glu_mlp` picks the module
-an MlpSpec's (or each of its experts') shape needs.
+projections, `ClampedSiLU` DeepSeek-V4's; `Relu2` is Nemotron-H's ungated MLP, down(relu(up(x))^2);
+`GeGLU` Gemma's, gelu(gate) * up; `glu_mlp` picks the module an MlpSpec's (or each of its experts') shape needs.
 """
 
 from __future__ import annotations
@@ -81,6 +81,16 @@ class ClampedSiLU(SwiGLU):
         return self.w_down.forward(F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit))
 
 
+class GeGLU(SwiGLU):
+    """Gemma's gated MLP (GluSpec kind "gelu_tanh"): down(gelu(gate) * up), gelu's tanh approximation
+    (transformers' `gelu_pytorch_tanh`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        gate, up = self.w_gate_up.forward(x).split(self.width, dim=-1)  # [T, I] each
+        return self.w_down.forward(F.gelu(gate, approximate="tanh").mul_(up))
+
+
 def glu_mlp(hidden: int, spec: MlpSpec) -> nn.Module:
     """The SwiGLU module of `spec.width` with `spec.glu` and `spec.bias`: a dense MLP, or one expert
     of a sparse one (UnsupportedModel for a combination without a module here)."""
@@ -92,4 +102,6 @@ def glu_mlp(hidden: int, spec: MlpSpec) -> nn.Module:
         return SwiGLU(hidden, spec.width)
     if spec.glu.kind == "relu2" and not spec.bias:
         return Relu2(hidden, spec.width)
+    if spec.glu.kind == "gelu_tanh" and not spec.bias:
+        return GeGLU(hidden, spec.width)
     raise UnsupportedModel(f"a {'biased ' if spec.bias else ''}{spec.glu.kind!r} MLP has no module in this engine")

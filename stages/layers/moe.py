@@ -9,6 +9,10 @@ through, with the experts' gated activation, added to the picked experts' sum wi
 with `shared_gate` (Qwen3-Next, Qwen3.5), with weight sigmoid(x · w_gate). A hash layer's router
 (DeepSeek-V4) picks by token id: its forward is given the rows' ids.
 
+Gemma 4's (`DenseAndMoE`, MLP kind "dense_and_moe") sets a dense MLP and the experts side by side,
+each between its own norms: dense_out_norm(dense(norm(x))) + experts_out_norm(experts(experts_norm(x)))
+with the router reading the layer's residual x itself (layers/routers.py "normed_softmax_topk").
+
 Only the experts some token picked run, each ONCE, over the rows that picked it: the
 (token, slot) pairs are sorted by expert (one argsort), and each active expert takes its rows
 as one gathered matrix — one matmul per active expert, reading only that expert's weights.
@@ -19,6 +23,7 @@ each expert's matmul covers every session that picked it.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -26,8 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.stages.families.spec import MlpSpec
-from tessera.stages.layers.mlp import glu_mlp
-from tessera.stages.layers.routers import build_router
+from tessera.stages.layers.mlp import SwiGLU, glu_mlp
+from tessera.stages.layers.norm import RMSNorm
+from tessera.stages.layers.routers import NormedSoftmaxTopK, build_router
 
 
 class MoE(nn.Module):
@@ -57,6 +63,31 @@ class MoE(nn.Module):
         if self.shared_gate is not None:
             shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared  # [T, 1] * [T, H]
         return out + shared
+
+
+class DenseAndMoE(nn.Module):
+    """Gemma 4's MLP (module docstring): a dense MLP of `spec.shared_width` and `spec.num_experts` experts
+    of `spec.width` (both `spec.glu`), and the four norms around them; it takes the layer's residual
+    stream (it norms its inputs itself: the Block has no MLP norm for this kind)."""
+
+    def __init__(self, hidden: int, spec: MlpSpec, eps: float) -> None:
+        super().__init__()
+        assert spec.router is not None and spec.shared_width, "Gemma 4's MLP has a router and a dense MLP"
+        self.norm = RMSNorm(hidden, eps)  # pre_feedforward_layernorm
+        self.dense = glu_mlp(hidden, replace(spec, kind="dense", width=spec.shared_width, num_experts=0, router=None,
+                                             shared_width=0))
+        self.dense_out_norm = RMSNorm(hidden, eps)  # post_feedforward_layernorm_1
+        self.router = NormedSoftmaxTopK(hidden, spec.num_experts, spec.router, eps)
+        self.experts_norm = RMSNorm(hidden, eps)  # pre_feedforward_layernorm_2
+        self.experts = nn.ModuleList(glu_mlp(hidden, spec) for _ in range(spec.num_experts))
+        self.experts_out_norm = RMSNorm(hidden, eps)  # post_feedforward_layernorm_2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] (the residual stream) -> [T, H]."""
+        dense = self.dense_out_norm.forward(self.dense.forward(self.norm.forward(x)))
+        weights, picks = self.router.forward(x)  # [T, k] each
+        run = untraced_dispatch() if torch.compiler.is_compiling() else dispatch
+        return dense + self.experts_out_norm.forward(run(self.experts_norm.forward(x), weights, picks, self.experts))
 
 
 _untraced: Callable[..., torch.Tensor] | None = None

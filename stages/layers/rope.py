@@ -13,6 +13,9 @@ by a linear ramp over the dims whose wavelengths lie between `beta_fast` and `be
 rotations in the original context; and cos and sin multiplied by `attention_factor` (when
 the config gives none: 0.1 ln(factor) + 1, or with `mscale` and `mscale_all_dim` the ratio
 of those two `yarn_mscale`s), which scales every attention logit by its square.
+
+Proportional (Gemma 4's global layers, `proportional_frequencies`): a head's first pairs turn at
+the frequencies of the whole head's, the rest not at all.
 """
 
 from __future__ import annotations
@@ -88,9 +91,23 @@ def rope_frequencies(rope: RopeSpec, head_dim: int, device: torch.device | str =
         inv_freq = yarn_frequencies(rope, d, device)
     elif rope.kind == "none":  # no position encoding: every angle 0, so cos 1 and sin 0 turn nothing (exactly)
         inv_freq = torch.zeros_like(inv_freq)
+    elif rope.kind == "proportional":
+        inv_freq = proportional_frequencies(rope, d, device)
     elif rope.kind != "default":
-        raise UnsupportedModel(f"rope type {rope.kind!r} has no frequencies here (default, linear, llama3, yarn, none)")
+        raise UnsupportedModel(f"rope type {rope.kind!r} has no frequencies here "
+                               "(default, linear, llama3, yarn, none, proportional)")
     return inv_freq
+
+
+def proportional_frequencies(rope: RopeSpec, dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Gemma 4's "proportional" RoPE (transformers' `_compute_proportional_rope_parameters`): over the
+    whole head, the first `partial_rotary_factor` x D/2 pairs at theta^(-2i/D) (D, not the dims turned),
+    the rest at frequency 0 (cos 1, sin 0: passed through unchanged), all divided by `factor`. The
+    pairs are (i, i + D/2) as everywhere here, so the dims turned are the first ones of each half."""
+    angles = int(rope.param("partial_rotary_factor") * dim // 2)
+    turned = 1.0 / (rope.theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64, device=device).float() / dim))
+    inv_freq = torch.cat((turned, torch.zeros(dim // 2 - angles, dtype=torch.float32, device=device)))
+    return inv_freq / float(rope.optional("factor") or 1.0)
 
 
 def yarn_frequencies(rope: RopeSpec, dim: int, device: torch.device | str = "cpu") -> torch.Tensor:

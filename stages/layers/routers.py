@@ -27,6 +27,11 @@ sum (+ 1e-20), times `scale`. A hash layer (`RouterSpec.hash_vocab`, DeepSeek-V4
 `mlp.router.table`, [V, k], integer) instead, weighted the same way by its scores (sigmoid or
 sqrt-softplus); its forward is given the rows' token ids.
 
+Of "normed_softmax_topk" (Gemma 4; transformers' `Gemma4TextRouter`): it reads the layer's
+residual stream x, not the MLP's normed input: h = rms_norm(x) (no weight) * s * H^-1/2 (s the
+learned [H] vector, engine name `mlp.router.scale`); p = softmax(h Wᵀ) in float32; the k largest
+(torch.topk), divided by their sum, each times its expert's learned scale (`mlp.router.expert_scale`, [E]).
+
 A new router is a module here with its own parameters, named in ROUTERS, with its tensors
 mapped in families/tensors.py.
 """
@@ -128,6 +133,25 @@ class ScoredTopK(nn.Module):
         return weights * spec.scale, experts
 
 
+class NormedSoftmaxTopK(nn.Module):
+    """Kind "normed_softmax_topk" (module docstring); `eps` is its input norm's (the model's rms_norm_eps)."""
+
+    def __init__(self, hidden: int, num_experts: int, spec: RouterSpec, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.spec = spec
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.scale = nn.Parameter(torch.empty(hidden))
+        self.expert_scale = nn.Parameter(torch.empty(num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = F.rms_norm(x, (x.shape[-1],), eps=self.eps) * self.scale * x.shape[-1] ** -0.5
+        probs = F.linear(h, self.weight).softmax(-1, dtype=torch.float32)  # [T, E]
+        weights, experts = probs.topk(self.spec.top_k, dim=-1)  # [T, k] each
+        weights = weights / weights.sum(-1, keepdim=True)
+        return weights * self.expert_scale[experts], experts
+
+
 def kept_groups(choice: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
     """[T, E] True for the experts in each token's best `topk_groups` groups, a group ranked by the
     sum of its two best corrected scores."""
@@ -140,7 +164,7 @@ def kept_groups(choice: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
 
 
 ROUTERS = {"softmax_topk": SoftmaxTopK, "topk_softmax": TopKSoftmax, "sigmoid_group_topk": SigmoidGroupTopK,
-           "sqrtsoftplus_topk": ScoredTopK}
+           "sqrtsoftplus_topk": ScoredTopK, "normed_softmax_topk": NormedSoftmaxTopK}
 
 
 def build_router(hidden: int, num_experts: int, spec: RouterSpec) -> nn.Module:

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from tessera.stages.engine.sessions import SessionState, SessionTable
 from tessera.stages.errors import SpanError, StageError
 from tessera.stages.families.catalog import tensors_of_layer
-from tessera.stages.families.spec import AttentionSpec, CacheSpec, ModelSpec
+from tessera.stages.families.spec import AttentionSpec, CacheSpec, LayerSpec, ModelSpec
 from tessera.stages.layers.attention import StepContext, attend, rotate_heads
 from tessera.stages.layers.cache import KeyValues
 from tessera.stages.layers.norm import RMSNorm
@@ -109,6 +109,10 @@ def check_shardable(spec: ModelSpec, count: int, index: int = 0) -> None:
             raise ShardError(f"tensor shards of {spec.family} are not supported: layer {i} turns only "
                              f"{layer.attention.rope_dim} of its {layer.attention.head_dim} head dims (partial rotary), "
                              "which the ranks do not compute (serve it as layer spans)")
+        what = unsharded_part(layer)
+        if what is not None:
+            raise ShardError(f"tensor shards of {spec.family} are not supported: layer {i} has {what}, which the "
+                             "ranks do not compute (serve it as layer spans)")
     for name, value in (
         ("key/value heads", spec.layers[0].attention.num_kv_heads),
         ("hidden size", spec.hidden_size),
@@ -118,6 +122,20 @@ def check_shardable(spec: ModelSpec, count: int, index: int = 0) -> None:
             raise ShardError(f"a group of {count} cannot split this model: its {name} ({value}) is not divisible by {count}")
     if len({(l.attention.num_kv_heads, l.mlp.width) for l in spec.layers}) != 1:
         raise ShardError(f"tensor shards of {spec.family} are not supported: its layers differ in heads or widths")
+
+
+def unsharded_part(layer: LayerSpec) -> str | None:
+    """What of a grouped-query layer with a dense MLP the ranks do not compute (None: nothing)."""
+    at = layer.attention
+    parts = (
+        (at.sinks, "attention sinks"), (at.value_dim is not None, "values of another width than its keys"),
+        (at.value_scale != 1.0, "scaled values"), (at.scale is not None, "a scores' scale of its own"),
+        (at.v_norm, "normed values"), (at.k_eq_v, "values from its key projection"),
+        (at.kv_source is not None, "another layer's keys and values"), (layer.sandwich, "norms after each half"),
+        (layer.per_layer_input > 0, "a per-layer input"), (layer.scalar, "a layer scalar"),
+        (layer.mlp.glu.kind != "silu", f"a {layer.mlp.glu.kind} MLP"),
+    )
+    return next((what for present, what in parts if present), None)
 
 
 @dataclass

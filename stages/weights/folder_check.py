@@ -17,7 +17,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from safetensors import SafetensorError, safe_open
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
-from tessera.stages.families.catalog import edge_names, layer_matrices, tensors_of_layer
+from tessera.stages.families.catalog import FAMILIES, edge_names, layer_matrices, tensors_of_layer
 from tessera.stages.families.shipped import FLOAT_DTYPES, ShippedFormat
 from tessera.stages.families.spec import ModelSpec
 from tessera.stages.families.tensors import INTEGER_DTYPES, INTEGER_TENSORS, Stacked, edge_tensors
@@ -100,9 +100,10 @@ def check_tensors(spec: ModelSpec, weights: WeightFolder) -> None:
     # a tied model may still carry lm_head.weight; transformers ignores it and so do we
     ignorable = {"lm_head.weight"} if spec.tie_embeddings else set()
     # multi-token-prediction modules after the decoder layers (DeepSeek-V3, GLM-4.5) or under "mtp."
-    # (Qwen3-Next, Qwen3.5), and a multimodal checkpoint's vision tower: not run
+    # (Qwen3-Next, Qwen3.5), a multimodal checkpoint's vision tower, and where the family keeps what it
+    # does not run (MiMo-V2-Flash's "model.mtp.", Gemma 4's KV-shared layers' key projections): not run
     not_run = tuple(f"{spec.prefix}layers.{i}." for i in range(spec.num_layers, spec.num_layers + spec.mtp_layers))
-    not_run += NOT_RUN_PREFIXES.get(spec.prefix, ())
+    not_run += NOT_RUN_PREFIXES.get(spec.prefix, ()) + FAMILIES[spec.family].not_run(spec)
     unexpected = sorted(
         n for n in set(table) - set(expected) - ignorable
         if not n.endswith(RECOMPUTED_SUFFIXES) and not n.startswith(not_run) and not empty(table[n][0])

@@ -34,6 +34,7 @@ import struct
 from pathlib import Path
 
 from tessera.stages.errors import ModelFormatError
+from tessera.stages.families.tensors import PER_LAYER_TENSORS
 
 CHUNK_BYTES = 1 << 20
 """1 MiB: a chunk is one request on the wire; a 70B model has ~140k of them (a ~10 MB manifest)."""
@@ -50,14 +51,21 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16
 # a causal LM's decoder lies under "model."; a multimodal checkpoint's text model under
 # "model.language_model."; Nemotron-H's under "backbone.", whose embedding and final norm are named
 # otherwise (families/spec.py ModelSpec.prefix, families/tensors.py EDGE_NAMES); DeepSeek-V4's published
-# checkpoint names its layers and edges with no prefix (`layers.3.attn.wq_a.weight`, `embed.weight`)
+# checkpoint names its layers and edges with no prefix (`layers.3.attn.wq_a.weight`, `embed.weight`). Gemma 4's
+# per-layer input table, projection and norm go with the embedding: the requester computes every layer's
+# per-layer inputs with them
 _LAYER = re.compile(r"^(?:model\.(?:language_model\.)?|backbone\.)?layers\.(\d+)\.")
-_MODEL_EDGES = {"embed_tokens.weight": "embed", "norm.weight": "norm"}
+_MODEL_EDGES = {"embed_tokens.weight": "embed", "norm.weight": "norm",
+                **dict.fromkeys(PER_LAYER_TENSORS.values(), "embed")}
 _EDGES = {"model.": _MODEL_EDGES, "model.language_model.": _MODEL_EDGES,
           "backbone.": {"embeddings.weight": "embed", "norm_f.weight": "norm"}}
 _BARE_EDGES = {"embed.weight": "embed", "norm.weight": "norm", "head.weight": "head"}
 # the head's hyper-connection (DeepSeek-V4), which the stage holding the head reads
 _HEAD_MIX = ("model.hc_head.", "hc_head_")
+# a multimodal checkpoint's towers and their projections (Qwen3.5's; Gemma 4's vision and audio), MTP layers
+# (Qwen's "mtp.", MiMo-V2-Flash's "model.mtp."): what no span fetches
+TOWERS = ("model.visual.", "model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+MTP = ("mtp.", "model.mtp.")
 
 
 def group_of(name: str) -> str:
@@ -68,8 +76,8 @@ def group_of(name: str) -> str:
         return "head"
     if name in _BARE_EDGES:
         return _BARE_EDGES[name]
-    if name.startswith(("model.visual.", "mtp.")):  # a vision tower, MTP layers: not run by any span (yet)
-        return "vision" if name.startswith("model.visual.") else "mtp"
+    if name.startswith(TOWERS + MTP):  # a vision or audio tower, MTP layers: not run by any span (yet)
+        return "vision" if name.startswith(TOWERS) else "mtp"
     for prefix, edges in _EDGES.items():
         if name.startswith(prefix) and name[len(prefix):] in edges:
             return edges[name[len(prefix):]]

@@ -18,8 +18,11 @@ from .test_engine_cli import tessera
 PUBLISHED_PARAMS = {
     "llama-3-8b": 8.03e9, "qwen3-8b": 8.19e9, "qwen3-30b-a3b": 30.5e9, "mixtral-8x7b": 46.7e9,
     "gpt-oss-20b": 20.91e9, "gpt-oss-120b": 116.83e9, "deepseek-v3": 671e9, "glm-4.5": 355e9,
-    "glm-5": 744e9, "minimax-m2": 230e9, "qwen3-next-80b-a3b": 80e9,
+    "glm-5": 744e9, "minimax-m2": 230e9, "qwen3-next-80b-a3b": 80e9, "mimo-v2-flash": 309e9,
     "kimi-linear-48b-a3b": 49.1e9, "nemotron-h-8b": 8.1e9,  # as their checkpoints hold them ("48B" and "8B" by name)
+    # Gemma 4: the text model (the published 5.1B and 8B of the E-models count their ~0.45B and ~0.5B vision and
+    # audio towers too, which are not run)
+    "gemma-4-e2b": 5.1e9 - 0.45e9, "gemma-4-e4b": 8.0e9 - 0.5e9, "gemma-4-26b-a4b": 25.2e9, "gemma-4-31b": 30.7e9,
 }
 # (layers, sparse layers, experts, top-k) as published
 LAYERS = {
@@ -28,11 +31,15 @@ LAYERS = {
     "deepseek-v3": (61, 58, 256, 8), "glm-4.5": (92, 89, 160, 8),
     "glm-5": (78, 75, 256, 8), "minimax-m2": (62, 62, 256, 8), "qwen3-next-80b-a3b": (48, 48, 512, 10),
     "kimi-linear-48b-a3b": (27, 26, 256, 8), "nemotron-h-8b": (52, 0, 0, 0),
+    "mimo-v2-flash": (48, 47, 256, 8), "gemma-4-e2b": (35, 0, 0, 0), "gemma-4-e4b": (42, 0, 0, 0),
+    "gemma-4-26b-a4b": (30, 30, 128, 8), "gemma-4-31b": (60, 0, 0, 0),
 }
 
 
 def total_params(spec) -> int:
     edges = spec.vocab_size * spec.hidden_size * (1 if spec.tie_embeddings else 2) + spec.hidden_size
+    p = spec.per_layer_width * spec.num_layers  # Gemma 4's per-layer input table, projection and norm
+    edges += spec.per_layer_vocab * p + p * spec.hidden_size + spec.per_layer_width
     total = sum(spec.layer_param_count(i) for i in range(spec.num_layers)) + edges
     assert spec.param_count == total  # what a folder's bytes are held to (stages/weights/folder.py)
     return total
@@ -46,7 +53,7 @@ def test_a_shape_is_the_published_model(name):
     except UnsupportedModel as refused:  # a family not run yet (DeepSeek-V3, GLM-4.5 until they land)
         assert "unknown architecture" in str(refused)
         pytest.skip(str(refused))
-    sparse = [layer.mlp for layer in spec.layers if layer.mlp is not None and layer.mlp.kind == "moe"]
+    sparse = [layer.mlp for layer in spec.layers if layer.mlp is not None and layer.mlp.kind in ("moe", "dense_and_moe")]
     layers, n_sparse, experts, top_k = LAYERS[name]
     assert (spec.num_layers, len(sparse)) == (layers, n_sparse)
     assert {(m.num_experts, m.router.top_k) for m in sparse} <= {(experts, top_k)}

@@ -1,8 +1,9 @@
 """Compiled decode steps (stages/engine/compiled/) against the eager path and transformers, on CPU.
 
 For every family the engine runs (llama, qwen3 with windows, biases and qk-norm, qwen3_moe with a
-dense and a sparse layer kind, mixtral, gpt_oss with sinks; deepseek_v3's MLA and glm_moe_dsa's DSA
-layers stay eager inside the compiled step, said so), a tiny random model saved by transformers: the compiled
+dense and a sparse layer kind, mixtral, gpt_oss with sinks, mimo_v2_flash with values narrower than keys;
+deepseek_v3's MLA and glm_moe_dsa's DSA layers stay eager inside the compiled step, said so; gemma4 decodes
+eagerly, tests/stages/families/test_gemma4.py), a tiny random model saved by transformers: the compiled
 span's float32 logits within 1e-4 of transformers' and of the eager span's, greedy tokens
 identical; sessions stacked in one compiled step (padded to a row bucket, of different capacities)
 against their solo runs; draft blocks (eager) cut short and rolled back between compiled steps; the
@@ -55,10 +56,17 @@ FAMILIES = {
         moe_intermediate_size=32, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
         v_head_dim=12, index_n_heads=8, index_head_dim=16, index_topk=6, indexer_types=["full", "shared", "full"],
         first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1),
+    # values narrower than keys (12 against 16) and scaled, sinks in the sliding layers, partial RoPE per kind
+    "mimo_v2_flash": lambda: transformers.MiMoV2FlashConfig(
+        **SHAPE, v_head_dim=12, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["full_attention", "sliding_attention", "full_attention"], mlp_layer_types=["sparse"] * 3,
+        rope_parameters={kind: {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+                         for kind in ("full_attention", "sliding_attention")}),
 }
 EAGER_ATTENTION = {"deepseek_v3", "glm_moe_dsa"}  # families whose layer kinds all stay eager (MLA, DSA)
 # llama also pads 3 rows to 4, and compiles what the swarm's peers (--batch-rows 2) ask for: from the disk cache
 BUCKETS = {"llama": (1, 2, 4), "qwen3": (1,), "qwen3_moe": (1,), "mixtral": (1,), "gpt_oss": (1, 4), "deepseek_v3": (1,),
+           "mimo_v2_flash": (1,),
            "glm_moe_dsa": (1, 4)}
 WHOLE_STEP = {"llama", "qwen3_moe"}  # compiled as the local engine compiles (`whole`): one graph a token where it can
 STACKED = [PROMPT, PROMPT[:5], PROMPT[:9]]  # three sessions at different positions
@@ -309,7 +317,7 @@ def test_a_sub_span_session_decodes_eagerly_on_a_compiled_stage(compiled, folder
     assert stage.decode.steps == before
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_moe", "gpt_oss", "mimo_v2_flash"])
 def test_slot_step_matches_eager(folders, name):
     """The CUDA-graph runner's step, uncaptured: slots of a static pool, positions as tensors, a
     length bucket, 3 sessions padded to 4 rows, a sparse MLP between the graph pieces."""

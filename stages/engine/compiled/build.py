@@ -13,12 +13,30 @@ from tessera.stages.engine.compiled.cuda_graphs import GraphDecode
 from tessera.stages.engine.compiled.inductor import ROW_BUCKETS, InductorDecode
 from tessera.stages.engine.compiled.modes import CUDA_GRAPHS, CompilePlan, plan_compile
 from tessera.stages.engine.stage import Stage
+from tessera.stages.families.spec import ModelSpec
 
 
 def row_buckets(max_rows: int) -> tuple[int, ...]:
     """The row buckets worth compiling when stacked steps hold at most `max_rows` rows (a peer's
     --batch-rows): those of ROW_BUCKETS up to it (1 always)."""
     return tuple(b for b in ROW_BUCKETS if b <= max(1, max_rows))
+
+
+def eager_only(spec: ModelSpec) -> str | None:
+    """What of `spec` no compiled decode step computes (its stages then decode eagerly), or None. The
+    compiled steps take and give [T, H] and hand a layer its own store: a hop of more than the
+    residual (DeepSeek-V4's streams and token ids, Gemma 4's per-layer inputs: ModelSpec.hop_width)
+    and layers reading another layer's keys and values (Gemma 4) are not among what they compute,
+    nor softcapped logits (the compiled head's are plain)."""
+    if spec.streams > 1 or spec.hop_id_digits:
+        return f"hop of {spec.hop_width(0)} values a token ({spec.streams} residual streams and token ids)"
+    if spec.per_layer_width:
+        return "per-layer inputs"
+    if any(getattr(layer.attention, "kv_source", None) is not None for layer in spec.layers):
+        return "layers reading another layer's keys and values"
+    if spec.logit_softcap is not None:
+        return "softcapped logits"
+    return None
 
 
 def compile_decode(stage: Stage, mode: str = "auto", *, say: Callable[[str], None] | None = None,
@@ -29,10 +47,8 @@ def compile_decode(stage: Stage, mode: str = "auto", *, say: Callable[[str], Non
     Raises CompileChoiceError for a mode this device cannot run."""
     plan = plan_compile(mode, stage.device.type, quantized=stage.quant.active)
     stage.decode = None
-    if plan.backend is not None and stage.spec.hop_width != stage.spec.hidden_size:
-        # the compiled steps take and give [T, H]: a hop of several streams (and token ids) decodes eagerly
-        return CompilePlan(None, f"{stage.spec.family} steps carry {stage.spec.hop_width} values a token, "
-                                 f"not {stage.spec.hidden_size}: serving eagerly")
+    if plan.backend is not None and (why := eager_only(stage.spec)) is not None:
+        return CompilePlan(None, f"this model decodes eagerly: no compiled step for its {why} yet")
     if plan.backend is None or stage.end == stage.start and stage.head is None:
         return plan
     runner = GraphDecode(stage, buckets=buckets, say=say) if plan.backend == CUDA_GRAPHS else \

@@ -59,7 +59,7 @@ def rows_of_step(rows: StepRows) -> Iterator[StepRows]:
 def decode_attend(qk: Tensor, v: Tensor, layer: int, num_heads: int, scale: float, sinks: Optional[Tensor]) -> Tensor:
     """Each row's next token: write its k, v [1, K, D] at its position of its store in layer `layer`
     of the graph, and attend over the store's window (its CacheSpec's: the layer's own). qk
-    [R, A + K, D] (rotated); sinks [A] or None (layers/attention.py `attend`). Returns [R, A D]; a
+    [R, A + K, D] (rotated); sinks [A] or None (layers/attention.py `attend`). Returns [R, A Dv]; a
     padding row's is zeros. It mutates no argument: the stores it writes are not graph inputs, and
     each layer's call feeds the next layer's input, so the graph neither drops nor reorders it."""
     step: StepRows = _current.rows
@@ -67,14 +67,14 @@ def decode_attend(qk: Tensor, v: Tensor, layer: int, num_heads: int, scale: floa
     outs = [attend(qk[i : i + 1], v[i : i + 1], num_heads, stores[i], step.positions[i], None, scale, sinks)
             for i in range(step.rows)]
     if qk.shape[0] > step.rows:
-        outs.append(qk.new_zeros(qk.shape[0] - step.rows, num_heads * qk.shape[2]))
+        outs.append(qk.new_zeros(qk.shape[0] - step.rows, num_heads * v.shape[2]))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 @decode_attend.register_fake
 def _decode_attend_shape(qk: Tensor, v: Tensor, layer: int, num_heads: int, scale: float,
                          sinks: Optional[Tensor]) -> Tensor:
-    return qk.new_empty(qk.shape[0], num_heads * qk.shape[2])
+    return qk.new_empty(qk.shape[0], num_heads * v.shape[2])  # [R, A Dv]: values may be narrower (MiMo)
 
 
 class RowsStep:

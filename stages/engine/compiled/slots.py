@@ -30,7 +30,7 @@ from tessera.stages.layers.rope import RopeKey
 
 
 class SlotPool:
-    """Keys and values [slots + 1, K, capacity, D] per layer of a span; slot `scratch` pads steps."""
+    """Keys [slots + 1, K, capacity, D] and values [..., Dv] per layer of a span; slot `scratch` pads steps."""
 
     def __init__(self, specs: Sequence[CacheSpec], *, slots: int, capacity: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -40,7 +40,8 @@ class SlotPool:
         self.scratch = slots
         self.keys = [torch.zeros(slots + 1, s.num_kv_heads, capacity, s.head_dim, dtype=dtype, device=device)
                      for s in specs]
-        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.values = [torch.zeros(slots + 1, s.num_kv_heads, capacity, s.value_width, dtype=dtype, device=device)
+                       for s in specs]  # values' width may differ from the keys' (MiMo-V2-Flash)
         self.windows = [s.window for s in specs]
         self.free = list(range(slots))
         self.slot_of: dict[SessionCache, int] = {}
@@ -100,4 +101,4 @@ class SlotStep:
         else:  # each head's sink logit joins the denominator (gpt-oss; layers/attention.py)
             sink = sinks.to(scores.dtype).view(1, kv, a // kv, 1).expand(r, kv, a // kv, 1)
             probs = torch.cat((scores, sink), -1).softmax(-1)[..., : self.length]
-        return torch.matmul(probs, v_rows).reshape(r, a * d)  # [R, A D]
+        return torch.matmul(probs, v_rows).reshape(r, -1)  # [R, A Dv]

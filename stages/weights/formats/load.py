@@ -26,7 +26,8 @@ from tessera.stages.errors import ModelFormatError
 from tessera.stages.families.catalog import layer_matrices, tensors_of_layer
 from tessera.stages.families.shipped import FLOAT_DTYPES, GGML_TYPES, ShippedFormat
 from tessera.stages.families.tensors import (
-    HEAD_MIX, INTEGER_TENSORS, Choices, Stacked, edge_tensors, embedding_name, final_norm_name,
+    HEAD_MIX, INTEGER_TENSORS, PER_LAYER_TENSORS, Choices, Stacked, edge_tensors, embedding_name, final_norm_name,
+    per_layer_tensors,
 )
 from tessera.stages.kernels.fp8 import fp8_dense
 from tessera.stages.kernels.ggml import ggml_rows
@@ -128,6 +129,18 @@ def read_embedding(weights: WeightFolder, dtype: torch.dtype) -> torch.Tensor:
     if spec.shipped is None:
         return weights.embedding(dtype)
     return dense_tensor(weights, embedding_name(spec), (spec.vocab_size, spec.hidden_size), dtype)
+
+
+def read_per_layer(weights: WeightFolder, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The per-layer input table, projection and norm (Gemma 4's PLE: families/tensors.py
+    `per_layer_tensors`) in `dtype` by engine name (layers/per_layer.py), whatever form the folder
+    ships them in; empty where the layers take no per-layer inputs."""
+    spec = weights.spec
+    ours = {spec.prefix + name: ours for ours, name in PER_LAYER_TENSORS.items()}
+    shapes = per_layer_tensors(spec)
+    if spec.shipped is None:
+        return {ours[name]: t for name, t in weights.read(shapes, dtype).items()}
+    return {ours[name]: dense_tensor(weights, name, shape, dtype) for name, shape in shapes.items()}
 
 
 def read_head(weights: WeightFolder, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

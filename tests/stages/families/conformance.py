@@ -66,7 +66,9 @@ def build(root: Path, name: str, config: Any, *, seed: int, fused: bool = False)
         saved = model.state_dict()
         for bname, b in model.named_buffers():  # and the buffers it saves (DeepSeek's router correction bias)
             if bname in saved and b.is_floating_point():
-                b.copy_(WEIGHT_STD * torch.randn_like(b))
+                # a layer's output scale (Gemma 4's layer_scalar) near 1, as a norm's: five layers of 0.2-scale
+                # draws would shrink the residual stream to 1e-5 of itself, where float32 rounding is the signal
+                b.copy_(1 + 0.1 * torch.randn_like(b) if "scalar" in bname else WEIGHT_STD * torch.randn_like(b))
             elif bname in saved:  # DeepSeek-V4's hash table: each token's experts, distinct, at random
                 experts = config.num_local_experts
                 b.copy_(torch.stack([torch.randperm(experts)[: b.shape[1]] for _ in range(b.shape[0])]))
@@ -335,3 +337,39 @@ def check_shard_refused(folder: Path, words: str) -> None:
     with pytest.raises(ShardError, match=words) as refused:
         TorchCompute(config)
     assert "\n" not in str(refused.value)
+
+
+def check_any_value_is_read_or_refused(config: dict[str, Any], *, examples: int = 80) -> None:
+    """Keys of `config` (the text model's, in a multimodal config) overwritten at random by JSON values:
+    a spec every layer of which builds, or ModelFormatError / UnsupportedModel in one line, never
+    another error (a TypeError, a KeyError) or a model built from a value nobody checked."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from tessera.stages.errors import ModelFormatError, UnsupportedModel
+    from tessera.stages.families.catalog import spec_from_config
+    from tessera.stages.layers.block import Block
+
+    text = config.get("text_config", config)
+    values = st.recursive(
+        st.none() | st.booleans() | st.integers(-3, 40) | st.floats(allow_nan=True, allow_infinity=True)
+        | st.text(max_size=4),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+        max_leaves=6)
+
+    @settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(data=st.data())
+    def check(data: Any) -> None:
+        keys = data.draw(st.lists(st.sampled_from(sorted(set(text) - {"architectures"})), min_size=1, max_size=3))
+        change = {key: data.draw(values) for key in keys}
+        changed = {**config, "text_config": {**text, **change}} if "text_config" in config else {**config, **change}
+        try:
+            spec = spec_from_config(changed)
+        except (ModelFormatError, UnsupportedModel) as refused:
+            assert "\n" not in str(refused)
+            return
+        with torch.device("meta"):
+            for layer in set(spec.layers):
+                Block(spec, layer)
+
+    check()

@@ -127,6 +127,20 @@ NEMOTRON = dict(vocab_size=320, hidden_size=64, num_attention_heads=4, num_key_v
                 max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2, intermediate_size=96,
                 mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=16, n_groups=2, chunk_size=8)
 
+# MiMo-V2-Flash: global and sliding layers (4 key/value heads where the global ones have 2, sinks, window 8), values
+# 12 wide against q/k's 16 and scaled, RoPE on half of each head with each kind's base, a dense first layer then 8
+# sigmoid-routed experts in 2 groups
+MIMO = dict(SHAPE, v_head_dim=12, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+            num_experts_per_tok=2)
+MIMO_ROPE = {"full_attention": {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5},
+             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}
+
+# Gemma 4 text at tiny sizes: sliding layers of 2 key/value heads of 16 (window 8), global ones of 32, softcapped
+GEMMA4 = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              global_head_dim=32, intermediate_size=96, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+              sliding_window=8, final_logit_softcapping=30.0)
+SLIDE, GLOBAL = "sliding_attention", "full_attention"
+
 FP8_ONE_SCALE = ({"quantization_config": {"quant_method": "fp8"}}, UnsupportedModel, "weight_block_size null")
 AWQ = ({"quantization_config": {"quant_method": "awq"}}, UnsupportedModel, "quant_method 'awq'")
 
@@ -433,6 +447,70 @@ ROWS: dict[str, Row] = {
         **MINIMAX, num_local_experts=6, num_experts_per_tok=3, rope_parameters={
             "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16}),
         seed=92, split=2, fused=True),
+    # MiMo-V2-Flash: its published shape in small (module constants above), with the published config's own keys
+    # saying what transformers computes; or 6 layers of its default pattern (global at 0 and 5), the window from
+    # `sliding_window_size` (5 + the query), unscaled values (an explicit null), biased q/k/v, experts saved fused
+    "mimo_v2_flash/published": Row("mimo_v2_flash", lambda: transformers.MiMoV2FlashConfig(
+        **{**MIMO, "num_hidden_layers": 4}, sliding_window=8, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], rope_parameters=MIMO_ROPE), seed=110, split=2,
+        swarm=True, refusals=(
+            ({"hidden_act": "gelu"}, UnsupportedModel, "hidden_act 'gelu'"),
+            ({"hybrid_layer_pattern": [0, 1, 0, 0]}, UnsupportedModel, "hybrid_layer_pattern .* computes"),
+            ({"swa_num_key_value_heads": 2}, UnsupportedModel, "swa_num_key_value_heads 2 .* computes 4"),
+            ({"swa_v_head_dim": 16}, UnsupportedModel, "swa_v_head_dim 16"),
+            ({"rope_theta": 1e4}, UnsupportedModel, "rope_theta 10000.0 .* computes 5000000.0"),
+            ({"add_full_attention_sink_bias": True}, UnsupportedModel, "add_full_attention_sink_bias True"),
+            ({"layernorm_epsilon": 1e-6}, UnsupportedModel, "layernorm_epsilon"),
+            ({"moe_layer_freq": [1, 1, 1, 1]}, UnsupportedModel, "moe_layer_freq"),
+            ({"n_shared_experts": 1}, UnsupportedModel, "n_shared_experts 1"),
+            ({"scoring_func": "softmax"}, UnsupportedModel, "scoring_func 'softmax'"),
+            ({"layer_types": ["full_attention", "chunked_attention", "sliding_attention", "full_attention"]},
+             UnsupportedModel, "layer_types"),
+            ({"rope_parameters": {**MIMO_ROPE, "full_attention": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}},
+             UnsupportedModel, "rope_type 'yarn'"),
+            ({"rope_parameters": {**MIMO_ROPE, "full_attention": {"rope_type": "default", "rope_theta": 1e4,
+                                                                  "partial_rotary_factor": 0.1}}},
+             ModelFormatError, "partial_rotary_factor"),
+            ({"mlp_layer_types": ["dense", "moe", "sparse", "sparse"]}, ModelFormatError, "mlp_layer_types"),
+            ({"attention_value_scale": -1}, ModelFormatError, "attention_value_scale"),
+            FP8_ONE_SCALE, AWQ),
+        shard="tensor shards of mimo_v2_flash are not supported: layer 0 turns only 8 of its 16 head dims"),
+    "mimo_v2_flash/default-pattern-fused": Row("mimo_v2_flash", lambda: transformers.MiMoV2FlashConfig(
+        **{**MIMO, "num_hidden_layers": 6}, sliding_window_size=5, attention_value_scale=None, attention_bias=True,
+        rope_parameters=MIMO_ROPE), seed=111, split=3, fused=True),
+    # Gemma 4 text, E2B's layout in small: per-layer inputs (8 per layer), the last two layers reading layers 2's
+    # and 1's keys and values (so spans start at 0, 1 or 5), their MLPs twice as wide; or the 26B's: experts beside
+    # the dense MLP, global layers whose values are their keys' projection, one global key head, biased attention,
+    # an untied head, no per-layer inputs
+    "gemma4/ple-kv-shared": Row("gemma4", lambda: transformers.Gemma4TextConfig(
+        **GEMMA4, num_hidden_layers=5, layer_types=[SLIDE, GLOBAL, SLIDE, SLIDE, GLOBAL], hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=2, use_double_wide_mlp=True), seed=120, split=1,
+        swarm=True, refusals=(
+            ({"hidden_activation": "silu"}, UnsupportedModel, "hidden_activation 'silu'"),
+            ({"layer_types": [SLIDE, GLOBAL, SLIDE, GLOBAL, SLIDE]}, UnsupportedModel, "last layer must be full"),
+            ({"layer_types": [SLIDE, "chunked_attention", SLIDE, SLIDE, GLOBAL]}, UnsupportedModel, "layer_types"),
+            ({"use_bidirectional_attention": "all"}, UnsupportedModel, "use_bidirectional_attention 'all'"),
+            ({"vocab_size_per_layer_input": 1000}, UnsupportedModel, "vocab_size_per_layer_input 1000"),
+            ({"num_kv_shared_layers": 5}, ModelFormatError, "num_kv_shared_layers"),
+            ({"num_kv_shared_layers": 4}, ModelFormatError, "no earlier full_attention layer"),
+            ({"per_layer_config": {"1": {"head_dim": 32, "intermediate_size": 8}, "4": {"head_dim": 32}}},
+             UnsupportedModel, "'intermediate_size' is not computed per layer"),
+            ({"per_layer_config": {"1": {"head_dim": 32}, "4": {"head_dim": 64}}}, UnsupportedModel, "differ in shape"),
+            ({"rope_parameters": {SLIDE: {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0},
+                                  GLOBAL: {"rope_type": "default", "rope_theta": 1e6}}}, UnsupportedModel, "yarn"),
+            ({"num_experts": 8}, UnsupportedModel, "num_experts 8 .* enable_moe_block is false"),
+            ({"expert_intermediate_size": 32}, UnsupportedModel, "expert_intermediate_size 32"),
+            ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, UnsupportedModel,
+             "ship quantized")),
+        shard="tensor shards of gemma4 are not supported: layer 0 has a scores' scale of its own"),
+    "gemma4/moe-k-eq-v": Row("gemma4", lambda: transformers.Gemma4TextConfig(
+        **GEMMA4, num_hidden_layers=3, layer_types=[SLIDE, SLIDE, GLOBAL], hidden_size_per_layer_input=0,
+        enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32, attention_k_eq_v=True,
+        num_global_key_value_heads=1, attention_bias=True, tie_word_embeddings=False,
+        rope_parameters={SLIDE: {"rope_type": "default", "rope_theta": 1e4},
+                         GLOBAL: {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1e5,
+                                  "factor": 2.0}}), seed=121, split=2, fused=True),
 }
 
 

@@ -31,6 +31,13 @@ BASES = {
                                                           v_head_dim=12, n_routed_experts=8, n_group=2, topk_group=1,
                                                           moe_intermediate_size=32), "n_routed_experts"),
     "gpt_oss": (lambda: transformers.GptOssConfig(**SHAPE, num_local_experts=4), "num_local_experts"),
+    "mimo_v2_flash": (lambda: transformers.MiMoV2FlashConfig(
+        **SHAPE, n_routed_experts=8, moe_intermediate_size=32, rope_parameters={
+            kind: {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+            for kind in ("full_attention", "sliding_attention")}), "n_routed_experts"),
+    "gemma4": (lambda: transformers.Gemma4TextConfig(**SHAPE, global_head_dim=32, enable_moe_block=True, num_experts=8,
+                                                     top_k_experts=2, moe_intermediate_size=32,
+                                                     hidden_size_per_layer_input=0), "num_experts"),
 }
 
 

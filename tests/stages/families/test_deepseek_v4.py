@@ -115,7 +115,9 @@ def test_the_published_models_state_per_position():
         per_position[(at.ratio, at.indexed)] = layer.cache.bytes_per_position(2)
     assert per_position[(4, True)] == (512 + 128) * 2 // 4  # 160 values: MLA's latent is 576
     assert per_position[(128, False)] == 512 * 2 // 128
-    assert spec.hop_width == 4 * 4096 + 3 and spec.hop_bytes(2) == 2 * (4 * 4096 + 3)
+    # the streams and the id's digits cross into every layer alike: the hop is as wide at every cut
+    assert {spec.hop_width(layer) for layer in range(spec.num_layers + 1)} == {4 * 4096 + 3}
+    assert spec.hop_bytes(0, 2) == 2 * (4 * 4096 + 3)
 
 
 @pytest.mark.parametrize("config", [FLASH, *(saved_config(name) for name in NAMES)], ids=["flash", *NAMES])
@@ -138,13 +140,33 @@ def test_a_hop_carries_its_token_ids_exactly_in_any_float(ids, dtype):
     hop = Hop(spec)
     ids_t = torch.tensor(ids)
     packed = hop.from_embedding(torch.randn(len(ids), spec.hidden_size), ids_t)
-    assert packed.shape == (len(ids), spec.hop_width)
-    residual, back = hop.split(packed.to(dtype))
-    assert residual.shape == (len(ids), 4, spec.hidden_size) and torch.equal(back, ids_t)
+    assert packed.shape == (len(ids), spec.hop_width(0))
+    residual, back, per_layer = hop.split(packed.to(dtype))
+    assert residual.shape == (len(ids), 4, spec.hidden_size) and torch.equal(back, ids_t) and per_layer is None
     encoded, _ = encode_wire(packed, "bfloat16")  # a requester's compact wire form
     assert torch.equal(hop.split(decode_tensor(encoded))[1], ids_t)
     encoded, _ = encode_wire(packed, "fp8")  # rounds digits away: refused for such a model (below)
     assert hop.split(decode_tensor(encoded))[1].shape == ids_t.shape
+
+
+def test_one_hop_carries_streams_token_ids_and_the_per_layer_inputs_still_to_run():
+    """The hop is one notion (stages/layers/hop.py): V4-Flash's streams and digits with per-layer inputs
+    of 8 a layer added (no family has all three; the columns compose): the width into layer l drops by 8
+    a layer run, a stage's layers peel their inputs off the front, and split and join are inverse."""
+    flash = spec_from_config(FLASH)
+    spec = replace(flash, layers=tuple(replace(layer, per_layer_input=8) for layer in flash.layers),
+                   per_layer_vocab=flash.vocab_size)
+    base, n = 4 * 4096 + 3, spec.num_layers
+    assert [spec.hop_width(layer) for layer in (0, 1, n)] == [base + 8 * n, base + 8 * (n - 1), base]
+    hop, ids = Hop(spec), torch.tensor([5, 129_279, 0])
+    per_layer = torch.randn(3, 8 * n)
+    packed = hop.from_embedding(torch.randn(3, spec.hidden_size), ids, per_layer)
+    assert packed.shape == (3, spec.hop_width(0))
+    residual, back, inputs = hop.split(packed)
+    assert residual.shape == (3, 4, 4096) and torch.equal(back, ids) and torch.equal(inputs, per_layer)
+    after_one = hop.join(hop.split(packed)._replace(per_layer=inputs[:, 8:]))  # what layer 0 hands on
+    assert after_one.shape == (3, spec.hop_width(1)) and torch.equal(after_one[:, :base], packed[:, :base])
+    assert torch.equal(hop.join(hop.split(after_one)), after_one)
 
 
 def test_the_fp8_wire_form_is_refused_for_a_model_whose_hops_carry_token_ids(family_models):
