@@ -13,9 +13,10 @@ each span's output back too, off the critical path, into `RouteHistory`.
 
 A `RouteSession` is a `Segment` (peer/request/ports.py): on its own it carries a
 route of plain hops; inside a route with groups it carries one run of plain hops.
-Its repair patches it in place (`replace`): the failed hops' span is re-routed
-between their live neighbours, the replacements are rebuilt from the history, and
-the neighbours are relinked to them (the steps are in peer/request/repair.py).
+It reports the span its failed hops leave (`gap`: between their live neighbours)
+and patches itself onto the route the repair loop chose for it (`patch`): the
+replacements are rebuilt from the history and the neighbours relinked to them (the
+steps are in peer/request/repair.py, which decides everything else).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from tessera.peer.request.failures import error_failure, reported_failure
 from tessera.peer.request.history import RouteHistory
 from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.request.chain_state import AttestedStep, HopState, RequesterContext, StepSlot, peer_bytes
-from tessera.peer.request.ports import Replacement, Segment, SegmentRepair
+from tessera.peer.request.ports import Gap, Replacement, Segment
 from tessera.peer.base.protocols import SESSION_PROTOCOL
 from tessera.peer.net.transport import Channel
 
@@ -417,7 +418,7 @@ class RouteSession:
                 return state.peer
         return self.hops[-1].peer
 
-    # -- repair (the loop that calls these: ResilientSession.repair) -----------------
+    # -- what the repair loop (ResilientSession.repair) reads and asks for -------------
 
     def failed_run(self, is_out: Callable[[str], bool]) -> tuple[int, int] | None:
         failed = [i for i, h in enumerate(self.hops) if h.failure or is_out(h.peer)]
@@ -444,37 +445,42 @@ class RouteSession:
             upstream.failure, upstream.failed_as = "its taps stopped arriving", Failure.TIMED_OUT
         return PeerFailed(upstream.peer, upstream.failure, upstream.failed_as)
 
-    async def replace(self, i: int, j: int, position: int, repair: SegmentRepair, *,
-                      through_end: bool = False) -> Replacement:
-        """Re-route hops i..j (layers [a, b)) between their live neighbours, rebuild the
-        replacements' caches, relink the neighbours (peer/request/repair.py, steps 2-4)."""
+    def failures(self, i: int, j: int) -> list[PeerFailed]:
+        return [PeerFailed(h.peer, h.failure, h.failed_as) for h in self.hops[i : j + 1] if h.failure]
+
+    def gap(self, i: int, j: int) -> Gap:
+        """Hops i..j (layers [a, b)), between their live neighbours. The live peers of this
+        session stay out of the new route: a peer runs one hop of a session (its id is the
+        session's), so one already in the route cannot take another piece ("session ... is
+        already open here" failed simulated answers)."""
+        hops = self.hops
+        dead = hops[i : j + 1]
+        return Gap(
+            hops[i].hop.start, hops[j].hop.end,
+            source=hops[i - 1].peer if i > 0 else None, sink=hops[j + 1].peer if j + 1 < len(hops) else None,
+            exclude=tuple(h.peer for h in hops if h not in dead),
+            in_place=True, groups=False,  # replacements are chained peer to peer; groups need the requester
+            why="; ".join(f"{h.peer}: {h.failure}" for h in dead if h.failure) or "failed",
+        )
+
+    def inputs(self, position: int) -> torch.Tensor:
+        return self.history.at(self.span[0]).upto(position)
+
+    async def patch(self, i: int, j: int, route: Route, position: int, *, through_end: bool = False) -> Replacement:
+        """Open `route` in place of hops i..j (layers [a, b)), rebuild the replacements' caches,
+        relink the neighbours (peer/request/repair.py, steps 3-4)."""
         hops = self.hops
         a, b = hops[i].hop.start, hops[j].hop.end
         up = hops[i - 1] if i > 0 else None
         down = hops[j + 1] if j + 1 < len(hops) else None
         dead = hops[i : j + 1]
-        for state in dead:
-            if state.failure and not repair.swarm.is_banned(state.peer):
-                # failed with the one being repaired (two at once): avoided as its own failure says
-                repair.ban(state.peer, state.failure, failure=state.failed_as)
-        reasons = "; ".join(f"{h.peer}: {h.failure}" for h in dead if h.failure) or "failed"
-        # The dead are banned (or revoked), so routing passes them by unless one came back
-        # (peer/base/backoff.py). The live peers of this session stay out: a peer runs one hop
-        # of a session (its id is the session's), so one already in the route cannot take
-        # another piece ("session ... is already open here" failed simulated answers).
-        live = [h.peer for h in hops if h not in dead]
-        chosen = await repair.reroute(
-            a, b, source=up.peer if up else None, sink=down.peer if down else None, exclude=live,
-            groups=False,  # replacements are chained peer to peer; groups need the requester
-            why=reasons,
-        )
         # A peer coming back takes the span again as a replacement would, from the history;
         # its old session (still open on a stopped-then-resumed process) is closed first.
-        returning = [state for state in dead if state.peer in chosen.peer_ids]
+        returning = [state for state in dead if state.peer in route.peer_ids]
         for state in returning:
             await self.close_hop(state, "failed; reopened after its comeback")
         new, into, out = await self.open_hops(
-            list(chosen.hops), prev=up.peer if up else None, next_=down.peer if down else None
+            list(route.hops), prev=up.peer if up else None, next_=down.peer if down else None
         )
         replayed = None
         try:
@@ -491,7 +497,7 @@ class RouteSession:
                 stop = self.ctx.num_layers if through_end else b
                 out_rows = await self.run(
                     new[0], self.history.at(a).upto(position), 0, stop_layer=stop,
-                    hops=list(chosen.hops), tap_from=new[-1].peer if down is not None and not through_end else None,
+                    hops=list(route.hops), tap_from=new[-1].peer if down is not None and not through_end else None,
                 )
                 if through_end:
                     replayed = out_rows  # the clean hidden states of [0, position) at this chain's end

@@ -508,7 +508,8 @@ class Swarm:
         session = ResilientSession(self, max_length=capacity, route_wait=route_wait, policy=policy)
         await session.open()
         if spot_check is not None and spot_check.rate > 0:
-            session.checker = SpotChecker(self, session, spot_check)
+            session.checker = SpotChecker(self, spot_check, max_length=capacity,
+                                          admits=lambda peer: session.policy.admits(peer))
         self.active.add(session)
         eos = self.spec.eos_token_ids
         if prefill_chunk is None:

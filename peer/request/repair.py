@@ -1,28 +1,37 @@
-"""Keeping a generation alive while peers refuse, fail or vanish.
+"""Keeping a generation alive while peers refuse, fail or vanish: the one place that decides.
 
 `ResilientSession` wraps a route's session — a `RouteSession` for a route of plain
 hops, a `SegmentedSession` for one with tensor-shard groups; both are a `RouteRun`
-made of `Segment`s (peer/request/ports.py). Opening routes around peers that
-refuse (busy, draining). A step that fails — a reset stream (the peer's process
-died), an error message, or a deadline derived from the route's advertised
-speeds — is repaired by ONE loop (`repair`) and sent again:
+made of `Segment`s (peer/request/ports.py). It alone decides what happens after a
+failure: whom to ban and for how long, how long to wait for a route, which route
+replaces what, what is spliced in and what is replayed. The segments below it report
+(which hops failed, what each reported, the span left to route) and offer (open a
+route in place of hops, rebuild from the history they hold); the spot checker reports
+a conviction; nothing below calls back up.
+
+Opening routes around peers that refuse (busy, draining). A step that fails — a reset
+stream (the peer's process died), an error message, or a deadline derived from the
+route's advertised speeds — is repaired by ONE loop (`repair`) and sent again:
 
 1. The failed peer is avoided by this requester as its failure says (peer/base/backoff.py:
    a peer that dropped or timed out is banned, doubling per repeat across answers, but
    re-probed and used again if it comes back while the route is awaited; a refusal —
    busy, draining — is no failure: that peer is skipped for its retry-after, and another
    tried; a liar is banned for a day).
-2. Each segment is asked for its last run of failed hops (`failed_run`); only that
-   span [a, b) is re-routed. In a chain of plain hops (`RouteSession.replace`), over
-   one or several replacement peers with any cut points
-   (`route(start=a, end=b, source=upstream, sink=downstream)`); a group is re-routed
-   whole, between the requester's ends (`GroupSession.replace`, `replace_span`).
-3. The replacements are opened and linked among themselves; the downstream
-   neighbour accepts the new incoming link; the replacements are fed, in ONE
-   prefill-shaped step, the inputs of layer a for every position so far. The
-   requester holds them: it fed each segment's first layer itself, and every other
-   boundary from the taps (copies of each span's output). The replay stops at layer b
-   (`stop_layer`), so peers downstream — whose caches are intact — see nothing.
+2. Each segment is asked for its last run of failed hops (`failed_run`) and what they
+   reported (`failures`: each is banned as its own failure says), and for the span they
+   leave (`gap`) [a, b): in a chain of plain hops, between its live neighbours, to be
+   routed over one or several replacement peers with any cut points
+   (`route(start=a, end=b, source=upstream, sink=downstream)`); a group's whole span,
+   between the requester's ends. This loop routes it (`reroute`).
+3. A chain patches itself onto that route (`RouteSession.patch`): the replacements are
+   opened and linked among themselves; the downstream neighbour accepts the new incoming
+   link; the replacements are fed, in ONE prefill-shaped step, the inputs of layer a for
+   every position so far. The requester holds them: it fed each segment's first layer
+   itself, and every other boundary from the taps (copies of each span's output). The
+   replay stops at layer b (`stop_layer`), so peers downstream — whose caches are intact —
+   see nothing. A group is replaced by new segments built on the route and rebuilt from the
+   inputs it was sent (`rebuild`), then spliced in.
 4. The upstream neighbour is relinked to push to the first replacement.
 5. The failed step is sent again from its start position; every peer writes
    those positions afresh (a write at p is a rollback to p), so the answer is
@@ -44,7 +53,6 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import trio
@@ -58,8 +66,9 @@ from tessera.peer.request.policy import RequesterPolicy
 from tessera.peer.request.chain_state import StepSlot
 from tessera.peer.request.chain import route_summary
 from tessera.peer.plan.routing import Route
-from tessera.peer.request.ports import Replacement, RouteRun, Segment, StepChecker, SwarmPort
+from tessera.peer.request.ports import Gap, Replacement, RouteRun, Segment, SwarmPort
 from tessera.peer.request.segmented import build_segments, open_segments, run_through, session_for
+from tessera.peer.request.verify import Conviction, SpotChecker
 
 
 # Routes tried to open a session, and replacements tried in one repair, before giving up; a
@@ -115,7 +124,7 @@ class ResilientSession:
         # activations): the clean last-layer hidden states of the positions so far, so that
         # the generation loop can tell whether tokens it already gave out were affected
         self.rebuilt: torch.Tensor | None = None
-        self.checker: StepChecker | None = None  # spot checks (peer/request/verify.py), if asked for
+        self.checker: SpotChecker | None = None  # spot checks (peer/request/verify.py), if asked for
         self.deadline = math.inf  # trio time when the current open's or repair's wait for routes gives up
         self.avoided: Counter[str] = Counter()  # how often this answer avoided a peer, by Failure value
 
@@ -235,8 +244,19 @@ class ResilientSession:
                 failure = error
         self.confirmed = pending.start_pos + pending.hidden.shape[0]
         if self.checker is not None:
-            await self.checker.after_step(self.confirmed)
+            await self.convicted(await self.checker.after_step(self.current, self.confirmed))
         return output
+
+    async def convicted(self, conviction: Conviction | None) -> None:
+        """A spot check proved a peer returned wrong activations: avoid it for a day and, if it
+        computes a part of this answer, repair around it, replaying through to the end (every
+        cache after it was built from its wrong outputs); `rebuilt` then holds the clean states."""
+        if conviction is None:
+            return
+        failure = PeerFailed(conviction.peer, conviction.reason, Failure.LIED)
+        self.ban(failure.peer, failure.reason, failure=Failure.LIED)
+        if self.uses(conviction.peer):
+            await self.repair(failure, self.confirmed, through_end=True)
 
     async def cancel(self, pending: "Pending") -> None:
         if self.current is not None and pending.epoch == self.epoch and pending.step is not None:
@@ -283,8 +303,17 @@ class ResilientSession:
                 last = blamed
                 attempts += 1
                 continue
+            for reported in segment.failures(i, j):
+                if not self.swarm.is_banned(reported.peer):
+                    # failed with the one being repaired (two at once): avoided as its own failure says
+                    self.ban(reported.peer, reported.reason, failure=reported.failure)
+            gap = segment.gap(i, j)
             try:
-                replacement = await segment.replace(i, j, position, self, through_end=through_end)
+                chosen = await self.reroute(gap)
+                if gap.in_place:
+                    replacement = await segment.patch(i, j, chosen, position, through_end=through_end)
+                else:
+                    replacement = await self.rebuild(chosen, segment.inputs(position), position, through_end=through_end)
                 session.splice(segment, replacement)
                 if through_end and replacement.replayed is not None:
                     self.rebuilt = await session.replay_after(replacement.segments, replacement.replayed)
@@ -303,29 +332,29 @@ class ResilientSession:
             route=[[h.peer_id, h.start, h.end] for h in route.hops],
         ))
 
-    # -- what a segment's replacement uses of this loop (ports.SegmentRepair) ---------------
+    # -- the pieces of a repair ------------------------------------------------------------
 
-    async def reroute(self, start: int, end: int, *, source: str | None = None, sink: str | None = None,
-                      exclude: Sequence[str] = (), groups: bool = True, why: str = "failed") -> Route:
-        """A route for the lost span [start, end). Raises RouteLost (naming `why`) when none came in time."""
+    async def reroute(self, gap: Gap) -> Route:
+        """A route for what a segment's failed hops left (`gap`), waiting within the repair's
+        route wait. Raises RouteLost (naming what failed) when none came in time."""
         try:
             return await self.swarm.wait_for_route(
-                self.remaining(), start=start, end=end, source=source, sink=sink, exclude=exclude, groups=groups,
-                policy=self.policy,
+                self.remaining(), start=gap.start, end=gap.end, source=gap.source, sink=gap.sink,
+                exclude=gap.exclude, groups=gap.groups, policy=self.policy,
             )
         except NoRoute as lost:
             # mid-way, not at the start: the request failed in the swarm (HTTP 502), naming what is gone
             raise RouteLost(
-                f"lost layers [{start}, {end}) mid-way ({why}) and no other peer took them within "
-                f"{self.route_wait:g} s: {lost}", lost.missing or [(start, end)],
+                f"lost layers [{gap.start}, {gap.end}) mid-way ({gap.why}) and no other peer took them within "
+                f"{self.route_wait:g} s: {lost}", lost.missing or [(gap.start, gap.end)],
             ) from None
 
-    async def replace_span(self, start: int, end: int, inputs: torch.Tensor, position: int, *,
-                           through_end: bool = False) -> Replacement:
-        """New segments for [start, end) between the requester's ends (any mix of plain hops and
-        groups), opened and fed `inputs` (positions [0, position)) in one step each.
-        Raises SessionRefused or PeerFailed (nothing stays open), RouteLost."""
-        chosen = await self.reroute(start, end)
+    async def rebuild(self, chosen: Route, inputs: torch.Tensor, position: int, *,
+                      through_end: bool = False) -> Replacement:
+        """New segments on `chosen` (any mix of plain hops and groups, between the requester's
+        ends), opened and fed `inputs` (positions [0, position)) in one step each: what takes
+        the place of a segment that cannot patch itself (a group).
+        Raises SessionRefused or PeerFailed (nothing stays open)."""
         new = build_segments(self.swarm.ctx, chosen, max_length=self.max_length)
         await open_segments(new)
         replayed = None
@@ -345,7 +374,11 @@ class ResilientSession:
         (a peer caught now still leads to a repair, so the caller can tell whether tokens
         already given out were affected)."""
         if self.checker is not None and self.checker.policy.final_check:
-            await self.checker.final(self.confirmed)
+            for _ in range(MAX_REPAIRS_PER_STEP):  # each round convicts a peer, or ends
+                conviction = await self.checker.final(self.current, self.confirmed)
+                if conviction is None:
+                    break
+                await self.convicted(conviction)
 
     async def close(self) -> None:
         if self.checker is not None:
