@@ -105,6 +105,14 @@ class RequesterModel:
 
 
 @dataclass(frozen=True)
+class Rewind:
+    """In an answer (`Swarm.answer_ids`): only the first `kept` tokens given so far stand (the
+    rest were computed from a peer's wrong activations); the tokens that follow continue from them."""
+
+    kept: int
+
+
+@dataclass(frozen=True)
 class Piece:
     """One generated token and the text it completes ("" while a character is still partial)."""
 
@@ -558,6 +566,37 @@ class Swarm:
         finally:
             await gen.aclose()
 
+    async def answer_ids(
+        self, ids: Sequence[int], *, max_new_tokens: int = 128, info: dict | None = None, **options,
+    ) -> AsyncIterator[int | Rewind]:
+        """Token ids continuing `ids`, as `generate_ids` gives them, carrying on past a rewind:
+        when a peer is caught returning wrong activations after tokens were produced from them
+        (`AnswerRewound`), a `Rewind` says how many of the tokens given so far stand, and the
+        answer goes on from the last right one (a new session, regenerating from there). The one
+        loop every caller that shows an answer uses (`complete_ids`, `tessera generate`, the
+        HTTP gateway). `info` receives every session's routes and checks (`merge_infos`)."""
+        tokens: list[int] = []
+        attempts: list[dict] = []
+        try:
+            while True:
+                start = len(tokens)
+                attempts.append({})
+                gen = self.generate_ids([*ids, *tokens], max_new_tokens=max_new_tokens - len(tokens),
+                                        info=attempts[-1], **options)
+                try:
+                    async for token in gen:
+                        tokens.append(token)
+                        yield token
+                    return
+                except AnswerRewound as rewound:
+                    del tokens[start + rewound.valid :]
+                finally:
+                    await gen.aclose()
+                yield Rewind(len(tokens))
+        finally:
+            if info is not None:
+                info.update(merge_infos(attempts))
+
     async def complete_ids(
         self, ids: Sequence[int], *, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
         info: dict | None = None, **options,
@@ -565,21 +604,16 @@ class Swarm:
         """The whole continuation at once. If a peer is caught returning wrong activations
         after tokens were produced from them, regenerates from the last right token."""
         tokens: list[int] = []
-        attempts: list[dict] = []
+        answer = self.answer_ids(ids, max_new_tokens=max_new_tokens, sampling=sampling, info=info, **options)
         try:
-            while True:
-                start = len(tokens)
-                attempts.append({})
-                try:
-                    async for token in self.generate_ids([*ids, *tokens], max_new_tokens=max_new_tokens - len(tokens),
-                                                         sampling=sampling, info=attempts[-1], **options):
-                        tokens.append(token)
-                    return tokens
-                except AnswerRewound as rewound:
-                    del tokens[start + rewound.valid :]
+            async for item in answer:
+                if isinstance(item, Rewind):
+                    del tokens[item.kept :]
+                else:
+                    tokens.append(item)
         finally:
-            if info is not None:
-                info.update(merge_infos(attempts))
+            await answer.aclose()
+        return tokens
 
     async def complete(
         self, prompt: str, *, raw: bool = False, max_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
@@ -631,4 +665,4 @@ def merge_infos(attempts: list[dict]) -> dict:
     return merged
 
 
-__all__ = ["Swarm", "Piece", "route_summary"]
+__all__ = ["Swarm", "Piece", "Rewind", "route_summary"]
