@@ -198,6 +198,14 @@ class Admission:
                  if s is not spare and s.requester != asker and not s.closed and self.protected_until(s) <= now]
         return sorted(found, key=lambda s: s.last_active)
 
+    def held(self, now: float) -> int:
+        """Sessions a newcomer could not take the room of now: a step in flight, or protected by
+        their idle grace. What a peer advertises as its load (peer/serve/load.py): a session
+        held idle past its grace is room, since the open that needs it reclaims it, so idle
+        sessions never make a peer look busy (four identities holding eight idle sessions each
+        once made a peer advertise load 1.00 and routing passed it by, for good)."""
+        return sum(1 for s in self.host.sessions.values() if not s.closed and self.protected_until(s) > now)
+
     def opened(self, session: Admitted) -> None:
         """`session` was admitted: count it, and give its requester's grace (if it earned one)."""
         record = self.requester(session.requester)
