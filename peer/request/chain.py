@@ -35,13 +35,13 @@ from tessera.protocol.errors import WireError
 from tessera.protocol.tensors import decode_tensor, encode_wire
 from tessera.protocol.keys import EphemeralKey, public_key_from_peer_id
 from tessera.protocol.links import Direction, LinkCipher, seal_link_key
-from tessera.protocol.error_codes import NEXT_HOP_FAILED
+from tessera.protocol.error_codes import BUSY, NEXT_HOP_FAILED
 from tessera.protocol.messages import (
-    REPLY_FINGERPRINT, REPLY_FULL, Cancel, ErrorMsg, Forward, Relink, Result, SealedKey, SessionAccept, SessionClose,
-    SessionOpen, SessionRevoke,
+    REPLY_FINGERPRINT, REPLY_FULL, Cancel, ErrorMsg, Forward, LoadReport, QueueNotice, Relink, Result, SealedKey,
+    SessionAccept, SessionClose, SessionOpen, SessionRevoke,
 )
 
-from tessera.peer.base.backoff import Failure
+from tessera.peer.base.backoff import ROUTE_WAIT, Failure
 from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
 from tessera.peer.request.failures import error_failure, reported_failure
 from tessera.peer.request.history import RouteHistory
@@ -58,6 +58,15 @@ OPEN_TIMEOUT = 15.0
 # failover, a late alarm only a delay (see peer/request/repair.py).
 STEP_TIMEOUT_FACTOR = 10.0
 STEP_TIMEOUT_FLOOR = 5.0
+# A step's deadline counts from when the peers start it: a peer that queues it behind other
+# requesters' steps says so (QueueNotice: how long, and again when it starts; peer/serve/load.py),
+# and the deadline moves by that wait (times QUEUE_WAIT_SLACK: a peer's estimate comes from its
+# average step, and a queue of prefills runs longer than one of decodes), or to a full step's
+# time from the start it reports. Queueing is not failing. QUEUE_WAIT_CAP bounds what notices may
+# add, so a peer that keeps saying "queued" is a time-out all the same: two route waits, longer
+# than going elsewhere costs (a route wait at worst, and a replay).
+QUEUE_WAIT_SLACK = 2.0
+QUEUE_WAIT_CAP = 2 * ROUTE_WAIT
 CLOSE_TIMEOUT = 2.0
 REVOKED = "revoked by the requester"  # the failure a revoked hop carries into the repair
 # A live upstream peer's taps trail its pushes by one send; if they have not reached
@@ -234,11 +243,13 @@ class RouteSession:
             reply = await channel.receive()
         if isinstance(reply, ErrorMsg):
             await channel.close()
+            self.ctx.loads.report(hop.peer_id, reply.load)  # a refusal for lack of room says how full
             raise SessionRefused(hop.peer_id, reply.code, reply.message, retry_after=reply.retry_after)
         if not isinstance(reply, SessionAccept) or reply.session_id != self.session_id:
             await channel.reset()
             raise PeerFailed(hop.peer_id, f"answered SessionOpen with {type(reply).__name__}", Failure.BROKE)
-        state = HopState(hop, channel, **links)
+        self.ctx.loads.report(hop.peer_id, reply.load)
+        state = HopState(hop, channel, accepted=reply.load, **links)
         self.ctx.nursery.start_soon(self._read, state)
         return state
 
@@ -252,6 +263,8 @@ class RouteSession:
                     msg = await state.channel.receive()
                     if isinstance(msg, Result):
                         self._on_result(state, msg)
+                    elif isinstance(msg, QueueNotice):
+                        self._on_queued(state, msg)
                     elif isinstance(msg, ErrorMsg):
                         self._fail(state, f"{msg.code}: {msg.message}", code=msg.code)
                     elif isinstance(msg, SessionAccept):
@@ -262,6 +275,17 @@ class RouteSession:
             except (PeerError, WireError) as error:
                 if not self.closed:
                     self._fail(state, f"{type(error).__name__}: {error}", failure=error_failure(error))
+
+    def _on_queued(self, state: HopState, msg: QueueNotice) -> None:
+        """A peer says where a step of ours is in its queue: the step's deadline moves (`wait`),
+        and routing hears of the peer's wait."""
+        if msg.session_id != self.session_id:
+            raise WireError("a queue notice for another session")
+        if not msg.started:
+            self.ctx.loads.queued(state.peer, msg.wait)
+        slot = self.pending.get(msg.step)
+        if slot is not None:
+            slot.notice(state.peer, msg.started, msg.wait)
 
     def _on_result(self, state: HopState, msg: Result) -> None:
         """A tap or the chain's result: outputs go to the history (so the requester holds every
@@ -386,9 +410,7 @@ class RouteSession:
         """The end of a step sent with `send` (for a REPLY_FINGERPRINT step, the fingerprint
         bytes). Raises PeerFailed naming the peer that failed."""
         try:
-            with trio.move_on_after(self.step_timeout(n, hops)) as waited:
-                await slot.done.wait()
-            if waited.cancelled_caught:
+            if not await self._until_done(slot, self.step_timeout(n, hops)):
                 raise PeerFailed(self.suspect(start_pos + n), f"step {step} timed out", Failure.TIMED_OUT)
             if slot.error is not None:
                 raise slot.error
@@ -399,6 +421,28 @@ class RouteSession:
             return result  # type: ignore[return-value]
         finally:
             self.pending.pop(step, None)
+
+    @staticmethod
+    async def _until_done(slot: StepSlot, timeout: float) -> bool:
+        """Wait for the step's end; False when its deadline passed first. The deadline is
+        `timeout` from now, moved by what peers say of their queue (QUEUE_WAIT_SLACK) and
+        never past QUEUE_WAIT_CAP beyond it."""
+        now = trio.current_time()
+        deadline, cap = now + timeout, now + timeout + QUEUE_WAIT_CAP
+        while not slot.done.is_set():
+            with trio.move_on_at(deadline):
+                await slot.progress.wait()
+            if slot.done.is_set():
+                break
+            if not slot.notices:
+                return False  # the deadline passed
+            now = trio.current_time()
+            for _, started, wait in slot.notices:
+                until = now + timeout if started else now + QUEUE_WAIT_SLACK * wait + timeout
+                deadline = max(deadline, min(until, cap))
+            slot.notices.clear()
+            slot.progress = trio.Event()
+        return True
 
     async def cancel(self, step: int) -> None:
         """Tell every hop to drop `step` if it has not run yet (a speculative block that became invalid)."""
@@ -448,6 +492,9 @@ class RouteSession:
     def failures(self, i: int, j: int) -> list[PeerFailed]:
         return [PeerFailed(h.peer, h.failure, h.failed_as) for h in self.hops[i : j + 1] if h.failure]
 
+    def said(self) -> dict[str, LoadReport]:
+        return {h.peer: h.accepted for h in self.hops if h.accepted is not None}
+
     def gap(self, i: int, j: int) -> Gap:
         """Hops i..j (layers [a, b)), between their live neighbours. The live peers of this
         session stay out of the new route: a peer runs one hop of a session (its id is the
@@ -466,9 +513,12 @@ class RouteSession:
     def inputs(self, position: int) -> torch.Tensor:
         return self.history.at(self.span[0]).upto(position)
 
-    async def patch(self, i: int, j: int, route: Route, position: int, *, through_end: bool = False) -> Replacement:
+    async def patch(self, i: int, j: int, route: Route, position: int, *, through_end: bool = False,
+                    room: float | None = None) -> Replacement:
         """Open `route` in place of hops i..j (layers [a, b)), rebuild the replacements' caches,
-        relink the neighbours (peer/request/repair.py, steps 3-4)."""
+        relink the neighbours (peer/request/repair.py, steps 3-4). `room`: replay only on
+        replacements that said, as they accepted, that a step would wait at most this long;
+        else SessionRefused(busy) names the first that did not (all are closed again)."""
         hops = self.hops
         a, b = hops[i].hop.start, hops[j].hop.end
         up = hops[i - 1] if i > 0 else None
@@ -484,6 +534,8 @@ class RouteSession:
         )
         replayed = None
         try:
+            if room is not None and position > 0:
+                no_room({h.peer: h.accepted for h in new if h.accepted is not None}, room)
             if down is not None:
                 # first, so that the link stream the last replacement opened is accepted at once
                 await self.relink(down, Relink(
@@ -588,6 +640,15 @@ class RouteSession:
                 await state.channel.close()
             except PeerError:
                 pass  # the peer is gone already; its session dies with its stream
+
+
+def no_room(said: dict[str, LoadReport], room: float) -> None:
+    """Raise SessionRefused(busy) for the first peer whose accept (`said`: peer -> its report)
+    said a step would wait longer than `room` seconds (one that said nothing has room)."""
+    for peer, report in said.items():
+        if report.wait > room:
+            raise SessionRefused(peer, BUSY, f"a step would wait {report.wait:.1f} s in its queue (more than "
+                                 f"{room:g} s): no room to replay this session's history", retry_after=report.wait)
 
 
 def route_summary(route: Route) -> list[dict]:

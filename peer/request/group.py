@@ -32,7 +32,7 @@ from tessera.protocol.activations import open_activations, seal_activations
 from tessera.protocol.errors import WireError
 from tessera.protocol.keys import EphemeralKey, public_key_from_peer_id
 from tessera.protocol.links import Direction, LinkCipher, seal_link_key
-from tessera.protocol.messages import ErrorMsg, Forward, Result, SealedKey, SessionAccept, SessionClose
+from tessera.protocol.messages import ErrorMsg, LoadReport, Forward, Result, SealedKey, SessionAccept, SessionClose
 from tessera.protocol.shards import ShardOpen, ShardPeer
 from tessera.stages.shards.layout import HIDDEN, ROUNDS_PER_LAYER
 
@@ -145,6 +145,9 @@ class GroupSession:
     def failures(self, i: int, j: int) -> list[PeerFailed]:
         return [PeerFailed(r.peer, r.failure, r.failed_as) for r in self.ranks if r.failure]
 
+    def said(self) -> dict[str, LoadReport]:
+        return {}  # a rank's accept is not read for its load: a group is routed as one hop
+
     def gap(self, i: int, j: int) -> Gap:
         """The whole span, between the requester's ends, never one rank: the ranks' link keys
         were sealed for exactly these members and each rank's cache is a column slice of one
@@ -156,7 +159,8 @@ class GroupSession:
     def inputs(self, position: int) -> torch.Tensor:
         return self.inputs_sent.upto(position)
 
-    async def patch(self, i: int, j: int, route: Route, position: int, *, through_end: bool = False) -> Replacement:
+    async def patch(self, i: int, j: int, route: Route, position: int, *, through_end: bool = False,
+                    room: float | None = None) -> Replacement:
         raise ValueError("a tensor-shard group is never patched in place (GroupSession.gap)")
 
     async def revoke(self, peer: str) -> None:
@@ -248,6 +252,7 @@ class GroupSession:
             reply = await channel.receive()
         if isinstance(reply, ErrorMsg):
             await channel.close()
+            self.ctx.loads.report(peer, reply.load)
             raise SessionRefused(peer, reply.code, reply.message, retry_after=reply.retry_after)
         if not isinstance(reply, SessionAccept) or reply.session_id != self.session_id:
             await channel.reset()

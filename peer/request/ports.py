@@ -30,10 +30,12 @@ import torch
 
 from tessera.peer.base.backoff import Bans
 from tessera.protocol.attest import MisbehaviourReport
+from tessera.protocol.records import LoadReport
 from tessera.stages.families.spec import ModelSpec
 
 from tessera.peer.base.errors import PeerFailed
 from tessera.peer.net.gossip import ViewKeeper
+from tessera.peer.plan.cost import Spread
 from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.plan.view import SwarmView
 from tessera.peer.request.chain_state import AttestedStep, HopState, RequesterContext, StepSlot
@@ -64,6 +66,8 @@ class SwarmPort(Protocol):
     def view(self) -> SwarmView: ...
 
     def is_banned(self, peer: str) -> bool: ...
+
+    def draw(self) -> Spread: ...  # the next draw of the requester's seeded routing stream
 
     async def wait_for_route(self, timeout: float = ..., **plan_args) -> Route: ...
 
@@ -160,6 +164,11 @@ class Segment(Protocol):
         of whoever should have delivered them (marked failed here; the repair loop bans it)."""
         ...
 
+    def said(self) -> dict[str, LoadReport]:
+        """What its peers said of their load as they accepted (peer -> report; a peer that said
+        nothing is not in it)."""
+        ...
+
     def gap(self, i: int, j: int) -> Gap:
         """What replacing hops i..j needs routed (see `Gap`)."""
         ...
@@ -168,11 +177,14 @@ class Segment(Protocol):
         """The hidden states this segment was fed at its first layer, positions [0, position)."""
         ...
 
-    async def patch(self, i: int, j: int, route: Route, position: int, *, through_end: bool = False) -> Replacement:
+    async def patch(self, i: int, j: int, route: Route, position: int, *, through_end: bool = False,
+                    room: float | None = None) -> Replacement:
         """Put `route` (for `gap(i, j)`) in place of hops i..j: open it, relink the live
         neighbours, rebuild the replacements' caches from the inputs of positions [0, position).
-        `through_end`: the replay also runs on through this segment's later hops. Only for a
-        gap `in_place`. Raises SessionRefused or PeerFailed (what it opened is closed again)."""
+        `through_end`: the replay also runs on through this segment's later hops. `room`: replay
+        only on replacements that said a step would wait at most this long (else SessionRefused,
+        busy). Only for a gap `in_place`. Raises SessionRefused or PeerFailed (what it opened is
+        closed again)."""
         ...
 
     def checkable(self) -> Checkable | None:

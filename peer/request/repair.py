@@ -49,6 +49,7 @@ marked failed, and the next step repairs around it by the steps above.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import Counter
@@ -59,22 +60,51 @@ import trio
 
 from tessera.store import events
 
-from tessera.peer.base.backoff import Failure
+from tessera.peer.base.backoff import NO_STRIKE, Failure
 from tessera.peer.base.errors import NoRoute, PeerError, PeerFailed, RouteLost, SessionRefused
 from tessera.peer.request.failures import refusal_failure
 from tessera.peer.request.policy import RequesterPolicy
 from tessera.peer.request.chain_state import StepSlot
-from tessera.peer.request.chain import route_summary
+from tessera.peer.request.chain import STEP_TIMEOUT_FLOOR, no_room, route_summary
+from tessera.peer.plan.cost import Reported
 from tessera.peer.plan.routing import Route
 from tessera.peer.request.ports import Gap, Replacement, RouteRun, Segment, SwarmPort
 from tessera.peer.request.segmented import build_segments, open_segments, run_through, session_for
 from tessera.peer.request.verify import Conviction, SpotChecker
 
 
+log = logging.getLogger(__name__)
+
 # Routes tried to open a session, and replacements tried in one repair, before giving up; a
-# refusal (busy, draining) does not count: it bans no one, and the route wait bounds those.
+# refusal (busy, draining) or a leaving notice does not count: it bans no one, and the route
+# wait bounds those.
 MAX_OPEN_ATTEMPTS = 5
 MAX_REPAIRS_PER_STEP = 6  # a step is given up after this many repairs (each bans a peer)
+# An open whose peer says, as it accepts, that a step would wait longer than the route was
+# priced with by more than BOUNCE_WAIT is closed and routed again, now priced with what it said
+# (many requesters that heard nothing yet pick the same peer at once: the first answer each
+# gets is news). At most MAX_BOUNCES an open: then the route is taken as it is, queue and all.
+# BOUNCE_WAIT: a step's deadline floor (the slack every step has), as for REPLAY_ROOM below.
+BOUNCE_WAIT = STEP_TIMEOUT_FLOOR
+MAX_BOUNCES = 2
+# A failover replays its history only on replacements that said, as they accepted, that a step
+# would wait at most this long in their queue: the slack every step's deadline has (chain.py
+# STEP_TIMEOUT_FLOOR). A replacement deep in other requesters' work is busy for this purpose:
+# skipped for the wait it said, and another tried (a replay stuck in a queue stalls the answer,
+# and on a busy peer times out and adds a failover).
+REPLAY_ROOM = STEP_TIMEOUT_FLOOR
+
+
+def busier_than_priced(run: RouteRun, priced: dict[str, Reported]) -> tuple[str, float, float] | None:
+    """The first hop of `run` whose accept said a step would wait longer than `priced` (what
+    routing knew: peer -> Reported) by more than BOUNCE_WAIT: (peer, said, priced), or None."""
+    for segment in run.segments:
+        for peer, said in segment.said().items():
+            known = priced.get(peer)
+            was = known.wait_ms / 1000.0 if known is not None else 0.0
+            if said.wait > was + BOUNCE_WAIT:
+                return peer, said.wait, was
+    return None
 
 
 class Superseded(Exception):
@@ -126,6 +156,7 @@ class ResilientSession:
         self.rebuilt: torch.Tensor | None = None
         self.checker: SpotChecker | None = None  # spot checks (peer/request/verify.py), if asked for
         self.deadline = math.inf  # trio time when the current open's or repair's wait for routes gives up
+        self.paroled: set[str] = set()  # the only covers of a span paroled in the current wait
         self.avoided: Counter[str] = Counter()  # how often this answer avoided a peer, by Failure value
 
     @property
@@ -157,9 +188,12 @@ class ResilientSession:
         duration = self.swarm.bans.register(peer, self.swarm.clock(), failure, seconds=seconds,
                                             mark=info.issued_at if info is not None else 0.0)
         self.avoided[failure.value] += 1
-        if failure is Failure.REFUSED:
+        # why, in the peer's own words (its error code and message) where it gave them: `-v` and the trace
+        if failure in NO_STRIKE:
+            log.info("skipping peer %s for %g s (%s): %s", peer, duration, failure.value, reason)
             self.swarm.ctx.tracer.emit(events.Error(remote=peer, reason=f"{reason[:180]} (skipped {duration:g} s)"))
         else:
+            log.info("banning peer %s for %g s (%s): %s", peer, duration, failure.value, reason)
             self.swarm.ctx.tracer.emit(events.Ban(remote=peer, reason=reason[:200], seconds=duration,
                                                   failure=failure.value))
 
@@ -167,7 +201,7 @@ class ResilientSession:
         """Avoid the peer an open or a repair failed on, as its failure says; returns the kind."""
         if isinstance(error, SessionRefused):
             failure = refusal_failure(error.code)
-            self.ban(error.peer, f"refused: {error.code}", failure=failure, seconds=error.retry_after)
+            self.ban(error.peer, f"refused: {error.code}: {error.message}", failure=failure, seconds=error.retry_after)
         else:
             failure = error.failure
             self.ban(error.peer, error.reason, failure=failure)
@@ -177,23 +211,45 @@ class ResilientSession:
         """Seconds left to wait for routes in the current open or repair (ROUTE_WAIT in all)."""
         return max(0.0, self.deadline - trio.current_time())
 
+    def begin_wait(self) -> None:
+        """An open or a repair starts: one route wait for all of it, and one parole in it for the
+        only cover of a span (peer/base/backoff.py)."""
+        self.deadline = trio.current_time() + self.route_wait
+        self.paroled = set()
+
+    async def wait_for_route(self, **plan_args) -> Route:
+        """A route within the current wait: chosen by this answer's policy and a fresh draw of
+        the requester's seeded stream (routing's spread), the only cover of a span paroled once."""
+        return await self.swarm.wait_for_route(self.remaining(), policy=self.policy, spread=self.swarm.draw(),
+                                               paroled=self.paroled, **plan_args)
+
     # -- opening ----------------------------------------------------------------------
 
     async def open(self) -> None:
         """Open a session on a route, waiting up to the route wait for one; peers that refuse
         are skipped and others tried. Raises NoRoute."""
         last_error: Exception | None = None
-        failures = 0
-        self.deadline = trio.current_time() + self.route_wait
+        failures = bounces = 0
+        self.begin_wait()
         while failures < MAX_OPEN_ATTEMPTS:
-            chosen = await self.swarm.wait_for_route(self.remaining(), policy=self.policy)
+            priced = self.swarm.ctx.loads.reported()  # what routing knows of the peers' queues
+            chosen = await self.wait_for_route()
             # a route with tensor-shard group hops runs in segments (peer/request/segmented.py)
             session = session_for(self.swarm.ctx, chosen, max_length=self.max_length)
             try:
                 await session.open()
             except (SessionRefused, PeerFailed) as error:
-                failures += self.ban_for(error) is not Failure.REFUSED
+                failures += self.ban_for(error) not in NO_STRIKE
                 last_error = error
+                continue
+            busy = busier_than_priced(session, priced)
+            if busy is not None and bounces < MAX_BOUNCES and self.remaining() > 0:
+                # its accept said a queue the route was not priced with: what it said is priced
+                # now (peer/request/loads.py), so the next route weighs it; no one is avoided
+                bounces += 1
+                log.info("peer %s said a step would wait %.1f s (routed as %.1f s): routing again",
+                         busy[0], busy[1], busy[2])
+                self.swarm.ctx.nursery.start_soon(session.close, "routed again: a peer's queue was longer than priced")
                 continue
             self.current = session
             self.routes.append(chosen)
@@ -287,7 +343,7 @@ class ResilientSession:
         session = self.current
         assert session is not None
         started = time.perf_counter()
-        self.deadline = trio.current_time() + self.route_wait
+        self.begin_wait()
         self.ban(failure.peer, failure.reason, failure=failure.failure)
         replaced: list[str] = []
         last: PeerError = failure
@@ -311,14 +367,15 @@ class ResilientSession:
             try:
                 chosen = await self.reroute(gap)
                 if gap.in_place:
-                    replacement = await segment.patch(i, j, chosen, position, through_end=through_end)
+                    replacement = await segment.patch(i, j, chosen, position, through_end=through_end,
+                                                      room=REPLAY_ROOM)
                 else:
                     replacement = await self.rebuild(chosen, segment.inputs(position), position, through_end=through_end)
                 session.splice(segment, replacement)
                 if through_end and replacement.replayed is not None:
                     self.rebuilt = await session.replay_after(replacement.segments, replacement.replayed)
             except (SessionRefused, PeerFailed) as error:
-                attempts += self.ban_for(error) is not Failure.REFUSED
+                attempts += self.ban_for(error) not in NO_STRIKE
                 last = error
                 continue
             replaced += replacement.peers
@@ -338,10 +395,8 @@ class ResilientSession:
         """A route for what a segment's failed hops left (`gap`), waiting within the repair's
         route wait. Raises RouteLost (naming what failed) when none came in time."""
         try:
-            return await self.swarm.wait_for_route(
-                self.remaining(), start=gap.start, end=gap.end, source=gap.source, sink=gap.sink,
-                exclude=gap.exclude, groups=gap.groups, policy=self.policy,
-            )
+            return await self.wait_for_route(start=gap.start, end=gap.end, source=gap.source, sink=gap.sink,
+                                             exclude=gap.exclude, groups=gap.groups)
         except NoRoute as lost:
             # mid-way, not at the start: the request failed in the swarm (HTTP 502), naming what is gone
             raise RouteLost(
@@ -360,6 +415,8 @@ class ResilientSession:
         replayed = None
         try:
             if position > 0:
+                for segment in new:
+                    no_room(segment.said(), REPLAY_ROOM)
                 # one prefill-shaped step per new segment rebuilds its caches
                 out = await run_through(new, inputs, 0)
                 replayed = out if through_end else None
