@@ -346,6 +346,10 @@ class ResilientSession:
         self.begin_wait()
         self.ban(failure.peer, failure.reason, failure=failure.failure)
         replaced: list[str] = []
+        # room is asked of the replacements once a repair: a peer that said it had none is skipped
+        # for the wait it said and another tried; after that the route found is taken as it is
+        # (the only cover of a span, queue and all, is better than no answer)
+        room: float | None = REPLAY_ROOM
         last: PeerError = failure
         attempts = 0
         while (found := self.failed_segment()) is not None:
@@ -367,16 +371,17 @@ class ResilientSession:
             try:
                 chosen = await self.reroute(gap)
                 if gap.in_place:
-                    replacement = await segment.patch(i, j, chosen, position, through_end=through_end,
-                                                      room=REPLAY_ROOM)
+                    replacement = await segment.patch(i, j, chosen, position, through_end=through_end, room=room)
                 else:
-                    replacement = await self.rebuild(chosen, segment.inputs(position), position, through_end=through_end)
+                    replacement = await self.rebuild(chosen, segment.inputs(position), position,
+                                                     through_end=through_end, room=room)
                 session.splice(segment, replacement)
                 if through_end and replacement.replayed is not None:
                     self.rebuilt = await session.replay_after(replacement.segments, replacement.replayed)
             except (SessionRefused, PeerFailed) as error:
                 attempts += self.ban_for(error) not in NO_STRIKE
                 last = error
+                room = None
                 continue
             replaced += replacement.peers
         self.failovers += 1
@@ -405,10 +410,10 @@ class ResilientSession:
             ) from None
 
     async def rebuild(self, chosen: Route, inputs: torch.Tensor, position: int, *,
-                      through_end: bool = False) -> Replacement:
+                      through_end: bool = False, room: float | None = None) -> Replacement:
         """New segments on `chosen` (any mix of plain hops and groups, between the requester's
         ends), opened and fed `inputs` (positions [0, position)) in one step each: what takes
-        the place of a segment that cannot patch itself (a group).
+        the place of a segment that cannot patch itself (a group). `room`: as `Segment.patch`'s.
         Raises SessionRefused or PeerFailed (nothing stays open)."""
         new = build_segments(self.swarm.ctx, chosen, max_length=self.max_length)
         await open_segments(new)
@@ -416,7 +421,8 @@ class ResilientSession:
         try:
             if position > 0:
                 for segment in new:
-                    no_room(segment.said(), REPLAY_ROOM)
+                    if room is not None:
+                        no_room(segment.said(), room)
                 # one prefill-shaped step per new segment rebuilds its caches
                 out = await run_through(new, inputs, 0)
                 replayed = out if through_end else None

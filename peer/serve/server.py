@@ -141,10 +141,12 @@ class StageServer:
         sessions held idle past their grace are room, not load (admission.py `Admission.held`)."""
         return self.admission.held(self.admission.clock()) / max(self.limits.max_sessions, 1)
 
-    def load_report(self) -> LoadReport:
-        """How busy this peer is now, as its answers say it (peer/serve/load.py)."""
+    def load_report(self, *, to: ServedSession | None = None) -> LoadReport:
+        """How busy this peer is now, as its answers say it (peer/serve/load.py); `to`: the session
+        being accepted, whose own prompt is no wait for it."""
         queue = self.queue
-        pending = sum(1 for s in self.sessions.values() if not s.stepped and not s.inflight)  # prompts on their way
+        # prompts on their way: sessions admitted that have not sent their first step
+        pending = sum(1 for s in self.sessions.values() if not s.stepped and not s.inflight and s is not to)
         wait = queue.expected_wait(pending=pending)
         return LoadReport(sessions=self.admission.held(self.admission.clock()), max_sessions=self.limits.max_sessions,
                           waiting_opens=len(self.admission.waiting), steps_waiting=queue.steps_waiting(),
@@ -346,7 +348,7 @@ class StageServer:
                 ticket.release()  # admitted: no longer a stranger's stream
                 channel.on_frame = None
                 await session.connect_next(self)
-                await channel.send(SessionAccept(msg.session_id, msg.max_length, load=self.load_report()))
+                await channel.send(SessionAccept(msg.session_id, msg.max_length, load=self.load_report(to=session)))
             return session
         except Refused as refusal:
             code, message, retry_after = refusal.code, str(refusal), refusal.retry_after
