@@ -11,7 +11,7 @@ hears (`on_load`) and prices routes with between records.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import trio
 
@@ -63,13 +63,15 @@ class Pinger:
         if ticket.evicted:
             await stream.reset()
 
-    async def ping(self, peer_id: str) -> float | None:
-        """One probe; the RTT in ms (also folded into `rtt_ms`), or None if it failed."""
+    async def ping(self, peer_id: str, *, addrs: Sequence[str] = ()) -> float | None:
+        """One probe (dialling `addrs` if not connected); the RTT in ms (also folded into
+        `rtt_ms`), or None if it failed."""
         self._seq += 1
         seq = self._seq  # this probe's own: pings to several neighbours run at once
         try:
             with trio.fail_after(PING_TIMEOUT):
-                channel = Channel(await self.transport.open_stream(peer_id, PING_PROTOCOL), max_frame=HEARTBEAT_FRAME_LIMIT)
+                channel = Channel(await self.transport.open_stream(peer_id, PING_PROTOCOL, addrs=addrs),
+                                  max_frame=HEARTBEAT_FRAME_LIMIT)
                 sent = self.clock()
                 await channel.send(Heartbeat(seq, sent))
                 reply = await channel.receive()

@@ -321,6 +321,17 @@ class Swarm:
     def is_banned(self, peer: str) -> bool:
         return self.bans.is_banned(peer, self.clock())
 
+    async def ask_loads(self, peers: Sequence[str]) -> None:
+        """Ping `peers` at once (dialling those not connected): their echoes say their load,
+        which routing then prices (peer/request/loads.py). Groups' hop ids are not peers: skipped."""
+        async def one(peer: str) -> None:
+            await self.pinger.ping(peer, addrs=self.keeper.addrs(peer))
+
+        async with trio.open_nursery() as nursery:
+            for peer in peers:
+                if self.keeper.get(peer) is not None:
+                    nursery.start_soon(one, peer)
+
     def draw(self) -> Spread:
         """The next draw of this requester's seeded stream, for one routing decision."""
         return Spread(self.route_draws.getrandbits(64))

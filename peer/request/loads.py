@@ -23,6 +23,10 @@ from tessera.peer.plan.cost import Reported
 # requester's refreshes — what it said is history, and its record (re-signed when its load
 # crosses a band) is the better guess.
 REPORT_TTL = 30.0
+# A peer's word younger than this is fresh: an open does not ping it first (`LoadBook.stale`). A
+# requester pings the peers it is connected to every refresh (2 s: peer/request/client.py), so
+# a peer it uses is fresh; one it has not heard from lately is asked before its answer goes there.
+FRESH = 2.0
 # Waits are rounded to this (ms) before routing sees them, and loads to 1/LOAD_STEPS: routes
 # are memoised per view and what routing reads (peer/request/client.py `Swarm.plan`), and
 # differences this small never change a route worth having.
@@ -55,6 +59,11 @@ class LoadBook:
                 self.heard[peer] = (now, LoadReport(report.sessions, report.max_sessions, report.waiting_opens,
                                                     report.steps_waiting, wait))
 
+    def stale(self, peers: list[str] | tuple[str, ...]) -> list[str]:
+        """Those of `peers` not heard from in the last FRESH seconds."""
+        now = self.clock()
+        return [p for p in peers if p not in self.heard or now - self.heard[p][0] > FRESH]
+
     def reported(self) -> dict[str, Reported]:
         """What routing prices now, per peer whose word still holds (rounded: see WAIT_ROUNDING_MS)."""
         now = self.clock()
@@ -75,4 +84,4 @@ class LoadBook:
         return out
 
 
-__all__ = ["LoadBook", "REPORT_TTL"]
+__all__ = ["LoadBook", "REPORT_TTL", "FRESH"]

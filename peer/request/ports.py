@@ -24,7 +24,7 @@ The spot checker (peer/request/verify.py) reports a conviction; the session bans
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -68,6 +68,8 @@ class SwarmPort(Protocol):
     def is_banned(self, peer: str) -> bool: ...
 
     def draw(self) -> Spread: ...  # the next draw of the requester's seeded routing stream
+
+    async def ask_loads(self, peers: Sequence[str]) -> None: ...  # ping them: their echoes say their load
 
     async def wait_for_route(self, timeout: float = ..., **plan_args) -> Route: ...
 

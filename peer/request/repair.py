@@ -87,6 +87,11 @@ MAX_REPAIRS_PER_STEP = 6  # a step is given up after this many repairs (each ban
 # BOUNCE_WAIT: a step's deadline floor (the slack every step has), as for REPLAY_ROOM below.
 BOUNCE_WAIT = STEP_TIMEOUT_FLOOR
 MAX_BOUNCES = 2
+# Before an open, the peers of the route chosen whose word about their load is not fresh
+# (peer/request/loads.py FRESH) are pinged, and the route chosen again with what they said; at
+# most this many rounds (each costs a round trip; the second catches the peers a first re-route
+# brought in).
+MAX_LOAD_ASKS = 2
 # A failover replays its history only on replacements that said, as they accepted, that a step
 # would wait at most this long in their queue: the slack every step's deadline has (chain.py
 # STEP_TIMEOUT_FLOOR). A replacement deep in other requesters' work is busy for this purpose:
@@ -229,11 +234,17 @@ class ResilientSession:
         """Open a session on a route, waiting up to the route wait for one; peers that refuse
         are skipped and others tried. Raises NoRoute."""
         last_error: Exception | None = None
-        failures = bounces = 0
+        failures = bounces = asked = 0
         self.begin_wait()
         while failures < MAX_OPEN_ATTEMPTS:
             priced = self.swarm.ctx.loads.reported()  # what routing knows of the peers' queues
             chosen = await self.wait_for_route()
+            stale = self.swarm.ctx.loads.stale(chosen.peer_ids)
+            if stale and asked < MAX_LOAD_ASKS:
+                # a ping is cheaper than a session: hear how busy they are now, and route again
+                asked += 1
+                await self.swarm.ask_loads(stale)
+                continue
             # a route with tensor-shard group hops runs in segments (peer/request/segmented.py)
             session = session_for(self.swarm.ctx, chosen, max_length=self.max_length)
             try:

@@ -13,7 +13,8 @@ sessions it holds (identities cost a proof of work: peer/serve/admission.py). A 
 
 Where a step is in the queue. A step that must wait at least NOTICE_WAIT is told to its
 requester (`QueueNotice`: steps ahead, seconds), and so is the moment it starts (when the
-queue grants its turn; a batched step is told only its wait), so that a requester counts a
+queue grants its turn — also when a step waited that long without a notice, the queue having
+looked shorter; a batched step is told only its wait), so that a requester counts a
 step's deadline from its start: queueing behind other requesters is not this peer failing
 (peer/request/chain.py `RouteSession.wait`).
 

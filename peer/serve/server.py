@@ -547,8 +547,9 @@ class StageServer:
                     nonlocal told
                     told = await self._notice(session, QueueNotice(session.session_id, msg.step, False, ahead, wait))
 
-                async with self.queue.turn(session.requester, units, queued=queued):
-                    if told:  # its deadline counts from now (peer/request/chain.py)
+                async with self.queue.turn(session.requester, units, queued=queued) as turn:
+                    if told or self.queue.clock() - turn.entered >= NOTICE_WAIT:
+                        # it waited: its deadline counts from now (peer/request/chain.py)
                         await self._notice(session, QueueNotice(session.session_id, msg.step, True))
                     frames, seconds = await self.run_compute(lambda: session.compute(self, msg))
                 self.queue.measured(units, seconds)
