@@ -62,7 +62,7 @@ from tessera.peer.request.repair import AnswerRewound, ResilientSession
 from tessera.peer.request.policy import RequesterPolicy, check_peer_id, explain_gaps
 from tessera.peer.request.chain_state import RequesterContext
 from tessera.peer.request.chain import route_summary
-from tessera.peer.plan.cost import Spread
+from tessera.peer.plan.cost import SPREAD_WIDTH, Spread
 from tessera.peer.plan.routing import Route, route, why_no_route, why_not_preferred
 from tessera.peer.request.loads import LoadBook
 from tessera.peer.net.transport import Transport
@@ -148,6 +148,7 @@ class Swarm:
         spot_check: CheckPolicy | None = DEFAULT_SPOT_CHECKS,
         wire: str = "",
         route_seed: int | None = None,
+        spread: float = SPREAD_WIDTH,
     ) -> None:
         """`model`, or the one in `folder` (loaded here, its head compiled as `compile` says); `clock` dates the view's records,
         `ban_clock` the bans. `keeper`: a view fed from elsewhere (then `gossip=False`: a
@@ -156,7 +157,8 @@ class Swarm:
         default is off with a compact `wire`, and another policy with one is a ValueError).
         `wire`: the form activations cross the wire in (protocol/tensors.py WIRE_FORMS; "" exact,
         the default). `route_seed`: the seed of the stream routing's spread draws from (None: a
-        random one; it is traced with the join, so that a replay re-takes the same routes)."""
+        random one); `spread`: how widely routing spreads answers among chains of nearly the same
+        price (peer/plan/cost.py SPREAD_WIDTH; 0: always the cheapest chain, ties by peer id)."""
         if wire not in WIRE_FORMS:
             raise ValueError(f"activation wire form {wire!r} is not one of {list(WIRE_FORMS)}")
         self.folder = folder
@@ -193,6 +195,7 @@ class Swarm:
         # the stream routing's spread draws from, one draw per open or re-route (peer/plan/cost.py Spread)
         self.route_seed = route_seed if route_seed is not None else random.SystemRandom().getrandbits(64)
         self.route_draws = random.Random(self.route_seed)
+        self.spread = spread
         self.peer_id = transport.peer_id
         self.ctx.tracer.bind(self.peer_id)  # a TraceWriter made before this requester had an id
         self.clock: Callable[[], float] = ban_clock  # what `bans` measures time on
@@ -323,18 +326,18 @@ class Swarm:
 
     async def ask_loads(self, peers: Sequence[str]) -> None:
         """Ping `peers` at once (dialling those not connected): their echoes say their load,
-        which routing then prices (peer/request/loads.py). Groups' hop ids are not peers: skipped."""
+        which routing then prices (peer/request/loads.py)."""
         async def one(peer: str) -> None:
             await self.pinger.ping(peer, addrs=self.keeper.addrs(peer))
 
         async with trio.open_nursery() as nursery:
             for peer in peers:
-                if self.keeper.get(peer) is not None:
-                    nursery.start_soon(one, peer)
+                nursery.start_soon(one, peer)
 
-    def draw(self) -> Spread:
-        """The next draw of this requester's seeded stream, for one routing decision."""
-        return Spread(self.route_draws.getrandbits(64))
+    def draw(self) -> Spread | None:
+        """The next draw of this requester's seeded stream, for one routing decision (None: no spread)."""
+        salt = self.route_draws.getrandbits(64)
+        return Spread(salt, self.spread) if self.spread > 0 else None
 
     def _awaited_comebacks(self, *, start: int = 0, end: int | None = None, exclude: Sequence[str] = (),
                            policy: RequesterPolicy | None = None, **_: object) -> list[str]:

@@ -67,7 +67,7 @@ class SwarmPort(Protocol):
 
     def is_banned(self, peer: str) -> bool: ...
 
-    def draw(self) -> Spread: ...  # the next draw of the requester's seeded routing stream
+    def draw(self) -> Spread | None: ...  # the next draw of the requester's seeded routing stream
 
     async def ask_loads(self, peers: Sequence[str]) -> None: ...  # ping them: their echoes say their load
 

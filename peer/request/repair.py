@@ -239,7 +239,7 @@ class ResilientSession:
         while failures < MAX_OPEN_ATTEMPTS:
             priced = self.swarm.ctx.loads.reported()  # what routing knows of the peers' queues
             chosen = await self.wait_for_route()
-            stale = self.swarm.ctx.loads.stale(chosen.peer_ids)
+            stale = self.swarm.ctx.loads.stale([p for h in chosen.hops for p in (h.members or (h.peer_id,))])
             if stale and asked < MAX_LOAD_ASKS:
                 # a ping is cheaper than a session: hear how busy they are now, and route again
                 asked += 1

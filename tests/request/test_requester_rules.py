@@ -253,3 +253,18 @@ def test_nothing_below_the_repair_loop_calls_back_up() -> None:
     for user in (PEER / "cli" / "swarm_generate.py", PEER / "http" / "generation.py"):
         text = user.read_text()
         assert "answer_ids" in text and "AnswerRewound" not in text, user
+
+
+def test_the_gateway_waits_for_a_route_as_long_as_the_command_line() -> None:
+    """One constant (peer/base/backoff.py ROUTE_WAIT): the gateway's 10 s turned a sole peer's
+    restart (7-10 s to serve again) into a 502 that `tessera generate` rode out."""
+    from tessera.peer.base.backoff import ROUTE_WAIT
+    from tessera.peer.cli.main import build_parser
+    from tessera.peer.http.defaults import DEFAULT_ROUTE_WAIT
+    from tessera.peer.http.generation import Generation
+
+    assert DEFAULT_ROUTE_WAIT == ROUTE_WAIT == 30.0
+    assert Generation.__dataclass_fields__["route_wait"].default == ROUTE_WAIT
+    parser = build_parser()
+    assert parser.parse_args(["generate", "x", "--join", "/ip4/1.2.3.4/tcp/1/p2p/x"]).route_wait == ROUTE_WAIT
+    assert parser.parse_args(["serve", "--join", "/ip4/1.2.3.4/tcp/1/p2p/x"]).route_wait == ROUTE_WAIT
