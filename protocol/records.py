@@ -41,8 +41,9 @@ GOSSIP_FRAME_LIMIT = 6 * (1 << 20)
 above — 256 ranges of 64 versions, 256 wants, 256 records of 16 KiB, 256 departures — is
 6,060,351 bytes encoded, a GossipPush of 256 such records 4,228,117
 (tests/protocol/test_frame_limits.py builds both)."""
-HEARTBEAT_FRAME_LIMIT = 64
-"""Largest frame the ping protocol reads: a Heartbeat (an int64 and a float64) is at most 36 bytes encoded."""
+HEARTBEAT_FRAME_LIMIT = 160
+"""Largest frame the ping protocol reads: a Heartbeat (an int64 and a float64, and in an echo a
+LoadReport: four counts and a float64) is at most 126 bytes encoded."""
 MAX_RECORD_TTL = 2 * 86400.0
 """Seconds a record may claim to stay valid. Records live long (a day by default,
 peer/node/config.py): a peer re-signs when what it says changes, and a dead peer's record is

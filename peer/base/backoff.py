@@ -12,16 +12,13 @@ Why a peer failed decides how long it is avoided and whether it may come back so
                 not be dialled (a killed process)                 at most BAN_CAP           route exists
     TIMED_OUT   no answer within a step's deadline (a hung        BAN_BASE x 2^(k-1),       re-probed while no
                 or stopped process, a vanished machine)           at most BAN_CAP           route exists
-    REFUSED     it declined a session (busy, draining, no         its retry-after, else     when the skip ends
-                memory for it): not a failure                     REFUSED_SKIP; no strike
-    LEAVING     it said it is leaving (stopping, moving):         LEAVING_SKIP; no strike   when the skip ends
-                go elsewhere now, not a failure
+    REFUSED     it declined a session (busy, draining,            its retry-after, else     when the skip ends
+                leaving, no memory for it): not a failure         REFUSED_SKIP; no strike
 
 k counts the peer's strikes, kept from one answer to the next (however well it served in
-between): a peer that keeps failing is avoided longer. A refusal is a peer doing its job,
-and so is a leaving notice.
+between): a peer that keeps failing is avoided longer. A refusal is a peer doing its job.
 
-One parole for the only cover. A peer avoided for anything but a lie or a leaving notice that
+One parole for the only cover. A peer avoided for anything but a lie or a refusal that
 covers layers no usable peer covers (the only cover of a span) is probed while a route is
 awaited, no sooner than SOLE_PAROLE_AFTER after it failed, and paroled once in that wait if it
 answers — whatever its ban says: without it the wait ends in failure for sure (a replacement
@@ -57,8 +54,6 @@ The numbers, and why:
 - REFUSED_SKIP = 5 s: a peer that refused without saying when to retry is skipped this
   long (other peers are tried meanwhile); a retry-after it gives is used instead, up to
   ROUTE_WAIT.
-- LEAVING_SKIP = ROUTE_WAIT: a peer that said it is leaving is gone, or serves another
-  span, within a route wait (a drain's grace; its record says LEAVING meanwhile).
 - SOLE_PAROLE_AFTER = REFUSED_SKIP: the only cover of a span is given a few seconds before
   its one parole (a busy or briefly broken peer may have recovered), and no more: the route
   wait runs meanwhile.
@@ -85,7 +80,6 @@ class Failure(StrEnum):
     DROPPED = "dropped"
     TIMED_OUT = "timed-out"
     REFUSED = "refused"
-    LEAVING = "leaving"
 
 
 ROUTE_WAIT = 30.0
@@ -95,13 +89,10 @@ GUILTY_BAN = 24 * 3600.0
 PROBE_INTERVAL = 2.0
 PROBE_TIMEOUT = 2.0
 REFUSED_SKIP = 5.0
-LEAVING_SKIP = ROUTE_WAIT
 SOLE_PAROLE_AFTER = REFUSED_SKIP
 
 # The failures after which a peer may come back before its ban ends (it was gone, not wrong).
 COMEBACK = frozenset({Failure.DROPPED, Failure.TIMED_OUT})
-# The failures that leave no strike: the peer did its job (or said where it is going).
-NO_STRIKE = frozenset({Failure.REFUSED, Failure.LEAVING})
 # The failures after which the only cover of a span may have one parole in a route wait.
 SOLE_PAROLE = frozenset({Failure.BROKE, Failure.DROPPED, Failure.TIMED_OUT})
 
@@ -189,12 +180,9 @@ class Bans(Backoff):
         """Avoid `key` after `failure`; returns for how long. REFUSED: skipped for `seconds`
         (its retry-after, at most ROUTE_WAIT) or REFUSED_SKIP, with no strike; LIED: GUILTY_BAN;
         the others: the doubling ban (or `seconds`, when given)."""
-        if failure in NO_STRIKE:
-            if failure is Failure.LEAVING:
-                duration = LEAVING_SKIP
-            else:
-                duration = min(seconds, ROUTE_WAIT) if seconds is not None and seconds > 0 else REFUSED_SKIP
-            if not self.is_banned(key, now) or self.failure(key) in NO_STRIKE:
+        if failure is Failure.REFUSED:
+            duration = min(seconds, ROUTE_WAIT) if seconds is not None and seconds > 0 else REFUSED_SKIP
+            if not self.is_banned(key, now) or self.failure(key) is Failure.REFUSED:
                 self.why[key] = Avoided(failure, now, mark)  # a skip never hides a ban's reason
             self.ban_until(key, now + duration)
             return duration
@@ -261,5 +249,5 @@ class Bans(Backoff):
 
 
 __all__ = ["Failure", "Backoff", "Bans", "Avoided", "ROUTE_WAIT", "BAN_BASE", "BAN_CAP", "GUILTY_BAN",
-           "PROBE_INTERVAL", "PROBE_TIMEOUT", "REFUSED_SKIP", "LEAVING_SKIP", "SOLE_PAROLE_AFTER", "COMEBACK",
-           "NO_STRIKE", "SOLE_PAROLE"]
+           "PROBE_INTERVAL", "PROBE_TIMEOUT", "REFUSED_SKIP", "SOLE_PAROLE_AFTER", "COMEBACK",
+           "SOLE_PAROLE"]

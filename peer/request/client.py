@@ -455,8 +455,6 @@ class Swarm:
         failure = self.bans.failure(peer)
         if failure is Failure.REFUSED:
             return f"refused a session: skipped for {left:.0f} s more"
-        if failure is Failure.LEAVING:
-            return f"said it is leaving: skipped for {left:.0f} s more"
         return f"banned ({failure.value if failure else 'failed'}) for {left:.0f} s more"
 
     async def wait_for_route(self, timeout: float = DEFAULT_ROUTE_WAIT, *, paroled: set[str] | None = None,

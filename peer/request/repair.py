@@ -60,7 +60,7 @@ import trio
 
 from tessera.store import events
 
-from tessera.peer.base.backoff import NO_STRIKE, Failure
+from tessera.peer.base.backoff import Failure
 from tessera.peer.base.errors import NoRoute, PeerError, PeerFailed, RouteLost, SessionRefused
 from tessera.peer.request.failures import refusal_failure
 from tessera.peer.request.policy import RequesterPolicy
@@ -194,7 +194,7 @@ class ResilientSession:
                                             mark=info.issued_at if info is not None else 0.0)
         self.avoided[failure.value] += 1
         # why, in the peer's own words (its error code and message) where it gave them: `-v` and the trace
-        if failure in NO_STRIKE:
+        if failure is Failure.REFUSED:
             log.info("skipping peer %s for %g s (%s): %s", peer, duration, failure.value, reason)
             self.swarm.ctx.tracer.emit(events.Error(remote=peer, reason=f"{reason[:180]} (skipped {duration:g} s)"))
         else:
@@ -250,7 +250,7 @@ class ResilientSession:
             try:
                 await session.open()
             except (SessionRefused, PeerFailed) as error:
-                failures += self.ban_for(error) not in NO_STRIKE
+                failures += self.ban_for(error) is not Failure.REFUSED
                 last_error = error
                 continue
             busy = busier_than_priced(session, priced)
@@ -390,7 +390,7 @@ class ResilientSession:
                 if through_end and replacement.replayed is not None:
                     self.rebuilt = await session.replay_after(replacement.segments, replacement.replayed)
             except (SessionRefused, PeerFailed) as error:
-                attempts += self.ban_for(error) not in NO_STRIKE
+                attempts += self.ban_for(error) is not Failure.REFUSED
                 last = error
                 room = None
                 continue

@@ -18,7 +18,7 @@ import trio
 import trio.testing
 from libp2p.peer.id import ID
 
-from tessera.peer.base.backoff import BAN_BASE, LEAVING_SKIP, SOLE_PAROLE_AFTER, Bans, Failure
+from tessera.peer.base.backoff import BAN_BASE, REFUSED_SKIP, SOLE_PAROLE_AFTER, Bans, Failure
 from tessera.peer.base.errors import NoRoute, PeerFailed, SessionRefused
 from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
 from tessera.peer.net.memory_stream import LinkSpec
@@ -60,14 +60,14 @@ def test_a_reported_wait_drains_with_time_and_is_forgotten_after_its_ttl() -> No
 # -- bans: why, how long, and the one parole ------------------------------------------------------
 
 
-def test_a_leaving_peer_is_skipped_without_a_strike() -> None:
+def test_a_refusal_busy_or_leaving_is_a_skip_without_a_strike() -> None:
     bans = Bans()
-    assert refusal_failure(LEAVING) is Failure.LEAVING and reported_failure(LEAVING) is Failure.LEAVING
-    assert reported_failure(BUSY) is Failure.REFUSED and refusal_failure(BUSY) is Failure.REFUSED
-    assert bans.register("p", 0.0, Failure.LEAVING) == LEAVING_SKIP
+    for code in (BUSY, LEAVING):  # one kind: the peer did its job, and said so
+        assert refusal_failure(code) is Failure.REFUSED and reported_failure(code) is Failure.REFUSED
+    assert bans.register("p", 0.0, Failure.REFUSED) == REFUSED_SKIP
     assert bans.strikes("p") == 0 and bans.is_banned("p", 1.0)
     assert bans.register("q", 0.0, Failure.REFUSED, seconds=3.0) == 3.0 and bans.strikes("q") == 0
-    assert not bans.comeback_candidates(1.0, ["p"])  # not probed for a comeback: it said it is going
+    assert not bans.comeback_candidates(1.0, ["p"])  # not probed for a comeback: its skip says when
     assert not bans.sole_parole_due("p", 100.0) and not bans.parole("p", 1.0, sole=True)
 
 
