@@ -24,7 +24,7 @@ from tessera.peer.serve.load import NOTICE_WAIT, ComputeQueue
 from tessera.peer.serve.server import StageServer
 from tessera.protocol.error_codes import BUSY
 from tessera.protocol.keys import Identity
-from tessera.stages.engine.stage import Stage
+from tessera.stages.assembly.stage import load_stage
 
 from .test_admission import Requesters, inline, pid
 
@@ -126,7 +126,7 @@ async def test_load_travels_with_accepts_refusals_and_pings_and_idle_sessions_ar
     says how full (and when to come back), a ping's echo says it too; sessions held idle past
     their grace count as room in every report and in the record's load (four identities holding
     idle sessions once made a peer look busy to the very requester whose open would reclaim them)."""
-    stage = Stage.load(tiny_llama)
+    stage = load_stage(tiny_llama)
     network = MemoryNetwork(LinkSpec(latency=0.001, bandwidth=1e9))
     peer = Identity.from_seed(b"\x21" * 32)
     async with AsyncExitStack() as stack:
@@ -177,7 +177,7 @@ async def test_a_step_queued_behind_others_is_not_a_time_out(tiny_llama, autojum
     """A's long step holds the compute for 100 s; B's one-token step waits behind it, far past its
     own deadline (5 s + 10 x its estimate). The peer says where B's step is, and when it starts:
     B's deadline counts from the start, so B's answer comes, exactly, with no failure."""
-    stage = Stage.load(tiny_llama)
+    stage = load_stage(tiny_llama)
     spec = stage.spec
     network = MemoryNetwork(LinkSpec(latency=0.001, bandwidth=1e9))
     peer = Identity.from_seed(b"\x22" * 32)
@@ -208,7 +208,7 @@ async def test_a_step_queued_behind_others_is_not_a_time_out(tiny_llama, autojum
             began = trio.current_time()
             out = await b.step(inputs[61:62], 0)
             assert trio.current_time() - began > b.step_timeout(1)  # it waited longer than its own deadline
-    solo = Stage.load(tiny_llama)
+    solo = load_stage(tiny_llama)
     solo.open("ref", capacity=8)
     torch.testing.assert_close(out, solo.forward("ref", inputs[61:62], 0), rtol=0, atol=1e-5)
     assert b_ctx.loads.heard[pid(peer)][1].wait > 50  # and routing heard how long the queue was
