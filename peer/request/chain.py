@@ -46,7 +46,7 @@ from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
 from tessera.peer.request.failures import error_failure, reported_failure
 from tessera.peer.request.history import RouteHistory
 from tessera.peer.plan.routing import Hop, Route
-from tessera.peer.request.chain_state import AttestedStep, HopState, RequesterContext, StepSlot, peer_bytes
+from tessera.peer.request.chain_state import AttestedStep, HopState, RequesterContext, StepSlot, began_before, peer_bytes
 from tessera.peer.request.ports import Gap, Replacement, Segment
 from tessera.peer.base.protocols import SESSION_PROTOCOL
 from tessera.peer.net.transport import Channel
@@ -151,12 +151,13 @@ class RouteSession:
 
     # -- opening --------------------------------------------------------------------
 
-    async def open(self) -> None:
-        """Open every hop of the route at once. Raises SessionRefused or PeerFailed."""
+    async def open(self, *, began: float | None = None) -> None:
+        """Open every hop of the route at once. Raises SessionRefused or PeerFailed. `began`:
+        when (trio's clock) the answer this session carries began, traced with the open."""
         self.hops, _, _ = await self.open_hops(list(self.route.hops), prev=None, next_=None)
         self.ctx.tracer.emit(events.SessionOpen(session=self.session_id,
                                                 route=[[h.peer_id, h.start, h.end] for h in self.route.hops],
-                                                max_length=self.max_length))
+                                                max_length=self.max_length, began_before=began_before(began)))
 
     async def open_hops(
         self, hops: list[Hop], *, prev: str | None, next_: str | None

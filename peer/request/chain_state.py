@@ -78,6 +78,12 @@ class RequesterContext:
         return solve_work(self.identity.peer_id)
 
 
+def began_before(began: float | None) -> float | None:
+    """Seconds since `began` (trio's clock): how long before a session's traced open its answer
+    began (None: not said). A replay's request arrives then (peer/sim/replay.py)."""
+    return None if began is None else round(max(0.0, trio.current_time() - began), 6)
+
+
 def peer_bytes(peer_id: str) -> bytes:
     return peer_id_bytes(peer_id)
 

@@ -235,6 +235,7 @@ class ResilientSession:
         are skipped and others tried. Raises NoRoute."""
         last_error: Exception | None = None
         failures = bounces = asked = 0
+        began = trio.current_time()  # the answer's start, traced with the open that carries it
         self.begin_wait()
         while failures < MAX_OPEN_ATTEMPTS:
             priced = self.swarm.ctx.loads.reported()  # what routing knows of the peers' queues
@@ -248,7 +249,7 @@ class ResilientSession:
             # a route with tensor-shard group hops runs in segments (peer/request/segmented.py)
             session = session_for(self.swarm.ctx, chosen, max_length=self.max_length)
             try:
-                await session.open()
+                await session.open(began=began)
             except (SessionRefused, PeerFailed) as error:
                 failures += self.ban_for(error) is not Failure.REFUSED
                 last_error = error

@@ -194,7 +194,7 @@ async def test_an_open_gives_up_after_max_failed_routes_and_a_refusal_is_skipped
     class Attempt:
         segments = ()  # nothing said of any queue
 
-        async def open(self) -> None:
+        async def open(self, *, began=None) -> None:
             tried.append(len(tried))
             if outcomes[tried[-1]] is not None:
                 raise outcomes[tried[-1]]
