@@ -149,6 +149,7 @@ class Swarm:
         wire: str = "",
         route_seed: int | None = None,
         spread: float = SPREAD_WIDTH,
+        gossip_rng: random.Random | None = None,
     ) -> None:
         """`model`, or the one in `folder` (loaded here, its head compiled as `compile` says); `clock` dates the view's records,
         `ban_clock` the bans. `keeper`: a view fed from elsewhere (then `gossip=False`: a
@@ -158,7 +159,8 @@ class Swarm:
         `wire`: the form activations cross the wire in (protocol/tensors.py WIRE_FORMS; "" exact,
         the default). `route_seed`: the seed of the stream routing's spread draws from (None: a
         random one); `spread`: how widely routing spreads answers among chains of nearly the same
-        price (peer/plan/cost.py SPREAD_WIDTH; 0: always the cheapest chain, ties by peer id)."""
+        price (peer/plan/cost.py SPREAD_WIDTH; 0: always the cheapest chain, ties by peer id).
+        `gossip_rng`: what its gossip draws partners from (a simulation seeds it; None: a random one)."""
         if wire not in WIRE_FORMS:
             raise ValueError(f"activation wire form {wire!r} is not one of {list(WIRE_FORMS)}")
         self.folder = folder
@@ -183,7 +185,7 @@ class Swarm:
         self.transport = transport
         self.keeper = keeper or ViewKeeper(model_id=self.model_id, num_layers=self.spec.num_layers, clock=clock,
                                            accept_mixed=accept_mixed)
-        self.gossip = Gossip(transport, self.keeper) if gossip else None
+        self.gossip = Gossip(transport, self.keeper, rng=gossip_rng) if gossip else None
         self.refresh_interval = refresh_interval
         self.ctx = RequesterContext(
             transport=transport, identity=identity, keeper=self.keeper, nursery=nursery,

@@ -66,7 +66,7 @@ from tessera.peer.request.failures import refusal_failure
 from tessera.peer.request.policy import RequesterPolicy
 from tessera.peer.request.chain_state import StepSlot
 from tessera.peer.request.chain import STEP_TIMEOUT_FLOOR, no_room, route_summary
-from tessera.peer.plan.cost import Reported
+from tessera.peer.plan.cost import Reported, Spread
 from tessera.peer.plan.routing import Route
 from tessera.peer.request.ports import Gap, Replacement, RouteRun, Segment, SwarmPort
 from tessera.peer.request.segmented import build_segments, open_segments, run_through, session_for
@@ -162,6 +162,7 @@ class ResilientSession:
         self.checker: SpotChecker | None = None  # spot checks (peer/request/verify.py), if asked for
         self.deadline = math.inf  # trio time when the current open's or repair's wait for routes gives up
         self.paroled: set[str] = set()  # the only covers of a span paroled in the current wait
+        self.spread: Spread | None = None  # the current open's or repair's draw of routing's spread
         self.avoided: Counter[str] = Counter()  # how often this answer avoided a peer, by Failure value
 
     @property
@@ -217,15 +218,19 @@ class ResilientSession:
         return max(0.0, self.deadline - trio.current_time())
 
     def begin_wait(self) -> None:
-        """An open or a repair starts: one route wait for all of it, and one parole in it for the
-        only cover of a span (peer/base/backoff.py)."""
+        """An open or a repair starts: one route wait for all of it, one parole in it for the
+        only cover of a span (peer/base/backoff.py), and one draw of the requester's seeded stream
+        for routing's spread: every route it chooses (after a refusal, a load asked, a bounce)
+        uses that draw, so how many draws a run takes depends on its opens and repairs, not on
+        how often each re-routed (a replay, whose timings differ a little, draws alike)."""
         self.deadline = trio.current_time() + self.route_wait
         self.paroled = set()
+        self.spread = self.swarm.draw()
 
     async def wait_for_route(self, **plan_args) -> Route:
-        """A route within the current wait: chosen by this answer's policy and a fresh draw of
+        """A route within the current wait: chosen by this answer's policy and the wait's draw of
         the requester's seeded stream (routing's spread), the only cover of a span paroled once."""
-        return await self.swarm.wait_for_route(self.remaining(), policy=self.policy, spread=self.swarm.draw(),
+        return await self.swarm.wait_for_route(self.remaining(), policy=self.policy, spread=self.spread,
                                                paroled=self.paroled, **plan_args)
 
     # -- opening ----------------------------------------------------------------------
