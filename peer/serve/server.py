@@ -551,11 +551,8 @@ class StageServer:
                     if told or self.queue.clock() - turn.entered >= NOTICE_WAIT:
                         # it waited: its deadline counts from now (peer/request/chain.py)
                         await self._notice(session, QueueNotice(session.session_id, msg.step, True))
-                    began = self.queue.clock()
                     frames, seconds = await self.run_compute(lambda: session.compute(self, msg))
-                    # the compute held on the queue's clock (a simulation's MockClock: its cost model's
-                    # time; `seconds` is the stage's own wall time), so a replay's waits are the run's
-                    self.queue.measured(units, self.queue.clock() - began)
+                self.queue.measured(units, seconds)
                 batch = 1
         except (WireError, StageError, BatchInterrupted) as bad:
             code = BAD_FRAME if isinstance(bad, WireError) else COMPUTE_FAILED
@@ -644,10 +641,8 @@ class StageServer:
         """The batcher's compute: one stacked forward in a worker thread; per job (frames,
         seconds of the batch, batch size) or that job's own error. (One batch at a time: the
         batcher dispatches one.)"""
-        began = self.queue.clock()
         outcomes, seconds = await self.run_compute(lambda: compute_batch(self, jobs))
-        # measured on the queue's clock, as a lone step is (`_compute_step`)
-        self.queue.measured(sum(job[1].n_tokens * (job[0].end - job[0].start) for job in jobs), self.queue.clock() - began)
+        self.queue.measured(sum(job[1].n_tokens * (job[0].end - job[0].start) for job in jobs), seconds)
         return [o if isinstance(o, Exception) else (o, seconds, len(jobs)) for o in outcomes]
 
     async def _notice(self, session: ServedSession, notice: QueueNotice) -> bool:
