@@ -134,6 +134,12 @@ class Spread:
         u = (_mix(self.salt ^ _peer_key(peer_id)) + 0.5) / 2.0 ** 64  # uniform in (0, 1)
         return 1.0 + self.width * -math.log(u) / spare_share
 
+    def again(self, attempt: int) -> Spread:
+        """The draw for the `attempt`-th route chosen under this one (0: itself): a re-route after a
+        bounce must not meet the same near-equal peers' factors again, yet a replay that re-routes
+        as often draws alike (a pure function of the salt and the count, not of the stream)."""
+        return self if attempt == 0 else Spread(_mix(self.salt + attempt), self.width)
+
 
 _MASK64 = (1 << 64) - 1
 _peer_keys: dict[str, int] = {}

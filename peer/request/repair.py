@@ -163,6 +163,7 @@ class ResilientSession:
         self.deadline = math.inf  # trio time when the current open's or repair's wait for routes gives up
         self.paroled: set[str] = set()  # the only covers of a span paroled in the current wait
         self.spread: Spread | None = None  # the current open's or repair's draw of routing's spread
+        self.routes_chosen = 0  # routes chosen in the current open or repair (each its own turn of the draw)
         self.avoided: Counter[str] = Counter()  # how often this answer avoided a peer, by Failure value
 
     @property
@@ -220,17 +221,21 @@ class ResilientSession:
     def begin_wait(self) -> None:
         """An open or a repair starts: one route wait for all of it, one parole in it for the
         only cover of a span (peer/base/backoff.py), and one draw of the requester's seeded stream
-        for routing's spread: every route it chooses (after a refusal, a load asked, a bounce)
-        uses that draw, so how many draws a run takes depends on its opens and repairs, not on
-        how often each re-routed (a replay, whose timings differ a little, draws alike)."""
+        for routing's spread: the n-th route it chooses (after a refusal, a load asked, a bounce)
+        uses that draw's n-th turn (Spread.again), so how many draws a run takes from the stream
+        depends on its opens and repairs, not on how often each re-routed (a replay, whose timings
+        differ a little, draws alike), and a re-route does not meet the same factors again."""
         self.deadline = trio.current_time() + self.route_wait
         self.paroled = set()
         self.spread = self.swarm.draw()
+        self.routes_chosen = 0
 
     async def wait_for_route(self, **plan_args) -> Route:
-        """A route within the current wait: chosen by this answer's policy and the wait's draw of
-        the requester's seeded stream (routing's spread), the only cover of a span paroled once."""
-        return await self.swarm.wait_for_route(self.remaining(), policy=self.policy, spread=self.spread,
+        """A route within the current wait: chosen by this answer's policy and the next turn of the
+        wait's draw (routing's spread), the only cover of a span paroled once."""
+        spread = None if self.spread is None else self.spread.again(self.routes_chosen)
+        self.routes_chosen += 1
+        return await self.swarm.wait_for_route(self.remaining(), policy=self.policy, spread=spread,
                                                paroled=self.paroled, **plan_args)
 
     # -- opening ----------------------------------------------------------------------
