@@ -32,6 +32,7 @@ from tessera.protocol.records import (
     Departure,
     GossipPush,
     Heartbeat,
+    LoadReport,
     Neighbour,
     PeerRecord,
     RangeDigest,
@@ -54,8 +55,10 @@ __all__ = [
     "GossipPush",
     "Heartbeat",
     "LinkHello",
+    "LoadReport",
     "Neighbour",
     "PeerRecord",
+    "QueueNotice",
     "Relink",
     "Result",
     "SealedKey",
@@ -173,10 +176,12 @@ class SessionAccept:
     Attributes:
         session_id: the session.
         max_length: tokens the peer reserved, at most the requested max_length.
+        load: the peer's load as it admitted the session (None: not said; a relink's ack says nothing).
     """
 
     session_id: bytes = wire(size=SESSION_ID_SIZE)
     max_length: int = wire(min=1, max=MAX_POSITION)
+    load: LoadReport | None = None
 
 
 @message("close")
@@ -340,9 +345,36 @@ class ErrorMsg:
         session_id: the session concerned, if any.
         retry_after: for a refusal that passes ("busy"): the seconds after which the
             peer expects to have room for the asker; None: not said.
+        load: with a refusal for lack of room, how full the peer is (None: not said).
     """
 
     code: str = wire(max_len=64)
     message: str = wire(max_len=MAX_TEXT)
     session_id: bytes | None = wire(default=None, size=SESSION_ID_SIZE)
     retry_after: float | None = wire(default=None, min=0.0, max=MAX_RETRY_AFTER)
+    load: LoadReport | None = None
+
+
+@message("queued")
+@dataclass(frozen=True)
+class QueueNotice:
+    """Peer -> requester, on a session's stream: where one of its steps is in this peer's queue.
+
+    Sent when a step must wait behind others' before its compute starts (`started` False:
+    `ahead` steps before it, about `wait` seconds), and again when it starts (`started` True),
+    so that the requester counts the step's deadline from when the peer starts it: time spent
+    queued behind other requesters is not a failure of this peer.
+
+    Attributes:
+        session_id: the session.
+        step: the step concerned.
+        started: False: the step is queued; True: its compute starts now.
+        ahead: steps queued before it (0 once started).
+        wait: the peer's estimate of the seconds until it starts (0 once started).
+    """
+
+    session_id: bytes = wire(size=SESSION_ID_SIZE)
+    step: int = wire(max=INT64_MAX)
+    started: bool = wire(default=False)
+    ahead: int = wire(default=0, max=2**20)
+    wait: float = wire(default=0.0, min=0.0, max=MAX_RETRY_AFTER)

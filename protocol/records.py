@@ -41,8 +41,9 @@ GOSSIP_FRAME_LIMIT = 6 * (1 << 20)
 above — 256 ranges of 64 versions, 256 wants, 256 records of 16 KiB, 256 departures — is
 6,060,351 bytes encoded, a GossipPush of 256 such records 4,228,117
 (tests/protocol/test_frame_limits.py builds both)."""
-HEARTBEAT_FRAME_LIMIT = 64
-"""Largest frame the ping protocol reads: a Heartbeat (an int64 and a float64) is at most 36 bytes encoded."""
+HEARTBEAT_FRAME_LIMIT = 160
+"""Largest frame the ping protocol reads: a Heartbeat (an int64 and a float64, and in an echo a
+LoadReport: four counts and a float64) is at most 126 bytes encoded."""
 MAX_RECORD_TTL = 2 * 86400.0
 """Seconds a record may claim to stay valid. Records live long (a day by default,
 peer/node/config.py): a peer re-signs when what it says changes, and a dead peer's record is
@@ -184,6 +185,35 @@ class SignedRecord:
     signature: bytes = wire(size=64)
 
 
+MAX_LOAD_COUNT = 2**20
+MAX_LOAD_WAIT = 3600.0
+"""Seconds of queue a load report may name at most (a refusal's retry-after bound too)."""
+
+
+@message("load")
+@dataclass(frozen=True)
+class LoadReport:
+    """How busy a peer is, as it says with an answer that already flows (a ping's echo, a
+    session's accept, a refusal): what a requester prices a route with between records.
+
+    Attributes:
+        sessions: sessions open here that a new open could not take the room of now (a step
+            in flight, or within their idle grace): what is held idle and reclaimable is
+            room, not load.
+        max_sessions: the session slots it has.
+        waiting_opens: opens waiting here for a slot now.
+        steps_waiting: steps queued for compute now (the one computing included).
+        wait: seconds a step that arrived now would wait before its compute starts (the
+            peer's estimate from the work queued and its measured speed).
+    """
+
+    sessions: int = wire(max=MAX_LOAD_COUNT)
+    max_sessions: int = wire(max=MAX_LOAD_COUNT)
+    waiting_opens: int = wire(default=0, max=MAX_LOAD_COUNT)
+    steps_waiting: int = wire(default=0, max=MAX_LOAD_COUNT)
+    wait: float = wire(default=0.0, min=0.0, max=MAX_LOAD_WAIT)
+
+
 @message("hb")
 @dataclass(frozen=True)
 class Heartbeat:
@@ -192,10 +222,12 @@ class Heartbeat:
     Attributes:
         seq: the sender's heartbeat counter.
         sent_at: the sender's clock when it sent the probe (for RTT measurement).
+        load: in a reply, the answering peer's load now (a serving peer says it; None: not said).
     """
 
     seq: int = wire(max=INT64_MAX)
     sent_at: float = wire()
+    load: LoadReport | None = None
 
 
 @message("gossip")

@@ -159,6 +159,9 @@ class SessionOpen(TraceEvent):
     segments: int | None = None
     max_length: int | None = None
     via: str | None = None  # what carries the session stream here: "dedicated", "libp2p" (peer/net/transport.py)
+    # the requester: how long before this open its answer began (a route wait, peers pinged for
+    # their load first): a replay's request arrives then, not at the session's first event
+    began_before: float | None = None
     next_via: str | None = None  # and the serving peer's link to its next hop
 
 

@@ -12,11 +12,19 @@ Why a peer failed decides how long it is avoided and whether it may come back so
                 not be dialled (a killed process)                 at most BAN_CAP           route exists
     TIMED_OUT   no answer within a step's deadline (a hung        BAN_BASE x 2^(k-1),       re-probed while no
                 or stopped process, a vanished machine)           at most BAN_CAP           route exists
-    REFUSED     it declined a session (busy, draining, no         its retry-after, else     when the skip ends
-                memory for it): not a failure                     REFUSED_SKIP; no strike
+    REFUSED     it declined a session (busy, draining,            its retry-after, else     when the skip ends
+                leaving, no memory for it): not a failure         REFUSED_SKIP; no strike
 
 k counts the peer's strikes, kept from one answer to the next (however well it served in
 between): a peer that keeps failing is avoided longer. A refusal is a peer doing its job.
+
+One parole for the only cover. A peer avoided for anything but a lie or a refusal that
+covers layers no usable peer covers (the only cover of a span) is probed while a route is
+awaited, no sooner than SOLE_PAROLE_AFTER after it failed, and paroled once in that wait if it
+answers — whatever its ban says: without it the wait ends in failure for sure (a replacement
+banned BROKE for BAN_BASE = ROUTE_WAIT failed an answer with "banned (broke) for 0 s more").
+The caller (the requester's session: peer/request/repair.py) keeps which peers had their parole
+in the current wait.
 
 The numbers, and why:
 
@@ -46,6 +54,9 @@ The numbers, and why:
 - REFUSED_SKIP = 5 s: a peer that refused without saying when to retry is skipped this
   long (other peers are tried meanwhile); a retry-after it gives is used instead, up to
   ROUTE_WAIT.
+- SOLE_PAROLE_AFTER = REFUSED_SKIP: the only cover of a span is given a few seconds before
+  its one parole (a busy or briefly broken peer may have recovered), and no more: the route
+  wait runs meanwhile.
 
 `Bans` holds them, keyed by peer id. Pure: every call takes `now` (whatever clock the owner
 runs on: time.monotonic in a live requester, trio's MockClock in the simulator), so the same
@@ -78,9 +89,12 @@ GUILTY_BAN = 24 * 3600.0
 PROBE_INTERVAL = 2.0
 PROBE_TIMEOUT = 2.0
 REFUSED_SKIP = 5.0
+SOLE_PAROLE_AFTER = REFUSED_SKIP
 
 # The failures after which a peer may come back before its ban ends (it was gone, not wrong).
 COMEBACK = frozenset({Failure.DROPPED, Failure.TIMED_OUT})
+# The failures after which the only cover of a span may have one parole in a route wait.
+SOLE_PAROLE = frozenset({Failure.BROKE, Failure.DROPPED, Failure.TIMED_OUT})
 
 
 class Backoff:
@@ -205,14 +219,28 @@ class Bans(Backoff):
     def probed(self, key: str, now: float) -> None:
         self._probed[key] = now
 
-    def parole(self, key: str, now: float) -> bool:
-        """Lift the ban on `key` (a DROPPED or TIMED_OUT peer that answered a probe); its strikes
-        stay. False (nothing changes) for a peer banned for anything else."""
+    def parole(self, key: str, now: float, *, sole: bool = False) -> bool:
+        """Lift the ban on `key` (a DROPPED or TIMED_OUT peer that answered a probe; with `sole`,
+        the only cover of a span, banned for any of SOLE_PAROLE); its strikes stay. False
+        (nothing changes) for a peer banned for anything else."""
         avoided = self.why.get(key)
-        if avoided is None or avoided.failure not in COMEBACK:
+        if avoided is None or avoided.failure not in (SOLE_PAROLE if sole else COMEBACK):
             return False
         self.lift(key, now)
         return True
+
+    def sole_parole_due(self, key: str, now: float) -> bool:
+        """Whether `key`, if it is the only cover of a span, may have its parole now: banned for
+        one of SOLE_PAROLE at least SOLE_PAROLE_AFTER ago, and not probed in the last PROBE_INTERVAL."""
+        avoided = self.why.get(key)
+        return (avoided is not None and avoided.failure in SOLE_PAROLE and self.is_banned(key, now)
+                and now - avoided.since >= SOLE_PAROLE_AFTER
+                and now - self._probed.get(key, -PROBE_INTERVAL) >= PROBE_INTERVAL)
+
+    def sole_parole_at(self, key: str) -> float:
+        """When `key`'s sole-cover parole becomes due (its failure + SOLE_PAROLE_AFTER)."""
+        avoided = self.why.get(key)
+        return avoided.since + SOLE_PAROLE_AFTER if avoided is not None else 0.0
 
     def clear(self) -> None:
         super().clear()
@@ -221,4 +249,5 @@ class Bans(Backoff):
 
 
 __all__ = ["Failure", "Backoff", "Bans", "Avoided", "ROUTE_WAIT", "BAN_BASE", "BAN_CAP", "GUILTY_BAN",
-           "PROBE_INTERVAL", "PROBE_TIMEOUT", "REFUSED_SKIP", "COMEBACK"]
+           "PROBE_INTERVAL", "PROBE_TIMEOUT", "REFUSED_SKIP", "SOLE_PAROLE_AFTER", "COMEBACK",
+           "SOLE_PAROLE"]

@@ -37,6 +37,7 @@ class SessionRefused(PeerError):
         super().__init__(f"peer {peer} refused: {code}: {message}")
         self.peer = peer
         self.code = code
+        self.message = message
         self.retry_after = retry_after
 
 

@@ -12,6 +12,7 @@ import sys
 from tessera.stages.weights import registry
 from tessera.stages.errors import StageError
 
+from tessera.peer.base.backoff import ROUTE_WAIT
 from tessera.peer.cli.options import (
     UsageError, add_accept_mixed_option, add_compile_option, add_compute_options, add_dedicated_option, add_policy_options,
     add_record_trace_option, add_sampling_options, add_spot_check_option, apply_threads,
@@ -47,8 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true",
                    help="stream JSON lines: one {\"piece\", \"token\"} per token, then the whole answer "
                         "(text, tokens, timing, route) with \"done\": true")
-    p.add_argument("--route-wait", type=float, default=30.0, metavar="S",
-                   help="how long to wait for the (allowed) peers to cover every layer (default 30)")
+    p.add_argument("--route-wait", type=float, default=ROUTE_WAIT, metavar="S",
+                   help=f"how long to wait for the (allowed) peers to cover every layer (default {ROUTE_WAIT:g})")
     add_spot_check_option(p)
     add_record_trace_option(p)
     add_sampling_options(p)

@@ -24,8 +24,7 @@ from tessera.stages.assembly.stage import load_stage
 from tessera.stages.families.catalog import mtp_of, spec_from_file, tensors_of_layer
 from tessera.stages.weights.tensor_table import group_of
 
-from tessera.peer.request.client import Swarm, merge_infos
-from tessera.peer.request.repair import AnswerRewound
+from tessera.peer.request.client import Rewind, Swarm
 from tessera.peer.net.emulated import LinkEmulation
 from tessera.peer.base.errors import ConfigError
 from tessera.peer.request.decode import Speculation
@@ -88,36 +87,34 @@ async def _generate(args: argparse.Namespace, sampling: SamplingParams, folder, 
                                        len(ids) + args.max_tokens + 64)
         stream = TextStream(swarm.tokenizer)
         lines = JsonLines(swarm.tokenizer) if args.json else None  # --json: JSON lines as it streams
-        attempts: list[dict] = []
+        info: dict = {}
         tokens: list[int] = []
         started = time.perf_counter()
-        while True:
-            start = len(tokens)
-            attempts.append({})
-            try:
-                async for token in swarm.generate_ids([*ids, *tokens], max_new_tokens=args.max_tokens - len(tokens),
-                                                      sampling=sampling, speculation=speculation, info=attempts[-1],
-                                                      route_wait=args.route_wait):
-                    tokens.append(token)
+        answer = swarm.answer_ids(ids, max_new_tokens=args.max_tokens, sampling=sampling, speculation=speculation,
+                                  info=info, route_wait=args.route_wait)
+        try:
+            async for item in answer:
+                if isinstance(item, Rewind):
+                    # a spot check caught a peer after tokens computed from its activations were
+                    # printed: the answer goes on from the last right one, printed afresh below
+                    del tokens[item.kept :]
+                    print(f"\n[a peer was caught returning wrong activations: the answer after token {len(tokens)} "
+                          "is computed again]", file=sys.stderr, flush=True)
                     if lines is not None:
-                        lines.token(token)
+                        lines.rewind(tokens)
                     else:
-                        sys.stdout.write(stream.push(token))
+                        stream = TextStream(swarm.tokenizer)
+                        sys.stdout.write("\n" + "".join(stream.push(t) for t in tokens))
                         sys.stdout.flush()
-                break
-            except AnswerRewound as rewound:
-                # a spot check caught a peer after tokens computed from its activations were
-                # printed: the answer goes on from the last right one, printed afresh below
-                del tokens[start + rewound.valid :]
-                print(f"\n[a peer was caught returning wrong activations: the answer after token {len(tokens)} "
-                      "is computed again]", file=sys.stderr, flush=True)
+                    continue
+                tokens.append(item)
                 if lines is not None:
-                    lines.rewind(tokens)
+                    lines.token(item)
                 else:
-                    stream = TextStream(swarm.tokenizer)
-                    sys.stdout.write("\n" + "".join(stream.push(t) for t in tokens))
+                    sys.stdout.write(stream.push(item))
                     sys.stdout.flush()
-        info = merge_infos(attempts)
+        finally:
+            await answer.aclose()
         seconds = time.perf_counter() - started
         if not args.json:
             sys.stdout.write(stream.flush() + "\n")

@@ -1,7 +1,10 @@
 """One HTTP request's answer: tokens from the swarm turned into text, stop strings applied.
 
-`Generation` drives one swarm session (`Swarm.generate_ids`) a token at a time
-and hands back text deltas. Stop strings are matched on the text, not on
+`Generation` drives one answer (`Swarm.answer_ids`) a token at a time and hands
+back text deltas. An answer rewound after a peer was caught returning wrong
+activations goes on from the last right token: the whole text (`text()`) is the
+corrected one; a stream, which cannot take back what it sent, goes on with a
+newline and the corrected text so far (as `tessera generate` prints it). Stop strings are matched on the text, not on
 tokens: a stop string may span several tokens, and a token may hold a stop
 string's start, so the tail of the text that could still become a stop string
 is held back until the next token settles it (`StopMatcher`). When a stop
@@ -25,8 +28,10 @@ from tessera.stages.decoding.constrained import JsonConstraint
 from tessera.stages.decoding.sampling import SamplingParams
 from tessera.stages.text.tokenizer import TextStream
 
+from tessera.peer.http.defaults import DEFAULT_ROUTE_WAIT
+
 if TYPE_CHECKING:
-    from tessera.peer.request.client import Swarm
+    from tessera.peer.request.client import Rewind, Swarm
     from tessera.peer.request.policy import RequesterPolicy
 
 STOP = "stop"  # finish_reason: end-of-sequence token or a stop string
@@ -87,7 +92,7 @@ class Generation:
     max_tokens: int
     sampling: SamplingParams
     stop: Sequence[str] = ()
-    route_wait: float = 10.0
+    route_wait: float = DEFAULT_ROUTE_WAIT
     completion_tokens: int = 0
     finish_reason: str | None = None
     info: dict = field(default_factory=dict)
@@ -95,14 +100,17 @@ class Generation:
     policy: "RequesterPolicy | None" = None  # who may compute it, within the gateway's own policy
 
     def __post_init__(self) -> None:
-        self._tokens: AsyncIterator[int] = self.swarm.generate_ids(
+        self._tokens: AsyncIterator["int | Rewind"] = self.swarm.answer_ids(
             self.ids, max_new_tokens=self.max_tokens, sampling=self.sampling, route_wait=self.route_wait,
             info=self.info, constraint=self.constraint, policy=self.policy,
         )
         self._text = TextStream(self.swarm.tokenizer)
         self._stops = StopMatcher(self.stop)
         self.stop_sequence: str | None = None  # the stop string that ended the answer (Anthropic reports it)
-        self._next: int | None = None
+        self._next: "int | Rewind | None" = None
+        self._given: list[int] = []  # the answer's tokens so far
+        self.emitted = ""  # the text handed out so far, as it stands (a rewind resets it)
+        self.rewinds = 0
         self._closed = False
 
     @property
@@ -124,9 +132,15 @@ class Generation:
         if self.finish_reason is not None:
             return None
         assert self._next is not None, "start() first"
-        token, self._next = self._next, None
+        item, self._next = self._next, None
+        if not isinstance(item, int):  # a Rewind
+            self._next = await self._tokens.__anext__()
+            return self._rewind(item.kept)
+        token = item
+        self._given.append(token)
         self.completion_tokens += 1
         delta, stopped = self._stops.push(self._text.push(token))
+        self.emitted += delta
         if stopped:
             self.stop_sequence = self._stops.matched
             return await self._finish(STOP, delta)
@@ -137,11 +151,23 @@ class Generation:
         self._next = await self._tokens.__anext__()
         return delta
 
+    def _rewind(self, kept: int) -> str:
+        """Only the first `kept` tokens stand: the text is rebuilt from them (held-back text
+        held back again), and what a stream is handed is a newline and that text."""
+        self.rewinds += 1
+        del self._given[kept:]
+        self.completion_tokens = kept
+        self._text, self._stops = TextStream(self.swarm.tokenizer), StopMatcher(self.stop)
+        self.emitted = "".join(self._stops.push(self._text.push(t))[0] for t in self._given)
+        return "\n" + self.emitted
+
     def _tail(self) -> str:
         delta, stopped = self._stops.push(self._text.flush())
         if stopped:
             self.stop_sequence = self._stops.matched
-        return delta if stopped else delta + self._stops.flush()
+        tail = delta if stopped else delta + self._stops.flush()
+        self.emitted += tail
+        return tail
 
     async def _finish(self, reason: str, delta: str) -> str:
         self.finish_reason = reason
@@ -149,12 +175,12 @@ class Generation:
         return delta
 
     async def text(self) -> str:
-        """The whole answer (for a non-streaming response)."""
+        """The whole answer (for a non-streaming response): after a rewind, the corrected one."""
         await self.start()
         parts = []
         while (delta := await self.step()) is not None:
             parts.append(delta)
-        return "".join(parts)
+        return self.emitted
 
     async def close(self) -> None:
         """End the swarm session (now, if the answer is not over). Safe to call twice."""

@@ -4,18 +4,21 @@ Records carry the RTTs to a peer's neighbours (routing prices links with them); 
 TUI shows them. Only connected peers are probed, so the work is bounded by a peer's
 connections (peer/net/membership.py), not by the swarm. A failed probe is also the
 quickest sign that a neighbour vanished: `on_failure` hands it to gossip's membership.
+A serving peer's echo carries its load (`load`: peer/serve/load.py), which a requester
+hears (`on_load`) and prices routes with between records.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import replace
+from typing import Callable, Sequence
 
 import trio
 
 from tessera.store import events
 from tessera.store.trace import NullTracer, Tracer
 from tessera.protocol.errors import WireError
-from tessera.protocol.records import HEARTBEAT_FRAME_LIMIT, Heartbeat
+from tessera.protocol.records import HEARTBEAT_FRAME_LIMIT, Heartbeat, LoadReport
 
 from tessera.peer.base.errors import PeerError
 from tessera.peer.base.protocols import PING_PROTOCOL
@@ -29,10 +32,14 @@ class Pinger:
     """Measures RTTs to neighbours (moving average), and answers their probes."""
 
     def __init__(self, transport: Transport, *, clock: Callable[[], float] = trio.current_time,
-                 on_failure: Callable[[str], None] = lambda peer_id: None, tracer: Tracer | None = None) -> None:
+                 on_failure: Callable[[str], None] = lambda peer_id: None, tracer: Tracer | None = None,
+                 load: Callable[[], LoadReport | None] = lambda: None,
+                 on_load: Callable[[str, LoadReport | None], None] = lambda peer_id, load: None) -> None:
         self.transport = transport
         self.clock = clock
         self.on_failure = on_failure  # told of a peer whose probe failed (gossip's membership looks closer)
+        self.load = load  # what this node's echoes say of its load (None: nothing)
+        self.on_load = on_load  # told what a probed peer's echo said of its load
         self.tracer = tracer or NullTracer()  # every measured round trip is traced: a replay's links
         self.rtt_ms: dict[str, float] = {}
         self._seq = 0
@@ -50,19 +57,21 @@ class Pinger:
                     while (probe := await channel.receive_or_none()) is not None:
                         if not isinstance(probe, Heartbeat):
                             raise WireError(f"expected Heartbeat, got {type(probe).__name__}")
-                        await channel.send(probe)
+                        await channel.send(replace(probe, load=self.load()))
             except (trio.TooSlowError, PeerError, WireError):
                 await channel.reset()
         if ticket.evicted:
             await stream.reset()
 
-    async def ping(self, peer_id: str) -> float | None:
-        """One probe; the RTT in ms (also folded into `rtt_ms`), or None if it failed."""
+    async def ping(self, peer_id: str, *, addrs: Sequence[str] = ()) -> float | None:
+        """One probe (dialling `addrs` if not connected); the RTT in ms (also folded into
+        `rtt_ms`), or None if it failed."""
         self._seq += 1
         seq = self._seq  # this probe's own: pings to several neighbours run at once
         try:
             with trio.fail_after(PING_TIMEOUT):
-                channel = Channel(await self.transport.open_stream(peer_id, PING_PROTOCOL), max_frame=HEARTBEAT_FRAME_LIMIT)
+                channel = Channel(await self.transport.open_stream(peer_id, PING_PROTOCOL, addrs=addrs),
+                                  max_frame=HEARTBEAT_FRAME_LIMIT)
                 sent = self.clock()
                 await channel.send(Heartbeat(seq, sent))
                 reply = await channel.receive()
@@ -78,6 +87,7 @@ class Pinger:
             return None
         old = self.rtt_ms.get(peer_id)
         self.rtt_ms[peer_id] = rtt if old is None else (1 - RTT_SMOOTHING) * old + RTT_SMOOTHING * rtt
+        self.on_load(peer_id, reply.load)
         self.tracer.emit(events.Rtt(remote=peer_id, duration=rtt / 1000.0))
         return rtt
 

@@ -42,6 +42,7 @@ from tessera.peer.base.ids import peer_id_bytes
 from tessera.peer.base.errors import ConfigError
 from tessera.peer.net.addresses import describe_addrs
 from tessera.peer.net.gossip import Gossip, material
+from tessera.peer.plan.cost import load_band, load_resign_interval
 from tessera.peer.net.pinger import Pinger
 from tessera.peer.node.config import (
     KV_RESERVE_FRACTION, LEAVE_RECORD_TTL, RENEW_AFTER, PeerConfig, capacity_in_layers,
@@ -184,8 +185,9 @@ class PeerNode:
         return known.record if known is not None and own is not None and known.signed.signature == own.signature else None
 
     async def advertise(self, *, wait: bool = False, force: bool = False) -> None:
-        """Re-sign our record if what placement and routing read changed (`material`), half its
-        lifetime is gone, or `force`, and push it to our neighbours at once (the periodic
+        """Re-sign our record if what placement and routing read changed (`material`), its load
+        crossed a band (bounded: peer/plan/cost.py `load_resign_interval`), half its lifetime is
+        gone, or `force`, and push it to our neighbours at once (the periodic
         exchanges take it further). Checked every advertise period.
 
         The announcement runs in the background unless `wait` (leaving: tell the swarm before
@@ -197,7 +199,11 @@ class PeerNode:
             return
         now = self.clock()
         before = self._own_record
-        changed = before is None or material(before) != material(self._record(now, self.seq))
+        fresh = self._record(now, self.seq)
+        changed = before is None or material(before) != material(fresh)
+        if not changed and before is not None and load_band(before.load) != load_band(fresh.load):
+            # a new load band, at most once per interval that keeps the swarm's re-signing bounded
+            changed = now - before.issued_at >= load_resign_interval(len(self.keeper.snapshot().peers))
         if not (changed or force or self._renewal_due(now)):
             return
         signed = self.make_record()
@@ -255,7 +261,8 @@ class PeerNode:
                                      refute=self._refute, on_connect=self._connected, protected=self._protected)
             # a neighbour that stops answering pings is looked at by membership (it may have vanished)
             self.pinger = Pinger(transport, on_failure=self.gossip.suspect if self.gossip is not None else _ignore,
-                                 tracer=self.tracer)
+                                 tracer=self.tracer,  # its echoes say its load (peer/serve/load.py)
+                                 load=lambda: self.server.load_report() if self.server is not None else None)
             if parts.weights is not None:
                 parts.weights.serve(transport)
             for line in describe_addrs(transport.addrs()):  # "listening on ADDR (LAN: ...)", best first

@@ -1,8 +1,9 @@
 """Routing: which chain of peers carries a request through layers [start, end).
 
-A pure function of a `SwarmView` snapshot: no I/O, no clock, no randomness. Peers
-are read in peer-id order and ties are broken by peer id, so the same view gives the
-same chain however it was assembled.
+A pure function of a `SwarmView` snapshot and what the requester adds to it (its own
+sessions, the loads peers reported to it, and a `Spread`'s salt): no I/O, no clock, and no
+randomness but the salt it is given. Peers are read in peer-id order and ties are broken
+by peer id, so the same inputs give the same chain however they were assembled.
 
 The cost of a chain (milliseconds of one decode step through it)
 ----------------------------------------------------------------
@@ -13,7 +14,15 @@ For each hop, peer p running n layers, entered from node ``prev``::
 where ``prev`` is ``source`` for the first hop; plus ``rtt(last, sink)`` at the end
 (``sink`` defaults to ``source``: the last peer answers the requester, a ring);
 ``own(p)`` is OWN_SESSION_PENALTY per session the requester already runs on p (none
-unless it says: `route`'s ``own_sessions``).
+unless it says: `route`'s ``own_sessions``). A peer that reported its load to the
+requester (`route`'s ``reported``, cost.py `Reported`) is priced at the higher of its
+advertised and reported load, and the wait it reported is added, spread over its span
+(``+ wait_ms * n / span``: a hop that runs the whole span pays the whole wait).
+
+Spread (`route`'s ``spread``): among chains of nearly the same price the requester
+chooses at random, each peer weighted by its spare capacity — every price per layer is
+multiplied by a seeded draw (cost.py `Spread`, SPREAD_WIDTH says why it does not herd) —
+so that requesters that see the same swarm do not all take the one cheapest chain.
 ``rtt(a, b)`` is a's measured ``rtt_ms[b]`` or b's ``rtt_ms[a]`` (their mean if both),
 else ``default_rtt_ms``. Sending to oneself costs nothing.
 
@@ -64,7 +73,9 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Mapping
 
 from tessera.peer.plan.chains import Candidate, Links, Pool, cheapest_chain, links_between, pools_of
-from tessera.peer.plan.cost import DEFAULT_RTT_MS, FULL_LOAD, LOAD_PENALTY, ms_per_layer, hop_compute_ms, rtt_ms
+from tessera.peer.plan.cost import (
+    DEFAULT_RTT_MS, FULL_LOAD, LOAD_PENALTY, Reported, Spread, hop_compute_ms, ms_per_layer, rtt_ms, spare,
+)
 from tessera.peer.plan.groups import ShardGroup, replica_coverage, with_group_peers
 from tessera.peer.plan.view import SERVING, PeerInfo, SwarmView
 
@@ -287,6 +298,8 @@ def route(
     default_rtt_ms: float = DEFAULT_RTT_MS,
     load_penalty: float = LOAD_PENALTY,
     own_sessions: Mapping[str, int] | None = None,
+    reported: Mapping[str, Reported] | None = None,
+    spread: Spread | None = None,
     groups: bool = False,
     head_handovers: bool = True,
 ) -> Route:
@@ -311,6 +324,9 @@ def route(
     chains of before; a baseline for bench/routing.py). ``own_sessions``: the sessions the
     requester already runs on each peer, each priced as a step ahead of ours
     (cost.py `OWN_SESSION_PENALTY`), so that its concurrent answers spread out.
+    ``reported``: the loads peers reported to the requester (cost.py `Reported`), priced as the
+    module docstring says. ``spread``: choose among chains of nearly the same price by this
+    draw (cost.py `Spread`); without it the cheapest chain, ties broken as below.
 
     Exact ties go to the chain with fewer hops, then to the smaller sequence of peer
     ids, then to later cut points. Returns ``Route((), inf)`` when no chain covers the
@@ -348,12 +364,25 @@ def route(
             # that is priced by its own sessions is not interchangeable with the rest of its pool
             # (chains.Pool): it is searched one by one
             ends = [info.rtt_ms for node in {source, sink} if (info := peers.get(node)) is not None]
-            singled = {source, sink, *(own_sessions or ()), *(q for rtts in ends for q in rtts)} & prepared.pooled.keys()
+            singled = ({source, sink, *(own_sessions or ()), *(reported or ()), *(q for rtts in ends for q in rtts)}
+                       & prepared.pooled.keys())
             skip = exclude | singled
             candidates.extend(prepared.pooled[pid] for pid in sorted(singled - exclude))
-    if own_sessions:  # few peers (a requester's running answers): repriced per call, the rest as prepared
-        candidates = [replace(c, per_layer=ms_per_layer(peers[c.pid], load_penalty, n))
-                      if (n := own_sessions.get(c.pid, 0)) > 0 else c for c in candidates]
+    own_sessions = own_sessions or {}
+    reported = reported or {}
+    if own_sessions or reported:  # few peers (running answers, recent reports): repriced per call, the rest as prepared
+        candidates = [replace(c, per_layer=ms_per_layer(peers[c.pid], load_penalty, own_sessions.get(c.pid, 0),
+                                                        reported.get(c.pid)))
+                      if c.pid in own_sessions or c.pid in reported else c for c in candidates]
+    if spread is not None:
+        def drawn(c: Candidate) -> Candidate:
+            share = spare(peers[c.pid], own_sessions.get(c.pid, 0), reported.get(c.pid))
+            return Candidate(c.pid, c.lo, c.hi, c.per_layer * spread.factor(c.pid, share), c.stops_early)
+
+        candidates = [drawn(c) for c in candidates]
+        pools = tuple(Pool(pool.lo, pool.hi, tuple(sorted((drawn(c) for c in pool.members),
+                                                          key=lambda c: (c.per_layer, c.pid))))
+                      for pool in pools)
     if skip - exclude:
         candidates.sort(key=lambda c: c.pid)
 

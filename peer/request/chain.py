@@ -13,9 +13,10 @@ each span's output back too, off the critical path, into `RouteHistory`.
 
 A `RouteSession` is a `Segment` (peer/request/ports.py): on its own it carries a
 route of plain hops; inside a route with groups it carries one run of plain hops.
-Its repair patches it in place (`replace`): the failed hops' span is re-routed
-between their live neighbours, the replacements are rebuilt from the history, and
-the neighbours are relinked to them (the steps are in peer/request/repair.py).
+It reports the span its failed hops leave (`gap`: between their live neighbours)
+and patches itself onto the route the repair loop chose for it (`patch`): the
+replacements are rebuilt from the history and the neighbours relinked to them (the
+steps are in peer/request/repair.py, which decides everything else).
 """
 
 from __future__ import annotations
@@ -34,19 +35,19 @@ from tessera.protocol.errors import WireError
 from tessera.protocol.tensors import decode_tensor, encode_wire
 from tessera.protocol.keys import EphemeralKey, public_key_from_peer_id
 from tessera.protocol.links import Direction, LinkCipher, seal_link_key
-from tessera.protocol.error_codes import NEXT_HOP_FAILED
+from tessera.protocol.error_codes import BUSY, NEXT_HOP_FAILED
 from tessera.protocol.messages import (
-    REPLY_FINGERPRINT, REPLY_FULL, Cancel, ErrorMsg, Forward, Relink, Result, SealedKey, SessionAccept, SessionClose,
-    SessionOpen, SessionRevoke,
+    REPLY_FINGERPRINT, REPLY_FULL, Cancel, ErrorMsg, Forward, LoadReport, QueueNotice, Relink, Result, SealedKey,
+    SessionAccept, SessionClose, SessionOpen, SessionRevoke,
 )
 
-from tessera.peer.base.backoff import Failure
+from tessera.peer.base.backoff import ROUTE_WAIT, Failure
 from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
 from tessera.peer.request.failures import error_failure, reported_failure
 from tessera.peer.request.history import RouteHistory
 from tessera.peer.plan.routing import Hop, Route
-from tessera.peer.request.chain_state import AttestedStep, HopState, RequesterContext, StepSlot, peer_bytes
-from tessera.peer.request.ports import Replacement, Segment, SegmentRepair
+from tessera.peer.request.chain_state import AttestedStep, HopState, RequesterContext, StepSlot, began_before, peer_bytes
+from tessera.peer.request.ports import Gap, Replacement, Segment
 from tessera.peer.base.protocols import SESSION_PROTOCOL
 from tessera.peer.net.transport import Channel
 
@@ -57,6 +58,15 @@ OPEN_TIMEOUT = 15.0
 # failover, a late alarm only a delay (see peer/request/repair.py).
 STEP_TIMEOUT_FACTOR = 10.0
 STEP_TIMEOUT_FLOOR = 5.0
+# A step's deadline counts from when the peers start it: a peer that queues it behind other
+# requesters' steps says so (QueueNotice: how long, and again when it starts; peer/serve/load.py),
+# and the deadline moves by that wait (times QUEUE_WAIT_SLACK: a peer's estimate comes from its
+# average step, and a queue of prefills runs longer than one of decodes), or to a full step's
+# time from the start it reports. Queueing is not failing. QUEUE_WAIT_CAP bounds what notices may
+# add, so a peer that keeps saying "queued" is a time-out all the same: two route waits, longer
+# than going elsewhere costs (a route wait at worst, and a replay).
+QUEUE_WAIT_SLACK = 2.0
+QUEUE_WAIT_CAP = 2 * ROUTE_WAIT
 CLOSE_TIMEOUT = 2.0
 REVOKED = "revoked by the requester"  # the failure a revoked hop carries into the repair
 # A live upstream peer's taps trail its pushes by one send; if they have not reached
@@ -141,12 +151,13 @@ class RouteSession:
 
     # -- opening --------------------------------------------------------------------
 
-    async def open(self) -> None:
-        """Open every hop of the route at once. Raises SessionRefused or PeerFailed."""
+    async def open(self, *, began: float | None = None) -> None:
+        """Open every hop of the route at once. Raises SessionRefused or PeerFailed. `began`:
+        when (trio's clock) the answer this session carries began, traced with the open."""
         self.hops, _, _ = await self.open_hops(list(self.route.hops), prev=None, next_=None)
         self.ctx.tracer.emit(events.SessionOpen(session=self.session_id,
                                                 route=[[h.peer_id, h.start, h.end] for h in self.route.hops],
-                                                max_length=self.max_length))
+                                                max_length=self.max_length, began_before=began_before(began)))
 
     async def open_hops(
         self, hops: list[Hop], *, prev: str | None, next_: str | None
@@ -233,11 +244,13 @@ class RouteSession:
             reply = await channel.receive()
         if isinstance(reply, ErrorMsg):
             await channel.close()
+            self.ctx.loads.report(hop.peer_id, reply.load)  # a refusal for lack of room says how full
             raise SessionRefused(hop.peer_id, reply.code, reply.message, retry_after=reply.retry_after)
         if not isinstance(reply, SessionAccept) or reply.session_id != self.session_id:
             await channel.reset()
             raise PeerFailed(hop.peer_id, f"answered SessionOpen with {type(reply).__name__}", Failure.BROKE)
-        state = HopState(hop, channel, **links)
+        self.ctx.loads.report(hop.peer_id, reply.load)
+        state = HopState(hop, channel, accepted=reply.load, **links)
         self.ctx.nursery.start_soon(self._read, state)
         return state
 
@@ -251,6 +264,8 @@ class RouteSession:
                     msg = await state.channel.receive()
                     if isinstance(msg, Result):
                         self._on_result(state, msg)
+                    elif isinstance(msg, QueueNotice):
+                        self._on_queued(state, msg)
                     elif isinstance(msg, ErrorMsg):
                         self._fail(state, f"{msg.code}: {msg.message}", code=msg.code)
                     elif isinstance(msg, SessionAccept):
@@ -261,6 +276,17 @@ class RouteSession:
             except (PeerError, WireError) as error:
                 if not self.closed:
                     self._fail(state, f"{type(error).__name__}: {error}", failure=error_failure(error))
+
+    def _on_queued(self, state: HopState, msg: QueueNotice) -> None:
+        """A peer says where a step of ours is in its queue: the step's deadline moves (`wait`),
+        and routing hears of the peer's wait."""
+        if msg.session_id != self.session_id:
+            raise WireError("a queue notice for another session")
+        if not msg.started:
+            self.ctx.loads.queued(state.peer, msg.wait)
+        slot = self.pending.get(msg.step)
+        if slot is not None:
+            slot.notice(state.peer, msg.started, msg.wait)
 
     def _on_result(self, state: HopState, msg: Result) -> None:
         """A tap or the chain's result: outputs go to the history (so the requester holds every
@@ -385,9 +411,7 @@ class RouteSession:
         """The end of a step sent with `send` (for a REPLY_FINGERPRINT step, the fingerprint
         bytes). Raises PeerFailed naming the peer that failed."""
         try:
-            with trio.move_on_after(self.step_timeout(n, hops)) as waited:
-                await slot.done.wait()
-            if waited.cancelled_caught:
+            if not await self._until_done(slot, self.step_timeout(n, hops)):
                 raise PeerFailed(self.suspect(start_pos + n), f"step {step} timed out", Failure.TIMED_OUT)
             if slot.error is not None:
                 raise slot.error
@@ -398,6 +422,28 @@ class RouteSession:
             return result  # type: ignore[return-value]
         finally:
             self.pending.pop(step, None)
+
+    @staticmethod
+    async def _until_done(slot: StepSlot, timeout: float) -> bool:
+        """Wait for the step's end; False when its deadline passed first. The deadline is
+        `timeout` from now, moved by what peers say of their queue (QUEUE_WAIT_SLACK) and
+        never past QUEUE_WAIT_CAP beyond it."""
+        now = trio.current_time()
+        deadline, cap = now + timeout, now + timeout + QUEUE_WAIT_CAP
+        while not slot.done.is_set():
+            with trio.move_on_at(deadline):
+                await slot.progress.wait()
+            if slot.done.is_set():
+                break
+            if not slot.notices:
+                return False  # the deadline passed
+            now = trio.current_time()
+            for _, started, wait in slot.notices:
+                until = now + timeout if started else now + QUEUE_WAIT_SLACK * wait + timeout
+                deadline = max(deadline, min(until, cap))
+            slot.notices.clear()
+            slot.progress = trio.Event()
+        return True
 
     async def cancel(self, step: int) -> None:
         """Tell every hop to drop `step` if it has not run yet (a speculative block that became invalid)."""
@@ -417,7 +463,7 @@ class RouteSession:
                 return state.peer
         return self.hops[-1].peer
 
-    # -- repair (the loop that calls these: ResilientSession.repair) -----------------
+    # -- what the repair loop (ResilientSession.repair) reads and asks for -------------
 
     def failed_run(self, is_out: Callable[[str], bool]) -> tuple[int, int] | None:
         failed = [i for i, h in enumerate(self.hops) if h.failure or is_out(h.peer)]
@@ -444,40 +490,53 @@ class RouteSession:
             upstream.failure, upstream.failed_as = "its taps stopped arriving", Failure.TIMED_OUT
         return PeerFailed(upstream.peer, upstream.failure, upstream.failed_as)
 
-    async def replace(self, i: int, j: int, position: int, repair: SegmentRepair, *,
-                      through_end: bool = False) -> Replacement:
-        """Re-route hops i..j (layers [a, b)) between their live neighbours, rebuild the
-        replacements' caches, relink the neighbours (peer/request/repair.py, steps 2-4)."""
+    def failures(self, i: int, j: int) -> list[PeerFailed]:
+        return [PeerFailed(h.peer, h.failure, h.failed_as) for h in self.hops[i : j + 1] if h.failure]
+
+    def said(self) -> dict[str, LoadReport]:
+        return {h.peer: h.accepted for h in self.hops if h.accepted is not None}
+
+    def gap(self, i: int, j: int) -> Gap:
+        """Hops i..j (layers [a, b)), between their live neighbours. The live peers of this
+        session stay out of the new route: a peer runs one hop of a session (its id is the
+        session's), so one already in the route cannot take another piece ("session ... is
+        already open here" failed simulated answers)."""
+        hops = self.hops
+        dead = hops[i : j + 1]
+        return Gap(
+            hops[i].hop.start, hops[j].hop.end,
+            source=hops[i - 1].peer if i > 0 else None, sink=hops[j + 1].peer if j + 1 < len(hops) else None,
+            exclude=tuple(h.peer for h in hops if h not in dead),
+            in_place=True, groups=False,  # replacements are chained peer to peer; groups need the requester
+            why="; ".join(f"{h.peer}: {h.failure}" for h in dead if h.failure) or "failed",
+        )
+
+    def inputs(self, position: int) -> torch.Tensor:
+        return self.history.at(self.span[0]).upto(position)
+
+    async def patch(self, i: int, j: int, route: Route, position: int, *, through_end: bool = False,
+                    room: float | None = None) -> Replacement:
+        """Open `route` in place of hops i..j (layers [a, b)), rebuild the replacements' caches,
+        relink the neighbours (peer/request/repair.py, steps 3-4). `room`: replay only on
+        replacements that said, as they accepted, that a step would wait at most this long;
+        else SessionRefused(busy) names the first that did not (all are closed again)."""
         hops = self.hops
         a, b = hops[i].hop.start, hops[j].hop.end
         up = hops[i - 1] if i > 0 else None
         down = hops[j + 1] if j + 1 < len(hops) else None
         dead = hops[i : j + 1]
-        for state in dead:
-            if state.failure and not repair.swarm.is_banned(state.peer):
-                # failed with the one being repaired (two at once): avoided as its own failure says
-                repair.ban(state.peer, state.failure, failure=state.failed_as)
-        reasons = "; ".join(f"{h.peer}: {h.failure}" for h in dead if h.failure) or "failed"
-        # The dead are banned (or revoked), so routing passes them by unless one came back
-        # (peer/base/backoff.py). The live peers of this session stay out: a peer runs one hop
-        # of a session (its id is the session's), so one already in the route cannot take
-        # another piece ("session ... is already open here" failed simulated answers).
-        live = [h.peer for h in hops if h not in dead]
-        chosen = await repair.reroute(
-            a, b, source=up.peer if up else None, sink=down.peer if down else None, exclude=live,
-            groups=False,  # replacements are chained peer to peer; groups need the requester
-            why=reasons,
-        )
         # A peer coming back takes the span again as a replacement would, from the history;
         # its old session (still open on a stopped-then-resumed process) is closed first.
-        returning = [state for state in dead if state.peer in chosen.peer_ids]
+        returning = [state for state in dead if state.peer in route.peer_ids]
         for state in returning:
             await self.close_hop(state, "failed; reopened after its comeback")
         new, into, out = await self.open_hops(
-            list(chosen.hops), prev=up.peer if up else None, next_=down.peer if down else None
+            list(route.hops), prev=up.peer if up else None, next_=down.peer if down else None
         )
         replayed = None
         try:
+            if room is not None and position > 0:
+                no_room({h.peer: h.accepted for h in new if h.accepted is not None}, room)
             if down is not None:
                 # first, so that the link stream the last replacement opened is accepted at once
                 await self.relink(down, Relink(
@@ -491,7 +550,7 @@ class RouteSession:
                 stop = self.ctx.num_layers if through_end else b
                 out_rows = await self.run(
                     new[0], self.history.at(a).upto(position), 0, stop_layer=stop,
-                    hops=list(chosen.hops), tap_from=new[-1].peer if down is not None and not through_end else None,
+                    hops=list(route.hops), tap_from=new[-1].peer if down is not None and not through_end else None,
                 )
                 if through_end:
                     replayed = out_rows  # the clean hidden states of [0, position) at this chain's end
@@ -582,6 +641,15 @@ class RouteSession:
                 await state.channel.close()
             except PeerError:
                 pass  # the peer is gone already; its session dies with its stream
+
+
+def no_room(said: dict[str, LoadReport], room: float) -> None:
+    """Raise SessionRefused(busy) for the first peer whose accept (`said`: peer -> its report)
+    said a step would wait longer than `room` seconds (one that said nothing has room)."""
+    for peer, report in said.items():
+        if report.wait > room:
+            raise SessionRefused(peer, BUSY, f"a step would wait {report.wait:.1f} s in its queue (more than "
+                                 f"{room:g} s): no room to replay this session's history", retry_after=report.wait)
 
 
 def route_summary(route: Route) -> list[dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -13,7 +14,7 @@ import trio
 from tessera.protocol.admission import solve_work
 from tessera.protocol.keys import Identity
 from tessera.protocol.links import LinkCipher
-from tessera.protocol.messages import Result
+from tessera.protocol.messages import LoadReport, Result
 from tessera.store.trace import NullTracer, Tracer
 
 from tessera.peer.base.backoff import Failure
@@ -22,6 +23,7 @@ from tessera.peer.base.errors import PeerError
 from tessera.peer.net.gossip import ViewKeeper
 from tessera.peer.plan.routing import Hop
 from tessera.peer.net.transport import Channel, Transport
+from tessera.peer.request.loads import LoadBook
 
 
 @dataclass
@@ -43,6 +45,9 @@ class RequesterContext:
     # This requester's open sessions per peer, all its answers together: routing prices each
     # as a step queued ahead of ours (peer/plan/cost.py OWN_SESSION_PENALTY).
     running: Counter[str] = field(default_factory=Counter)
+    # What peers said of their load in answers to this requester (peer/request/loads.py); the
+    # owner gives it its clock (the default: a live requester's).
+    loads: LoadBook = field(default_factory=lambda: LoadBook(time.monotonic))
 
     def hop_width(self, layer: int) -> int:
         """Values per token a hop into layer `layer` carries (`hop_widths`)."""
@@ -73,6 +78,12 @@ class RequesterContext:
         return solve_work(self.identity.peer_id)
 
 
+def began_before(began: float | None) -> float | None:
+    """Seconds since `began` (trio's clock): how long before a session's traced open its answer
+    began (None: not said). A replay's request arrives then (peer/sim/replay.py)."""
+    return None if began is None else round(max(0.0, trio.current_time() - began), 6)
+
+
 def peer_bytes(peer_id: str) -> bytes:
     return peer_id_bytes(peer_id)
 
@@ -90,6 +101,7 @@ class HopState:
     failed_as: Failure = Failure.DROPPED  # the kind of `failure` (peer/base/backoff.py)
     revoked: bool = False  # the requester took this peer out of the session (RouteSession.revoke_hop)
     held: bool = True  # counted in the requester's `running` sessions until released (RequesterContext)
+    accepted: LoadReport | None = None  # the load it reported as it accepted the session (None: not said)
     attested: list[AttestedStep] = field(default_factory=list)
     acked: trio.Event = field(default_factory=trio.Event)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
@@ -122,7 +134,10 @@ class AttestedStep:
 @dataclass
 class StepSlot:
     """A step waiting for its end: the chain's result, or the tap of `tap_from`
-    (its output tensor, or — when `fingerprint` — the fingerprint bytes in `raw`)."""
+    (its output tensor, or — when `fingerprint` — the fingerprint bytes in `raw`).
+
+    `progress` is set when it ends and when a peer says where the step is in its queue
+    (`notices`: (peer, started, seconds to wait), taken by the waiter, which then replaces it)."""
 
     tap_from: str | None = None
     fingerprint: bool = False
@@ -131,18 +146,29 @@ class StepSlot:
     done: trio.Event = field(default_factory=trio.Event)
     value: torch.Tensor | None = None
     error: PeerError | None = None
+    progress: trio.Event = field(default_factory=trio.Event)
+    notices: list[tuple[str, bool, float]] = field(default_factory=list)
 
     def complete(self, value: torch.Tensor) -> None:
         if not self.done.is_set():
             self.value = value.clone()  # the decoded tensor views a read-only buffer
             self.done.set()
+            self.progress.set()
 
     def complete_raw(self, raw: bytes) -> None:
         if not self.done.is_set():
             self.raw = raw
             self.done.set()
+            self.progress.set()
 
     def fail(self, error: PeerError) -> None:
         if not self.done.is_set():
             self.error = error
             self.done.set()
+            self.progress.set()
+
+    def notice(self, peer: str, started: bool, wait: float) -> None:
+        """`peer` said the step is queued there (`wait` s more) or has started (`started`)."""
+        if not self.done.is_set():
+            self.notices.append((peer, started, wait))
+            self.progress.set()

@@ -18,6 +18,7 @@ trio's clock, with a weightless model and one shared view (peer/sim/requester.py
 from __future__ import annotations
 
 import logging
+import random
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -53,7 +54,7 @@ from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.request.decode import Speculation, plain_tokens, speculative_tokens
 from tessera.peer.request.reports import ReportBook
 from tessera.peer.request.verify import DEFAULT_SPOT_CHECKS, SpotChecker
-from tessera.peer.base.backoff import COMEBACK, PROBE_INTERVAL, ROUTE_WAIT, Bans, Failure
+from tessera.peer.base.backoff import COMEBACK, PROBE_INTERVAL, ROUTE_WAIT, SOLE_PAROLE, Bans, Failure
 from tessera.peer.base.threads import in_worker
 from tessera.peer.request.ports import CheckPolicy
 from tessera.peer.request.probe import answers
@@ -61,7 +62,9 @@ from tessera.peer.request.repair import AnswerRewound, ResilientSession
 from tessera.peer.request.policy import RequesterPolicy, check_peer_id, explain_gaps
 from tessera.peer.request.chain_state import RequesterContext
 from tessera.peer.request.chain import route_summary
+from tessera.peer.plan.cost import SPREAD_WIDTH, Spread
 from tessera.peer.plan.routing import Route, route, why_no_route, why_not_preferred
+from tessera.peer.request.loads import LoadBook
 from tessera.peer.net.transport import Transport
 from tessera.peer.plan.view import PeerInfo, SwarmView
 from tessera.peer.request.prefill import route_chunk_size
@@ -105,6 +108,14 @@ class RequesterModel:
 
 
 @dataclass(frozen=True)
+class Rewind:
+    """In an answer (`Swarm.answer_ids`): only the first `kept` tokens given so far stand (the
+    rest were computed from a peer's wrong activations); the tokens that follow continue from them."""
+
+    kept: int
+
+
+@dataclass(frozen=True)
 class Piece:
     """One generated token and the text it completes ("" while a character is still partial)."""
 
@@ -136,6 +147,9 @@ class Swarm:
         compile: str = "off",
         spot_check: CheckPolicy | None = DEFAULT_SPOT_CHECKS,
         wire: str = "",
+        route_seed: int | None = None,
+        spread: float = SPREAD_WIDTH,
+        gossip_rng: random.Random | None = None,
     ) -> None:
         """`model`, or the one in `folder` (loaded here, its head compiled as `compile` says); `clock` dates the view's records,
         `ban_clock` the bans. `keeper`: a view fed from elsewhere (then `gossip=False`: a
@@ -143,7 +157,10 @@ class Swarm:
         `spot_check`: how every answer is checked unless it says otherwise (None: not at all; the
         default is off with a compact `wire`, and another policy with one is a ValueError).
         `wire`: the form activations cross the wire in (protocol/tensors.py WIRE_FORMS; "" exact,
-        the default)."""
+        the default). `route_seed`: the seed of the stream routing's spread draws from (None: a
+        random one); `spread`: how widely routing spreads answers among chains of nearly the same
+        price (peer/plan/cost.py SPREAD_WIDTH; 0: always the cheapest chain, ties by peer id).
+        `gossip_rng`: what its gossip draws partners from (a simulation seeds it; None: a random one)."""
         if wire not in WIRE_FORMS:
             raise ValueError(f"activation wire form {wire!r} is not one of {list(WIRE_FORMS)}")
         self.folder = folder
@@ -168,14 +185,19 @@ class Swarm:
         self.transport = transport
         self.keeper = keeper or ViewKeeper(model_id=self.model_id, num_layers=self.spec.num_layers, clock=clock,
                                            accept_mixed=accept_mixed)
-        self.gossip = Gossip(transport, self.keeper) if gossip else None
+        self.gossip = Gossip(transport, self.keeper, rng=gossip_rng) if gossip else None
         self.refresh_interval = refresh_interval
         self.ctx = RequesterContext(
             transport=transport, identity=identity, keeper=self.keeper, nursery=nursery,
             num_layers=self.spec.num_layers, hidden_size=self.spec.hidden_size, tracer=tracer or NullTracer(),
-            wire=wire, hop_widths=self.spec.hop_width,
+            wire=wire, hop_widths=self.spec.hop_width, loads=LoadBook(ban_clock),
         )
-        self.pinger = Pinger(transport, tracer=self.ctx.tracer)
+        # pings' echoes carry the pinged peer's load (peer/serve/load.py): routing prices it
+        self.pinger = Pinger(transport, tracer=self.ctx.tracer, on_load=self.ctx.loads.report)
+        # the stream routing's spread draws from, one draw per open or re-route (peer/plan/cost.py Spread)
+        self.route_seed = route_seed if route_seed is not None else random.SystemRandom().getrandbits(64)
+        self.route_draws = random.Random(self.route_seed)
+        self.spread = spread
         self.peer_id = transport.peer_id
         self.ctx.tracer.bind(self.peer_id)  # a TraceWriter made before this requester had an id
         self.clock: Callable[[], float] = ban_clock  # what `bans` measures time on
@@ -304,6 +326,21 @@ class Swarm:
     def is_banned(self, peer: str) -> bool:
         return self.bans.is_banned(peer, self.clock())
 
+    async def ask_loads(self, peers: Sequence[str]) -> None:
+        """Ping `peers` at once (dialling those not connected): their echoes say their load,
+        which routing then prices (peer/request/loads.py)."""
+        async def one(peer: str) -> None:
+            await self.pinger.ping(peer, addrs=self.keeper.addrs(peer))
+
+        async with trio.open_nursery() as nursery:
+            for peer in peers:
+                nursery.start_soon(one, peer)
+
+    def draw(self) -> Spread | None:
+        """The next draw of this requester's seeded stream, for one routing decision (None: no spread)."""
+        salt = self.route_draws.getrandbits(64)
+        return Spread(salt, self.spread) if self.spread > 0 else None
+
     def _awaited_comebacks(self, *, start: int = 0, end: int | None = None, exclude: Sequence[str] = (),
                            policy: RequesterPolicy | None = None, **_: object) -> list[str]:
         """Banned peers that dropped or timed out, admitted by the policy, whose latest record
@@ -359,9 +396,12 @@ class Swarm:
         exclude: Sequence[str] = (),
         groups: bool = True,
         policy: RequesterPolicy | None = None,
+        spread: Spread | None = None,
     ) -> Route:
         """The cheapest chain over layers [start, end) from `source` to `sink` (default: this requester),
-        each of this requester's running sessions on a peer priced as a step queued there.
+        each of this requester's running sessions on a peer priced as a step queued there, and each
+        peer's reported load and wait as it said them (peer/request/loads.py); with `spread`, chosen
+        among chains of nearly the same price by that draw (peer/plan/cost.py `Spread`).
 
         `groups`: tensor-shard groups may be hops (they are entered from and left to this
         requester, so a repair that chains between peers passes False; peer/request/segmented.py).
@@ -374,7 +414,9 @@ class Swarm:
         policy = self.policy.narrowed(policy)
         rtts = tuple(sorted(self.pinger.rtt_ms.items()))
         running = tuple(sorted(self.ctx.running.items()))
-        key = (banned, tuple(sorted(exclude)), start, end, source, sink, groups, rtts, policy, running)
+        reported = self.ctx.loads.reported()
+        key = (banned, tuple(sorted(exclude)), start, end, source, sink, groups, rtts, policy, running,
+               tuple(sorted(reported.items())), spread)
         chosen = self._memo.get(key)
         if chosen is None:
             view = self._routing_views.get((rtts, policy))
@@ -384,7 +426,8 @@ class Swarm:
                 self._memo.clear()
             chosen = self._memo[key] = route(view, start=start, end=end, source=source or self.peer_id,
                                              sink=sink or self.peer_id, exclude=frozenset(banned) | frozenset(exclude),
-                                             groups=groups, own_sessions=dict(running))
+                                             groups=groups, own_sessions=dict(running), reported=reported,
+                                             spread=spread)
             if policy.prefer and log.isEnabledFor(logging.INFO):  # `-v`: why the cost model chose a peer not preferred
                 for line in why_not_preferred(view, chosen, prefer=policy.prefer, source=source or self.peer_id,
                                               sink=sink or self.peer_id, exclude=frozenset(banned) | frozenset(exclude)):
@@ -416,13 +459,17 @@ class Swarm:
             return f"refused a session: skipped for {left:.0f} s more"
         return f"banned ({failure.value if failure else 'failed'}) for {left:.0f} s more"
 
-    async def wait_for_route(self, timeout: float = DEFAULT_ROUTE_WAIT, **plan_args) -> Route:
+    async def wait_for_route(self, timeout: float = DEFAULT_ROUTE_WAIT, *, paroled: set[str] | None = None,
+                             **plan_args) -> Route:
         """A route, waiting up to `timeout` s for the swarm to cover the layers. Raises NoRoute
         naming the uncovered layers and the peers that are there but not usable, and why.
         It re-plans whenever the view changes, a ban or skip ends, or a banned peer that
         dropped or timed out answers a probe (`probe_comebacks`), refreshing the view after
-        each wake (and at least every `refresh_interval`). While it waits, `on_route_wait`
-        (if set) hears what it waits for once a second."""
+        each wake (and at least every `refresh_interval`). `paroled`: the only covers of a span
+        that had their one parole in this wait (peer/base/backoff.py); given, a banned peer that
+        is the only cover of missing layers and not in it is probed once its parole is due and,
+        if it answers, paroled and added to it (`parole_sole_covers`). While it waits,
+        `on_route_wait` (if set) hears what it waits for once a second."""
         began = trio.current_time()
         next_report = began + WAIT_REPORT_INTERVAL
         with trio.move_on_after(timeout):
@@ -432,6 +479,9 @@ class Swarm:
                     return chosen
                 if await self.probe_comebacks(**plan_args):
                     continue  # someone is back: plan again at once
+                sole = self._sole_covers(paroled, **plan_args) if paroled is not None else []
+                if sole and await self.parole_sole_covers(sole, paroled):
+                    continue
                 wake = self.refresh_interval
                 now = self.clock()
                 ban_ends = self.bans.next_end(now)
@@ -439,6 +489,8 @@ class Swarm:
                     wake = min(wake, ban_ends - now)
                 if self._awaited_comebacks(**plan_args):
                     wake = min(wake, PROBE_INTERVAL)
+                for peer in sole:  # wake when a parole falls due (probed again every PROBE_INTERVAL)
+                    wake = min(wake, max(self.bans.sole_parole_at(peer) - now, 0.0) or PROBE_INTERVAL)
                 if self.on_route_wait is not None:
                     now = trio.current_time()
                     if now >= next_report:
@@ -451,6 +503,53 @@ class Swarm:
                 await self.refresh()
         gaps, why = self.why_no_route(**plan_args)
         raise NoRoute(f"no route through the swarm after {timeout:.0f} s: {why}", gaps)
+
+    def _sole_covers(self, paroled: set[str], *, start: int = 0, end: int | None = None,
+                     exclude: Sequence[str] = (), policy: RequesterPolicy | None = None, **_: object) -> list[str]:
+        """Banned peers (for a failure that allows it: backoff.SOLE_PAROLE) that had no parole in
+        this wait, admitted by the policy, whose latest record serves some layer of [start, end)
+        that no usable peer covers: the only covers of what is missing (sorted)."""
+        now = self.clock()
+        policy = self.policy.narrowed(policy)
+        banned = [p for p in self.bans.banned(now) if self.bans.failure(p) in SOLE_PAROLE and p not in paroled
+                  and p not in exclude and policy.admits(p)]
+        if not banned:
+            return []
+        gaps, _ = self.why_no_route(start=start, end=end, exclude=exclude, policy=policy)
+        view = self.keeper.snapshot()
+        out = []
+        for peer in banned:
+            info = view.get(peer)
+            if info is not None and info.routable and any(info.start < b and a < info.end for a, b in gaps):
+                out.append(peer)
+        return sorted(out)
+
+    async def parole_sole_covers(self, sole: list[str], paroled: set[str]) -> bool:
+        """Probe those of `sole` whose parole is due (peer/base/backoff.py `Bans.sole_parole_due`);
+        parole those that answer, once in this wait (`paroled`). Returns whether any was paroled."""
+        now = self.clock()
+        due = [p for p in sole if self.bans.sole_parole_due(p, now)]
+        if not due:
+            return False
+        back: list[str] = []
+
+        async def probe(peer: str) -> None:
+            if await answers(self.transport, peer, addrs=self.keeper.addrs(peer)):
+                back.append(peer)
+
+        for peer in due:
+            self.bans.probed(peer, now)
+        async with trio.open_nursery() as nursery:
+            for peer in due:
+                nursery.start_soon(probe, peer)
+        for peer in sorted(back):
+            failure = self.bans.failure(peer)
+            if failure is not None and self.bans.parole(peer, self.clock(), sole=True):
+                paroled.add(peer)
+                log.info("paroling peer %s once (banned %s): the only cover of layers this answer needs", peer,
+                         failure.value)
+                self.ctx.tracer.emit(events.Parole(remote=peer, failure=failure.value))
+        return bool(back)
 
     # -- generation -------------------------------------------------------------------
 
@@ -508,7 +607,8 @@ class Swarm:
         session = ResilientSession(self, max_length=capacity, route_wait=route_wait, policy=policy)
         await session.open()
         if spot_check is not None and spot_check.rate > 0:
-            session.checker = SpotChecker(self, session, spot_check)
+            session.checker = SpotChecker(self, spot_check, max_length=capacity,
+                                          admits=lambda peer: session.policy.admits(peer))
         self.active.add(session)
         eos = self.spec.eos_token_ids
         if prefill_chunk is None:
@@ -557,6 +657,37 @@ class Swarm:
         finally:
             await gen.aclose()
 
+    async def answer_ids(
+        self, ids: Sequence[int], *, max_new_tokens: int = 128, info: dict | None = None, **options,
+    ) -> AsyncIterator[int | Rewind]:
+        """Token ids continuing `ids`, as `generate_ids` gives them, carrying on past a rewind:
+        when a peer is caught returning wrong activations after tokens were produced from them
+        (`AnswerRewound`), a `Rewind` says how many of the tokens given so far stand, and the
+        answer goes on from the last right one (a new session, regenerating from there). The one
+        loop every caller that shows an answer uses (`complete_ids`, `tessera generate`, the
+        HTTP gateway). `info` receives every session's routes and checks (`merge_infos`)."""
+        tokens: list[int] = []
+        attempts: list[dict] = []
+        try:
+            while True:
+                start = len(tokens)
+                attempts.append({})
+                gen = self.generate_ids([*ids, *tokens], max_new_tokens=max_new_tokens - len(tokens),
+                                        info=attempts[-1], **options)
+                try:
+                    async for token in gen:
+                        tokens.append(token)
+                        yield token
+                    return
+                except AnswerRewound as rewound:
+                    del tokens[start + rewound.valid :]
+                finally:
+                    await gen.aclose()
+                yield Rewind(len(tokens))
+        finally:
+            if info is not None:
+                info.update(merge_infos(attempts))
+
     async def complete_ids(
         self, ids: Sequence[int], *, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
         info: dict | None = None, **options,
@@ -564,21 +695,16 @@ class Swarm:
         """The whole continuation at once. If a peer is caught returning wrong activations
         after tokens were produced from them, regenerates from the last right token."""
         tokens: list[int] = []
-        attempts: list[dict] = []
+        answer = self.answer_ids(ids, max_new_tokens=max_new_tokens, sampling=sampling, info=info, **options)
         try:
-            while True:
-                start = len(tokens)
-                attempts.append({})
-                try:
-                    async for token in self.generate_ids([*ids, *tokens], max_new_tokens=max_new_tokens - len(tokens),
-                                                         sampling=sampling, info=attempts[-1], **options):
-                        tokens.append(token)
-                    return tokens
-                except AnswerRewound as rewound:
-                    del tokens[start + rewound.valid :]
+            async for item in answer:
+                if isinstance(item, Rewind):
+                    del tokens[item.kept :]
+                else:
+                    tokens.append(item)
         finally:
-            if info is not None:
-                info.update(merge_infos(attempts))
+            await answer.aclose()
+        return tokens
 
     async def complete(
         self, prompt: str, *, raw: bool = False, max_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
@@ -630,4 +756,4 @@ def merge_infos(attempts: list[dict]) -> dict:
     return merged
 
 
-__all__ = ["Swarm", "Piece", "route_summary"]
+__all__ = ["Swarm", "Piece", "Rewind", "route_summary"]

@@ -8,8 +8,9 @@ before its ban ends, so each is named where it is seen:
   for its retry-after, no strike); a malformed exchange: BROKE;
 - an error a peer reports mid-session: its compute or our frame failed: BROKE (a
   "next hop failed" report blames the next peer, which dropped: DROPPED; a session it
-  reclaimed after it sat idle, one it handed back because it is leaving the swarm, or declined
-  as above: REFUSED: the session goes elsewhere at once, and the peer gets no strike);
+  reclaimed after it sat idle, one it handed back because it is leaving the swarm, no room
+  for the session's growth, or declined as above: REFUSED: the session goes elsewhere at
+  once, and the peer gets no strike);
 - an exception while talking to it: a reset or closed stream, a failed dial: DROPPED; a
   deadline that ran out: TIMED_OUT; bytes that do not decode: BROKE.
 """

@@ -14,7 +14,7 @@ rank another rank's collective error blames ("shard peer <id> ...").
 
 A `GroupSession` is a `Segment` (peer/request/ports.py). It keeps the inputs it
 was sent, so its span can be rebuilt elsewhere; but it is never patched in place
-and never spot-checked — `replace` and `checkable` say why.
+and never spot-checked — `gap` and `checkable` say why.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from tessera.protocol.activations import open_activations, seal_activations
 from tessera.protocol.errors import WireError
 from tessera.protocol.keys import EphemeralKey, public_key_from_peer_id
 from tessera.protocol.links import Direction, LinkCipher, seal_link_key
-from tessera.protocol.messages import ErrorMsg, Forward, Result, SealedKey, SessionAccept, SessionClose
+from tessera.protocol.messages import ErrorMsg, LoadReport, Forward, Result, SealedKey, SessionAccept, SessionClose
 from tessera.protocol.shards import ShardOpen, ShardPeer
 from tessera.stages.shards.layout import HIDDEN, ROUNDS_PER_LAYER
 
@@ -42,8 +42,8 @@ from tessera.peer.request.failures import error_failure, reported_failure
 from tessera.peer.request.chain import CLOSE_TIMEOUT, OPEN_TIMEOUT, STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_FLOOR
 from tessera.peer.request.chain_state import RequesterContext, peer_bytes
 from tessera.peer.request.history import HiddenHistory
-from tessera.peer.request.ports import Checkable, Replacement, SegmentRepair
-from tessera.peer.plan.routing import Hop
+from tessera.peer.request.ports import Checkable, Gap, Replacement
+from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.plan.audit import REQUESTER, StepLog
 from tessera.peer.base.protocols import COLLECTIVE_TIMEOUT, SHARD_SESSION_PROTOCOL
 from tessera.peer.net.transport import Channel
@@ -109,7 +109,7 @@ class GroupSession:
         self.session_id = os.urandom(16)
         self.ephemeral = EphemeralKey.generate()
         self.ranks: list[RankState] = []
-        self.inputs = HiddenHistory(max_length, ctx.hidden_size)  # what the requester sent, to rebuild elsewhere
+        self.inputs_sent = HiddenHistory(max_length, ctx.hidden_size)  # what the requester sent, to rebuild elsewhere
         self.pending: dict[int, GatherSlot] = {}
         self._next_link = 0
         self._next_step = 0
@@ -140,15 +140,28 @@ class GroupSession:
         return None
 
     async def inputs_ready(self, i: int, position: int) -> PeerFailed | None:
-        return None  # the requester sent them itself (`self.inputs`); no tap to wait for
+        return None  # the requester sent them itself (`inputs_sent`); no tap to wait for
 
-    async def replace(self, i: int, j: int, position: int, repair: SegmentRepair, *,
-                      through_end: bool = False) -> Replacement:
-        """The whole span is re-routed (onto a replica, another group, or a mix), never one
-        rank: the ranks' link keys were sealed for exactly these members and each rank's cache
-        is a column slice of one shared cache, so a newcomer could join neither."""
-        return await repair.replace_span(self.hop.start, self.hop.end, self.inputs.upto(position), position,
-                                         through_end=through_end)
+    def failures(self, i: int, j: int) -> list[PeerFailed]:
+        return [PeerFailed(r.peer, r.failure, r.failed_as) for r in self.ranks if r.failure]
+
+    def said(self) -> dict[str, LoadReport]:
+        return {}  # a rank's accept is not read for its load: a group is routed as one hop
+
+    def gap(self, i: int, j: int) -> Gap:
+        """The whole span, between the requester's ends, never one rank: the ranks' link keys
+        were sealed for exactly these members and each rank's cache is a column slice of one
+        shared cache, so a newcomer could join neither. It may go onto a replica, another
+        group, or a mix."""
+        why = "; ".join(f"{r.peer}: {r.failure}" for r in self.ranks if r.failure) or "failed"
+        return Gap(self.hop.start, self.hop.end, in_place=False, groups=True, why=why)
+
+    def inputs(self, position: int) -> torch.Tensor:
+        return self.inputs_sent.upto(position)
+
+    async def patch(self, i: int, j: int, route: Route, position: int, *, through_end: bool = False,
+                    room: float | None = None) -> Replacement:
+        raise ValueError("a tensor-shard group is never patched in place (GroupSession.gap)")
 
     async def revoke(self, peer: str) -> None:
         """A rank is not revoked mid-answer (a group cannot drop one rank); the requester's
@@ -239,6 +252,7 @@ class GroupSession:
             reply = await channel.receive()
         if isinstance(reply, ErrorMsg):
             await channel.close()
+            self.ctx.loads.report(peer, reply.load)
             raise SessionRefused(peer, reply.code, reply.message, retry_after=reply.retry_after)
         if not isinstance(reply, SessionAccept) or reply.session_id != self.session_id:
             await channel.reset()
@@ -299,7 +313,7 @@ class GroupSession:
 
     async def step(self, hidden: torch.Tensor, start_pos: int) -> torch.Tensor:
         """Scatter hidden states [T, H] into the group, gather its output [T, H]. Raises PeerFailed."""
-        self.inputs.write(start_pos, hidden)
+        self.inputs_sent.write(start_pos, hidden)
         failed = next((r for r in self.ranks if r.failure), None)
         if failed is not None:
             raise PeerFailed(failed.peer, failed.failure or "failed", failed.failed_as)

@@ -1,18 +1,24 @@
 """The requester's ports: what its parts need of each other, as small Protocols.
 
-The swarm client (`Swarm`), the session that repairs a generation (`ResilientSession`),
-the spot checker (`SpotChecker`) and the sessions that carry a route each depend on these
-interfaces, not on each other's classes, so the request layer has no import cycle.
+The swarm client (`Swarm`) and the session that repairs a generation (`ResilientSession`)
+depend on these interfaces, not on each other's classes, so the request layer has no import
+cycle: `SwarmPort` (the `Swarm`, which imports the session it drives), `Segment` and `RouteRun`
+(two implementations each), and `Checkable` (what the spot checker reads of a chain).
 
 A route runs as **segments** (`Segment`): a chain of plain hops whose peers push to each
 other (`RouteSession`, peer/request/chain.py) or one tensor-shard group the requester
 scatters into and gathers from (`GroupSession`, peer/request/group.py). The requester feeds
 every segment's first layer and reads its last, so it holds every segment's inputs. A route
 of plain hops is one segment, driven directly; a route with groups is several, joined at the
-requester (`SegmentedSession`, peer/request/segmented.py). Both are a `RouteRun`, and the one
-repair loop (`ResilientSession.repair`, peer/request/repair.py) asks each segment which of its
-hops failed and has the segment replace them — a chain patches itself in place, relinking its
-live neighbours; a group, which cannot swap a rank alone, has its whole span re-routed.
+requester (`SegmentedSession`, peer/request/segmented.py). Both are a `RouteRun`.
+
+Who decides. ONE place decides what happens after a failure — whom to ban, how long to wait,
+which route replaces what, what is replayed: `ResilientSession` (peer/request/repair.py).
+Below it nothing calls back up. A segment *reports* (`failed_run`: which of its hops failed;
+`failures`: what each reported; `gap`: the span that must be routed again, and between
+which ends) and *offers* (`open`, `patch`: replacements for a run of its hops on a route it is
+given, rebuilt from the history it holds; `inputs`: what rebuilds a segment put in its place).
+The spot checker (peer/request/verify.py) reports a conviction; the session bans and repairs.
 """
 
 from __future__ import annotations
@@ -22,12 +28,14 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from tessera.peer.base.backoff import Bans, Failure
+from tessera.peer.base.backoff import Bans
 from tessera.protocol.attest import MisbehaviourReport
+from tessera.protocol.records import LoadReport
 from tessera.stages.families.spec import ModelSpec
 
 from tessera.peer.base.errors import PeerFailed
 from tessera.peer.net.gossip import ViewKeeper
+from tessera.peer.plan.cost import Spread
 from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.plan.view import SwarmView
 from tessera.peer.request.chain_state import AttestedStep, HopState, RequesterContext, StepSlot
@@ -59,6 +67,10 @@ class SwarmPort(Protocol):
 
     def is_banned(self, peer: str) -> bool: ...
 
+    def draw(self) -> Spread | None: ...  # the next draw of the requester's seeded routing stream
+
+    async def ask_loads(self, peers: Sequence[str]) -> None: ...  # ping them: their echoes say their load
+
     async def wait_for_route(self, timeout: float = ..., **plan_args) -> Route: ...
 
     async def publish_report(self, report: MisbehaviourReport) -> int: ...
@@ -79,6 +91,26 @@ class Replacement:
     replayed: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class Gap:
+    """What a segment's failed hops leave to be routed again: layers [start, end), entered from
+    `source` and left to `sink` (None: this requester), avoiding `exclude` (the segment's live
+    peers: a peer runs one hop of a session). `in_place`: the segment patches itself onto a
+    route for the gap (`Segment.patch`: a chain relinks its live neighbours); else the gap is
+    its whole span, and new segments built on the route take its place (a group cannot swap a
+    rank). `groups`: tensor-shard groups may be hops of that route (only between this
+    requester's ends). `why`: what the failed hops reported, for the error when no route comes."""
+
+    start: int
+    end: int
+    source: str | None = None
+    sink: str | None = None
+    exclude: tuple[str, ...] = ()
+    in_place: bool = True
+    groups: bool = False
+    why: str = "failed"
+
+
 class Checkable(Protocol):
     """What the spot checker needs of a chain of plain hops (a `RouteSession`): who computed
     each span (and signed it), and the hidden states it held at every cut."""
@@ -91,26 +123,13 @@ class Checkable(Protocol):
     async def wait_known(self, layer: int, position: int) -> bool: ...
 
 
-class SegmentRepair(Protocol):
-    """What a segment's replacement uses of the repair loop that drives it (`ResilientSession`)."""
-
-    swarm: SwarmPort
-
-    def ban(self, peer: str, reason: str, *, failure: Failure, seconds: float | None = None) -> None: ...
-
-    async def reroute(self, start: int, end: int, *, source: str | None = None, sink: str | None = None,
-                      exclude: Sequence[str] = (), groups: bool = True, why: str = "failed") -> Route: ...
-
-    async def replace_span(self, start: int, end: int, inputs: torch.Tensor, position: int, *,
-                           through_end: bool = False) -> Replacement: ...
-
-
 class Segment(Protocol):
     """A piece of a route that the requester feeds at its first layer and reads at its last:
     a chain of plain hops (`RouteSession`) or one tensor-shard group (`GroupSession`).
 
     A segment records its own inputs (what the requester sent it), so whatever fails in it
-    can be rebuilt from the requester's copy.
+    can be rebuilt from the requester's copy. It reports and offers; it decides nothing
+    (the module docstring).
     """
 
     session_id: bytes
@@ -138,16 +157,36 @@ class Segment(Protocol):
         """The last run [i, j] of `route_hops` that failed or whose peer `is_out`; None if none."""
         ...
 
-    async def inputs_ready(self, i: int, position: int) -> PeerFailed | None:
-        """Wait (briefly) until the inputs of hop i are held for [0, position); else the failure
-        of whoever should have delivered them (the repair loop bans it and looks again)."""
+    def failures(self, i: int, j: int) -> list[PeerFailed]:
+        """What the peers of hops i..j reported or were seen to do (one per failed peer)."""
         ...
 
-    async def replace(self, i: int, j: int, position: int, repair: SegmentRepair, *,
-                      through_end: bool = False) -> Replacement:
-        """Replace hops i..j, rebuilding the replacements' caches from the inputs of positions
-        [0, position). `through_end`: the replay also runs on through this segment's later hops.
-        Raises SessionRefused or PeerFailed (what it opened is closed again), RouteLost."""
+    async def inputs_ready(self, i: int, position: int) -> PeerFailed | None:
+        """Wait (briefly) until the inputs of hop i are held for [0, position); else the failure
+        of whoever should have delivered them (marked failed here; the repair loop bans it)."""
+        ...
+
+    def said(self) -> dict[str, LoadReport]:
+        """What its peers said of their load as they accepted (peer -> report; a peer that said
+        nothing is not in it)."""
+        ...
+
+    def gap(self, i: int, j: int) -> Gap:
+        """What replacing hops i..j needs routed (see `Gap`)."""
+        ...
+
+    def inputs(self, position: int) -> torch.Tensor:
+        """The hidden states this segment was fed at its first layer, positions [0, position)."""
+        ...
+
+    async def patch(self, i: int, j: int, route: Route, position: int, *, through_end: bool = False,
+                    room: float | None = None) -> Replacement:
+        """Put `route` (for `gap(i, j)`) in place of hops i..j: open it, relink the live
+        neighbours, rebuild the replacements' caches from the inputs of positions [0, position).
+        `through_end`: the replay also runs on through this segment's later hops. `room`: replay
+        only on replacements that said a step would wait at most this long (else SessionRefused,
+        busy). Only for a gap `in_place`. Raises SessionRefused or PeerFailed (what it opened is
+        closed again)."""
         ...
 
     def checkable(self) -> Checkable | None:
@@ -166,7 +205,7 @@ class RouteRun(Protocol):
     @property
     def segments(self) -> list[Segment]: ...
 
-    async def open(self) -> None: ...
+    async def open(self, *, began: float | None = None) -> None: ...
 
     async def submit(self, hidden: torch.Tensor, start_pos: int) -> tuple[int, StepSlot]: ...
 
@@ -190,36 +229,3 @@ class RouteRun(Protocol):
         """Feed `hidden` (positions [0, T)) through every segment after `segments`; the output at
         the route's end (a `through_end` repair rebuilding every later cache)."""
         ...
-
-
-class RepairPort(Protocol):
-    """What the spot checker uses of the session that repairs a generation."""
-
-    swarm: SwarmPort
-    max_length: int
-    route_wait: float
-    current: RouteRun | None
-    confirmed: int
-
-    @property
-    def policy(self) -> RequesterPolicy: ...
-
-    def uses(self, peer: str) -> bool: ...
-
-    def ban(self, peer: str, reason: str, *, failure: Failure, seconds: float | None = None) -> None: ...
-
-    async def repair(self, failure: PeerFailed, position: int, *, through_end: bool = False) -> None: ...
-
-
-class StepChecker(Protocol):
-    """What the repairing session asks of its spot checker (a `SpotChecker`)."""
-
-    policy: CheckPolicy
-
-    async def after_step(self, end_pos: int) -> None: ...
-
-    async def final(self, end_pos: int) -> None: ...
-
-    async def close(self) -> None: ...
-
-    def summary(self) -> dict: ...

@@ -1,28 +1,37 @@
-"""Keeping a generation alive while peers refuse, fail or vanish.
+"""Keeping a generation alive while peers refuse, fail or vanish: the one place that decides.
 
 `ResilientSession` wraps a route's session — a `RouteSession` for a route of plain
 hops, a `SegmentedSession` for one with tensor-shard groups; both are a `RouteRun`
-made of `Segment`s (peer/request/ports.py). Opening routes around peers that
-refuse (busy, draining). A step that fails — a reset stream (the peer's process
-died), an error message, or a deadline derived from the route's advertised
-speeds — is repaired by ONE loop (`repair`) and sent again:
+made of `Segment`s (peer/request/ports.py). It alone decides what happens after a
+failure: whom to ban and for how long, how long to wait for a route, which route
+replaces what, what is spliced in and what is replayed. The segments below it report
+(which hops failed, what each reported, the span left to route) and offer (open a
+route in place of hops, rebuild from the history they hold); the spot checker reports
+a conviction; nothing below calls back up.
+
+Opening routes around peers that refuse (busy, draining). A step that fails — a reset
+stream (the peer's process died), an error message, or a deadline derived from the
+route's advertised speeds — is repaired by ONE loop (`repair`) and sent again:
 
 1. The failed peer is avoided by this requester as its failure says (peer/base/backoff.py:
    a peer that dropped or timed out is banned, doubling per repeat across answers, but
    re-probed and used again if it comes back while the route is awaited; a refusal —
    busy, draining — is no failure: that peer is skipped for its retry-after, and another
    tried; a liar is banned for a day).
-2. Each segment is asked for its last run of failed hops (`failed_run`); only that
-   span [a, b) is re-routed. In a chain of plain hops (`RouteSession.replace`), over
-   one or several replacement peers with any cut points
-   (`route(start=a, end=b, source=upstream, sink=downstream)`); a group is re-routed
-   whole, between the requester's ends (`GroupSession.replace`, `replace_span`).
-3. The replacements are opened and linked among themselves; the downstream
-   neighbour accepts the new incoming link; the replacements are fed, in ONE
-   prefill-shaped step, the inputs of layer a for every position so far. The
-   requester holds them: it fed each segment's first layer itself, and every other
-   boundary from the taps (copies of each span's output). The replay stops at layer b
-   (`stop_layer`), so peers downstream — whose caches are intact — see nothing.
+2. Each segment is asked for its last run of failed hops (`failed_run`) and what they
+   reported (`failures`: each is banned as its own failure says), and for the span they
+   leave (`gap`) [a, b): in a chain of plain hops, between its live neighbours, to be
+   routed over one or several replacement peers with any cut points
+   (`route(start=a, end=b, source=upstream, sink=downstream)`); a group's whole span,
+   between the requester's ends. This loop routes it (`reroute`).
+3. A chain patches itself onto that route (`RouteSession.patch`): the replacements are
+   opened and linked among themselves; the downstream neighbour accepts the new incoming
+   link; the replacements are fed, in ONE prefill-shaped step, the inputs of layer a for
+   every position so far. The requester holds them: it fed each segment's first layer
+   itself, and every other boundary from the taps (copies of each span's output). The
+   replay stops at layer b (`stop_layer`), so peers downstream — whose caches are intact —
+   see nothing. A group is replaced by new segments built on the route and rebuilt from the
+   inputs it was sent (`rebuild`), then spliced in.
 4. The upstream neighbour is relinked to push to the first replacement.
 5. The failed step is sent again from its start position; every peer writes
    those positions afresh (a write at p is a rollback to p), so the answer is
@@ -40,11 +49,11 @@ marked failed, and the next step repairs around it by the steps above.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import trio
@@ -56,16 +65,51 @@ from tessera.peer.base.errors import NoRoute, PeerError, PeerFailed, RouteLost, 
 from tessera.peer.request.failures import refusal_failure
 from tessera.peer.request.policy import RequesterPolicy
 from tessera.peer.request.chain_state import StepSlot
-from tessera.peer.request.chain import route_summary
+from tessera.peer.request.chain import STEP_TIMEOUT_FLOOR, no_room, route_summary
+from tessera.peer.plan.cost import Reported, Spread
 from tessera.peer.plan.routing import Route
-from tessera.peer.request.ports import Replacement, RouteRun, Segment, StepChecker, SwarmPort
+from tessera.peer.request.ports import Gap, Replacement, RouteRun, Segment, SwarmPort
 from tessera.peer.request.segmented import build_segments, open_segments, run_through, session_for
+from tessera.peer.request.verify import Conviction, SpotChecker
 
+
+log = logging.getLogger(__name__)
 
 # Routes tried to open a session, and replacements tried in one repair, before giving up; a
-# refusal (busy, draining) does not count: it bans no one, and the route wait bounds those.
+# refusal (busy, draining) or a leaving notice does not count: it bans no one, and the route
+# wait bounds those.
 MAX_OPEN_ATTEMPTS = 5
 MAX_REPAIRS_PER_STEP = 6  # a step is given up after this many repairs (each bans a peer)
+# An open whose peer says, as it accepts, that a step would wait longer than the route was
+# priced with by more than BOUNCE_WAIT is closed and routed again, now priced with what it said
+# (many requesters that heard nothing yet pick the same peer at once: the first answer each
+# gets is news). At most MAX_BOUNCES an open: then the route is taken as it is, queue and all.
+# BOUNCE_WAIT: a step's deadline floor (the slack every step has), as for REPLAY_ROOM below.
+BOUNCE_WAIT = STEP_TIMEOUT_FLOOR
+MAX_BOUNCES = 2
+# Before an open, the peers of the route chosen whose word about their load is not fresh
+# (peer/request/loads.py FRESH) are pinged, and the route chosen again with what they said; at
+# most this many rounds (each costs a round trip; the second catches the peers a first re-route
+# brought in).
+MAX_LOAD_ASKS = 2
+# A failover replays its history only on replacements that said, as they accepted, that a step
+# would wait at most this long in their queue: the slack every step's deadline has (chain.py
+# STEP_TIMEOUT_FLOOR). A replacement deep in other requesters' work is busy for this purpose:
+# skipped for the wait it said, and another tried (a replay stuck in a queue stalls the answer,
+# and on a busy peer times out and adds a failover).
+REPLAY_ROOM = STEP_TIMEOUT_FLOOR
+
+
+def busier_than_priced(run: RouteRun, priced: dict[str, Reported]) -> tuple[str, float, float] | None:
+    """The first hop of `run` whose accept said a step would wait longer than `priced` (what
+    routing knew: peer -> Reported) by more than BOUNCE_WAIT: (peer, said, priced), or None."""
+    for segment in run.segments:
+        for peer, said in segment.said().items():
+            known = priced.get(peer)
+            was = known.wait_ms / 1000.0 if known is not None else 0.0
+            if said.wait > was + BOUNCE_WAIT:
+                return peer, said.wait, was
+    return None
 
 
 class Superseded(Exception):
@@ -115,8 +159,11 @@ class ResilientSession:
         # activations): the clean last-layer hidden states of the positions so far, so that
         # the generation loop can tell whether tokens it already gave out were affected
         self.rebuilt: torch.Tensor | None = None
-        self.checker: StepChecker | None = None  # spot checks (peer/request/verify.py), if asked for
+        self.checker: SpotChecker | None = None  # spot checks (peer/request/verify.py), if asked for
         self.deadline = math.inf  # trio time when the current open's or repair's wait for routes gives up
+        self.paroled: set[str] = set()  # the only covers of a span paroled in the current wait
+        self.spread: Spread | None = None  # the current open's or repair's draw of routing's spread
+        self.routes_chosen = 0  # routes chosen in the current open or repair (each its own turn of the draw)
         self.avoided: Counter[str] = Counter()  # how often this answer avoided a peer, by Failure value
 
     @property
@@ -148,9 +195,12 @@ class ResilientSession:
         duration = self.swarm.bans.register(peer, self.swarm.clock(), failure, seconds=seconds,
                                             mark=info.issued_at if info is not None else 0.0)
         self.avoided[failure.value] += 1
+        # why, in the peer's own words (its error code and message) where it gave them: `-v` and the trace
         if failure is Failure.REFUSED:
+            log.info("skipping peer %s for %g s (%s): %s", peer, duration, failure.value, reason)
             self.swarm.ctx.tracer.emit(events.Error(remote=peer, reason=f"{reason[:180]} (skipped {duration:g} s)"))
         else:
+            log.info("banning peer %s for %g s (%s): %s", peer, duration, failure.value, reason)
             self.swarm.ctx.tracer.emit(events.Ban(remote=peer, reason=reason[:200], seconds=duration,
                                                   failure=failure.value))
 
@@ -158,7 +208,7 @@ class ResilientSession:
         """Avoid the peer an open or a repair failed on, as its failure says; returns the kind."""
         if isinstance(error, SessionRefused):
             failure = refusal_failure(error.code)
-            self.ban(error.peer, f"refused: {error.code}", failure=failure, seconds=error.retry_after)
+            self.ban(error.peer, f"refused: {error.code}: {error.message}", failure=failure, seconds=error.retry_after)
         else:
             failure = error.failure
             self.ban(error.peer, error.reason, failure=failure)
@@ -168,23 +218,60 @@ class ResilientSession:
         """Seconds left to wait for routes in the current open or repair (ROUTE_WAIT in all)."""
         return max(0.0, self.deadline - trio.current_time())
 
+    def begin_wait(self) -> None:
+        """An open or a repair starts: one route wait for all of it, one parole in it for the
+        only cover of a span (peer/base/backoff.py), and one draw of the requester's seeded stream
+        for routing's spread: the n-th route it chooses (after a refusal, a load asked, a bounce)
+        uses that draw's n-th turn (Spread.again), so how many draws a run takes from the stream
+        depends on its opens and repairs, not on how often each re-routed (a replay, whose timings
+        differ a little, draws alike), and a re-route does not meet the same factors again."""
+        self.deadline = trio.current_time() + self.route_wait
+        self.paroled = set()
+        self.spread = self.swarm.draw()
+        self.routes_chosen = 0
+
+    async def wait_for_route(self, **plan_args) -> Route:
+        """A route within the current wait: chosen by this answer's policy and the next turn of the
+        wait's draw (routing's spread), the only cover of a span paroled once."""
+        spread = None if self.spread is None else self.spread.again(self.routes_chosen)
+        self.routes_chosen += 1
+        return await self.swarm.wait_for_route(self.remaining(), policy=self.policy, spread=spread,
+                                               paroled=self.paroled, **plan_args)
+
     # -- opening ----------------------------------------------------------------------
 
     async def open(self) -> None:
         """Open a session on a route, waiting up to the route wait for one; peers that refuse
         are skipped and others tried. Raises NoRoute."""
         last_error: Exception | None = None
-        failures = 0
-        self.deadline = trio.current_time() + self.route_wait
+        failures = bounces = asked = 0
+        began = trio.current_time()  # the answer's start, traced with the open that carries it
+        self.begin_wait()
         while failures < MAX_OPEN_ATTEMPTS:
-            chosen = await self.swarm.wait_for_route(self.remaining(), policy=self.policy)
+            priced = self.swarm.ctx.loads.reported()  # what routing knows of the peers' queues
+            chosen = await self.wait_for_route()
+            stale = self.swarm.ctx.loads.stale([p for h in chosen.hops for p in (h.members or (h.peer_id,))])
+            if stale and asked < MAX_LOAD_ASKS:
+                # a ping is cheaper than a session: hear how busy they are now, and route again
+                asked += 1
+                await self.swarm.ask_loads(stale)
+                continue
             # a route with tensor-shard group hops runs in segments (peer/request/segmented.py)
             session = session_for(self.swarm.ctx, chosen, max_length=self.max_length)
             try:
-                await session.open()
+                await session.open(began=began)
             except (SessionRefused, PeerFailed) as error:
                 failures += self.ban_for(error) is not Failure.REFUSED
                 last_error = error
+                continue
+            busy = busier_than_priced(session, priced)
+            if busy is not None and bounces < MAX_BOUNCES and self.remaining() > 0:
+                # its accept said a queue the route was not priced with: what it said is priced
+                # now (peer/request/loads.py), so the next route weighs it; no one is avoided
+                bounces += 1
+                log.info("peer %s said a step would wait %.1f s (routed as %.1f s): routing again",
+                         busy[0], busy[1], busy[2])
+                self.swarm.ctx.nursery.start_soon(session.close, "routed again: a peer's queue was longer than priced")
                 continue
             self.current = session
             self.routes.append(chosen)
@@ -235,8 +322,19 @@ class ResilientSession:
                 failure = error
         self.confirmed = pending.start_pos + pending.hidden.shape[0]
         if self.checker is not None:
-            await self.checker.after_step(self.confirmed)
+            await self.convicted(await self.checker.after_step(self.current, self.confirmed))
         return output
+
+    async def convicted(self, conviction: Conviction | None) -> None:
+        """A spot check proved a peer returned wrong activations: avoid it for a day and, if it
+        computes a part of this answer, repair around it, replaying through to the end (every
+        cache after it was built from its wrong outputs); `rebuilt` then holds the clean states."""
+        if conviction is None:
+            return
+        failure = PeerFailed(conviction.peer, conviction.reason, Failure.LIED)
+        self.ban(failure.peer, failure.reason, failure=Failure.LIED)
+        if self.uses(conviction.peer):
+            await self.repair(failure, self.confirmed, through_end=True)
 
     async def cancel(self, pending: "Pending") -> None:
         if self.current is not None and pending.epoch == self.epoch and pending.step is not None:
@@ -267,9 +365,13 @@ class ResilientSession:
         session = self.current
         assert session is not None
         started = time.perf_counter()
-        self.deadline = trio.current_time() + self.route_wait
+        self.begin_wait()
         self.ban(failure.peer, failure.reason, failure=failure.failure)
         replaced: list[str] = []
+        # room is asked of the replacements once a repair: a peer that said it had none is skipped
+        # for the wait it said and another tried; after that the route found is taken as it is
+        # (the only cover of a span, queue and all, is better than no answer)
+        room: float | None = REPLAY_ROOM
         last: PeerError = failure
         attempts = 0
         while (found := self.failed_segment()) is not None:
@@ -283,14 +385,25 @@ class ResilientSession:
                 last = blamed
                 attempts += 1
                 continue
+            for reported in segment.failures(i, j):
+                if not self.swarm.is_banned(reported.peer):
+                    # failed with the one being repaired (two at once): avoided as its own failure says
+                    self.ban(reported.peer, reported.reason, failure=reported.failure)
+            gap = segment.gap(i, j)
             try:
-                replacement = await segment.replace(i, j, position, self, through_end=through_end)
+                chosen = await self.reroute(gap)
+                if gap.in_place:
+                    replacement = await segment.patch(i, j, chosen, position, through_end=through_end, room=room)
+                else:
+                    replacement = await self.rebuild(chosen, segment.inputs(position), position,
+                                                     through_end=through_end, room=room)
                 session.splice(segment, replacement)
                 if through_end and replacement.replayed is not None:
                     self.rebuilt = await session.replay_after(replacement.segments, replacement.replayed)
             except (SessionRefused, PeerFailed) as error:
                 attempts += self.ban_for(error) is not Failure.REFUSED
                 last = error
+                room = None
                 continue
             replaced += replacement.peers
         self.failovers += 1
@@ -303,34 +416,35 @@ class ResilientSession:
             route=[[h.peer_id, h.start, h.end] for h in route.hops],
         ))
 
-    # -- what a segment's replacement uses of this loop (ports.SegmentRepair) ---------------
+    # -- the pieces of a repair ------------------------------------------------------------
 
-    async def reroute(self, start: int, end: int, *, source: str | None = None, sink: str | None = None,
-                      exclude: Sequence[str] = (), groups: bool = True, why: str = "failed") -> Route:
-        """A route for the lost span [start, end). Raises RouteLost (naming `why`) when none came in time."""
+    async def reroute(self, gap: Gap) -> Route:
+        """A route for what a segment's failed hops left (`gap`), waiting within the repair's
+        route wait. Raises RouteLost (naming what failed) when none came in time."""
         try:
-            return await self.swarm.wait_for_route(
-                self.remaining(), start=start, end=end, source=source, sink=sink, exclude=exclude, groups=groups,
-                policy=self.policy,
-            )
+            return await self.wait_for_route(start=gap.start, end=gap.end, source=gap.source, sink=gap.sink,
+                                             exclude=gap.exclude, groups=gap.groups)
         except NoRoute as lost:
             # mid-way, not at the start: the request failed in the swarm (HTTP 502), naming what is gone
             raise RouteLost(
-                f"lost layers [{start}, {end}) mid-way ({why}) and no other peer took them within "
-                f"{self.route_wait:g} s: {lost}", lost.missing or [(start, end)],
+                f"lost layers [{gap.start}, {gap.end}) mid-way ({gap.why}) and no other peer took them within "
+                f"{self.route_wait:g} s: {lost}", lost.missing or [(gap.start, gap.end)],
             ) from None
 
-    async def replace_span(self, start: int, end: int, inputs: torch.Tensor, position: int, *,
-                           through_end: bool = False) -> Replacement:
-        """New segments for [start, end) between the requester's ends (any mix of plain hops and
-        groups), opened and fed `inputs` (positions [0, position)) in one step each.
-        Raises SessionRefused or PeerFailed (nothing stays open), RouteLost."""
-        chosen = await self.reroute(start, end)
+    async def rebuild(self, chosen: Route, inputs: torch.Tensor, position: int, *,
+                      through_end: bool = False, room: float | None = None) -> Replacement:
+        """New segments on `chosen` (any mix of plain hops and groups, between the requester's
+        ends), opened and fed `inputs` (positions [0, position)) in one step each: what takes
+        the place of a segment that cannot patch itself (a group). `room`: as `Segment.patch`'s.
+        Raises SessionRefused or PeerFailed (nothing stays open)."""
         new = build_segments(self.swarm.ctx, chosen, max_length=self.max_length)
         await open_segments(new)
         replayed = None
         try:
             if position > 0:
+                for segment in new:
+                    if room is not None:
+                        no_room(segment.said(), room)
                 # one prefill-shaped step per new segment rebuilds its caches
                 out = await run_through(new, inputs, 0)
                 replayed = out if through_end else None
@@ -345,7 +459,11 @@ class ResilientSession:
         (a peer caught now still leads to a repair, so the caller can tell whether tokens
         already given out were affected)."""
         if self.checker is not None and self.checker.policy.final_check:
-            await self.checker.final(self.confirmed)
+            for _ in range(MAX_REPAIRS_PER_STEP):  # each round convicts a peer, or ends
+                conviction = await self.checker.final(self.current, self.confirmed)
+                if conviction is None:
+                    break
+                await self.convicted(conviction)
 
     async def close(self) -> None:
         if self.checker is not None:

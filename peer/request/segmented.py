@@ -34,7 +34,7 @@ from tessera.store import events
 from tessera.peer.base.backoff import Failure
 from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
 from tessera.peer.request.chain import STEP_TIMEOUT_FLOOR, RouteSession
-from tessera.peer.request.chain_state import RequesterContext, StepSlot
+from tessera.peer.request.chain_state import RequesterContext, StepSlot, began_before
 from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.request.group import GroupSession
 from tessera.peer.request.ports import Replacement, RouteRun, Segment
@@ -122,11 +122,12 @@ class SegmentedSession:
     def hops(self) -> list[Hop]:
         return [h for s in self.segments for h in s.route_hops]
 
-    async def open(self) -> None:
-        """Open every segment. Raises SessionRefused or PeerFailed (nothing stays open)."""
+    async def open(self, *, began: float | None = None) -> None:
+        """Open every segment. Raises SessionRefused or PeerFailed (nothing stays open). `began`:
+        when (trio's clock) the answer this session carries began, traced with the open."""
         await open_segments(self.segments)
         self.ctx.nursery.start_soon(self._work)
-        self.ctx.tracer.emit(events.SessionOpen(session=self.session_id,
+        self.ctx.tracer.emit(events.SessionOpen(session=self.session_id, began_before=began_before(began),
                                                 route=[[h.peer_id, h.start, h.end] for h in self.route.hops],
                                                 segments=len(self.segments), max_length=self.max_length))
 

@@ -12,8 +12,9 @@ On a mismatch the suspicious step is recomputed with full outputs; a real
 difference (beyond the tolerance of the two peers' dtypes) goes to a tie-break
 against a third peer. The peer the other two disagree with is banned, a signed
 report with every party's attested output is recorded and shared, and — if it
-is in the route — the session fails over, replaying through to the end so that
-the caches after it are rebuilt from clean inputs too.
+is in the route — the session that owns the answer (`ResilientSession`, told by a
+`Conviction`) bans it and fails over, replaying through to the end so that the
+caches after it are rebuilt from clean inputs too.
 
 On a route with tensor-shard groups, every plain hop is checked as on any route
 (each run of plain hops is a chain segment with its own taps and attestations); a
@@ -27,6 +28,8 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Callable
+
 import torch
 
 from tessera.store import events
@@ -38,12 +41,12 @@ from tessera.protocol.fingerprint import (
 from tessera.protocol.messages import REPLY_FINGERPRINT, REPLY_FULL
 from tessera.protocol.tensors import decode_tensor, encode_tensor
 
-from tessera.peer.base.backoff import GUILTY_BAN, Failure
+from tessera.peer.base.backoff import GUILTY_BAN
 from tessera.peer.base.ids import peer_id_bytes
 from tessera.peer.base.errors import PeerError, PeerFailed
 from tessera.peer.request.chain_state import AttestedStep, HopState
 from tessera.peer.request.chain import RouteSession
-from tessera.peer.request.ports import CheckPolicy, Checkable, RepairPort, SwarmPort
+from tessera.peer.request.ports import CheckPolicy, Checkable, RouteRun, SwarmPort
 from tessera.peer.plan.routing import route
 from tessera.peer.plan.view import PeerInfo, SwarmView
 
@@ -82,6 +85,15 @@ class Verdict:
     detail: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Conviction:
+    """A peer proven to have returned wrong activations (reported and shared already): what the
+    checker hands the session that owns the answer, which bans it and repairs around it."""
+
+    peer: str
+    reason: str = "returned wrong activations"
+
+
 def peer_bytes(peer: str) -> bytes:
     return peer_id_bytes(peer)
 
@@ -89,9 +101,13 @@ def peer_bytes(peer: str) -> bytes:
 class SpotChecker:
     """Checks one generation's peers (see module docstring)."""
 
-    def __init__(self, swarm: SwarmPort, resilient: RepairPort, policy: CheckPolicy) -> None:
+    def __init__(self, swarm: SwarmPort, policy: CheckPolicy, *, max_length: int,
+                 admits: Callable[[str], bool] = lambda peer: True) -> None:
+        """`max_length`: the answer's capacity (a shadow session's); `admits`: whether the answer's
+        policy lets a peer see its activations (read at every check: a revocation counts at once)."""
         self.swarm = swarm
-        self.resilient = resilient
+        self.max_length = max_length
+        self.admits = admits
         self.policy = policy
         self.rng = random.Random(policy.seed)
         self.shadows: dict[tuple[int, int, str], Shadow] = {}
@@ -103,13 +119,11 @@ class SpotChecker:
 
     # -- when to check --------------------------------------------------------------------
 
-    def chains(self) -> list[Checkable]:
-        """The checkable parts of the current route (its runs of plain hops); the spans of the
-        others (tensor-shard groups) are recorded in `unchecked`."""
-        session = self.resilient.current
-        assert session is not None
+    def chains(self, run: RouteRun) -> list[Checkable]:
+        """The checkable parts of the route `run` carries (its runs of plain hops); the spans of
+        the others (tensor-shard groups) are recorded in `unchecked`."""
         chains = []
-        for segment in session.segments:
+        for segment in run.segments:
             chain = segment.checkable()
             if chain is None:
                 self.unchecked[segment.span] = GROUP_UNCHECKED
@@ -117,23 +131,30 @@ class SpotChecker:
                 chains.append(chain)
         return chains
 
-    async def after_step(self, end_pos: int) -> None:
-        """With probability `rate`, check one hop — one that some other peer can check."""
+    async def after_step(self, run: RouteRun, end_pos: int) -> Conviction | None:
+        """With probability `rate`, check one hop of `run` — one that some other peer can check.
+        Returns the peer the check convicted, if any."""
         if self.rng.random() >= self.policy.rate:
-            return
-        hops = [(chain, hop) for chain in self.chains() for hop in chain.hops]
+            return None
+        hops = [(chain, hop) for chain in self.chains(run) for hop in chain.hops]
         self.rng.shuffle(hops)
         for chain, hop in hops:
-            if await self.check(chain, hop, end_pos):
-                return
+            checked, convicted = await self.check(chain, hop, end_pos)
+            if checked:
+                return convicted
+        return None
 
-    async def final(self, end_pos: int) -> None:
-        """Compare what no check has covered yet, for every hop (at the session's end)."""
+    async def final(self, run: RouteRun, end_pos: int) -> Conviction | None:
+        """Compare what no check has covered yet, hop by hop (at the session's end), until a
+        check convicts a peer (returned: the caller repairs, then asks again)."""
         if end_pos == 0:
-            return
-        for chain, hop in [(chain, hop) for chain in self.chains() for hop in list(chain.hops)]:
+            return None
+        for chain, hop in [(chain, hop) for chain in self.chains(run) for hop in list(chain.hops)]:
             if not any(k[0] == hop.hop.start and k[1] == hop.hop.end and s.upto >= end_pos for k, s in self.shadows.items()):
-                await self.check(chain, hop, end_pos)
+                _, convicted = await self.check(chain, hop, end_pos)
+                if convicted is not None:
+                    return convicted
+        return None
 
     # -- checking -------------------------------------------------------------------------
 
@@ -155,7 +176,7 @@ class SpotChecker:
             p for p in view.peers
             if p.routable and p.shard_count == 1 and p.start <= start and end <= p.end
             and p.peer_id not in {suspect, *exclude, *banned} and PRECISION.get(p.dtype, 1) >= want
-            and self.resilient.policy.admits(p.peer_id)  # a checker sees the activations too
+            and self.admits(p.peer_id)  # a checker sees the activations too
             and p.model_id == model
         ]
 
@@ -182,7 +203,7 @@ class SpotChecker:
                        start=start, end=end, source=self.swarm.peer_id)
         if not chosen.ok:
             return None
-        session = RouteSession(self.swarm.ctx, chosen, max_length=self.resilient.max_length, keep_history=False)
+        session = RouteSession(self.swarm.ctx, chosen, max_length=self.max_length, keep_history=False)
         try:
             await session.open()
         except PeerError:
@@ -202,17 +223,18 @@ class SpotChecker:
             self.fingerprint_bytes += len(out)
         return step, out
 
-    async def check(self, session: Checkable, hop: HopState, end_pos: int) -> bool:
-        """Compare `hop`'s outputs up to `end_pos` with a checker's; False if it could not be checked.
-        `session`: the chain of plain hops `hop` belongs to (its history holds both ends)."""
+    async def check(self, session: Checkable, hop: HopState, end_pos: int) -> tuple[bool, Conviction | None]:
+        """Compare `hop`'s outputs up to `end_pos` with a checker's: (whether it could be checked,
+        the peer convicted). `session`: the chain of plain hops `hop` belongs to (its history
+        holds both ends)."""
         start, end = hop.hop.start, hop.hop.end
         if not self.checkable_now(hop):
-            return False  # no independent peer serves this span now
+            return False, None  # no independent peer serves this span now
         if not (await session.wait_known(start, end_pos) and await session.wait_known(end, end_pos)):
-            return False  # the taps to compare with never came; the failover machinery deals with that peer
+            return False, None  # the taps to compare with never came; the failover machinery deals with that peer
         shadow = await self.shadow_for(start, end, hop.peer)
         if shadow is None:
-            return False  # no independent peer serves this span now
+            return False, None  # no independent peer serves this span now
         self.checks += 1
         begin = min(shadow.upto, end_pos)
         inputs = session.history.at(start).upto(end_pos)
@@ -221,15 +243,16 @@ class SpotChecker:
         except PeerFailed as failure:
             self.swarm.ctx.tracer.emit(events.Error(remote=failure.peer, check="checker failed", reason=failure.reason[:200]))
             self.shadows.pop((start, end, shadow.checker), None)
-            return False
+            return False, None
         ours = fingerprint_bytes(session.history.at(end).upto(end_pos)[begin:end_pos])
         tol = tolerance(self.view_dtype(hop.peer), shadow.dtype, end - start)
         agree = rows_agree(theirs, ours, tol)
         self.rows_compared += int(agree.numel())
-        if not bool(agree.all()):
-            first_bad = begin + int((~agree).nonzero()[0])
-            await self.investigate(session, start, end, first_bad, end_pos, shadow, tol)
-        return True
+        if bool(agree.all()):
+            return True, None
+        first_bad = begin + int((~agree).nonzero()[0])
+        verdict = await self.investigate(session, start, end, first_bad, end_pos, shadow, tol)
+        return True, Conviction(verdict.guilty) if verdict is not None and verdict.guilty is not None else None
 
     # -- a mismatch -----------------------------------------------------------------------
 
@@ -240,17 +263,20 @@ class SpotChecker:
         return covering[-1] if covering else None
 
     async def investigate(self, session: Checkable, start: int, end: int, position: int, end_pos: int,
-                          shadow: Shadow, tol: float) -> None:
+                          shadow: Shadow, tol: float) -> Verdict | None:
+        """Recompute a mismatch in full and, if it holds, put it to a third peer; the verdict
+        (None: nothing to judge). A peer found guilty is reported and shared here; banning it
+        and repairing around it is the caller's."""
         step = self.producer(session, end, position)
         if step is None or step.start != start:
-            return  # produced under an earlier route with other cuts; a later check of that span covers it
+            return None  # produced under an earlier route with other cuts; a later check of that span covers it
         rows = slice(step.start_pos, step.start_pos + step.n_tokens)
         inputs = session.history.at(start).upto(end_pos)[rows]
         accused_rows = session.history.at(end).upto(end_pos)[rows]
         await self.go_back(session, shadow, start, end, step.start_pos)
         checker_step, checker_rows = await self.recompute(shadow, inputs, step.start_pos, reply=REPLY_FULL)
         if bool(full_rows_agree(checker_rows, accused_rows, tol).all()):
-            return  # the fingerprints differed by an honest boundary swap
+            return None  # the fingerprints differed by an honest boundary swap
         tie = await self.shadow_for(start, end, step.peer, exclude={shadow.checker})
         detail = {"span": [start, end], "positions": [rows.start, rows.stop], "tolerance": tol,
                   "accused_vs_checker": float(row_differences(accused_rows, checker_rows).max())}
@@ -285,6 +311,7 @@ class SpotChecker:
                         verdict.detail["tie_breaker"], shadow.checker if verdict.guilty == step.peer else step.peer,
                         GUILTY_BAN / 3600)
         self.swarm.ctx.tracer.emit(events.Misbehaviour(session=session.session_id, remote=verdict.guilty, **verdict.detail))
+        return verdict
 
     async def go_back(self, session: Checkable, shadow: Shadow, start: int, end: int, position: int) -> None:
         """Ready `shadow` for a step written at `position`, behind what it holds. A KV cache goes back
@@ -301,22 +328,20 @@ class SpotChecker:
 
     async def convict(self, session: Checkable, guilty: str, step: AttestedStep, inputs: torch.Tensor,
                       parties: dict[str, tuple[torch.Tensor, AttestedStep | None]]) -> None:
-        self.resilient.ban(guilty, "returned wrong activations", failure=Failure.LIED)
-        report = self.build_report(guilty, step, inputs, parties)
+        """Report `guilty` with every party's attestation, and share the report."""
+        report = self.build_report(guilty, step, inputs, parties, session)
         if report is not None:
             await self.swarm.publish_report(report)
-        if self.resilient.uses(guilty):
-            await self.resilient.repair(PeerFailed(guilty, "returned wrong activations", Failure.LIED),
-                                        self.resilient.confirmed, through_end=True)
 
     def build_report(self, guilty: str, step: AttestedStep, inputs: torch.Tensor,
-                     parties: dict[str, tuple[torch.Tensor, AttestedStep | None]]) -> MisbehaviourReport | None:
+                     parties: dict[str, tuple[torch.Tensor, AttestedStep | None]],
+                     session: Checkable) -> MisbehaviourReport | None:
         witnesses = []
         for peer, (rows, attested) in parties.items():
             if attested is None or attested.inputs_hash != sha256(encode_tensor(inputs.contiguous())):
                 return None  # a party's attestation is missing or for other inputs: no verifiable report
             encoded = encode_tensor(rows.contiguous())
-            witnesses.append(Witness(peer_bytes(peer), attested_session(self, attested), attested.step,
+            witnesses.append(Witness(peer_bytes(peer), attested_session(self, attested, session), attested.step,
                                      attested.outputs_hash, attested.attestation, fingerprint_bytes(rows),
                                      self.view_dtype(peer), encoded if len(encoded) <= MAX_ROWS else b""))
         accused = next(w for w in witnesses if w.peer_id == peer_bytes(guilty))
@@ -339,16 +364,13 @@ class SpotChecker:
                 "unchecked": [{"span": list(span), "why": why} for span, why in sorted(self.unchecked.items())]}
 
 
-def attested_session(checker: SpotChecker, step: AttestedStep) -> bytes:
-    """The session id an attested step belongs to (a shadow, or the chain of the route that
-    computed it: the session id its peer signed)."""
+def attested_session(checker: SpotChecker, step: AttestedStep, chain: Checkable) -> bytes:
+    """The session id an attested step belongs to (a shadow, or `chain`, the chain of the route
+    that computed it: the session id its peer signed)."""
     for shadow in checker.shadows.values():
         if any(step in h.attested for h in shadow.session.hops):
             return shadow.session.session_id
-    for chain in checker.chains():
-        if step in chain.retired_attestations or any(step in h.attested for h in chain.hops):
-            return chain.session_id
-    return checker.resilient.current.session_id  # type: ignore[union-attr]
+    return chain.session_id
 
 
 def judge_report(body: ReportBody) -> bool:
@@ -383,4 +405,4 @@ def judge_report(body: ReportBody) -> bool:
     return all(differ(body.accused, w) for w in body.witnesses) and not differ(w1, w2)
 
 
-__all__ = ["CheckPolicy", "DEFAULT_SPOT_CHECKS", "SpotChecker", "judge_report", "Verdict"]
+__all__ = ["CheckPolicy", "Conviction", "DEFAULT_SPOT_CHECKS", "SpotChecker", "judge_report", "Verdict"]

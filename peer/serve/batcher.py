@@ -17,7 +17,10 @@ When to dispatch (the budget, `BatchBudget`):
 - When members of the last batch are still missing (their requesters are
   sampling, or their bytes are on the wire), wait for them at most `max_wait`,
   then go with what is here. A late session costs the others at most that.
-- At most `max_rows` rows a batch. A decode is one row, a speculative block a few,
+- At most `max_rows` rows a batch, taken in the order `order` gives (a stable sort of the
+  queue: the server's puts the steps of the requester served least recently first,
+  peer/serve/load.py, so one requester's many sessions cannot fill every batch while
+  others wait). A decode is one row, a speculative block a few,
   a prompt many: steps join while their rows fit, and a prompt longer than the
   budget runs alone. Mixing short prefills with decodes costs the decoders
   nothing they would not pay anyway (the compute is serial: they would wait for
@@ -31,7 +34,7 @@ the session that started it is cancelled meanwhile; its result is then dropped.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Generic, Hashable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Generic, Hashable, Sequence, TypeVar
 
 import trio
 
@@ -94,10 +97,15 @@ class StepBatcher(Generic[Job, Outcome]):
     """
 
     def __init__(
-        self, run: Callable[[list[Job]], Awaitable[Sequence[Outcome | BaseException]]], budget: BatchBudget
+        self, run: Callable[[list[Job]], Awaitable[Sequence[Outcome | BaseException]]], budget: BatchBudget,
+        *, order: Callable[[Job], Any] | None = None, taken: Callable[[Job], None] | None = None,
     ) -> None:
+        """`order(job)`: the key the queue is sorted by (stably) before a batch is taken (None:
+        arrival order); `taken(job)`: told of every job a batch takes, as it is taken."""
         self.run = run
         self.budget = budget
+        self.order = order
+        self.taken = taken
         self.pending: list[_Slot[Job, Outcome]] = []
         self.busy = False  # a batch is being collected or computed
         self.regulars: set[Hashable] = set()  # who was in the last batch: the company to expect
@@ -163,16 +171,21 @@ class StepBatcher(Generic[Job, Outcome]):
         return not self.regulars <= {slot.key for slot in self.pending}
 
     def _take(self) -> list[_Slot[Job, Outcome]]:
-        """The queued steps in arrival order while their rows fit (the first always: a step
-        bigger than the budget runs alone). Whoever dispatches goes on until its own step ran."""
-        batch, rows = [self.pending[0]], self.pending[0].rows
-        for slot in self.pending[1:]:
+        """The queued steps in `order` (stable: arrival order among equals) while their rows fit
+        (the first always: a step bigger than the budget runs alone). Whoever dispatches goes on
+        until its own step ran."""
+        queue = self.pending if self.order is None else sorted(self.pending, key=lambda slot: self.order(slot.job))
+        batch, rows = [queue[0]], queue[0].rows
+        for slot in queue[1:]:
             if rows + slot.rows <= self.budget.max_rows:
                 batch.append(slot)
                 rows += slot.rows
         taken = set(map(id, batch))
         self.pending = [slot for slot in self.pending if id(slot) not in taken]
         self.regulars = {slot.key for slot in batch}
+        if self.taken is not None:
+            for slot in batch:
+                self.taken(slot.job)
         self.stats.batches += 1
         self.stats.steps += len(batch)
         self.stats.largest = max(self.stats.largest, len(batch))

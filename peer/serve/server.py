@@ -33,7 +33,8 @@ from tessera.protocol.admission import LINK_FRAME_LIMIT, OPEN_FRAME_LIMIT, has_w
 from tessera.protocol.errors import WireError
 from tessera.protocol.keys import Identity
 from tessera.protocol.messages import (
-    Cancel, ErrorMsg, Forward, LinkHello, Relink, SessionAccept, SessionClose, SessionOpen, SessionRevoke,
+    Cancel, ErrorMsg, Forward, LinkHello, LoadReport, QueueNotice, Relink, SessionAccept, SessionClose, SessionOpen,
+    SessionRevoke,
 )
 from tessera.protocol.shards import ShardOpen
 from tessera.protocol.tensors import DEFAULT_LIMITS, TensorLimits
@@ -52,8 +53,9 @@ from tessera.protocol.error_codes import (
 from tessera.peer.serve.admission import Admission, Limits, Refused
 from tessera.peer.serve.limits import LINK_WAIT, OPEN_TIMEOUT, REAPER_INTERVAL, ServerLimits, ServerStats
 from tessera.peer.serve.batcher import BatchBudget, BatchInterrupted, StepBatcher
+from tessera.peer.serve.load import NOTICE_WAIT, ComputeQueue
 from tessera.peer.base.protocols import LINK_PROTOCOL, SESSION_PROTOCOL
-from tessera.peer.base.quick import QuickLock, send_quick, wait_set
+from tessera.peer.base.quick import send_quick, wait_set
 from tessera.peer.base.threads import in_worker
 from tessera.peer.net.intake import RETRY_AFTER as NO_ROOM_RETRY_AFTER, NoRoom, Ticket
 from tessera.peer.net.transport import Channel, Stream, Transport, receive_link_hello
@@ -83,6 +85,9 @@ class StageServer:
     # What `admit` builds for a session; a tensor-shard peer's server builds its own kind
     # (peer/serve/shard_server.py).
     session_class: type[ServedSession] = ServedSession
+    # Whether steps take turns at the compute (`queue`); a tensor-shard rank's do not
+    # (peer/serve/shard_server.py says why).
+    exclusive_compute = True
 
     def __init__(
         self,
@@ -104,7 +109,10 @@ class StageServer:
         self.tensor_limits = tensor_limits
         self.sessions: dict[bytes, ServedSession] = {}
         self.session_added = trio.Event()
-        self.compute_lock = QuickLock()
+        # The steps waiting for the compute, served fairly among requesters; it says where a step
+        # is and how long it will wait (peer/serve/load.py).
+        self.queue = ComputeQueue()
+        self._queued: dict[tuple[bytes, int], object] = {}  # a batched step's place in `queue`
         self.accepting = True
         self.leaving = False  # the peer is leaving the swarm: opens are refused as LEAVING, not DRAINING
         self.stats = ServerStats()
@@ -114,7 +122,8 @@ class StageServer:
         # swaps in a cost model that advances trio's MockClock.
         self.run_compute: Callable[[Callable[[], object]], Awaitable[object]] = in_worker
         # Steps of different sessions queued together run as one stacked forward (peer/serve/batcher.py).
-        self.batcher = StepBatcher(self._run_batch, BatchBudget(self.limits.batch_rows, self.limits.batch_wait))
+        self.batcher = StepBatcher(self._run_batch, BatchBudget(self.limits.batch_rows, self.limits.batch_wait),
+                                   order=self._batch_order, taken=self._batch_taken)
         self.emptied = trio.Event()
         self.running = trio.Event()  # cleared while the operator has paused compute
         self.running.set()
@@ -128,7 +137,20 @@ class StageServer:
 
     @property
     def load(self) -> float:
-        return len(self.sessions) / max(self.limits.max_sessions, 1)
+        """The share of session slots a newcomer could not have now (what the record advertises):
+        sessions held idle past their grace are room, not load (admission.py `Admission.held`)."""
+        return self.admission.held(self.admission.clock()) / max(self.limits.max_sessions, 1)
+
+    def load_report(self, *, to: ServedSession | None = None) -> LoadReport:
+        """How busy this peer is now, as its answers say it (peer/serve/load.py); `to`: the session
+        being accepted, whose own prompt is no wait for it."""
+        queue = self.queue
+        # prompts on their way: sessions admitted that have not sent their first step
+        pending = sum(1 for s in self.sessions.values() if not s.stepped and not s.inflight and s is not to)
+        wait = queue.expected_wait(pending=pending)
+        return LoadReport(sessions=self.admission.held(self.admission.clock()), max_sessions=self.limits.max_sessions,
+                          waiting_opens=len(self.admission.waiting), steps_waiting=queue.steps_waiting(),
+                          wait=round(min(wait, 3600.0), 3))
 
     def kv_in_use(self) -> int:
         """KV bytes charged to the open sessions: what their caches have grown to."""
@@ -326,7 +348,7 @@ class StageServer:
                 ticket.release()  # admitted: no longer a stranger's stream
                 channel.on_frame = None
                 await session.connect_next(self)
-                await channel.send(SessionAccept(msg.session_id, msg.max_length))
+                await channel.send(SessionAccept(msg.session_id, msg.max_length, load=self.load_report(to=session)))
             return session
         except Refused as refusal:
             code, message, retry_after = refusal.code, str(refusal), refusal.retry_after
@@ -347,7 +369,9 @@ class StageServer:
                       *, retry_after: float | None = None) -> None:
         try:
             with trio.move_on_after(OPEN_TIMEOUT):
-                await channel.send(ErrorMsg(code, message[:1000], session_id, retry_after))
+                # a refusal for lack of room says how full this peer is, as well as when to come back
+                load = self.load_report() if code == BUSY else None
+                await channel.send(ErrorMsg(code, message[:1000], session_id, retry_after, load))
                 await channel.close()
         except PeerError:
             pass  # the requester is gone; nothing left to tell it
@@ -507,12 +531,28 @@ class StageServer:
 
     async def _compute_step(self, session: ServedSession, msg: Forward) -> None:
         await wait_set(self.running)
+        units = msg.n_tokens * (session.end - session.start)
+        if session.steps == 0:
+            self.queue.first_step(units)
         try:
             if self.batching:
-                frames, seconds, batch = await self.batcher.submit(session.session_id, (session, msg), msg.n_tokens)
+                frames, seconds, batch = await self._batched(session, msg, units)
+            elif not self.exclusive_compute:
+                frames, seconds = await self.run_compute(lambda: session.compute(self, msg))
+                batch = 1
             else:
-                async with self.compute_lock:
+                told = False
+
+                async def queued(ahead: int, wait: float) -> None:
+                    nonlocal told
+                    told = await self._notice(session, QueueNotice(session.session_id, msg.step, False, ahead, wait))
+
+                async with self.queue.turn(session.requester, units, queued=queued) as turn:
+                    if told or self.queue.clock() - turn.entered >= NOTICE_WAIT:
+                        # it waited: its deadline counts from now (peer/request/chain.py)
+                        await self._notice(session, QueueNotice(session.session_id, msg.step, True))
                     frames, seconds = await self.run_compute(lambda: session.compute(self, msg))
+                self.queue.measured(units, seconds)
                 batch = 1
         except (WireError, StageError, BatchInterrupted) as bad:
             code = BAD_FRAME if isinstance(bad, WireError) else COMPUTE_FAILED
@@ -573,12 +613,45 @@ class StageServer:
         that can (a tensor-shard rank or a simulated stage runs each step alone)."""
         return self.limits.batch_rows > 1 and isinstance(self.stage, Stage)
 
+    async def _batched(self, session: ServedSession, msg: Forward, units: int) -> tuple[list[object], float, int]:
+        """A step through the batcher, counted in the queue (a batch takes it in the queue's
+        order); its requester is told when it must wait (its start is not told: the batch that
+        takes it is formed by another task)."""
+        key = (session.session_id, msg.step)
+        waiter = self._queued[key] = self.queue.enter(session.requester, units)
+        try:
+            ahead, wait = self.queue.wait_for(session.requester, before=waiter)
+            if wait >= NOTICE_WAIT:
+                await self._notice(session, QueueNotice(session.session_id, msg.step, False, ahead, wait))
+            return await self.batcher.submit(session.session_id, (session, msg), msg.n_tokens)
+        finally:
+            self._queued.pop(key, None)
+            self.queue.finish(waiter) if waiter not in self.queue.waiting else self.queue.leave(waiter)
+
+    def _batch_order(self, job: tuple[ServedSession, Forward]) -> tuple[int, int]:
+        waiter = self._queued.get((job[0].session_id, job[1].step))
+        return self.queue.order_key(job[0].requester, waiter.arrival if waiter is not None else 0)
+
+    def _batch_taken(self, job: tuple[ServedSession, Forward]) -> None:
+        waiter = self._queued.get((job[0].session_id, job[1].step))
+        if waiter is not None:
+            self.queue.start(waiter)
+
     async def _run_batch(self, jobs: list[tuple[ServedSession, Forward]]) -> list[object]:
         """The batcher's compute: one stacked forward in a worker thread; per job (frames,
-        seconds of the batch, batch size) or that job's own error."""
-        async with self.compute_lock:
-            outcomes, seconds = await self.run_compute(lambda: compute_batch(self, jobs))
+        seconds of the batch, batch size) or that job's own error. (One batch at a time: the
+        batcher dispatches one.)"""
+        outcomes, seconds = await self.run_compute(lambda: compute_batch(self, jobs))
+        self.queue.measured(sum(job[1].n_tokens * (job[0].end - job[0].start) for job in jobs), seconds)
         return [o if isinstance(o, Exception) else (o, seconds, len(jobs)) for o in outcomes]
+
+    async def _notice(self, session: ServedSession, notice: QueueNotice) -> bool:
+        """Tell a session's requester where its step is in the queue; False if it could not be told."""
+        try:
+            await session.control.send(notice)
+        except PeerError:
+            return False  # the requester is gone; its session ends when the control reader notices
+        return True
 
     async def _error(self, session: ServedSession, code: str, message: str, *,
                      retry_after: float | None = None) -> None:

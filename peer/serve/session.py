@@ -74,6 +74,7 @@ class ServedSession:
     opened_at: float = 0.0  # trio time when admitted: its pace so far (peer/serve/leaving.py) is measured from it
     stepped: bool = False
     inflight: int = 0
+    longest_gap: float = 0.0  # the longest it went between steps (admission.py: it protects it that much longer)
     kv_positions: int = 0
     kv_bytes: int = 0
     frame_limit: int = 0  # largest frame its streams may carry (protocol/admission.py session_frame_limit)

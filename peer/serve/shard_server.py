@@ -11,7 +11,7 @@ three differences:
   `ShardedStage` with network collectives; every step's audit (what this rank held,
   every collective it joined) becomes one trace event of kind "audit"
   (`peer/plan/audit.py` checks them).
-- Steps do not take the server-wide compute lock: a rank blocked in a collective of
+- Steps do not take turns at the server's compute queue: a rank blocked in a collective of
   session A while holding it would deadlock against a rank that took session B
   first. Sessions' steps are independent (own KV cache, read-only weights), and
   within a session they stay in order (one worker per session).
@@ -19,7 +19,6 @@ three differences:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -101,13 +100,13 @@ class ShardServer(StageServer):
     """Serves rank `stage.index` of group `group` (see module docstring)."""
 
     session_class = ShardServedSession
+    exclusive_compute = False  # see module docstring
 
     def __init__(self, *args, group: str, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self.stage, ShardedStage):
             raise TypeError("a ShardServer serves a ShardedStage")
         self.group = group
-        self.compute_lock = contextlib.nullcontext()  # type: ignore[assignment]  # see module docstring
         self.transport.set_handler(SESSION_PROTOCOL, self.refuse_plain)
         self.transport.set_handler(SHARD_SESSION_PROTOCOL, self.handle_shard_session)
         self.transport.set_handler(SHARD_LINK_PROTOCOL, self.handle_shard_link)

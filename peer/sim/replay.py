@@ -25,7 +25,8 @@ replay is the first recorded event. What is taken from them, per event class
 - `Leave` (peer): a graceful leave. A peer that falls silent for longer than
   `SILENT_GONE_S` before the trace ends, without a leave, is replayed as killed.
 - `SessionOpen` with a ``route`` (requester): a request, at the earliest event of
-  its session anywhere; the route it took live.
+  its session anywhere, or when its answer began if that was earlier (``began_before``: a
+  route wait, peers pinged for their load before the open); the route it took live.
 - `Result` (requester): the prompt length is the first result's ``n_tokens``
   (at ``start_pos`` 0); the number of tokens is one more than the last decoded
   position minus the prompt (a failover's replay step re-covers positions
@@ -121,6 +122,9 @@ def from_trace(paths: Sequence[Path | str], *, until: float | None = None) -> Sc
     requests, requesters = [], []
     opens = [(e, e.event) for e in events if isinstance(e.event, SessionOpen) and e.event.route is not None]
     arrival_of = {s: min(x.t for x in evs) for s, evs in by_session.items()}
+    for e, opened in opens:  # an answer began before its session's first event (a route wait, load pings)
+        if opened.began_before is not None:
+            arrival_of[opened.session] = min(arrival_of[opened.session], e.t - opened.began_before)
     for e, opened in sorted(opens, key=lambda o: (arrival_of[o[1].session], o[0].peer, o[1].session)):
         session = by_session[opened.session]
         mine = [x for x in session if x.peer == e.peer]

@@ -25,7 +25,7 @@ from tessera.peer.request.client import RequesterModel, Swarm
 from tessera.peer.request.repair import ResilientSession
 from tessera.peer.sim.report import TIMEOUT, classify_failure
 from tessera.peer.sim.scenario import RequestPlan
-from tessera.peer.sim.world import World
+from tessera.peer.sim.world import World, derive_seed, node_rng
 
 # The constant every simulated hidden state holds (any finite value passes the checks).
 HIDDEN_FILL = 0.5
@@ -43,6 +43,10 @@ class SimRequester:
             tracer=world.tracer(transport.peer_id), clock=trio.current_time, ban_clock=trio.current_time,
             keeper=world.new_keeper(), gossip=world.view_mode == "gossip", reports=False,
             refresh_interval=world.timings.requester_refresh,
+            # its routing draws (peer/plan/cost.py Spread) follow from the seed: a run re-takes its routes
+            route_seed=int.from_bytes(derive_seed(world.seed, "routes", label)[:8], "big"),
+            # and its gossip partners (it dials the peers it asks for their load: more to draw from)
+            gossip_rng=node_rng(world.seed, "requester-gossip", label),
         )
         self._hidden: dict[int, torch.Tensor] = {}
 

@@ -24,6 +24,7 @@ from tessera.peer.request.policy import RequesterPolicy
 from tessera.peer.base.errors import NoRoute, PeerFailed, SessionRefused, StreamClosed
 from tessera.peer.request import repair
 from tessera.peer.request.failures import error_failure, refusal_failure, reported_failure
+from tessera.peer.request.loads import LoadBook
 from tessera.peer.request.repair import MAX_OPEN_ATTEMPTS, MAX_REPAIRS_PER_STEP, Pending, ResilientSession
 
 
@@ -73,8 +74,9 @@ class _Swarm:
         self.policy = RequesterPolicy()
         self.bans = Bans()
         self.clock = lambda: self.now
-        self.ctx = SimpleNamespace(tracer=NullTracer())
+        self.ctx = SimpleNamespace(tracer=NullTracer(), loads=LoadBook(self.clock))  # loads: what peers said
         self.keeper = SimpleNamespace(snapshot=lambda: SwarmView(4, ()))
+        self.draw = lambda: None  # routing's spread: none here
 
 
 def test_strikes_survive_from_one_answer_to_the_next() -> None:
@@ -190,13 +192,15 @@ async def test_an_open_gives_up_after_max_failed_routes_and_a_refusal_is_skipped
     tried: list[int] = []
 
     class Attempt:
-        async def open(self) -> None:
+        segments = ()  # nothing said of any queue
+
+        async def open(self, *, began=None) -> None:
             tried.append(len(tried))
             if outcomes[tried[-1]] is not None:
                 raise outcomes[tried[-1]]
 
-    async def wait_for_route(wait, *, policy):
-        return None
+    async def wait_for_route(wait, *, policy, spread, paroled):
+        return SimpleNamespace(hops=())
 
     swarm.wait_for_route = wait_for_route
     monkeypatch.setattr(repair, "session_for", lambda ctx, route, *, max_length: Attempt())

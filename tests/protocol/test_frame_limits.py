@@ -19,9 +19,9 @@ from tessera.protocol.codec import encode
 from tessera.protocol.framing import encode_frame
 from tessera.protocol.messages import LinkHello
 from tessera.protocol.records import (
-    GOSSIP_FRAME_LIMIT, HEARTBEAT_FRAME_LIMIT, LINK_BYE, MAX_GOSSIP_RECORDS, MAX_PEER_ID_SIZE, MAX_RANGE_DEPTH,
-    MAX_RANGE_VERSIONS, MAX_RECORD_SIZE, MAX_TURN_RANGES, RANGE_HASH_SIZE, Departure, GossipPush, Heartbeat,
-    RangeDigest, SignedRecord, Version, ViewTurn,
+    GOSSIP_FRAME_LIMIT, HEARTBEAT_FRAME_LIMIT, LINK_BYE, MAX_GOSSIP_RECORDS, MAX_LOAD_COUNT, MAX_LOAD_WAIT,
+    MAX_PEER_ID_SIZE, MAX_RANGE_DEPTH, MAX_RANGE_VERSIONS, MAX_RECORD_SIZE, MAX_TURN_RANGES, RANGE_HASH_SIZE, Departure,
+    GossipPush, Heartbeat, LoadReport, RangeDigest, SignedRecord, Version, ViewTurn,
 )
 from tessera.protocol.schema import INT64_MAX
 from tessera.protocol.weights import (
@@ -44,7 +44,8 @@ def largest_view_turn() -> ViewTurn:
 
 CASES = {
     "link hello": (LINK_FRAME_LIMIT, [LinkHello(b"s" * 16, 2 ** 31 - 1)]),
-    "ping": (HEARTBEAT_FRAME_LIMIT, [Heartbeat(INT64_MAX, FAR)]),
+    "ping": (HEARTBEAT_FRAME_LIMIT, [Heartbeat(INT64_MAX, FAR),  # a probe, and an echo with its load
+                                     Heartbeat(INT64_MAX, FAR, LoadReport(*(MAX_LOAD_COUNT,) * 4, MAX_LOAD_WAIT * (1 - 1e-16)))]),
     "gossip": (GOSSIP_FRAME_LIMIT, [largest_view_turn(),
                                     GossipPush((SignedRecord(b"r" * MAX_RECORD_SIZE, b"k" * 32, b"s" * 64),)
                                                * MAX_GOSSIP_RECORDS)]),

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
 from tessera.peer.net.memory_stream import LinkSpec
+from tessera.peer.net.pinger import Pinger
 from tessera.peer.request.client import Swarm
 from tessera.peer.serve.server import StageServer
 from tessera.peer.serve.shard_server import ShardServer
@@ -107,6 +108,7 @@ async def memory_swarm(stack: AsyncExitStack, folder: Path, plans: list[PeerPlan
         else:
             server = StageServer(transport, identity, load_stage(folder, start=plan.start, end=plan.end))
             server.run_compute = inline
+        Pinger(transport, load=server.load_report)  # a peer answers pings with its load, as a PeerNode does
         now = time.time()
         records[plan.name] = (sign_record(identity, PeerRecord(
             peer_id=identity.peer_id, name=plan.name, model_id=model_id, start=plan.start, end=plan.end,
@@ -120,7 +122,8 @@ async def memory_swarm(stack: AsyncExitStack, folder: Path, plans: list[PeerPlan
     nursery = await stack.enter_async_context(trio.open_nursery())
     stack.callback(nursery.cancel_scope.cancel)  # runs first on exit: background closes may still wait
     tracer = MemoryTracer(peer="requester")
-    swarm = Swarm(transport, nursery, folder=folder, identity=me, tracer=tracer)
+    # routes spread by a seeded draw (peer/plan/cost.py Spread): the same in every run
+    swarm = Swarm(transport, nursery, folder=folder, identity=me, tracer=tracer, route_seed=1)
     swarm.keeper.merge([record for name, record in records.items() if name not in held_back])
 
     async def embed(tokens):

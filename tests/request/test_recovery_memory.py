@@ -28,7 +28,7 @@ PLANS = [
     PeerPlan("p0", 0, 1, 4000.0), PeerPlan("p1", 1, 2, 4000.0), PeerPlan("p2", 2, 3, 4000.0),
     PeerPlan("p3", 3, 4, 4000.0),
     PeerPlan("q1", 1, 2, 2000.0), PeerPlan("q2", 2, 3, 2000.0),  # the first replicas
-    PeerPlan("r1", 1, 2, 1000.0),  # a second replica of layer 1
+    PeerPlan("r1", 1, 2, 250.0),  # a second replica of layer 1, slower by far: chosen only when q1 is out
 ]
 
 

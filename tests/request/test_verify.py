@@ -128,8 +128,11 @@ async def test_a_cheating_peer_is_caught_in_almost_every_session(decisive_model,
             swarm.bans.clear()  # each session starts afresh (the cheater advertises the best speed,
             swarm.reports.reports.clear()  # so routes go through it until it is caught)
             info: dict = {}
+            # through the cheater: routing spreads answers among chains of nearly the same price
+            # (peer/plan/cost.py Spread), and these differ by far less than a round trip
             out = await swarm.complete_ids(prompt, max_new_tokens=TOKENS, info=info,
-                                           spot_check=CheckPolicy(rate=CHECK_RATE, seed=n))
+                                           spot_check=CheckPolicy(rate=CHECK_RATE, seed=n),
+                                           policy=RequesterPolicy(prefer=frozenset({ids[1]})))
             verdicts = info["checks"]["verdicts"]
             rewinds += info.get("rewinds", 0)
             caught += any(v["guilty"] == ids[1] for v in verdicts)

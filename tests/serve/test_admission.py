@@ -24,7 +24,7 @@ from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.request.chain import RouteSession
 from tessera.peer.request.chain_state import RequesterContext
 from tessera.peer.serve.admission import (
-    ADMIT_WAIT, IDLE_GRACE, RETRY_MIN, SHORT_WAIT, Admission, Limits, Refused, _Waiter,
+    ADMIT_WAIT, GRACE_CAP, IDLE_GRACE, RETRY_MIN, SHORT_WAIT, Admission, Limits, Refused, _Waiter,
 )
 from tessera.peer.serve.limits import ServerLimits
 from tessera.peer.serve.server import StageServer
@@ -226,6 +226,7 @@ class Held:
     stepped: bool = True
     inflight: int = 0
     closed: bool = False
+    longest_gap: float = 0.0
 
 
 class Host:
@@ -273,6 +274,39 @@ def test_a_session_with_a_step_in_flight_is_never_reclaimed() -> None:
     admission = Admission(host, Limits(max_sessions=1, max_sessions_per_requester=1, kv_budget=100))
     assert not admission.make_room(1, now=1000.0, asker="b")
     assert host.reclaimed == [] and admission.protected_until(running) == math.inf
+
+
+def test_a_session_in_use_at_its_own_pace_is_protected_for_twice_its_longest_gap() -> None:
+    """A session whose steps come 8 s apart (they wait in other peers' queues upstream) is in use:
+    protected twice its longest gap after its last step, never more than GRACE_CAP; and a
+    requester whose sessions here waited 9 s for their first step has that much longer a grace
+    for its next one's. One that never stepped keeps IDLE_GRACE (the guarantee against idle holders)."""
+    now = [0.0]
+    host = Host()
+    admission = Admission(host, Limits(max_sessions=4, max_sessions_per_requester=4, kv_budget=100),
+                          clock=lambda: now[0])
+    admission.requester("r").work = True
+    slow = host.add(Held("r", stepped=False))
+    admission.opened(slow)
+    for t in (9.0, 17.0, 25.0):  # its first step 9 s after it opened, then one every 8 s
+        now[0] = t
+        slow.inflight = 1
+        admission.stepped(slow)
+        slow.inflight = 0
+        admission.stepped(slow)
+    assert slow.longest_gap == 8.0 and admission.protected_until(slow) == 25.0 + 16.0
+    assert not admission.make_room(1, now=25.0 + 15.0, asker="x") or host.reclaimed == []
+    slow.longest_gap = 100.0
+    assert admission.protected_until(slow) == 25.0 + GRACE_CAP
+    assert admission.requesters["r"].first_wait == 9.0
+    now[0] = 30.0
+    fresh = host.add(Held("r", stepped=False))
+    admission.opened(fresh)  # it stepped since its last grace: a new one, of twice its first wait
+    assert admission.protected_until(fresh) == 30.0 + 18.0
+    idle = host.add(Held("q", stepped=False))
+    admission.requester("q").work = True
+    admission.opened(idle)
+    assert admission.protected_until(idle) == 30.0 + IDLE_GRACE
 
 
 def test_an_open_may_fill_the_kv_budget_exactly_and_growth_reclaims_all_it_needs() -> None:

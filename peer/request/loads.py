@@ -1,0 +1,87 @@
+"""What peers have told this requester of their load, and how much of it still holds.
+
+A peer's record changes its `load` only when it crosses a band (peer/net/gossip.py
+`material`), so between records a requester learns of a peer's load from what already
+flows between them (peer/serve/load.py): the echo of its pings, the accept of each session
+it opens there, a refusal for lack of room, and the notice that a step of its is queued.
+`LoadBook` keeps the latest of these per peer with when it came, and gives routing what
+holds now (`reported`): the load as said, and the wait less the time since (the queue drains
+at the peer's speed; a wait said 3 s ago of 5 s is 2 s now). A report older than REPORT_TTL
+is dropped: the record's load is then the best there is.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from tessera.protocol.records import LoadReport
+
+from tessera.peer.plan.cost import Reported
+
+# How long a peer's word about its load is used. A busy peer's queue turns over in a few of
+# its steps (seconds on a CPU: peer/serve/load.py); after 30 s — a route wait, and ten of a
+# requester's refreshes — what it said is history, and its record (re-signed when its load
+# crosses a band) is the better guess.
+REPORT_TTL = 30.0
+# A peer's word younger than this is fresh: an open does not ping it first (`LoadBook.stale`). A
+# requester pings the peers it is connected to every refresh (2 s: peer/request/client.py), so
+# a peer it uses is fresh; one it has not heard from lately is asked before its answer goes there.
+FRESH = 2.0
+# Waits are rounded to this (ms) before routing sees them, and loads to 1/LOAD_STEPS: routes
+# are memoised per view and what routing reads (peer/request/client.py `Swarm.plan`), and
+# differences this small never change a route worth having.
+WAIT_ROUNDING_MS = 50.0
+LOAD_STEPS = 32
+
+
+class LoadBook:
+    """The latest load report of each peer, on `clock` (see the module docstring)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.heard: dict[str, tuple[float, LoadReport]] = {}
+
+    def report(self, peer: str, report: LoadReport | None) -> None:
+        """`peer` said `report` (None: said nothing)."""
+        if report is not None:
+            self.heard[peer] = (self.clock(), report)
+
+    def queued(self, peer: str, wait: float) -> None:
+        """`peer` said a step of ours waits `wait` seconds in its queue: its wait, at least."""
+        now = self.clock()
+        said = self.heard.get(peer)
+        if said is None:
+            self.heard[peer] = (now, LoadReport(sessions=0, max_sessions=0, wait=wait))
+        else:
+            at, report = said
+            left = max(0.0, report.wait - (now - at))
+            if wait > left:
+                self.heard[peer] = (now, LoadReport(report.sessions, report.max_sessions, report.waiting_opens,
+                                                    report.steps_waiting, wait))
+
+    def stale(self, peers: list[str] | tuple[str, ...]) -> list[str]:
+        """Those of `peers` not heard from in the last FRESH seconds."""
+        now = self.clock()
+        return [p for p in peers if p not in self.heard or now - self.heard[p][0] > FRESH]
+
+    def reported(self) -> dict[str, Reported]:
+        """What routing prices now, per peer whose word still holds (rounded: see WAIT_ROUNDING_MS)."""
+        now = self.clock()
+        out: dict[str, Reported] = {}
+        stale = []
+        for peer, (at, report) in self.heard.items():
+            age = now - at
+            if age > REPORT_TTL:
+                stale.append(peer)
+                continue
+            load = report.sessions / report.max_sessions if report.max_sessions > 0 else 0.0
+            wait_ms = round(max(0.0, report.wait - age) * 1000.0 / WAIT_ROUNDING_MS) * WAIT_ROUNDING_MS
+            load = round(load * LOAD_STEPS) / LOAD_STEPS
+            if load > 0 or wait_ms > 0:
+                out[peer] = Reported(load, wait_ms)
+        for peer in stale:
+            del self.heard[peer]
+        return out
+
+
+__all__ = ["LoadBook", "REPORT_TTL", "FRESH"]

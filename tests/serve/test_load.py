@@ -1,0 +1,214 @@
+"""A busy peer (peer/serve/load.py, admission.py `held`): its compute queue is fair among
+requester identities, it says where a step is in it (and a requester counts the step's deadline
+from the start it says), and the load it reports travels with answers that flow anyway — a
+session's accept, a refusal, a ping's echo — counting what a newcomer could not have, never
+sessions held idle past their grace. Real StageServers over the in-memory transport, on trio's
+MockClock; the queue alone first."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+
+import pytest
+import torch
+import trio
+
+from tessera.peer.base.errors import SessionRefused
+from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
+from tessera.peer.net.memory_stream import LinkSpec
+from tessera.peer.net.pinger import Pinger
+from tessera.peer.request.chain import RouteSession
+from tessera.peer.serve.admission import IDLE_GRACE
+from tessera.peer.serve.limits import ServerLimits
+from tessera.peer.serve.load import NOTICE_WAIT, ComputeQueue
+from tessera.peer.serve.server import StageServer
+from tessera.protocol.error_codes import BUSY
+from tessera.protocol.keys import Identity
+from tessera.stages.assembly.stage import load_stage
+
+from .test_admission import Requesters, inline, pid
+
+# -- the queue alone ----------------------------------------------------------------------------
+
+
+async def test_the_queue_serves_requesters_in_turn_not_sessions_in_arrival_order(autojump_clock) -> None:
+    """Requester A queues eight steps, then B one: B's step runs second, not ninth (each identity
+    waiting gets a turn in its turn, whatever number of sessions it holds)."""
+    queue = ComputeQueue()
+    order: list[str] = []
+
+    async def step(requester: str, tag: str) -> None:
+        async with queue.turn(requester, 10.0):
+            order.append(tag)
+            await trio.sleep(1.0)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(8):
+            nursery.start_soon(step, "A", f"A{i}")
+            await trio.sleep(0.01)
+        nursery.start_soon(step, "B", "B0")
+    assert order == ["A0", "B0", *(f"A{i}" for i in range(1, 8))]  # A0 held the compute when B asked
+
+
+async def test_the_queue_says_how_long_a_step_will_wait(autojump_clock) -> None:
+    """The wait is the work ahead at the measured speed: what runs now, then one step of every
+    other requester waiting (a newcomer's fair share) or everything before a queued step; a step
+    that must wait at least NOTICE_WAIT is told so before it waits (and never one that need not)."""
+    queue = ComputeQueue()
+    queue.measured(100.0, 1.0)  # 10 ms a token-layer
+    told: list[tuple[str, int, float]] = []
+    started = trio.Event()
+
+    async def step(requester: str, units: float, tag: str) -> None:
+        async def queued(ahead: int, wait: float) -> None:
+            told.append((tag, ahead, wait))
+
+        async with queue.turn(requester, units, queued=queued):
+            started.set()
+            await trio.sleep(units * 0.01)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(step, "A", 300.0, "A0")  # 3 s
+        await started.wait()
+        nursery.start_soon(step, "A", 200.0, "A1")
+        nursery.start_soon(step, "B", 50.0, "B0")
+        await trio.sleep(0.5)
+        ahead, wait = queue.wait_for("C")  # a newcomer: A0's rest, then A1 and B0 once each
+        assert ahead == 3 and wait == pytest.approx(2.5 + 2.0 + 0.5)
+        ahead, wait = queue.wait_for("A")  # A's own next step waits for everything queued
+        assert ahead == 3 and wait == pytest.approx(2.5 + 2.0 + 0.5)
+        assert queue.expected_wait() == pytest.approx(5.0)
+        assert queue.expected_wait(pending=2) == pytest.approx(5.0)  # no first step seen yet: no size to guess
+        queue.first_step(100.0)
+        assert queue.expected_wait(pending=2) == pytest.approx(5.0 + 2 * 1.0)
+    said = {tag: (ahead, wait) for tag, ahead, wait in told}
+    assert set(said) == {"A1", "B0"} and all(w >= NOTICE_WAIT for _, w in said.values())
+    assert said["B0"] == (1, pytest.approx(3.0))  # behind A0 only: its fair place is before A1
+    assert said["A1"][1] >= 3.0
+    assert queue.recent_wait > 0  # steps did wait: a report says so after the queue has emptied
+    assert queue.steps_waiting() == 0 and not queue.waiting
+
+
+async def test_a_cancelled_waiter_leaves_and_the_next_gets_the_turn(autojump_clock) -> None:
+    queue = ComputeQueue()
+    order: list[str] = []
+
+    async def step(tag: str) -> None:
+        async with queue.turn(tag, 1.0):
+            order.append(tag)
+            await trio.sleep(1.0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(step, "a")
+        await trio.sleep(0.1)
+        nursery.start_soon(step, "b")
+        async with trio.open_nursery() as inner:
+            inner.start_soon(step, "c")
+            await trio.sleep(0.1)
+            cancelled = trio.CancelScope()
+
+            async def doomed() -> None:
+                with cancelled:
+                    await step("d")
+
+            inner.start_soon(doomed)
+            await trio.sleep(0.1)
+            cancelled.cancel()
+    assert "d" not in order and order[0] == "a" and set(order) == {"a", "b", "c"}
+    assert queue.running is None and not queue.waiting
+
+
+# -- a real server, a real requester ------------------------------------------------------------
+
+
+async def test_load_travels_with_accepts_refusals_and_pings_and_idle_sessions_are_room(tiny_llama, autojump_clock):
+    """An accept says the load (the session just admitted counts), a refusal for lack of room
+    says how full (and when to come back), a ping's echo says it too; sessions held idle past
+    their grace count as room in every report and in the record's load (four identities holding
+    idle sessions once made a peer look busy to the very requester whose open would reclaim them)."""
+    stage = load_stage(tiny_llama)
+    network = MemoryNetwork(LinkSpec(latency=0.001, bandwidth=1e9))
+    peer = Identity.from_seed(b"\x21" * 32)
+    async with AsyncExitStack() as stack:
+        tp = await stack.enter_async_context(open_memory_transport(network, pid(peer)))
+        server = StageServer(tp, peer, stage, limits=ServerLimits(max_sessions=2, batch_rows=1))
+        server.run_compute = inline
+        Pinger(tp, load=server.load_report)  # what a serving node's pinger answers with
+        people = Requesters(network, pid(peer), stage.spec)
+        ctx = [await stack.enter_async_context(people.requester(Identity.from_seed(bytes([0x30 + i]) * 32)))
+               for i in range(3)]
+        first = RouteSession(ctx[0], people.route, max_length=64)
+        await first.open()
+        said = first.hops[0].accepted
+        assert said is not None and (said.sessions, said.max_sessions) == (1, 2)
+        assert ctx[0].loads.heard[pid(peer)][1] == said  # routing hears it (peer/request/loads.py)
+        second = RouteSession(ctx[1], people.route, max_length=64)
+        await second.open()
+        assert server.load == 1.0
+
+        async def keep_stepping(session: RouteSession) -> None:  # in use: nothing to reclaim
+            for pos in range(40):
+                await session.step(torch.randn(1, stage.spec.hidden_size), pos)
+                await trio.sleep(0.1)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(keep_stepping, first)
+            nursery.start_soon(keep_stepping, second)
+            await trio.sleep(0.05)
+            with pytest.raises(SessionRefused) as refused:
+                await RouteSession(ctx[2], people.route, max_length=64).open()
+        assert refused.value.code == BUSY and refused.value.retry_after is not None
+        full = ctx[2].loads.heard[pid(peer)][1]
+        assert (full.sessions, full.max_sessions) == (2, 2)
+        heard = []
+        pinger = Pinger(ctx[2].transport, on_load=lambda p, load: heard.append((p, load)))
+        await pinger.ping(pid(peer))
+        assert heard and heard[0][0] == pid(peer) and heard[0][1].sessions == 2
+        await trio.sleep(IDLE_GRACE + 1)  # neither session steps now: both idle past their grace
+        assert len(server.sessions) == 2 and server.load == 0.0 and server.load_report().sessions == 0
+        third = RouteSession(ctx[2], people.route, max_length=64)
+        await third.open()  # the open reclaims one: they were room, as the report said
+        assert server.stats.reclaimed == 1
+        for session in (first, second, third):
+            await session.close()
+
+
+async def test_a_step_queued_behind_others_is_not_a_time_out(tiny_llama, autojump_clock):
+    """A's long step holds the compute for 100 s; B's one-token step waits behind it, far past its
+    own deadline (5 s + 10 x its estimate). The peer says where B's step is, and when it starts:
+    B's deadline counts from the start, so B's answer comes, exactly, with no failure."""
+    stage = load_stage(tiny_llama)
+    spec = stage.spec
+    network = MemoryNetwork(LinkSpec(latency=0.001, bandwidth=1e9))
+    peer = Identity.from_seed(b"\x22" * 32)
+    durations = [1.0, 100.0, 1.0]  # A's first step, A's long one, B's: the compute runs them in this order
+
+    async def modelled(fn):
+        frames, _ = fn()
+        seconds = durations.pop(0)
+        await trio.sleep(seconds)
+        return frames, seconds
+
+    async with AsyncExitStack() as stack:
+        tp = await stack.enter_async_context(open_memory_transport(network, pid(peer)))
+        server = StageServer(tp, peer, stage, limits=ServerLimits(max_sessions=4, batch_rows=1))
+        server.run_compute = modelled
+        people = Requesters(network, pid(peer), spec)
+        a_ctx = await stack.enter_async_context(people.requester(Identity.from_seed(b"\x41" * 32)))
+        b_ctx = await stack.enter_async_context(people.requester(Identity.from_seed(b"\x42" * 32)))
+        a, b = RouteSession(a_ctx, people.route, max_length=256), RouteSession(b_ctx, people.route, max_length=256)
+        await a.open()
+        await b.open()
+        inputs = torch.randn(65, spec.hidden_size, generator=torch.Generator().manual_seed(3))
+        await a.step(inputs[:1], 0)  # the peer measures its speed
+        assert b.step_timeout(1) < 100.0
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.step, inputs[1:61], 1)
+            await trio.sleep(0.5)
+            began = trio.current_time()
+            out = await b.step(inputs[61:62], 0)
+            assert trio.current_time() - began > b.step_timeout(1)  # it waited longer than its own deadline
+    solo = load_stage(tiny_llama)
+    solo.open("ref", capacity=8)
+    torch.testing.assert_close(out, solo.forward("ref", inputs[61:62], 0), rtol=0, atol=1e-5)
+    assert b_ctx.loads.heard[pid(peer)][1].wait > 50  # and routing heard how long the queue was
