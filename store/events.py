@@ -286,7 +286,7 @@ class Misbehaviour(TraceEvent):
     """A spot check's verdict on `remote` (None: nobody convicted). `decided`: how ("by a
     tie-breaker", "by recomputing locally": peer/request/dispute.py); `convicted`: every peer
     convicted (both sides, when a recomputation finds both wrong); `recomputed_vs`: [[peer,
-    largest difference from the requester's recomputation], ...]; an undecided dispute has
+    largest difference from the requester's recomputation], ...] and `duration` what it took; an undecided dispute has
     `outcome` "undecided", `why`, and the `disputed` pair."""
 
     kind: ClassVar[str] = "misbehaviour"
@@ -305,6 +305,7 @@ class Misbehaviour(TraceEvent):
     recomputed_vs: JSONList | None = None
     why: str | None = None
     disputed: JSONList | None = None
+    duration: float | None = None  # seconds a local recomputation took (fetching the span's weights included)
 
 
 @dataclass(frozen=True)

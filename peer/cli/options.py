@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -137,7 +138,8 @@ def span_weights_from(args: argparse.Namespace, folder):
     if mib is not None and mib < 0:
         raise ConfigError(f"--dispute-memory must be 0 or more MiB, got {mib!r}")
     budget = DISPUTE_MEMORY if mib is None else mib << 20
-    return (OnDemandSpans(folder) if budget > 0 else None), budget
+    spans = OnDemandSpans(folder, out=lambda line: print(line, file=sys.stderr, flush=True)) if budget > 0 else None
+    return spans, budget
 
 
 def spot_check_from(args: argparse.Namespace):

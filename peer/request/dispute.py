@@ -35,6 +35,7 @@ What is decided is pure (`rule`, `Dispute`); the orchestration (`settle`) only g
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
@@ -109,6 +110,7 @@ class Ruling:
     decided: str | None = None
     why: str | None = None
     differences: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0  # what deciding it took: loading (or fetching) the span's weights and recomputing
 
     @property
     def settled(self) -> bool:
@@ -161,6 +163,7 @@ async def settle(dispute: Dispute, weights: SpanWeights | None, *, transport: Tr
     n_layers = dispute.end - dispute.start
     room = budget - kv_bytes(n_layers, dispute.stop, hidden_size)
     stage: Stage | None = None
+    began = time.perf_counter()
     try:
         with trio.fail_after(SETTLE_TIMEOUT):
             stage = await weights.load(transport, dispute.start, dispute.end, holders, budget=room)
@@ -176,7 +179,7 @@ async def settle(dispute: Dispute, weights: SpanWeights | None, *, transport: Tr
     differences = {dispute.accused: float(row_differences(accused_rows.float(), ours).max()),
                    dispute.checker: float(row_differences(checker_rows.float(), ours).max())}
     return Ruling(dispute, rule(dispute, accused_agrees, checker_agrees), decided=BY_RECOMPUTING,
-                  differences=differences)
+                  differences=differences, seconds=time.perf_counter() - began)
 
 
 __all__ = ["BY_RECOMPUTING", "BY_TIE_BREAKER", "DISPUTE_MEMORY", "Dispute", "Ruling", "SETTLE_TIMEOUT", "SpanWeights",

@@ -332,8 +332,9 @@ class SpotChecker:
         for guilty in verdict.convicted:
             # what an operator looks for first: who, which layers, by how much, and how it was decided
             how = (f"a tie-breaker, peer {detail.get('tie_breaker')}, sides against it" if verdict.detail["decided"] == BY_TIE_BREAKER
-                   else "decided by recomputing locally: this requester's own computation of those layers differs "
-                        f"from its rows by up to {dict(verdict.detail['recomputed_vs'])[guilty]:.3g}")
+                   else f"decided by recomputing locally in {verdict.detail['duration']:.1f} s: this requester's own "
+                        f"computation of those layers differs from its rows by up to "
+                        f"{dict(verdict.detail['recomputed_vs'])[guilty]:.3g}")
             shared = "reported" if verdict.detail["decided"] == BY_TIE_BREAKER else "not reported (no third witness)"
             log.warning("spot check: peer %s returned wrong activations for layers [%d, %d) at positions [%d, %d) "
                         "(route peer %s and checker %s differ by up to %.3g, tolerance %.3g; %s): banned for %.0f h, %s",
@@ -376,7 +377,8 @@ class SpotChecker:
                                   "disputed": [dispute.accused, dispute.checker]}, undecided=ruling.undecided_words())
         guilty = ruling.guilty[0] if ruling.guilty else None
         return Verdict(guilty, {**detail, "decided": ruling.decided, "convicted": list(ruling.guilty),
-                                "recomputed_vs": [[p, d] for p, d in ruling.differences.items()]},
+                                "recomputed_vs": [[p, d] for p, d in ruling.differences.items()],
+                                "duration": round(ruling.seconds, 3)},
                        convicted=ruling.guilty)
 
     def drop_shadows(self, peer: str) -> None:

@@ -30,7 +30,7 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from tessera.stages.assembly.stage import load_stage
 from tessera.stages.engine.stage import Stage
@@ -63,10 +63,13 @@ class OnDemandSpans:
     """Spans of the model in `folder`, loaded or fetched as asked (module docstring); the
     requester's `SpanWeights` (peer/request/dispute.py)."""
 
-    def __init__(self, folder: Path, *, model_id: str | None = None, label: str = "to settle a dispute") -> None:
-        """`model_id`: a bare folder's, if the caller computed it already (else it is hashed here)."""
+    def __init__(self, folder: Path, *, model_id: str | None = None, label: str = "to settle a dispute",
+                 out: Callable[[str], None] = lambda line: None) -> None:
+        """`model_id`: a bare folder's, if the caller computed it already (else it is hashed here);
+        `out` hears the fetch's progress lines (the command line prints them)."""
         self.folder = Path(folder)
         self.label = label
+        self.out = out
         # raises ModelFormatError when the manifest does not hash to its model id; None: a bare folder
         self.manifest = checked_manifest(self.folder) if (self.folder / MANIFEST).exists() else None
         # the unquantized id its weights are: what the disputing peers must advertise for a recomputation to judge them
@@ -90,7 +93,7 @@ class OnDemandSpans:
         with tempfile.TemporaryDirectory(prefix="tessera-span-") as scratch:
             folder = Path(scratch)
             await in_worker(lambda: self._prepare(folder))
-            fetcher = Fetcher(transport, folder, self.manifest, addrs=holders)
+            fetcher = Fetcher(transport, folder, self.manifest, addrs=holders, out=self.out)
             groups = {entry["group"] for entry in entries.values()}
             await fetcher.fetch_groups(list(holders), groups, label=f"layers [{start}, {end}) {self.label}")
             return await self._load_checked(folder, start, end)
