@@ -176,14 +176,30 @@ async def test_a_requester_fetches_the_span_from_holders_and_a_liar_cannot_feed_
             await OnDemandSpans(mine).load(requester, 2, 4, {"liar2": tuple(transport.addrs())}, budget=1 << 30)
 
 
-async def answer(model: Path, *, span_weights: bool, route_wait: float = 30.0):
+class NewcomerThenFail:
+    """SpanWeights that cannot get the weights — and, as it tries, a fourth peer `d` holding the
+    disputed span joins the requester's view (not a tie-breaker: it came too late for that)."""
+
+    def __init__(self, world, model: Path) -> None:
+        self.world = world
+        self.model_id = registry.model_id(model)
+
+    async def load(self, transport, start, end, holders, *, budget):
+        self.world.advertise("d")
+        raise WeightsUnavailable(f"no peer serves the weights of layers [{start}, {end})")
+
+
+async def answer(model: Path, *, span_weights: str, route_wait: float = 30.0):
     """An answer through peers a [0, 2), b [2, 4) (perturbs every output; preferred) and c [2, 4):
-    no third holder of [2, 4). Returns (tokens or the error, info, world)."""
+    no third holder of [2, 4) (`d` joins only with `span_weights` "newcomer"). Returns (tokens or
+    the error, info, world)."""
     async with AsyncExitStack() as stack:
         world = await memory_swarm(stack, model, [PeerPlan("a", 0, 2, 1000.0), PeerPlan("b", 2, 4, 2000.0),
-                                                  PeerPlan("c", 2, 4, 1000.0)])
+                                                  PeerPlan("c", 2, 4, 1000.0), PeerPlan("d", 2, 4, 1000.0)],
+                                   held_back=("d",))
         world.servers["b"].tamper = perturber(1.0, seed=0)
-        world.swarm.span_weights = OnDemandSpans(model) if span_weights else None
+        world.swarm.span_weights = {"local": OnDemandSpans(model), "none": None,
+                                    "newcomer": NewcomerThenFail(world, model)}[span_weights]
         info: dict = {}
         try:
             out = await world.swarm.complete_ids(PROMPT, max_new_tokens=TOKENS, info=info, route_wait=route_wait,
@@ -196,7 +212,7 @@ async def answer(model: Path, *, span_weights: bool, route_wait: float = 30.0):
 
 async def test_the_liar_among_two_holders_is_convicted_by_recomputing(model):
     reference = LocalEngine(model, device="cpu", dtype="float32").generate_ids(PROMPT, max_new_tokens=TOKENS)
-    out, info, world = await answer(model, span_weights=True)
+    out, info, world = await answer(model, span_weights="local")
     liar, honest = world.ids["b"], world.ids["c"]
     assert out == reference
     verdicts = [v for v in info["checks"]["verdicts"] if v.get("convicted")]
@@ -207,7 +223,7 @@ async def test_the_liar_among_two_holders_is_convicted_by_recomputing(model):
 
 
 async def test_undecided_with_no_other_holder_the_answer_ends_naming_both(model):
-    out, info, world = await answer(model, span_weights=False, route_wait=0.5)
+    out, info, world = await answer(model, span_weights="none", route_wait=0.5)
     liar, honest = world.ids["b"], world.ids["c"]
     assert isinstance(out, DisputeUndecided), out
     message = str(out)
@@ -215,3 +231,16 @@ async def test_undecided_with_no_other_holder_the_answer_ends_naming_both(model)
     assert "could not decide" in message and "no way to load" in message, message
     for peer in (liar, honest):
         assert world.swarm.bans.failure(peer) is Failure.DISPUTED
+
+
+async def test_undecided_the_answer_moves_to_another_holder_of_the_span(model):
+    reference = LocalEngine(model, device="cpu", dtype="float32").generate_ids(PROMPT, max_new_tokens=TOKENS)
+    out, info, world = await answer(model, span_weights="newcomer")
+    liar, honest, newcomer = world.ids["b"], world.ids["c"], world.ids["d"]
+    assert out == reference
+    undecided = [v for v in info["checks"]["verdicts"] if v.get("outcome") == "undecided"]
+    assert undecided and set(undecided[0]["disputed"]) == {liar, honest}, info["checks"]
+    assert "no peer serves the weights of layers [2, 4)" in undecided[0]["why"]
+    for peer in (liar, honest):
+        assert world.swarm.bans.failure(peer) is Failure.DISPUTED
+    assert [h["peer"] for h in info["route"] if h["start"] >= 2] == [newcomer]
