@@ -71,8 +71,9 @@ class SpanWeights(Protocol):
     """The weights of a span, loaded for a requester that must recompute it (a port: the
     implementation fetches, peer/weights/on_demand.py, which this layer may not import)."""
 
-    @property
-    def model_id(self) -> str | None: ...  # the (unquantized) model id its weights are checked against
+    async def model_id(self) -> str:
+        """The (unquantized) model id its weights are checked against. Raises ModelFormatError."""
+        ...
 
     async def load(self, transport: Transport, start: int, end: int, holders: Mapping[str, Sequence[str]], *,
                    budget: int) -> Stage:
@@ -157,9 +158,13 @@ async def settle(dispute: Dispute, weights: SpanWeights | None, *, transport: Tr
 
     if weights is None:
         return undecided("this requester has no way to load the model's weights")
-    if weights.model_id != model_id:
-        return undecided(f"the span is served as {model_id}, not the float weights {weights.model_id} this requester "
-                         "can load (a float recomputation of a quantized span differs by the quantization error)")
+    try:
+        ours = await weights.model_id()
+    except ModelFormatError as bad:
+        return undecided(str(bad))
+    if ours != model_id:
+        return undecided(f"the span is served as {model_id}, not the float weights {ours} this requester can load "
+                         "(a float recomputation of a quantized span differs by the quantization error)")
     n_layers = dispute.end - dispute.start
     room = budget - kv_bytes(n_layers, dispute.stop, hidden_size)
     stage: Stage | None = None
@@ -167,17 +172,17 @@ async def settle(dispute: Dispute, weights: SpanWeights | None, *, transport: Tr
     try:
         with trio.fail_after(SETTLE_TIMEOUT):
             stage = await weights.load(transport, dispute.start, dispute.end, holders, budget=room)
-            ours = await in_worker(lambda: recompute_rows(stage, inputs, dispute.first))
+            recomputed = await in_worker(lambda: recompute_rows(stage, inputs, dispute.first))
     except trio.TooSlowError:
         return undecided(f"fetching and recomputing the span took longer than {SETTLE_TIMEOUT:.0f} s")
     except (PeerError, ModelFormatError) as bad:
         return undecided(str(bad))
     finally:
         del stage  # the span's weights go as soon as the rows are computed
-    accused_agrees = bool(full_rows_agree(ours, accused_rows.float(), accused_tol).all())
-    checker_agrees = bool(full_rows_agree(ours, checker_rows.float(), checker_tol).all())
-    differences = {dispute.accused: float(row_differences(accused_rows.float(), ours).max()),
-                   dispute.checker: float(row_differences(checker_rows.float(), ours).max())}
+    accused_agrees = bool(full_rows_agree(recomputed, accused_rows.float(), accused_tol).all())
+    checker_agrees = bool(full_rows_agree(recomputed, checker_rows.float(), checker_tol).all())
+    differences = {dispute.accused: float(row_differences(accused_rows.float(), recomputed).max()),
+                   dispute.checker: float(row_differences(checker_rows.float(), recomputed).max())}
     return Ruling(dispute, rule(dispute, accused_agrees, checker_agrees), decided=BY_RECOMPUTING,
                   differences=differences, seconds=time.perf_counter() - began)
 

@@ -77,7 +77,7 @@ PRECISION = {"float32": 3, "float16": 2, "bfloat16": 1}  # higher = more exact
 GROUP_UNCHECKED = "a tensor-shard group: no one rank can be blamed for its output, and its ranks do not attest"
 CHECK_WAIT = 5.0  # seconds to wait for the taps a check compares against
 # Peers asked for a disputed span's weights (the fetch surveys each): those whose span overlaps
-# it, nearest first; a swarm's holders of one span are a handful, and each answer costs a dial.
+# it, the most overlap first; a swarm's holders of one span are a handful, and each costs a dial.
 MAX_WEIGHT_HOLDERS = 16
 
 
@@ -319,9 +319,10 @@ class SpotChecker:
             with_checker = bool(full_rows_agree(tie_rows, checker_rows, tie_tol).all())
             with_accused = bool(full_rows_agree(tie_rows, accused_rows, tie_tol).all())
             guilty = step.peer if with_checker and not with_accused else shadow.checker if with_accused and not with_checker else None
-            verdict = Verdict(guilty, {**detail, "decided": BY_TIE_BREAKER, "tie_breaker": tie.checker,
-                                       "tie_agrees_with_checker": with_checker, "tie_agrees_with_accused": with_accused},
-                              convicted=(guilty,) if guilty is not None else ())
+            convicted = (guilty,) if guilty is not None else ()
+            verdict = Verdict(guilty, {**detail, "decided": BY_TIE_BREAKER, "convicted": list(convicted),
+                                       "tie_breaker": tie.checker, "tie_agrees_with_checker": with_checker,
+                                       "tie_agrees_with_accused": with_accused}, convicted=convicted)
             if guilty is not None:
                 await self.convict(session, guilty, step, inputs, {
                     step.peer: (accused_rows, step),
@@ -331,7 +332,7 @@ class SpotChecker:
         self.verdicts.append(verdict)
         for guilty in verdict.convicted:
             # what an operator looks for first: who, which layers, by how much, and how it was decided
-            how = (f"a tie-breaker, peer {detail.get('tie_breaker')}, sides against it" if verdict.detail["decided"] == BY_TIE_BREAKER
+            how = (f"a tie-breaker, peer {verdict.detail['tie_breaker']}, sides against it" if verdict.detail["decided"] == BY_TIE_BREAKER
                    else f"decided by recomputing locally in {verdict.detail['duration']:.1f} s: this requester's own "
                         f"computation of those layers differs from its rows by up to "
                         f"{dict(verdict.detail['recomputed_vs'])[guilty]:.3g}")

@@ -63,22 +63,37 @@ class OnDemandSpans:
     """Spans of the model in `folder`, loaded or fetched as asked (module docstring); the
     requester's `SpanWeights` (peer/request/dispute.py)."""
 
-    def __init__(self, folder: Path, *, model_id: str | None = None, label: str = "to settle a dispute",
+    def __init__(self, folder: Path, *, label: str = "to settle a dispute",
                  out: Callable[[str], None] = lambda line: None) -> None:
-        """`model_id`: a bare folder's, if the caller computed it already (else it is hashed here);
-        `out` hears the fetch's progress lines (the command line prints them)."""
+        """`out` hears the fetch's progress lines (the command line prints them). Nothing is read
+        until a dispute asks: most answers have none."""
         self.folder = Path(folder)
         self.label = label
         self.out = out
-        # raises ModelFormatError when the manifest does not hash to its model id; None: a bare folder
-        self.manifest = checked_manifest(self.folder) if (self.folder / MANIFEST).exists() else None
-        # the unquantized id its weights are: what the disputing peers must advertise for a recomputation to judge them
-        self.model_id = str(self.manifest["model_id"]) if self.manifest is not None else model_id or registry_id(self.folder)
+        self.manifest: dict | None = None  # read and checked at the first dispute (None after: a bare folder)
+        self._model_id: str | None = None
+
+    def _read(self) -> str:
+        """The folder's model id, its manifest checked to hash to it (raises ModelFormatError); a
+        bare folder's id is computed from its bytes. Blocking: called in a worker, once."""
+        if self._model_id is None:
+            if (self.folder / MANIFEST).exists():
+                self.manifest = checked_manifest(self.folder)
+                self._model_id = str(self.manifest["model_id"])
+            else:
+                self._model_id = registry_id(self.folder)
+        return self._model_id
+
+    async def model_id(self) -> str:
+        """The (unquantized) id its weights are: what the disputing peers must advertise for a
+        recomputation to judge them. Raises ModelFormatError (a manifest that does not hash to its id)."""
+        return await in_worker(self._read)
 
     async def load(self, transport: Transport, start: int, end: int, holders: Mapping[str, Sequence[str]], *,
                    budget: int) -> Stage:
         """Layers [start, end) in float32, checked (module docstring). Raises OverBudget,
         WeightsUnavailable (no holder serves some chunk), DiskFull, WeightsMismatch, ModelFormatError."""
+        await self.model_id()
         if self.manifest is None:  # a bare folder holds every layer, and is its own reference
             return await in_worker(lambda: load_stage(self.folder, start=start, end=end))
         entries = span_tensors(self.manifest, start, end)

@@ -21,7 +21,7 @@ from tessera.peer.base.backoff import Failure
 from tessera.peer.base.errors import DisputeUndecided
 from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
 from tessera.peer.net.memory_stream import LinkSpec
-from tessera.peer.request.dispute import BY_RECOMPUTING, Dispute, recompute_rows, rule, settle
+from tessera.peer.request.dispute import BY_RECOMPUTING, Dispute, kv_bytes, recompute_rows, rule, settle
 from tessera.peer.request.policy import RequesterPolicy
 from tessera.peer.request.ports import CheckPolicy
 from tessera.peer.serve.faults import perturber
@@ -58,9 +58,12 @@ class Loaded:
 
     def __init__(self, folder: Path, *, fails: Exception | None = None) -> None:
         self.folder = folder
-        self.model_id = registry.model_id(folder)
+        self.id = registry.model_id(folder)
         self.fails = fails
         self.budgets: list[int] = []
+
+    async def model_id(self):
+        return self.id
 
     async def load(self, transport, start, end, holders, *, budget):
         self.budgets.append(budget)
@@ -91,7 +94,9 @@ async def test_a_recomputation_decides_each_way(model, case, guilty):
     _, honest, wrong = rows_of(model)
     accused = wrong if "accused" in guilty else honest
     checker = wrong + 0.5 * (wrong - honest) if "checker" in guilty else honest  # both wrong, and differently
-    ruling = await judge(model, Loaded(model), accused, checker)
+    weights = Loaded(model)
+    ruling = await judge(model, weights, accused, checker)
+    assert weights.budgets == [(1 << 30) - kv_bytes(2, 5, 64)]  # the KV cache of positions [0, 5) counts too
     assert ruling.settled and ruling.decided == BY_RECOMPUTING
     assert ruling.guilty == guilty
     for peer in ("accused", "checker"):
@@ -182,7 +187,10 @@ class NewcomerThenFail:
 
     def __init__(self, world, model: Path) -> None:
         self.world = world
-        self.model_id = registry.model_id(model)
+        self.id = registry.model_id(model)
+
+    async def model_id(self):
+        return self.id
 
     async def load(self, transport, start, end, holders, *, budget):
         self.world.advertise("d")
@@ -196,10 +204,10 @@ async def answer(model: Path, *, span_weights: str, route_wait: float = 30.0):
     async with AsyncExitStack() as stack:
         world = await memory_swarm(stack, model, [PeerPlan("a", 0, 2, 1000.0), PeerPlan("b", 2, 4, 2000.0),
                                                   PeerPlan("c", 2, 4, 1000.0), PeerPlan("d", 2, 4, 1000.0)],
-                                   held_back=("d",))
+                                   held_back=() if span_weights == "third holder" else ("d",))
         world.servers["b"].tamper = perturber(1.0, seed=0)
         world.swarm.span_weights = {"local": OnDemandSpans(model), "none": None,
-                                    "newcomer": NewcomerThenFail(world, model)}[span_weights]
+                                    "newcomer": NewcomerThenFail(world, model), "third holder": None}[span_weights]
         info: dict = {}
         try:
             out = await world.swarm.complete_ids(PROMPT, max_new_tokens=TOKENS, info=info, route_wait=route_wait,
@@ -244,3 +252,15 @@ async def test_undecided_the_answer_moves_to_another_holder_of_the_span(model):
     for peer in (liar, honest):
         assert world.swarm.bans.failure(peer) is Failure.DISPUTED
     assert [h["peer"] for h in info["route"] if h["start"] >= 2] == [newcomer]
+
+
+async def test_with_a_third_holder_the_verdict_names_the_tie_breaker(model, caplog):
+    out, info, world = await answer(model, span_weights="third holder")
+    liar = world.ids["b"]
+    decided = [v for v in info["checks"]["verdicts"] if v.get("convicted")]
+    assert decided and all(v["decided"] == "by a tie-breaker" and v["guilty"] == liar for v in decided)
+    lines = [r.getMessage() for r in caplog.records if "spot check: peer" in r.getMessage()]
+    tie_breaker = decided[0]["tie_breaker"]
+    assert tie_breaker in (world.ids["c"], world.ids["d"])
+    assert lines and f"a tie-breaker, peer {tie_breaker}, sides against it" in lines[0], lines
+    assert "None" not in lines[0] and lines[0].endswith("banned for 24 h, reported"), lines
