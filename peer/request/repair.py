@@ -344,12 +344,13 @@ class ResilientSession:
             return
         try:
             await self.repair(used[0], self.confirmed, through_end=True)  # one repair replaces every banned hop
-        except RouteLost as lost:
+        except (RouteLost, PeerFailed) as lost:  # no route around them, or none that held
             unproven = next((c for c in convictions if not c.proven), None)
             if unproven is None:
                 raise
             raise DisputeUndecided(f"{unproven.reason}; no other peer serves those layers, so the answer stops here "
-                                   f"rather than go on with either ({lost})", lost.missing) from None
+                                   f"rather than go on with either ({lost})",
+                                   lost.missing if isinstance(lost, RouteLost) else []) from None
 
     async def cancel(self, pending: "Pending") -> None:
         if self.current is not None and pending.epoch == self.epoch and pending.step is not None:
