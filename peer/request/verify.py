@@ -332,7 +332,9 @@ class SpotChecker:
         self.verdicts.append(verdict)
         for guilty in verdict.convicted:
             # what an operator looks for first: who, which layers, by how much, and how it was decided
-            how = (f"a tie-breaker, peer {verdict.detail['tie_breaker']}, sides against it" if verdict.detail["decided"] == BY_TIE_BREAKER
+            sided_with = shadow.checker if guilty == step.peer else step.peer
+            how = (f"a tie-breaker, peer {verdict.detail['tie_breaker']}, sides against it and agrees with {sided_with}"
+                   if verdict.detail["decided"] == BY_TIE_BREAKER
                    else f"decided by recomputing locally in {verdict.detail['duration']:.1f} s: this requester's own "
                         f"computation of those layers differs from its rows by up to "
                         f"{dict(verdict.detail['recomputed_vs'])[guilty]:.3g}")
