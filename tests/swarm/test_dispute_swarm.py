@@ -35,7 +35,7 @@ def test_the_liar_among_two_holders_is_banned_and_the_answer_is_local(tmp_path):
     model_id = registry.model_id(model)
     local = subprocess.run([*CLI, "--local", "--model", str(model)], capture_output=True, text=True, timeout=300)
     assert local.returncode == 0, local.stderr[-3000:]
-    expected = json.loads(local.stdout)["tokens"]
+    expected = json.loads(local.stdout.splitlines()[-1])["tokens"]  # the last JSON line: the whole answer
     (tmp_path / "peers").mkdir()
     (tmp_path / "requester-models").mkdir()  # the requester has no copy of the model
     args = [["--layers", "0:4"], ["--layers", "0:4", "--misbehave", "perturb:1"]]
@@ -52,7 +52,7 @@ def test_the_liar_among_two_holders_is_banned_and_the_answer_is_local(tmp_path):
     finally:
         peers.stop()
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout)
+    result = json.loads(done.stdout.splitlines()[-1])
     assert result["tokens"] == expected
     decided = [v for v in result["checks"]["verdicts"] if v.get("convicted")]
     assert decided and all(v["convicted"] == [liar] and v["decided"] == "by recomputing locally" for v in decided), \
