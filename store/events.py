@@ -283,7 +283,11 @@ class Parole(TraceEvent):
 
 @dataclass(frozen=True)
 class Misbehaviour(TraceEvent):
-    """A spot check's verdict on `remote` (None: no third peer could break the tie)."""
+    """A spot check's verdict on `remote` (None: nobody convicted). `decided`: how ("by a
+    tie-breaker", "by recomputing locally": peer/request/dispute.py); `convicted`: every peer
+    convicted (both sides, when a recomputation finds both wrong); `recomputed_vs`: [[peer,
+    largest difference from the requester's recomputation], ...] and `duration` what it took; an undecided dispute has
+    `outcome` "undecided", `why`, and the `disputed` pair."""
 
     kind: ClassVar[str] = "misbehaviour"
     session: SessionId
@@ -296,6 +300,12 @@ class Misbehaviour(TraceEvent):
     tie_breaker: str | None = None
     tie_agrees_with_checker: bool | None = None
     tie_agrees_with_accused: bool | None = None
+    decided: str | None = None
+    convicted: JSONList | None = None
+    recomputed_vs: JSONList | None = None
+    why: str | None = None
+    disputed: JSONList | None = None
+    duration: float | None = None  # seconds a local recomputation took (fetching the span's weights included)
 
 
 @dataclass(frozen=True)

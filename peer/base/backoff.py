@@ -14,11 +14,14 @@ Why a peer failed decides how long it is avoided and whether it may come back so
                 or stopped process, a vanished machine)           at most BAN_CAP           route exists
     REFUSED     it declined a session (busy, draining,            its retry-after, else     when the skip ends
                 leaving, no memory for it): not a failure         REFUSED_SKIP; no strike
+    DISPUTED    a spot check found it and another peer            BAN_BASE x 2^(k-1),       when the ban ends;
+                disagreeing, and nothing could tell which was     at most BAN_CAP           never paroled as
+                right (peer/request/dispute.py): both avoided                               the only cover
 
 k counts the peer's strikes, kept from one answer to the next (however well it served in
 between): a peer that keeps failing is avoided longer. A refusal is a peer doing its job.
 
-One parole for the only cover. A peer avoided for anything but a lie or a refusal that
+One parole for the only cover. A peer avoided for anything but a lie, a dispute or a refusal that
 covers layers no usable peer covers (the only cover of a span) is probed while a route is
 awaited, no sooner than SOLE_PAROLE_AFTER after it failed, and paroled once in that wait if it
 answers — whatever its ban says: without it the wait ends in failure for sure (a replacement
@@ -80,6 +83,7 @@ class Failure(StrEnum):
     DROPPED = "dropped"
     TIMED_OUT = "timed-out"
     REFUSED = "refused"
+    DISPUTED = "disputed"
 
 
 ROUTE_WAIT = 30.0
@@ -93,7 +97,8 @@ SOLE_PAROLE_AFTER = REFUSED_SKIP
 
 # The failures after which a peer may come back before its ban ends (it was gone, not wrong).
 COMEBACK = frozenset({Failure.DROPPED, Failure.TIMED_OUT})
-# The failures after which the only cover of a span may have one parole in a route wait.
+# The failures after which the only cover of a span may have one parole in a route wait (not a
+# dispute: paroling one side of an undecided dispute would go on, unverified, with that side).
 SOLE_PAROLE = frozenset({Failure.BROKE, Failure.DROPPED, Failure.TIMED_OUT})
 
 

@@ -29,6 +29,12 @@ class RouteLost(NoRoute):
     """A running session lost a peer and no other peer could take its layers (`missing`)."""
 
 
+class DisputeUndecided(RouteLost):
+    """Two peers disagreed on a span's activations, the requester could not tell which was right
+    (no third holder, and it could not recompute the span itself), and no other peer serves the
+    span: the answer stops rather than go on with either (peer/request/dispute.py)."""
+
+
 class SessionRefused(PeerError):
     """A peer answered a session request with an error message (code says why; for "busy",
     `retry_after` says in how many seconds it expects room, when it says)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -121,6 +122,24 @@ def add_spot_check_option(p: argparse.ArgumentParser) -> None:
                    help="fraction of steps at which another peer holding the same layers recomputes one hop, to "
                         f"catch a peer returning wrong activations (default {DEFAULT_SPOT_CHECK_RATE:g}, off with "
                         "a compact --wire; 0 = off)")
+    p.add_argument("--dispute-memory", type=int, default=None, metavar="MIB",
+                   help="memory this requester may spend deciding a dispute between the only two peers holding some "
+                        "layers, by fetching those layers' weights (checked against the manifest) and recomputing "
+                        "them itself (default 2048; 0 = never: such a dispute ends the answer unless another peer "
+                        "serves the layers)")
+
+
+def span_weights_from(args: argparse.Namespace, folder):
+    """What --dispute-memory asks for: (the requester's SpanWeights over its model `folder`, bytes)."""
+    from tessera.peer.request.dispute import DISPUTE_MEMORY
+    from tessera.peer.weights.on_demand import OnDemandSpans
+
+    mib = getattr(args, "dispute_memory", None)
+    if mib is not None and mib < 0:
+        raise ConfigError(f"--dispute-memory must be 0 or more MiB, got {mib!r}")
+    budget = DISPUTE_MEMORY if mib is None else mib << 20
+    spans = OnDemandSpans(folder, out=lambda line: print(line, file=sys.stderr, flush=True)) if budget > 0 else None
+    return spans, budget
 
 
 def spot_check_from(args: argparse.Namespace):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from tessera.peer.cli.config import add_config_options
 from tessera.peer.cli.options import (
     add_accept_mixed_option, add_join_options, add_policy_options, add_quant_options, add_record_trace_option,
-    add_spot_check_option, apply_threads, policy_from, quant_from, read_swarm_key, spot_check_from,
+    add_spot_check_option, apply_threads, policy_from, quant_from, read_swarm_key, span_weights_from, spot_check_from,
 )
 from tessera.peer.base.errors import ConfigError
 from tessera.peer.net.addresses import busy_port_error
@@ -147,8 +147,10 @@ async def _serve(args: argparse.Namespace, folder: Path, swarm_key: bytes | None
     from tessera.peer.http.web.server import hypercorn_config
     from tessera.peer.request.client import Swarm
 
+    span_weights, dispute_memory = span_weights_from(args, folder)
     async with Swarm.join(args.join, model=folder, swarm_key=swarm_key, policy=args.policy, tracer=tracer,
-                          quant=quant_from(args), accept_mixed=args.accept_mixed, spot_check=args.checks) as swarm:
+                          quant=quant_from(args), accept_mixed=args.accept_mixed, spot_check=args.checks,
+                          span_weights=span_weights, dispute_memory=dispute_memory) as swarm:
         gateway = Gateway(swarm, name=served_name(args.model), api_key=api_key, route_wait=args.route_wait,
                           max_concurrent=args.max_concurrent, default_max_tokens=args.default_max_tokens,
                           cors_origins=args.cors_origin, queue_wait=args.queue_wait, body_timeout=args.body_timeout)

@@ -15,7 +15,7 @@ from tessera.stages.text.tokenizer import TextStream
 from tessera.store.trace import TraceWriter
 
 from tessera.peer.cli.json_lines import JsonLines
-from tessera.peer.cli.options import apply_threads, quant_from, read_swarm_key
+from tessera.peer.cli.options import apply_threads, quant_from, read_swarm_key, span_weights_from
 from tessera.stages.decoding.sampling import Sampler
 from tessera.stages.decoding.mtp import MtpDrafter
 from tessera.stages.decoding.speculative import AdaptiveK, ModelDrafter, NgramDrafter
@@ -76,11 +76,12 @@ async def generate_through_swarm(args: argparse.Namespace, sampling: SamplingPar
 
 async def _generate(args: argparse.Namespace, sampling: SamplingParams, folder, swarm_key, emulation,
                     tracer: TraceWriter | None) -> GenerationResult:
+    span_weights, dispute_memory = span_weights_from(args, folder)
     async with Swarm.join(args.join, model=folder, swarm_key=swarm_key, tracer=tracer,
                           emulate_link=emulation, policy=args.policy, quant=quant_from(args),
                           accept_mixed=args.accept_mixed, dedicated=not args.no_dedicated,
                           compile=args.compile, spot_check=args.checks,
-                          wire=args.wire) as swarm:
+                          wire=args.wire, span_weights=span_weights, dispute_memory=dispute_memory) as swarm:
         swarm.on_route_wait = lambda line: print(line, file=sys.stderr, flush=True)
         ids = prompt_ids(swarm.tokenizer, args.prompt, raw=args.raw)
         speculation = speculation_from(args.speculate, args.draft_k, not args.no_pipeline, swarm, sampling,

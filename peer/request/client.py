@@ -54,6 +54,7 @@ from tessera.peer.net.libp2p import open_libp2p_transport
 from tessera.peer.request.decode import Speculation, plain_tokens, speculative_tokens
 from tessera.peer.request.reports import ReportBook
 from tessera.peer.request.verify import DEFAULT_SPOT_CHECKS, SpotChecker
+from tessera.peer.request.dispute import DISPUTE_MEMORY, SpanWeights
 from tessera.peer.base.backoff import COMEBACK, PROBE_INTERVAL, ROUTE_WAIT, SOLE_PAROLE, Bans, Failure
 from tessera.peer.base.threads import in_worker
 from tessera.peer.request.ports import CheckPolicy
@@ -150,6 +151,8 @@ class Swarm:
         route_seed: int | None = None,
         spread: float = SPREAD_WIDTH,
         gossip_rng: random.Random | None = None,
+        span_weights: SpanWeights | None = None,
+        dispute_memory: int = DISPUTE_MEMORY,
     ) -> None:
         """`model`, or the one in `folder` (loaded here, its head compiled as `compile` says); `clock` dates the view's records,
         `ban_clock` the bans. `keeper`: a view fed from elsewhere (then `gossip=False`: a
@@ -160,10 +163,15 @@ class Swarm:
         the default). `route_seed`: the seed of the stream routing's spread draws from (None: a
         random one); `spread`: how widely routing spreads answers among chains of nearly the same
         price (peer/plan/cost.py SPREAD_WIDTH; 0: always the cheapest chain, ties by peer id).
-        `gossip_rng`: what its gossip draws partners from (a simulation seeds it; None: a random one)."""
+        `gossip_rng`: what its gossip draws partners from (a simulation seeds it; None: a random one).
+        `span_weights`: how a dispute no third peer can break is decided here, by loading the
+        disputed span's weights and recomputing it (peer/request/dispute.py; None: such a
+        dispute stays undecided, and both peers are avoided); `dispute_memory`: the bytes that may take."""
         if wire not in WIRE_FORMS:
             raise ValueError(f"activation wire form {wire!r} is not one of {list(WIRE_FORMS)}")
         self.folder = folder
+        self.span_weights = span_weights
+        self.dispute_memory = dispute_memory
         # who may compute this requester's answers (peer/request/policy.py); a revocation adds to `deny`
         self.policy = policy or RequesterPolicy()
         # spot checks of every answer (peer/request/verify.py); off when None or at rate 0, and the
@@ -232,6 +240,8 @@ class Swarm:
         compile: str = "off",
         spot_check: CheckPolicy | None = DEFAULT_SPOT_CHECKS,
         wire: str = "",
+        span_weights: SpanWeights | None = None,
+        dispute_memory: int = DISPUTE_MEMORY,
     ) -> AsyncIterator["Swarm"]:
         """Join the swarm reachable at `addrs` as a requester (serving nothing).
 
@@ -247,6 +257,7 @@ class Swarm:
         `compile`: --compile for the requester's head (off by default: a one-answer requester would
         spend longer compiling than it saves).
         `spot_check`: how answers are checked (peer/request/verify.py; None: not at all).
+        `span_weights`, `dispute_memory`: how a dispute between two holders is decided (as `Swarm`'s).
         """
         folder = registry.resolve(model)
         identity = Identity.from_seed(seed) if seed else Identity.generate()
@@ -257,7 +268,7 @@ class Swarm:
                 swarm = await in_worker(
                     lambda: Swarm(transport, nursery, folder=folder, identity=identity, tracer=tracer, policy=policy,
                                   quant=quant, accept_mixed=accept_mixed, compile=compile, spot_check=spot_check,
-                                  wire=wire)
+                                  wire=wire, span_weights=span_weights, dispute_memory=dispute_memory)
                 )
                 await swarm.connect(addrs, swarm_key_given=swarm_key is not None)
                 nursery.start_soon(swarm.refresh_forever)

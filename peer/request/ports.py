@@ -38,6 +38,7 @@ from tessera.peer.net.gossip import ViewKeeper
 from tessera.peer.plan.cost import Spread
 from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.plan.view import SwarmView
+from tessera.peer.request.dispute import SpanWeights
 from tessera.peer.request.chain_state import AttestedStep, HopState, RequesterContext, StepSlot
 from tessera.peer.request.history import RouteHistory
 from tessera.peer.request.policy import RequesterPolicy
@@ -62,6 +63,8 @@ class SwarmPort(Protocol):
     bans: Bans  # who this requester avoids, why, and until when on `clock`; kept across answers
     policy: RequesterPolicy  # who may compute this requester's answers
     clock: Callable[[], float]  # the clock `bans` runs on
+    span_weights: SpanWeights | None  # loads a disputed span's weights to recompute it (None: it cannot)
+    dispute_memory: int  # bytes it may spend on that (peer/request/dispute.py DISPUTE_MEMORY)
 
     def view(self) -> SwarmView: ...
 

@@ -61,7 +61,7 @@ import trio
 from tessera.store import events
 
 from tessera.peer.base.backoff import Failure
-from tessera.peer.base.errors import NoRoute, PeerError, PeerFailed, RouteLost, SessionRefused
+from tessera.peer.base.errors import DisputeUndecided, NoRoute, PeerError, PeerFailed, RouteLost, SessionRefused
 from tessera.peer.request.failures import refusal_failure
 from tessera.peer.request.policy import RequesterPolicy
 from tessera.peer.request.chain_state import StepSlot
@@ -325,16 +325,32 @@ class ResilientSession:
             await self.convicted(await self.checker.after_step(self.current, self.confirmed))
         return output
 
-    async def convicted(self, conviction: Conviction | None) -> None:
-        """A spot check proved a peer returned wrong activations: avoid it for a day and, if it
+    async def convicted(self, convictions: list[Conviction]) -> None:
+        """A spot check proved peers returned wrong activations: avoid each for a day and, if one
         computes a part of this answer, repair around it, replaying through to the end (every
-        cache after it was built from its wrong outputs); `rebuilt` then holds the clean states."""
-        if conviction is None:
+        cache after it was built from its wrong outputs); `rebuilt` then holds the clean states.
+
+        An unproven conviction (one side of a dispute nobody could decide: peer/request/dispute.py)
+        avoids its peer as DISPUTED instead; if no route around it comes within the route wait, the
+        answer ends with DisputeUndecided, naming both sides and why — never going on with either."""
+        if not convictions:
             return
-        failure = PeerFailed(conviction.peer, conviction.reason, Failure.LIED)
-        self.ban(failure.peer, failure.reason, failure=Failure.LIED)
-        if self.uses(conviction.peer):
-            await self.repair(failure, self.confirmed, through_end=True)
+        failures = [PeerFailed(c.peer, c.reason, Failure.LIED if c.proven else Failure.DISPUTED) for c in convictions]
+        used = [f for f in failures if self.uses(f.peer)]
+        for failure in failures:
+            if not used or failure is not used[0]:  # the repair bans the one it repairs for
+                self.ban(failure.peer, failure.reason, failure=failure.failure)
+        if not used:
+            return
+        try:
+            await self.repair(used[0], self.confirmed, through_end=True)  # one repair replaces every banned hop
+        except (RouteLost, PeerFailed) as lost:  # no route around them, or none that held
+            unproven = next((c for c in convictions if not c.proven), None)
+            if unproven is None:
+                raise
+            raise DisputeUndecided(f"{unproven.reason}; no other peer serves those layers, so the answer stops here "
+                                   f"rather than go on with either ({lost})",
+                                   lost.missing if isinstance(lost, RouteLost) else []) from None
 
     async def cancel(self, pending: "Pending") -> None:
         if self.current is not None and pending.epoch == self.epoch and pending.step is not None:
@@ -460,10 +476,10 @@ class ResilientSession:
         already given out were affected)."""
         if self.checker is not None and self.checker.policy.final_check:
             for _ in range(MAX_REPAIRS_PER_STEP):  # each round convicts a peer, or ends
-                conviction = await self.checker.final(self.current, self.confirmed)
-                if conviction is None:
+                convictions = await self.checker.final(self.current, self.confirmed)
+                if not convictions:
                     break
-                await self.convicted(conviction)
+                await self.convicted(convictions)
 
     async def close(self) -> None:
         if self.checker is not None:

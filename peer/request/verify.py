@@ -16,6 +16,14 @@ is in the route — the session that owns the answer (`ResilientSession`, told b
 `Conviction`) bans it and fails over, replaying through to the end so that the
 caches after it are rebuilt from clean inputs too.
 
+With no third peer for a tie-break (two holders of a span: most small swarms), the
+requester decides the dispute itself by recomputing the span (peer/request/dispute.py):
+whoever differs from its recomputation is convicted and banned as above (not reported to
+the swarm: the proof is a computation only this requester made, and a report needs two
+independent witnesses). If it cannot recompute, both peers are handed to the session as
+*unproven* convictions: it avoids both and goes on without them, or ends the answer naming
+them (`DisputeUndecided`) — never on one side, unverified.
+
 On a route with tensor-shard groups, every plain hop is checked as on any route
 (each run of plain hops is a chain segment with its own taps and attestations); a
 group hop is not, and `GroupSession.checkable` says precisely why. Its span is
@@ -46,6 +54,7 @@ from tessera.peer.base.ids import peer_id_bytes
 from tessera.peer.base.errors import PeerError, PeerFailed
 from tessera.peer.request.chain_state import AttestedStep, HopState
 from tessera.peer.request.chain import RouteSession
+from tessera.peer.request.dispute import BY_TIE_BREAKER, Dispute, Ruling, settle
 from tessera.peer.request.ports import CheckPolicy, Checkable, RouteRun, SwarmPort
 from tessera.peer.plan.routing import route
 from tessera.peer.plan.view import PeerInfo, SwarmView
@@ -67,6 +76,9 @@ PRECISION = {"float32": 3, "float16": 2, "bfloat16": 1}  # higher = more exact
 # Why a span of the route went unchecked (`SpotChecker.unchecked`); see GroupSession.checkable.
 GROUP_UNCHECKED = "a tensor-shard group: no one rank can be blamed for its output, and its ranks do not attest"
 CHECK_WAIT = 5.0  # seconds to wait for the taps a check compares against
+# Peers asked for a disputed span's weights (the fetch surveys each): those whose span overlaps
+# it, the most overlap first; a swarm's holders of one span are a handful, and each costs a dial.
+MAX_WEIGHT_HOLDERS = 16
 
 
 @dataclass
@@ -81,17 +93,26 @@ class Shadow:
 
 @dataclass
 class Verdict:
+    """A mismatch judged: `guilty` the peer convicted first (None: nobody), `convicted` every
+    peer convicted (both sides, when a recomputation finds both wrong), `undecided` why a
+    dispute could not be decided (then both sides are avoided, unproven)."""
+
     guilty: str | None
     detail: dict = field(default_factory=dict)
+    convicted: tuple[str, ...] = ()
+    undecided: str | None = None
 
 
 @dataclass(frozen=True)
 class Conviction:
-    """A peer proven to have returned wrong activations (reported and shared already): what the
-    checker hands the session that owns the answer, which bans it and repairs around it."""
+    """A peer proven to have returned wrong activations (reported and shared already, where a
+    third peer witnessed it): what the checker hands the session that owns the answer, which
+    bans it and repairs around it. `proven` False: one side of a dispute nobody could decide
+    (`reason` says which, and why): avoided as disputed, never used unverified."""
 
     peer: str
     reason: str = "returned wrong activations"
+    proven: bool = True
 
 
 def peer_bytes(peer: str) -> bytes:
@@ -131,30 +152,30 @@ class SpotChecker:
                 chains.append(chain)
         return chains
 
-    async def after_step(self, run: RouteRun, end_pos: int) -> Conviction | None:
+    async def after_step(self, run: RouteRun, end_pos: int) -> list[Conviction]:
         """With probability `rate`, check one hop of `run` — one that some other peer can check.
-        Returns the peer the check convicted, if any."""
+        Returns the peers the check convicted (none, one, or both sides of a dispute)."""
         if self.rng.random() >= self.policy.rate:
-            return None
+            return []
         hops = [(chain, hop) for chain in self.chains(run) for hop in chain.hops]
         self.rng.shuffle(hops)
         for chain, hop in hops:
             checked, convicted = await self.check(chain, hop, end_pos)
             if checked:
                 return convicted
-        return None
+        return []
 
-    async def final(self, run: RouteRun, end_pos: int) -> Conviction | None:
+    async def final(self, run: RouteRun, end_pos: int) -> list[Conviction]:
         """Compare what no check has covered yet, hop by hop (at the session's end), until a
         check convicts a peer (returned: the caller repairs, then asks again)."""
         if end_pos == 0:
-            return None
+            return []
         for chain, hop in [(chain, hop) for chain in self.chains(run) for hop in list(chain.hops)]:
             if not any(k[0] == hop.hop.start and k[1] == hop.hop.end and s.upto >= end_pos for k, s in self.shadows.items()):
                 _, convicted = await self.check(chain, hop, end_pos)
-                if convicted is not None:
+                if convicted:
                     return convicted
-        return None
+        return []
 
     # -- checking -------------------------------------------------------------------------
 
@@ -223,18 +244,18 @@ class SpotChecker:
             self.fingerprint_bytes += len(out)
         return step, out
 
-    async def check(self, session: Checkable, hop: HopState, end_pos: int) -> tuple[bool, Conviction | None]:
+    async def check(self, session: Checkable, hop: HopState, end_pos: int) -> tuple[bool, list[Conviction]]:
         """Compare `hop`'s outputs up to `end_pos` with a checker's: (whether it could be checked,
         the peer convicted). `session`: the chain of plain hops `hop` belongs to (its history
         holds both ends)."""
         start, end = hop.hop.start, hop.hop.end
         if not self.checkable_now(hop):
-            return False, None  # no independent peer serves this span now
+            return False, []  # no independent peer serves this span now
         if not (await session.wait_known(start, end_pos) and await session.wait_known(end, end_pos)):
-            return False, None  # the taps to compare with never came; the failover machinery deals with that peer
+            return False, []  # the taps to compare with never came; the failover machinery deals with that peer
         shadow = await self.shadow_for(start, end, hop.peer)
         if shadow is None:
-            return False, None  # no independent peer serves this span now
+            return False, []  # no independent peer serves this span now
         self.checks += 1
         begin = min(shadow.upto, end_pos)
         inputs = session.history.at(start).upto(end_pos)
@@ -243,16 +264,20 @@ class SpotChecker:
         except PeerFailed as failure:
             self.swarm.ctx.tracer.emit(events.Error(remote=failure.peer, check="checker failed", reason=failure.reason[:200]))
             self.shadows.pop((start, end, shadow.checker), None)
-            return False, None
+            return False, []
         ours = fingerprint_bytes(session.history.at(end).upto(end_pos)[begin:end_pos])
         tol = tolerance(self.view_dtype(hop.peer), shadow.dtype, end - start)
         agree = rows_agree(theirs, ours, tol)
         self.rows_compared += int(agree.numel())
         if bool(agree.all()):
-            return True, None
+            return True, []
         first_bad = begin + int((~agree).nonzero()[0])
         verdict = await self.investigate(session, start, end, first_bad, end_pos, shadow, tol)
-        return True, Conviction(verdict.guilty) if verdict is not None and verdict.guilty is not None else None
+        if verdict is None:
+            return True, []
+        if verdict.undecided is not None:
+            return True, [Conviction(peer, verdict.undecided, proven=False) for peer in verdict.detail["disputed"]]
+        return True, [Conviction(peer) for peer in verdict.convicted]
 
     # -- a mismatch -----------------------------------------------------------------------
 
@@ -281,7 +306,9 @@ class SpotChecker:
         detail = {"span": [start, end], "positions": [rows.start, rows.stop], "tolerance": tol,
                   "accused_vs_checker": float(row_differences(accused_rows, checker_rows).max())}
         if tie is None:
-            verdict = Verdict(None, {**detail, "outcome": "no third peer for a tie-break"})
+            # no third peer to break the tie: the requester recomputes the span itself (dispute.py)
+            ruling = await self.settle(session, step, shadow, end_pos, accused_rows, checker_rows)
+            verdict = self.ruled(ruling, detail)
         else:
             if tie.upto < step.start_pos:
                 await self.recompute(tie, session.history.at(start).upto(step.start_pos)[tie.upto:], tie.upto,
@@ -292,8 +319,10 @@ class SpotChecker:
             with_checker = bool(full_rows_agree(tie_rows, checker_rows, tie_tol).all())
             with_accused = bool(full_rows_agree(tie_rows, accused_rows, tie_tol).all())
             guilty = step.peer if with_checker and not with_accused else shadow.checker if with_accused and not with_checker else None
-            verdict = Verdict(guilty, {**detail, "tie_breaker": tie.checker, "tie_agrees_with_checker": with_checker,
-                                       "tie_agrees_with_accused": with_accused})
+            convicted = (guilty,) if guilty is not None else ()
+            verdict = Verdict(guilty, {**detail, "decided": BY_TIE_BREAKER, "convicted": list(convicted),
+                                       "tie_breaker": tie.checker, "tie_agrees_with_checker": with_checker,
+                                       "tie_agrees_with_accused": with_accused}, convicted=convicted)
             if guilty is not None:
                 await self.convict(session, guilty, step, inputs, {
                     step.peer: (accused_rows, step),
@@ -301,17 +330,64 @@ class SpotChecker:
                     tie.checker: (tie_rows, self.attested(tie, tie_step)),
                 })
         self.verdicts.append(verdict)
-        if verdict.guilty is not None:
-            # what an operator looks for first: who, which layers, by how much
-            # the tie-breaker is in the verdict's detail (a tie decided it: there is no verdict without one)
+        for guilty in verdict.convicted:
+            # what an operator looks for first: who, which layers, by how much, and how it was decided
+            sided_with = shadow.checker if guilty == step.peer else step.peer
+            how = (f"a tie-breaker, peer {verdict.detail['tie_breaker']}, sides against it and agrees with {sided_with}"
+                   if verdict.detail["decided"] == BY_TIE_BREAKER
+                   else f"decided by recomputing locally in {verdict.detail['duration']:.1f} s: this requester's own "
+                        f"computation of those layers differs from its rows by up to "
+                        f"{dict(verdict.detail['recomputed_vs'])[guilty]:.3g}")
+            shared = "reported" if verdict.detail["decided"] == BY_TIE_BREAKER else "not reported (no third witness)"
             log.warning("spot check: peer %s returned wrong activations for layers [%d, %d) at positions [%d, %d) "
-                        "(route peer %s and checker %s differ by up to %.3g, tolerance %.3g; tie-breaker %s agrees "
-                        "with %s): banned for %.0f h and reported", verdict.guilty, start, end, rows.start,
-                        rows.stop, step.peer, shadow.checker, detail["accused_vs_checker"], tol,
-                        verdict.detail["tie_breaker"], shadow.checker if verdict.guilty == step.peer else step.peer,
-                        GUILTY_BAN / 3600)
+                        "(route peer %s and checker %s differ by up to %.3g, tolerance %.3g; %s): banned for %.0f h, %s",
+                        guilty, start, end, rows.start, rows.stop, step.peer, shadow.checker,
+                        detail["accused_vs_checker"], tol, how, GUILTY_BAN / 3600, shared)
+        if verdict.undecided is not None:
+            log.warning("spot check: %s; both are avoided, and the answer goes on without either or stops",
+                        verdict.undecided)
+        for peer in [*verdict.convicted, *verdict.detail.get("disputed", ())]:
+            self.drop_shadows(peer)  # a convicted or disputed checker checks nothing more
         self.swarm.ctx.tracer.emit(events.Misbehaviour(session=session.session_id, remote=verdict.guilty, **verdict.detail))
         return verdict
+
+    async def settle(self, session: Checkable, step: AttestedStep, shadow: Shadow, end_pos: int,
+                     accused_rows: torch.Tensor, checker_rows: torch.Tensor) -> Ruling:
+        """Decide a dispute between `step`'s peer and `shadow`'s checker by recomputing the span
+        here (peer/request/dispute.py), the weights fetched from the peers that overlap it."""
+        start, end = step.start, step.end
+        stop = step.start_pos + step.n_tokens
+        dispute = Dispute(step.peer, shadow.checker, start, end, step.start_pos, stop)
+        log.info("spot check: %s and no third peer holds them: deciding by recomputing locally", dispute.words())
+        view = self.swarm.keeper.snapshot()
+        overlapping = sorted((p for p in view.peers if p.start < end and start < p.end and p.peer_id != self.swarm.peer_id),
+                             key=lambda p: (-min(p.end, end) + max(p.start, start), p.peer_id))
+        holders = {p.peer_id: tuple(self.swarm.keeper.addrs(p.peer_id)) for p in overlapping[:MAX_WEIGHT_HOLDERS]}
+        return await settle(
+            dispute, self.swarm.span_weights, transport=self.swarm.ctx.transport, holders=holders,
+            model_id=self.swarm.model_id, inputs=session.history.at(start).upto(end_pos)[:stop],
+            accused_rows=accused_rows, checker_rows=checker_rows,
+            accused_tol=tolerance(self.view_dtype(step.peer), "float32", end - start),
+            checker_tol=tolerance(shadow.dtype, "float32", end - start),
+            budget=self.swarm.dispute_memory, hidden_size=self.swarm.spec.hidden_size)
+
+    @staticmethod
+    def ruled(ruling: Ruling, detail: dict) -> Verdict:
+        """The verdict a local recomputation gave (`ruling`), with the mismatch's `detail`."""
+        dispute = ruling.dispute
+        if not ruling.settled:
+            return Verdict(None, {**detail, "outcome": "undecided", "why": ruling.why,
+                                  "disputed": [dispute.accused, dispute.checker]}, undecided=ruling.undecided_words())
+        guilty = ruling.guilty[0] if ruling.guilty else None
+        return Verdict(guilty, {**detail, "decided": ruling.decided, "convicted": list(ruling.guilty),
+                                "recomputed_vs": [[p, d] for p, d in ruling.differences.items()],
+                                "duration": round(ruling.seconds, 3)},
+                       convicted=ruling.guilty)
+
+    def drop_shadows(self, peer: str) -> None:
+        """Stop checking with `peer`: its shadow sessions are closed (in the background)."""
+        for key in [k for k, s in self.shadows.items() if s.checker == peer]:
+            self.swarm.ctx.nursery.start_soon(self.shadows.pop(key).session.close, "checker avoided")
 
     async def go_back(self, session: Checkable, shadow: Shadow, start: int, end: int, position: int) -> None:
         """Ready `shadow` for a step written at `position`, behind what it holds. A KV cache goes back

@@ -24,3 +24,7 @@ class DiskFull(WeightsError):
 class WeightsMismatch(WeightsError):
     """A tensor of the span being loaded differs from the model's manifest (named in the message):
     the peer refuses to serve it."""
+
+
+class OverBudget(WeightsError):
+    """Loading what was asked for would take more memory than the budget given (both named)."""

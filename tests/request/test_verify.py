@@ -147,7 +147,7 @@ async def test_a_cheating_peer_is_caught_in_almost_every_session(decisive_model,
     assert equal == SESSIONS
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("spot check: peer")]
     assert lines and all(f"peer {ids[1]} returned wrong activations" in line for line in lines)
-    assert all(re.search(rf"tie-breaker ({ids[2]}|{ids[3]}) agrees with ({ids[2]}|{ids[3]})\)", line)
+    assert all(re.search(rf"a tie-breaker, peer ({ids[2]}|{ids[3]}), sides against it and agrees with ({ids[2]}|{ids[3]})\)", line)
                for line in lines), lines[0]
 
 
