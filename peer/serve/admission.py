@@ -15,12 +15,14 @@ something too, or a few identities opening idle sessions lock everyone else out
    costs its requester a failover and a replay (the simulator's 50 requesters at load 0.5
    once lost 11,187 sessions that way); while a step of it is queued or running it is
    always protected. Until its first step, a
-   session has the *grace of its requester*: `IDLE_GRACE` from an open — or twice the
-   longest its sessions here lately waited for their first step, if longer (at most
-   `GRACE_CAP`: a session at the end of a route gets its prompt only after the hops before it
-   computed it) — for a requester with a proof of work, granted again only after that
-   requester has stepped a session here. So cycling sessions (close and reopen) earns one identity no more protection
-   than holding one, a new grace needs a step (real use) or a new identity with work,
+   session has a *grace of its own*: `IDLE_GRACE` from its open — or twice the
+   longest its requester's sessions here lately waited for their first step, if longer (at
+   most `GRACE_CAP`: a session at the end of a route gets its prompt only after the hops
+   before it computed it) — for a requester with a proof of work that has a grace in hand
+   (`GRACES_IN_HAND`: a new identity has one, an open spends one, each step of the
+   requester's arriving here earns one). So cycling sessions (close and reopen) earns one
+   identity no more protection than holding one, a new grace needs a step (real use) or a new
+   identity with work,
    and an identity without work has no grace at all (its unstepped sessions give way
    to anyone who needs the room). When a requester needs a slot or memory that is not
    free, the unprotected sessions of *other* requesters are reclaimed, the one idle
@@ -102,6 +104,19 @@ MAX_WAITING = 64
 # Identities remembered (their grace, when they were admitted, since when they ask). Those
 # with sessions or waiting are always kept; the least recently seen others are forgotten.
 IDENTITY_MEMORY = 4096
+# Graces a requester with a proof of work may hold in hand: each open that finds one gets a grace
+# of its own (until its first step) and spends it; a new identity has one, and each step of the
+# requester's that arrives here earns one more, up to this many. One requester runs several
+# answers at once, and a route's sessions wait for their prompt behind the hops before them, so
+# several of its sessions here are often unstepped at once: with one grace per step (none banked),
+# every open after the first (another answer, a re-route after a refusal, a repair's replacement)
+# had none and was reclaimable the instant it was admitted — the simulator's 50 requesters at
+# load 0.5 (bench/load.py, 1,000 answers) lost ~40,000 sessions that way, most under 0.5 s old,
+# one answer's replacements 148 times in a minute (each requester's repair reclaiming another's
+# replacement before its replay). The guarantee holds: a session is protected at most its own
+# grace after its admission unless it steps, and an identity that never steps has one grace.
+# 8: a requester's own limit of sessions at one peer (peer/serve/limits.py).
+GRACES_IN_HAND = 8
 # Streams that have not been admitted yet (a session stream before its SessionAccept, a link
 # stream before its session is found) are bounded with every other protocol's: peer/net/intake.py.
 
@@ -125,6 +140,7 @@ class Admitted(Protocol):
     inflight: int
     closed: bool
     longest_gap: float  # the longest time it went between steps (0 before its second)
+    grace_until: float  # before its first step, it is protected until then (admission sets it)
 
 
 class Host(Protocol):
@@ -148,8 +164,7 @@ class Requester:
     work: bool = False  # showed a valid proof of work
     last_admitted: float = -math.inf
     waiting_since: float | None = None  # first asked and not admitted since (kept across retries)
-    grace_until: float = -math.inf  # its sessions without a step are protected until then
-    earned_grace: bool = True  # stepped since its last grace: its next open earns a new one
+    graces: int = 1  # graces in hand (GRACES_IN_HAND): an open spends one, a step arriving here earns one
     first_wait: float = 0.0  # how long its sessions here lately waited for their first step
 
 
@@ -206,8 +221,7 @@ class Admission:
             return math.inf
         if session.stepped:
             return session.last_active + max(self.limits.idle_grace, min(GAP_FACTOR * session.longest_gap, GRACE_CAP))
-        record = self.requesters.get(session.requester)
-        return record.grace_until if record is not None else -math.inf
+        return session.grace_until
 
     def reclaimable(self, now: float, *, spare: Admitted | None = None, asker: str | None = None) -> list[Admitted]:
         """Sessions that may be reclaimed now, the one idle longest first (never `spare`, nor a
@@ -226,16 +240,16 @@ class Admission:
         return sum(1 for s in self.host.sessions.values() if not s.closed and self.protected_until(s) > now)
 
     def opened(self, session: Admitted) -> None:
-        """`session` was admitted: count it, and give its requester's grace (if it earned one)."""
+        """`session` was admitted: count it, and give it a grace if its requester has one in hand."""
         record = self.requester(session.requester)
         now = self.clock()
         record.sessions += 1
         record.last_admitted = now
         record.waiting_since = None
-        if record.earned_grace and record.work:
+        if record.graces > 0 and record.work:
             grace = max(self.limits.idle_grace, min(GAP_FACTOR * record.first_wait, GRACE_CAP))
-            record.grace_until = max(record.grace_until, now + grace)
-            record.earned_grace = False
+            session.grace_until = now + grace
+            record.graces -= 1
         session.last_active = now
 
     def stepped(self, session: Admitted) -> None:
@@ -253,8 +267,8 @@ class Admission:
         session.last_active = now
         if not session.stepped:
             session.stepped = True
-        if record is not None:
-            record.earned_grace = True
+        if record is not None and session.inflight:  # a step arrived (not one that ended)
+            record.graces = min(GRACES_IN_HAND, record.graces + 1)
 
     def closed(self, session: Admitted) -> None:
         record = self.requesters.get(session.requester)

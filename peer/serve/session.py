@@ -13,6 +13,7 @@ queued together run as one stacked forward (`compute_batch`, peer/serve/batcher.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -75,6 +76,7 @@ class ServedSession:
     stepped: bool = False
     inflight: int = 0
     longest_gap: float = 0.0  # the longest it went between steps (admission.py: it protects it that much longer)
+    grace_until: float = -math.inf  # protected until then before its first step (admission.py `opened`)
     kv_positions: int = 0
     kv_bytes: int = 0
     frame_limit: int = 0  # largest frame its streams may carry (protocol/admission.py session_frame_limit)

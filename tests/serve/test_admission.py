@@ -24,7 +24,8 @@ from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.request.chain import RouteSession
 from tessera.peer.request.chain_state import RequesterContext
 from tessera.peer.serve.admission import (
-    ADMIT_WAIT, GRACE_CAP, IDLE_GRACE, RETRY_MIN, SHORT_WAIT, Admission, Limits, Refused, _Waiter,
+    ADMIT_WAIT, GRACE_CAP, GRACES_IN_HAND, IDLE_GRACE, RETRY_MIN, SHORT_WAIT, Admission, Limits, Refused,
+    _Waiter,
 )
 from tessera.peer.serve.limits import ServerLimits
 from tessera.peer.serve.server import StageServer
@@ -227,6 +228,7 @@ class Held:
     inflight: int = 0
     closed: bool = False
     longest_gap: float = 0.0
+    grace_until: float = -math.inf
 
 
 class Host:
@@ -307,6 +309,41 @@ def test_a_session_in_use_at_its_own_pace_is_protected_for_twice_its_longest_gap
     admission.requester("q").work = True
     admission.opened(idle)
     assert admission.protected_until(idle) == 30.0 + IDLE_GRACE
+
+
+def test_each_open_of_a_requester_that_steps_here_gets_its_own_grace_and_one_that_never_steps_one() -> None:
+    """A requester running several answers opens sessions here at different times, each waiting for
+    its prompt behind the hops before it: every one that a step of the requester's here paid for
+    keeps IDLE_GRACE from its own open (with one grace shared by the requester, the second open was
+    reclaimable the instant its predecessor's grace ended: the simulator's 50 requesters lost
+    ~40,000 sessions that way). An identity that never steps has one grace, however often it opens."""
+    now = [0.0]
+    host = Host()
+    admission = Admission(host, Limits(max_sessions=16, max_sessions_per_requester=8, kv_budget=100),
+                          clock=lambda: now[0])
+    for who in ("honest", "idle"):
+        admission.requester(who).work = True
+    first = host.add(Held("honest", stepped=False))
+    admission.opened(first)
+    for t in (1.0, 2.0):  # two steps of it arrive here
+        now[0] = t
+        first.inflight = 1
+        admission.stepped(first)
+        first.inflight = 0
+        admission.stepped(first)
+    opens = {}
+    for t in (3.0, 6.0):  # two more answers' sessions, opened 3 s apart, no step of theirs yet
+        now[0] = t
+        opens[t] = host.add(Held("honest", stepped=False))
+        admission.opened(opens[t])
+        assert admission.protected_until(opens[t]) == t + IDLE_GRACE
+    later = admission.reclaimable(3.0 + IDLE_GRACE + 0.5, asker="x")
+    assert opens[3.0] in later and opens[6.0] not in later  # only its own grace ended
+    idle = [host.add(Held("idle", stepped=False, last_active=t)) for t in (0.0, 1.0, 2.0)]
+    for session in idle:
+        admission.opened(session)
+    assert [admission.protected_until(s) for s in idle[1:]] == [-math.inf, -math.inf]
+    assert admission.requesters["honest"].graces <= GRACES_IN_HAND
 
 
 def test_an_open_may_fill_the_kv_budget_exactly_and_growth_reclaims_all_it_needs() -> None:
