@@ -402,9 +402,10 @@ async def test_eight_concurrent_streams_are_exact(url, peers, local_engine):
         for i in range(len(cases)):
             nursery.start_soon(one, i)
     assert [got[i] for i in range(len(cases))] == expected
-    # Each request had its own session on the peers, and they ran side by side.
+    # Each request had its own session on the peers, and they ran side by side. (An open that met a
+    # queue it was not priced with is routed again, so a request may have opened more than one.)
     events = peer_store(peers, 0).events(after_id=before, kinds=(SessionOpen, SessionClose))
-    assert len({e.event.session for e in events if isinstance(e.event, SessionOpen)}) == len(cases)
+    assert len({e.event.session for e in events if isinstance(e.event, SessionOpen)}) >= len(cases)
     running = peak = 0
     for e in events:
         running += 1 if isinstance(e.event, SessionOpen) else -1

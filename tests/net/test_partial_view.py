@@ -44,6 +44,11 @@ async def test_an_answer_is_exact_before_and_after_a_missing_record_arrives(mode
                 world.advertise("fast")  # the record arrives while the answer runs
         assert tokens == solo
         assert [world.name(h["peer"]) for h in info["routes"][0]] == ["a", "b"]
+        # a peer this requester never measured is priced at DEFAULT_RTT_MS a way, so two measured hops
+        # may well be cheaper: once its round trip is known (a ping, as an open's pre-ping or a dial
+        # gives it) the single fast hop wins; the cheapest chain, as what is tested is the view
+        await world.swarm.pinger.ping(world.ids["fast"])
+        world.swarm.spread = 0.0
         again: dict = {}
         assert await world.swarm.complete_ids(PROMPT, max_new_tokens=TOKENS, info=again) == solo
         assert [world.name(h["peer"]) for h in again["routes"][0]] == ["fast"]
