@@ -381,18 +381,8 @@ class Swarm:
         due = self.bans.comeback_candidates(now, fresh)
         if not due:
             return False
-        back: list[str] = []
-
-        async def probe(peer: str) -> None:
-            if await answers(self.transport, peer, addrs=self.keeper.addrs(peer)):
-                back.append(peer)
-
-        for peer in due:
-            self.bans.probed(peer, now)
-        async with trio.open_nursery() as nursery:
-            for peer in due:
-                nursery.start_soon(probe, peer)
-        for peer in sorted(back):
+        back = await self._answering(due, now)
+        for peer in back:
             if self.bans.parole(peer, self.clock()):
                 self.ctx.tracer.emit(events.Parole(remote=peer, failure=self.bans.why[peer].failure.value))
         return bool(back)
@@ -535,13 +525,9 @@ class Swarm:
                 out.append(peer)
         return sorted(out)
 
-    async def parole_sole_covers(self, sole: list[str], paroled: set[str]) -> bool:
-        """Probe those of `sole` whose parole is due (peer/base/backoff.py `Bans.sole_parole_due`);
-        parole those that answer, once in this wait (`paroled`). Returns whether any was paroled."""
-        now = self.clock()
-        due = [p for p in sole if self.bans.sole_parole_due(p, now)]
-        if not due:
-            return False
+    async def _answering(self, due: list[str], now: float) -> list[str]:
+        """Those of `due` (banned peers whose probe is due) that answer a probe now, all probed at
+        once and marked probed at `now`; sorted, so that paroles go in one order every run."""
         back: list[str] = []
 
         async def probe(peer: str) -> None:
@@ -553,7 +539,17 @@ class Swarm:
         async with trio.open_nursery() as nursery:
             for peer in due:
                 nursery.start_soon(probe, peer)
-        for peer in sorted(back):
+        return sorted(back)
+
+    async def parole_sole_covers(self, sole: list[str], paroled: set[str]) -> bool:
+        """Probe those of `sole` whose parole is due (peer/base/backoff.py `Bans.sole_parole_due`);
+        parole those that answer, once in this wait (`paroled`). Returns whether any was paroled."""
+        now = self.clock()
+        due = [p for p in sole if self.bans.sole_parole_due(p, now)]
+        if not due:
+            return False
+        back = await self._answering(due, now)
+        for peer in back:
             failure = self.bans.failure(peer)
             if failure is not None and self.bans.parole(peer, self.clock(), sole=True):
                 paroled.add(peer)
