@@ -10,7 +10,7 @@ of its own rank), as `tests/test_layers.py` checks over the source:
     text/       text <-> token ids, the chat template, JSON prefixes. No torch.            } rank 1
     kernels/    the matmul of each way a matrix is stored: int8/int4 (quant.py: Quant,
                 QuantLinear, quantize_linear, dense_weight, and the bytes a span holds), the
-                shipped formats (linear.py's ShippedLinear; fp8, mxfp4, ggml, ggml_linear),
+                shipped formats (linear.py's ShippedLinear; fp8, mxfp4, ggml/),
                 stored.py (a stored matrix's module by its form), encode.py (floats written in
                 a shipped form), chunked.py (the float32 CPU form: dequantize rows, multiply).  rank 2
     layers/     the math, each with float32 reference semantics: rope, norm, attention (GQA),

@@ -22,7 +22,7 @@ import torch
 from tessera.stages.families.shipped import GGML_TYPES, GgmlType, ShippedFormat
 from tessera.stages.families.tensors import Stacked
 from tessera.stages.kernels.fp8 import FP8_MAX
-from tessera.stages.kernels.ggml import ggml_rows
+from tessera.stages.kernels.ggml.blocks import ggml_rows
 from tessera.stages.kernels.linear import RowStack
 from tessera.stages.kernels.mxfp4 import E8M0_BIAS, GROUP
 from tessera.stages.kernels.quant import QuantLinear
@@ -60,7 +60,7 @@ def mxfp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks.contiguous(), (exponent + E8M0_BIAS).to(torch.uint8)
 
 
-# Where the lower types (ggml_kquants.py, ggml_iq.py, ggml_fp4.py) keep their float16 block scales; IQ1_M,
+# Where the lower types (ggml/kquants.py, ggml/iq.py, ggml/fp4.py) keep their float16 block scales; IQ1_M,
 # MXFP4 and NVFP4 keep theirs otherwise (`set_block_scale`)
 GGML_HALVES = {"Q2_K": (80, 82), "Q3_K": (108,), "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,),
                "IQ3_S": (0,), "IQ1_S": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,)}

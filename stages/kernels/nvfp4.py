@@ -14,7 +14,7 @@ model a ModelOpt checkpoint converted by that library is (families/shipped.py sa
 Eagerly a chunk of rows widens as MXFP4's does (mxfp4.py `widen_groups`: each byte's two codes
 become two float16s of FP4[code] * 2^-14 in a few whole-word operations), each group then times its
 scale * 2^14 — exact scaling by a power of two, so each weight is the reference's to the bit.
-Under torch.compile (`fused_rows`, nibble_pairs.py) the codes are integer arithmetic (ggml_fp4.py
+Under torch.compile (`fused_rows`, nibble_pairs.py) the codes are integer arithmetic (ggml/fp4.py
 `fp4_values`) and the e4m3 scale its bits (fp8.py's fused trick), the scale applied once per 16.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from tessera.stages.kernels.ggml_fp4 import fp4_values
+from tessera.stages.kernels.ggml.fp4 import fp4_values
 from tessera.stages.kernels.linear import ShippedLinear
 from tessera.stages.kernels.mxfp4 import CODE_EXPONENT, FP4_VALUES, widen_groups
 from tessera.stages.kernels.nibble_pairs import interleave, nibbles, pair_rows

@@ -3,7 +3,7 @@
 A shipped model's spec (families/shipped.py `ShippedFormat`) says each matrix's form: fp8
 blocks (kernels/fp8.py), MXFP4 (kernels/mxfp4.py; DeepSeek-V4's FP4 experts too), NVFP4
 (kernels/nvfp4.py), compressed-tensors' INT4 (kernels/int4_packed.py), a GGUF block type
-(kernels/ggml_linear.py) or a float kept in its shipped dtype (kernels/linear.py `FloatLinear`). `stored_linear` builds
+(kernels/ggml/linear.py) or a float kept in its shipped dtype (kernels/linear.py `FloatLinear`). `stored_linear` builds
 the module from the stored tensors, however they were had: read from a folder
 (stages/weights/formats/load.py) or encoded from floats (kernels/encode.py).
 """
@@ -14,7 +14,7 @@ import torch
 
 from tessera.stages.families.shipped import GGML_TYPES, ShippedFormat
 from tessera.stages.kernels.fp8 import Fp8BlockLinear, check_codes
-from tessera.stages.kernels.ggml_linear import GgmlLinear
+from tessera.stages.kernels.ggml.linear import GgmlLinear
 from tessera.stages.kernels.int4_packed import PackedInt4Linear
 from tessera.stages.kernels.linear import FloatLinear, ShippedLinear
 from tessera.stages.kernels.mxfp4 import Mxfp4Linear

@@ -30,7 +30,7 @@ from tessera.stages.families.tensors import (
     per_layer_tensors,
 )
 from tessera.stages.kernels.fp8 import fp8_dense
-from tessera.stages.kernels.ggml import ggml_rows
+from tessera.stages.kernels.ggml.blocks import ggml_rows
 from tessera.stages.kernels.linear import RowStack, ShippedLinear
 from tessera.stages.kernels.mxfp4 import mxfp4_dense
 from tessera.stages.kernels.quant import QuantLinear

@@ -30,7 +30,7 @@ from tessera.stages.families.catalog import spec_from_config, spec_from_file, to
 from tessera.stages.families.shipped import GGML_TYPES
 from tessera.stages.weights.folder_check import check_folder
 from tessera.stages.assembly.blocks import dense_block
-from tessera.stages.kernels.ggml_linear import SPLITS
+from tessera.stages.kernels.ggml.linear import SPLITS
 from tessera.stages.kernels.quant import Quant, QuantError, span_bytes
 
 from ..families.conformance import PROMPT
@@ -177,8 +177,8 @@ def test_ggml_blocks_match_the_gguf_package(kind, rows, rnd):
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    from tessera.stages.kernels.ggml import ggml_rows
-    from tessera.stages.kernels.ggml_linear import split_weight
+    from tessera.stages.kernels.ggml.blocks import ggml_rows
+    from tessera.stages.kernels.ggml.linear import split_weight
 
     t = GGML_TYPES[kind]
     raw = ck.finite_blocks(kind, np.frombuffer(rnd.randbytes(rows * 2 * t.nbytes), dtype=np.uint8), rows * 2, rnd)

@@ -26,8 +26,8 @@ from tessera.stages.engine.stage import Stage
 from tessera.stages.assembly.stage import load_stage
 from tessera.stages.families.shipped import GGML_TYPES
 from tessera.stages.kernels.fp8 import Fp8BlockLinear
-from tessera.stages.kernels.ggml import SCALED_TYPES
-from tessera.stages.kernels.ggml_linear import GgmlLinear
+from tessera.stages.kernels.ggml.blocks import SCALED_TYPES
+from tessera.stages.kernels.ggml.linear import GgmlLinear
 from tessera.stages.kernels.linear import ShippedLinear
 from tessera.stages.kernels.mxfp4 import FUSED_SCALES, Mxfp4Linear
 
@@ -121,7 +121,7 @@ def test_gguf_fused_forms_over_random_blocks(kind, halves, seed):
 @settings(max_examples=40, deadline=None)
 @given(st.sampled_from(sorted(SCALED_TYPES)), st.randoms(use_true_random=False))
 def test_scaled_fused_forms_over_random_blocks(kind, rnd):
-    """The k-quants', IQ types' and FP4 types' fused forms (ggml_scaled.py) over random blocks, scales
+    """The k-quants', IQ types' and FP4 types' fused forms (ggml/scaled.py) over random blocks, scales
     finite: the fused weight is the dequantized one to the bit, the factored product its product."""
     ggml = GGML_TYPES[kind]
     raw = ck.finite_blocks(kind, np.frombuffer(rnd.randbytes(4 * 2 * ggml.nbytes), dtype=np.uint8), 8, rnd)

@@ -39,8 +39,8 @@ import torch
 
 from tessera.stages.families.shipped import GgmlType
 from tessera.stages.kernels.chunked import SCRATCH, chunked_matmul
-from tessera.stages.kernels.ggml import SCALED_TYPES, ggml_rows
-from tessera.stages.kernels.ggml_scaled import scaled_rows, scaled_weight
+from tessera.stages.kernels.ggml.blocks import SCALED_TYPES, ggml_rows
+from tessera.stages.kernels.ggml.scaled import scaled_rows, scaled_weight
 from tessera.stages.kernels.linear import ShippedLinear
 
 NIBBLES = 0x0F0F0F0F  # every byte's low nibble, a word at a time

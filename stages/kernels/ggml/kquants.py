@@ -1,4 +1,4 @@
-"""The k-quants (llama.cpp's 256-weight super-blocks) as scaled codes (ggml_scaled.py): Q2_K and Q3_K,
+"""The k-quants (llama.cpp's 256-weight super-blocks) as scaled codes (ggml/scaled.py): Q2_K and Q3_K,
 the low-bit files' bulk, and Q4_K, Q5_K, Q6_K again for their fused compiled form.
 
     Q2_K (84 B / 256)   16 B of scales (low nibble: the scale, high: the min, per 16 weights),
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from tessera.stages.kernels.ggml_scaled import ScaledType, byte, half, nibbles, spread
+from tessera.stages.kernels.ggml.scaled import ScaledType, byte, half, nibbles, spread
 
 QK_K = 256
 

@@ -1,4 +1,4 @@
-"""llama.cpp's FP4 block types, MXFP4 and NVFP4, as scaled codes (ggml_scaled.py).
+"""llama.cpp's FP4 block types, MXFP4 and NVFP4, as scaled codes (ggml/scaled.py).
 
 Both store e2m1 codes, two a byte, a block's low nibbles its first half and the high nibbles its
 second (ggml's order; gpt-oss's MXFP4 pairs them instead: formats/mxfp4.py). ggml keeps the e2m1
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tessera.stages.kernels.ggml_scaled import ScaledType, byte, nibbles
+from tessera.stages.kernels.ggml.scaled import ScaledType, byte, nibbles
 
 FP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1, doubled
 E8M0_HALF_SUBNORMAL = 0x00200000  # float32 bits of 2^-128: e = 0 (and 2^-127 for e = 1)

@@ -1,4 +1,4 @@
-"""llama.cpp's IQ types as scaled codes (ggml_scaled.py): the 1- to 4-bit "importance" quants that the
+"""llama.cpp's IQ types as scaled codes (ggml/scaled.py): the 1- to 4-bit "importance" quants that the
 dynamic low-bit GGUF files of the large MoE models are made of.
 
     IQ2_XXS (66 B / 256)  d f16; per 32 weights 8 bytes: 4 grid indices (256 points of 8 values
@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from tessera.stages.kernels.ggml_scaled import (
+from tessera.stages.kernels.ggml.scaled import (
     ScaledType, bits_of, byte, float16_of, half, nibbles, parity_signs, signs_of, spread, words16, words32,
 )
 

@@ -1,5 +1,5 @@
 """GGUF (ggml) block types, dequantized from their bytes in torch: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K here,
-and every lower type (Q2_K, Q3_K, the IQ types, MXFP4, NVFP4) as scaled codes (ggml_scaled.py).
+and every lower type (Q2_K, Q3_K, the IQ types, MXFP4, NVFP4) as scaled codes (ggml/scaled.py).
 
 A GGUF matrix [N, K] is N rows of K / block blocks, each block `nbytes` bytes
 (families/shipped.py GGML_TYPES); a row's blocks are contiguous, so the stored tensor is
@@ -19,7 +19,7 @@ for bit; the tests hold them to that):
                         w = (d * sc_j) * (q - 32)
 
 These are the reference (a span's `dequantized` weight); the span keeps the bytes, and
-`GgmlLinear` (ggml_linear.py) widens rows of them fast, to the same values.
+`GgmlLinear` (ggml/linear.py) widens rows of them fast, to the same values.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from typing import Callable
 import torch
 
 from tessera.stages.families.shipped import GGML_TYPES, GgmlType
-from tessera.stages.kernels.ggml_fp4 import FP4_TYPES
-from tessera.stages.kernels.ggml_iq import IQ_TYPES
-from tessera.stages.kernels.ggml_kquants import K_QUANTS
-from tessera.stages.kernels.ggml_scaled import ScaledType, scaled_weight
+from tessera.stages.kernels.ggml.fp4 import FP4_TYPES
+from tessera.stages.kernels.ggml.iq import IQ_TYPES
+from tessera.stages.kernels.ggml.kquants import K_QUANTS
+from tessera.stages.kernels.ggml.scaled import ScaledType, scaled_weight
 
 K_SCALE_BYTES = 12  # Q4_K/Q5_K: 8 six-bit scales and 8 six-bit mins
 QK_K = 256
@@ -111,8 +111,8 @@ def q6_k(raw: torch.Tensor) -> torch.Tensor:
     return (scale * q).reshape(*lead, QK_K)
 
 
-# Every type with a scaled-codes form (ggml_scaled.py): the low-bit types' only form, and the fused
-# compiled form of Q4_K, Q5_K and Q6_K (their eager product stays ggml_linear.py's split order)
+# Every type with a scaled-codes form (ggml/scaled.py): the low-bit types' only form, and the fused
+# compiled form of Q4_K, Q5_K and Q6_K (their eager product stays ggml/linear.py's split order)
 SCALED_TYPES: dict[str, ScaledType] = {**K_QUANTS, **IQ_TYPES, **FP4_TYPES}
 
 DEQUANTIZE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -1,7 +1,7 @@
 """A ggml block type as scaled codes: per group g of a block, w[g, i] = scale[g] * code[g, i] - offset[g].
 
 Every ggml type that a GGUF's low-bit files mix (the k-quants Q2_K .. Q6_K, the IQ types, MXFP4 and
-NVFP4: ggml_kquants.py, ggml_iq.py, ggml_fp4.py) has that shape once its bytes are read: a block of
+NVFP4: ggml/kquants.py, ggml/iq.py, ggml/fp4.py) has that shape once its bytes are read: a block of
 256 (32, 64) weights is groups of 8 to 32 weights, each group with one float scale (a float16
 super-block scale times a small integer, a power of two, an e4m3 byte) and for some types a float
 offset (Q2_K, Q4_K, Q5_K: dmin times a small integer), and each weight a small code: an integer,
