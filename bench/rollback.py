@@ -32,7 +32,7 @@ import time
 import torch
 
 from tessera.stages.families.spec import GatedDeltaNetSpec
-from tessera.stages.layers.gated_deltanet import GatedDeltaNet
+from tessera.stages.layers.recurrent.gated_deltanet import GatedDeltaNet
 from tessera.stages.layers.state import RecurrentState
 
 SHAPES = {

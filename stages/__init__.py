@@ -14,8 +14,8 @@ of its own rank), as `tests/test_layers.py` checks over the source:
                 stored.py (a stored matrix's module by its form), encode.py (floats written in
                 a shipped form), chunked.py (the float32 CPU form: dequantize rows, multiply).  rank 2
     layers/     the math, each with float32 reference semantics: rope, norm, attention (GQA),
-                mla, dsa, gated_deltanet and kda (linear attention), mamba2 (state space),
-                short_conv (their causal convolution), cache (a store per layer's state kind,
+                mla, dsa, recurrent/ (gated_deltanet and kda: linear attention; mamba2: state
+                space; short_conv: their causal convolution), cache (a store per layer's state kind,
                 one position pointer), state (a fixed recurrent state and its checkpoints), mlp,
                 routers, moe, mtp (a multi-token-prediction module's ends), per_layer (Gemma 4's
                 per-layer inputs), and block.py, which composes a layer from its LayerSpec.     } rank 3

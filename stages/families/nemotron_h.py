@@ -20,7 +20,7 @@ So a layer is `LayerSpec(mixer, None)` or `LayerSpec(None, mlp)`; each has the o
 half. Its checkpoints lie under "backbone." (`layers.{i}.norm`, `layers.{i}.mixer.*`, the embedding
 `embeddings`, the final norm `norm_f`), the norms' epsilon `layer_norm_epsilon`.
 
-dt's lower clamp (layers/mamba2.py): the published model clamps dt = softplus(dt + dt_bias) to
+dt's lower clamp (layers/recurrent/mamba2.py): the published model clamps dt = softplus(dt + dt_bias) to
 `time_step_limit` (by default [0, inf): not at all), and so does this engine, in every step.
 transformers 5.24 clamps its chunked (prefill) scan at `time_step_min` instead and its one-token
 step not at all, so it disagrees with itself wherever dt falls below `time_step_min` (0.001):

@@ -175,7 +175,7 @@ def mlp_tensors(p: str, ls: LayerSpec, h: int, experts: ExpertNames) -> dict[str
 def deltanet_tensors(p: str, at: GatedDeltaNetSpec, h: int) -> dict[str, Choices]:
     """A Gated DeltaNet layer's attention norm and tensors under prefix `p` (transformers' names):
     the in-projection stacked from Qwen3.5's four matrices (`layout` "split") or Qwen3-Next's two
-    ("grouped": qkvz and ba, each grouped per key head, which layers/gated_deltanet.py reads so)."""
+    ("grouped": qkvz and ba, each grouped per key head, which layers/recurrent/gated_deltanet.py reads so)."""
     a = p + "linear_attn."
     if at.layout == "split":
         w_in = stacked([a + f"in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")],

@@ -35,10 +35,10 @@ from tessera.stages.families.spec import LayerSpec, MlpSpec, ModelSpec
 from tessera.stages.layers.attention import Attention, LayerCache, StepRows
 from tessera.stages.layers.compressed import CompressedAttention, CompressedCache
 from tessera.stages.layers.dsa import SparseLatentAttention
-from tessera.stages.layers.gated_deltanet import GatedDeltaNet
+from tessera.stages.layers.recurrent.gated_deltanet import GatedDeltaNet
 from tessera.stages.layers.hyper import HyperConnection
-from tessera.stages.layers.kda import KimiDeltaAttention
-from tessera.stages.layers.mamba2 import Mamba2Mixer
+from tessera.stages.layers.recurrent.kda import KimiDeltaAttention
+from tessera.stages.layers.recurrent.mamba2 import Mamba2Mixer
 from tessera.stages.layers.mla import LatentAttention, LatentCache
 from tessera.stages.layers.mlp import glu_mlp
 from tessera.stages.layers.moe import DenseAndMoE, MoE

@@ -15,7 +15,7 @@ import torch
 
 from tessera.stages.errors import StateRewindError
 from tessera.stages.families.spec import RECURRENT_CHECKPOINTS, REPLAY_TOKENS, GatedDeltaNetSpec
-from tessera.stages.layers.gated_deltanet import GatedDeltaNet
+from tessera.stages.layers.recurrent.gated_deltanet import GatedDeltaNet
 from tessera.stages.layers.state import RecurrentState
 
 SPEC = GatedDeltaNetSpec(2, 4, 8, 8, 4)

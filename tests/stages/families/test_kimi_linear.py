@@ -19,7 +19,7 @@ from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.catalog import spec_from_config, spec_from_file
 from tessera.stages.families.shapes import shape_spec
 from tessera.stages.families.spec import KdaSpec, MlaSpec
-from tessera.stages.layers.kda import chunked_kda, l2norm, recurrent_kda
+from tessera.stages.layers.recurrent.kda import chunked_kda, l2norm, recurrent_kda
 from tessera.stages.layers.state import RecurrentState
 
 from .conformance import PROMPT, TOLERANCE, recurrent_states, transformers_rows

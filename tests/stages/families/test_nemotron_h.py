@@ -23,7 +23,7 @@ from tessera.stages.families.shapes import shape_spec
 from tessera.stages.families.spec import Mamba2Spec
 from tessera.stages.layers.block import Block
 from tessera.stages.layers.cache import NoState
-from tessera.stages.layers.mamba2 import Mamba2Mixer, chunked_scan, recurrent_scan
+from tessera.stages.layers.recurrent.mamba2 import Mamba2Mixer, chunked_scan, recurrent_scan
 from tessera.stages.layers.state import RecurrentState
 
 from .conformance import PROMPT, TOLERANCE, recurrent_states, transformers_rows

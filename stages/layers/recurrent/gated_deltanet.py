@@ -37,7 +37,7 @@ from torch import nn
 from tessera.stages.families.spec import GatedDeltaNetSpec
 from tessera.stages.layers.attention import StepRows
 from tessera.stages.layers.norm import GatedRMSNorm
-from tessera.stages.layers.short_conv import causal_conv
+from tessera.stages.layers.recurrent.short_conv import causal_conv
 from tessera.stages.layers.state import RecurrentState, fold_sessions
 
 CHUNK = 64  # tokens per chunk of the chunked form (the reference's chunk_size)

@@ -40,7 +40,7 @@ from torch import nn
 from tessera.stages.families.spec import Mamba2Spec
 from tessera.stages.layers.attention import StepRows
 from tessera.stages.layers.norm import GroupGatedRMSNorm
-from tessera.stages.layers.short_conv import causal_conv
+from tessera.stages.layers.recurrent.short_conv import causal_conv
 from tessera.stages.layers.state import RecurrentState, fold_sessions
 
 
