@@ -27,7 +27,7 @@ import trio
 from tessera.stages.errors import ContextOverflow, SpanError, UnknownSession
 from tessera.stages.kernels.quant import NO_QUANT
 from tessera.stages.engine.sessions import check_session
-from tessera.stages.families.llama import llama_spec
+from tessera.stages.families.models.llama import llama_spec
 from tessera.stages.families.spec import ModelSpec
 
 FLOAT32_BYTES = 4

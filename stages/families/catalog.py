@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
-from tessera.stages.families import (
+from tessera.stages.families.models import (
     deepseek, deepseek_v4, gemma4, glm, glm5, gpt_oss, kimi_linear, llama, mimo_v2_flash, minimax_m2, mixtral, nemotron_h,
     qwen3, qwen3_next,
 )

@@ -22,7 +22,7 @@ from tessera.stages.families.tensors import QWEN_EXPERTS, Choices, ExpertNames
 
 # A Llama-block model from plain sizes (`tessera model synth --arch`): vocab_size, hidden_size,
 # intermediate_size, num_layers, num_heads, num_kv_heads, and the optional keywords of
-# families/llama.py `llama_spec` (tie_embeddings, max_position, eos_token_ids ...).
+# families/models/llama.py `llama_spec` (tie_embeddings, max_position, eos_token_ids ...).
 FromSizes = Callable[..., ModelSpec]
 
 

@@ -14,10 +14,10 @@ The engine names a layer's tensors after its own modules (stages/layers/block.py
     Gated DeltaNet: attn.w_in.weight (q, k, v, z, b, a: GatedDeltaNetSpec.layout)  attn.conv
                 attn.A_log  attn.dt_bias  attn.out_norm.weight  attn.w_out.weight
     KDA:        attn.w_in.weight (q, k, v, b, f_a, g_a)  attn.w_fb.weight  attn.w_gb.weight  attn.conv
-                attn.A_log  attn.dt_bias  attn.out_norm.weight  attn.w_out.weight   (families/kimi_linear.py)
+                attn.A_log  attn.dt_bias  attn.out_norm.weight  attn.w_out.weight   (families/models/kimi_linear.py)
     Mamba2:     attn.w_in.weight (z, xBC, dt)  attn.conv  attn.conv_bias  attn.dt_bias  attn.A_log  attn.D
                 attn.out_norm.weight  attn.w_out.weight       relu^2 MLP: mlp.w_up.weight  mlp.w_down.weight
-                (a layer without a mixer or an MLP has neither it nor its norm: families/nemotron_h.py)
+                (a layer without a mixer or an MLP has neither it nor its norm: families/models/nemotron_h.py)
     a gated shared expert: mlp.shared_gate [1, H] (Qwen3-Next)
 
 A checkpoint's decoder tensors lie under `ModelSpec.prefix` ("model.", or

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tessera.stages.engine.stage import Stage
-from tessera.stages.families.llama import llama_spec
+from tessera.stages.families.models.llama import llama_spec
 from tessera.stages.families.spec import AttentionSpec, LayerSpec, MlpSpec, ModelSpec, RouterSpec
 from tessera.stages.layers.block import Block
 from tessera.stages.layers.moe import MoE

@@ -21,7 +21,7 @@ not clamp at all: the two forms of one model disagree wherever dt falls under it
 be one computation however its steps are cut (a replacement replays in chunks what was decoded a
 token at a time), so this module clamps in both forms at `Mamba2Spec.dt_min`, the lower bound of
 the config's `time_step_limit` (0: none), as the published model's own code and mamba_ssm's
-kernels do; families/nemotron_h.py says what that means against transformers.
+kernels do; families/models/nemotron_h.py says what that means against transformers.
 
 The session's state and its rollback are Gated DeltaNet's (layers/state.py): a step hands its
 store NEW state tensors through `fold`, whose inputs per token (the convolution's inputs and dt,

@@ -15,7 +15,7 @@ import torch
 from tessera.stages.assembly.stage import load_stage
 from tessera.stages.errors import SpanError, UnsupportedModel
 from tessera.stages.families.catalog import spec_from_config, spec_from_file, to_config
-from tessera.stages.families.gemma4 import PUBLISHED
+from tessera.stages.families.models.gemma4 import PUBLISHED
 from tessera.stages.weights.folder_check import check_folder
 
 from .conformance import PROMPT, build, check_matches_transformers, reference_run

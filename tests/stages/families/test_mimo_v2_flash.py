@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from tessera.stages.assembly.stage import load_stage
 from tessera.stages.errors import UnsupportedModel
 from tessera.stages.families.catalog import spec_from_config, spec_from_file
-from tessera.stages.families.mimo_v2_flash import MIMO_V2_FLASH
+from tessera.stages.families.models.mimo_v2_flash import MIMO_V2_FLASH
 from tessera.stages.weights.folder_check import check_folder
 
 from .conformance import PROMPT

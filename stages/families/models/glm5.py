@@ -8,7 +8,7 @@ whether it runs its own indexer ("full") or reuses the selection of the last one
 ("shared"); a config without it gets transformers' derivation (`index_topk_pattern`, else
 `index_topk_freq` / `index_skip_topk_offset`).
 
-The MLP is DeepSeek-V3's (families/deepseek.py), dense or sparse per `mlp_layer_types`
+The MLP is DeepSeek-V3's (families/models/deepseek.py), dense or sparse per `mlp_layer_types`
 (else dense before `first_k_dense_replace`), as transformers' `GlmMoeDsaConfig` reads them.
 
 A key the config leaves out means what `GlmMoeDsaConfig` defaults to. Refused (one line naming
@@ -28,8 +28,8 @@ from typing import Any
 from tessera.stages.errors import ModelFormatError
 from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.family import Family
-from tessera.stages.families.deepseek import MoeDefaults, moe_config, read_mtp_layers, read_sigmoid_moe_kinds, rope_config
-from tessera.stages.families.llama import with_special_ids
+from tessera.stages.families.models.deepseek import MoeDefaults, moe_config, read_mtp_layers, read_sigmoid_moe_kinds, rope_config
+from tessera.stages.families.models.llama import with_special_ids
 from tessera.stages.families.mtp import deepseek_mtp
 from tessera.stages.families.spec import DsaSpec, LayerSpec, MlaSpec, ModelSpec
 

@@ -46,9 +46,9 @@ from typing import Any
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.config import MAX_LAYERS, ConfigReader
-from tessera.stages.families.deepseek import read_alias
+from tessera.stages.families.models.deepseek import read_alias
 from tessera.stages.families.family import Family
-from tessera.stages.families.llama import with_special_ids
+from tessera.stages.families.models.llama import with_special_ids
 from tessera.stages.families.spec import (
     AttentionSpec, GluSpec, LayerSpec, Mamba2Spec, MlpSpec, ModelSpec, RopeSpec, RouterSpec,
 )

@@ -34,7 +34,7 @@ from typing import Any
 
 from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.family import Family
-from tessera.stages.families.llama import with_special_ids
+from tessera.stages.families.models.llama import with_special_ids
 from tessera.stages.families.spec import AttentionSpec, LayerSpec, MlpSpec, ModelSpec, RouterSpec
 from tessera.stages.families.tensors import ExpertNames
 

@@ -45,10 +45,10 @@ from typing import Any
 from tessera.stages.errors import ModelFormatError
 from tessera.stages.families import tensors
 from tessera.stages.families.config import ConfigReader
-from tessera.stages.families.deepseek import read_alias
+from tessera.stages.families.models.deepseek import read_alias
 from tessera.stages.families.family import Family
 from tessera.stages.families.layer_types import FULL, SLIDING, read_layer_types, rope_blocks
-from tessera.stages.families.llama import with_special_ids
+from tessera.stages.families.models.llama import with_special_ids
 from tessera.stages.families.spec import AttentionSpec, LayerSpec, MlpSpec, ModelSpec, RopeSpec, RouterSpec
 from tessera.stages.families.tensors import Choices, one
 

@@ -12,7 +12,7 @@ Layers from `first_k_dense_replace` on are sparse: `n_routed_experts` SwiGLU exp
 `num_experts_per_tok` within the best `topk_group` of `n_group` expert groups, weights
 renormalised when `norm_topk_prob` and times `routed_scaling_factor`, plus `n_shared_experts`
 shared experts (one SwiGLU of n x `moe_intermediate_size`); the first layers are dense
-SwiGLU of `intermediate_size`. GLM-4.5 (families/glm.py) shares this MoE.
+SwiGLU of `intermediate_size`. GLM-4.5 (families/models/glm.py) shares this MoE.
 
 A key the config leaves out means what transformers' `DeepseekV3Config` defaults to (the
 published model's value). Refused (one line naming the key): an activation other than SiLU;
@@ -35,7 +35,7 @@ from typing import Any
 
 from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.family import Family
-from tessera.stages.families.llama import with_special_ids
+from tessera.stages.families.models.llama import with_special_ids
 from tessera.stages.families.mtp import deepseek_mtp
 from tessera.stages.families.spec import LayerSpec, MlaSpec, MlpSpec, ModelSpec, RouterSpec
 

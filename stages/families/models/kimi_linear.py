@@ -47,9 +47,9 @@ from typing import Any
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.config import ConfigReader
-from tessera.stages.families.deepseek import read_alias
+from tessera.stages.families.models.deepseek import read_alias
 from tessera.stages.families.family import Family
-from tessera.stages.families.llama import with_special_ids
+from tessera.stages.families.models.llama import with_special_ids
 from tessera.stages.families.spec import KdaSpec, LayerSpec, MlaSpec, MlpSpec, ModelSpec, RopeSpec, RouterSpec
 from tessera.stages.families.tensors import (
     Choices, ExpertNames, Stacked, mla_tensors, mlp_tensors, one, stacked,

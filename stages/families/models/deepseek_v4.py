@@ -60,9 +60,9 @@ from typing import Any
 
 from tessera.stages.errors import ModelFormatError
 from tessera.stages.families.config import ConfigReader, read_rope
-from tessera.stages.families.deepseek import read_alias, read_mtp_layers
+from tessera.stages.families.models.deepseek import read_alias, read_mtp_layers
 from tessera.stages.families.family import Family
-from tessera.stages.families.llama import with_special_ids
+from tessera.stages.families.models.llama import with_special_ids
 from tessera.stages.families.spec import (
     CompressedAttentionSpec, GluSpec, HyperSpec, LayerSpec, MlpSpec, ModelSpec, RopeSpec, RouterSpec,
 )

@@ -6,7 +6,7 @@ before RoPE when `use_qk_norm`, and RoPE turning only the first
 `partial_rotary_factor` x head_dim dims of each head (0.5 when the config says nothing, as
 transformers' `Glm4MoeConfig` does), the rest passing through.
 
-The MLP is DeepSeek-V3's (families/deepseek.py): dense SwiGLU before `first_k_dense_replace`,
+The MLP is DeepSeek-V3's (families/models/deepseek.py): dense SwiGLU before `first_k_dense_replace`,
 then `n_routed_experts` experts picked by the sigmoid router with its correction bias and
 `n_group` / `topk_group` groups, `norm_topk_prob`, `routed_scaling_factor`, plus
 `n_shared_experts` shared experts.
@@ -24,8 +24,8 @@ from typing import Any
 
 from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.family import Family
-from tessera.stages.families.deepseek import MoeDefaults, moe_config, read_mtp_layers, read_sigmoid_moe, rope_config
-from tessera.stages.families.llama import with_special_ids
+from tessera.stages.families.models.deepseek import MoeDefaults, moe_config, read_mtp_layers, read_sigmoid_moe, rope_config
+from tessera.stages.families.models.llama import with_special_ids
 from tessera.stages.families.mtp import deepseek_mtp
 from tessera.stages.families.spec import AttentionSpec, LayerSpec, ModelSpec
 

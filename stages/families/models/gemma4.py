@@ -52,7 +52,7 @@ from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.config import ConfigReader, read_rope
 from tessera.stages.families.family import Family
 from tessera.stages.families.layer_types import FULL, SLIDING, read_layer_types, rope_blocks
-from tessera.stages.families.llama import with_special_ids
+from tessera.stages.families.models.llama import with_special_ids
 from tessera.stages.families.spec import (
     AttentionSpec, GluSpec, LayerSpec, MlpSpec, ModelSpec, RopeSpec, RouterSpec,
 )

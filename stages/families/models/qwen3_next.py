@@ -48,7 +48,7 @@ from typing import Any
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.family import Family
-from tessera.stages.families.llama import with_special_ids
+from tessera.stages.families.models.llama import with_special_ids
 from tessera.stages.families.mtp import qwen3_5_mtp
 from tessera.stages.families.spec import (
     AttentionSpec, GatedDeltaNetSpec, LayerSpec, MlpSpec, ModelSpec, RopeSpec, RouterSpec,
