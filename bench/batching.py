@@ -22,9 +22,16 @@ Two figures per count of sessions, both as ratios to one session measured in the
 
 Every session's tokens are checked against its solo run (greedy); a mismatch fails loudly.
 Each round measures every count; a ratio is taken within a round (so that machine noise
-hits both sides alike) and the median over rounds is printed last.
+hits both sides alike) and the median over rounds is printed last. Before them, the machine,
+each configuration's rounds (min / median / max) and what other processes did meanwhile
+(bench/rounds.py); a kind's ratios are not printed when one of its configurations' rounds
+spread over 15% or other processes kept the cores busy (one line says why instead).
 
-    .venv/bin/python bench/batching.py [--threads 1] [--tokens 16] [--rounds 3]
+`--compile auto` compiles the span's decode steps as a peer does by default (its --compile):
+one session then decodes through the compiled one-row graph, a stack through the graph of
+its row bucket (1, 2, 4, 8).
+
+    .venv/bin/python bench/batching.py [--threads 1] [--tokens 16] [--rounds 3] [--compile off]
 
 `concurrent_sessions_figures(...)` returns the figures for bench/capacity.py to print.
 """
@@ -40,7 +47,10 @@ from typing import Callable, Sequence
 import torch
 import trio
 
+from rounds import CoreWatch, figure_line, machine_lines, refusal, spread_line, watch_line
+
 from tessera.peer.serve.batcher import MAX_BATCH_WAIT
+from tessera.stages.engine.compiled.build import compile_decode, row_buckets
 from tessera.stages.weights import registry
 from tessera.stages.engine.stage import Stage
 from tessera.stages.assembly.stage import load_stage
@@ -158,18 +168,22 @@ async def through_server(
     return tokens, elapsed, stats.steps / max(stats.batches, 1)
 
 
-def concurrent_sessions_figures(
+def concurrent_sessions_rounds(
     folder: Path, *, counts: Sequence[int] = COUNTS, tokens: int = 16, rounds: int = 3,
-    batch_wait: float = MAX_BATCH_WAIT, log: Callable[[str], None] = print,
-) -> dict[str, dict[int, float]]:
-    """Aggregate decode tok/s per count of sessions ('stage', 'server': medians over rounds)
-    and its ratio to one session ('stage ratio', 'server ratio': the median of each round's
-    ratio, both measured in that round). Every session is checked exact against its solo
-    run; raises AssertionError on a mismatch. `counts` must include 1."""
+    batch_wait: float = MAX_BATCH_WAIT, compile: str = "off", log: Callable[[str], None] = print,
+) -> dict[str, dict[int, list[float]]]:
+    """Aggregate decode tok/s of each round, per kind ('stage', 'server', 'server-peer') and count
+    of sessions; the configurations alternate within each round. Every session is checked exact
+    against its solo run; raises AssertionError on a mismatch. `counts` must include 1.
+    `compile`: the span's decode steps compiled as a peer's --compile asks ('off': eager)."""
     assert 1 in counts, "ratios are to one session"
     stage = load_stage(folder)
     head = load_stage(folder, start=0, end=0, embed=True, head=True)
     whole = Stage(stage.spec, 0, list(stage.blocks), embedding=head.embedding, norm=head.norm, head=head.head)
+    if compile != "off":  # as a peer compiles its span (peer/node/torch_compute.py), both stages that run it
+        for s in (stage, whole):
+            plan = compile_decode(s, compile, buckets=row_buckets(max(counts)))
+        log(f"compiled decode: {plan.backend or 'none'} ({plan.reason})")
     batch = prompts(max(counts))
     solo = [lockstep(whole, [p], tokens)[0][0] for p in batch]
     rates: dict[str, dict[int, list[float]]] = {kind: {c: [] for c in counts} for kind in KINDS}
@@ -187,11 +201,22 @@ def concurrent_sessions_figures(
             log(f"round {r}, {c} session(s): stage {rates['stage'][c][-1]:.1f} tok/s, "
                 f"server {rates['server'][c][-1]:.1f} tok/s (mean batch {mean_batch:.1f}), "
                 f"server-peer {rates['server-peer'][c][-1]:.1f} tok/s (mean batch {peer_batch:.1f}), all exact")
+    return rates
+
+
+def summarise(rates: dict[str, dict[int, list[float]]]) -> dict[str, dict[int, float]]:
+    """Per kind, the median tok/s of each count ('stage', ...) and the median of each round's
+    ratio to one session, both measured in that round ('stage ratio', ...)."""
     figures: dict[str, dict[int, float]] = {}
     for kind, by in rates.items():
         figures[kind] = {c: statistics.median(v) for c, v in by.items()}
         figures[f"{kind} ratio"] = {c: statistics.median(a / b for a, b in zip(v, by[1])) for c, v in by.items()}
     return figures
+
+
+def concurrent_sessions_figures(folder: Path, **kwargs) -> dict[str, dict[int, float]]:
+    """`summarise(concurrent_sessions_rounds(folder, **kwargs))` (bench/capacity.py prints them)."""
+    return summarise(concurrent_sessions_rounds(folder, **kwargs))
 
 
 def main() -> None:
@@ -202,18 +227,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-wait-ms", type=float, default=MAX_BATCH_WAIT * 1000,
                         help="the server's wait for the sessions of its last batch (the peer's --batch-wait-ms)")
+    parser.add_argument("--compile", default="off", choices=("off", "auto", "inductor"),
+                        help="the span's decode steps compiled as a peer's --compile (default off: eager)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    figures = concurrent_sessions_figures(registry.resolve(args.model), tokens=args.tokens, rounds=args.rounds,
-                                          batch_wait=args.batch_wait_ms / 1000)
-    print(f"threads: {args.threads}, dtype: float32, tokens per session: {args.tokens}, rounds: {args.rounds}, "
-          f"server batch wait: {args.batch_wait_ms:g} ms")
+    with CoreWatch() as watch:
+        rates = concurrent_sessions_rounds(registry.resolve(args.model), tokens=args.tokens, rounds=args.rounds,
+                                           batch_wait=args.batch_wait_ms / 1000, compile=args.compile)
+    figures = summarise(rates)
+    for line in machine_lines(args.threads):
+        print(line)
+    print(f"threads: {args.threads}, dtype: float32, compile: {args.compile}, tokens per session: {args.tokens}, "
+          f"rounds: {args.rounds}, server batch wait: {args.batch_wait_ms:g} ms")
     for kind in KINDS:
-        for c, rate in figures[kind].items():
-            print(f"{kind}: {c} session(s) {rate:.1f} tok/s aggregate")
+        for c, v in rates[kind].items():
+            print(spread_line(f"{kind}, {c} session(s)", v, "tok/s aggregate", 1))
+    print(watch_line(watch))
     for kind in KINDS:
-        print(f"{kind} batching ratios to 1 session: "
-              + ", ".join(f"{c}: {ratio:.2f}" for c, ratio in figures[f"{kind} ratio"].items() if c != 1))
+        reason = refusal({f"{kind}, {c} session(s)": v for c, v in rates[kind].items()}, watch.others)
+        print(figure_line(f"{kind} batching ratios to 1 session",
+                          ", ".join(f"{c}: {ratio:.2f}" for c, ratio in figures[f"{kind} ratio"].items() if c != 1),
+                          reason))
 
 
 if __name__ == "__main__":

@@ -2,11 +2,17 @@
 
 Measured on this machine's CPU (AMD EPYC, AVX-512, one thread, float32, weights in huge pages):
 torch's matmul for one row through a [N, K] weight moves 9-14 GB/s for K = 576-1536 (MKL's
-GEMV takes short rows poorly here), and 6-10 GB/s for 2-8 rows; the same product written as
-a reduction, `(x[:, None, :] * W).sum(-1)`, which inductor turns into one vectorised loop
-over W's rows, moves 17-23 GB/s for one row, 14-15 for two and 11 for four, and no more than
-the matmul at eight. So under torch.compile a `RowLinear` multiplies up to
-ROW_REDUCTION_ROWS rows that way; more rows, and every eager call, take F.linear as before.
+GEMV takes short rows poorly here); the same product written as a reduction,
+`(x[:, None, :] * W).sum(-1)`, which inductor turns into one vectorised loop over W's rows,
+moves 17-23 GB/s for one row. So under torch.compile a `RowLinear` multiplies one row that
+way (ROW_REDUCTION_ROWS); more rows, and every eager call, take F.linear. For more rows the
+reduction's loop runs row by row and reads W once per row: over SmolLM2's 120 matrices (one
+thread, rounds side by side on a loaded 2-core box) two rows took 1.7-2x F.linear's time and
+four 2.3-3x; a compiled SmolLM2 stage stacking 2 sessions decoded 13-14 tok/s where one decoded
+12.9 and an eager stage's stack 23-33, 4 sessions 20 tok/s against eager's 29-32 (the stacked
+steps of bench/batching.py's stage, the two stages' rounds alternating in one process). It was
+4 rows until then, which cost a compiled peer's stacked steps of 2-4 sessions up to half their
+throughput.
 
 A matrix stored as a checkpoint ships it (fp8 blocks, MXFP4, GGUF blocks: stages/kernels/)
 is a `FusedRows` in the decode form when its format has a fused form: the same reduction, over
@@ -31,7 +37,10 @@ from tessera.stages.kernels.linear import RowStack, ShippedLinear
 from tessera.stages.kernels.chunked import DEQUANT_CHUNK_BYTES
 from tessera.stages.kernels.quant import QuantLinear
 
-ROW_REDUCTION_ROWS = 4  # rows up to which the reduction beats torch's matmul (module docstring)
+ROW_REDUCTION_ROWS = 1  # float32 rows up to which the reduction beats torch's matmul (module docstring)
+# rows up to which a shipped matrix's fused reduction runs; more dequantize a chunk at a time and
+# multiply (its integer work per weight is what the reduction saves; not re-measured at 2-4 rows)
+FUSED_ROWS = 4
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -54,7 +63,7 @@ Stored = tuple[torch.Tensor, ...]  # a part's `fused_inputs`
 
 class FusedRows(nn.Module):
     """A shipped matrix (or a RowStack of them) in a decode form: under torch.compile, up to
-    ROW_REDUCTION_ROWS rows as one reduction per stored part (`fused_rows`), more as matmuls over
+    FUSED_ROWS rows as one reduction per stored part (`fused_rows`), more as matmuls over
     its `fused_weight` a chunk at a time; eagerly, the matrix's own forward. Its buffers are the
     parts' `fused_inputs` (views of the matrix's), so that the graph reads them as stored."""
 
@@ -74,7 +83,7 @@ class FusedRows(nn.Module):
         outs = []  # each [R, part's N]
         for part, names in zip(self.parts, self.stored_names):
             stored = [getattr(self, name) for name in names]
-            if rows.shape[0] <= ROW_REDUCTION_ROWS:
+            if rows.shape[0] <= FUSED_ROWS:
                 outs.append(part.fused_rows(rows, *stored))
             else:  # the weight widened DEQUANT_CHUNK_BYTES at a time by the graph, each chunk a matmul
                 weight = part.fused_weight(*stored)
