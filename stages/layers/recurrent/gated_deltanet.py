@@ -2,7 +2,7 @@
 
 Shapes: T = tokens in this step, H = hidden size, Hk / Hv = key / value heads, dk / dv = their
 dims, C = 2 Hk dk + Hv dv (the convolution's channels: q, k, v), Kc = the convolution's kernel.
-The math is families/spec.py's `GatedDeltaNetSpec`; float32 reference semantics are
+The math is families/spec/recurrent.py's `GatedDeltaNetSpec`; float32 reference semantics are
 transformers' `Qwen3NextGatedDeltaNet` / `Qwen3_5GatedDeltaNet` with its torch kernels
 (`torch_chunk_gated_delta_rule` for a step of many tokens, `torch_recurrent_gated_delta_rule`
 for one): the same algorithm in the same order, so logits agree to ~1e-6.
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.stages.families.spec import GatedDeltaNetSpec
+from tessera.stages.families.spec.recurrent import GatedDeltaNetSpec
 from tessera.stages.layers.attention import StepRows
 from tessera.stages.layers.norm import GatedRMSNorm
 from tessera.stages.layers.recurrent.short_conv import causal_conv

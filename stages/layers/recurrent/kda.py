@@ -2,7 +2,7 @@
 
 Shapes: T = tokens in this step, H = hidden size, Hk = heads (q, k and v alike), d = their dim,
 C = 3 Hk d (the convolution's channels: q, k, v), Kc = the convolution's kernel. The math is
-families/spec.py's `KdaSpec`; float32 reference semantics are transformers'
+families/spec/recurrent.py's `KdaSpec`; float32 reference semantics are transformers'
 `KimiLinearDeltaAttention` with its torch kernels (`chunk_kimi_delta_attention` for a step of
 many tokens, `recurrent_kimi_delta_attention` for one): the same algorithm in the same order but
 for the chunk's triangular system, solved here by `solve_triangular` where the reference
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.stages.families.spec import KdaSpec
+from tessera.stages.families.spec.recurrent import KdaSpec
 from tessera.stages.layers.attention import StepRows
 from tessera.stages.layers.norm import SigmoidGatedRMSNorm
 from tessera.stages.layers.recurrent.short_conv import causal_conv

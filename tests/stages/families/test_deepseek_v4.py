@@ -23,7 +23,7 @@ from tessera.protocol.tensors import decode_tensor, encode_wire
 from tessera.stages.assembly.stage import load_stage
 from tessera.stages.errors import ModelFormatError, StateRewindError, UnsupportedModel
 from tessera.stages.families.catalog import spec_from_config
-from tessera.stages.families.spec import COMPRESSED_REACH, CompressedAttentionSpec
+from tessera.stages.families.spec.compressed import COMPRESSED_REACH, CompressedAttentionSpec
 from tessera.stages.layers.cache import SessionCache, session_bytes
 from tessera.stages.layers.hop import Hop
 from tessera.stages.weights.folder import WeightFolder

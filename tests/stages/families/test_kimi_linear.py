@@ -18,7 +18,8 @@ from tessera.stages.assembly.stage import load_stage
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.catalog import spec_from_config, spec_from_file
 from tessera.stages.families.shapes import shape_spec
-from tessera.stages.families.spec import KdaSpec, MlaSpec
+from tessera.stages.families.spec.mla import MlaSpec
+from tessera.stages.families.spec.recurrent import KdaSpec
 from tessera.stages.layers.recurrent.kda import chunked_kda, l2norm, recurrent_kda
 from tessera.stages.layers.state import RecurrentState
 

@@ -20,7 +20,7 @@ from tessera.stages.assembly.stage import load_stage
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.catalog import spec_from_config, spec_from_file
 from tessera.stages.families.shapes import shape_spec
-from tessera.stages.families.spec import Mamba2Spec
+from tessera.stages.families.spec.recurrent import Mamba2Spec
 from tessera.stages.layers.block import Block
 from tessera.stages.layers.cache import NoState
 from tessera.stages.layers.recurrent.mamba2 import Mamba2Mixer, chunked_scan, recurrent_scan

@@ -22,7 +22,7 @@ from tessera.stages.assembly.stage import load_stage
 from tessera.stages.engine.stage import Stage
 from tessera.stages.errors import ModelFormatError, StateRewindError, UnsupportedModel
 from tessera.stages.families.catalog import spec_from_config, spec_from_file, to_config
-from tessera.stages.families.spec import REPLAY_TOKENS
+from tessera.stages.families.spec.recurrent import REPLAY_TOKENS
 from tessera.stages.layers.state import RecurrentState
 
 from .conformance import (
