@@ -1,11 +1,11 @@
 """What only Kimi Linear (`kimi_linear`) has: Kimi Delta Attention beside NoPE MLA, the published config's form.
 
 The conformance suite (test_conformance.py, its rows in rows.py) holds it to transformers, stacked and
-chunked sessions, a split inside the KDA run, rollback, the refusals and a real swarm. Here: the layers
-as configured (and as the published `linear_attn_config` numbers them); a KDA layer's fixed state; the
-chunk-wise rule against transformers' own kernel over several chunks and against the token-by-token
-rule; a whole, a chunked and a replayed prefill against the same reference; going back into a block;
-an int8 span; and any value in any key read or refused by one typed error.
+chunked sessions, a split inside the KDA run, rollback, the refusals and a real swarm, and (as every
+family with a recurrent state) a whole, a chunked and a replayed prefill against the same reference,
+going back into a block and further back refused. Here: the layers as configured (and as the
+published `linear_attn_config` numbers them); a KDA layer's fixed state; the chunk-wise rule against
+transformers' own kernel over several chunks and against the token-by-token rule; an int8 span; and any value in any key read or refused by one typed error.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from tessera.stages.families.spec.recurrent import KdaSpec
 from tessera.stages.layers.recurrent.kda import chunked_kda, l2norm, recurrent_kda
 from tessera.stages.layers.state import RecurrentState
 
-from .conformance import PROMPT, TOLERANCE, recurrent_states, transformers_rows
 from .rows import saved_config
 
 transformers = pytest.importorskip("transformers")
@@ -92,51 +91,6 @@ def test_the_chunked_rule_is_transformers_kernel_and_the_token_by_token_rule():
     assert float((chunked.transpose(0, 1) - want[0]).abs().max()) <= 1e-5
     assert float((chunked_state - want_state[0]).abs().max()) <= 1e-5
     assert float((chunked - stepped).abs().max()) <= 1e-5 and float((chunked_state - stepped_state).abs().max()) <= 1e-5
-
-
-@pytest.mark.parametrize("name", [PUBLISHED, FUSED])
-def test_whole_chunked_and_replayed_prefills_meet_one_reference(family_models, name):
-    """transformers fed as ours is: the prompt whole then a token a step, the prompt in chunks of 5 and 7,
-    and (as a replacement is fed) the whole history in one step. Our logits are its to 1e-4 in each; the
-    KDA states after the chunked prefill and after the replay are the uninterrupted run's to 1e-4."""
-    folder = family_models.folder(name)
-    tokens, _ = family_models.reference(name)
-    history = PROMPT + tokens[:-1]
-    stage = load_stage(folder, embed=True, head=True)
-    for how, cuts in (("whole", [len(PROMPT)]), ("chunked", [5, len(PROMPT)])):
-        feeds = [PROMPT[a:b] for a, b in zip([0, *cuts], cuts)] + [[t] for t in tokens[:-1]]
-        want = transformers_rows(folder, feeds)
-        stage.open(how, capacity=64)
-        at, rows = 0, []
-        for feed in feeds:
-            rows.append(stage.logits(stage.forward(how, stage.embed(feed), at))[-1:])
-            at += len(feed)
-        worst = max(float((a - b).abs().max()) for a, b in zip(rows, want))
-        assert worst <= TOLERANCE, f"{name} {how}: {worst:.3g}"
-    stage.open("replayed", capacity=64)
-    replayed = stage.logits(stage.forward("replayed", stage.embed(history), 0))[-1:]
-    assert float((replayed - transformers_rows(folder, [history])[0]).abs().max()) <= TOLERANCE
-    uninterrupted = recurrent_states(stage, "whole")
-    assert len(uninterrupted) == sum(isinstance(layer.attention, KdaSpec) for layer in stage.spec.layers)
-    for how in ("chunked", "replayed"):
-        assert max(float((a - b).abs().max()) for a, b in zip(recurrent_states(stage, how), uninterrupted)) <= 1e-4
-
-
-def test_going_back_inside_a_block_equals_never_having_gone_past_it(family_models):
-    """A KDA state taken back into a block (its checkpoint, the accepted tokens folded in again) equals
-    the state of a session that stopped there."""
-    stage = load_stage(family_models.folder(PUBLISHED), embed=True, head=True)
-    block = [11, 12, 13, 14, 15]
-    for session in ("back", "straight"):
-        stage.open(session, capacity=64)
-        stage.forward(session, stage.embed(PROMPT), 0)
-    stage.forward("back", stage.embed(block), len(PROMPT))
-    stage.forward("back", stage.embed([40, 41]), len(PROMPT) + 5)
-    back = stage.logits(stage.forward("back", stage.embed([99]), len(PROMPT) + 2))
-    straight = stage.logits(stage.forward("straight", stage.embed([*block[:2], 99]), len(PROMPT)))[-1:]
-    assert float((back - straight).abs().max()) <= TOLERANCE
-    assert max(float((a - b).abs().max()) for a, b in zip(recurrent_states(stage, "back"),
-                                                          recurrent_states(stage, "straight"))) <= 1e-4
 
 
 def test_an_int8_span_matches_its_dequantized_reference(family_models):

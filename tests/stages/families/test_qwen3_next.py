@@ -1,11 +1,12 @@
 """What only the hybrids have: Qwen3-Next (`qwen3_next`), Qwen3.5 (`qwen3_5`), Qwen3.5-MoE (`qwen3_5_moe`).
 
 The conformance suite (test_conformance.py, their rows in rows.py) holds each of them to
-transformers, stacked and chunked sessions, a split, rollback, the refusals and a real swarm.
-Here: the layers as configured; a linear layer's fixed state (what admission charges, at any
-length); a whole, a chunked and a replayed prefill against the same reference (a replacement's
-recurrent states equal the uninterrupted ones); going back into a block equal to never having gone
-past it, and further back refused; Qwen3.5 saved as transformers saves the multimodal model (a
+transformers, stacked and chunked sessions, a split, rollback (speculative blocks cut short), the
+refusals and a real swarm, and (as every family with a recurrent state) a whole, a chunked and a
+replayed prefill against the same reference (a replacement's recurrent states equal the
+uninterrupted ones), going back into a block equal to never having gone past it, and further back
+refused. Here: the layers as configured; a linear layer's fixed state (what admission charges, at
+any length); Qwen3.5 saved as transformers saves the multimodal model (a
 vision tower, the text model under model.language_model.), whose text model runs; the compiled
 decode step; an int8 span; and any value in any key read or refused by one typed error.
 """
@@ -20,15 +21,11 @@ import torch
 
 from tessera.stages.assembly.stage import load_stage
 from tessera.stages.engine.stage import Stage
-from tessera.stages.errors import ModelFormatError, StateRewindError, UnsupportedModel
+from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.catalog import spec_from_config, spec_from_file, to_config
-from tessera.stages.families.spec.recurrent import REPLAY_TOKENS
 from tessera.stages.layers.state import RecurrentState
 
-from .conformance import (
-    PROMPT, TOLERANCE, VOCAB, build, check_matches_transformers, recurrent_states as states, reference_run,
-    transformers_rows, until_eos,
-)
+from .conformance import PROMPT, TOLERANCE, build, check_matches_transformers, reference_run
 from .rows import HYBRID, saved_config
 
 transformers = pytest.importorskip("transformers")
@@ -117,107 +114,6 @@ def test_a_linear_layer_holds_a_fixed_state_whatever_the_context(folders):
         assert store.nbytes <= linear.fixed_bytes(4)
     assert stage.session_bytes(64, 0, 3) == stage.session_bytes(4096, 0, 3) == 3 * linear.fixed_bytes(4)
 
-
-@pytest.mark.parametrize("name", sorted(ROWS))
-def test_whole_chunked_and_replayed_prefills_meet_one_reference(folders, references, name):
-    """transformers is the reference, fed as ours is: the prompt whole then one token a step, the prompt
-    in chunks of 5 and 7 then one token a step, and (as a replacement is fed) the whole history in one
-    step. Our logits are its to 1e-4 in each (its own three runs differ by up to 4e-4 here: the
-    recurrence's chunk-wise and token-by-token forms round otherwise); our recurrent states after the
-    chunked prefill and after the replay are the uninterrupted run's to 1e-4; and the replayed session
-    goes on to the same greedy tokens."""
-    tokens, _ = references[name]
-    history = PROMPT + tokens[:-1]  # every token the reference fed, prompt and decoded
-    stage = load_stage(folders[name], embed=True, head=True)
-    last = {}
-    for how, cuts in (("whole", [len(PROMPT)]), ("chunked", [5, len(PROMPT)])):
-        feeds = [PROMPT[a:b] for a, b in zip([0, *cuts], cuts)] + [[t] for t in tokens[:-1]]
-        want = transformers_rows(folders[name], feeds)
-        stage.open(how, capacity=64)
-        at, rows = 0, []
-        for feed in feeds:
-            rows.append(stage.logits(stage.forward(how, stage.embed(feed), at))[-1:])
-            at += len(feed)
-        worst = max(float((a - b).abs().max()) for a, b in zip(rows, want))
-        assert worst <= TOLERANCE, f"{name} {how}: {worst:.3g}"
-        last[how] = rows[-1]
-    stage.open("replayed", capacity=64)
-    replayed = stage.logits(stage.forward("replayed", stage.embed(history), 0))
-    last["replayed"] = replayed[-1:]
-    assert float((replayed[-1:] - transformers_rows(folders[name], [history])[0]).abs().max()) <= TOLERANCE
-    uninterrupted = states(stage, "whole")
-    for how in ("chunked", "replayed"):
-        assert max(float((a - b).abs().max()) for a, b in zip(states(stage, how), uninterrupted)) <= 1e-4, how
-    went_on = {}
-    for session in ("whole", "replayed"):  # and on from there, greedily, the same tokens
-        row, seq = last[session], []
-        for step in range(4):
-            seq.append(int(row[-1].argmax()))
-            row = stage.logits(stage.forward(session, stage.embed(seq[-1:]), len(history) + step))
-        went_on[session] = seq
-    assert went_on["whole"] == went_on["replayed"]
-
-
-def test_speculative_blocks_roll_back_and_a_deeper_rollback_is_refused(folders, references):
-    """Blocks of 3 drafts verified in one pass, every other one cut short: the next block starts
-    inside the last, and the state goes back to it (its checkpoint, the accepted tokens folded in
-    again). The tokens are the reference's. Going back past the kept checkpoints is refused with
-    one line and moves nothing; going back to 0 starts afresh."""
-    from tessera.stages.decoding.speculative import greedy_accept
-
-    folder, want = folders["qwen3_next"], until_eos(references["qwen3_next"][0])
-    stage = load_stage(folder, embed=True, head=True)
-    stage.open("spec", capacity=64)
-    seq = PROMPT + [int(stage.logits(stage.forward("spec", stage.embed(PROMPT), 0))[-1].argmax())]
-    cuts = blocks = 0
-    while len(seq) - len(PROMPT) < len(want):
-        done = len(seq) - len(PROMPT)
-        draft = list(want[done : done + 3])
-        if blocks % 2:
-            draft[-1] = (draft[-1] + 1) % VOCAB
-        at = len(seq) - 1
-        rows = stage.logits(stage.forward("spec", stage.embed([seq[-1], *draft]), at))
-        kept, token = greedy_accept(rows, draft)
-        assert token is not None
-        cuts += kept < len(draft)
-        blocks += 1
-        seq += draft[:kept] + [token]
-    assert seq[len(PROMPT):][: len(want)] == want and cuts > 0
-    # a prefill chunk longer than REPLAY_TOKENS keeps no inputs, and 17 one-token steps fill a run and
-    # start another: position 10, inside the chunk, is out of reach
-    stage.open("deep", capacity=64)
-    stage.forward("deep", stage.embed(list(range(5, 5 + REPLAY_TOKENS + 4))), 0)
-    for position in range(REPLAY_TOKENS + 4, 2 * REPLAY_TOKENS + 5):
-        stage.forward("deep", stage.embed([7]), position)
-    position = stage.position("deep")
-    with pytest.raises(StateRewindError, match="cannot go back to position 10") as refused:
-        stage.rollback("deep", 10)
-    assert "\n" not in str(refused.value) and stage.position("deep") == position
-    with pytest.raises(StateRewindError):  # a step written there is refused alike, before anything moves
-        stage.forward("deep", stage.embed([1]), 10)
-    assert stage.position("deep") == position
-    stage.rollback("spec", 0)
-    again = stage.logits(stage.forward("spec", stage.embed(PROMPT), 0))[-1]
-    assert int(again.argmax()) == want[0]
-
-
-def test_going_back_inside_a_block_equals_never_having_gone_past_it(folders):
-    """A state taken back into a block (its checkpoint, then the accepted tokens' inputs folded in
-    again) equals the state of a session that stopped there, to 1e-4."""
-    stage = load_stage(folders["qwen3_5_moe"], embed=True, head=True)
-    block = [11, 12, 13, 14, 15]
-    for session in ("back", "straight"):
-        stage.open(session, capacity=64)
-        stage.forward(session, stage.embed(PROMPT), 0)
-    stage.forward("back", stage.embed(block), len(PROMPT))
-    stage.forward("back", stage.embed([40, 41]), len(PROMPT) + 5)  # a second block after it
-    back = stage.logits(stage.forward("back", stage.embed([99]), len(PROMPT) + 2))  # into the first block
-    straight = stage.logits(stage.forward("straight", stage.embed([*block[:2], 99]), len(PROMPT)))[-1:]
-    assert float((back - straight).abs().max()) <= TOLERANCE
-    assert max(float((a - b).abs().max()) for a, b in zip(states(stage, "back"), states(stage, "straight"))) <= 1e-4
-
-
-# -- reading configs ---------------------------------------------------------------------------------
 
 def saved_multimodal() -> dict:
     """Qwen3.5's multimodal config as transformers writes it."""
