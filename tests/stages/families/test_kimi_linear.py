@@ -20,7 +20,8 @@ from tessera.stages.families.catalog import spec_from_config, spec_from_file
 from tessera.stages.families.shapes import shape_spec
 from tessera.stages.families.spec.mla import MlaSpec
 from tessera.stages.families.spec.recurrent import KdaSpec
-from tessera.stages.layers.recurrent.kda import chunked_kda, l2norm, recurrent_kda
+from tessera.stages.layers.recurrent.delta_rule import recurrent_delta_rule
+from tessera.stages.layers.recurrent.kda import chunked_kda, l2norm
 from tessera.stages.layers.state import RecurrentState
 
 from .rows import saved_config
@@ -87,7 +88,7 @@ def test_the_chunked_rule_is_transformers_kernel_and_the_token_by_token_rule():
     ours = [x[0].transpose(0, 1) for x in (q, k, v, decay)]  # [heads, T, d]
     ours[0], ours[1] = l2norm(ours[0]) * d ** -0.5, l2norm(ours[1])
     chunked, chunked_state = chunked_kda(*ours, beta[0].t(), state[0])
-    stepped, stepped_state = recurrent_kda(*ours, beta[0].t(), state[0])
+    stepped, stepped_state = recurrent_delta_rule(*ours, beta[0].t(), state[0])
     assert float((chunked.transpose(0, 1) - want[0]).abs().max()) <= 1e-5
     assert float((chunked_state - want_state[0]).abs().max()) <= 1e-5
     assert float((chunked - stepped).abs().max()) <= 1e-5 and float((chunked_state - stepped_state).abs().max()) <= 1e-5
