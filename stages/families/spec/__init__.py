@@ -29,7 +29,8 @@ One module a layer kind, with the session state it keeps, beside the model and t
     recurrent.py   GatedDeltaNetSpec, KdaSpec, Mamba2Spec, RecurrentStateSpec (how far back it goes)
     mlp.py         MlpSpec, RouterSpec, GluSpec
     rope.py        RopeSpec
-    kinds.py       the closed sets of mixer and state kinds, and the check every field goes through
+    kinds.py       the closed sets of mixer and state kinds, what a state kind costs (StateSize),
+                   and the check every field goes through
 
 Extending (the kinds are the extension points):
 
@@ -41,10 +42,11 @@ Extending (the kinds are the extension points):
   query's top-k keys: `DsaSpec` holds an `MlaSpec` and the indexer's sizes, its module
   (layers/dsa.py) is built on layers/mla.py's over the picked rows;
 - a session-state kind (what a layer keeps per session: its `cache`): add it to CACHE_KINDS and
-  layer.py's `StateSpec` with a spec of its sizes and `fixed_bytes` / `bytes_per_position` /
-  `bytes` (as `LatentCacheSpec`: MLA's compressed kv + rope key per position), and its store
-  in layers/cache.py (or, for a state that is not a row per position, layers/state.py). Peers budget sessions with
-  `bytes(capacity)` = fixed + per position x capacity, so a smaller state is seen by admission
+  layer.py's `StateSpec` with a spec of its sizes, a kinds.py `StateSize` that says its
+  `fixed_bytes` and `bytes_per_position` (as `LatentCacheSpec`: MLA's compressed kv + rope key
+  per position), and its store in layers/cache.py (or, for a state that is not a row per position,
+  layers/state.py). Peers budget sessions with `bytes(capacity)` = fixed + per position x
+  capacity, so a smaller state is seen by admission
   and placement with no change in peer/. DSA's ("latent_indexed", `IndexedLatentCacheSpec`)
   holds the latent rows and the indexer's keys; a linear-attention or state-space layer's
   ("recurrent", `RecurrentStateSpec`) a fixed matrix per head and a convolution window, whatever

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera.stages.families.spec.kinds import ATTENTION_KINDS, check_field
+from tessera.stages.families.spec.kinds import ATTENTION_KINDS, StateSize, check_field
 from tessera.stages.families.spec.rope import RopeSpec
 
 
 @dataclass(frozen=True)
-class CacheSpec:
+class CacheSpec(StateSize):
     """What one layer keeps per session and position.
 
     kind:         "full" or "sliding" (CACHE_KINDS).
@@ -41,8 +41,6 @@ class CacheSpec:
         check_field(self.kind in ("full", "sliding"), "cache kind", self.kind)
         check_field((self.kind == "sliding") == (self.window is not None), "sliding_window", self.window)
 
-    def fixed_bytes(self, itemsize: int) -> int:
-        return 0
     @property
     def value_width(self) -> int:
         return self.head_dim if self.value_dim is None else self.value_dim
@@ -50,13 +48,9 @@ class CacheSpec:
     def bytes_per_position(self, itemsize: int) -> int:
         return self.num_kv_heads * (self.head_dim + self.value_width) * itemsize
 
-    def bytes(self, capacity: int, itemsize: int) -> int:
-        """Bytes a session of `capacity` positions costs in this layer (checked before allocating)."""
-        return self.bytes_per_position(itemsize) * capacity
-
 
 @dataclass(frozen=True)
-class SharedCacheSpec:
+class SharedCacheSpec(StateSize):
     """What a layer that reads another layer's keys and values keeps per session (kind "shared"):
     nothing. Gemma 4's KV-shared layers (`AttentionSpec.kv_source`) attend over the store of layer
     `source` (absolute index), which runs before them in the same span (`ModelSpec.span_starts`
@@ -68,15 +62,6 @@ class SharedCacheSpec:
     def __post_init__(self) -> None:
         check_field(self.kind == "shared", "cache kind", self.kind)
         check_field(self.source >= 0, "num_kv_shared_layers", self.source)
-
-    def fixed_bytes(self, itemsize: int) -> int:
-        return 0
-
-    def bytes_per_position(self, itemsize: int) -> int:
-        return 0
-
-    def bytes(self, capacity: int, itemsize: int) -> int:
-        return 0
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera.stages.families.spec.kinds import check_field
+from tessera.stages.families.spec.kinds import StateSize, check_field
 from tessera.stages.families.spec.recurrent import RECURRENT_CHECKPOINTS, REPLAY_TOKENS
 from tessera.stages.families.spec.rope import RopeSpec
 
@@ -23,7 +23,7 @@ COMPRESSED_SNAPSHOTS = RECURRENT_CHECKPOINTS  # the starts of the last steps lon
 
 
 @dataclass(frozen=True)
-class CompressedCacheSpec:
+class CompressedCacheSpec(StateSize):
     """What a DeepSeek-V4 layer keeps per session (kind "compressed"): its window of key-value rows
     and, every `ratio` positions, one compressed entry (and, with an indexer, one index entry).
 
@@ -97,10 +97,6 @@ class CompressedCacheSpec:
     def bytes_per_position(self, itemsize: int) -> int:
         """An entry's bytes over the `ratio` positions it stands for, rounded up (0: window only)."""
         return -(-self.entry_width * itemsize // self.ratio) if self.ratio else 0
-
-    def bytes(self, capacity: int, itemsize: int) -> int:
-        """Bytes a session of `capacity` positions costs in this layer (checked before allocating)."""
-        return self.fixed_bytes(itemsize) + self.bytes_per_position(itemsize) * capacity
 
 
 @dataclass(frozen=True)

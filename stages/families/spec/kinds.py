@@ -1,5 +1,5 @@
-"""The closed sets of kinds a layer's token mixer and its session state name, and the check every
-spec's field goes through.
+"""The closed sets of kinds a layer's token mixer and its session state name, what every state kind
+answers about its bytes (`StateSize`), and the check every spec's field goes through.
 
 Whoever reads a kind (layers/block.py builds modules, layers/cache.py allocates caches) refuses
 one it does not know, so a kind added to a set here without its module fails loudly, never
@@ -22,6 +22,24 @@ ATTENTION_KINDS = ("gqa", "mla", "dsa", "gated_deltanet", "kda", "mamba2", "comp
 # (CompressedCacheSpec); nothing of its own, the layer reading another layer's keys and values (Gemma 4's
 # KV-shared layers: SharedCacheSpec)
 CACHE_KINDS = ("full", "sliding", "latent", "latent_indexed", "recurrent", "none", "compressed", "shared")
+
+
+class StateSize:
+    """What every session-state spec (a layer's `cache`: CACHE_KINDS) answers, for admission and
+    placement to budget a session: `fixed_bytes`, what it holds whatever its length (a recurrent
+    state, rings), `bytes_per_position`, what each position adds (rows of keys and values, latents,
+    compressed entries), and `bytes(capacity)` = fixed + per position x capacity, checked before
+    allocating. A kind sets what it holds; nothing is 0."""
+
+    def fixed_bytes(self, itemsize: int) -> int:
+        return 0
+
+    def bytes_per_position(self, itemsize: int) -> int:
+        return 0
+
+    def bytes(self, capacity: int, itemsize: int) -> int:
+        """Bytes a session of `capacity` positions costs in this layer (checked before allocating)."""
+        return self.fixed_bytes(itemsize) + self.bytes_per_position(itemsize) * capacity
 
 
 def check_field(ok: bool, name: str, value: object) -> None:

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 
 from tessera.stages.families.spec.attention import AttentionSpec, CacheSpec, SharedCacheSpec
 from tessera.stages.families.spec.compressed import CompressedAttentionSpec, CompressedCacheSpec
-from tessera.stages.families.spec.kinds import check_field
+from tessera.stages.families.spec.kinds import StateSize, check_field
 from tessera.stages.families.spec.mla import DsaSpec, IndexedLatentCacheSpec, LatentCacheSpec, MlaSpec
 from tessera.stages.families.spec.mlp import MlpSpec
 from tessera.stages.families.spec.recurrent import GatedDeltaNetSpec, KdaSpec, Mamba2Spec, RecurrentStateSpec
 
 
 @dataclass(frozen=True)
-class StatelessSpec:
+class StatelessSpec(StateSize):
     """What a layer without a token mixer keeps per session (kind "none"): nothing. A Nemotron-H layer
     is one mixer or one MLP (`LayerSpec.attention` None): its MLP-only layers hold no session state."""
 
@@ -24,15 +24,6 @@ class StatelessSpec:
 
     def __post_init__(self) -> None:
         check_field(self.kind == "none", "cache kind", self.kind)
-
-    def fixed_bytes(self, itemsize: int) -> int:
-        return 0
-
-    def bytes_per_position(self, itemsize: int) -> int:
-        return 0
-
-    def bytes(self, capacity: int, itemsize: int) -> int:
-        return 0
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera.stages.families.spec.kinds import check_field
+from tessera.stages.families.spec.kinds import StateSize, check_field
 from tessera.stages.families.spec.rope import RopeSpec
 
 
 @dataclass(frozen=True)
-class LatentCacheSpec:
+class LatentCacheSpec(StateSize):
     """What an MLA layer keeps per session and position (kind "latent"): the compressed key/value
     `latent_dim` wide (kv_lora_rank, after its norm) and the rotated RoPE key `rope_dim` wide,
     one row shared by every head — not K and V per head. DeepSeek-V3: 512 + 64 values a
@@ -35,15 +35,8 @@ class LatentCacheSpec:
     def width(self) -> int:
         return self.latent_dim + self.rope_dim
 
-    def fixed_bytes(self, itemsize: int) -> int:
-        return 0
-
     def bytes_per_position(self, itemsize: int) -> int:
         return self.width * itemsize
-
-    def bytes(self, capacity: int, itemsize: int) -> int:
-        """Bytes a session of `capacity` positions costs in this layer (checked before allocating)."""
-        return self.bytes_per_position(itemsize) * capacity
 
 
 @dataclass(frozen=True)
@@ -121,7 +114,7 @@ class MlaSpec:
 
 
 @dataclass(frozen=True)
-class IndexedLatentCacheSpec:
+class IndexedLatentCacheSpec(StateSize):
     """What a DSA layer that runs its indexer keeps per session and position (kind
     "latent_indexed"): MLA's latent row (`latent_dim` + `rope_dim`, as `LatentCacheSpec`) and the
     indexer's key (`index_dim`, rotated and normed), one of each for all heads. GLM-5: 512 + 64
@@ -143,15 +136,8 @@ class IndexedLatentCacheSpec:
         """The latent row's width (the index key lies in a store of its own)."""
         return self.latent_dim + self.rope_dim
 
-    def fixed_bytes(self, itemsize: int) -> int:
-        return 0
-
     def bytes_per_position(self, itemsize: int) -> int:
         return (self.width + self.index_dim) * itemsize
-
-    def bytes(self, capacity: int, itemsize: int) -> int:
-        """Bytes a session of `capacity` positions costs in this layer (checked before allocating)."""
-        return self.bytes_per_position(itemsize) * capacity
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,6 @@ class ModelSpec:
             return 0
         return max(1, -(-(self.vocab_size - 1).bit_length() // 8))
 
-
     @property
     def num_layers(self) -> int:
         return len(self.layers)

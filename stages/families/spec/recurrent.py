@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tessera.stages.families.spec.kinds import check_field
+from tessera.stages.families.spec.kinds import StateSize, check_field
 
 # How far back a recurrent state can be taken (layers/state.py, docs/pages/models.md's measurement):
 # the state at the start of each of the last RECURRENT_CHECKPOINTS runs of steps is kept (two:
@@ -23,7 +23,7 @@ REPLAY_TOKENS = 16
 
 
 @dataclass(frozen=True)
-class RecurrentStateSpec:
+class RecurrentStateSpec(StateSize):
     """What a linear-attention or state-space layer keeps per session (kind "recurrent"): a fixed
     state, not a row per position, so its bytes do not grow with the context.
 
@@ -67,13 +67,6 @@ class RecurrentStateSpec:
         """The most a session's store holds: the state, a checkpoint per kept step, their inputs."""
         kept_inputs = RECURRENT_CHECKPOINTS * REPLAY_TOKENS * self.replay_width * itemsize
         return (1 + RECURRENT_CHECKPOINTS) * self.state_bytes(itemsize) + kept_inputs
-
-    def bytes_per_position(self, itemsize: int) -> int:
-        return 0
-
-    def bytes(self, capacity: int, itemsize: int) -> int:
-        """Bytes a session costs in this layer, whatever its `capacity` (checked before allocating)."""
-        return self.fixed_bytes(itemsize)
 
 
 @dataclass(frozen=True)
