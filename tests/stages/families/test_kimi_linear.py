@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from tessera.stages.assembly.stage import load_stage
-from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.catalog import spec_from_config, spec_from_file
 from tessera.stages.families.shapes import shape_spec
 from tessera.stages.families.spec.mla import MlaSpec
@@ -24,6 +23,7 @@ from tessera.stages.layers.recurrent.delta_rule import recurrent_delta_rule
 from tessera.stages.layers.recurrent.kda import chunked_kda, l2norm
 from tessera.stages.layers.state import RecurrentState
 
+from .conformance import check_any_value_is_read_or_refused
 from .rows import saved_config
 
 transformers = pytest.importorskip("transformers")
@@ -98,57 +98,20 @@ def test_an_int8_span_matches_its_dequantized_reference(family_models):
     """KDA's projections (in, the two gates' up-projections, out) are stored as integers like any matrix;
     the convolution, the decays and the norms stay float. Against its own dequantized float32 blocks:
     tokens identical, logits within the recurrent rows' bound."""
-    from tessera.stages.assembly.blocks import dense_block
-    from tessera.stages.engine.stage import Stage
     from tessera.stages.kernels.quant import Int8Linear, Quant
 
-    from .conformance import RECURRENT_STACKED_RTOL, relative_gap
+    from .conformance import RECURRENT_STACKED_RTOL, check_against_dequantized
 
     folder = family_models.folder(PUBLISHED)
     stage = load_stage(folder, quant=Quant.parse("int8"))
     attn = stage.blocks[0].attn
     assert all(isinstance(m, Int8Linear) for m in (attn.w_in, attn.w_fb, attn.w_gb, attn.w_out))
-    head = load_stage(folder, start=0, end=0, embed=True, head=True)
-    reference = Stage(stage.spec, 0, [dense_block(b, stage.spec) for b in stage.blocks])
-    for span in (stage, reference):
-        span.open("q", capacity=32)
-    ids, tokens, worst = list(range(5, 25)), ([], []), 0.0
-    for pos, step in [(0, ids), *((len(ids) + i, None) for i in range(6))]:
-        rows = []
-        for i, span in enumerate((stage, reference)):
-            rows.append(head.logits(span.forward("q", head.embed(step if step is not None else tokens[i][-1:]), pos)))
-            tokens[i].append(int(rows[-1][-1].argmax()))
-        worst = max(worst, relative_gap(rows[0][-1:], rows[1][-1:]))
-    assert tokens[0] == tokens[1] and worst <= RECURRENT_STACKED_RTOL, worst
+    check_against_dequantized(folder, stage, rtol=RECURRENT_STACKED_RTOL)
 
 
 def test_any_value_in_any_key_is_read_or_refused_by_one_typed_error():
     """Keys overwritten at random by JSON values: a spec every layer of which builds, or ModelFormatError /
     UnsupportedModel in one line."""
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-
-    from tessera.stages.layers.block import Block
-
     base = {**saved_config(PUBLISHED), "linear_attn_config": {"kda_layers": [1, 2, 4], "full_attn_layers": [3]}}
-    values = st.recursive(
-        st.none() | st.booleans() | st.integers(-3, 40) | st.floats(allow_nan=True, allow_infinity=True)
-        | st.text(max_size=4),
-        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-        max_leaves=6)
-
-    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-    @given(data=st.data())
-    def check(data):
-        keys = data.draw(st.lists(st.sampled_from(sorted(set(base) - {"architectures"})), min_size=1, max_size=3))
-        try:
-            spec = spec_from_config({**base, **{key: data.draw(values) for key in keys}})
-        except (ModelFormatError, UnsupportedModel) as refused:
-            assert "\n" not in str(refused)
-            return
-        with torch.device("meta"):
-            for layer in set(spec.layers):
-                Block(spec, layer)
-
-    check()
+    check_any_value_is_read_or_refused(base, examples=60)
 

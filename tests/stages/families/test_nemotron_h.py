@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from tessera.stages.assembly.stage import load_stage
-from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.catalog import spec_from_config, spec_from_file
 from tessera.stages.families.shapes import shape_spec
 from tessera.stages.layers.block import Block
@@ -26,7 +25,7 @@ from tessera.stages.layers.cache import NoState
 from tessera.stages.layers.recurrent.mamba2 import Mamba2Mixer, chunked_scan, recurrent_scan
 from tessera.stages.layers.state import RecurrentState
 
-from .conformance import PROMPT, TOLERANCE
+from .conformance import PROMPT, TOLERANCE, check_any_value_is_read_or_refused
 from .rows import saved_config
 
 transformers = pytest.importorskip("transformers")
@@ -168,54 +167,19 @@ def test_an_int8_span_matches_its_dequantized_reference(family_models):
     """Mamba2's in- and out-projections and the relu^2 experts are stored as integers like any matrix; the
     convolution, dt, A, D and the norms stay float. Against its own dequantized float32 blocks: tokens
     identical, logits within the recurrent rows' bound."""
-    from tessera.stages.assembly.blocks import dense_block
-    from tessera.stages.engine.stage import Stage
     from tessera.stages.kernels.quant import Int8Linear, Quant
 
-    from .conformance import RECURRENT_STACKED_RTOL, relative_gap
+    from .conformance import RECURRENT_STACKED_RTOL, check_against_dequantized
 
     folder = family_models.folder(MOE)
     stage = load_stage(folder, quant=Quant.parse("int8"))
     assert isinstance(stage.blocks[0].attn, Mamba2Mixer) and isinstance(stage.blocks[0].attn.w_in, Int8Linear)
     assert isinstance(stage.blocks[1].mlp.experts[0].w_up, Int8Linear)
-    head = load_stage(folder, start=0, end=0, embed=True, head=True)
-    reference = Stage(stage.spec, 0, [dense_block(b, stage.spec) for b in stage.blocks])
-    for span in (stage, reference):
-        span.open("q", capacity=32)
-    ids, tokens, worst = list(range(5, 25)), ([], []), 0.0
-    for pos, step in [(0, ids), *((len(ids) + i, None) for i in range(6))]:
-        rows = []
-        for i, span in enumerate((stage, reference)):
-            rows.append(head.logits(span.forward("q", head.embed(step if step is not None else tokens[i][-1:]), pos)))
-            tokens[i].append(int(rows[-1][-1].argmax()))
-        worst = max(worst, relative_gap(rows[0][-1:], rows[1][-1:]))
-    assert tokens[0] == tokens[1] and worst <= RECURRENT_STACKED_RTOL, worst
+    check_against_dequantized(folder, stage, rtol=RECURRENT_STACKED_RTOL)
 
 
 def test_any_value_in_any_key_is_read_or_refused_by_one_typed_error():
     """Keys overwritten at random by JSON values: a spec every layer of which builds, or ModelFormatError /
     UnsupportedModel in one line."""
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-
     base = {**saved_config(MLP), "hybrid_override_pattern": "MM-*-M"}
-    values = st.recursive(
-        st.none() | st.booleans() | st.integers(-3, 40) | st.floats(allow_nan=True, allow_infinity=True)
-        | st.text(max_size=4),
-        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-        max_leaves=6)
-
-    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-    @given(data=st.data())
-    def check(data):
-        keys = data.draw(st.lists(st.sampled_from(sorted(set(base) - {"architectures"})), min_size=1, max_size=3))
-        try:
-            spec = spec_from_config({**base, **{key: data.draw(values) for key in keys}})
-        except (ModelFormatError, UnsupportedModel) as refused:
-            assert "\n" not in str(refused)
-            return
-        with torch.device("meta"):
-            for layer in set(spec.layers):
-                Block(spec, layer)
-
-    check()
+    check_any_value_is_read_or_refused(base, examples=60)

@@ -20,12 +20,13 @@ import pytest
 import torch
 
 from tessera.stages.assembly.stage import load_stage
-from tessera.stages.engine.stage import Stage
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.catalog import spec_from_config, spec_from_file, to_config
 from tessera.stages.layers.state import RecurrentState
 
-from .conformance import PROMPT, TOLERANCE, build, check_matches_transformers, reference_run
+from .conformance import (
+    PROMPT, TOLERANCE, build, check_any_value_is_read_or_refused, check_matches_transformers, reference_run,
+)
 from .rows import HYBRID, saved_config
 
 transformers = pytest.importorskip("transformers")
@@ -192,58 +193,19 @@ def test_an_int8_span_matches_its_dequantized_reference_and_holds_what_placement
     float32 rounding differs (the int8 product scales its output, the reference its weight), which the
     recurrence carries on: within the recurrent rows' bound (conformance.RECURRENT_STACKED_RTOL,
     relative: 9e-4 of logits up to ~8 measured on the Qwen3.5-MoE row), tokens identical."""
-    from tessera.stages.assembly.blocks import dense_block
     from tessera.stages.kernels.quant import Int8Linear, Quant, span_bytes
 
-    from .conformance import RECURRENT_STACKED_RTOL, relative_gap
+    from .conformance import RECURRENT_STACKED_RTOL, check_against_dequantized
 
     folder, quant = folders[name], Quant.parse("int8")
     stage = load_stage(folder, quant=quant)
     assert stage.weight_bytes == span_bytes(stage.spec, 0, 4, 4, quant)
     assert isinstance(stage.blocks[0].attn.w_in, Int8Linear) and stage.blocks[0].attn.conv.dtype == torch.float32
-    head = load_stage(folder, start=0, end=0, embed=True, head=True)
-    reference = Stage(stage.spec, 0, [dense_block(b, stage.spec) for b in stage.blocks])
-    for span in (stage, reference):
-        span.open("q", capacity=32)
-    ids, tokens, worst = list(range(5, 25)), ([], []), 0.0
-    for pos, step in [(0, ids), *((len(ids) + i, None) for i in range(6))]:
-        rows = []
-        for i, span in enumerate((stage, reference)):
-            rows.append(head.logits(span.forward("q", head.embed(step if step is not None else tokens[i][-1:]), pos)))
-            tokens[i].append(int(rows[-1][-1].argmax()))
-        worst = max(worst, relative_gap(rows[0][-1:], rows[1][-1:]))
-    assert tokens[0] == tokens[1] and worst <= RECURRENT_STACKED_RTOL, worst
+    check_against_dequantized(folder, stage, rtol=RECURRENT_STACKED_RTOL)
 
 
 @pytest.mark.parametrize("name", [*sorted(ROWS), "qwen3_5/multimodal"])
 def test_any_value_in_any_key_is_read_or_refused_by_one_typed_error(name):
     """Keys overwritten at random by JSON values (the text model's keys, in a multimodal config):
     a spec every layer of which builds, or ModelFormatError / UnsupportedModel in one line."""
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-
-    from tessera.stages.layers.block import Block
-
-    base = saved(name)
-    text = base.get("text_config", base)
-    values = st.recursive(
-        st.none() | st.booleans() | st.integers(-3, 40) | st.floats(allow_nan=True, allow_infinity=True)
-        | st.text(max_size=4),
-        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-        max_leaves=6)
-
-    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-    @given(data=st.data())
-    def check(data):
-        keys = data.draw(st.lists(st.sampled_from(sorted(set(text) - {"architectures"})), min_size=1, max_size=3))
-        change = {key: data.draw(values) for key in keys}
-        try:
-            spec = spec_from_config(with_text(base, **change))
-        except (ModelFormatError, UnsupportedModel) as refused:
-            assert "\n" not in str(refused)
-            return
-        with torch.device("meta"):
-            for layer in set(spec.layers):
-                Block(spec, layer)
-
-    check()
+    check_any_value_is_read_or_refused(saved(name), examples=60)
