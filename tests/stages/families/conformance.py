@@ -133,21 +133,39 @@ def until_eos(tokens: list[int]) -> list[int]:
     return tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens
 
 
+def fed_logits(stage: Stage, tokens: list[int], *, capacity: int = 64) -> list[torch.Tensor]:
+    """Our logits fed as `reference_run` fed transformers, in a session "c" of `capacity`: the prompt, then
+    each of `tokens` but the last a step: [P, V], then [1, V] a step."""
+    stage.open("c", capacity=capacity)
+    out, step, pos = [], PROMPT, 0
+    for token in tokens:
+        out.append(stage.logits(stage.forward("c", stage.embed(step), pos)))
+        pos, step = pos + len(step), [token]
+    return out
+
+
 def check_matches_transformers(folder: Path, reference: tuple[list[int], list[torch.Tensor]]) -> None:
     """Our float32 logits (fed the reference's tokens) within TOLERANCE of `reference_run`'s, and
     greedy tokens identical."""
     check_folder(folder)  # what `tessera model import` checks accepts it
     tokens, ref = reference
-    stage = load_stage(folder, embed=True, head=True)
-    stage.open("c", capacity=len(PROMPT) + DECODE_STEPS)
-    ours, step, pos = [], PROMPT, 0
-    for token in tokens:
-        ours.append(stage.logits(stage.forward("c", stage.embed(step), pos)))
-        pos, step = pos + len(step), [token]
+    ours = fed_logits(load_stage(folder, embed=True, head=True), tokens, capacity=len(PROMPT) + DECODE_STEPS)
     worst = max(float((a - b).abs().max()) for a, b in zip(ref, ours))
     assert worst <= TOLERANCE, f"{folder.name}: max |logits diff| {worst:.3g}"
     greedy = LocalEngine(folder, device="cpu", dtype="float32").generate_ids(PROMPT, max_new_tokens=DECODE_STEPS)
     assert greedy == until_eos(tokens)
+
+
+def check_compiled_decode(stage: Stage, reference: tuple[list[int], list[torch.Tensor]]) -> None:
+    """`stage`, its decode step compiled (stages/engine/compiled/), fed the reference's tokens: every
+    one-token step runs through the compiled runner, float32 logits within TOLERANCE of the
+    reference's and greedy tokens identical."""
+    tokens, ref = reference
+    before = stage.decode.steps
+    rows = [row[-1:] for row in fed_logits(stage, tokens, capacity=len(PROMPT) + len(tokens) + 1)]
+    assert stage.decode.steps - before == len(tokens) - 1  # every decode step through the compiled runner
+    assert max(float((a - b[-1:]).abs().max()) for a, b in zip(rows, ref)) <= TOLERANCE
+    assert [int(r.argmax()) for r in rows] == tokens
 
 
 def relative_gap(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -28,7 +28,7 @@ from tessera.stages.layers.hop import Hop
 from tessera.stages.weights.folder import WeightFolder
 from tessera.stages.weights.folder_check import check_folder
 
-from .conformance import PROMPT, STACKED_RTOL, check_any_value_is_read_or_refused, relative_gap
+from .conformance import PROMPT, STACKED_RTOL, check_any_value_is_read_or_refused, fed_logits, relative_gap
 from .rows import ROWS, saved_config
 
 transformers = pytest.importorskip("transformers")
@@ -187,12 +187,7 @@ def test_the_selection_and_the_hash_table_each_change_the_answer(family_models):
         stage = load_stage(folder, embed=True, head=True)
         for block in stage.blocks:
             change(block)
-        stage.open("c", capacity=64)
-        out, step, pos = [], PROMPT, 0
-        for token in tokens:
-            out.append(stage.logits(stage.forward("c", stage.embed(step), pos)))
-            pos, step = pos + len(step), [token]
-        return out
+        return fed_logits(stage, tokens)
 
     def read_all(block):
         block.attn.spec = replace(block.attn.spec, index_topk=10**6)

@@ -25,7 +25,7 @@ from tessera.stages.layers.cache import NoState
 from tessera.stages.layers.recurrent.mamba2 import Mamba2Mixer, chunked_scan, recurrent_scan
 from tessera.stages.layers.state import RecurrentState
 
-from .conformance import PROMPT, TOLERANCE, check_any_value_is_read_or_refused
+from .conformance import check_any_value_is_read_or_refused, check_compiled_decode
 from .rows import saved_config
 
 transformers = pytest.importorskip("transformers")
@@ -152,15 +152,7 @@ def test_the_compiled_decode_step_runs_the_attention_compiled_and_the_rest_eager
     runner = stage.decode
     attention = {kind for kind in stage.spec.layers if kind.attention_kind == "gqa"}
     assert runner.compiled == attention | {HEAD} and set(runner.eager) == set(stage.spec.layers) - attention, said
-    tokens, ref = family_models.reference(MLP)
-    stage.open("c", capacity=len(PROMPT) + len(tokens) + 1)
-    before, rows, step, pos = runner.steps, [], PROMPT, 0
-    for token in tokens:
-        rows.append(stage.logits(stage.forward("c", stage.embed(step), pos))[-1:])
-        pos, step = pos + len(step), [token]
-    assert runner.steps - before == len(tokens) - 1
-    assert max(float((a - b[-1:]).abs().max()) for a, b in zip(rows, ref)) <= TOLERANCE
-    assert [int(r.argmax()) for r in rows] == tokens
+    check_compiled_decode(stage, family_models.reference(MLP))
 
 
 def test_an_int8_span_matches_its_dequantized_reference(family_models):

@@ -25,7 +25,7 @@ from tessera.stages.families.catalog import spec_from_config, spec_from_file, to
 from tessera.stages.layers.state import RecurrentState
 
 from .conformance import (
-    PROMPT, TOLERANCE, build, check_any_value_is_read_or_refused, check_matches_transformers, reference_run,
+    build, check_any_value_is_read_or_refused, check_compiled_decode, check_matches_transformers, reference_run,
 )
 from .rows import HYBRID, saved_config
 
@@ -175,15 +175,7 @@ def test_the_compiled_decode_step_runs_full_attention_compiled_and_linear_layers
     linear = {kind for kind in stage.spec.layers if kind.attention.kind == "gated_deltanet"}
     assert set(runner.eager) == linear and runner.compiled == set(stage.spec.layers) - linear | {HEAD}, said
     assert all("gated_deltanet attention" in why for why in runner.eager.values())
-    tokens, ref = references["qwen3_next"]
-    stage.open("c", capacity=len(PROMPT) + len(tokens) + 1)
-    before, rows, step, pos = runner.steps, [], PROMPT, 0
-    for token in tokens:
-        rows.append(stage.logits(stage.forward("c", stage.embed(step), pos))[-1:])
-        pos, step = pos + len(step), [token]
-    assert runner.steps - before == len(tokens) - 1  # every decode step through the compiled runner
-    assert max(float((a - b[-1:]).abs().max()) for a, b in zip(rows, ref)) <= TOLERANCE
-    assert [int(r.argmax()) for r in rows] == tokens
+    check_compiled_decode(stage, references["qwen3_next"])
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_moe"])
