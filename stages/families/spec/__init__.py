@@ -1,8 +1,8 @@
 """What a model is, as plain data: `ModelSpec` and the `LayerSpec` of each of its layers.
 
-A family module (`llama.py`, `qwen3.py`, `mixtral.py`) reads a Hugging Face `config.json`
-into these frozen dataclasses, and nothing else in stages/ reads a config: the layers
-(`stages/layers/`) are built from a `LayerSpec`, the weights (`stages/weights/`) are
+A family module (families/models/: `llama.py`, `qwen3.py`, `mixtral.py`) reads a Hugging Face
+`config.json` into these frozen dataclasses, and nothing else in stages/ reads a config: the
+layers (`stages/layers/`) are built from a `LayerSpec`, the weights (`stages/weights/`) are
 named and shaped from it, a session's KV cache is laid out from each layer's
 `CacheSpec`, and a peer prices a span from `ModelSpec.layer_bytes`. No torch here: the
 planner and the weight fetcher read specs without loading the engine.

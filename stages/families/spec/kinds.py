@@ -29,7 +29,7 @@ class StateSize:
     placement to budget a session: `fixed_bytes`, what it holds whatever its length (a recurrent
     state, rings), `bytes_per_position`, what each position adds (rows of keys and values, latents,
     compressed entries), and `bytes(capacity)` = fixed + per position x capacity, checked before
-    allocating. A kind sets what it holds; nothing is 0."""
+    allocating. A kind says what it holds; what it does not hold counts 0."""
 
     def fixed_bytes(self, itemsize: int) -> int:
         return 0
