@@ -32,7 +32,7 @@ from shipped import decode_rate, shipped_figures  # bench/shipped.py, beside thi
 from tessera.peer.node.config import KV_RESERVE_FRACTION
 from tessera.stages.weights import registry
 from tessera.stages.kernels.quant import NO_QUANT, Quant, layer_bytes
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.families.catalog import spec_from_file
 from tessera.stages.engine.speed import measure_layer_throughput
 from tessera.stages.assembly.stage import load_stage

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from tessera.stages.engine.compiled.build import compile_decode
 from tessera.stages.engine.stage import Stage
 from tessera.stages.families.catalog import spec_from_config
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.layers.block import Block
 from tessera.stages.layers.moe import MoE
 

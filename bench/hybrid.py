@@ -13,7 +13,7 @@ decodes `--tokens` tokens, timed; the spans alternate, so machine noise hits bot
 State MB per session: what the session holds at that context — every KV cache's positions, and
 each linear layer's fixed state as admission charges it (the recurrent matrices and convolution
 windows, their checkpoints at the last two runs of steps and the inputs kept to recompute from:
-families/spec.py `RecurrentStateSpec.fixed_bytes`). The last lines, one per context:
+families/spec/recurrent.py `RecurrentStateSpec.fixed_bytes`). The last lines, one per context:
 
     hybrid: context 32768: state MB per session linear 3.1 full 402.7; decode ms/token linear 21.0 full 48.2
 
@@ -34,7 +34,9 @@ import torch
 
 from tessera.stages.engine.stage import Stage
 from tessera.stages.families.shapes import shape_spec
-from tessera.stages.families.spec import AttentionSpec, GatedDeltaNetSpec, ModelSpec
+from tessera.stages.families.spec.attention import AttentionSpec
+from tessera.stages.families.spec.model import ModelSpec
+from tessera.stages.families.spec.recurrent import GatedDeltaNetSpec
 from tessera.stages.layers.block import Block
 from tessera.stages.layers.state import RecurrentState
 

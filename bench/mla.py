@@ -28,7 +28,8 @@ from collections.abc import Callable
 
 import torch
 
-from tessera.stages.families.spec import MlaSpec, RopeSpec
+from tessera.stages.families.spec.mla import MlaSpec
+from tessera.stages.families.spec.rope import RopeSpec
 from tessera.stages.layers.attention import StepContext
 from tessera.stages.layers.cache import LatentRows
 from tessera.stages.layers.mla import LatentAttention

@@ -41,7 +41,11 @@ from pathlib import Path
 import torch
 
 from tessera.stages.families.shapes import shape_spec
-from tessera.stages.families.spec import AttentionSpec, LayerSpec, MlpSpec, ModelSpec, RopeSpec, RouterSpec
+from tessera.stages.families.spec.attention import AttentionSpec
+from tessera.stages.families.spec.layer import LayerSpec
+from tessera.stages.families.spec.mlp import MlpSpec, RouterSpec
+from tessera.stages.families.spec.model import ModelSpec
+from tessera.stages.families.spec.rope import RopeSpec
 from tessera.stages.layers.attention import StepContext
 from tessera.stages.layers.block import Block
 from tessera.stages.layers.cache import SessionCache

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from tessera.stages.families.spec import GatedDeltaNetSpec
+from tessera.stages.families.spec.recurrent import GatedDeltaNetSpec
 from tessera.stages.layers.recurrent.gated_deltanet import GatedDeltaNet
 from tessera.stages.layers.state import RecurrentState
 

@@ -49,7 +49,7 @@ from tessera.stages.engine.stage import Stage
 from tessera.stages.assembly.stage import load_stage
 from tessera.stages.families.catalog import spec_from_config, spec_from_file, to_config
 from tessera.stages.families.shipped import GGML_TYPES, ShippedFormat
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.text.tokenizer import Tokenizer
 from tessera.stages.weights import registry
 from tessera.stages.weights.convert import convert_gguf

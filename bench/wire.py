@@ -37,7 +37,7 @@ from tessera.protocol.framing import FrameDecoder, encode_frame
 from tessera.protocol.links import Direction, LinkCipher
 from tessera.protocol.messages import Forward
 from tessera.stages.families.models.llama import llama_spec
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.layers.attention import StepContext
 from tessera.stages.layers.block import Block
 from tessera.stages.layers.cache import SessionCache

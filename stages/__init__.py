@@ -39,7 +39,7 @@ layers/block.py (a LayerSpec -> modules), then layers/attention.py and layers/mo
 Extension points (each module's docstring says how):
 - a family on existing operators: its module in families/ (reader, writer, `FAMILY`) and its row
   in families/catalog.py (whose docstring says how), plus its conformance row in the tests;
-- an attention, MLP, router or cache kind: its kind in families/spec.py, its module in
+- an attention, MLP, router or cache kind: its kind in families/spec/, its module in
   layers/ (registered in layers/block.py, layers/routers.py or layers/cache.py), its tensor
   names in families/tensors.py;
 - a weight format (FP8 blocks, MXFP4, GGUF k-quants): a linear module in kernels/ like

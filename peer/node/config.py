@@ -12,7 +12,7 @@ from itertools import accumulate
 from pathlib import Path
 
 from tessera.stages.kernels.quant import NO_QUANT, Quant, span_bytes
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.engine.compiled.modes import DEFAULT_COMPILE
 
 from tessera.peer.net.emulated import LinkEmulation

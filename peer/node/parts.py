@@ -25,7 +25,7 @@ from typing import Any, AsyncContextManager, Awaitable, Callable, Mapping, Proto
 
 from tessera.protocol.keys import Identity
 from tessera.stages.kernels.quant import Quant
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.store.trace import Tracer
 
 from tessera.peer.net.gossip import ViewKeeper

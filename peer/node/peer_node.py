@@ -158,7 +158,7 @@ class PeerNode:
 
     def context_tokens(self) -> int:
         """The longest context one session over the claimed span fits in the session-state budget
-        (ServerLimits.kv_budget), each layer per its state kind (families/spec.py `context_tokens`)."""
+        (ServerLimits.kv_budget), each layer per its state kind (families/spec/model.py `context_tokens`)."""
         if self.span is None:
             return 0
         kv = int(self.memory_bytes * KV_RESERVE_FRACTION)
@@ -574,7 +574,7 @@ class PeerNode:
                  f"({self.throughput / max(n, 1):.1f} tok/s through {n} layer{'s' if n != 1 else ''})"
                  if self.throughput > 0 else "speed not measured")
         # what one session over the span may hold: each layer per its state kind (a linear-attention
-        # layer's is fixed, whatever the context: families/spec.py `context_tokens`)
+        # layer's is fixed, whatever the context: families/spec/model.py `context_tokens`)
         fixed = self.spec.state_fixed_bytes(*self.span, self.itemsize) if self.span else 0
         context = (f"; one session holds up to {self.context_tokens()} tokens of context"
                    + (f" ({fixed / 2**20:.1f} MB of its state fixed)" if fixed else "")) if self.span else ""

@@ -35,7 +35,7 @@ from tessera.stages.decoding.generate import GenerationResult, plan_length, prom
 from tessera.stages.decoding.constrained import ConstrainedSampler, JsonConstraint
 from tessera.stages.kernels.quant import NO_QUANT, Quant, model_tag
 from tessera.stages.decoding.sampling import Sampler, SamplingParams
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.engine.compiled.build import compile_decode
 from tessera.stages.engine.stage import Stage
 from tessera.stages.assembly.stage import load_stage

@@ -31,7 +31,7 @@ import torch
 from tessera.peer.base.backoff import Bans
 from tessera.protocol.attest import MisbehaviourReport
 from tessera.protocol.records import LoadReport
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 
 from tessera.peer.base.errors import PeerFailed
 from tessera.peer.net.gossip import ViewKeeper

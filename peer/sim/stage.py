@@ -28,7 +28,7 @@ from tessera.stages.errors import ContextOverflow, SpanError, UnknownSession
 from tessera.stages.kernels.quant import NO_QUANT
 from tessera.stages.engine.sessions import check_session
 from tessera.stages.families.models.llama import llama_spec
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 
 FLOAT32_BYTES = 4
 

@@ -26,7 +26,7 @@ from typing import Any
 import trio
 
 from tessera.protocol.keys import Identity
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.store.events import TraceEvent
 
 from tessera.peer.base.ids import peer_id_text

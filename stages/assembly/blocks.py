@@ -25,7 +25,7 @@ from torch import nn
 
 from tessera.stages.engine.residency import settle
 from tessera.stages.errors import StageError
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.kernels.chunked import release_freed_memory
 from tessera.stages.kernels.quant import Quant, dense_weight
 from tessera.stages.layers.block import Block, linear_paths

@@ -14,7 +14,7 @@ from typing import Hashable
 import torch
 
 from tessera.stages.errors import ContextOverflow, SpanError, UnknownSession
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.layers.cache import AnyCacheSpec, SessionCache, session_bytes
 
 

@@ -20,7 +20,8 @@ from collections import Counter
 
 from tessera.stages.engine.stage import Stage
 from tessera.stages.families.catalog import tensors_of_layer
-from tessera.stages.families.spec import LayerSpec, ModelSpec
+from tessera.stages.families.spec.layer import LayerSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.layers.block import Block, linear_paths
 from tessera.stages.kernels.encode import encoded_linear
 from tessera.stages.kernels.quant import NO_QUANT, Quant, quantize_linear

@@ -34,7 +34,7 @@ from torch import nn
 
 from tessera.stages.engine.sessions import SessionState, SessionTable
 from tessera.stages.errors import SpanError, StageError
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.kernels.quant import NO_QUANT, Quant
 from tessera.stages.layers.attention import Segment, StepContext
 from tessera.stages.layers.block import Block

@@ -2,7 +2,7 @@
 
 A family is chosen by the config's `architectures` (as transformers chooses the model
 class), else its `model_type`; its reader turns the config into a `ModelSpec`
-(families/spec.py) and every key left unread is refused (families/config.py).
+(families/spec/model.py) and every key left unread is refused (families/config.py).
 
 Adding a family on existing operators touches two files:
 
@@ -20,7 +20,7 @@ and its rows in tests/stages/families/rows.py (a transformers config builder and
 there), which the conformance suite (test_conformance.py) runs like every other family's:
 logits and greedy against transformers, stacked and chunked sessions, a split span, rollback,
 the spec round trip, the refusals, and a real swarm for one row. A family needing a new
-operator first gets the operator's kind (families/spec.py) and module (stages/layers/).
+operator first gets the operator's kind (families/spec/) and module (stages/layers/).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from tessera.stages.families.family import Family
 from tessera.stages.families.gguf import GgufMetadata
 from tessera.stages.families.mtp import MtpSpec
 from tessera.stages.families.shipped import read_shipped
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.families.tensors import (
     Choices, Shape, edge_tensors, embedding_name, layer_tensors, matrix_paths,
 )

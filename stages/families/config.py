@@ -22,7 +22,7 @@ import math
 from typing import Any, Sequence
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
-from tessera.stages.families.spec import RopeSpec
+from tessera.stages.families.spec.rope import RopeSpec
 
 # Keys that do not change the arithmetic of inference, whatever their value.
 IGNORED_KEYS = frozenset({

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.gguf import GgufForm
 from tessera.stages.families.mtp import MtpSpec
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.families.tensors import QWEN_EXPERTS, Choices, ExpertNames
 
 # A Llama-block model from plain sizes (`tessera model synth --arch`): vocab_size, hidden_size,

@@ -36,7 +36,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tessera.stages.errors import UnsupportedModel
-from tessera.stages.families.spec import AttentionSpec, LayerSpec, ModelSpec
+from tessera.stages.families.spec.attention import AttentionSpec
+from tessera.stages.families.spec.layer import LayerSpec
+from tessera.stages.families.spec.model import ModelSpec
 
 MTP_LAYOUTS = ("nextn", "mtp")
 QWEN_PREFIX = "mtp."  # Qwen3.5's MTP tensors, at the checkpoint's top level (a multimodal one's too)

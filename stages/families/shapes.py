@@ -17,7 +17,7 @@ from typing import Any
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.catalog import FAMILIES, spec_from_config
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 
 # every family's published shapes (each family module keeps its own: `Family.shapes`)
 SHAPES: dict[str, dict[str, Any]] = {name: dict(config) for family in FAMILIES.values()

@@ -49,7 +49,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera.stages.families.spec import DsaSpec, GatedDeltaNetSpec, LayerSpec, MlaSpec, ModelSpec
+from tessera.stages.families.spec.layer import LayerSpec
+from tessera.stages.families.spec.mla import DsaSpec, MlaSpec
+from tessera.stages.families.spec.model import ModelSpec
+from tessera.stages.families.spec.recurrent import GatedDeltaNetSpec
 
 Shape = tuple[int, ...]
 

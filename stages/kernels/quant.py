@@ -53,7 +53,7 @@ from torch import nn
 
 from tessera.stages.errors import StageError
 from tessera.stages.families.catalog import layer_matrices, tensors_of_layer
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.kernels.chunked import SCRATCH, chunked_matmul, dequantizes_in_chunks
 
 QUANT_KINDS = ("none", "int8", "int4")

@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.stages.families.spec import AttentionSpec, MlaSpec
+from tessera.stages.families.spec.attention import AttentionSpec
+from tessera.stages.families.spec.mla import MlaSpec
 from tessera.stages.layers.cache import KeyValues
 from tessera.stages.layers.norm import RMSNorm
 from tessera.stages.layers.rope import RopeKey, Rotary, apply_rope

@@ -17,7 +17,7 @@ layers/per_layer.py), then the whole multiplied by a learned scalar (`scalar`):
     x = x + rms_norm(mlp(rms_norm(x)))           (Gemma 4's sparse MLP norms its inputs itself)
     x = (x + rms_norm(W_proj (gelu(W_gate x) * per_layer))) * scalar
 
-The attention (token mixer) and the MLP are chosen by kind (families/spec.py) from ATTENTIONS
+The attention (token mixer) and the MLP are chosen by kind (families/spec/) from ATTENTIONS
 and MLPS: a new kind is a module and a line in these tables. A family is a spec (families/),
 never a copy of this file. A layer may lack one half (`LayerSpec.attention` or `.mlp` None: a
 Nemotron-H layer is one mixer or one MLP), and then has neither its module nor its norm.
@@ -31,7 +31,9 @@ import torch
 from torch import nn
 
 from tessera.stages.errors import UnsupportedModel
-from tessera.stages.families.spec import LayerSpec, MlpSpec, ModelSpec
+from tessera.stages.families.spec.layer import LayerSpec
+from tessera.stages.families.spec.mlp import MlpSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.layers.attention import Attention, LayerCache, StepRows
 from tessera.stages.layers.compressed import CompressedAttention, CompressedCache
 from tessera.stages.layers.dsa import SparseLatentAttention

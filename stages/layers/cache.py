@@ -1,7 +1,7 @@
 """A session's cache: one store per layer, of the layer's cache kind, and one position pointer.
 
 `SessionCache` holds, for a run of consecutive layers, each layer's store (built from its
-`CacheSpec`, families/spec.py), and the position pointer `length`: positions [0, length) are valid; a write at position p first moves the
+`CacheSpec`, families/spec/attention.py), and the position pointer `length`: positions [0, length) are valid; a write at position p first moves the
 pointer to p (a rollback: speculation's rejected drafts, a step re-sent after a repair),
 then past what it wrote. Rolling back is moving the pointer; the next write overwrites what
 lay beyond it. Checks come before any allocation or write, so a refused step moves nothing.
@@ -62,10 +62,11 @@ from typing import Sequence
 import torch
 
 from tessera.stages.errors import ContextOverflow, StateRewindError, UnsupportedModel
-from tessera.stages.families.spec import (
-    COMPRESSED_REACH, COMPRESSED_SNAPSHOTS, CacheSpec, CompressedCacheSpec, IndexedLatentCacheSpec, LatentCacheSpec,
-    RecurrentStateSpec, SharedCacheSpec, StatelessSpec,
-)
+from tessera.stages.families.spec.attention import CacheSpec, SharedCacheSpec
+from tessera.stages.families.spec.compressed import COMPRESSED_REACH, COMPRESSED_SNAPSHOTS, CompressedCacheSpec
+from tessera.stages.families.spec.layer import StatelessSpec
+from tessera.stages.families.spec.mla import IndexedLatentCacheSpec, LatentCacheSpec
+from tessera.stages.families.spec.recurrent import RecurrentStateSpec
 from tessera.stages.layers.state import RecurrentState
 
 KV_CHUNK = 256  # positions a session's stores grow by (see the module docstring)
@@ -228,7 +229,7 @@ class Snapshot:
 
 
 class CompressedRows:
-    """One DeepSeek-V4 layer's state of one session (kind "compressed": families/spec.py
+    """One DeepSeek-V4 layer's state of one session (kind "compressed": families/spec/compressed.py
     `CompressedCacheSpec`, layers/compressed.py reads and writes it).
 
     window:  `Ring` of the key-value rows [D] of the last W - 1 + COMPRESSED_REACH positions.

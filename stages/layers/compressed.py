@@ -7,7 +7,7 @@ step names each session's rows in a `Segment` (layers/attention.py), projections
 the stack and each session attends over its own state (`CompressedRows`, layers/cache.py).
 
 Float32 reference semantics (transformers' `DeepseekV4Attention`, `...CSACompressor`,
-`...HCACompressor`, `...Indexer`; families/spec.py `CompressedAttentionSpec` says it in words):
+`...HCACompressor`, `...Indexer`; families/spec/compressed.py `CompressedAttentionSpec` says it in words):
 
     q_lat = rms_norm(x Wq_aᵀ)                                          [T, q_lora_rank]
     q = rms(q_lat Wq_bᵀ per head, no weight); kv = rms_norm(x Wkvᵀ)    [T, A, D], [T, D]
@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.stages.families.spec import CompressedAttentionSpec
+from tessera.stages.families.spec.compressed import CompressedAttentionSpec
 from tessera.stages.layers.attention import Segment, StepContext
 from tessera.stages.layers.cache import CompressedRows
 from tessera.stages.layers.dsa import pick_top_k

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.stages.errors import SpanError
-from tessera.stages.families.spec import DsaSpec
+from tessera.stages.families.spec.mla import DsaSpec
 from tessera.stages.layers.attention import Segment, StepContext
 from tessera.stages.layers.cache import IndexedLatentRows
 from tessera.stages.layers.mla import LatentAttention, LatentCache, deinterleave, step_stores

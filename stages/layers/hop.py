@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from tessera.stages.families.spec import HOP_ID_DIGIT_BASE, ModelSpec
+from tessera.stages.families.spec.model import HOP_ID_DIGIT_BASE, ModelSpec
 
 
 class HopParts(NamedTuple):

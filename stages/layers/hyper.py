@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.stages.families.spec import HyperSpec
+from tessera.stages.families.spec.layer import HyperSpec
 
 
 def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:

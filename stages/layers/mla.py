@@ -31,7 +31,7 @@ Two ways to attend, equal in exact arithmetic:
 `LatentAttention` picks per session by `absorbs` (counted multiply-adds, and a bound on the
 bytes an expansion would allocate); its `path` forces one way (the tests hold each to
 transformers). Wkv_b is read as a matrix by the absorbed form, so it is a plain parameter
-kept in the stage's dtype, not a linear that quantization replaces (families/spec.py's
+kept in the stage's dtype, not a linear that quantization replaces (families/spec/mla.py's
 `MlaSpec.kv_b_shape`). The absorptions of a stacked step run once over the rows of every
 session that absorbs, reading Wkv_b once.
 
@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.stages.families.spec import MlaSpec
+from tessera.stages.families.spec.mla import MlaSpec
 from tessera.stages.layers.attention import Segment, StepContext
 from tessera.stages.layers.cache import LatentRows
 from tessera.stages.layers.norm import RMSNorm

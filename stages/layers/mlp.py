@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.stages.errors import UnsupportedModel
-from tessera.stages.families.spec import GluSpec, MlpSpec
+from tessera.stages.families.spec.mlp import GluSpec, MlpSpec
 
 
 class SwiGLU(nn.Module):

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from tessera.stages.errors import UnsupportedModel
-from tessera.stages.families.spec import LayerSpec, RopeSpec
+from tessera.stages.families.spec.layer import LayerSpec
+from tessera.stages.families.spec.rope import RopeSpec
 
 # The key of a layer's RoPE tables: its RopeSpec and the dims it turns (layers/attention.py's StepContext.rope):
 # the head dim, the first dims of a head under partial rotary (GLM), MLA's rope head.

@@ -2,7 +2,7 @@
 
 A router is a module holding its parameters (here the [E, H] logit projection, engine name
 `mlp.router.weight`) whose `forward(x [T, H])` returns (weights [T, k] float32, experts [T, k]
-long). ROUTERS maps a `RouterSpec.kind` (families/spec.py) to its module.
+long). ROUTERS maps a `RouterSpec.kind` (families/spec/mlp.py) to its module.
 
 Float32 reference semantics of "softmax_topk" (Mixtral; Qwen3-MoE): p = softmax(x Wᵀ) in
 float32, the k largest (torch.topk: ties to the lower index, as transformers), divided by
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.stages.errors import UnsupportedModel
-from tessera.stages.families.spec import RouterSpec
+from tessera.stages.families.spec.mlp import RouterSpec
 
 
 class SoftmaxTopK(nn.Module):

@@ -6,7 +6,7 @@ every token into a state of fixed size — here a matrix per value head, [Hv, dk
 last Kc - 1 inputs of its short causal convolution, [Kc - 1, C] — so a session of any length
 costs the same, and the state at an earlier position is gone once the next token is folded in.
 
-`RecurrentState` is that store, with how it goes back (`families/spec.py`
+`RecurrentState` is that store, with how it goes back (`families/spec/recurrent.py`
 `RecurrentStateSpec` sizes it, and admission budgets its `fixed_bytes`):
 
 - Checkpoints. A step folds its tokens into a NEW state tensor (the layer never writes the
@@ -45,7 +45,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from tessera.stages.errors import StateRewindError
-from tessera.stages.families.spec import RECURRENT_CHECKPOINTS, REPLAY_TOKENS, RecurrentStateSpec
+from tessera.stages.families.spec.recurrent import RECURRENT_CHECKPOINTS, REPLAY_TOKENS, RecurrentStateSpec
 
 
 # A recurrent layer's fold: (inputs [T, replay_width], state, convolution window) -> (its outputs [T, ...],

@@ -63,7 +63,9 @@ import torch.nn.functional as F
 from tessera.stages.engine.sessions import SessionState, SessionTable
 from tessera.stages.errors import SpanError, StageError
 from tessera.stages.families.catalog import tensors_of_layer
-from tessera.stages.families.spec import AttentionSpec, CacheSpec, LayerSpec, ModelSpec
+from tessera.stages.families.spec.attention import AttentionSpec, CacheSpec
+from tessera.stages.families.spec.layer import LayerSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.layers.attention import StepContext, attend, rotate_heads
 from tessera.stages.layers.cache import KeyValues
 from tessera.stages.layers.norm import RMSNorm

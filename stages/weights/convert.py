@@ -42,7 +42,7 @@ from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.catalog import FAMILIES, gguf_family, spec_from_config, to_config
 from tessera.stages.families.gguf import GgufMetadata, hf_tensors
 from tessera.stages.families.shipped import ShippedFormat, ggml_type_of
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.weights.folder import INDEX_FILE, SINGLE_FILE
 from tessera.stages.weights.gguf_directory import read_gguf_directory
 

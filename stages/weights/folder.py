@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from tessera.stages.errors import ModelFormatError
 from tessera.stages.families.catalog import edge_names, spec_from_file, tensors_of_layer
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.families.tensors import Choices, Stacked, embedding_name, final_norm_name
 from tessera.stages.weights.registry import MANIFEST
 from tessera.stages.weights.tensor_table import group_of

@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.catalog import FAMILIES, edge_names, layer_matrices, tensors_of_layer
 from tessera.stages.families.shipped import FLOAT_DTYPES, ShippedFormat
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.families.tensors import INTEGER_DTYPES, INTEGER_TENSORS, Stacked, edge_tensors
 from tessera.stages.text.tokenizer import Tokenizer
 from tessera.stages.weights.folder import WeightFolder

@@ -32,7 +32,7 @@ import torch
 from tessera.stages.errors import ModelFormatError
 from tessera.stages.families.catalog import FAMILIES
 from tessera.stages.families.gguf import TENSOR_NAMES
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.kernels.chunked import dequantizes_in_chunks
 from tessera.stages.kernels.quant import Quant
 from tessera.stages.weights.convert import unpermute_rope_rows

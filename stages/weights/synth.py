@@ -24,7 +24,7 @@ from tessera.stages.families.catalog import (
     FAMILIES, families_from_sizes, layer_matrices, model_tensors, tensors_of_layer, to_config,
 )
 from tessera.stages.families.shipped import ShippedFormat
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.weights.folder import INDEX_FILE, SINGLE_FILE
 from tessera.stages.kernels.encode import encode_matrix
 from tessera.stages.weights.tensor_table import group_of

@@ -50,7 +50,7 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16
 
 # a causal LM's decoder lies under "model."; a multimodal checkpoint's text model under
 # "model.language_model."; Nemotron-H's under "backbone.", whose embedding and final norm are named
-# otherwise (families/spec.py ModelSpec.prefix, families/tensors.py EDGE_NAMES); DeepSeek-V4's published
+# otherwise (families/spec/model.py ModelSpec.prefix, families/tensors.py EDGE_NAMES); DeepSeek-V4's published
 # checkpoint names its layers and edges with no prefix (`layers.3.attn.wq_a.weight`, `embed.weight`). Gemma 4's
 # per-layer input table, projection and norm go with the embedding: the requester computes every layer's
 # per-layer inputs with them

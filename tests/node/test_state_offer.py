@@ -1,7 +1,7 @@
 """What a peer offers for sessions: the longest context one session over its span can hold.
 
 A span's session state is `fixed + per token x context` summed over its layers, each per its
-state kind (families/spec.py): a span of linear-attention layers holds the model's whole
+state kind (families/spec/): a span of linear-attention layers holds the model's whole
 context in a fixed state, a span of full attention as many tokens as its budget buys. The
 peer's record says it (`PeerRecord.context_tokens`), signed like the rest, and the swarm view
 reads it back.
@@ -17,9 +17,11 @@ from tessera.peer.node.peer_node import PeerNode
 from tessera.protocol.crypto import sign_record, verify_record
 from tessera.protocol.keys import Identity
 from tessera.protocol.records import PeerRecord
-from tessera.stages.families.spec import (
-    AttentionSpec, GatedDeltaNetSpec, LayerSpec, MlpSpec, ModelSpec,
-)
+from tessera.stages.families.spec.attention import AttentionSpec
+from tessera.stages.families.spec.layer import LayerSpec
+from tessera.stages.families.spec.mlp import MlpSpec
+from tessera.stages.families.spec.model import ModelSpec
+from tessera.stages.families.spec.recurrent import GatedDeltaNetSpec
 
 LINEAR = LayerSpec(GatedDeltaNetSpec(16, 32, 128, 128, 4), MlpSpec(512))
 FULL = LayerSpec(AttentionSpec(16, 2, 256, output_gate=True), MlpSpec(512))

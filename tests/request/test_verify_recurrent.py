@@ -9,7 +9,11 @@ import torch
 
 from tessera.peer.request.verify import Shadow, SpotChecker
 from tessera.protocol.messages import REPLY_FINGERPRINT
-from tessera.stages.families.spec import AttentionSpec, GatedDeltaNetSpec, LayerSpec, MlpSpec, ModelSpec
+from tessera.stages.families.spec.attention import AttentionSpec
+from tessera.stages.families.spec.layer import LayerSpec
+from tessera.stages.families.spec.mlp import MlpSpec
+from tessera.stages.families.spec.model import ModelSpec
+from tessera.stages.families.spec.recurrent import GatedDeltaNetSpec
 
 LINEAR = LayerSpec(GatedDeltaNetSpec(2, 4, 8, 8, 4), MlpSpec(32))
 FULL = LayerSpec(AttentionSpec(4, 2, 16), MlpSpec(32))

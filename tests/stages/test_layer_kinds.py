@@ -9,7 +9,10 @@ import torch
 
 from tessera.stages.engine.stage import Stage
 from tessera.stages.families.models.llama import llama_spec
-from tessera.stages.families.spec import AttentionSpec, LayerSpec, MlpSpec, ModelSpec, RouterSpec
+from tessera.stages.families.spec.attention import AttentionSpec
+from tessera.stages.families.spec.layer import LayerSpec
+from tessera.stages.families.spec.mlp import MlpSpec, RouterSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.layers.block import Block
 from tessera.stages.layers.moe import MoE
 

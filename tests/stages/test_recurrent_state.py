@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tessera.stages.errors import StateRewindError
-from tessera.stages.families.spec import RECURRENT_CHECKPOINTS, REPLAY_TOKENS, GatedDeltaNetSpec
+from tessera.stages.families.spec.recurrent import RECURRENT_CHECKPOINTS, REPLAY_TOKENS, GatedDeltaNetSpec
 from tessera.stages.layers.recurrent.gated_deltanet import GatedDeltaNet
 from tessera.stages.layers.state import RecurrentState
 

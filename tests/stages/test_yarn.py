@@ -14,7 +14,7 @@ import torch
 
 from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.config import read_rope
-from tessera.stages.families.spec import RopeSpec
+from tessera.stages.families.spec.rope import RopeSpec
 from tessera.stages.layers.rope import Rotary, attention_scaling, rope_frequencies
 
 transformers = pytest.importorskip("transformers")

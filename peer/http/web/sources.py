@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Mapping
 
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.kernels.quant import Quant, QuantError, span_bytes
 from tessera.store.db import PeerStore
 from tessera.store.events import NOTABLE_KINDS, Stamped

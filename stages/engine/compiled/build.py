@@ -13,7 +13,7 @@ from tessera.stages.engine.compiled.cuda_graphs import GraphDecode
 from tessera.stages.engine.compiled.inductor import ROW_BUCKETS, InductorDecode
 from tessera.stages.engine.compiled.modes import CUDA_GRAPHS, CompilePlan, plan_compile
 from tessera.stages.engine.stage import Stage
-from tessera.stages.families.spec import ModelSpec
+from tessera.stages.families.spec.model import ModelSpec
 
 
 def row_buckets(max_rows: int) -> tuple[int, ...]:

@@ -53,7 +53,7 @@ from tessera.stages.engine.compiled.modes import INDUCTOR
 from tessera.stages.engine.compiled.rows import RowsStep, StepRows, rows_of_step
 from tessera.stages.engine.sessions import SessionState
 from tessera.stages.engine.stage import Stage
-from tessera.stages.families.spec import LayerSpec
+from tessera.stages.families.spec.layer import LayerSpec
 from tessera.stages.layers.attention import Segment, StepContext
 from tessera.stages.layers.cache import KeyValues, SessionCache
 from tessera.stages.layers.moe import untraced_dispatch

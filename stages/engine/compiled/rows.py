@@ -27,7 +27,7 @@ from typing import Iterator, Optional, Sequence  # Optional: custom_op reads the
 import torch
 from torch import Tensor
 
-from tessera.stages.families.spec import AttentionSpec
+from tessera.stages.families.spec.attention import AttentionSpec
 from tessera.stages.layers.attention import attend
 from tessera.stages.layers.cache import KeyValues
 

@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from tessera.stages.families.spec import AttentionSpec, CacheSpec
+from tessera.stages.families.spec.attention import AttentionSpec, CacheSpec
 from tessera.stages.layers.cache import KeyValues, SessionCache
 from tessera.stages.layers.rope import RopeKey
 

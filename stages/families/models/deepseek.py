@@ -1,6 +1,6 @@
 """DeepSeek-V3 (`deepseek_v3`): multi-head latent attention, and a sigmoid-routed MoE with shared experts.
 
-Every layer's attention is MLA (families/spec.py's `MlaSpec`): queries low-rank through
+Every layer's attention is MLA (families/spec/mla.py's `MlaSpec`): queries low-rank through
 `q_lora_rank` (one projection when it is null), keys and values expanded from a
 `kv_lora_rank` latent, plus one `qk_rope_head_dim` rope key shared by the heads;
 `qk_nope_head_dim` and `v_head_dim` per head. RoPE (YaRN in the published models, whose
@@ -37,7 +37,10 @@ from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.family import Family
 from tessera.stages.families.models.llama import with_special_ids
 from tessera.stages.families.mtp import deepseek_mtp
-from tessera.stages.families.spec import LayerSpec, MlaSpec, MlpSpec, ModelSpec, RouterSpec
+from tessera.stages.families.spec.layer import LayerSpec
+from tessera.stages.families.spec.mla import MlaSpec
+from tessera.stages.families.spec.mlp import MlpSpec, RouterSpec
+from tessera.stages.families.spec.model import ModelSpec
 
 ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM"}
 IGNORED = ("head_dim", "qk_head_dim", "num_key_value_heads", "aux_loss_alpha", "seq_aux", "ep_size", "auto_map")

@@ -1,6 +1,6 @@
 """DeepSeek-V4 (`deepseek_v4`): compressed sparse attention, hyper-connections, hash and sqrt-softplus routing.
 
-Every layer's attention is DeepSeek-V4's (families/spec.py `CompressedAttentionSpec`,
+Every layer's attention is DeepSeek-V4's (families/spec/compressed.py `CompressedAttentionSpec`,
 layers/compressed.py): `num_attention_heads` query heads of `head_dim` from a `q_lora_rank`
 latent, ONE key-value head whose rows are keys and values, RoPE in interleaved pairs on the
 last `qk_rope_head_dim` dims (`partial_rotary_factor` x head_dim), a sink logit per head, a
@@ -15,7 +15,7 @@ grouped output projection (`o_groups` groups to `o_lora_rank` each, then to H), 
 
 (the compressed layers turned by the "compress" RoPE, base `compress_rope_theta`, YaRN where
 the config scales it, with no attention factor). The residual is `hc_mult` streams mixed
-around each block by hyper-connections (families/spec.py `HyperSpec`, layers/hyper.py), with
+around each block by hyper-connections (families/spec/layer.py `HyperSpec`, layers/hyper.py), with
 `hc_sinkhorn_iters` and `hc_eps`; the embedding enters every stream and the head mixes them
 back before the final norm. So a hop between stages carries hc_mult x hidden_size values a
 token, plus the token id (next paragraph): `ModelSpec.hop_width`.
@@ -63,9 +63,11 @@ from tessera.stages.families.config import ConfigReader, read_rope
 from tessera.stages.families.models.deepseek import read_alias, read_mtp_layers
 from tessera.stages.families.family import Family
 from tessera.stages.families.models.llama import with_special_ids
-from tessera.stages.families.spec import (
-    CompressedAttentionSpec, GluSpec, HyperSpec, LayerSpec, MlpSpec, ModelSpec, RopeSpec, RouterSpec,
-)
+from tessera.stages.families.spec.compressed import CompressedAttentionSpec
+from tessera.stages.families.spec.layer import HyperSpec, LayerSpec
+from tessera.stages.families.spec.mlp import GluSpec, MlpSpec, RouterSpec
+from tessera.stages.families.spec.model import ModelSpec
+from tessera.stages.families.spec.rope import RopeSpec
 from tessera.stages.families.tensors import Choices, Shape, Stacked, one, stacked
 
 ARCHITECTURES = {"deepseek_v4": "DeepseekV4ForCausalLM"}

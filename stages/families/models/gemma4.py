@@ -53,9 +53,11 @@ from tessera.stages.families.config import ConfigReader, read_rope
 from tessera.stages.families.family import Family
 from tessera.stages.families.layer_types import FULL, SLIDING, read_layer_types, rope_blocks
 from tessera.stages.families.models.llama import with_special_ids
-from tessera.stages.families.spec import (
-    AttentionSpec, GluSpec, LayerSpec, MlpSpec, ModelSpec, RopeSpec, RouterSpec,
-)
+from tessera.stages.families.spec.attention import AttentionSpec
+from tessera.stages.families.spec.layer import LayerSpec
+from tessera.stages.families.spec.mlp import GluSpec, MlpSpec, RouterSpec
+from tessera.stages.families.spec.model import ModelSpec
+from tessera.stages.families.spec.rope import RopeSpec
 from tessera.stages.families.tensors import Choices, Shape, Stacked, one, stacked
 
 TEXT, MULTIMODAL = "gemma4_text", "gemma4"  # the text config's model_type; the family's (the published one's)

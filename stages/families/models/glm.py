@@ -27,7 +27,9 @@ from tessera.stages.families.family import Family
 from tessera.stages.families.models.deepseek import MoeDefaults, moe_config, read_mtp_layers, read_sigmoid_moe, rope_config
 from tessera.stages.families.models.llama import with_special_ids
 from tessera.stages.families.mtp import deepseek_mtp
-from tessera.stages.families.spec import AttentionSpec, LayerSpec, ModelSpec
+from tessera.stages.families.spec.attention import AttentionSpec
+from tessera.stages.families.spec.layer import LayerSpec
+from tessera.stages.families.spec.model import ModelSpec
 
 ARCHITECTURES = {"glm4_moe": "Glm4MoeForCausalLM"}
 GLM4_MOE = MoeDefaults(10944, 1408, 128, 8, 1, 1.0, 1, 1, 1)

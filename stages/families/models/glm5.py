@@ -1,6 +1,6 @@
 """GLM-5 (`glm_moe_dsa`): MLA with DeepSeek sparse attention, and DeepSeek-V3's MoE.
 
-Every layer's attention is DSA (families/spec.py's `DsaSpec`, layers/dsa.py): DeepSeek-V3's
+Every layer's attention is DSA (families/spec/mla.py's `DsaSpec`, layers/dsa.py): DeepSeek-V3's
 MLA (low-rank q through `q_lora_rank`, a `kv_lora_rank` latent, one `qk_rope_head_dim` rope
 key, RoPE always in interleaved pairs) over the `index_topk` positions an indexer of
 `index_n_heads` heads of `index_head_dim` picks per query. `indexer_types` says per layer
@@ -31,7 +31,9 @@ from tessera.stages.families.family import Family
 from tessera.stages.families.models.deepseek import MoeDefaults, moe_config, read_mtp_layers, read_sigmoid_moe_kinds, rope_config
 from tessera.stages.families.models.llama import with_special_ids
 from tessera.stages.families.mtp import deepseek_mtp
-from tessera.stages.families.spec import DsaSpec, LayerSpec, MlaSpec, ModelSpec
+from tessera.stages.families.spec.layer import LayerSpec
+from tessera.stages.families.spec.mla import DsaSpec, MlaSpec
+from tessera.stages.families.spec.model import ModelSpec
 
 ARCHITECTURES = {"glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 GLM5_MOE = MoeDefaults(12288, 2048, 256, 8, 1, 2.5, 1, 1, 3)

@@ -47,7 +47,10 @@ from tessera.stages.families import tensors
 from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.family import Family
 from tessera.stages.families.models.llama import with_special_ids
-from tessera.stages.families.spec import AttentionSpec, GluSpec, LayerSpec, MlpSpec, ModelSpec, RouterSpec
+from tessera.stages.families.spec.attention import AttentionSpec
+from tessera.stages.families.spec.layer import LayerSpec
+from tessera.stages.families.spec.mlp import GluSpec, MlpSpec, RouterSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.families.tensors import Choices, Stacked, one
 
 ARCHITECTURES = {"gpt_oss": "GptOssForCausalLM"}

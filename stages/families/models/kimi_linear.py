@@ -5,7 +5,7 @@ Layers mix two token mixers by `layer_types` ("linear_attention" / "full_attenti
 published configs, by `linear_attn_config`'s `kda_layers` and `full_attn_layers` (1-based);
 absent both, transformers' default: full attention at every fourth layer but the first (4, 8 ...):
 
-- Kimi Delta Attention (families/spec.py `KdaSpec`): `linear_num_heads` heads of
+- Kimi Delta Attention (families/spec/recurrent.py `KdaSpec`): `linear_num_heads` heads of
   `linear_head_dim` for q, k and v (`linear_attn_config`'s `num_heads`, `head_dim`), a causal
   convolution of `linear_conv_kernel_dim` (`short_conv_kernel_size`), a decay per key channel
   from a low-rank forget gate, a sigmoid-gated output norm. Its session state is fixed: a [d, d]
@@ -50,7 +50,12 @@ from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.models.deepseek import read_alias
 from tessera.stages.families.family import Family
 from tessera.stages.families.models.llama import with_special_ids
-from tessera.stages.families.spec import KdaSpec, LayerSpec, MlaSpec, MlpSpec, ModelSpec, RopeSpec, RouterSpec
+from tessera.stages.families.spec.layer import LayerSpec
+from tessera.stages.families.spec.mla import MlaSpec
+from tessera.stages.families.spec.mlp import MlpSpec, RouterSpec
+from tessera.stages.families.spec.model import ModelSpec
+from tessera.stages.families.spec.recurrent import KdaSpec
+from tessera.stages.families.spec.rope import RopeSpec
 from tessera.stages.families.tensors import (
     Choices, ExpertNames, Stacked, mla_tensors, mlp_tensors, one, stacked,
 )

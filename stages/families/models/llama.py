@@ -22,7 +22,11 @@ from typing import Any, Callable
 from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.family import Family
 from tessera.stages.families.gguf import GgufForm, GgufMetadata, biased_attention, llama_block_config
-from tessera.stages.families.spec import AttentionSpec, LayerSpec, MlpSpec, ModelSpec, RopeSpec
+from tessera.stages.families.spec.attention import AttentionSpec
+from tessera.stages.families.spec.layer import LayerSpec
+from tessera.stages.families.spec.mlp import MlpSpec
+from tessera.stages.families.spec.model import ModelSpec
+from tessera.stages.families.spec.rope import RopeSpec
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 

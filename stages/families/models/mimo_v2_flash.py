@@ -49,7 +49,11 @@ from tessera.stages.families.models.deepseek import read_alias
 from tessera.stages.families.family import Family
 from tessera.stages.families.layer_types import FULL, SLIDING, read_layer_types, rope_blocks
 from tessera.stages.families.models.llama import with_special_ids
-from tessera.stages.families.spec import AttentionSpec, LayerSpec, MlpSpec, ModelSpec, RopeSpec, RouterSpec
+from tessera.stages.families.spec.attention import AttentionSpec
+from tessera.stages.families.spec.layer import LayerSpec
+from tessera.stages.families.spec.mlp import MlpSpec, RouterSpec
+from tessera.stages.families.spec.model import ModelSpec
+from tessera.stages.families.spec.rope import RopeSpec
 from tessera.stages.families.tensors import Choices, one
 
 ARCHITECTURE = "MiMoV2FlashForCausalLM"

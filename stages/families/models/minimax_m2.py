@@ -35,7 +35,10 @@ from typing import Any
 from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.family import Family
 from tessera.stages.families.models.llama import with_special_ids
-from tessera.stages.families.spec import AttentionSpec, LayerSpec, MlpSpec, ModelSpec, RouterSpec
+from tessera.stages.families.spec.attention import AttentionSpec
+from tessera.stages.families.spec.layer import LayerSpec
+from tessera.stages.families.spec.mlp import MlpSpec, RouterSpec
+from tessera.stages.families.spec.model import ModelSpec
 from tessera.stages.families.tensors import ExpertNames
 
 ARCHITECTURES = {"minimax_m2": "MiniMaxM2ForCausalLM"}

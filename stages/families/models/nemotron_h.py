@@ -3,7 +3,7 @@
 A Nemotron-H layer is ONE block: a norm and one mixer, added to the residual. `layers_block_type`
 (or the older `hybrid_override_pattern`, a character per layer) says which:
 
-- "linear_attention" (`M`; legacy "mamba"): Mamba2 (families/spec.py `Mamba2Spec`): `mamba_num_heads`
+- "linear_attention" (`M`; legacy "mamba"): Mamba2 (families/spec/recurrent.py `Mamba2Spec`): `mamba_num_heads`
   heads of `mamba_head_dim`, a state of `ssm_state_size` per head, B and C shared by `n_groups`
   groups, a causal convolution of `conv_kernel` (with a bias when `use_conv_bias`), the scan run
   in chunks of `chunk_size`, a gated RMSNorm per group. Its session state is fixed: an [P, N]
@@ -49,9 +49,12 @@ from tessera.stages.families.config import MAX_LAYERS, ConfigReader
 from tessera.stages.families.models.deepseek import read_alias
 from tessera.stages.families.family import Family
 from tessera.stages.families.models.llama import with_special_ids
-from tessera.stages.families.spec import (
-    AttentionSpec, GluSpec, LayerSpec, Mamba2Spec, MlpSpec, ModelSpec, RopeSpec, RouterSpec,
-)
+from tessera.stages.families.spec.attention import AttentionSpec
+from tessera.stages.families.spec.layer import LayerSpec
+from tessera.stages.families.spec.mlp import GluSpec, MlpSpec, RouterSpec
+from tessera.stages.families.spec.model import ModelSpec
+from tessera.stages.families.spec.recurrent import Mamba2Spec
+from tessera.stages.families.spec.rope import RopeSpec
 from tessera.stages.families.tensors import Choices, Stacked, one, stacked
 
 ARCHITECTURE = "NemotronHForCausalLM"

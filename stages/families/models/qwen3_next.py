@@ -3,7 +3,7 @@
 Layers mix two token mixers by `layer_types` (by default three "linear_attention" layers, then
 one "full_attention", every `full_attention_interval` = 4):
 
-- Gated DeltaNet linear attention (families/spec.py `GatedDeltaNetSpec`): `linear_num_key_heads`
+- Gated DeltaNet linear attention (families/spec/recurrent.py `GatedDeltaNetSpec`): `linear_num_key_heads`
   and `linear_num_value_heads` heads of `linear_key_head_dim` / `linear_value_head_dim`, a causal
   convolution of `linear_conv_kernel_dim`; its session state is a fixed matrix per value head and
   a convolution window (`RecurrentStateSpec`), whatever the context. Qwen3-Next projects q, k,
@@ -50,9 +50,12 @@ from tessera.stages.families.config import ConfigReader
 from tessera.stages.families.family import Family
 from tessera.stages.families.models.llama import with_special_ids
 from tessera.stages.families.mtp import qwen3_5_mtp
-from tessera.stages.families.spec import (
-    AttentionSpec, GatedDeltaNetSpec, LayerSpec, MlpSpec, ModelSpec, RopeSpec, RouterSpec,
-)
+from tessera.stages.families.spec.attention import AttentionSpec
+from tessera.stages.families.spec.layer import LayerSpec
+from tessera.stages.families.spec.mlp import MlpSpec, RouterSpec
+from tessera.stages.families.spec.model import ModelSpec
+from tessera.stages.families.spec.recurrent import GatedDeltaNetSpec
+from tessera.stages.families.spec.rope import RopeSpec
 from tessera.stages.families.tensors import ExpertNames
 
 ARCHITECTURES = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",

@@ -2,7 +2,7 @@
 
 Shapes: T = tokens in this step, H = hidden size, Hk / Hv = key / value heads, dk / dv = their
 dims, C = 2 Hk dk + Hv dv (the convolution's channels: q, k, v), Kc = the convolution's kernel.
-The math is families/spec.py's `GatedDeltaNetSpec`; float32 reference semantics are
+The math is families/spec/recurrent.py's `GatedDeltaNetSpec`; float32 reference semantics are
 transformers' `Qwen3NextGatedDeltaNet` / `Qwen3_5GatedDeltaNet` with its torch kernels
 (`torch_chunk_gated_delta_rule` for a step of many tokens, `torch_recurrent_gated_delta_rule`
 for one): the same algorithm in the same order, so logits agree to ~1e-6.
@@ -16,7 +16,8 @@ runs per session over its own cache). Before its new rows, a session folds in th
 rollback left pending (`RecurrentState.take_pending`): the recurrence's work for those tokens
 again, no projection.
 
-The recurrence over T tokens, per value head (S [dk, dv], q, k [dk], v [dv], scalars g <= 0, beta):
+The recurrence over T tokens, per value head (S [dk, dv], q, k [dk], v [dv], scalars g <= 0, beta),
+token by token delta_rule.py's `recurrent_delta_rule` (KDA's too, its g one number per key channel):
 
     S = exp(g_t) S;   S = S + k_t ((v_t - k_tᵀ S) beta_t)ᵀ;   o_t = q_tᵀ S
 
@@ -34,14 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.stages.families.spec import GatedDeltaNetSpec
+from tessera.stages.families.spec.recurrent import GatedDeltaNetSpec
 from tessera.stages.layers.attention import StepRows
 from tessera.stages.layers.norm import GatedRMSNorm
+from tessera.stages.layers.recurrent.delta_rule import CHUNK, L2_EPS, recurrent_delta_rule
 from tessera.stages.layers.recurrent.short_conv import causal_conv
 from tessera.stages.layers.state import RecurrentState, fold_sessions
-
-CHUNK = 64  # tokens per chunk of the chunked form (the reference's chunk_size)
-L2_EPS = 1e-6  # l2norm's epsilon (the reference's, FLA's)
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -49,29 +48,15 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
 
 
-def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule token by token. q, k [Hv, T, dk] (normed, q scaled), v [Hv, T, dv],
-    g, beta [Hv, T]; state [Hv, dk, dv]. Returns (o [Hv, T, dv], the final state, a new tensor)."""
-    outs = []
-    for t in range(q.shape[1]):
-        state = state * g[:, t].exp()[:, None, None]  # decay
-        k_t = k[:, t, :, None]  # [Hv, dk, 1]
-        remembered = torch.bmm(k_t.transpose(1, 2), state)  # [Hv, 1, dv]: k_tᵀ S
-        delta = (v[:, t, None, :] - remembered) * beta[:, t, None, None]
-        state = torch.baddbmm(state, k_t, delta)  # S + k_t deltaᵀ
-        outs.append(torch.bmm(q[:, t, None, :], state))  # [Hv, 1, dv]
-    return torch.cat(outs, dim=1), state
-
-
 def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule in chunks of `chunk` tokens (same arguments and result as
-    `recurrent_delta_rule`; the reference's algorithm, step for step). A step shorter than a chunk
-    is one chunk of its own length: the reference pads it to 64 with rows that change nothing
-    (beta and g 0, after every real row of a lower-triangular system), and the padding cost a
-    5-token draft block 8x the work (bench/rollback.py's shape: 36 ms against 4.6)."""
+    """The gated delta rule in chunks of `chunk` tokens (same arguments and result as delta_rule.py's
+    `recurrent_delta_rule`, g [Hv, T, 1]: a decay per head; the reference's algorithm, step for step).
+    A step shorter than a chunk is one chunk of its own length: the reference pads it to 64 with rows
+    that change nothing (beta and g 0, after every real row of a lower-triangular system), and the
+    padding cost a 5-token draft block 8x the work (bench/rollback.py's shape: 36 ms against 4.6)."""
     hv, t, dk = k.shape
+    g = g[..., 0]  # [Hv, T]: one decay per head, the same for every key channel
     chunk = min(chunk, t)
     pad = (-t) % chunk
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
@@ -141,7 +126,7 @@ class GatedDeltaNet(nn.Module):
         v = v.float().view(t, hv, s.value_dim).transpose(0, 1)
         b, a = ba[:, :hv].float(), ba[:, hv:].float()
         beta = b.sigmoid().t()  # [Hv, T]
-        g = (-self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())).t()  # [Hv, T]
+        g = (-self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())).t()[..., None]  # [Hv, T, 1]
         q, k = l2norm(q) * s.key_dim ** -0.5, l2norm(k)
         rule = recurrent_delta_rule if t == 1 else chunked_delta_rule
         out, state = rule(q, k, v, g, beta, state)

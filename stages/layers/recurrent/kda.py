@@ -2,7 +2,7 @@
 
 Shapes: T = tokens in this step, H = hidden size, Hk = heads (q, k and v alike), d = their dim,
 C = 3 Hk d (the convolution's channels: q, k, v), Kc = the convolution's kernel. The math is
-families/spec.py's `KdaSpec`; float32 reference semantics are transformers'
+families/spec/recurrent.py's `KdaSpec`; float32 reference semantics are transformers'
 `KimiLinearDeltaAttention` with its torch kernels (`chunk_kimi_delta_attention` for a step of
 many tokens, `recurrent_kimi_delta_attention` for one): the same algorithm in the same order but
 for the chunk's triangular system, solved here by `solve_triangular` where the reference
@@ -13,6 +13,7 @@ row of it (each key channel) by its own: g [Hk, T, d], not [Hv, T]. Per head (S 
 
     S = diag(exp(g_t)) S;   S = S + k_t ((v_t - k_tᵀ S) beta_t)ᵀ;   o_t = q_tᵀ S
 
+token by token delta_rule.py's `recurrent_delta_rule` (Gated DeltaNet's too, its g one per head).
 `chunked_kda` computes the same in chunks of 64 tokens: within a chunk the decay between two
 positions is exp(g_i - g_j) per channel (a [c, c, d] tensor per head, made one chunk at a time so
 that a long prefill holds one chunk's), the UT transform turns the chunk's updates into matmuls,
@@ -33,14 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.stages.families.spec import KdaSpec
+from tessera.stages.families.spec.recurrent import KdaSpec
 from tessera.stages.layers.attention import StepRows
 from tessera.stages.layers.norm import SigmoidGatedRMSNorm
+from tessera.stages.layers.recurrent.delta_rule import CHUNK, L2_EPS, recurrent_delta_rule
 from tessera.stages.layers.recurrent.short_conv import causal_conv
 from tessera.stages.layers.state import RecurrentState, fold_sessions
 
-CHUNK = 64  # tokens per chunk of the chunked form (the reference's chunk_size)
-L2_EPS = 1e-6  # l2norm's epsilon (the reference's, FLA's)
 SOFTPLUS_LINEAR = 20.0  # above it the reference's softplus is the identity (its overflow guard)
 
 
@@ -54,27 +54,13 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > SOFTPLUS_LINEAR, x, torch.log(1.0 + torch.exp(x)))
 
 
-def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rule token by token. q, k, v, g [Hk, T, d] (q, k normed, q scaled; g <= 0), beta [Hk, T];
-    state [Hk, d, d]. Returns (o [Hk, T, d], the final state, a new tensor)."""
-    outs = []
-    for t in range(q.shape[1]):
-        state = state * g[:, t, :, None].exp()  # each key channel's row decays by its own gate
-        k_t = k[:, t, :, None]  # [Hk, d, 1]
-        remembered = torch.bmm(k_t.transpose(1, 2), state)  # [Hk, 1, d]: k_tᵀ S
-        delta = (v[:, t, None, :] - remembered) * beta[:, t, None, None]
-        state = torch.baddbmm(state, k_t, delta)  # S + k_t deltaᵀ
-        outs.append(torch.bmm(q[:, t, None, :], state))  # [Hk, 1, d]
-    return torch.cat(outs, dim=1), state
-
-
 def chunked_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rule in chunks of `chunk` tokens (same arguments and result as `recurrent_kda`; the
-    reference's algorithm, step for step). A step shorter than a chunk is one chunk of its own length;
-    a longer one is padded to whole chunks with rows that change nothing (beta and g 0, after every
-    real row of a lower-triangular system)."""
+    """The rule in chunks of `chunk` tokens (same arguments and result as delta_rule.py's
+    `recurrent_delta_rule`, g [Hk, T, d]: a decay per key channel; the reference's algorithm, step for
+    step). A step shorter than a chunk is one chunk of its own length; a longer one is padded to whole
+    chunks with rows that change nothing (beta and g 0, after every real row of a lower-triangular
+    system)."""
     hk, t, d = k.shape
     chunk = min(chunk, t)
     pad = (-t) % chunk
@@ -133,7 +119,7 @@ class KimiDeltaAttention(nn.Module):
         g = (-self.A_log.float().view(hk, 1).exp() * softplus(gate)).transpose(0, 1)  # [Hk, T, d]
         beta = b.float().sigmoid().t()  # [Hk, T]
         q, k = l2norm(q) * d ** -0.5, l2norm(k)
-        rule = recurrent_kda if t == 1 else chunked_kda
+        rule = recurrent_delta_rule if t == 1 else chunked_kda
         out, state = rule(q, k, v, g, beta, state)
         return out.transpose(0, 1).to(inputs.dtype), state, window  # [T, Hk, d]
 

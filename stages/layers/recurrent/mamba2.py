@@ -2,7 +2,7 @@
 
 Shapes: T = tokens in this step, H = hidden size, Hm = heads, P = head dim, N = state size, G =
 groups (B and C are shared by the Hm / G heads of a group), I = Hm P, C = I + 2 G N (the
-convolution's channels: x, B, C), Kc = the convolution's kernel. The math is families/spec.py's
+convolution's channels: x, B, C), Kc = the convolution's kernel. The math is families/spec/recurrent.py's
 `Mamba2Spec`; float32 reference semantics are transformers' `NemotronHMamba2Mixer` with its
 torch paths (`mamba2_chunk_scan` for a step of many tokens, `mamba2_selective_state_update` for
 one): per head, with a = exp(dt A) (a number: A is a scalar per head),
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.stages.families.spec import Mamba2Spec
+from tessera.stages.families.spec.recurrent import Mamba2Spec
 from tessera.stages.layers.attention import StepRows
 from tessera.stages.layers.norm import GroupGatedRMSNorm
 from tessera.stages.layers.recurrent.short_conv import causal_conv

@@ -4,6 +4,8 @@ transformers builds and saves) against transformers and against itself.
 Per row: float32 logits within 1e-4 of transformers and greedy tokens identical; 8 stacked
 sessions each equal to its solo run; a prompt prefilled in chunks equal to it prefilled whole; the
 model split across two stages exactly equal to it whole; decoding by drafts rolled back by pointer;
+where the layers keep a recurrent state, a prefill whole, in chunks and replayed at once against
+transformers, a state taken back into a block, and a rollback past the checkpoints refused;
 the spec read back from what we write (`read(to_config(spec)) == spec`); the layer's weight
 matrices as the weights name them (families/tensors.py `matrix_paths`) exactly the Block's linear
 modules; every config key the family does not read refused in one line naming it (a key no family
@@ -26,8 +28,8 @@ from tessera.stages.layers.block import Block, linear_paths
 
 from ...swarm_helpers import local_swarm
 from .conformance import (
-    check_chunked_prefill, check_matches_transformers, check_rollback, check_shard_refused, check_split,
-    check_stacked_sessions, check_swarm,
+    check_back_inside_a_block, check_chunked_prefill, check_matches_transformers, check_out_of_reach_refused,
+    check_replayed_prefill, check_rollback, check_shard_refused, check_split, check_stacked_sessions, check_swarm,
 )
 from .rows import ROWS, saved_config
 
@@ -35,6 +37,10 @@ transformers = pytest.importorskip("transformers")
 
 NAMES = sorted(ROWS)
 SWARM_ROWS = sorted(name for name, row in ROWS.items() if row.swarm)
+# the rows whose models hold a recurrent state (linear attention, state-space): read from their specs, so a
+# family with a recurrent layer kind runs the recurrent checks without being named here
+RECURRENT_ROWS = [name for name in NAMES
+                  if any(layer.cache.kind == "recurrent" for layer in spec_from_config(saved_config(name)).layers)]
 UNKNOWN_KEY = "tessera_test_switch"  # a key no family's config carries
 
 
@@ -69,6 +75,27 @@ def test_a_split_across_two_stages_equals_the_whole(family_models, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_rollback_by_pointer(family_models, name):
     check_rollback(family_models.folder(name), family_models.reference(name)[0])
+
+
+def test_every_family_with_a_recurrent_state_has_recurrent_rows():
+    """The recurrent checks below run on every family whose layers keep a recurrent state."""
+    assert {ROWS[name].family for name in RECURRENT_ROWS} == {
+        "qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear", "nemotron_h"}
+
+
+@pytest.mark.parametrize("name", RECURRENT_ROWS)
+def test_whole_chunked_and_replayed_prefills_meet_one_reference(family_models, name):
+    check_replayed_prefill(family_models.folder(name), family_models.reference(name))
+
+
+@pytest.mark.parametrize("name", RECURRENT_ROWS)
+def test_going_back_inside_a_block_equals_never_having_gone_past_it(family_models, name):
+    check_back_inside_a_block(family_models.folder(name))
+
+
+@pytest.mark.parametrize("name", RECURRENT_ROWS)
+def test_going_back_past_the_checkpoints_is_refused_and_moves_nothing(family_models, name):
+    check_out_of_reach_refused(family_models.folder(name))
 
 
 @pytest.mark.parametrize("name", NAMES)

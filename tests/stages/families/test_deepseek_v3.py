@@ -15,7 +15,7 @@ import torch
 from tessera.stages.errors import UnsupportedModel
 from tessera.stages.families.catalog import spec_from_config, spec_from_file
 
-from .conformance import PROMPT, check_against_dequantized
+from .conformance import PROMPT, check_against_dequantized, fed_logits
 from .rows import saved_config
 
 transformers = pytest.importorskip("transformers")
@@ -30,12 +30,7 @@ def logits_with_path(folder, tokens, path):
     stage = load_stage(folder, embed=True, head=True)
     for block in stage.blocks:
         block.attn.path = path
-    stage.open("c", capacity=64)
-    out, step, pos = [], PROMPT, 0
-    for token in tokens:
-        out.append(stage.logits(stage.forward("c", stage.embed(step), pos)))
-        pos, step = pos + len(step), [token]
-    return out
+    return fed_logits(stage, tokens)
 
 
 @pytest.mark.parametrize("path", ["expanded", "absorbed"])

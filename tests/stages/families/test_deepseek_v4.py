@@ -10,26 +10,25 @@ value read or refused by one typed error."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from tessera.protocol.tensors import decode_tensor, encode_wire
 from tessera.stages.assembly.stage import load_stage
-from tessera.stages.errors import ModelFormatError, StateRewindError, UnsupportedModel
+from tessera.stages.errors import StateRewindError
 from tessera.stages.families.catalog import spec_from_config
-from tessera.stages.families.spec import COMPRESSED_REACH, CompressedAttentionSpec
+from tessera.stages.families.spec.compressed import COMPRESSED_REACH, CompressedAttentionSpec
 from tessera.stages.layers.cache import SessionCache, session_bytes
 from tessera.stages.layers.hop import Hop
 from tessera.stages.weights.folder import WeightFolder
 from tessera.stages.weights.folder_check import check_folder
 
-from .conformance import PROMPT, STACKED_RTOL, relative_gap
+from .conformance import PROMPT, STACKED_RTOL, check_any_value_is_read_or_refused, fed_logits, relative_gap
 from .rows import ROWS, saved_config
 
 transformers = pytest.importorskip("transformers")
@@ -188,12 +187,7 @@ def test_the_selection_and_the_hash_table_each_change_the_answer(family_models):
         stage = load_stage(folder, embed=True, head=True)
         for block in stage.blocks:
             change(block)
-        stage.open("c", capacity=64)
-        out, step, pos = [], PROMPT, 0
-        for token in tokens:
-            out.append(stage.logits(stage.forward("c", stage.embed(step), pos)))
-            pos, step = pos + len(step), [token]
-        return out
+        return fed_logits(stage, tokens)
 
     def read_all(block):
         block.attn.spec = replace(block.attn.spec, index_topk=10**6)
@@ -253,30 +247,7 @@ def test_chunked_and_stacked_runs_close_the_same_entries(family_models, name):
 def test_any_value_in_any_key_is_read_or_refused_by_one_typed_error(name):
     """Keys overwritten at random by JSON values: a spec every layer of which builds, or ModelFormatError /
     UnsupportedModel in one line."""
-    from tessera.stages.layers.block import Block
-
-    base = saved_config(name)
-    values = st.recursive(
-        st.none() | st.booleans() | st.integers(-3, 40) | st.floats(allow_nan=True, allow_infinity=True)
-        | st.text(max_size=4),
-        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-        max_leaves=6)
-
-    @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-    @given(data=st.data())
-    def check(data):
-        keys = data.draw(st.lists(st.sampled_from(sorted(set(base) - {"architectures"})), min_size=1, max_size=3))
-        change = {key: data.draw(values) for key in keys}
-        try:
-            spec = spec_from_config(json.loads(json.dumps({**base, **change})))
-        except (ModelFormatError, UnsupportedModel) as refused:
-            assert "\n" not in str(refused)
-            return
-        with torch.device("meta"):
-            for layer in set(spec.layers):
-                Block(spec, layer)
-
-    check()
+    check_any_value_is_read_or_refused(saved_config(name), examples=80)
 
 
 def test_rows_cover_every_layer_type_and_both_scores():

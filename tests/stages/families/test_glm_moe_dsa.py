@@ -17,7 +17,7 @@ from hypothesis import given, strategies as st
 from tessera.stages.errors import SpanError
 from tessera.stages.families.catalog import spec_from_config, spec_from_file
 
-from .conformance import PROMPT, check_against_dequantized
+from .conformance import check_against_dequantized, fed_logits
 from .rows import ROWS, saved_config
 
 transformers = pytest.importorskip("transformers")
@@ -34,12 +34,7 @@ def run_logits(folder, tokens, *, path=None, top_k=None):
         block.attn.path = path
         if top_k is not None:
             block.attn.dsa = replace(block.attn.dsa, index_topk=top_k)
-    stage.open("c", capacity=64)
-    out, step, pos = [], PROMPT, 0
-    for token in tokens:
-        out.append(stage.logits(stage.forward("c", stage.embed(step), pos)))
-        pos, step = pos + len(step), [token]
-    return out
+    return fed_logits(stage, tokens)
 
 
 @pytest.mark.parametrize("path", ["expanded", "absorbed"])

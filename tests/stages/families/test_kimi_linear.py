@@ -1,11 +1,11 @@
 """What only Kimi Linear (`kimi_linear`) has: Kimi Delta Attention beside NoPE MLA, the published config's form.
 
 The conformance suite (test_conformance.py, its rows in rows.py) holds it to transformers, stacked and
-chunked sessions, a split inside the KDA run, rollback, the refusals and a real swarm. Here: the layers
-as configured (and as the published `linear_attn_config` numbers them); a KDA layer's fixed state; the
-chunk-wise rule against transformers' own kernel over several chunks and against the token-by-token
-rule; a whole, a chunked and a replayed prefill against the same reference; going back into a block;
-an int8 span; and any value in any key read or refused by one typed error.
+chunked sessions, a split inside the KDA run, rollback, the refusals and a real swarm, and (as every
+family with a recurrent state) a whole, a chunked and a replayed prefill against the same reference,
+going back into a block and further back refused. Here: the layers as configured (and as the
+published `linear_attn_config` numbers them); a KDA layer's fixed state; the chunk-wise rule against
+transformers' own kernel over several chunks and against the token-by-token rule; an int8 span; and any value in any key read or refused by one typed error.
 """
 
 from __future__ import annotations
@@ -15,14 +15,15 @@ import torch
 import torch.nn.functional as F
 
 from tessera.stages.assembly.stage import load_stage
-from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.catalog import spec_from_config, spec_from_file
 from tessera.stages.families.shapes import shape_spec
-from tessera.stages.families.spec import KdaSpec, MlaSpec
-from tessera.stages.layers.recurrent.kda import chunked_kda, l2norm, recurrent_kda
+from tessera.stages.families.spec.mla import MlaSpec
+from tessera.stages.families.spec.recurrent import KdaSpec
+from tessera.stages.layers.recurrent.delta_rule import recurrent_delta_rule
+from tessera.stages.layers.recurrent.kda import chunked_kda, l2norm
 from tessera.stages.layers.state import RecurrentState
 
-from .conformance import PROMPT, TOLERANCE, recurrent_states, transformers_rows
+from .conformance import check_any_value_is_read_or_refused
 from .rows import saved_config
 
 transformers = pytest.importorskip("transformers")
@@ -87,112 +88,30 @@ def test_the_chunked_rule_is_transformers_kernel_and_the_token_by_token_rule():
     ours = [x[0].transpose(0, 1) for x in (q, k, v, decay)]  # [heads, T, d]
     ours[0], ours[1] = l2norm(ours[0]) * d ** -0.5, l2norm(ours[1])
     chunked, chunked_state = chunked_kda(*ours, beta[0].t(), state[0])
-    stepped, stepped_state = recurrent_kda(*ours, beta[0].t(), state[0])
+    stepped, stepped_state = recurrent_delta_rule(*ours, beta[0].t(), state[0])
     assert float((chunked.transpose(0, 1) - want[0]).abs().max()) <= 1e-5
     assert float((chunked_state - want_state[0]).abs().max()) <= 1e-5
     assert float((chunked - stepped).abs().max()) <= 1e-5 and float((chunked_state - stepped_state).abs().max()) <= 1e-5
-
-
-@pytest.mark.parametrize("name", [PUBLISHED, FUSED])
-def test_whole_chunked_and_replayed_prefills_meet_one_reference(family_models, name):
-    """transformers fed as ours is: the prompt whole then a token a step, the prompt in chunks of 5 and 7,
-    and (as a replacement is fed) the whole history in one step. Our logits are its to 1e-4 in each; the
-    KDA states after the chunked prefill and after the replay are the uninterrupted run's to 1e-4."""
-    folder = family_models.folder(name)
-    tokens, _ = family_models.reference(name)
-    history = PROMPT + tokens[:-1]
-    stage = load_stage(folder, embed=True, head=True)
-    for how, cuts in (("whole", [len(PROMPT)]), ("chunked", [5, len(PROMPT)])):
-        feeds = [PROMPT[a:b] for a, b in zip([0, *cuts], cuts)] + [[t] for t in tokens[:-1]]
-        want = transformers_rows(folder, feeds)
-        stage.open(how, capacity=64)
-        at, rows = 0, []
-        for feed in feeds:
-            rows.append(stage.logits(stage.forward(how, stage.embed(feed), at))[-1:])
-            at += len(feed)
-        worst = max(float((a - b).abs().max()) for a, b in zip(rows, want))
-        assert worst <= TOLERANCE, f"{name} {how}: {worst:.3g}"
-    stage.open("replayed", capacity=64)
-    replayed = stage.logits(stage.forward("replayed", stage.embed(history), 0))[-1:]
-    assert float((replayed - transformers_rows(folder, [history])[0]).abs().max()) <= TOLERANCE
-    uninterrupted = recurrent_states(stage, "whole")
-    assert len(uninterrupted) == sum(isinstance(layer.attention, KdaSpec) for layer in stage.spec.layers)
-    for how in ("chunked", "replayed"):
-        assert max(float((a - b).abs().max()) for a, b in zip(recurrent_states(stage, how), uninterrupted)) <= 1e-4
-
-
-def test_going_back_inside_a_block_equals_never_having_gone_past_it(family_models):
-    """A KDA state taken back into a block (its checkpoint, the accepted tokens folded in again) equals
-    the state of a session that stopped there."""
-    stage = load_stage(family_models.folder(PUBLISHED), embed=True, head=True)
-    block = [11, 12, 13, 14, 15]
-    for session in ("back", "straight"):
-        stage.open(session, capacity=64)
-        stage.forward(session, stage.embed(PROMPT), 0)
-    stage.forward("back", stage.embed(block), len(PROMPT))
-    stage.forward("back", stage.embed([40, 41]), len(PROMPT) + 5)
-    back = stage.logits(stage.forward("back", stage.embed([99]), len(PROMPT) + 2))
-    straight = stage.logits(stage.forward("straight", stage.embed([*block[:2], 99]), len(PROMPT)))[-1:]
-    assert float((back - straight).abs().max()) <= TOLERANCE
-    assert max(float((a - b).abs().max()) for a, b in zip(recurrent_states(stage, "back"),
-                                                          recurrent_states(stage, "straight"))) <= 1e-4
 
 
 def test_an_int8_span_matches_its_dequantized_reference(family_models):
     """KDA's projections (in, the two gates' up-projections, out) are stored as integers like any matrix;
     the convolution, the decays and the norms stay float. Against its own dequantized float32 blocks:
     tokens identical, logits within the recurrent rows' bound."""
-    from tessera.stages.assembly.blocks import dense_block
-    from tessera.stages.engine.stage import Stage
     from tessera.stages.kernels.quant import Int8Linear, Quant
 
-    from .conformance import RECURRENT_STACKED_RTOL, relative_gap
+    from .conformance import RECURRENT_STACKED_RTOL, check_against_dequantized
 
     folder = family_models.folder(PUBLISHED)
     stage = load_stage(folder, quant=Quant.parse("int8"))
     attn = stage.blocks[0].attn
     assert all(isinstance(m, Int8Linear) for m in (attn.w_in, attn.w_fb, attn.w_gb, attn.w_out))
-    head = load_stage(folder, start=0, end=0, embed=True, head=True)
-    reference = Stage(stage.spec, 0, [dense_block(b, stage.spec) for b in stage.blocks])
-    for span in (stage, reference):
-        span.open("q", capacity=32)
-    ids, tokens, worst = list(range(5, 25)), ([], []), 0.0
-    for pos, step in [(0, ids), *((len(ids) + i, None) for i in range(6))]:
-        rows = []
-        for i, span in enumerate((stage, reference)):
-            rows.append(head.logits(span.forward("q", head.embed(step if step is not None else tokens[i][-1:]), pos)))
-            tokens[i].append(int(rows[-1][-1].argmax()))
-        worst = max(worst, relative_gap(rows[0][-1:], rows[1][-1:]))
-    assert tokens[0] == tokens[1] and worst <= RECURRENT_STACKED_RTOL, worst
+    check_against_dequantized(folder, stage, rtol=RECURRENT_STACKED_RTOL)
 
 
 def test_any_value_in_any_key_is_read_or_refused_by_one_typed_error():
     """Keys overwritten at random by JSON values: a spec every layer of which builds, or ModelFormatError /
     UnsupportedModel in one line."""
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-
-    from tessera.stages.layers.block import Block
-
     base = {**saved_config(PUBLISHED), "linear_attn_config": {"kda_layers": [1, 2, 4], "full_attn_layers": [3]}}
-    values = st.recursive(
-        st.none() | st.booleans() | st.integers(-3, 40) | st.floats(allow_nan=True, allow_infinity=True)
-        | st.text(max_size=4),
-        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-        max_leaves=6)
-
-    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-    @given(data=st.data())
-    def check(data):
-        keys = data.draw(st.lists(st.sampled_from(sorted(set(base) - {"architectures"})), min_size=1, max_size=3))
-        try:
-            spec = spec_from_config({**base, **{key: data.draw(values) for key in keys}})
-        except (ModelFormatError, UnsupportedModel) as refused:
-            assert "\n" not in str(refused)
-            return
-        with torch.device("meta"):
-            for layer in set(spec.layers):
-                Block(spec, layer)
-
-    check()
+    check_any_value_is_read_or_refused(base, examples=60)
 

@@ -1,12 +1,13 @@
 """What only Nemotron-H (`nemotron_h`) has: layers of one mixer or one MLP, Mamba2, the pattern string.
 
 The conformance suite (test_conformance.py, its rows in rows.py) holds it to transformers, stacked and
-chunked sessions, a split between two Mamba2 layers, rollback, the refusals and a real swarm. Here:
-the layers as configured (a pattern string or a list, legacy names), each with the one norm of its
-half; a Mamba2 layer's fixed state and an MLP layer's none; the chunked scan against transformers' own
-over several chunks and against the one-token step, and dt's clamp where transformers' two paths
-disagree; a whole, a chunked and a replayed prefill against the same reference; going back into a
-block; the compiled decode step (NoPE attention compiled); an int8 span; and any value in any key read
+chunked sessions, a split between two Mamba2 layers, rollback, the refusals and a real swarm, and
+(as every family with a recurrent state) a whole, a chunked and a replayed prefill against the same
+reference, going back into a block and further back refused. Here: the layers as configured (a
+pattern string or a list, legacy names), each with the one norm of its half; a Mamba2 layer's fixed
+state and an MLP layer's none; the chunked scan against transformers' own over several chunks and
+against the one-token step, and dt's clamp where transformers' two paths disagree; the compiled
+decode step (NoPE attention compiled); an int8 span; and any value in any key read
 or refused by one typed error.
 """
 
@@ -17,16 +18,14 @@ import torch
 import torch.nn.functional as F
 
 from tessera.stages.assembly.stage import load_stage
-from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.catalog import spec_from_config, spec_from_file
 from tessera.stages.families.shapes import shape_spec
-from tessera.stages.families.spec import Mamba2Spec
 from tessera.stages.layers.block import Block
 from tessera.stages.layers.cache import NoState
 from tessera.stages.layers.recurrent.mamba2 import Mamba2Mixer, chunked_scan, recurrent_scan
 from tessera.stages.layers.state import RecurrentState
 
-from .conformance import PROMPT, TOLERANCE, recurrent_states, transformers_rows
+from .conformance import check_any_value_is_read_or_refused, check_compiled_decode
 from .rows import saved_config
 
 transformers = pytest.importorskip("transformers")
@@ -123,7 +122,7 @@ def test_dt_is_clamped_alike_in_both_forms_where_transformers_clamps_only_its_pr
 
     i = scan_inputs(1)
     i["dt"] = torch.full_like(i["dt"], -9.0)  # softplus ~1.2e-4: under time_step_min
-    heads, head_dim, state = i["x"].shape[2], i["x"].shape[3], i["B"].shape[3]
+    head_dim, state = i["x"].shape[3], i["B"].shape[3]
     theirs_state = i["state"].clone()
     theirs_step = mamba2_selective_state_update(
         theirs_state, i["x"][:, 0], i["dt"][:, 0, :, None].expand(-1, -1, head_dim),
@@ -140,51 +139,6 @@ def test_dt_is_clamped_alike_in_both_forms_where_transformers_clamps_only_its_pr
     assert float((our_scan(i, dt_min=0.001, chunk=8, one_token=True)[0] - clamped).abs().max()) <= 1e-6
 
 
-@pytest.mark.parametrize("name", [MLP, MOE])
-def test_whole_chunked_and_replayed_prefills_meet_one_reference(family_models, name):
-    """transformers fed as ours is: the prompt whole then a token a step, the prompt in chunks of 5 and 7,
-    and (as a replacement is fed) the whole history in one step. Our logits are its to 1e-4 in each; the
-    Mamba2 states after the chunked prefill and after the replay are the uninterrupted run's to 1e-4."""
-    folder = family_models.folder(name)
-    tokens, _ = family_models.reference(name)
-    history = PROMPT + tokens[:-1]
-    stage = load_stage(folder, embed=True, head=True)
-    for how, cuts in (("whole", [len(PROMPT)]), ("chunked", [5, len(PROMPT)])):
-        feeds = [PROMPT[a:b] for a, b in zip([0, *cuts], cuts)] + [[t] for t in tokens[:-1]]
-        want = transformers_rows(folder, feeds)
-        stage.open(how, capacity=64)
-        at, rows = 0, []
-        for feed in feeds:
-            rows.append(stage.logits(stage.forward(how, stage.embed(feed), at))[-1:])
-            at += len(feed)
-        worst = max(float((a - b).abs().max()) for a, b in zip(rows, want))
-        assert worst <= TOLERANCE, f"{name} {how}: {worst:.3g}"
-    stage.open("replayed", capacity=64)
-    replayed = stage.logits(stage.forward("replayed", stage.embed(history), 0))[-1:]
-    assert float((replayed - transformers_rows(folder, [history])[0]).abs().max()) <= TOLERANCE
-    uninterrupted = recurrent_states(stage, "whole")
-    assert len(uninterrupted) == sum(isinstance(layer.attention, Mamba2Spec) for layer in stage.spec.layers)
-    for how in ("chunked", "replayed"):
-        assert max(float((a - b).abs().max()) for a, b in zip(recurrent_states(stage, how), uninterrupted)) <= 1e-4
-
-
-def test_going_back_inside_a_block_equals_never_having_gone_past_it(family_models):
-    """A Mamba2 state taken back into a block (its checkpoint, the accepted tokens folded in again) equals
-    the state of a session that stopped there."""
-    stage = load_stage(family_models.folder(MLP), embed=True, head=True)
-    block = [11, 12, 13, 14, 15]
-    for session in ("back", "straight"):
-        stage.open(session, capacity=64)
-        stage.forward(session, stage.embed(PROMPT), 0)
-    stage.forward("back", stage.embed(block), len(PROMPT))
-    stage.forward("back", stage.embed([40, 41]), len(PROMPT) + 5)
-    back = stage.logits(stage.forward("back", stage.embed([99]), len(PROMPT) + 2))
-    straight = stage.logits(stage.forward("straight", stage.embed([*block[:2], 99]), len(PROMPT)))[-1:]
-    assert float((back - straight).abs().max()) <= TOLERANCE
-    assert max(float((a - b).abs().max()) for a, b in zip(recurrent_states(stage, "back"),
-                                                          recurrent_states(stage, "straight"))) <= 1e-4
-
-
 def test_the_compiled_decode_step_runs_the_attention_compiled_and_the_rest_eagerly(family_models):
     """Under `--compile inductor` the attention layer (NoPE: identity rotary tables) and the head decode
     compiled; the Mamba2 and MLP-only layers decode eagerly inside the compiled step, said once per layer
@@ -198,69 +152,26 @@ def test_the_compiled_decode_step_runs_the_attention_compiled_and_the_rest_eager
     runner = stage.decode
     attention = {kind for kind in stage.spec.layers if kind.attention_kind == "gqa"}
     assert runner.compiled == attention | {HEAD} and set(runner.eager) == set(stage.spec.layers) - attention, said
-    tokens, ref = family_models.reference(MLP)
-    stage.open("c", capacity=len(PROMPT) + len(tokens) + 1)
-    before, rows, step, pos = runner.steps, [], PROMPT, 0
-    for token in tokens:
-        rows.append(stage.logits(stage.forward("c", stage.embed(step), pos))[-1:])
-        pos, step = pos + len(step), [token]
-    assert runner.steps - before == len(tokens) - 1
-    assert max(float((a - b[-1:]).abs().max()) for a, b in zip(rows, ref)) <= TOLERANCE
-    assert [int(r.argmax()) for r in rows] == tokens
+    check_compiled_decode(stage, family_models.reference(MLP))
 
 
 def test_an_int8_span_matches_its_dequantized_reference(family_models):
     """Mamba2's in- and out-projections and the relu^2 experts are stored as integers like any matrix; the
     convolution, dt, A, D and the norms stay float. Against its own dequantized float32 blocks: tokens
     identical, logits within the recurrent rows' bound."""
-    from tessera.stages.assembly.blocks import dense_block
-    from tessera.stages.engine.stage import Stage
     from tessera.stages.kernels.quant import Int8Linear, Quant
 
-    from .conformance import RECURRENT_STACKED_RTOL, relative_gap
+    from .conformance import RECURRENT_STACKED_RTOL, check_against_dequantized
 
     folder = family_models.folder(MOE)
     stage = load_stage(folder, quant=Quant.parse("int8"))
     assert isinstance(stage.blocks[0].attn, Mamba2Mixer) and isinstance(stage.blocks[0].attn.w_in, Int8Linear)
     assert isinstance(stage.blocks[1].mlp.experts[0].w_up, Int8Linear)
-    head = load_stage(folder, start=0, end=0, embed=True, head=True)
-    reference = Stage(stage.spec, 0, [dense_block(b, stage.spec) for b in stage.blocks])
-    for span in (stage, reference):
-        span.open("q", capacity=32)
-    ids, tokens, worst = list(range(5, 25)), ([], []), 0.0
-    for pos, step in [(0, ids), *((len(ids) + i, None) for i in range(6))]:
-        rows = []
-        for i, span in enumerate((stage, reference)):
-            rows.append(head.logits(span.forward("q", head.embed(step if step is not None else tokens[i][-1:]), pos)))
-            tokens[i].append(int(rows[-1][-1].argmax()))
-        worst = max(worst, relative_gap(rows[0][-1:], rows[1][-1:]))
-    assert tokens[0] == tokens[1] and worst <= RECURRENT_STACKED_RTOL, worst
+    check_against_dequantized(folder, stage, rtol=RECURRENT_STACKED_RTOL)
 
 
 def test_any_value_in_any_key_is_read_or_refused_by_one_typed_error():
     """Keys overwritten at random by JSON values: a spec every layer of which builds, or ModelFormatError /
     UnsupportedModel in one line."""
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-
     base = {**saved_config(MLP), "hybrid_override_pattern": "MM-*-M"}
-    values = st.recursive(
-        st.none() | st.booleans() | st.integers(-3, 40) | st.floats(allow_nan=True, allow_infinity=True)
-        | st.text(max_size=4),
-        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-        max_leaves=6)
-
-    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-    @given(data=st.data())
-    def check(data):
-        keys = data.draw(st.lists(st.sampled_from(sorted(set(base) - {"architectures"})), min_size=1, max_size=3))
-        try:
-            spec = spec_from_config({**base, **{key: data.draw(values) for key in keys}})
-        except (ModelFormatError, UnsupportedModel) as refused:
-            assert "\n" not in str(refused)
-            return
-        with torch.device("meta"):
-            for layer in set(spec.layers):
-                Block(spec, layer)
-
-    check()
+    check_any_value_is_read_or_refused(base, examples=60)

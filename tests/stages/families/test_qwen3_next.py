@@ -1,11 +1,12 @@
 """What only the hybrids have: Qwen3-Next (`qwen3_next`), Qwen3.5 (`qwen3_5`), Qwen3.5-MoE (`qwen3_5_moe`).
 
 The conformance suite (test_conformance.py, their rows in rows.py) holds each of them to
-transformers, stacked and chunked sessions, a split, rollback, the refusals and a real swarm.
-Here: the layers as configured; a linear layer's fixed state (what admission charges, at any
-length); a whole, a chunked and a replayed prefill against the same reference (a replacement's
-recurrent states equal the uninterrupted ones); going back into a block equal to never having gone
-past it, and further back refused; Qwen3.5 saved as transformers saves the multimodal model (a
+transformers, stacked and chunked sessions, a split, rollback (speculative blocks cut short), the
+refusals and a real swarm, and (as every family with a recurrent state) a whole, a chunked and a
+replayed prefill against the same reference (a replacement's recurrent states equal the
+uninterrupted ones), going back into a block equal to never having gone past it, and further back
+refused. Here: the layers as configured; a linear layer's fixed state (what admission charges, at
+any length); Qwen3.5 saved as transformers saves the multimodal model (a
 vision tower, the text model under model.language_model.), whose text model runs; the compiled
 decode step; an int8 span; and any value in any key read or refused by one typed error.
 """
@@ -19,15 +20,12 @@ import pytest
 import torch
 
 from tessera.stages.assembly.stage import load_stage
-from tessera.stages.engine.stage import Stage
-from tessera.stages.errors import ModelFormatError, StateRewindError, UnsupportedModel
+from tessera.stages.errors import ModelFormatError, UnsupportedModel
 from tessera.stages.families.catalog import spec_from_config, spec_from_file, to_config
-from tessera.stages.families.spec import REPLAY_TOKENS
 from tessera.stages.layers.state import RecurrentState
 
 from .conformance import (
-    PROMPT, TOLERANCE, VOCAB, build, check_matches_transformers, recurrent_states as states, reference_run,
-    transformers_rows, until_eos,
+    build, check_any_value_is_read_or_refused, check_compiled_decode, check_matches_transformers, reference_run,
 )
 from .rows import HYBRID, saved_config
 
@@ -118,107 +116,6 @@ def test_a_linear_layer_holds_a_fixed_state_whatever_the_context(folders):
     assert stage.session_bytes(64, 0, 3) == stage.session_bytes(4096, 0, 3) == 3 * linear.fixed_bytes(4)
 
 
-@pytest.mark.parametrize("name", sorted(ROWS))
-def test_whole_chunked_and_replayed_prefills_meet_one_reference(folders, references, name):
-    """transformers is the reference, fed as ours is: the prompt whole then one token a step, the prompt
-    in chunks of 5 and 7 then one token a step, and (as a replacement is fed) the whole history in one
-    step. Our logits are its to 1e-4 in each (its own three runs differ by up to 4e-4 here: the
-    recurrence's chunk-wise and token-by-token forms round otherwise); our recurrent states after the
-    chunked prefill and after the replay are the uninterrupted run's to 1e-4; and the replayed session
-    goes on to the same greedy tokens."""
-    tokens, _ = references[name]
-    history = PROMPT + tokens[:-1]  # every token the reference fed, prompt and decoded
-    stage = load_stage(folders[name], embed=True, head=True)
-    last = {}
-    for how, cuts in (("whole", [len(PROMPT)]), ("chunked", [5, len(PROMPT)])):
-        feeds = [PROMPT[a:b] for a, b in zip([0, *cuts], cuts)] + [[t] for t in tokens[:-1]]
-        want = transformers_rows(folders[name], feeds)
-        stage.open(how, capacity=64)
-        at, rows = 0, []
-        for feed in feeds:
-            rows.append(stage.logits(stage.forward(how, stage.embed(feed), at))[-1:])
-            at += len(feed)
-        worst = max(float((a - b).abs().max()) for a, b in zip(rows, want))
-        assert worst <= TOLERANCE, f"{name} {how}: {worst:.3g}"
-        last[how] = rows[-1]
-    stage.open("replayed", capacity=64)
-    replayed = stage.logits(stage.forward("replayed", stage.embed(history), 0))
-    last["replayed"] = replayed[-1:]
-    assert float((replayed[-1:] - transformers_rows(folders[name], [history])[0]).abs().max()) <= TOLERANCE
-    uninterrupted = states(stage, "whole")
-    for how in ("chunked", "replayed"):
-        assert max(float((a - b).abs().max()) for a, b in zip(states(stage, how), uninterrupted)) <= 1e-4, how
-    went_on = {}
-    for session in ("whole", "replayed"):  # and on from there, greedily, the same tokens
-        row, seq = last[session], []
-        for step in range(4):
-            seq.append(int(row[-1].argmax()))
-            row = stage.logits(stage.forward(session, stage.embed(seq[-1:]), len(history) + step))
-        went_on[session] = seq
-    assert went_on["whole"] == went_on["replayed"]
-
-
-def test_speculative_blocks_roll_back_and_a_deeper_rollback_is_refused(folders, references):
-    """Blocks of 3 drafts verified in one pass, every other one cut short: the next block starts
-    inside the last, and the state goes back to it (its checkpoint, the accepted tokens folded in
-    again). The tokens are the reference's. Going back past the kept checkpoints is refused with
-    one line and moves nothing; going back to 0 starts afresh."""
-    from tessera.stages.decoding.speculative import greedy_accept
-
-    folder, want = folders["qwen3_next"], until_eos(references["qwen3_next"][0])
-    stage = load_stage(folder, embed=True, head=True)
-    stage.open("spec", capacity=64)
-    seq = PROMPT + [int(stage.logits(stage.forward("spec", stage.embed(PROMPT), 0))[-1].argmax())]
-    cuts = blocks = 0
-    while len(seq) - len(PROMPT) < len(want):
-        done = len(seq) - len(PROMPT)
-        draft = list(want[done : done + 3])
-        if blocks % 2:
-            draft[-1] = (draft[-1] + 1) % VOCAB
-        at = len(seq) - 1
-        rows = stage.logits(stage.forward("spec", stage.embed([seq[-1], *draft]), at))
-        kept, token = greedy_accept(rows, draft)
-        assert token is not None
-        cuts += kept < len(draft)
-        blocks += 1
-        seq += draft[:kept] + [token]
-    assert seq[len(PROMPT):][: len(want)] == want and cuts > 0
-    # a prefill chunk longer than REPLAY_TOKENS keeps no inputs, and 17 one-token steps fill a run and
-    # start another: position 10, inside the chunk, is out of reach
-    stage.open("deep", capacity=64)
-    stage.forward("deep", stage.embed(list(range(5, 5 + REPLAY_TOKENS + 4))), 0)
-    for position in range(REPLAY_TOKENS + 4, 2 * REPLAY_TOKENS + 5):
-        stage.forward("deep", stage.embed([7]), position)
-    position = stage.position("deep")
-    with pytest.raises(StateRewindError, match="cannot go back to position 10") as refused:
-        stage.rollback("deep", 10)
-    assert "\n" not in str(refused.value) and stage.position("deep") == position
-    with pytest.raises(StateRewindError):  # a step written there is refused alike, before anything moves
-        stage.forward("deep", stage.embed([1]), 10)
-    assert stage.position("deep") == position
-    stage.rollback("spec", 0)
-    again = stage.logits(stage.forward("spec", stage.embed(PROMPT), 0))[-1]
-    assert int(again.argmax()) == want[0]
-
-
-def test_going_back_inside_a_block_equals_never_having_gone_past_it(folders):
-    """A state taken back into a block (its checkpoint, then the accepted tokens' inputs folded in
-    again) equals the state of a session that stopped there, to 1e-4."""
-    stage = load_stage(folders["qwen3_5_moe"], embed=True, head=True)
-    block = [11, 12, 13, 14, 15]
-    for session in ("back", "straight"):
-        stage.open(session, capacity=64)
-        stage.forward(session, stage.embed(PROMPT), 0)
-    stage.forward("back", stage.embed(block), len(PROMPT))
-    stage.forward("back", stage.embed([40, 41]), len(PROMPT) + 5)  # a second block after it
-    back = stage.logits(stage.forward("back", stage.embed([99]), len(PROMPT) + 2))  # into the first block
-    straight = stage.logits(stage.forward("straight", stage.embed([*block[:2], 99]), len(PROMPT)))[-1:]
-    assert float((back - straight).abs().max()) <= TOLERANCE
-    assert max(float((a - b).abs().max()) for a, b in zip(states(stage, "back"), states(stage, "straight"))) <= 1e-4
-
-
-# -- reading configs ---------------------------------------------------------------------------------
-
 def saved_multimodal() -> dict:
     """Qwen3.5's multimodal config as transformers writes it."""
     config = transformers.Qwen3_5Config(text_config=dict(HYBRID, intermediate_size=96), vision_config=VISION)
@@ -278,15 +175,7 @@ def test_the_compiled_decode_step_runs_full_attention_compiled_and_linear_layers
     linear = {kind for kind in stage.spec.layers if kind.attention.kind == "gated_deltanet"}
     assert set(runner.eager) == linear and runner.compiled == set(stage.spec.layers) - linear | {HEAD}, said
     assert all("gated_deltanet attention" in why for why in runner.eager.values())
-    tokens, ref = references["qwen3_next"]
-    stage.open("c", capacity=len(PROMPT) + len(tokens) + 1)
-    before, rows, step, pos = runner.steps, [], PROMPT, 0
-    for token in tokens:
-        rows.append(stage.logits(stage.forward("c", stage.embed(step), pos))[-1:])
-        pos, step = pos + len(step), [token]
-    assert runner.steps - before == len(tokens) - 1  # every decode step through the compiled runner
-    assert max(float((a - b[-1:]).abs().max()) for a, b in zip(rows, ref)) <= TOLERANCE
-    assert [int(r.argmax()) for r in rows] == tokens
+    check_compiled_decode(stage, references["qwen3_next"])
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5_moe"])
@@ -296,58 +185,19 @@ def test_an_int8_span_matches_its_dequantized_reference_and_holds_what_placement
     float32 rounding differs (the int8 product scales its output, the reference its weight), which the
     recurrence carries on: within the recurrent rows' bound (conformance.RECURRENT_STACKED_RTOL,
     relative: 9e-4 of logits up to ~8 measured on the Qwen3.5-MoE row), tokens identical."""
-    from tessera.stages.assembly.blocks import dense_block
     from tessera.stages.kernels.quant import Int8Linear, Quant, span_bytes
 
-    from .conformance import RECURRENT_STACKED_RTOL, relative_gap
+    from .conformance import RECURRENT_STACKED_RTOL, check_against_dequantized
 
     folder, quant = folders[name], Quant.parse("int8")
     stage = load_stage(folder, quant=quant)
     assert stage.weight_bytes == span_bytes(stage.spec, 0, 4, 4, quant)
     assert isinstance(stage.blocks[0].attn.w_in, Int8Linear) and stage.blocks[0].attn.conv.dtype == torch.float32
-    head = load_stage(folder, start=0, end=0, embed=True, head=True)
-    reference = Stage(stage.spec, 0, [dense_block(b, stage.spec) for b in stage.blocks])
-    for span in (stage, reference):
-        span.open("q", capacity=32)
-    ids, tokens, worst = list(range(5, 25)), ([], []), 0.0
-    for pos, step in [(0, ids), *((len(ids) + i, None) for i in range(6))]:
-        rows = []
-        for i, span in enumerate((stage, reference)):
-            rows.append(head.logits(span.forward("q", head.embed(step if step is not None else tokens[i][-1:]), pos)))
-            tokens[i].append(int(rows[-1][-1].argmax()))
-        worst = max(worst, relative_gap(rows[0][-1:], rows[1][-1:]))
-    assert tokens[0] == tokens[1] and worst <= RECURRENT_STACKED_RTOL, worst
+    check_against_dequantized(folder, stage, rtol=RECURRENT_STACKED_RTOL)
 
 
 @pytest.mark.parametrize("name", [*sorted(ROWS), "qwen3_5/multimodal"])
 def test_any_value_in_any_key_is_read_or_refused_by_one_typed_error(name):
     """Keys overwritten at random by JSON values (the text model's keys, in a multimodal config):
     a spec every layer of which builds, or ModelFormatError / UnsupportedModel in one line."""
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-
-    from tessera.stages.layers.block import Block
-
-    base = saved(name)
-    text = base.get("text_config", base)
-    values = st.recursive(
-        st.none() | st.booleans() | st.integers(-3, 40) | st.floats(allow_nan=True, allow_infinity=True)
-        | st.text(max_size=4),
-        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-        max_leaves=6)
-
-    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-    @given(data=st.data())
-    def check(data):
-        keys = data.draw(st.lists(st.sampled_from(sorted(set(text) - {"architectures"})), min_size=1, max_size=3))
-        change = {key: data.draw(values) for key in keys}
-        try:
-            spec = spec_from_config(with_text(base, **change))
-        except (ModelFormatError, UnsupportedModel) as refused:
-            assert "\n" not in str(refused)
-            return
-        with torch.device("meta"):
-            for layer in set(spec.layers):
-                Block(spec, layer)
-
-    check()
+    check_any_value_is_read_or_refused(saved(name), examples=60)
