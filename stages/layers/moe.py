@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.stages.families.spec.mlp import MlpSpec
-from tessera.stages.layers.mlp import SwiGLU, glu_mlp
+from tessera.stages.layers.mlp import glu_mlp
 from tessera.stages.layers.norm import RMSNorm
 from tessera.stages.layers.routers import NormedSoftmaxTopK, build_router
 
