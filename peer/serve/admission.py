@@ -20,11 +20,11 @@ something too, or a few identities opening idle sessions lock everyone else out
    most `GRACE_CAP`: a session at the end of a route gets its prompt only after the hops
    before it computed it) — for a requester with a proof of work that has a grace in hand
    (`GRACES_IN_HAND`: a new identity has one, an open spends one, each step of the
-   requester's arriving here earns one). So cycling sessions (close and reopen) earns one
-   identity no more protection than holding one, a new grace needs a step (real use) or a new
-   identity with work,
-   and an identity without work has no grace at all (its unstepped sessions give way
-   to anyone who needs the room). When a requester needs a slot or memory that is not
+   requester's arriving here earns one; a session its requester closes before its first step,
+   within its grace, gives the grace back, at most once per step arriving here). So cycling
+   sessions (close and reopen) earns one identity no more protection than holding one, a new
+   grace needs a step (real use) or a new identity with work, and an identity without work
+   has no grace at all (its unstepped sessions give way to anyone who needs the room). When a requester needs a slot or memory that is not
    free, the unprotected sessions of *other* requesters are reclaimed, the one idle
    longest first; its requester is told `reclaimed` (and may reopen, here or
    elsewhere, and replay). Nothing is reclaimed without pressure (a backstop reaper
@@ -165,6 +165,7 @@ class Requester:
     last_admitted: float = -math.inf
     waiting_since: float | None = None  # first asked and not admitted since (kept across retries)
     graces: int = 1  # graces in hand (GRACES_IN_HAND): an open spends one, a step arriving here earns one
+    returns: int = 0  # graces an unstepped close may give back (GRACES_IN_HAND): a step arriving here earns one
     first_wait: float = 0.0  # how long its sessions here lately waited for their first step
 
 
@@ -269,11 +270,24 @@ class Admission:
             session.stepped = True
         if record is not None and session.inflight:  # a step arrived (not one that ended)
             record.graces = min(GRACES_IN_HAND, record.graces + 1)
+            record.returns = min(GRACES_IN_HAND, record.returns + 1)
 
     def closed(self, session: Admitted) -> None:
+        """`session` is gone. One its requester closed before its first step, while its grace
+        held (it was not reclaimed), gives its grace back, if the requester holds a return: an
+        open closed unused (a route re-chosen after an accept said a longer queue than priced,
+        a repair's replacement abandoned) used no one's room for long, and without the return
+        a requester that re-routes a few times had no grace left for the open it kept (its
+        session reclaimed the instant it was admitted). Returns are earned like graces, one a
+        step arriving here, so an identity that never steps gets none back: opening and
+        closing at once holds no slot longer than one grace, as before."""
         record = self.requesters.get(session.requester)
         if record is not None and record.sessions > 0:
             record.sessions -= 1
+        if (record is not None and not session.stepped and session.grace_until > self.clock()
+                and record.returns > 0):
+            record.returns -= 1
+            record.graces = min(GRACES_IN_HAND, record.graces + 1)
         self._notify()
 
     # -- room -----------------------------------------------------------------------------

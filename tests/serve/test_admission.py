@@ -346,6 +346,57 @@ def test_each_open_of_a_requester_that_steps_here_gets_its_own_grace_and_one_tha
     assert admission.requesters["honest"].graces <= GRACES_IN_HAND
 
 
+def test_a_session_closed_unused_within_its_grace_gives_the_grace_back_once_per_step() -> None:
+    """A requester that opens a route and closes it before its first step (an accept said a longer
+    queue than it was priced with; a repair's replacement abandoned) gets that open's grace back, so
+    the open it keeps is protected too (without the return, a requester that re-routed a few times
+    had no grace left: its kept session reclaimed the instant it was admitted). A return is earned
+    like a grace, one a step arriving here: an identity that never steps gets nothing back however
+    often it closes and reopens, and a session reclaimed (its grace over) returns nothing."""
+    now = [0.0]
+    host = Host()
+    admission = Admission(host, Limits(max_sessions=16, max_sessions_per_requester=8, kv_budget=100),
+                          clock=lambda: now[0])
+    for who in ("honest", "cycler"):
+        admission.requester(who).work = True
+    used = host.add(Held("honest", stepped=False))
+    admission.opened(used)
+    used.inflight = 1
+    admission.stepped(used)  # one step arrives: one grace and one return earned
+    used.inflight = 0
+    admission.stepped(used)
+    record = admission.requesters["honest"]
+    assert record.graces == 1 and record.returns == 1
+    for t in (1.0, 2.0):  # two opens closed unused in their grace: the first gives its grace back
+        now[0] = t
+        unused = host.add(Held("honest", stepped=False))
+        admission.opened(unused)
+        assert admission.protected_until(unused) == t + IDLE_GRACE
+        del host.sessions[id(unused)]
+        unused.closed = True
+        admission.closed(unused)
+        assert record.returns == 0 and record.graces == (1 if t == 1.0 else 0)
+    kept = host.add(Held("honest", stepped=False))
+    admission.opened(kept)  # nothing in hand after the second: no grace
+    assert admission.protected_until(kept) == -math.inf
+    cycler = admission.requesters["cycler"]
+    for t in (4.0, 5.0):  # never steps: its one grace is spent and never comes back
+        now[0] = t
+        unused = host.add(Held("cycler", stepped=False))
+        admission.opened(unused)
+        del host.sessions[id(unused)]
+        unused.closed = True
+        admission.closed(unused)
+        assert cycler.graces == 0
+    late = Held("honest", stepped=False, grace_until=now[0] - 0.1)  # its grace over: reclaimable, no return
+    record.returns = 1
+    host.add(late)
+    record.sessions += 1
+    del host.sessions[id(late)]
+    admission.closed(late)
+    assert record.returns == 1 and record.graces == 0
+
+
 def test_an_open_may_fill_the_kv_budget_exactly_and_growth_reclaims_all_it_needs() -> None:
     """The budget is a bound that may be reached (an open charging the last bytes fits, nothing is
     reclaimed); a growing session that needs the KV of two idle sessions gets both reclaimed, not
