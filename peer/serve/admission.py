@@ -166,6 +166,7 @@ class Requester:
     waiting_since: float | None = None  # first asked and not admitted since (kept across retries)
     graces: int = 1  # graces in hand (GRACES_IN_HAND): an open spends one, a step arriving here earns one
     returns: int = 0  # graces an unstepped close may give back (GRACES_IN_HAND): a step arriving here earns one
+    left_over: float = 0.0  # seconds left of a grace given back without a return in hand (its next open's grace)
     first_wait: float = 0.0  # how long its sessions here lately waited for their first step
 
 
@@ -251,6 +252,9 @@ class Admission:
             grace = max(self.limits.idle_grace, min(GAP_FACTOR * record.first_wait, GRACE_CAP))
             session.grace_until = now + grace
             record.graces -= 1
+        elif record.left_over > 0 and record.work:
+            session.grace_until = now + record.left_over
+        record.left_over = 0.0
         session.last_active = now
 
     def stepped(self, session: Admitted) -> None:
@@ -284,10 +288,13 @@ class Admission:
         record = self.requesters.get(session.requester)
         if record is not None and record.sessions > 0:
             record.sessions -= 1
-        if (record is not None and not session.stepped and session.grace_until > self.clock()
-                and record.returns > 0):
-            record.returns -= 1
-            record.graces = min(GRACES_IN_HAND, record.graces + 1)
+        now = self.clock()
+        if record is not None and not session.stepped and session.grace_until > now:
+            if record.returns > 0:
+                record.returns -= 1
+                record.graces = min(GRACES_IN_HAND, record.graces + 1)
+            else:
+                record.left_over = max(record.left_over, session.grace_until - now)
         self._notify()
 
     # -- room -----------------------------------------------------------------------------

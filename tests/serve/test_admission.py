@@ -352,7 +352,8 @@ def test_a_session_closed_unused_within_its_grace_gives_the_grace_back_once_per_
     the open it keeps is protected too (without the return, a requester that re-routed a few times
     had no grace left: its kept session reclaimed the instant it was admitted). A return is earned
     like a grace, one a step arriving here: an identity that never steps gets nothing back however
-    often it closes and reopens, and a session reclaimed (its grace over) returns nothing."""
+    often it closes and reopens (what is left of its one grace goes to its next open: all its opens
+    together are protected one grace), and a session reclaimed (its grace over) returns nothing."""
     now = [0.0]
     host = Host()
     admission = Admission(host, Limits(max_sessions=16, max_sessions_per_requester=8, kv_budget=100),
@@ -377,17 +378,23 @@ def test_a_session_closed_unused_within_its_grace_gives_the_grace_back_once_per_
         admission.closed(unused)
         assert record.returns == 0 and record.graces == (1 if t == 1.0 else 0)
     kept = host.add(Held("honest", stepped=False))
-    admission.opened(kept)  # nothing in hand after the second: no grace
-    assert admission.protected_until(kept) == -math.inf
+    admission.opened(kept)  # no grace in hand after the second, no return: only what was left of its grace
+    assert admission.protected_until(kept) == 2.0 + IDLE_GRACE and record.left_over == 0.0
     cycler = admission.requesters["cycler"]
-    for t in (4.0, 5.0):  # never steps: its one grace is spent and never comes back
-        now[0] = t
+    protected = 0.0
+    for opened, closed, until in ((4.0, 5.0, 9.0), (6.0, 8.0, 10.0), (9.0, 9.5, 11.0)):  # never steps, closes
+        now[0] = opened  # each open unused: what is left of its one grace goes to its next open, never more
         unused = host.add(Held("cycler", stepped=False))
         admission.opened(unused)
+        assert admission.protected_until(unused) == until
+        now[0] = closed
+        protected += closed - opened
         del host.sessions[id(unused)]
         unused.closed = True
         admission.closed(unused)
         assert cycler.graces == 0
+    assert protected <= IDLE_GRACE
+    assert cycler.left_over == IDLE_GRACE - protected
     late = Held("honest", stepped=False, grace_until=now[0] - 0.1)  # its grace over: reclaimable, no return
     record.returns = 1
     host.add(late)
