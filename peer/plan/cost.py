@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Mapping
 
 from tessera.peer.plan.view import PeerInfo
 
@@ -20,10 +20,6 @@ from tessera.peer.plan.view import PeerInfo
 # link is assumed to be a typical long one — measured fast links then win, and a
 # measured slow link is not beaten by optimism about an unknown one.
 DEFAULT_RTT_MS = 100.0
-# ... but only for a requester that has measured nothing. One that has measured some peers
-# prices an unmeasured one at the median of what it measured (`rtt_prior`): at DEFAULT_RTT_MS a
-# way, a newcomer among peers measured at a few ms was never chosen until something else pinged
-# it, so a peer that joined got no load from requesters already running (tests/net/test_partial_view.py).
 
 # Extra compute time per unit of load: a peer at load ρ (fraction of its session
 # slots in use) is charged compute * (1 + LOAD_PENALTY * ρ). It interleaves our
@@ -177,16 +173,6 @@ def rtt_ms(peers: Mapping[str, PeerInfo], a: str, b: str, default_rtt_ms: float 
     if x is None:
         return default_rtt_ms if y is None else y
     return x if y is None else (x + y) / 2.0
-
-
-def rtt_prior(measured: Iterable[float]) -> float:
-    """The round trip assumed to a peer not measured yet: the median of those `measured` (ms),
-    or DEFAULT_RTT_MS when none is."""
-    values = sorted(measured)
-    if not values:
-        return DEFAULT_RTT_MS
-    middle = len(values) // 2
-    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2.0
 
 
 def hop_compute_ms(peer: PeerInfo, num_layers: int, load_penalty: float = LOAD_PENALTY) -> float:

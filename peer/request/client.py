@@ -63,7 +63,7 @@ from tessera.peer.request.repair import AnswerRewound, ResilientSession
 from tessera.peer.request.policy import RequesterPolicy, check_peer_id, explain_gaps
 from tessera.peer.request.chain_state import RequesterContext
 from tessera.peer.request.chain import route_summary
-from tessera.peer.plan.cost import SPREAD_WIDTH, Spread, rtt_prior
+from tessera.peer.plan.cost import SPREAD_WIDTH, Spread
 from tessera.peer.plan.routing import Route, route, why_no_route, why_not_preferred
 from tessera.peer.request.loads import LoadBook
 from tessera.peer.net.transport import Transport
@@ -428,7 +428,7 @@ class Swarm:
             chosen = self._memo[key] = route(view, start=start, end=end, source=source or self.peer_id,
                                              sink=sink or self.peer_id, exclude=frozenset(banned) | frozenset(exclude),
                                              groups=groups, own_sessions=dict(running), reported=reported,
-                                             spread=spread, default_rtt_ms=rtt_prior(rtt for _, rtt in rtts))
+                                             spread=spread)
             if policy.prefer and log.isEnabledFor(logging.INFO):  # `-v`: why the cost model chose a peer not preferred
                 for line in why_not_preferred(view, chosen, prefer=policy.prefer, source=source or self.peer_id,
                                               sink=sink or self.peer_id, exclude=frozenset(banned) | frozenset(exclude)):

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tessera.peer.plan import routing
-from tessera.peer.plan.cost import DEFAULT_RTT_MS, hop_compute_ms, rtt_ms, rtt_prior
+from tessera.peer.plan.cost import DEFAULT_RTT_MS, hop_compute_ms, rtt_ms
 from tessera.peer.plan.routing import NO_ROUTE, Hop, Route, route, route_cost
 from tessera.peer.plan.view import DRAINING, LEAVING, LOADING, STATES, PeerInfo, SwarmView
 
@@ -101,15 +101,6 @@ def test_rtt_is_measured_either_way_or_default():
     assert rtt_ms(peers, "b", "c", 7.0) == 7.0
     assert rtt_ms(peers, "a", "a") == 0.0
     assert rtt_ms(peers, "x", "y") == DEFAULT_RTT_MS  # neither in the view
-
-
-def test_an_unmeasured_round_trip_is_priced_at_the_median_of_those_measured():
-    """A requester that measured some peers prices a newcomer at their median, so a fast peer that
-    just joined is not priced out by DEFAULT_RTT_MS (a typical long link) against peers measured
-    at a few ms; one that measured nothing has only the default."""
-    assert rtt_prior([]) == DEFAULT_RTT_MS
-    assert rtt_prior([3.0, 1.0, 250.0]) == 3.0
-    assert rtt_prior([4.0, 2.0]) == 3.0
 
 
 def test_compute_and_load():
