@@ -8,23 +8,27 @@ something too, or a few identities opening idle sessions lock everyone else out
 1. **Memory follows use.** A session is charged the KV it has grown to (whole chunks
    of `stages.model.KV_CHUNK` positions), not its `max_length`: one chunk at
    admission, more as its steps reach them (`StageServer._grow`).
-2. **Idle sessions give way under pressure.** A session is *protected* until
-   `IDLE_GRACE` after its last step (a Forward received, or one computed) — or twice the
-   longest gap between its steps so far, if longer (at most `GRACE_CAP`): a session whose
-   steps wait in other peers' queues upstream is in use at its own pace, and reclaiming it
-   costs its requester a failover and a replay (the simulator's 50 requesters at load 0.5
-   once lost 11,187 sessions that way); while a step of it is queued or running it is
-   always protected. Until its first step, a
+2. **Idle sessions give way under pressure.** A session that has stepped is *protected*
+   until `STEP_GRACE` (a route wait, 30 s) after its last step (a Forward received, or one
+   computed): its requester is using it, and a step of an answer waits in other peers'
+   queues up and down the route for as long as they are busy; reclaiming it costs its
+   requester a failover and a replay on another peer, which costs the swarm more than
+   refusing the newcomer `busy` (it goes elsewhere at once, no strike). Shorter grants
+   (`IDLE_GRACE`, or twice the longest gap between its steps so far) made a reclaim
+   cascade at load: the simulator's 50 requesters at load 0.5 (20 peers, 200 answers)
+   completed 133 of 200 with 23 sessions opened per answer, and 195 with 11 when a step
+   bought a route wait. While a step of it is queued or running it is always protected.
+   Until its first step, a
    session has a *grace of its own*: `IDLE_GRACE` from its open — or twice the
    longest its requester's sessions here lately waited for their first step, if longer (at
    most `GRACE_CAP`: a session at the end of a route gets its prompt only after the hops
    before it computed it) — for a requester with a proof of work that has a grace in hand
    (`GRACES_IN_HAND`: a new identity has one, an open spends one, each step of the
-   requester's arriving here earns one). So cycling sessions (close and reopen) earns one
-   identity no more protection than holding one, a new grace needs a step (real use) or a new
-   identity with work,
-   and an identity without work has no grace at all (its unstepped sessions give way
-   to anyone who needs the room). When a requester needs a slot or memory that is not
+   requester's arriving here earns one; a session its requester closes before its first step,
+   within its grace, gives the grace back, at most once per step arriving here). So cycling
+   sessions (close and reopen) earns one identity no more protection than holding one, a new
+   grace needs a step (real use) or a new identity with work, and an identity without work
+   has no grace at all (its unstepped sessions give way to anyone who needs the room). When a requester needs a slot or memory that is not
    free, the unprotected sessions of *other* requesters are reclaimed, the one idle
    longest first; its requester is told `reclaimed` (and may reopen, here or
    elsewhere, and replay). Nothing is reclaimed without pressure (a backstop reaper
@@ -39,8 +43,8 @@ something too, or a few identities opening idle sessions lock everyone else out
    one, so an honest newcomer is not overtaken by identities made after it asked.
    A requester at `max_sessions_per_requester` is refused at once.
 4. **"Busy" says when.** An open still without room after its wait is refused
-   `busy` with `retry_after`: when the first protected session's protection ends (or
-   `IDLE_GRACE`, if every session is stepping), plus a grace per `max_sessions`
+   `busy` with `retry_after`: when the first protected session's protection ends, or
+   `IDLE_GRACE` if that is later (an answer may end and close a session any moment), plus a grace per `max_sessions`
    requesters ahead of it in the queue.
 
 The guarantee. With every slot held by idle sessions of any number K of hostile
@@ -51,8 +55,8 @@ identities with work, never admitted here, asked before it did; each of those ca
 take a slot ahead of it for one grace, so in general it is admitted within
 IDLE_GRACE x (1 + ceil(J / max_sessions)). Each such identity costs its maker a
 proof of work and is spent once admitted (no second grace without a step). Identities
-that step their sessions earn longer protection, at most GRACE_CAP after a step: they are
-users (below), and one that stops stepping gives its slots back within GRACE_CAP. Hostile
+that step their sessions earn longer protection, STEP_GRACE after a step: they are
+users (below), and one that stops stepping gives its slots back within STEP_GRACE. Hostile
 sessions that *step* (one token every few seconds) are not idle: they are users,
 and the queue's fairness (fewest sessions first) bounds them to their share of the
 slots as they end; they are not preempted. Tested in tests/serve/test_admission.py.
@@ -77,13 +81,17 @@ from tessera.peer.base.backoff import ROUTE_WAIT
 # (its wait for a route), and a session reclaimed then is reopened and replayed like any lost
 # one. 5 s keeps an honest newcomer's wait short under a full-slot attack.
 IDLE_GRACE = 5.0
-# A session is protected for GAP_FACTOR times the longest gap between its steps (or, before its
-# first step, its requester's recent wait for a first step) when that is longer than IDLE_GRACE:
-# its next step is expected within its longest gap, and twice that covers a slower round. At
-# most GRACE_CAP: an answer whose steps are further apart than a route wait (peer/base/backoff.py
-# ROUTE_WAIT) has given up on this route anyway.
+# Before its first step, a session is protected for GAP_FACTOR times its requester's recent wait
+# for a first step here when that is longer than IDLE_GRACE: its prompt is expected within that
+# wait, and twice that covers a slower round. At most GRACE_CAP: an answer whose prompt takes
+# longer than a route wait (peer/base/backoff.py ROUTE_WAIT) has given up on this route anyway.
 GAP_FACTOR = 2.0
 GRACE_CAP = ROUTE_WAIT
+# A session that has stepped is protected this long after its last step (rule 2 above): as long
+# as its requester waits for a route before it gives an answer up, since a step of a running
+# answer may wait that long in other peers' queues; a requester that stops stepping gives the
+# slot back within it.
+STEP_GRACE = ROUTE_WAIT
 # Seconds an open waits here for room before it is refused busy, when an idle session will become
 # reclaimable meanwhile: longer than IDLE_GRACE, so that a newcomer at the head of the queue is
 # admitted in the same open when the slots are held idle; shorter than the requester's whole open
@@ -139,7 +147,6 @@ class Admitted(Protocol):
     stepped: bool
     inflight: int
     closed: bool
-    longest_gap: float  # the longest time it went between steps (0 before its second)
     grace_until: float  # before its first step, it is protected until then (admission sets it)
 
 
@@ -165,6 +172,8 @@ class Requester:
     last_admitted: float = -math.inf
     waiting_since: float | None = None  # first asked and not admitted since (kept across retries)
     graces: int = 1  # graces in hand (GRACES_IN_HAND): an open spends one, a step arriving here earns one
+    returns: int = 0  # graces an unstepped close may give back (GRACES_IN_HAND): a step arriving here earns one
+    left_over: float = 0.0  # seconds left of a grace given back without a return in hand (its next open's grace)
     first_wait: float = 0.0  # how long its sessions here lately waited for their first step
 
 
@@ -220,7 +229,7 @@ class Admission:
         if session.inflight:
             return math.inf
         if session.stepped:
-            return session.last_active + max(self.limits.idle_grace, min(GAP_FACTOR * session.longest_gap, GRACE_CAP))
+            return session.last_active + STEP_GRACE
         return session.grace_until
 
     def reclaimable(self, now: float, *, spare: Admitted | None = None, asker: str | None = None) -> list[Admitted]:
@@ -250,30 +259,45 @@ class Admission:
             grace = max(self.limits.idle_grace, min(GAP_FACTOR * record.first_wait, GRACE_CAP))
             session.grace_until = now + grace
             record.graces -= 1
+        elif record.left_over > 0 and record.work:
+            session.grace_until = now + record.left_over
+        record.left_over = 0.0
         session.last_active = now
 
     def stepped(self, session: Admitted) -> None:
-        """A step of `session` arrived or ended: it is in use. A step arriving at a session with
-        none in flight ends a gap: the longest is kept (and a first step's wait, by its
-        requester: halved at each new one, so that it follows the queues as they are now)."""
+        """A step of `session` arrived or ended: it is in use. Its first step's wait since the
+        open is kept by its requester (halved at each new one, so that it follows the queues as
+        they are now)."""
         now = self.clock()
         record = self.requesters.get(session.requester)
-        if session.inflight == 1:  # this step arrived at a session that had none in flight
-            gap = max(0.0, now - session.last_active)
-            if session.stepped:
-                session.longest_gap = max(session.longest_gap, gap)
-            elif record is not None:
-                record.first_wait = max(gap, record.first_wait / 2)
+        if session.inflight == 1 and not session.stepped and record is not None:  # its first step arrived
+            record.first_wait = max(max(0.0, now - session.last_active), record.first_wait / 2)
         session.last_active = now
         if not session.stepped:
             session.stepped = True
         if record is not None and session.inflight:  # a step arrived (not one that ended)
             record.graces = min(GRACES_IN_HAND, record.graces + 1)
+            record.returns = min(GRACES_IN_HAND, record.returns + 1)
 
     def closed(self, session: Admitted) -> None:
+        """`session` is gone. One its requester closed before its first step, while its grace
+        held (it was not reclaimed), gives its grace back, if the requester holds a return: an
+        open closed unused (a route re-chosen after an accept said a longer queue than priced,
+        a repair's replacement abandoned) used no one's room for long, and without the return
+        a requester that re-routes a few times had no grace left for the open it kept (its
+        session reclaimed the instant it was admitted). Returns are earned like graces, one a
+        step arriving here, so an identity that never steps gets none back: opening and
+        closing at once holds no slot longer than one grace, as before."""
         record = self.requesters.get(session.requester)
         if record is not None and record.sessions > 0:
             record.sessions -= 1
+        now = self.clock()
+        if record is not None and not session.stepped and session.grace_until > now:
+            if record.returns > 0:
+                record.returns -= 1
+                record.graces = min(GRACES_IN_HAND, record.graces + 1)
+            else:
+                record.left_over = max(record.left_over, session.grace_until - now)
         self._notify()
 
     # -- room -----------------------------------------------------------------------------
@@ -323,7 +347,9 @@ class Admission:
         """What a refusal tells `record`: when room may come, plus a grace per full round of
         requesters ahead of it."""
         release = self.next_release(now)
-        wait = self.limits.idle_grace if math.isinf(release) else release - now
+        # at most a grace: a session that stepped is protected a route wait (STEP_GRACE), but an
+        # answer may end and close its session any moment, which no protection tells
+        wait = min(self.limits.idle_grace, release - now)
         ahead = sum(1 for w in self.waiting if self._order(w.requester) < self._order(record))
         wait += (ahead // max(self.limits.max_sessions, 1)) * self.limits.idle_grace
         return round(max(RETRY_MIN, wait), 3)

@@ -75,7 +75,6 @@ class ServedSession:
     opened_at: float = 0.0  # trio time when admitted: its pace so far (peer/serve/leaving.py) is measured from it
     stepped: bool = False
     inflight: int = 0
-    longest_gap: float = 0.0  # the longest it went between steps (admission.py: it protects it that much longer)
     grace_until: float = -math.inf  # protected until then before its first step (admission.py `opened`)
     kv_positions: int = 0
     kv_bytes: int = 0

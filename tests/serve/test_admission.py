@@ -24,7 +24,7 @@ from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.request.chain import RouteSession
 from tessera.peer.request.chain_state import RequesterContext
 from tessera.peer.serve.admission import (
-    ADMIT_WAIT, GRACE_CAP, GRACES_IN_HAND, IDLE_GRACE, RETRY_MIN, SHORT_WAIT, Admission, Limits, Refused,
+    ADMIT_WAIT, GRACE_CAP, GRACES_IN_HAND, IDLE_GRACE, RETRY_MIN, SHORT_WAIT, STEP_GRACE, Admission, Limits, Refused,
     _Waiter,
 )
 from tessera.peer.serve.limits import ServerLimits
@@ -171,7 +171,7 @@ async def test_kv_is_charged_as_sessions_grow_and_idle_ones_give_way(tiny_llama,
             await b.open()
             assert server.kv_in_use() == 2 * chunk  # not 2 x 4096 positions
             await a.step(torch.randn(3, spec.hidden_size), 0)
-            await trio.sleep(IDLE_GRACE + 1)  # a goes idle
+            await trio.sleep(STEP_GRACE + 1)  # a goes idle
             await b.step(torch.randn(2 * KV_CHUNK + 10, spec.hidden_size), 0)  # b needs two more chunks: a's too
             assert server.kv_in_use() == 3 * chunk and list(server.sessions) == [b.session_id]
             assert server.stats.reclaimed == 1
@@ -227,7 +227,6 @@ class Held:
     stepped: bool = True
     inflight: int = 0
     closed: bool = False
-    longest_gap: float = 0.0
     grace_until: float = -math.inf
 
 
@@ -253,13 +252,13 @@ class Host:
 
 
 def test_the_session_idle_longest_is_reclaimed_first_and_as_soon_as_its_grace_ends() -> None:
-    """Stepped sessions are protected until exactly IDLE_GRACE after their last step, and the one
+    """Stepped sessions are protected until exactly STEP_GRACE after their last step, and the one
     idle longest gives way first (not whichever the server lists first), one at a time."""
     old, recent = Held("a", last_active=0.0), Held("b", last_active=1.0)
     host = Host(recent, old)  # listed newest first
     admission = Admission(host, Limits(max_sessions=2, max_sessions_per_requester=1, kv_budget=100))
-    assert not admission.make_room(1, now=IDLE_GRACE - 0.001, asker="c") and host.reclaimed == []
-    assert admission.make_room(1, now=IDLE_GRACE, asker="c")  # old's grace ends at this instant
+    assert not admission.make_room(1, now=STEP_GRACE - 0.001, asker="c") and host.reclaimed == []
+    assert admission.make_room(1, now=STEP_GRACE, asker="c")  # old's grace ends at this instant
     assert host.reclaimed == [old]
     old, recent = Held("a", last_active=0.0), Held("b", last_active=1.0)
     host = Host(recent, old)
@@ -278,29 +277,33 @@ def test_a_session_with_a_step_in_flight_is_never_reclaimed() -> None:
     assert host.reclaimed == [] and admission.protected_until(running) == math.inf
 
 
-def test_a_session_in_use_at_its_own_pace_is_protected_for_twice_its_longest_gap() -> None:
-    """A session whose steps come 8 s apart (they wait in other peers' queues upstream) is in use:
-    protected twice its longest gap after its last step, never more than GRACE_CAP; and a
+def test_a_session_in_use_is_protected_a_route_wait_after_each_step_whatever_its_pace() -> None:
+    """A session whose steps come far apart (they wait in other peers' queues up and down its route)
+    is in use: protected STEP_GRACE after its last step, so a newcomer is refused busy rather than
+    reclaim it (a reclaim costs its requester a failover and a replay: with IDLE_GRACE, or twice
+    its longest gap, the simulator's 50 requesters lost most answers to a reclaim cascade). A
     requester whose sessions here waited 9 s for their first step has that much longer a grace
-    for its next one's. One that never stepped keeps IDLE_GRACE (the guarantee against idle holders)."""
+    for its next one's; one that never stepped keeps IDLE_GRACE (the guarantee against idle holders)."""
     now = [0.0]
     host = Host()
-    admission = Admission(host, Limits(max_sessions=4, max_sessions_per_requester=4, kv_budget=100),
+    admission = Admission(host, Limits(max_sessions=1, max_sessions_per_requester=1, kv_budget=100),
                           clock=lambda: now[0])
     admission.requester("r").work = True
     slow = host.add(Held("r", stepped=False))
     admission.opened(slow)
-    for t in (9.0, 17.0, 25.0):  # its first step 9 s after it opened, then one every 8 s
+    for t in (9.0, 10.0, 11.0):  # its first step 9 s after it opened, then two 1 s apart
         now[0] = t
         slow.inflight = 1
         admission.stepped(slow)
         slow.inflight = 0
         admission.stepped(slow)
-    assert slow.longest_gap == 8.0 and admission.protected_until(slow) == 25.0 + 16.0
-    assert not admission.make_room(1, now=25.0 + 15.0, asker="x") or host.reclaimed == []
-    slow.longest_gap = 100.0
-    assert admission.protected_until(slow) == 25.0 + GRACE_CAP
+    assert admission.protected_until(slow) == 11.0 + STEP_GRACE
+    assert not admission.make_room(1, now=11.0 + STEP_GRACE - 0.5, asker="x") and host.reclaimed == []
+    assert admission.make_room(1, now=11.0 + STEP_GRACE, asker="x") and host.reclaimed == [slow]
     assert admission.requesters["r"].first_wait == 9.0
+    host = Host()
+    admission.host = host
+    admission.limits = Limits(max_sessions=4, max_sessions_per_requester=4, kv_budget=100)
     now[0] = 30.0
     fresh = host.add(Held("r", stepped=False))
     admission.opened(fresh)  # it stepped since its last grace: a new one, of twice its first wait
@@ -346,6 +349,64 @@ def test_each_open_of_a_requester_that_steps_here_gets_its_own_grace_and_one_tha
     assert admission.requesters["honest"].graces <= GRACES_IN_HAND
 
 
+def test_a_session_closed_unused_within_its_grace_gives_the_grace_back_once_per_step() -> None:
+    """A requester that opens a route and closes it before its first step (an accept said a longer
+    queue than it was priced with; a repair's replacement abandoned) gets that open's grace back, so
+    the open it keeps is protected too (without the return, a requester that re-routed a few times
+    had no grace left: its kept session reclaimed the instant it was admitted). A return is earned
+    like a grace, one a step arriving here: an identity that never steps gets nothing back however
+    often it closes and reopens (what is left of its one grace goes to its next open: all its opens
+    together are protected one grace), and a session reclaimed (its grace over) returns nothing."""
+    now = [0.0]
+    host = Host()
+    admission = Admission(host, Limits(max_sessions=16, max_sessions_per_requester=8, kv_budget=100),
+                          clock=lambda: now[0])
+    for who in ("honest", "cycler"):
+        admission.requester(who).work = True
+    used = host.add(Held("honest", stepped=False))
+    admission.opened(used)
+    used.inflight = 1
+    admission.stepped(used)  # one step arrives: one grace and one return earned
+    used.inflight = 0
+    admission.stepped(used)
+    record = admission.requesters["honest"]
+    assert record.graces == 1 and record.returns == 1
+    for t in (1.0, 2.0):  # two opens closed unused in their grace: the first gives its grace back
+        now[0] = t
+        unused = host.add(Held("honest", stepped=False))
+        admission.opened(unused)
+        assert admission.protected_until(unused) == t + IDLE_GRACE
+        del host.sessions[id(unused)]
+        unused.closed = True
+        admission.closed(unused)
+        assert record.returns == 0 and record.graces == (1 if t == 1.0 else 0)
+    kept = host.add(Held("honest", stepped=False))
+    admission.opened(kept)  # no grace in hand after the second, no return: only what was left of its grace
+    assert admission.protected_until(kept) == 2.0 + IDLE_GRACE and record.left_over == 0.0
+    cycler = admission.requesters["cycler"]
+    protected = 0.0
+    for opened, closed, until in ((4.0, 5.0, 9.0), (6.0, 8.0, 10.0), (9.0, 9.5, 11.0)):  # never steps, closes
+        now[0] = opened  # each open unused: what is left of its one grace goes to its next open, never more
+        unused = host.add(Held("cycler", stepped=False))
+        admission.opened(unused)
+        assert admission.protected_until(unused) == until
+        now[0] = closed
+        protected += closed - opened
+        del host.sessions[id(unused)]
+        unused.closed = True
+        admission.closed(unused)
+        assert cycler.graces == 0
+    assert protected <= IDLE_GRACE
+    assert cycler.left_over == IDLE_GRACE - protected
+    late = Held("honest", stepped=False, grace_until=now[0] - 0.1)  # its grace over: reclaimable, no return
+    record.returns = 1
+    host.add(late)
+    record.sessions += 1
+    del host.sessions[id(late)]
+    admission.closed(late)
+    assert record.returns == 1 and record.graces == 0
+
+
 def test_an_open_may_fill_the_kv_budget_exactly_and_growth_reclaims_all_it_needs() -> None:
     """The budget is a bound that may be reached (an open charging the last bytes fits, nothing is
     reclaimed); a growing session that needs the KV of two idle sessions gets both reclaimed, not
@@ -379,11 +440,13 @@ def test_only_a_requester_with_a_proof_of_work_gets_a_grace_before_its_first_ste
 def test_retry_after_is_never_under_retry_min_and_adds_a_grace_per_round_of_requesters_ahead() -> None:
     """A busy refusal says when room may come (the next protection's end), never sooner than
     RETRY_MIN, plus IDLE_GRACE per `max_sessions` better-placed requesters already waiting."""
-    host = Host(Held("a", last_active=0.0))  # protected until IDLE_GRACE
+    host = Host(Held("a", stepped=False, grace_until=IDLE_GRACE))  # protected until IDLE_GRACE
     admission = Admission(host, Limits(max_sessions=1, max_sessions_per_requester=1, kv_budget=100))
     late = admission.requester("late")  # no proof of work: everyone with one is ahead of it
     assert admission.retry_after(late, IDLE_GRACE - 0.2) == RETRY_MIN
     assert admission.retry_after(late, 2.0) == IDLE_GRACE - 2.0
+    stepping = Admission(Host(Held("b", last_active=0.0)), admission.limits)  # protected STEP_GRACE
+    assert stepping.retry_after(stepping.requester("late"), 1.0) == IDLE_GRACE  # yet an answer may end any moment
     for who in ("x", "y"):  # two requesters with work waiting, one slot: two rounds ahead
         record = admission.requester(who)
         record.work = True

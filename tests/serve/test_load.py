@@ -18,7 +18,7 @@ from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
 from tessera.peer.net.memory_stream import LinkSpec
 from tessera.peer.net.pinger import Pinger
 from tessera.peer.request.chain import RouteSession
-from tessera.peer.serve.admission import IDLE_GRACE
+from tessera.peer.serve.admission import STEP_GRACE
 from tessera.peer.serve.limits import ServerLimits
 from tessera.peer.serve.load import NOTICE_WAIT, ComputeQueue
 from tessera.peer.serve.server import StageServer
@@ -164,7 +164,7 @@ async def test_load_travels_with_accepts_refusals_and_pings_and_idle_sessions_ar
         pinger = Pinger(ctx[2].transport, on_load=lambda p, load: heard.append((p, load)))
         await pinger.ping(pid(peer))
         assert heard and heard[0][0] == pid(peer) and heard[0][1].sessions == 2
-        await trio.sleep(IDLE_GRACE + 1)  # neither session steps now: both idle past their grace
+        await trio.sleep(STEP_GRACE + 1)  # neither session steps now: both idle past their grace
         assert len(server.sessions) == 2 and server.load == 0.0 and server.load_report().sessions == 0
         third = RouteSession(ctx[2], people.route, max_length=64)
         await third.open()  # the open reclaims one: they were room, as the report said
