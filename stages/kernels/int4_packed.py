@@ -65,7 +65,7 @@ class PackedInt4Linear(ShippedLinear):
     def _q(self, code_bytes: torch.Tensor) -> torch.Tensor:
         """q (int32 [r, K/G, G]) of code bytes [r, K/2]."""
         low, high = nibbles(code_bytes.reshape(code_bytes.shape[0], -1, self.group // 2))
-        return interleave(low, high) - CODE_OFFSET
+        return interleave(low.sub_(CODE_OFFSET), high.sub_(CODE_OFFSET))
 
     def _zeros(self, lo: int, hi: int) -> torch.Tensor | None:
         if self.zero_points is None:
@@ -79,9 +79,9 @@ class PackedInt4Linear(ShippedLinear):
         q = self._q(tile_rows(self.codes, self.codes_tail, lo, hi))  # [r, K/G, G]
         zeros = self._zeros(lo, hi)
         if zeros is not None:
-            q = q - zeros[..., None]
+            q.sub_(zeros[..., None])
         scales = tile_rows(self.scales, self.scales_tail, lo, hi)
-        return (q.float() * scales.float()[..., None]).reshape(hi - lo, self.in_features)
+        return q.float().mul_(scales.float()[..., None]).reshape(hi - lo, self.in_features)
 
     def rows_into(self, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
         return out.copy_(self._rows(lo, hi))
