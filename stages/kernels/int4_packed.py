@@ -11,9 +11,12 @@ nibble r % 8 of word (r / 8, g), stored as z + 8:
 
 in float32: compressed-tensors' `dequantize` given float32 scales (its own arithmetic in the scale's
 dtype would round a bf16 product to bf16; the float32 one is exact: a 4-bit integer times a bf16
-scale fits float32's mantissa). Eagerly the codes of a chunk of rows widen and scale per group;
-under torch.compile (`fused_rows`) the product is factored per group (nibble_pairs.py `pair_rows`):
-sum_g s_g (x_g . q_g) - (z_g s_g) sum(x_g).
+scale fits float32's mantissa).
+
+The codes and scales are held in row tiles (row_tiles.py: made at load, the same bytes): eagerly
+the codes of a chunk of rows widen and scale per group; under torch.compile (`fused_rows`) each
+tile's lanes form their weights (q - 8) * s and sum them against the inputs (every load
+contiguous), and an asymmetric matrix subtracts sum_g z_g s_g sum(x_g) per row after.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import torch
 
 from tessera.stages.errors import ModelFormatError
 from tessera.stages.kernels.linear import ShippedLinear
-from tessera.stages.kernels.nibble_pairs import interleave, nibbles, pair_rows
+from tessera.stages.kernels.nibble_pairs import interleave, nibbles
+from tessera.stages.kernels.row_tiles import rows_of, tile_rows, tiles_of
 
 CODE_OFFSET = 8  # a stored code is q + 8
 PER_WORD = 8  # codes an int32 holds
@@ -37,8 +41,9 @@ def unpack_zero_points(packed: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 class PackedInt4Linear(ShippedLinear):
-    """y = x W^T for W a pack-quantized INT4 matrix (module docstring): `packed` int32 [N, K/8], `scales`
-    [N, K/G] as shipped, `zero_points` int32 [ceil(N/8), K/G] or None (symmetric)."""
+    """y = x W^T for W a pack-quantized INT4 matrix (module docstring), given as shipped: `packed` int32
+    [N, K/8], `scales` [N, K/G], `zero_points` int32 [ceil(N/8), K/G] or None (symmetric); the code bytes
+    and scales are held as row tiles (`codes`, `scales` and their `_tail`s), the zero points as shipped."""
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
                  bias: torch.Tensor | None, shape: torch.Tensor | None = None) -> None:
@@ -49,16 +54,18 @@ class PackedInt4Linear(ShippedLinear):
                                    f"{[self.out_features, self.in_features]}")
         self.register_buffer("shape", shape)  # held as shipped (a checkpoint's weight_shape)
         self.group = self.in_features // scales.shape[1]
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales", scales)
+        code_bytes = packed.contiguous().view(torch.uint8)  # [N, K/2]: a word's bytes are code pairs (little-endian)
+        for name, rows in (("codes", code_bytes), ("scales", scales)):
+            head, tail = tiles_of(rows)
+            self.register_buffer(name, head)
+            self.register_buffer(name + "_tail", tail)
         self.register_buffer("zero_points", zero_points)
         self.register_buffer("bias", bias)
 
-    def _codes(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q of the even and of the odd inputs, int32 [r, K/G, G/2] each, from the int32 words or their bytes."""
-        code_bytes = packed.contiguous().view(torch.uint8) if packed.dtype == torch.int32 else packed
-        low, high = nibbles(code_bytes.view(packed.shape[0], -1, self.group // 2))
-        return low - CODE_OFFSET, high - CODE_OFFSET
+    def _q(self, code_bytes: torch.Tensor) -> torch.Tensor:
+        """q (int32 [r, K/G, G]) of code bytes [r, K/2]."""
+        low, high = nibbles(code_bytes.reshape(code_bytes.shape[0], -1, self.group // 2))
+        return interleave(low.sub_(CODE_OFFSET), high.sub_(CODE_OFFSET))
 
     def _zeros(self, lo: int, hi: int) -> torch.Tensor | None:
         if self.zero_points is None:
@@ -69,12 +76,12 @@ class PackedInt4Linear(ShippedLinear):
 
     def _rows(self, lo: int, hi: int) -> torch.Tensor:
         """float32 rows [lo, hi) of the weight (the reference's arithmetic)."""
-        low, high = self._codes(self.packed[lo:hi])
-        q = interleave(low, high)  # [r, K/G, G]
+        q = self._q(tile_rows(self.codes, self.codes_tail, lo, hi))  # [r, K/G, G]
         zeros = self._zeros(lo, hi)
         if zeros is not None:
-            q = q - zeros[..., None]
-        return (q.float() * self.scales[lo:hi].float()[..., None]).reshape(hi - lo, self.in_features)
+            q.sub_(zeros[..., None])
+        scales = tile_rows(self.scales, self.scales_tail, lo, hi)
+        return q.float().mul_(scales.float()[..., None]).reshape(hi - lo, self.in_features)
 
     def rows_into(self, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
         return out.copy_(self._rows(lo, hi))
@@ -87,25 +94,35 @@ class PackedInt4Linear(ShippedLinear):
         return f"INT4 (group {self.group})"
 
     def fused_inputs(self) -> tuple[torch.Tensor, ...]:
+        tails = () if self.codes_tail is None else (self.codes_tail, self.scales_tail)
         zeros = () if self.zero_points is None else (self.zero_points,)
-        return self.packed.view(torch.uint8), self.scales, *zeros  # the words' bytes: code pairs
+        return self.codes, self.scales, *tails, *zeros
 
-    def _fused(self, packed: torch.Tensor, scales: torch.Tensor, *zero_points: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        low, high = self._codes(packed)
-        scale = scales.float()
-        if not zero_points:
-            return low.float(), high.float(), scale, None
-        zeros = unpack_zero_points(zero_points[0], self.out_features)
-        return low.float(), high.float(), scale, zeros.float() * scale
+    def _parts(self, stored: tuple[torch.Tensor, ...]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
+        """`fused_inputs` -> ([(codes, scales) of the head tiles and of the tail], zero points or None)."""
+        tiles = [(stored[0], stored[1])] + ([(stored[2], stored[3])] if self.codes_tail is not None else [])
+        return [(c, s) for c, s in tiles if c.shape[0]], (stored[-1] if self.zero_points is not None else None)
 
-    def fused_weight(self, packed: torch.Tensor, scales: torch.Tensor, *zero_points: torch.Tensor) -> torch.Tensor:
-        low, high = self._codes(packed)
-        q = interleave(low, high)
-        if zero_points:
-            q = q - unpack_zero_points(zero_points[0], self.out_features)[..., None]
+    def fused_weight(self, *stored: torch.Tensor) -> torch.Tensor:
+        tiles, zero_points = self._parts(stored)
+        q = self._q(torch.cat([rows_of(codes) for codes, _ in tiles]))
+        if zero_points is not None:
+            q = q - unpack_zero_points(zero_points, self.out_features)[..., None]
+        scales = torch.cat([rows_of(scales) for _, scales in tiles])
         return (q.float() * scales.float()[..., None]).reshape(self.out_features, self.in_features)
 
-    def fused_rows(self, x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
-                   *zero_points: torch.Tensor) -> torch.Tensor:
-        return pair_rows(x, *self._fused(packed, scales, *zero_points))
+    def fused_rows(self, x: torch.Tensor, *stored: torch.Tensor) -> torch.Tensor:
+        tiles, zero_points = self._parts(stored)
+        pairs = x.view(x.shape[0], 1, -1, self.group // 2, 1, 2)  # [R, 1, K/G, G/2, 1, 2]: even and odd inputs
+        outs = []
+        for codes, scales in tiles:  # codes [T, K/2, width], scales [T, K/G, width]
+            b = codes.view(codes.shape[0], -1, self.group // 2, codes.shape[-1]).to(torch.int32)
+            s = scales.float()[:, :, None, :]  # [T, K/G, 1, width]
+            low, high = ((b & 0xF) - CODE_OFFSET).float() * s, ((b >> 4) - CODE_OFFSET).float() * s
+            outs.append((pairs[..., 0] * low + pairs[..., 1] * high).sum((2, 3)).reshape(x.shape[0], -1))
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if zero_points is not None:  # minus sum_g z_g s_g sum(x_g), per row
+            scales = torch.cat([rows_of(scales) for _, scales in tiles]).float()  # [N, K/G]
+            offset = unpack_zero_points(zero_points, self.out_features).float() * scales
+            y = y - (x.view(x.shape[0], 1, -1, self.group).sum(-1) * offset).sum(-1)
+        return y

@@ -31,7 +31,9 @@ from __future__ import annotations
 import torch
 
 from tessera.stages.kernels.chunked import SCRATCH, chunked_matmul
+from tessera.stages.kernels.ggml.fp4 import fp4_values
 from tessera.stages.kernels.linear import ShippedLinear
+from tessera.stages.kernels.row_tiles import rows_of, tile_rows, tiles_of
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 GROUP = 32  # inputs per scale
@@ -86,44 +88,67 @@ def widen_groups(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
 
 
 class Mxfp4Linear(ShippedLinear):
-    """y = x W^T for W stored as MXFP4 `blocks` [N, K/32, 16] and `scales` [N, K/32] (module docstring)."""
+    """y = x W^T for W stored as MXFP4 `blocks` [N, K/32, 16] and `scales` [N, K/32] (module docstring),
+    held as row tiles (`blocks`, `scales` and their `_tail`s)."""
 
     def __init__(self, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         rows, groups, half = blocks.shape
         self.out_features, self.in_features = rows, groups * 2 * half
-        self.register_buffer("blocks", blocks)
-        self.register_buffer("scales", scales)
+        for name, part in (("blocks", blocks), ("scales", scales)):
+            head, tail = tiles_of(part)
+            self.register_buffer(name, head)
+            self.register_buffer(name + "_tail", tail)
         self.register_buffer("bias", bias)
+
+    def _stored_rows(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [lo, hi) as shipped: blocks [r, K/32, 16], scales [r, K/32]."""
+        return tile_rows(self.blocks, self.blocks_tail, lo, hi), tile_rows(self.scales, self.scales_tail, lo, hi)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [T, K] -> [T, N]: on a CPU, the whole matrix's scales once, its codes a chunk at a time."""
         if rows.device.type != "cpu":
             return super().matmul(rows)
-        factors = group_scales(self.scales)
+        _, scales = self._stored_rows(0, self.out_features)
+        factors = group_scales(scales)
         return chunked_matmul(rows.float(), self.out_features, lambda lo, hi, out: widen_groups(
-            self.blocks[lo:hi], self.scales[lo:hi], out, factors[lo:hi])).to(rows.dtype)
+            tile_rows(self.blocks, self.blocks_tail, lo, hi), scales[lo:hi], out, factors[lo:hi])).to(rows.dtype)
 
     def rows_into(self, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
-        return widen_groups(self.blocks[lo:hi], self.scales[lo:hi], out)
+        return widen_groups(*self._stored_rows(lo, hi), out)
 
     def dequantized(self) -> torch.Tensor:
-        return mxfp4_dense(self.blocks.cpu(), self.scales.cpu())
+        blocks, scales = self._stored_rows(0, self.out_features)
+        return mxfp4_dense(blocks.cpu(), scales.cpu())
 
     def fused_inputs(self) -> tuple[torch.Tensor, ...] | None:
         low, high = FUSED_SCALES
-        if self.scales.numel() and not low <= int(self.scales.min()) <= int(self.scales.max()) <= high:
+        scales = [s for s in (self.scales, self.scales_tail) if s is not None and s.numel()]
+        if scales and not low <= min(int(s.min()) for s in scales) <= max(int(s.max()) for s in scales) <= high:
             return None
-        return self.blocks, self.scales
+        tails = () if self.blocks_tail is None else (self.blocks_tail, self.scales_tail)
+        return self.blocks, self.scales, *tails
 
-    def fused_weight(self, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    def _tiles(self, stored: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`fused_inputs` -> (blocks, scales) of the head tiles and of the tail (those holding rows)."""
+        tiles = [(stored[0], stored[1])] + ([(stored[2], stored[3])] if len(stored) > 2 else [])
+        return [(b, s) for b, s in tiles if b.shape[0]]
+
+    def fused_weight(self, *stored: torch.Tensor) -> torch.Tensor:
+        tiles = self._tiles(stored)
+        blocks, scales = torch.cat([rows_of(b) for b, _ in tiles]), torch.cat([rows_of(s) for _, s in tiles])
         low, high = self._fused_halves(blocks, scales)  # [N, G, 16] each
         return torch.stack((low, high), dim=-1).reshape(self.out_features, self.in_features)  # the low the even input
 
-    def fused_rows(self, x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        low, high = self._fused_halves(blocks, scales)
-        pairs = x.view(x.shape[0], 1, *blocks.shape[1:], 2)  # [R, 1, G, 16, 2]: even and odd inputs
-        return (pairs[..., 0] * low + pairs[..., 1] * high).sum((-1, -2))
+    def fused_rows(self, x: torch.Tensor, *stored: torch.Tensor) -> torch.Tensor:
+        pairs = x.view(x.shape[0], 1, -1, GROUP // 2, 1, 2)  # [R, 1, G, 16, 1, 2]: even and odd inputs
+        outs = []
+        for blocks, scales in self._tiles(stored):  # blocks [T, G, 16, width], scales [T, G, width]
+            b = blocks.to(torch.int32)
+            dots = (pairs[..., 0] * fp4_values(b & 0xF) + pairs[..., 1] * fp4_values(b >> 4)).sum(3)  # [R, T, G, width]
+            scale = torch.exp2((scales.to(torch.int32) - (E8M0_BIAS + 1)).float())  # 2^(e - 127) / 2: fp4_values are doubled
+            outs.append((dots * scale).sum(2).reshape(x.shape[0], -1))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     @staticmethod
     def _fused_halves(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,11 +11,14 @@ divided by the global scale first, then the product). compressed-tensors stores 
 as compressed-tensors' ModelOpt converter reads it, g = 1 / weight_scale_2 in float32: the same
 model a ModelOpt checkpoint converted by that library is (families/shipped.py says which tensors).
 
-Eagerly a chunk of rows widens as MXFP4's does (mxfp4.py `widen_groups`: each byte's two codes
-become two float16s of FP4[code] * 2^-14 in a few whole-word operations), each group then times its
-scale * 2^14 — exact scaling by a power of two, so each weight is the reference's to the bit.
-Under torch.compile (`fused_rows`, nibble_pairs.py) the codes are integer arithmetic (ggml/fp4.py
-`fp4_values`) and the e4m3 scale its bits (fp8.py's fused trick), the scale applied once per 16.
+The codes and scales are held as row tiles (row_tiles.py: made at load, the same bytes). Eagerly a
+chunk of rows widens as MXFP4's does (mxfp4.py `widen_groups`: each byte's two codes become two
+float16s of FP4[code] * 2^-14 in a few whole-word operations), each group then times its scale *
+2^14 — exact scaling by a power of two, so each weight is the reference's to the bit. Under
+torch.compile (`fused_rows`) each tile's lanes sum their groups' codes (integer arithmetic: ggml/fp4.py
+`fp4_values`) against the inputs, every load contiguous, and then times each group's scale, its
+e4m3 bits read in integer arithmetic too (`e4m3_scaled`: a bit cast in inductor's vector code runs
+one lane at a time, measured 8x slower than the whole product).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import torch
 from tessera.stages.kernels.ggml.fp4 import fp4_values
 from tessera.stages.kernels.linear import ShippedLinear
 from tessera.stages.kernels.mxfp4 import CODE_EXPONENT, FP4_VALUES, widen_groups
-from tessera.stages.kernels.nibble_pairs import interleave, nibbles, pair_rows
+from tessera.stages.kernels.nibble_pairs import interleave, nibbles
+from tessera.stages.kernels.row_tiles import rows_of, tile_rows, tiles_of
 
 GROUP = 16  # inputs per e4m3 scale
 FUSED_EXPONENT = 120  # an e4m3 byte's bits shifted into float32's read its value * 2^-120 (fp8.py)
@@ -42,52 +46,82 @@ def nvfp4_dense(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.T
     return (values.view(n, k // GROUP, GROUP) * scale[..., None]).view(n, k)
 
 
+def e4m3_scaled(b: torch.Tensor) -> torch.Tensor:
+    """e4m3 bytes (int32) -> their values * 2^10 as float32, in integer arithmetic only: (8 + m) << e for
+    a normal e, 2 m for a subnormal (exact integers below 2^19), the sign bit negating."""
+    e = (b >> 3) & 0xF
+    v = ((b & 7) | (e.clamp(max=1) << 3)) << e.clamp(min=1)
+    return torch.where((b & 0x80) != 0, -v, v).float()
+
+
+E4M3_SCALED = 10  # e4m3_scaled's values are the scales' times 2^10
+
+
 def e4m3_value(b: torch.Tensor) -> torch.Tensor:
     """e4m3 bytes (int32) -> their float32 values, as integer operations and a bit cast (fp8.py)."""
     return (((b & 0x80) << 24) | ((b & 0x7F) << 20)).view(torch.float32) * 2.0**FUSED_EXPONENT
 
 
 class Nvfp4Linear(ShippedLinear):
-    """y = x W^T for W an NVFP4 matrix (module docstring): `codes` uint8 [N, K/2], `scales` float8_e4m3fn
-    [N, K/16], `global_scale` float32 [] (the divisor); `input_scale`, a W4A4 checkpoint's, is kept, not used."""
+    """y = x W^T for W an NVFP4 matrix (module docstring), given as shipped: `codes` uint8 [N, K/2], `scales`
+    float8_e4m3fn [N, K/16], `global_scale` float32 [] (the divisor), held as row tiles (`codes`, `scales`
+    as their bytes, and their `_tail`s); `input_scale`, a W4A4 checkpoint's, is kept, not used."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
                  bias: torch.Tensor | None, input_scale: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = codes.shape[0], 2 * codes.shape[1]
-        self.register_buffer("codes", codes)
-        self.register_buffer("scales", scales)
+        for name, rows in (("codes", codes), ("scales", scales.view(torch.uint8))):
+            head, tail = tiles_of(rows)
+            self.register_buffer(name, head)
+            self.register_buffer(name + "_tail", tail)
         self.register_buffer("global_scale", global_scale.float().reshape(()))
         self.register_buffer("bias", bias)
         self.register_buffer("input_scale", input_scale)  # a W4A4 checkpoint's, held as shipped, not applied
 
+    def _stored_rows(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [lo, hi) as shipped: codes uint8 [r, K/2], scales float8_e4m3fn [r, K/16]."""
+        return (tile_rows(self.codes, self.codes_tail, lo, hi),
+                tile_rows(self.scales, self.scales_tail, lo, hi).view(torch.float8_e4m3fn))
+
     def rows_into(self, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
-        blocks = self.codes[lo:hi].view(hi - lo, -1, GROUP // 2)  # [r, K/16, 8]
-        factors = (self.scales[lo:hi].float() / self.global_scale * 2.0**CODE_EXPONENT)[..., None]
+        codes, scales = self._stored_rows(lo, hi)
+        blocks = codes.view(hi - lo, -1, GROUP // 2)  # [r, K/16, 8]
+        factors = (scales.float() / self.global_scale * 2.0**CODE_EXPONENT)[..., None]
         return widen_groups(blocks, factors, out, factors)
 
     def dequantized(self) -> torch.Tensor:
-        return nvfp4_dense(self.codes.cpu(), self.scales.cpu(), self.global_scale.cpu())
+        codes, scales = self._stored_rows(0, self.out_features)
+        return nvfp4_dense(codes.cpu(), scales.cpu(), self.global_scale.cpu())
 
     @property
     def stored_as(self) -> str:
         return "NVFP4"
 
     def fused_inputs(self) -> tuple[torch.Tensor, ...]:
-        return self.codes, self.scales.view(torch.uint8), self.global_scale
+        tails = () if self.codes_tail is None else (self.codes_tail, self.scales_tail)
+        return self.codes, self.scales, *tails, self.global_scale
 
-    def _fused(self, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(low values, high values [N, K/16, 8], scale [N, K/16])."""
-        n = codes.shape[0]
-        low, high = nibbles(codes.view(n, -1, GROUP // 2))
-        scale = e4m3_value(scales.to(torch.int32) & 0xFF) / global_scale
-        return fp4_values(low) * 0.5, fp4_values(high) * 0.5, scale
+    def _tiles(self, stored: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`fused_inputs` -> (codes, scales) of the head tiles and of the tail (those holding rows)."""
+        tiles = [(stored[0], stored[1])] + ([(stored[2], stored[3])] if self.codes_tail is not None else [])
+        return [(c, s) for c, s in tiles if c.shape[0]]
 
-    def fused_weight(self, codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-        low, high, scale = self._fused(codes, scales, global_scale)
-        return (interleave(low, high) * scale[..., None]).reshape(self.out_features, self.in_features)
+    def fused_weight(self, *stored: torch.Tensor) -> torch.Tensor:
+        tiles, global_scale = self._tiles(stored), stored[-1]
+        codes = torch.cat([rows_of(c) for c, _ in tiles])  # [N, K/2]
+        scales = torch.cat([rows_of(s) for _, s in tiles]).to(torch.int32)  # [N, K/16]
+        low, high = nibbles(codes.view(self.out_features, -1, GROUP // 2))
+        scale = e4m3_value(scales) / global_scale
+        values = interleave(fp4_values(low), fp4_values(high)) * 0.5
+        return (values * scale[..., None]).reshape(self.out_features, self.in_features)
 
-    def fused_rows(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                   global_scale: torch.Tensor) -> torch.Tensor:
-        return pair_rows(x, *self._fused(codes, scales, global_scale))
+    def fused_rows(self, x: torch.Tensor, *stored: torch.Tensor) -> torch.Tensor:
+        pairs = x.view(x.shape[0], 1, -1, GROUP // 2, 1, 2)  # [R, 1, K/16, 8, 1, 2]: even and odd inputs
+        outs = []
+        for codes, scales in self._tiles(stored):  # codes [T, K/2, width], scales [T, K/16, width]
+            b = codes.view(codes.shape[0], -1, GROUP // 2, codes.shape[-1]).to(torch.int32)
+            dots = (pairs[..., 0] * fp4_values(b & 0xF) + pairs[..., 1] * fp4_values(b >> 4)).sum(3)  # [R, T, K/16, width]
+            scale = e4m3_scaled(scales.to(torch.int32)) * 2.0**-E4M3_SCALED / stored[-1]  # each group's scale / g
+            outs.append(((dots * scale).sum(2) * 0.5).reshape(x.shape[0], -1))  # fp4_values are doubled
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)

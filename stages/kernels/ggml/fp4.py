@@ -19,7 +19,6 @@ import torch
 from tessera.stages.kernels.ggml.scaled import ScaledType, byte, nibbles
 
 FP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1, doubled
-E8M0_HALF_SUBNORMAL = 0x00200000  # float32 bits of 2^-128: e = 0 (and 2^-127 for e = 1)
 UE4M3_NAN = 0x7F
 
 
@@ -33,17 +32,17 @@ def fp4_values(q: torch.Tensor) -> torch.Tensor:
 
 
 def e8m0_half(e: torch.Tensor) -> torch.Tensor:
-    """int32 exponents -> 2^(e - 128) as float32 (ggml_e8m0_to_fp32_half)."""
-    bits = torch.where(e < 2, E8M0_HALF_SUBNORMAL * (1 + e), (e - 1) << 23)
-    return bits.view(torch.float32)
+    """int32 exponents -> 2^(e - 128) as float32 (ggml_e8m0_to_fp32_half; 2^-128 and 2^-127 subnormal), as
+    exp2 of an integer: exact, and no bit cast (inductor's vector code casts bits one lane at a time)."""
+    return torch.exp2((e - 128).float())
 
 
 def ue4m3_half(x: torch.Tensor) -> torch.Tensor:
-    """int32 unsigned-e4m3 bytes -> their value / 2 as float32 (0 for 0x00 and 0x7F; bit 7 ignored)."""
+    """int32 unsigned-e4m3 bytes -> their value / 2 as float32 (0 for 0x00 and 0x7F; bit 7 ignored), in
+    integer arithmetic: (8 + man) << exp, or 2 man for exp 0, times 2^-11 (exact)."""
     exp, man = (x >> 3) & 0xF, x & 7
-    normal = (((exp + 120) << 23) | (man << 20)).view(torch.float32)  # (1 + man / 8) 2^(exp - 7)
-    value = torch.where(exp == 0, man.float() * 2.0**-9, normal)
-    return torch.where((x == 0) | (x == UE4M3_NAN), 0.0, value * 0.5)
+    value = ((man | (exp.clamp(max=1) << 3)) << exp.clamp(min=1)).float() * 2.0**-11
+    return torch.where(x == UE4M3_NAN, 0.0, value)
 
 
 def mxfp4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:

@@ -70,10 +70,21 @@ def byte(blocks: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 def half(blocks: torch.Tensor, at: int) -> torch.Tensor:
     """The little-endian float16 at bytes [at, at + 2) of each block, as float32 [...] (read through a
-    float16 view where the block size and offset are even, which inductor loads and widens in vectors)."""
+    float16 view where the block size and offset are even, which inductor loads and widens in vectors;
+    from the bytes in arithmetic where the blocks are row tiles, their bytes a tile's width apart)."""
     if at % 2 == 0 and blocks.shape[-1] % 2 == 0 and blocks.stride(-1) == 1:
         return blocks[..., at : at + 2].view(torch.float16)[..., 0].float()
-    return float16_of(byte(blocks, at, at + 1)[..., 0] | (byte(blocks, at + 1, at + 2)[..., 0] << 8))
+    bits = byte(blocks, at, at + 1)[..., 0] | (byte(blocks, at + 1, at + 2)[..., 0] << 8)
+    return float16_value(bits) if blocks.stride(-1) != 1 else float16_of(bits)
+
+
+def float16_value(bits: torch.Tensor) -> torch.Tensor:
+    """int32 holding a float16's 16 bits -> its value as float32, in arithmetic (no bit cast: inductor's
+    vector code casts bits one lane at a time): (1024 + m) 2^(e - 25), m 2^-24 subnormal, inf and NaN."""
+    e, m = (bits >> 10) & 0x1F, bits & 0x3FF
+    v = (m | (e.clamp(max=1) << 10)).float() * torch.exp2((e.clamp(min=1) - 25).float())
+    v = torch.where(e == 0x1F, torch.where(m == 0, torch.inf, torch.nan), v)
+    return torch.where((bits & 0x8000) != 0, -v, v)
 
 
 def float16_of(bits: torch.Tensor) -> torch.Tensor:
@@ -138,6 +149,28 @@ def scaled_weight(kind: ScaledType, blocks: torch.Tensor, *tables: torch.Tensor)
     if offset is not None:
         w = w - offset
     return w.reshape(*blocks.shape[:-1], kind.block)
+
+
+def scaled_tile_rows(kind: ScaledType, nbytes: int, x: torch.Tensor, tiles: torch.Tensor, *tables: torch.Tensor
+                     ) -> torch.Tensor:
+    """x [R, K] float32 @ W^T for W's row tiles [T, row bytes, width] (kernels/row_tiles.py) of blocks of
+    `nbytes` -> [R, T width],
+    factored per group as `scaled_rows`, along the tiles' lanes: each group's codes times the inputs summed
+    first (a reduction whose every load is contiguous, the width innermost), then times its scale."""
+    t, row, width = tiles.shape
+    nb = row // nbytes
+    blocks = tiles.view(t, nb, nbytes, width).permute(0, 3, 1, 2)  # [T, width, nb, nbytes]: a view
+    codes, scale, offset = kind.parts(blocks, *(tables or own_tables(kind, tiles.device)))  # [T, width, nb, *shape]
+    group = kind.group_dims
+    inner = tuple(range(-group - 1, -1))  # a scale's group, the lanes after it
+    per_group = scale.shape[: scale.dim() - group]  # [T, width, nb, groups...]
+    xs = x.view(x.shape[0], 1, 1, nb, *kind.shape)
+    dots = (xs * codes).movedim(2, -1).sum(inner)  # [R, T, nb, groups..., width]
+    y = (dots * scale.reshape(per_group).movedim(1, -1)).flatten(2, -2).sum(2)  # [R, T, width]
+    if offset is not None:
+        sums = x.view(x.shape[0], 1, nb, *kind.shape).sum(tuple(range(-group, 0)))[..., None]  # [R, 1, nb, groups..., 1]
+        y = y - (sums * offset.reshape(per_group).movedim(1, -1)).flatten(2, -2).sum(2)
+    return y.reshape(x.shape[0], -1)
 
 
 def scaled_rows(kind: ScaledType, x: torch.Tensor, blocks: torch.Tensor, *tables: torch.Tensor) -> torch.Tensor:

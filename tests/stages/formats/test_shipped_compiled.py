@@ -81,13 +81,13 @@ def test_fp8_fused_form_over_every_code(scale_bytes, bands):
     check_fused(Fp8BlockLinear(codes, scale_inv, (16, 8), None))
 
 
-EVERY_BYTE = torch.arange(256, dtype=torch.uint8).view(1, 16, 16).repeat(2, 1, 1)  # [2 rows, 16 groups, 16]
+EVERY_BYTE = torch.arange(256, dtype=torch.uint8).view(1, 16, 16).repeat(2, 1, 1)  # [2 rows, 16 groups, 16]; a matrix takes its tensors over (row tiles, in place): each gets a copy
 
 
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.integers(*FUSED_SCALES), min_size=16, max_size=16))
 def test_mxfp4_fused_form_over_every_code_and_scale(scales):
-    check_fused(Mxfp4Linear(EVERY_BYTE, torch.tensor(scales, dtype=torch.uint8).view(2, 8).repeat(1, 2), None))
+    check_fused(Mxfp4Linear(EVERY_BYTE.clone(), torch.tensor(scales, dtype=torch.uint8).view(2, 8).repeat(1, 2), None))
 
 
 @pytest.mark.parametrize("outside", [0, 1, 253, 254])
@@ -96,7 +96,7 @@ def test_an_mxfp4_scale_outside_the_fused_range_leaves_the_matrix_unfused(outsid
     eager form, and the decode form says which."""
     scales = torch.full((2, 16), 127, dtype=torch.uint8)
     scales[1, 3] = outside
-    matrix = Mxfp4Linear(EVERY_BYTE, scales, None)
+    matrix = Mxfp4Linear(EVERY_BYTE.clone(), scales, None)
     assert matrix.fused_inputs() is None
     assert unfused(decode_form(torch.nn.Sequential(matrix))) == {"Mxfp4Linear"}
 
@@ -186,7 +186,7 @@ def test_a_compiled_span_of_a_fused_format_decodes_as_the_eager_one(shipped, com
 
 def test_the_decode_form_shares_the_stored_bytes():
     """A FusedRows holds views of its matrix's buffers: building the decode form copies no weight."""
-    matrix = Mxfp4Linear(EVERY_BYTE, torch.full((2, 16), 127, dtype=torch.uint8), None)
+    matrix = Mxfp4Linear(EVERY_BYTE.clone(), torch.full((2, 16), 127, dtype=torch.uint8), None)
     form = decode_form(torch.nn.Sequential(matrix))[0]
     assert isinstance(form, FusedRows)
     assert form.stored_0_0.data_ptr() == matrix.blocks.data_ptr() and form.stored_0_1.data_ptr() == matrix.scales.data_ptr()
