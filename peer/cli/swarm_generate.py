@@ -24,7 +24,8 @@ from tessera.stages.assembly.stage import load_stage
 from tessera.stages.families.catalog import mtp_of, spec_from_file, tensors_of_layer
 from tessera.stages.weights.tensor_table import group_of
 
-from tessera.peer.request.client import Rewind, Swarm
+from tessera.peer.request.answer import Rewind
+from tessera.peer.request.client import Swarm
 from tessera.peer.net.emulated import LinkEmulation
 from tessera.peer.base.errors import ConfigError
 from tessera.peer.request.decode import Speculation

@@ -31,7 +31,8 @@ from tessera.stages.text.tokenizer import TextStream
 from tessera.peer.http.defaults import DEFAULT_ROUTE_WAIT
 
 if TYPE_CHECKING:
-    from tessera.peer.request.client import Rewind, Swarm
+    from tessera.peer.request.answer import Rewind
+    from tessera.peer.request.client import Swarm
     from tessera.peer.request.policy import RequesterPolicy
 
 STOP = "stop"  # finish_reason: end-of-sequence token or a stop string

@@ -9,8 +9,8 @@ pipeline coordinator does), the tokenizer and the sampler; it routes a chain of
 peers covering every layer (`peer/plan/routing.py`), streams tokens as they come,
 and — through `peer/request/repair.py` — carries on past peers that fail.
 
-`Swarm` is given its transport, identity, model (`RequesterModel`: spec, embedding and
-head, tokenizer), tracer and clocks; `Swarm.join` wires a real one (libp2p, the model's
+`Swarm` is given its transport, identity, model (`RequesterModel`, peer/request/requester_model.py:
+spec, embedding and head, tokenizer), tracer and clocks; `Swarm.join` wires a real one (libp2p, the model's
 files, the wall clock). The simulator runs the same class over the memory transport on
 trio's clock, with a weightless model and one shared view (peer/sim/requester.py).
 """
@@ -21,7 +21,6 @@ import logging
 import random
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Callable, Literal, Sequence
 
@@ -33,13 +32,9 @@ from tessera.protocol.tensors import WIRE_FORMS
 from tessera.stages.weights import registry
 from tessera.stages.decoding.generate import GenerationResult, plan_length, prompt_ids
 from tessera.stages.decoding.constrained import ConstrainedSampler, JsonConstraint
-from tessera.stages.kernels.quant import NO_QUANT, Quant, model_tag
+from tessera.stages.kernels.quant import NO_QUANT, Quant
 from tessera.stages.decoding.sampling import Sampler, SamplingParams
-from tessera.stages.families.spec.model import ModelSpec
-from tessera.stages.engine.compiled.build import compile_decode
-from tessera.stages.engine.stage import Stage
-from tessera.stages.assembly.stage import load_stage
-from tessera.stages.text.tokenizer import TextStream, Tokenizer
+from tessera.stages.text.tokenizer import TextStream
 from tessera.store import events
 from tessera.store.trace import NullTracer, Tracer
 
@@ -62,13 +57,14 @@ from tessera.peer.request.probe import answers
 from tessera.peer.request.repair import AnswerRewound, ResilientSession
 from tessera.peer.request.policy import RequesterPolicy, check_peer_id, explain_gaps
 from tessera.peer.request.chain_state import RequesterContext
-from tessera.peer.request.chain import route_summary
 from tessera.peer.plan.cost import SPREAD_WIDTH, Spread
 from tessera.peer.plan.routing import Route, route, why_no_route, why_not_preferred
 from tessera.peer.request.loads import LoadBook
 from tessera.peer.net.transport import Transport
 from tessera.peer.plan.view import PeerInfo, SwarmView
 from tessera.peer.request.prefill import route_chunk_size
+from tessera.peer.request.answer import Piece, Rewind, merge_infos
+from tessera.peer.request.requester_model import RequesterModel
 
 log = logging.getLogger(__name__)
 
@@ -86,42 +82,6 @@ INLINE_EMBED_TOKENS = 64
 # Positions reserved beyond the answer: a pipelined speculative block may run past
 # the last token that is finally kept.
 SPECULATION_SLACK = 32
-
-
-@dataclass(frozen=True)
-class RequesterModel:
-    """What a requester knows of the model: its shape, its advertised id, and (when it
-    generates text) the embedding + head and the tokenizer."""
-
-    spec: ModelSpec
-    model_id: str  # the id peers advertise (tagged with the quantization they serve)
-    head: Stage | None = None  # embedding and head; None: hidden states come from elsewhere (a simulation)
-    tokenizer: Tokenizer | None = None
-
-    @staticmethod
-    def load(folder: Path, quant: Quant = NO_QUANT, *, compile: str = "off") -> "RequesterModel":
-        """The model in `folder`: its embedding and head (a few hundred MB for a small model) and tokenizer;
-        `compile` (--compile) compiles the head's few-row steps (stages/engine/compiled/)."""
-        head = load_stage(folder, start=0, end=0, embed=True, head=True)
-        compile_decode(head, compile)
-        return RequesterModel(head.spec, model_tag(registry.model_id(folder), quant), head,
-                              Tokenizer.from_folder(folder))
-
-
-@dataclass(frozen=True)
-class Rewind:
-    """In an answer (`Swarm.answer_ids`): only the first `kept` tokens given so far stand (the
-    rest were computed from a peer's wrong activations); the tokens that follow continue from them."""
-
-    kept: int
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One generated token and the text it completes ("" while a character is still partial)."""
-
-    token: int
-    text: str
 
 
 class Swarm:
@@ -745,22 +705,3 @@ class Swarm:
         for session in running:
             await session.revoke(peer_id)
         return len(running)
-
-
-def merge_infos(attempts: list[dict]) -> dict:
-    """One `info` for an answer that took several sessions (regenerated after a rewind)."""
-    merged = dict(attempts[-1]) if attempts else {}
-    merged["rewinds"] = len(attempts) - 1
-    merged["failovers"] = sum(a.get("failovers", 0) for a in attempts)
-    merged["routes"] = [r for a in attempts for r in a.get("routes", [])]
-    checks = [a["checks"] for a in attempts if "checks" in a]
-    if checks:
-        unchecked = [u for c in checks for u in c.get("unchecked", [])]  # spans no check could cover (groups)
-        merged["checks"] = {
-            key: sum(c[key] for c in checks) for key in ("checks", "rows_compared", "fingerprint_bytes")
-        } | {"verdicts": [v for c in checks for v in c["verdicts"]],
-             "unchecked": [u for i, u in enumerate(unchecked) if u not in unchecked[:i]]}
-    return merged
-
-
-__all__ = ["Swarm", "Piece", "Rewind", "route_summary"]

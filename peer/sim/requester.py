@@ -21,7 +21,8 @@ from tessera.protocol.keys import Identity
 
 from tessera.peer.base.errors import PeerError
 from tessera.peer.net.memory import MemoryTransport
-from tessera.peer.request.client import RequesterModel, Swarm
+from tessera.peer.request.client import Swarm
+from tessera.peer.request.requester_model import RequesterModel
 from tessera.peer.request.repair import ResilientSession
 from tessera.peer.sim.report import TIMEOUT, classify_failure
 from tessera.peer.sim.scenario import RequestPlan

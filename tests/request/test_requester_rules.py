@@ -25,7 +25,9 @@ from tessera.peer.net.memory_stream import LinkSpec
 from tessera.peer.net.pinger import Pinger
 from tessera.peer.plan.cost import Reported
 from tessera.peer.request.chain import no_room
-from tessera.peer.request.client import RequesterModel, Rewind, Swarm
+from tessera.peer.request.answer import Rewind
+from tessera.peer.request.client import Swarm
+from tessera.peer.request.requester_model import RequesterModel
 from tessera.peer.request.failures import refusal_failure, reported_failure
 from tessera.peer.request.loads import REPORT_TTL, LoadBook
 from tessera.peer.request.repair import BOUNCE_WAIT, AnswerRewound, ResilientSession, busier_than_priced

@@ -8,7 +8,8 @@ import pytest
 import trio
 import trio.testing
 
-from tessera.peer.request.client import RequesterModel, Swarm
+from tessera.peer.request.client import Swarm
+from tessera.peer.request.requester_model import RequesterModel
 from tessera.peer.base.errors import NoRoute, PeerUnreachable
 from tessera.peer.net.gossip import Gossip, ViewKeeper
 from tessera.peer.net.memory_stream import LinkSpec
