@@ -21,12 +21,14 @@ Under torch.compile a code becomes a number by integer arithmetic, not a bit cas
 vector code casts computed bits one lane at a time: measured, a 2816 x 1024 matrix's one-row
 product at 0.26x float32's): an e4m3 byte of exponent e and mantissa m is (8 + m) 2^(e - 10),
 or 2 m 2^-10 for e = 0 (subnormal), so `e4m3_scaled` forms (8 + m) << e, or 2 m, an exact
-integer below 2^19, negated by the sign bit, and converts it to float32: q times 2^10, exactly.
+integer below 2^19, negated by the sign bit, and converts it to float32: q times 2^10, exactly
+(the bytes read through an int8 view, so the sign is the widened integer's: two operations a code
+fewer than masking it, measured 0.84 -> 0.93x below).
 The one-row product (`fused_rows`) sums each 128-input block of a row's codes times the inputs
 first (the row's bytes and the inputs both contiguous: one vectorised reduction), then multiplies
 each block's sum by its scale and sums over the blocks, the 2^-10 last (a power of two: exact);
 only the order of float32 summation differs from the dequantized weight's product (measured,
-the matrix above: 0.84x float32's compiled product, against 0.26x through bit casts). A 256-entry
+the matrix above: 0.93x float32's compiled product, against 0.26x through bit casts). A 256-entry
 table of the codes' values, gathered, is exact too but runs at 0.08x (a gather a lane).
 `fused_weight` (several rows: a chunked matmul) is those values times the scales, `fp8_dense`'s.
 
@@ -71,11 +73,13 @@ def check_codes(codes: torch.Tensor, name: str) -> None:
 
 
 def e4m3_scaled(b: torch.Tensor) -> torch.Tensor:
-    """e4m3 bytes (int32, 0..255) -> their values times 2^E4M3_SCALED as float32, by integer operations only:
-    (8 + m) << e for a normal exponent e, 2 m for a subnormal (exact integers below 2^19), the sign negating."""
-    e = (b >> 3) & 0xF
-    v = ((b & 7) | (e.clamp(max=1) << 3)) << e.clamp(min=1)
-    return torch.where((b & 0x80) != 0, -v, v).float()
+    """e4m3 bytes as int32 read from their int8 view (sign-extended: the sign bit is the integer's sign) ->
+    their values times 2^E4M3_SCALED as float32, by integer operations only: (8 + m) << e for a normal
+    exponent e, 2 m for a subnormal (exact integers below 2^19), negated where the byte is negative."""
+    magnitude = b & 0x7F
+    e = magnitude >> 3
+    v = ((magnitude & 7) | (e.clamp(max=1) << 3)) << e.clamp(min=1)
+    return torch.where(b < 0, -v, v).float()
 
 
 def widen_codes(codes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -134,7 +138,7 @@ class Fp8BlockLinear(ShippedLinear):
         return fp8_dense(self.weight.cpu(), self.scale_inv.cpu(), self.block)
 
     def fused_inputs(self) -> tuple[torch.Tensor, ...]:
-        return self.weight.view(torch.uint8), self.scale_inv.float()
+        return self.weight.view(torch.int8), self.scale_inv.float()
 
     def fused_weight(self, code_bytes: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
         q = e4m3_scaled(code_bytes.to(torch.int32)) * 2.0**-E4M3_SCALED  # exact: an integer times a power of two
