@@ -33,7 +33,7 @@ from tessera.stages.families.shipped import GGML_TYPES, GgmlType
 from tessera.stages.kernels.ggml.fp4 import FP4_TYPES
 from tessera.stages.kernels.ggml.iq import IQ_TYPES
 from tessera.stages.kernels.ggml.kquants import K_QUANTS
-from tessera.stages.kernels.ggml.scaled import ScaledType, scaled_weight
+from tessera.stages.kernels.ggml.scaled import ScaledType, half, scaled_weight
 
 K_SCALE_BYTES = 12  # Q4_K/Q5_K: 8 six-bit scales and 8 six-bit mins
 QK_K = 256
@@ -111,13 +111,22 @@ def q6_k(raw: torch.Tensor) -> torch.Tensor:
     return (scale * q).reshape(*lead, QK_K)
 
 
+def q8_0_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """Q8_0 as scaled codes: its 32 int8 codes (read as int32 from uint8 or int8 bytes, the sign restored
+    by arithmetic) and d, one group (the compiled product of its row tiles: ggml/linear.py TILED)."""
+    codes = blocks[..., 2:34].to(torch.int32)
+    if blocks.dtype == torch.uint8:
+        codes = codes - ((codes & 0x80) << 1)
+    return codes.float(), half(blocks, 0)[..., None], None
+
+
 # Every type with a scaled-codes form (ggml/scaled.py): the low-bit types' only form, and the fused
-# compiled form of Q4_K, Q5_K and Q6_K (their eager product stays ggml/linear.py's split order)
-SCALED_TYPES: dict[str, ScaledType] = {**K_QUANTS, **IQ_TYPES, **FP4_TYPES}
+# compiled form of Q8_0, Q4_K, Q5_K and Q6_K (their eager product stays ggml/linear.py's split order)
+SCALED_TYPES: dict[str, ScaledType] = {**K_QUANTS, **IQ_TYPES, **FP4_TYPES, "Q8_0": ScaledType("Q8_0", (32,), q8_0_parts)}
 
 DEQUANTIZE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Q8_0": q8_0, "Q4_0": q4_0, "Q4_1": q4_1, "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k,
-    **{name: partial(scaled_weight, kind) for name, kind in SCALED_TYPES.items() if name not in ("Q4_K", "Q5_K", "Q6_K")},
+    **{name: partial(scaled_weight, kind) for name, kind in SCALED_TYPES.items() if name not in ("Q8_0", "Q4_K", "Q5_K", "Q6_K")},
 }
 assert set(DEQUANTIZE) == {n for n, t in GGML_TYPES.items() if not t.is_float}, "every block type has its dequantizer"
 

@@ -21,12 +21,14 @@ only the matmul's order of summation differs.
     Q6_K  128 low nibbles + 64 bytes of 2-bit highs   as Q4_K, highs or-ed in     16
     Q8_0  32 int8 (after d)       the weights' own order (no permutation)          32
 
-Under torch.compile, Q8_0, Q4_0 and Q4_1 also have a fused form (`FUSED`: the weight as
+Under torch.compile, Q4_0 and Q4_1 also have a fused form (`FUSED`: the weight as
 elementwise operations over the int8 view of the blocks, kernels/linear.py says why): a
 block's d (and m) read as float16 from its first bytes, its codes as integers; a Q4 block's
 one-row product runs over its 16 code bytes, the low nibbles against the block's first 16
-inputs and the high ones against the next 16 (contiguous loads on both sides). The k-quants'
-packed six-bit scales have no fused form yet: a layer kind holding one decodes eagerly.
+inputs and the high ones against the next 16 (contiguous loads on both sides). Q8_0 and the
+other scaled types are held as row tiles (`TILED`) and multiplied in their scaled-codes form
+(ggml/scaled.py), each block's codes times the inputs summed along the tile's lanes, then
+times its d.
 """
 
 from __future__ import annotations
@@ -250,17 +252,15 @@ def _q4_halves(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Ten
 
 def _fused_weight(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     """blocks int8 [N, nb, nbytes] of a FUSED kind -> float32 [N, nb, 32], the weights' own order."""
-    if kind == "Q8_0":
-        return blocks[..., 2:].float() * _block_half(blocks, 0)
     return torch.cat(_q4_halves(blocks, kind), dim=-1)
 
 
-FUSED = ("Q8_0", "Q4_0", "Q4_1")  # the types with a fused form (module docstring)
+FUSED = ("Q4_0", "Q4_1")  # the types with a fused form (module docstring)
 # the scaled types held as row tiles (kernels/row_tiles.py): those whose compiled product is faster so
 # (measured, a 2816 x 1024 matrix against its rows as stored, one thread: Q2_K 0.52 -> 0.92x float32's,
 # Q3_K 0.48 -> 0.90, Q6_K 0.54 -> 0.93, IQ4_XS 0.51 -> 0.72, IQ4_NL 0.63 -> 0.87, MXFP4 0.66 -> 0.83,
-# NVFP4 0.28 -> 0.79; Q4_K 0.78 -> 0.55 and Q5_K 0.65 -> 0.50 lose, the IQ grid types gain nothing)
-TILED = frozenset(("Q2_K", "Q3_K", "Q6_K", "IQ4_XS", "IQ4_NL", "MXFP4", "NVFP4"))
+# NVFP4 0.28 -> 0.79, Q8_0 0.19 (its fused form below, per weight) -> 1.5; Q4_K 0.78 -> 0.55 and Q5_K 0.65 -> 0.50 lose, the IQ grid types gain nothing)
+TILED = frozenset(("Q8_0", "Q2_K", "Q3_K", "Q6_K", "IQ4_XS", "IQ4_NL", "MXFP4", "NVFP4"))
 
 
 class GgmlLinear(ShippedLinear):
@@ -342,8 +342,6 @@ class GgmlLinear(ShippedLinear):
         blocks = raw.view(raw.shape[0], -1, self.kind.nbytes)
         if self.kind.name in SCALED_TYPES:
             return scaled_rows(SCALED_TYPES[self.kind.name], x, blocks, *rest)
-        if self.kind.name == "Q8_0":  # summed per block then over blocks: the codes' loads stay contiguous
-            return (x.view(x.shape[0], 1, blocks.shape[1], 32) * _fused_weight(blocks, "Q8_0")).sum((-1, -2))
         low, high = _q4_halves(blocks, self.kind.name)  # [N, nb, 16]
         halves = x.view(x.shape[0], 1, blocks.shape[1], 2, 16)  # each block's first and second 16 inputs
         return (halves[..., 0, :] * low + halves[..., 1, :] * high).sum((-1, -2))
