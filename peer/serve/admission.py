@@ -20,9 +20,11 @@ something too, or a few identities opening idle sessions lock everyone else out
    bought a route wait. While a step of it is queued or running it is always protected.
    Until its first step, a
    session has a *grace of its own*: `IDLE_GRACE` from its open — or twice the
-   longest its requester's sessions here lately waited for their first step, if longer (at
-   most `GRACE_CAP`: a session at the end of a route gets its prompt only after the hops
-   before it computed it) — for a requester with a proof of work that has a grace in hand
+   longest sessions here lately waited for their first step, its requester's or anyone's, if
+   longer (at most `GRACE_CAP`: a session at the end of a route gets its prompt only after the
+   hops before it computed it, and a requester new to this peer, as most are when many
+   requesters share a swarm, has no wait of its own here to go by) — for a requester with a
+   proof of work that has a grace in hand
    (`GRACES_IN_HAND`: a new identity has one, an open spends one, each step of the
    requester's arriving here earns one; a session its requester closes before its first step,
    within its grace, gives the grace back, at most once per step arriving here). So cycling
@@ -48,12 +50,15 @@ something too, or a few identities opening idle sessions lock everyone else out
    requesters ahead of it in the queue.
 
 The guarantee. With every slot held by idle sessions of any number K of hostile
-identities that never step them (each admitted at most `IDLE_GRACE` ago), an honest requester with a proof
-of work that opens a session is admitted within IDLE_GRACE (5 s) of asking, in one
-open (ADMIT_WAIT, 6 s, outlasts the grace) — provided no more than J other
+identities that never step them (each admitted at most a grace ago), an honest requester with a proof
+of work that opens a session is admitted within a grace of asking: IDLE_GRACE (5 s), in one
+open (ADMIT_WAIT, 6 s, outlasts it), at a peer whose sessions get their first step within
+2.5 s; at a peer whose sessions lately waited longer for it (the end of a busy route), twice
+that wait, at most GRACE_CAP — no more than one step buys any identity (STEP_GRACE), and
+hostile identities can lengthen it only by stepping — provided no more than J other
 identities with work, never admitted here, asked before it did; each of those can
 take a slot ahead of it for one grace, so in general it is admitted within
-IDLE_GRACE x (1 + ceil(J / max_sessions)). Each such identity costs its maker a
+grace x (1 + ceil(J / max_sessions)). Each such identity costs its maker a
 proof of work and is spent once admitted (no second grace without a step). Identities
 that step their sessions earn longer protection, STEP_GRACE after a step: they are
 users (below), and one that stops stepping gives its slots back within STEP_GRACE. Hostile
@@ -81,10 +86,15 @@ from tessera.peer.base.backoff import ROUTE_WAIT
 # (its wait for a route), and a session reclaimed then is reopened and replayed like any lost
 # one. 5 s keeps an honest newcomer's wait short under a full-slot attack.
 IDLE_GRACE = 5.0
-# Before its first step, a session is protected for GAP_FACTOR times its requester's recent wait
-# for a first step here when that is longer than IDLE_GRACE: its prompt is expected within that
-# wait, and twice that covers a slower round. At most GRACE_CAP: an answer whose prompt takes
-# longer than a route wait (peer/base/backoff.py ROUTE_WAIT) has given up on this route anyway.
+# Before its first step, a session is protected for GAP_FACTOR times the recent wait for a first
+# step here (its requester's, or any requester's: the peer's place in routes, first or deep, sets
+# most of it) when that is longer than IDLE_GRACE: its prompt is expected within that wait, and
+# twice that covers a slower round. With only its requester's own wait, a requester new to the
+# peer had IDLE_GRACE, and at 50 requesters most are new to most peers: the sessions deep in
+# their routes were reclaimed waiting for their prompt (bench/load.py, 20 peers, 200 answers,
+# load 0.5: ~440 reclaims; p90 37.2 s, 47 failovers; with the peer's wait 31.4 s, 24). At most
+# GRACE_CAP: an answer whose prompt takes longer than a route wait (peer/base/backoff.py
+# ROUTE_WAIT) has given up on this route anyway, and no longer than a step buys (STEP_GRACE).
 GAP_FACTOR = 2.0
 GRACE_CAP = ROUTE_WAIT
 # A session that has stepped is protected this long after its last step (rule 2 above): as long
@@ -203,6 +213,7 @@ class Admission:
         self.requesters: OrderedDict[str, Requester] = OrderedDict()
         self.waiting: list[_Waiter] = []
         self.reclaimed = 0  # sessions reclaimed under pressure
+        self.first_wait = 0.0  # how long sessions here lately waited for their first step, any requester's (GAP_FACTOR)
         self._changed = trio.Event()
 
     # -- identities ---------------------------------------------------------------------
@@ -256,7 +267,7 @@ class Admission:
         record.last_admitted = now
         record.waiting_since = None
         if record.graces > 0 and record.work:
-            grace = max(self.limits.idle_grace, min(GAP_FACTOR * record.first_wait, GRACE_CAP))
+            grace = max(self.limits.idle_grace, min(GAP_FACTOR * max(record.first_wait, self.first_wait), GRACE_CAP))
             session.grace_until = now + grace
             record.graces -= 1
         elif record.left_over > 0 and record.work:
@@ -266,12 +277,14 @@ class Admission:
 
     def stepped(self, session: Admitted) -> None:
         """A step of `session` arrived or ended: it is in use. Its first step's wait since the
-        open is kept by its requester (halved at each new one, so that it follows the queues as
-        they are now)."""
+        open is kept by its requester and by the peer (each halved at each new one, so that it
+        follows the queues as they are now)."""
         now = self.clock()
         record = self.requesters.get(session.requester)
         if session.inflight == 1 and not session.stepped and record is not None:  # its first step arrived
-            record.first_wait = max(max(0.0, now - session.last_active), record.first_wait / 2)
+            waited = max(0.0, now - session.last_active)
+            record.first_wait = max(waited, record.first_wait / 2)
+            self.first_wait = max(waited, self.first_wait / 2)
         session.last_active = now
         if not session.stepped:
             session.stepped = True

@@ -283,7 +283,7 @@ def test_a_session_in_use_is_protected_a_route_wait_after_each_step_whatever_its
     reclaim it (a reclaim costs its requester a failover and a replay: with IDLE_GRACE, or twice
     its longest gap, the simulator's 50 requesters lost most answers to a reclaim cascade). A
     requester whose sessions here waited 9 s for their first step has that much longer a grace
-    for its next one's; one that never stepped keeps IDLE_GRACE (the guarantee against idle holders)."""
+    for its next one's (twice the peer's wait: a new requester's too, below)."""
     now = [0.0]
     host = Host()
     admission = Admission(host, Limits(max_sessions=1, max_sessions_per_requester=1, kv_budget=100),
@@ -311,7 +311,50 @@ def test_a_session_in_use_is_protected_a_route_wait_after_each_step_whatever_its
     idle = host.add(Held("q", stepped=False))
     admission.requester("q").work = True
     admission.opened(idle)
-    assert admission.protected_until(idle) == 30.0 + IDLE_GRACE
+    assert admission.protected_until(idle) == 30.0 + 18.0
+
+
+def test_a_requester_new_to_a_peer_gets_a_grace_of_twice_the_peers_recent_wait_for_a_first_step() -> None:
+    """A session deep in a route waits for its prompt behind the hops before it. A requester new to
+    the peer (at 50 requesters, most are new to most peers) has no wait of its own here: with
+    IDLE_GRACE its sessions were reclaimed waiting for their prompt (bench/load.py: p90 37.2 s and
+    47 failovers on 20 peers, 31.4 s and 24 with the peer's wait). The grace follows the peer's
+    recent wait, halved at each new first step, at most GRACE_CAP; an identity without work still
+    has none, and a peer whose sessions step at once keeps IDLE_GRACE."""
+    now = [0.0]
+    host = Host()
+    admission = Admission(host, Limits(max_sessions=8, max_sessions_per_requester=8, kv_budget=100),
+                          clock=lambda: now[0])
+    fresh = host.add(Held("new", stepped=False))
+    admission.requester("new").work = True
+    admission.opened(fresh)
+    assert admission.protected_until(fresh) == IDLE_GRACE  # nothing waited here yet
+    for requester, opened_at, first_step in (("a", 0.0, 12.0), ("b", 20.0, 40.0)):
+        admission.requester(requester).work = True
+        now[0] = opened_at
+        deep = host.add(Held(requester, stepped=False))
+        admission.opened(deep)
+        now[0] = first_step
+        deep.inflight = 1
+        admission.stepped(deep)
+    assert admission.first_wait == 20.0
+    newcomer = host.add(Held("c", stepped=False))
+    admission.requester("c").work = True
+    admission.opened(newcomer)
+    assert admission.protected_until(newcomer) == 40.0 + GRACE_CAP  # 2 x 20 s, at most GRACE_CAP
+    quick = host.add(Held("b", stepped=False))
+    now[0] = 50.0
+    admission.opened(quick)
+    quick.inflight = 1
+    admission.stepped(quick)  # stepped at once: the peer's wait halves (a queue that has drained)
+    assert admission.first_wait == 10.0
+    worker = host.add(Held("d", stepped=False))
+    admission.requester("d").work = True
+    admission.opened(worker)
+    assert admission.protected_until(worker) == 50.0 + 20.0
+    idler = host.add(Held("e", stepped=False))  # no proof of work: no grace at all
+    admission.opened(idler)
+    assert admission.protected_until(idler) < now[0]
 
 
 def test_each_open_of_a_requester_that_steps_here_gets_its_own_grace_and_one_that_never_steps_one() -> None:
