@@ -57,6 +57,14 @@ The numbers, and why:
 - REFUSED_SKIP = 5 s: a peer that refused without saying when to retry is skipped this
   long (other peers are tried meanwhile); a retry-after it gives is used instead, up to
   ROUTE_WAIT.
+- BUSY_WAIT = 120 s: how long an open keeps waiting past the route wait while every layer
+  it needs is covered by peers that are only busy (they refused it with a retry-after, or
+  advertise every slot taken). A full swarm is a queue, not a failure: its peers are
+  serving and each refusal says when to ask again, so giving up after one route wait (the
+  time a restarted peer needs) lost answers that a few more seconds of queueing would have
+  finished (`bench/load.py` at load 0.8: 443 of 1,000 answers of 2 requesters, all "no
+  usable peer" at full coverage). Four route waits: longer than a peak's queue at a
+  swarm loaded to 0.8, shorter than an API client's default timeout.
 - SOLE_PAROLE_AFTER = REFUSED_SKIP: the only cover of a span is given a few seconds before
   its one parole (a busy or briefly broken peer may have recovered), and no more: the route
   wait runs meanwhile.
@@ -87,6 +95,7 @@ class Failure(StrEnum):
 
 
 ROUTE_WAIT = 30.0
+BUSY_WAIT = 4 * ROUTE_WAIT
 BAN_BASE = 30.0
 BAN_CAP = 3600.0
 GUILTY_BAN = 24 * 3600.0

@@ -423,7 +423,8 @@ class Gateway:
         def new_generation() -> Generation:
             # a retry comes only before the first token (see the loop below), so the constraint is unused
             return Generation(self.swarm, ids, max_tokens=budget, sampling=request.sampling, stop=request.stop,
-                              route_wait=self.route_wait, constraint=constraint, policy=request.policy)
+                              route_wait=self.route_wait, constraint=constraint, policy=request.policy,
+                              busy_wait=self.queue_wait)  # its queue: the session's own, as long as the gateway's
 
         gen = new_generation()
         self.stats.requests += 1

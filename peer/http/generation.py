@@ -94,6 +94,7 @@ class Generation:
     sampling: SamplingParams
     stop: Sequence[str] = ()
     route_wait: float = DEFAULT_ROUTE_WAIT
+    busy_wait: float = 0.0  # past route_wait, how long its open queues while only busy peers block it
     completion_tokens: int = 0
     finish_reason: str | None = None
     info: dict = field(default_factory=dict)
@@ -103,6 +104,7 @@ class Generation:
     def __post_init__(self) -> None:
         self._tokens: AsyncIterator["int | Rewind"] = self.swarm.answer_ids(
             self.ids, max_new_tokens=self.max_tokens, sampling=self.sampling, route_wait=self.route_wait,
+            busy_wait=self.busy_wait,
             info=self.info, constraint=self.constraint, policy=self.policy,
         )
         self._text = TextStream(self.swarm.tokenizer)

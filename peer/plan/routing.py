@@ -182,6 +182,19 @@ def unusable_reason(p: PeerInfo, exclude: frozenset[str] | set[str] = frozenset(
     return None
 
 
+def covered_but_busy(view: SwarmView, *, start: int = 0, end: int | None = None,
+                     avoided: frozenset[str] | set[str] = frozenset()) -> bool:
+    """Whether layers [start, end) would be routable but for peers that are only busy: every
+    layer is claimed by a peer not in `avoided` that is unusable for no reason but "busy" (all
+    its slots taken) or usable. The caller leaves out of `avoided` the peers it skips for a
+    refusal (busy or full, with a retry-after), so that True means: the swarm is full, wait."""
+    end = view.num_layers if end is None else end
+    open_or_busy = SwarmView(view.num_layers, tuple(
+        p for p in view.peers if p.peer_id not in avoided and unusable_reason(p) in (None, "busy")))
+    counts = replica_coverage(open_or_busy)
+    return end > start and all(counts[layer] > 0 for layer in range(start, end))
+
+
 def routable_view(view: SwarmView, exclude: frozenset[str] | set[str] = frozenset()) -> SwarmView:
     """Only the peers `route` would use (see `unusable_reason`)."""
     return SwarmView(view.num_layers, tuple(p for p in view.peers if unusable_reason(p, exclude) is None))

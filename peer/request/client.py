@@ -50,7 +50,7 @@ from tessera.peer.request.decode import Speculation, plain_tokens, speculative_t
 from tessera.peer.request.reports import ReportBook
 from tessera.peer.request.verify import DEFAULT_SPOT_CHECKS, SpotChecker
 from tessera.peer.request.dispute import DISPUTE_MEMORY, SpanWeights
-from tessera.peer.base.backoff import COMEBACK, PROBE_INTERVAL, ROUTE_WAIT, SOLE_PAROLE, Bans, Failure
+from tessera.peer.base.backoff import BUSY_WAIT, COMEBACK, PROBE_INTERVAL, ROUTE_WAIT, SOLE_PAROLE, Bans, Failure
 from tessera.peer.base.threads import in_worker
 from tessera.peer.request.ports import CheckPolicy
 from tessera.peer.request.probe import answers
@@ -58,7 +58,7 @@ from tessera.peer.request.repair import AnswerRewound, ResilientSession
 from tessera.peer.request.policy import RequesterPolicy, check_peer_id, explain_gaps
 from tessera.peer.request.chain_state import RequesterContext
 from tessera.peer.plan.cost import SPREAD_WIDTH, Spread
-from tessera.peer.plan.routing import Route, route, why_no_route, why_not_preferred
+from tessera.peer.plan.routing import Route, covered_but_busy, route, why_no_route, why_not_preferred
 from tessera.peer.request.loads import LoadBook
 from tessera.peer.net.transport import Transport
 from tessera.peer.plan.view import PeerInfo, SwarmView
@@ -411,6 +411,16 @@ class Swarm:
         held = {p: "in this session" for p in exclude if p not in banned}
         return why_no_route(view, start=start, end=end, banned=banned | held)
 
+    def covered_but_busy(self, *, start: int = 0, end: int | None = None, exclude: Sequence[str] = (),
+                         policy: RequesterPolicy | None = None, **_: object) -> bool:
+        """Whether what blocks a route over [start, end) is only busy peers: peers this requester
+        skips for a refusal (busy, full: Failure.REFUSED, no strike) or that advertise every slot
+        taken cover every layer (peer/plan/routing.py `covered_but_busy`): a queue to wait in."""
+        now = self.clock()
+        avoided = {p for p in self.bans.banned(now) if self.bans.failure(p) is not Failure.REFUSED}
+        view = self.policy.narrowed(policy).apply(self.view(), keep=(self.peer_id,))
+        return covered_but_busy(view, start=start, end=end, avoided=avoided | set(exclude))
+
     def _avoided_words(self, peer: str, now: float) -> str:
         """Why `peer` is avoided, for a person: 'refused a session: skipped for 3 s more',
         'banned (timed-out) for 25 s more'."""
@@ -535,6 +545,7 @@ class Swarm:
         max_new_tokens: int = 128,
         sampling: SamplingParams = SamplingParams(),
         route_wait: float = DEFAULT_ROUTE_WAIT,
+        busy_wait: float = BUSY_WAIT,
         speculation: Speculation | None = None,
         spot_check: CheckPolicy | None | Literal["swarm"] = "swarm",
         info: dict | None = None,
@@ -571,7 +582,8 @@ class Swarm:
         if spot_check is not None and spot_check.rate > 0 and self.ctx.wire:
             # a check compares outputs at float32 tolerances; a compact form rounds them far beyond
             raise ValueError(f"spot checks need exact activations on the wire, not {self.ctx.wire!r}")
-        session = ResilientSession(self, max_length=capacity, route_wait=route_wait, policy=policy)
+        session = ResilientSession(self, max_length=capacity, route_wait=route_wait, busy_wait=busy_wait,
+                                   policy=policy)
         await session.open()
         if spot_check is not None and spot_check.rate > 0:
             session.checker = SpotChecker(self, spot_check, max_length=capacity,

@@ -76,6 +76,8 @@ class SwarmPort(Protocol):
 
     async def wait_for_route(self, timeout: float = ..., **plan_args) -> Route: ...
 
+    def covered_but_busy(self, **plan_args) -> bool: ...  # only busy peers block a route (a queue to wait in)
+
     async def publish_report(self, report: MisbehaviourReport) -> int: ...
 
 

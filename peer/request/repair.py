@@ -60,7 +60,7 @@ import trio
 
 from tessera.store import events
 
-from tessera.peer.base.backoff import Failure
+from tessera.peer.base.backoff import BUSY_WAIT, Failure
 from tessera.peer.base.errors import DisputeUndecided, NoRoute, PeerError, PeerFailed, RouteLost, SessionRefused
 from tessera.peer.request.failures import refusal_failure
 from tessera.peer.request.policy import RequesterPolicy
@@ -145,11 +145,14 @@ class ResilientSession:
     """A generation's session that survives peers refusing, dying and hanging."""
 
     def __init__(self, swarm: SwarmPort, *, max_length: int, route_wait: float,
-                 policy: RequesterPolicy | None = None) -> None:
+                 busy_wait: float = BUSY_WAIT, policy: RequesterPolicy | None = None) -> None:
         self.swarm = swarm
         self.request_policy = policy  # narrows the requester's own policy for this answer
         self.max_length = max_length
         self.route_wait = route_wait
+        # past the route wait, how long an open or repair keeps waiting while only busy peers
+        # stand between it and a route (peer/base/backoff.py BUSY_WAIT: a full swarm is a queue)
+        self.busy_wait = busy_wait
         self.current: RouteRun | None = None
         self.routes: list[Route] = []
         self.failovers = 0
@@ -161,6 +164,7 @@ class ResilientSession:
         self.rebuilt: torch.Tensor | None = None
         self.checker: SpotChecker | None = None  # spot checks (peer/request/verify.py), if asked for
         self.deadline = math.inf  # trio time when the current open's or repair's wait for routes gives up
+        self.busy_deadline = math.inf  # ... and when it gives up though only busy peers block it
         self.paroled: set[str] = set()  # the only covers of a span paroled in the current wait
         self.spread: Spread | None = None  # the current open's or repair's draw of routing's spread
         self.routes_chosen = 0  # routes chosen in the current open or repair (each its own turn of the draw)
@@ -226,6 +230,7 @@ class ResilientSession:
         depends on its opens and repairs, not on how often each re-routed (a replay, whose timings
         differ a little, draws alike), and a re-route does not meet the same factors again."""
         self.deadline = trio.current_time() + self.route_wait
+        self.busy_deadline = self.deadline + self.busy_wait
         self.paroled = set()
         self.spread = self.swarm.draw()
         self.routes_chosen = 0
@@ -235,8 +240,18 @@ class ResilientSession:
         wait's draw (routing's spread), the only cover of a span paroled once."""
         spread = None if self.spread is None else self.spread.again(self.routes_chosen)
         self.routes_chosen += 1
-        return await self.swarm.wait_for_route(self.remaining(), policy=self.policy, spread=spread,
-                                               paroled=self.paroled, **plan_args)
+        while True:
+            try:
+                return await self.swarm.wait_for_route(self.remaining(), policy=self.policy, spread=spread,
+                                                       paroled=self.paroled, **plan_args)
+            except NoRoute:
+                now = trio.current_time()
+                if now >= self.busy_deadline or not self.swarm.covered_but_busy(policy=self.policy, **plan_args):
+                    raise
+                # every layer is served, by peers that said busy: queue for another route wait
+                log.info("every layer is covered by busy peers: waiting for room (%.0f s more at most)",
+                         self.busy_deadline - now)
+                self.deadline = min(now + self.route_wait, self.busy_deadline)
 
     # -- opening ----------------------------------------------------------------------
 

@@ -212,6 +212,47 @@ async def test_an_open_gives_up_after_max_failed_routes_and_a_refusal_is_skipped
     assert all(swarm.bans.strikes(f"gone{i}") == 1 for i in range(MAX_OPEN_ATTEMPTS))
 
 
+@pytest.mark.parametrize("only_busy", [True, False])
+async def test_an_open_queues_past_the_route_wait_only_while_busy_peers_alone_block_it(
+        only_busy, monkeypatch, autojump_clock) -> None:
+    """No route within the route wait: while every layer is covered by peers that are only busy
+    (the swarm says so: `covered_but_busy`), the open waits up to `busy_wait` more, a route
+    wait at a time, and takes the route that frees up in it; otherwise, or past it, NoRoute."""
+    swarm = _Swarm()
+    swarm.covered_but_busy = lambda **plan_args: only_busy
+    frees_at = 1.0 + 2.5  # the route wait, then part of the third wait for room
+
+    async def wait_for_route(wait, *, policy, spread, paroled):
+        if trio.current_time() + wait >= frees_at:
+            await trio.sleep_until(frees_at)
+            return SimpleNamespace(hops=())
+        await trio.sleep(wait)
+        raise NoRoute("busy", [])
+
+    class Opens:
+        segments = ()
+
+        async def open(self, *, began=None) -> None:
+            pass
+
+    swarm.wait_for_route = wait_for_route
+    monkeypatch.setattr(repair, "session_for", lambda ctx, route, *, max_length: Opens())
+    short = ResilientSession(swarm, max_length=64, route_wait=1.0, busy_wait=2.0)
+    with pytest.raises(NoRoute):
+        await short.open()  # 1 s + 2 s of waiting, and the room came at 3.5 s: too late
+    assert trio.current_time() == pytest.approx(3.0 if only_busy else 1.0)
+    began = trio.current_time()
+    frees_at = began + 3.5
+    session = ResilientSession(swarm, max_length=64, route_wait=1.0, busy_wait=5.0)
+    if only_busy:
+        await session.open()
+        assert trio.current_time() - began == pytest.approx(3.5)
+    else:
+        with pytest.raises(NoRoute):
+            await session.open()
+        assert trio.current_time() - began == pytest.approx(1.0)
+
+
 async def test_a_step_is_repaired_up_to_max_repairs_times_then_given_up(autojump_clock) -> None:
     """Each repair bans a peer; a step is sent again after each of MAX_REPAIRS_PER_STEP repairs
     (the last one included), and only then is its failure raised."""

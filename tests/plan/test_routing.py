@@ -152,6 +152,23 @@ def test_excluded_peers_are_avoided():
     assert route(view, source=REQ, exclude={"a"}).peer_ids == ("b",)  # any set will do
 
 
+@pytest.mark.parametrize("state", [DRAINING, LEAVING, LOADING])
+def test_covered_but_busy_counts_full_and_refusing_peers_as_a_queue_not_other_states(state):
+    """Only busy peers between a requester and a route make it a queue to wait in (the
+    requester's open waits BUSY_WAIT more then): full ones, and those it skips for a refusal
+    (left out of `avoided` by the caller); a gap, a peer avoided for a failure, or one not
+    serving is no queue."""
+    view = SwarmView.of(4, [peer("full", 0, 2, load=1.0), peer("open", 2, 4)])
+    assert route(view, source=REQ) == NO_ROUTE
+    assert routing.covered_but_busy(view)
+    assert routing.covered_but_busy(view, start=2)
+    assert not routing.covered_but_busy(view, avoided={"open"})  # banned for a failure: a gap
+    assert not routing.covered_but_busy(SwarmView.of(4, [peer("full", 0, 2, load=1.0)]))  # layers 2-3: nobody
+    gone = SwarmView.of(4, [peer("full", 0, 2, load=1.0, state=state), peer("open", 2, 4)])
+    assert not routing.covered_but_busy(gone)
+    assert not routing.covered_but_busy(view, start=3, end=3)  # nothing asked: nothing to wait for
+
+
 def test_a_gap_gives_no_route():
     view = SwarmView.of(10, [peer("a", 0, 4), peer("b", 5, 10)])
     assert route(view, source=REQ) == NO_ROUTE
