@@ -38,13 +38,12 @@ plus a token's bytes on the link.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    from tessera.peer.request.repair import Pending, ResilientSession
-    from tessera.peer.plan.view import SwarmView
+from tessera.peer.plan.view import SwarmView
+from tessera.peer.request.repair import Pending, ResilientSession, Superseded
 
 # Chunks are multiples of this many tokens, and a prompt shorter than two of them is
 # never cut: below ~64 tokens a CPU matmul stops amortising its per-call cost, so a
@@ -123,8 +122,6 @@ async def pipelined_prefill(session: "ResilientSession", hidden: torch.Tensor, c
     failing peer is found and repaired at the first chunk it fails) but not kept.
     A repair supersedes the chunks sent before it: they are sent again after it.
     """
-    from tessera.peer.request.repair import Superseded
-
     spans = chunks(hidden.shape[0], chunk)
     in_flight: list[Pending] = [await session.submit(hidden[a:b], a) for a, b in spans]
     output = None
