@@ -202,6 +202,8 @@ def split_matmul(rows: torch.Tensor, raw_rows: Callable[[int, int], torch.Tensor
 
     def rows_of(lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
         blocks = raw_rows(lo, hi).view(hi - lo, -1, kind.nbytes)
+        if blocks.storage_offset() % 2:  # rows at an odd byte of the file's mapping: the int16 views need an even one
+            blocks = blocks.clone()
         scale, offset = split.header(blocks)  # [r, groups]
         split.codes(blocks, out)
         w = out.view(hi - lo, -1, split.group)
