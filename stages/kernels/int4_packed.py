@@ -74,17 +74,24 @@ class PackedInt4Linear(ShippedLinear):
         zeros = unpack_zero_points(self.zero_points[first : -(-hi // PER_WORD)], hi - first * PER_WORD)
         return zeros[lo - first * PER_WORD :]
 
-    def _rows(self, lo: int, hi: int) -> torch.Tensor:
-        """float32 rows [lo, hi) of the weight (the reference's arithmetic)."""
-        q = self._q(tile_rows(self.codes, self.codes_tail, lo, hi))  # [r, K/G, G]
-        zeros = self._zeros(lo, hi)
-        if zeros is not None:
-            q.sub_(zeros[..., None])
-        scales = tile_rows(self.scales, self.scales_tail, lo, hi)
-        return q.float().mul_(scales.float()[..., None]).reshape(hi - lo, self.in_features)
-
     def rows_into(self, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
-        return out.copy_(self._rows(lo, hi))
+        """float32 rows [lo, hi) of the weight written into `out` [hi - lo, K], the reference's arithmetic:
+        the stored codes q + 8 widen straight into `out` (small integers: exact in float32), less 8 + z,
+        times s. No int32 or float temporary of the chunk's size: the eager forward's temporaries are
+        what glibc keeps on its heap after a step (a span held 1.16x its bytes on one machine)."""
+        codes = tile_rows(self.codes, self.codes_tail, lo, hi)  # uint8 [r, K/2]
+        pairs = out.view(hi - lo, -1, 2)
+        pairs[..., 0].copy_(codes & 0xF)
+        pairs[..., 1].copy_(codes >> 4)
+        groups = out.view(hi - lo, -1, self.group)
+        zeros = self._zeros(lo, hi)
+        groups.sub_(CODE_OFFSET if zeros is None else (zeros + CODE_OFFSET).float()[..., None])
+        groups.mul_(tile_rows(self.scales, self.scales_tail, lo, hi).float()[..., None])
+        return out
+
+    def _rows(self, lo: int, hi: int) -> torch.Tensor:
+        """float32 rows [lo, hi) of the weight."""
+        return self.rows_into(lo, hi, torch.empty(hi - lo, self.in_features, device=self.codes.device))
 
     def dequantized(self) -> torch.Tensor:
         return self._rows(0, self.out_features).cpu()
