@@ -15,6 +15,11 @@ this machine; gdb: THPVariable_clear in "Trio thread 0").
 `in_worker` passes the call through a box the worker empties before it starts and fills
 with the outcome before it returns, so the worker's frames end holding nothing: the call,
 its arguments and its result are freed by the caller, on the caller's thread.
+
+The thread starts in the caller's task step: trio's default limiter (40 threads at once) is
+taken through `QuickLimiter`, whose free token costs no turn through the scheduler (a
+peer's every step crosses here, and a pass of trio's run loop on a core that waited costs
+tens of microseconds). The caller is resumed once, when the outcome is back.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import Callable, TypeVar
 
 import outcome
 import trio
+
+from tessera.peer.base.quick import QuickLimiter
 
 T = TypeVar("T")
 
@@ -35,7 +42,7 @@ async def in_worker(call: Callable[[], T]) -> T:
     def job() -> None:
         box.append(outcome.capture(box.pop()))  # the call leaves the box as the outcome enters it
 
-    await trio.to_thread.run_sync(job)
+    await trio.to_thread.run_sync(job, limiter=QuickLimiter())
     return box.pop().unwrap()
 
 

@@ -158,8 +158,8 @@ class StepBatcher(Generic[Job, Outcome]):
 
     async def _wait_for_company(self) -> None:
         """Wait (at most max_wait) while members of the last batch are missing and rows are left."""
-        if self.budget.max_wait <= 0:
-            return
+        if self.budget.max_wait <= 0 or not self._expecting():
+            return  # a lone session, or its company all here: no deadline to set up
         with trio.move_on_after(self.budget.max_wait):
             while self._expecting():
                 self._arrived = trio.Event()

@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 
-from tessera.peer.base.quick import QuickLock, send_quick, wait_set
+from tessera.peer.base.quick import QuickLimiter, QuickLock, send_quick, wait_set
 
 
 class Steps(trio.abc.Instrument):
@@ -121,3 +121,30 @@ async def test_a_lock_taken_on_the_fast_path_is_released_when_its_block_raises()
     with trio.fail_after(1):
         async with lock:
             assert lock.locked()
+
+
+async def test_a_limiter_with_a_token_left_gives_it_at_once_and_one_without_waits_its_turn() -> None:
+    limiter = QuickLimiter(trio.CapacityLimiter(1))
+    first, second = object(), object()
+    assert await _steps_of(lambda: limiter.acquire_on_behalf_of(first)) == 0
+    assert limiter.limiter.borrowed_tokens == 1
+    order: list[str] = []
+
+    async def waits() -> None:
+        await limiter.acquire_on_behalf_of(second)
+        order.append("second has the token")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waits)
+        await trio.testing.wait_all_tasks_blocked()
+        order.append("first releases")
+        limiter.release_on_behalf_of(first)
+    assert order == ["first releases", "second has the token"]
+    limiter.release_on_behalf_of(second)
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await limiter.acquire_on_behalf_of(first)
+        pytest.fail("acquired in a cancelled scope")
+    assert scope.cancelled_caught and limiter.limiter.borrowed_tokens == 0
+    # trio's own limiter takes a turn with a token left (what this saves)
+    assert await _steps_of(lambda: trio.CapacityLimiter(1).acquire_on_behalf_of(first)) == 1

@@ -40,7 +40,7 @@ async def test_a_worker_that_keeps_its_frames_keeps_nothing_of_the_call(monkeypa
     argument and result are still freed by the caller, on the caller's thread."""
     kept: list[object] = []
 
-    async def hoarding_run_sync(job):
+    async def hoarding_run_sync(job, **_):
         def work() -> None:
             kept.append(job)
             kept.append(job())
@@ -59,3 +59,25 @@ async def test_a_worker_that_keeps_its_frames_keeps_nothing_of_the_call(monkeypa
     del argument, result
     assert Probe.freed_on == [True, True]  # both freed here, at once, while the worker still holds its job
     assert len(kept) == 2
+
+
+async def test_the_worker_starts_in_the_callers_task_step_and_the_caller_resumes_once():
+    """trio's limiter takes a turn through the scheduler before the thread starts, even with
+    tokens left; `QuickLimiter` does not: the caller is resumed once, with the outcome."""
+    steps = []
+    task = trio.lowlevel.current_task()
+
+    class Steps(trio.abc.Instrument):
+        def before_task_step(self, stepped: trio.lowlevel.Task) -> None:
+            if stepped is task:
+                steps.append(stepped)
+
+    instrument = Steps()
+    trio.lowlevel.add_instrument(instrument)
+    try:
+        assert await in_worker(lambda: 6 * 7) == 42
+        mine = len(steps)
+        await trio.to_thread.run_sync(lambda: 6 * 7)
+    finally:
+        trio.lowlevel.remove_instrument(instrument)
+    assert (mine, len(steps) - mine) == (1, 2)

@@ -271,6 +271,36 @@ async def test_a_write_cancelled_before_it_began_leaves_the_stream_whole() -> No
             assert await round_trip(stream) == b"ping"
 
 
+async def test_a_frame_goes_out_without_waiting_its_turn_at_the_scheduler() -> None:
+    """A hop's frame is written with no pass through trio's run loop before its bytes are on the
+    socket (stream.py `SocketPipe`: py-libp2p's pipe took a lock of its own, a pass, and ours another):
+    the write's only pass is trio's checkpoint after the send. Counted by an instrument that sees
+    every pass of the loop; a private swarm's pnet pipe is py-libp2p's and is not counted here."""
+
+    class Passes(trio.abc.Instrument):
+        count = 0
+
+        def before_io_wait(self, timeout: float) -> None:
+            self.count += 1
+
+    async with hosts() as (a, b):
+        b.set_handler(SESSION_PROTOCOL, echo)
+        with trio.fail_after(WAIT):
+            stream = await a.open_stream(b.peer_id, SESSION_PROTOCOL)
+            assert await round_trip(stream) == b"ping"
+            passes = Passes()
+            trio.lowlevel.add_instrument(passes)
+            try:
+                await stream.write(b"x" * 2400)  # a SmolLM2 decode step's hidden state, sealed
+            finally:
+                trio.lowlevel.remove_instrument(passes)
+            assert passes.count <= 1
+            got = b""
+            while len(got) < 2400:
+                got += await stream.read(1 << 16)
+            assert got == b"x" * 2400
+
+
 # -- what strangers cost the listener ----------------------------------------------------
 
 

@@ -28,7 +28,7 @@ from tessera.peer.base.errors import PeerError
 from tessera.peer.base.protocols import (
     DEDICATED_PROTOCOL, LINK_PROTOCOL, SESSION_PROTOCOL, SHARD_LINK_PROTOCOL, SHARD_SESSION_PROTOCOL,
 )
-from tessera.peer.net.dedicated.stream import DedicatedStream, Pipe
+from tessera.peer.net.dedicated.stream import DedicatedStream, Pipe, SocketPipe
 from tessera.peer.net.transport import DIRECT, Channel, Handler, Stream
 
 log = logging.getLogger(__name__)
@@ -337,9 +337,11 @@ class DedicatedStreams:
                 counts: dict[str, int]) -> DedicatedStream:
         """The stream over a secured connection, counted in `counts` (accepted or dialled) until released."""
         # After the handshake the session's ciphers are all that Noise keeps (py-libp2p's
-        # SecureSession holds them as conn.noise_state); messages are framed in stream.py.
+        # SecureSession holds them as conn.noise_state); messages are framed in stream.py, on
+        # the socket itself unless pnet protects it (stream.py `SocketPipe` says why).
         _count(counts, remote, +1)
-        return DedicatedStream(socket_stream, pipe, secure.conn.noise_state, remote, self._nursery,
+        after = pipe if self._swarm_key is not None else SocketPipe(socket_stream)
+        return DedicatedStream(socket_stream, after, secure.conn.noise_state, remote, self._nursery,
                                lambda: _count(counts, remote, -1))
 
     def live(self, peer_id: str | None = None) -> int:

@@ -2,7 +2,9 @@
 
 After py-libp2p's handshake, a message is Noise's transport framing, read and written
 here directly: a 2-byte big-endian length, then the ChaCha20-Poly1305 ciphertext of at
-most 65519 bytes (the same framing as py-libp2p's, with fewer layers per frame).
+most 65519 bytes (the same framing as py-libp2p's, with fewer layers per frame). Where the
+swarm has no key, those bytes go straight to the TCP socket (`SocketPipe`); with a key,
+through py-libp2p's pnet protector, which encrypts them once more.
 
 States. Reading: one task at a time (the owner's), as on any stream. `close()` sends our
 end of stream; the owner may go on reading. A closed stream nobody reads is drained by a
@@ -22,6 +24,7 @@ from typing import Callable, Protocol
 import trio
 
 from tessera.peer.base.errors import StreamClosed
+from tessera.peer.base.quick import QuickLock
 
 # After close(), how long a socket nobody reads waits for the remote to close its side, and
 # how much of what the remote sends meanwhile it keeps for a later read (beyond either, the
@@ -41,6 +44,30 @@ class Pipe(Protocol):
     async def read(self, n: int | None = None) -> bytes: ...
 
     async def write(self, data: bytes) -> None: ...
+
+
+class SocketPipe:
+    """The pipe after the handshake where the swarm has no key: the TCP socket itself.
+
+    py-libp2p's RawConnection over its TrioTCPStream (what the handshake reads and writes
+    through) adds a `trio.Lock` each way and wraps every error; each lock's acquire is a pass
+    through trio's scheduler before the bytes go, two of them ahead of every frame a hop
+    sends. A `DedicatedStream` already has one reader at a time and serialises its writes,
+    so here the socket is read and written directly. Reads as py-libp2p's pipe reads: a
+    socket closed under the reader (a reset released it) is an end of stream.
+    """
+
+    def __init__(self, socket_stream: trio.SocketStream) -> None:
+        self._socket = socket_stream
+
+    async def read(self, n: int | None = None) -> bytes:
+        try:
+            return await self._socket.receive_some(n)
+        except trio.ClosedResourceError:
+            return b""
+
+    async def write(self, data: bytes) -> None:
+        await self._socket.send_all(data)
 
 
 class Cipher(Protocol):
@@ -66,7 +93,7 @@ class DedicatedStream:
         self._on_release = on_release
         self._in = bytearray()  # received bytes not yet parsed into a message
         self._ready = bytearray()  # decrypted bytes not yet read
-        self._write_lock = trio.Lock()
+        self._write_lock = QuickLock()  # taken without a turn through the scheduler when free
         self._reading = False  # the owner's read is on the socket
         self._drain: trio.CancelScope | None = None  # the drainer's, while one runs
         self._drained = trio.Event()  # set when the drainer stops
@@ -285,4 +312,4 @@ def _collected(sock: trio.socket.SocketType, token: trio.lowlevel.TrioToken, on_
         pass  # the loop ended: so did its counts
 
 
-__all__ = ["DRAIN_LIMIT", "LINGER", "MAX_PLAINTEXT", "Cipher", "DedicatedStream", "Pipe"]
+__all__ = ["DRAIN_LIMIT", "LINGER", "MAX_PLAINTEXT", "Cipher", "DedicatedStream", "Pipe", "SocketPipe"]
