@@ -105,11 +105,12 @@ class Candidate:
 class Pool:
     """Candidates interchangeable but for speed and id (module docstring): one clipped span
     [lo, hi), all may be left early, and no measured round trip to or from any of them (none
-    is the source or the sink either). `members` sorted by (per_layer, pid)."""
+    is the source or the sink either). `members` sorted by (per_layer, pid): a tuple, or a
+    sequence that sorts as it is read (routing.py's spread draws)."""
 
     lo: int
     hi: int
-    members: tuple[Candidate, ...]
+    members: Sequence[Candidate]
 
     @property
     def keep(self) -> int:

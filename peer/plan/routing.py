@@ -67,10 +67,11 @@ differ only in speed and id: the search takes the few of each such pool a chain 
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 from tessera.peer.plan.chains import Candidate, Links, Pool, cheapest_chain, links_between, pools_of
 from tessera.peer.plan.cost import (
@@ -393,9 +394,12 @@ def route(
             return Candidate(c.pid, c.lo, c.hi, c.per_layer * spread.factor(c.pid, share), c.stops_early)
 
         candidates = [drawn(c) for c in candidates]
-        pools = tuple(Pool(pool.lo, pool.hi, tuple(sorted((drawn(c) for c in pool.members),
-                                                          key=lambda c: (c.per_layer, c.pid))))
-                      for pool in pools)
+        if spread.width >= 0:  # every draw's factor is at least 1: a pool's members are drawn as far as read
+            pools = tuple(Pool(pool.lo, pool.hi, _DrawnMembers(pool.members, drawn)) for pool in pools)
+        else:
+            pools = tuple(Pool(pool.lo, pool.hi, tuple(sorted((drawn(c) for c in pool.members),
+                                                              key=lambda c: (c.per_layer, c.pid))))
+                          for pool in pools)
     if skip - exclude:
         candidates.sort(key=lambda c: c.pid)
 
@@ -415,6 +419,58 @@ def route(
         g = group_of.get(pid)
         hops.append(Hop(pid, entries[i], until, group=g.name, members=g.member_ids) if g else Hop(pid, entries[i], until))
     return Route(tuple(hops), cost)
+
+
+class _DrawnMembers(Sequence[Candidate]):
+    """A pool's members at a spread's prices, sorted by (per_layer, pid) as `Pool` promises, each
+    drawn only when the search reads that far.
+
+    The search reads the first few of each pool (chains.py FIRST_KEEP, and the next one for the
+    gap) and all of them only when it must widen, yet drawing every member of every pool was
+    most of a call at 1,000 peers (a pool per span, hundreds of members each, one draw a member
+    a call). A draw's factor is at least 1 (cost.Spread.factor: 1 + width * E / spare with
+    width, E >= 0), so a member's drawn price is at least its prepared one, and `members` come
+    sorted by that: once the next undrawn member's prepared price is above the cheapest drawn
+    one not yet handed out, no undrawn member can come before it. The order handed out is
+    therefore exactly that of sorting every drawn member, and so are the values (each member
+    drawn by the same function, once)."""
+
+    def __init__(self, members: Sequence[Candidate], draw: Callable[[Candidate], Candidate]) -> None:
+        self._members = members
+        self._draw = draw
+        self._next = 0  # members[:_next] are drawn
+        self._heap: list[tuple[float, str, Candidate]] = []  # drawn, not yet handed out
+        self._sorted: list[Candidate] = []  # handed out, in order
+
+    def _one_more(self) -> bool:
+        members, heap = self._members, self._heap
+        n = len(members)
+        while self._next < n and (not heap or members[self._next].per_layer <= heap[0][0]):
+            c = self._draw(members[self._next])
+            self._next += 1
+            heapq.heappush(heap, (c.per_layer, c.pid, c))  # peer ids are distinct: the tuple never compares c
+        if not heap:
+            return False
+        self._sorted.append(heapq.heappop(heap)[2])
+        return True
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __iter__(self) -> Iterator[Candidate]:
+        i = 0
+        while i < len(self._sorted) or self._one_more():
+            yield self._sorted[i]
+            i += 1
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice) or index < 0:
+            while self._one_more():
+                pass
+            return tuple(self._sorted)[index]
+        while index >= len(self._sorted) and self._one_more():
+            pass
+        return self._sorted[index]
 
 
 def _rtt_from(peers: Mapping[str, PeerInfo], a: str, default_rtt_ms: float) -> Callable[[str], float]:
