@@ -43,7 +43,7 @@ from tessera.stages.families.shipped import GgmlType
 from tessera.stages.kernels.chunked import SCRATCH, chunked_matmul
 from tessera.stages.kernels.ggml.blocks import SCALED_TYPES, ggml_rows
 from tessera.stages.kernels.ggml.k_lanes import K_LANE_CODES, k_tile_rows
-from tessera.stages.kernels.ggml.scaled import scaled_rows, scaled_tile_rows, scaled_weight
+from tessera.stages.kernels.ggml.scaled import half, scaled_rows, scaled_tile_rows, scaled_weight
 from tessera.stages.kernels.linear import ShippedLinear
 from tessera.stages.kernels.row_tiles import rows_of, tile_rows, tiles_of
 
@@ -237,8 +237,9 @@ def split_weight(raw: torch.Tensor, kind: GgmlType) -> torch.Tensor:
 
 
 def _block_half(blocks: torch.Tensor, at: int) -> torch.Tensor:
-    """The float16 at byte `at` of each block of `blocks` int8 [N, nb, nbytes] -> float32 [N, nb, 1]."""
-    return blocks[..., at : at + 2].view(torch.float16).float()
+    """The float16 at byte `at` of each block of `blocks` int8 [N, nb, nbytes] -> float32 [N, nb, 1] (scaled.py
+    `half`: through a float16 view where the bytes start at an even byte of the storage)."""
+    return half(blocks, at)[..., None]
 
 
 def _q4_halves(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
