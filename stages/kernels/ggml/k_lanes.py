@@ -1,31 +1,39 @@
-"""Q4_K and Q5_K's compiled one-row product over their row tiles, every tensor with the tile's lanes last.
+"""The k-quants' (Q2_K .. Q6_K) compiled one-row product over their row tiles, every tensor with the
+tile's lanes last.
 
-Held as row tiles (kernels/row_tiles.py), a Q4_K or Q5_K matrix is `[T, nb * nbytes, width]`: byte j
-of a block of 16 rows side by side. ggml/scaled.py's general tile product reads each block's parts
-through a view that puts the lanes before the bytes, and for these two types inductor then materialises
-the decoded scales in that order and loops over the rows one lane at a time (transposes of 4 bytes;
-measured, a 2816 x 1024 matrix, one thread: Q4_K 0.58x float32's product, where the blocks as stored
-take 0.78x: a horizontal sum per 32 weights and a scalar scale decode per row). Here every tensor keeps
-the lanes last, so each loop inductor writes runs along the lanes with contiguous loads:
+Held as row tiles (kernels/row_tiles.py), a k-quant matrix is `[T, nb * nbytes, width]`: byte j of a
+block of 16 rows side by side. ggml/scaled.py's general tile product reads each block's parts through a
+view that puts the lanes before the bytes; for Q4_K and Q5_K inductor then materialises the decoded
+scales in that order and loops over the rows one lane at a time (transposes of 4 bytes; measured, a
+2816 x 1024 matrix, one thread: Q4_K 0.58x float32's product, where the blocks as stored take 0.78x: a
+horizontal sum per 32 weights and a scalar scale decode per row). Here every tensor keeps the lanes
+last, so each loop inductor writes runs along the lanes with contiguous loads (`LaneType`):
 
-- the codes: sub-block s = 2 c + h of a Q4_K block is nibble h of bytes 16 + 32 c .. + 32 (Q5_K: of
-  bytes 48 + 32 c .., with bit s of byte 16 + l above it as its fifth bit); per sub-block, the codes
-  times the inputs are summed first (`dots`, one float per sub-block and lane: a vector multiply-add
-  per code nibble per 16 rows, the inputs broadcast), a byte's two nibbles by two sums in one loop
-  (one load feeds both, and two independent accumulators halve the chain of dependent adds:
+- the codes: each group's (a sub-block of 16 or 32 weights with one scale) codes, shifted and masked
+  out of their bytes (Q4_K's sub-block 2 c + h is nibble h of bytes 16 + 32 c ..; each type's `parts`
+  says its layout), times the inputs are summed first (`dots`, one float per group and lane: a vector
+  multiply-add per code per 16 rows, the inputs broadcast), the codes one byte holds by as many sums
+  in one loop (one load feeds them, and independent accumulators shorten the chain of dependent adds:
   measured 1.02 -> 1.07x float32's for Q4_K, 0.87 -> 0.94x for Q5_K; all eight sub-blocks' sums in
   one loop measured no better);
-- the scales: each sub-block's six-bit scale and min (llama.cpp's get_scale_min_k4, as
-  ggml/kquants.py `_k_header` selects them) times d and dmin, float16s read in arithmetic (no bit
-  cast: scaled.py `float16_value`), once per sub-block and 16 rows, in vectors;
-- y = sum over sub-blocks of scale * dots - min * (the inputs' sum over the sub-block), the inputs'
-  sums computed once per call.
+- the scales: each group's scale (and min) decoded from its bytes (six-bit scales and mins as
+  llama.cpp's get_scale_min_k4 and ggml/kquants.py select them, Q6_K's int8s, Q2_K's nibbles) times
+  d (and dmin), float16s read in arithmetic (no bit cast: scaled.py `float16_value`), once per group
+  and 16 rows, in vectors;
+- y = sum over groups of scale * dots - low * (the inputs' sum over the group), the inputs' sums
+  computed once per call; a constant offset of the codes (Q6_K's 32, Q3_K's 4) is in `low`.
 
-The weights are the reference's (`scale * q - min`, ggml/kquants.py); only the order of the float32
+Measured, a 2816 x 1024 matrix against this general product, one thread, a loaded machine (so
+provisional): Q6_K 0.93 -> 1.02x float32's, Q3_K 0.95 -> 1.13x, Q2_K the same (0.97 and 1.02x).
+The weights are the reference's (`scale * q - low`, ggml/kquants.py); only the order of the float32
 sum differs (the tests hold the product to the dequantized weight's).
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -59,40 +67,100 @@ def k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             (d_min * mins.float()).reshape(t, nb, *SUB_BLOCKS, width))
 
 
-def _nibble_shifts(device: torch.device) -> torch.Tensor:
-    return (4 * torch.arange(2, dtype=torch.int32, device=device))[:, None, None]  # [h, 1, 1]
+def _shifts(device: torch.device, step: int, *shape: int) -> torch.Tensor:
+    """int32 step * [0, 1, ...] shaped `shape` (inductor folds the iota into its loop index)."""
+    return (step * torch.arange(math.prod(shape), dtype=torch.int32, device=device)).view(*shape)
 
 
-def q4_k_codes(blocks: torch.Tensor) -> torch.Tensor:
-    """int32 [T, nb, 4, 2, 32, width]: nibble h of byte 16 + 32 c + l."""
+@dataclass(frozen=True)
+class LaneType:
+    """A k-quant's product along its tiles' lanes. `parts(blocks [T, nb, nbytes, width])` -> codes int32
+    [T, nb, *groups, sub, width] (the weights' order: `groups` of `sub` weights), scale and low float32
+    [T, nb, *groups, width], each weight scale * code - low; `together`: the group axis whose sums one
+    loop makes (the values one code byte holds)."""
+
+    nbytes: int
+    groups: tuple[int, ...]
+    sub: int
+    together: int
+    parts: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def q4_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """codes [T, nb, 4, 2, 32, width]: nibble h of byte 16 + 32 c + l."""
     t, nb, _, width = blocks.shape
     qs = lane_bytes(blocks, 16, 144).view(t, nb, 4, 1, SUB, width)
-    return (qs >> _nibble_shifts(blocks.device)) & 0xF
+    return (qs >> _shifts(blocks.device, 4, 2, 1, 1)) & 0xF, *k_scales(blocks)
 
 
-def q5_k_codes(blocks: torch.Tensor) -> torch.Tensor:
-    """int32 [T, nb, 4, 2, 32, width]: nibble h of byte 48 + 32 c + l, bit 2 c + h of byte 16 + l above."""
+def q5_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """codes [T, nb, 4, 2, 32, width]: nibble h of byte 48 + 32 c + l, bit 2 c + h of byte 16 + l above."""
     t, nb, _, width = blocks.shape
     qs = lane_bytes(blocks, 48, 176).view(t, nb, 4, 1, SUB, width)
     qh = lane_bytes(blocks, 16, 48).view(t, nb, 1, 1, SUB, width)
-    s = torch.arange(8, dtype=torch.int32, device=blocks.device).view(4, 2, 1, 1)  # sub-block 2 c + h
-    return ((qs >> _nibble_shifts(blocks.device)) & 0xF) | (((qh >> s) & 1) << 4)
+    high = (qh >> _shifts(blocks.device, 1, 4, 2, 1, 1)) & 1  # sub-block 2 c + h
+    return ((qs >> _shifts(blocks.device, 4, 2, 1, 1)) & 0xF) | (high << 4), *k_scales(blocks)
 
 
-K_LANE_CODES = {"Q4_K": (144, q4_k_codes), "Q5_K": (176, q5_k_codes)}
+def q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """codes [T, nb, 2, 2, 2, 2, 16, width]: weight 128 h + 64 t + 32 s + 16 half + l is nibble t of byte
+    64 h + 32 s + 16 half + l with bits 2 (2 t + s) of byte 128 + 32 h + 16 half + l above it, less 32
+    (as `low`: 32 times its scale, int8 scale 8 h + 4 t + 2 s + half times d)."""
+    t, nb, _, width = blocks.shape
+    ql = lane_bytes(blocks, 0, 128).view(t, nb, 2, 1, 2, 2, 16, width)
+    qh = lane_bytes(blocks, 128, 192).view(t, nb, 2, 1, 1, 2, 16, width)
+    high = (qh >> _shifts(blocks.device, 2, 2, 2, 1, 1, 1)) & 3  # [t, s] -> 2 (2 t + s)
+    codes = ((ql >> _shifts(blocks.device, 4, 2, 1, 1, 1, 1)) & 0xF) | (high << 4)
+    sc = lane_bytes(blocks, 192, 208)
+    scale = (lane_half(blocks, 208)[:, :, None] * (sc - ((sc & 0x80) << 1)).float()).view(t, nb, 2, 2, 2, 2, width)
+    return codes, scale, 32 * scale
 
 
-def k_tile_rows(kind: str, x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
-    """x [R, K] float32 @ W^T for W's row tiles uint8 [T, K / 256 * nbytes, width] of Q4_K or Q5_K blocks
+def q2_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """codes [T, nb, 2, 4, 2, 16, width]: weight 128 h + 32 j + 16 half + l is bits 2 j of byte
+    16 + 32 h + 16 half + l; scale and min 8 h + 2 j + half the nibbles of its byte, times d and dmin."""
+    t, nb, _, width = blocks.shape
+    qs = lane_bytes(blocks, 16, 80).view(t, nb, 2, 1, 2, 16, width)
+    sc = lane_bytes(blocks, 0, 16).view(t, nb, 2, 4, 2, width)
+    scale = lane_half(blocks, 80)[:, :, None, None, None] * (sc & 0xF).float()
+    low = lane_half(blocks, 82)[:, :, None, None, None] * (sc >> 4).float()
+    return (qs >> _shifts(blocks.device, 2, 4, 1, 1, 1)) & 3, scale, low
+
+
+def q3_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """codes as Q2_K's (bytes 32 .. 96) with bit 4 h + j of byte 16 half + l above them (the reference's
+    q - 4 (1 - bit), as code - 4: `low` is 4 times the scale); six-bit scales (ggml/kquants.py
+    `q3_scales`) less 32, times d."""
+    t, nb, _, width = blocks.shape
+    qs = lane_bytes(blocks, 32, 96).view(t, nb, 2, 1, 2, 16, width)
+    hm = lane_bytes(blocks, 0, 32).view(t, nb, 1, 1, 2, 16, width)
+    codes = ((qs >> _shifts(blocks.device, 2, 4, 1, 1, 1)) & 3) | (((hm >> _shifts(blocks.device, 1, 2, 4, 1, 1, 1)) & 1) << 2)
+    sc = lane_bytes(blocks, 96, 108)  # [T, nb, 12, width]
+    low = (sc[:, :, None, 0:8] >> _shifts(blocks.device, 4, 2, 1, 1)) & 0xF  # scale 8 a + i: byte i's nibble a
+    high = (sc[:, :, None, 8:12] >> _shifts(blocks.device, 2, 4, 1, 1)) & 3  # scale 4 b + i: bits 2 b of byte 8 + i
+    six = (low.reshape(t, nb, 16, width) | (high.reshape(t, nb, 16, width) << 4)) - 32
+    scale = (lane_half(blocks, 108)[:, :, None] * six.float()).view(t, nb, 2, 4, 2, width)
+    return codes, scale, 4 * scale
+
+
+LANE_TYPES = {
+    "Q4_K": LaneType(144, SUB_BLOCKS, SUB, 1, q4_k), "Q5_K": LaneType(176, SUB_BLOCKS, SUB, 1, q5_k),
+    "Q6_K": LaneType(210, (2, 2, 2, 2), 16, 1, q6_k), "Q2_K": LaneType(84, (2, 4, 2), 16, 1, q2_k),
+    "Q3_K": LaneType(110, (2, 4, 2), 16, 1, q3_k),
+}
+
+
+def lane_tile_rows(name: str, x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    """x [R, K] float32 @ W^T for W's row tiles uint8 [T, K / 256 * nbytes, width] of k-quant blocks `name`
     -> [R, T width] (module docstring)."""
-    nbytes, codes_of = K_LANE_CODES[kind]
+    kind = LANE_TYPES[name]
     t, row, width = tiles.shape
-    nb = row // nbytes
-    blocks = tiles.view(t, nb, nbytes, width)
-    scale, low = k_scales(blocks)  # [T, nb, 4, 2, width]
-    xs = x.view(x.shape[0], 1, nb, *SUB_BLOCKS, SUB, 1)
-    codes = codes_of(blocks).float()
-    # a byte's two nibbles summed by two reductions over the same loop (one load, two independent sums)
-    dots = torch.stack([(xs[:, :, :, :, h] * codes[:, :, :, h]).sum(-2) for h in range(2)], dim=4)  # [R, T, nb, 4, 2, width]
-    sums = x.view(x.shape[0], 1, nb, *SUB_BLOCKS, SUB).sum(-1)[..., None]  # [R, 1, nb, 4, 2, 1]
-    return (dots * scale - sums * low).sum((2, 3, 4)).reshape(x.shape[0], -1)
+    nb, r, a, g = row // kind.nbytes, x.shape[0], kind.together, len(kind.groups)
+    codes, scale, low = kind.parts(tiles.view(t, nb, kind.nbytes, width))
+    codes = codes.float()
+    xs = x.view(r, 1, nb, *kind.groups, kind.sub, 1)
+    # the values of one code byte summed by reductions over the same loop (one load, independent sums)
+    dots = torch.stack([(xs.select(3 + a, i) * codes.select(2 + a, i)).sum(-2) for i in range(kind.groups[a])],
+                       dim=3 + a)  # [R, T, nb, *groups, width]
+    sums = x.view(r, 1, nb, *kind.groups, kind.sub).sum(-1)[..., None]  # [R, 1, nb, *groups, 1]
+    return (dots * scale - sums * low).sum(tuple(range(2, 3 + g))).reshape(r, -1)

@@ -42,7 +42,7 @@ import torch
 from tessera.stages.families.shipped import GgmlType
 from tessera.stages.kernels.chunked import SCRATCH, chunked_matmul
 from tessera.stages.kernels.ggml.blocks import SCALED_TYPES, ggml_rows
-from tessera.stages.kernels.ggml.k_lanes import K_LANE_CODES, k_tile_rows
+from tessera.stages.kernels.ggml.k_lanes import LANE_TYPES, lane_tile_rows
 from tessera.stages.kernels.ggml.scaled import half, scaled_rows, scaled_tile_rows, scaled_weight
 from tessera.stages.kernels.linear import ShippedLinear
 from tessera.stages.kernels.row_tiles import rows_of, tile_rows, tiles_of
@@ -343,8 +343,8 @@ class GgmlLinear(ShippedLinear):
         if self.tiled:
             tiles, tables = self._tiles((raw, *rest))
             kind = SCALED_TYPES[self.kind.name]
-            if self.kind.name in K_LANE_CODES:  # their own product, lanes last (ggml/k_lanes.py)
-                outs = [k_tile_rows(self.kind.name, x, t) for t in tiles]
+            if self.kind.name in LANE_TYPES:  # the k-quants' own product, lanes last (ggml/k_lanes.py)
+                outs = [lane_tile_rows(self.kind.name, x, t) for t in tiles]
             else:
                 outs = [scaled_tile_rows(kind, self.kind.nbytes, x, t, *tables) for t in tiles]
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)

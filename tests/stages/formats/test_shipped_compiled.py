@@ -28,7 +28,7 @@ from tessera.stages.assembly.stage import load_stage
 from tessera.stages.families.shipped import GGML_TYPES
 from tessera.stages.kernels.fp8 import Fp8BlockLinear
 from tessera.stages.kernels.ggml.blocks import SCALED_TYPES
-from tessera.stages.kernels.ggml.k_lanes import K_LANE_CODES
+from tessera.stages.kernels.ggml.k_lanes import LANE_TYPES
 from tessera.stages.kernels.ggml.linear import GgmlLinear
 from tessera.stages.kernels.linear import ShippedLinear
 from tessera.stages.kernels.mxfp4 import FUSED_SCALES, Mxfp4Linear
@@ -130,7 +130,7 @@ def test_scaled_fused_forms_over_random_blocks(kind, rnd):
     check_fused(GgmlLinear(torch.from_numpy(raw).view(4, -1), ggml, 2 * ggml.block, None))
 
 
-@pytest.mark.parametrize("kind", sorted(K_LANE_CODES))
+@pytest.mark.parametrize("kind", sorted(LANE_TYPES))
 def test_a_k_quants_compiled_tile_product_is_its_dequantized_weights(kind):
     """Q4_K's and Q5_K's own product over row tiles (ggml/k_lanes.py), compiled as a decode step compiles it:
     40 rows (two whole tiles and a tail of 8) of 4 random blocks each, scales finite: the fused weight is the
