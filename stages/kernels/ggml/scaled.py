@@ -74,7 +74,10 @@ def half(blocks: torch.Tensor, at: int) -> torch.Tensor:
     and widens in vectors; from the bytes in arithmetic where the blocks are row tiles, their bytes a
     tile's width apart, or where a span's rows start at an odd byte of the file's mapping)."""
     field = blocks[..., at : at + 2]
-    if field.stride(-1) == 1 and field.storage_offset() % 2 == 0 and all(st % 2 == 0 for st in field.stride()[:-1]):
+    # under torch.compile the graph's stored inputs are taken to start at an even byte (dynamo does not
+    # trace storage_offset; an odd one fails the view as the graph is made, and the layer decodes eagerly)
+    even = at % 2 == 0 if torch.compiler.is_compiling() else field.storage_offset() % 2 == 0
+    if field.stride(-1) == 1 and even and all(st % 2 == 0 for st in field.stride()[:-1]):
         return field.view(torch.float16)[..., 0].float()
     bits = byte(blocks, at, at + 1)[..., 0] | (byte(blocks, at + 1, at + 2)[..., 0] << 8)
     return float16_value(bits) if blocks.stride(-1) != 1 else float16_of(bits)
