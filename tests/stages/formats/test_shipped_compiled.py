@@ -132,7 +132,7 @@ def test_scaled_fused_forms_over_random_blocks(kind, rnd):
 
 @pytest.mark.parametrize("kind", sorted(LANE_TYPES))
 def test_a_k_quants_compiled_tile_product_is_its_dequantized_weights(kind):
-    """Q4_K's and Q5_K's own product over row tiles (ggml/k_lanes.py), compiled as a decode step compiles it:
+    """The k-quants' own product over row tiles (ggml/k_lanes.py), compiled as a decode step compiles it:
     40 rows (two whole tiles and a tail of 8) of 4 random blocks each, scales finite: the fused weight is the
     dequantized one to the bit, and the compiled one-row product is its product."""
     ggml, rnd = GGML_TYPES[kind], random.Random(kind)
