@@ -264,9 +264,10 @@ FUSED = ("Q4_0", "Q4_1")  # the types with a fused form (module docstring)
 # the scaled types held as row tiles (kernels/row_tiles.py): those whose compiled product is faster so
 # (measured, a 2816 x 1024 matrix against its rows as stored, one thread: Q2_K 0.52 -> 0.92x float32's,
 # Q3_K 0.48 -> 0.90, Q6_K 0.54 -> 0.93, IQ4_XS 0.51 -> 0.72, IQ4_NL 0.63 -> 0.87, MXFP4 0.66 -> 0.83,
-# NVFP4 0.28 -> 0.79, Q8_0 0.19 (its fused form below, per weight) -> 1.5; Q4_K 0.78 -> 1.1 and Q5_K 0.65 -> 0.95
-# through their own product, lanes last (ggml/k_lanes.py: through scaled.py's they lose); the IQ grid types gain nothing)
-TILED = frozenset(("Q4_K", "Q5_K", "Q8_0", "Q2_K", "Q3_K", "Q6_K", "IQ4_XS", "IQ4_NL", "MXFP4", "NVFP4"))
+# NVFP4 0.28 -> 0.79, Q8_0 0.19 (its fused form below, per weight) -> 1.5; Q4_K 0.78 -> 1.1 through its own
+# product, lanes last (ggml/k_lanes.py: through scaled.py's it loses); Q5_K kept as stored (its lanes-last product
+# is slower inside a layer's graph: ggml/k_lanes.py LANE_TYPES); the IQ grid types gain nothing)
+TILED = frozenset(("Q4_K", "Q8_0", "Q2_K", "Q3_K", "Q6_K", "IQ4_XS", "IQ4_NL", "MXFP4", "NVFP4"))
 
 
 class GgmlLinear(ShippedLinear):
