@@ -42,7 +42,8 @@ import torch
 from tessera.stages.families.shipped import GgmlType
 from tessera.stages.kernels.chunked import SCRATCH, chunked_matmul
 from tessera.stages.kernels.ggml.blocks import SCALED_TYPES, ggml_rows
-from tessera.stages.kernels.ggml.scaled import scaled_rows, scaled_tile_rows, scaled_weight
+from tessera.stages.kernels.ggml.k_lanes import LANE_TYPES, lane_tile_rows
+from tessera.stages.kernels.ggml.scaled import half, scaled_rows, scaled_tile_rows, scaled_weight
 from tessera.stages.kernels.linear import ShippedLinear
 from tessera.stages.kernels.row_tiles import rows_of, tile_rows, tiles_of
 
@@ -236,8 +237,9 @@ def split_weight(raw: torch.Tensor, kind: GgmlType) -> torch.Tensor:
 
 
 def _block_half(blocks: torch.Tensor, at: int) -> torch.Tensor:
-    """The float16 at byte `at` of each block of `blocks` int8 [N, nb, nbytes] -> float32 [N, nb, 1]."""
-    return blocks[..., at : at + 2].view(torch.float16).float()
+    """The float16 at byte `at` of each block of `blocks` int8 [N, nb, nbytes] -> float32 [N, nb, 1] (scaled.py
+    `half`: through a float16 view where the bytes start at an even byte of the storage)."""
+    return half(blocks, at)[..., None]
 
 
 def _q4_halves(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,8 +264,10 @@ FUSED = ("Q4_0", "Q4_1")  # the types with a fused form (module docstring)
 # the scaled types held as row tiles (kernels/row_tiles.py): those whose compiled product is faster so
 # (measured, a 2816 x 1024 matrix against its rows as stored, one thread: Q2_K 0.52 -> 0.92x float32's,
 # Q3_K 0.48 -> 0.90, Q6_K 0.54 -> 0.93, IQ4_XS 0.51 -> 0.72, IQ4_NL 0.63 -> 0.87, MXFP4 0.66 -> 0.83,
-# NVFP4 0.28 -> 0.79, Q8_0 0.19 (its fused form below, per weight) -> 1.5; Q4_K 0.78 -> 0.55 and Q5_K 0.65 -> 0.50 lose, the IQ grid types gain nothing)
-TILED = frozenset(("Q8_0", "Q2_K", "Q3_K", "Q6_K", "IQ4_XS", "IQ4_NL", "MXFP4", "NVFP4"))
+# NVFP4 0.28 -> 0.79, Q8_0 0.19 (its fused form below, per weight) -> 1.5; Q4_K 0.78 -> 1.1 through its own
+# product, lanes last (ggml/k_lanes.py: through scaled.py's it loses); Q5_K kept as stored (its lanes-last product
+# is slower inside a layer's graph: ggml/k_lanes.py LANE_TYPES); the IQ grid types gain nothing)
+TILED = frozenset(("Q4_K", "Q8_0", "Q2_K", "Q3_K", "Q6_K", "IQ4_XS", "IQ4_NL", "MXFP4", "NVFP4"))
 
 
 class GgmlLinear(ShippedLinear):
@@ -340,7 +344,10 @@ class GgmlLinear(ShippedLinear):
         if self.tiled:
             tiles, tables = self._tiles((raw, *rest))
             kind = SCALED_TYPES[self.kind.name]
-            outs = [scaled_tile_rows(kind, self.kind.nbytes, x, t, *tables) for t in tiles]
+            if self.kind.name in LANE_TYPES:  # the k-quants' own product, lanes last (ggml/k_lanes.py)
+                outs = [lane_tile_rows(self.kind.name, x, t) for t in tiles]
+            else:
+                outs = [scaled_tile_rows(kind, self.kind.nbytes, x, t, *tables) for t in tiles]
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         blocks = raw.view(raw.shape[0], -1, self.kind.nbytes)
         if self.kind.name in SCALED_TYPES:

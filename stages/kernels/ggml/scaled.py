@@ -70,10 +70,15 @@ def byte(blocks: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 def half(blocks: torch.Tensor, at: int) -> torch.Tensor:
     """The little-endian float16 at bytes [at, at + 2) of each block, as float32 [...] (read through a
-    float16 view where the block size and offset are even, which inductor loads and widens in vectors;
-    from the bytes in arithmetic where the blocks are row tiles, their bytes a tile's width apart)."""
-    if at % 2 == 0 and blocks.shape[-1] % 2 == 0 and blocks.stride(-1) == 1:
-        return blocks[..., at : at + 2].view(torch.float16)[..., 0].float()
+    float16 view where every block's two bytes start at an even byte of the storage, which inductor loads
+    and widens in vectors; from the bytes in arithmetic where the blocks are row tiles, their bytes a
+    tile's width apart, or where a span's rows start at an odd byte of the file's mapping)."""
+    field = blocks[..., at : at + 2]
+    # under torch.compile the graph's stored inputs are taken to start at an even byte (dynamo does not
+    # trace storage_offset; an odd one fails the view as the graph is made, and the layer decodes eagerly)
+    even = at % 2 == 0 if torch.compiler.is_compiling() else field.storage_offset() % 2 == 0
+    if field.stride(-1) == 1 and even and all(st % 2 == 0 for st in field.stride()[:-1]):
+        return field.view(torch.float16)[..., 0].float()
     bits = byte(blocks, at, at + 1)[..., 0] | (byte(blocks, at + 1, at + 2)[..., 0] << 8)
     return float16_value(bits) if blocks.stride(-1) != 1 else float16_of(bits)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import shutil
 from pathlib import Path
 
@@ -189,6 +190,35 @@ def test_ggml_blocks_match_the_gguf_package(kind, rows, rnd):
     assert np.array_equal(ggml_rows(torch.from_numpy(raw), t).numpy(), want)
     if kind in SPLITS:  # the eager fast path of the types that have one
         assert np.array_equal(split_weight(torch.from_numpy(raw), t).numpy(), want)
+
+
+@pytest.mark.parametrize("kind", sorted(k for k, t in GGML_TYPES.items() if not t.is_float))
+def test_a_matrix_whose_rows_start_at_an_odd_byte_computes_its_reference(kind):
+    """A span's matrix is a view of the file's mapping, and its rows may start at an odd byte (a tensor
+    before it of an odd size: MXFP4's blocks are 17 bytes; bench/shipped.py's synth-k Q6_K span raised
+    so before kernels/ggml's product copied such rows): its dequantized weight is the gguf package's,
+    and its eager product and its fused form's are the products with it. 17 rows: a whole row tile and a
+    tail of one row, which the tiled types hand over as a view of the bytes, not a copy."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from tessera.stages.kernels.ggml.linear import GgmlLinear
+
+    t, rows, rnd = GGML_TYPES[kind], 17, random.Random(kind)
+    raw = ck.finite_blocks(kind, np.frombuffer(rnd.randbytes(rows * 2 * t.nbytes), dtype=np.uint8), rows * 2, rnd)
+    want = torch.from_numpy(dequantize(raw.reshape(rows, -1), GGMLQuantizationType[kind]).reshape(rows, -1))
+    mapping = torch.zeros(1 + raw.size, dtype=torch.uint8)  # the rows at byte 1 of it
+    odd = mapping[1:].view(rows, -1)
+    odd.copy_(torch.from_numpy(raw).view(rows, -1))
+    assert odd.storage_offset() % 2 == 1
+    matrix = GgmlLinear(odd, t, 2 * t.block, None)
+    assert torch.equal(matrix.dequantized(), want)
+    x = torch.randn(3, 2 * t.block, generator=torch.Generator().manual_seed(5))
+    x *= 2.0 ** -math.ceil(math.log2(float(want.abs().max())))  # no sum leaves float32's range
+    product = x @ want.T
+    stored = matrix.fused_inputs()
+    for got in (matrix.matmul(x), *(() if stored is None else (matrix.fused_rows(x, *stored),))):
+        assert float((got - product).abs().max() / product.abs().max()) <= 1e-5
 
 
 

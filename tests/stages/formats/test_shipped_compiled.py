@@ -12,6 +12,7 @@ block type llama.cpp's low-bit files use compiles whole.
 from __future__ import annotations
 
 import math
+import random
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from tessera.stages.assembly.stage import load_stage
 from tessera.stages.families.shipped import GGML_TYPES
 from tessera.stages.kernels.fp8 import Fp8BlockLinear
 from tessera.stages.kernels.ggml.blocks import SCALED_TYPES
+from tessera.stages.kernels.ggml.k_lanes import LANE_TYPES
 from tessera.stages.kernels.ggml.linear import GgmlLinear
 from tessera.stages.kernels.linear import ShippedLinear
 from tessera.stages.kernels.mxfp4 import FUSED_SCALES, Mxfp4Linear
@@ -126,6 +128,23 @@ def test_scaled_fused_forms_over_random_blocks(kind, rnd):
     ggml = GGML_TYPES[kind]
     raw = ck.finite_blocks(kind, np.frombuffer(rnd.randbytes(4 * 2 * ggml.nbytes), dtype=np.uint8), 8, rnd)
     check_fused(GgmlLinear(torch.from_numpy(raw).view(4, -1), ggml, 2 * ggml.block, None))
+
+
+@pytest.mark.parametrize("kind", sorted(LANE_TYPES))
+def test_a_k_quants_compiled_tile_product_is_its_dequantized_weights(kind):
+    """The k-quants' own product over row tiles (ggml/k_lanes.py), compiled as a decode step compiles it:
+    40 rows (two whole tiles and a tail of 8) of 4 random blocks each, scales finite: the fused weight is the
+    dequantized one to the bit, and the compiled one-row product is its product."""
+    ggml, rnd = GGML_TYPES[kind], random.Random(kind)
+    raw = ck.finite_blocks(kind, np.frombuffer(rnd.randbytes(40 * 4 * ggml.nbytes), dtype=np.uint8), 40 * 4, rnd)
+    matrix = GgmlLinear(torch.from_numpy(raw).view(40, -1), ggml, 4 * ggml.block, None)
+    assert matrix.tiled and matrix.weight_tail is not None
+    check_fused(matrix)
+    want = matrix.dequantized()
+    x = torch.randn(1, matrix.in_features, generator=torch.Generator().manual_seed(3))
+    x *= 2.0 ** -math.ceil(math.log2(float(want.abs().max())))
+    got, product = torch.compile(matrix.fused_rows, dynamic=False)(x, *matrix.fused_inputs()), x @ want.T
+    assert float((got - product).abs().max() / product.abs().max()) <= 1e-5
 
 
 @settings(max_examples=25, deadline=None)
