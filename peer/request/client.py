@@ -27,6 +27,7 @@ from typing import AsyncIterator, Callable, Literal, Sequence
 import torch
 import trio
 
+from tessera.protocol.admission import MAX_SESSIONS_PER_REQUESTER
 from tessera.protocol.keys import Identity
 from tessera.protocol.tensors import WIRE_FORMS
 from tessera.stages.weights import registry
@@ -369,6 +370,7 @@ class Swarm:
         Only peers this requester's policy, narrowed by `policy`, admits are used.
         """
         banned = tuple(sorted(self.bans.banned(self.clock())))
+        exclude = tuple(exclude) + self.at_own_limit()
         snapshot = self.keeper.snapshot()
         if snapshot is not self._memo_view:
             self._memo_view, self._memo, self._routing_views = snapshot, {}, {}
@@ -395,6 +397,15 @@ class Swarm:
                     log.info("route: %s", line)
         return chosen
 
+    def at_own_limit(self) -> tuple[str, ...]:
+        """Peers that hold as many of this requester's sessions as a peer admits of one requester
+        (protocol/admission.py MAX_SESSIONS_PER_REQUESTER), counted from the moment a route is
+        chosen (RequesterContext.hold): an open there is refused at once, so routing passes them
+        by until one of those sessions ends. Without this, a requester carrying hundreds of answers
+        opened whole routes that such a peer refused, closed them, and tried again as the skip
+        ended (bench/load.py, 2 requesters at load 0.8: 56 sessions opened an answer)."""
+        return tuple(sorted(p for p, n in self.ctx.running.items() if n >= MAX_SESSIONS_PER_REQUESTER))
+
     def why_no_route(self, *, start: int = 0, end: int | None = None, exclude: Sequence[str] = (),
                      policy: RequesterPolicy | None = None, **_: object) -> tuple[list[tuple[int, int]], str]:
         """The uncovered layers, and a sentence saying what blocks a route: layers only peers
@@ -409,6 +420,8 @@ class Swarm:
                 return gaps, why
         # the other peers excluded hold this session already (a repair's live neighbours)
         held = {p: "in this session" for p in exclude if p not in banned}
+        held |= {p: f"holds {MAX_SESSIONS_PER_REQUESTER} of this requester's sessions, the most it admits"
+                 for p in self.at_own_limit() if p not in banned and p not in held}
         return why_no_route(view, start=start, end=end, banned=banned | held)
 
     def covered_but_busy(self, *, start: int = 0, end: int | None = None, exclude: Sequence[str] = (),
