@@ -18,6 +18,7 @@ trio's clock, with a weightless model and one shared view (peer/sim/requester.py
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from contextlib import asynccontextmanager
@@ -73,6 +74,12 @@ log = logging.getLogger(__name__)
 # policy with the bans (peer/base/backoff.py says why 30 s).
 DEFAULT_ROUTE_WAIT = ROUTE_WAIT
 REFRESH_INTERVAL = 2.0  # gossip and ping period of a requester
+# A refresh that ended this recently serves another caller as well (`Swarm.refresh`). Every answer
+# waiting for a route refreshes after each wake (a ban's end, a view change), and a requester
+# carrying hundreds of answers in a full swarm pinged every connected peer hundreds of times a
+# second, to learn what one round had just told it. Half the refresh period: a route wait still
+# sees a view and loads at most a refresh period old.
+REFRESH_SHARED = REFRESH_INTERVAL / 2
 WAIT_REPORT_INTERVAL = 1.0  # how often a requester waiting for a route says what it waits for
 PLAN_MEMO_ENTRIES = 256  # routes remembered per view snapshot (keyed by bans, range, RTTs, running sessions)
 # Embedding a decode step's tokens (one, or a speculative block's few) reads a few rows of
@@ -180,6 +187,8 @@ class Swarm:
         # so that routing's per-view preparation (peer/plan/routing.py `_prepared`) is reused
         self._routing_views: dict[tuple, SwarmView] = {}
         self.active: set[ResilientSession] = set()  # generations running now
+        self._refreshing: trio.Event | None = None  # set when the refresh running now ends
+        self._refreshed = -math.inf  # when the last refresh ended (on `clock`)
         # Told, once a second while `wait_for_route` waits, what it is waiting for (the CLI prints it)
         self.on_route_wait: Callable[[str], None] | None = None
 
@@ -268,10 +277,23 @@ class Swarm:
         self.ctx.tracer.emit(events.Join(addrs=self.transport.addrs(), model=self.model_id))
 
     async def refresh(self) -> None:
-        """Pull views from connected peers and connect to the peers they name; measure RTTs."""
-        if self.gossip is not None:
-            await self.gossip.round()
-        await self.pinger.ping_all()
+        """Pull views from connected peers and connect to the peers they name; measure RTTs. One
+        at a time: a caller that finds one running waits for it, and one that finds one ended less
+        than REFRESH_SHARED ago takes what it brought (see there)."""
+        if self._refreshing is not None:
+            await self._refreshing.wait()
+            return
+        if self.clock() - self._refreshed < REFRESH_SHARED:
+            return
+        self._refreshing = trio.Event()
+        try:
+            if self.gossip is not None:
+                await self.gossip.round()
+            await self.pinger.ping_all()
+        finally:
+            self._refreshed = self.clock()
+            self._refreshing.set()
+            self._refreshing = None
 
     async def refresh_forever(self) -> None:
         while True:
