@@ -57,6 +57,13 @@ LARGEST_ITEMSIZE = 8
 """Bytes per activation element on the wire at most: float64, the widest dtype the tensor
 codec carries (peers send float32, or 2-byte halves)."""
 
+MAX_SESSIONS_PER_REQUESTER = 8
+"""Sessions a peer holds for one requester identity at once (half of a peer's default 16
+slots, peer/serve/limits.py): an open past it is refused `busy` at once. A rule of the swarm,
+not a setting: a requester counts its own sessions on each peer, so it routes past a peer that
+holds this many of them instead of opening a route there to be refused (peer/request/client.py
+`Swarm.plan`)."""
+
 
 def work_digest(peer_id: bytes, nonce: bytes) -> bytes:
     return hashlib.sha256(WORK_CONTEXT + peer_id + nonce).digest()

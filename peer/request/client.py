@@ -18,6 +18,7 @@ trio's clock, with a weightless model and one shared view (peer/sim/requester.py
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from contextlib import asynccontextmanager
@@ -27,6 +28,7 @@ from typing import AsyncIterator, Callable, Literal, Sequence
 import torch
 import trio
 
+from tessera.protocol.admission import MAX_SESSIONS_PER_REQUESTER
 from tessera.protocol.keys import Identity
 from tessera.protocol.tensors import WIRE_FORMS
 from tessera.stages.weights import registry
@@ -72,6 +74,12 @@ log = logging.getLogger(__name__)
 # policy with the bans (peer/base/backoff.py says why 30 s).
 DEFAULT_ROUTE_WAIT = ROUTE_WAIT
 REFRESH_INTERVAL = 2.0  # gossip and ping period of a requester
+# A refresh that ended this recently serves another caller as well (`Swarm.refresh`). Every answer
+# waiting for a route refreshes after each wake (a ban's end, a view change), and a requester
+# carrying hundreds of answers in a full swarm pinged every connected peer hundreds of times a
+# second, to learn what one round had just told it. Half the refresh period: a route wait still
+# sees a view and loads at most a refresh period old.
+REFRESH_SHARED = REFRESH_INTERVAL / 2
 WAIT_REPORT_INTERVAL = 1.0  # how often a requester waiting for a route says what it waits for
 PLAN_MEMO_ENTRIES = 256  # routes remembered per view snapshot (keyed by bans, range, RTTs, running sessions)
 # Embedding a decode step's tokens (one, or a speculative block's few) reads a few rows of
@@ -179,6 +187,8 @@ class Swarm:
         # so that routing's per-view preparation (peer/plan/routing.py `_prepared`) is reused
         self._routing_views: dict[tuple, SwarmView] = {}
         self.active: set[ResilientSession] = set()  # generations running now
+        self._refreshing: trio.Event | None = None  # set when the refresh running now ends
+        self._refreshed = -math.inf  # when the last refresh ended (on `clock`)
         # Told, once a second while `wait_for_route` waits, what it is waiting for (the CLI prints it)
         self.on_route_wait: Callable[[str], None] | None = None
 
@@ -267,10 +277,23 @@ class Swarm:
         self.ctx.tracer.emit(events.Join(addrs=self.transport.addrs(), model=self.model_id))
 
     async def refresh(self) -> None:
-        """Pull views from connected peers and connect to the peers they name; measure RTTs."""
-        if self.gossip is not None:
-            await self.gossip.round()
-        await self.pinger.ping_all()
+        """Pull views from connected peers and connect to the peers they name; measure RTTs. One
+        at a time: a caller that finds one running waits for it, and one that finds one ended less
+        than REFRESH_SHARED ago takes what it brought (see there)."""
+        if self._refreshing is not None:
+            await self._refreshing.wait()
+            return
+        if self.clock() - self._refreshed < REFRESH_SHARED:
+            return
+        self._refreshing = trio.Event()
+        try:
+            if self.gossip is not None:
+                await self.gossip.round()
+            await self.pinger.ping_all()
+        finally:
+            self._refreshed = self.clock()
+            self._refreshing.set()
+            self._refreshing = None
 
     async def refresh_forever(self) -> None:
         while True:
@@ -369,6 +392,7 @@ class Swarm:
         Only peers this requester's policy, narrowed by `policy`, admits are used.
         """
         banned = tuple(sorted(self.bans.banned(self.clock())))
+        exclude = tuple(exclude) + self.at_own_limit()
         snapshot = self.keeper.snapshot()
         if snapshot is not self._memo_view:
             self._memo_view, self._memo, self._routing_views = snapshot, {}, {}
@@ -395,6 +419,15 @@ class Swarm:
                     log.info("route: %s", line)
         return chosen
 
+    def at_own_limit(self) -> tuple[str, ...]:
+        """Peers that hold as many of this requester's sessions as a peer admits of one requester
+        (protocol/admission.py MAX_SESSIONS_PER_REQUESTER), counted from the moment a route is
+        chosen (RequesterContext.hold): an open there is refused at once, so routing passes them
+        by until one of those sessions ends. Without this, a requester carrying hundreds of answers
+        opened whole routes that such a peer refused, closed them, and tried again as the skip
+        ended (bench/load.py, 2 requesters at load 0.8: 56 sessions opened an answer)."""
+        return tuple(sorted(p for p, n in self.ctx.running.items() if n >= MAX_SESSIONS_PER_REQUESTER))
+
     def why_no_route(self, *, start: int = 0, end: int | None = None, exclude: Sequence[str] = (),
                      policy: RequesterPolicy | None = None, **_: object) -> tuple[list[tuple[int, int]], str]:
         """The uncovered layers, and a sentence saying what blocks a route: layers only peers
@@ -409,6 +442,8 @@ class Swarm:
                 return gaps, why
         # the other peers excluded hold this session already (a repair's live neighbours)
         held = {p: "in this session" for p in exclude if p not in banned}
+        held |= {p: f"holds {MAX_SESSIONS_PER_REQUESTER} of this requester's sessions, the most it admits"
+                 for p in self.at_own_limit() if p not in banned and p not in held}
         return why_no_route(view, start=start, end=end, banned=banned | held)
 
     def covered_but_busy(self, *, start: int = 0, end: int | None = None, exclude: Sequence[str] = (),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tessera.protocol.admission import MAX_SESSIONS_PER_REQUESTER
+
 from tessera.peer.serve.batcher import MAX_BATCH_ROWS, MAX_BATCH_WAIT
 
 
@@ -27,7 +29,7 @@ class ServerLimits:
     """What one peer accepts. Defaults suit a small CPU peer."""
 
     max_sessions: int = 16
-    max_sessions_per_requester: int = 8
+    max_sessions_per_requester: int = MAX_SESSIONS_PER_REQUESTER  # the swarm's rule (protocol/admission.py)
     max_length: int = 4096  # tokens per session (clamped to the model's context)
     kv_budget: int = 2 << 30  # bytes of KV cache across sessions (charged as they grow: peer/serve/admission.py)
     # seconds without a step before a session is dropped even when nobody needs its room (a

@@ -167,3 +167,28 @@ async def test_a_second_answer_of_one_requester_goes_to_an_equivalent_peer(model
         assert [world.name(h["peer"]) for h in second_info["route"]] == ["b"]
         assert dict(world.swarm.ctx.running) == {}
     assert tokens == solo and second == solo
+
+
+async def test_a_peer_holding_as_many_of_a_requesters_sessions_as_it_admits_is_routed_past(model, autojump_clock):
+    """A peer admits at most MAX_SESSIONS_PER_REQUESTER sessions of one requester (it refuses the
+    next at once): a requester that holds that many on a routes past it, even where a is so much
+    faster that one session fewer there would still be the cheapest chain; with every cover of a
+    layer at the limit there is no route, which says why, and a wait that counts them as busy
+    (the swarm is full for this requester: wait, do not fail)."""
+    from tessera.protocol.admission import MAX_SESSIONS_PER_REQUESTER
+
+    async with AsyncExitStack() as stack:
+        world = await memory_swarm(stack, model, [PeerPlan("a", 0, 4, 4000.0), PeerPlan("b", 0, 4, 10.0)])
+        a, b = world.ids["a"], world.ids["b"]
+        for _ in range(MAX_SESSIONS_PER_REQUESTER - 1):
+            world.swarm.ctx.hold(a)
+        assert world.swarm.plan().peer_ids == (a,)  # 8 steps of a's still cost less than one of b's
+        world.swarm.ctx.hold(a)
+        assert world.swarm.plan().peer_ids == (b,)
+        for _ in range(MAX_SESSIONS_PER_REQUESTER):
+            world.swarm.ctx.hold(b)
+        assert not world.swarm.plan().ok
+        assert world.swarm.covered_but_busy()
+        assert "of this requester's sessions, the most it admits" in world.swarm.why_no_route()[1]
+        world.swarm.ctx.drop(a)  # one of its sessions on a ended
+        assert world.swarm.plan().peer_ids == (a,)

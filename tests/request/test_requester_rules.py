@@ -172,6 +172,39 @@ def test_an_open_bounces_off_a_queue_it_was_not_priced_with_and_a_replay_needs_r
     assert refused.value.peer == "b" and refused.value.code == BUSY and refused.value.retry_after == long.wait
 
 
+def test_answers_waiting_for_a_route_share_one_refresh() -> None:
+    """Every answer waiting for a route refreshes (a gossip round, a ping of every connected
+    peer) after each wake: refreshes asked at once run as one, and one that ended less than
+    REFRESH_SHARED ago serves the next caller too, so a requester carrying hundreds of answers
+    does not ping every peer hundreds of times a second (peer/request/client.py)."""
+    from tessera.peer.request.client import REFRESH_SHARED
+
+    async def main() -> None:
+        network = MemoryNetwork(LinkSpec(latency=0.01))
+        async with open_memory_transport(network, "p") as tp, open_memory_transport(network, "r") as tr, \
+                trio.open_nursery() as nursery:
+            Pinger(tp)  # p answers pings
+            tracer = MemoryTracer(peer="r")
+            swarm = Swarm(tr, nursery, identity=Identity.from_seed(b"\x15" * 32),
+                          model=RequesterModel(sim_spec(30), "m"), clock=trio.current_time,
+                          ban_clock=trio.current_time, tracer=tracer, reports=False)
+            await swarm.pinger.ping("p", addrs=tuple(tp.addrs()))  # connected
+            pinged = lambda: sum(1 for e in tracer.events if isinstance(e.event, events.Rtt))  # noqa: E731
+            before = pinged()
+            async with trio.open_nursery() as waiting:
+                for _ in range(50):
+                    waiting.start_soon(swarm.refresh)
+            assert pinged() == before + 1
+            await swarm.refresh()  # just refreshed: nothing new to ask
+            assert pinged() == before + 1
+            await trio.sleep(REFRESH_SHARED)
+            await swarm.refresh()
+            assert pinged() == before + 2
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
 # -- one rewound-answer loop ---------------------------------------------------------------------------
 
 
