@@ -42,7 +42,7 @@ from tessera.protocol.messages import (
 )
 
 from tessera.peer.base.backoff import ROUTE_WAIT, Failure
-from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
+from tessera.peer.base.errors import OpenUnanswered, PeerError, PeerFailed, SessionRefused, StreamClosed
 from tessera.peer.request.failures import error_failure, reported_failure
 from tessera.peer.request.history import RouteHistory
 from tessera.peer.plan.routing import Hop, Route
@@ -241,7 +241,7 @@ class RouteSession:
             stream = await self.ctx.transport.open_stream(hop.peer_id, SESSION_PROTOCOL, addrs=self.ctx.keeper.addrs(hop.peer_id))
             channel = Channel(stream)
             await channel.send(msg)
-            reply = await channel.receive()
+            reply = await receive_answer(channel, hop.peer_id)
         if isinstance(reply, ErrorMsg):
             await channel.close()
             self.ctx.loads.report(hop.peer_id, reply.load)  # a refusal for lack of room says how full
@@ -654,6 +654,16 @@ def no_room(said: dict[str, LoadReport], room: float) -> None:
 
 def route_summary(route: Route) -> list[dict]:
     return [{"peer": h.peer_id, "start": h.start, "end": h.end} for h in route.hops]
+
+
+async def receive_answer(channel: Channel, peer: str) -> object:
+    """The answer to an open sent on `channel`. A stream `peer` ended before any answer raises
+    OpenUnanswered: that may be a peer out of room for streams not admitted yet (the requester's
+    bans tell it from a drop: peer/base/backoff.py `Bans.unanswered_open`)."""
+    try:
+        return await channel.receive()
+    except StreamClosed as ended:
+        raise OpenUnanswered(peer, f"ended the open unanswered: {ended}") from None
 
 
 def blame(failed: list[tuple[Hop, BaseException]], hops: list[Hop], next_: str | None) -> tuple[Hop, BaseException]:

@@ -21,8 +21,9 @@ from tessera.peer.base.backoff import (
 )
 from tessera.peer.plan.view import SwarmView
 from tessera.peer.request.policy import RequesterPolicy
-from tessera.peer.base.errors import NoRoute, PeerFailed, SessionRefused, StreamClosed
+from tessera.peer.base.errors import NoRoute, OpenUnanswered, PeerFailed, SessionRefused, StreamClosed
 from tessera.peer.request import repair
+from tessera.peer.request.chain import receive_answer
 from tessera.peer.request.failures import error_failure, refusal_failure, reported_failure
 from tessera.peer.request.loads import LoadBook
 from tessera.peer.request.repair import MAX_OPEN_ATTEMPTS, MAX_REPAIRS_PER_STEP, Pending, ResilientSession
@@ -210,6 +211,63 @@ async def test_an_open_gives_up_after_max_failed_routes_and_a_refusal_is_skipped
     assert len(tried) == 1 + MAX_OPEN_ATTEMPTS
     assert swarm.bans.until("busy-peer") == 2.0 and swarm.bans.strikes("busy-peer") == 0
     assert all(swarm.bans.strikes(f"gone{i}") == 1 for i in range(MAX_OPEN_ATTEMPTS))
+
+
+async def test_an_open_ended_unanswered_is_a_skip_until_it_repeats_before_the_peer_answers_one(
+        monkeypatch, autojump_clock) -> None:
+    """A peer whose unadmitted streams are full past what it refuses politely resets an open unread
+    (peer/net/intake.py): lack of room, never a strike. So an open a peer ends unanswered skips it
+    (REFUSED_SKIP, no strike); a second one before it answers any open is a strike (a peer that
+    resets every open is still struck); once it has answered an open, the next is a skip again."""
+    swarm = _Swarm()
+    outcomes = [OpenUnanswered("full", "ended the open unanswered"), None,  # skipped, then it accepts
+                OpenUnanswered("full", "ended the open unanswered"), None,  # answered since: skipped again
+                OpenUnanswered("gone", "ended the open unanswered"),
+                OpenUnanswered("gone", "ended the open unanswered"), None]  # no answer between: struck
+    tried: list[int] = []
+
+    class Attempt:
+        def __init__(self, peer: str) -> None:
+            self.segments = (SimpleNamespace(peers=[peer], said=dict),)  # nothing said of any queue
+
+        async def open(self, *, began=None) -> None:
+            tried.append(len(tried))
+            if outcomes[tried[-1]] is not None:
+                raise outcomes[tried[-1]]
+
+    async def wait_for_route(wait, *, policy, spread, paroled):
+        return SimpleNamespace(hops=())
+
+    swarm.wait_for_route = wait_for_route
+    peers = iter(["full", "full", "full", "full", "gone", "gone", "other"])
+    monkeypatch.setattr(repair, "session_for", lambda ctx, route, *, max_length: Attempt(next(peers)))
+    for _ in range(3):
+        await ResilientSession(swarm, max_length=64, route_wait=1.0).open()
+    assert swarm.bans.strikes("full") == 0 and swarm.bans.failure("full") is Failure.REFUSED
+    assert swarm.bans.until("full") == pytest.approx(REFUSED_SKIP)
+    assert swarm.bans.strikes("gone") == 1 and swarm.bans.failure("gone") is Failure.DROPPED
+    # the bookkeeping alone: a refusal is an answer too
+    bans = Bans()
+    assert bans.unanswered_open("p") is Failure.REFUSED and bans.unanswered_open("p") is Failure.DROPPED
+    bans.answered_open("p")
+    assert bans.unanswered_open("p") is Failure.REFUSED
+
+
+async def test_a_stream_ended_before_the_open_is_answered_is_told_apart_from_a_reply() -> None:
+    """`receive_answer` (peer/request/chain.py): a reply is returned; a stream the peer ended
+    before any reply is OpenUnanswered (not a plain drop), naming the peer."""
+    class Ended:
+        async def receive(self):
+            raise StreamClosed("stream from p was reset")
+
+    class Answers:
+        async def receive(self):
+            return "reply"
+
+    with pytest.raises(OpenUnanswered) as unanswered:
+        await receive_answer(Ended(), "p")
+    assert unanswered.value.peer == "p" and unanswered.value.failure is Failure.DROPPED
+    assert await receive_answer(Answers(), "p") == "reply"
 
 
 @pytest.mark.parametrize("only_busy", [True, False])
