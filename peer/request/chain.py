@@ -328,6 +328,9 @@ class RouteSession:
             if index + 1 < len(self.hops):
                 state = self.hops[index + 1]
                 reason = f"unreachable from the previous peer: {reason}"
+                if state.failure is None:  # (the next peer's own report, if first, says more)
+                    # its link was reset: out of room for unadmitted streams, or gone (Bans.link_reset)
+                    failure = self.ctx.link_reset(state.peer)
         if state.failure is None:
             state.failure = reason
             state.failed_as = failure
@@ -580,6 +583,11 @@ class RouteSession:
         try:
             await state.channel.send(msg)
         except PeerError as error:
+            if state.scope.cancel_called:
+                # this requester closed its session there (replaced, abandoned) while a repair
+                # still took it for a live neighbour: the peer did nothing wrong; route around it
+                raise PeerFailed(state.peer, f"relink: its session here was closed already ({error})",
+                                 Failure.REFUSED) from None
             raise PeerFailed(state.peer, f"relink: {error}") from None
         with trio.move_on_after(RELINK_TIMEOUT):
             await acked.wait()

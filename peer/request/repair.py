@@ -348,6 +348,9 @@ class ResilientSession:
             except PeerFailed as error:
                 failure = error
         self.confirmed = pending.start_pos + pending.hidden.shape[0]
+        for segment in self.current.segments:  # served: a later link reset of theirs is a skip again
+            for peer in segment.peers:
+                self.swarm.bans.served(peer)
         if self.checker is not None:
             await self.convicted(await self.checker.after_step(self.current, self.confirmed))
         return output

@@ -23,7 +23,9 @@ from tessera.peer.plan.view import SwarmView
 from tessera.peer.request.policy import RequesterPolicy
 from tessera.peer.base.errors import NoRoute, OpenUnanswered, PeerFailed, SessionRefused, StreamClosed
 from tessera.peer.request import repair
-from tessera.peer.request.chain import receive_answer
+from tessera.peer.plan.routing import Hop
+from tessera.peer.request.chain import RouteSession, receive_answer
+from tessera.peer.request.chain_state import HopState
 from tessera.peer.request.failures import error_failure, refusal_failure, reported_failure
 from tessera.peer.request.loads import LoadBook
 from tessera.peer.request.repair import MAX_OPEN_ATTEMPTS, MAX_REPAIRS_PER_STEP, Pending, ResilientSession
@@ -270,6 +272,54 @@ async def test_a_stream_ended_before_the_open_is_answered_is_told_apart_from_a_r
     assert await receive_answer(Answers(), "p") == "reply"
 
 
+def test_a_link_reset_is_a_skip_until_it_repeats_before_the_peer_serves_a_step() -> None:
+    """A previous hop reporting next-hop-failed (its push found the link reset) blames the next
+    peer, which may only have been out of room for unadmitted streams (the link waits there until
+    its session takes it, peer/net/intake.py): a skip, not a strike — until it happens again
+    before a step of this requester's went through that peer (a peer that resets links without
+    serving is struck from its second)."""
+    bans = Bans()
+    ctx = SimpleNamespace(link_reset=bans.link_reset, tracer=NullTracer())
+    hops = [HopState(Hop(p, 0, 1), channel=None) for p in ("up", "next")]
+
+    def reported_by_upstream() -> Failure:
+        for h in hops:
+            h.failure = None
+        chain = SimpleNamespace(hops=hops, ctx=ctx, session_id=b"s", pending={})
+        RouteSession._fail(chain, hops[0], "next-hop-failed: push to next: stream was reset", code=NEXT_HOP_FAILED)
+        assert hops[0].failure is None and hops[1].failure.startswith("unreachable from the previous peer")
+        return hops[1].failed_as
+
+    assert reported_by_upstream() is Failure.REFUSED
+    assert reported_by_upstream() is Failure.DROPPED  # again, nothing served through it since
+    bans.served("next")
+    assert reported_by_upstream() is Failure.REFUSED
+    # the next peer's own report, when it came first, is what counts
+    hops[1].failure, hops[1].failed_as = "reclaimed: idle", Failure.REFUSED
+    RouteSession._fail(SimpleNamespace(hops=hops, ctx=ctx, session_id=b"s", pending={}), hops[0],
+                       "next-hop-failed", code=NEXT_HOP_FAILED)
+    assert hops[1].failure == "reclaimed: idle" and hops[1].failed_as is Failure.REFUSED
+
+
+async def test_a_relink_of_a_hop_this_requester_closed_is_no_strike() -> None:
+    """A repair that relinks a neighbour whose session this requester had closed already (replaced,
+    abandoned) finds its own stream closed for writing: that peer did nothing wrong."""
+    class Closed:
+        async def send(self, msg):
+            raise StreamClosed("stream to p is closed for writing")
+
+    state = HopState(Hop("p", 0, 1), channel=Closed())
+    chain = SimpleNamespace()
+    state.scope.cancel()  # what close_hop does first
+    with pytest.raises(PeerFailed) as ours:
+        await RouteSession.relink(chain, state, None)
+    assert ours.value.failure is Failure.REFUSED
+    live = HopState(Hop("p", 0, 1), channel=Closed())
+    with pytest.raises(PeerFailed) as theirs:
+        await RouteSession.relink(chain, live, None)
+    assert theirs.value.failure is Failure.DROPPED
+
+
 @pytest.mark.parametrize("only_busy", [True, False])
 async def test_an_open_queues_past_the_route_wait_only_while_busy_peers_alone_block_it(
         only_busy, monkeypatch, autojump_clock) -> None:
@@ -320,6 +370,8 @@ async def test_a_step_is_repaired_up_to_max_repairs_times_then_given_up(autojump
     fail_always = False
 
     class Failing:
+        segments = ()  # no peer to count as served
+
         async def wait(self, *args):
             raise PeerFailed("p", "reset")
 
