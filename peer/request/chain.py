@@ -31,7 +31,7 @@ import trio
 from tessera.store import events
 from tessera.store.trace import now as trace_now
 from tessera.protocol.activations import open_payload, seal_payload
-from tessera.protocol.errors import WireError
+from tessera.protocol.errors import CipherClosed, WireError
 from tessera.protocol.tensors import decode_tensor, encode_wire
 from tessera.protocol.keys import EphemeralKey, public_key_from_peer_id
 from tessera.protocol.links import Direction, LinkCipher, seal_link_key
@@ -403,6 +403,14 @@ class RouteSession:
             frame = seal_payload(first.send, template, encode_wire(hidden, self.ctx.wire)[0])
             wall, mono_ns = trace_now()  # a push is stamped as its send starts (store/trace.py)
             await first.channel.send(frame)
+        except CipherClosed:
+            # this requester closed its session there (close_hop forgot the keys) while a step
+            # still took it for the route's first hop: a hop to replace, not the peer's fault
+            # (it crashed a whole simulation: 30 peers, 250 answers, 50 requesters at load 0.8)
+            self.pending.pop(step, None)
+            if first.failure is None:
+                first.failure, first.failed_as = "its session there was closed by this requester", Failure.REFUSED
+            raise PeerFailed(first.peer, first.failure, first.failed_as) from None
         except PeerError as error:
             self.pending.pop(step, None)
             raise PeerFailed(first.peer, f"sending step {step}: {error}") from None

@@ -320,6 +320,23 @@ async def test_a_relink_of_a_hop_this_requester_closed_is_no_strike() -> None:
     assert theirs.value.failure is Failure.DROPPED
 
 
+async def test_a_step_into_a_first_hop_this_requester_closed_is_a_hop_to_replace_not_a_crash() -> None:
+    """A step sent into a first hop whose session this requester closed (its keys forgotten) marks
+    that hop failed, with no strike, for the repair to replace (a CipherClosed escaping here ended
+    a whole simulation)."""
+    from tessera.protocol.links import Direction, LinkCipher
+
+    send = LinkCipher(bytes(32), session_id=b"s" * 16, link_id=1, direction=Direction.FORWARD)
+    send.forget()
+    first = HopState(Hop("p", 0, 1), channel=None, send=send)
+    chain = SimpleNamespace(_next_step=0, pending={}, session_id=b"s" * 16,
+                            ctx=SimpleNamespace(wire="", tracer=NullTracer()))
+    with pytest.raises(PeerFailed) as failed:
+        await RouteSession.send(chain, first, torch.zeros(1, 4), 0, stop_layer=1)
+    assert failed.value.failure is Failure.REFUSED and failed.value.peer == "p"
+    assert first.failure is not None and first.failed_as is Failure.REFUSED and chain.pending == {}
+
+
 @pytest.mark.parametrize("only_busy", [True, False])
 async def test_an_open_queues_past_the_route_wait_only_while_busy_peers_alone_block_it(
         only_busy, monkeypatch, autojump_clock) -> None:
