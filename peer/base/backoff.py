@@ -13,7 +13,11 @@ Why a peer failed decides how long it is avoided and whether it may come back so
     TIMED_OUT   no answer within a step's deadline (a hung        BAN_BASE x 2^(k-1),       re-probed while no
                 or stopped process, a vanished machine)           at most BAN_CAP           route exists
     REFUSED     it declined a session (busy, draining,            its retry-after, else     when the skip ends
-                leaving, no memory for it): not a failure         REFUSED_SKIP; no strike
+                leaving, no memory for it): not a failure;        REFUSED_SKIP; no strike
+                or ended an open unanswered, the first time
+                before it answers one again (unanswered_open),
+                or a neighbour found its link reset, the first
+                time before it serves a step (link_reset)
     DISPUTED    a spot check found it and another peer            BAN_BASE x 2^(k-1),       when the ban ends;
                 disagreeing, and nothing could tell which was     at most BAN_CAP           never paroled as
                 right (peer/request/dispute.py): both avoided                               the only cover
@@ -188,6 +192,8 @@ class Bans(Backoff):
         super().__init__(base, cap)
         self.why: dict[str, Avoided] = {}
         self._probed: dict[str, float] = {}  # peer -> when it was last probed
+        self._unanswered: set[str] = set()  # peers whose last open ended unanswered (unanswered_open)
+        self._link_reset: set[str] = set()  # peers whose link a neighbour found reset, not served since (link_reset)
 
     def register(self, key: str, now: float, failure: Failure, *, seconds: float | None = None,
                  mark: float = 0.0) -> float:
@@ -208,6 +214,38 @@ class Bans(Backoff):
             self.why[key] = Avoided(failure, now, mark)
         self._probed.pop(key, None)
         return duration
+
+    def unanswered_open(self, key: str) -> Failure:
+        """What an open that `key` ended unanswered (a reset before any reply) counts as: REFUSED the
+        first time — a peer past what it can refuse politely resets newcomers for lack of room
+        (peer/net/intake.py), and lack of room is never a strike — and DROPPED (a strike) when it
+        happens again before `key` answers an open (`answered_open`). So a peer that resets every
+        open is struck from its second; one that alternates gains only skips, as a peer that always
+        refuses does: it holds no session, and costs a requester one round trip per open."""
+        if key in self._unanswered:
+            return Failure.DROPPED
+        self._unanswered.add(key)
+        return Failure.REFUSED
+
+    def answered_open(self, key: str) -> None:
+        """`key` answered an open (accepted or refused it): its next unanswered open is a skip again."""
+        self._unanswered.discard(key)
+
+    def link_reset(self, key: str) -> Failure:
+        """What a neighbour's report that `key` reset the link between them (next-hop-failed) counts
+        as: REFUSED the first time — the link waits among `key`'s unadmitted streams until its
+        session takes it, and a peer out of room for them resets it unread (peer/net/intake.py) —
+        and DROPPED when it happens again before a step of this requester's was served through
+        `key` (`served`). So a peer that resets links buys each skip with a step it served; one
+        that never serves is struck from its second."""
+        if key in self._link_reset:
+            return Failure.DROPPED
+        self._link_reset.add(key)
+        return Failure.REFUSED
+
+    def served(self, key: str) -> None:
+        """A step of this requester's went through `key`: its next link reset is a skip again."""
+        self._link_reset.discard(key)
 
     def prove_guilty(self, key: str, now: float) -> None:
         """Avoid `key` for GUILTY_BAN on others' proof (a verified report), with no strike."""
@@ -260,6 +298,8 @@ class Bans(Backoff):
         super().clear()
         self.why.clear()
         self._probed.clear()
+        self._unanswered.clear()
+        self._link_reset.clear()
 
 
 __all__ = ["Failure", "Backoff", "Bans", "Avoided", "ROUTE_WAIT", "BAN_BASE", "BAN_CAP", "GUILTY_BAN",

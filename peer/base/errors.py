@@ -60,6 +60,18 @@ class PeerFailed(PeerError):
         self.failure = failure
 
 
+class OpenUnanswered(PeerFailed):
+    """A peer ended the stream of a session open before answering it (a reset, no ErrorMsg).
+
+    Ambiguous on its own: a peer whose unadmitted streams are full past what it can refuse
+    politely resets newcomers unread (peer/net/intake.py), which is lack of room, not a fault;
+    a crashed or misbehaving peer resets them too. The requester's `Bans.unanswered_open`
+    decides (a skip the first time, a strike when it repeats before the peer answers an open)."""
+
+    def __init__(self, peer: str, reason: str) -> None:
+        super().__init__(peer, reason, Failure.DROPPED)
+
+
 class ModelMismatch(PeerError):
     """The swarm serves a different model (config or weights) than the local files."""
 

@@ -40,7 +40,9 @@ Whoever loses its place is told so in its protocol's words where it has them: a 
 gets `ErrorMsg(BUSY, retry_after)`, a refusal that its requester never counts as a strike
 (docs/pages/failures.md), sent politely (`refuse`: the answer, a half-close, and a short wait for
 the remote to read it and close, so that no reset overtakes it); protocols without a refusal
-message are reset.
+message are reset. So is a session open past REFUSING polite refusals at once: its requester
+tells that reset from a drop — an open ended unanswered is a skip the first time, and a strike
+only when it repeats before the peer answers an open (peer/base/backoff.py `Bans.unanswered_open`).
 """
 
 from __future__ import annotations

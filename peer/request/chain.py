@@ -31,7 +31,7 @@ import trio
 from tessera.store import events
 from tessera.store.trace import now as trace_now
 from tessera.protocol.activations import open_payload, seal_payload
-from tessera.protocol.errors import WireError
+from tessera.protocol.errors import CipherClosed, WireError
 from tessera.protocol.tensors import decode_tensor, encode_wire
 from tessera.protocol.keys import EphemeralKey, public_key_from_peer_id
 from tessera.protocol.links import Direction, LinkCipher, seal_link_key
@@ -42,7 +42,7 @@ from tessera.protocol.messages import (
 )
 
 from tessera.peer.base.backoff import ROUTE_WAIT, Failure
-from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
+from tessera.peer.base.errors import OpenUnanswered, PeerError, PeerFailed, SessionRefused, StreamClosed
 from tessera.peer.request.failures import error_failure, reported_failure
 from tessera.peer.request.history import RouteHistory
 from tessera.peer.plan.routing import Hop, Route
@@ -241,7 +241,7 @@ class RouteSession:
             stream = await self.ctx.transport.open_stream(hop.peer_id, SESSION_PROTOCOL, addrs=self.ctx.keeper.addrs(hop.peer_id))
             channel = Channel(stream)
             await channel.send(msg)
-            reply = await channel.receive()
+            reply = await receive_answer(channel, hop.peer_id)
         if isinstance(reply, ErrorMsg):
             await channel.close()
             self.ctx.loads.report(hop.peer_id, reply.load)  # a refusal for lack of room says how full
@@ -328,6 +328,9 @@ class RouteSession:
             if index + 1 < len(self.hops):
                 state = self.hops[index + 1]
                 reason = f"unreachable from the previous peer: {reason}"
+                if state.failure is None:  # (the next peer's own report, if first, says more)
+                    # its link was reset: out of room for unadmitted streams, or gone (Bans.link_reset)
+                    failure = self.ctx.link_reset(state.peer)
         if state.failure is None:
             state.failure = reason
             state.failed_as = failure
@@ -400,6 +403,14 @@ class RouteSession:
             frame = seal_payload(first.send, template, encode_wire(hidden, self.ctx.wire)[0])
             wall, mono_ns = trace_now()  # a push is stamped as its send starts (store/trace.py)
             await first.channel.send(frame)
+        except CipherClosed:
+            # this requester closed its session there (close_hop forgot the keys) while a step
+            # still took it for the route's first hop: a hop to replace, not the peer's fault
+            # (it crashed a whole simulation: 30 peers, 250 answers, 50 requesters at load 0.8)
+            self.pending.pop(step, None)
+            if first.failure is None:
+                first.failure, first.failed_as = "its session there was closed by this requester", Failure.REFUSED
+            raise PeerFailed(first.peer, first.failure, first.failed_as) from None
         except PeerError as error:
             self.pending.pop(step, None)
             raise PeerFailed(first.peer, f"sending step {step}: {error}") from None
@@ -580,6 +591,11 @@ class RouteSession:
         try:
             await state.channel.send(msg)
         except PeerError as error:
+            if state.scope.cancel_called:
+                # this requester closed its session there (replaced, abandoned) while a repair
+                # still took it for a live neighbour: the peer did nothing wrong; route around it
+                raise PeerFailed(state.peer, f"relink: its session here was closed already ({error})",
+                                 Failure.REFUSED) from None
             raise PeerFailed(state.peer, f"relink: {error}") from None
         with trio.move_on_after(RELINK_TIMEOUT):
             await acked.wait()
@@ -654,6 +670,16 @@ def no_room(said: dict[str, LoadReport], room: float) -> None:
 
 def route_summary(route: Route) -> list[dict]:
     return [{"peer": h.peer_id, "start": h.start, "end": h.end} for h in route.hops]
+
+
+async def receive_answer(channel: Channel, peer: str) -> object:
+    """The answer to an open sent on `channel`. A stream `peer` ended before any answer raises
+    OpenUnanswered: that may be a peer out of room for streams not admitted yet (the requester's
+    bans tell it from a drop: peer/base/backoff.py `Bans.unanswered_open`)."""
+    try:
+        return await channel.receive()
+    except StreamClosed as ended:
+        raise OpenUnanswered(peer, f"ended the open unanswered: {ended}") from None
 
 
 def blame(failed: list[tuple[Hop, BaseException]], hops: list[Hop], next_: str | None) -> tuple[Hop, BaseException]:

@@ -48,6 +48,9 @@ class RequesterContext:
     # What peers said of their load in answers to this requester (peer/request/loads.py); the
     # owner gives it its clock (the default: a live requester's).
     loads: LoadBook = field(default_factory=lambda: LoadBook(time.monotonic))
+    # What a peer that reset the link from its previous hop counts as (the requester's
+    # `Bans.link_reset`: lack of room the first time, a drop when repeated); the default: a drop.
+    link_reset: Callable[[str], Failure] = lambda peer: Failure.DROPPED
 
     def hop_width(self, layer: int) -> int:
         """Values per token a hop into layer `layer` carries (`hop_widths`)."""

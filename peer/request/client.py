@@ -178,6 +178,7 @@ class Swarm:
         self.ctx.tracer.bind(self.peer_id)  # a TraceWriter made before this requester had an id
         self.clock: Callable[[], float] = ban_clock  # what `bans` measures time on
         self.bans = Bans()  # who is avoided, why and until when; strikes survive from one answer to the next
+        self.ctx.link_reset = self.bans.link_reset  # a neighbour's report of a reset link (chain._fail)
         self.reports = ReportBook(transport, model_id=self.model_id, on_accept=self._avoid_accused) if reports else None
         # routes memoised per (view snapshot, bans, exclusions, RTTs, policy): routing is a pure
         # function of them, and where snapshots are shared (a simulation) a route costs milliseconds

@@ -12,7 +12,10 @@ before its ban ends, so each is named where it is seen:
   for the session's growth, or declined as above: REFUSED: the session goes elsewhere at
   once, and the peer gets no strike);
 - an exception while talking to it: a reset or closed stream, a failed dial: DROPPED; a
-  deadline that ran out: TIMED_OUT; bytes that do not decode: BROKE.
+  deadline that ran out: TIMED_OUT; bytes that do not decode: BROKE. Except an open's stream
+  ended before any answer (OpenUnanswered: a peer out of room for unadmitted streams resets
+  them unread, peer/net/intake.py): REFUSED the first time, DROPPED when it repeats before the
+  peer answers an open (peer/base/backoff.py `Bans.unanswered_open`).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from tessera.stages.shards.layout import HIDDEN, ROUNDS_PER_LAYER
 from tessera.peer.base.backoff import Failure
 from tessera.peer.base.errors import PeerError, PeerFailed, SessionRefused
 from tessera.peer.request.failures import error_failure, reported_failure
-from tessera.peer.request.chain import CLOSE_TIMEOUT, OPEN_TIMEOUT, STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_FLOOR
+from tessera.peer.request.chain import CLOSE_TIMEOUT, OPEN_TIMEOUT, STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_FLOOR, receive_answer
 from tessera.peer.request.chain_state import RequesterContext, peer_bytes
 from tessera.peer.request.history import HiddenHistory
 from tessera.peer.request.ports import Checkable, Gap, Replacement
@@ -249,7 +249,7 @@ class GroupSession:
             stream = await self.ctx.transport.open_stream(peer, SHARD_SESSION_PROTOCOL, addrs=self.ctx.keeper.addrs(peer))
             channel = Channel(stream)
             await channel.send(msg)
-            reply = await channel.receive()
+            reply = await receive_answer(channel, peer)
         if isinstance(reply, ErrorMsg):
             await channel.close()
             self.ctx.loads.report(peer, reply.load)

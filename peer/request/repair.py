@@ -61,7 +61,8 @@ import trio
 from tessera.store import events
 
 from tessera.peer.base.backoff import BUSY_WAIT, Failure
-from tessera.peer.base.errors import DisputeUndecided, NoRoute, PeerError, PeerFailed, RouteLost, SessionRefused
+from tessera.peer.base.errors import (DisputeUndecided, NoRoute, OpenUnanswered, PeerError, PeerFailed, RouteLost,
+                                      SessionRefused)
 from tessera.peer.request.failures import refusal_failure
 from tessera.peer.request.policy import RequesterPolicy
 from tessera.peer.request.chain_state import StepSlot
@@ -208,11 +209,21 @@ class ResilientSession:
             self.swarm.ctx.tracer.emit(events.Ban(remote=peer, reason=reason[:200], seconds=duration,
                                                   failure=failure.value))
 
+    def answered(self, peers) -> None:
+        """`peers` answered their opens: an open one of them ends unanswered later is a skip again."""
+        for peer in peers:
+            self.swarm.bans.answered_open(peer)
+
     def ban_for(self, error: SessionRefused | PeerFailed) -> Failure:
         """Avoid the peer an open or a repair failed on, as its failure says; returns the kind."""
         if isinstance(error, SessionRefused):
+            self.swarm.bans.answered_open(error.peer)
             failure = refusal_failure(error.code)
             self.ban(error.peer, f"refused: {error.code}: {error.message}", failure=failure, seconds=error.retry_after)
+        elif isinstance(error, OpenUnanswered):
+            # out of room for unadmitted streams, or gone: a skip the first time, a strike the next
+            failure = self.swarm.bans.unanswered_open(error.peer)
+            self.ban(error.peer, error.reason, failure=failure)
         else:
             failure = error.failure
             self.ban(error.peer, error.reason, failure=failure)
@@ -279,6 +290,7 @@ class ResilientSession:
                 failures += self.ban_for(error) is not Failure.REFUSED
                 last_error = error
                 continue
+            self.answered(p for segment in session.segments for p in segment.peers)
             busy = busier_than_priced(session, priced)
             if busy is not None and bounces < MAX_BOUNCES and self.remaining() > 0:
                 # its accept said a queue the route was not priced with: what it said is priced
@@ -336,6 +348,9 @@ class ResilientSession:
             except PeerFailed as error:
                 failure = error
         self.confirmed = pending.start_pos + pending.hidden.shape[0]
+        for segment in self.current.segments:  # served: a later link reset of theirs is a skip again
+            for peer in segment.peers:
+                self.swarm.bans.served(peer)
         if self.checker is not None:
             await self.convicted(await self.checker.after_step(self.current, self.confirmed))
         return output
@@ -436,6 +451,7 @@ class ResilientSession:
                 last = error
                 room = None
                 continue
+            self.answered(replacement.peers)
             replaced += replacement.peers
         self.failovers += 1
         self.epoch += 1

@@ -33,7 +33,13 @@ something too, or a few identities opening idle sessions lock everyone else out
    has no grace at all (its unstepped sessions give way to anyone who needs the room). When a requester needs a slot or memory that is not
    free, the unprotected sessions of *other* requesters are reclaimed, the one idle
    longest first; its requester is told `reclaimed` (and may reopen, here or
-   elsewhere, and replay). Nothing is reclaimed without pressure (a backstop reaper
+   elsewhere, and replay). A new session takes room only from an identity holding *more*
+   sessions here than its own requester does (a fair share): two requesters with one
+   session here each do not reclaim each other's in turn — at 50 requesters nearly every
+   reclaimed session was unstepped, most under 2 s old (a replacement waiting for its
+   replay, a downstream hop for its prompt), each reclaim a failover that reclaimed another
+   (bench/load.py, 30 peers, load 0.8) — while a newcomer holding none still reclaims any
+   idle identity's (the guarantee below); a growing session's memory may come from any. Nothing is reclaimed without pressure (a backstop reaper
    still drops sessions idle for `ServerLimits.idle_timeout`).
 3. **Slots are shared fairly.** An open that finds no room waits here — up to
    `ADMIT_WAIT` when an idle session will become reclaimable meanwhile, else only
@@ -243,12 +249,21 @@ class Admission:
             return session.last_active + STEP_GRACE
         return session.grace_until
 
-    def reclaimable(self, now: float, *, spare: Admitted | None = None, asker: str | None = None) -> list[Admitted]:
+    def reclaimable(self, now: float, *, spare: Admitted | None = None, asker: str | None = None,
+                    share: bool = False) -> list[Admitted]:
         """Sessions that may be reclaimed now, the one idle longest first (never `spare`, nor a
         session of `asker`: a requester's new session does not end one of its own, which may be
-        an answer waiting for a repair elsewhere)."""
+        an answer waiting for a repair elsewhere). With `share` (a new session's slot), only those
+        of identities holding more sessions here than `asker` does (rule 2's fair share)."""
+        held: dict[str, int] = {}
+        if share:
+            for s in self.host.sessions.values():
+                if not s.closed:
+                    held[s.requester] = held.get(s.requester, 0) + 1
+        mine = held.get(asker, 0) if asker is not None else 0
         found = [s for s in self.host.sessions.values()
-                 if s is not spare and s.requester != asker and not s.closed and self.protected_until(s) <= now]
+                 if s is not spare and s.requester != asker and not s.closed and self.protected_until(s) <= now
+                 and (not share or held[s.requester] > mine)]
         return sorted(found, key=lambda s: s.last_active)
 
     def held(self, now: float) -> int:
@@ -334,7 +349,7 @@ class Admission:
         victims: list[Admitted] = []
         if fits(victims):
             return True
-        for session in self.reclaimable(now, spare=spare, asker=asker):
+        for session in self.reclaimable(now, spare=spare, asker=asker, share=slot):
             victims.append(session)
             if fits(victims):
                 for victim in victims:

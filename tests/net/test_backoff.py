@@ -21,8 +21,11 @@ from tessera.peer.base.backoff import (
 )
 from tessera.peer.plan.view import SwarmView
 from tessera.peer.request.policy import RequesterPolicy
-from tessera.peer.base.errors import NoRoute, PeerFailed, SessionRefused, StreamClosed
+from tessera.peer.base.errors import NoRoute, OpenUnanswered, PeerFailed, SessionRefused, StreamClosed
 from tessera.peer.request import repair
+from tessera.peer.plan.routing import Hop
+from tessera.peer.request.chain import RouteSession, receive_answer
+from tessera.peer.request.chain_state import HopState
 from tessera.peer.request.failures import error_failure, refusal_failure, reported_failure
 from tessera.peer.request.loads import LoadBook
 from tessera.peer.request.repair import MAX_OPEN_ATTEMPTS, MAX_REPAIRS_PER_STEP, Pending, ResilientSession
@@ -212,6 +215,128 @@ async def test_an_open_gives_up_after_max_failed_routes_and_a_refusal_is_skipped
     assert all(swarm.bans.strikes(f"gone{i}") == 1 for i in range(MAX_OPEN_ATTEMPTS))
 
 
+async def test_an_open_ended_unanswered_is_a_skip_until_it_repeats_before_the_peer_answers_one(
+        monkeypatch, autojump_clock) -> None:
+    """A peer whose unadmitted streams are full past what it refuses politely resets an open unread
+    (peer/net/intake.py): lack of room, never a strike. So an open a peer ends unanswered skips it
+    (REFUSED_SKIP, no strike); a second one before it answers any open is a strike (a peer that
+    resets every open is still struck); once it has answered an open, the next is a skip again."""
+    swarm = _Swarm()
+    outcomes = [OpenUnanswered("full", "ended the open unanswered"), None,  # skipped, then it accepts
+                OpenUnanswered("full", "ended the open unanswered"), None,  # answered since: skipped again
+                OpenUnanswered("gone", "ended the open unanswered"),
+                OpenUnanswered("gone", "ended the open unanswered"), None]  # no answer between: struck
+    tried: list[int] = []
+
+    class Attempt:
+        def __init__(self, peer: str) -> None:
+            self.segments = (SimpleNamespace(peers=[peer], said=dict),)  # nothing said of any queue
+
+        async def open(self, *, began=None) -> None:
+            tried.append(len(tried))
+            if outcomes[tried[-1]] is not None:
+                raise outcomes[tried[-1]]
+
+    async def wait_for_route(wait, *, policy, spread, paroled):
+        return SimpleNamespace(hops=())
+
+    swarm.wait_for_route = wait_for_route
+    peers = iter(["full", "full", "full", "full", "gone", "gone", "other"])
+    monkeypatch.setattr(repair, "session_for", lambda ctx, route, *, max_length: Attempt(next(peers)))
+    for _ in range(3):
+        await ResilientSession(swarm, max_length=64, route_wait=1.0).open()
+    assert swarm.bans.strikes("full") == 0 and swarm.bans.failure("full") is Failure.REFUSED
+    assert swarm.bans.until("full") == pytest.approx(REFUSED_SKIP)
+    assert swarm.bans.strikes("gone") == 1 and swarm.bans.failure("gone") is Failure.DROPPED
+    # the bookkeeping alone: a refusal is an answer too
+    bans = Bans()
+    assert bans.unanswered_open("p") is Failure.REFUSED and bans.unanswered_open("p") is Failure.DROPPED
+    bans.answered_open("p")
+    assert bans.unanswered_open("p") is Failure.REFUSED
+
+
+async def test_a_stream_ended_before_the_open_is_answered_is_told_apart_from_a_reply() -> None:
+    """`receive_answer` (peer/request/chain.py): a reply is returned; a stream the peer ended
+    before any reply is OpenUnanswered (not a plain drop), naming the peer."""
+    class Ended:
+        async def receive(self):
+            raise StreamClosed("stream from p was reset")
+
+    class Answers:
+        async def receive(self):
+            return "reply"
+
+    with pytest.raises(OpenUnanswered) as unanswered:
+        await receive_answer(Ended(), "p")
+    assert unanswered.value.peer == "p" and unanswered.value.failure is Failure.DROPPED
+    assert await receive_answer(Answers(), "p") == "reply"
+
+
+def test_a_link_reset_is_a_skip_until_it_repeats_before_the_peer_serves_a_step() -> None:
+    """A previous hop reporting next-hop-failed (its push found the link reset) blames the next
+    peer, which may only have been out of room for unadmitted streams (the link waits there until
+    its session takes it, peer/net/intake.py): a skip, not a strike — until it happens again
+    before a step of this requester's went through that peer (a peer that resets links without
+    serving is struck from its second)."""
+    bans = Bans()
+    ctx = SimpleNamespace(link_reset=bans.link_reset, tracer=NullTracer())
+    hops = [HopState(Hop(p, 0, 1), channel=None) for p in ("up", "next")]
+
+    def reported_by_upstream() -> Failure:
+        for h in hops:
+            h.failure = None
+        chain = SimpleNamespace(hops=hops, ctx=ctx, session_id=b"s", pending={})
+        RouteSession._fail(chain, hops[0], "next-hop-failed: push to next: stream was reset", code=NEXT_HOP_FAILED)
+        assert hops[0].failure is None and hops[1].failure.startswith("unreachable from the previous peer")
+        return hops[1].failed_as
+
+    assert reported_by_upstream() is Failure.REFUSED
+    assert reported_by_upstream() is Failure.DROPPED  # again, nothing served through it since
+    bans.served("next")
+    assert reported_by_upstream() is Failure.REFUSED
+    # the next peer's own report, when it came first, is what counts
+    hops[1].failure, hops[1].failed_as = "reclaimed: idle", Failure.REFUSED
+    RouteSession._fail(SimpleNamespace(hops=hops, ctx=ctx, session_id=b"s", pending={}), hops[0],
+                       "next-hop-failed", code=NEXT_HOP_FAILED)
+    assert hops[1].failure == "reclaimed: idle" and hops[1].failed_as is Failure.REFUSED
+
+
+async def test_a_relink_of_a_hop_this_requester_closed_is_no_strike() -> None:
+    """A repair that relinks a neighbour whose session this requester had closed already (replaced,
+    abandoned) finds its own stream closed for writing: that peer did nothing wrong."""
+    class Closed:
+        async def send(self, msg):
+            raise StreamClosed("stream to p is closed for writing")
+
+    state = HopState(Hop("p", 0, 1), channel=Closed())
+    chain = SimpleNamespace()
+    state.scope.cancel()  # what close_hop does first
+    with pytest.raises(PeerFailed) as ours:
+        await RouteSession.relink(chain, state, None)
+    assert ours.value.failure is Failure.REFUSED
+    live = HopState(Hop("p", 0, 1), channel=Closed())
+    with pytest.raises(PeerFailed) as theirs:
+        await RouteSession.relink(chain, live, None)
+    assert theirs.value.failure is Failure.DROPPED
+
+
+async def test_a_step_into_a_first_hop_this_requester_closed_is_a_hop_to_replace_not_a_crash() -> None:
+    """A step sent into a first hop whose session this requester closed (its keys forgotten) marks
+    that hop failed, with no strike, for the repair to replace (a CipherClosed escaping here ended
+    a whole simulation)."""
+    from tessera.protocol.links import Direction, LinkCipher
+
+    send = LinkCipher(bytes(32), session_id=b"s" * 16, link_id=1, direction=Direction.FORWARD)
+    send.forget()
+    first = HopState(Hop("p", 0, 1), channel=None, send=send)
+    chain = SimpleNamespace(_next_step=0, pending={}, session_id=b"s" * 16,
+                            ctx=SimpleNamespace(wire="", tracer=NullTracer()))
+    with pytest.raises(PeerFailed) as failed:
+        await RouteSession.send(chain, first, torch.zeros(1, 4), 0, stop_layer=1)
+    assert failed.value.failure is Failure.REFUSED and failed.value.peer == "p"
+    assert first.failure is not None and first.failed_as is Failure.REFUSED and chain.pending == {}
+
+
 @pytest.mark.parametrize("only_busy", [True, False])
 async def test_an_open_queues_past_the_route_wait_only_while_busy_peers_alone_block_it(
         only_busy, monkeypatch, autojump_clock) -> None:
@@ -262,6 +387,8 @@ async def test_a_step_is_repaired_up_to_max_repairs_times_then_given_up(autojump
     fail_always = False
 
     class Failing:
+        segments = ()  # no peer to count as served
+
         async def wait(self, *args):
             raise PeerFailed("p", "reset")
 

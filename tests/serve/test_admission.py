@@ -540,3 +540,26 @@ async def test_a_freed_slot_goes_to_the_waiter_holding_fewer_sessions_before_the
         host.sessions = {k: s for k, s in host.sessions.items() if s is not other}
         admission.closed(other)  # one slot frees
     assert admitted == ["few"]
+
+
+def test_a_new_session_reclaims_only_from_an_identity_holding_more_sessions_here_than_its_requester() -> None:
+    """Fair share (rule 2): an open takes an idle session's room only from an identity holding more
+    sessions here than its own requester does, so two requesters with one session each here do not
+    take each other's (a replacement waiting for its replay, a downstream hop waiting for its
+    prompt) in turn; a newcomer holding none still reclaims any idle identity's (the lock-out
+    guarantee), and a growing session's KV may still take any idle session's memory."""
+    a1 = Held("a", last_active=0.0, stepped=False)
+    b1, b2 = Held("b", last_active=1.0, stepped=False), Held("b", last_active=2.0, stepped=False)
+    mine = Held("c", last_active=3.0)
+    host = Host(a1, b1, b2, mine)
+    admission = Admission(host, Limits(max_sessions=4, max_sessions_per_requester=4, kv_budget=100))
+    now = STEP_GRACE + 10.0  # every session is past its protection
+    assert admission.make_room(1, now=now, asker="c")
+    assert host.reclaimed == [b1]  # not a1, idle longer: "a" holds one session here, as "c" does
+    host.add(Held("d", last_active=now))  # the freed slot is taken (in use: protected)
+    assert admission.make_room(1, now=now, asker="c") is False  # "b" holds one now: none is c's to take
+    host.reclaimed.clear()
+    assert admission.make_room(1, now=now, asker="newcomer") and host.reclaimed == [a1]  # holding none
+    growing = Host(Held("a", last_active=0.0, stepped=False), Held("c", last_active=3.0))
+    grow = Admission(growing, Limits(max_sessions=2, max_sessions_per_requester=2, kv_budget=2))
+    assert grow.make_room(1, now=now, slot=False, asker="c") and len(growing.reclaimed) == 1
