@@ -44,32 +44,8 @@ def fingerprint(output: torch.Tensor, k: int = TOP_K) -> Fingerprint:
     return Fingerprint(encode_tensor(idx.to(torch.int32)), encode_tensor(values), encode_tensor(scale))
 
 
-# Encoded fingerprints of small outputs, by the output's exact content (dtype, shape, strides and
-# bytes; the strides too, so that even which of several equal entries topk picks is the same
-# computation's): a peer fingerprints every step it serves, and outputs that repeat byte for byte
-# — a simulated swarm's constant hidden states (peer/sim), a prompt sent again — cost a lookup.
-# A real peer's decode steps rarely repeat; what a miss adds is the copy of a step's bytes for the
-# key (a decode row: 2.3 KiB of SmolLM2), small beside the topk it then runs. Bounded: outputs up
-# to _MEMO_MAX_BYTES, _MEMO_ENTRIES of them (8 MiB at most), all forgotten when full (a plain dict:
-# seal may run in worker threads, and a dict's single operations hold under the GIL).
-_MEMO_MAX_BYTES = 128 * 1024
-_MEMO_ENTRIES = 64
-_memo: dict[tuple, bytes] = {}
-
-
 def fingerprint_bytes(output: torch.Tensor, k: int = TOP_K) -> bytes:
-    """`fingerprint(output, k)` encoded (the same bytes for the same output, remembered for small ones)."""
-    t = output.detach()
-    if t.device.type != "cpu" or t.numel() * t.element_size() > _MEMO_MAX_BYTES:
-        return encode(fingerprint(output, k))
-    key = (k, t.dtype, tuple(t.shape), t.stride(), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    found = _memo.get(key)
-    if found is None:
-        found = encode(fingerprint(output, k))
-        if len(_memo) >= _MEMO_ENTRIES:
-            _memo.clear()
-        _memo[key] = found
-    return found
+    return encode(fingerprint(output, k))
 
 
 def fingerprint_hash(output: torch.Tensor) -> bytes:
