@@ -346,7 +346,14 @@ def test_behind_two_nats_the_answer_is_exact_punched_or_relayed(topology, tmp_pa
         wait_for_line(log_a, rf"hole punch with {b}: failed", SETTLE)
         wait_for_line(log_b, rf"hole punch with {a}: failed", SETTLE)
 
-    status = swarm_status(topology, swarm["relay"])
+    # A status lists the links each peer holds when asked; one that idled out after the answer
+    # (a loaded box spaces the peers' keep-alives) is dialled again by gossip: ask until both show.
+    deadline = time.monotonic() + SETTLE
+    while True:
+        status = swarm_status(topology, swarm["relay"])
+        if (b in status["A"]["links"] and a in status["B"]["links"]) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
     check_advertised_addrs(status, swarm["relay"])
     relay_id = status["relay"]["peer_id"]
     for name, other in (("A", b), ("B", a)):
