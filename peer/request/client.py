@@ -41,7 +41,7 @@ from tessera.store import events
 from tessera.store.trace import NullTracer, Tracer
 
 from tessera.peer.base.ids import peer_id_text
-from tessera.peer.base.errors import ModelMismatch, NoRoute, PeerError, PeerUnreachable, UnknownPeer
+from tessera.peer.base.errors import ModelMismatch, PeerError, PeerUnreachable, UnknownPeer
 from tessera.peer.net.gossip import Gossip, ViewKeeper
 from tessera.peer.net.pinger import Pinger
 from tessera.peer.net.join import why_unreachable
@@ -52,15 +52,15 @@ from tessera.peer.request.decode import Speculation, plain_tokens, speculative_t
 from tessera.peer.request.reports import ReportBook
 from tessera.peer.request.verify import DEFAULT_SPOT_CHECKS, SpotChecker
 from tessera.peer.request.dispute import DISPUTE_MEMORY, SpanWeights
-from tessera.peer.base.backoff import BUSY_WAIT, COMEBACK, PROBE_INTERVAL, ROUTE_WAIT, SOLE_PAROLE, Bans, Failure
+from tessera.peer.base.backoff import BUSY_WAIT, ROUTE_WAIT, Bans
 from tessera.peer.base.threads import in_worker
 from tessera.peer.request.ports import CheckPolicy
-from tessera.peer.request.probe import answers
 from tessera.peer.request.repair import AnswerRewound, ResilientSession
-from tessera.peer.request.policy import RequesterPolicy, check_peer_id, explain_gaps
+from tessera.peer.request.route_wait import RouteWait
+from tessera.peer.request.policy import RequesterPolicy, check_peer_id
 from tessera.peer.request.chain_state import RequesterContext
 from tessera.peer.plan.cost import SPREAD_WIDTH, Spread
-from tessera.peer.plan.routing import Route, covered_but_busy, route, why_no_route, why_not_preferred
+from tessera.peer.plan.routing import Route, route, why_not_preferred
 from tessera.peer.request.loads import LoadBook
 from tessera.peer.net.transport import Transport
 from tessera.peer.plan.view import PeerInfo, SwarmView
@@ -80,7 +80,6 @@ REFRESH_INTERVAL = 2.0  # gossip and ping period of a requester
 # second, to learn what one round had just told it. Half the refresh period: a route wait still
 # sees a view and loads at most a refresh period old.
 REFRESH_SHARED = REFRESH_INTERVAL / 2
-WAIT_REPORT_INTERVAL = 1.0  # how often a requester waiting for a route says what it waits for
 PLAN_MEMO_ENTRIES = 256  # routes remembered per view snapshot (keyed by bans, range, RTTs, running sessions)
 # Embedding a decode step's tokens (one, or a speculative block's few) reads a few rows of
 # the table: microseconds on a CPU. A worker thread's round trip costs 0.2-0.3 ms on a
@@ -192,6 +191,10 @@ class Swarm:
         self._refreshed = -math.inf  # when the last refresh ended (on `clock`)
         # Told, once a second while `wait_for_route` waits, what it is waiting for (the CLI prints it)
         self.on_route_wait: Callable[[str], None] | None = None
+        self.route_wait = RouteWait(keeper=self.keeper, bans=self.bans, clock=self.clock, transport=transport,
+                                    tracer=self.ctx.tracer, num_layers=self.spec.num_layers, plan=self.plan,
+                                    view=self.view, refresh=self.refresh, refresh_interval=refresh_interval,
+                                    policy=lambda: self.policy, at_own_limit=self.at_own_limit)
 
     @staticmethod
     @asynccontextmanager
@@ -336,41 +339,6 @@ class Swarm:
         salt = self.route_draws.getrandbits(64)
         return Spread(salt, self.spread) if self.spread > 0 else None
 
-    def _awaited_comebacks(self, *, start: int = 0, end: int | None = None, exclude: Sequence[str] = (),
-                           policy: RequesterPolicy | None = None, **_: object) -> list[str]:
-        """Banned peers that dropped or timed out, admitted by the policy, whose latest record
-        serves some layer of [start, end): those whose return would give a route."""
-        end = self.spec.num_layers if end is None else end
-        now = self.clock()
-        policy = self.policy.narrowed(policy)
-        view = self.keeper.snapshot()
-        out = []
-        for peer in self.bans.banned(now):
-            avoided = self.bans.why.get(peer)
-            info = view.get(peer)
-            if (avoided is not None and avoided.failure in COMEBACK and info is not None and info.routable
-                    and info.start < end and start < info.end and peer not in exclude and policy.admits(peer)):
-                out.append(peer)
-        return out
-
-    async def probe_comebacks(self, **plan_args) -> bool:
-        """Probe the awaited comebacks (`_awaited_comebacks`) that have signed a new record since
-        they failed — a restarted peer advertises again, a resumed one re-signs its record —
-        and were not probed in the last PROBE_INTERVAL; parole those that answer (their bans
-        end, their strikes stay: peer/base/backoff.py). Returns whether any was paroled."""
-        now = self.clock()
-        view = self.keeper.snapshot()
-        fresh = [p for p in self._awaited_comebacks(**plan_args)
-                 if view.get(p).issued_at > self.bans.why[p].mark]
-        due = self.bans.comeback_candidates(now, fresh)
-        if not due:
-            return False
-        back = await self._answering(due, now)
-        for peer in back:
-            if self.bans.parole(peer, self.clock()):
-                self.ctx.tracer.emit(events.Parole(remote=peer, failure=self.bans.why[peer].failure.value))
-        return bool(back)
-
     def plan(
         self,
         *,
@@ -429,140 +397,22 @@ class Swarm:
         ended (bench/load.py, 2 requesters at load 0.8: 56 sessions opened an answer)."""
         return tuple(sorted(p for p, n in self.ctx.running.items() if n >= MAX_SESSIONS_PER_REQUESTER))
 
-    def why_no_route(self, *, start: int = 0, end: int | None = None, exclude: Sequence[str] = (),
-                     policy: RequesterPolicy | None = None, **_: object) -> tuple[list[tuple[int, int]], str]:
-        """The uncovered layers, and a sentence saying what blocks a route: layers only peers
-        the policy excludes cover (request/policy.py `explain_gaps`), else routing.why_no_route."""
-        now = self.clock()
-        banned = {peer: self._avoided_words(peer, now) for peer in self.bans.banned(now)}
-        view = self.keeper.snapshot()
-        policy = self.policy.narrowed(policy)
-        if policy.restricts:
-            gaps, why = explain_gaps(view.without(set(banned) | set(exclude)), policy)
-            if gaps:
-                return gaps, why
-        # the other peers excluded hold this session already (a repair's live neighbours)
-        held = {p: "in this session" for p in exclude if p not in banned}
-        held |= {p: f"holds {MAX_SESSIONS_PER_REQUESTER} of this requester's sessions, the most it admits"
-                 for p in self.at_own_limit() if p not in banned and p not in held}
-        return why_no_route(view, start=start, end=end, banned=banned | held)
-
-    def covered_but_busy(self, *, start: int = 0, end: int | None = None, exclude: Sequence[str] = (),
-                         policy: RequesterPolicy | None = None, **_: object) -> bool:
-        """Whether what blocks a route over [start, end) is only busy peers: peers this requester
-        skips for a refusal (busy, full: Failure.REFUSED, no strike) or that advertise every slot
-        taken cover every layer (peer/plan/routing.py `covered_but_busy`): a queue to wait in."""
-        now = self.clock()
-        avoided = {p for p in self.bans.banned(now) if self.bans.failure(p) is not Failure.REFUSED}
-        view = self.policy.narrowed(policy).apply(self.view(), keep=(self.peer_id,))
-        return covered_but_busy(view, start=start, end=end, avoided=avoided | set(exclude))
-
-    def _avoided_words(self, peer: str, now: float) -> str:
-        """Why `peer` is avoided, for a person: 'refused a session: skipped for 3 s more',
-        'banned (timed-out) for 25 s more'."""
-        left = max(0.0, self.bans.until(peer) - now)
-        failure = self.bans.failure(peer)
-        if failure is Failure.REFUSED:
-            return f"refused a session: skipped for {left:.0f} s more"
-        return f"banned ({failure.value if failure else 'failed'}) for {left:.0f} s more"
-
     async def wait_for_route(self, timeout: float = DEFAULT_ROUTE_WAIT, *, paroled: set[str] | None = None,
                              **plan_args) -> Route:
         """A route, waiting up to `timeout` s for the swarm to cover the layers. Raises NoRoute
         naming the uncovered layers and the peers that are there but not usable, and why.
         It re-plans whenever the view changes, a ban or skip ends, or a banned peer that
-        dropped or timed out answers a probe (`probe_comebacks`), refreshing the view after
-        each wake (and at least every `refresh_interval`). `paroled`: the only covers of a span
-        that had their one parole in this wait (peer/base/backoff.py); given, a banned peer that
-        is the only cover of missing layers and not in it is probed once its parole is due and,
-        if it answers, paroled and added to it (`parole_sole_covers`). While it waits,
-        `on_route_wait` (if set) hears what it waits for once a second."""
-        began = trio.current_time()
-        next_report = began + WAIT_REPORT_INTERVAL
-        with trio.move_on_after(timeout):
-            while True:
-                chosen = self.plan(**plan_args)
-                if chosen.ok:
-                    return chosen
-                if await self.probe_comebacks(**plan_args):
-                    continue  # someone is back: plan again at once
-                sole = self._sole_covers(paroled, **plan_args) if paroled is not None else []
-                if sole and await self.parole_sole_covers(sole, paroled):
-                    continue
-                wake = self.refresh_interval
-                now = self.clock()
-                ban_ends = self.bans.next_end(now)
-                if ban_ends is not None:
-                    wake = min(wake, ban_ends - now)
-                if self._awaited_comebacks(**plan_args):
-                    wake = min(wake, PROBE_INTERVAL)
-                for peer in sole:  # wake when a parole falls due (probed again every PROBE_INTERVAL)
-                    wake = min(wake, max(self.bans.sole_parole_at(peer) - now, 0.0) or PROBE_INTERVAL)
-                if self.on_route_wait is not None:
-                    now = trio.current_time()
-                    if now >= next_report:
-                        self.on_route_wait(f"waiting for a route ({now - began:.0f} s of {timeout:.0f} s): "
-                                           + self.why_no_route(**plan_args)[1])
-                        next_report = now + WAIT_REPORT_INTERVAL
-                    wake = min(wake, next_report - now)
-                with trio.move_on_after(wake):
-                    await self.keeper.wait_changed()
-                await self.refresh()
-        gaps, why = self.why_no_route(**plan_args)
-        raise NoRoute(f"no route through the swarm after {timeout:.0f} s: {why}", gaps)
+        dropped or timed out answers a probe, refreshing the view after each wake (and at least
+        every `refresh_interval`). `paroled`: the only covers of a span that had their one
+        parole in this wait (peer/base/backoff.py); given, a banned peer that is the only cover
+        of missing layers and not in it is probed once its parole is due and, if it answers,
+        paroled and added to it. While it waits, `on_route_wait` (if set) hears what it waits
+        for once a second. The wait itself: peer/request/route_wait.py."""
+        return await self.route_wait.wait(timeout, paroled=paroled, on_wait=self.on_route_wait, **plan_args)
 
-    def _sole_covers(self, paroled: set[str], *, start: int = 0, end: int | None = None,
-                     exclude: Sequence[str] = (), policy: RequesterPolicy | None = None, **_: object) -> list[str]:
-        """Banned peers (for a failure that allows it: backoff.SOLE_PAROLE) that had no parole in
-        this wait, admitted by the policy, whose latest record serves some layer of [start, end)
-        that no usable peer covers: the only covers of what is missing (sorted)."""
-        now = self.clock()
-        policy = self.policy.narrowed(policy)
-        banned = [p for p in self.bans.banned(now) if self.bans.failure(p) in SOLE_PAROLE and p not in paroled
-                  and p not in exclude and policy.admits(p)]
-        if not banned:
-            return []
-        gaps, _ = self.why_no_route(start=start, end=end, exclude=exclude, policy=policy)
-        view = self.keeper.snapshot()
-        out = []
-        for peer in banned:
-            info = view.get(peer)
-            if info is not None and info.routable and any(info.start < b and a < info.end for a, b in gaps):
-                out.append(peer)
-        return sorted(out)
-
-    async def _answering(self, due: list[str], now: float) -> list[str]:
-        """Those of `due` (banned peers whose probe is due) that answer a probe now, all probed at
-        once and marked probed at `now`; sorted, so that paroles go in one order every run."""
-        back: list[str] = []
-
-        async def probe(peer: str) -> None:
-            if await answers(self.transport, peer, addrs=self.keeper.addrs(peer)):
-                back.append(peer)
-
-        for peer in due:
-            self.bans.probed(peer, now)
-        async with trio.open_nursery() as nursery:
-            for peer in due:
-                nursery.start_soon(probe, peer)
-        return sorted(back)
-
-    async def parole_sole_covers(self, sole: list[str], paroled: set[str]) -> bool:
-        """Probe those of `sole` whose parole is due (peer/base/backoff.py `Bans.sole_parole_due`);
-        parole those that answer, once in this wait (`paroled`). Returns whether any was paroled."""
-        now = self.clock()
-        due = [p for p in sole if self.bans.sole_parole_due(p, now)]
-        if not due:
-            return False
-        back = await self._answering(due, now)
-        for peer in back:
-            failure = self.bans.failure(peer)
-            if failure is not None and self.bans.parole(peer, self.clock(), sole=True):
-                paroled.add(peer)
-                log.info("paroling peer %s once (banned %s): the only cover of layers this answer needs", peer,
-                         failure.value)
-                self.ctx.tracer.emit(events.Parole(remote=peer, failure=failure.value))
-        return bool(back)
+    def covered_but_busy(self, **plan_args) -> bool:
+        """Whether only busy peers block a route (a queue to wait in: RouteWait.covered_but_busy)."""
+        return self.route_wait.covered_but_busy(**plan_args)
 
     # -- generation -------------------------------------------------------------------
 

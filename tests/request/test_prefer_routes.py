@@ -189,6 +189,6 @@ async def test_a_peer_holding_as_many_of_a_requesters_sessions_as_it_admits_is_r
             world.swarm.ctx.hold(b)
         assert not world.swarm.plan().ok
         assert world.swarm.covered_but_busy()
-        assert "of this requester's sessions, the most it admits" in world.swarm.why_no_route()[1]
+        assert "of this requester's sessions, the most it admits" in world.swarm.route_wait.why_no_route()[1]
         world.swarm.ctx.drop(a)  # one of its sessions on a ended
         assert world.swarm.plan().peer_ids == (a,)
