@@ -9,6 +9,10 @@ refreshes the view after each wake. When it gives up, NoRoute names the layers n
 covers and, for each peer that is there but not usable, why (`why_no_route`). A repair that
 finds only busy peers in its way waits in their queue instead (`covered_but_busy`).
 
+A probe of a banned peer (`answers`) is one ping on the ping protocol every peer serves: a
+stream and one round trip, dialling the peer's advertised addresses if the old connection died
+with the old process (a restarted peer listens on a new port).
+
 The wait reads the requester's bans and view; it plans through the requester (`plan`, whose
 memo and spread draws are the requester's) and refreshes through it (one refresh shared by
 every waiting answer). Nothing here decides a route itself: peer/plan/routing.py does.
@@ -16,27 +20,47 @@ every waiting answer). Nothing here decides a route itself: peer/plan/routing.py
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Awaitable, Callable, Sequence
 
 import trio
 
 from tessera.protocol.admission import MAX_SESSIONS_PER_REQUESTER
+from tessera.protocol.errors import WireError
+from tessera.protocol.records import Heartbeat
 from tessera.store import events
 from tessera.store.trace import Tracer
 
-from tessera.peer.base.backoff import COMEBACK, PROBE_INTERVAL, SOLE_PAROLE, Bans, Failure
-from tessera.peer.base.errors import NoRoute
+from tessera.peer.base.backoff import COMEBACK, PROBE_INTERVAL, PROBE_TIMEOUT, SOLE_PAROLE, Bans, Failure
+from tessera.peer.base.errors import NoRoute, PeerError
+from tessera.peer.base.protocols import PING_PROTOCOL
 from tessera.peer.net.gossip import ViewKeeper
-from tessera.peer.net.transport import Transport
+from tessera.peer.net.transport import Channel, Transport
 from tessera.peer.plan.routing import Route, covered_but_busy, why_no_route
 from tessera.peer.plan.view import SwarmView
 from tessera.peer.request.policy import RequesterPolicy, explain_gaps
-from tessera.peer.request.probe import answers
 
 log = logging.getLogger(__name__)
 
 WAIT_REPORT_INTERVAL = 1.0  # how often a requester waiting for a route says what it waits for
+
+_probe_seq = itertools.count(1)
+
+
+async def answers(transport: Transport, peer: str, *, addrs: Sequence[str] = (),
+                  timeout: float = PROBE_TIMEOUT) -> bool:
+    """Whether `peer` echoes a heartbeat within `timeout` seconds (a probe of a banned peer)."""
+    seq = next(_probe_seq)
+    try:
+        with trio.fail_after(timeout):
+            channel = Channel(await transport.open_stream(peer, PING_PROTOCOL, addrs=addrs))
+            await channel.send(Heartbeat(seq, 0.0))
+            reply = await channel.receive()
+            await channel.close()
+    except (trio.TooSlowError, PeerError, WireError):
+        return False
+    return isinstance(reply, Heartbeat) and reply.seq == seq
 
 
 class RouteWait:
@@ -231,4 +255,4 @@ class RouteWait:
         return bool(back)
 
 
-__all__ = ["RouteWait", "WAIT_REPORT_INTERVAL"]
+__all__ = ["RouteWait", "WAIT_REPORT_INTERVAL", "answers"]
