@@ -27,9 +27,11 @@ of inbound ones). A peer
 The bound. Membership holds at most MAX_CONNECTIONS = MAX_NEIGHBOURS + 2 = 26 connections
 per peer in a steady swarm, whatever the swarm's size (see MAX_CONNECTIONS). With peers
 drawing uniformly, a peer's inbound count is about Poisson(OUTBOUND): mean 6, and above 18
-for about one peer in 100,000. Sessions add their own connections (a route's neighbours, a
-requester), bounded by the session limits (peer/serve/limits.py); libp2p keeps those until
-their owners close them.
+for about one peer in 100,000. A peer also sees, for a period or two, connections others
+opened that it does not hold: an ask it refused, a link the other side dropped; their opener
+closes them (tests/swarm/test_membership_swarm.py holds both). Sessions add their own
+connections (a route's neighbours, a requester), bounded by the session limits
+(peer/serve/limits.py); libp2p keeps those until their owners close them.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@
 
 No model: the record claims layers it does not serve, and nothing asks it to. It prints
 its address on stdout, then appends one JSON line to --out every --every seconds: its
-connections, its neighbours, how many records it holds and the hash of its set (peers
-holding the same set have the same hash). The gossip periods come from the environment
+connections (how many in all, how many its membership holds, the peers of the others), its
+neighbours, how many records it holds and the hash of its set (peers holding the same set
+have the same hash). The gossip periods come from the environment
 as for a real peer (TESSERA_GOSSIP_INTERVAL, TESSERA_GOSSIP_OUTBOUND, ...).
 """
 
@@ -51,9 +52,17 @@ async def main(args: argparse.Namespace) -> None:
             with open(args.out, "a") as out:
                 while True:
                     root = keeper.root
+                    connected = set(transport.connected())
+                    member = gossip.membership
+                    # held: connections this peer's membership keeps (its neighbours, what it dialled
+                    # and has not closed, asks and probes running); the rest another peer opened
+                    # and is about to close (an ask we refused, a link it dropped)
+                    held = connected & (member.outbound.keys() | member.inbound.keys() | member.opened.keys()
+                                        | member.pending)
                     out.write(json.dumps({
-                        "t": time.time(), "peer": transport.peer_id, "connections": len(transport.connected()),
-                        "neighbours": len(gossip.membership.neighbours()), "records": len(keeper.live()),
+                        "t": time.time(), "peer": transport.peer_id, "connections": len(connected),
+                        "held": len(held), "others": sorted(connected - held),
+                        "neighbours": len(member.neighbours()), "records": len(keeper.live()),
                         "hash": root.hash.hex() if root is not None else "", "bytes_sent": gossip.bytes_sent,
                     }) + "\n")
                     out.flush()

@@ -2,6 +2,12 @@
 bound of connections (peer/net/membership.py), set low here so that it is below the eleven a
 peer would hold if it dialled everyone, and still every peer ends up with the whole view.
 
+The bound is on the connections a peer's membership holds. A peer also sees, for a moment,
+connections that others opened and are closing: an ask it refused (full), a link the other
+side dropped in its refresh. Those are the opener's to close, within a period or two; the
+test holds them to CLOSED_WITHIN, so a leak still fails it. (Counting them against the bound
+failed CI once: a full peer, three asks arriving in the same tick, 8 connections for 0.3 s.)
+
 The peers are membership-only (tests/swarm/gossip_member.py: a host, a signed record, the
 real `Gossip`; no model), so the test costs twelve processes' start-up and a few seconds of
 gossip. It prints each peer's largest connection count and how long the views took to agree.
@@ -32,6 +38,7 @@ ENV = {"TESSERA_GOSSIP_INTERVAL": "0.5", "TESSERA_GOSSIP_OUTBOUND": str(OUTBOUND
 START_TIMEOUT = 120.0  # twelve processes importing torch and libp2p on two loaded cores
 AGREE_TIMEOUT = 120.0
 WATCH_S = 10.0  # 20 gossip periods: two refreshes of every peer's sample
+CLOSED_WITHIN = 5.0  # 10 periods for the opener of a refused ask or a dropped link to close it (seen: < 0.8 s)
 
 
 def last_states(files: list[Path]) -> list[dict | None]:
@@ -75,13 +82,34 @@ def test_twelve_peers_each_hold_at_most_the_bound_and_agree(tmp_path):
             proc.terminate()
         for proc in procs:
             proc.wait(timeout=30)
-    most = []
+    most, held_most, others_longest = [], [], []
     for path in files:
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         watched = [r for r in rows if r["t"] >= watch_from]
         assert watched, path
         most.append(max(r["connections"] for r in watched))
+        held_most.append(max(r["held"] for r in watched))
         assert max(r["neighbours"] for r in watched) <= OUTBOUND + INBOUND, (path.name, watched[-1])
-    print(f"\nlargest connection count per peer over {WATCH_S:.0f} s: {most} (bound {BOUND}); views agreed "
+        others_longest.append(max(open_spans(watched).values(), default=0.0))
+    print(f"\nlargest connection count per peer over {WATCH_S:.0f} s: held by membership {held_most} (bound {BOUND}), "
+          f"all {most}; longest-open connection another peer opened: {max(others_longest):.1f} s; views agreed "
           f"{agreed_after:.1f} s after all had started; test {time.monotonic() - began:.0f} s")
-    assert max(most) <= BOUND, most
+    assert max(held_most) <= BOUND, held_most
+    assert max(others_longest) <= CLOSED_WITHIN, others_longest
+
+
+def open_spans(rows: list[dict]) -> dict[str, float]:
+    """For each peer seen among a member's `others`, the longest time it stayed there (seconds
+    between the first and the last of a run of samples holding it; still there at the end counts)."""
+    longest: dict[str, float] = {}
+    since: dict[str, float] = {}
+    for row in rows:
+        now = set(row["others"])
+        for peer in list(since):
+            if peer not in now:
+                longest[peer] = max(longest.get(peer, 0.0), row["t"] - since.pop(peer))
+        for peer in now:
+            since.setdefault(peer, row["t"])
+    for peer, began in since.items():
+        longest[peer] = max(longest.get(peer, 0.0), rows[-1]["t"] - began)
+    return longest
