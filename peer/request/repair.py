@@ -66,7 +66,7 @@ from tessera.peer.base.errors import (DisputeUndecided, NoRoute, OpenUnanswered,
 from tessera.peer.request.failures import refusal_failure
 from tessera.peer.request.policy import RequesterPolicy
 from tessera.peer.request.chain_state import StepSlot
-from tessera.peer.request.chain import STEP_TIMEOUT_FLOOR, no_room, route_summary
+from tessera.peer.request.chain import STEP_TIMEOUT_FLOOR, RouteSession, no_room, route_summary
 from tessera.peer.plan.cost import Reported, Spread
 from tessera.peer.plan.routing import Route
 from tessera.peer.request.ports import Gap, Replacement, RouteRun, Segment, SwarmPort
@@ -111,6 +111,10 @@ def busier_than_priced(run: RouteRun, priced: dict[str, Reported]) -> tuple[str,
             if said.wait > was + BOUNCE_WAIT:
                 return peer, said.wait, was
     return None
+
+
+class Bounced(Exception):
+    """A route with groups whose peer said a queue it was not priced with: closed and routed again."""
 
 
 class Superseded(Exception):
@@ -268,7 +272,13 @@ class ResilientSession:
 
     async def open(self) -> None:
         """Open a session on a route, waiting up to the route wait for one; peers that refuse
-        are skipped and others tried. Raises NoRoute."""
+        are skipped and others tried. Raises NoRoute.
+
+        A route of plain hops keeps the sessions its peers accepted: a peer that refused, or
+        whose accept said a queue the route was not priced with (a bounce), is replaced in place
+        by the repair loop (`mend` at position 0) as a failed peer would be, between its route
+        neighbours; the others are not opened anew. A route with groups is closed and routed
+        again whole."""
         last_error: Exception | None = None
         failures = bounces = asked = 0
         began = trio.current_time()  # the answer's start, traced with the open that carries it
@@ -284,24 +294,53 @@ class ResilientSession:
                 continue
             # a route with tensor-shard group hops runs in segments (peer/request/segmented.py)
             session = session_for(self.swarm.ctx, chosen, max_length=self.max_length)
+            in_place = isinstance(session, RouteSession)
             try:
-                await session.open(began=began)
+                if in_place:
+                    await session.open(began=began, keep_refused=True)
+                else:
+                    await session.open(began=began)
             except (SessionRefused, PeerFailed) as error:
                 failures += self.ban_for(error) is not Failure.REFUSED
                 last_error = error
                 continue
-            self.answered(p for segment in session.segments for p in segment.peers)
-            busy = busier_than_priced(session, priced)
-            if busy is not None and bounces < MAX_BOUNCES and self.remaining() > 0:
-                # its accept said a queue the route was not priced with: what it said is priced
-                # now (peer/request/loads.py), so the next route weighs it; no one is avoided
-                bounces += 1
-                log.info("peer %s said a step would wait %.1f s (routed as %.1f s): routing again",
-                         busy[0], busy[1], busy[2])
+            self.current = session
+            try:
+                while True:
+                    if in_place:
+                        for refusal in session.refused:
+                            self.ban_for(refusal)
+                        session.refused = []
+                        await self.mend(0, room=None)
+                        session.repaired()
+                    self.answered(p for segment in session.segments for p in segment.peers)
+                    busy = busier_than_priced(session, priced)
+                    if busy is None or bounces >= MAX_BOUNCES or self.remaining() <= 0:
+                        break
+                    # its accept said a queue the route was not priced with: what it said is priced
+                    # now (peer/request/loads.py), so the next route weighs it
+                    bounces += 1
+                    peer, said, was = busy
+                    log.info("peer %s said a step would wait %.1f s (routed as %.1f s): routing again", peer, said, was)
+                    if not in_place:
+                        raise Bounced(peer)
+                    # skipped for the wait it said (as a replacement without room is), and
+                    # another tried for its hop; the paroled only cover of a span comes back
+                    self.ban(peer, f"its accept said a step would wait {said:.1f} s (routed as {was:.1f} s)",
+                             failure=Failure.REFUSED, seconds=said)
+                    session.set_aside(peer, "routed again: its queue was longer than priced")
+            except Bounced:
+                self.current = None
                 self.swarm.ctx.nursery.start_soon(session.close, "routed again: a peer's queue was longer than priced")
                 continue
-            self.current = session
-            self.routes.append(chosen)
+            except (SessionRefused, PeerFailed, RouteLost) as error:
+                # the refused hops could not be filled within the route wait: route again whole
+                self.current = None
+                self.swarm.ctx.nursery.start_soon(session.close, "a peer of the route refused")
+                failures += 1
+                last_error = error
+                continue
+            self.routes.append(session.route)
             return
         raise NoRoute(f"could not open a session after {MAX_OPEN_ATTEMPTS} failed routes: {last_error}")
 
@@ -413,18 +452,41 @@ class ResilientSession:
         started = time.perf_counter()
         self.begin_wait()
         self.ban(failure.peer, failure.reason, failure=failure.failure)
-        replaced: list[str] = []
         # room is asked of the replacements once a repair: a peer that said it had none is skipped
         # for the wait it said and another tried; after that the route found is taken as it is
         # (the only cover of a span, queue and all, is better than no answer)
-        room: float | None = REPLAY_ROOM
-        last: PeerError = failure
+        replaced = await self.mend(position, room=REPLAY_ROOM, through_end=through_end, cause=failure)
+        self.failovers += 1
+        self.epoch += 1
+        route = session.repaired()
+        self.routes.append(route)
+        self.swarm.ctx.tracer.emit(events.Failover(
+            session=session.session_id, remote=failure.peer, duration=time.perf_counter() - started,
+            reason=failure.reason[:200], position=position, replacements=replaced,
+            route=[[h.peer_id, h.start, h.end] for h in route.hops],
+        ))
+
+    # -- the pieces of a repair ------------------------------------------------------------
+
+    async def mend(self, position: int, *, room: float | None, through_end: bool = False,
+                   cause: PeerFailed | None = None) -> list[str]:
+        """Fill every failed hop of the current session (region by region, last first): route
+        its gap, patch or rebuild, splice. `position`: positions already answered (0 at an open:
+        nothing to replay). `room`: the first replacements must say a step would wait at most
+        this long (None: take the route found). Returns the replacements' peers. Raises
+        PeerFailed after MAX_REPAIRS_PER_STEP failed replacements, RouteLost when a gap has no
+        route within the wait."""
+        session = self.current
+        assert session is not None
+        replaced: list[str] = []
+        last: PeerError | None = cause
         attempts = 0
         while (found := self.failed_segment()) is not None:
             segment, i, j = found
             if attempts >= MAX_REPAIRS_PER_STEP:
-                raise PeerFailed(getattr(last, "peer", failure.peer), f"could not repair the route: {last}",
-                                 getattr(last, "failure", failure.failure))
+                assert last is not None
+                raise PeerFailed(getattr(last, "peer", ""), f"could not repair the route: {last}",
+                                 getattr(last, "failure", Failure.DROPPED))
             blamed = await segment.inputs_ready(i, position)
             if blamed is not None:
                 self.ban(blamed.peer, blamed.reason, failure=blamed.failure)
@@ -453,17 +515,7 @@ class ResilientSession:
                 continue
             self.answered(replacement.peers)
             replaced += replacement.peers
-        self.failovers += 1
-        self.epoch += 1
-        route = session.repaired()
-        self.routes.append(route)
-        self.swarm.ctx.tracer.emit(events.Failover(
-            session=session.session_id, remote=failure.peer, duration=time.perf_counter() - started,
-            reason=failure.reason[:200], position=position, replacements=replaced,
-            route=[[h.peer_id, h.start, h.end] for h in route.hops],
-        ))
-
-    # -- the pieces of a repair ------------------------------------------------------------
+        return replaced
 
     async def reroute(self, gap: Gap) -> Route:
         """A route for what a segment's failed hops left (`gap`), waiting within the repair's
