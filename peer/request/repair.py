@@ -53,6 +53,7 @@ import logging
 import math
 import time
 from collections import Counter
+from typing import Callable
 from dataclasses import dataclass
 
 import torch
@@ -311,7 +312,10 @@ class ResilientSession:
                         for refusal in session.refused:
                             self.ban_for(refusal)
                         session.refused = []
-                        await self.mend(0, room=None)
+                        # only the hops that refused or were set aside: a peer that accepted stays,
+                        # even one this requester now skips for another answer's refusal (its
+                        # accept is the newer word)
+                        await self.mend(0, room=None, is_out=lambda peer: False)
                         session.repaired()
                     self.answered(p for segment in session.segments for p in segment.peers)
                     busy = busier_than_priced(session, priced)
@@ -429,11 +433,12 @@ class ResilientSession:
         """Whether `peer` may no longer compute this answer: banned, revoked or denied."""
         return self.swarm.is_banned(peer) or not self.policy.admits(peer)
 
-    def failed_segment(self) -> tuple[Segment, int, int] | None:
-        """The last segment with failed hops, and its last run of them [i, j]."""
+    def failed_segment(self, is_out: Callable[[str], bool] | None = None) -> tuple[Segment, int, int] | None:
+        """The last segment with failed hops (or hops whose peer `is_out`: by default, `self.is_out`),
+        and its last run of them [i, j]."""
         assert self.current is not None
         for segment in reversed(self.current.segments):
-            run = segment.failed_run(self.is_out)
+            run = segment.failed_run(self.is_out if is_out is None else is_out)
             if run is not None:
                 return segment, *run
         return None
@@ -469,19 +474,19 @@ class ResilientSession:
     # -- the pieces of a repair ------------------------------------------------------------
 
     async def mend(self, position: int, *, room: float | None, through_end: bool = False,
-                   cause: PeerFailed | None = None) -> list[str]:
+                   cause: PeerFailed | None = None, is_out: Callable[[str], bool] | None = None) -> list[str]:
         """Fill every failed hop of the current session (region by region, last first): route
         its gap, patch or rebuild, splice. `position`: positions already answered (0 at an open:
         nothing to replay). `room`: the first replacements must say a step would wait at most
         this long (None: take the route found). Returns the replacements' peers. Raises
         PeerFailed after MAX_REPAIRS_PER_STEP failed replacements, RouteLost when a gap has no
-        route within the wait."""
+        route within the wait. `is_out`: which live hops to replace too (`failed_segment`)."""
         session = self.current
         assert session is not None
         replaced: list[str] = []
         last: PeerError | None = cause
         attempts = 0
-        while (found := self.failed_segment()) is not None:
+        while (found := self.failed_segment(is_out)) is not None:
             segment, i, j = found
             if attempts >= MAX_REPAIRS_PER_STEP:
                 assert last is not None
