@@ -21,7 +21,6 @@ steps are in peer/request/repair.py, which decides everything else).
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from typing import Callable
@@ -47,8 +46,7 @@ from tessera.peer.base.errors import OpenUnanswered, PeerError, PeerFailed, Sess
 from tessera.peer.request.failures import error_failure, reported_failure
 from tessera.peer.request.history import RouteHistory
 from tessera.peer.plan.routing import Hop, Route
-from tessera.peer.request.chain_state import (AttestedStep, HopState, RequesterContext, StepSlot, began_before, peer_bytes,
-                                              refused_hop)
+from tessera.peer.request.chain_state import AttestedStep, HopState, RequesterContext, StepSlot, began_before, peer_bytes
 from tessera.peer.request.ports import Gap, Replacement, Segment
 from tessera.peer.base.protocols import SESSION_PROTOCOL
 from tessera.peer.net.transport import Channel
@@ -96,8 +94,6 @@ class RouteSession:
         self._next_link = 0
         self._next_step = 0
         self.closed = False
-        self.refused: list[SessionRefused] = []  # the opens refused at `open(keep_refused=True)`
-        self._untraced_open: float | None = None  # `began` of an open traced once its refused hops are filled
 
     @property
     def hex(self) -> str:
@@ -155,34 +151,16 @@ class RouteSession:
 
     # -- opening --------------------------------------------------------------------
 
-    async def open(self, *, began: float | None = None, keep_refused: bool = False) -> None:
+    async def open(self, *, began: float | None = None) -> None:
         """Open every hop of the route at once. Raises SessionRefused or PeerFailed. `began`:
-        when (trio's clock) the answer this session carries began, traced with the open.
-
-        `keep_refused`: when some peers refuse for lack of room (busy, full, draining) and the
-        others accept, keep the sessions that were accepted: the refused hops stay in `hops` as
-        failed (`refused_hop`; their refusals in `refused`) for the repair loop to fill in place
-        before any step, as it fills a failed hop (`failed_run`, `gap`, `patch` at position 0).
-        (Closing the accepted sessions and routing again opened a route's other peers anew for one
-        refusal: 764 of the 6,844 sessions 50 requesters opened at load 0.5, bench/load.py.)"""
-        self.hops, _, _ = await self.open_hops(list(self.route.hops), prev=None, next_=None,
-                                               keep_refused=keep_refused)
-        self.refused = [h.refusal for h in self.hops if h.refusal is not None]
-        self._untraced_open = began if began is not None else math.nan
-        self._trace_open_once_whole()
-
-    def _trace_open_once_whole(self) -> None:
-        """Trace the open (the requester's `session_open`, with the route) once no hop is a refused one."""
-        if self._untraced_open is None or any(h.channel is None for h in self.hops):
-            return
-        began = None if math.isnan(self._untraced_open) else self._untraced_open
-        self._untraced_open = None
+        when (trio's clock) the answer this session carries began, traced with the open."""
+        self.hops, _, _ = await self.open_hops(list(self.route.hops), prev=None, next_=None)
         self.ctx.tracer.emit(events.SessionOpen(session=self.session_id,
-                                                route=[[h.peer_id, h.start, h.end] for h in self.route_hops],
+                                                route=[[h.peer_id, h.start, h.end] for h in self.route.hops],
                                                 max_length=self.max_length, began_before=began_before(began)))
 
     async def open_hops(
-        self, hops: list[Hop], *, prev: str | None, next_: str | None, keep_refused: bool = False
+        self, hops: list[Hop], *, prev: str | None, next_: str | None
     ) -> tuple[list[HopState], tuple[int, bytes], tuple[int, bytes]]:
         """Open sessions on consecutive `hops`, linked among themselves.
 
@@ -191,9 +169,7 @@ class RouteSession:
         first hop also gets an inject link from the requester (to replay inputs into it).
         Returns the hop states and the boundary links (into the first, out of the last),
         whose keys the caller seals to `prev` / `next_` when relinking them.
-        Raises SessionRefused or PeerFailed (every hop opened here is closed again), unless
-        `keep_refused` and every failure is a refusal (not a next hop's): then the refused hops
-        come back as `refused_hop`s among the opened ones (see `open`).
+        Raises SessionRefused or PeerFailed (every hop opened here is closed again).
         """
         into = [self.new_link() for _ in hops]  # link into hop i
         out_last = self.new_link()
@@ -249,10 +225,6 @@ class RouteSession:
         failed = [(plans[i][0], r) for i, r in enumerate(results) if not isinstance(r, HopState)]
         for hop, _ in failed:
             self.ctx.drop(hop.peer_id)
-        if failed and opened and keep_refused and all(
-                isinstance(error, SessionRefused) and error.code != NEXT_HOP_FAILED for _, error in failed):
-            states = [r if isinstance(r, HopState) else refused_hop(plans[i][0], r) for i, r in enumerate(results)]
-            return states, into[0], out_last
         if failed:
             for state in opened:
                 self.ctx.nursery.start_soon(self.close_hop, state, "a peer of the route refused")
@@ -605,16 +577,7 @@ class RouteSession:
             if state not in returning:
                 # in the background: a dead peer's stream may take a while to give up
                 self.ctx.nursery.start_soon(self.close_hop, state, "replaced after a failure")
-        self._trace_open_once_whole()
         return Replacement([self], [h.peer for h in new], replayed)
-
-    def set_aside(self, peer: str, reason: str) -> None:
-        """Take `peer`'s hop out before any step (its accept said a queue the route was not
-        priced with): its session is closed, and the hop is failed for the repair loop to fill."""
-        for state in self.hops:
-            if state.peer == peer and state.failure is None:
-                state.failure, state.failed_as = reason, Failure.REFUSED
-                self.ctx.nursery.start_soon(self.close_hop, state, reason)
 
     async def relink_up(self, up: HopState, new: list[HopState], into: tuple[int, bytes]) -> None:
         await self.relink(up, Relink(
@@ -661,8 +624,6 @@ class RouteSession:
             return
         state.revoked = True
         self.ctx.release(state)
-        if state.channel is None:  # it refused the open: there is nothing to revoke there
-            return
         if state.failure is None:
             state.failure = REVOKED
         state.scope.cancel()
@@ -684,8 +645,8 @@ class RouteSession:
 
     async def close_hop(self, state: HopState, reason: str) -> None:
         self.ctx.release(state)
-        if state.revoked or state.channel is None:
-            return  # told and closed at the revocation, or refused: it gets no further frame
+        if state.revoked:
+            return  # told and closed at the revocation; it gets no further frame
         state.scope.cancel()
         for cipher in (state.send, state.tap, state.result):
             if cipher is not None:

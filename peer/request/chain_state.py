@@ -19,11 +19,10 @@ from tessera.store.trace import NullTracer, Tracer
 
 from tessera.peer.base.backoff import Failure
 from tessera.peer.base.ids import peer_id_bytes
-from tessera.peer.base.errors import PeerError, SessionRefused
+from tessera.peer.base.errors import PeerError
 from tessera.peer.net.gossip import ViewKeeper
 from tessera.peer.plan.routing import Hop
 from tessera.peer.net.transport import Channel, Transport
-from tessera.peer.request.failures import refusal_failure
 from tessera.peer.request.loads import LoadBook
 
 
@@ -97,7 +96,7 @@ class HopState:
     """The requester's end of one peer's session."""
 
     hop: Hop
-    channel: Channel | None  # None: the peer refused the open (`refused_hop`); the repair loop fills it
+    channel: Channel
     send: LinkCipher | None = None  # requester -> this peer (first hop, or an inject link)
     tap: LinkCipher | None = None  # this peer -> requester, copy of its output
     result: LinkCipher | None = None  # last hop -> requester
@@ -106,7 +105,6 @@ class HopState:
     revoked: bool = False  # the requester took this peer out of the session (RouteSession.revoke_hop)
     held: bool = True  # counted in the requester's `running` sessions until released (RequesterContext)
     accepted: LoadReport | None = None  # the load it reported as it accepted the session (None: not said)
-    refusal: SessionRefused | None = None  # why it refused the open (`refused_hop`)
     attested: list[AttestedStep] = field(default_factory=list)
     acked: trio.Event = field(default_factory=trio.Event)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
@@ -114,14 +112,6 @@ class HopState:
     @property
     def peer(self) -> str:
         return self.hop.peer_id
-
-
-def refused_hop(hop: Hop, refusal: SessionRefused) -> HopState:
-    """The place of a hop whose peer refused the open (busy, full, draining) while the route's
-    other peers accepted: failed as the refusal says, for the repair loop to fill before any
-    step (peer/request/repair.py `ResilientSession.open`). Never counted as running."""
-    return HopState(hop, None, failure=f"refused: {refusal.code}: {refusal.message}",
-                    failed_as=refusal_failure(refusal.code), held=False, refusal=refusal)
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,7 @@ replaces what, what is spliced in and what is replayed. The segments below it re
 route in place of hops, rebuild from the history they hold); the spot checker reports
 a conviction; nothing below calls back up.
 
-Opening routes around peers that refuse (busy, draining): a route of plain hops keeps the
-sessions its peers accepted, and the hops refused (or bounced: a queue it was not priced with)
-are filled in place by the same loop at position 0, onto routes the swarm offers now; with
-none, the route is closed and another awaited. A step that fails — a reset
+Opening routes around peers that refuse (busy, draining). A step that fails — a reset
 stream (the peer's process died), an error message, or a deadline derived from the
 route's advertised speeds — is repaired by ONE loop (`repair`) and sent again:
 
@@ -56,7 +53,6 @@ import logging
 import math
 import time
 from collections import Counter
-from typing import Callable
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +66,7 @@ from tessera.peer.base.errors import (DisputeUndecided, NoRoute, OpenUnanswered,
 from tessera.peer.request.failures import refusal_failure
 from tessera.peer.request.policy import RequesterPolicy
 from tessera.peer.request.chain_state import StepSlot
-from tessera.peer.request.chain import STEP_TIMEOUT_FLOOR, RouteSession, no_room, route_summary
+from tessera.peer.request.chain import STEP_TIMEOUT_FLOOR, no_room, route_summary
 from tessera.peer.plan.cost import Reported, Spread
 from tessera.peer.plan.routing import Route
 from tessera.peer.request.ports import Gap, Replacement, RouteRun, Segment, SwarmPort
@@ -86,10 +82,9 @@ log = logging.getLogger(__name__)
 MAX_OPEN_ATTEMPTS = 5
 MAX_REPAIRS_PER_STEP = 6  # a step is given up after this many repairs (each bans a peer)
 # An open whose peer says, as it accepts, that a step would wait longer than the route was
-# priced with by more than BOUNCE_WAIT has that peer's hop routed again (a route with groups:
-# the whole route), now priced with what it said (many requesters that heard nothing yet pick
-# the same peer at once: the first answer each gets is news). At most MAX_BOUNCES an open: then
-# the route is taken as it is, queue and all.
+# priced with by more than BOUNCE_WAIT is closed and routed again, now priced with what it said
+# (many requesters that heard nothing yet pick the same peer at once: the first answer each
+# gets is news). At most MAX_BOUNCES an open: then the route is taken as it is, queue and all.
 # BOUNCE_WAIT: a step's deadline floor (the slack every step has), as for REPLAY_ROOM below.
 BOUNCE_WAIT = STEP_TIMEOUT_FLOOR
 MAX_BOUNCES = 2
@@ -116,10 +111,6 @@ def busier_than_priced(run: RouteRun, priced: dict[str, Reported]) -> tuple[str,
             if said.wait > was + BOUNCE_WAIT:
                 return peer, said.wait, was
     return None
-
-
-class Bounced(Exception):
-    """A route with groups whose peer said a queue it was not priced with: closed and routed again."""
 
 
 class Superseded(Exception):
@@ -255,20 +246,18 @@ class ResilientSession:
         self.spread = self.swarm.draw()
         self.routes_chosen = 0
 
-    async def wait_for_route(self, *, waiting: bool = True, **plan_args) -> Route:
+    async def wait_for_route(self, **plan_args) -> Route:
         """A route within the current wait: chosen by this answer's policy and the next turn of the
-        wait's draw (routing's spread), the only cover of a span paroled once. Not `waiting`: only
-        a route the swarm offers now (NoRoute at once otherwise)."""
+        wait's draw (routing's spread), the only cover of a span paroled once."""
         spread = None if self.spread is None else self.spread.again(self.routes_chosen)
         self.routes_chosen += 1
         while True:
             try:
-                return await self.swarm.wait_for_route(self.remaining() if waiting else 0.0, policy=self.policy,
-                                                       spread=spread, paroled=self.paroled, **plan_args)
+                return await self.swarm.wait_for_route(self.remaining(), policy=self.policy, spread=spread,
+                                                       paroled=self.paroled, **plan_args)
             except NoRoute:
                 now = trio.current_time()
-                if (not waiting or now >= self.busy_deadline
-                        or not self.swarm.covered_but_busy(policy=self.policy, **plan_args)):
+                if now >= self.busy_deadline or not self.swarm.covered_but_busy(policy=self.policy, **plan_args):
                     raise
                 # every layer is served, by peers that said busy: queue for another route wait
                 log.info("every layer is covered by busy peers: waiting for room (%.0f s more at most)",
@@ -279,13 +268,7 @@ class ResilientSession:
 
     async def open(self) -> None:
         """Open a session on a route, waiting up to the route wait for one; peers that refuse
-        are skipped and others tried. Raises NoRoute.
-
-        A route of plain hops keeps the sessions its peers accepted: a peer that refused, or
-        whose accept said a queue the route was not priced with (a bounce), is replaced in place
-        by the repair loop (`mend` at position 0) as a failed peer would be, between its route
-        neighbours; the others are not opened anew. A route with groups is closed and routed
-        again whole."""
+        are skipped and others tried. Raises NoRoute."""
         last_error: Exception | None = None
         failures = bounces = asked = 0
         began = trio.current_time()  # the answer's start, traced with the open that carries it
@@ -301,64 +284,24 @@ class ResilientSession:
                 continue
             # a route with tensor-shard group hops runs in segments (peer/request/segmented.py)
             session = session_for(self.swarm.ctx, chosen, max_length=self.max_length)
-            in_place = isinstance(session, RouteSession)
             try:
-                if in_place:
-                    await session.open(began=began, keep_refused=True)
-                else:
-                    await session.open(began=began)
+                await session.open(began=began)
             except (SessionRefused, PeerFailed) as error:
                 failures += self.ban_for(error) is not Failure.REFUSED
                 last_error = error
                 continue
-            self.current = session
-            try:
-                while True:
-                    if in_place:
-                        for refusal in session.refused:
-                            self.ban_for(refusal)
-                        session.refused = []
-                        # only the hops that refused or were set aside: a peer that accepted stays,
-                        # even one this requester now skips for another answer's refusal (its
-                        # accept is the newer word). And only onto routes there now: the sessions
-                        # accepted sit idle while a gap is awaited, and a busy peer reclaims idle
-                        # sessions for other requesters (waiting, 1,425 of 7,064 were reclaimed
-                        # before a step, 50 requesters at load 0.5): with no route now, the whole
-                        # route is closed and another chosen within the wait.
-                        known = self.swarm.ctx.loads.reported()  # what the replacements are routed with
-                        for peer in await self.mend(0, room=None, is_out=lambda peer: False, waiting=False):
-                            priced.pop(peer, None)
-                            if peer in known:
-                                priced[peer] = known[peer]
-                        session.repaired()
-                    self.answered(p for segment in session.segments for p in segment.peers)
-                    busy = busier_than_priced(session, priced)
-                    if busy is None or bounces >= MAX_BOUNCES or self.remaining() <= 0:
-                        break
-                    # its accept said a queue the route was not priced with: what it said is priced
-                    # now (peer/request/loads.py), so the next route weighs it
-                    bounces += 1
-                    peer, said, was = busy
-                    log.info("peer %s said a step would wait %.1f s (routed as %.1f s): routing again", peer, said, was)
-                    if not in_place:
-                        raise Bounced(peer)
-                    # its hop alone is routed again, now priced with its queue; no one is skipped
-                    # (skipping it kept it from this requester's other answers too: p90 with 2
-                    # requesters at load 0.5 went from 21 to 25 s)
-                    session.set_aside(peer, "routed again: its queue was longer than priced")
-            except Bounced:
-                self.current = None
+            self.answered(p for segment in session.segments for p in segment.peers)
+            busy = busier_than_priced(session, priced)
+            if busy is not None and bounces < MAX_BOUNCES and self.remaining() > 0:
+                # its accept said a queue the route was not priced with: what it said is priced
+                # now (peer/request/loads.py), so the next route weighs it; no one is avoided
+                bounces += 1
+                log.info("peer %s said a step would wait %.1f s (routed as %.1f s): routing again",
+                         busy[0], busy[1], busy[2])
                 self.swarm.ctx.nursery.start_soon(session.close, "routed again: a peer's queue was longer than priced")
                 continue
-            except (PeerFailed, RouteLost) as error:
-                # a hop that refused has no route now (or its replacements kept failing): route
-                # again whole, within the wait (no route now is no one's failure)
-                self.current = None
-                self.swarm.ctx.nursery.start_soon(session.close, "a peer of the route refused")
-                failures += not isinstance(error, RouteLost)
-                last_error = error
-                continue
-            self.routes.append(session.route)
+            self.current = session
+            self.routes.append(chosen)
             return
         raise NoRoute(f"could not open a session after {MAX_OPEN_ATTEMPTS} failed routes: {last_error}")
 
@@ -447,12 +390,11 @@ class ResilientSession:
         """Whether `peer` may no longer compute this answer: banned, revoked or denied."""
         return self.swarm.is_banned(peer) or not self.policy.admits(peer)
 
-    def failed_segment(self, is_out: Callable[[str], bool] | None = None) -> tuple[Segment, int, int] | None:
-        """The last segment with failed hops (or hops whose peer `is_out`: by default, `self.is_out`),
-        and its last run of them [i, j]."""
+    def failed_segment(self) -> tuple[Segment, int, int] | None:
+        """The last segment with failed hops, and its last run of them [i, j]."""
         assert self.current is not None
         for segment in reversed(self.current.segments):
-            run = segment.failed_run(self.is_out if is_out is None else is_out)
+            run = segment.failed_run(self.is_out)
             if run is not None:
                 return segment, *run
         return None
@@ -471,43 +413,18 @@ class ResilientSession:
         started = time.perf_counter()
         self.begin_wait()
         self.ban(failure.peer, failure.reason, failure=failure.failure)
+        replaced: list[str] = []
         # room is asked of the replacements once a repair: a peer that said it had none is skipped
         # for the wait it said and another tried; after that the route found is taken as it is
         # (the only cover of a span, queue and all, is better than no answer)
-        replaced = await self.mend(position, room=REPLAY_ROOM, through_end=through_end, cause=failure)
-        self.failovers += 1
-        self.epoch += 1
-        route = session.repaired()
-        self.routes.append(route)
-        self.swarm.ctx.tracer.emit(events.Failover(
-            session=session.session_id, remote=failure.peer, duration=time.perf_counter() - started,
-            reason=failure.reason[:200], position=position, replacements=replaced,
-            route=[[h.peer_id, h.start, h.end] for h in route.hops],
-        ))
-
-    # -- the pieces of a repair ------------------------------------------------------------
-
-    async def mend(self, position: int, *, room: float | None, through_end: bool = False,
-                   cause: PeerFailed | None = None, is_out: Callable[[str], bool] | None = None,
-                   waiting: bool = True) -> list[str]:
-        """Fill every failed hop of the current session (region by region, last first): route
-        its gap, patch or rebuild, splice. `position`: positions already answered (0 at an open:
-        nothing to replay). `room`: the first replacements must say a step would wait at most
-        this long (None: take the route found). Returns the replacements' peers. Raises
-        PeerFailed after MAX_REPAIRS_PER_STEP failed replacements, RouteLost when a gap has no
-        route within the wait. `is_out`: which live hops to replace too (`failed_segment`).
-        Not `waiting`: a gap is routed only if the swarm offers a route for it now."""
-        session = self.current
-        assert session is not None
-        replaced: list[str] = []
-        last: PeerError | None = cause
+        room: float | None = REPLAY_ROOM
+        last: PeerError = failure
         attempts = 0
-        while (found := self.failed_segment(is_out)) is not None:
+        while (found := self.failed_segment()) is not None:
             segment, i, j = found
             if attempts >= MAX_REPAIRS_PER_STEP:
-                assert last is not None
-                raise PeerFailed(getattr(last, "peer", ""), f"could not repair the route: {last}",
-                                 getattr(last, "failure", Failure.DROPPED))
+                raise PeerFailed(getattr(last, "peer", failure.peer), f"could not repair the route: {last}",
+                                 getattr(last, "failure", failure.failure))
             blamed = await segment.inputs_ready(i, position)
             if blamed is not None:
                 self.ban(blamed.peer, blamed.reason, failure=blamed.failure)
@@ -520,7 +437,7 @@ class ResilientSession:
                     self.ban(reported.peer, reported.reason, failure=reported.failure)
             gap = segment.gap(i, j)
             try:
-                chosen = await self.reroute(gap, waiting=waiting)
+                chosen = await self.reroute(gap)
                 if gap.in_place:
                     replacement = await segment.patch(i, j, chosen, position, through_end=through_end, room=room)
                 else:
@@ -536,15 +453,24 @@ class ResilientSession:
                 continue
             self.answered(replacement.peers)
             replaced += replacement.peers
-        return replaced
+        self.failovers += 1
+        self.epoch += 1
+        route = session.repaired()
+        self.routes.append(route)
+        self.swarm.ctx.tracer.emit(events.Failover(
+            session=session.session_id, remote=failure.peer, duration=time.perf_counter() - started,
+            reason=failure.reason[:200], position=position, replacements=replaced,
+            route=[[h.peer_id, h.start, h.end] for h in route.hops],
+        ))
 
-    async def reroute(self, gap: Gap, *, waiting: bool = True) -> Route:
+    # -- the pieces of a repair ------------------------------------------------------------
+
+    async def reroute(self, gap: Gap) -> Route:
         """A route for what a segment's failed hops left (`gap`), waiting within the repair's
-        route wait (not `waiting`: only one the swarm offers now). Raises RouteLost (naming what
-        failed) when none came in time."""
+        route wait. Raises RouteLost (naming what failed) when none came in time."""
         try:
             return await self.wait_for_route(start=gap.start, end=gap.end, source=gap.source, sink=gap.sink,
-                                             exclude=gap.exclude, groups=gap.groups, waiting=waiting)
+                                             exclude=gap.exclude, groups=gap.groups)
         except NoRoute as lost:
             # mid-way, not at the start: the request failed in the swarm (HTTP 502), naming what is gone
             raise RouteLost(

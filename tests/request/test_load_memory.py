@@ -10,7 +10,6 @@ from contextlib import AsyncExitStack
 import pytest
 
 from tessera.stages.decoding.generate import LocalEngine
-from tessera.store import events
 
 from .memory_swarm import LAYERS, PeerPlan, decisive_model, memory_swarm
 
@@ -38,25 +37,3 @@ async def test_an_open_asks_peers_it_has_not_heard_from_and_avoids_a_long_queue(
         assert world.servers["b"].stats.sessions_opened == 0
         said = world.swarm.ctx.loads.reported()
         assert said[world.ids["b"]].wait_ms >= 29_000
-
-
-async def test_a_refused_hop_is_replaced_in_place_and_the_peers_that_accepted_keep_their_sessions(
-        model, autojump_clock):
-    """b refuses the open (it is leaving: a refusal, as busy is) while a, its route neighbour,
-    accepts: a keeps its session, and only b's span is routed again, onto c, before any step.
-    Before, a's session was closed and a opened anew on a whole new route: two sessions on a
-    for one answer (bench/load.py counted 764 such sessions in 6,844 with 50 requesters)."""
-    half = LAYERS // 2
-    plans = [PeerPlan("a", 0, half, 4000.0), PeerPlan("b", half, LAYERS, 4000.0), PeerPlan("c", half, LAYERS, 1000.0)]
-    solo = LocalEngine(model, device="cpu", dtype="float32").generate_ids(PROMPT, max_new_tokens=2)
-    async with AsyncExitStack() as stack:
-        world = await memory_swarm(stack, model, plans)
-        world.servers["b"].leaving = True  # its record still says serving: routing picks it, the faster
-        info: dict = {}
-        assert await world.swarm.complete_ids(PROMPT, max_new_tokens=2, spot_check=None, info=info) == solo
-        assert world.servers["b"].stats.refused == 1
-        assert world.servers["a"].stats.sessions_opened == 1  # kept, not opened again
-        assert world.servers["c"].stats.sessions_opened == 1
-        assert [world.name(hop["peer"]) for hop in info["route"]] == ["a", "c"]
-        opened = [e.event for e in world.tracer.of_kind(events.SessionOpen) if e.event.route is not None]
-        assert [[world.name(p) for p, _, _ in e.route] for e in opened] == [["a", "c"]]  # traced once, whole
