@@ -23,18 +23,14 @@ from tessera.peer.plan.cost import Reported
 # requester's refreshes — what it said is history, and its record (re-signed when its load
 # crosses a band) is the better guess.
 REPORT_TTL = 30.0
-# A peer's word younger than this is fresh: an open does not ping it first (`LoadBook.stale`);
-# an older one is asked (one round trip, no session) before an answer goes there. Half a second:
-# when many requesters share a swarm, a peer's queue changes within the 2 s between a
-# requester's refreshes (peer/request/client.py), and an open routed on a 2 s old word found a
-# queue it was not priced with and was closed and routed again (repair.py BOUNCE_WAIT), every
-# peer of its route a session for nothing. bench/load.py at load 0.5, 100 peers, 1,000 answers,
-# FRESH 2 s -> 0.5 s, p90 and sessions per request: 50 requesters, seed 1: 30.1 -> 27.4 s,
-# 8.49 -> 7.56; seed 2: 67.2 -> 65.9 s, 18.33 -> 17.39; seed 3: 53.5 -> 50.1 s, 13.98 -> 14.17;
-# 2 requesters: 21.2 -> 20.6 s, 5.65 -> 5.28; 30.2 -> 28.8 s, 6.45 -> 6.08; 27.9 -> 26.4 s,
-# 5.71 -> 5.68. Shorter was not better: 0.25 s gave 28.3 s, 8.75 (seed 1, 50 requesters), and
-# always asking (0 s) bounced more opens than 0.5 s in a run cut short.
-FRESH = 0.5
+# A peer's word younger than this is fresh: an open does not ping it first (`LoadBook.stale`). A
+# requester pings the peers it is connected to every refresh (2 s: peer/request/client.py), so
+# a peer it uses is fresh; one it has not heard from lately is asked before its answer goes there.
+# 0.5 s was tried (bench/load.py, 100 peers, 1,000 answers): with 50 requesters at load 0.5
+# without churn, fewer opens bounced off a queue they were not priced with (p90 lower at seeds
+# 1-3: 30.1 -> 27.4 s at seed 1), but at 0.5 with churn and at 0.8 the 50 requesters did worse
+# (seed 1, load 0.8: 991 -> 979 of 1,000 completed, 37.2 -> 40.5 sessions an answer): not kept.
+FRESH = 2.0
 # Waits are rounded to this (ms) before routing sees them, and loads to 1/LOAD_STEPS: routes
 # are memoised per view and what routing reads (peer/request/client.py `Swarm.plan`), and
 # differences this small never change a route worth having.
