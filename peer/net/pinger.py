@@ -63,13 +63,13 @@ class Pinger:
         if ticket.evicted:
             await stream.reset()
 
-    async def ping(self, peer_id: str, *, addrs: Sequence[str] = ()) -> float | None:
+    async def ping(self, peer_id: str, *, addrs: Sequence[str] = (), timeout: float = PING_TIMEOUT) -> float | None:
         """One probe (dialling `addrs` if not connected); the RTT in ms (also folded into
-        `rtt_ms`), or None if it failed."""
+        `rtt_ms`), or None if it failed or took over `timeout` seconds."""
         self._seq += 1
         seq = self._seq  # this probe's own: pings to several neighbours run at once
         try:
-            with trio.fail_after(PING_TIMEOUT):
+            with trio.fail_after(timeout):
                 channel = Channel(await self.transport.open_stream(peer_id, PING_PROTOCOL, addrs=addrs),
                                   max_frame=HEARTBEAT_FRAME_LIMIT)
                 sent = self.clock()

@@ -194,7 +194,8 @@ class Swarm:
         self.route_wait = RouteWait(keeper=self.keeper, bans=self.bans, clock=self.clock, transport=transport,
                                     tracer=self.ctx.tracer, num_layers=self.spec.num_layers, plan=self.plan,
                                     view=self.view, refresh=self.refresh, refresh_interval=refresh_interval,
-                                    policy=lambda: self.policy, at_own_limit=self.at_own_limit)
+                                    policy=lambda: self.policy, at_own_limit=self.at_own_limit,
+                                    ping=self.pinger.ping)
 
     @staticmethod
     @asynccontextmanager

@@ -9,9 +9,9 @@ refreshes the view after each wake. When it gives up, NoRoute names the layers n
 covers and, for each peer that is there but not usable, why (`why_no_route`). A repair that
 finds only busy peers in its way waits in their queue instead (`covered_but_busy`).
 
-A probe of a banned peer (`answers`) is one ping on the ping protocol every peer serves: a
-stream and one round trip, dialling the peer's advertised addresses if the old connection died
-with the old process (a restarted peer listens on a new port).
+A probe of a banned peer is one ping of the requester's `Pinger` (peer/net/pinger.py): a stream
+and one round trip, dialling the peer's advertised addresses if the old connection died with the
+old process (a restarted peer listens on a new port), within PROBE_TIMEOUT.
 
 The wait reads the requester's bans and view; it plans through the requester (`plan`, whose
 memo and spread draws are the requester's) and refreshes through it (one refresh shared by
@@ -20,23 +20,19 @@ every waiting answer). Nothing here decides a route itself: peer/plan/routing.py
 
 from __future__ import annotations
 
-import itertools
 import logging
 from typing import Awaitable, Callable, Sequence
 
 import trio
 
 from tessera.protocol.admission import MAX_SESSIONS_PER_REQUESTER
-from tessera.protocol.errors import WireError
-from tessera.protocol.records import Heartbeat
 from tessera.store import events
 from tessera.store.trace import Tracer
 
 from tessera.peer.base.backoff import COMEBACK, PROBE_INTERVAL, PROBE_TIMEOUT, SOLE_PAROLE, Bans, Failure
-from tessera.peer.base.errors import NoRoute, PeerError
-from tessera.peer.base.protocols import PING_PROTOCOL
+from tessera.peer.base.errors import NoRoute
 from tessera.peer.net.gossip import ViewKeeper
-from tessera.peer.net.transport import Channel, Transport
+from tessera.peer.net.transport import Transport
 from tessera.peer.plan.routing import Route, covered_but_busy, why_no_route
 from tessera.peer.plan.view import SwarmView
 from tessera.peer.request.policy import RequesterPolicy, explain_gaps
@@ -45,35 +41,19 @@ log = logging.getLogger(__name__)
 
 WAIT_REPORT_INTERVAL = 1.0  # how often a requester waiting for a route says what it waits for
 
-_probe_seq = itertools.count(1)
-
-
-async def answers(transport: Transport, peer: str, *, addrs: Sequence[str] = (),
-                  timeout: float = PROBE_TIMEOUT) -> bool:
-    """Whether `peer` echoes a heartbeat within `timeout` seconds (a probe of a banned peer)."""
-    seq = next(_probe_seq)
-    try:
-        with trio.fail_after(timeout):
-            channel = Channel(await transport.open_stream(peer, PING_PROTOCOL, addrs=addrs))
-            await channel.send(Heartbeat(seq, 0.0))
-            reply = await channel.receive()
-            await channel.close()
-    except (trio.TooSlowError, PeerError, WireError):
-        return False
-    return isinstance(reply, Heartbeat) and reply.seq == seq
-
 
 class RouteWait:
     """One requester's waiting for routes (see module docstring). `plan(**plan_args)` routes on
     the requester's view as it is now; `view()` is that view with the requester in it;
     `refresh()` pulls a fresher view and loads; `policy()` is who may compute its answers now
     (a revocation narrows it); `at_own_limit()` the peers holding as many of its sessions as
-    one admits; `clock` what `bans` run on."""
+    one admits; `clock` what `bans` run on; `ping` the requester's `Pinger.ping` (the RTT, or None)."""
 
     def __init__(self, *, keeper: ViewKeeper, bans: Bans, clock: Callable[[], float], transport: Transport,
                  tracer: Tracer, num_layers: int, plan: Callable[..., Route], view: Callable[[], SwarmView],
                  refresh: Callable[[], Awaitable[None]], refresh_interval: float,
-                 policy: Callable[[], RequesterPolicy], at_own_limit: Callable[[], tuple[str, ...]]) -> None:
+                 policy: Callable[[], RequesterPolicy], at_own_limit: Callable[[], tuple[str, ...]],
+                 ping: Callable[..., Awaitable[float | None]]) -> None:
         self.keeper = keeper
         self.bans = bans
         self.clock = clock
@@ -86,6 +66,7 @@ class RouteWait:
         self.refresh_interval = refresh_interval
         self.policy = policy
         self.at_own_limit = at_own_limit
+        self.ping = ping
 
     async def wait(self, timeout: float, *, paroled: set[str] | None = None,
                    on_wait: Callable[[str], None] | None = None, **plan_args) -> Route:
@@ -227,7 +208,7 @@ class RouteWait:
         back: list[str] = []
 
         async def probe(peer: str) -> None:
-            if await answers(self.transport, peer, addrs=self.keeper.addrs(peer)):
+            if await self.ping(peer, addrs=self.keeper.addrs(peer), timeout=PROBE_TIMEOUT) is not None:
                 back.append(peer)
 
         for peer in due:
@@ -255,4 +236,4 @@ class RouteWait:
         return bool(back)
 
 
-__all__ = ["RouteWait", "WAIT_REPORT_INTERVAL", "answers"]
+__all__ = ["RouteWait", "WAIT_REPORT_INTERVAL"]
