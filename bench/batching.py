@@ -164,7 +164,7 @@ async def through_server(
     assert server is not None
     for t, outputs in zip(tokens, done_outputs):  # teacher forcing: the heads, off the clock
         t.extend(int(head.logits(out).argmax()) for out in outputs)
-    stats = server.batcher.stats
+    stats = server.compute.batcher.stats
     return tokens, elapsed, stats.steps / max(stats.batches, 1)
 
 

@@ -27,6 +27,10 @@ class ErrorCode(StrEnum):
     # hands back because it could not finish within its leave grace, belongs elsewhere now. No
     # fault of the peer's and no reason to wait for it: route around it at once, no strike.
     LEAVING = "leaving"
+    # a step would wait in this peer's queue longer than the requester said it would take
+    # (SessionOpen.max_wait: what it routed with); the refusal's load report says how long. No
+    # fault and no reason to avoid the peer: the requester routes again, priced with what it said.
+    QUEUE_LONGER = "queue-longer"
 
 
 # The members under their short names, as the server and the requester use them.
@@ -40,3 +44,4 @@ COMPUTE_FAILED = ErrorCode.COMPUTE_FAILED
 NEXT_HOP_FAILED = ErrorCode.NEXT_HOP_FAILED
 RECLAIMED = ErrorCode.RECLAIMED
 LEAVING = ErrorCode.LEAVING
+QUEUE_LONGER = ErrorCode.QUEUE_LONGER

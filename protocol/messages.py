@@ -143,6 +143,9 @@ class SessionOpen:
         wire_form: the form this peer sends its activations in (`tessera.protocol.tensors.WIRE_FORMS`):
             "" its compute dtype (exact, the default), or a compact one the requester asked
             for ("bfloat16", "fp8": lossy, see docs/pages/quantization.md).
+        max_wait: the longest a step may wait in this peer's queue, in seconds, for the route to
+            be worth what the requester priced it at; None: any wait. A peer whose step would
+            wait longer refuses (code "queue-longer", with its load report) and holds nothing.
     """
 
     session_id: bytes = wire(size=SESSION_ID_SIZE)
@@ -160,6 +163,7 @@ class SessionOpen:
     inject_key: SealedKey | None = None
     work: bytes = wire(default=b"", max_len=WORK_NONCE_SIZE)
     wire_form: str = wire(default="", max_len=16)
+    max_wait: float | None = wire(default=None, min=0.0, max=MAX_RETRY_AFTER)
 
     def __post_init__(self) -> None:
         if self.start >= self.end:

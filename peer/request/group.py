@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 import trio
@@ -189,8 +189,9 @@ class GroupSession:
 
     # -- opening --------------------------------------------------------------------
 
-    async def open(self) -> None:
-        """Open the session on every rank at once. Raises SessionRefused or PeerFailed (naming a rank)."""
+    async def open(self, *, max_waits: Mapping[str, float] | None = None) -> None:
+        """Open the session on every rank at once. Raises SessionRefused or PeerFailed (naming a rank).
+        `max_waits` is not asked of ranks: a group is routed as one hop, its ranks' queues unpriced."""
         n, members = self.count, self.members
         into = [self._link() for _ in range(n)]
         out = [self._link() for _ in range(n)]

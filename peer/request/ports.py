@@ -24,7 +24,7 @@ The spot checker (peer/request/verify.py) reports a conviction; the session bans
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 
@@ -148,7 +148,8 @@ class Segment(Protocol):
     @property
     def peers(self) -> list[str]: ...  # every peer computing in it (a group: its ranks)
 
-    async def open(self) -> None: ...
+    # max_waits (peer -> seconds): the queue each peer may have (RouteSession.open); a group ignores them
+    async def open(self, *, max_waits: Mapping[str, float] | None = None) -> None: ...
 
     async def step(self, hidden: torch.Tensor, start_pos: int) -> torch.Tensor: ...
 
@@ -210,7 +211,7 @@ class RouteRun(Protocol):
     @property
     def segments(self) -> list[Segment]: ...
 
-    async def open(self, *, began: float | None = None) -> None: ...
+    async def open(self, *, began: float | None = None, max_waits: Mapping[str, float] | None = None) -> None: ...
 
     async def submit(self, hidden: torch.Tensor, start_pos: int) -> tuple[int, StepSlot]: ...
 

@@ -59,6 +59,7 @@ import torch
 import trio
 
 from tessera.store import events
+from tessera.protocol.error_codes import QUEUE_LONGER
 
 from tessera.peer.base.backoff import BUSY_WAIT, Failure
 from tessera.peer.base.errors import (DisputeUndecided, NoRoute, OpenUnanswered, PeerError, PeerFailed, RouteLost,
@@ -81,10 +82,11 @@ log = logging.getLogger(__name__)
 # wait bounds those.
 MAX_OPEN_ATTEMPTS = 5
 MAX_REPAIRS_PER_STEP = 6  # a step is given up after this many repairs (each bans a peer)
-# An open whose peer says, as it accepts, that a step would wait longer than the route was
-# priced with by more than BOUNCE_WAIT is closed and routed again, now priced with what it said
-# (many requesters that heard nothing yet pick the same peer at once: the first answer each
-# gets is news). At most MAX_BOUNCES an open: then the route is taken as it is, queue and all.
+# An open tells each peer the queue the route was priced with (plus BOUNCE_WAIT: `max_waits`); a
+# peer whose step would wait longer refuses (QUEUE_LONGER), and the route is chosen again, now
+# priced with what it said (many requesters that heard nothing yet pick the same peer at once:
+# the first answer each gets is news). At most MAX_BOUNCES an open: then the route is taken as
+# it is, queue and all.
 # BOUNCE_WAIT: a step's deadline floor (the slack every step has), as for REPLAY_ROOM below.
 BOUNCE_WAIT = STEP_TIMEOUT_FLOOR
 MAX_BOUNCES = 2
@@ -101,16 +103,12 @@ MAX_LOAD_ASKS = 2
 REPLAY_ROOM = STEP_TIMEOUT_FLOOR
 
 
-def busier_than_priced(run: RouteRun, priced: dict[str, Reported]) -> tuple[str, float, float] | None:
-    """The first hop of `run` whose accept said a step would wait longer than `priced` (what
-    routing knew: peer -> Reported) by more than BOUNCE_WAIT: (peer, said, priced), or None."""
-    for segment in run.segments:
-        for peer, said in segment.said().items():
-            known = priced.get(peer)
-            was = known.wait_ms / 1000.0 if known is not None else 0.0
-            if said.wait > was + BOUNCE_WAIT:
-                return peer, said.wait, was
-    return None
+def max_waits(route: Route, priced: dict[str, Reported]) -> dict[str, float]:
+    """The queue each plain hop of `route` may have for the route to be worth what routing priced
+    it at (`priced`: peer -> Reported, what it knew): the wait it was priced with, plus BOUNCE_WAIT.
+    A group's ranks are not asked (a group is routed as one hop, its ranks' queues unpriced)."""
+    return {h.peer_id: (priced[h.peer_id].wait_ms / 1000.0 if h.peer_id in priced else 0.0) + BOUNCE_WAIT
+            for h in route.hops if not h.members}
 
 
 class Superseded(Exception):
@@ -284,22 +282,25 @@ class ResilientSession:
                 continue
             # a route with tensor-shard group hops runs in segments (peer/request/segmented.py)
             session = session_for(self.swarm.ctx, chosen, max_length=self.max_length)
+            limits = max_waits(chosen, priced) if bounces < MAX_BOUNCES and self.remaining() > 0 else None
             try:
-                await session.open(began=began)
-            except (SessionRefused, PeerFailed) as error:
+                await session.open(began=began, max_waits=limits)
+            except SessionRefused as error:
+                if error.code == QUEUE_LONGER:
+                    # a peer's queue is longer than the route was priced with: what it said is
+                    # priced now (its refusal carried it: peer/request/loads.py), so the next
+                    # route weighs it; no one is avoided
+                    bounces += 1
+                    log.info("routing again: %s", error)
+                    continue
+                failures += self.ban_for(error) is not Failure.REFUSED
+                last_error = error
+                continue
+            except PeerFailed as error:
                 failures += self.ban_for(error) is not Failure.REFUSED
                 last_error = error
                 continue
             self.answered(p for segment in session.segments for p in segment.peers)
-            busy = busier_than_priced(session, priced)
-            if busy is not None and bounces < MAX_BOUNCES and self.remaining() > 0:
-                # its accept said a queue the route was not priced with: what it said is priced
-                # now (peer/request/loads.py), so the next route weighs it; no one is avoided
-                bounces += 1
-                log.info("peer %s said a step would wait %.1f s (routed as %.1f s): routing again",
-                         busy[0], busy[1], busy[2])
-                self.swarm.ctx.nursery.start_soon(session.close, "routed again: a peer's queue was longer than priced")
-                continue
             self.current = session
             self.routes.append(chosen)
             return

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from typing import Mapping
 
 import torch
 import trio
@@ -80,13 +81,14 @@ async def run_through(segments: list[Segment], x: torch.Tensor, start_pos: int) 
     return x
 
 
-async def open_segments(segments: list[Segment]) -> None:
-    """Open every segment at once; on any failure close those that opened and raise the first error."""
+async def open_segments(segments: list[Segment], max_waits: Mapping[str, float] | None = None) -> None:
+    """Open every segment at once (each as its `open` says, given `max_waits`); on any failure close
+    those that opened and raise the first error."""
     errors: list[PeerError] = []
 
     async def one(segment: Segment) -> None:
         try:
-            await segment.open()
+            await segment.open(max_waits=max_waits)
         except (PeerFailed, SessionRefused) as error:
             errors.append(error)
 
@@ -122,10 +124,11 @@ class SegmentedSession:
     def hops(self) -> list[Hop]:
         return [h for s in self.segments for h in s.route_hops]
 
-    async def open(self, *, began: float | None = None) -> None:
+    async def open(self, *, began: float | None = None, max_waits: Mapping[str, float] | None = None) -> None:
         """Open every segment. Raises SessionRefused or PeerFailed (nothing stays open). `began`:
-        when (trio's clock) the answer this session carries began, traced with the open."""
-        await open_segments(self.segments)
+        when (trio's clock) the answer this session carries began, traced with the open;
+        `max_waits`: as RouteSession.open's, for the plain segments."""
+        await open_segments(self.segments, max_waits)
         self.ctx.nursery.start_soon(self._work)
         self.ctx.tracer.emit(events.SessionOpen(session=self.session_id, began_before=began_before(began),
                                                 route=[[h.peer_id, h.start, h.end] for h in self.route.hops],

@@ -46,14 +46,15 @@ from tessera.store import events
 
 from tessera.peer.base.errors import PeerError, StreamClosed
 from tessera.peer.base.ids import peer_id_bytes, peer_id_text
-from tessera.peer.serve.session import DeferredTap, ServedSession, compute_batch
+from tessera.peer.serve.session import DeferredTap, ServedSession
 from tessera.protocol.error_codes import (
-    BAD_FRAME, BAD_REQUEST, BAD_SPAN, BUSY, COMPUTE_FAILED, DRAINING, LEAVING, NEXT_HOP_FAILED, RECLAIMED, TOO_LONG,
+    BAD_FRAME, BAD_REQUEST, BAD_SPAN, BUSY, COMPUTE_FAILED, DRAINING, LEAVING, NEXT_HOP_FAILED, QUEUE_LONGER, RECLAIMED,
+    TOO_LONG,
 )
 from tessera.peer.serve.admission import Admission, Limits, Refused
 from tessera.peer.serve.limits import LINK_WAIT, OPEN_TIMEOUT, REAPER_INTERVAL, ServerLimits, ServerStats
-from tessera.peer.serve.batcher import BatchBudget, BatchInterrupted, StepBatcher
-from tessera.peer.serve.load import NOTICE_WAIT, ComputeQueue
+from tessera.peer.serve.batcher import BatchBudget, BatchInterrupted
+from tessera.peer.serve.compute import StepCompute
 from tessera.peer.base.protocols import LINK_PROTOCOL, SESSION_PROTOCOL
 from tessera.peer.base.quick import send_quick, wait_set
 from tessera.peer.base.threads import in_worker
@@ -85,7 +86,7 @@ class StageServer:
     # What `admit` builds for a session; a tensor-shard peer's server builds its own kind
     # (peer/serve/shard_server.py).
     session_class: type[ServedSession] = ServedSession
-    # Whether steps take turns at the compute (`queue`); a tensor-shard rank's do not
+    # Whether steps take turns at the compute (peer/serve/compute.py); a tensor-shard rank's do not
     # (peer/serve/shard_server.py says why).
     exclusive_compute = True
 
@@ -109,10 +110,6 @@ class StageServer:
         self.tensor_limits = tensor_limits
         self.sessions: dict[bytes, ServedSession] = {}
         self.session_added = trio.Event()
-        # The steps waiting for the compute, served fairly among requesters; it says where a step
-        # is and how long it will wait (peer/serve/load.py).
-        self.queue = ComputeQueue()
-        self._queued: dict[tuple[bytes, int], object] = {}  # a batched step's place in `queue`
         self.accepting = True
         self.leaving = False  # the peer is leaving the swarm: opens are refused as LEAVING, not DRAINING
         self.stats = ServerStats()
@@ -121,9 +118,9 @@ class StageServer:
         # never stall (and nothing of a step is freed there: peer/base/threads.py). A simulation
         # swaps in a cost model that advances trio's MockClock.
         self.run_compute: Callable[[Callable[[], object]], Awaitable[object]] = in_worker
-        # Steps of different sessions queued together run as one stacked forward (peer/serve/batcher.py).
-        self.batcher = StepBatcher(self._run_batch, BatchBudget(self.limits.batch_rows, self.limits.batch_wait),
-                                   order=self._batch_order, taken=self._batch_taken)
+        # Who computes next, and how: in turns fairly among requesters, or batched (peer/serve/compute.py).
+        self.compute = StepCompute(self, budget=BatchBudget(self.limits.batch_rows, self.limits.batch_wait),
+                                   exclusive=self.exclusive_compute, notice=self._notice)
         self.emptied = trio.Event()
         self.running = trio.Event()  # cleared while the operator has paused compute
         self.running.set()
@@ -144,7 +141,7 @@ class StageServer:
     def load_report(self, *, to: ServedSession | None = None) -> LoadReport:
         """How busy this peer is now, as its answers say it (peer/serve/load.py); `to`: the session
         being accepted, whose own prompt is no wait for it."""
-        queue = self.queue
+        queue = self.compute.queue
         # prompts on their way: sessions admitted that have not sent their first step
         pending = sum(1 for s in self.sessions.values() if not s.stepped and not s.inflight and s is not to)
         wait = queue.expected_wait(pending=pending)
@@ -203,6 +200,13 @@ class StageServer:
             raise Refused(BUSY, f"no room: {len(self.sessions)} sessions open here, {mine} of them this "
                                 f"requester's", retry_after=self.admission.retry_after(
                                     self.admission.requester(requester), self.admission.clock()))
+        if msg.max_wait is not None:
+            # what the requester routed with: a longer queue here is news it prices and routes
+            # again with, before this peer holds anything for it (peer/request/repair.py)
+            wait = self.load_report().wait
+            if wait > msg.max_wait:
+                raise Refused(QUEUE_LONGER, f"a step would wait {wait:.1f} s in this peer's queue, longer than the "
+                                            f"{msg.max_wait:g} s the route was priced with")
         session = self.session_class(
             session_id=msg.session_id, requester=requester, start=msg.start, end=msg.end,
             capacity=msg.max_length, control=channel, ephemeral_public=msg.ephemeral_public, wire=msg.wire_form,
@@ -242,7 +246,7 @@ class StageServer:
             scope.cancel()  # read nothing more for it: a frame still on its way is discarded unread
         session.forget_keys()
         self.stage.close(session.session_id)
-        self.batcher.forget(session.session_id)
+        self.compute.forget(session.session_id)
         self.sessions.pop(session.session_id, None)
         self.admission.closed(session)
         if not self.sessions:
@@ -369,8 +373,9 @@ class StageServer:
                       *, retry_after: float | None = None) -> None:
         try:
             with trio.move_on_after(OPEN_TIMEOUT):
-                # a refusal for lack of room says how full this peer is, as well as when to come back
-                load = self.load_report() if code == BUSY else None
+                # a refusal for lack of room (or of a short queue) says how full this peer is, as
+                # well as when to come back
+                load = self.load_report() if code in (BUSY, QUEUE_LONGER) else None
                 await channel.send(ErrorMsg(code, message[:1000], session_id, retry_after, load))
                 await channel.close()
         except PeerError:
@@ -531,29 +536,8 @@ class StageServer:
 
     async def _compute_step(self, session: ServedSession, msg: Forward) -> None:
         await wait_set(self.running)
-        units = msg.n_tokens * (session.end - session.start)
-        if session.steps == 0:
-            self.queue.first_step(units)
         try:
-            if self.batching:
-                frames, seconds, batch = await self._batched(session, msg, units)
-            elif not self.exclusive_compute:
-                frames, seconds = await self.run_compute(lambda: session.compute(self, msg))
-                batch = 1
-            else:
-                told = False
-
-                async def queued(ahead: int, wait: float) -> None:
-                    nonlocal told
-                    told = await self._notice(session, QueueNotice(session.session_id, msg.step, False, ahead, wait))
-
-                async with self.queue.turn(session.requester, units, queued=queued) as turn:
-                    if told or self.queue.clock() - turn.entered >= NOTICE_WAIT:
-                        # it waited: its deadline counts from now (peer/request/chain.py)
-                        await self._notice(session, QueueNotice(session.session_id, msg.step, True))
-                    frames, seconds = await self.run_compute(lambda: session.compute(self, msg))
-                self.queue.measured(units, seconds)
-                batch = 1
+            frames, seconds, batch = await self.compute.run(session, msg)
         except (WireError, StageError, BatchInterrupted) as bad:
             code = BAD_FRAME if isinstance(bad, WireError) else COMPUTE_FAILED
             await self._error(session, code, f"step {msg.step}: {bad}")
@@ -606,44 +590,6 @@ class StageServer:
                 except PeerError:
                     return sent  # the requester is gone; the control reader ends the session
         return sent
-
-    @property
-    def batching(self) -> bool:
-        """Whether steps of different sessions run stacked: a budget over one row, and a stage
-        that can (a tensor-shard rank or a simulated stage runs each step alone)."""
-        return self.limits.batch_rows > 1 and isinstance(self.stage, Stage)
-
-    async def _batched(self, session: ServedSession, msg: Forward, units: int) -> tuple[list[object], float, int]:
-        """A step through the batcher, counted in the queue (a batch takes it in the queue's
-        order); its requester is told when it must wait (its start is not told: the batch that
-        takes it is formed by another task)."""
-        key = (session.session_id, msg.step)
-        waiter = self._queued[key] = self.queue.enter(session.requester, units)
-        try:
-            ahead, wait = self.queue.wait_for(session.requester, before=waiter)
-            if wait >= NOTICE_WAIT:
-                await self._notice(session, QueueNotice(session.session_id, msg.step, False, ahead, wait))
-            return await self.batcher.submit(session.session_id, (session, msg), msg.n_tokens)
-        finally:
-            self._queued.pop(key, None)
-            self.queue.finish(waiter) if waiter not in self.queue.waiting else self.queue.leave(waiter)
-
-    def _batch_order(self, job: tuple[ServedSession, Forward]) -> tuple[int, int]:
-        waiter = self._queued.get((job[0].session_id, job[1].step))
-        return self.queue.order_key(job[0].requester, waiter.arrival if waiter is not None else 0)
-
-    def _batch_taken(self, job: tuple[ServedSession, Forward]) -> None:
-        waiter = self._queued.get((job[0].session_id, job[1].step))
-        if waiter is not None:
-            self.queue.start(waiter)
-
-    async def _run_batch(self, jobs: list[tuple[ServedSession, Forward]]) -> list[object]:
-        """The batcher's compute: one stacked forward in a worker thread; per job (frames,
-        seconds of the batch, batch size) or that job's own error. (One batch at a time: the
-        batcher dispatches one.)"""
-        outcomes, seconds = await self.run_compute(lambda: compute_batch(self, jobs))
-        self.queue.measured(sum(job[1].n_tokens * (job[0].end - job[0].start) for job in jobs), seconds)
-        return [o if isinstance(o, Exception) else (o, seconds, len(jobs)) for o in outcomes]
 
     async def _notice(self, session: ServedSession, notice: QueueNotice) -> bool:
         """Tell a session's requester where its step is in the queue; False if it could not be told."""

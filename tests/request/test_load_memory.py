@@ -30,7 +30,7 @@ async def test_an_open_asks_peers_it_has_not_heard_from_and_avoids_a_long_queue(
     solo = LocalEngine(model, device="cpu", dtype="float32").generate_ids(PROMPT, max_new_tokens=2)
     async with AsyncExitStack() as stack:
         world = await memory_swarm(stack, model, PLANS)
-        world.servers["b"].queue.recent_wait = 30.0
+        world.servers["b"].compute.queue.recent_wait = 30.0
         for _ in range(ANSWERS):
             assert await world.swarm.complete_ids(PROMPT, max_new_tokens=2, spot_check=None) == solo
         assert world.servers["a"].stats.sessions_opened == ANSWERS

@@ -1,7 +1,7 @@
 """The requester's rules of issue 43, each where it lives: what peers report is priced and ages
 (peer/request/loads.py); the only cover of a span gets one parole in a route wait, a leaving
 notice is no strike, and every ban says why in the peer's words (peer/base/backoff.py,
-peer/request/repair.py); an open bounces off a queue it was not priced with and a failover
+peer/request/repair.py); an open asks each peer for the queue it was priced with, idlest first, and a failover
 replays only where there is room; one rewound-answer loop (`Swarm.answer_ids`) that the command
 line and the gateway both read; and nothing below the repair loop calls back up."""
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,13 +23,14 @@ from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
 from tessera.peer.net.memory_stream import LinkSpec
 from tessera.peer.net.pinger import Pinger
 from tessera.peer.plan.cost import Reported
-from tessera.peer.request.chain import no_room
+from tessera.peer.plan.routing import Hop, Route
+from tessera.peer.request.chain import no_room, open_order
 from tessera.peer.request.answer import Rewind
 from tessera.peer.request.client import Swarm
 from tessera.peer.request.requester_model import RequesterModel
 from tessera.peer.request.failures import refusal_failure, reported_failure
 from tessera.peer.request.loads import REPORT_TTL, LoadBook
-from tessera.peer.request.repair import BOUNCE_WAIT, AnswerRewound, ResilientSession, busier_than_priced
+from tessera.peer.request.repair import BOUNCE_WAIT, AnswerRewound, ResilientSession, max_waits
 from tessera.peer.sim.stage import sim_spec
 from tessera.protocol.crypto import sign_record
 from tessera.protocol.error_codes import BUSY, LEAVING
@@ -149,23 +149,20 @@ def test_every_ban_says_why_in_the_peers_own_words(caplog: pytest.LogCaptureFixt
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
-# -- room: an open's bounce, a failover's replay ---------------------------------------------------
+# -- room: an open's queue, a failover's replay ---------------------------------------------------
 
 
-@dataclass
-class Said:
-    reports: dict
-
-    def said(self) -> dict:
-        return self.reports
-
-
-def test_an_open_bounces_off_a_queue_it_was_not_priced_with_and_a_replay_needs_room() -> None:
+def test_an_open_asks_for_the_queue_it_was_priced_with_idlest_first_and_a_replay_needs_room() -> None:
+    """An open tells each plain hop the queue its route was priced with, plus BOUNCE_WAIT (a peer
+    with a longer one refuses: tests/serve/test_load.py); its hops are asked one by one, the
+    idlest-looking first (the peer every requester that heard the same is heading for); a group's
+    ranks are not asked. A failover's replay needs room on every replacement."""
+    hops = (Hop("a", 0, 10), Hop("b", 10, 20), Hop("g", 20, 30, members=("g0", "g1")), Hop("c", 30, 40))
+    priced = {"a": Reported(load=0.5, wait_ms=3000.0), "c": Reported(load=0.25)}
+    assert max_waits(Route(hops, 1.0), priced) == {"a": 3.0 + BOUNCE_WAIT, "b": BOUNCE_WAIT, "c": BOUNCE_WAIT}
+    assert open_order(list(hops), priced) == [1, 2, 3, 0]  # b and the group heard of as idle, then c, then a
+    assert open_order(list(hops), {}) == [0, 1, 2, 3]  # nothing heard: route order
     long = LoadReport(sessions=3, max_sessions=16, wait=BOUNCE_WAIT + 2.0)
-    run = SimpleNamespace(segments=[Said({"a": LoadReport(1, 16)}), Said({"b": long})])
-    assert busier_than_priced(run, {}) == ("b", long.wait, 0.0)
-    assert busier_than_priced(run, {"b": Reported(wait_ms=3000.0)}) is None  # routed knowing: taken as it is
-    assert busier_than_priced(SimpleNamespace(segments=[Said({"a": LoadReport(1, 16)})]), {}) is None
     no_room({"a": LoadReport(1, 16, wait=1.0)}, 5.0)
     with pytest.raises(SessionRefused) as refused:
         no_room({"a": LoadReport(1, 16, wait=1.0), "b": long}, 5.0)

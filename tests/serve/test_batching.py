@@ -370,7 +370,7 @@ async def test_a_failing_session_does_not_fail_the_others_in_its_batch(tiny_llam
                     got[i] = failed
 
             async def queued(n: int) -> None:
-                await await_until(lambda: len(server.batcher.pending) >= n, 30, f"{n} steps queued", interval=0.01)
+                await await_until(lambda: len(server.compute.batcher.pending) >= n, 30, f"{n} steps queued", interval=0.01)
 
             async with trio.open_nursery() as steps:
                 for i in (0, 1, 2, 4, 5):

@@ -22,7 +22,7 @@ from tessera.peer.serve.admission import STEP_GRACE
 from tessera.peer.serve.limits import ServerLimits
 from tessera.peer.serve.load import NOTICE_WAIT, ComputeQueue
 from tessera.peer.serve.server import StageServer
-from tessera.protocol.error_codes import BUSY
+from tessera.protocol.error_codes import BUSY, QUEUE_LONGER
 from tessera.protocol.keys import Identity
 from tessera.stages.assembly.stage import load_stage
 
@@ -212,3 +212,53 @@ async def test_a_step_queued_behind_others_is_not_a_time_out(tiny_llama, autojum
     solo.open("ref", capacity=8)
     torch.testing.assert_close(out, solo.forward("ref", inputs[61:62], 0), rtol=0, atol=1e-5)
     assert b_ctx.loads.heard[pid(peer)][1].wait > 50  # and routing heard how long the queue was
+
+
+async def test_an_open_priced_with_a_shorter_queue_is_refused_before_the_peer_holds_anything(tiny_llama,
+                                                                                             autojump_clock):
+    """A requester routes with the wait a peer last said; when many route there at once the queue
+    has grown by the time the open arrives. The open says the longest queue its route was priced
+    for (`max_wait`): a peer whose step would wait longer refuses (QUEUE_LONGER, with its load, so
+    routing prices the real queue) and opens nothing — no session, no next-hop dial, no slot taken
+    from anyone; an open priced for that queue, or one that says nothing, is accepted."""
+    stage = load_stage(tiny_llama)
+    spec = stage.spec
+    network = MemoryNetwork(LinkSpec(latency=0.001, bandwidth=1e9))
+    peer = Identity.from_seed(b"\x23" * 32)
+    durations = [1.0, 100.0]
+
+    async def modelled(fn):
+        frames, _ = fn()
+        seconds = durations.pop(0) if durations else 1.0
+        await trio.sleep(seconds)
+        return frames, seconds
+
+    async with AsyncExitStack() as stack:
+        tp = await stack.enter_async_context(open_memory_transport(network, pid(peer)))
+        server = StageServer(tp, peer, stage, limits=ServerLimits(max_sessions=4, batch_rows=1))
+        server.run_compute = modelled
+        people = Requesters(network, pid(peer), spec)
+        a_ctx = await stack.enter_async_context(people.requester(Identity.from_seed(b"\x43" * 32)))
+        b_ctx = await stack.enter_async_context(people.requester(Identity.from_seed(b"\x44" * 32)))
+        a = RouteSession(a_ctx, people.route, max_length=256)
+        await a.open()
+        inputs = torch.randn(61, spec.hidden_size, generator=torch.Generator().manual_seed(4))
+        await a.step(inputs[:1], 0)  # the peer measures its speed
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.step, inputs[1:61], 1)  # holds the compute for 100 s
+            await trio.sleep(0.5)
+            opened = server.stats.sessions_opened
+            with pytest.raises(SessionRefused) as refused:
+                await RouteSession(b_ctx, people.route, max_length=256).open(max_waits={pid(peer): 5.0})
+            assert refused.value.code == QUEUE_LONGER and "longer than the 5 s" in refused.value.message
+            assert server.stats.sessions_opened == opened and len(server.sessions) == 1  # nothing held
+            said = b_ctx.loads.heard[pid(peer)][1]
+            assert said.wait > 30  # the refusal carried the queue (60 tokens at 1 s each): routing prices it now
+            b = RouteSession(b_ctx, people.route, max_length=256)
+            await b.open(max_waits={pid(peer): said.wait + 5.0})  # priced with the queue: taken, queue and all
+            assert len(server.sessions) == 2
+            nursery.cancel_scope.cancel()
+        c = RouteSession(b_ctx, people.route, max_length=256)
+        await c.open()  # an open that says nothing takes any queue
+        for session in (a, b, c):
+            await session.close()
