@@ -1,7 +1,8 @@
 """A requester hears how busy peers are before it sends them an answer, on the memory transport
 under MockClock (real StageServers; the requester is the real `Swarm`): the route chosen is
 asked (a ping, whose echo carries the load: peer/serve/load.py) when the requester has not
-heard from its peers lately, and chosen again with what they said."""
+heard from its peers lately, and chosen again with what they said; a peer whose queue grew
+since it last said refuses the open (queue-longer) and the route is chosen again."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from contextlib import AsyncExitStack
 
 import pytest
 
+from tessera.peer.request.client import REFRESH_INTERVAL
 from tessera.stages.decoding.generate import LocalEngine
 
 from .memory_swarm import LAYERS, PeerPlan, decisive_model, memory_swarm
@@ -36,4 +38,27 @@ async def test_an_open_asks_peers_it_has_not_heard_from_and_avoids_a_long_queue(
         assert world.servers["a"].stats.sessions_opened == ANSWERS
         assert world.servers["b"].stats.sessions_opened == 0
         said = world.swarm.ctx.loads.reported()
-        assert said[world.ids["b"]].wait_ms >= 29_000
+        # b's word is at most a refresh old (the requester pings its peers each REFRESH_INTERVAL),
+        # its wait less that age (it drains: peer/request/loads.py)
+        assert said[world.ids["b"]].wait_ms >= (30.0 - REFRESH_INTERVAL) * 1000
+
+
+async def test_an_open_refused_for_a_longer_queue_goes_elsewhere_with_no_session_and_no_ban(model, autojump_clock):
+    """b, the faster, said a moment ago that it was idle (a fresh word: no ask before the open),
+    and its queue has grown since (many requesters heard the same). The open tells b the queue it
+    was priced with; b refuses (queue-longer) before it holds anything, the requester prices what
+    b said and routes again, to a: the answer is exact, b opened no session and is not avoided
+    (a longer queue is news, not a fault)."""
+    plans = [PeerPlan("a", 0, LAYERS, 1000.0), PeerPlan("b", 0, LAYERS, 4000.0)]
+    solo = LocalEngine(model, device="cpu", dtype="float32").generate_ids(PROMPT, max_new_tokens=2)
+    async with AsyncExitStack() as stack:
+        world = await memory_swarm(stack, model, plans)
+        swarm, b = world.swarm, world.ids["b"]
+        for name in ("a", "b"):
+            await swarm.pinger.ping(world.ids[name])
+        assert b not in swarm.ctx.loads.reported() and not swarm.ctx.loads.stale([b])  # idle, and fresh
+        world.servers["b"].compute.queue.recent_wait = 30.0
+        assert await swarm.complete_ids(PROMPT, max_new_tokens=2, spot_check=None) == solo
+        assert world.servers["b"].stats.sessions_opened == 0 and world.servers["b"].stats.refused == 1
+        assert world.servers["a"].stats.sessions_opened == 1
+        assert swarm.ctx.loads.reported()[b].wait_ms >= (30.0 - REFRESH_INTERVAL) * 1000 and not swarm.is_banned(b)
