@@ -62,3 +62,18 @@ async def test_an_open_refused_for_a_longer_queue_goes_elsewhere_with_no_session
         assert world.servers["b"].stats.sessions_opened == 0 and world.servers["b"].stats.refused == 1
         assert world.servers["a"].stats.sessions_opened == 1
         assert swarm.ctx.loads.reported()[b].wait_ms >= (30.0 - REFRESH_INTERVAL) * 1000 and not swarm.is_banned(b)
+
+
+async def test_the_only_peer_with_a_longer_queue_than_priced_is_taken_once_its_queue_is_priced(model, autojump_clock):
+    """A refusal for a longer queue is news, not a skip: with no other peer for the layers, the
+    route chosen again is the same peer, priced with the queue it said, and that open is taken,
+    queue and all (the answer waits in it rather than fail)."""
+    solo = LocalEngine(model, device="cpu", dtype="float32").generate_ids(PROMPT, max_new_tokens=2)
+    async with AsyncExitStack() as stack:
+        world = await memory_swarm(stack, model, [PeerPlan("b", 0, LAYERS, 1000.0)])
+        swarm, b = world.swarm, world.ids["b"]
+        await swarm.pinger.ping(b)  # idle, and fresh: no ask before the open
+        world.servers["b"].compute.queue.recent_wait = 30.0
+        assert await swarm.complete_ids(PROMPT, max_new_tokens=2, spot_check=None) == solo
+        assert world.servers["b"].stats.refused == 1 and world.servers["b"].stats.sessions_opened == 1
+        assert not swarm.is_banned(b)
