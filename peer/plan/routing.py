@@ -128,6 +128,10 @@ class Route:
     def peer_ids(self) -> tuple[str, ...]:
         return tuple(h.peer_id for h in self.hops)
 
+    def summary(self) -> list[dict]:
+        """Its hops as a report shows them (a requester's answer, the web view)."""
+        return [{"peer": h.peer_id, "start": h.start, "end": h.end} for h in self.hops]
+
 
 NO_ROUTE = Route((), math.inf)
 

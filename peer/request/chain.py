@@ -36,7 +36,7 @@ from tessera.protocol.errors import CipherClosed, WireError
 from tessera.protocol.tensors import decode_tensor, encode_wire
 from tessera.protocol.keys import EphemeralKey, public_key_from_peer_id
 from tessera.protocol.links import Direction, LinkCipher, seal_link_key
-from tessera.protocol.error_codes import BUSY, NEXT_HOP_FAILED
+from tessera.protocol.error_codes import NEXT_HOP_FAILED
 from tessera.protocol.messages import (
     REPLY_FINGERPRINT, REPLY_FULL, Cancel, ErrorMsg, Forward, LoadReport, QueueNotice, Relink, Result, SealedKey,
     SessionAccept, SessionClose, SessionOpen, SessionRevoke,
@@ -46,7 +46,7 @@ from tessera.peer.base.backoff import ROUTE_WAIT, Failure
 from tessera.peer.base.errors import OpenUnanswered, PeerError, PeerFailed, SessionRefused, StreamClosed
 from tessera.peer.request.failures import error_failure, reported_failure
 from tessera.peer.request.history import RouteHistory
-from tessera.peer.plan.cost import Reported
+from tessera.peer.request.loads import no_room, open_order
 from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.request.chain_state import AttestedStep, HopState, RequesterContext, StepSlot, began_before, peer_bytes
 from tessera.peer.request.ports import Gap, Replacement, Segment
@@ -154,11 +154,8 @@ class RouteSession:
     # -- opening --------------------------------------------------------------------
 
     async def open(self, *, began: float | None = None, max_waits: Mapping[str, float] | None = None) -> None:
-        """Open every hop of the route. Raises SessionRefused or PeerFailed. `began`: when (trio's
-        clock) the answer this session carries began, traced with the open. `max_waits` (peer ->
-        seconds): the queue each peer may have for the route to be worth its price; with them the
-        hops are opened one by one, idlest-looking first (`open_order`), and the first peer whose
-        queue is longer refuses (QUEUE_LONGER) before the rest are asked."""
+        """Open every hop of the route (as `open_hops`). Raises SessionRefused or PeerFailed.
+        `began`: when (trio's clock) the answer this session carries began, traced with the open."""
         self.hops, _, _ = await self.open_hops(list(self.route.hops), prev=None, next_=None, max_waits=max_waits)
         self.ctx.tracer.emit(events.SessionOpen(session=self.session_id,
                                                 route=[[h.peer_id, h.start, h.end] for h in self.route.hops],
@@ -167,8 +164,10 @@ class RouteSession:
     async def open_hops(
         self, hops: list[Hop], *, prev: str | None, next_: str | None, max_waits: Mapping[str, float] | None = None,
     ) -> tuple[list[HopState], tuple[int, bytes], tuple[int, bytes]]:
-        """Open sessions on consecutive `hops`, linked among themselves: all at once, or (with
-        `max_waits`, as `open`'s) one by one in `open_order`, each asked to refuse a longer queue.
+        """Open sessions on consecutive `hops`, linked among themselves: all at once, or, given
+        `max_waits` (peer -> the queue it may have for the route to be worth its price), one by
+        one, idlest-looking first (loads.py `open_order`), each asked to refuse a longer queue
+        (QUEUE_LONGER) before the rest are asked.
 
         The first hop is fed by `prev` (a peer id; None = this requester) and the last
         sends to `next_` (a peer id; None = this requester). When `prev` is a peer, the
@@ -674,19 +673,6 @@ class RouteSession:
                 pass  # the peer is gone already; its session dies with its stream
 
 
-def no_room(said: dict[str, LoadReport], room: float) -> None:
-    """Raise SessionRefused(busy) for the first peer whose accept (`said`: peer -> its report)
-    said a step would wait longer than `room` seconds (one that said nothing has room)."""
-    for peer, report in said.items():
-        if report.wait > room:
-            raise SessionRefused(peer, BUSY, f"a step would wait {report.wait:.1f} s in its queue (more than "
-                                 f"{room:g} s): no room to replay this session's history", retry_after=report.wait)
-
-
-def route_summary(route: Route) -> list[dict]:
-    return [{"peer": h.peer_id, "start": h.start, "end": h.end} for h in route.hops]
-
-
 async def receive_answer(channel: Channel, peer: str) -> object:
     """The answer to an open sent on `channel`. A stream `peer` ended before any answer raises
     OpenUnanswered: that may be a peer out of room for streams not admitted yet (the requester's
@@ -695,17 +681,6 @@ async def receive_answer(channel: Channel, peer: str) -> object:
         return await channel.receive()
     except StreamClosed as ended:
         raise OpenUnanswered(peer, f"ended the open unanswered: {ended}") from None
-
-
-def open_order(hops: list[Hop], reported: Mapping[str, Reported]) -> list[int]:
-    """The order to open `hops` in one by one (their indices): the idlest-looking first. A peer
-    this requester last heard was idle is where every other requester that heard the same is
-    headed too, so it is the one whose queue most likely grew since (bench/load.py: of the hops
-    whose accept said a longer queue than priced, 99% had been priced with no wait and 75% as
-    empty); asked first, its refusal costs no other peer a session."""
-    idle = Reported(0.0, 0.0)
-    return sorted(range(len(hops)), key=lambda i: (reported.get(hops[i].peer_id, idle).load,
-                                                   reported.get(hops[i].peer_id, idle).wait_ms, i))
 
 
 def blame(failed: list[tuple[Hop, BaseException]], hops: list[Hop], next_: str | None) -> tuple[Hop, BaseException]:

@@ -67,7 +67,8 @@ from tessera.peer.base.errors import (DisputeUndecided, NoRoute, OpenUnanswered,
 from tessera.peer.request.failures import refusal_failure
 from tessera.peer.request.policy import RequesterPolicy
 from tessera.peer.request.chain_state import StepSlot
-from tessera.peer.request.chain import STEP_TIMEOUT_FLOOR, no_room, route_summary
+from tessera.peer.request.chain import STEP_TIMEOUT_FLOOR
+from tessera.peer.request.loads import no_room
 from tessera.peer.plan.cost import Reported, Spread
 from tessera.peer.plan.routing import Route
 from tessera.peer.request.ports import Gap, Replacement, RouteRun, Segment, SwarmPort
@@ -525,7 +526,7 @@ class ResilientSession:
     def summary(self) -> dict:
         checks = {"checks": self.checker.summary()} if self.checker is not None else {}
         return {**checks,
-            "route": route_summary(self.routes[-1]) if self.routes else [],
-            "routes": [route_summary(r) for r in self.routes],
+            "route": self.routes[-1].summary() if self.routes else [],
+            "routes": [r.summary() for r in self.routes],
             "failovers": self.failovers,
         }

@@ -24,12 +24,11 @@ from tessera.peer.net.memory_stream import LinkSpec
 from tessera.peer.net.pinger import Pinger
 from tessera.peer.plan.cost import Reported
 from tessera.peer.plan.routing import Hop, Route
-from tessera.peer.request.chain import no_room, open_order
 from tessera.peer.request.answer import Rewind
 from tessera.peer.request.client import Swarm
 from tessera.peer.request.requester_model import RequesterModel
 from tessera.peer.request.failures import refusal_failure, reported_failure
-from tessera.peer.request.loads import REPORT_TTL, LoadBook
+from tessera.peer.request.loads import REPORT_TTL, LoadBook, no_room, open_order
 from tessera.peer.request.repair import BOUNCE_WAIT, AnswerRewound, ResilientSession, max_waits
 from tessera.peer.sim.stage import sim_spec
 from tessera.protocol.crypto import sign_record

@@ -25,7 +25,6 @@ from tessera.store.events import NOTABLE_KINDS, Stamped
 
 from tessera.peer.base.threads import in_worker
 from tessera.peer.plan.view import PeerInfo, SwarmView
-from tessera.peer.request.chain import route_summary
 from tessera.peer.http.web.report import quant_of
 
 if TYPE_CHECKING:
@@ -98,7 +97,7 @@ class GatewaySource:
         """This gateway's answers running through `peer_id` now."""
         return [
             {"id": f"{id(s) & 0xFFFFFF:06x}", "positions": s.confirmed, "failovers": s.failovers,
-             "route": route_summary(s.routes[-1]) if s.routes else []}
+             "route": s.routes[-1].summary() if s.routes else []}
             for s in sorted(self.swarm.active, key=id) if s.uses(peer_id)
         ]
 
