@@ -197,7 +197,7 @@ async def test_an_open_gives_up_after_max_failed_routes_and_a_refusal_is_skipped
     class Attempt:
         segments = ()  # nothing said of any queue
 
-        async def open(self, *, began=None) -> None:
+        async def open(self, *, began=None, max_waits=None) -> None:
             tried.append(len(tried))
             if outcomes[tried[-1]] is not None:
                 raise outcomes[tried[-1]]
@@ -232,7 +232,7 @@ async def test_an_open_ended_unanswered_is_a_skip_until_it_repeats_before_the_pe
         def __init__(self, peer: str) -> None:
             self.segments = (SimpleNamespace(peers=[peer], said=dict),)  # nothing said of any queue
 
-        async def open(self, *, began=None) -> None:
+        async def open(self, *, began=None, max_waits=None) -> None:
             tried.append(len(tried))
             if outcomes[tried[-1]] is not None:
                 raise outcomes[tried[-1]]
@@ -357,7 +357,7 @@ async def test_an_open_queues_past_the_route_wait_only_while_busy_peers_alone_bl
     class Opens:
         segments = ()
 
-        async def open(self, *, began=None) -> None:
+        async def open(self, *, began=None, max_waits=None) -> None:
             pass
 
     swarm.wait_for_route = wait_for_route
