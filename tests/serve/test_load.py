@@ -121,6 +121,19 @@ async def test_a_cancelled_waiter_leaves_and_the_next_gets_the_turn(autojump_clo
 # -- a real server, a real requester ------------------------------------------------------------
 
 
+def timed_compute(durations: list[float]):
+    """A server's `run_compute` that computes at once and takes `durations` on trio's clock, one a
+    step in the order the compute runs them (1 s each after those)."""
+
+    async def modelled(fn):
+        frames, _ = fn()
+        seconds = durations.pop(0) if durations else 1.0
+        await trio.sleep(seconds)
+        return frames, seconds
+
+    return modelled
+
+
 async def test_load_travels_with_accepts_refusals_and_pings_and_idle_sessions_are_room(tiny_llama, autojump_clock):
     """An accept says the load (the session just admitted counts), a refusal for lack of room
     says how full (and when to come back), a ping's echo says it too; sessions held idle past
@@ -181,13 +194,8 @@ async def test_a_step_queued_behind_others_is_not_a_time_out(tiny_llama, autojum
     spec = stage.spec
     network = MemoryNetwork(LinkSpec(latency=0.001, bandwidth=1e9))
     peer = Identity.from_seed(b"\x22" * 32)
-    durations = [1.0, 100.0, 1.0]  # A's first step, A's long one, B's: the compute runs them in this order
-
-    async def modelled(fn):
-        frames, _ = fn()
-        seconds = durations.pop(0)
-        await trio.sleep(seconds)
-        return frames, seconds
+    # A's first step, A's long one, B's: the compute runs them in this order
+    modelled = timed_compute([1.0, 100.0, 1.0])
 
     async with AsyncExitStack() as stack:
         tp = await stack.enter_async_context(open_memory_transport(network, pid(peer)))
@@ -225,13 +233,7 @@ async def test_an_open_priced_with_a_shorter_queue_is_refused_before_the_peer_ho
     spec = stage.spec
     network = MemoryNetwork(LinkSpec(latency=0.001, bandwidth=1e9))
     peer = Identity.from_seed(b"\x23" * 32)
-    durations = [1.0, 100.0]
-
-    async def modelled(fn):
-        frames, _ = fn()
-        seconds = durations.pop(0) if durations else 1.0
-        await trio.sleep(seconds)
-        return frames, seconds
+    modelled = timed_compute([1.0, 100.0])
 
     async with AsyncExitStack() as stack:
         tp = await stack.enter_async_context(open_memory_transport(network, pid(peer)))
