@@ -3,7 +3,8 @@
 The kind decides how long the requester avoids the peer and whether it may come back
 before its ban ends, so each is named where it is seen:
 
-- a refusal of a session (`ErrorMsg` in answer to an open): busy, draining, leaving, no room
+- a refusal of a session (`ErrorMsg` in answer to an open): busy, a longer queue than priced,
+  draining, leaving, no room
   for the context, a span it no longer serves — the peer is doing its job: REFUSED (skipped
   for its retry-after, no strike); a malformed exchange: BROKE;
 - an error a peer reports mid-session: its compute or our frame failed: BROKE (a
@@ -22,14 +23,17 @@ from __future__ import annotations
 
 import trio
 
-from tessera.protocol.error_codes import BAD_SPAN, BUSY, DRAINING, LEAVING, NEXT_HOP_FAILED, RECLAIMED, TOO_LONG
+from tessera.protocol.error_codes import (BAD_SPAN, BUSY, DRAINING, LEAVING, NEXT_HOP_FAILED, QUEUE_LONGER, RECLAIMED,
+                                         TOO_LONG)
 from tessera.protocol.errors import WireError
 
 from tessera.peer.base.backoff import Failure
 
 # Codes with which a live, honest peer declines a session it cannot take now (LEAVING: it is
-# leaving the swarm, and says so when refusing a session or handing back a running one).
-DECLINED = frozenset({BUSY, DRAINING, LEAVING, TOO_LONG, BAD_SPAN})
+# leaving the swarm, and says so when refusing a session or handing back a running one;
+# QUEUE_LONGER: its queue is longer than the open said it was priced for — the open routes again
+# at once, peer/request/repair.py, and nothing else should ever hear it).
+DECLINED = frozenset({BUSY, DRAINING, LEAVING, TOO_LONG, BAD_SPAN, QUEUE_LONGER})
 # RECLAIMED (a session a peer took back under memory pressure after it sat idle) comes from
 # an honest, live peer: the session is opened again — there or elsewhere — as after a refusal.
 
