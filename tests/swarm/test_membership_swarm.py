@@ -38,7 +38,9 @@ ENV = {"TESSERA_GOSSIP_INTERVAL": "0.5", "TESSERA_GOSSIP_OUTBOUND": str(OUTBOUND
 START_TIMEOUT = 120.0  # twelve processes importing torch and libp2p on two loaded cores
 AGREE_TIMEOUT = 120.0
 WATCH_S = 10.0  # 20 gossip periods: two refreshes of every peer's sample
-CLOSED_WITHIN = 5.0  # 10 periods for the opener of a refused ask or a dropped link to close it (seen: < 0.8 s)
+# 30 periods for the opener of a refused ask or a dropped link to close it (seen: < 0.8 s alone, 7.3 s
+# once in the full suite on 2 busy cores); a leak never closes, so it still fails the test
+CLOSED_WITHIN = 15.0
 
 
 def last_states(files: list[Path]) -> list[dict | None]:
