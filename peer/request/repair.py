@@ -87,8 +87,8 @@ MAX_REPAIRS_PER_STEP = 6  # a step is given up after this many repairs (each ban
 # peer whose step would wait longer refuses (QUEUE_LONGER), and the route is chosen again, now
 # priced with what it said (many requesters that heard nothing yet pick the same peer at once:
 # the first answer each gets is news). At most MAX_BOUNCES an open: then the route is taken as
-# it is, queue and all. A refusal costs a round trip and no session (the hops are asked idlest
-# first), so an open may hear several: with 50 requesters at load 0.8 (bench/load.py, seed 1)
+# it is, queue and all. A refusal costs a round trip and no session (the hops likeliest to refuse
+# are asked first: loads.py `open_order`), so an open may hear several: with 50 requesters at load 0.8 (bench/load.py, seed 1)
 # 2 bounces gave p90 85.8 s and 17.36 sessions an answer, 4 gave 65.3 s and 12.14, 8 60.7 s and
 # 11.33 (16: 57.0 s, 10.42); at load 0.5, seed 2, 2 gave 50.2 s and 9.67, 8 41.9 s and 8.32.
 # BOUNCE_WAIT: a step's deadline floor (the slack every step has), as for REPLAY_ROOM below.

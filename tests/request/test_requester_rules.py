@@ -161,6 +161,8 @@ def test_an_open_asks_for_the_queue_it_was_priced_with_idlest_first_and_a_replay
     assert max_waits(Route(hops, 1.0), priced) == {"a": 3.0 + BOUNCE_WAIT, "b": BOUNCE_WAIT, "c": BOUNCE_WAIT}
     assert open_order(list(hops), priced) == [1, 2, 3, 0]  # b and the group heard of as idle, then c, then a
     assert open_order(list(hops), {}) == [0, 1, 2, 3]  # nothing heard: route order
+    full = {**priced, "c": Reported(load=1.0)}  # every slot of c held: it is asked first, then as before
+    assert open_order(list(hops), full) == [3, 1, 2, 0]
     long = LoadReport(sessions=3, max_sessions=16, wait=BOUNCE_WAIT + 2.0)
     no_room({"a": LoadReport(1, 16, wait=1.0)}, 5.0)
     with pytest.raises(SessionRefused) as refused:
