@@ -88,12 +88,15 @@ MAX_REPAIRS_PER_STEP = 6  # a step is given up after this many repairs (each ban
 # priced with what it said (many requesters that heard nothing yet pick the same peer at once:
 # the first answer each gets is news). At most MAX_BOUNCES an open: then the route is taken as
 # it is, queue and all. A refusal costs a round trip and no session (the hops likeliest to refuse
-# are asked first: loads.py `open_order`), so an open may hear several: with 50 requesters at load 0.8 (bench/load.py, seed 1)
-# 2 bounces gave p90 85.8 s and 17.36 sessions an answer, 4 gave 65.3 s and 12.14, 8 60.7 s and
-# 11.33 (16: 57.0 s, 10.42); at load 0.5, seed 2, 2 gave 50.2 s and 9.67, 8 41.9 s and 8.32.
+# are asked first: loads.py `open_order`), so an open may hear several. With 50 requesters at
+# load 0.8 (bench/load.py, seed 1), idlest first: 2 bounces gave p90 85.8 s and 17.36 sessions an
+# answer, 4 gave 65.3 s and 12.14, 8 60.7 s and 11.33, 16 57.0 s and 10.42; at load 0.5, seed 2,
+# 2 gave 50.2 s and 9.67, 8 41.9 s and 8.32. With a full peer asked first, 8 against 16: load 0.8
+# 52.7 s, 9.94 against 49.9 s, 9.04; with churn 59.0 s, 9.93 against 55.9 s, 9.84; load 0.5
+# 31.2 s, 5.90 against 30.7 s, 5.75; 2 requesters never bounced that often (the same figures).
 # BOUNCE_WAIT: a step's deadline floor (the slack every step has), as for REPLAY_ROOM below.
 BOUNCE_WAIT = STEP_TIMEOUT_FLOOR
-MAX_BOUNCES = 8
+MAX_BOUNCES = 16
 # Before an open, the peers of the route chosen whose word about their load is not fresh
 # (peer/request/loads.py FRESH) are pinged, and the route chosen again with what they said; at
 # most this many rounds (each costs a round trip; the second catches the peers a first re-route
