@@ -151,11 +151,12 @@ def test_every_ban_says_why_in_the_peers_own_words(caplog: pytest.LogCaptureFixt
 # -- room: an open's queue, a failover's replay ---------------------------------------------------
 
 
-def test_an_open_asks_for_the_queue_it_was_priced_with_idlest_first_and_a_replay_needs_room() -> None:
+def test_an_open_asks_for_the_queue_it_was_priced_with_likeliest_refusal_first_and_a_replay_needs_room() -> None:
     """An open tells each plain hop the queue its route was priced with, plus BOUNCE_WAIT (a peer
-    with a longer one refuses: tests/serve/test_load.py); its hops are asked one by one, the
-    idlest-looking first (the peer every requester that heard the same is heading for); a group's
-    ranks are not asked. A failover's replay needs room on every replacement."""
+    with a longer one refuses: tests/serve/test_load.py); its hops are asked one by one, a peer
+    that said it is full first, then the idlest-looking (the peer every requester that heard the
+    same is heading for); a group's ranks are not asked. A failover's replay needs room on every
+    replacement."""
     hops = (Hop("a", 0, 10), Hop("b", 10, 20), Hop("g", 20, 30, members=("g0", "g1")), Hop("c", 30, 40))
     priced = {"a": Reported(load=0.5, wait_ms=3000.0), "c": Reported(load=0.25)}
     assert max_waits(Route(hops, 1.0), priced) == {"a": 3.0 + BOUNCE_WAIT, "b": BOUNCE_WAIT, "c": BOUNCE_WAIT}
