@@ -42,7 +42,7 @@ TOLERANCE = 1e-4  # float32 logits, max abs (the charter's bound), beyond RTOL o
 # The relative part (|ours - theirs| <= TOLERANCE + RTOL * the row's largest |theirs|): transformers'
 # own float32 logits of qwen3_5_moe/full-second-fused, logits up to 11, move 2.1e-4 between two of torch's
 # CPU kernel sets on one machine (AVX-512 and the default: AMD EPYC, 2026-12-07), so a fixed 1e-4 that held
-# on one processor (ours 8.5e-5 off on an AVX2 Intel) failed on another (1.24e-4) with nothing changed.
+# on one processor (ours 8.5e-5 off on an Intel Xeon) failed on another (1.24e-4) with nothing changed.
 # RTOL is that self-variation's size: 2.1e-4 of a row whose largest logit is 11 is 1.9e-5 of it. At the
 # logits of these models (|x| <= ~12) the bound is at most ~3.4e-4; a real error (a wrong weight, a wrong
 # order of ops) moves logits by 1e-2 and more.
