@@ -166,8 +166,8 @@ class RouteSession:
     ) -> tuple[list[HopState], tuple[int, bytes], tuple[int, bytes]]:
         """Open sessions on consecutive `hops`, linked among themselves: all at once, or, given
         `max_waits` (peer -> the queue it may have for the route to be worth its price), one by
-        one, those likeliest to refuse first (loads.py `open_order`), each asked to refuse a longer queue
-        (QUEUE_LONGER) before the rest are asked.
+        one, those likeliest to refuse first (loads.py `open_order`), each asked to refuse a longer
+        queue (QUEUE_LONGER) before the rest are asked.
 
         The first hop is fed by `prev` (a peer id; None = this requester) and the last
         sends to `next_` (a peer id; None = this requester). When `prev` is a peer, the

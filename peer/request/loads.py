@@ -10,8 +10,8 @@ at the peer's speed; a wait said 3 s ago of 5 s is 2 s now). A report older than
 is dropped: the record's load is then the best there is.
 
 What an open makes of it: the order in which a new route's hops are asked (`open_order`: a
-full one first, then the idlest-looking), and whether replacements that said their queue have room to replay a
-session's history (`no_room`).
+full one first, then the idlest-looking), and whether replacements that said their queue have
+room to replay a session's history (`no_room`).
 """
 
 from __future__ import annotations
