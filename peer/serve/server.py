@@ -180,10 +180,23 @@ class StageServer:
             raise Refused(TOO_LONG, f"{self.first_charge(msg)} bytes of KV cache exceed the budget of "
                                     f"{self.limits.kv_budget}")
 
+    def check_queue(self, msg: SessionOpen) -> None:
+        """What the requester routed with (`max_wait`): a longer queue here is news it prices and
+        routes again with, before this peer holds anything for it (peer/request/repair.py).
+        Raises Refused(QUEUE_LONGER)."""
+        if msg.max_wait is not None:
+            wait = self.load_report().wait
+            if wait > msg.max_wait:
+                raise Refused(QUEUE_LONGER, f"a step would wait {wait:.1f} s in this peer's queue, longer than the "
+                                            f"{msg.max_wait:g} s the route was priced with")
+
     async def make_room(self, msg: SessionOpen, channel: Channel) -> None:
         """Wait (a bounded time) until the open's requester may have a session here; the
-        caller admits it before its next checkpoint. Raises Refused."""
+        caller admits it before its next checkpoint. Raises Refused. An open whose route was
+        priced with a shorter queue than this peer's is refused first, without waiting for room
+        it would not take."""
         self.check_open(msg)
+        self.check_queue(msg)
         try:
             work = has_work(peer_id_bytes(channel.remote), msg.work)
         except ValueError:
@@ -200,13 +213,7 @@ class StageServer:
             raise Refused(BUSY, f"no room: {len(self.sessions)} sessions open here, {mine} of them this "
                                 f"requester's", retry_after=self.admission.retry_after(
                                     self.admission.requester(requester), self.admission.clock()))
-        if msg.max_wait is not None:
-            # what the requester routed with: a longer queue here is news it prices and routes
-            # again with, before this peer holds anything for it (peer/request/repair.py)
-            wait = self.load_report().wait
-            if wait > msg.max_wait:
-                raise Refused(QUEUE_LONGER, f"a step would wait {wait:.1f} s in this peer's queue, longer than the "
-                                            f"{msg.max_wait:g} s the route was priced with")
+        self.check_queue(msg)  # (again: it may have grown while the open waited for room)
         session = self.session_class(
             session_id=msg.session_id, requester=requester, start=msg.start, end=msg.end,
             capacity=msg.max_length, control=channel, ephemeral_public=msg.ephemeral_public, wire=msg.wire_form,

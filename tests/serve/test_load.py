@@ -264,3 +264,41 @@ async def test_an_open_priced_with_a_shorter_queue_is_refused_before_the_peer_ho
         await c.open()  # an open that says nothing takes any queue
         for session in (a, b, c):
             await session.close()
+
+
+async def test_an_open_priced_with_a_shorter_queue_is_refused_before_it_waits_for_room(tiny_llama, autojump_clock):
+    """A full peer whose queue is also longer than the open was priced with refuses it at once
+    (QUEUE_LONGER), not after waiting for a slot it would not take: the requester routes again
+    with the queue priced. (Checked only after the wait, an open waited for room, then was
+    refused busy or for its queue: at 50 requesters, load 0.5, the opens took 6.0 s on average
+    before their answer began, 5.4 s with the queue asked first; bench/load.py, seed 1.)"""
+    stage = load_stage(tiny_llama)
+    spec = stage.spec
+    network = MemoryNetwork(LinkSpec(latency=0.001, bandwidth=1e9))
+    peer = Identity.from_seed(b"\x24" * 32)
+    modelled = timed_compute([1.0, 100.0])
+
+    async with AsyncExitStack() as stack:
+        tp = await stack.enter_async_context(open_memory_transport(network, pid(peer)))
+        server = StageServer(tp, peer, stage, limits=ServerLimits(max_sessions=1, batch_rows=1))
+        server.run_compute = modelled
+        people = Requesters(network, pid(peer), spec)
+        a_ctx = await stack.enter_async_context(people.requester(Identity.from_seed(b"\x45" * 32)))
+        b_ctx = await stack.enter_async_context(people.requester(Identity.from_seed(b"\x46" * 32)))
+        a = RouteSession(a_ctx, people.route, max_length=256)
+        await a.open()
+        inputs = torch.randn(61, spec.hidden_size, generator=torch.Generator().manual_seed(7))
+        await a.step(inputs[:1], 0)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.step, inputs[1:61], 1)  # the only slot, in use, and 100 s of queue
+            await trio.sleep(0.5)
+            began = trio.current_time()
+            with pytest.raises(SessionRefused) as refused:
+                await RouteSession(b_ctx, people.route, max_length=256).open(max_waits={pid(peer): 5.0})
+            assert refused.value.code == QUEUE_LONGER
+            assert trio.current_time() - began < 0.1  # no wait for room (SHORT_WAIT, ADMIT_WAIT) first
+            with pytest.raises(SessionRefused) as refused:
+                await RouteSession(b_ctx, people.route, max_length=256).open()  # unpriced: no room
+            assert refused.value.code == BUSY
+            nursery.cancel_scope.cancel()
+        await a.close()
