@@ -180,17 +180,17 @@ class StageServer:
             raise Refused(TOO_LONG, f"{self.first_charge(msg)} bytes of KV cache exceed the budget of "
                                     f"{self.limits.kv_budget}")
 
-    def check_queue(self, msg: SessionOpen) -> None:
+    def check_queue(self, msg: SessionOpen | ShardOpen) -> None:
         """What the requester routed with (`max_wait`): a longer queue here is news it prices and
         routes again with, before this peer holds anything for it (peer/request/repair.py).
-        Raises Refused(QUEUE_LONGER)."""
-        if msg.max_wait is not None:
+        Raises Refused(QUEUE_LONGER). A shard's open says none (a group's ranks are unpriced)."""
+        if isinstance(msg, SessionOpen) and msg.max_wait is not None:
             wait = self.load_report().wait
             if wait > msg.max_wait:
                 raise Refused(QUEUE_LONGER, f"a step would wait {wait:.1f} s in this peer's queue, longer than the "
                                             f"{msg.max_wait:g} s the route was priced with")
 
-    async def make_room(self, msg: SessionOpen, channel: Channel) -> None:
+    async def make_room(self, msg: SessionOpen | ShardOpen, channel: Channel) -> None:
         """Wait (a bounded time) until the open's requester may have a session here; the
         caller admits it before its next checkpoint. Raises Refused. An open whose route was
         priced with a shorter queue than this peer's is refused first, without waiting for room
