@@ -7,7 +7,7 @@ MockClock; the queue alone first."""
 
 from __future__ import annotations
 
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
 import torch
@@ -222,23 +222,19 @@ async def test_a_step_queued_behind_others_is_not_a_time_out(tiny_llama, autojum
     assert b_ctx.loads.heard[pid(peer)][1].wait > 50  # and routing heard how long the queue was
 
 
-async def test_an_open_priced_with_a_shorter_queue_is_refused_before_the_peer_holds_anything(tiny_llama,
-                                                                                             autojump_clock):
-    """A requester routes with the wait a peer last said; when many route there at once the queue
-    has grown by the time the open arrives. The open says the longest queue its route was priced
-    for (`max_wait`): a peer whose step would wait longer refuses (QUEUE_LONGER, with its load, so
-    routing prices the real queue) and opens nothing — no session, no next-hop dial, no slot taken
-    from anyone; an open priced for that queue, or one that says nothing, is accepted."""
+@asynccontextmanager
+async def a_long_queue(tiny_llama, *, max_sessions: int):
+    """A peer whose compute one requester (A) holds for 100 s, in one of `max_sessions` slots:
+    yields (the server, its peer id, the requesters, B's context, A's session) half a second into
+    A's long step, and ends that step (and A's session) on exit."""
     stage = load_stage(tiny_llama)
     spec = stage.spec
     network = MemoryNetwork(LinkSpec(latency=0.001, bandwidth=1e9))
     peer = Identity.from_seed(b"\x23" * 32)
-    modelled = timed_compute([1.0, 100.0])
-
     async with AsyncExitStack() as stack:
         tp = await stack.enter_async_context(open_memory_transport(network, pid(peer)))
-        server = StageServer(tp, peer, stage, limits=ServerLimits(max_sessions=4, batch_rows=1))
-        server.run_compute = modelled
+        server = StageServer(tp, peer, stage, limits=ServerLimits(max_sessions=max_sessions, batch_rows=1))
+        server.run_compute = timed_compute([1.0, 100.0])
         people = Requesters(network, pid(peer), spec)
         a_ctx = await stack.enter_async_context(people.requester(Identity.from_seed(b"\x43" * 32)))
         b_ctx = await stack.enter_async_context(people.requester(Identity.from_seed(b"\x44" * 32)))
@@ -249,20 +245,32 @@ async def test_an_open_priced_with_a_shorter_queue_is_refused_before_the_peer_ho
         async with trio.open_nursery() as nursery:
             nursery.start_soon(a.step, inputs[1:61], 1)  # holds the compute for 100 s
             await trio.sleep(0.5)
-            opened = server.stats.sessions_opened
-            with pytest.raises(SessionRefused) as refused:
-                await RouteSession(b_ctx, people.route, max_length=256).open(max_waits={pid(peer): 5.0})
-            assert refused.value.code == QUEUE_LONGER and "longer than the 5 s" in refused.value.message
-            assert server.stats.sessions_opened == opened and len(server.sessions) == 1  # nothing held
-            said = b_ctx.loads.heard[pid(peer)][1]
-            assert said.wait > 30  # the refusal carried the queue (60 tokens at 1 s each): routing prices it now
-            b = RouteSession(b_ctx, people.route, max_length=256)
-            await b.open(max_waits={pid(peer): said.wait + 5.0})  # priced with the queue: taken, queue and all
-            assert len(server.sessions) == 2
+            yield server, pid(peer), people, b_ctx, a
             nursery.cancel_scope.cancel()
+        await a.close()
+
+
+async def test_an_open_priced_with_a_shorter_queue_is_refused_before_the_peer_holds_anything(tiny_llama,
+                                                                                             autojump_clock):
+    """A requester routes with the wait a peer last said; when many route there at once the queue
+    has grown by the time the open arrives. The open says the longest queue its route was priced
+    for (`max_wait`): a peer whose step would wait longer refuses (QUEUE_LONGER, with its load, so
+    routing prices the real queue) and opens nothing — no session, no next-hop dial, no slot taken
+    from anyone; an open priced for that queue, or one that says nothing, is accepted."""
+    async with a_long_queue(tiny_llama, max_sessions=4) as (server, peer, people, b_ctx, a):
+        opened = server.stats.sessions_opened
+        with pytest.raises(SessionRefused) as refused:
+            await RouteSession(b_ctx, people.route, max_length=256).open(max_waits={peer: 5.0})
+        assert refused.value.code == QUEUE_LONGER and "longer than the 5 s" in refused.value.message
+        assert server.stats.sessions_opened == opened and len(server.sessions) == 1  # nothing held
+        said = b_ctx.loads.heard[peer][1]
+        assert said.wait > 30  # the refusal carried the queue (60 tokens at 1 s each): routing prices it now
+        b = RouteSession(b_ctx, people.route, max_length=256)
+        await b.open(max_waits={peer: said.wait + 5.0})  # priced with the queue: taken, queue and all
+        assert len(server.sessions) == 2
         c = RouteSession(b_ctx, people.route, max_length=256)
         await c.open()  # an open that says nothing takes any queue
-        for session in (a, b, c):
+        for session in (b, c):
             await session.close()
 
 
@@ -272,33 +280,12 @@ async def test_an_open_priced_with_a_shorter_queue_is_refused_before_it_waits_fo
     with the queue priced. (Checked only after the wait, an open waited for room, then was
     refused busy or for its queue: at 50 requesters, load 0.5, the opens took 6.0 s on average
     before their answer began, 5.4 s with the queue asked first; bench/load.py, seed 1.)"""
-    stage = load_stage(tiny_llama)
-    spec = stage.spec
-    network = MemoryNetwork(LinkSpec(latency=0.001, bandwidth=1e9))
-    peer = Identity.from_seed(b"\x24" * 32)
-    modelled = timed_compute([1.0, 100.0])
-
-    async with AsyncExitStack() as stack:
-        tp = await stack.enter_async_context(open_memory_transport(network, pid(peer)))
-        server = StageServer(tp, peer, stage, limits=ServerLimits(max_sessions=1, batch_rows=1))
-        server.run_compute = modelled
-        people = Requesters(network, pid(peer), spec)
-        a_ctx = await stack.enter_async_context(people.requester(Identity.from_seed(b"\x45" * 32)))
-        b_ctx = await stack.enter_async_context(people.requester(Identity.from_seed(b"\x46" * 32)))
-        a = RouteSession(a_ctx, people.route, max_length=256)
-        await a.open()
-        inputs = torch.randn(61, spec.hidden_size, generator=torch.Generator().manual_seed(7))
-        await a.step(inputs[:1], 0)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(a.step, inputs[1:61], 1)  # the only slot, in use, and 100 s of queue
-            await trio.sleep(0.5)
-            began = trio.current_time()
-            with pytest.raises(SessionRefused) as refused:
-                await RouteSession(b_ctx, people.route, max_length=256).open(max_waits={pid(peer): 5.0})
-            assert refused.value.code == QUEUE_LONGER
-            assert trio.current_time() - began < 0.1  # no wait for room (SHORT_WAIT, ADMIT_WAIT) first
-            with pytest.raises(SessionRefused) as refused:
-                await RouteSession(b_ctx, people.route, max_length=256).open()  # unpriced: no room
-            assert refused.value.code == BUSY
-            nursery.cancel_scope.cancel()
-        await a.close()
+    async with a_long_queue(tiny_llama, max_sessions=1) as (server, peer, people, b_ctx, a):
+        began = trio.current_time()
+        with pytest.raises(SessionRefused) as refused:
+            await RouteSession(b_ctx, people.route, max_length=256).open(max_waits={peer: 5.0})
+        assert refused.value.code == QUEUE_LONGER
+        assert trio.current_time() - began < 0.1  # no wait for room (SHORT_WAIT, ADMIT_WAIT) first
+        with pytest.raises(SessionRefused) as refused:
+            await RouteSession(b_ctx, people.route, max_length=256).open()  # unpriced: no room
+        assert refused.value.code == BUSY
