@@ -86,8 +86,8 @@ MAX_REPAIRS_PER_STEP = 6  # a step is given up after this many repairs of failur
 # Repairs of sessions that peers took back for room (reclaimed while idle, handed back: REFUSED,
 # no strike) count apart, against this bound: lack of room is not a failure, and each repair's
 # route wait bounds it. Counted with the failures, replacements reclaimed in turn used the limit
-# up at 50 requesters, load 0.8 (bench/load.py): 2 and 3 answers of 1,000 lost at seeds 2 and 3,
-# none so.
+# up at 50 requesters, load 0.8 (bench/load.py): 2 and 3 answers of 1,000 lost at seeds 2 and 3;
+# counted apart, none.
 MAX_REFUSED_REPAIRS_PER_STEP = 3 * MAX_REPAIRS_PER_STEP
 # An open tells each peer the queue the route was priced with (plus BOUNCE_WAIT: `max_waits`); a
 # peer whose step would wait longer refuses (QUEUE_LONGER), and the route is chosen again, now
