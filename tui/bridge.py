@@ -219,10 +219,14 @@ class PeerHandle:
                 try:
                     await self.node.run()
                 finally:
+                    # The publisher goes first: at any checkpoint after the last word it read the
+                    # live node again and wrote over it (a peer that left then showed "leaving"
+                    # for good). No checkpoint from here on: a Cancelled raised in this finally
+                    # would take the place of the error the peer stopped with.
+                    nursery.cancel_scope.cancel()
                     with self._lock:  # the last word: stopped (the host and store are closed now)
                         self._latest = stopped_snapshot(self._latest, self.node)
-                    await send.aclose()
-                    nursery.cancel_scope.cancel()
+                    send.close()
 
     def _publish(self) -> None:
         try:
