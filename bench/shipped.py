@@ -21,6 +21,10 @@ Used by bench/capacity.py (whose last lines print these figures); runnable alone
    GGUF types of 256-weight blocks on `synth-k`, a synthetic Llama of widths they take (hidden
    1024, 4 layers, vocabulary 8192); decode time does not depend on the values (goal >= 0.9x).
    For the 1B shape, the per-layer speed a peer advertises, each form against float32.
+   Printed with them (bench/rounds.py): the machine, each configuration's rounds as min / median /
+   max, and the cores other processes kept busy meanwhile; a form whose rounds or float32's spread
+   over 15% is named `not printed` in its line, and the line is not printed at all while other
+   processes held a fifth of a core or more.
 3. Resident bytes / on-disk bytes of a span in a fresh process, as
    tests/stages/formats/test_shipped_memory.py measures it: SmolLM2's layers [0, 15) and synth-k's
    [0, 4) (goal <= 1.15).
@@ -41,6 +45,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from rounds import CoreWatch, figure_line, machine_lines, refusal, spread_line, watch_line
 
 from tessera.peer.node.config import KV_RESERVE_FRACTION
 from tessera.stages.engine.compiled.build import compile_decode
@@ -161,15 +167,33 @@ def decode_lines(label: str, folder: Path, folders: dict[str, Path], head: Stage
         for stage in stages.values():
             decode_rate(stage, head, ids, 4)  # warm-up
         rates: dict[str, list[float]] = {k: [] for k in stages}
-        for r in range(rounds):
-            for k, stage in stages.items():
-                rates[k].append(decode_rate(stage, head, ids, tokens))
-            print(f"{label} {mode} round {r}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in rates.items()) + " tok/s")
-        med = {k: statistics.median(v) for k, v in rates.items()}
-        last.append(f"{label} decode vs float32 (as shipped), {mode}: "
-                    + ", ".join(f"{k} {med[k] / med['float32']:.2f}x" for k in med if k != "float32")
-                    + f" (float32 {med['float32']:.1f} tok/s)")
+        with CoreWatch() as watch:
+            for r in range(rounds):
+                for k, stage in stages.items():
+                    rates[k].append(decode_rate(stage, head, ids, tokens))
+                print(f"{label} {mode} round {r}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in rates.items()) + " tok/s")
+        for k, v in rates.items():
+            print(spread_line(f"{label} {mode} {k}", v, "tok/s"))
+        print(watch_line(watch))
+        last.append(ratio_line(f"{label} decode vs float32 (as shipped), {mode}", rates, watch.others))
     return last
+
+
+def ratio_line(label: str, rates: dict[str, list[float]], others: float | None) -> str:
+    """`label: fp8 0.81x, ... (float32 40.4 tok/s)`, each form's median rate over float32's; a form whose
+    rounds, or float32's, spread over bench/rounds.py's limit is named as not printed, and the whole
+    line is not printed while other processes kept the cores busy."""
+    busy = refusal({}, others)
+    if busy is not None:
+        return figure_line(label, "", busy)
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    parts = []
+    for k in med:
+        if k == "float32":
+            continue
+        why = refusal({"float32": rates["float32"], k: rates[k]}, None)
+        parts.append(f"{k} {med[k] / med['float32']:.2f}x" if why is None else f"{k}: not printed, {why}")
+    return f"{label}: " + ", ".join(parts) + f" (float32 {med['float32']:.1f} tok/s)"
 
 
 def shipped_figures(*, model: str = "smollm2-135m", tokens: int = 32, rounds: int = 3, budget_gb: float = 2.0,
@@ -228,6 +252,8 @@ def main() -> None:
                         "e.g. 'nvfp4,int4,Q2_K,IQ4_XS')")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    for line in machine_lines(args.threads):
+        print(line)
     for line in shipped_figures(model=args.model, tokens=args.tokens, rounds=args.rounds, budget_gb=args.budget_gb,
                                 one_b=not args.no_1b, only=tuple(f for f in args.forms.split(",") if f)):
         print(line)

@@ -91,3 +91,18 @@ def test_machine_lines_name_the_processor_and_instruction_sets():
     lines = rounds.machine_lines(1)
     assert lines[0].startswith("machine: ") and "logical CPUs" in lines[0]
     assert "kernels " in lines[1] and "inductor " in lines[1] and "BLAS " in lines[1]
+
+
+def test_shipped_forms_line_names_a_wide_form_and_is_withheld_on_a_busy_machine(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "bench"))  # as a bench script runs
+    shipped = importlib.import_module("shipped")
+    rates = {"float32": [40.0, 40.4, 41.1], "fp8": [32.5, 32.2, 33.3], "int4": [30.0, 48.6, 50.5]}
+    label = "smollm2 decode vs float32 (as shipped), compiled"
+    assert shipped.ratio_line(label, rates, 0.01) == (
+        f"{label}: fp8 0.80x, int4: not printed, rounds of int4 spread 42% (> 15%) (float32 40.4 tok/s)")
+    assert shipped.ratio_line(label, {k: rates[k] for k in ("float32", "fp8")}, None) == \
+        f"{label}: fp8 0.80x (float32 40.4 tok/s)"  # no watch: the spreads decide
+    assert shipped.ratio_line(label, rates, 0.5) == f"{label}: not printed: other processes kept 0.50 cores busy (> 0.2)"
+    wide_float32 = {"float32": [30.0, 40.4, 41.1], "fp8": [32.5, 32.2, 33.3]}  # float32's rounds are every ratio's
+    assert shipped.ratio_line(label, wide_float32, 0.0) == \
+        f"{label}: fp8: not printed, rounds of float32 spread 27% (> 15%) (float32 40.4 tok/s)"
