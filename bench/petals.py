@@ -10,6 +10,11 @@ docs/pages/benchmarks.md ("Petals"), which also writes the run script this bench
 Without it, this bench says so and exits 0.
 
     .venv/bin/python bench/petals.py [--tokens 48] [--compile auto|off] [--petals-root ~/.cache/petals-bench]
+
+Printed with the figures (bench/rounds.py): the machine, each side's answers as min / median / max,
+and the cores other processes kept busy while it measured (the peers and Petals' servers are this
+run's own children); the ratios are not printed when a side's answers spread over 15% or others
+held a fifth of a core or more.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from pathlib import Path
 
 import torch
 import trio
+
+from rounds import CoreWatch, figure_line, machine_lines, refusal, spread_line, watch_line
 
 from tessera.peer.request.client import Swarm
 from tessera.peer.cli.demo import LocalSwarm
@@ -51,8 +58,8 @@ def petals_ready(root: Path) -> str | None:
 RUNS = 3  # answers per side; each side's figure is their median
 
 
-def petals_rate(run_script: Path, root: Path, tokens: int) -> float:
-    """Median decode tok/s of the Petals run script's RESULT lines (one per client run)."""
+def petals_rates(run_script: Path, root: Path, tokens: int) -> list[float]:
+    """Decode tok/s of each of the Petals run script's RESULT lines (one per client run)."""
     env = {**os.environ, "PETALS_ROOT": str(root), "NEW_TOKENS": str(tokens), "RUNS": str(RUNS)}
     run = subprocess.run(["bash", str(run_script)], capture_output=True, text=True, env=env, timeout=1800)
     rates = [float(m.group(1)) for m in RESULT.finditer(run.stdout)]
@@ -60,10 +67,10 @@ def petals_rate(run_script: Path, root: Path, tokens: int) -> float:
     if len(rates) < RUNS:  # a half-finished run would bias the median: say so and stop
         raise SystemExit(f"{len(rates)} of {RUNS} Petals client runs finished; the run script's output ends:\n"
                          f"{run.stdout[-2000:]}")
-    return statistics.median(rates)
+    return rates
 
 
-def local_rate(tokens: int, compile: str) -> float:
+def local_rates(tokens: int, compile: str) -> list[float]:
     """One process (LocalEngine, one torch thread): the ceiling of any swarm on the same compute."""
     engine = LocalEngine(registry.resolve("smollm2-135m"), device="cpu", dtype="float32", compile=compile)
     ids = prompt_ids(engine.tokenizer, PROMPT, raw=False)
@@ -72,10 +79,10 @@ def local_rate(tokens: int, compile: str) -> float:
         stamps: list[float] = []
         engine.generate_ids(ids, max_new_tokens=tokens, on_token=lambda _: stamps.append(time.perf_counter()))
         rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))  # steps after the first, as both swarms
-    return statistics.median(rates)
+    return rates
 
 
-def tessera_rate(tokens: int, compile: str) -> float:
+def tessera_rates(tokens: int, compile: str) -> list[float]:
     peers = LocalSwarm(len(SPANS), extra_args=[["--layers", f"{a}:{b}", "--compile", compile] for a, b in SPANS])
     rates: list[float] = []
     try:
@@ -95,7 +102,7 @@ def tessera_rate(tokens: int, compile: str) -> float:
     finally:
         peers.stop()
     print(f"  tessera runs: {', '.join(f'{r:.2f}' for r in rates)} tok/s")
-    return statistics.median(rates)
+    return rates
 
 
 def main() -> None:
@@ -115,15 +122,24 @@ def main() -> None:
         sys.exit(0)
     torch.set_num_threads(1)
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
-    ours = tessera_rate(args.tokens, args.compile)
-    one_process = local_rate(args.tokens, args.compile)
-    theirs = petals_rate(run_script, args.petals_root, args.tokens)
+    with CoreWatch() as watch:
+        runs = {"tessera": tessera_rates(args.tokens, args.compile),
+                "tessera in one process": local_rates(args.tokens, args.compile),
+                "petals": petals_rates(run_script, args.petals_root, args.tokens)}
+    for line in machine_lines(1):
+        print(line)
+    for name, rates in runs.items():
+        print(spread_line(name, rates, "tok/s"))
+    print(watch_line(watch))
+    ours, one_process, theirs = (statistics.median(runs[k]) for k in ("tessera", "tessera in one process", "petals"))
     print(f"decode tok/s, 2 peers (0:15, 15:30), 1 thread each, tessera --compile {args.compile}: "
           f"tessera {ours:.2f}, petals {theirs:.2f}; "
           f"tessera in one process {one_process:.2f}")
-    print(f"tessera one process/petals decode ratio (the most any swarm on this compute can reach): "
-          f"{one_process / theirs:.2f}")
-    print(f"tessera/petals decode ratio: {ours / theirs:.2f}")
+    print(figure_line("tessera one process/petals decode ratio (the most any swarm on this compute can reach)",
+                      f"{one_process / theirs:.2f}",
+                      refusal({k: runs[k] for k in ("tessera in one process", "petals")}, watch.others)))
+    print(figure_line("tessera/petals decode ratio", f"{ours / theirs:.2f}",
+                      refusal({k: runs[k] for k in ("tessera", "petals")}, watch.others)))
 
 
 if __name__ == "__main__":
