@@ -22,6 +22,11 @@
     .venv/bin/python bench/swarm.py [--tokens 32] [--rounds 3] [--skip-1b] [--prompt-tokens 2000] [--compile auto|off]
     .venv/bin/python bench/swarm.py --quick     # 1 round, SmolLM2 only, a 600-token prompt
     .venv/bin/python bench/swarm.py --skip-1b --skip-ttft   # SmolLM2 decode only (before/after a change)
+
+Printed with the figures (bench/rounds.py): the machine, each configuration's rounds as min / median /
+max, and the cores other processes kept busy while they ran (the peers are this run's own children);
+a ratio or overhead is not printed when its configurations' rounds spread over 15% or others held a
+fifth of a core or more.
 """
 
 from __future__ import annotations
@@ -31,10 +36,13 @@ import contextlib
 import logging
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import trio
+
+from rounds import CoreWatch, figure_line, machine_lines, refusal, spread_line, watch_line
 
 from tessera.peer.request.client import Swarm
 from tessera.peer.cli.demo import LocalSwarm
@@ -85,9 +93,25 @@ WAN_RATE = "100mbit"
 STREAMS = {"dedicated": [], "libp2p streams": ["--no-dedicated"]}  # swarm kind -> extra peer flags
 
 
-def measure(model: str, label: str, tokens: int, rounds: int, kinds: list[str], compile: str
-            ) -> tuple[dict[str, float], float]:
-    """({swarm kind: tokens/s}, local tokens/s), medians over `rounds`."""
+@dataclass(frozen=True)
+class Decode:
+    """One model's decode rounds, tokens/s: each swarm kind's and the local engine's, alternating,
+    and the cores other processes kept busy meanwhile (rounds.CoreWatch)."""
+
+    swarm: dict[str, list[float]]
+    local: list[float]
+    others: float | None
+
+    def median(self, kind: str) -> float:
+        return statistics.median(self.local if kind == "local" else self.swarm[kind])
+
+    def refusal(self, kind: str) -> str | None:
+        """Why a figure of `kind` against local must not be printed (rounds.refusal)."""
+        return refusal({"local": self.local, kind: self.swarm[kind]}, self.others)
+
+
+def measure(model: str, label: str, tokens: int, rounds: int, kinds: list[str], compile: str) -> Decode:
+    """Each swarm kind's and the local engine's decode tokens/s over `rounds`, alternating."""
     spec = spec_from_file(registry.resolve(model) / "config.json")
     engine = LocalEngine(registry.resolve(model), device="cpu", dtype="float32", compile=compile)
     # a prompt whose answer does not stop early: greedy continuation of a plain text
@@ -118,14 +142,18 @@ def measure(model: str, label: str, tokens: int, rounds: int, kinds: list[str], 
                     print(f"  {label} round {r}: local {local[-1]:.2f} tok/s, "
                           + ", ".join(f"{kind} {rates[kind][-1]:.2f}" for kind in kinds))
 
-        trio.run(rounds_)
+        with CoreWatch() as watch:
+            trio.run(rounds_)
     finally:
         for peers in swarms.values():
             peers.stop()
-    medians = {kind: statistics.median(r) for kind, r in rates.items()}
-    print(f"{label}: " + ", ".join(f"swarm ({kind}) {rate:.2f} tok/s" for kind, rate in medians.items())
-          + f", local {statistics.median(local):.2f} tok/s")
-    return medians, statistics.median(local)
+    decode = Decode(rates, local, watch.others)
+    print(f"{label}: " + ", ".join(f"swarm ({kind}) {decode.median(kind):.2f} tok/s" for kind in kinds)
+          + f", local {decode.median('local'):.2f} tok/s")
+    for kind in ["local", *kinds]:
+        print(spread_line(f"{label} {kind}", decode.local if kind == "local" else rates[kind], "tok/s"))
+    print(watch_line(watch))
+    return decode
 
 
 def idle_penalty(model: str, idle: float, compile: str, steps: int = 40) -> float:
@@ -155,8 +183,19 @@ async def first_token_seconds(swarm: Swarm, ids: list[int], chunk: int | None) -
     return time.perf_counter() - started
 
 
-def measure_ttft(prompt_tokens: int, rounds: int, rate: str = WAN_RATE) -> tuple[float, float, int]:
-    """(unchunked s, chunked s, chunk size): time to first token over the emulated WAN."""
+@dataclass(frozen=True)
+class FirstToken:
+    """Time to first token over the emulated WAN, s a round: the prompt whole and in chunks (of
+    `chunk` tokens), alternating, and the cores other processes kept busy meanwhile."""
+
+    whole: list[float]
+    chunked: list[float]
+    chunk: int
+    others: float | None
+
+
+def measure_ttft(prompt_tokens: int, rounds: int, rate: str = WAN_RATE) -> FirstToken:
+    """Time to first token over the emulated WAN, whole and chunked, `rounds` of each."""
     extra = [["--layers", f"{a}:{b}", "--emulate-link", f"delay={d}ms,rate={rate}"]
              for (a, b), d in zip(WAN_SPANS, WAN_PEER_DELAYS_MS)]
     peers = LocalSwarm(len(WAN_SPANS), extra_args=extra)
@@ -180,10 +219,14 @@ def measure_ttft(prompt_tokens: int, rounds: int, rate: str = WAN_RATE) -> tuple
                     print(f"  ttft round {r} ({len(ids)} tokens): whole {whole[-1]:.2f} s, "
                           f"chunked (chunk {chunk_used}) {chunked[-1]:.2f} s")
 
-        trio.run(rounds_)
+        with CoreWatch() as watch:
+            trio.run(rounds_)
     finally:
         peers.stop()
-    return statistics.median(whole), statistics.median(chunked), chunk_used
+    print(spread_line("ttft whole", whole, "s"))
+    print(spread_line("ttft chunked", chunked, "s"))
+    print(watch_line(watch))
+    return FirstToken(whole, chunked, chunk_used, watch.others)
 
 
 class _RouteOnly:
@@ -212,8 +255,10 @@ def main() -> None:
         args.rounds, args.skip_1b, args.prompt_tokens, args.tokens = 1, True, min(args.prompt_tokens, 600), 16
     torch.set_num_threads(1)
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)  # it logs every refused dial
+    for line in machine_lines(1):
+        print(line)
     kinds = ["dedicated"] if args.dedicated_only else list(STREAMS)
-    rates = {}
+    rates: dict[str, Decode] = {}
     penalties = {}
     if not args.only_ttft:
         rates["smollm2-135m"] = measure("smollm2-135m", "smollm2-135m", args.tokens, args.rounds, kinds, args.compile)
@@ -223,24 +268,26 @@ def main() -> None:
         for label, model in (("smollm2-135m", "smollm2-135m"), ("synthetic-1b", str(synth_1b()) if "synthetic-1b" in rates else "")):
             if model:
                 # a stage of three waits about two thirds of a step: the swarm's step less its own compute
-                swarm_rates, local_rate_ = rates[label]
-                idle = (2 / 3) / swarm_rates[kinds[0]]
+                idle = (2 / 3) / rates[label].median(kinds[0])
                 penalties[label] = (idle, idle_penalty(model, idle, args.compile))
     ttft = None if args.skip_ttft else measure_ttft(args.prompt_tokens, args.rounds, args.wan_rate)
     print("\n-- side by side (one run; noisy on a shared machine) --")
     for label, (idle, penalty) in penalties.items():
         print(f"one span's forward after {idle * 1e3:.0f} ms idle / back to back ({label}, one process): {penalty:.2f}")
-    for label, (swarm_rates, local_rate_) in rates.items():
-        for kind, swarm_rate_ in swarm_rates.items():
-            overhead_ms = (1 / swarm_rate_ - 1 / local_rate_) / HOPS * 1e3
-            print(f"per-hop overhead ({label}, 3 peers, loopback, {kind}): {overhead_ms:.2f} ms")
-    for label, (swarm_rates, local_rate_) in rates.items():
-        for kind, swarm_rate_ in swarm_rates.items():
-            print(f"swarm/local decode ratio ({label}, 3 peers, loopback, {kind}): {swarm_rate_ / local_rate_:.2f}")
+    for label, decode in rates.items():
+        for kind in kinds:
+            overhead_ms = (1 / decode.median(kind) - 1 / decode.median("local")) / HOPS * 1e3
+            print(figure_line(f"per-hop overhead ({label}, 3 peers, loopback, {kind})", f"{overhead_ms:.2f} ms",
+                              decode.refusal(kind)))
+    for label, decode in rates.items():
+        for kind in kinds:
+            print(figure_line(f"swarm/local decode ratio ({label}, 3 peers, loopback, {kind})",
+                              f"{decode.median(kind) / decode.median('local'):.2f}", decode.refusal(kind)))
     if ttft is not None:
-        whole, chunked, chunk = ttft
-        print(f"time to first token, {args.prompt_tokens}-token prompt, 4 emulated WAN stages ({args.wan_rate}): "
-              f"chunked (chunk {chunk}) {chunked:.2f} s / unchunked {whole:.2f} s = {chunked / whole:.2f}")
+        whole, chunked = statistics.median(ttft.whole), statistics.median(ttft.chunked)
+        print(figure_line(f"time to first token, {args.prompt_tokens}-token prompt, 4 emulated WAN stages ({args.wan_rate})",
+                          f"chunked (chunk {ttft.chunk}) {chunked:.2f} s / unchunked {whole:.2f} s = {chunked / whole:.2f}",
+                          refusal({"whole": ttft.whole, "chunked": ttft.chunked}, ttft.others)))
 
 
 if __name__ == "__main__":
