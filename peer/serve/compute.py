@@ -108,9 +108,9 @@ class StepCompute:
             self.queued.pop(key, None)
             self.queue.finish(waiter) if waiter not in self.queue.waiting else self.queue.leave(waiter)
 
-    def _batch_order(self, job: tuple[ServedSession, Forward]) -> tuple[int, int]:
+    def _batch_order(self, job: tuple[ServedSession, Forward]) -> tuple[float, int]:
         waiter = self.queued.get((job[0].session_id, job[1].step))
-        return self.queue.order_key(job[0].requester, waiter.arrival if waiter is not None else 0)
+        return self.queue.key(waiter) if waiter is not None else (0.0, 0)
 
     def _batch_taken(self, job: tuple[ServedSession, Forward]) -> None:
         waiter = self.queued.get((job[0].session_id, job[1].step))

@@ -31,9 +31,9 @@ from .test_admission import Requesters, inline, pid
 # -- the queue alone ----------------------------------------------------------------------------
 
 
-async def test_the_queue_serves_requesters_in_turn_not_sessions_in_arrival_order(autojump_clock) -> None:
-    """Requester A queues eight steps, then B one: B's step runs second, not ninth (each identity
-    waiting gets a turn in its turn, whatever number of sessions it holds)."""
+async def test_the_queue_serves_requesters_their_share_not_sessions_in_arrival_order(autojump_clock) -> None:
+    """Requester A queues eight steps, then B one of the same size: B's step runs second, not ninth
+    (each identity waiting gets its share, whatever number of sessions it holds)."""
     queue = ComputeQueue()
     order: list[str] = []
 
@@ -50,10 +50,62 @@ async def test_the_queue_serves_requesters_in_turn_not_sessions_in_arrival_order
     assert order == ["A0", "B0", *(f"A{i}" for i in range(1, 8))]  # A0 held the compute when B asked
 
 
+async def test_the_queue_shares_compute_not_turns(autojump_clock) -> None:
+    """A keeps four 60-unit prompts queued, B four 1-unit decode steps (four sessions here each, a
+    step sent as the last one returns): while both wait they get half the compute each, so B's
+    240 units are done in about twice their own time (in turns B would get one step per prompt of
+    A's: done only after most of A's 40 prompts)."""
+    queue = ComputeQueue()
+    done: dict[str, float] = {}
+    waited: list[float] = []
+
+    async def sender(requester: str, units: float, steps: int) -> None:
+        for _ in range(steps):
+            queued_at = trio.current_time()
+            async with queue.turn(requester, units):
+                if requester == "B":
+                    waited.append(trio.current_time() - queued_at)
+                await trio.sleep(units * 0.01)
+        done[requester] = trio.current_time()
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(4):
+            nursery.start_soon(sender, "A", 60.0, 10)  # 24 s of compute in all
+            nursery.start_soon(sender, "B", 1.0, 60)  # 2.4 s
+    assert done["B"] <= 2 * 2.4 + 0.6 + 0.1  # half the compute while both waited (+ one prompt it found running)
+    assert done["A"] == pytest.approx(24.0 + 2.4)  # nothing idle: the compute never waited
+    assert len(waited) == 240 and max(waited) <= 0.6 + 4 * 0.01 + 1e-9  # at most one prompt and B's own others
+
+
+async def test_a_short_step_goes_before_a_long_one_of_another_requester_queued_earlier(autojump_clock) -> None:
+    """A prompt of A (100 units) waits; B's decode step (1 unit) arriving after it goes first; C's
+    prompt, as long, after A's (arrival breaks the tie); A's own next step stays behind A's prompt
+    (a requester's order is kept) and, A having had its share, behind C's too."""
+    queue = ComputeQueue()
+    order: list[str] = []
+    started = trio.Event()
+
+    async def step(requester: str, units: float, tag: str) -> None:
+        async with queue.turn(requester, units):
+            order.append(tag)
+            started.set()
+            await trio.sleep(1.0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(step, "D", 10.0, "D0")  # holds the compute
+        await started.wait()
+        for requester, units, tag in (("A", 100.0, "A-prompt"), ("A", 1.0, "A-decode"), ("B", 1.0, "B-decode"),
+                                      ("C", 100.0, "C-prompt")):
+            nursery.start_soon(step, requester, units, tag)
+            await trio.sleep(0.01)
+    assert order == ["D0", "B-decode", "A-prompt", "C-prompt", "A-decode"]
+
+
 async def test_the_queue_says_how_long_a_step_will_wait(autojump_clock) -> None:
-    """The wait is the work ahead at the measured speed: what runs now, then one step of every
-    other requester waiting (a newcomer's fair share) or everything before a queued step; a step
-    that must wait at least NOTICE_WAIT is told so before it waits (and never one that need not)."""
+    """The wait is the work ahead at the measured speed: what runs now, then what of the others'
+    steps comes before a newcomer's step of the size steps here have had (its fair share), or
+    everything before a queued step; a step that must wait at least NOTICE_WAIT is told so before
+    it waits (and never one that need not)."""
     queue = ComputeQueue()
     queue.measured(100.0, 1.0)  # 10 ms a token-layer
     told: list[tuple[str, int, float]] = []
@@ -73,14 +125,18 @@ async def test_the_queue_says_how_long_a_step_will_wait(autojump_clock) -> None:
         nursery.start_soon(step, "A", 200.0, "A1")
         nursery.start_soon(step, "B", 50.0, "B0")
         await trio.sleep(0.5)
-        ahead, wait = queue.wait_for("C")  # a newcomer: A0's rest, then A1 and B0 once each
+        # a newcomer's step of 100 units (the size measured): A0's rest, then B0 (finish tag 50);
+        # A1 (tagged 300..500: A ran 300 already) comes after it
+        ahead, wait = queue.wait_for("C")
+        assert ahead == 2 and wait == pytest.approx(2.5 + 0.5)
+        ahead, wait = queue.wait_for("C", 600.0)  # one of 600 would finish after A1: it waits for it
         assert ahead == 3 and wait == pytest.approx(2.5 + 2.0 + 0.5)
         ahead, wait = queue.wait_for("A")  # A's own next step waits for everything queued
         assert ahead == 3 and wait == pytest.approx(2.5 + 2.0 + 0.5)
-        assert queue.expected_wait() == pytest.approx(5.0)
-        assert queue.expected_wait(pending=2) == pytest.approx(5.0)  # no first step seen yet: no size to guess
+        assert queue.expected_wait() == pytest.approx(3.0)
+        assert queue.expected_wait(pending=2) == pytest.approx(3.0)  # no first step seen yet: no size to guess
         queue.first_step(100.0)
-        assert queue.expected_wait(pending=2) == pytest.approx(5.0 + 2 * 1.0)
+        assert queue.expected_wait(pending=2) == pytest.approx(3.0 + 2 * 1.0)
     said = {tag: (ahead, wait) for tag, ahead, wait in told}
     assert set(said) == {"A1", "B0"} and all(w >= NOTICE_WAIT for _, w in said.values())
     assert said["B0"] == (1, pytest.approx(3.0))  # behind A0 only: its fair place is before A1
