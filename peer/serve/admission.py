@@ -103,6 +103,13 @@ IDLE_GRACE = 5.0
 # ROUTE_WAIT) has given up on this route anyway, and no longer than a step buys (STEP_GRACE).
 GAP_FACTOR = 2.0
 GRACE_CAP = ROUTE_WAIT
+# The recent wait for a first step is the longest measured, halved for every FIRST_WAIT_HALF_LIFE
+# seconds since. Halved at each new first step instead, as it was, a busy peer (several opens a
+# second) forgot a 10 s wait within a second: the next sessions deep in routes had IDLE_GRACE and
+# were reclaimed waiting for their prompt (bench/load.py, 50 requesters at load 0.8, seed 1: 1,212
+# sessions reclaimed before their first step, p90 50.8 s, 9.45 sessions an answer; halved every
+# 10 s: 497, 42.7 s, 8.67). 10 s: a few turns of a busy peer's queue, a third of a route wait.
+FIRST_WAIT_HALF_LIFE = 10.0
 # A session that has stepped is protected this long after its last step (rule 2 above): as long
 # as its requester waits for a route before it gives an answer up, since a step of a running
 # answer may wait that long in other peers' queues; a requester that stops stepping gives the
@@ -143,6 +150,11 @@ IDENTITY_MEMORY = 4096
 GRACES_IN_HAND = 8
 # Streams that have not been admitted yet (a session stream before its SessionAccept, a link
 # stream before its session is found) are bounded with every other protocol's: peer/net/intake.py.
+
+
+def _recent(wait: float, at: float, now: float) -> float:
+    """A wait for a first step measured at `at`, as it counts at `now` (FIRST_WAIT_HALF_LIFE)."""
+    return wait * 0.5 ** (max(0.0, now - at) / FIRST_WAIT_HALF_LIFE)
 
 
 class Refused(Exception):
@@ -191,6 +203,7 @@ class Requester:
     returns: int = 0  # graces an unstepped close may give back (GRACES_IN_HAND): a step arriving here earns one
     left_over: float = 0.0  # seconds left of a grace given back without a return in hand (its next open's grace)
     first_wait: float = 0.0  # how long its sessions here lately waited for their first step
+    first_wait_at: float = 0.0  # when that was measured (it halves every FIRST_WAIT_HALF_LIFE since)
 
 
 @dataclass(eq=False)
@@ -220,6 +233,7 @@ class Admission:
         self.waiting: list[_Waiter] = []
         self.reclaimed = 0  # sessions reclaimed under pressure
         self.first_wait = 0.0  # how long sessions here lately waited for their first step, any requester's (GAP_FACTOR)
+        self.first_wait_at = 0.0  # when that was measured
         self._changed = trio.Event()
 
     # -- identities ---------------------------------------------------------------------
@@ -282,7 +296,9 @@ class Admission:
         record.last_admitted = now
         record.waiting_since = None
         if record.graces > 0 and record.work:
-            grace = max(self.limits.idle_grace, min(GAP_FACTOR * max(record.first_wait, self.first_wait), GRACE_CAP))
+            recent = max(_recent(record.first_wait, record.first_wait_at, now),
+                         _recent(self.first_wait, self.first_wait_at, now))
+            grace = max(self.limits.idle_grace, min(GAP_FACTOR * recent, GRACE_CAP))
             session.grace_until = now + grace
             record.graces -= 1
         elif record.left_over > 0 and record.work:
@@ -292,14 +308,15 @@ class Admission:
 
     def stepped(self, session: Admitted) -> None:
         """A step of `session` arrived or ended: it is in use. Its first step's wait since the
-        open is kept by its requester and by the peer (each halved at each new one, so that it
-        follows the queues as they are now)."""
+        open is kept by its requester and by the peer (each the longest lately: what was kept
+        halves every FIRST_WAIT_HALF_LIFE, so that it follows the queues as they are now)."""
         now = self.clock()
         record = self.requesters.get(session.requester)
         if session.inflight == 1 and not session.stepped and record is not None:  # its first step arrived
             waited = max(0.0, now - session.last_active)
-            record.first_wait = max(waited, record.first_wait / 2)
-            self.first_wait = max(waited, self.first_wait / 2)
+            record.first_wait = max(waited, _recent(record.first_wait, record.first_wait_at, now))
+            self.first_wait = max(waited, _recent(self.first_wait, self.first_wait_at, now))
+            record.first_wait_at = self.first_wait_at = now
         session.last_active = now
         if not session.stepped:
             session.stepped = True

@@ -24,7 +24,7 @@ from tessera.peer.plan.routing import Hop, Route
 from tessera.peer.request.chain import RouteSession
 from tessera.peer.request.chain_state import RequesterContext
 from tessera.peer.serve.admission import (
-    ADMIT_WAIT, GRACE_CAP, GRACES_IN_HAND, IDLE_GRACE, RETRY_MIN, SHORT_WAIT, STEP_GRACE, Admission, Limits, Refused,
+    ADMIT_WAIT, FIRST_WAIT_HALF_LIFE, GRACE_CAP, GRACES_IN_HAND, IDLE_GRACE, RETRY_MIN, SHORT_WAIT, STEP_GRACE, Admission, Limits, Refused,
     _Waiter,
 )
 from tessera.peer.serve.limits import ServerLimits
@@ -304,14 +304,15 @@ def test_a_session_in_use_is_protected_a_route_wait_after_each_step_whatever_its
     host = Host()
     admission.host = host
     admission.limits = Limits(max_sessions=4, max_sessions_per_requester=4, kv_budget=100)
-    now[0] = 30.0
+    now[0] = 12.0  # its next answer's session, a second after its last step
     fresh = host.add(Held("r", stepped=False))
-    admission.opened(fresh)  # it stepped since its last grace: a new one, of twice its first wait
-    assert admission.protected_until(fresh) == 30.0 + 18.0
+    admission.opened(fresh)  # it stepped since its last grace: a new one, of twice its first wait as it counts now
+    later = 2 * 9.0 * 0.5 ** ((now[0] - 9.0) / FIRST_WAIT_HALF_LIFE)  # measured at 9 s, halving since
+    assert admission.protected_until(fresh) == pytest.approx(now[0] + later) and later > IDLE_GRACE
     idle = host.add(Held("q", stepped=False))
     admission.requester("q").work = True
     admission.opened(idle)
-    assert admission.protected_until(idle) == 30.0 + 18.0
+    assert admission.protected_until(idle) == pytest.approx(now[0] + later)
 
 
 def test_a_requester_new_to_a_peer_gets_a_grace_of_twice_the_peers_recent_wait_for_a_first_step() -> None:
@@ -319,8 +320,10 @@ def test_a_requester_new_to_a_peer_gets_a_grace_of_twice_the_peers_recent_wait_f
     the peer (at 50 requesters, most are new to most peers) has no wait of its own here: with
     IDLE_GRACE its sessions were reclaimed waiting for their prompt (bench/load.py: p90 37.2 s and
     47 failovers on 20 peers, 31.4 s and 24 with the peer's wait). The grace follows the peer's
-    recent wait, halved at each new first step, at most GRACE_CAP; an identity without work still
-    has none, and a peer whose sessions step at once keeps IDLE_GRACE."""
+    recent wait — the longest lately, halving every FIRST_WAIT_HALF_LIFE, not at each new first step
+    (a busy peer, several opens a second, forgot a long wait within a second) — at most GRACE_CAP;
+    an identity without work still has none, and a peer whose sessions step at once comes back to
+    IDLE_GRACE."""
     now = [0.0]
     host = Host()
     admission = Admission(host, Limits(max_sessions=8, max_sessions_per_requester=8, kv_budget=100),
@@ -342,16 +345,23 @@ def test_a_requester_new_to_a_peer_gets_a_grace_of_twice_the_peers_recent_wait_f
     admission.requester("c").work = True
     admission.opened(newcomer)
     assert admission.protected_until(newcomer) == 40.0 + GRACE_CAP  # 2 x 20 s, at most GRACE_CAP
-    quick = host.add(Held("b", stepped=False))
-    now[0] = 50.0
-    admission.opened(quick)
-    quick.inflight = 1
-    admission.stepped(quick)  # stepped at once: the peer's wait halves (a queue that has drained)
-    assert admission.first_wait == 10.0
+    for t in (40.1, 40.2, 40.3):  # a burst of sessions that step at once: the 20 s wait is not forgotten
+        now[0] = t
+        quick = host.add(Held("b", stepped=False))
+        admission.opened(quick)
+        quick.inflight = 1
+        admission.stepped(quick)
+    assert admission.first_wait == pytest.approx(20.0 * 0.5 ** (0.3 / FIRST_WAIT_HALF_LIFE))
+    now[0] = 40.3 + FIRST_WAIT_HALF_LIFE
     worker = host.add(Held("d", stepped=False))
     admission.requester("d").work = True
-    admission.opened(worker)
-    assert admission.protected_until(worker) == 50.0 + 20.0
+    admission.opened(worker)  # a half-life after the burst the 20 s counts about half: a grace of ~2 x 10 s
+    assert admission.protected_until(worker) == pytest.approx(now[0] + 2 * 20.0 * 0.5 ** ((now[0] - 40.0) / FIRST_WAIT_HALF_LIFE))
+    now[0] += 3 * FIRST_WAIT_HALF_LIFE
+    drained = host.add(Held("f", stepped=False))
+    admission.requester("f").work = True
+    admission.opened(drained)  # long since: 2.5 s, so IDLE_GRACE again
+    assert admission.protected_until(drained) == pytest.approx(now[0] + IDLE_GRACE)
     idler = host.add(Held("e", stepped=False))  # no proof of work: no grace at all
     admission.opened(idler)
     assert admission.protected_until(idler) < now[0]
