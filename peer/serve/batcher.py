@@ -18,7 +18,7 @@ When to dispatch (the budget, `BatchBudget`):
   sampling, or their bytes are on the wire), wait for them at most `max_wait`,
   then go with what is here. A late session costs the others at most that.
 - At most `max_rows` rows a batch, taken in the order `order` gives (a stable sort of the
-  queue: the server's puts the steps of the requester served least recently first,
+  queue: the server's is its fair queue's, by each requester's share of the compute,
   peer/serve/load.py, so one requester's many sessions cannot fill every batch while
   others wait). A decode is one row, a speculative block a few,
   a prompt many: steps join while their rows fit, and a prompt longer than the

@@ -6,7 +6,7 @@ to it (`StepCompute.run`):
 - batched: steps of different sessions waiting together run as one stacked forward
   (peer/serve/batcher.py), taken in the fair queue's order when they do not all fit;
 - alone, after its turn in the fair queue (peer/serve/load.py `ComputeQueue`: every requester
-  identity with a step waiting gets an equal share of turns);
+  identity with steps waiting gets an equal share of the compute's seconds);
 - at once, when the compute is not taken in turns (a tensor-shard rank: its group's leader
   already ordered the steps, peer/serve/shard_server.py).
 
