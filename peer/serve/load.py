@@ -35,13 +35,13 @@ this peer measured on its last steps (`seconds_per_unit`, a moving average; befo
 none: a wait of 0 is said). A step arriving now waits for what is running to end, then for the
 steps whose finish tags are below the one it would be given: of every other requester waiting, as
 much as its own step's size (its fair share), and all its own requester's steps queued before it.
-A report prices a step of the size steps here have had lately (`typical_units`). What a peer reports (`expected_wait`) is the larger of
-that and how long its recent steps did wait (`recent_wait`, a moving average of each step's
-time from arrival to start): a peer whose sessions step in turn is busy even at the instant
-its queue happens to be empty; plus the first steps of the sessions it admitted that have not
-sent one yet (`expected_wait(pending=...)`: each a prompt of the size first steps here have
-had, `first_units`): a burst of opens is work on its way even before its prompts arrive, and
-a requester asking in that moment must hear of it.
+A report prices a step of the size steps here have had lately (`typical_units`). What a peer
+reports (`expected_wait`) is the larger of that and how long its recent steps did wait
+(`recent_wait`, a moving average of each step's time from arrival to start): a peer whose
+sessions step in turn is busy even at the instant its queue happens to be empty; plus the
+first steps of the sessions it admitted that have not sent one yet (`expected_wait(pending=...)`:
+each a prompt of the size first steps here have had, `first_units`): a burst of opens is work
+on its way even before its prompts arrive, and a requester asking in that moment must hear of it.
 
 What a peer reports (`LoadReport`, in an answer to a ping, a session open or a refusal):
 the sessions a newcomer could not take the room of (admission.py `Admission.held`: an idle
