@@ -12,7 +12,8 @@ requester waiting: with 50 requesters at a shared peer that is most of the laten
 So the queue shares the compute itself, by start-time fair queueing (Goyal, Vin and Cheng,
 SIGCOMM 1996): a step of `units` token-layers arriving is tagged start = max(V, its requester's
 last finish tag), finish = start + units, where the virtual time V is the start tag of the step
-that started last; the waiting step with the smallest finish tag gets the compute
+that started last (when the compute goes idle, the largest finish tag run: every share is even
+again); the waiting step with the smallest finish tag gets the compute
 (`ComputeQueue.key`; arrival order breaks ties). So every identity with steps waiting gets an
 equal share of the compute seconds, whatever number of sessions it holds and whatever the size of
 its steps (identities cost a proof of work: peer/serve/admission.py); a requester idle for a while
@@ -94,7 +95,8 @@ class ComputeQueue:
         self.first_units: float | None = None  # token-layers of a session's first step (its prompt), a moving average
         self.typical_units = 0.0  # token-layers of a step (or batch) here, a moving average
         self._arrivals = 0
-        self.virtual = 0.0  # the start tag of the step that started last
+        self.virtual = 0.0  # the start tag of the step that started last (or, idle, the largest finish tag run)
+        self._largest_finish = 0.0  # of the steps started so far
         self._finish: dict[str, float] = {}  # requester -> the finish tag of its last step queued
 
     # -- the order --------------------------------------------------------------------------
@@ -186,6 +188,7 @@ class ComputeQueue:
         self.steps_running += 1
         self.running_units += waiter.units
         self.virtual = max(self.virtual, waiter.start_tag)
+        self._largest_finish = max(self._largest_finish, waiter.finish_tag)
         if len(self._finish) > 4 * max(len(self.waiting), 64):
             # a requester whose last finish tag V has passed is tagged from V anyway: forget it
             self._finish = {r: f for r, f in self._finish.items() if f > self.virtual}
@@ -194,6 +197,10 @@ class ComputeQueue:
         self.steps_running = max(0, self.steps_running - 1)
         if self.steps_running == 0:
             self.running_units = 0.0
+            if not self.waiting:
+                # the compute goes idle: every share is even again (a requester is not charged,
+                # after a pause, for what it ran while nobody else was waiting)
+                self.virtual = max(self.virtual, self._largest_finish)
 
     def leave(self, waiter: _Waiter) -> None:
         """A queued step that never started (cancelled)."""

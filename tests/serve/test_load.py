@@ -101,6 +101,31 @@ async def test_a_short_step_goes_before_a_long_one_of_another_requester_queued_e
     assert order == ["D0", "B-decode", "A-prompt", "C-prompt", "A-decode"]
 
 
+async def test_a_requester_is_not_charged_after_a_pause_for_what_it_ran_alone(autojump_clock) -> None:
+    """A runs a long step while nobody else waits; the compute then idles. Later A and B each
+    queue a step of the same size, A first: A goes first (every share is even again once the
+    compute was idle), not after B as if A still owed its long step."""
+    queue = ComputeQueue()
+    order: list[str] = []
+    started = trio.Event()
+
+    async def step(requester: str, units: float, tag: str) -> None:
+        async with queue.turn(requester, units):
+            order.append(tag)
+            started.set()
+            await trio.sleep(units * 0.01)
+
+    await step("A", 100.0, "A-alone")
+    await trio.sleep(5.0)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(step, "D", 1.0, "D")  # holds the compute while A and B queue
+        await started.wait()
+        nursery.start_soon(step, "A", 10.0, "A")
+        await trio.sleep(0.001)
+        nursery.start_soon(step, "B", 10.0, "B")
+    assert order == ["A-alone", "D", "A", "B"]
+
+
 async def test_the_queue_says_how_long_a_step_will_wait(autojump_clock) -> None:
     """The wait is the work ahead at the measured speed: what runs now, then what of the others'
     steps comes before a newcomer's step of the size steps here have had (its fair share), or
