@@ -77,53 +77,52 @@ async def test_the_queue_shares_compute_not_turns(autojump_clock) -> None:
     assert len(waited) == 240 and max(waited) <= 0.6 + 4 * 0.01 + 1e-9  # at most one prompt and B's own others
 
 
+class StepLog:
+    """Steps through `queue` that record the order they got the compute in, each holding it for
+    `seconds(units)`; `started` is set when the first one does."""
+
+    def __init__(self, queue: ComputeQueue, seconds) -> None:
+        self.queue, self.seconds = queue, seconds
+        self.order: list[str] = []
+        self.started = trio.Event()
+
+    async def step(self, requester: str, units: float, tag: str) -> None:
+        async with self.queue.turn(requester, units):
+            self.order.append(tag)
+            self.started.set()
+            await trio.sleep(self.seconds(units))
+
+
 async def test_a_short_step_goes_before_a_long_one_of_another_requester_queued_earlier(autojump_clock) -> None:
     """A prompt of A (100 units) waits; B's decode step (1 unit) arriving after it goes first; C's
     prompt, as long, after A's (arrival breaks the tie); A's own next step stays behind A's prompt
     (a requester's order is kept) and, A having had its share, behind C's too."""
-    queue = ComputeQueue()
-    order: list[str] = []
-    started = trio.Event()
-
-    async def step(requester: str, units: float, tag: str) -> None:
-        async with queue.turn(requester, units):
-            order.append(tag)
-            started.set()
-            await trio.sleep(1.0)
-
+    steps = StepLog(ComputeQueue(), lambda units: 1.0)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(step, "D", 10.0, "D0")  # holds the compute
-        await started.wait()
+        nursery.start_soon(steps.step, "D", 10.0, "D0")  # holds the compute
+        await steps.started.wait()
         for requester, units, tag in (("A", 100.0, "A-prompt"), ("A", 1.0, "A-decode"), ("B", 1.0, "B-decode"),
                                       ("C", 100.0, "C-prompt")):
-            nursery.start_soon(step, requester, units, tag)
+            nursery.start_soon(steps.step, requester, units, tag)
             await trio.sleep(0.01)
-    assert order == ["D0", "B-decode", "A-prompt", "C-prompt", "A-decode"]
+    assert steps.order == ["D0", "B-decode", "A-prompt", "C-prompt", "A-decode"]
 
 
 async def test_a_requester_is_not_charged_after_a_pause_for_what_it_ran_alone(autojump_clock) -> None:
     """A runs a long step while nobody else waits; the compute then idles. Later A and B each
     queue a step of the same size, A first: A goes first (every share is even again once the
     compute was idle), not after B as if A still owed its long step."""
-    queue = ComputeQueue()
-    order: list[str] = []
-    started = trio.Event()
-
-    async def step(requester: str, units: float, tag: str) -> None:
-        async with queue.turn(requester, units):
-            order.append(tag)
-            started.set()
-            await trio.sleep(units * 0.01)
-
-    await step("A", 100.0, "A-alone")
+    steps = StepLog(ComputeQueue(), lambda units: units * 0.01)
+    await steps.step("A", 100.0, "A-alone")
     await trio.sleep(5.0)
+    steps.started = trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(step, "D", 1.0, "D")  # holds the compute while A and B queue
-        await started.wait()
-        nursery.start_soon(step, "A", 10.0, "A")
+        nursery.start_soon(steps.step, "D", 1.0, "D")  # holds the compute while A and B queue
+        await steps.started.wait()
+        nursery.start_soon(steps.step, "A", 10.0, "A")
         await trio.sleep(0.001)
-        nursery.start_soon(step, "B", 10.0, "B")
-    assert order == ["A-alone", "D", "A", "B"]
+        nursery.start_soon(steps.step, "B", 10.0, "B")
+    assert steps.order == ["A-alone", "D", "A", "B"]
 
 
 async def test_the_queue_says_how_long_a_step_will_wait(autojump_clock) -> None:
