@@ -96,7 +96,6 @@ class ComputeQueue:
         self.typical_units = 0.0  # token-layers of a step (or batch) here, a moving average
         self._arrivals = 0
         self.virtual = 0.0  # the start tag of the step that started last (or, idle, the largest finish tag run)
-        self._largest_finish = 0.0  # of the steps started so far
         self._finish: dict[str, float] = {}  # requester -> the finish tag of its last step queued
 
     # -- the order --------------------------------------------------------------------------
@@ -188,7 +187,6 @@ class ComputeQueue:
         self.steps_running += 1
         self.running_units += waiter.units
         self.virtual = max(self.virtual, waiter.start_tag)
-        self._largest_finish = max(self._largest_finish, waiter.finish_tag)
         if len(self._finish) > 4 * max(len(self.waiting), 64):
             # a requester whose last finish tag V has passed is tagged from V anyway: forget it
             self._finish = {r: f for r, f in self._finish.items() if f > self.virtual}
@@ -199,8 +197,11 @@ class ComputeQueue:
             self.running_units = 0.0
             if not self.waiting:
                 # the compute goes idle: every share is even again (a requester is not charged,
-                # after a pause, for what it ran while nobody else was waiting)
-                self.virtual = max(self.virtual, self._largest_finish)
+                # after a pause, for what it ran while nobody else was waiting). Each requester's
+                # last finish tag is now that of a step that ran, so V moves to the largest of them
+                # and none is owed anything more.
+                self.virtual = max(self.virtual, *self._finish.values())
+                self._finish.clear()
 
     def leave(self, waiter: _Waiter) -> None:
         """A queued step that never started (cancelled)."""
