@@ -20,10 +20,13 @@ The last lines are the rows, in this form, then the goals (issue 43):
 
 - without churn every request completes at every row;
 - with churn at most 1 in 1,000 fails;
-- at each load (and churn and policy) the p90 with 50 requesters is at most 1.5x the p90 with 2;
+- at each load (and churn) the p90 with 50 requesters is at most 1.5x the p90 with 2;
 - the sessions opened per request (one per peer of a route, and the requester's own
   record of each route it opened: the simulator's `session_open` events) with 50
   requesters are at most 1.2x those with 2.
+
+The two ratio goals are judged on Tessera's own rows (policy default); Petals' rows print their
+ratios on a line of their own, beside them.
 
 Times are simulated seconds, the same on any machine; only how long the script takes depends
 on the machine (each row takes minutes: a quiet machine, and --jobs, help).
@@ -110,16 +113,27 @@ def goals(results: dict[Row, dict]) -> list[str]:
                    f"{'met' if not over else 'NOT met: ' + '; '.join(over)}")
     pairs = [(r, results[r], results[Row(2, r.load, r.churn, r.policy)]) for r in results
              if r.requesters == 50 and Row(2, r.load, r.churn, r.policy) in results]
-    if pairs:
-        ratios = [(r, f50["p90"] / f2["p90"], f50["sessions"] / f2["sessions"]) for r, f50, f2 in pairs]
-        p90 = ", ".join(f"load {r.load:g} churn {r.churn:g} {r.policy}: {p:.2f}x" for r, p, _ in ratios)
-        sessions = ", ".join(f"load {r.load:g} churn {r.churn:g} {r.policy}: {s:.2f}x" for r, _, s in ratios)
-        p90_met = all(p <= P90_RATIO for _, p, _ in ratios)
-        sessions_met = all(s <= SESSIONS_RATIO for _, _, s in ratios)
-        out.append(f"goal: p90 with 50 requesters <= {P90_RATIO}x with 2: {'met' if p90_met else 'NOT met'} ({p90})")
+    ratios = [(r, f50["p90"] / f2["p90"], f50["sessions"] / f2["sessions"]) for r, f50, f2 in pairs]
+    # The goals are Tessera's: its own placement and routing (policy default). Petals' placement
+    # runs beside it at load 0.8 to show what it does with the same requesters; its ratios are
+    # printed, not judged.
+    ours = [x for x in ratios if x[0].policy == "default"]
+    if ours:
+        p90_met = all(p <= P90_RATIO for _, p, _ in ours)
+        sessions_met = all(s <= SESSIONS_RATIO for _, _, s in ours)
+        out.append(f"goal: p90 with 50 requesters <= {P90_RATIO}x with 2: {'met' if p90_met else 'NOT met'} "
+                   f"({_ratios(ours, 1)})")
         out.append(f"goal: sessions per request with 50 requesters <= {SESSIONS_RATIO}x with 2: "
-                   f"{'met' if sessions_met else 'NOT met'} ({sessions})")
+                   f"{'met' if sessions_met else 'NOT met'} ({_ratios(ours, 2)})")
+    for policy in sorted({r.policy for r, _, _ in ratios} - {"default"}):
+        theirs = [x for x in ratios if x[0].policy == policy]
+        out.append(f"beside, policy {policy} (not judged): p90 50 / 2 ({_ratios(theirs, 1)}); "
+                   f"sessions 50 / 2 ({_ratios(theirs, 2)})")
     return out
+
+
+def _ratios(ratios: list[tuple[Row, float, float]], which: int) -> str:
+    return ", ".join(f"load {x[0].load:g} churn {x[0].churn:g}: {x[which]:.2f}x" for x in ratios)
 
 
 def main() -> None:
