@@ -83,6 +83,21 @@ def test_fp8_fused_form_over_every_code(scale_bytes, bands):
     check_fused(Fp8BlockLinear(codes, scale_inv, (16, 8), None))
 
 
+def test_fp8_compiled_form_reads_every_code_as_its_value():
+    """Compiled (where the bit cast runs in inductor's vector code), every finite e4m3 code is its own
+    value — the subnormals too, which a CPU flushing subnormal inputs to zero would lose — and the
+    one-row product over them is the dequantized weight's."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # e4m3's NaN: refused at load
+    matrix = Fp8BlockLinear(codes.view(16, 16).view(torch.float8_e4m3fn), torch.tensor([[0.5, 2.0]]), (16, 8), None)
+    stored, want = matrix.fused_inputs(), matrix.dequantized()
+    got = torch.compile(matrix.fused_weight, dynamic=False)(*stored)
+    assert torch.equal(got, want), f"max {(got - want).abs().max()}"
+    x = torch.randn(1, 16, generator=torch.Generator().manual_seed(3))
+    rows, product = torch.compile(matrix.fused_rows, dynamic=False)(x, *stored), x @ want.T
+    assert float((rows - product).abs().max() / product.abs().max()) <= 1e-5
+
+
 EVERY_BYTE = torch.arange(256, dtype=torch.uint8).view(1, 16, 16).repeat(2, 1, 1)  # [2 rows, 16 groups, 16]; a matrix takes its tensors over (row tiles, in place): each gets a copy
 
 
