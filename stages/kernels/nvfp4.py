@@ -15,16 +15,16 @@ The codes and scales are held as row tiles (row_tiles.py: made at load, the same
 chunk of rows widens as MXFP4's does (mxfp4.py `widen_groups`: each byte's two codes become two
 float16s of FP4[code] * 2^-14 in a few whole-word operations), each group then times its scale *
 2^14 — exact scaling by a power of two, so each weight is the reference's to the bit. Under
-torch.compile (`fused_rows`) each tile's lanes sum their groups' codes (integer arithmetic: ggml/fp4.py
-`fp4_values`) against the inputs, every load contiguous, and then times each group's scale, its
-e4m3 bits read in integer arithmetic too (`e4m3_scaled`: a bit cast in inductor's vector code runs
-one lane at a time, measured 8x slower than the whole product).
+torch.compile (`fused_rows`) each tile's lanes sum their groups' codes (shifts, masks and a bit cast:
+ggml/fp4.py `fp4_values`) against the inputs, every load contiguous, and then times each group's
+scale, its e4m3 bits read the same way (fp8.py `e4m3_values`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from tessera.stages.kernels.fp8 import e4m3_values
 from tessera.stages.kernels.ggml.fp4 import fp4_values
 from tessera.stages.kernels.linear import ShippedLinear
 from tessera.stages.kernels.mxfp4 import CODE_EXPONENT, FP4_VALUES, widen_groups
@@ -32,7 +32,6 @@ from tessera.stages.kernels.nibble_pairs import interleave, nibbles
 from tessera.stages.kernels.row_tiles import rows_of, tile_rows, tiles_of
 
 GROUP = 16  # inputs per e4m3 scale
-FUSED_EXPONENT = 120  # an e4m3 byte's bits shifted into float32's read its value * 2^-120 (fp8.py)
 
 
 def nvfp4_dense(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
@@ -44,22 +43,6 @@ def nvfp4_dense(codes: torch.Tensor, scales: torch.Tensor, global_scale: torch.T
     scale = scales.float() / global_scale.float()  # [N, K/16]
     n, k = values.shape
     return (values.view(n, k // GROUP, GROUP) * scale[..., None]).view(n, k)
-
-
-def e4m3_scaled(b: torch.Tensor) -> torch.Tensor:
-    """e4m3 bytes (int32) -> their values * 2^10 as float32, in integer arithmetic only: (8 + m) << e for
-    a normal e, 2 m for a subnormal (exact integers below 2^19), the sign bit negating."""
-    e = (b >> 3) & 0xF
-    v = ((b & 7) | (e.clamp(max=1) << 3)) << e.clamp(min=1)
-    return torch.where((b & 0x80) != 0, -v, v).float()
-
-
-E4M3_SCALED = 10  # e4m3_scaled's values are the scales' times 2^10
-
-
-def e4m3_value(b: torch.Tensor) -> torch.Tensor:
-    """e4m3 bytes (int32) -> their float32 values, as integer operations and a bit cast (fp8.py)."""
-    return (((b & 0x80) << 24) | ((b & 0x7F) << 20)).view(torch.float32) * 2.0**FUSED_EXPONENT
 
 
 class Nvfp4Linear(ShippedLinear):
@@ -110,9 +93,9 @@ class Nvfp4Linear(ShippedLinear):
     def fused_weight(self, *stored: torch.Tensor) -> torch.Tensor:
         tiles, global_scale = self._tiles(stored), stored[-1]
         codes = torch.cat([rows_of(c) for c, _ in tiles])  # [N, K/2]
-        scales = torch.cat([rows_of(s) for _, s in tiles]).to(torch.int32)  # [N, K/16]
+        scales = torch.cat([rows_of(s) for _, s in tiles]).view(torch.int8).to(torch.int32)  # [N, K/16]
         low, high = nibbles(codes.view(self.out_features, -1, GROUP // 2))
-        scale = e4m3_value(scales) / global_scale
+        scale = e4m3_values(scales) / global_scale
         values = interleave(fp4_values(low), fp4_values(high)) * 0.5
         return (values * scale[..., None]).reshape(self.out_features, self.in_features)
 
@@ -122,6 +105,6 @@ class Nvfp4Linear(ShippedLinear):
         for codes, scales in self._tiles(stored):  # codes [T, K/2, width], scales [T, K/16, width]
             b = codes.view(codes.shape[0], -1, GROUP // 2, codes.shape[-1]).to(torch.int32)
             dots = (pairs[..., 0] * fp4_values(b & 0xF) + pairs[..., 1] * fp4_values(b >> 4)).sum(3)  # [R, T, K/16, width]
-            scale = e4m3_scaled(scales.to(torch.int32)) * 2.0**-E4M3_SCALED / stored[-1]  # each group's scale / g
+            scale = e4m3_values(scales.view(torch.int8).to(torch.int32)) / stored[-1]  # each group's scale / g
             outs.append(((dots * scale).sum(2) * 0.5).reshape(x.shape[0], -1))  # fp4_values are doubled
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)

@@ -20,20 +20,21 @@ from tessera.stages.kernels.ggml.scaled import ScaledType, byte, nibbles
 
 FP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1, doubled
 UE4M3_NAN = 0x7F
+FP4_BITS_SHIFT = 22  # `fp4_values`: an e2m1 magnitude at float32's bits 22..24 ...
+FP4_BITS_SCALE = 2.0 ** 127  # ... reads its doubled value times 2^-127
 
 
 def fp4_values(q: torch.Tensor) -> torch.Tensor:
-    """e2m1 codes (int32, 0..15) -> FP4_KVALUES[q] as float32, in integer arithmetic (a table lookup is a
-    gather per weight, which inductor does not vectorise): magnitudes 0..4 are the code, 5, 6, 7 add
-    1, 2 and 5 (m + max(m - 4, 0) + 2 max(m - 6, 0)); bit 3 the sign."""
-    m = q & 7
-    v = m + (m - 4).clamp(min=0) + 2 * (m - 6).clamp(min=0)
-    return (v * (1 - 2 * (q >> 3))).float()
+    """e2m1 codes (int32, 0..15) -> FP4_KVALUES[q] as float32, by shifts, masks and a bit cast (a table
+    lookup is a gather per weight, which inductor does not vectorise): the magnitude bits (two of
+    exponent, one of mantissa) at float32's bits 22..24 and the sign at bit 31 read the doubled value
+    times 2^-127 (the code of 1, e2m1's subnormal, a float32 subnormal), and 2^127 (exact) scales it."""
+    return (((q & 7) << FP4_BITS_SHIFT) | ((q & 8) << 28)).view(torch.float32) * FP4_BITS_SCALE
 
 
 def e8m0_half(e: torch.Tensor) -> torch.Tensor:
     """int32 exponents -> 2^(e - 128) as float32 (ggml_e8m0_to_fp32_half; 2^-128 and 2^-127 subnormal), as
-    exp2 of an integer: exact, and no bit cast (inductor's vector code casts bits one lane at a time)."""
+    exp2 of an integer: exact (once per block, so its cost is small beside the codes')."""
     return torch.exp2((e - 128).float())
 
 
