@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from tessera.stages.kernels.chunked import SCRATCH, chunked_matmul
-from tessera.stages.kernels.ggml.fp4 import fp4_values
+from tessera.stages.kernels.ggml.fp4 import fp4_byte_values
 from tessera.stages.kernels.linear import ShippedLinear
 from tessera.stages.kernels.row_tiles import rows_of, tile_rows, tiles_of
 
@@ -144,9 +144,10 @@ class Mxfp4Linear(ShippedLinear):
         pairs = x.view(x.shape[0], 1, -1, GROUP // 2, 1, 2)  # [R, 1, G, 16, 1, 2]: even and odd inputs
         outs = []
         for blocks, scales in self._tiles(stored):  # blocks [T, G, 16, width], scales [T, G, width]
-            b = blocks.to(torch.int32)
-            dots = (pairs[..., 0] * fp4_values(b & 0xF) + pairs[..., 1] * fp4_values(b >> 4)).sum(3)  # [R, T, G, width]
-            scale = torch.exp2((scales.to(torch.int32) - (E8M0_BIAS + 1)).float())  # 2^(e - 127) / 2: fp4_values are doubled
+            b = blocks.view(torch.int8).to(torch.int32)  # sign-extended (fp4_byte_values)
+            low, high = fp4_byte_values(b)
+            dots = (pairs[..., 0] * low + pairs[..., 1] * high).sum(3)  # [R, T, G, width]
+            scale = torch.exp2((scales.to(torch.int32) - (E8M0_BIAS + 1)).float())  # 2^(e - 127) / 2: fp4_byte_values are doubled
             outs.append((dots * scale).sum(2).reshape(x.shape[0], -1))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 

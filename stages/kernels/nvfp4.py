@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from tessera.stages.kernels.fp8 import e4m3_values
-from tessera.stages.kernels.ggml.fp4 import fp4_values
+from tessera.stages.kernels.ggml.fp4 import fp4_byte_values, fp4_values
 from tessera.stages.kernels.linear import ShippedLinear
 from tessera.stages.kernels.mxfp4 import CODE_EXPONENT, FP4_VALUES, widen_groups
 from tessera.stages.kernels.nibble_pairs import interleave, nibbles
@@ -103,8 +103,9 @@ class Nvfp4Linear(ShippedLinear):
         pairs = x.view(x.shape[0], 1, -1, GROUP // 2, 1, 2)  # [R, 1, K/16, 8, 1, 2]: even and odd inputs
         outs = []
         for codes, scales in self._tiles(stored):  # codes [T, K/2, width], scales [T, K/16, width]
-            b = codes.view(codes.shape[0], -1, GROUP // 2, codes.shape[-1]).to(torch.int32)
-            dots = (pairs[..., 0] * fp4_values(b & 0xF) + pairs[..., 1] * fp4_values(b >> 4)).sum(3)  # [R, T, K/16, width]
+            b = codes.view(codes.shape[0], -1, GROUP // 2, codes.shape[-1]).view(torch.int8).to(torch.int32)
+            low, high = fp4_byte_values(b)
+            dots = (pairs[..., 0] * low + pairs[..., 1] * high).sum(3)  # [R, T, K/16, width]
             scale = e4m3_values(scales.view(torch.int8).to(torch.int32)) / stored[-1]  # each group's scale / g
             outs.append(((dots * scale).sum(2) * 0.5).reshape(x.shape[0], -1))  # fp4_values are doubled
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)

@@ -32,6 +32,19 @@ def fp4_values(q: torch.Tensor) -> torch.Tensor:
     return (((q & 7) << FP4_BITS_SHIFT) | ((q & 8) << 28)).view(torch.float32) * FP4_BITS_SCALE
 
 
+FP4_MAGNITUDE_BITS = 0x01C00000  # float32's bits 22..24
+FLOAT32_SIGN_BIT = -(1 << 31)  # bit 31 of an int32
+
+
+def fp4_byte_values(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bytes of two e2m1 codes, as int32 read from their int8 view (sign-extended: the high code's sign
+    bit is the integer's) -> (FP4_KVALUES of the low code, of the high one) as float32: `fp4_values`
+    with each code's bits shifted into place from the byte directly (fewer operations a byte)."""
+    low = ((b << FP4_BITS_SHIFT) & FP4_MAGNITUDE_BITS) | ((b << 28) & FLOAT32_SIGN_BIT)
+    high = ((b << (FP4_BITS_SHIFT - 4)) & FP4_MAGNITUDE_BITS) | (b & FLOAT32_SIGN_BIT)
+    return low.view(torch.float32) * FP4_BITS_SCALE, high.view(torch.float32) * FP4_BITS_SCALE
+
+
 def e8m0_half(e: torch.Tensor) -> torch.Tensor:
     """int32 exponents -> 2^(e - 128) as float32 (ggml_e8m0_to_fp32_half; 2^-128 and 2^-127 subnormal), as
     exp2 of an integer: exact (once per block, so its cost is small beside the codes')."""
