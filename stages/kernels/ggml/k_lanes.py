@@ -18,7 +18,7 @@ last, so each loop inductor writes runs along the lanes with contiguous loads (`
   one loop measured no better);
 - the scales: each group's scale (and min) decoded from its bytes (six-bit scales and mins as
   llama.cpp's get_scale_min_k4 and ggml/kquants.py select them, Q6_K's int8s, Q2_K's nibbles) times
-  d (and dmin), float16s read in arithmetic (no bit cast: scaled.py `float16_value`), once per group
+  d (and dmin), float16s read by an int32 bit cast (scaled.py `float16_value`), once per group
   and 16 rows, in vectors;
 - y = sum over groups of scale * dots - low * (the inputs' sum over the group), the inputs' sums
   computed once per call; a constant offset of the codes (Q6_K's 32, Q3_K's 4) is in `low`.

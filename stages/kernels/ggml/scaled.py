@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 
 Parts = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+FLOAT16_BITS_SCALE = 2.0 ** 112  # `float16_value`: 127 - 15, float32's exponent bias less float16's
 
 
 @dataclass(frozen=True)
@@ -84,12 +85,14 @@ def half(blocks: torch.Tensor, at: int) -> torch.Tensor:
 
 
 def float16_value(bits: torch.Tensor) -> torch.Tensor:
-    """int32 holding a float16's 16 bits -> its value as float32, in arithmetic (no bit cast: inductor's
-    vector code casts bits one lane at a time): (1024 + m) 2^(e - 25), m 2^-24 subnormal, inf and NaN."""
-    e, m = (bits >> 10) & 0x1F, bits & 0x3FF
-    v = (m | (e.clamp(max=1) << 10)).float() * torch.exp2((e.clamp(min=1) - 25).float())
-    v = torch.where(e == 0x1F, torch.where(m == 0, torch.inf, torch.nan), v)
-    return torch.where((bits & 0x8000) != 0, -v, v)
+    """int32 holding a float16's 16 bits -> its value as float32, by a bit cast: the exponent and
+    mantissa shifted 13 left (the sign to bit 31) read as float32 the value times 2^-112 (a float16
+    subnormal lands on a float32 subnormal of the same value times 2^-112), and 2^112 (exact) scales
+    it; the all-ones exponent is inf or NaN. An int32-to-float32 bit cast runs in inductor's vector
+    code (an int16-to-float16 one does not: fp8.py)."""
+    v = (((bits & 0x7FFF) << 13) | ((bits & 0x8000) << 16)).view(torch.float32) * FLOAT16_BITS_SCALE
+    special = torch.where((bits & 0x3FF) == 0, v * math.inf, math.nan)  # v is +-2^16 there: +-inf
+    return torch.where((bits & 0x7C00) == 0x7C00, special, v)
 
 
 def float16_of(bits: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from tessera.stages.kernels.fp8 import Fp8BlockLinear
 from tessera.stages.kernels.ggml.blocks import SCALED_TYPES
 from tessera.stages.kernels.ggml.k_lanes import LANE_TYPES
 from tessera.stages.kernels.ggml.linear import GgmlLinear
+from tessera.stages.kernels.ggml.scaled import float16_value
 from tessera.stages.kernels.linear import ShippedLinear
 from tessera.stages.kernels.mxfp4 import FUSED_SCALES, Mxfp4Linear
 
@@ -96,6 +97,19 @@ def test_fp8_compiled_form_reads_every_code_as_its_value():
     x = torch.randn(1, 16, generator=torch.Generator().manual_seed(3))
     rows, product = torch.compile(matrix.fused_rows, dynamic=False)(x, *stored), x @ want.T
     assert float((rows - product).abs().max() / product.abs().max()) <= 1e-5
+
+
+def test_a_float16_scale_read_by_its_bits_is_its_value_for_every_pattern():
+    """The GGUF blocks' float16 scales where no float16 view can load them (row tiles): every one of
+    the 65,536 patterns, eager and compiled, is the float16's own value — subnormals, signed zeros,
+    infinities and NaNs included."""
+    bits = torch.arange(1 << 16, dtype=torch.int32)
+    want = bits.to(torch.int16).view(torch.float16).float()
+    for read in (float16_value, torch.compile(float16_value, dynamic=False)):
+        got = read(bits)
+        assert torch.equal(got.isnan(), want.isnan())
+        finite = ~want.isnan()
+        assert torch.equal(got[finite], want[finite]) and torch.equal(got[finite].signbit(), want[finite].signbit())
 
 
 EVERY_BYTE = torch.arange(256, dtype=torch.uint8).view(1, 16, 16).repeat(2, 1, 1)  # [2 rows, 16 groups, 16]; a matrix takes its tensors over (row tiles, in place): each gets a copy
