@@ -25,10 +25,11 @@ they read, as float32, the code's value times 2^-120 — an e4m3 subnormal m/8 2
 float32 subnormal (m << 20) 2^-149, the same value times 2^-120 — and one multiplication by 2^120
 (exact: a power of two, every result normal) gives the value. (A CPU that flushed subnormal
 inputs to zero would lose e4m3's subnormals: tests/stages/formats/test_shipped_compiled.py checks
-all 254 finite codes through the compiled form.) Measured on the AMD EPYC box, one thread, a 2816 x 1024
-matrix's compiled one-row product: 0.22 ms, against 0.48 ms when a code was rebuilt by integer
-arithmetic (the integer (8 + m) << e, negated by a select, converted), 0.42 ms for a bit cast with the sign applied by a select, and 0.30 ms for float32's own
-product (the matrix in cache). A 256-entry table, gathered, is exact too but runs a gather a lane.
+all 254 finite codes through the compiled form.) Measured on the AMD EPYC box, one thread, a
+2816 x 1024 matrix's compiled one-row product: 0.22 ms, against 0.48 ms when a code was rebuilt
+by integer arithmetic (the integer (8 + m) << e, negated by a select, converted), 0.42 ms for a
+bit cast with the sign applied by a select, and 0.30 ms for float32's own product (the matrix in
+cache). A 256-entry table, gathered, is exact too but runs a gather a lane.
 The one-row product (`fused_rows`) sums each 128-input block of a row's codes times the inputs
 first (the row's bytes and the inputs both contiguous: one vectorised reduction), then multiplies
 each block's sum by its scale and sums over the blocks; only the order of float32 summation
