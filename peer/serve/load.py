@@ -200,7 +200,7 @@ class ComputeQueue:
                 # after a pause, for what it ran while nobody else was waiting). Each requester's
                 # last finish tag is now that of a step that ran, so V moves to the largest of them
                 # and none is owed anything more.
-                self.virtual = max(self.virtual, *self._finish.values())
+                self.virtual = max([self.virtual, *self._finish.values()])  # none left: V stands
                 self._finish.clear()
 
     def leave(self, waiter: _Waiter) -> None:

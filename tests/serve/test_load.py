@@ -369,3 +369,16 @@ async def test_an_open_priced_with_a_shorter_queue_is_refused_before_it_waits_fo
         with pytest.raises(SessionRefused) as refused:
             await RouteSession(b_ctx, people.route, max_length=256).open()  # unpriced: no room
         assert refused.value.code == BUSY
+
+
+async def test_the_compute_goes_idle_after_every_finish_tag_was_forgotten(autojump_clock) -> None:
+    """Many requesters' empty steps (0 units: their finish tags at V) are forgotten as steps start
+    (the trim in `start`); the last one finishing leaves the compute idle without a tag to read."""
+    queue = ComputeQueue()
+    waiters = [queue.enter(f"r{i}", 0.0) for i in range(300)]
+    for waiter in waiters:
+        queue.start(waiter)
+    assert not queue._finish  # every tag forgotten
+    for waiter in waiters:
+        queue.finish(waiter)
+    assert queue.steps_running == 0 and queue.virtual == 0.0
