@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from tessera.stages.kernels.fp8 import e4m3_values
 from tessera.stages.kernels.ggml.scaled import ScaledType, byte, nibbles
 
 FP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # e2m1, doubled
@@ -24,25 +25,29 @@ FP4_BITS_SHIFT = 22  # `fp4_values`: an e2m1 magnitude at float32's bits 22..24 
 FP4_BITS_SCALE = 2.0 ** 127  # ... reads its doubled value times 2^-127
 
 
+FP4_MAGNITUDE_BITS = 0x01C00000  # float32's bits 22..24
+FLOAT32_SIGN_BIT = -(1 << 31)  # bit 31 of an int32
+
+
+def _low_code_bits(b: torch.Tensor) -> torch.Tensor:
+    """int32 whose bits 0..3 are an e2m1 code -> float32 bits of its doubled value times 2^-127."""
+    return ((b << FP4_BITS_SHIFT) & FP4_MAGNITUDE_BITS) | ((b << 28) & FLOAT32_SIGN_BIT)
+
+
 def fp4_values(q: torch.Tensor) -> torch.Tensor:
     """e2m1 codes (int32, 0..15) -> FP4_KVALUES[q] as float32, by shifts, masks and a bit cast (a table
     lookup is a gather per weight, which inductor does not vectorise): the magnitude bits (two of
     exponent, one of mantissa) at float32's bits 22..24 and the sign at bit 31 read the doubled value
     times 2^-127 (the code of 1, e2m1's subnormal, a float32 subnormal), and 2^127 (exact) scales it."""
-    return (((q & 7) << FP4_BITS_SHIFT) | ((q & 8) << 28)).view(torch.float32) * FP4_BITS_SCALE
-
-
-FP4_MAGNITUDE_BITS = 0x01C00000  # float32's bits 22..24
-FLOAT32_SIGN_BIT = -(1 << 31)  # bit 31 of an int32
+    return _low_code_bits(q).view(torch.float32) * FP4_BITS_SCALE
 
 
 def fp4_byte_values(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Bytes of two e2m1 codes, as int32 read from their int8 view (sign-extended: the high code's sign
     bit is the integer's) -> (FP4_KVALUES of the low code, of the high one) as float32: `fp4_values`
     with each code's bits shifted into place from the byte directly (fewer operations a byte)."""
-    low = ((b << FP4_BITS_SHIFT) & FP4_MAGNITUDE_BITS) | ((b << 28) & FLOAT32_SIGN_BIT)
     high = ((b << (FP4_BITS_SHIFT - 4)) & FP4_MAGNITUDE_BITS) | (b & FLOAT32_SIGN_BIT)
-    return low.view(torch.float32) * FP4_BITS_SCALE, high.view(torch.float32) * FP4_BITS_SCALE
+    return _low_code_bits(b).view(torch.float32) * FP4_BITS_SCALE, high.view(torch.float32) * FP4_BITS_SCALE
 
 
 def e8m0_half(e: torch.Tensor) -> torch.Tensor:
@@ -52,11 +57,9 @@ def e8m0_half(e: torch.Tensor) -> torch.Tensor:
 
 
 def ue4m3_half(x: torch.Tensor) -> torch.Tensor:
-    """int32 unsigned-e4m3 bytes -> their value / 2 as float32 (0 for 0x00 and 0x7F; bit 7 ignored), in
-    integer arithmetic: (8 + man) << exp, or 2 man for exp 0, times 2^-11 (exact)."""
-    exp, man = (x >> 3) & 0xF, x & 7
-    value = ((man | (exp.clamp(max=1) << 3)) << exp.clamp(min=1)).float() * 2.0**-11
-    return torch.where(x == UE4M3_NAN, 0.0, value)
+    """int32 unsigned-e4m3 bytes -> their value / 2 as float32 (0 for 0x00 and 0x7F; bit 7 ignored): the
+    low seven bits read as an e4m3 code (fp8.py `e4m3_values`: a bit cast), halved (exact)."""
+    return torch.where(x == UE4M3_NAN, 0.0, e4m3_values(x & 0x7F) * 0.5)
 
 
 def mxfp4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
