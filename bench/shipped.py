@@ -71,7 +71,7 @@ QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936,
                  "num_experts_per_tok": 8, "norm_topk_prob": True, "rope_theta": 1e6}
 GPT_OSS_SKIP = ("model.layers.*.self_attn", "model.layers.*.mlp.gate", "model.embed_tokens", "lm_head")
 # the GGUF types measured: the k-quants, the low-bit files' IQ types, llama.cpp's FP4 types, Q8_0
-GGUF_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+GGUF_TYPES = ("Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
               "IQ3_XXS", "IQ3_S", "IQ4_XS", "IQ4_NL", "MXFP4", "NVFP4")
 HEAD_AND_ROUTERS = ("lm_head", r".*mlp\.gate$")  # what NVFP4 and INT4 exports leave in float
 SPAN = (0, 15)

@@ -33,7 +33,7 @@ from tessera.stages.families.shipped import GGML_TYPES, GgmlType
 from tessera.stages.kernels.ggml.fp4 import FP4_TYPES
 from tessera.stages.kernels.ggml.iq import IQ_TYPES
 from tessera.stages.kernels.ggml.kquants import K_QUANTS
-from tessera.stages.kernels.ggml.scaled import ScaledType, half, scaled_weight
+from tessera.stages.kernels.ggml.scaled import ScaledType, byte, half, nibbles, scaled_weight
 
 K_SCALE_BYTES = 12  # Q4_K/Q5_K: 8 six-bit scales and 8 six-bit mins
 QK_K = 256
@@ -120,13 +120,28 @@ def q8_0_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
     return codes.float(), half(blocks, 0)[..., None], None
 
 
+def q4_0_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """Q4_0 as scaled codes [..., 2, 16] (the low nibbles the first 16 weights): q - 8, times d."""
+    return (nibbles(byte(blocks, 2, 18)) - 8).float(), half(blocks, 0)[..., None, None], None
+
+
+def q4_1_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 as scaled codes [..., 2, 16]: q times d, less -m (d q + m exactly: a negation is exact)."""
+    return nibbles(byte(blocks, 4, 20)).float(), half(blocks, 0)[..., None, None], -half(blocks, 2)[..., None, None]
+
+
 # Every type with a scaled-codes form (ggml/scaled.py): the low-bit types' only form, and the fused
-# compiled form of Q8_0, Q4_K, Q5_K and Q6_K (their eager product stays ggml/linear.py's split order)
-SCALED_TYPES: dict[str, ScaledType] = {**K_QUANTS, **IQ_TYPES, **FP4_TYPES, "Q8_0": ScaledType("Q8_0", (32,), q8_0_parts)}
+# compiled form of Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K (their eager product stays ggml/linear.py's
+# split order; their reference, the functions above)
+OWN_REFERENCE = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+SCALED_TYPES: dict[str, ScaledType] = {
+    **K_QUANTS, **IQ_TYPES, **FP4_TYPES, "Q8_0": ScaledType("Q8_0", (32,), q8_0_parts),
+    "Q4_0": ScaledType("Q4_0", (2, 16), q4_0_parts, group_dims=2), "Q4_1": ScaledType("Q4_1", (2, 16), q4_1_parts, group_dims=2),
+}
 
 DEQUANTIZE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Q8_0": q8_0, "Q4_0": q4_0, "Q4_1": q4_1, "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k,
-    **{name: partial(scaled_weight, kind) for name, kind in SCALED_TYPES.items() if name not in ("Q8_0", "Q4_K", "Q5_K", "Q6_K")},
+    **{name: partial(scaled_weight, kind) for name, kind in SCALED_TYPES.items() if name not in OWN_REFERENCE},
 }
 assert set(DEQUANTIZE) == {n for n, t in GGML_TYPES.items() if not t.is_float}, "every block type has its dequantizer"
 

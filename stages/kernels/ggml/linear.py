@@ -21,20 +21,17 @@ only the matmul's order of summation differs.
     Q6_K  128 low nibbles + 64 bytes of 2-bit highs   as Q4_K, highs or-ed in     16
     Q8_0  32 int8 (after d)       the weights' own order (no permutation)          32
 
-Under torch.compile, Q4_0 and Q4_1 also have a fused form (`FUSED`: the weight as
-elementwise operations over the int8 view of the blocks, kernels/linear.py says why): a
-block's d (and m) read as float16 from its first bytes, its codes as integers; a Q4 block's
-one-row product runs over its 16 code bytes, the low nibbles against the block's first 16
-inputs and the high ones against the next 16 (contiguous loads on both sides). Q8_0 and the
-other scaled types are held as row tiles (`TILED`) and multiplied in their scaled-codes form
-(ggml/scaled.py), each block's codes times the inputs summed along the tile's lanes, then
-times its d.
+Under torch.compile, the types `TILED` names are held as row tiles (kernels/row_tiles.py) and
+multiplied along the tiles' lanes: Q4_K and Q2_K by their own product (ggml/k_lanes.py), the
+types of two 4-bit codes a byte (Q4_0, Q4_1, IQ4_NL, IQ4_XS, MXFP4, NVFP4) by theirs
+(ggml/pair_lanes.py), the others in their scaled-codes form (ggml/scaled.py): each group's codes
+times the inputs summed, then times its scale.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Callable
 
 import torch
@@ -43,7 +40,8 @@ from tessera.stages.families.shipped import GgmlType
 from tessera.stages.kernels.chunked import SCRATCH, chunked_matmul
 from tessera.stages.kernels.ggml.blocks import SCALED_TYPES, ggml_rows
 from tessera.stages.kernels.ggml.k_lanes import LANE_TYPES, lane_tile_rows
-from tessera.stages.kernels.ggml.scaled import half, scaled_rows, scaled_tile_rows, scaled_weight
+from tessera.stages.kernels.ggml.pair_lanes import PAIR_TYPES, pair_tile_rows
+from tessera.stages.kernels.ggml.scaled import scaled_rows, scaled_tile_rows, scaled_weight
 from tessera.stages.kernels.linear import ShippedLinear
 from tessera.stages.kernels.row_tiles import rows_of, tile_rows, tiles_of
 
@@ -236,38 +234,22 @@ def split_weight(raw: torch.Tensor, kind: GgmlType) -> torch.Tensor:
 
 
 
-def _block_half(blocks: torch.Tensor, at: int) -> torch.Tensor:
-    """The float16 at byte `at` of each block of `blocks` int8 [N, nb, nbytes] -> float32 [N, nb, 1] (scaled.py
-    `half`: through a float16 view where the bytes start at an even byte of the storage)."""
-    return half(blocks, at)[..., None]
-
-
-def _q4_halves(blocks: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q4_0/Q4_1 block's weights from its 16 code bytes' low nibbles (its first 16 weights) and
-    high nibbles (the next 16) -> float32 [N, nb, 16] each."""
-    d = _block_half(blocks, 0)
-    codes = blocks[..., 2:18] if kind == "Q4_0" else blocks[..., 4:20]
-    codes = codes.to(torch.int32) & 0xFF
-    low, high = (codes & 15).float(), (codes >> 4).float()
-    if kind == "Q4_0":
-        return (low - 8) * d, (high - 8) * d  # exact: small integers
-    m = _block_half(blocks, 2)
-    return d * low + m, d * high + m
-
-
-def _fused_weight(blocks: torch.Tensor, kind: str) -> torch.Tensor:
-    """blocks int8 [N, nb, nbytes] of a FUSED kind -> float32 [N, nb, 32], the weights' own order."""
-    return torch.cat(_q4_halves(blocks, kind), dim=-1)
-
-
-FUSED = ("Q4_0", "Q4_1")  # the types with a fused form (module docstring)
 # the scaled types held as row tiles (kernels/row_tiles.py): those whose compiled product is faster so
 # (measured, a 2816 x 1024 matrix against its rows as stored, one thread: Q2_K 0.52 -> 0.92x float32's,
 # Q3_K 0.48 -> 0.90, Q6_K 0.54 -> 0.93, IQ4_XS 0.51 -> 0.72, IQ4_NL 0.63 -> 0.87, MXFP4 0.66 -> 0.83,
-# NVFP4 0.28 -> 0.79, Q8_0 0.19 (its fused form below, per weight) -> 1.5; Q4_K 0.78 -> 1.1 through its own
-# product, lanes last (ggml/k_lanes.py: through scaled.py's it loses); Q5_K kept as stored (its lanes-last product
-# is slower inside a layer's graph: ggml/k_lanes.py LANE_TYPES); the IQ grid types gain nothing)
-TILED = frozenset(("Q4_K", "Q8_0", "Q2_K", "Q3_K", "Q6_K", "IQ4_XS", "IQ4_NL", "MXFP4", "NVFP4"))
+# NVFP4 0.28 -> 0.79, Q8_0 0.19 (per weight) -> 1.5; Q4_K 0.78 -> 1.1 through its own product, lanes last
+# (ggml/k_lanes.py: through scaled.py's it loses); the two-codes-a-byte types through theirs
+# (ggml/pair_lanes.py; on a quiet machine, against the general tile product: MXFP4 0.40 -> 0.68, NVFP4
+# 0.40 -> 0.70, IQ4_NL 0.54 -> 0.60, IQ4_XS 0.47 -> 0.55; Q4_1 0.63x per weight as stored -> 1.6);
+# Q5_K kept as stored (its lanes-last product is slower inside a layer's graph: ggml/k_lanes.py
+# LANE_TYPES; Q6_K's low nibbles and high bits as two products, never or-ed weight by weight, measured
+# 0.59 -> 1.0x alone but 0.75x in a synth-k span against 0.77x: not kept); the IQ grid types gain nothing)
+TILED = frozenset(("Q4_K", "Q8_0", "Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q6_K", "IQ4_XS", "IQ4_NL", "MXFP4", "NVFP4"))
+# the tiled types with a product of their own, (x, tiles) -> y (the others: ggml/scaled.py's general one)
+TILE_PRODUCTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    **{name: partial(lane_tile_rows, name) for name in LANE_TYPES},  # Q4_K, Q2_K: ggml/k_lanes.py
+    **{name: partial(pair_tile_rows, name) for name in PAIR_TYPES},  # two codes a byte: ggml/pair_lanes.py
+}
 
 
 class GgmlLinear(ShippedLinear):
@@ -322,7 +304,7 @@ class GgmlLinear(ShippedLinear):
             return self.weight, *tail, *SCALED_TYPES[self.kind.name].tables()
         if self.kind.name in SCALED_TYPES:  # the bytes, and the type's tables
             return self.weight, *SCALED_TYPES[self.kind.name].tables()
-        return (self.weight.view(torch.int8),) if self.kind.name in FUSED else None
+        return None
 
     def _tiles(self, stored: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
         """A tiled type's `fused_inputs` -> (its tiles holding rows, its tables)."""
@@ -336,22 +318,17 @@ class GgmlLinear(ShippedLinear):
             blocks = raw.view(raw.shape[0], -1, self.kind.nbytes)
             return scaled_weight(SCALED_TYPES[self.kind.name], blocks, *tables).reshape(self.out_features, -1)
         blocks = raw.view(raw.shape[0], -1, self.kind.nbytes)
-        if self.kind.name in SCALED_TYPES:
-            return scaled_weight(SCALED_TYPES[self.kind.name], blocks, *rest).reshape(self.out_features, -1)
-        return _fused_weight(blocks, self.kind.name).reshape(self.out_features, self.in_features)
+        return scaled_weight(SCALED_TYPES[self.kind.name], blocks, *rest).reshape(self.out_features, -1)
 
     def fused_rows(self, x: torch.Tensor, raw: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         if self.tiled:
             tiles, tables = self._tiles((raw, *rest))
-            kind = SCALED_TYPES[self.kind.name]
-            if self.kind.name in LANE_TYPES:  # the k-quants' own product, lanes last (ggml/k_lanes.py)
-                outs = [lane_tile_rows(self.kind.name, x, t) for t in tiles]
+            own = TILE_PRODUCTS.get(self.kind.name)
+            if own is not None:
+                outs = [own(x, t) for t in tiles]
             else:
+                kind = SCALED_TYPES[self.kind.name]
                 outs = [scaled_tile_rows(kind, self.kind.nbytes, x, t, *tables) for t in tiles]
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         blocks = raw.view(raw.shape[0], -1, self.kind.nbytes)
-        if self.kind.name in SCALED_TYPES:
-            return scaled_rows(SCALED_TYPES[self.kind.name], x, blocks, *rest)
-        low, high = _q4_halves(blocks, self.kind.name)  # [N, nb, 16]
-        halves = x.view(x.shape[0], 1, blocks.shape[1], 2, 16)  # each block's first and second 16 inputs
-        return (halves[..., 0, :] * low + halves[..., 1, :] * high).sum((-1, -2))
+        return scaled_rows(SCALED_TYPES[self.kind.name], x, blocks, *rest)

@@ -28,8 +28,7 @@ from tessera.stages.assembly.stage import load_stage
 from tessera.stages.families.shipped import GGML_TYPES
 from tessera.stages.kernels.fp8 import Fp8BlockLinear
 from tessera.stages.kernels.ggml.blocks import SCALED_TYPES
-from tessera.stages.kernels.ggml.k_lanes import LANE_TYPES
-from tessera.stages.kernels.ggml.linear import GgmlLinear
+from tessera.stages.kernels.ggml.linear import TILE_PRODUCTS, GgmlLinear
 from tessera.stages.kernels.ggml.scaled import float16_value
 from tessera.stages.kernels.linear import ShippedLinear
 from tessera.stages.kernels.mxfp4 import FUSED_SCALES, Mxfp4Linear
@@ -159,9 +158,10 @@ def test_scaled_fused_forms_over_random_blocks(kind, rnd):
     check_fused(GgmlLinear(torch.from_numpy(raw).view(4, -1), ggml, 2 * ggml.block, None))
 
 
-@pytest.mark.parametrize("kind", sorted(LANE_TYPES))
-def test_a_k_quants_compiled_tile_product_is_its_dequantized_weights(kind):
-    """The k-quants' own product over row tiles (ggml/k_lanes.py), compiled as a decode step compiles it:
+@pytest.mark.parametrize("kind", sorted(TILE_PRODUCTS))
+def test_a_types_own_tile_product_compiled_is_its_dequantized_weights(kind):
+    """The products of their own over row tiles (ggml/linear.py TILE_PRODUCTS: the k-quants' in
+    ggml/k_lanes.py, the two-codes-a-byte types' in ggml/pair_lanes.py), compiled as a decode step compiles it:
     40 rows (two whole tiles and a tail of 8) of 4 random blocks each, scales finite: the fused weight is the
     dequantized one to the bit, and the compiled one-row product is its product."""
     ggml, rnd = GGML_TYPES[kind], random.Random(kind)
