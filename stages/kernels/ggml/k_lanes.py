@@ -107,7 +107,8 @@ def q2_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 # Q5_K, Q3_K and Q6_K formed so (their fifth or high bits or-ed in) are as fast alone (a 2816 x 1024 matrix:
 # 0.95-1.1x float32's) but not inside a layer's graph (bench/shipped.py's synth-k span, compiled: Q5_K 0.27-0.42x,
-# Q3_K 0.50x, Q6_K 0.37x float32's, where Q4_K was 1.38x and Q2_K 1.36x): they keep scaled.py's product
+# Q3_K 0.50x, Q6_K 0.37x float32's, where Q4_K was 1.38x and Q2_K 1.36x): Q3_K and Q6_K keep scaled.py's
+# product, Q5_K has `q5_k_rows` (its fifth bits a product apart, never or-ed in)
 LANE_TYPES = {"Q4_K": LaneType(144, SUB_BLOCKS, SUB, 1, q4_k), "Q2_K": LaneType(84, (2, 4, 2), 16, 1, q2_k)}
 
 
@@ -125,3 +126,26 @@ def lane_tile_rows(name: str, x: torch.Tensor, tiles: torch.Tensor) -> torch.Ten
                        dim=3 + a)  # [R, T, nb, *groups, width]
     sums = x.view(r, 1, nb, *kind.groups, kind.sub).sum(-1)[..., None]  # [R, 1, nb, *groups, 1]
     return (dots * scale - sums * low).sum(tuple(range(2, 3 + g))).reshape(r, -1)
+
+
+def q5_k_rows(x: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    """x [R, K] float32 @ W^T for W's row tiles uint8 [T, K / 256 * 176, width] of Q5_K blocks -> [R, T width].
+
+    A Q5_K code is a nibble and a fifth bit from another byte (ggml/kquants.py `q5_k`), so x . w =
+    sum_g scale_g (x_g . low_g + 16 x_g . high_g) - min_g sum(x_g): the nibbles and the fifth bits are
+    two products, each over its own bytes read once (a nibble byte holds two codes' low bits, a high
+    byte eight codes' fifth bits: as many sums in one loop), never or-ed together weight by weight (the
+    form that was slow inside a layer's graph, LANE_TYPES). Weight 64 c + 32 h + l has nibble h of byte
+    48 + 32 c + l, bit 2 c + h of byte 16 + l, and sub-block 2 c + h's scale and min."""
+    t, row, width = tiles.shape
+    nb, r = row // 176, x.shape[0]
+    blocks = tiles.view(t, nb, 176, width)
+    low = lane_bytes(blocks, 48, 176).view(t, nb, 4, SUB, width)  # [T, nb, c, l, width]
+    high = lane_bytes(blocks, 16, 48)  # [T, nb, l, width]
+    xs = x.view(r, 1, nb, *SUB_BLOCKS, SUB, 1)  # [R, 1, nb, c, h, l, 1]
+    lows = torch.stack([(xs[:, :, :, :, h] * ((low >> (4 * h)) & 0xF).float()).sum(-2) for h in range(2)], dim=4)
+    highs = torch.stack([(xs[:, :, :, j // 2, j % 2] * ((high >> j) & 1).float()).sum(-2) for j in range(8)], dim=3)
+    scale, least = k_scales(blocks)  # [T, nb, c, h, width]
+    sums = x.view(r, 1, nb, *SUB_BLOCKS, SUB).sum(-1)[..., None]
+    dots = lows + 16 * highs.view(r, t, nb, *SUB_BLOCKS, width)  # [R, T, nb, c, h, width]
+    return (dots * scale - sums * least).sum((2, 3, 4)).reshape(r, -1)

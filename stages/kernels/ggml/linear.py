@@ -39,7 +39,7 @@ import torch
 from tessera.stages.families.shipped import GgmlType
 from tessera.stages.kernels.chunked import SCRATCH, chunked_matmul
 from tessera.stages.kernels.ggml.blocks import SCALED_TYPES, ggml_rows
-from tessera.stages.kernels.ggml.k_lanes import LANE_TYPES, lane_tile_rows
+from tessera.stages.kernels.ggml.k_lanes import LANE_TYPES, lane_tile_rows, q5_k_rows
 from tessera.stages.kernels.ggml.pair_lanes import PAIR_TYPES, pair_tile_rows
 from tessera.stages.kernels.ggml.scaled import scaled_rows, scaled_tile_rows, scaled_weight
 from tessera.stages.kernels.linear import ShippedLinear
@@ -241,13 +241,15 @@ def split_weight(raw: torch.Tensor, kind: GgmlType) -> torch.Tensor:
 # (ggml/k_lanes.py: through scaled.py's it loses); the two-codes-a-byte types through theirs
 # (ggml/pair_lanes.py; on a quiet machine, against the general tile product: MXFP4 0.40 -> 0.68, NVFP4
 # 0.40 -> 0.70, IQ4_NL 0.54 -> 0.60, IQ4_XS 0.47 -> 0.55; Q4_1 0.63x per weight as stored -> 1.6);
-# Q5_K kept as stored (its lanes-last product is slower inside a layer's graph: ggml/k_lanes.py
-# LANE_TYPES; Q6_K's low nibbles and high bits as two products, never or-ed weight by weight, measured
-# 0.59 -> 1.0x alone but 0.75x in a synth-k span against 0.77x: not kept); the IQ grid types gain nothing)
-TILED = frozenset(("Q4_K", "Q8_0", "Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q6_K", "IQ4_XS", "IQ4_NL", "MXFP4", "NVFP4"))
+# Q5_K through its nibbles and fifth bits as two products (ggml/k_lanes.py `q5_k_rows`; a synth-k span
+# compiled 0.54 -> 0.78x float32's, eagerly 0.19 -> 0.17x: the eager rows are copied out of the tiles);
+# Q6_K's low nibbles and high bits so, measured 0.59 -> 1.0x alone but 0.75x in a synth-k span against
+# 0.77x through scaled.py's product: not kept; the IQ grid types gain nothing)
+TILED = frozenset(("Q4_K", "Q8_0", "Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL", "MXFP4", "NVFP4"))
 # the tiled types with a product of their own, (x, tiles) -> y (the others: ggml/scaled.py's general one)
 TILE_PRODUCTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     **{name: partial(lane_tile_rows, name) for name in LANE_TYPES},  # Q4_K, Q2_K: ggml/k_lanes.py
+    "Q5_K": q5_k_rows,  # its nibbles and fifth bits apart: ggml/k_lanes.py
     **{name: partial(pair_tile_rows, name) for name in PAIR_TYPES},  # two codes a byte: ggml/pair_lanes.py
 }
 
