@@ -12,7 +12,7 @@ Such a block is `header` bytes (its scales) and then `groups` runs of `half` cod
     MXFP4    17 B / 32  an e8m0 exponent                     1 x 16          2^(e - 128) FP4x2[q]
     NVFP4    36 B / 64  4 unsigned e4m3 scales               4 x 8           ue4m3 / 2 FP4x2[q]
 
-(ggml/kquants.py, iq.py and fp4.py give each type's reference.) `pair_tile_rows` reads each code byte
+(ggml/blocks.py, iq.py and fp4.py give each type's reference.) `pair_tile_rows` reads each code byte
 once, as int32 from its int8 view, and makes both its values from it (`values`: for e2m1 a bit cast,
 ggml/fp4.py; for IQ4 its quartic, ggml/iq.py): the low value times the group's input i and the high
 one times input half + i, summed over the group along the tile's lanes (16 rows a vector, every load
@@ -33,7 +33,7 @@ import torch
 
 from tessera.stages.kernels.ggml.fp4 import e8m0_half, fp4_byte_values, ue4m3_half
 from tessera.stages.kernels.ggml.iq import iq4_values
-from tessera.stages.kernels.ggml.scaled import float16_value
+from tessera.stages.kernels.ggml.k_lanes import lane_bytes, lane_half
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 
@@ -41,8 +41,8 @@ Pair = tuple[torch.Tensor, torch.Tensor]
 @dataclass(frozen=True)
 class PairType:
     """values(code bytes, int32 sign-extended from int8) -> (low, high) float32;
-    scales(header bytes int32 [T, nb, header, width], 0..255) -> scale [T, nb, groups, width], offset
-    like it or None (w = scale * value - offset)."""
+    scales(blocks uint8 [T, nb, nbytes, width]) -> scale [T, nb, groups, width] from the header bytes,
+    offset like it or None (w = scale * value - offset)."""
 
     header: int
     groups: int
@@ -55,33 +55,34 @@ class PairType:
         return self.header + self.groups * self.half
 
 
-def _f16(header: torch.Tensor, at: int) -> torch.Tensor:
-    """The float16 at header bytes [at, at + 2) -> float32 [T, nb, 1, width]."""
-    return float16_value(header[:, :, at : at + 1] | (header[:, :, at + 1 : at + 2] << 8))
-
-
 def _nibble_values(value: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], Pair]:
     """A 4-bit code's value function -> a byte's (low, high) values."""
     return lambda b: (value(b & 0xF), value((b >> 4) & 0xF))
 
 
-def _iq4_xs_scales(header: torch.Tensor) -> tuple[torch.Tensor, None]:
+def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The float16 at bytes [at, at + 2) of each block -> float32 [T, nb, 1, width] (a group's scale)."""
+    return lane_half(blocks, at)[:, :, None]
+
+
+def _iq4_xs_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, None]:
     """d (sc - 32) per 32 weights: scale 2 i + a is byte 4 + i's nibble a with bits 2 (2 i + a) of the
     uint16 at bytes 2, 3 above it."""
-    t, nb, _, width = header.shape
-    low = torch.stack((header[:, :, 4:8] & 0xF, header[:, :, 4:8] >> 4), dim=3).reshape(t, nb, 8, width)
-    words = header[:, :, 2:3] | (header[:, :, 3:4] << 8)  # [T, nb, 1, width]
-    high = (words >> (2 * torch.arange(8, dtype=torch.int32, device=header.device))[:, None]) & 3
-    return _f16(header, 0) * ((low | (high << 4)) - 32).float(), None
+    t, nb, _, width = blocks.shape
+    nibbles = lane_bytes(blocks, 4, 8)
+    low = torch.stack((nibbles & 0xF, nibbles >> 4), dim=3).reshape(t, nb, 8, width)
+    words = lane_bytes(blocks, 2, 3) | (lane_bytes(blocks, 3, 4) << 8)  # [T, nb, 1, width]
+    high = (words >> (2 * torch.arange(8, dtype=torch.int32, device=blocks.device))[:, None]) & 3
+    return _f16(blocks, 0) * ((low | (high << 4)) - 32).float(), None
 
 
 PAIR_TYPES = {
-    "Q4_0": PairType(2, 1, 16, _nibble_values(lambda q: (q - 8).float()), lambda h: (_f16(h, 0), None)),
-    "Q4_1": PairType(4, 1, 16, _nibble_values(lambda q: q.float()), lambda h: (_f16(h, 0), -_f16(h, 2))),
-    "IQ4_NL": PairType(2, 1, 16, _nibble_values(iq4_values), lambda h: (_f16(h, 0), None)),
+    "Q4_0": PairType(2, 1, 16, _nibble_values(lambda q: (q - 8).float()), lambda b: (_f16(b, 0), None)),
+    "Q4_1": PairType(4, 1, 16, _nibble_values(lambda q: q.float()), lambda b: (_f16(b, 0), -_f16(b, 2))),
+    "IQ4_NL": PairType(2, 1, 16, _nibble_values(iq4_values), lambda b: (_f16(b, 0), None)),
     "IQ4_XS": PairType(8, 8, 16, _nibble_values(iq4_values), _iq4_xs_scales),
-    "MXFP4": PairType(1, 1, 16, fp4_byte_values, lambda h: (e8m0_half(h), None)),
-    "NVFP4": PairType(4, 4, 8, fp4_byte_values, lambda h: (ue4m3_half(h), None)),
+    "MXFP4": PairType(1, 1, 16, fp4_byte_values, lambda b: (e8m0_half(lane_bytes(b, 0, 1)), None)),
+    "NVFP4": PairType(4, 4, 8, fp4_byte_values, lambda b: (ue4m3_half(lane_bytes(b, 0, 4)), None)),
 }
 
 
@@ -91,11 +92,12 @@ def pair_tile_rows(name: str, x: torch.Tensor, tiles: torch.Tensor) -> torch.Ten
     kind = PAIR_TYPES[name]
     t, row, width = tiles.shape
     r, groups, half = x.shape[0], kind.groups, kind.half
-    blocks = tiles.view(torch.int8).view(t, row // kind.nbytes, kind.nbytes, width)  # int8: sign-extended
-    low, high = kind.values(blocks[:, :, kind.header :, :].to(torch.int32).view(t, -1, groups, half, width))
+    blocks = tiles.view(t, row // kind.nbytes, kind.nbytes, width)
+    codes = blocks.view(torch.int8)[:, :, kind.header :, :].to(torch.int32)  # sign-extended (`values`)
+    low, high = kind.values(codes.view(t, -1, groups, half, width))
     xs = x.view(r, 1, -1, groups, 2, half, 1)  # [R, 1, nb, groups, low/high, half, 1]
     dots = (xs[..., 0, :, :] * low + xs[..., 1, :, :] * high).sum(-2)  # [R, T, nb, groups, width]
-    scale, offset = kind.scales(blocks[:, :, : kind.header, :].to(torch.int32) & 0xFF)  # [T, nb, groups, width]
+    scale, offset = kind.scales(blocks)  # [T, nb, groups, width]
     y = dots * scale
     if offset is not None:
         y = y - x.view(r, 1, -1, groups, 2 * half).sum(-1)[..., None] * offset
