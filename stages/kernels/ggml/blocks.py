@@ -130,8 +130,9 @@ def q4_1_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return nibbles(byte(blocks, 4, 20)).float(), half(blocks, 0)[..., None, None], -half(blocks, 2)[..., None, None]
 
 
-# Every type with a scaled-codes form (ggml/scaled.py): the low-bit types' only form, and the fused
-# compiled form of Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K (their eager product stays ggml/linear.py's
+# Every type with a scaled-codes form (ggml/scaled.py): the low-bit types' only form; for Q8_0, Q4_0,
+# Q4_1, Q4_K, Q5_K and Q6_K the compiled weight (`fused_weight`) and, where ggml/linear.py's
+# TILE_PRODUCTS has none of their own, the compiled product (their eager product stays ggml/linear.py's
 # split order; their reference, the functions above)
 OWN_REFERENCE = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 SCALED_TYPES: dict[str, ScaledType] = {

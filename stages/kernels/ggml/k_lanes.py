@@ -25,7 +25,8 @@ last, so each loop inductor writes runs along the lanes with contiguous loads (`
 
 Measured, a 2816 x 1024 matrix against the general product, one thread, a loaded machine (so
 provisional): Q2_K the same (0.97 and 1.02x float32's); a synth-k span compiled (bench/shipped.py):
-Q4_K 1.38x float32's, Q2_K 1.36x (`LANE_TYPES` says why only these two).
+Q4_K 1.38x float32's, Q2_K 1.36x (`LANE_TYPES` says why only these two take this form; Q5_K has a
+product of its own, `q5_k_rows`).
 The weights are the reference's (`scale * q - low`, ggml/kquants.py); only the order of the float32
 sum differs (the tests hold the product to the dequantized weight's).
 """

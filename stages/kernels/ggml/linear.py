@@ -22,10 +22,11 @@ only the matmul's order of summation differs.
     Q8_0  32 int8 (after d)       the weights' own order (no permutation)          32
 
 Under torch.compile, the types `TILED` names are held as row tiles (kernels/row_tiles.py) and
-multiplied along the tiles' lanes: Q4_K and Q2_K by their own product (ggml/k_lanes.py), the
-types of two 4-bit codes a byte (Q4_0, Q4_1, IQ4_NL, IQ4_XS, MXFP4, NVFP4) by theirs
-(ggml/pair_lanes.py), the others in their scaled-codes form (ggml/scaled.py): each group's codes
-times the inputs summed, then times its scale.
+multiplied along the tiles' lanes (`TILE_PRODUCTS`): Q4_K, Q2_K and Q5_K by their own products
+(ggml/k_lanes.py), the types of two 4-bit codes a byte (Q4_0, Q4_1, IQ4_NL, IQ4_XS, MXFP4, NVFP4)
+by theirs (ggml/pair_lanes.py), the others in their scaled-codes form (ggml/scaled.py): each
+group's codes times the inputs summed, then times its scale. Eagerly, the tiled types with a
+split order (above) copy their rows out of the tiles a chunk at a time.
 """
 
 from __future__ import annotations
@@ -238,9 +239,10 @@ def split_weight(raw: torch.Tensor, kind: GgmlType) -> torch.Tensor:
 # (measured, a 2816 x 1024 matrix against its rows as stored, one thread: Q2_K 0.52 -> 0.92x float32's,
 # Q3_K 0.48 -> 0.90, Q6_K 0.54 -> 0.93, IQ4_XS 0.51 -> 0.72, IQ4_NL 0.63 -> 0.87, MXFP4 0.66 -> 0.83,
 # NVFP4 0.28 -> 0.79, Q8_0 0.19 (per weight) -> 1.5; Q4_K 0.78 -> 1.1 through its own product, lanes last
-# (ggml/k_lanes.py: through scaled.py's it loses); the two-codes-a-byte types through theirs
-# (ggml/pair_lanes.py; on a quiet machine, against the general tile product: MXFP4 0.40 -> 0.68, NVFP4
-# 0.40 -> 0.70, IQ4_NL 0.54 -> 0.60, IQ4_XS 0.47 -> 0.55; Q4_1 0.63x per weight as stored -> 1.6);
+# (ggml/k_lanes.py: through scaled.py's it loses); the figures so far a loaded box's. The two-codes-a-byte
+# types through theirs (ggml/pair_lanes.py; a quiet box, the kernel alone, the general tile product ->
+# theirs: MXFP4 0.40 -> 0.68, NVFP4 0.40 -> 0.70, IQ4_NL 0.54 -> 0.60, IQ4_XS 0.47 -> 0.55; Q4_1 0.63
+# (per weight, its rows as stored) -> 1.4-1.8);
 # Q5_K through its nibbles and fifth bits as two products (ggml/k_lanes.py `q5_k_rows`; a synth-k span
 # compiled 0.54 -> 0.78x float32's, eagerly 0.19 -> 0.17x: the eager rows are copied out of the tiles);
 # Q6_K's low nibbles and high bits so, measured 0.59 -> 1.0x alone but 0.75x in a synth-k span against
@@ -301,12 +303,8 @@ class GgmlLinear(ShippedLinear):
         return f"GGUF {self.kind.name}"
 
     def fused_inputs(self) -> tuple[torch.Tensor, ...] | None:
-        if self.tiled:  # the tiles, and the type's tables (grids): graph inputs
-            tail = () if self.weight_tail is None else (self.weight_tail,)
-            return self.weight, *tail, *SCALED_TYPES[self.kind.name].tables()
-        if self.kind.name in SCALED_TYPES:  # the bytes, and the type's tables
-            return self.weight, *SCALED_TYPES[self.kind.name].tables()
-        return None
+        tail = () if self.weight_tail is None else (self.weight_tail,)  # tiled: the tiles, else the bytes as stored
+        return self.weight, *tail, *SCALED_TYPES[self.kind.name].tables()  # and the type's tables (grids): graph inputs
 
     def _tiles(self, stored: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]:
         """A tiled type's `fused_inputs` -> (its tiles holding rows, its tables)."""
