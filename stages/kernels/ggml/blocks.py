@@ -130,19 +130,20 @@ def q4_1_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return nibbles(byte(blocks, 4, 20)).float(), half(blocks, 0)[..., None, None], -half(blocks, 2)[..., None, None]
 
 
-# Every type with a scaled-codes form (ggml/scaled.py): the low-bit types' only form; for Q8_0, Q4_0,
-# Q4_1, Q4_K, Q5_K and Q6_K the compiled weight (`fused_weight`) and, where ggml/linear.py's
+# Every type with a scaled-codes form (ggml/scaled.py): the low-bit types' only form; for the types with a
+# reference of their own above, the compiled weight (`fused_weight`) and, where ggml/linear.py's
 # TILE_PRODUCTS has none of their own, the compiled product (their eager product stays ggml/linear.py's
-# split order; their reference, the functions above)
-OWN_REFERENCE = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+# split order)
 SCALED_TYPES: dict[str, ScaledType] = {
     **K_QUANTS, **IQ_TYPES, **FP4_TYPES, "Q8_0": ScaledType("Q8_0", (32,), q8_0_parts),
     "Q4_0": ScaledType("Q4_0", (2, 16), q4_0_parts, group_dims=2), "Q4_1": ScaledType("Q4_1", (2, 16), q4_1_parts, group_dims=2),
 }
 
-DEQUANTIZE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+OWN_REFERENCE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Q8_0": q8_0, "Q4_0": q4_0, "Q4_1": q4_1, "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k,
-    **{name: partial(scaled_weight, kind) for name, kind in SCALED_TYPES.items() if name not in OWN_REFERENCE},
+}
+DEQUANTIZE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    **{name: partial(scaled_weight, kind) for name, kind in SCALED_TYPES.items()}, **OWN_REFERENCE,
 }
 assert set(DEQUANTIZE) == {n for n, t in GGML_TYPES.items() if not t.is_float}, "every block type has its dequantizer"
 
