@@ -117,9 +117,13 @@ FIRST_WAIT_HALF_LIFE = 10.0
 STEP_GRACE = ROUTE_WAIT
 # Seconds an open waits here for room before it is refused busy, when an idle session will become
 # reclaimable meanwhile: longer than IDLE_GRACE, so that a newcomer at the head of the queue is
-# admitted in the same open when the slots are held idle; shorter than the requester's whole open
-# timeout (peer/request/chain.py OPEN_TIMEOUT, 10 s).
-ADMIT_WAIT = 6.0
+# admitted in the same open when the slots are held idle; within the server's bound on an open
+# (peer/serve/limits.py ACCEPT_TIMEOUT, itself within the requester's). A refusal here sends its
+# requester to route again, and the hops it had opened are closed unused; a longer wait turns more
+# of them into an admission (bench/load.py, 50 requesters at load 0.8, seed 1: 6 s gave p90 41.5 s
+# and 8.26 sessions an answer, 10 s 43.0 s and 7.50, 12 s 44.1 s and 7.36; at load 0.5, 6 s 23.4 s
+# and 5.05, 10 s 22.7 s and 4.53; 2 requesters, who rarely meet a full peer, alike either way).
+ADMIT_WAIT = 10.0
 # Seconds it waits when every session is in use (a step in flight, or one within IDLE_HINT): enough
 # for a close already on its way (a requester's answer just ended, its next one is asking), short
 # enough that a requester that could go to another peer loses little by asking here first.

@@ -52,7 +52,7 @@ from tessera.protocol.error_codes import (
     TOO_LONG,
 )
 from tessera.peer.serve.admission import Admission, Limits, Refused
-from tessera.peer.serve.limits import LINK_WAIT, OPEN_TIMEOUT, REAPER_INTERVAL, ServerLimits, ServerStats
+from tessera.peer.serve.limits import ACCEPT_TIMEOUT, LINK_WAIT, OPEN_TIMEOUT, REAPER_INTERVAL, ServerLimits, ServerStats
 from tessera.peer.serve.batcher import BatchBudget, BatchInterrupted
 from tessera.peer.serve.compute import StepCompute
 from tessera.peer.base.protocols import LINK_PROTOCOL, SESSION_PROTOCOL
@@ -338,7 +338,7 @@ class StageServer:
         session = None
         retry_after = None
         try:
-            with trio.fail_after(OPEN_TIMEOUT):
+            with trio.fail_after(ACCEPT_TIMEOUT):
                 try:
                     msg = await channel.receive()
                 except NoRoom as full:  # its frame did not fit the budget of unadmitted streams

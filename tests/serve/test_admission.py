@@ -21,13 +21,13 @@ from tessera.peer.net.gossip import ViewKeeper
 from tessera.peer.net.memory import MemoryNetwork, open_memory_transport
 from tessera.peer.net.memory_stream import LinkSpec
 from tessera.peer.plan.routing import Hop, Route
-from tessera.peer.request.chain import RouteSession
+from tessera.peer.request.chain import OPEN_TIMEOUT as REQUESTER_OPEN_TIMEOUT, RouteSession
 from tessera.peer.request.chain_state import RequesterContext
 from tessera.peer.serve.admission import (
     ADMIT_WAIT, FIRST_WAIT_HALF_LIFE, GRACE_CAP, GRACES_IN_HAND, IDLE_GRACE, RETRY_MIN, SHORT_WAIT, STEP_GRACE, Admission, Limits, Refused,
     _Waiter,
 )
-from tessera.peer.serve.limits import ServerLimits
+from tessera.peer.serve.limits import ACCEPT_TIMEOUT, ServerLimits
 from tessera.peer.serve.server import StageServer
 from tessera.protocol.error_codes import BUSY, RECLAIMED
 from tessera.protocol.keys import Identity
@@ -518,6 +518,28 @@ async def test_a_requester_at_its_session_limit_is_refused_at_once(autojump_cloc
     with pytest.raises(Refused) as refused:
         await admission.wait_for_room("a", 1, work=True)
     assert refused.value.code == BUSY and trio.current_time() == asked and len(host.sessions) == 1
+
+
+async def test_an_open_waits_for_a_slot_that_idles_free_well_after_the_grace_of_a_newcomer(autojump_clock) -> None:
+    """Every slot held, one by a session unstepped whose grace ends 8 s from now: an open that comes
+    now waits for it (ADMIT_WAIT) and is admitted in the same open, reclaiming it, instead of being
+    refused busy after a shorter wait (then its requester routes again and closes the hops it had
+    opened for the route: bench/load.py's sessions an answer)."""
+    host = Host()
+    admission = Admission(host, Limits(max_sessions=2, max_sessions_per_requester=2, kv_budget=100))
+    admission.opened(host.add(Held("stepping", inflight=1)))  # never reclaimable
+    asked = trio.current_time()
+    idle = host.add(Held("slow", stepped=False, last_active=asked, grace_until=asked + 8.0))
+    admission.opened(idle)
+    await admission.wait_for_room("newcomer", 1, work=True)
+    assert host.reclaimed == [idle] and trio.current_time() - asked == pytest.approx(8.0, abs=0.5)
+
+
+def test_a_full_peer_answers_an_open_before_its_requester_gives_up_on_it() -> None:
+    """The bounds nest: the wait for room (ADMIT_WAIT) fits the server's bound on an open with time
+    left to dial the next hop, and that fits the requester's bound on the open, so a peer out of
+    room is heard as busy, never timed out (a strike: peer/base/backoff.py)."""
+    assert IDLE_GRACE < ADMIT_WAIT and ADMIT_WAIT + 4.0 <= ACCEPT_TIMEOUT < REQUESTER_OPEN_TIMEOUT
 
 
 async def test_a_freed_slot_goes_to_the_waiter_holding_fewer_sessions_before_the_one_admitted_earlier(
