@@ -520,7 +520,7 @@ async def test_a_requester_at_its_session_limit_is_refused_at_once(autojump_cloc
     assert refused.value.code == BUSY and trio.current_time() == asked and len(host.sessions) == 1
 
 
-async def test_an_open_waits_for_a_slot_that_idles_free_well_after_the_grace_of_a_newcomer(autojump_clock) -> None:
+async def test_an_open_waits_for_a_slot_that_idles_free_8_s_later_and_is_admitted(autojump_clock) -> None:
     """Every slot held, one by a session unstepped whose grace ends 8 s from now: an open that comes
     now waits for it (ADMIT_WAIT) and is admitted in the same open, reclaiming it, instead of being
     refused busy after a shorter wait (then its requester routes again and closes the hops it had
