@@ -53,10 +53,8 @@ from tessera.peer.request.ports import Gap, Replacement, Segment
 from tessera.peer.base.protocols import SESSION_PROTOCOL
 from tessera.peer.net.transport import Channel
 
-# Opening a session: dial (if needed), SessionOpen, the peer's wait for room (a full peer waits up to
-# 10 s for a slot before it says busy) and its dial of its next hop, SessionAccept: longer than the
-# peer's own bound on all of it (peer/serve/limits.py ACCEPT_TIMEOUT, 14 s), so that a busy peer is
-# heard as busy, not timed out.
+# Opening a session: dial, SessionOpen, the peer's wait for room and dial of its next hop, SessionAccept;
+# longer than the peer's bound on it (peer/serve/limits.py ACCEPT_TIMEOUT): a busy peer is not timed out.
 OPEN_TIMEOUT = 15.0
 # A step's deadline: this many times the advertised estimate, plus a floor for
 # scheduling noise and a cold CPU cache. Generous on purpose: a false alarm costs a

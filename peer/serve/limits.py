@@ -19,10 +19,12 @@ from tessera.peer.serve.batcher import MAX_BATCH_ROWS, MAX_BATCH_WAIT
 # hop before accepting. Both are a few RTTs; 10 s covers a relayed intercontinental link.
 OPEN_TIMEOUT = 10.0
 # An open's whole stay before it is answered: its frame, the wait for room (at most ADMIT_WAIT)
-# and the dial of its next hop (what is left: at least 4 s after a full wait). Shorter than the
-# requester's bound on an open (peer/request/chain.py OPEN_TIMEOUT, 15 s), so that a peer out of
-# room says so before its requester gives it up as failed.
-ACCEPT_TIMEOUT = ADMIT_WAIT + 4.0
+# and the dial of its next hop (what is left: at least NEXT_HOP_DIAL after a full wait, as a 10 s
+# bound on the whole open left after the 6 s wait there was). Shorter than the requester's bound on
+# an open (peer/request/chain.py OPEN_TIMEOUT, 15 s), so that a peer out of room says so before
+# its requester gives it up as failed.
+NEXT_HOP_DIAL = 4.0
+ACCEPT_TIMEOUT = ADMIT_WAIT + NEXT_HOP_DIAL
 # A link stream may arrive before the requester's SessionOpen reaches us (they race
 # over different connections); wait this long for the session to be registered.
 LINK_WAIT = 10.0
