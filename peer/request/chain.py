@@ -1,12 +1,11 @@
 """One generation's chain of peers, as the requester drives it.
 
-Opening: the requester picks a fresh X25519 key for the session and a fresh
-32-byte key per link — requester -> first peer, peer i -> peer i+1, last peer ->
-requester, and a tap link peer -> requester for every peer but the last — and
-seals each to the peers at its ends (`tessera.protocol.links.seal_link_key`). The
-peers of a new route are opened one by one, each told the queue the route was priced
-with (it refuses a longer one before holding anything); the replacements of a repair
-all at once. A link stream that reaches a peer before its own SessionOpen waits for it.
+Opening: the requester picks a fresh X25519 key for the session and a fresh 32-byte key per link — requester ->
+first peer, peer i -> peer i+1, last peer -> requester, and a tap link peer -> requester for every peer but the
+last — and seals each to the peers at its ends (`tessera.protocol.links.seal_link_key`). The peers of a new route
+are opened one by one, each told the queue the route was priced with (it refuses a longer one before holding
+anything); the replacements of a repair all at once. A link stream that reaches a peer before its own
+SessionOpen waits for it.
 
 A step: the requester sends hidden states to the first peer; each peer pushes
 its output straight to the next; the last returns to the requester. Taps carry
@@ -53,8 +52,8 @@ from tessera.peer.request.ports import Gap, Replacement, Segment
 from tessera.peer.base.protocols import SESSION_PROTOCOL
 from tessera.peer.net.transport import Channel
 
-# Opening a session: dial, SessionOpen, the peer's wait for room and dial of its next hop, SessionAccept;
-# longer than the peer's bound on it (peer/serve/limits.py ACCEPT_TIMEOUT): a busy peer is not timed out.
+# The dial to a peer, and apart its answer to SessionOpen (its wait for room and dial of its next hop):
+# longer than the peer's bound on that (peer/serve/limits.py ACCEPT_TIMEOUT), so busy is not timed out.
 OPEN_TIMEOUT = 15.0
 # A step's deadline: this many times the advertised estimate, plus a floor for
 # scheduling noise and a cold CPU cache. Generous on purpose: a false alarm costs a
@@ -252,8 +251,9 @@ class RouteSession:
         return opened, into[0], out_last
 
     async def _open_hop(self, hop: Hop, msg: SessionOpen, **links: LinkCipher | None) -> HopState:
-        with trio.fail_after(OPEN_TIMEOUT):
+        with trio.fail_after(OPEN_TIMEOUT):  # the dial, where not connected yet
             stream = await self.ctx.transport.open_stream(hop.peer_id, SESSION_PROTOCOL, addrs=self.ctx.keeper.addrs(hop.peer_id))
+        with trio.fail_after(OPEN_TIMEOUT):  # the answer, from the stream's open: no slow dial takes the peer's time
             channel = Channel(stream)
             await channel.send(msg)
             reply = await receive_answer(channel, hop.peer_id)
